@@ -1,0 +1,5 @@
+import sys
+
+from shardwise.cli import main
+
+sys.exit(main())

@@ -1,0 +1,144 @@
+"""The backend registry: ``init_backend(name)`` gives every path one device, mesh and
+collective interface, whatever the accelerator.
+
+Built-in names are ``gloo``, ``nccl``, ``xla`` and ``neuron``; third parties add theirs
+with ``register_backend`` or through the ``shardwise.backends`` entry-point group
+(each entry point loads to a factory: a callable taking ``timeout=`` and returning a
+``Backend``). Factories are looked up lazily, so hardware packages are only imported
+when their backend is used.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from shardwise.backends.base import MESH_AXES, Backend, torchrun_env
+from shardwise.errors import BackendError, UnknownBackendError
+
+ENTRY_POINT_GROUP = "shardwise.backends"
+# "auto" asks these, in order, whether they are available; gloo always is.
+AUTO_ORDER = ("neuron", "xla", "nccl", "gloo")
+
+Factory = Callable[..., Backend]
+_registry: dict[str, Factory] = {}
+_entry_points_loaded = False
+_active: Backend | None = None
+_lock = threading.Lock()
+
+
+def register_backend(name: str, factory: Factory) -> None:
+    """Register ``factory`` (a Backend subclass or callable taking ``timeout=``) as ``name``.
+
+    >>> register_backend("mygloo", GlooBackend)   # doctest: +SKIP
+    """
+    if not isinstance(name, str) or not name or name == "auto":
+        raise ValueError(f"backend name must be a non-empty string other than 'auto', got {name!r}")
+    if name in _registry:
+        raise ValueError(f"backend {name!r} is already registered (known: {', '.join(sorted(_registry))})")
+    _registry[name] = factory
+
+
+def _load_entry_points() -> None:
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name in _registry:
+            continue
+        try:
+            register_backend(ep.name, ep.load())
+        except Exception as e:  # a broken plugin must not break the built-in backends
+            import warnings
+
+            warnings.warn(f"shardwise: could not load backend entry point {ep.name!r}: {e}", stacklevel=2)
+
+
+def available_backends() -> list[str]:
+    """Every registered backend name (built-in and entry points)."""
+    _load_entry_points()
+    return sorted(_registry)
+
+
+def get_backend_class(name: str) -> Factory:
+    _load_entry_points()
+    try:
+        return _registry[name]
+    except KeyError:
+        raise UnknownBackendError(
+            f"unknown backend {name!r}; known backends: {', '.join(sorted(_registry))} (or 'auto')"
+        ) from None
+
+
+def resolve_auto() -> str:
+    """The backend "auto" picks here: neuron, then xla, then nccl, else gloo."""
+    for name in AUTO_ORDER:
+        factory = get_backend_class(name)
+        is_available = getattr(factory, "is_available", None)
+        if is_available is None or is_available():
+            return name
+    return "gloo"
+
+
+def init_backend(name: str = "auto", *, timeout=None) -> Backend:
+    """Start the backend ``name`` in this process (idempotent) and return it.
+
+    Reads the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+    MASTER_PORT); without it, the world is this one process. A second call returns
+    the same backend; a call naming a different backend raises.
+
+    >>> import shardwise as sw
+    >>> backend = sw.init_backend("gloo")   # doctest: +SKIP
+    >>> backend.world_size                  # doctest: +SKIP
+    1
+    """
+    global _active
+    with _lock:
+        wanted = resolve_auto() if name == "auto" else name
+        if _active is not None:
+            if name != "auto" and _active.name != wanted:
+                raise BackendError(
+                    f"backend {_active.name!r} is already initialised in this process; "
+                    f"cannot switch to {name!r} (call shutdown_backend() first)"
+                )
+            return _active
+        backend = get_backend_class(wanted)(timeout=timeout)
+        backend.start()
+        _active = backend
+        return backend
+
+
+def current_backend() -> Backend | None:
+    """The backend ``init_backend`` started in this process, or None."""
+    return _active
+
+
+def shutdown_backend() -> None:
+    """Shut the active backend down, so that ``init_backend`` can start another."""
+    global _active
+    with _lock:
+        if _active is not None:
+            _active.shutdown()
+        _active = None
+
+
+def _register_builtins() -> None:
+    from shardwise.backends.gloo import GlooBackend
+    from shardwise.backends.nccl import NcclBackend
+    from shardwise.backends.neuron import NeuronBackend
+    from shardwise.backends.xla import XlaBackend
+
+    for cls in (GlooBackend, NcclBackend, XlaBackend, NeuronBackend):
+        register_backend(cls.name, cls)
+
+
+_register_builtins()
+
+__all__ = [
+    "AUTO_ORDER", "Backend", "ENTRY_POINT_GROUP", "MESH_AXES", "available_backends",
+    "current_backend", "get_backend_class", "init_backend", "register_backend",
+    "resolve_auto", "shutdown_backend", "torchrun_env",
+]

@@ -1,0 +1,232 @@
+"""The backend protocol: one small object per process that owns the process group.
+
+Call order: ``init_backend`` constructs one backend per process and calls ``start()``
+on every rank; ``mesh()`` and the collectives are then called by every rank of the
+group they name (all of them unless a ``group`` is passed); ``shutdown()`` ends it.
+Subclasses set the class attributes and override ``_device()`` and, where their
+hardware needs it, ``start()``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+
+from shardwise.errors import BackendError, CollectiveError, MeshError
+
+# Mesh axes, outer to inner: replicas of the whole model, then FSDP shards, then TP.
+MESH_AXES = ("dp_replicate", "dp_shard", "tp")
+DEFAULT_TIMEOUT = _dt.timedelta(minutes=10)
+
+_REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "product": dist.ReduceOp.PRODUCT,
+}
+
+
+def _as_timedelta(timeout: float | _dt.timedelta | None) -> _dt.timedelta:
+    if timeout is None:
+        return DEFAULT_TIMEOUT
+    if isinstance(timeout, _dt.timedelta):
+        return timeout
+    if timeout <= 0:
+        raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
+    return _dt.timedelta(seconds=float(timeout))
+
+
+def torchrun_env() -> dict[str, int | str] | None:
+    """The torchrun environment (RANK, WORLD_SIZE, ...), or None outside a launcher.
+
+    >>> torchrun_env() is None or "rank" in torchrun_env()
+    True
+    """
+    if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
+        return None
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise BackendError(
+            f"incomplete launcher environment: {', '.join(missing)} not set; launch with "
+            "`torchrun --nproc-per-node N script.py` or unset RANK/WORLD_SIZE for one process"
+        )
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    except ValueError as e:
+        raise BackendError(f"RANK/WORLD_SIZE/LOCAL_RANK must be integers: {e}") from e
+    if not 0 <= rank < world:
+        raise BackendError(f"RANK={rank} is outside WORLD_SIZE={world}")
+    return {"rank": rank, "world_size": world, "local_rank": local_rank}
+
+
+class Backend:
+    """A process group plus the device this rank computes on.
+
+    >>> import shardwise as sw
+    >>> backend = sw.init_backend("gloo")        # doctest: +SKIP
+    >>> mesh = backend.mesh(tp=backend.world_size)  # doctest: +SKIP
+    """
+
+    name: ClassVar[str] = ""
+    dist_backend: ClassVar[str] = ""
+    device_type: ClassVar[str] = "cpu"
+    supports_dtensor: ClassVar[bool] = True   # shards held as DTensors (else local + hooks)
+    supports_gather: ClassVar[bool] = True    # a gather to one rank (else all-gather only)
+
+    def __init__(self, *, timeout: float | _dt.timedelta | None = None):
+        self.timeout = _as_timedelta(timeout)
+        self.rank = 0
+        self.world_size = 1
+        self.local_rank = 0
+        self._owns_group = False
+        self._started = False
+
+    # -- availability and start ------------------------------------------------
+    @classmethod
+    def is_available(cls) -> bool:
+        """True when this process could run the backend (package and device present)."""
+        return True
+
+    @property
+    def holding(self) -> str:
+        """How parameters are held: "dtensor" or "local" (local shards + forward hooks)."""
+        return "dtensor" if self.supports_dtensor else "local"
+
+    def _device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def _init_kwargs(self) -> dict:
+        return {}
+
+    def start(self) -> None:
+        """Join (or adopt) the default process group. Called once by ``init_backend``."""
+        if dist.is_initialized():
+            got = dist.get_backend()
+            if self.dist_backend not in str(got):
+                raise BackendError(
+                    f"a process group with backend {got!r} already exists; "
+                    f"shardwise backend {self.name!r} needs {self.dist_backend!r}: "
+                    f"call init_backend({got!r}) or destroy the existing group first"
+                )
+        else:
+            env = torchrun_env()
+            kwargs = dict(backend=self.dist_backend, timeout=self.timeout, **self._init_kwargs())
+            if env is None:
+                # A world of one needs no launcher and no port: an in-process store.
+                dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+            else:
+                dist.init_process_group(init_method="env://", rank=env["rank"],
+                                        world_size=env["world_size"], **kwargs)
+            self._owns_group = True
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        env = torchrun_env()
+        self.local_rank = env["local_rank"] if env else 0
+        self._started = True
+
+    @property
+    def device(self) -> torch.device:
+        return self._device()
+
+    # -- mesh ---------------------------------------------------------------------
+    def mesh(self, **axes: int):
+        """A DeviceMesh with named axes, outer to inner ``dp_replicate, dp_shard, tp``.
+
+        Axes left out are absent; with no axes, ``tp`` spans the world. The product of
+        the sizes must equal the world size.
+
+        >>> mesh = backend.mesh(dp_shard=2, tp=2)   # doctest: +SKIP
+        >>> mesh.mesh_dim_names
+        ('dp_shard', 'tp')
+        """
+        from torch.distributed.device_mesh import init_device_mesh
+
+        unknown = sorted(set(axes) - set(MESH_AXES))
+        if unknown:
+            raise MeshError(f"unknown mesh axis {', '.join(unknown)}; known axes: {', '.join(MESH_AXES)}")
+        if not axes:
+            axes = {"tp": self.world_size}
+        for name, size in axes.items():
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                raise MeshError(f"mesh axis {name}={size!r} must be a positive int")
+        names = tuple(a for a in MESH_AXES if a in axes)
+        shape = tuple(axes[a] for a in names)
+        product = 1
+        for s in shape:
+            product *= s
+        if product != self.world_size:
+            desc = " x ".join(f"{a}={axes[a]}" for a in names)
+            raise MeshError(
+                f"mesh {desc} has {product} devices but the world size is {self.world_size}; "
+                f"make the axis sizes multiply to {self.world_size}"
+            )
+        return init_device_mesh(self.device_type, shape, mesh_dim_names=names)
+
+    # -- collectives (every rank of the group calls each) ------------------------------
+    def _wait(self, work, what: str, timeout) -> None:
+        limit = _as_timedelta(timeout) if timeout is not None else self.timeout
+        try:
+            work.wait(limit)
+        except Exception as e:  # torch raises RuntimeError/DistBackendError subclasses
+            raise CollectiveError(
+                f"{what} on rank {self.rank} failed or did not finish within "
+                f"{limit.total_seconds():.0f} s: {e}"
+            ) from e
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", *, group=None, timeout=None):
+        """Reduce ``tensor`` in place across the group and return it."""
+        if op not in _REDUCE_OPS:
+            raise ValueError(f"unknown reduce op {op!r}; known: {', '.join(_REDUCE_OPS)}")
+        self._wait(dist.all_reduce(tensor, _REDUCE_OPS[op], group=group, async_op=True),
+                   "all_reduce", timeout)
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, *, group=None, timeout=None) -> list[torch.Tensor]:
+        """Every rank's ``tensor`` (same shape on every rank), in group-rank order."""
+        out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        self._wait(dist.all_gather(out, tensor.contiguous(), group=group, async_op=True),
+                   "all_gather", timeout)
+        return out
+
+    def gather(self, tensor: torch.Tensor, dst: int = 0, *, group=None, timeout=None):
+        """Every rank's ``tensor`` on global rank ``dst`` (a list there, None elsewhere)."""
+        if not self.supports_gather:
+            got = self.all_gather(tensor, group=group, timeout=timeout)
+            return got if self.rank == dst else None
+        out = None
+        if self.rank == dst:
+            out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        self._wait(dist.gather(tensor.contiguous(), out, dst=dst, group=group, async_op=True),
+                   "gather", timeout)
+        return out
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, *, group=None, timeout=None):
+        """Overwrite ``tensor`` on every rank with global rank ``src``'s and return it."""
+        self._wait(dist.broadcast(tensor, src=src, group=group, async_op=True), "broadcast", timeout)
+        return tensor
+
+    def barrier(self, *, group=None, timeout=None) -> None:
+        self._wait(dist.barrier(group=group, async_op=True), "barrier", timeout)
+
+    def shutdown(self) -> None:
+        """Leave the process group (only if this backend created it)."""
+        if self._owns_group and dist.is_initialized():
+            if self.world_size > 1:
+                # A rank that tears its connections down while a peer still uses them
+                # can abort that peer inside gloo; meet first (bounded, best effort).
+                try:
+                    self.barrier(timeout=min(self.timeout.total_seconds(), 30.0))
+                except Exception:  # a peer is gone already: nothing left to protect
+                    pass
+            dist.destroy_process_group()
+        self._owns_group = False
+        self._started = False
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(name={self.name!r}, rank={self.rank}, "
+                f"world_size={self.world_size}, device={self.device})")

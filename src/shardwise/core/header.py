@@ -1,0 +1,282 @@
+"""The safetensors header: dtype names, parsing and validation, layout, byte runs.
+
+Pure: no file I/O. The on-disk format is an 8-byte little-endian header length
+``N``, ``N`` bytes of JSON (``{name: {"dtype", "shape", "data_offsets": [start,
+end]}, "__metadata__": {str: str}}``, padded with spaces to a multiple of 8), then
+the data. Offsets are relative to the start of the data. A header comes from an
+untrusted file, so :func:`parse_header` checks every field before anything uses it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from shardwise.errors import CheckpointError
+
+# The reference reader refuses headers above 100 MB; so do we, before allocating.
+MAX_HEADER_SIZE = 100_000_000
+
+_DTYPE_NAMES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+    "BOOL": "bool", "C64": "complex64",
+    "U64": "uint64", "U32": "uint32", "U16": "uint16",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+}
+# Only the dtypes this torch has: a file naming another one is refused as unknown.
+_STR_TO_DTYPE: dict[str, torch.dtype] = {
+    s: getattr(torch, t) for s, t in _DTYPE_NAMES.items() if hasattr(torch, t)
+}
+_DTYPE_TO_STR = {d: s for s, d in _STR_TO_DTYPE.items()}
+
+Spec = tuple[str, str, tuple[int, ...]]
+
+
+def dtype_to_str(dtype: torch.dtype) -> str:
+    """The safetensors name of a torch dtype: ``dtype_to_str(torch.bfloat16) == "BF16"``."""
+    try:
+        return _DTYPE_TO_STR[dtype]
+    except KeyError:
+        raise CheckpointError(
+            f"dtype {dtype} has no safetensors name; supported: {sorted(map(str, _DTYPE_TO_STR))}"
+        ) from None
+
+
+def str_to_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype name: ``str_to_dtype("F32") is torch.float32``."""
+    try:
+        return _STR_TO_DTYPE[name]
+    except (KeyError, TypeError):
+        raise CheckpointError(
+            f"unknown safetensors dtype {name!r}; known: {sorted(_STR_TO_DTYPE)}"
+        ) from None
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def spec_nbytes(dtype: str, shape: Sequence[int]) -> int:
+    """Bytes of a tensor of safetensors dtype ``dtype`` and ``shape``."""
+    return math.prod(shape) * str_to_dtype(dtype).itemsize
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a file: its bytes are ``[start, end)`` relative to the data start."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return str_to_dtype(self.dtype)
+
+    @property
+    def itemsize(self) -> int:
+        return self.torch_dtype.itemsize
+
+
+@dataclass(frozen=True)
+class FileHeader:
+    """A validated header. ``data_start`` is the file offset of the data (8 + N);
+    ``source`` names the file in error messages."""
+
+    entries: dict[str, TensorEntry]
+    metadata: dict[str, str]
+    data_start: int
+    source: str = "<memory>"
+
+
+def check_header_length(n: int, file_size: int, *, source: str) -> None:
+    """Raise :class:`CheckpointError` unless ``n`` (the 8-byte prefix) is a header
+    length that fits a file of ``file_size`` bytes and stays under the size cap."""
+    if n <= 0:
+        raise CheckpointError(f"{source}: header length {n} in the first 8 bytes is not positive")
+    if n > MAX_HEADER_SIZE:
+        raise CheckpointError(
+            f"{source}: header length {n} exceeds the {MAX_HEADER_SIZE}-byte cap; "
+            "the file is corrupt or not safetensors"
+        )
+    if n > file_size - 8:
+        raise CheckpointError(
+            f"{source}: header length {n} runs past the end of the file ({file_size} bytes); "
+            "the file is truncated or not safetensors"
+        )
+
+
+class _DuplicateKeyError(ValueError):
+    pass
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    # json.loads keeps the last of repeated keys; a second entry for one tensor
+    # would silently hide the first, so a repeat is a fault.
+    result: dict[str, object] = {}
+    for key, value in pairs:
+        if key in result:
+            raise _DuplicateKeyError(key)
+        result[key] = value
+    return result
+
+
+def parse_json_object(raw: bytes, *, source: str, what: str) -> dict:
+    """Decode untrusted UTF-8 JSON (a header or an index) that must be an object
+    without repeated keys; ``what`` names it in the :class:`CheckpointError`."""
+    try:
+        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
+    except _DuplicateKeyError as e:
+        raise CheckpointError(f"{source}: {what} repeats the key {e.args[0]!r}") from None
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{source}: {what} is not valid UTF-8 ({e.reason} at byte {e.start})") from e
+    except (ValueError, RecursionError) as e:
+        raise CheckpointError(f"{source}: {what} is not valid JSON ({e})") from e
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{source}: {what} must be a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _parse_entry(name: str, info: object, *, data_size: int, source: str) -> TensorEntry:
+    where = f"{source}: tensor {name!r}"
+    if not isinstance(info, dict):
+        raise CheckpointError(f"{where}: entry must be an object, got {type(info).__name__}")
+    for key in ("dtype", "shape", "data_offsets"):
+        if key not in info:
+            raise CheckpointError(f"{where}: entry has no {key!r}")
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in _STR_TO_DTYPE:
+        raise CheckpointError(f"{where}: unknown dtype {dtype!r}; known: {sorted(_STR_TO_DTYPE)}")
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise CheckpointError(f"{where}: shape {shape!r} must be a list of non-negative ints")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)):
+        raise CheckpointError(f"{where}: data_offsets {offsets!r} must be two ints [start, end]")
+    start, end = offsets
+    if not 0 <= start <= end <= data_size:
+        raise CheckpointError(
+            f"{where}: data_offsets [{start}, {end}] fall outside the data section "
+            f"[0, {data_size}]; the file is truncated or corrupt"
+        )
+    expected = spec_nbytes(dtype, shape)
+    if end - start != expected:
+        raise CheckpointError(
+            f"{where}: data_offsets [{start}, {end}] hold {end - start} bytes but shape "
+            f"{tuple(shape)} of {dtype} needs {expected}"
+        )
+    return TensorEntry(name, dtype, tuple(shape), start, end)
+
+
+def parse_header(raw_json: bytes, *, data_size: int, source: str) -> FileHeader:
+    """Validate the JSON header of a file whose data section is ``data_size`` bytes.
+
+    Raises :class:`CheckpointError` naming ``source``, the tensor and the fault:
+    bad UTF-8/JSON, metadata that is not str -> str, an unknown dtype, a bad shape,
+    offsets outside the data, a byte size other than shape x dtype, or two tensors
+    whose bytes overlap.
+    """
+    obj = parse_json_object(raw_json, source=source, what="header")
+    metadata = obj.pop("__metadata__", None)
+    if metadata is None:
+        metadata = {}
+    if not (isinstance(metadata, dict)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
+        raise CheckpointError(f"{source}: __metadata__ must map strings to strings, got {metadata!r:.200}")
+    entries = {
+        name: _parse_entry(name, info, data_size=data_size, source=source) for name, info in obj.items()
+    }
+    prev: TensorEntry | None = None
+    for entry in sorted(entries.values(), key=lambda e: (e.start, e.end)):
+        if prev is not None and entry.start < prev.end:
+            raise CheckpointError(
+                f"{source}: tensors {prev.name!r} [{prev.start}, {prev.end}) and "
+                f"{entry.name!r} [{entry.start}, {entry.end}) overlap"
+            )
+        prev = entry
+    return FileHeader(entries, dict(metadata), 8 + len(raw_json), source)
+
+
+def layout_header(
+    specs: Sequence[Spec], metadata: dict[str, str] | None = None
+) -> tuple[bytes, dict[str, tuple[int, int]]]:
+    """The file prefix (8-byte length + JSON padded with spaces to 8 bytes) for
+    tensors laid out back to back in the order of ``specs`` (``(name, dtype, shape)``),
+    and each tensor's ``(start, end)`` data offsets.
+
+    ``metadata`` defaults to ``{"format": "pt"}``. With ``specs`` in the order
+    ``safetensors.torch.save_file`` picks, the prefix is byte-identical to its.
+
+    >>> prefix, offsets = layout_header([("w", "F32", (2, 2))])
+    >>> len(prefix) % 8, offsets
+    (0, {'w': (0, 16)})
+    """
+    metadata = {"format": "pt"} if metadata is None else metadata
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise CheckpointError(f"metadata must map strings to strings, got {metadata!r:.200}")
+    header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
+    offsets: dict[str, tuple[int, int]] = {}
+    pos = 0
+    for name, dtype, shape in specs:
+        if not isinstance(name, str) or name == "__metadata__" or name in offsets:
+            raise CheckpointError(f"tensor name {name!r} is reserved, repeated or not a string")
+        if not all(_is_int(d) and d >= 0 for d in shape):
+            raise CheckpointError(f"tensor {name!r}: shape {shape!r} must be non-negative ints")
+        nbytes = spec_nbytes(dtype, shape)
+        offsets[name] = (pos, pos + nbytes)
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
+        pos += nbytes
+    try:
+        raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise CheckpointError(f"a tensor name or metadata is not encodable as UTF-8 ({e})") from e
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw, offsets
+
+
+def region_runs(
+    shape: Sequence[int], itemsize: int, region_offsets: Sequence[int], region_sizes: Sequence[int]
+) -> list[tuple[int, int]]:
+    """The maximal contiguous byte runs ``(offset within the tensor, length)`` of a
+    box of a C-contiguous tensor, in the box's C order. An empty box has no runs.
+
+    Trailing dims the box spans fully merge into one run with the last partial dim,
+    so the cost is one Python step per run, never per element.
+
+    >>> region_runs((4, 6), 2, (0, 2), (2, 3))     # two rows, columns 2..4
+    [(4, 6), (16, 6)]
+    >>> region_runs((4, 6), 2, (1, 0), (2, 6))     # full rows merge
+    [(12, 24)]
+    """
+    shape, offsets, sizes = tuple(shape), tuple(region_offsets), tuple(region_sizes)
+    if not len(shape) == len(offsets) == len(sizes):
+        raise ValueError(f"box offsets {offsets} / sizes {sizes} do not match shape {shape}")
+    if any(o < 0 or s < 0 or o + s > d for o, s, d in zip(offsets, sizes, shape, strict=True)):
+        raise ValueError(f"box offsets {offsets} sizes {sizes} fall outside shape {shape}")
+    if 0 in sizes:
+        return []
+    strides = [itemsize] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    # run_dim: the last dim the box does not span fully; every dim after it is whole.
+    run_dim = len(shape) - 1
+    while run_dim >= 0 and sizes[run_dim] == shape[run_dim]:
+        run_dim -= 1
+    if run_dim < 0:
+        return [(0, math.prod(shape) * itemsize)]
+    length = sizes[run_dim] * strides[run_dim]
+    starts = [sum(o * s for o, s in zip(offsets, strides, strict=True))]
+    for d in range(run_dim):
+        n, step = sizes[d], strides[d]
+        if n > 1:
+            starts = [x for s in starts for x in range(s, s + n * step, step)]
+    return [(s, length) for s in starts]

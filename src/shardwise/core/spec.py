@@ -1,0 +1,324 @@
+"""Shard specs and the region math every load, save and reshard path shares.
+
+Everything here is pure: shapes, degrees and ranks are plain ints, and the only
+tensor operations are local (indexing, ``cat``, copies). A *region* is a box of
+the canonical (unsharded) tensor; a rank's local shard is the concatenation of
+its regions along the shard dim, in the order :func:`shard_regions` returns them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from shardwise.errors import PlanError, ShardingError
+
+Shape = Sequence[int]
+Layout = list[tuple["Region", tuple[int, ...]]]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class Region:
+    """A box of the canonical tensor: ``offsets`` and ``sizes`` per dim.
+
+    >>> Region((4, 0), (4, 4)).slices()
+    (slice(4, 8, None), slice(0, 4, None))
+    """
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "offsets", tuple(self.offsets))
+        object.__setattr__(self, "sizes", tuple(self.sizes))
+        if len(self.offsets) != len(self.sizes):
+            raise PlanError(f"Region offsets {self.offsets} and sizes {self.sizes} differ in length")
+        if not all(_is_int(v) and v >= 0 for v in self.offsets + self.sizes):
+            raise PlanError(f"Region offsets {self.offsets} and sizes {self.sizes} must be non-negative ints")
+
+    def slices(self) -> tuple[slice, ...]:
+        """Index of this region in the canonical tensor: ``canon[region.slices()]``."""
+        return tuple(slice(o, o + s) for o, s in zip(self.offsets, self.sizes, strict=True))
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+
+@dataclass(frozen=True, repr=False)
+class ShardSpec:
+    """How one tensor is split over the tp axis.
+
+    ``dim`` is the sharded tensor dim (non-negative; ``None`` means replicated).
+    ``blocks`` are the ratios of the packed blocks along ``dim``: each block is
+    split over the ranks on its own, so a fused gate|up weight keeps gate rows
+    and up rows apart on every rank.
+
+    >>> ShardSpec(dim=0, blocks=(1, 1))
+    ShardSpec(dim=0, blocks=(1, 1))
+    >>> ShardSpec()
+    ShardSpec(replicated)
+    """
+
+    dim: int | None = None
+    blocks: tuple[int, ...] = (1,)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "blocks", tuple(self.blocks))
+        if self.dim is not None and not (_is_int(self.dim) and self.dim >= 0):
+            raise PlanError(
+                f"ShardSpec.dim must be None or a non-negative int, got {self.dim!r}; "
+                "normalise a negative dim with the tensor's ndim first"
+            )
+        if not self.blocks or not all(_is_int(b) and b > 0 for b in self.blocks):
+            raise PlanError(f"ShardSpec.blocks must be positive ints, got {self.blocks!r}")
+        if self.dim is None and self.blocks != (1,):
+            raise PlanError(f"ShardSpec.blocks={self.blocks} needs a shard dim; pass dim= or drop blocks")
+
+    def __repr__(self) -> str:
+        if self.replicated:
+            return "ShardSpec(replicated)"
+        return f"ShardSpec(dim={self.dim}, blocks={self.blocks})"
+
+    @property
+    def replicated(self) -> bool:
+        return self.dim is None
+
+    @property
+    def packed(self) -> bool:
+        return len(self.blocks) > 1
+
+
+def _check_dim(shape: Shape, dim: int, what: str) -> None:
+    if not (_is_int(dim) and 0 <= dim < len(shape)):
+        raise PlanError(f"{what} dim {dim} is out of range for a tensor of shape {tuple(shape)}")
+
+
+def _check_degree(degree: int, rank: int | None = None, names=("degree", "rank")) -> None:
+    if not (_is_int(degree) and degree >= 1):
+        raise PlanError(f"{names[0]} must be a positive int, got {degree!r}")
+    if rank is not None and not (_is_int(rank) and 0 <= rank < degree):
+        raise PlanError(f"{names[1]} must be an int in [0, {degree}), got {rank!r}")
+
+
+def block_sizes(shape: Shape, spec: ShardSpec) -> tuple[int, ...]:
+    """Sizes of the packed blocks along ``spec.dim``.
+
+    Raises ``PlanError`` for a replicated spec or a dim out of range, and
+    ``ShardingError`` when the dim size is not a multiple of ``sum(spec.blocks)``.
+
+    >>> block_sizes((36, 2), ShardSpec(dim=0, blocks=(1, 1, 1, 3, 3)))
+    (4, 4, 4, 12, 12)
+    """
+    if spec.replicated:
+        raise PlanError("a replicated ShardSpec has no blocks")
+    _check_dim(shape, spec.dim, "shard")
+    size, total = shape[spec.dim], sum(spec.blocks)
+    if size % total:
+        raise ShardingError(
+            f"dim {spec.dim} of size {size} cannot hold packed blocks with ratios {spec.blocks}: "
+            f"{size} is not divisible by their sum {total}; check the block ratios against the shape"
+        )
+    unit = size // total
+    return tuple(b * unit for b in spec.blocks)
+
+
+def _degree_hint(g: int) -> str:
+    # Listing small divisors turns "not divisible" into a choice the user can make.
+    ok = [k for k in range(1, min(g, 64) + 1) if g % k == 0]
+    return f"choose a degree that divides {g} (for example {', '.join(map(str, ok))})"
+
+
+def check_shardable(shape: Shape, spec: ShardSpec, degree: int) -> None:
+    """Raise ``ShardingError`` unless every block along ``spec.dim`` splits into ``degree`` parts.
+
+    A replicated spec always passes; a dim out of range raises ``PlanError``.
+
+    >>> check_shardable((8, 4), ShardSpec(dim=0, blocks=(1, 1)), 2)  # blocks of 4 rows: fine
+    """
+    _check_degree(degree)
+    if spec.replicated:
+        return
+    sizes = block_sizes(shape, spec)
+    bad = [(i, s) for i, s in enumerate(sizes) if s % degree]
+    if not bad:
+        return
+    where = f"dim {spec.dim} of size {shape[spec.dim]}"
+    if spec.packed:
+        names = ", ".join(f"block {i} (size {s})" for i, s in bad)
+        what = f"{where} has packed blocks of sizes {sizes} (ratios {spec.blocks}); {names}"
+    else:
+        what = where
+    raise ShardingError(
+        f"{what} cannot be split over degree {degree}: not divisible by {degree}; "
+        + _degree_hint(math.gcd(*sizes))
+    )
+
+
+def local_shape(shape: Shape, spec: ShardSpec, degree: int) -> tuple[int, ...]:
+    """Shape of each rank's local shard.
+
+    >>> local_shape((8, 4), ShardSpec(dim=1), 2)
+    (8, 2)
+    """
+    check_shardable(shape, spec, degree)
+    out = tuple(int(s) for s in shape)
+    if spec.replicated:
+        return out
+    return out[: spec.dim] + (out[spec.dim] // degree,) + out[spec.dim + 1 :]
+
+
+def shard_regions(shape: Shape, spec: ShardSpec, degree: int, rank: int) -> list[Region]:
+    """This rank's regions of the canonical tensor, in local concatenation order.
+
+    For each block, the rank holds the ``rank``-th of ``degree`` equal parts;
+    regions that touch along ``spec.dim`` are merged (degree 1 gives one region).
+
+    >>> shard_regions((8, 4), ShardSpec(dim=0, blocks=(1, 1)), 2, 0)
+    [Region(offsets=(0, 0), sizes=(2, 4)), Region(offsets=(4, 0), sizes=(2, 4))]
+    """
+    _check_degree(degree, rank)
+    check_shardable(shape, spec, degree)
+    shape = tuple(int(s) for s in shape)
+    if spec.replicated:
+        return [Region((0,) * len(shape), shape)]
+    d = spec.dim
+    spans: list[list[int]] = []  # [start, size] along d
+    start = 0
+    for size in block_sizes(shape, spec):
+        part = size // degree
+        lo = start + rank * part
+        if spans and spans[-1][0] + spans[-1][1] == lo:
+            spans[-1][1] += part
+        else:
+            spans.append([lo, part])
+        start += size
+    zeros = (0,) * len(shape)
+    return [Region(zeros[:d] + (lo,) + zeros[d + 1 :], shape[:d] + (n,) + shape[d + 1 :]) for lo, n in spans]
+
+
+def local_layout(shape: Shape, spec: ShardSpec, degree: int, rank: int) -> Layout:
+    """Each of the rank's regions with its offset inside the local shard.
+
+    >>> local_layout((8, 4), ShardSpec(dim=0, blocks=(1, 1)), 2, 1)[1]
+    (Region(offsets=(6, 0), sizes=(2, 4)), (2, 0))
+    """
+    regions = shard_regions(shape, spec, degree, rank)
+    if spec.replicated:
+        return [(regions[0], regions[0].offsets)]
+    layout, pos = [], 0
+    for region in regions:
+        off = [0] * len(region.sizes)
+        off[spec.dim] = pos
+        layout.append((region, tuple(off)))
+        pos += region.sizes[spec.dim]
+    return layout
+
+
+def split(tensor: torch.Tensor, spec: ShardSpec, degree: int, rank: int) -> torch.Tensor:
+    """The rank's local shard of the canonical ``tensor``.
+
+    Always a new contiguous tensor that owns its memory, so the canonical
+    tensor can be freed after splitting.
+
+    >>> split(torch.arange(8).reshape(8, 1), ShardSpec(dim=0, blocks=(1, 1)), 2, 1).flatten()
+    tensor([2, 3, 6, 7])
+    """
+    regions = shard_regions(tuple(tensor.shape), spec, degree, rank)
+    if spec.replicated:
+        return tensor.clone(memory_format=torch.contiguous_format)
+    # cat copies even a single piece, so the result never aliases `tensor`.
+    return torch.cat([tensor[r.slices()] for r in regions], dim=spec.dim)
+
+
+def assemble(shards: Sequence[torch.Tensor], spec: ShardSpec, degree: int) -> torch.Tensor:
+    """The canonical tensor rebuilt from every rank's local shard (inverse of :func:`split`).
+
+    >>> spec = ShardSpec(dim=0, blocks=(1, 1))
+    >>> t = torch.arange(8)
+    >>> torch.equal(assemble([split(t, spec, 2, r) for r in range(2)], spec, 2), t)
+    True
+    """
+    _check_degree(degree)
+    if len(shards) != degree:
+        raise PlanError(f"assemble needs one shard per rank ({degree}), got {len(shards)}")
+    first = shards[0]
+    if spec.replicated:
+        return first.clone(memory_format=torch.contiguous_format)
+    _check_dim(first.shape, spec.dim, "shard")
+    shape = list(first.shape)
+    shape[spec.dim] *= degree
+    expected = local_shape(shape, spec, degree)
+    out = torch.empty(shape, dtype=first.dtype, device=first.device)
+    for rank, shard in enumerate(shards):
+        if tuple(shard.shape) != expected or shard.dtype != first.dtype:
+            raise PlanError(
+                f"shard of rank {rank} is {tuple(shard.shape)} {shard.dtype}, "
+                f"expected {expected} {first.dtype} like rank 0"
+            )
+        for region, off in local_layout(shape, spec, degree, rank):
+            local = Region(off, region.sizes)
+            out[region.slices()] = shard[local.slices()]
+    return out
+
+
+def chunk_layout(layout: Layout, shape_local: Shape, dim: int, num_chunks: int, index: int) -> Layout:
+    """The canonical regions covered by chunk ``index`` of the local tensor, with chunk offsets.
+
+    Chunks follow ``torch.chunk`` along local ``dim``: size ``ceil(n / num_chunks)``,
+    so the last chunks may be short or empty. ``dim`` may or may not be the shard
+    dim; pieces that end up empty are dropped. The result is again a layout, so
+    chunking composes (FSDP over TP, torch's ``_StridedShard``).
+
+    >>> layout = local_layout((8, 4), ShardSpec(dim=0, blocks=(1, 1)), 2, 0)
+    >>> chunk_layout(layout, (4, 4), 0, 2, 1)
+    [(Region(offsets=(4, 0), sizes=(2, 4)), (0, 0))]
+    """
+    _check_dim(shape_local, dim, "chunk")
+    _check_degree(num_chunks, index, names=("num_chunks", "index"))
+    step = -(-shape_local[dim] // num_chunks)
+    lo = min(index * step, shape_local[dim])
+    hi = min(lo + step, shape_local[dim])
+    out: Layout = []
+    for region, off in layout:
+        start = max(lo, off[dim])
+        stop = min(hi, off[dim] + region.sizes[dim])
+        if stop <= start or region.numel == 0:
+            continue
+        offsets = list(region.offsets)
+        offsets[dim] += start - off[dim]
+        sizes = list(region.sizes)
+        sizes[dim] = stop - start
+        chunk_off = list(off)
+        chunk_off[dim] = start - lo
+        out.append((Region(tuple(offsets), tuple(sizes)), tuple(chunk_off)))
+    return out
+
+
+def regions_numel(layout: Layout) -> int:
+    """Number of elements a layout covers: ``sum(region.numel)``."""
+    return sum(region.numel for region, _ in layout)
+
+
+def intersect(a: Region, b: Region) -> Region | None:
+    """The overlap of two boxes, or ``None`` when they share no element.
+
+    >>> intersect(Region((0, 0), (4, 4)), Region((2, 3), (4, 4)))
+    Region(offsets=(2, 3), sizes=(2, 1))
+    """
+    if len(a.offsets) != len(b.offsets):
+        raise PlanError(f"cannot intersect regions of different ndim: {a} and {b}")
+    starts = tuple(max(x, y) for x, y in zip(a.offsets, b.offsets, strict=True))
+    stops = tuple(
+        min(x + n, y + m) for x, n, y, m in zip(a.offsets, a.sizes, b.offsets, b.sizes, strict=True)
+    )
+    if any(stop <= start for start, stop in zip(starts, stops, strict=True)):
+        return None
+    return Region(starts, tuple(stop - start for start, stop in zip(starts, stops, strict=True)))

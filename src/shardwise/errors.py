@@ -1,0 +1,56 @@
+"""Errors raised by shardwise.
+
+Every error names what is wrong (the parameter, file or value) and how to fix it.
+Bad input raises a subclass of ``ValueError``; an environment or runtime fault
+raises a subclass of ``RuntimeError``. All of them also derive from
+``ShardwiseError`` so that callers can catch everything shardwise raises at once.
+"""
+
+from __future__ import annotations
+
+
+class ShardwiseError(Exception):
+    """Base class of every error shardwise raises on purpose."""
+
+
+class BackendError(ShardwiseError, RuntimeError):
+    """A backend could not be started or used (no device, process group failure)."""
+
+
+class BackendUnavailableError(BackendError):
+    """The hardware package a backend needs (torch_xla, torch_neuronx) is not installed."""
+
+
+class UnknownBackendError(ShardwiseError, ValueError):
+    """A backend name that is not registered."""
+
+
+class CollectiveError(BackendError):
+    """A collective operation failed or timed out; carries what each rank reported."""
+
+    def __init__(self, message: str, failures: dict[int, str] | None = None):
+        self.failures = dict(failures or {})
+        if self.failures:
+            detail = "\n".join(f"  rank {r}: {f}" for r, f in sorted(self.failures.items()))
+            message = f"{message}\n{detail}"
+        super().__init__(message)
+
+
+class MeshError(ShardwiseError, ValueError):
+    """A mesh request that does not fit the world (axis sizes, names)."""
+
+
+class PlanError(ShardwiseError, ValueError):
+    """A tensor-parallel plan that cannot be applied to the model."""
+
+
+class ShardingError(PlanError):
+    """A tensor (or one of its packed blocks) that the degree does not divide."""
+
+
+class CheckpointError(ShardwiseError, ValueError):
+    """A checkpoint that is missing, malformed, incomplete or does not match the model."""
+
+
+class UnsupportedModelError(ShardwiseError, ValueError):
+    """A model shardwise refuses to load or save (quantized, offloaded, PEFT-injected)."""

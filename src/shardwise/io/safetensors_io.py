@@ -1,0 +1,523 @@
+"""Safetensors files on disk: headers, checkpoint folders, boxes of tensors, a streaming writer.
+
+Reads use ``pread`` into the destination tensor's memory, never mmap: a column
+slice through an mmap pulls in every page the tensor spans, while ``pread`` of
+each contiguous run reads exactly the box. Nothing here ever unpickles.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from collections.abc import Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path, PurePosixPath, PureWindowsPath
+
+import torch
+
+from shardwise.core.header import (
+    MAX_HEADER_SIZE,
+    FileHeader,
+    Spec,
+    TensorEntry,
+    check_header_length,
+    layout_header,
+    parse_header,
+    parse_json_object,
+    region_runs,
+    spec_nbytes,
+    str_to_dtype,
+)
+from shardwise.errors import CheckpointError
+
+INDEX_SUFFIX = ".safetensors.index.json"
+_PICKLE_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle"})
+
+
+def _pickle_error(path: Path, *, index: Path | None = None) -> CheckpointError:
+    where = f"{index}: weight_map names {path.name}" if index else str(path)
+    return CheckpointError(
+        f"{where}: {path.suffix} weights are pickles; shardwise reads only safetensors and never "
+        "unpickles (loading a pickle can run arbitrary code). Convert once, from a source you trust: "
+        f"sd = torch.load({path.name!r}, map_location='cpu', weights_only=True); "
+        "safetensors.torch.save_file({k: v.contiguous() for k, v in sd.items()}, 'model.safetensors')"
+    )
+
+
+# --- reading -----------------------------------------------------------------------------
+
+if hasattr(os, "preadv"):
+    def _pread_some(fd: int, buf: memoryview, pos: int) -> int:
+        return os.preadv(fd, [buf], pos)
+else:  # no preadv (Windows, old macOS): read through bytes in bounded pieces
+    def _pread_some(fd: int, buf: memoryview, pos: int) -> int:
+        data = os.pread(fd, min(len(buf), 1 << 26), pos)
+        buf[: len(data)] = data
+        return len(data)
+
+
+def _pread_into(fd: int, buf: memoryview, pos: int, *, what: str) -> None:
+    """Fill ``buf`` from file offset ``pos``; end of file first means the file is truncated."""
+    done = 0
+    while done < len(buf):
+        n = _pread_some(fd, buf[done:], pos + done)
+        if n == 0:
+            raise CheckpointError(
+                f"{what}: the file ends at byte {pos + done}, {len(buf) - done} bytes short of "
+                f"[{pos}, {pos + len(buf)}); the file is truncated"
+            )
+        done += n
+
+
+def _open_regular(path: Path) -> int:
+    # O_NONBLOCK so that a FIFO planted in a checkpoint cannot hang open(); it has
+    # no effect on regular files, and anything else is refused right after.
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot open ({e.strerror})") from e
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError(f"{path}: not a regular file")
+    return fd
+
+
+def _read_header_fd(fd: int, source: str) -> FileHeader:
+    size = os.fstat(fd).st_size
+    if size < 8:
+        raise CheckpointError(f"{source}: {size} bytes, shorter than the 8-byte header length; truncated")
+    prefix = bytearray(8)
+    _pread_into(fd, memoryview(prefix), 0, what=source)
+    n = int.from_bytes(prefix, "little")
+    check_header_length(n, size, source=source)
+    raw = bytearray(n)
+    _pread_into(fd, memoryview(raw), 8, what=source)
+    return parse_header(bytes(raw), data_size=size - 8 - n, source=source)
+
+
+def read_header(path: str | os.PathLike) -> FileHeader:
+    """The validated header of a safetensors file; reads only the prefix.
+
+    >>> read_header("model.safetensors").entries["w"].shape    # doctest: +SKIP
+    (4096, 4096)
+    """
+    path = Path(path)
+    fd = _open_regular(path)
+    try:
+        return _read_header_fd(fd, str(path))
+    finally:
+        os.close(fd)
+
+
+def read_region(
+    fd: int,
+    file_header: FileHeader,
+    entry: TensorEntry,
+    region_offsets: Sequence[int],
+    region_sizes: Sequence[int],
+    out: torch.Tensor,
+) -> int:
+    """Read exactly the bytes of one box of ``entry`` into ``out``; return the bytes read.
+
+    ``out`` must be a *contiguous* CPU tensor of the entry's dtype with shape
+    ``region_sizes``. It may be a view into a larger buffer if that view is
+    contiguous (``local[a:b]`` of a contiguous ``local``, not ``local.narrow(1, ...)``);
+    for a non-contiguous destination read into a scratch tensor and ``copy_``.
+
+    >>> header = read_header("model.safetensors")                           # doctest: +SKIP
+    >>> with open("model.safetensors", "rb") as f:                           # doctest: +SKIP
+    ...     read_region(f.fileno(), header, header.entries["w"], (0, 8), (4, 8), torch.empty(4, 8))
+    128
+    """
+    if file_header.entries.get(entry.name) != entry:
+        raise ValueError(f"tensor {entry.name!r} is not an entry of {file_header.source}")
+    sizes = tuple(region_sizes)
+    if (out.device.type != "cpu" or out.dtype != entry.torch_dtype or tuple(out.shape) != sizes
+            or not out.is_contiguous()):
+        raise ValueError(
+            f"out for {entry.name!r} must be a contiguous CPU {entry.torch_dtype} tensor of shape "
+            f"{sizes}, got {out.dtype} {tuple(out.shape)} on {out.device} "
+            f"(contiguous={out.is_contiguous()})"
+        )
+    runs = region_runs(entry.shape, entry.itemsize, region_offsets, sizes)
+    if not runs:
+        return 0
+    buf = memoryview(out.detach().reshape(-1).view(torch.uint8).numpy())
+    base = file_header.data_start + entry.start
+    what = f"{file_header.source}: tensor {entry.name!r}"
+    pos = 0
+    for offset, length in runs:
+        _pread_into(fd, buf[pos : pos + length], base + offset, what=what)
+        pos += length
+    assert pos == len(buf), (pos, len(buf))
+    return pos
+
+
+def read_tensor(fd: int, file_header: FileHeader, entry: TensorEntry) -> torch.Tensor:
+    """The whole tensor ``entry`` as a fresh CPU tensor."""
+    out = torch.empty(entry.shape, dtype=entry.torch_dtype)
+    read_region(fd, file_header, entry, (0,) * len(entry.shape), entry.shape, out)
+    return out
+
+
+# --- checkpoint folders --------------------------------------------------------------------
+
+@dataclass
+class Checkpoint:
+    """A resolved safetensors checkpoint: which file holds each tensor, and every header."""
+
+    root: Path
+    files: list[Path]
+    weight_map: dict[str, Path]
+    headers: dict[Path, FileHeader]
+
+    def entry(self, name: str) -> tuple[Path, TensorEntry]:
+        """The file holding tensor ``name`` and its header entry."""
+        try:
+            path = self.weight_map[name]
+        except KeyError:
+            raise CheckpointError(
+                f"{self.root}: the checkpoint has no tensor {name!r} ({len(self.weight_map)} tensors)"
+            ) from None
+        return path, self.headers[path].entries[name]
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.weight_map)
+
+    @property
+    def total_size(self) -> int:
+        """Bytes of all tensors in the weight map."""
+        return sum(self.headers[p].entries[n].nbytes for n, p in self.weight_map.items())
+
+
+def _hub_blobs(root: Path) -> Path | None:
+    """The ``blobs`` folder of a huggingface_hub cache repo whose snapshot holds ``root``."""
+    for parent in root.parents:
+        if parent.name == "snapshots":
+            blobs = parent.parent / "blobs"
+            return blobs if blobs.is_dir() else None
+    return None
+
+
+def _check_inside(root: Path, path: Path, *, source: Path) -> None:
+    # A symlink may not lead out of the folder, except into the blob store of a
+    # huggingface_hub cache, whose snapshots are symlinks into ../../blobs.
+    target, real_root = path.resolve(), root.resolve()
+    if target.is_relative_to(real_root):
+        return
+    blobs = _hub_blobs(real_root)
+    if blobs is not None and target.is_relative_to(blobs.resolve()):
+        return
+    raise CheckpointError(
+        f"{source}: {path.name} is a symlink to {target}, outside the checkpoint folder {root}; "
+        "refusing to read it (copy the file into the folder if you trust it)"
+    )
+
+
+def _shard_path(root: Path, fname: str, *, index: Path) -> Path:
+    pure = PurePosixPath(fname)
+    if (not fname or "\\" in fname or "\0" in fname or pure.is_absolute()
+            or PureWindowsPath(fname).anchor or ".." in pure.parts):
+        raise CheckpointError(
+            f"{index}: weight_map names the file {fname!r}, which is not a relative name inside "
+            f"{root}; refusing to read outside the checkpoint folder"
+        )
+    path = root / pure
+    if pure.suffix in _PICKLE_SUFFIXES:
+        raise _pickle_error(path, index=index)
+    if not fname.endswith(".safetensors"):
+        raise CheckpointError(f"{index}: weight_map names {fname!r}, which is not a .safetensors file")
+    if not path.is_file():
+        raise CheckpointError(
+            f"{index}: weight_map names {fname!r}, but {path} does not exist or is not a regular file"
+        )
+    _check_inside(root, path, source=index)
+    return path
+
+
+def _from_index(index: Path) -> Checkpoint:
+    root = index.parent
+    fd = _open_regular(index)
+    try:
+        size = os.fstat(fd).st_size
+        if size > MAX_HEADER_SIZE:
+            raise CheckpointError(f"{index}: {size} bytes, over the {MAX_HEADER_SIZE}-byte cap for an index")
+        raw = bytearray(size)
+        _pread_into(fd, memoryview(raw), 0, what=str(index))
+    finally:
+        os.close(fd)
+    wm = parse_json_object(bytes(raw), source=str(index), what="index").get("weight_map")
+    if not (isinstance(wm, dict) and wm
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items())):
+        raise CheckpointError(
+            f"{index}: 'weight_map' must be a non-empty object mapping tensor names to file names"
+        )
+    files = {fname: _shard_path(root, fname, index=index) for fname in dict.fromkeys(wm.values())}
+    headers = {path: read_header(path) for path in files.values()}
+    owner: dict[str, Path] = {}
+    for path, header in headers.items():
+        for name in header.entries:
+            if name in owner:
+                raise CheckpointError(f"{index}: tensor {name!r} is stored in both {owner[name]} and {path}")
+            owner[name] = path
+    for name, fname in wm.items():
+        if name not in headers[files[fname]].entries:
+            raise CheckpointError(
+                f"{index}: weight_map puts tensor {name!r} in {fname}, which has no such tensor"
+            )
+    weight_map = {name: files[fname] for name, fname in wm.items()}
+    return Checkpoint(root, list(files.values()), weight_map, headers)
+
+
+def _single(path: Path) -> Checkpoint:
+    header = read_header(path)
+    return Checkpoint(path.parent, [path], {name: path for name in header.entries}, {path: header})
+
+
+def _resolve_dir(root: Path) -> Checkpoint:
+    indexes = sorted(p for p in root.glob("*" + INDEX_SUFFIX) if p.is_file())
+    if len(indexes) > 1:
+        raise CheckpointError(
+            f"{root}: several index files ({', '.join(p.name for p in indexes)}); pass the one to load"
+        )
+    if indexes:
+        return _from_index(indexes[0])
+    files = sorted(p for p in root.glob("*.safetensors") if p.is_file())
+    if len(files) > 1:
+        raise CheckpointError(
+            f"{root}: {len(files)} .safetensors files ({', '.join(p.name for p in files[:4])}"
+            f"{', ...' if len(files) > 4 else ''}) but no "
+            f"*{INDEX_SUFFIX}; pass one file, or add an index naming which file holds each tensor"
+        )
+    if files:
+        _check_inside(root, files[0], source=root)
+        return _single(files[0])
+    pickles = sorted(p for p in root.iterdir() if p.suffix in _PICKLE_SUFFIXES and p.is_file())
+    if pickles:
+        raise _pickle_error(pickles[0])
+    raise CheckpointError(f"{root}: no .safetensors file or *{INDEX_SUFFIX} in this folder")
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """Find and validate the safetensors checkpoint at ``path``: a ``.safetensors`` file,
+    an ``*.safetensors.index.json``, or a folder holding one index or one file.
+
+    Every header (and the index) is validated before anything is read.
+
+    >>> ckpt = resolve_checkpoint("ckpt/")                     # doctest: +SKIP
+    >>> ckpt.entry("blocks.0.attn.to_q.weight")                 # doctest: +SKIP
+    (PosixPath('ckpt/model-00001-of-00002.safetensors'), TensorEntry(...))
+    """
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint file or folder")
+    if path.is_dir():
+        return _resolve_dir(path)
+    if path.name.endswith(INDEX_SUFFIX):
+        return _from_index(path)
+    if path.suffix == ".safetensors":
+        return _single(path)
+    if path.suffix in _PICKLE_SUFFIXES:
+        raise _pickle_error(path)
+    raise CheckpointError(
+        f"{path}: not a .safetensors file, a *{INDEX_SUFFIX} or a folder holding them"
+    )
+
+
+# --- writing -------------------------------------------------------------------------------
+
+class StreamingWriter:
+    """Write one safetensors file tensor by tensor: the header first, then each
+    tensor's bytes straight from its memory, in the order of ``specs``.
+
+    safetensors' own writers (``save_file``, ``serialize``) take the whole dict of
+    tensors at once; a gather save holds one full tensor at a time, so it lays the
+    header out from the specs up front and streams the data. The file is written
+    aside and renamed into place by :meth:`close`, after an fsync; if the ``with``
+    block raises, or a tensor is missing at close, the partial file is removed.
+
+    >>> with StreamingWriter("out/model.safetensors", [("w", "F32", (2, 2))]) as w:  # doctest: +SKIP
+    ...     w.write("w", torch.ones(2, 2))
+    """
+
+    def __init__(
+        self, path: str | os.PathLike, specs: Sequence[Spec], metadata: dict[str, str] | None = None
+    ):
+        self.path = Path(path)
+        self._specs = [(name, dtype, tuple(shape)) for name, dtype, shape in specs]
+        prefix, self._offsets = layout_header(self._specs, metadata)
+        self._tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.partial")
+        self._next = 0
+        self._pos = 0
+        self._fd: int | None = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        try:
+            self._write_all(memoryview(prefix))
+        except BaseException:
+            self.abort()
+            raise
+        self._pos = 0  # data offsets count from the end of the header
+
+    def __enter__(self) -> StreamingWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    def _write_all(self, buf: memoryview) -> None:
+        done = 0
+        while done < len(buf):
+            done += os.write(self._fd, buf[done:])
+        self._pos += done
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Append tensor ``name``; it must be the next spec, with its dtype and shape, on CPU."""
+        if self._fd is None:
+            raise CheckpointError(f"{self.path}: the writer is closed; cannot write {name!r}")
+        if self._next == len(self._specs):
+            raise CheckpointError(
+                f"{self.path}: all {len(self._specs)} tensors are written; got {name!r} too"
+            )
+        want_name, want_dtype, want_shape = self._specs[self._next]
+        if name != want_name:
+            raise CheckpointError(
+                f"{self.path}: tensors must come in spec order; expected {want_name!r} "
+                f"(number {self._next}), got {name!r}"
+            )
+        dtype = str_to_dtype(want_dtype)
+        if not isinstance(tensor, torch.Tensor):
+            raise CheckpointError(f"{self.path}: tensor {name!r} must be a torch.Tensor, got {tensor!r:.100}")
+        if tensor.dtype != dtype or tuple(tensor.shape) != want_shape:
+            got = f"{tensor.dtype} {tuple(tensor.shape)}"
+            raise CheckpointError(f"{self.path}: tensor {name!r} must be {dtype} {want_shape}, got {got}")
+        if tensor.device.type != "cpu":
+            raise CheckpointError(f"{self.path}: tensor {name!r} is on {tensor.device}; move it to CPU first")
+        assert self._pos == self._offsets[name][0], (self._pos, self._offsets[name])
+        data = tensor.detach().resolve_conj().resolve_neg().contiguous()
+        if data.numel():
+            self._write_all(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
+        self._next += 1
+
+    def close(self) -> None:
+        """Check every tensor was written, fsync, and move the file into place."""
+        if self._fd is None:
+            return
+        if self._next != len(self._specs):
+            missing = self._specs[self._next][0]
+            self.abort()
+            raise CheckpointError(
+                f"{self.path}: closed with {len(self._specs) - self._next} of {len(self._specs)} "
+                f"tensors unwritten (first: {missing!r}); the partial file was removed"
+            )
+        try:
+            os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = None
+            os.replace(self._tmp, self.path)
+        except BaseException:
+            self.abort()
+            raise
+        _fsync_dir(self.path.parent)
+
+    def abort(self) -> None:
+        """Close and remove the partial file; safe to call more than once."""
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
+        self._tmp.unlink(missing_ok=True)
+
+
+def _fsync_dir(folder: Path) -> None:
+    # Makes the rename durable; some platforms and filesystems cannot fsync a folder.
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# --- sharding plan -------------------------------------------------------------------------
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*")
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes in ``size``: an int, or a string like ``"5GB"`` (10**9) or ``"1GiB"`` (2**30).
+
+    >>> parse_size("5GB"), parse_size("1GiB"), parse_size(512)
+    (5000000000, 1073741824, 512)
+    """
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
+    else:
+        match = _SIZE_RE.fullmatch(size) if isinstance(size, str) else None
+        unit = match.group(2) if match else ""
+        if match is None or unit.upper() not in _UNITS or unit.endswith("b"):
+            raise CheckpointError(
+                f"size {size!r} is not understood; write bytes as an int or a string such as "
+                "'500MB', '5GB' (powers of 1000) or '1GiB' (powers of 1024); a lowercase 'b' would mean bits"
+            )
+        value = int(Fraction(match.group(1)) * _UNITS[unit.upper()])
+    if value < 1:
+        raise CheckpointError(f"size {size!r} must be at least 1 byte")
+    return value
+
+
+def plan_files(
+    specs: Sequence[Spec], max_shard_size: int | str, prefix: str = "model"
+) -> list[tuple[str, list[Spec]]]:
+    """Group tensors, in order, into files of at most ``max_shard_size`` bytes each
+    (a tensor above the limit gets a file of its own). One file is ``{prefix}.safetensors``;
+    several are ``{prefix}-00001-of-0000N.safetensors`` like transformers names them.
+
+    >>> [(f, [s[0] for s in g]) for f, g in plan_files([("a", "F32", (4,)), ("b", "F32", (4,))], 16)]
+    [('model-00001-of-00002.safetensors', ['a']), ('model-00002-of-00002.safetensors', ['b'])]
+    """
+    limit = parse_size(max_shard_size)
+    if not prefix or "/" in prefix or "\\" in prefix:
+        raise CheckpointError(f"file prefix {prefix!r} must be a plain non-empty file name")
+    groups: list[list[Spec]] = [[]]
+    size = 0
+    seen: set[str] = set()
+    for name, dtype, shape in specs:
+        if name in seen:
+            raise CheckpointError(f"tensor {name!r} appears twice in the save plan")
+        seen.add(name)
+        nbytes = spec_nbytes(dtype, shape)
+        if groups[-1] and size + nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append((name, dtype, tuple(shape)))
+        size += nbytes
+    if len(groups) == 1:
+        return [(f"{prefix}.safetensors", groups[0])]
+    n = len(groups)
+    return [(f"{prefix}-{i:05d}-of-{n:05d}.safetensors", group) for i, group in enumerate(groups, 1)]
+
+
+def index_json(
+    file_plan: Sequence[tuple[str, Sequence[Spec]]], total_size: int, metadata: dict | None = None
+) -> dict:
+    """The ``*.safetensors.index.json`` content for a :func:`plan_files` result."""
+    meta = {"total_size": int(total_size)}
+    meta.update({k: v for k, v in (metadata or {}).items() if k != "total_size"})
+    weight_map = {name: fname for fname, group in file_plan for name, _, _ in group}
+    return {"metadata": meta, "weight_map": weight_map}
+
+
+__all__ = [
+    "INDEX_SUFFIX", "Checkpoint", "StreamingWriter", "index_json", "parse_size", "plan_files",
+    "read_header", "read_region", "read_tensor", "resolve_checkpoint",
+]
