@@ -15,6 +15,8 @@ from shardwise.backends import (
     register_backend,
     shutdown_backend,
 )
+from shardwise.core.plan import PackedColwise, PackedRowwise, resolve_plan
+from shardwise.core.spec import Region, ShardSpec
 from shardwise.errors import (
     BackendError,
     BackendUnavailableError,
@@ -27,12 +29,14 @@ from shardwise.errors import (
     UnknownBackendError,
     UnsupportedModelError,
 )
+from shardwise.parallel import get_shard_state, parallelize
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Backend", "BackendError", "BackendUnavailableError", "CheckpointError", "CollectiveError",
-    "MeshError", "PlanError", "ShardingError", "ShardwiseError", "UnknownBackendError",
-    "UnsupportedModelError", "__version__", "available_backends", "current_backend",
-    "init_backend", "register_backend", "shutdown_backend",
+    "MeshError", "PackedColwise", "PackedRowwise", "PlanError", "Region", "ShardSpec",
+    "ShardingError", "ShardwiseError", "UnknownBackendError", "UnsupportedModelError",
+    "__version__", "available_backends", "current_backend", "get_shard_state", "init_backend",
+    "parallelize", "register_backend", "resolve_plan", "shutdown_backend",
 ]

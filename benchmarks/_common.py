@@ -1,0 +1,453 @@
+"""Shared helpers for the scripts in ``benchmarks/``: process counters, peak memory,
+page-cache control, a generated Llama-like checkpoint and its model, and result files.
+
+``benchmarks/`` is not a package: a script puts its own folder (and the repository's
+``src``) on ``sys.path`` and then ``import _common``. Sizes are decimal (1 GB = 10**9).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import re
+import subprocess
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from shardwise.core.header import dtype_to_str
+from shardwise.core.spec import ShardSpec
+from shardwise.io.safetensors_io import INDEX_SUFFIX, StreamingWriter, index_json, plan_files
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO = BENCH_DIR.parent
+OUT_DIR = BENCH_DIR / "out"
+DOC = REPO / "docs" / "benchmarks.md"
+GB = 10**9
+
+# --- process counters ------------------------------------------------------------------------
+
+def proc_io() -> dict[str, int]:
+    """This process's ``/proc/self/io`` counters (rchar, wchar, read_bytes, write_bytes, ...).
+
+    ``rchar`` counts bytes returned by read-like syscalls (page cache hits included);
+    pages faulted in through an mmap are NOT counted. Empty dict where the file is missing.
+    """
+    try:
+        with open("/proc/self/io") as f:
+            return {k: int(v) for k, v in (line.split(":") for line in f if ":" in line)}
+    except OSError:
+        return {}
+
+
+def io_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """``after - before`` for every counter present in both."""
+    return {k: after[k] - before[k] for k in after if k in before}
+
+
+def proc_status() -> dict[str, int]:
+    """The memory lines of ``/proc/self/status`` (VmRSS, VmHWM, RssAnon, RssFile...) in bytes."""
+    out: dict[str, int] = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(("Vm", "Rss")) and line.rstrip().endswith("kB"):
+                    key, value = line.split(":")
+                    out[key] = int(value.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def rss_bytes() -> int:
+    """Current resident set size (VmRSS) in bytes; 0 where /proc is missing."""
+    return proc_status().get("VmRSS", 0)
+
+
+def _reset_hwm() -> bool:
+    """Reset VmHWM to the current RSS (``echo 5 > /proc/self/clear_refs``, Linux >= 4.0).
+
+    True when the write worked and VmHWM now reads as the current RSS, so that at exit
+    VmHWM is the exact high-water mark since this call.
+    """
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    st = proc_status()
+    # RSS counters are per-CPU batched: allow a little slack between the two reads.
+    return "VmHWM" in st and st["VmHWM"] <= st.get("VmRSS", 0) + (1 << 20)
+
+
+class PeakRSS:
+    """Peak resident memory ABOVE the level at entry, for a block of code.
+
+    ``ru_maxrss`` is a lifetime high-water mark, useless after an earlier phase in the
+    same process. So at entry VmHWM is reset through ``/proc/self/clear_refs`` (exact;
+    ``method == "VmHWM"``) and a thread samples VmRSS and RssAnon every ``interval``
+    seconds as a fallback (``method == "sampled"``, a lower bound) and for the
+    anonymous part, which excludes file pages mapped by mmap. Counts this process
+    only (all its threads), not children.
+
+    >>> with PeakRSS() as peak:
+    ...     x = torch.ones(10**6)
+    >>> peak.bytes >= 4 * 10**6
+    True
+    """
+
+    def __init__(self, interval: float = 0.005):
+        self.interval = interval
+        self.baseline = self.baseline_anon = 0
+        self.bytes = self.sampled_bytes = self.anon_bytes = 0
+        self.method = "sampled"
+        self._max_rss = self._max_anon = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _sample(self) -> None:
+        st = proc_status()
+        self._max_rss = max(self._max_rss, st.get("VmRSS", 0))
+        self._max_anon = max(self._max_anon, st.get("RssAnon", 0))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def __enter__(self) -> PeakRSS:
+        exact = _reset_hwm()
+        st = proc_status()
+        self.method = "VmHWM" if exact else "sampled"
+        self.baseline, self.baseline_anon = st.get("VmRSS", 0), st.get("RssAnon", 0)
+        self._max_rss, self._max_anon = self.baseline, self.baseline_anon
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="PeakRSS", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+        self.sampled_bytes = self._max_rss - self.baseline
+        self.anon_bytes = self._max_anon - self.baseline_anon
+        self.bytes = self.sampled_bytes
+        if self.method == "VmHWM":
+            # HWM is exact where the kernel updates it; the samples only ever add to it.
+            self.bytes = max(proc_status().get("VmHWM", 0) - self.baseline, self.sampled_bytes)
+
+    def as_dict(self) -> dict:
+        return {"peak_rss": self.bytes, "peak_rss_sampled": self.sampled_bytes,
+                "peak_anon": self.anon_bytes, "rss_method": self.method}
+
+
+def mem_available() -> int:
+    """MemAvailable from /proc/meminfo in bytes (free RAM plus reclaimable cache)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+# --- page cache --------------------------------------------------------------------------------
+
+def drop_file_cache(paths) -> None:
+    """Best effort: ask the kernel to evict these files from the page cache.
+
+    ``POSIX_FADV_DONTNEED`` skips dirty pages and pages another process maps, so a
+    file may stay partly cached; dropping everything needs root (``drop_caches``).
+    """
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def warm_file_cache(paths, chunk: int = 64 << 20) -> int:
+    """Read every file once so that it sits in the page cache; return the bytes read."""
+    buf = bytearray(chunk)
+    view = memoryview(buf)
+    total = 0
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
+            while n := f.readinto(view):
+                total += n
+    return total
+
+
+# --- the generated checkpoint and its model ----------------------------------------------------
+
+# Module path -> style, one "*" for the layer index. "packed_colwise" stands for gate|up
+# blocks of ratio [1, 1]: a loader call site builds sw.PackedColwise([1, 1]) from it.
+PLAN: dict[str, str] = {
+    "layers.*.attn.q_proj": "colwise",
+    "layers.*.attn.k_proj": "colwise",
+    "layers.*.attn.v_proj": "colwise",
+    "layers.*.attn.o_proj": "rowwise",
+    "layers.*.mlp.gate_up": "packed_colwise",
+    "layers.*.mlp.down": "rowwise",
+}
+_STYLE_SPECS = {"colwise": ShardSpec(dim=0), "rowwise": ShardSpec(dim=1),
+                "packed_colwise": ShardSpec(dim=0, blocks=(1, 1))}
+
+
+def plan_shard_specs(plan: dict[str, str], names) -> dict[str, ShardSpec]:
+    """ShardSpec of every ``*.weight`` in ``names`` that ``plan`` covers (the rest is replicated).
+
+    Benchmark-local stand-in for the library's plan resolution, for the baselines only:
+    nn.Linear weights are [out, in], so colwise splits dim 0 and rowwise dim 1.
+    """
+    rules = [(re.compile(re.escape(p).replace(r"\*", r"[^.]+") + r"\.weight"), _STYLE_SPECS[s])
+             for p, s in plan.items()]
+    return {n: spec for n in names for rx, spec in rules if rx.fullmatch(n)}
+
+
+class _Attention(nn.Module):
+    def __init__(self, hidden: int, num_heads: int, **kw):
+        super().__init__()
+        self.head_dim = hidden // num_heads
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
+            nn.Linear(hidden, hidden, bias=False, **kw) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+
+        def heads(y):  # local heads: a colwise shard holds num_heads / degree of them
+            return y.view(b, t, -1, self.head_dim).transpose(1, 2)
+
+        q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class _MLP(nn.Module):
+    def __init__(self, hidden: int, **kw):
+        super().__init__()
+        self.gate_up = nn.Linear(hidden, 8 * hidden, bias=False, **kw)   # packed [gate; up]
+        self.down = nn.Linear(4 * hidden, hidden, bias=False, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(nn.functional.silu(gate) * up)
+
+
+class _Block(nn.Module):
+    def __init__(self, hidden: int, num_heads: int, **kw):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(hidden, **kw)
+        self.attn = _Attention(hidden, num_heads, **kw)
+        self.mlp_norm = nn.RMSNorm(hidden, **kw)
+        self.mlp = _MLP(hidden, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class BenchModel(nn.Module):
+    """The model :func:`make_checkpoint` writes: the same parameter names and shapes.
+
+    ``hidden`` must divide by ``num_heads`` (8), so degrees 1, 2, 4, 8 split whole heads.
+
+    >>> with torch.device("meta"):
+    ...     m = BenchModel(2, 64, 512)
+    >>> m.layers[1].mlp.gate_up.weight.shape
+    torch.Size([512, 64])
+    """
+
+    def __init__(self, num_layers: int, hidden: int, vocab: int, *, num_heads: int = 8,
+                 dtype: torch.dtype | None = None):
+        super().__init__()
+        kw = {"dtype": dtype}
+        self.embed = nn.Embedding(vocab, hidden, **kw)
+        self.layers = nn.ModuleList(_Block(hidden, num_heads, **kw) for _ in range(num_layers))
+        self.norm = nn.RMSNorm(hidden, **kw)
+
+    @classmethod
+    def from_checkpoint(cls, path, *, dtype: torch.dtype | None = None) -> BenchModel:
+        """Build the model described by the ``bench_config`` of a :func:`make_checkpoint` index."""
+        cfg = read_bench_config(path)
+        return cls(cfg["num_layers"], cfg["hidden"], cfg["vocab"], dtype=dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.norm(x) @ self.embed.weight.T   # tied output head
+
+
+def bench_tensors(num_layers: int, hidden: int, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every tensor of :class:`BenchModel`, in checkpoint order."""
+    h = hidden
+    out = [("embed.weight", (vocab, h))]
+    for i in range(num_layers):
+        p = f"layers.{i}"
+        out += [(f"{p}.attn_norm.weight", (h,))]
+        out += [(f"{p}.attn.{n}_proj.weight", (h, h)) for n in "qkvo"]
+        out += [(f"{p}.mlp_norm.weight", (h,)), (f"{p}.mlp.gate_up.weight", (8 * h, h)),
+                (f"{p}.mlp.down.weight", (h, 4 * h))]
+    return out + [("norm.weight", (h,))]
+
+
+@dataclass
+class BenchCheckpoint:
+    path: Path                                  # the folder, holding the index
+    files: list[Path]
+    tensors: list[tuple[str, tuple[int, ...]]]  # (name, shape) in file order
+    plan: dict[str, str]
+    config: dict                                # num_layers, hidden, vocab, dtype, seed, file_bytes
+    total_bytes: int
+    reused: bool = field(default=False)
+
+
+def _index_path(folder: Path) -> Path:
+    return folder / ("model" + INDEX_SUFFIX)
+
+
+def read_bench_config(folder) -> dict:
+    """The ``bench_config`` that :func:`make_checkpoint` stored in the index metadata."""
+    with open(_index_path(Path(folder))) as f:
+        return json.load(f)["metadata"]["bench_config"]
+
+
+def make_checkpoint(folder, total_bytes: int, file_bytes: int, *, dtype: torch.dtype = torch.bfloat16,
+                    layers: int = 8, seed: int = 0) -> BenchCheckpoint:
+    """Write (or reuse) a sharded safetensors checkpoint of a Llama-like stack near ``total_bytes``.
+
+    Per layer: q/k/v/o [h, h], packed gate_up [8h, h], down [h, 4h], two norms [h]; plus
+    an embedding [8h, h] and a final norm. ``h`` is the largest multiple of 64 that keeps the
+    total under ``total_bytes``, so every split over 1, 2, 4 or 8 ranks is even. Tensors
+    are generated and streamed to disk one at a time (peak memory ~ one tensor in float32).
+    A checkpoint already in ``folder`` with the same config is reused as it is.
+    """
+    folder = Path(folder)
+    item = torch.empty((), dtype=dtype).element_size()
+    hidden = max(64, int(math.sqrt(total_bytes / item / (16 * layers + 8))) // 64 * 64)
+    cfg = {"num_layers": layers, "hidden": hidden, "vocab": 8 * hidden, "dtype": dtype_to_str(dtype),
+           "seed": seed, "file_bytes": int(file_bytes)}
+    tensors = bench_tensors(layers, hidden, 8 * hidden)
+    specs = [(n, cfg["dtype"], s) for n, s in tensors]
+    file_plan = plan_files(specs, file_bytes)
+    files = [folder / fname for fname, _ in file_plan]
+    total = sum(math.prod(s) for _, s in tensors) * item
+    result = BenchCheckpoint(folder, files, tensors, dict(PLAN), cfg, total)
+
+    index = _index_path(folder)
+    if index.is_file():
+        try:
+            old = read_bench_config(folder)
+        except (KeyError, ValueError) as e:
+            raise ValueError(f"{folder} holds a checkpoint index that make_checkpoint did not write; "
+                             "pass an empty or new folder") from e
+        if old == cfg and all(f.is_file() for f in files):
+            result.reused = True
+            return result
+        index.unlink()
+    folder.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    for (_, group), path in zip(file_plan, files, strict=True):
+        with StreamingWriter(path, group) as writer:
+            for name, _, shape in group:
+                writer.write(name, (torch.randn(shape, generator=gen) * 0.02).to(dtype))
+    tmp = index.with_name(index.name + ".partial")
+    tmp.write_text(json.dumps(index_json(file_plan, total, {"bench_config": cfg}), indent=1))
+    os.replace(tmp, index)
+    return result
+
+
+# --- results ---------------------------------------------------------------------------------
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def machine_info() -> dict:
+    """Where the figures come from: CPU, cores, RAM, kernel, library versions, date, commit."""
+    import numpy
+    import safetensors
+
+    cpu = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
+                if line.startswith("model name")), "unknown CPU")
+    thp = re.search(r"\[(\w+)\]", _read("/sys/kernel/mm/transparent_hugepage/enabled"))
+    try:
+        commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+                                capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    ram = int(_read("/proc/meminfo").split()[1]) * 1024
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu": cpu, "cores": len(os.sched_getaffinity(0)), "ram_bytes": ram,
+        "kernel": platform.release(), "thp": thp.group(1) if thp else "?",
+        "python": platform.python_version(),
+        "torch": torch.__version__, "safetensors": safetensors.__version__,
+        "numpy": numpy.__version__, "commit": commit,
+    }
+
+
+def _cell(value, fmt: str | None) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return format(value, fmt or ".2f")
+    return str(value).replace("|", "\\|")
+
+
+def markdown_table(rows: list[dict], columns) -> str:
+    """``columns``: (key, title) or (key, title, format) tuples, in order."""
+    cols = [tuple(c) + (None,) * (3 - len(c)) for c in columns]
+    lines = ["| " + " | ".join(title for _, title, _ in cols) + " |",
+             "|" + "|".join("---" for _ in cols) + "|"]
+    lines += ["| " + " | ".join(_cell(row.get(k), fmt) for k, _, fmt in cols) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _replace_section(text: str, name: str, section: str) -> str:
+    pattern = re.compile(rf"^## {re.escape(name)}[ \t]*\n.*?(?=^## |\Z)", re.M | re.S)
+    if pattern.search(text):
+        return pattern.sub(lambda _: section, text, count=1)
+    return text.rstrip("\n") + "\n\n" + section
+
+
+def write_results(name: str, rows: list[dict], columns, notes: str = "", extra: dict | None = None) -> str:
+    """Save ``benchmarks/out/<name>.json`` and replace the ``## <name>`` section of
+    ``docs/benchmarks.md`` (other sections kept; the file is created if missing).
+
+    Returns the markdown table. ``extra`` goes into the JSON only (per-rank details...).
+    """
+    info = machine_info()
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    payload = {"name": name, "machine": info, "columns": [list(c) for c in columns],
+               "rows": rows, "notes": notes, **(extra or {})}
+    (OUT_DIR / f"{name}.json").write_text(json.dumps(payload, indent=1, default=str) + "\n")
+
+    table = markdown_table(rows, columns)
+    machine = (f"{info['date']}; {info['cores']} cores ({info['cpu']}), "
+               f"{info['ram_bytes'] / 2**30:.0f} GiB RAM, Linux {info['kernel']}, THP {info['thp']}; "
+               f"torch {info['torch']}, safetensors {info['safetensors']}; commit {info['commit'] or '?'}")
+    section = "\n\n".join(p for p in (f"## {name}", notes.strip(), table, f"_{machine}._") if p) + "\n\n"
+    DOC.parent.mkdir(parents=True, exist_ok=True)
+    text = DOC.read_text() if DOC.is_file() else (
+        "# Benchmarks\n\nFigures written by the scripts in `benchmarks/` (each replaces its own "
+        "section; raw data in `benchmarks/out/*.json`). Run them again on your machine before "
+        "quoting them: they depend on cores, memory bandwidth and the page cache.\n")
+    tmp = DOC.with_name(DOC.name + ".partial")
+    tmp.write_text(_replace_section(text, name, section).rstrip("\n") + "\n")
+    os.replace(tmp, DOC)
+    return table
+

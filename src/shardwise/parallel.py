@@ -1,0 +1,243 @@
+"""Put local shards into a model and make its forward correct under tensor parallelism.
+
+Two holding modes come from the same ``ShardSpec``s:
+
+- ``"dtensor"`` (gloo, nccl): parameters become DTensors on the tp axis of the mesh
+  and torch's ``ColwiseParallel`` / ``RowwiseParallel`` convert activations. A packed
+  shard is a DTensor with ``Shard(dim)`` whose local tensor holds this rank's part of
+  every block; its canonical layout is known from the spec, never from the placement.
+- ``"local"`` (xla, neuron): parameters are plain local tensors and the forward of each
+  planned module is replaced by one that does its collectives itself (autograd-aware).
+
+``install`` is the one place that writes shards into a model: ``parallelize`` feeds it
+slices of the model's own tensors, the loaders feed it slices read from disk.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardwise.core.plan import ResolvedPlan, Style, resolve_plan
+from shardwise.core.spec import ShardSpec, split
+from shardwise.errors import PlanError
+
+HOLDINGS = ("dtensor", "local")
+_STATE_ATTR = "_shardwise_state"
+
+
+@dataclass
+class ShardState:
+    """What shardwise knows about a parallelised model (kept on the model)."""
+
+    mesh: object                       # the DeviceMesh passed in (may be 2-D)
+    tp_mesh: object                    # its tp axis
+    degree: int
+    tp_rank: int
+    holding: str
+    specs: ResolvedPlan
+    group: object = field(repr=False, default=None)  # process group of the tp axis
+
+
+def get_shard_state(model: nn.Module) -> ShardState | None:
+    """The ``ShardState`` that ``parallelize`` / ``load`` recorded on ``model``, or None."""
+    return model.__dict__.get(_STATE_ATTR)
+
+
+def tp_axis(mesh):
+    """The tp axis of ``mesh``: ``mesh["tp"]`` when named, else a 1-D mesh itself."""
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    if "tp" in names:
+        return mesh["tp"] if len(names) > 1 else mesh
+    if mesh.ndim == 1:
+        return mesh
+    raise PlanError(f"mesh with axes {names} has no 'tp' axis; build it with backend.mesh(tp=...)")
+
+
+def default_holding() -> str:
+    from shardwise.backends import current_backend
+
+    backend = current_backend()
+    return backend.holding if backend is not None else "dtensor"
+
+
+def local_of(tensor: torch.Tensor) -> torch.Tensor:
+    """The local tensor of a DTensor (a plain tensor is returned as is)."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None and type(tensor).__name__ == "DTensor" else tensor
+
+
+def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    prefix, _, leaf = name.rpartition(".")
+    module = model.get_submodule(prefix)
+    if leaf in module._parameters:
+        old = module._parameters[leaf]
+        module._parameters[leaf] = nn.Parameter(value, requires_grad=old.requires_grad)
+    elif leaf in module._buffers:
+        module._buffers[leaf] = value
+    else:
+        raise PlanError(f"{name!r} is neither a parameter nor a buffer of the model")
+
+
+def install(model: nn.Module, specs: ResolvedPlan, mesh, *, holding: str,
+            local_tensor: Callable[[str, ShardSpec], torch.Tensor]) -> ShardState:
+    """Replace every tensor of ``model`` by ``local_tensor(name, spec)`` and wire the forward.
+
+    Called on every rank of the mesh, with the same ``specs``. ``local_tensor`` returns
+    this rank's local shard (already on the right device and dtype). No collective runs
+    here: DTensors are built from local shards.
+    """
+    if holding not in HOLDINGS:
+        raise ValueError(f"holding must be one of {HOLDINGS}, got {holding!r}")
+    tp_mesh = tp_axis(mesh)
+    degree, tp_rank = tp_mesh.size(), tp_mesh.get_local_rank()
+    if specs.degree != degree:
+        raise PlanError(f"plan was resolved for degree {specs.degree} but the mesh tp axis has {degree}")
+    for name, spec in specs.items():
+        _set_tensor(model, name, local_tensor(name, spec))
+    for alias, kept in specs.aliases.items():  # re-tie shared weights to the one new tensor
+        prefix, _, leaf = alias.rpartition(".")
+        kept_prefix, _, kept_leaf = kept.rpartition(".")
+        setattr(model.get_submodule(prefix), leaf, getattr(model.get_submodule(kept_prefix), kept_leaf))
+    state = ShardState(mesh=mesh, tp_mesh=tp_mesh, degree=degree, tp_rank=tp_rank, holding=holding,
+                       specs=specs, group=tp_mesh.get_group())
+    for path, style in specs.styles.items():
+        module = model.get_submodule(path)
+        if style.kind == "replicate":
+            continue
+        if holding == "dtensor":
+            _wire_dtensor(module, path, style, state)
+        else:
+            _wire_local(module, style, state)
+    model.__dict__[_STATE_ATTR] = state
+    return state
+
+
+def parallelize(model: nn.Module, plan, mesh, *, holding: str | None = None) -> nn.Module:
+    """Shard a materialised ``model`` in place so its forward equals the one-device forward.
+
+    Every rank must call it with the same weights (same seed, or loaded from the same
+    file). ``holding`` defaults to the active backend's mode (``"dtensor"`` on gloo and
+    nccl, ``"local"`` on xla and neuron).
+
+    >>> backend = sw.init_backend("gloo")                                   # doctest: +SKIP
+    >>> sw.parallelize(model, {"mlp.up": "colwise", "mlp.down": "rowwise"},
+    ...                backend.mesh(tp=backend.world_size))                 # doctest: +SKIP
+    """
+    if get_shard_state(model) is not None:
+        raise PlanError("model is already parallelised; build a fresh model to apply another plan")
+    tp_mesh = tp_axis(mesh)
+    specs = resolve_plan(model, plan, tp_mesh.size())
+    full = model.state_dict()
+    meta = [n for n in specs if full[n].is_meta]
+    if meta:
+        raise PlanError(f"parallelize needs a materialised model, but {meta[0]!r} is on the meta "
+                        "device; use sw.load(model, path, plan=..., mesh=...) to fill a meta model")
+    degree, rank = tp_mesh.size(), tp_mesh.get_local_rank()
+    device = torch.device(tp_mesh.device_type) if tp_mesh.device_type != "cpu" else None
+
+    def local_tensor(name: str, spec: ShardSpec) -> torch.Tensor:
+        t = full[name].detach()
+        local = t if spec.replicated else split(t, spec, degree, rank)
+        return local.to(device) if device is not None and local.device != device else local
+
+    install(model, specs, mesh, holding=holding or default_holding(), local_tensor=local_tensor)
+    return model
+
+
+# -- DTensor holding: torch's styles, with our shards as their parameters ---------------
+def _dtensor_params(module: nn.Module, prefix: str, state: ShardState) -> None:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    for pname, p in list(module.named_parameters(recurse=False)):
+        spec = state.specs.get(f"{prefix}.{pname}" if prefix else pname, ShardSpec())
+        placement = Replicate() if spec.replicated else Shard(spec.dim)
+        d = DTensor.from_local(p.data, state.tp_mesh, [placement], run_check=False)
+        module.register_parameter(pname, nn.Parameter(d, requires_grad=p.requires_grad))
+
+
+def _wire_dtensor(module: nn.Module, path: str, style: Style, state: ShardState) -> None:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    is_embedding = isinstance(module, nn.Embedding)
+    if style.kind == "colwise":
+        base = ColwiseParallel
+        kwargs = {"output_layouts": Replicate()} if (style.gather_output or is_embedding) else {}
+    else:
+        base = RowwiseParallel
+        kwargs = {"input_layouts": Replicate()} if is_embedding else {}
+
+    class _FromShards(base):
+        # torch's styles distribute a full tensor; ours already hold their shard.
+        def _partition_linear_fn(self, name, mod, device_mesh):
+            _dtensor_params(mod, path, state)
+
+        _partition_embedding_fn = _partition_linear_fn
+
+    parallelize_module(module, state.tp_mesh, _FromShards(**kwargs))
+    if style.split_input:
+        module.register_forward_pre_hook(_split_input_hook(style, state))
+
+
+def _split_input_hook(style: Style, state: ShardState):
+    def hook(mod, args):
+        x = args[0]
+        spec = ShardSpec(dim=x.ndim - 1, blocks=style.blocks or (1,))
+        return (split(x, spec, state.degree, state.tp_rank),) + tuple(args[1:])
+
+    return hook
+
+
+# -- local holding: plain shards, collectives in the forward -------------------------------
+def _all_reduce(t: torch.Tensor, state: ShardState) -> torch.Tensor:
+    from torch.distributed.nn.functional import all_reduce
+
+    return all_reduce(t, group=state.group)
+
+
+def _all_gather_last(t: torch.Tensor, state: ShardState) -> torch.Tensor:
+    from torch.distributed.nn.functional import all_gather
+
+    return torch.cat(all_gather(t.contiguous(), group=state.group), dim=-1)
+
+
+def _wire_local(module: nn.Module, style: Style, state: ShardState) -> None:
+    if isinstance(module, nn.Embedding):
+        fwd = _vocab_embedding if style.kind == "rowwise" else _dim_embedding
+    else:
+        fwd = _colwise_linear if style.kind == "colwise" else _rowwise_linear
+    module.forward = types.MethodType(lambda mod, x: fwd(mod, x, style, state), module)
+
+
+def _colwise_linear(mod: nn.Linear, x, style: Style, state: ShardState):
+    y = F.linear(x, mod.weight, mod.bias)
+    return _all_gather_last(y, state) if style.gather_output else y
+
+
+def _rowwise_linear(mod: nn.Linear, x, style: Style, state: ShardState):
+    if style.split_input:
+        x = split(x, ShardSpec(dim=x.ndim - 1, blocks=style.blocks or (1,)), state.degree, state.tp_rank)
+    y = _all_reduce(F.linear(x, mod.weight), state)
+    return y + mod.bias if mod.bias is not None else y  # the bias is added once, after the sum
+
+
+def _vocab_embedding(mod: nn.Embedding, ids, style: Style, state: ShardState):
+    rows = mod.weight.shape[0]
+    start = state.tp_rank * rows
+    outside = (ids < start) | (ids >= start + rows)
+    local_ids = (ids - start).masked_fill(outside, 0)
+    y = F.embedding(local_ids, mod.weight, None, mod.max_norm, mod.norm_type,
+                    mod.scale_grad_by_freq, mod.sparse)
+    return _all_reduce(y.masked_fill(outside.unsqueeze(-1), 0), state)
+
+
+def _dim_embedding(mod: nn.Embedding, ids, style: Style, state: ShardState):
+    y = F.embedding(ids, mod.weight, mod.padding_idx, mod.max_norm, mod.norm_type,
+                    mod.scale_grad_by_freq, mod.sparse)
+    return _all_gather_last(y, state)
