@@ -1,8 +1,9 @@
 """Shared helpers for the scripts in ``benchmarks/``: process counters, peak memory,
 page-cache control, a generated Llama-like checkpoint and its model, and result files.
 
-``benchmarks/`` is not a package: a script puts its own folder (and the repository's
-``src``) on ``sys.path`` and then ``import _common``. Sizes are decimal (1 GB = 10**9).
+``benchmarks/`` is not a package: a script run as ``python3 benchmarks/x.py`` has its own
+folder on ``sys.path`` and does ``import _common``, which puts the checkout's ``src`` first
+on ``sys.path`` (no PYTHONPATH needed). Sizes are decimal (1 GB = 10**9).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 import platform
 import re
 import subprocess
+import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,12 +23,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from shardwise.core.header import dtype_to_str
-from shardwise.core.spec import ShardSpec
-from shardwise.io.safetensors_io import INDEX_SUFFIX, StreamingWriter, index_json, plan_files
-
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
+# Benchmark the checkout, not whatever shardwise is installed; spawned ranks inherit sys.path.
+if (REPO / "src" / "shardwise").is_dir() and str(REPO / "src") not in sys.path:
+    sys.path.insert(0, str(REPO / "src"))
+
+from shardwise.core.header import dtype_to_str  # noqa: E402
+from shardwise.core.spec import ShardSpec  # noqa: E402
+from shardwise.io.safetensors_io import INDEX_SUFFIX, StreamingWriter, index_json, plan_files  # noqa: E402
+
 OUT_DIR = BENCH_DIR / "out"
 DOC = REPO / "docs" / "benchmarks.md"
 GB = 10**9

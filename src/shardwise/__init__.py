@@ -33,10 +33,30 @@ from shardwise.parallel import get_shard_state, parallelize
 
 __version__ = "0.1.0"
 
+# The I/O entry points load on first use: `import shardwise` stays light.
+_LAZY = {
+    "load": "shardwise.io.load",
+    "LoadResult": "shardwise.io.load",
+    "save": "shardwise.io.save",
+    "consolidate": "shardwise.io.consolidate",
+    "save_optimizer": "shardwise.io.optim",
+    "load_optimizer": "shardwise.io.optim",
+    "clip_grad_norm_": "shardwise.clip",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'shardwise' has no attribute {name!r}")
+
 __all__ = [
     "Backend", "BackendError", "BackendUnavailableError", "CheckpointError", "CollectiveError",
     "MeshError", "PackedColwise", "PackedRowwise", "PlanError", "Region", "ShardSpec",
     "ShardingError", "ShardwiseError", "UnknownBackendError", "UnsupportedModelError",
     "__version__", "available_backends", "current_backend", "get_shard_state", "init_backend",
     "parallelize", "register_backend", "resolve_plan", "shutdown_backend",
+    *_LAZY,
 ]
