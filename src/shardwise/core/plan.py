@@ -144,11 +144,13 @@ def normalize_style(style, *, key: str = "") -> Style:
 
 
 def _from_torch_style(style, cls: str) -> Style:
-    from_placement = type(getattr(style, "output_layouts" if cls == "ColwiseParallel"
-                                  else "input_layouts", None)).__name__
+    # torch keeps layouts as 1-tuples of placements
+    layouts = getattr(style, "output_layouts" if cls == "ColwiseParallel" else "input_layouts", ())
+    first = layouts[0] if isinstance(layouts, tuple) and layouts else layouts
+    replicated = type(first).__name__ == "Replicate"
     if cls == "ColwiseParallel":
-        return Style("colwise", gather_output=from_placement == "Replicate", source=cls)
-    return Style("rowwise", split_input=from_placement == "Replicate", source=cls)
+        return Style("colwise", gather_output=replicated, source=cls)
+    return Style("rowwise", split_input=replicated, source=cls)
 
 
 class ResolvedPlan(dict):
@@ -316,6 +318,10 @@ def resolve_plan(model: nn.Module, plan: Mapping, degree: int) -> ResolvedPlan:
             except ShardingError as e:
                 raise ShardingError(f"plan key {key!r}, tensor {name!r} of shape "
                                     f"{tuple(tensor.shape)}: {e}") from e
+            if id(tensor) in owned and owned[id(tensor)][0] != spec:
+                other = owned[id(tensor)]
+                raise PlanError(f"plan key {key!r} shards {name!r} as {spec}, but the same tied tensor "
+                                f"is {other[1]!r} sharded as {other[0]}; plan tied modules alike")
             owned[id(tensor)] = (spec, name)
     _check_heads(model, styles, keys, degree)
 
@@ -326,10 +332,23 @@ def resolve_plan(model: nn.Module, plan: Mapping, degree: int) -> ResolvedPlan:
         if id(tensor) in first_name:  # a tied weight: one tensor, several names
             kept = first_name[id(tensor)]
             aliases[name] = kept
+            _check_tied(name, kept, owned.get(id(tensor)), claimed)
             continue
         first_name[id(tensor)] = name
         specs[name] = owned[id(tensor)][0] if id(tensor) in owned else ShardSpec()
     return ResolvedPlan(specs, styles=styles, keys=keys, aliases=aliases, degree=degree)
+
+
+def _check_tied(name: str, kept: str, owner, claimed) -> None:
+    """A sharded tied tensor needs every module using it planned, or one forward is wrong."""
+    if owner is None:
+        return
+    for n in (name, kept):
+        if n.rpartition(".")[0] not in claimed:
+            raise PlanError(
+                f"{n!r} is tied to {owner[1]!r}, which the plan shards as {owner[0]}, but module "
+                f"{n.rpartition('.')[0]!r} has no plan entry; plan both tied modules alike"
+            )
 
 
 def plan_from_model(model: nn.Module) -> dict:

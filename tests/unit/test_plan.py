@@ -1,0 +1,350 @@
+"""Plan resolution on meta models: styles, real plans from transformers/diffusers, validation."""
+
+import pytest
+import torch
+from torch import nn
+
+import shardwise as sw
+from models import TinyTransformer, tiny_plan
+from shardwise.core.plan import SUPPORTED_STYLES, normalize_style
+
+
+def meta(cls, *args, **kwargs):
+    with torch.device("meta"):
+        return cls(*args, **kwargs)
+
+
+# --- tiny models with the module structure of real ones ---------------------------------
+class LlamaAttention(nn.Module):
+    def __init__(self, h, heads, kv_heads, qk_norm=False):
+        super().__init__()
+        d = h // heads
+        self.q_proj = nn.Linear(h, heads * d, bias=False)
+        self.k_proj = nn.Linear(h, kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(heads * d, h, bias=False)
+        if qk_norm:
+            self.q_norm = nn.RMSNorm(d)
+            self.k_norm = nn.RMSNorm(d)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, h, ffn):
+        super().__init__()
+        self.gate_proj = nn.Linear(h, ffn, bias=False)
+        self.up_proj = nn.Linear(h, ffn, bias=False)
+        self.down_proj = nn.Linear(ffn, h, bias=False)
+
+
+class LlamaLayer(nn.Module):
+    def __init__(self, h, heads, kv_heads, ffn, qk_norm=False):
+        super().__init__()
+        self.self_attn = LlamaAttention(h, heads, kv_heads, qk_norm)
+        self.mlp = LlamaMLP(h, ffn)
+        self.input_layernorm = nn.RMSNorm(h)
+        self.post_attention_layernorm = nn.RMSNorm(h)
+
+
+class Config:
+    def __init__(self, heads, kv_heads):
+        self.num_attention_heads = heads
+        self.num_key_value_heads = kv_heads
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, vocab=128, h=64, heads=8, kv_heads=4, ffn=128, layers=2, qk_norm=False):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, h)
+        self.layers = nn.ModuleList(LlamaLayer(h, heads, kv_heads, ffn, qk_norm) for _ in range(layers))
+        self.norm = nn.RMSNorm(h)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, tie=False, **kw):
+        super().__init__()
+        self.config = Config(kw.get("heads", 8), kw.get("kv_heads", 4))
+        self.model = LlamaModel(**kw)
+        self.lm_head = nn.Linear(64, kw.get("vocab", 128), bias=False)
+        if tie:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+
+# As transformers ships them (base_model_tp_plan on the config, _tp_plan on the LM class).
+LLAMA_BASE_TP_PLAN = {
+    "layers.*.self_attn.q_proj": "colwise",
+    "layers.*.self_attn.k_proj": "colwise",
+    "layers.*.self_attn.v_proj": "colwise",
+    "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.mlp.gate_proj": "colwise",
+    "layers.*.mlp.up_proj": "colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+}
+QWEN3_BASE_TP_PLAN = {
+    **LLAMA_BASE_TP_PLAN,
+    "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+    "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
+}
+MISTRAL_BASE_TP_PLAN = dict(LLAMA_BASE_TP_PLAN)
+LM_TP_PLAN = {"lm_head": "colwise_rep"}
+
+
+def with_prefix(plan, prefix="model."):
+    return {prefix + k: v for k, v in plan.items()}
+
+
+@pytest.mark.parametrize("base", [LLAMA_BASE_TP_PLAN, QWEN3_BASE_TP_PLAN, MISTRAL_BASE_TP_PLAN])
+@pytest.mark.parametrize("degree", [1, 2, 4])
+def test_transformers_plans_resolve(base, degree):
+    model = meta(LlamaForCausalLM, qk_norm="q_norm" in str(base))
+    plan = {**with_prefix(base), **LM_TP_PLAN, "model.embed_tokens": "embedding_rowwise"}
+    specs = sw.resolve_plan(model, plan, degree)
+    assert specs["model.layers.1.self_attn.q_proj.weight"] == sw.ShardSpec(dim=0)
+    assert specs["model.layers.1.self_attn.o_proj.weight"] == sw.ShardSpec(dim=1)
+    assert specs["model.layers.0.mlp.down_proj.weight"] == sw.ShardSpec(dim=1)
+    assert specs["model.embed_tokens.weight"] == sw.ShardSpec(dim=0)
+    assert specs["lm_head.weight"] == sw.ShardSpec(dim=0)
+    assert specs["model.norm.weight"].replicated
+    assert specs.styles["lm_head"].gather_output
+    if "q_norm" in str(base):
+        assert specs["model.layers.0.self_attn.q_norm.weight"].replicated
+    assert set(specs) == set(dict(model.named_parameters()))
+
+
+def test_tied_weights_keep_one_name():
+    model = meta(LlamaForCausalLM, tie=True)
+    plan = {**with_prefix(LLAMA_BASE_TP_PLAN), "model.embed_tokens": "embedding_rowwise"}
+    with pytest.raises(sw.PlanError, match="'lm_head.weight'.*tied"):
+        sw.resolve_plan(model, plan, 2)  # the head shares the sharded embedding but is unplanned
+    specs = sw.resolve_plan(model, {**plan, "lm_head": "colwise_gather_output"}, 2)
+    assert specs.aliases == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert "lm_head.weight" not in specs
+    assert specs["model.embed_tokens.weight"] == sw.ShardSpec(dim=0)
+    with pytest.raises(sw.PlanError, match="tied"):  # dim-parallel embedding vs vocab-parallel head
+        sw.resolve_plan(model, {**plan, "model.embed_tokens": "embedding_colwise",
+                                "lm_head": "colwise_gather_output"}, 2)
+
+
+# --- diffusers-shaped models -----------------------------------------------------------
+class PackedColwiseParallel:  # diffusers' marker classes, matched by name
+    def __init__(self, blocks=None):
+        self.blocks = blocks
+
+
+class PackedRowwiseParallel(PackedColwiseParallel):
+    pass
+
+
+class FluxAttention(nn.Module):
+    def __init__(self, h, heads, added=False):
+        super().__init__()
+        self.heads = heads
+        self.to_q, self.to_k, self.to_v = (nn.Linear(h, h) for _ in range(3))
+        self.to_out = nn.ModuleList([nn.Linear(h, h), nn.Dropout(0.0)])
+        if added:
+            self.add_q_proj, self.add_k_proj, self.add_v_proj = (nn.Linear(h, h) for _ in range(3))
+            self.to_add_out = nn.Linear(h, h)
+
+
+class Flux2FeedForward(nn.Module):
+    def __init__(self, h, mult=3):
+        super().__init__()
+        self.linear_in = nn.Linear(h, 2 * mult * h, bias=False)
+        self.linear_out = nn.Linear(mult * h, h, bias=False)
+
+
+class Flux2Block(nn.Module):
+    def __init__(self, h, heads):
+        super().__init__()
+        self.attn = FluxAttention(h, heads, added=True)
+        self.ff = Flux2FeedForward(h)
+        self.ff_context = Flux2FeedForward(h)
+
+
+class Flux2ParallelSelfAttention(nn.Module):
+    def __init__(self, h, heads, mult=3):
+        super().__init__()
+        self.heads = heads
+        self.to_qkv_mlp_proj = nn.Linear(h, (3 + 2 * mult) * h, bias=False)
+        self.to_qkv_mlp_proj._tp_packed_col_blocks = [h, h, h, mult * h, mult * h]  # absolute sizes
+        self.to_out = nn.Linear((1 + mult) * h, h, bias=False)
+        self.to_out._tp_packed_row_blocks = [h, mult * h]
+
+
+class Flux2SingleBlock(nn.Module):
+    def __init__(self, h, heads):
+        super().__init__()
+        self.attn = Flux2ParallelSelfAttention(h, heads)
+
+
+class Flux2Transformer(nn.Module):
+    _tp_plan = {
+        "transformer_blocks.*.attn.to_q": "colwise",
+        "transformer_blocks.*.attn.to_k": "colwise",
+        "transformer_blocks.*.attn.to_v": "colwise",
+        "transformer_blocks.*.attn.to_out.0": "rowwise",
+        "transformer_blocks.*.attn.add_q_proj": "colwise",
+        "transformer_blocks.*.attn.add_k_proj": "colwise",
+        "transformer_blocks.*.attn.add_v_proj": "colwise",
+        "transformer_blocks.*.attn.to_add_out": "rowwise",
+        "transformer_blocks.*.ff.linear_in": PackedColwiseParallel([1, 1]),
+        "transformer_blocks.*.ff.linear_out": "rowwise",
+        "transformer_blocks.*.ff_context.linear_in": PackedColwiseParallel([1, 1]),
+        "transformer_blocks.*.ff_context.linear_out": "rowwise",
+        "single_transformer_blocks.*.attn.to_qkv_mlp_proj": PackedColwiseParallel(),
+        "single_transformer_blocks.*.attn.to_out": PackedRowwiseParallel(),
+    }
+
+    def __init__(self, h=32, heads=4, double=2, single=2):
+        super().__init__()
+        self.transformer_blocks = nn.ModuleList(Flux2Block(h, heads) for _ in range(double))
+        self.single_transformer_blocks = nn.ModuleList(Flux2SingleBlock(h, heads) for _ in range(single))
+        self.proj_out = nn.Linear(h, 16)
+
+
+class FluxSingleBlock(nn.Module):
+    def __init__(self, h, heads, mult=4):
+        super().__init__()
+        self.attn = FluxAttention(h, heads)
+        self.proj_mlp = nn.Linear(h, mult * h)
+        self.proj_out = nn.Linear((1 + mult) * h, h)
+
+
+class FluxTransformer(nn.Module):
+    _tp_plan = {
+        "transformer_blocks.*.attn.to_q": "colwise",
+        "transformer_blocks.*.attn.to_k": "colwise",
+        "transformer_blocks.*.attn.to_v": "colwise",
+        "transformer_blocks.*.attn.to_out.0": "rowwise",
+        "single_transformer_blocks.*.attn.to_q": "colwise",
+        "single_transformer_blocks.*.attn.to_k": "colwise",
+        "single_transformer_blocks.*.attn.to_v": "colwise",
+        "single_transformer_blocks.*.proj_mlp": "colwise",
+        "single_transformer_blocks.*.proj_out": PackedRowwiseParallel([1, 4]),
+    }
+
+    def __init__(self, h=32, heads=4):
+        super().__init__()
+        self.transformer_blocks = nn.ModuleList(nn.Module() for _ in range(2))
+        for b in self.transformer_blocks:
+            b.attn = FluxAttention(h, heads)
+        self.single_transformer_blocks = nn.ModuleList(FluxSingleBlock(h, heads) for _ in range(2))
+
+
+@pytest.mark.parametrize("degree", [1, 2, 4])
+def test_diffusers_flux2_plan_resolves(degree):
+    model = meta(Flux2Transformer)
+    specs = sw.resolve_plan(model, Flux2Transformer._tp_plan, degree)
+    assert specs["single_transformer_blocks.1.attn.to_qkv_mlp_proj.weight"] == sw.ShardSpec(
+        dim=0, blocks=(32, 32, 32, 96, 96))
+    assert specs["single_transformer_blocks.0.attn.to_out.weight"] == sw.ShardSpec(dim=1, blocks=(32, 96))
+    assert specs["transformer_blocks.0.ff.linear_in.weight"] == sw.ShardSpec(dim=0, blocks=(1, 1))
+    assert specs["transformer_blocks.1.attn.to_out.0.bias"].replicated
+    assert specs["transformer_blocks.1.attn.to_q.bias"] == sw.ShardSpec(dim=0)
+    assert specs["proj_out.weight"].replicated
+
+
+def test_diffusers_flux_plan_resolves():
+    specs = sw.resolve_plan(meta(FluxTransformer), FluxTransformer._tp_plan, 4)
+    assert specs["single_transformer_blocks.0.proj_out.weight"] == sw.ShardSpec(dim=1, blocks=(1, 4))
+    assert specs["single_transformer_blocks.0.proj_mlp.bias"] == sw.ShardSpec(dim=0)
+
+
+def test_torch_parallel_styles_are_accepted():
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    assert normalize_style(ColwiseParallel()).kind == "colwise"
+    assert normalize_style(ColwiseParallel(output_layouts=Replicate())).gather_output
+    assert normalize_style(RowwiseParallel(input_layouts=Replicate())).split_input
+
+
+def test_tiny_transformer_plan():
+    specs = sw.resolve_plan(meta(TinyTransformer), tiny_plan(), 4)
+    assert specs["single.0.proj_in.weight"] == sw.ShardSpec(dim=0, blocks=(1, 1, 1, 3, 3))
+    assert specs["single.0.proj_out.weight"] == sw.ShardSpec(dim=1, blocks=(1, 3))
+    assert specs["fused.0.mlp.gate_up.weight"] == sw.ShardSpec(dim=0, blocks=(1, 1))  # "packed_colwise"
+    assert specs["single.0.modulation.weight"] == sw.ShardSpec(dim=1)
+    assert specs.styles["single.0.modulation"].split_input
+
+
+# --- validation: every error names the key -----------------------------------------------
+def test_unknown_style_lists_supported():
+    model = meta(TinyTransformer)
+    with pytest.raises(sw.PlanError) as e:
+        sw.resolve_plan(model, {"layers.*.attn.q": "sequence_parallel"}, 2)
+    msg = str(e.value)
+    assert "'layers.*.attn.q'" in msg and "sequence_parallel" in msg
+    assert all(s in msg for s in ("colwise", "rowwise", "PackedColwise(blocks)"))
+    assert "colwise" in SUPPORTED_STYLES
+
+
+def test_key_matching_no_module():
+    with pytest.raises(sw.PlanError) as e:
+        sw.resolve_plan(meta(TinyTransformer), {"layers.*.attn.q_proj": "colwise"}, 2)
+    assert "'layers.*.attn.q_proj'" in str(e.value) and "matches no module" in str(e.value)
+    with pytest.raises(sw.PlanError, match="'lm_head'.*did you mean 'head'"):
+        sw.resolve_plan(meta(TinyTransformer), {"lm_head": "colwise"}, 2)
+
+
+def test_star_must_follow_a_module_list():
+    with pytest.raises(sw.PlanError, match=r"'embed\.\*'.*ModuleList"):
+        sw.resolve_plan(meta(TinyTransformer), {"embed.*": "colwise"}, 2)
+    with pytest.raises(sw.PlanError, match="more than one"):
+        sw.resolve_plan(meta(TinyTransformer), {"layers.*.*.q": "colwise"}, 2)
+
+
+def test_two_keys_claiming_one_module():
+    plan = {"layers.*.attn.q": "colwise", "layers.0.attn.q": "rowwise"}
+    with pytest.raises(sw.PlanError) as e:
+        sw.resolve_plan(meta(TinyTransformer), plan, 2)
+    assert "'layers.*.attn.q'" in str(e.value) and "'layers.0.attn.q'" in str(e.value)
+
+
+def test_indivisible_dim_names_key_tensor_and_sizes():
+    model = meta(TinyTransformer, hidden=36, heads=3, ffn=60)
+    with pytest.raises(sw.ShardingError) as e:
+        sw.resolve_plan(model, {"layers.*.mlp.down": "rowwise"}, 8)
+    msg = str(e.value)
+    assert "'layers.*.mlp.down'" in msg and "layers.0.mlp.down.weight" in msg and "60" in msg and "8" in msg
+
+
+def test_each_packed_block_must_divide():
+    # blocks [1, 3] of 32 rows are 8 and 24: degree 16 divides 32 but not 8 / 24
+    model = meta(nn.ModuleDict, {"fc": nn.Linear(4, 32)})
+    with pytest.raises(sw.ShardingError) as e:
+        sw.resolve_plan(model, {"fc": sw.PackedColwise([1, 3])}, 16)
+    assert "'fc'" in str(e.value) and "16" in str(e.value)
+
+
+def test_head_count_must_divide():
+    # hidden 48 divides by 4, but 3 heads do not
+    model = meta(TinyTransformer, hidden=48, heads=3, ffn=64)
+    with pytest.raises(sw.ShardingError) as e:
+        sw.resolve_plan(model, {"layers.*.attn.q": "colwise"}, 4)
+    assert "num_heads = 3" in str(e.value) and "'layers.*.attn.q'" in str(e.value)
+
+
+def test_config_head_count_must_divide():
+    model = meta(LlamaForCausalLM)  # 8 heads, 4 kv heads
+    with pytest.raises(sw.ShardingError, match="num_key_value_heads = 4"):
+        sw.resolve_plan(model, with_prefix(LLAMA_BASE_TP_PLAN), 8)
+
+
+def test_sharded_style_on_unsupported_module():
+    model = meta(TinyTransformer)
+    with pytest.raises(sw.PlanError, match="'norm_out'.*LayerNorm"):
+        sw.resolve_plan(model, {"norm_out": "colwise"}, 2)
+
+
+def test_packed_without_blocks_names_the_attribute():
+    with pytest.raises(sw.PlanError, match="_tp_packed_col_blocks"):
+        sw.resolve_plan(meta(TinyTransformer), {"head": sw.PackedColwise()}, 2)
+
+
+def test_bad_degree_and_plan_types():
+    with pytest.raises(sw.PlanError):
+        sw.resolve_plan(meta(TinyTransformer), tiny_plan(), 0)
+    with pytest.raises(sw.PlanError):
+        sw.resolve_plan(meta(TinyTransformer), [("head", "colwise")], 2)
+    with pytest.raises(sw.PlanError):
+        sw.PackedColwise([1, 0])
