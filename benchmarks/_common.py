@@ -204,25 +204,31 @@ PLAN: dict[str, str] = {
     "layers.*.mlp.gate_up": "packed_colwise",
     "layers.*.mlp.down": "rowwise",
 }
-_STYLE_SPECS = {"colwise": ShardSpec(dim=0), "rowwise": ShardSpec(dim=1),
-                "packed_colwise": ShardSpec(dim=0, blocks=(1, 1))}
 
 
-def plan_shard_specs(plan: dict[str, str], names) -> dict[str, ShardSpec]:
-    """ShardSpec of every ``*.weight`` in ``names`` that ``plan`` covers (the rest is replicated).
+def real_plan(plan: dict[str, str]) -> dict:
+    """``plan`` with library objects, as a loader call site passes it: "packed_colwise"
+    becomes ``sw.PackedColwise([1, 1])``."""
+    import shardwise as sw
 
-    Benchmark-local stand-in for the library's plan resolution, for the baselines only:
-    nn.Linear weights are [out, in], so colwise splits dim 0 and rowwise dim 1.
-    """
-    rules = [(re.compile(re.escape(p).replace(r"\*", r"[^.]+") + r"\.weight"), _STYLE_SPECS[s])
-             for p, s in plan.items()]
-    return {n: spec for n in names for rx, spec in rules if rx.fullmatch(n)}
+    return {k: sw.PackedColwise([1, 1]) if v == "packed_colwise" else v for k, v in plan.items()}
+
+
+def shard_specs(config: dict, plan: dict[str, str], degree: int) -> dict[str, ShardSpec]:
+    """ShardSpec of every sharded tensor of a :func:`make_checkpoint` model at ``degree``,
+    from shardwise's own plan resolution (replicated tensors left out)."""
+    from shardwise.core.plan import resolve_plan
+
+    with torch.device("meta"):
+        model = BenchModel(config["num_layers"], config["hidden"], config["vocab"])
+    resolved = resolve_plan(model, real_plan(plan), degree)
+    return {name: spec for name, spec in resolved.items() if not spec.replicated}
 
 
 class _Attention(nn.Module):
     def __init__(self, hidden: int, num_heads: int, **kw):
         super().__init__()
-        self.head_dim = hidden // num_heads
+        self.num_heads, self.head_dim = num_heads, hidden // num_heads  # the plan checks num_heads
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
             nn.Linear(hidden, hidden, bias=False, **kw) for _ in range(4))
 

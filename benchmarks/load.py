@@ -1,0 +1,327 @@
+"""Load benchmark: the page-cache limit, the two baselines users have today, and sw.load.
+
+    python3 benchmarks/load.py --size 4GB --file-size 1GB --degrees 1 2 4
+
+Rows (all from a page-cache-warm checkpoint; every file is read once before each phase):
+
+- page cache -> buffer: ``readinto`` every file into ONE preallocated, pre-touched buffer
+  of the largest file's size. The memory-bandwidth ceiling for any loader here.
+- A, one process: ``safetensors.torch.load_file`` of every file, each tensor copied into
+  fresh memory (``.clone()``). ``load_file`` returns lazy mmap views; "I have the tensors
+  in memory" means owned, resident tensors that outlive the file mapping, so we copy.
+- B, per rank at tp=N: what users do today under tensor parallelism. Each of N spawned
+  ranks does A for the whole checkpoint, then keeps its shard of each planned tensor (a
+  contiguous copy) and drops the full tensors.
+- shardwise: ``sw.load`` of a meta-device model on N spawned gloo ranks (see the hook
+  ``shardwise_load`` below); "not available" until ``sw.load`` exists.
+
+Per rank: seconds (the slowest rank counts), peak RSS above the rank's level before the
+load, bytes read (``/proc/self/io`` rchar, plus the file pages faulted in through mmap,
+which rchar does not count), GB/s = bytes read / seconds. Ratios are against A and B
+measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from _common import (
+    GB,
+    BenchModel,
+    PeakRSS,
+    drop_file_cache,
+    io_delta,
+    make_checkpoint,
+    mem_available,
+    proc_io,
+    proc_status,
+    real_plan,
+    shard_specs,
+    warm_file_cache,
+    write_results,
+)
+from safetensors.torch import load_file
+
+from shardwise.core.spec import split
+from shardwise.io.safetensors_io import parse_size
+from shardwise.launch import spawn
+
+# --- what each rank runs (module level, so spawn can pickle them) ---------------------------
+
+def _materialise(files) -> tuple[dict[str, torch.Tensor], int]:
+    """``load_file`` every file and copy each tensor into fresh memory.
+
+    Returns the tensors and the bytes of file pages faulted in through mmap (the
+    RssFile growth while a file's views are alive), which ``rchar`` does not see.
+    """
+    state: dict[str, torch.Tensor] = {}
+    mapped = 0
+    for path in files:
+        before = proc_status().get("RssFile", 0)
+        views = load_file(path)
+        state.update({name: view.clone() for name, view in views.items()})
+        mapped += max(0, proc_status().get("RssFile", 0) - before)
+        del views  # the last reference to this file's mmap: unmapped here, before the next file
+    return state, mapped
+
+
+def _rank_figures(seconds: float, peak: PeakRSS, io: dict, mapped: int, local) -> dict:
+    rchar = io.get("rchar", 0)
+    return {"rank": int(os.environ.get("RANK", 0)), "seconds": seconds, **peak.as_dict(),
+            "rchar": rchar, "disk_read_bytes": io.get("read_bytes", 0), "mmap_bytes": mapped,
+            "bytes_read": rchar + mapped, "local_bytes": sum(t.numel() * t.element_size() for t in local)}
+
+
+def baseline_a_rank(files: list[str]) -> dict:
+    """Baseline A on this process: the whole model, materialised."""
+    with PeakRSS() as peak:
+        io0, t0 = proc_io(), time.perf_counter()
+        state, mapped = _materialise(files)
+        seconds = time.perf_counter() - t0
+        io = io_delta(io0, proc_io())
+    return _rank_figures(seconds, peak, io, mapped, state.values())
+
+
+def baseline_b_rank(files: list[str], specs: dict, degree: int) -> dict:
+    """Baseline B on one rank: load everything, keep this rank's shard of each planned tensor."""
+    rank = int(os.environ["RANK"])
+    with PeakRSS() as peak:
+        io0, t0 = proc_io(), time.perf_counter()
+        state, mapped = _materialise(files)
+        for name, spec in specs.items():
+            state[name] = split(state[name], spec, degree, rank)  # contiguous copy; full tensor freed
+        seconds = time.perf_counter() - t0
+        io = io_delta(io0, proc_io())
+    return _rank_figures(seconds, peak, io, mapped, state.values())
+
+
+# --- shardwise hook: the streaming loader plugs in here ---------------------------------------
+
+def shardwise_rank(ckpt_dir: str, plan: dict[str, str], degree: int) -> dict:
+    """``sw.load`` on one rank of a tp=``degree`` gloo mesh, into a meta-device BenchModel."""
+    import shardwise as sw
+
+    backend = sw.init_backend("gloo")
+    mesh = backend.mesh(tp=degree)
+    with torch.device("meta"):
+        model = BenchModel.from_checkpoint(ckpt_dir, dtype=torch.bfloat16)
+    with PeakRSS() as peak:
+        file_rss, io0, t0 = proc_status().get("RssFile", 0), proc_io(), time.perf_counter()
+        sw.load(model, ckpt_dir, plan=real_plan(plan), mesh=mesh)
+        seconds = time.perf_counter() - t0
+        io = io_delta(io0, proc_io())
+        mapped = max(0, proc_status().get("RssFile", 0) - file_rss)  # 0 unless it reads through mmap
+    params = dict(model.named_parameters())
+    left = [n for n, p in params.items() if p.is_meta]
+    if left:
+        raise RuntimeError(f"sw.load left {len(left)} parameters on the meta device, e.g. {left[:3]}")
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in params.values()]
+    return _rank_figures(seconds, peak, io, mapped, local)
+
+
+def shardwise_load(ckpt_dir, plan: dict[str, str], degree: int, *, timeout: float = 600) -> list[dict] | None:
+    """Per-rank figures of ``sw.load`` at ``degree``; None while shardwise has no ``load``."""
+    import shardwise as sw
+
+    try:
+        sw.load  # noqa: B018 - the lazy attribute imports shardwise.io.load
+    except AttributeError:
+        return None
+    except ModuleNotFoundError as e:  # announced in shardwise/__init__ but not written yet
+        if e.name != "shardwise.io.load":
+            raise
+        return None
+    return spawn(shardwise_rank, degree, args=(str(ckpt_dir), plan, degree), timeout=timeout)
+
+
+# --- phases ----------------------------------------------------------------------------------
+
+def page_cache_limit(files: list[str]) -> dict:
+    """Seconds and bytes to ``readinto`` every file, in turn, into one warm buffer."""
+    sizes = [os.path.getsize(f) for f in files]
+    buf = torch.zeros(max(sizes), dtype=torch.uint8)  # zeros: pre-touched, no page faults inside
+    view = memoryview(buf.numpy())
+    io0, t0 = proc_io(), time.perf_counter()
+    for path, size in zip(files, sizes, strict=True):
+        with open(path, "rb", buffering=0) as f:
+            done = 0
+            while done < size and (n := f.readinto(view[done:size])):
+                done += n
+    seconds = time.perf_counter() - t0
+    rchar = io_delta(io0, proc_io()).get("rchar", sum(sizes))
+    return {"rank": 0, "seconds": seconds, "rchar": rchar, "bytes_read": rchar, "mmap_bytes": 0,
+            "peak_rss": None, "local_bytes": max(sizes)}
+
+
+def _prepare_cache(files: list[str], cache: str) -> None:
+    if cache == "cold":
+        drop_file_cache(files)
+    else:
+        warm_file_cache(files)
+
+
+def run_phase(fn, files, args) -> list[dict] | None:
+    """Run ``fn()`` ``args.repeat`` times from the stated cache state; the per-rank
+    figures of the run whose slowest rank is the median."""
+    runs = []
+    for _ in range(args.repeat):
+        _prepare_cache(files, args.cache)
+        ranks = fn()
+        if ranks is None:  # the method is not available
+            return None
+        runs.append(ranks)
+    runs.sort(key=lambda ranks: max(r["seconds"] for r in ranks))
+    return runs[len(runs) // 2]
+
+
+def summarise(method: str, degree: int, ranks: list[dict] | None, note: str = "") -> dict:
+    """One table row from per-rank figures: the slowest rank's time, the largest peak."""
+    row = {"method": method, "degree": degree, "note": note, "ranks": ranks}
+    if not ranks:
+        return row
+    seconds = max(r["seconds"] for r in ranks)
+    peaks = [r["peak_rss"] for r in ranks if r.get("peak_rss") is not None]
+    row.update(seconds=seconds,
+               read_gb=max(r["bytes_read"] for r in ranks) / GB,
+               gbps=sum(r["bytes_read"] / r["seconds"] for r in ranks) / len(ranks) / GB,
+               rss_gb=max(peaks) / GB if peaks else None,
+               anon_gb=max(r["peak_anon"] for r in ranks) / GB if peaks else None,
+               rss_method=ranks[0].get("rss_method"))
+    return row
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """time and RSS against A, and against B at the same degree, as their own columns."""
+    def ratio(row, base, key):
+        if base is None or row.get(key) is None or not base.get(key):
+            return None
+        return row[key] / base[key]
+
+    a = next((r for r in rows if r["method"].startswith("A") and "seconds" in r), None)
+    b = {r["degree"]: r for r in rows if r["method"].startswith("B") and "seconds" in r}
+    for row in rows:
+        row["time_vs_a"], row["rss_vs_a"] = ratio(row, a, "seconds"), ratio(row, a, "rss_gb")
+        if row["method"].startswith("shardwise"):
+            base = b.get(row["degree"])
+            row["time_vs_b"], row["rss_vs_b"] = ratio(row, base, "seconds"), ratio(row, base, "rss_gb")
+
+
+def _room(need: float, keep_cached: int) -> str:
+    """'' when ``need`` bytes fit in RAM beside the cached checkpoint, else why we skip."""
+    avail = mem_available() - keep_cached
+    if need <= avail:
+        return ""
+    return f"skipped: needs ~{need / GB:.1f} GB of free RAM, {max(avail, 0) / GB:.1f} GB available"
+
+
+COLUMNS = [
+    ("method", "method"), ("degree", "tp"), ("seconds", "s"), ("gbps", "GB/s per rank"),
+    ("read_gb", "read GB/rank"), ("rss_gb", "peak RSS GB/rank"),
+    ("time_vs_a", "time ×A"), ("rss_vs_a", "RSS ×A"), ("time_vs_b", "time ×B"),
+    ("rss_vs_b", "RSS ×B"), ("note", "note"),
+]
+
+
+def _notes(ckpt, args) -> str:
+    cfg = ckpt.config
+    return (
+        f"Checkpoint: {ckpt.total_bytes / GB:.2f} GB of {cfg['dtype']} in {len(ckpt.files)} files "
+        f"(--file-size {args.file_size}), a Llama-like stack of {cfg['num_layers']} layers, hidden "
+        f"{cfg['hidden']}, vocab {cfg['vocab']}; q/k/v colwise, o rowwise, packed gate_up "
+        f"PackedColwise([1, 1]), down rowwise; embedding and norms replicated. Page cache "
+        f"{args.cache} before every phase (every file read once just before; a warm cache is "
+        f"what a second load sees, not a disk). Ranks are local processes with 1 torch thread "
+        f"each, sharing the machine's cores (at tp above the core count they wait for each "
+        f"other). Median of {args.repeat} run(s), by the slowest rank. Command: "
+        f"`python3 benchmarks/load.py --size {args.size} --file-size {args.file_size} --degrees "
+        f"{' '.join(map(str, args.degrees))} --repeat {args.repeat}`.\n\n"
+        "A and B copy every tensor out of `load_file`'s mmap views (`.clone()`), so the "
+        "tensors are owned and resident. Peak RSS is above each process's level before the load "
+        "(VmHWM reset via /proc/self/clear_refs, checked by a 5 ms VmRSS sampler); for A and B it "
+        "includes up to one file of mmap'd page-cache pages (the anonymous peak is in the JSON). "
+        "Read GB counts read() bytes (rchar) plus file pages faulted in through mmap. ×A and ×B "
+        "are ratios to A and to B at the same tp in this run (below 1 is better)."
+    )
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", default="4GB", help="checkpoint size, e.g. 512MB, 4GB (default 4GB)")
+    p.add_argument("--file-size", default="1GB", help="largest file of the checkpoint (default 1GB)")
+    p.add_argument("--degrees", type=int, nargs="+", default=[1, 2, 4], help="tp degrees (1 2 4)")
+    p.add_argument("--dir", help="checkpoint folder (reused when it holds the same checkpoint)")
+    p.add_argument("--keep", action="store_true", help="keep the checkpoint this run wrote")
+    p.add_argument("--repeat", type=int, default=1, help="runs per phase; the median is reported")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cache", choices=["warm", "cold"], default="warm",
+                   help="page cache before each phase; cold is best effort (posix_fadvise)")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per spawned phase")
+    args = p.parse_args(argv)
+    if args.repeat < 1 or any(d < 1 for d in args.degrees):
+        p.error("--repeat and --degrees must be positive")
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    folder = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="shardwise-bench-load-"))
+    t0 = time.perf_counter()
+    ckpt = make_checkpoint(folder, parse_size(args.size), parse_size(args.file_size),
+                           layers=args.layers, seed=args.seed)
+    log(f"checkpoint {folder}: {ckpt.total_bytes / GB:.2f} GB in {len(ckpt.files)} files "
+        f"({'reused' if ckpt.reused else f'written in {time.perf_counter() - t0:.1f} s'})")
+    files = [str(f) for f in ckpt.files]
+    total, timeout = ckpt.total_bytes, args.timeout
+    rows = []
+    try:
+        log("page cache -> buffer")
+        rows.append(summarise("page cache → buffer (readinto)", 1,
+                              run_phase(lambda: [page_cache_limit(files)], files, args)))
+        log("A: load_file + clone, one process")
+        skip = _room(1.1 * total, total)
+        rows.append(summarise("A: load_file + clone", 1, None if skip else run_phase(
+            lambda: spawn(baseline_a_rank, 1, args=(files,), timeout=timeout), files, args), skip))
+        log("shardwise, one process")
+        rows.append(_shardwise_row(ckpt, 1, files, args))
+        for degree in args.degrees:
+            log(f"B: load_file + clone + split on {degree} rank(s)")
+            skip = _room(1.1 * degree * total, total)
+            specs = shard_specs(ckpt.config, ckpt.plan, degree)
+            ranks = None if skip else run_phase(
+                lambda d=degree, s=specs: spawn(baseline_b_rank, d, args=(files, s, d), timeout=timeout),
+                files, args)
+            rows.append(summarise("B: load_file + clone + split", degree, ranks, skip))
+            if degree > 1:
+                log(f"shardwise on {degree} ranks")
+                rows.append(_shardwise_row(ckpt, degree, files, args))
+    finally:
+        if not args.keep and not ckpt.reused:
+            for f in [*ckpt.files, folder / "model.safetensors.index.json"]:
+                Path(f).unlink(missing_ok=True)
+            if not args.dir:
+                shutil.rmtree(folder, ignore_errors=True)
+    add_ratios(rows)
+    table = write_results("load", [{k: v for k, v in r.items() if k != "ranks"} for r in rows],
+                          COLUMNS, _notes(ckpt, args),
+                          extra={"config": ckpt.config, "total_bytes": total,
+                                 "per_rank": [{"method": r["method"], "degree": r["degree"],
+                                               "ranks": r["ranks"]} for r in rows]})
+    print(table)
+
+
+def _shardwise_row(ckpt, degree: int, files: list[str], args) -> dict:
+    ranks = run_phase(lambda: shardwise_load(ckpt.path, ckpt.plan, degree, timeout=args.timeout),
+                      files, args)
+    note = "" if ranks else "not available: this checkout has no sw.load yet"
+    return summarise("shardwise sw.load", degree, ranks, note)
+
+
+if __name__ == "__main__":
+    main()

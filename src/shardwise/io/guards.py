@@ -1,0 +1,193 @@
+"""Guards: refuse what shardwise cannot load or save, before any read, write or collective.
+
+Each check is pure inspection of Python objects (module classes, attributes, tensor types
+and dtypes, the world size already known to this process): no file is opened and no
+collective runs, so a refused model fails the same way on every rank, at once, without
+leaving a peer waiting in a collective. Optional packages (accelerate, diffusers, peft,
+bitsandbytes, torchao) are recognised by attribute and class names, never imported.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shardwise.errors import MeshError, UnsupportedModelError
+
+# Tensor types a checkpoint path handles as is; anything else wraps its data.
+_PLAIN_TENSOR_TYPES = ("Tensor", "Parameter", "DTensor", "Buffer")
+_BNB_PARAM_TYPES = ("Params4bit", "Int8Params")
+_QUANT_MODULE_TYPES = ("Linear4bit", "Linear8bitLt", "LinearNF4", "Float8Linear", "QuantizedLinear")
+_QUANT_TENSOR_MARKS = ("Float8", "AffineQuantized", "NF4", "Int4", "Int8", "Quantized", "Fp8")
+_GROUP_OFFLOAD_HOOKS = ("group_offloading", "lazy_prefetch_group_offloading")
+_FLOAT8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                                              "float8_e5m2fnuz") if hasattr(torch, n))
+
+
+def _refuse(action: str, cause: str, fix: str) -> UnsupportedModelError:
+    return UnsupportedModelError(f"cannot {action} this model: {cause}; {fix}")
+
+
+def check_model(model: nn.Module, *, action: str) -> None:
+    """Raise ``UnsupportedModelError`` if ``model`` is quantized, placed or offloaded by
+    accelerate or diffusers, or carries PEFT/LoRA layers; ``action`` ("load", "save", ...)
+    goes into the message. Pure inspection: no file access, no collective.
+
+    >>> check_model(torch.nn.Linear(2, 2), action="load")
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{action}: model must be a torch.nn.Module, got {type(model).__name__}")
+    _check_quantization_config(model, action)
+    _check_placement(model, action)
+    _check_peft(model, action)
+    _check_quantized_tensors(model, action)
+
+
+def _check_quantization_config(model: nn.Module, action: str) -> None:
+    config = getattr(model, "config", None)
+    found = [(f"model.config.{a}" if owner is config else f"model.{a}")
+             for owner in (config, model) if owner is not None
+             for a in ("quantization_config", "hf_quantizer")
+             if getattr(owner, a, None) not in (None, {})]
+    found += [f"model.{a}" for a in ("is_loaded_in_4bit", "is_loaded_in_8bit")
+              if getattr(model, a, False) is True]
+    if found:
+        raise _refuse(action, f"it is quantized ({found[0]} is set)",
+                      "shardwise reads and writes unquantized weights only; load the original "
+                      "(unquantized) model, shard it with shardwise, then quantize each shard")
+
+
+def _check_quantized_tensors(model: nn.Module, action: str) -> None:
+    fix = ("shardwise reads and writes unquantized weights only; build the model without quantization "
+           "(no torchao quantize_, no bitsandbytes layers), load it, then quantize")
+    for path, module in model.named_modules():
+        cls = type(module).__name__
+        if cls in _QUANT_MODULE_TYPES:
+            raise _refuse(action, f"module {path or '<root>'!r} is a quantized layer ({cls})", fix)
+        tensors = dict(module.named_parameters(recurse=False))
+        tensors.update(module.named_buffers(recurse=False))
+        for name, t in tensors.items():
+            if t is None:
+                continue
+            full = f"{path}.{name}" if path else name
+            tcls = type(t).__name__
+            if tcls in _BNB_PARAM_TYPES:
+                raise _refuse(action, f"parameter {full!r} is a bitsandbytes {tcls}", fix)
+            if tcls not in _PLAIN_TENSOR_TYPES:
+                kind = ("a quantized tensor subclass" if any(m in tcls for m in _QUANT_TENSOR_MARKS)
+                        else "a tensor subclass shardwise does not know")
+                raise _refuse(action, f"{full!r} is {kind} ({tcls})",
+                              fix if "quantized" in kind else
+                              "convert it to a plain torch.Tensor (or DTensor) before calling shardwise")
+        scales = [n for n in tensors if "scale" in n.lower()]
+        if not scales:
+            continue
+        for name, t in tensors.items():
+            if t is not None and "weight" in name.lower() and _is_quantized_dtype(t.dtype):
+                full = f"{path}.{name}" if path else name
+                raise _refuse(action, f"{full!r} holds {t.dtype} values next to the scale tensor "
+                              f"{scales[0]!r} (quantized weights)", fix)
+
+
+def _is_quantized_dtype(dtype: torch.dtype) -> bool:
+    return dtype in _FLOAT8 or not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
+def _check_placement(model: nn.Module, action: str) -> None:
+    if getattr(model, "hf_device_map", None) is not None:
+        raise _refuse(action, "it was placed by accelerate (model.hf_device_map is set)",
+                      "build the model without device_map= (on the meta device: "
+                      "`with torch.device('meta'):`) and let shardwise place each shard on its rank")
+    for path, module in model.named_modules():
+        where = path or "<root>"
+        if getattr(module, "_hf_hook", None) is not None:
+            hook = type(module._hf_hook).__name__
+            raise _refuse(action, f"module {where!r} carries an accelerate hook ({hook}: device placement "
+                          "or CPU/disk offload)",
+                          "remove it first (accelerate.hooks.remove_hook_from_module(model, recurse=True)) "
+                          "or build the model without device_map/offloading")
+        registry = getattr(module, "_diffusers_hook", None)
+        if registry is not None:
+            names = _hook_names(registry)
+            hit = next((n for n in names if n in _GROUP_OFFLOAD_HOOKS), None)
+            if hit is not None:
+                raise _refuse(action, f"module {where!r} is group-offloaded by diffusers (hook {hit!r})",
+                              "turn group offloading off (do not call enable_group_offload / "
+                              "apply_group_offloading before shardwise); tensor parallelism already "
+                              "divides the memory")
+
+
+def _hook_names(registry) -> list[str]:
+    hooks = getattr(registry, "hooks", None)
+    if isinstance(hooks, dict):
+        return [str(n) for n in hooks]
+    get_hook = getattr(registry, "get_hook", None)
+    if callable(get_hook):
+        return [n for n in _GROUP_OFFLOAD_HOOKS if get_hook(n) is not None]
+    return []
+
+
+def _check_peft(model: nn.Module, action: str) -> None:
+    fix = ("merge the adapters first (peft: model = model.merge_and_unload(); diffusers: "
+           "fuse_lora() then unload_lora_weights()), or load the base model without adapters")
+    for path, module in model.named_modules():
+        where = path or "<root>"
+        if getattr(module, "peft_config", None) or getattr(module, "_hf_peft_config_loaded", False) is True:
+            raise _refuse(action, f"PEFT adapters are attached (peft_config on {where!r})", fix)
+        cls = type(module).__name__
+        if cls.startswith("Lora") or cls.startswith("PeftModel"):
+            raise _refuse(action, f"module {where!r} is a PEFT layer ({cls})", fix)
+        if hasattr(module, "lora_A") or hasattr(module, "lora_B"):
+            raise _refuse(action, f"module {where!r} has LoRA layers injected (lora_A/lora_B, class {cls})",
+                          fix)
+
+
+def check_mesh(mesh) -> None:
+    """Raise ``MeshError`` if ``mesh`` is missing or spans more devices than the world.
+
+    Reads only what this process knows (the world size of its process group): no collective.
+    """
+    import torch.distributed as dist
+
+    if mesh is None:
+        raise MeshError("mesh is required; build one with sw.init_backend(...).mesh(tp=N)")
+    if not dist.is_available() or not dist.is_initialized():
+        raise MeshError("no process group is running; call sw.init_backend(...) before building the mesh")
+    size = int(mesh.size())
+    world = dist.get_world_size()
+    if size > world:
+        raise MeshError(
+            f"the mesh has {size} devices but the world has only {world} processes; launch "
+            f"{size} ranks (torchrun --nproc-per-node {size}) or build a mesh of at most {world} "
+            "with backend.mesh(tp=...)"
+        )
+
+
+# Options a user may bring over from from_pretrained that have no streaming meaning.
+_NON_STREAMING = {
+    "device_map": "shardwise places each rank's shard on that rank's device itself; drop device_map "
+                  "and pass mesh= (every rank reads only its slice)",
+    "max_memory": "per-device memory limits belong to accelerate's placement; drop max_memory: each rank "
+                  "holds only its 1/degree of the model",
+    "offload_folder": "offloading to disk cannot be combined with streaming shards; drop offload_folder",
+    "offload_state_dict": "offloading cannot be combined with streaming shards; drop offload_state_dict",
+    "quantization_config": "shardwise loads unquantized weights; load, then quantize each shard",
+}
+
+
+def check_options(*, _where: str = "load", **options) -> None:
+    """Raise ``UnsupportedModelError`` for an option that cannot stream (``device_map``, ...)
+    and ``TypeError`` for an option ``_where`` does not know. ``None`` values are ignored.
+
+    >>> check_options(device_map=None)
+    """
+    for name, value in options.items():
+        if name in _NON_STREAMING:
+            if value is not None:
+                raise UnsupportedModelError(f"{_where}: option {name}={value!r} cannot stream: "
+                                            f"{_NON_STREAMING[name]}")
+            continue
+        raise TypeError(f"{_where}() got an unexpected keyword argument {name!r}")
+
+
+__all__ = ["check_mesh", "check_model", "check_options"]

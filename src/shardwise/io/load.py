@@ -1,0 +1,260 @@
+"""``sw.load``: stream a safetensors checkpoint into a tensor-parallel model.
+
+Every rank reads only the bytes of its own regions of each tensor (the whole tensor when it
+is replicated), casts after slicing, moves the result to its device and installs it with
+:func:`shardwise.parallel.install`, so the forward is wired exactly as ``parallelize`` wires
+it. No collective runs: every rank plans and reads on its own. Guards, the plan, the
+checkpoint headers and the key/shape checks all come before the first tensor byte is read.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from shardwise.core.plan import ResolvedPlan, resolve_plan
+from shardwise.core.spec import split
+from shardwise.errors import CheckpointError, PlanError
+from shardwise.io.guards import check_mesh, check_model, check_options
+from shardwise.io.reader import RegionReader, plan_reads
+from shardwise.io.safetensors_io import Checkpoint, resolve_checkpoint
+from shardwise.parallel import HOLDINGS, default_holding, get_shard_state, install, tp_axis
+
+_SHOW = 20  # names listed in an error before "... and N more"
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """What one rank's ``sw.load`` did.
+
+    ``missing_keys``: model tensors the checkpoint lacks (non-strict loads only);
+    ``unexpected_keys``: checkpoint tensors the model has no place for; ``bytes_read``:
+    tensor bytes this rank read from disk; ``seconds``: wall time of the call on this rank;
+    ``tensors``: how many tensors were read.
+    """
+
+    missing_keys: tuple[str, ...]
+    unexpected_keys: tuple[str, ...]
+    bytes_read: int
+    seconds: float
+    tensors: int
+
+    def __repr__(self) -> str:
+        return (f"LoadResult(tensors={self.tensors}, bytes_read={self.bytes_read}, "
+                f"seconds={self.seconds:.3f}, missing={len(self.missing_keys)}, "
+                f"unexpected={len(self.unexpected_keys)})")
+
+
+def load(model: nn.Module, path: str | os.PathLike, *, plan, mesh, dtype: torch.dtype | None = None,
+         strict: bool = True, num_threads: int | None = None, progress: bool | None = None,
+         holding: str | None = None, **options) -> LoadResult:
+    """Fill ``model`` (usually built on the meta device) from the checkpoint at ``path``,
+    sharded by ``plan`` over the tp axis of ``mesh``; every rank of the mesh calls it.
+
+    ``path`` is a ``.safetensors`` file, a ``*.safetensors.index.json`` (any prefix), a
+    folder holding one of them, or a torch DCP folder (with ``.metadata``). ``dtype`` casts
+    floating-point tensors after slicing (``None`` keeps the file's dtypes). ``strict``
+    raises on missing keys; a shape that disagrees with the model always raises.
+    ``num_threads`` read in parallel (default ``min(8, cpus / ranks on this host)``);
+    ``progress`` shows a bar on rank 0 (default: when stderr is a terminal and tqdm is
+    installed). ``holding`` is ``"dtensor"`` or ``"local"`` (default: the backend's).
+    Unknown keyword options raise ``TypeError``; ``device_map`` and other placement
+    options of ``from_pretrained`` raise ``UnsupportedModelError`` (they cannot stream).
+
+    >>> with torch.device("meta"):                                          # doctest: +SKIP
+    ...     model = MyModel(config)
+    >>> sw.load(model, "ckpt/", plan=plan, mesh=backend.mesh(tp=4), dtype=torch.bfloat16)  # doctest: +SKIP
+    LoadResult(tensors=291, bytes_read=4021813248, seconds=1.912, missing=0, unexpected=0)
+    """
+    start = time.perf_counter()
+    check_options(_where="load", **options)
+    check_model(model, action="load")
+    check_mesh(mesh)
+    if get_shard_state(model) is not None:
+        raise PlanError("model is already parallelised; build a fresh (meta) model to load into")
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype or None, got {dtype!r}")
+    holding = holding or default_holding()
+    if holding not in HOLDINGS:
+        raise ValueError(f"holding must be one of {HOLDINGS} or None (the backend's), got {holding!r}")
+    tp_mesh = tp_axis(mesh)
+    degree, rank = tp_mesh.size(), tp_mesh.get_local_rank()
+    specs = resolve_plan(model, plan, degree)
+    if (Path(path) / ".metadata").is_file() or any(Path(path).glob("*.distcp")):  # DCP, maybe incomplete
+        return _load_dcp(model, path, specs=specs, mesh=mesh, holding=holding, dtype=dtype, strict=strict)
+
+    ckpt = resolve_checkpoint(path)
+    sources, missing, unexpected = match_keys(model, specs, ckpt, strict=strict)
+    _check_nothing_left_on_meta(model, specs, missing)
+    items = plan_reads(sources, specs, degree, rank)
+    device = _device(tp_mesh)
+
+    def finalize(raw: torch.Tensor) -> torch.Tensor:
+        # After slicing: only this rank's part is ever cast. A widening cast runs on the
+        # device, after the copy, so that fewer bytes cross to it.
+        cast = dtype is not None and raw.is_floating_point() and raw.dtype != dtype
+        if cast and dtype.itemsize <= raw.dtype.itemsize:
+            raw, cast = raw.to(dtype), False
+        raw = raw.to(device) if raw.device != device else raw
+        return raw.to(dtype) if cast else raw
+
+    with _Progress(sum(i.nbytes for i in items), progress) as bar, \
+            RegionReader(ckpt.headers, num_threads=_num_threads(num_threads), on_bytes=bar) as reader:
+        tensors = reader.read(items, finalize=lambda item, raw: finalize(raw))
+    own = model.state_dict(keep_vars=True) if missing else {}
+
+    def local_tensor(name, spec):
+        if name in tensors:
+            return tensors.pop(name)  # install owns it now; our reference goes
+        return finalize(split(own[name].detach().cpu(), spec, degree, rank))  # non-strict: keep own
+
+    install(model, specs, mesh, holding=holding, local_tensor=local_tensor)
+    _move_non_persistent(model, device)
+    return LoadResult(tuple(missing), tuple(unexpected), reader.bytes_read,
+                      time.perf_counter() - start, len(items))
+
+
+def match_keys(model: nn.Module, specs: ResolvedPlan, ckpt: Checkpoint, *, strict: bool):
+    """``({name: (file, entry)}, missing, unexpected)`` for the model tensors in ``specs``.
+
+    A tied tensor may be stored under any of its names. Raises ``CheckpointError`` for a
+    shape that disagrees with the model and, when ``strict``, for missing keys.
+    """
+    names_of: dict[str, list[str]] = {name: [name] for name in specs}
+    for alias, kept in specs.aliases.items():
+        names_of[kept].append(alias)
+    stored = set(ckpt.names)
+    shapes = {n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items()}
+    sources, missing = {}, []
+    for name, candidates in names_of.items():
+        found = next((c for c in candidates if c in stored), None)
+        if found is None:
+            missing.append(name)
+            continue
+        file, entry = ckpt.entry(found)
+        if entry.shape != shapes[name]:
+            raise CheckpointError(
+                f"{file}: tensor {found!r} has shape {entry.shape} in the checkpoint but "
+                f"{shapes[name]} in the model; load a checkpoint of this model's configuration"
+            )
+        sources[name] = (file, entry)
+    unexpected = sorted(stored - set(shapes))
+    if missing and strict:
+        raise CheckpointError(
+            f"{ckpt.root}: {len(missing)} model tensor(s) missing from the checkpoint: "
+            f"{_listing(missing)}; load the checkpoint that matches this model, or pass "
+            "strict=False to keep the model's own values for them"
+        )
+    return sources, missing, unexpected
+
+
+def _check_nothing_left_on_meta(model: nn.Module, specs: ResolvedPlan, missing: list[str]) -> None:
+    """Raise before reading if the load would leave a tensor on the meta device."""
+    state = model.state_dict(keep_vars=True)
+    empty = [n for n in missing if state[n].is_meta]
+    if empty:
+        raise CheckpointError(
+            f"{len(empty)} tensor(s) missing from the checkpoint have no value in the model (meta "
+            f"device): {_listing(empty)}; load a checkpoint that has them, or build the model with "
+            "these tensors materialised"
+        )
+    for name, buf in model.named_buffers():
+        if name not in state and buf.is_meta:
+            raise CheckpointError(
+                f"non-persistent buffer {name!r} is on the meta device; checkpoints never store "
+                "non-persistent buffers, so loading cannot fill it. Create it on a real device in "
+                "the module's __init__ (e.g. torch.arange(..., device='cpu') inside the meta "
+                "context), or recompute it after building the model and before sw.load"
+            )
+
+
+def _move_non_persistent(model: nn.Module, device: torch.device) -> None:
+    for module in model.modules():
+        for name in module._non_persistent_buffers_set:
+            buf = module._buffers.get(name)
+            if buf is not None and buf.device != device:
+                module._buffers[name] = buf.to(device)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:  # a tensor outside the state dict (a custom state_dict hook hides it)
+        raise CheckpointError(
+            f"after loading, {_listing(left)} are still on the meta device: the model's state_dict "
+            "does not list them, so no checkpoint can fill them; materialise them before sw.load"
+        )
+
+
+def _load_dcp(model, path, **kwargs):
+    try:
+        from shardwise.io.dcp import load_dcp
+    except ImportError as e:
+        raise CheckpointError(
+            f"{path}: a torch distributed checkpoint (it has .metadata), but this shardwise "
+            f"cannot read DCP checkpoints ({e}); consolidate it to safetensors first"
+        ) from e
+    return load_dcp(model, path, **kwargs)
+
+
+def _device(tp_mesh) -> torch.device:
+    from shardwise.backends import current_backend
+
+    backend = current_backend()
+    if backend is not None:
+        return torch.device(backend.device)
+    return torch.device(tp_mesh.device_type)
+
+
+def _num_threads(num_threads: int | None) -> int:
+    if num_threads is not None:
+        return num_threads
+    # The ranks on this host share its cores (torchrun and sw.launch set LOCAL_WORLD_SIZE).
+    try:
+        local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local_ranks = 1
+    return max(1, min(8, (os.cpu_count() or 1) // local_ranks))
+
+
+def _listing(names: list[str]) -> str:
+    shown = ", ".join(names[:_SHOW])
+    return shown + (f", ... and {len(names) - _SHOW} more" if len(names) > _SHOW else "")
+
+
+class _Progress:
+    """A byte counter as a tqdm bar on global rank 0, or a no-op callable."""
+
+    def __init__(self, total: int, progress: bool | None):
+        self._bar = None
+        if progress is False or not _is_rank0():
+            return
+        if progress is None and not sys.stderr.isatty():
+            return
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:
+            return
+        self._bar = tqdm(total=total, unit="B", unit_scale=True, desc="shardwise load")
+
+    def __enter__(self):
+        return self
+
+    def __call__(self, n: int) -> None:
+        if self._bar is not None:
+            self._bar.update(n)
+
+    def __exit__(self, *exc) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _is_rank0() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+__all__ = ["LoadResult", "load", "match_keys"]
