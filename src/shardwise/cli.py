@@ -12,6 +12,26 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(tp=args.tp, size=args.size, keep=args.keep)
 
 
+def _inspect(args: argparse.Namespace) -> int:
+    from shardwise.io.inspect import main_inspect
+
+    return main_inspect(args.path)
+
+
+def _consolidate(args: argparse.Namespace) -> int:
+    from shardwise.errors import ShardwiseError
+    from shardwise.io.consolidate import consolidate
+
+    try:
+        out = consolidate(args.src, args.dst, max_shard_size=args.max_shard_size,
+                          filename_prefix=args.prefix, overwrite=args.overwrite)
+    except ShardwiseError as e:
+        print(f"shardwise consolidate: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardwise", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -20,6 +40,17 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--size", default="small", help="model size: tiny, small, medium")
     demo.add_argument("--keep", default=None, metavar="DIR", help="write the checkpoint here and keep it")
     demo.set_defaults(func=_demo)
+    inspect = sub.add_parser("inspect", help="describe a checkpoint: format, tensors, dtypes, size, layout")
+    inspect.add_argument("path", help="a .safetensors file, an index, or a checkpoint folder (DCP too)")
+    inspect.set_defaults(func=_inspect)
+    merge = sub.add_parser("consolidate", help="turn a distributed checkpoint into safetensors (one process)")
+    merge.add_argument("src", help="the distributed (DCP) checkpoint folder")
+    merge.add_argument("dst", help="the folder to write")
+    merge.add_argument("--max-shard-size", default="5GB", help="largest file: 5GB (default), 500MB, ...")
+    merge.add_argument("--prefix", default="model", help="file name prefix (default: model)")
+    merge.add_argument("--overwrite", action="store_true",
+                       help="replace DST once the new one is complete")
+    merge.set_defaults(func=_consolidate)
     return parser
 
 

@@ -1,0 +1,327 @@
+"""Distributed checkpoints: every rank writes its own regions through
+torch.distributed.checkpoint (DCP); a checkpoint written under one layout loads under any other.
+
+The checkpoint is canonical: tensors keep the model's names and unsharded shapes, a packed
+or FSDP x TP shard is written as several chunks at their canonical offsets, replicated
+tensors once. So it loads at any degree, and plain ``torch.distributed.checkpoint.load``
+(or ``sw.consolidate``) reads it without shardwise's plan. ``shardwise.json`` beside the
+data records the plan, mesh, degree, dtypes and versions; it is informational only.
+
+A save is written into a temporary folder beside the target and moved into place once every
+rank is done, exactly like the gather save (``shardwise.io.save``), so an interrupted save
+never leaves a ``.metadata`` at the target. The path must be on a filesystem every rank sees.
+
+DCP's ``.metadata`` is a pickle: shardwise unpickles it with an allow-list of DCP's own
+classes, but loading a DCP checkpoint still trusts its source.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: name it
+
+from shardwise.backends import coordination_group
+from shardwise.core.header import dtype_to_str
+from shardwise.core.plan import ResolvedPlan, plan_summary
+from shardwise.core.spec import local_layout, local_shape, split
+from shardwise.errors import CheckpointError
+from shardwise.io.dcp_items import CanonicalLoadPlanner, CanonicalSavePlanner, Placed, place
+from shardwise.io.dcp_metadata import MetadataReader, check_tensors, read_metadata
+from shardwise.parallel import get_shard_state, install, tp_axis
+
+INFO_FILE = "shardwise.json"
+INFO_FORMAT = "shardwise-dcp"
+
+
+# --- what a model holds -----------------------------------------------------------------
+
+def model_placed(model: nn.Module) -> dict[str, Placed]:
+    """``{tensor name: Placed}`` for every parameter and persistent buffer of ``model``, in
+    state-dict order; a tied tensor appears once, under its first name."""
+    state = get_shard_state(model)
+    tensors = model.state_dict(keep_vars=True)
+    if state is not None:
+        return {n: place(tensors[n], spec, state.degree, state.tp_rank, name=n)
+                for n, spec in state.specs.items()}
+    seen: set[int] = set()
+    out = {}
+    for n, t in tensors.items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            out[n] = place(t, None, 1, 0, name=n)
+    return out
+
+
+def checkpoint_info(model: nn.Module, placed: Mapping[str, Placed], *, kind: str,
+                    metadata: Mapping | None = None) -> dict:
+    """The informational ``shardwise.json`` content for a save of ``model``."""
+    import shardwise
+
+    state = get_shard_state(model)
+    mesh = state.mesh if state is not None else next(
+        (t.device_mesh for t in model.state_dict(keep_vars=True).values()
+         if type(t).__name__ == "DTensor"), None)
+    sharded_axes = sorted({(t.device_mesh.mesh_dim_names or ("?",) * t.device_mesh.ndim)[i]
+                           for t in model.state_dict(keep_vars=True).values()
+                           if type(t).__name__ == "DTensor"
+                           for i, p in enumerate(t.placements) if p.is_shard()})
+    return {
+        "format": INFO_FORMAT, "version": 1, "kind": kind,
+        "shardwise": shardwise.__version__, "torch": torch.__version__,
+        "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+        "mesh": None if mesh is None else {"axes": list(mesh.mesh_dim_names or ()),
+                                           "shape": list(mesh.mesh.shape)},
+        "degree": state.degree if state is not None else 1,
+        "holding": state.holding if state is not None else None,
+        "sharded_axes": sharded_axes,
+        "plan": plan_summary(state.specs) if state is not None else {},
+        "tensors": {n: {"dtype": dtype_to_str(p.local.dtype), "shape": list(p.shape)}
+                    for n, p in placed.items()},
+        "metadata": dict(metadata or {}),
+    }
+
+
+# --- writing ------------------------------------------------------------------------------
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _on_rank0(fn: Callable[[], object], what: str, *, share: bool = False):
+    """Run ``fn`` on rank 0; every rank raises if it failed and, with ``share``, gets its result."""
+    from shardwise.io.gather import agree, capture, world_backend
+
+    result = [None]
+
+    def run():
+        result[0] = fn()
+
+    agree(world_backend(), capture(run) if _rank() == 0 else None, what=what)
+    if share and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(result, src=0, group=coordination_group())
+    return result[0]
+
+
+def _write_info(folder: Path, info: dict) -> None:
+    tmp = folder / (INFO_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(info, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, folder / INFO_FILE)
+
+
+_ASYNC_GROUP: dict = {}
+
+
+def _async_group():
+    # The background thread of an async save runs DCP's collectives while training goes
+    # on with its own on the default group; sharing one group would interleave them.
+    if not dist.is_initialized():
+        return None
+    key = id(dist.group.WORLD)
+    if key not in _ASYNC_GROUP:
+        _ASYNC_GROUP[key] = dist.new_group(backend="gloo")
+    return _ASYNC_GROUP[key]
+
+
+class AsyncSave:
+    """The handle of an async save. Every rank must call :meth:`wait`, which finishes the
+    write and moves the checkpoint into place (it meets the other ranks once)."""
+
+    def __init__(self, future, finish: Callable[[], None], fail: Callable[[BaseException], None]):
+        self._future = getattr(future, "upload_completion", future)
+        self._finish, self._fail = finish, fail
+        self._done = False
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        """True when the data is written (``wait`` still has to move it into place)."""
+        return self._done or self._future.done()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the checkpoint is complete and in place; raises if the save failed
+        (again on every later call), or ``TimeoutError`` if the data is not written within
+        ``timeout`` seconds (the save goes on: call ``wait`` again)."""
+        if self._error is not None:
+            raise self._error
+        if self._done:
+            return
+        try:
+            self._future.result(timeout)
+        except TimeoutError:
+            raise
+        except (Exception, CheckpointException) as e:
+            self._done = True
+            try:
+                self._fail(e)
+            except CheckpointError as error:
+                self._error = error
+                raise
+        self._done = True
+        self._finish()
+
+
+def write_checkpoint(path, state_dict: dict, placed: Mapping[str, Placed], info: dict, *,
+                     overwrite: bool = False, async_save: bool = False,
+                     planner: CanonicalSavePlanner | None = None) -> AsyncSave | None:
+    """Save ``state_dict`` (local tensors for the ``placed`` keys, plain values otherwise)
+    as a canonical DCP checkpoint at ``path``; every rank calls it. With ``async_save`` the
+    data is staged (copied) before returning and the returned handle's ``wait`` completes it.
+    ``planner`` replaces ``CanonicalSavePlanner(placed)`` (SPMD resolves shards its own way).
+
+    Crash safety is the gather save's (``shardwise.io.save``): rank 0 prepares a temporary
+    folder beside ``path``, DCP writes into it, and it replaces ``path`` once complete.
+    """
+    from shardwise.io.save import _Destination, _target_path
+
+    target = _target_path(path)
+    dest = _Destination(target, overwrite) if _rank() == 0 else None
+
+    def prepare():
+        dest.prepare()
+        return str(dest.tmp)
+
+    tmp = Path(_on_rank0(prepare, f"preparing a distributed save to {target}", share=True))
+    planner = planner or CanonicalSavePlanner(placed)
+    writer = dcp.FileSystemWriter(tmp)
+    no_dist = not dist.is_initialized()
+
+    def commit():
+        _write_info(dest.tmp, info)
+        dest.commit(None)
+
+    def finish():
+        try:
+            _on_rank0(commit, f"moving the distributed save into {target}")
+        finally:
+            if dest is not None:
+                dest.discard()
+
+    def fail(e: BaseException):
+        if dest is not None:
+            dest.discard()
+        raise CheckpointError(f"{target}: the distributed save failed; the target is unchanged: {e}") from e
+
+    if async_save:
+        try:
+            future = dcp.async_save(state_dict, storage_writer=writer, planner=planner,
+                                    process_group=_async_group(), no_dist=no_dist)
+        except (Exception, CheckpointException) as e:
+            fail(e)
+        return AsyncSave(future, finish, fail)
+    try:
+        dcp.save(state_dict, storage_writer=writer, planner=planner, no_dist=no_dist,
+                 process_group=coordination_group())
+    except (Exception, CheckpointException) as e:  # DCP raised on every rank (it gathers the failures)
+        fail(e)
+    finish()
+    return None
+
+
+def save_dcp(model: nn.Module, path, *, overwrite: bool = False, async_save: bool = False,
+             metadata: Mapping | None = None, progress: bool | None = None) -> AsyncSave | None:
+    """Write ``model`` as a canonical DCP checkpoint at ``path``; every rank calls it, each
+    writing only its own regions (nothing is gathered). ``metadata`` goes into
+    ``shardwise.json`` (and, through ``sw.consolidate``, into the safetensors headers).
+    With ``async_save=True`` it returns once the shards are copied aside; call ``.wait()``
+    on the returned handle (on every rank) to complete it. ``progress`` is accepted for
+    ``sw.save``'s signature; DCP reports none.
+
+    >>> sw.save(model, "out/dcp", distributed=True)                    # doctest: +SKIP
+    >>> handle = sw.save(model, "out/dcp", distributed=True, async_save=True)  # doctest: +SKIP
+    >>> handle.wait()                                                   # doctest: +SKIP
+    """
+    from shardwise.io.guards import check_model
+
+    check_model(model, action="save")
+    state = get_shard_state(model)
+    planner = None
+    if state is not None and state.holding == "spmd":  # global tensors: this process's shards
+        from shardwise.io.spmd import SpmdSavePlanner, spmd_placed
+
+        placed = spmd_placed(model)
+        planner = SpmdSavePlanner(placed)
+    else:
+        placed = model_placed(model)
+    info = checkpoint_info(model, placed, kind="model", metadata=metadata)
+    state_dict = {n: p.local for n, p in placed.items()}
+    return write_checkpoint(path, state_dict, placed, info, overwrite=overwrite, async_save=async_save,
+                            planner=planner)
+
+
+# --- reading ------------------------------------------------------------------------------
+
+def read_checkpoint(path, metadata, state_dict: dict, placed: Mapping[str, Placed]) -> int:
+    """Fill ``state_dict`` (the ``placed`` local tensors in place; other values replaced)
+    from the checkpoint; every rank calls it. Returns the bytes this rank read."""
+    reader = MetadataReader(path, metadata)
+    dcp.load(state_dict, storage_reader=reader, planner=CanonicalLoadPlanner(placed),
+             no_dist=not dist.is_initialized(), process_group=coordination_group())
+    return reader.bytes_read
+
+
+def load_dcp(model: nn.Module, path, *, specs: ResolvedPlan, mesh, holding: str,
+             dtype: torch.dtype | None = None, strict: bool = True):
+    """Load the DCP checkpoint at ``path`` into ``model`` (usually on the meta device),
+    resharded to ``specs`` over the tp axis of ``mesh``, and install the shards exactly like
+    the safetensors path; every rank calls it (``sw.load`` dispatches here). Each rank reads
+    only the saved chunks that overlap its regions. ``dtype`` casts floating tensors.
+    Raises ``CheckpointError`` for an incomplete checkpoint and for missing or mismatched
+    tensors (naming them). The checkpoint's ``.metadata`` is a pickle: trust its source.
+    """
+    from shardwise.io.load import LoadResult, _check_nothing_left_on_meta, _device, _move_non_persistent
+
+    start = time.perf_counter()
+    metadata = read_metadata(path)
+    tp_mesh = tp_axis(mesh)
+    degree, rank = tp_mesh.size(), tp_mesh.get_local_rank()
+    own = model.state_dict(keep_vars=True)
+    stored = metadata.state_dict_metadata
+    key = {n: _stored_name(n, specs, stored) for n in specs}
+    wanted = {key[n]: tuple(own[n].shape) for n in specs}
+    missing, unexpected = check_tensors(path, metadata, wanted, strict=strict, allowed_extra=specs.aliases)
+    missing_names = [n for n in specs if key[n] in missing]
+    _check_nothing_left_on_meta(model, specs, missing_names)
+    device = _device(tp_mesh)
+    placed = {}
+    for n, spec in specs.items():
+        if key[n] in missing:
+            continue
+        saved = stored[key[n]].properties.dtype
+        want = dtype if dtype is not None and saved.is_floating_point else saved
+        shape = tuple(own[n].shape)
+        buf = torch.empty(local_shape(shape, spec, degree), dtype=want, device=device)
+        placed[key[n]] = Placed(buf, shape, local_layout(shape, spec, degree, rank))
+    nbytes = read_checkpoint(path, metadata, {k: p.local for k, p in placed.items()}, placed)
+
+    def local_tensor(name, spec):
+        if name in missing_names:  # strict=False: keep the model's own value
+            t = split(own[name].detach().cpu(), spec, degree, rank)
+            return (t.to(dtype) if dtype is not None and t.is_floating_point() else t).to(device)
+        return placed[key[name]].local
+
+    install(model, specs, mesh, holding=holding, local_tensor=local_tensor)
+    _move_non_persistent(model, device)
+    return LoadResult(tuple(missing_names), tuple(unexpected), nbytes,
+                      time.perf_counter() - start, len(placed))
+
+
+def _stored_name(name: str, specs: ResolvedPlan, stored) -> str:
+    """The checkpoint key of model tensor ``name``: itself, or a tied alias of it."""
+    if name in stored:
+        return name
+    return next((a for a, kept in specs.aliases.items() if kept == name and a in stored), name)
+
+
+__all__ = ["AsyncSave", "INFO_FILE", "checkpoint_info", "load_dcp", "model_placed", "read_checkpoint",
+           "save_dcp", "write_checkpoint"]

@@ -1,0 +1,150 @@
+"""``shardwise inspect PATH``: what a checkpoint is, without loading a tensor.
+
+A safetensors file or folder (one file, or sharded with an index) is described from its
+validated headers; a torch distributed checkpoint from its ``.metadata`` (unpickled with
+DCP's classes only) and, when shardwise wrote it, the layout recorded in ``shardwise.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shardwise.core.header import dtype_to_str, spec_nbytes
+from shardwise.errors import CheckpointError
+
+
+@dataclass
+class Report:
+    """A checkpoint's description. ``tensors`` rows are ``(name, dtype, shape, chunks)``
+    (``chunks`` is None for safetensors); ``values`` names non-tensor DCP entries."""
+
+    path: Path
+    kind: str
+    files: list[str]
+    tensors: list[tuple[str, str, tuple[int, ...], int | None]]
+    values: list[str] = field(default_factory=list)
+    metadata: dict = field(default_factory=dict)
+    layout: dict | None = None
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(spec_nbytes(dtype, shape) for _, dtype, shape, _ in self.tensors)
+
+
+def inspect_checkpoint(path: str | os.PathLike) -> Report:
+    """Describe the checkpoint at ``path`` (safetensors file, folder, index, or DCP folder).
+
+    >>> inspect_checkpoint("out/dcp").kind                  # doctest: +SKIP
+    'torch distributed checkpoint (DCP)'
+    """
+    path = Path(path)
+    if path.is_dir() and ((path / ".metadata").is_file() or any(path.glob("*.distcp"))):
+        return _dcp(path)
+    from shardwise.io.safetensors_io import resolve_checkpoint
+
+    ckpt = resolve_checkpoint(path)
+    kind = ("safetensors, sharded" if len(ckpt.files) > 1 or path.name.endswith(".json")
+            or any(ckpt.root.glob("*.safetensors.index.json")) else "safetensors, one file")
+    tensors = []
+    for name, file in ckpt.weight_map.items():
+        entry = ckpt.headers[file].entries[name]
+        tensors.append((name, entry.dtype, entry.shape, None))
+    metadata = dict(ckpt.headers[ckpt.files[0]].metadata) if ckpt.files else {}
+    return Report(path, kind, [f.name for f in ckpt.files], tensors, metadata=metadata)
+
+
+def _dcp(path: Path) -> Report:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from shardwise.io.dcp import INFO_FILE
+    from shardwise.io.dcp_metadata import read_metadata
+
+    metadata = read_metadata(path)
+    tensors, values = [], []
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            tensors.append((fqn, dtype_to_str(md.properties.dtype), tuple(md.size), len(md.chunks)))
+        else:
+            values.append(fqn)
+    files = sorted({str(info.relative_path) for info in metadata.storage_data.values()})
+    layout = None
+    try:
+        with open(path / INFO_FILE) as f:
+            layout = json.load(f)
+    except (OSError, ValueError):
+        pass
+    return Report(path, "torch distributed checkpoint (DCP)", files, tensors, values,
+                  layout=layout if isinstance(layout, dict) else None)
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+def _layout_lines(layout: dict | None) -> list[str]:
+    if layout is None:
+        return ["layout: not recorded (no shardwise.json: written by plain torch.distributed.checkpoint?)"]
+    mesh = layout.get("mesh") or {}
+    sharded = ", ".join(layout.get("sharded_axes") or [])
+    axes = " x ".join(f"{a}={s}" for a, s in zip(mesh.get("axes", []), mesh.get("shape", []), strict=False))
+    lines = [
+        f"saved by shardwise {layout.get('shardwise', '?')} with torch {layout.get('torch', '?')}: "
+        f"{layout.get('kind', '?')} checkpoint, world of {layout.get('world_size', '?')}",
+        f"layout: mesh {axes or 'none'}, tp degree {layout.get('degree', '?')}, holding "
+        f"{layout.get('holding') or 'n/a'}, sharded over {sharded or 'nothing'}",
+    ]
+    plan = layout.get("plan") or {}
+    if plan:
+        lines.append(f"plan ({len(plan)} modules): " + ", ".join(f"{k}: {v}" for k, v in plan.items()))
+    extra = layout.get("metadata") or {}
+    if extra:
+        lines.append("metadata: " + ", ".join(f"{k}={v}" for k, v in extra.items()))
+    return lines
+
+
+def format_report(report: Report) -> str:
+    """The text ``shardwise inspect`` prints."""
+    dtypes = Counter(dtype for _, dtype, _, _ in report.tensors)
+    lines = [f"{report.path}: {report.kind}",
+             f"{len(report.tensors)} tensors, {_size(report.total_bytes)} "
+             f"({report.total_bytes} bytes) in {len(report.files)} file(s); dtypes: "
+             + ", ".join(f"{d} x{n}" for d, n in dtypes.most_common())]
+    if report.kind.startswith("torch"):
+        lines += _layout_lines(report.layout)
+        if report.values:
+            lines.append(f"{len(report.values)} non-tensor values (e.g. {report.values[0]})")
+    elif report.metadata:
+        lines.append("metadata: " + ", ".join(f"{k}={v}" for k, v in report.metadata.items()))
+    width = max([len(n) for n, *_ in report.tensors] + [4])
+    chunks = report.kind.startswith("torch")
+    lines.append("")
+    head = f"{'name':<{width}}  {'dtype':<7} {'shape':<18} {'bytes':>12}"
+    lines.append(head + ("  chunks" if chunks else ""))
+    for name, dtype, shape, n in report.tensors:
+        shown = "x".join(map(str, shape)) or "scalar"
+        row = f"{name:<{width}}  {dtype:<7} {shown:<18} {spec_nbytes(dtype, shape):>12}"
+        lines.append(row + (f"  {n:>6}" if chunks else ""))
+    return "\n".join(lines)
+
+
+def main_inspect(path: str) -> int:
+    """``shardwise inspect PATH``: print the report; a bad checkpoint is an error message."""
+    import sys
+
+    try:
+        print(format_report(inspect_checkpoint(path)))
+    except CheckpointError as e:
+        print(f"shardwise inspect: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+__all__ = ["Report", "format_report", "inspect_checkpoint", "main_inspect"]

@@ -1,0 +1,125 @@
+"""Optimizer state as a canonical distributed checkpoint, keyed by parameter names.
+
+torch's ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` with
+``flatten_optimizer_state_dict=True`` already name every state and hyperparameter by its
+parameter (``state.<param>.exp_avg``, ``param_groups.<param>.lr``); shardwise adds only
+what they cannot know: a state tensor shaped like its parameter is split like it (packed
+blocks, plain local shards, FSDP x TP), so it is written as canonical chunks and reshards
+on load exactly like the model. Scalar states (``step``) and hyperparameters are stored
+once.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from shardwise.core.spec import ShardSpec
+from shardwise.errors import CheckpointError
+from shardwise.io.dcp import AsyncSave, checkpoint_info, read_checkpoint, write_checkpoint
+from shardwise.io.dcp_items import Placed, place
+from shardwise.io.dcp_metadata import check_tensors, read_metadata
+from shardwise.parallel import get_shard_state
+
+_STATE = "state."
+
+
+def _options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _param_of(key: str) -> str | None:
+    return key[len(_STATE):].rpartition(".")[0] if key.startswith(_STATE) else None
+
+
+def _placed(model: nn.Module, osd: Mapping) -> dict[str, Placed]:
+    """A Placed for every tensor of the flattened optimizer state dict ``osd``."""
+    state = get_shard_state(model)
+    params = dict(model.named_parameters())
+    out = {}
+    for key, value in osd.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        pname = _param_of(key)
+        param = params.get(pname) if pname is not None else None
+        if param is not None and tuple(value.shape) == tuple(param.shape):
+            spec = state.specs.get(pname, ShardSpec()) if state is not None else None
+            degree, rank = (state.degree, state.tp_rank) if state is not None else (1, 0)
+            out[key] = place(value, spec, degree, rank, name=key)
+        elif type(value).__name__ == "DTensor" or (param is not None and value.dim() > 0
+                                                    and _is_sharded(model, pname, param)):
+            raise CheckpointError(
+                f"optimizer state {key!r} has shape {tuple(value.shape)}, unlike its sharded "
+                f"parameter {tuple(param.shape) if param is not None else ''}; shardwise saves "
+                "states shaped like their parameter, or scalars")
+        else:  # a scalar (step) or the state of an unsharded parameter: the same on every rank
+            out[key] = place(value, ShardSpec(), 1, 0, name=key)
+    return out
+
+
+def _is_sharded(model: nn.Module, pname: str, param: torch.Tensor) -> bool:
+    state = get_shard_state(model)
+    spec = state.specs.get(pname) if state is not None else None
+    return type(param).__name__ == "DTensor" or (spec is not None and not spec.replicated)
+
+
+def save_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: str | os.PathLike, *,
+                   overwrite: bool = False, async_save: bool = False) -> AsyncSave | None:
+    """Save ``optimizer``'s state and hyperparameters, keyed by ``model``'s parameter names,
+    as a canonical DCP checkpoint at ``path``; every rank calls it. It reloads under any
+    layout with :func:`load_optimizer`. ``async_save`` works as in ``sw.save``.
+
+    >>> sw.save_optimizer(model, optimizer, "out/optim")   # doctest: +SKIP
+    """
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    osd = get_optimizer_state_dict(model, optimizer, options=_options())
+    placed = _placed(model, osd)
+    info = checkpoint_info(model, placed, kind="optimizer",
+                           metadata={"optimizer": type(optimizer).__name__})
+    state_dict = {k: placed[k].local if k in placed else v for k, v in osd.items()}
+    return write_checkpoint(path, state_dict, placed, info, overwrite=overwrite, async_save=async_save)
+
+
+def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: str | os.PathLike, *,
+                   strict: bool = True) -> None:
+    """Load the optimizer checkpoint at ``path`` into ``optimizer`` (built over ``model``'s
+    parameters in their current layout), resharded like the model; every rank calls it.
+    States, step counts and hyperparameters are restored. ``strict`` refuses checkpoint
+    entries this optimizer has no place for. The ``.metadata`` is a pickle: trust its source.
+
+    >>> optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)   # doctest: +SKIP
+    >>> sw.load_optimizer(model, optimizer, "out/optim")            # doctest: +SKIP
+    """
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    metadata = read_metadata(path)
+    # Builds the state (a zero step) when the optimizer has not stepped yet, so there are
+    # tensors of the right local shapes to read into.
+    osd = get_optimizer_state_dict(model, optimizer, options=_options())
+    placed = _placed(model, osd)
+    missing, _ = check_tensors(path, metadata, {k: p.shape for k, p in placed.items()}, strict=False)
+    stored = metadata.state_dict_metadata
+    missing += [k for k in osd if k not in placed and k not in stored]
+    if missing:
+        raise CheckpointError(f"{path}: {len(missing)} optimizer entries missing from the checkpoint: "
+                              f"{', '.join(missing[:10])}; load the optimizer checkpoint of this model "
+                              "and optimizer")
+    extra = [k for k in stored if k not in osd]
+    if extra and strict:
+        raise CheckpointError(f"{path}: {len(extra)} checkpoint entries have no place in this optimizer: "
+                              f"{', '.join(extra[:10])}; pass strict=False to ignore them")
+    state_dict = {k: placed[k].local if k in placed else v for k, v in osd.items()}
+    read_checkpoint(path, metadata, state_dict, placed)
+    for k, v in state_dict.items():
+        if k not in placed:
+            osd[k] = v
+    set_optimizer_state_dict(model, optimizer, osd, options=_options())
+
+
+__all__ = ["load_optimizer", "save_optimizer"]
