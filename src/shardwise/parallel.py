@@ -8,6 +8,9 @@ Two holding modes come from the same ``ShardSpec``s:
   every block; its canonical layout is known from the spec, never from the placement.
 - ``"local"`` (xla, neuron): parameters are plain local tensors and the forward of each
   planned module is replaced by one that does its collectives itself (autograd-aware).
+- ``"spmd"`` (xla_spmd): one process drives every device; a parameter stays one global
+  tensor placed over the tp axis of an ``SpmdMesh`` (``backends/xla_spmd.py``) and the
+  forward is the model's own: the XLA partitioner inserts the collectives.
 
 ``install`` is the one place that writes shards into a model: ``parallelize`` feeds it
 slices of the model's own tensors, the loaders feed it slices read from disk.
@@ -15,19 +18,18 @@ slices of the model's own tensors, the loaders feed it slices read from disk.
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shardwise.core.plan import ResolvedPlan, Style, resolve_plan
 from shardwise.core.spec import ShardSpec, split
 from shardwise.errors import PlanError
+from shardwise.local_tp import wire_local
 
-HOLDINGS = ("dtensor", "local")
+HOLDINGS = ("dtensor", "local", "spmd")
 _STATE_ATTR = "_shardwise_state"
 
 
@@ -38,7 +40,7 @@ class ShardState:
     mesh: object                       # the DeviceMesh passed in (may be 2-D)
     tp_mesh: object                    # its tp axis
     degree: int
-    tp_rank: int
+    tp_rank: int                       # 0 under "spmd": one process holds every position
     holding: str
     specs: ResolvedPlan
     group: object = field(repr=False, default=None)  # process group of the tp axis
@@ -95,7 +97,9 @@ def install(model: nn.Module, specs: ResolvedPlan, mesh, *, holding: str,
     if holding not in HOLDINGS:
         raise ValueError(f"holding must be one of {HOLDINGS}, got {holding!r}")
     tp_mesh = tp_axis(mesh)
-    degree, tp_rank = tp_mesh.size(), tp_mesh.get_local_rank()
+    check_spmd(tp_mesh, holding)
+    spmd = holding == "spmd"
+    degree, tp_rank = tp_mesh.size(), 0 if spmd else tp_mesh.get_local_rank()
     if specs.degree != degree:
         raise PlanError(f"plan was resolved for degree {specs.degree} but the mesh tp axis has {degree}")
     for name, spec in specs.items():
@@ -108,12 +112,12 @@ def install(model: nn.Module, specs: ResolvedPlan, mesh, *, holding: str,
                        specs=specs, group=tp_mesh.get_group())
     for path, style in specs.styles.items():
         module = model.get_submodule(path)
-        if style.kind == "replicate":
+        if style.kind == "replicate" or spmd:  # spmd: the model's own forward is correct
             continue
         if holding == "dtensor":
             _wire_dtensor(module, path, style, state)
         else:
-            _wire_local(module, style, state)
+            wire_local(module, style, state)
     model.__dict__[_STATE_ATTR] = state
     return state
 
@@ -138,6 +142,11 @@ def parallelize(model: nn.Module, plan, mesh, *, holding: str | None = None) -> 
     if meta:
         raise PlanError(f"parallelize needs a materialised model, but {meta[0]!r} is on the meta "
                         "device; use sw.load(model, path, plan=..., mesh=...) to fill a meta model")
+    holding = holding or default_holding()
+    if holding == "spmd":
+        install(model, specs, mesh, holding=holding,
+                local_tensor=lambda name, spec: tp_mesh.distribute(full[name], spec.dim))
+        return model
     degree, rank = tp_mesh.size(), tp_mesh.get_local_rank()
     device = torch.device(tp_mesh.device_type) if tp_mesh.device_type != "cpu" else None
 
@@ -146,8 +155,19 @@ def parallelize(model: nn.Module, plan, mesh, *, holding: str | None = None) -> 
         local = t if spec.replicated else split(t, spec, degree, rank)
         return local.to(device) if device is not None and local.device != device else local
 
-    install(model, specs, mesh, holding=holding or default_holding(), local_tensor=local_tensor)
+    install(model, specs, mesh, holding=holding, local_tensor=local_tensor)
     return model
+
+
+def check_spmd(tp_mesh, holding: str) -> None:
+    """Raise ``PlanError`` unless ``holding`` is ``"spmd"`` exactly when the mesh is an SPMD mesh."""
+    is_spmd = bool(getattr(tp_mesh, "spmd", False))
+    if is_spmd and holding != "spmd":
+        raise PlanError(f"holding {holding!r} needs one process per device, but this mesh is an SPMD "
+                        "mesh (one process drives every device); use holding='spmd' or leave it unset")
+    if holding == "spmd" and not is_spmd:
+        raise PlanError("holding 'spmd' needs the mesh of sw.init_backend('xla_spmd') (one process "
+                        "driving every device); with one process per device use 'dtensor' or 'local'")
 
 
 # -- DTensor holding: torch's styles, with our shards as their parameters ---------------
@@ -192,52 +212,3 @@ def _split_input_hook(style: Style, state: ShardState):
         return (split(x, spec, state.degree, state.tp_rank),) + tuple(args[1:])
 
     return hook
-
-
-# -- local holding: plain shards, collectives in the forward -------------------------------
-def _all_reduce(t: torch.Tensor, state: ShardState) -> torch.Tensor:
-    from torch.distributed.nn.functional import all_reduce
-
-    return all_reduce(t, group=state.group)
-
-
-def _all_gather_last(t: torch.Tensor, state: ShardState) -> torch.Tensor:
-    from torch.distributed.nn.functional import all_gather
-
-    return torch.cat(all_gather(t.contiguous(), group=state.group), dim=-1)
-
-
-def _wire_local(module: nn.Module, style: Style, state: ShardState) -> None:
-    if isinstance(module, nn.Embedding):
-        fwd = _vocab_embedding if style.kind == "rowwise" else _dim_embedding
-    else:
-        fwd = _colwise_linear if style.kind == "colwise" else _rowwise_linear
-    module.forward = types.MethodType(lambda mod, x: fwd(mod, x, style, state), module)
-
-
-def _colwise_linear(mod: nn.Linear, x, style: Style, state: ShardState):
-    y = F.linear(x, mod.weight, mod.bias)
-    return _all_gather_last(y, state) if style.gather_output else y
-
-
-def _rowwise_linear(mod: nn.Linear, x, style: Style, state: ShardState):
-    if style.split_input:
-        x = split(x, ShardSpec(dim=x.ndim - 1, blocks=style.blocks or (1,)), state.degree, state.tp_rank)
-    y = _all_reduce(F.linear(x, mod.weight), state)
-    return y + mod.bias if mod.bias is not None else y  # the bias is added once, after the sum
-
-
-def _vocab_embedding(mod: nn.Embedding, ids, style: Style, state: ShardState):
-    rows = mod.weight.shape[0]
-    start = state.tp_rank * rows
-    outside = (ids < start) | (ids >= start + rows)
-    local_ids = (ids - start).masked_fill(outside, 0)
-    y = F.embedding(local_ids, mod.weight, None, mod.max_norm, mod.norm_type,
-                    mod.scale_grad_by_freq, mod.sparse)
-    return _all_reduce(y.masked_fill(outside.unsqueeze(-1), 0), state)
-
-
-def _dim_embedding(mod: nn.Embedding, ids, style: Style, state: ShardState):
-    y = F.embedding(ids, mod.weight, mod.padding_idx, mod.max_norm, mod.norm_type,
-                    mod.scale_grad_by_freq, mod.sparse)
-    return _all_gather_last(y, state)

@@ -1,45 +1,64 @@
-"""The forward under tensor parallelism equals the one-process forward, in both holding modes."""
+"""Forward and gradients under tensor parallelism equal one process, in both holding modes."""
 
 import pytest
 import torch
 
 import shardwise as sw
-from shardwise.parallel import local_of
 from harness import run_ranks
 from models import make_model, tiny_plan, tokens
+from shardwise.core.spec import split
 
 
-def _forward(degree: int, holding: str, embedding: str):
+def _loss(out: torch.Tensor) -> torch.Tensor:
+    # a non-uniform upstream gradient, so that a misplaced shard of it shows
+    weights = torch.linspace(-1.0, 2.0, out.numel()).reshape(out.shape)
+    return (out * weights).sum()
+
+
+def _local_grad(p: torch.Tensor) -> torch.Tensor:
+    g = p.grad
+    if type(g).__name__ == "DTensor":  # bring it to the parameter's own placement first
+        g = g.redistribute(p.device_mesh, p.placements).to_local()
+    return g
+
+
+def _forward_and_grads(degree: int, holding: str, embedding: str):
     backend = sw.init_backend("gloo")
-    reference = make_model()(tokens())
+    plan = tiny_plan(embedding)
+    reference = make_model()
+    ref_out = reference(tokens())
+    _loss(ref_out).backward()
+    ref_grads = {n: p.grad for n, p in reference.named_parameters()}
+
     model = make_model()
-    sw.parallelize(model, tiny_plan(embedding), backend.mesh(tp=degree), holding=holding)
+    sw.parallelize(model, plan, backend.mesh(tp=degree), holding=holding)
     state = sw.get_shard_state(model)
     assert (state.degree, state.holding) == (degree, holding)
     # parameters really are sharded: a packed local shard is 1/degree of the canonical rows
     w = model.single[0].proj_in.weight
-    local = w.to_local() if holding == "dtensor" else w
-    assert local.shape[0] == 288 // degree
     assert (type(w).__name__ == "DTensor") == (holding == "dtensor")
-    with torch.no_grad():
-        out = model(tokens())
-    torch.testing.assert_close(out, reference.detach(), rtol=1e-5, atol=1e-5)
-    # one training step's gradients flow through the collectives in both modes
-    model(tokens()).sum().backward()
-    g = model.layers[0].attn.o.weight.grad
-    assert g is not None and torch.isfinite(local_of(g)).all()
+    assert (w.to_local() if holding == "dtensor" else w).shape[0] == 288 // degree
+
+    out = model(tokens())
+    torch.testing.assert_close(out, ref_out.detach(), rtol=1e-5, atol=1e-5)
+    _loss(out).backward()
+    rank = state.tp_rank
+    for name, p in model.named_parameters():
+        spec = state.specs[name]
+        expected = ref_grads[name] if spec.replicated else split(ref_grads[name], spec, degree, rank)
+        torch.testing.assert_close(_local_grad(p), expected, rtol=1e-4, atol=1e-5, msg=name)
     return True
 
 
 @pytest.mark.parametrize("degree", [2, 4])
 @pytest.mark.parametrize("holding", ["dtensor", "local"])
-def test_forward_matches_one_process(degree, holding):
-    assert run_ranks(_forward, degree, degree, holding, "embedding_rowwise") == [True] * degree
+def test_forward_and_gradients_match_one_process(degree, holding):
+    assert run_ranks(_forward_and_grads, degree, degree, holding, "embedding_rowwise") == [True] * degree
 
 
 @pytest.mark.parametrize("holding", ["dtensor", "local"])
 def test_dim_parallel_embedding(holding):
-    assert run_ranks(_forward, 2, 2, holding, "embedding_colwise") == [True] * 2
+    assert run_ranks(_forward_and_grads, 2, 2, holding, "embedding_colwise") == [True] * 2
 
 
 def _degree_one():

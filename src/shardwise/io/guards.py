@@ -153,6 +153,8 @@ def check_mesh(mesh) -> None:
         raise MeshError("mesh is required; build one with sw.init_backend(...).mesh(tp=N)")
     if not dist.is_available() or not dist.is_initialized():
         raise MeshError("no process group is running; call sw.init_backend(...) before building the mesh")
+    if getattr(mesh, "spmd", False):  # an SPMD mesh counts devices, all driven by this process
+        return
     size = int(mesh.size())
     world = dist.get_world_size()
     if size > world:

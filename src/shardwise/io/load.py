@@ -24,7 +24,8 @@ from shardwise.errors import CheckpointError, PlanError
 from shardwise.io.guards import check_mesh, check_model, check_options
 from shardwise.io.reader import RegionReader, plan_reads
 from shardwise.io.safetensors_io import Checkpoint, resolve_checkpoint
-from shardwise.parallel import HOLDINGS, default_holding, get_shard_state, install, tp_axis
+from shardwise.io.staging import host_to_device
+from shardwise.parallel import HOLDINGS, check_spmd, default_holding, get_shard_state, install, tp_axis
 
 _SHOW = 20  # names listed in an error before "... and N more"
 
@@ -84,8 +85,15 @@ def load(model: nn.Module, path: str | os.PathLike, *, plan, mesh, dtype: torch.
     if holding not in HOLDINGS:
         raise ValueError(f"holding must be one of {HOLDINGS} or None (the backend's), got {holding!r}")
     tp_mesh = tp_axis(mesh)
-    degree, rank = tp_mesh.size(), tp_mesh.get_local_rank()
+    check_spmd(tp_mesh, holding)
+    degree = tp_mesh.size()
     specs = resolve_plan(model, plan, degree)
+    if holding == "spmd":  # one process drives every device: tensors are built on them
+        from shardwise.io.spmd import load_spmd
+
+        return load_spmd(model, path, specs=specs, mesh=mesh, dtype=dtype, strict=strict,
+                         num_threads=_num_threads(num_threads), start=start)
+    rank = tp_mesh.get_local_rank()
     if (Path(path) / ".metadata").is_file() or any(Path(path).glob("*.distcp")):  # DCP, maybe incomplete
         return _load_dcp(model, path, specs=specs, mesh=mesh, holding=holding, dtype=dtype, strict=strict)
 
@@ -94,6 +102,7 @@ def load(model: nn.Module, path: str | os.PathLike, *, plan, mesh, dtype: torch.
     _check_nothing_left_on_meta(model, specs, missing)
     items = plan_reads(sources, specs, degree, rank)
     device = _device(tp_mesh)
+    to_device = host_to_device(device)  # pinned staging buffers on CUDA
 
     def finalize(raw: torch.Tensor) -> torch.Tensor:
         # After slicing: only this rank's part is ever cast. A widening cast runs on the
@@ -101,7 +110,7 @@ def load(model: nn.Module, path: str | os.PathLike, *, plan, mesh, dtype: torch.
         cast = dtype is not None and raw.is_floating_point() and raw.dtype != dtype
         if cast and dtype.itemsize <= raw.dtype.itemsize:
             raw, cast = raw.to(dtype), False
-        raw = raw.to(device) if raw.device != device else raw
+        raw = to_device(raw) if raw.device != device else raw
         return raw.to(dtype) if cast else raw
 
     with _Progress(sum(i.nbytes for i in items), progress) as bar, \

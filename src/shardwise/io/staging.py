@@ -1,0 +1,85 @@
+"""Host-to-device copies for the loaders: through reused pinned buffers on CUDA (the nccl
+backend), a plain ``.to(device)`` anywhere else.
+
+A copy from ordinary (pageable) host memory to a GPU blocks the calling thread while the
+driver bounces it through its own pinned buffer. From pinned memory the copy is a DMA that
+runs on the GPU's copy engine while the reader threads go on reading. Pinning memory is
+slow, so a load pins a few buffers once and cycles the tensors through them in pieces: each
+piece is copied into a free buffer on the host, sent with ``non_blocking=True``, and the
+buffer is reused only after the CUDA event recorded behind its copy has passed.
+
+The copies are ordered on the device's current stream, so kernels launched later on that
+stream (the forward) see the data and ``.cpu()`` waits for it; nothing else needs a sync.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+
+import torch
+
+STAGE_BYTES = 32 << 20  # one pinned buffer
+NUM_BUFFERS = 4         # buffers a load may pin (allocated as the reader threads need them)
+
+
+def host_to_device(device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A function copying a CPU tensor to ``device``: :class:`PinnedStager` for a CUDA
+    device, ``tensor.to(device)`` otherwise.
+
+    >>> move = host_to_device(torch.device("cpu"))
+    >>> move(torch.ones(2)).device
+    device(type='cpu')
+    """
+    if device.type == "cuda" and torch.cuda.is_available():
+        return PinnedStager(device)
+    return lambda tensor: tensor.to(device)
+
+
+class PinnedStager:
+    """Copies CPU tensors to one CUDA device through at most ``num_buffers`` pinned buffers
+    of ``buffer_bytes``; thread-safe (the reader's threads call it concurrently)."""
+
+    def __init__(self, device: torch.device, *, buffer_bytes: int = STAGE_BYTES,
+                 num_buffers: int = NUM_BUFFERS):
+        if buffer_bytes < 1 or num_buffers < 1:
+            raise ValueError(f"buffer_bytes and num_buffers must be positive, got {buffer_bytes}, "
+                             f"{num_buffers}")
+        self.device, self.buffer_bytes, self.num_buffers = device, buffer_bytes, num_buffers
+        self._free: queue.Queue = queue.Queue()
+        self._made = 0
+        self._lock = threading.Lock()
+
+    def _take(self):
+        with self._lock:
+            if self._free.empty() and self._made < self.num_buffers:
+                self._made += 1
+                return (torch.empty(self.buffer_bytes, dtype=torch.uint8, pin_memory=True),
+                        torch.cuda.Event())
+        return self._free.get()
+
+    def __call__(self, src: torch.Tensor) -> torch.Tensor:
+        """``src`` on the device (the copy may still be in flight, see the module doc)."""
+        dst = torch.empty(src.shape, dtype=src.dtype, device=self.device)
+        nbytes = src.numel() * src.element_size()
+        if nbytes == 0:
+            return dst
+        src_bytes = src.contiguous().reshape(-1).view(torch.uint8)
+        dst_bytes = dst.reshape(-1).view(torch.uint8)
+        stream = torch.cuda.current_stream(self.device)
+        for lo in range(0, nbytes, self.buffer_bytes):
+            hi = min(nbytes, lo + self.buffer_bytes)
+            buf, done = self._take()
+            try:
+                done.synchronize()  # the buffer's previous copy has left it
+                buf[: hi - lo].copy_(src_bytes[lo:hi])
+                with torch.cuda.stream(stream):
+                    dst_bytes[lo:hi].copy_(buf[: hi - lo], non_blocking=True)
+                done.record(stream)
+            finally:
+                self._free.put((buf, done))
+        return dst
+
+
+__all__ = ["NUM_BUFFERS", "PinnedStager", "STAGE_BYTES", "host_to_device"]

@@ -1,0 +1,123 @@
+"""Local holding: plain local shards, and module forwards that do their own collectives.
+
+Used where DTensor does not run (xla, neuron). The collectives are autograd functions
+with Megatron-style conjugate pairs, so training gives the one-device gradients:
+
+- ``copy_to``: identity forward, all-reduce backward (a replicated input feeding a
+  colwise matmul: every rank holds a partial gradient of it);
+- ``reduce_from``: all-reduce forward, identity backward (a rowwise matmul's partial sums);
+- ``gather_from``: all-gather on the last dim forward, keep the local slice backward;
+- ``split_to``: keep the local slice (of every packed block) forward, all-gather backward.
+
+``torch.distributed.nn.functional`` is not used: its all-reduce also all-reduces in
+backward, which doubles the gradient of every shard at degree 2.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from shardwise.core.plan import Style
+from shardwise.core.spec import ShardSpec, assemble, split
+
+
+def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
+    out = t.clone()
+    dist.all_reduce(out, group=group)
+    return out
+
+
+def _all_gather_last(t: torch.Tensor, group, spec: ShardSpec, degree: int) -> torch.Tensor:
+    parts = [torch.empty_like(t) for _ in range(degree)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return assemble(parts, ShardSpec(dim=t.ndim - 1, blocks=spec.blocks), degree)
+
+
+class _CopyTo(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFrom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFrom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, blocks, degree, rank):
+        ctx.args = (blocks, degree, rank)
+        return _all_gather_last(x, group, ShardSpec(dim=x.ndim - 1, blocks=blocks), degree)
+
+    @staticmethod
+    def backward(ctx, grad):
+        blocks, degree, rank = ctx.args
+        return split(grad, ShardSpec(dim=grad.ndim - 1, blocks=blocks), degree, rank), None, None, None, None
+
+
+class _SplitTo(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, blocks, degree, rank):
+        ctx.args = (group, blocks, degree)
+        return split(x, ShardSpec(dim=x.ndim - 1, blocks=blocks), degree, rank)
+
+    @staticmethod
+    def backward(ctx, grad):
+        group, blocks, degree = ctx.args
+        spec = ShardSpec(dim=grad.ndim - 1, blocks=blocks)
+        return _all_gather_last(grad, group, spec, degree), None, None, None, None
+
+
+def wire_local(module: nn.Module, style: Style, state) -> None:
+    """Replace ``module.forward`` by its local-shard version for ``style`` (state: ShardState)."""
+    if isinstance(module, nn.Embedding):
+        fwd = _vocab_embedding if style.kind == "rowwise" else _dim_embedding
+    else:
+        fwd = _colwise_linear if style.kind == "colwise" else _rowwise_linear
+    module.forward = types.MethodType(lambda mod, x: fwd(mod, x, style, state), module)
+
+
+def _colwise_linear(mod: nn.Linear, x, style: Style, state):
+    y = F.linear(_CopyTo.apply(x, state.group), mod.weight, mod.bias)
+    if style.gather_output:
+        return _GatherFrom.apply(y, state.group, style.blocks or (1,), state.degree, state.tp_rank)
+    return y
+
+
+def _rowwise_linear(mod: nn.Linear, x, style: Style, state):
+    if style.split_input:
+        x = _SplitTo.apply(x, state.group, style.blocks or (1,), state.degree, state.tp_rank)
+    y = _ReduceFrom.apply(F.linear(x, mod.weight), state.group)
+    return y + mod.bias if mod.bias is not None else y  # the bias is added once, after the sum
+
+
+def _vocab_embedding(mod: nn.Embedding, ids, style: Style, state):
+    rows = mod.weight.shape[0]
+    start = state.tp_rank * rows
+    outside = (ids < start) | (ids >= start + rows)
+    local_ids = (ids - start).masked_fill(outside, 0)
+    y = F.embedding(local_ids, mod.weight, None, mod.max_norm, mod.norm_type,
+                    mod.scale_grad_by_freq, mod.sparse)
+    return _ReduceFrom.apply(y.masked_fill(outside.unsqueeze(-1), 0), state.group)
+
+
+def _dim_embedding(mod: nn.Embedding, ids, style: Style, state):
+    y = F.embedding(ids, mod.weight, mod.padding_idx, mod.max_norm, mod.norm_type,
+                    mod.scale_grad_by_freq, mod.sparse)
+    return _GatherFrom.apply(y, state.group, (1,), state.degree, state.tp_rank)
