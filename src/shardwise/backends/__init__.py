@@ -1,7 +1,7 @@
 """The backend registry: ``init_backend(name)`` gives every path one device, mesh and
 collective interface, whatever the accelerator.
 
-Built-in names are ``gloo``, ``nccl``, ``xla`` and ``neuron``; third parties add theirs
+Built-in names are ``gloo``, ``nccl``, ``xla``, ``xla_spmd`` and ``neuron``; third parties add theirs
 with ``register_backend`` or through the ``shardwise.backends`` entry-point group
 (each entry point loads to a factory: a callable taking ``timeout=`` and returning a
 ``Backend``). Factories are looked up lazily, so hardware packages are only imported
@@ -18,7 +18,8 @@ from shardwise.errors import BackendError, UnknownBackendError
 
 ENTRY_POINT_GROUP = "shardwise.backends"
 # "auto" asks these, in order, whether they are available; gloo always is.
-AUTO_ORDER = ("neuron", "xla", "nccl", "gloo")
+# xla_spmd only answers yes where the user already turned SPMD on.
+AUTO_ORDER = ("neuron", "xla_spmd", "xla", "nccl", "gloo")
 
 Factory = Callable[..., Backend]
 _registry: dict[str, Factory] = {}
@@ -74,7 +75,7 @@ def get_backend_class(name: str) -> Factory:
 
 
 def resolve_auto() -> str:
-    """The backend "auto" picks here: neuron, then xla, then nccl, else gloo."""
+    """The backend "auto" picks here: neuron, then xla_spmd (SPMD already on), xla, nccl, else gloo."""
     for name in AUTO_ORDER:
         factory = get_backend_class(name)
         is_available = getattr(factory, "is_available", None)
@@ -116,6 +117,12 @@ def current_backend() -> Backend | None:
     return _active
 
 
+def coordination_group():
+    """The process group for CPU-side coordination (DCP, object collectives) of the active
+    backend: None (the default group) unless the backend keeps a side group (xla, neuron)."""
+    return _active.coordination_group if _active is not None else None
+
+
 def shutdown_backend() -> None:
     """Shut the active backend down, so that ``init_backend`` can start another."""
     global _active
@@ -130,8 +137,9 @@ def _register_builtins() -> None:
     from shardwise.backends.nccl import NcclBackend
     from shardwise.backends.neuron import NeuronBackend
     from shardwise.backends.xla import XlaBackend
+    from shardwise.backends.xla_spmd import XlaSpmdBackend
 
-    for cls in (GlooBackend, NcclBackend, XlaBackend, NeuronBackend):
+    for cls in (GlooBackend, NcclBackend, XlaBackend, XlaSpmdBackend, NeuronBackend):
         register_backend(cls.name, cls)
 
 
@@ -139,6 +147,6 @@ _register_builtins()
 
 __all__ = [
     "AUTO_ORDER", "Backend", "ENTRY_POINT_GROUP", "MESH_AXES", "available_backends",
-    "current_backend", "get_backend_class", "init_backend", "register_backend",
+    "coordination_group", "current_backend", "get_backend_class", "init_backend", "register_backend",
     "resolve_auto", "shutdown_backend", "torchrun_env",
 ]

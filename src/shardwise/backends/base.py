@@ -4,7 +4,8 @@ Call order: ``init_backend`` constructs one backend per process and calls ``star
 on every rank; ``mesh()`` and the collectives are then called by every rank of the
 group they name (all of them unless a ``group`` is passed); ``shutdown()`` ends it.
 Subclasses set the class attributes and override ``_device()`` and, where their
-hardware needs it, ``start()``.
+hardware needs it, ``start()`` / ``_init_group()`` (how the default group is created) and
+``_make_mesh()`` (what ``mesh()`` returns where torch's DeviceMesh cannot run).
 """
 
 from __future__ import annotations
@@ -64,6 +65,36 @@ def torchrun_env() -> dict[str, int | str] | None:
     return {"rank": rank, "world_size": world, "local_rank": local_rank}
 
 
+def mesh_axes(axes: dict, total: int, what: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """``(names, shape)`` of a mesh request, outer to inner; raises ``MeshError`` for an
+    unknown axis, a size that is not a positive int, or sizes whose product is not
+    ``total`` (``what`` names that number in the message). Pure.
+
+    >>> mesh_axes({"tp": 2, "dp_shard": 2}, 4, "the world size")
+    (('dp_shard', 'tp'), (2, 2))
+    """
+    unknown = sorted(set(axes) - set(MESH_AXES))
+    if unknown:
+        raise MeshError(f"unknown mesh axis {', '.join(unknown)}; known axes: {', '.join(MESH_AXES)}")
+    if not axes:
+        axes = {"tp": total}
+    for name, size in axes.items():
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise MeshError(f"mesh axis {name}={size!r} must be a positive int")
+    names = tuple(a for a in MESH_AXES if a in axes)
+    shape = tuple(axes[a] for a in names)
+    product = 1
+    for s in shape:
+        product *= s
+    if product != total:
+        desc = " x ".join(f"{a}={axes[a]}" for a in names)
+        raise MeshError(
+            f"mesh {desc} has {product} devices but {what} is {total}; "
+            f"make the axis sizes multiply to {total}"
+        )
+    return names, shape
+
+
 class Backend:
     """A process group plus the device this rank computes on.
 
@@ -114,20 +145,24 @@ class Backend:
                     f"call init_backend({got!r}) or destroy the existing group first"
                 )
         else:
-            env = torchrun_env()
-            kwargs = dict(backend=self.dist_backend, timeout=self.timeout, **self._init_kwargs())
-            if env is None:
-                # A world of one needs no launcher and no port: an in-process store.
-                dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **kwargs)
-            else:
-                dist.init_process_group(init_method="env://", rank=env["rank"],
-                                        world_size=env["world_size"], **kwargs)
+            self._init_group()
             self._owns_group = True
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         env = torchrun_env()
         self.local_rank = env["local_rank"] if env else 0
         self._started = True
+
+    def _init_group(self) -> None:
+        """Create the default process group (none exists yet)."""
+        env = torchrun_env()
+        kwargs = dict(backend=self.dist_backend, timeout=self.timeout, **self._init_kwargs())
+        if env is None:
+            # A world of one needs no launcher and no port: an in-process store.
+            dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+        else:
+            dist.init_process_group(init_method="env://", rank=env["rank"],
+                                    world_size=env["world_size"], **kwargs)
 
     @property
     def device(self) -> torch.device:
@@ -138,34 +173,26 @@ class Backend:
         """A DeviceMesh with named axes, outer to inner ``dp_replicate, dp_shard, tp``.
 
         Axes left out are absent; with no axes, ``tp`` spans the world. The product of
-        the sizes must equal the world size.
+        the sizes must equal the world size. Collective: every rank calls it.
 
         >>> mesh = backend.mesh(dp_shard=2, tp=2)   # doctest: +SKIP
         >>> mesh.mesh_dim_names
         ('dp_shard', 'tp')
         """
+        names, shape = mesh_axes(axes, self.world_size, "the world size")
+        return self._make_mesh(names, shape)
+
+    def _make_mesh(self, names: tuple[str, ...], shape: tuple[int, ...]):
         from torch.distributed.device_mesh import init_device_mesh
 
-        unknown = sorted(set(axes) - set(MESH_AXES))
-        if unknown:
-            raise MeshError(f"unknown mesh axis {', '.join(unknown)}; known axes: {', '.join(MESH_AXES)}")
-        if not axes:
-            axes = {"tp": self.world_size}
-        for name, size in axes.items():
-            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-                raise MeshError(f"mesh axis {name}={size!r} must be a positive int")
-        names = tuple(a for a in MESH_AXES if a in axes)
-        shape = tuple(axes[a] for a in names)
-        product = 1
-        for s in shape:
-            product *= s
-        if product != self.world_size:
-            desc = " x ".join(f"{a}={axes[a]}" for a in names)
-            raise MeshError(
-                f"mesh {desc} has {product} devices but the world size is {self.world_size}; "
-                f"make the axis sizes multiply to {self.world_size}"
-            )
         return init_device_mesh(self.device_type, shape, mesh_dim_names=names)
+
+    @property
+    def coordination_group(self):
+        """The process group for CPU-side coordination: DCP's planning and object
+        collectives. None means the default group; a backend whose default group only
+        moves device tensors (xla) returns a gloo group over the same ranks."""
+        return None
 
     # -- collectives (every rank of the group calls each) ------------------------------
     def _wait(self, work, what: str, timeout) -> None:

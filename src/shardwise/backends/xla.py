@@ -1,18 +1,30 @@
-"""TPU (and other PJRT devices) through torch_xla: one process per device.
+"""TPU (and other PJRT devices) through torch_xla, one process per device: TPU pods launched
+with torchrun or torch_xla's launcher, and torch-neuronx (``neuron.py`` builds on this).
 
-Shards are held as plain local tensors with forward hooks doing the collectives,
-because DTensor does not run on XLA devices. torch_xla is imported only here,
-inside functions, so ``import shardwise`` never needs it.
+- Process group: torch_xla's ``xla`` backend. It only moves XLA tensors, so the backend
+  also opens a gloo group over the same ranks (``coordination_group``) for what runs on
+  CPU objects: DCP's planning and object collectives.
+- Mesh: a :class:`~shardwise.backends.group_mesh.GroupMesh`, because torch's DeviceMesh
+  cannot be built for the ``xla`` device type; sub-groups come from torch_xla's
+  ``new_xla_process_group`` (a plain ``new_group`` would not tell XLA its replica groups).
+- Holding: local shards with forward hooks doing the collectives (DTensor does not run on
+  XLA); the gather save all-gathers (``supports_gather = False``).
+
+One process driving several devices (SPMD) is the separate backend ``xla_spmd``
+(``xla_spmd.py``). torch_xla is imported only inside functions, so ``import shardwise``
+never needs it.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
+import torch.distributed as dist
 
-from shardwise.backends.base import Backend
-from shardwise.errors import BackendError, BackendUnavailableError
+from shardwise.backends.base import Backend, torchrun_env
+from shardwise.errors import BackendError, BackendUnavailableError, CollectiveError
 
 XLA_HINT = "pip install 'shardwise[xla]' (torch-xla must match your torch version)"
 
@@ -20,13 +32,26 @@ XLA_HINT = "pip install 'shardwise[xla]' (torch-xla must match your torch versio
 def import_torch_xla():
     """torch_xla, or BackendUnavailableError with the install hint."""
     try:
-        import torch_xla  # noqa: F401
-        import torch_xla.core.xla_model as xm
+        import torch_xla
+        import torch_xla.runtime  # noqa: F401
     except ImportError as e:
         raise BackendUnavailableError(
             f"backend 'xla' needs torch_xla, which is not importable ({e}); {XLA_HINT}"
         ) from e
-    return xm
+    return torch_xla
+
+
+def spmd_enabled() -> bool:
+    """True when this process already imported torch_xla and turned SPMD on (``xr.use_spmd()``).
+    Never imports torch_xla itself."""
+    if sys.modules.get("torch_xla") is None:
+        return False
+    try:
+        import torch_xla.runtime as xr
+
+        return bool(xr.is_spmd())
+    except Exception:  # a torch_xla that cannot answer has no SPMD turned on
+        return False
 
 
 class XlaBackend(Backend):
@@ -35,6 +60,10 @@ class XlaBackend(Backend):
     device_type = "xla"
     supports_dtensor = False
     supports_gather = False
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._side_group = None
 
     @classmethod
     def is_available(cls) -> bool:
@@ -49,27 +78,74 @@ class XlaBackend(Backend):
         try:
             import torch_xla.runtime as xr
 
-            return bool(xr.device_type())
+            # device_type() only reads PJRT_DEVICE: asking for a device count here would start
+            # the PJRT client before torch_xla's rendezvous assigns this process its device.
+            # NeuronCores are the neuron backend's to claim.
+            return xr.device_type() not in (None, "", "NEURON")
         except Exception:  # any failure to reach a PJRT device means "not here"
             return False
 
     def start(self) -> None:
         import_torch_xla()
-        import torch.distributed as dist
+        if spmd_enabled():
+            raise BackendError(
+                "torch_xla SPMD mode is on in this process (xr.use_spmd() was called), where one "
+                "process drives every device and the 'xla' process group cannot run; use "
+                "sw.init_backend('xla_spmd')"
+            )
+        import torch_xla.distributed.xla_backend  # noqa: F401  (registers "xla" and xla://)
 
-        if not dist.is_initialized():
-            import torch_xla.distributed.xla_backend  # noqa: F401  (registers "xla")
+        super().start()
+        env = torchrun_env()
+        if env is None:
+            import torch_xla.runtime as xr
 
-            try:
+            self.local_rank = int(xr.local_ordinal())
+        # Every rank creates it, right after the default group: new_group is collective.
+        self._side_group = dist.new_group(backend="gloo")
+
+    def _init_group(self) -> None:
+        import torch_xla.runtime as xr
+
+        try:
+            if torchrun_env() is None and int(xr.world_size()) == 1:
+                # xla:// starts a TCPStore on MASTER_PORT (default 12355) and holds it, so two
+                # single-device processes on one host would collide; a world of one needs none.
+                dist.init_process_group("xla", store=dist.HashStore(), rank=0, world_size=1,
+                                        timeout=self.timeout)
+            else:
                 dist.init_process_group("xla", init_method="xla://", timeout=self.timeout)
-            except Exception as e:
-                raise BackendError(f"could not start the xla process group: {e}; is PJRT_DEVICE set?") from e
-            self._owns_group = True
-        self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
-        self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
-        self._started = True
+        except Exception as e:
+            raise BackendError(f"could not start the xla process group: {e}; is PJRT_DEVICE set "
+                               "(TPU, CPU, NEURON) and does every process see its device?") from e
 
     def _device(self) -> torch.device:
-        xm = import_torch_xla()
-        return xm.xla_device()
+        return torch.device(import_torch_xla().device())
+
+    def _make_mesh(self, names, shape):
+        from shardwise.backends.group_mesh import GroupMesh
+
+        return GroupMesh(self.device_type, names, shape, rank=self.rank, new_group=self._new_group)
+
+    @staticmethod
+    def _new_group(ranks: list[int]):
+        from torch_xla.distributed.xla_backend import new_xla_process_group
+
+        return new_xla_process_group(ranks)
+
+    @property
+    def coordination_group(self):
+        return self._side_group
+
+    def _wait(self, work, what: str, timeout) -> None:
+        # torch_xla's work objects wrap a finished future and refuse a finite wait timeout
+        # ("FutureWrappingWork::wait() with finite timeout not implemented"): the collective
+        # is an op in the lazy graph, bounded by the process group's own timeout.
+        try:
+            work.wait()
+        except Exception as e:  # torch raises RuntimeError subclasses
+            raise CollectiveError(f"{what} on rank {self.rank} failed: {e}") from e
+
+    def shutdown(self) -> None:
+        self._side_group = None  # destroy_process_group() in super() ends every group
+        super().shutdown()

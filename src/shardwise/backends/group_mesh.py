@@ -1,0 +1,112 @@
+"""A named-axis mesh of process-group ranks, for backends where torch's DeviceMesh cannot be built.
+
+torch's ``init_device_mesh`` needs a device handle for the device type, which torch_xla does
+not register ("DeviceMesh process groups not initialized!"), so the xla and neuron backends
+use this instead. It is not a DeviceMesh (DTensor cannot run on it, which is why those
+backends hold local shards) and implements only what shardwise reads off a mesh:
+``mesh_dim_names``, ``ndim``, ``device_type``, ``mesh`` (the rank ids), ``size(dim)``,
+``get_local_rank(dim)``, ``get_group(dim)``, ``get_coordinate()`` and ``mesh[axis]``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from shardwise.errors import MeshError
+
+NewGroup = Callable[[list[int]], object]
+
+
+class GroupMesh:
+    """Ranks ``0 .. prod(shape) - 1`` laid out row-major in ``shape``, one process group per axis.
+
+    Building one is collective: every rank of the world calls the constructor with the same
+    names and shape, and it calls ``new_group(ranks)`` once per line of every axis, in the
+    same order on every rank (torch requires every rank to join every ``new_group`` call).
+    An axis line that spans the whole world reuses the default group.
+
+    >>> mesh = GroupMesh("xla", ("dp_shard", "tp"), (2, 2), rank=3,
+    ...                  new_group=dist.new_group)                     # doctest: +SKIP
+    >>> mesh["tp"].get_local_rank(), mesh["tp"].mesh.tolist()        # doctest: +SKIP
+    (1, [2, 3])
+    """
+
+    def __init__(self, device_type: str, names: Sequence[str], shape: Sequence[int], *, rank: int,
+                 new_group: NewGroup):
+        names, shape = tuple(names), tuple(int(s) for s in shape)
+        if len(names) != len(shape) or len(set(names)) != len(names):
+            raise MeshError(f"mesh axis names {names} must be distinct, one per dim of shape {shape}")
+        ranks = torch.arange(math.prod(shape)).view(shape)
+        if not 0 <= rank < ranks.numel():
+            raise MeshError(f"rank {rank} is outside a mesh of {ranks.numel()} ranks {shape}")
+        coordinate = tuple(int(c) for c in torch.nonzero(ranks == rank)[0])
+        groups = tuple(_axis_group(ranks, dim, rank, new_group) for dim in range(len(shape)))
+        self._init(device_type, names, ranks, coordinate, groups)
+
+    def _init(self, device_type, names, ranks, coordinate, groups) -> None:
+        self.device_type = device_type
+        self.mesh_dim_names = names
+        self.mesh = ranks
+        self._coordinate = coordinate
+        self._groups = groups
+
+    @property
+    def ndim(self) -> int:
+        return self.mesh.ndim
+
+    def _dim(self, dim: int | str | None) -> int:
+        if dim is None:
+            if self.ndim != 1:
+                raise MeshError(f"mesh with axes {self.mesh_dim_names} has {self.ndim} dims; name one")
+            return 0
+        if isinstance(dim, str):
+            if dim not in self.mesh_dim_names:
+                raise MeshError(f"mesh has no axis {dim!r}; its axes are {self.mesh_dim_names}")
+            return self.mesh_dim_names.index(dim)
+        return dim
+
+    def size(self, dim: int | str | None = None) -> int:
+        """Ranks in the mesh, or along axis ``dim``."""
+        return self.mesh.numel() if dim is None else self.mesh.shape[self._dim(dim)]
+
+    def get_local_rank(self, dim: int | str | None = None) -> int:
+        """This rank's position along axis ``dim`` (the only axis of a 1-D mesh)."""
+        return self._coordinate[self._dim(dim)]
+
+    def get_group(self, dim: int | str | None = None):
+        """The process group of this rank's line along axis ``dim``."""
+        return self._groups[self._dim(dim)]
+
+    def get_coordinate(self) -> list[int]:
+        return list(self._coordinate)
+
+    def __getitem__(self, name: str) -> GroupMesh:
+        """The 1-D mesh of this rank's line along axis ``name``."""
+        dim = self._dim(name)
+        index = list(self._coordinate)
+        index[dim] = slice(None)
+        sub = object.__new__(GroupMesh)
+        sub._init(self.device_type, (name,), self.mesh[tuple(index)], (self._coordinate[dim],),
+                  (self._groups[dim],))
+        return sub
+
+    def __repr__(self) -> str:
+        return f"GroupMesh({self.device_type!r}, {self.mesh.tolist()}, mesh_dim_names={self.mesh_dim_names})"
+
+
+def _axis_group(ranks: torch.Tensor, dim: int, rank: int, new_group: NewGroup):
+    if ranks.shape[dim] == ranks.numel():
+        return dist.group.WORLD
+    mine = None
+    for line in ranks.movedim(dim, -1).reshape(-1, ranks.shape[dim]).tolist():
+        group = new_group(line)
+        if rank in line:
+            mine = group
+    return mine
+
+
+__all__ = ["GroupMesh"]

@@ -1,0 +1,210 @@
+"""Load and save under torch_xla SPMD (holding ``"spmd"``: one process drives every device).
+
+Load: each tensor is built on the devices from the chunks the devices hold, read off disk
+(:meth:`SpmdMesh.from_chunks`): with the tp axis of degree ``d``, the device at tp position
+``p`` holds the canonical chunk ``p`` of the tensor's shard dim (``ShardSpec(dim)`` at degree
+``d``, whatever the packing: SPMD keeps tensors global, see ``backends/xla_spmd.py``), so a
+chunk is read once however many devices replicate it, and no full tensor is assembled on the
+host, only the chunks on their way to the devices. Safetensors checkpoints go through the
+same :class:`~shardwise.io.reader.RegionReader` as every other load, one read item per chunk;
+DCP checkpoints through the same canonical planner, a batch of tensors at a time.
+
+Save: the gather save needs nothing here (a tensor is global: ``.cpu()`` is the canonical
+tensor). A DCP save writes each of this process's distinct shards as one chunk at its
+canonical offsets (:func:`spmd_placed`, :class:`SpmdSavePlanner`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from shardwise.core.plan import ResolvedPlan
+from shardwise.core.spec import Region, ShardSpec, local_layout, local_shape
+from shardwise.io.dcp_items import CanonicalSavePlanner, Placed
+from shardwise.io.reader import WINDOW_BYTES, ReadItem, RegionReader
+from shardwise.parallel import get_shard_state, install, tp_axis
+
+
+def chunk_reads(sources, specs, degree: int, positions: list[int]) -> tuple[list[ReadItem], dict]:
+    """One read item per (tensor, chunk this process needs): ``(items, {item name: (tensor
+    name, position)})``. A replicated tensor is one whole-tensor chunk at position 0. Pure."""
+    items, keys = [], {}
+    for name, (path, entry) in sources.items():
+        spec = specs[name]
+        for p in [0] if spec.replicated else positions:
+            chunk = ShardSpec() if spec.replicated else ShardSpec(dim=spec.dim)
+            key = f"{name}@{p}"
+            keys[key] = (name, p)
+            items.append(ReadItem(key, path, entry, local_layout(entry.shape, chunk, degree, p),
+                                  local_shape(entry.shape, chunk, degree)))
+    return items, keys
+
+
+class _Builder:
+    """The reader's finalize: collects a tensor's chunks, then builds it on the devices."""
+
+    def __init__(self, tp_mesh, specs: ResolvedPlan, keys: dict, needed: dict, dtype):
+        self.tp_mesh, self.specs, self.keys, self.needed, self.dtype = tp_mesh, specs, keys, needed, dtype
+        self.built: dict[str, torch.Tensor] = {}
+        self._pending: dict[str, dict[int, torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, item: ReadItem, raw: torch.Tensor) -> None:
+        name, position = self.keys[item.name]
+        raw = cast(raw, self.dtype)
+        with self._lock:  # one transfer at a time; the reads go on meanwhile
+            parts = self._pending.setdefault(name, {})
+            parts[position] = raw
+            if len(parts) < self.needed[name]:
+                return None
+            del self._pending[name]
+            self.built[name] = self.tp_mesh.from_chunks(parts, item.entry.shape, self.specs[name].dim,
+                                                        raw.dtype, name=name)
+        return None
+
+
+def cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``t`` in ``dtype`` when it is floating point and a dtype is asked for (on the host)."""
+    return t.to(dtype) if dtype is not None and t.is_floating_point() and t.dtype != dtype else t
+
+
+def load_spmd(model: nn.Module, path, *, specs: ResolvedPlan, mesh, dtype, strict: bool,
+              num_threads: int, start: float):
+    """``sw.load`` for holding ``"spmd"`` (it dispatches here after its guards and the plan)."""
+    from shardwise.io.load import (
+        LoadResult,
+        _check_nothing_left_on_meta,
+        _device,
+        _move_non_persistent,
+        match_keys,
+    )
+    from shardwise.io.safetensors_io import resolve_checkpoint
+
+    tp_mesh = tp_axis(mesh)
+    if (Path(path) / ".metadata").is_file() or any(Path(path).glob("*.distcp")):
+        built, missing, unexpected, nbytes = _read_dcp(model, path, specs, tp_mesh, dtype, strict)
+    else:
+        ckpt = resolve_checkpoint(path)
+        sources, missing, unexpected = match_keys(model, specs, ckpt, strict=strict)
+        _check_nothing_left_on_meta(model, specs, missing)
+        positions = tp_mesh.positions()
+        items, keys = chunk_reads(sources, specs, tp_mesh.size(), positions)
+        needed = {n: 1 if specs[n].replicated else len(positions) for n in sources}
+        builder = _Builder(tp_mesh, specs, keys, needed, dtype)
+        with RegionReader(ckpt.headers, num_threads=num_threads) as reader:
+            reader.read(items, finalize=builder)
+        built, nbytes = builder.built, reader.bytes_read
+    own = model.state_dict(keep_vars=True) if missing else {}
+
+    def local_tensor(name, spec):
+        if name in built:
+            return built.pop(name)
+        return tp_mesh.distribute(cast(own[name].detach().cpu(), dtype), spec.dim)  # strict=False
+
+    install(model, specs, mesh, holding="spmd", local_tensor=local_tensor)
+    _move_non_persistent(model, _device(tp_mesh))
+    return LoadResult(tuple(missing), tuple(unexpected), nbytes, time.perf_counter() - start,
+                      len(specs) - len(missing))
+
+
+def _read_dcp(model, path, specs: ResolvedPlan, tp_mesh, dtype, strict: bool):
+    """Read the chunks of a DCP checkpoint a batch of tensors at a time (each batch about
+    WINDOW_BYTES on the host), building each tensor on the devices as its batch completes."""
+    from shardwise.io.dcp import _stored_name, read_checkpoint
+    from shardwise.io.dcp_metadata import check_tensors, read_metadata
+    from shardwise.io.load import _check_nothing_left_on_meta
+
+    metadata = read_metadata(path)
+    own = model.state_dict(keep_vars=True)
+    stored = metadata.state_dict_metadata
+    key = {n: _stored_name(n, specs, stored) for n in specs}
+    missing, unexpected = check_tensors(path, metadata, {key[n]: tuple(own[n].shape) for n in specs},
+                                        strict=strict, allowed_extra=specs.aliases)
+    missing_names = [n for n in specs if key[n] in missing]
+    _check_nothing_left_on_meta(model, specs, missing_names)
+    degree, positions = tp_mesh.size(), tp_mesh.positions()
+    built, nbytes, batch, batch_bytes = {}, 0, {}, 0
+    names = [n for n in specs if n not in missing_names]
+    for i, n in enumerate(names):
+        saved = stored[key[n]].properties.dtype
+        want = dtype if dtype is not None and saved.is_floating_point else saved
+        batch[n] = _host_chunks(tuple(own[n].shape), specs[n], degree, positions, want)
+        batch_bytes += batch[n].local.numel() * batch[n].local.element_size()
+        if batch_bytes < WINDOW_BYTES and i + 1 < len(names):
+            continue
+        nbytes += read_checkpoint(path, metadata, {key[m]: p.local for m, p in batch.items()},
+                                  {key[m]: p for m, p in batch.items()})
+        for m, p in batch.items():
+            chunks = {pos: p.piece(off, region.sizes) for pos, (region, off) in zip(
+                [0] if specs[m].replicated else positions, p.layout, strict=True)}
+            built[m] = tp_mesh.from_chunks(chunks, p.shape, specs[m].dim, p.local.dtype, name=m)
+        batch, batch_bytes = {}, 0
+    return built, missing_names, unexpected, nbytes
+
+
+def _host_chunks(shape, spec: ShardSpec, degree: int, positions: list[int], dtype) -> Placed:
+    """A host buffer holding the chunks at ``positions`` side by side along the shard dim."""
+    if spec.replicated:
+        return Placed(torch.empty(shape, dtype=dtype), shape, local_layout(shape, spec, 1, 0))
+    chunk = ShardSpec(dim=spec.dim)
+    layout, size = [], list(local_shape(shape, chunk, degree))
+    for i, p in enumerate(positions):
+        [(region, _)] = local_layout(shape, chunk, degree, p)
+        layout.append((region, tuple(i * size[spec.dim] if d == spec.dim else 0 for d in range(len(shape)))))
+    size[spec.dim] *= len(positions)
+    return Placed(torch.empty(size, dtype=dtype), shape, layout)
+
+
+# --- saving -----------------------------------------------------------------------------
+
+def spmd_placed(model: nn.Module) -> dict[str, Placed]:
+    """``{name: Placed}`` for a DCP save of an SPMD model: ``local`` is the global tensor
+    (so local offsets are canonical offsets) and the layout lists this process's distinct
+    shards. DCP drops the copies other processes also write."""
+    from shardwise.backends.xla_spmd import local_regions
+
+    state = get_shard_state(model)
+    tensors = model.state_dict(keep_vars=True)
+    out = {}
+    for name, spec in state.specs.items():
+        t = tensors[name].detach()
+        boxes = [((0,) * t.ndim, tuple(t.shape))] if spec.replicated or t.ndim == 0 else local_regions(t)
+        out[name] = Placed(t, tuple(t.shape), [(Region(o, s), tuple(o)) for o, s in boxes])
+    return out
+
+
+class SpmdSavePlanner(CanonicalSavePlanner):
+    """The canonical save planner, resolving each shard of an SPMD tensor from the tensor's
+    local shards on the host (fetched once per tensor, dropped as they are written) rather
+    than by slicing the global tensor, which would compile one XLA program per slice."""
+
+    def __init__(self, placed):
+        super().__init__(placed)
+        self._shards: dict[str, dict[tuple[int, ...], torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def resolve_data(self, write_item):
+        fqn = write_item.index.fqn
+        p = self._placed.get(fqn)
+        if p is None or p.local.device.type != "xla":
+            return super().resolve_data(write_item)
+        if len(p.layout) == 1 and p.layout[0][0].sizes == p.shape:  # whole (replicated): one copy
+            return self.state_dict[fqn].cpu()
+        from shardwise.backends.xla_spmd import local_shards
+
+        with self._lock:
+            if fqn not in self._shards:
+                self._shards[fqn] = local_shards(self.state_dict[fqn])
+            shards = self._shards[fqn]
+            data = shards.pop(tuple(write_item.index.offset))
+            if not shards:
+                del self._shards[fqn]
+        return data
+
+
+__all__ = ["SpmdSavePlanner", "chunk_reads", "load_spmd", "spmd_placed"]
