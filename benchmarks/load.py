@@ -6,6 +6,9 @@ Rows (all from a page-cache-warm checkpoint; every file is read once before each
 
 - page cache -> buffer: ``readinto`` every file into ONE preallocated, pre-touched buffer
   of the largest file's size. The memory-bandwidth ceiling for any loader here.
+- page cache -> fresh memory, per rank at tp=N: each of N spawned ranks reads 1/N of every
+  file into buffers allocated just before (first touch inside the read), with sw.load's
+  default thread count, and keeps them. The ceiling for a loader that returns new tensors.
 - A, one process: ``safetensors.torch.load_file`` of every file, each tensor copied into
   fresh memory (``.clone()``). ``load_file`` returns lazy mmap views; "I have the tensors
   in memory" means owned, resident tensors that outlive the file mapping, so we copy.
@@ -17,8 +20,9 @@ Rows (all from a page-cache-warm checkpoint; every file is read once before each
 
 Per rank: seconds (the slowest rank counts), peak RSS above the rank's level before the
 load, bytes read (``/proc/self/io`` rchar, plus the file pages faulted in through mmap,
-which rchar does not count), GB/s = bytes read / seconds. Ratios are against A and B
-measured in the same run.
+which rchar does not count), GB/s = bytes read / seconds, CPU seconds in user space and in
+the kernel. GB/s all ranks = the ranks' bytes over the slowest rank's seconds. Ratios are
+against A and B measured in the same run.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import shutil
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -72,9 +77,15 @@ def _materialise(files) -> tuple[dict[str, torch.Tensor], int]:
     return state, mapped
 
 
-def _rank_figures(seconds: float, peak: PeakRSS, io: dict, mapped: int, local) -> dict:
+def _cpu_since(start: os.times_result) -> dict:
+    """CPU seconds of this process (all threads) since ``start``, in user space and in the kernel."""
+    now = os.times()
+    return {"cpu_user": now.user - start.user, "cpu_sys": now.system - start.system}
+
+
+def _rank_figures(seconds: float, peak: PeakRSS, io: dict, mapped: int, local, cpu: dict) -> dict:
     rchar = io.get("rchar", 0)
-    return {"rank": int(os.environ.get("RANK", 0)), "seconds": seconds, **peak.as_dict(),
+    return {"rank": int(os.environ.get("RANK", 0)), "seconds": seconds, **peak.as_dict(), **cpu,
             "rchar": rchar, "disk_read_bytes": io.get("read_bytes", 0), "mmap_bytes": mapped,
             "bytes_read": rchar + mapped, "local_bytes": sum(t.numel() * t.element_size() for t in local)}
 
@@ -82,24 +93,26 @@ def _rank_figures(seconds: float, peak: PeakRSS, io: dict, mapped: int, local) -
 def baseline_a_rank(files: list[str]) -> dict:
     """Baseline A on this process: the whole model, materialised."""
     with PeakRSS() as peak:
-        io0, t0 = proc_io(), time.perf_counter()
+        io0, t0, cpu0 = proc_io(), time.perf_counter(), os.times()
         state, mapped = _materialise(files)
         seconds = time.perf_counter() - t0
+        cpu = _cpu_since(cpu0)
         io = io_delta(io0, proc_io())
-    return _rank_figures(seconds, peak, io, mapped, state.values())
+    return _rank_figures(seconds, peak, io, mapped, state.values(), cpu)
 
 
 def baseline_b_rank(files: list[str], specs: dict, degree: int) -> dict:
     """Baseline B on one rank: load everything, keep this rank's shard of each planned tensor."""
     rank = int(os.environ["RANK"])
     with PeakRSS() as peak:
-        io0, t0 = proc_io(), time.perf_counter()
+        io0, t0, cpu0 = proc_io(), time.perf_counter(), os.times()
         state, mapped = _materialise(files)
         for name, spec in specs.items():
             state[name] = split(state[name], spec, degree, rank)  # contiguous copy; full tensor freed
         seconds = time.perf_counter() - t0
+        cpu = _cpu_since(cpu0)
         io = io_delta(io0, proc_io())
-    return _rank_figures(seconds, peak, io, mapped, state.values())
+    return _rank_figures(seconds, peak, io, mapped, state.values(), cpu)
 
 
 # --- shardwise hook: the streaming loader plugs in here ---------------------------------------
@@ -113,9 +126,10 @@ def shardwise_rank(ckpt_dir: str, plan: dict[str, str], degree: int) -> dict:
     with torch.device("meta"):
         model = BenchModel.from_checkpoint(ckpt_dir, dtype=torch.bfloat16)
     with PeakRSS() as peak:
-        file_rss, io0, t0 = proc_status().get("RssFile", 0), proc_io(), time.perf_counter()
+        file_rss, io0, t0, cpu0 = proc_status().get("RssFile", 0), proc_io(), time.perf_counter(), os.times()
         sw.load(model, ckpt_dir, plan=real_plan(plan), mesh=mesh)
         seconds = time.perf_counter() - t0
+        cpu = _cpu_since(cpu0)
         io = io_delta(io0, proc_io())
         mapped = max(0, proc_status().get("RssFile", 0) - file_rss)  # 0 unless it reads through mmap
     params = dict(model.named_parameters())
@@ -123,7 +137,7 @@ def shardwise_rank(ckpt_dir: str, plan: dict[str, str], degree: int) -> dict:
     if left:
         raise RuntimeError(f"sw.load left {len(left)} parameters on the meta device, e.g. {left[:3]}")
     local = [p.to_local() if hasattr(p, "to_local") else p for p in params.values()]
-    return _rank_figures(seconds, peak, io, mapped, local)
+    return _rank_figures(seconds, peak, io, mapped, local, cpu)
 
 
 def shardwise_load(ckpt_dir, plan: dict[str, str], degree: int, *, timeout: float = 600) -> list[dict] | None:
@@ -148,16 +162,67 @@ def page_cache_limit(files: list[str]) -> dict:
     sizes = [os.path.getsize(f) for f in files]
     buf = torch.zeros(max(sizes), dtype=torch.uint8)  # zeros: pre-touched, no page faults inside
     view = memoryview(buf.numpy())
-    io0, t0 = proc_io(), time.perf_counter()
+    io0, t0, cpu0 = proc_io(), time.perf_counter(), os.times()
     for path, size in zip(files, sizes, strict=True):
         with open(path, "rb", buffering=0) as f:
             done = 0
             while done < size and (n := f.readinto(view[done:size])):
                 done += n
     seconds = time.perf_counter() - t0
+    cpu = _cpu_since(cpu0)
     rchar = io_delta(io0, proc_io()).get("rchar", sum(sizes))
     return {"rank": 0, "seconds": seconds, "rchar": rchar, "bytes_read": rchar, "mmap_bytes": 0,
-            "peak_rss": None, "local_bytes": max(sizes)}
+            "peak_rss": None, "local_bytes": max(sizes), **cpu}
+
+
+def _read_fresh(spans: list[tuple[str, int, int]], threads: int, piece: int = 32 << 20) -> list[torch.Tensor]:
+    """Read each ``(file, start, end)`` into a freshly allocated buffer, in pieces over
+    ``threads`` threads (as sw.load reads), and keep every buffer (as a load keeps its tensors)."""
+    bufs, fds, jobs = [], [], []
+    try:
+        for path, lo, hi in spans:
+            fds.append(os.open(path, os.O_RDONLY))
+            bufs.append(torch.empty(hi - lo, dtype=torch.uint8))  # fresh: first touch in preadv
+            view = memoryview(bufs[-1].numpy())
+            jobs += [(fds[-1], view[a : min(a + piece, hi - lo)], lo + a) for a in range(0, hi - lo, piece)]
+
+        def read(job):
+            fd, view, pos = job
+            done = 0
+            while done < len(view) and (n := os.preadv(fd, [view[done:]], pos + done)):
+                done += n
+
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(read, jobs))
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return bufs
+
+
+def fresh_memory_rank(files: list[str], degree: int) -> dict:
+    """The page cache into fresh memory on one of ``degree`` ranks: this rank's 1/degree of
+    every file, into buffers allocated just before, with sw.load's default thread count."""
+    rank = int(os.environ.get("RANK", 0))
+    if degree > 1:  # start together, as sw.load's ranks do after their rendezvous
+        import torch.distributed as dist
+
+        import shardwise as sw
+
+        sw.init_backend("gloo")
+        dist.barrier()
+    threads = max(1, min(8, (os.cpu_count() or 1) // degree))
+    spans = []
+    for path in files:
+        size = os.path.getsize(path)
+        spans.append((path, size * rank // degree, size * (rank + 1) // degree))
+    with PeakRSS() as peak:
+        io0, t0, cpu0 = proc_io(), time.perf_counter(), os.times()
+        bufs = _read_fresh(spans, threads)
+        seconds = time.perf_counter() - t0
+        cpu = _cpu_since(cpu0)
+        io = io_delta(io0, proc_io())
+    return _rank_figures(seconds, peak, io, 0, bufs, cpu)
 
 
 def _prepare_cache(files: list[str], cache: str) -> None:
@@ -191,6 +256,7 @@ def summarise(method: str, degree: int, ranks: list[dict] | None, note: str = ""
     row.update(seconds=seconds,
                read_gb=max(r["bytes_read"] for r in ranks) / GB,
                gbps=sum(r["bytes_read"] / r["seconds"] for r in ranks) / len(ranks) / GB,
+               agg_gbps=sum(r["bytes_read"] for r in ranks) / seconds / GB,
                rss_gb=max(peaks) / GB if peaks else None,
                anon_gb=max(r["peak_anon"] for r in ranks) / GB if peaks else None,
                rss_method=ranks[0].get("rss_method"))
@@ -223,14 +289,16 @@ def _room(need: float, keep_cached: int) -> str:
 
 COLUMNS = [
     ("method", "method"), ("degree", "tp"), ("seconds", "s"), ("gbps", "GB/s per rank"),
+    ("agg_gbps", "GB/s all ranks"),
     ("read_gb", "read GB/rank"), ("rss_gb", "peak RSS GB/rank"),
     ("time_vs_a", "time ×A"), ("rss_vs_a", "RSS ×A"), ("time_vs_b", "time ×B"),
     ("rss_vs_b", "RSS ×B"), ("note", "note"),
 ]
 
 
-def _notes(ckpt, args) -> str:
+def _notes(ckpt, args, rows: list[dict]) -> str:
     cfg = ckpt.config
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return (
         f"Checkpoint: {ckpt.total_bytes / GB:.2f} GB of {cfg['dtype']} in {len(ckpt.files)} files "
         f"(--file-size {args.file_size}), a Llama-like stack of {cfg['num_layers']} layers, hidden "
@@ -247,8 +315,56 @@ def _notes(ckpt, args) -> str:
         "(VmHWM reset via /proc/self/clear_refs, checked by a 5 ms VmRSS sampler); for A and B it "
         "includes up to one file of mmap'd page-cache pages (the anonymous peak is in the JSON). "
         "Read GB counts read() bytes (rchar) plus file pages faulted in through mmap. ×A and ×B "
-        "are ratios to A and to B at the same tp in this run (below 1 is better)."
+        "are ratios to A and to B at the same tp in this run (below 1 is better). GB/s all ranks "
+        "is the bytes every rank read over the slowest rank's seconds.\n\n"
+        "Limits. \"page cache → buffer\" copies the files into one buffer that is already "
+        "faulted in: the memory-copy ceiling, which no loader that returns new tensors can reach, "
+        "since every byte it returns lands on a page touched for the first time. \"page cache → "
+        "fresh memory\" reads 1/tp of every file on each of tp processes into buffers allocated "
+        "just before, with sw.load's thread count: the ceiling for a materialising load here. A "
+        "first touch is a page fault that zeroes a 4 KiB page; sw.load spends most of its CPU time "
+        "in the kernel (figures below), and perf puts page zeroing and faulting well above the "
+        "copy itself. Transparent huge pages (THP is in madvise mode) do not help on this VM: its "
+        "balloon reports free 2 MiB blocks back to the host, so a huge-page fault is 4-5x cheaper "
+        "than 4 KiB faults when the host still backs the block and about 3x dearer when the block "
+        "was reported, the usual state (sw.load with MADV_HUGEPAGE destinations took 2.2x as long "
+        "at tp=1; measured outside this script). With more ranks than the machine's "
+        f"{cores} cores the ranks share them (and the machine is shared with other jobs), so "
+        "their aggregate is bounded by the cores' first-touch copying, not by the page cache. "
+        "Replicated tensors (the embedding, the norms) are read and held whole by every rank, on "
+        "top of checkpoint/tp."
+        + _limits_note(rows, ckpt.total_bytes)
     )
+
+
+def _limits_note(rows: list[dict], total: int) -> str:
+    """This run's shardwise figures against the limits and against its local tensors."""
+    def first(method, degree=None):
+        return next((r for r in rows if r["method"].startswith(method) and "seconds" in r
+                     and degree in (None, r["degree"])), None)
+
+    warm = first("page cache → buffer")
+    lines = []
+    for row in rows:
+        if not (row["method"].startswith("shardwise") and "seconds" in row):
+            continue
+        tp, fresh = row["degree"], first("page cache → fresh memory", row["degree"])
+        local = max(r["local_bytes"] for r in row["ranks"])
+        line = f"tp={tp}: {row['agg_gbps']:.2f} GB/s all ranks"
+        if warm:
+            line += f" = {row['agg_gbps'] / warm['agg_gbps']:.0%} of the buffer limit"
+        if fresh:
+            line += f" and {row['agg_gbps'] / fresh['agg_gbps']:.0%} of fresh memory on {tp} rank(s)"
+        cpu = [(r["cpu_user"], r["cpu_sys"]) for r in row["ranks"]]
+        user, kernel = sum(u for u, _ in cpu), sum(k for _, k in cpu)
+        if user + kernel > 0:
+            share = kernel / (user + kernel)
+            line += f", {(user + kernel) / len(cpu):.2f} CPU s/rank, {share:.0%} of it in the kernel"
+        if row.get("rss_gb"):
+            line += (f"; peak RSS {row['rss_gb']:.3f} GB/rank = {row['rss_gb'] * GB / local:.3f} x its "
+                     f"local tensors ({local / GB:.3f} GB = {local * tp / total:.3f} x checkpoint/{tp})")
+        lines.append(line)
+    return (" This run: " + "; ".join(lines) + ".") if lines else ""
 
 
 def main(argv=None) -> None:
@@ -288,6 +404,7 @@ def main(argv=None) -> None:
         skip = _room(1.1 * total, total)
         rows.append(summarise("A: load_file + clone", 1, None if skip else run_phase(
             lambda: spawn(baseline_a_rank, 1, args=(files,), timeout=timeout), files, args), skip))
+        rows.append(_fresh_row(1, files, args))
         log("shardwise, one process")
         rows.append(_shardwise_row(ckpt, 1, files, args))
         for degree in args.degrees:
@@ -299,6 +416,7 @@ def main(argv=None) -> None:
                 files, args)
             rows.append(summarise("B: load_file + clone + split", degree, ranks, skip))
             if degree > 1:
+                rows.append(_fresh_row(degree, files, args))
                 log(f"shardwise on {degree} ranks")
                 rows.append(_shardwise_row(ckpt, degree, files, args))
     finally:
@@ -309,11 +427,18 @@ def main(argv=None) -> None:
                 shutil.rmtree(folder, ignore_errors=True)
     add_ratios(rows)
     table = write_results("load", [{k: v for k, v in r.items() if k != "ranks"} for r in rows],
-                          COLUMNS, _notes(ckpt, args),
+                          COLUMNS, _notes(ckpt, args, rows),
                           extra={"config": ckpt.config, "total_bytes": total,
                                  "per_rank": [{"method": r["method"], "degree": r["degree"],
                                                "ranks": r["ranks"]} for r in rows]})
     print(table)
+
+
+def _fresh_row(degree: int, files: list[str], args) -> dict:
+    print(f"page cache -> fresh memory on {degree} rank(s)", file=sys.stderr, flush=True)
+    ranks = run_phase(lambda: spawn(fresh_memory_rank, degree, args=(files, degree), timeout=args.timeout),
+                      files, args)
+    return summarise("page cache → fresh memory", degree, ranks)
 
 
 def _shardwise_row(ckpt, degree: int, files: list[str], args) -> dict:

@@ -8,10 +8,13 @@ lock), into a local tensor of the file's dtype, and hands each finished tensor t
 ``finalize`` callback (the dtype cast and the move to the device, after slicing).
 
 Memory: a rank holds its local shards and nothing more, except a bounded window of
-not-yet-finalized raw buffers (``window_bytes``) and, for a region whose place in the local
+not-yet-finalized raw bytes (``window_bytes``) and, for a region whose place in the local
 tensor is not contiguous (a packed shard split along dim 1), one scratch piece per thread.
 Large regions are cut into dim-0 pieces of at most ``piece_bytes`` so that one big tensor
-also spreads over the threads.
+also spreads over the threads. The window is taken piece by piece as pieces are queued: a
+raw tensor is allocated whole at its first piece, but its pages become resident only as
+pieces are read into them, and the next tensor's pieces queue up while the last pieces of
+the previous one are still being read, so no thread waits at a tensor boundary.
 """
 
 from __future__ import annotations
@@ -86,10 +89,14 @@ class _Window:
         self.limit, self.used, self.failed = limit, 0, False
         self._cond = threading.Condition()
 
-    def acquire(self, n: int) -> None:
+    def acquire(self, n: int, held: int = 0) -> None:
+        """Take ``n`` bytes for the next piece of an item that holds ``held`` bytes already.
+
+        Waits only while earlier items hold bytes: all their pieces are queued, so their
+        bytes come back. An item alone may go over the budget (a tensor above the window).
+        """
         with self._cond:
-            # One buffer larger than the whole budget still goes, alone.
-            while self.used and self.used + n > self.limit and not self.failed:
+            while self.used > held and self.used + n > self.limit and not self.failed:
                 self._cond.wait()
             self.used += n
 
@@ -164,14 +171,20 @@ class RegionReader:
         try:
             for item in items:
                 pieces = list(_pieces(item, self.piece_bytes))
-                window.acquire(item.nbytes)
+                if not pieces:  # an empty tensor: nothing to read
+                    self._finish(_Job(item, 0), results, finalize, window)
+                job, held = None, 0
+                for region, off in pieces:
+                    n = region.numel * item.entry.itemsize
+                    window.acquire(n, held)
+                    if window.failed:
+                        break
+                    held += n
+                    if job is None:
+                        job = _Job(item, len(pieces))
+                    futures.append(pool.submit(self._piece, job, region, off, results, finalize, window))
                 if window.failed:
                     break
-                job = _Job(item, len(pieces))
-                if not pieces:
-                    self._finish(job, results, finalize, window)
-                for region, off in pieces:
-                    futures.append(pool.submit(self._piece, job, region, off, results, finalize, window))
             for f in futures:
                 f.result()  # the first worker error, if any, raises here
         finally:  # on an error, pieces not yet started are dropped

@@ -148,8 +148,13 @@ def read_region(
     base = file_header.data_start + entry.start
     what = f"{file_header.source}: tensor {entry.name!r}"
     pos = 0
+    # A column slice is one run per row (thousands per tensor), so the loop makes one
+    # syscall per run and takes the retrying path only after a short read.
     for offset, length in runs:
-        _pread_into(fd, buf[pos : pos + length], base + offset, what=what)
+        part = buf[pos : pos + length]
+        n = _pread_some(fd, part, base + offset)
+        if n < length:
+            _pread_into(fd, part[n:], base + offset + n, what=what)
         pos += length
     assert pos == len(buf), (pos, len(buf))
     return pos
