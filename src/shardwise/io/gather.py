@@ -15,7 +15,6 @@ import ctypes
 import functools
 import hashlib
 import math
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -322,37 +321,7 @@ def capture(fn) -> Exception | None:
     return None
 
 
-class Progress:
-    """Bytes written, as a tqdm bar on rank 0 (or one line per file without tqdm)."""
-
-    def __init__(self, total: int, progress: bool | None, active: bool):
-        self._bar, self._lines = None, False
-        if not active or progress is False or (progress is None and not sys.stderr.isatty()):
-            return
-        try:
-            from tqdm.auto import tqdm
-        except ImportError:
-            self._lines = True
-            return
-        self._bar = tqdm(total=total, unit="B", unit_scale=True, desc="shardwise save")
-
-    def __enter__(self) -> Progress:
-        return self
-
-    def __call__(self, n: int) -> None:
-        if self._bar is not None:
-            self._bar.update(n)
-
-    def file(self, name: str) -> None:
-        if self._lines:
-            print(f"shardwise save: writing {name}", file=sys.stderr, flush=True)
-
-    def __exit__(self, *exc) -> None:
-        if self._bar is not None:
-            self._bar.close()
-
-
 __all__ = [
-    "FileGatherer", "Progress", "SaveItem", "agree", "capture", "collect_items", "fingerprint",
+    "FileGatherer", "SaveItem", "agree", "capture", "collect_items", "fingerprint",
     "gather_to_rank0", "num_chunks", "world_backend",
 ]

@@ -10,7 +10,6 @@ checkpoint headers and the key/shape checks all come before the first tensor byt
 from __future__ import annotations
 
 import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from shardwise._progress import Progress
 from shardwise.core.plan import ResolvedPlan, resolve_plan
 from shardwise.core.spec import split
 from shardwise.errors import CheckpointError, PlanError
@@ -113,7 +113,7 @@ def load(model: nn.Module, path: str | os.PathLike, *, plan, mesh, dtype: torch.
         raw = to_device(raw) if raw.device != device else raw
         return raw.to(dtype) if cast else raw
 
-    with _Progress(sum(i.nbytes for i in items), progress) as bar, \
+    with Progress(sum(i.nbytes for i in items), progress, _is_rank0(), "shardwise load") as bar, \
             RegionReader(ckpt.headers, num_threads=_num_threads(num_threads), on_bytes=bar) as reader:
         tensors = reader.read(items, finalize=lambda item, raw: finalize(raw))
     own = model.state_dict(keep_vars=True) if missing else {}
@@ -231,33 +231,6 @@ def _num_threads(num_threads: int | None) -> int:
 def _listing(names: list[str]) -> str:
     shown = ", ".join(names[:_SHOW])
     return shown + (f", ... and {len(names) - _SHOW} more" if len(names) > _SHOW else "")
-
-
-class _Progress:
-    """A byte counter as a tqdm bar on global rank 0, or a no-op callable."""
-
-    def __init__(self, total: int, progress: bool | None):
-        self._bar = None
-        if progress is False or not _is_rank0():
-            return
-        if progress is None and not sys.stderr.isatty():
-            return
-        try:
-            from tqdm.auto import tqdm
-        except ImportError:
-            return
-        self._bar = tqdm(total=total, unit="B", unit_scale=True, desc="shardwise load")
-
-    def __enter__(self):
-        return self
-
-    def __call__(self, n: int) -> None:
-        if self._bar is not None:
-            self._bar.update(n)
-
-    def __exit__(self, *exc) -> None:
-        if self._bar is not None:
-            self._bar.close()
 
 
 def _is_rank0() -> bool:

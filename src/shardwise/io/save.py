@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from shardwise._progress import Progress
 from shardwise.errors import CheckpointError
 from shardwise.io.gather import (
     FileGatherer,
-    Progress,
     agree,
     capture,
     collect_items,
@@ -115,7 +115,7 @@ def save(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str
     try:
         agree(backend, capture(dest.prepare) if dest else None, what=what,
               digest=fingerprint((run.degree, file_plan, [(i.name, i.spec) for i in items])))
-        with Progress(sum(i.nbytes for i in items), progress, run.rank == 0) as bar:
+        with Progress(sum(i.nbytes for i in items), progress, run.rank == 0, "shardwise save") as bar:
             for fname, group in file_plan:
                 bar.file(fname)
                 error = run.write_file(dest.tmp / fname if dest else None, group, bar)
