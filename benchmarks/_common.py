@@ -77,19 +77,10 @@ def rss_bytes() -> int:
 
 
 def _reset_hwm() -> bool:
-    """Reset VmHWM to the current RSS (``echo 5 > /proc/self/clear_refs``, Linux >= 4.0).
+    """Reset VmHWM to the current RSS (``echo 5 > /proc/self/clear_refs``); True when it worked."""
+    from shardwise._memory import _reset_high_water_mark
 
-    True when the write worked and VmHWM now reads as the current RSS, so that at exit
-    VmHWM is the exact high-water mark since this call.
-    """
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return False
-    st = proc_status()
-    # RSS counters are per-CPU batched: allow a little slack between the two reads.
-    return "VmHWM" in st and st["VmHWM"] <= st.get("VmRSS", 0) + (1 << 20)
+    return _reset_high_water_mark()
 
 
 class PeakRSS:

@@ -22,7 +22,16 @@ from shardwise.errors import PlanError, ShardingError
 
 
 @dataclass(frozen=True)
-class PackedColwise:
+class _Packed:
+    blocks: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.blocks is not None:
+            object.__setattr__(self, "blocks", _check_blocks(self.blocks, type(self).__name__))
+
+
+@dataclass(frozen=True)
+class PackedColwise(_Packed):
     """Column-wise split of a fused projection, each packed block on its own.
 
     ``blocks`` are ratios of the output rows (``[1, 1]`` for gate|up, ``[1, 1, 1, 3, 3]``
@@ -32,15 +41,9 @@ class PackedColwise:
     PackedColwise(blocks=(1, 1))
     """
 
-    blocks: tuple[int, ...] | None = None
-
-    def __post_init__(self) -> None:
-        if self.blocks is not None:
-            object.__setattr__(self, "blocks", _check_blocks(self.blocks, type(self).__name__))
-
 
 @dataclass(frozen=True)
-class PackedRowwise:
+class PackedRowwise(_Packed):
     """Row-wise split of a projection whose input concatenates several blocks.
 
     ``blocks`` are ratios of the input columns (``[1, 3]`` when the input is an attention
@@ -50,12 +53,6 @@ class PackedRowwise:
     >>> PackedRowwise([1, 3])
     PackedRowwise(blocks=(1, 3))
     """
-
-    blocks: tuple[int, ...] | None = None
-
-    def __post_init__(self) -> None:
-        if self.blocks is not None:
-            object.__setattr__(self, "blocks", _check_blocks(self.blocks, type(self).__name__))
 
 
 def _check_blocks(blocks, what: str) -> tuple[int, ...]:
