@@ -232,6 +232,36 @@ class Backend:
                    "gather", timeout)
         return out
 
+    def gather_into(self, tensor: torch.Tensor, out: list[torch.Tensor] | None, dst: int = 0, *,
+                    group=None, timeout=None) -> None:
+        """Every rank's ``tensor`` written into ``out`` (one tensor per group rank) on global rank
+        ``dst``; ``out`` is ignored elsewhere.
+
+        Unlike ``gather``, nothing is allocated per call: rank ``dst`` receives straight into
+        buffers it reuses, point to point, so a long series of gathers (a save, chunk after
+        chunk) does not fault fresh pages in for every call.
+        """
+        if not self.supports_gather:
+            got = self.all_gather(tensor, group=group, timeout=timeout)
+            if self.rank == dst:
+                for o, g in zip(out, got, strict=True):
+                    o.copy_(g)
+            return
+        tensor = tensor.contiguous()
+        if self.rank != dst:
+            self._wait(dist.isend(tensor, dst=dst, group=group), "gather (send)", timeout)
+            return
+        me = dist.get_group_rank(group, self.rank) if group is not None else self.rank
+        works = []
+        for i, buf in enumerate(out):
+            if i == me:
+                buf.copy_(tensor)
+                continue
+            src = dist.get_global_rank(group, i) if group is not None else i
+            works.append(dist.irecv(buf, src=src, group=group))
+        for work in works:
+            self._wait(work, "gather (receive)", timeout)
+
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, group=None, timeout=None):
         """Overwrite ``tensor`` on every rank with global rank ``src``'s and return it."""
         self._wait(dist.broadcast(tensor, src=src, group=group, async_op=True), "broadcast", timeout)

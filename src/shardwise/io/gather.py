@@ -11,8 +11,6 @@ rank (a full disk on rank 0) raises on every rank instead of leaving peers in a 
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import hashlib
 import math
 from dataclasses import dataclass, field
@@ -76,28 +74,33 @@ def num_chunks(nbytes: int, rows: int) -> int:
 
 
 def gather_to_rank0(backend: Backend, local: torch.Tensor, spec: ShardSpec, degree: int, group,
-                    shape: tuple[int, ...], *, keep: bool = True,
-                    buffer: torch.Tensor | None = None) -> torch.Tensor | None:
+                    shape: tuple[int, ...], *, keep: bool = True, buffer: torch.Tensor | None = None,
+                    receive: list[torch.Tensor] | None = None) -> torch.Tensor | None:
     """The canonical tensor of ``shape`` on global rank 0 (None elsewhere, or when not ``keep``).
 
     Every tp rank calls it with its local shard. Row chunks of the shards (chunks of the
     local dim 0, contiguous in memory) are gathered one at a time and copied into their
     regions of the canonical tensor, packed blocks in their own order (``chunk_layout``).
     The chunks travel as raw bytes, so any dtype goes (gloo has no float8 or uint16
-    gather); a gather-less backend all-gathers and drops the result (``Backend.gather``).
-    Shards are equal-sized: the degree divides every block. ``buffer`` (rank 0: contiguous
-    uint8 on the shards' device, at least the tensor's bytes) is where the tensor is built;
-    by default a new tensor.
+    gather). Shards are equal-sized: the degree divides every block. On rank 0, ``buffer``
+    (contiguous uint8, at least the tensor's bytes) is where the tensor is built and
+    ``receive`` (one uint8 tensor per tp rank, at least a chunk's bytes each) is where the
+    chunks land; both are reused from tensor to tensor, so their pages are touched once.
     """
     data = local.detach().contiguous()
     rows = data.shape[0]
     k = num_chunks(math.prod(shape) * data.element_size(), rows)
     step = -(-rows // k)
     full, layouts = None, None
+    if receive is None and backend.rank == 0:  # rank 0 receives even when it keeps nothing
+        receive = [torch.empty(data[:step].numel() * data.element_size(), dtype=torch.uint8,
+                               device=data.device) for _ in range(degree)]
     for index, lo in enumerate(range(0, rows, step)):
         piece = data[lo : lo + step]
-        got = backend.gather(piece.view(torch.uint8), dst=0, group=group)
-        if got is None or not keep:
+        nbytes = piece.numel() * piece.element_size()
+        got = [r[:nbytes] for r in receive] if receive is not None else None
+        backend.gather_into(piece.reshape(-1).view(torch.uint8), got, dst=0, group=group)
+        if backend.rank != 0 or not keep:
             continue
         if full is None:
             full = _empty(shape, data, buffer)
@@ -106,8 +109,6 @@ def gather_to_rank0(backend: Backend, local: torch.Tensor, spec: ShardSpec, degr
             part = raw.view(data.dtype).view(piece.shape)
             for region, off in chunk_layout(layout, data.shape, 0, k, index):
                 full[region.slices()] = part[Region(off, region.sizes).slices()]
-        del got, raw, part
-        _release_freed_memory()
     if full is None and keep and backend.rank == 0:  # no rows: nothing travelled
         full = _empty(shape, data, buffer)
     return full
@@ -117,29 +118,6 @@ def _empty(shape, like: torch.Tensor, buffer: torch.Tensor | None) -> torch.Tens
     if buffer is None:
         return torch.empty(shape, dtype=like.dtype, device=like.device)
     return buffer[: math.prod(shape) * like.element_size()].view(like.dtype).view(shape)
-
-
-@functools.cache
-def _malloc_trim():
-    try:
-        return ctypes.CDLL(None).malloc_trim  # glibc
-    except (OSError, AttributeError):
-        return None
-
-
-def _release_freed_memory() -> None:
-    """Hand the memory of the last gathered chunk back to the OS.
-
-    glibc keeps freed blocks below its mmap threshold (which rises to 32 MB as large
-    buffers are freed) and up to twice that free at the top of each heap, and gloo
-    allocates its flat buffers in its own threads' heaps: trimming once per tensor still
-    let rank 0's peak reach 2.3x the largest tensor (measured, 2 GB model); once per
-    chunk it stays at 1.25-1.5x. The price is fresh page faults for every chunk. A no-op
-    without malloc_trim.
-    """
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
 
 
 def fingerprint(parts) -> bytes:
@@ -268,6 +246,7 @@ class FileGatherer:
         # Only the tp group holding global rank 0 gathers; other replicas only join agree().
         self.gathers = state is not None and 0 in state.tp_mesh.mesh.flatten().tolist()
         self._buffer: torch.Tensor | None = None
+        self._receive: list[torch.Tensor] | None = None
 
     def _assembly_buffer(self, item: SaveItem) -> torch.Tensor | None:
         """One buffer, as large as the largest gathered tensor, that every tensor is built in
@@ -276,6 +255,14 @@ class FileGatherer:
             size = max(i.nbytes for i in self.items.values() if i.gathered)
             self._buffer = torch.empty(size, dtype=torch.uint8, device=item.local.device)
         return self._buffer
+
+    def _receive_buffers(self, item: SaveItem) -> list[torch.Tensor]:
+        """One chunk-sized buffer per tp rank, as large as the largest chunk of any tensor."""
+        if self._receive is None:
+            size = max(_chunk_bytes(i, self.degree) for i in self.items.values() if i.gathered)
+            self._receive = [torch.empty(size, dtype=torch.uint8, device=item.local.device)
+                             for _ in range(self.degree)]
+        return self._receive
 
     def write_file(self, path: Path | None, group, bar) -> Exception | None:
         """Gather and write one file's tensors; return rank 0's first failure (then keep joining
@@ -293,7 +280,8 @@ class FileGatherer:
                 if item.gathered and self.gathers:  # after a failure too: peers must not wait
                     full = gather_to_rank0(self.backend, item.local, item.spec, self.degree, self.group,
                                            item.shape, keep=writer is not None,
-                                           buffer=self._assembly_buffer(item) if writer else None)
+                                           buffer=self._assembly_buffer(item) if writer else None,
+                                           receive=self._receive_buffers(item) if self.rank == 0 else None)
                 elif writer is not None:
                     full = item.local
                 if writer is not None:
@@ -311,6 +299,14 @@ class FileGatherer:
             if writer is not None:
                 writer.abort()  # a no-op after close()
         return error
+
+
+def _chunk_bytes(item: SaveItem, degree: int) -> int:
+    """Bytes of the largest row chunk of one rank's shard of ``item`` (see gather_to_rank0)."""
+    local = item.local
+    rows = max(1, local.shape[0]) if local.dim() else 1
+    k = num_chunks(item.nbytes, rows)
+    return -(-rows // k) * (local.numel() // rows if rows else 0) * local.element_size()
 
 
 def capture(fn) -> Exception | None:
