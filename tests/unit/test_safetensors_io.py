@@ -599,3 +599,26 @@ def test_read_region_completes_short_reads(tmp_path, monkeypatch):
     assert n == out.numel() * 4
     assert torch.equal(out, t[:, 24:36])
     assert len(calls) > 64  # every row run needed more than one read
+
+
+def test_reading_and_writing_need_no_numpy(tmp_path):
+    # numpy is not a dependency of torch's CPU wheels nor of shardwise: a fresh install has none.
+    import subprocess
+    import sys
+
+    code = f"""
+import sys
+sys.modules["numpy"] = None  # any import of numpy now fails
+import torch
+from shardwise.io.safetensors_io import StreamingWriter, read_header, read_region
+t = torch.arange(24, dtype=torch.bfloat16).reshape(4, 6)
+path = {str(tmp_path / "m.safetensors")!r}
+with StreamingWriter(path, [("w", "BF16", (4, 6))]) as w:
+    w.write("w", t)
+h = read_header(path)
+out = torch.empty(4, 3, dtype=torch.bfloat16)
+with open(path, "rb") as f:
+    read_region(f.fileno(), h, h.entries["w"], (0, 3), (4, 3), out)
+assert torch.equal(out, t[:, 3:]), out
+"""
+    subprocess.run([sys.executable, "-c", code], check=True)

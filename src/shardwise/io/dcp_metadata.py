@@ -20,6 +20,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from shardwise.errors import CheckpointError
+from shardwise.io.safetensors_io import byte_view
 
 METADATA_FILE = ".metadata"
 
@@ -145,7 +146,7 @@ def read_chunk_into(f, info, offsets, lengths, dest: torch.Tensor) -> int:
     out = dest if direct else torch.empty(tuple(lengths), dtype=meta.dtype)
     base = info.offset + record + meta.storage_offset() * meta.element_size()
     runs = region_runs(tuple(meta.shape), meta.element_size(), tuple(offsets), tuple(lengths))
-    buf = memoryview(out.detach().reshape(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
+    buf = byte_view(out.detach())
     pos = 0
     for start, length in runs:
         _pread_into(f.fileno(), buf[pos:pos + length], base + start, what=where)

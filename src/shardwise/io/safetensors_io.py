@@ -7,6 +7,7 @@ each contiguous run reads exactly the box. Nothing here ever unpickles.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import stat
@@ -56,6 +57,21 @@ else:  # no preadv (Windows, old macOS): read through bytes in bounded pieces
         data = os.pread(fd, min(len(buf), 1 << 26), pos)
         buf[: len(data)] = data
         return len(data)
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """A writable memoryview of the bytes of a contiguous CPU tensor, aliasing its memory.
+
+    Built with ctypes rather than ``tensor.numpy()``: numpy is not a dependency of torch's
+    CPU wheels, nor of shardwise. The caller keeps ``t`` alive while the view is in use.
+    """
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError(f"byte_view needs a contiguous CPU tensor, got one on {t.device} "
+                         f"(contiguous={t.is_contiguous()})")
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(bytearray())
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
 def _pread_into(fd: int, buf: memoryview, pos: int, *, what: str) -> None:
@@ -144,7 +160,7 @@ def read_region(
     runs = region_runs(entry.shape, entry.itemsize, region_offsets, sizes)
     if not runs:
         return 0
-    buf = memoryview(out.detach().reshape(-1).view(torch.uint8).numpy())
+    buf = byte_view(out.detach())
     base = file_header.data_start + entry.start
     what = f"{file_header.source}: tensor {entry.name!r}"
     pos = 0
@@ -405,7 +421,7 @@ class StreamingWriter:
         assert self._pos == self._offsets[name][0], (self._pos, self._offsets[name])
         data = tensor.detach().resolve_conj().resolve_neg().contiguous()
         if data.numel():
-            self._write_all(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
+            self._write_all(byte_view(data))
         self._next += 1
 
     def close(self) -> None:
