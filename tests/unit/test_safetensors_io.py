@@ -31,8 +31,8 @@ from shardwise.core.header import (
     str_to_dtype,
 )
 from shardwise.errors import CheckpointError
+from shardwise.io.checkpoint import Checkpoint, resolve_checkpoint
 from shardwise.io.safetensors_io import (
-    Checkpoint,
     StreamingWriter,
     index_json,
     parse_size,
@@ -40,7 +40,6 @@ from shardwise.io.safetensors_io import (
     read_header,
     read_region,
     read_tensor,
-    resolve_checkpoint,
 )
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,

@@ -44,7 +44,7 @@ def inspect_checkpoint(path: str | os.PathLike) -> Report:
     path = Path(path)
     if path.is_dir() and ((path / ".metadata").is_file() or any(path.glob("*.distcp"))):
         return _dcp(path)
-    from shardwise.io.safetensors_io import resolve_checkpoint
+    from shardwise.io.checkpoint import resolve_checkpoint
 
     ckpt = resolve_checkpoint(path)
     kind = ("safetensors, sharded" if len(ckpt.files) > 1 or path.name.endswith(".json")

@@ -21,9 +21,9 @@ from shardwise._progress import Progress
 from shardwise.core.plan import ResolvedPlan, resolve_plan
 from shardwise.core.spec import split
 from shardwise.errors import CheckpointError, PlanError
+from shardwise.io.checkpoint import Checkpoint, resolve_checkpoint
 from shardwise.io.guards import check_mesh, check_model, check_options
 from shardwise.io.reader import RegionReader, plan_reads
-from shardwise.io.safetensors_io import Checkpoint, resolve_checkpoint
 from shardwise.io.staging import host_to_device
 from shardwise.parallel import HOLDINGS, check_spmd, default_holding, get_shard_state, install, tp_axis
 

@@ -76,6 +76,7 @@ def cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 def load_spmd(model: nn.Module, path, *, specs: ResolvedPlan, mesh, dtype, strict: bool,
               num_threads: int, start: float):
     """``sw.load`` for holding ``"spmd"`` (it dispatches here after its guards and the plan)."""
+    from shardwise.io.checkpoint import resolve_checkpoint
     from shardwise.io.load import (
         LoadResult,
         _check_nothing_left_on_meta,
@@ -83,7 +84,6 @@ def load_spmd(model: nn.Module, path, *, specs: ResolvedPlan, mesh, dtype, stric
         _move_non_persistent,
         match_keys,
     )
-    from shardwise.io.safetensors_io import resolve_checkpoint
 
     tp_mesh = tp_axis(mesh)
     if (Path(path) / ".metadata").is_file() or any(Path(path).glob("*.distcp")):

@@ -1,0 +1,197 @@
+"""Checkpoint folders: which safetensors file holds each tensor, validated before use.
+
+A ``.safetensors`` file, a folder holding one, a sharded folder with its
+``*.safetensors.index.json`` (any prefix), or the index itself. Index file names must stay
+inside the folder; pickled weights are refused with how to convert them. Nothing here ever
+unpickles.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath, PureWindowsPath
+
+from shardwise.core.header import MAX_HEADER_SIZE, FileHeader, TensorEntry, parse_json_object
+from shardwise.errors import CheckpointError
+from shardwise.io.safetensors_io import INDEX_SUFFIX, _open_regular, _pread_into, read_header
+
+_PICKLE_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle"})
+
+
+def _pickle_error(path: Path, *, index: Path | None = None) -> CheckpointError:
+    where = f"{index}: weight_map names {path.name}" if index else str(path)
+    return CheckpointError(
+        f"{where}: {path.suffix} weights are pickles; shardwise reads only safetensors and never "
+        "unpickles (loading a pickle can run arbitrary code). Convert once, from a source you trust: "
+        f"sd = torch.load({path.name!r}, map_location='cpu', weights_only=True); "
+        "safetensors.torch.save_file({k: v.contiguous() for k, v in sd.items()}, 'model.safetensors')"
+    )
+
+
+
+# --- folders and indexes --------------------------------------------------------------------
+
+@dataclass
+class Checkpoint:
+    """A resolved safetensors checkpoint: which file holds each tensor, and every header."""
+
+    root: Path
+    files: list[Path]
+    weight_map: dict[str, Path]
+    headers: dict[Path, FileHeader]
+
+    def entry(self, name: str) -> tuple[Path, TensorEntry]:
+        """The file holding tensor ``name`` and its header entry."""
+        try:
+            path = self.weight_map[name]
+        except KeyError:
+            raise CheckpointError(
+                f"{self.root}: the checkpoint has no tensor {name!r} ({len(self.weight_map)} tensors)"
+            ) from None
+        return path, self.headers[path].entries[name]
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.weight_map)
+
+    @property
+    def total_size(self) -> int:
+        """Bytes of all tensors in the weight map."""
+        return sum(self.headers[p].entries[n].nbytes for n, p in self.weight_map.items())
+
+
+def _hub_blobs(root: Path) -> Path | None:
+    """The ``blobs`` folder of a huggingface_hub cache repo whose snapshot holds ``root``."""
+    for parent in root.parents:
+        if parent.name == "snapshots":
+            blobs = parent.parent / "blobs"
+            return blobs if blobs.is_dir() else None
+    return None
+
+
+def _check_inside(root: Path, path: Path, *, source: Path) -> None:
+    # A symlink may not lead out of the folder, except into the blob store of a
+    # huggingface_hub cache, whose snapshots are symlinks into ../../blobs.
+    target, real_root = path.resolve(), root.resolve()
+    if target.is_relative_to(real_root):
+        return
+    blobs = _hub_blobs(real_root)
+    if blobs is not None and target.is_relative_to(blobs.resolve()):
+        return
+    raise CheckpointError(
+        f"{source}: {path.name} is a symlink to {target}, outside the checkpoint folder {root}; "
+        "refusing to read it (copy the file into the folder if you trust it)"
+    )
+
+
+def _shard_path(root: Path, fname: str, *, index: Path) -> Path:
+    pure = PurePosixPath(fname)
+    if (not fname or "\\" in fname or "\0" in fname or pure.is_absolute()
+            or PureWindowsPath(fname).anchor or ".." in pure.parts):
+        raise CheckpointError(
+            f"{index}: weight_map names the file {fname!r}, which is not a relative name inside "
+            f"{root}; refusing to read outside the checkpoint folder"
+        )
+    path = root / pure
+    if pure.suffix in _PICKLE_SUFFIXES:
+        raise _pickle_error(path, index=index)
+    if not fname.endswith(".safetensors"):
+        raise CheckpointError(f"{index}: weight_map names {fname!r}, which is not a .safetensors file")
+    if not path.is_file():
+        raise CheckpointError(
+            f"{index}: weight_map names {fname!r}, but {path} does not exist or is not a regular file"
+        )
+    _check_inside(root, path, source=index)
+    return path
+
+
+def _from_index(index: Path) -> Checkpoint:
+    root = index.parent
+    fd = _open_regular(index)
+    try:
+        size = os.fstat(fd).st_size
+        if size > MAX_HEADER_SIZE:
+            raise CheckpointError(f"{index}: {size} bytes, over the {MAX_HEADER_SIZE}-byte cap for an index")
+        raw = bytearray(size)
+        _pread_into(fd, memoryview(raw), 0, what=str(index))
+    finally:
+        os.close(fd)
+    wm = parse_json_object(bytes(raw), source=str(index), what="index").get("weight_map")
+    if not (isinstance(wm, dict) and wm
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items())):
+        raise CheckpointError(
+            f"{index}: 'weight_map' must be a non-empty object mapping tensor names to file names"
+        )
+    files = {fname: _shard_path(root, fname, index=index) for fname in dict.fromkeys(wm.values())}
+    headers = {path: read_header(path) for path in files.values()}
+    owner: dict[str, Path] = {}
+    for path, header in headers.items():
+        for name in header.entries:
+            if name in owner:
+                raise CheckpointError(f"{index}: tensor {name!r} is stored in both {owner[name]} and {path}")
+            owner[name] = path
+    for name, fname in wm.items():
+        if name not in headers[files[fname]].entries:
+            raise CheckpointError(
+                f"{index}: weight_map puts tensor {name!r} in {fname}, which has no such tensor"
+            )
+    weight_map = {name: files[fname] for name, fname in wm.items()}
+    return Checkpoint(root, list(files.values()), weight_map, headers)
+
+
+def _single(path: Path) -> Checkpoint:
+    header = read_header(path)
+    return Checkpoint(path.parent, [path], {name: path for name in header.entries}, {path: header})
+
+
+def _resolve_dir(root: Path) -> Checkpoint:
+    indexes = sorted(p for p in root.glob("*" + INDEX_SUFFIX) if p.is_file())
+    if len(indexes) > 1:
+        raise CheckpointError(
+            f"{root}: several index files ({', '.join(p.name for p in indexes)}); pass the one to load"
+        )
+    if indexes:
+        return _from_index(indexes[0])
+    files = sorted(p for p in root.glob("*.safetensors") if p.is_file())
+    if len(files) > 1:
+        raise CheckpointError(
+            f"{root}: {len(files)} .safetensors files ({', '.join(p.name for p in files[:4])}"
+            f"{', ...' if len(files) > 4 else ''}) but no "
+            f"*{INDEX_SUFFIX}; pass one file, or add an index naming which file holds each tensor"
+        )
+    if files:
+        _check_inside(root, files[0], source=root)
+        return _single(files[0])
+    pickles = sorted(p for p in root.iterdir() if p.suffix in _PICKLE_SUFFIXES and p.is_file())
+    if pickles:
+        raise _pickle_error(pickles[0])
+    raise CheckpointError(f"{root}: no .safetensors file or *{INDEX_SUFFIX} in this folder")
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """Find and validate the safetensors checkpoint at ``path``: a ``.safetensors`` file,
+    an ``*.safetensors.index.json``, or a folder holding one index or one file.
+
+    Every header (and the index) is validated before anything is read.
+
+    >>> ckpt = resolve_checkpoint("ckpt/")                     # doctest: +SKIP
+    >>> ckpt.entry("blocks.0.attn.to_q.weight")                 # doctest: +SKIP
+    (PosixPath('ckpt/model-00001-of-00002.safetensors'), TensorEntry(...))
+    """
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint file or folder")
+    if path.is_dir():
+        return _resolve_dir(path)
+    if path.name.endswith(INDEX_SUFFIX):
+        return _from_index(path)
+    if path.suffix == ".safetensors":
+        return _single(path)
+    if path.suffix in _PICKLE_SUFFIXES:
+        raise _pickle_error(path)
+    raise CheckpointError(
+        f"{path}: not a .safetensors file, a *{INDEX_SUFFIX} or a folder holding them"
+    )
+
+
