@@ -276,16 +276,16 @@ def test_world_of_one_is_a_plain_streaming_saver(tmp_path):
 
 
 def test_without_atomic_exchange_an_interrupted_swap_is_repaired(tmp_path, monkeypatch):
-    import shardwise.io.save as save_module
+    import shardwise.io.target as target_module
 
-    monkeypatch.setattr(save_module, "_renameat2_fn", lambda: None)  # as on macOS
+    monkeypatch.setattr(target_module, "_renameat2_fn", lambda: None)  # as on macOS
     original, other = _original(tmp_path), _original(tmp_path, seed=1)
     target = tmp_path / "out"
     sw.save(make_model(1), target)
     sw.save(make_model(), target, overwrite=True, max_shard_size=SMALL)
     _assert_same(target, original)
     # killed between "previous checkpoint renamed aside" and "new one renamed in"
-    aside = tmp_path / f".out{save_module._OLD_MARK}{save_module._host()}-999999999-abcd"
+    aside = tmp_path / f".out{target_module.OLD_MARK}{target_module._host()}-999999999-abcd"
     target.rename(aside)
     with pytest.raises(sw.CheckpointError, match="already exists"):
         sw.save(make_model(1), target)  # puts the previous checkpoint back, then refuses

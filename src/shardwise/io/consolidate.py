@@ -50,7 +50,7 @@ def _user_metadata(src: Path) -> dict[str, str]:
 def consolidation_plan(src, *, max_shard_size: int | str = "5GB", filename_prefix: str = "model"):
     """``(metadata, file plan, index or None, header metadata)`` for consolidating ``src``;
     the file plan is the one ``sw.save`` makes for the same tensors."""
-    from shardwise.io.save import _header_metadata, _save_file_order
+    from shardwise.io.save import header_metadata, save_file_order
 
     src = Path(src)
     metadata = read_metadata(src)
@@ -66,13 +66,13 @@ def consolidation_plan(src, *, max_shard_size: int | str = "5GB", filename_prefi
     if not specs:
         raise CheckpointError(f"{src}: the checkpoint holds no tensors")
     user = _user_metadata(src)
-    file_plan = [(fname, sorted(group, key=_save_file_order))
+    file_plan = [(fname, sorted(group, key=save_file_order))
                  for fname, group in plan_files(specs, max_shard_size, filename_prefix)]
     index = None
     if len(file_plan) > 1:
         total = sum(spec_nbytes(d, s) for _, d, s in specs)
         index = (filename_prefix + INDEX_SUFFIX, index_json(file_plan, total, dict(user)))
-    return metadata, file_plan, index, _header_metadata(user)
+    return metadata, file_plan, index, header_metadata(user)
 
 
 class _ChunkReader:
@@ -121,12 +121,12 @@ def consolidate(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_siz
 
     >>> sw.consolidate("out/dcp", "out/merged", max_shard_size="2GB")   # doctest: +SKIP
     """
-    from shardwise.io.save import _Destination, _target_path
+    from shardwise.io.target import Destination, target_path
 
     metadata, file_plan, index, header = consolidation_plan(
         src, max_shard_size=max_shard_size, filename_prefix=filename_prefix)
     reader = _ChunkReader(Path(src), metadata)
-    dest = _Destination(_target_path(dst), overwrite)
+    dest = Destination(target_path(dst), overwrite)
     # The copies are memory-bound: one thread moves them as fast, while a pool of OpenMP
     # threads waiting on each other was up to 10x slower on a busy machine.
     threads = torch.get_num_threads()

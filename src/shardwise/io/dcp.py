@@ -182,10 +182,10 @@ def write_checkpoint(path, state_dict: dict, placed: Mapping[str, Placed], info:
     Crash safety is the gather save's (``shardwise.io.save``): rank 0 prepares a temporary
     folder beside ``path``, DCP writes into it, and it replaces ``path`` once complete.
     """
-    from shardwise.io.save import _Destination, _target_path
+    from shardwise.io.target import Destination, target_path
 
-    target = _target_path(path)
-    dest = _Destination(target, overwrite) if _rank() == 0 else None
+    target = target_path(path)
+    dest = Destination(target, overwrite) if _rank() == 0 else None
 
     def prepare():
         dest.prepare()
@@ -279,7 +279,7 @@ def load_dcp(model: nn.Module, path, *, specs: ResolvedPlan, mesh, holding: str,
     Raises ``CheckpointError`` for an incomplete checkpoint and for missing or mismatched
     tensors (naming them). The checkpoint's ``.metadata`` is a pickle: trust its source.
     """
-    from shardwise.io.load import LoadResult, _check_nothing_left_on_meta, _device, _move_non_persistent
+    from shardwise.io.load import LoadResult, check_nothing_left_on_meta, device_of, move_non_persistent
 
     start = time.perf_counter()
     metadata = read_metadata(path)
@@ -287,12 +287,12 @@ def load_dcp(model: nn.Module, path, *, specs: ResolvedPlan, mesh, holding: str,
     degree, rank = tp_mesh.size(), tp_mesh.get_local_rank()
     own = model.state_dict(keep_vars=True)
     stored = metadata.state_dict_metadata
-    key = {n: _stored_name(n, specs, stored) for n in specs}
+    key = {n: stored_name(n, specs, stored) for n in specs}
     wanted = {key[n]: tuple(own[n].shape) for n in specs}
     missing, unexpected = check_tensors(path, metadata, wanted, strict=strict, allowed_extra=specs.aliases)
     missing_names = [n for n in specs if key[n] in missing]
-    _check_nothing_left_on_meta(model, specs, missing_names)
-    device = _device(tp_mesh)
+    check_nothing_left_on_meta(model, specs, missing_names)
+    device = device_of(tp_mesh)
     placed = {}
     for n, spec in specs.items():
         if key[n] in missing:
@@ -311,12 +311,12 @@ def load_dcp(model: nn.Module, path, *, specs: ResolvedPlan, mesh, holding: str,
         return placed[key[name]].local
 
     install(model, specs, mesh, holding=holding, local_tensor=local_tensor)
-    _move_non_persistent(model, device)
+    move_non_persistent(model, device)
     return LoadResult(tuple(missing_names), tuple(unexpected), nbytes,
                       time.perf_counter() - start, len(placed))
 
 
-def _stored_name(name: str, specs: ResolvedPlan, stored) -> str:
+def stored_name(name: str, specs: ResolvedPlan, stored) -> str:
     """The checkpoint key of model tensor ``name``: itself, or a tied alias of it."""
     if name in stored:
         return name

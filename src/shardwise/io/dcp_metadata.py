@@ -64,9 +64,9 @@ def read_metadata(path: str | Path) -> Metadata:
         raise CheckpointError(f"{path}: no such checkpoint folder")
     meta = path / METADATA_FILE
     if not meta.is_file():
-        from shardwise.io.save import _TMP_MARK
+        from shardwise.io.target import TMP_MARK
 
-        partial = sorted(p.name for p in path.parent.glob(f".{path.name}{_TMP_MARK}*"))
+        partial = sorted(p.name for p in path.parent.glob(f".{path.name}{TMP_MARK}*"))
         hint = f" ({partial[0]} beside it is an unfinished save)" if partial else ""
         raise CheckpointError(
             f"{path}: incomplete checkpoint: no {METADATA_FILE}{hint}. A DCP save writes it last, "

@@ -99,9 +99,9 @@ def load(model: nn.Module, path: str | os.PathLike, *, plan, mesh, dtype: torch.
 
     ckpt = resolve_checkpoint(path)
     sources, missing, unexpected = match_keys(model, specs, ckpt, strict=strict)
-    _check_nothing_left_on_meta(model, specs, missing)
+    check_nothing_left_on_meta(model, specs, missing)
     items = plan_reads(sources, specs, degree, rank)
-    device = _device(tp_mesh)
+    device = device_of(tp_mesh)
     to_device = host_to_device(device)  # pinned staging buffers on CUDA
 
     def finalize(raw: torch.Tensor) -> torch.Tensor:
@@ -124,7 +124,7 @@ def load(model: nn.Module, path: str | os.PathLike, *, plan, mesh, dtype: torch.
         return finalize(split(own[name].detach().cpu(), spec, degree, rank))  # non-strict: keep own
 
     install(model, specs, mesh, holding=holding, local_tensor=local_tensor)
-    _move_non_persistent(model, device)
+    move_non_persistent(model, device)
     return LoadResult(tuple(missing), tuple(unexpected), reader.bytes_read,
                       time.perf_counter() - start, len(items))
 
@@ -163,7 +163,7 @@ def match_keys(model: nn.Module, specs: ResolvedPlan, ckpt: Checkpoint, *, stric
     return sources, missing, unexpected
 
 
-def _check_nothing_left_on_meta(model: nn.Module, specs: ResolvedPlan, missing: list[str]) -> None:
+def check_nothing_left_on_meta(model: nn.Module, specs: ResolvedPlan, missing: list[str]) -> None:
     """Raise before reading if the load would leave a tensor on the meta device."""
     state = model.state_dict(keep_vars=True)
     empty = [n for n in missing if state[n].is_meta]
@@ -183,7 +183,7 @@ def _check_nothing_left_on_meta(model: nn.Module, specs: ResolvedPlan, missing: 
             )
 
 
-def _move_non_persistent(model: nn.Module, device: torch.device) -> None:
+def move_non_persistent(model: nn.Module, device: torch.device) -> None:
     for module in model.modules():
         for name in module._non_persistent_buffers_set:
             buf = module._buffers.get(name)
@@ -208,7 +208,7 @@ def _load_dcp(model, path, **kwargs):
     return load_dcp(model, path, **kwargs)
 
 
-def _device(tp_mesh) -> torch.device:
+def device_of(tp_mesh) -> torch.device:
     from shardwise.backends import current_backend
 
     backend = current_backend()
@@ -239,4 +239,6 @@ def _is_rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-__all__ = ["LoadResult", "load", "match_keys"]
+__all__ = [
+    "LoadResult", "check_nothing_left_on_meta", "device_of", "load", "match_keys", "move_non_persistent",
+]

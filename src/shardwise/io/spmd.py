@@ -79,10 +79,10 @@ def load_spmd(model: nn.Module, path, *, specs: ResolvedPlan, mesh, dtype, stric
     from shardwise.io.checkpoint import resolve_checkpoint
     from shardwise.io.load import (
         LoadResult,
-        _check_nothing_left_on_meta,
-        _device,
-        _move_non_persistent,
+        check_nothing_left_on_meta,
+        device_of,
         match_keys,
+        move_non_persistent,
     )
 
     tp_mesh = tp_axis(mesh)
@@ -91,7 +91,7 @@ def load_spmd(model: nn.Module, path, *, specs: ResolvedPlan, mesh, dtype, stric
     else:
         ckpt = resolve_checkpoint(path)
         sources, missing, unexpected = match_keys(model, specs, ckpt, strict=strict)
-        _check_nothing_left_on_meta(model, specs, missing)
+        check_nothing_left_on_meta(model, specs, missing)
         positions = tp_mesh.positions()
         items, keys = chunk_reads(sources, specs, tp_mesh.size(), positions)
         needed = {n: 1 if specs[n].replicated else len(positions) for n in sources}
@@ -107,7 +107,7 @@ def load_spmd(model: nn.Module, path, *, specs: ResolvedPlan, mesh, dtype, stric
         return tp_mesh.distribute(cast(own[name].detach().cpu(), dtype), spec.dim)  # strict=False
 
     install(model, specs, mesh, holding="spmd", local_tensor=local_tensor)
-    _move_non_persistent(model, _device(tp_mesh))
+    move_non_persistent(model, device_of(tp_mesh))
     return LoadResult(tuple(missing), tuple(unexpected), nbytes, time.perf_counter() - start,
                       len(specs) - len(missing))
 
@@ -115,18 +115,18 @@ def load_spmd(model: nn.Module, path, *, specs: ResolvedPlan, mesh, dtype, stric
 def _read_dcp(model, path, specs: ResolvedPlan, tp_mesh, dtype, strict: bool):
     """Read the chunks of a DCP checkpoint a batch of tensors at a time (each batch about
     WINDOW_BYTES on the host), building each tensor on the devices as its batch completes."""
-    from shardwise.io.dcp import _stored_name, read_checkpoint
+    from shardwise.io.dcp import read_checkpoint, stored_name
     from shardwise.io.dcp_metadata import check_tensors, read_metadata
-    from shardwise.io.load import _check_nothing_left_on_meta
+    from shardwise.io.load import check_nothing_left_on_meta
 
     metadata = read_metadata(path)
     own = model.state_dict(keep_vars=True)
     stored = metadata.state_dict_metadata
-    key = {n: _stored_name(n, specs, stored) for n in specs}
+    key = {n: stored_name(n, specs, stored) for n in specs}
     missing, unexpected = check_tensors(path, metadata, {key[n]: tuple(own[n].shape) for n in specs},
                                         strict=strict, allowed_extra=specs.aliases)
     missing_names = [n for n in specs if key[n] in missing]
-    _check_nothing_left_on_meta(model, specs, missing_names)
+    check_nothing_left_on_meta(model, specs, missing_names)
     degree, positions = tp_mesh.size(), tp_mesh.positions()
     built, nbytes, batch, batch_bytes = {}, 0, {}, 0
     names = [n for n in specs if n not in missing_names]

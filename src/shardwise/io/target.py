@@ -1,0 +1,197 @@
+"""Where a checkpoint is written: complete or absent, never over the previous one until whole.
+
+Shared by the gather save, the distributed save and consolidation. Files go into a hidden
+folder beside the target, ``.{name}.shardwise-tmp-{host}-{pid}-{token}``, which is moved into
+place with one rename once complete (swapped atomically with a previous checkpoint where
+Linux ``renameat2`` exists). A save killed midway leaves only that hidden folder, which the
+next save to the same path removes; a temporary folder never looks like a checkpoint.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import functools
+import json
+import os
+import re
+import secrets
+import shutil
+import socket
+import sys
+from pathlib import Path
+
+from shardwise.errors import CheckpointError
+from shardwise.io.safetensors_io import _fsync_dir
+
+TMP_MARK, OLD_MARK = ".shardwise-tmp-", ".shardwise-old-"
+
+
+def target_path(path) -> Path:
+    target = Path(os.path.abspath(os.fspath(path)))
+    if target.name in ("", ".", ".."):
+        raise CheckpointError(f"path {os.fspath(path)!r} must name a folder to create, not the root")
+    return target
+
+
+class Destination:
+    """The target folder and the temporary folder beside it; used on rank 0 only."""
+
+    def __init__(self, target: Path, overwrite: bool):
+        self.target, self.overwrite = target, overwrite
+        self.tmp: Path | None = None
+
+    def prepare(self) -> None:
+        self.target.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale(self.target)
+        _check_target(self.target, self.overwrite)
+        self.tmp = self.target.parent / f".{self.target.name}{TMP_MARK}{_owner()}-{secrets.token_hex(4)}"
+        self.tmp.mkdir()
+
+    def commit(self, index: tuple[str, dict] | None) -> None:
+        """Write the index ``(file name, content)`` if any, last; then move the folder into place."""
+        if index is not None:
+            with open(self.tmp / index[0], "w") as f:
+                f.write(json.dumps(index[1], indent=2, sort_keys=True) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        _fsync_dir(self.tmp)
+        target = self.target
+        if target.is_dir() and not target.is_symlink() and not any(target.iterdir()):
+            target.rmdir()  # an empty folder holds nothing to keep
+        if not target.exists() and not target.is_symlink():
+            _rename_noreplace(self.tmp, target)
+        elif self.overwrite:
+            _check_target(target, True)
+            _exchange(self.tmp, target, self.tmp.name.replace(TMP_MARK, OLD_MARK))
+            shutil.rmtree(self.tmp)  # now the previous checkpoint
+        else:
+            raise CheckpointError(f"{target} appeared while saving; pass overwrite=True to replace it")
+        self.tmp = None
+        _fsync_dir(target.parent)
+
+    def discard(self) -> None:
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.tmp = None
+
+
+# What shardwise writes into a checkpoint folder (safetensors, their index, DCP's files and
+# shardwise.json, the writers' hidden partial files): overwrite=True deletes nothing else.
+_CHECKPOINT_FILE = re.compile(r".*\.safetensors|.*\.safetensors\.index\.json|\..*\.partial"
+                              r"|\.metadata|.*\.distcp|shardwise\.json")
+
+
+def _check_target(target: Path, overwrite: bool) -> None:
+    if target.is_symlink():
+        raise CheckpointError(f"{target} is a symlink; pass the folder it points to "
+                              f"({os.path.realpath(target)})")
+    if not target.exists():
+        return
+    if not target.is_dir():
+        raise CheckpointError(f"{target} exists and is not a folder; sw.save writes a folder")
+    entries = sorted(target.iterdir())
+    if not entries:
+        return
+    if not overwrite:
+        raise CheckpointError(f"{target} already exists ({len(entries)} entries); pass overwrite=True "
+                              "to replace it once the new checkpoint is complete, or choose another path")
+    foreign = [e.name for e in entries if not (e.is_file() and _CHECKPOINT_FILE.fullmatch(e.name))]
+    if foreign:
+        raise CheckpointError(
+            f"overwrite=True replaces the whole folder {target}, but it also holds {foreign[0]!r}, "
+            "which is not a checkpoint file; move that out first, or save to another folder")
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())[:64]
+
+
+def _owner() -> str:
+    return f"{_host()}-{os.getpid()}"
+
+
+def _alive(owner: str) -> bool:
+    """Whether the save that named a temporary folder ``{host}-{pid}-{token}`` may still run."""
+    host, _, pid = owner.rpartition("-")[0].rpartition("-")
+    if host != _host() or not pid.isdigit() or int(pid) == os.getpid():
+        return False  # one writer per path at a time: another host's folder is stale
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # alive, another user's
+        return True
+    try:  # killed but not yet reaped by its parent: a zombie writes nothing
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _remove_stale(target: Path) -> None:
+    """Remove what an interrupted save to ``target`` left beside it (the previous checkpoint
+    renamed aside is put back if nothing replaced it)."""
+    prefix = "." + target.name
+    for entry in sorted(target.parent.iterdir()):
+        mark = next((m for m in (TMP_MARK, OLD_MARK) if entry.name.startswith(prefix + m)), None)
+        if mark is None or _alive(entry.name[len(prefix + mark):]):
+            continue
+        if mark == OLD_MARK and not target.exists() and not target.is_symlink():
+            os.rename(entry, target)
+        elif entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+
+
+# --- renames: atomic where the platform has renameat2 ------------------------------------
+_RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2
+_AT_FDCWD = -100
+
+
+@functools.cache
+def _renameat2_fn():
+    if sys.platform != "linux":
+        return None
+    fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)  # glibc >= 2.28
+    if fn is not None:
+        fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    return fn
+
+
+def _renameat2(src: Path, dst: Path, flags: int) -> bool:
+    """True when done; False when this platform or filesystem has no such rename."""
+    fn = _renameat2_fn()
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(src), None, str(dst))
+
+
+def _rename_noreplace(src: Path, dst: Path) -> None:
+    if not _renameat2(src, dst, _RENAME_NOREPLACE):
+        if dst.exists():  # os.rename would silently replace an empty folder
+            raise FileExistsError(errno.EEXIST, "exists", str(dst))
+        os.rename(src, dst)
+
+
+def _exchange(new: Path, target: Path, aside: str) -> None:
+    """Afterwards ``target`` holds ``new`` and ``new`` holds the previous ``target``."""
+    if _renameat2(new, target, _RENAME_EXCHANGE):
+        return
+    old = target.parent / aside  # no atomic swap here: a crash in between leaves `old`,
+    os.rename(target, old)       # which the next save to `target` puts back
+    try:
+        os.rename(new, target)
+    except BaseException:
+        os.rename(old, target)
+        raise
+    os.rename(old, new)
+
+
+__all__ = ["Destination", "OLD_MARK", "TMP_MARK", "target_path"]
