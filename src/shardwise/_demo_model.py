@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardwise.core.plan import PackedColwise
+from shardwise.core.styles import PackedColwise
 
 
 @dataclass(frozen=True)

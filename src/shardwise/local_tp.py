@@ -121,3 +121,59 @@ def _dim_embedding(mod: nn.Embedding, ids, style: Style, state):
     y = F.embedding(ids, mod.weight, mod.padding_idx, mod.max_norm, mod.norm_type,
                     mod.scale_grad_by_freq, mod.sparse)
     return _GatherFrom.apply(y, state.group, (1,), state.degree, state.tp_rank)
+
+
+# -- module styles that wrap the module's own forward (both holdings) -------------------
+def wire_forward(module: nn.Module, style: Style, state) -> None:
+    """Wrap ``module.forward`` for a style whose module keeps its own code (``style.forward``
+    other than ``"linear"``): activations are plain tensors in both holdings, so one wrapper
+    serves both. ``grad_allreduce`` registers gradient hooks instead of wrapping."""
+    kind, group = style.forward, state.group
+    if kind in ("none", "local_params"):  # local_params: see run_on_local_params
+        return
+    if kind == "grad_allreduce":
+        for p in module.parameters(recurse=False):
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(lambda p: dist.all_reduce(p.grad, group=group))
+        return
+    inner = module.forward
+
+    def forward(*args, **kwargs):
+        if kind == "moe_experts":  # (hidden, top_k_index, top_k_weights, ...): inputs replicated
+            args = tuple(_CopyTo.apply(a, group) if i in (0, 2) and _is_float(a) else a
+                         for i, a in enumerate(args))
+        elif kind == "divide_input":  # the experts' all-reduce would count an identity degree times
+            args = (args[0] / state.degree, *args[1:])
+        out = inner(*args, **kwargs)
+        if kind in ("moe_experts", "reduce_output"):
+            return _ReduceFrom.apply(out, group)
+        if kind == "mla_kv_a":
+            passed, rope = out.split([out.shape[-1] - style.rope_dim, style.rope_dim], dim=-1)
+            return torch.cat([passed, _CopyTo.apply(rope, group)], dim=-1)
+        return out
+
+    module.forward = forward
+
+
+def _is_float(a) -> bool:
+    return isinstance(a, torch.Tensor) and a.is_floating_point()
+
+
+def run_on_local_params(module: nn.Module) -> None:
+    """DTensor holding: run ``module.forward`` on the local shards of its DTensor parameters.
+
+    For modules whose own code reads a parameter sharded by a parameter key (3-D expert
+    weights, attention sinks): their forward is written for plain tensors. ``to_local`` is
+    differentiable, so gradients reach the DTensor parameters.
+    """
+    inner = module.forward
+
+    def forward(*args, **kwargs):
+        held = {n: p for n, p in module._parameters.items() if type(p).__name__ == "DTensor"}
+        module._parameters.update({n: p.to_local() for n, p in held.items()})
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            module._parameters.update(held)
+
+    module.forward = forward

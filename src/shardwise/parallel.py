@@ -18,6 +18,7 @@ slices of the model's own tensors, the loaders feed it slices read from disk.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -25,9 +26,9 @@ import torch
 from torch import nn
 
 from shardwise.core.plan import ResolvedPlan, Style, resolve_plan
-from shardwise.core.spec import ShardSpec, split
-from shardwise.errors import PlanError
-from shardwise.local_tp import wire_local
+from shardwise.core.spec import ShardSpec, local_shape, split
+from shardwise.errors import PlanError, ShardingError
+from shardwise.local_tp import run_on_local_params, wire_forward, wire_local
 
 HOLDINGS = ("dtensor", "local", "spmd")
 _STATE_ATTR = "_shardwise_state"
@@ -44,6 +45,9 @@ class ShardState:
     holding: str
     specs: ResolvedPlan
     group: object = field(repr=False, default=None)  # process group of the tp axis
+    # DTensor holding: {id(local Parameter): (that Parameter, its DTensor Parameter)} while
+    # wiring, so a tied weight seen from a second module becomes the same DTensor Parameter.
+    converted: dict = field(repr=False, default_factory=dict)
 
 
 def get_shard_state(model: nn.Module) -> ShardState | None:
@@ -87,12 +91,15 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
 
 
 def install(model: nn.Module, specs: ResolvedPlan, mesh, *, holding: str,
-            local_tensor: Callable[[str, ShardSpec], torch.Tensor]) -> ShardState:
+            local_tensor: Callable[[str, ShardSpec], torch.Tensor],
+            dtype: torch.dtype | None = None) -> ShardState:
     """Replace every tensor of ``model`` by ``local_tensor(name, spec)`` and wire the forward.
 
     Called on every rank of the mesh, with the same ``specs``. ``local_tensor`` returns
     this rank's local shard (already on the right device and dtype). No collective runs
-    here: DTensors are built from local shards.
+    here: DTensors are built from local shards. Afterwards every tensor is checked
+    against what the model declared (:func:`check_installed`): ``dtype`` is the dtype
+    every floating-point tensor must have (``None``: any floating dtype).
     """
     if holding not in HOLDINGS:
         raise ValueError(f"holding must be one of {HOLDINGS}, got {holding!r}")
@@ -102,6 +109,7 @@ def install(model: nn.Module, specs: ResolvedPlan, mesh, *, holding: str,
     degree, tp_rank = tp_mesh.size(), 0 if spmd else tp_mesh.get_local_rank()
     if specs.degree != degree:
         raise PlanError(f"plan was resolved for degree {specs.degree} but the mesh tp axis has {degree}")
+    declared = {n: (tuple(t.shape), t.dtype) for n, t in model.state_dict(keep_vars=True).items()}
     for name, spec in specs.items():
         _set_tensor(model, name, local_tensor(name, spec))
     for alias, kept in specs.aliases.items():  # re-tie shared weights to the one new tensor
@@ -110,23 +118,71 @@ def install(model: nn.Module, specs: ResolvedPlan, mesh, *, holding: str,
         setattr(model.get_submodule(prefix), leaf, getattr(model.get_submodule(kept_prefix), kept_leaf))
     state = ShardState(mesh=mesh, tp_mesh=tp_mesh, degree=degree, tp_rank=tp_rank, holding=holding,
                        specs=specs, group=tp_mesh.get_group())
+    if not spmd:  # spmd: the model's own forward is correct, the partitioner adds collectives
+        _wire(model, specs, state)
+    state.converted.clear()
+    check_installed(model, specs, declared, holding=holding, dtype=dtype)
+    model.__dict__[_STATE_ATTR] = state
+    return state
+
+
+def _wire(model: nn.Module, specs: ResolvedPlan, state: ShardState) -> None:
+    # Owners of parameters sharded by a parameter key first: their local-shard wrapper is
+    # innermost, below any style wrapper (moe_experts) of the same module.
+    for path in specs.local_owners:
+        module = model.get_submodule(path)
+        if state.holding == "dtensor":
+            _dtensor_params(module, path, state, sharded_only=True)
+            run_on_local_params(module)
     for path, style in specs.styles.items():
         module = model.get_submodule(path)
-        if style.kind == "replicate" or spmd:  # spmd: the model's own forward is correct
-            continue
-        if holding == "dtensor":
+        if style.forward != "linear":
+            wire_forward(module, style, state)
+        elif state.holding == "dtensor":
             _wire_dtensor(module, path, style, state)
         else:
             wire_local(module, style, state)
-    model.__dict__[_STATE_ATTR] = state
-    return state
+
+
+def check_installed(model: nn.Module, specs: ResolvedPlan, declared: dict, *, holding: str,
+                    dtype: torch.dtype | None) -> None:
+    """Raise ``ShardingError`` naming the tensor unless every tensor of ``model`` has its
+    declared global shape, a local shard of the spec's size, the dtype policy (floating
+    tensors stay floating, and are ``dtype`` when given; others keep their declared dtype)
+    and every tie of the plan still shares one tensor. Cheap: shapes and identities only.
+    """
+    state = model.state_dict(keep_vars=True)
+    for name, spec in specs.items():
+        shape, declared_dtype = declared[name]
+        t = state[name]
+        is_dtensor = type(t).__name__ == "DTensor"
+        local = tuple(local_of(t).shape)
+        want_local = shape if holding == "spmd" else local_shape(shape, spec, specs.degree)
+        if holding == "spmd":
+            local = tuple(t.shape)
+        if (is_dtensor and tuple(t.shape) != shape) or local != want_local:
+            held = f"a DTensor of global shape {tuple(t.shape)}" if is_dtensor else "a tensor"
+            raise ShardingError(
+                f"{name!r}: after sharding it is {held} with local shape {local}, but the model "
+                f"declares {shape} sharded as {spec} (local {want_local}); this is a shardwise bug, "
+                "please report it with the plan")
+        if declared_dtype.is_floating_point != t.dtype.is_floating_point or (
+                not t.dtype.is_floating_point and t.dtype != declared_dtype) or (
+                dtype is not None and t.dtype.is_floating_point and t.dtype != dtype):
+            want = dtype if dtype is not None and declared_dtype.is_floating_point else declared_dtype
+            raise ShardingError(f"{name!r} is {t.dtype} after sharding but must be {want}")
+    for alias, kept in specs.aliases.items():
+        if state.get(alias) is not state.get(kept):
+            raise ShardingError(f"{alias!r} and {kept!r} are tied in the model but no longer share one "
+                                "tensor after sharding; this is a shardwise bug, please report it")
 
 
 def parallelize(model: nn.Module, plan, mesh, *, holding: str | None = None) -> nn.Module:
     """Shard a materialised ``model`` in place so its forward equals the one-device forward.
 
-    Every rank must call it with the same weights (same seed, or loaded from the same
-    file). ``holding`` defaults to the active backend's mode (``"dtensor"`` on gloo and
+    ``plan`` is a dict of module or parameter paths to styles, or ``"auto"`` (the plan the
+    model ships). Every rank must call it with the same weights (same seed, or loaded from
+    the same file). ``holding`` defaults to the active backend's mode (``"dtensor"`` on gloo and
     nccl, ``"local"`` on xla and neuron).
 
     >>> backend = sw.init_backend("gloo")                                   # doctest: +SKIP
@@ -137,6 +193,7 @@ def parallelize(model: nn.Module, plan, mesh, *, holding: str | None = None) -> 
         raise PlanError("model is already parallelised; build a fresh model to apply another plan")
     tp_mesh = tp_axis(mesh)
     specs = resolve_plan(model, plan, tp_mesh.size())
+    warn_unused_keys(specs)
     full = model.state_dict()
     meta = [n for n in specs if full[n].is_meta]
     if meta:
@@ -159,6 +216,15 @@ def parallelize(model: nn.Module, plan, mesh, *, holding: str | None = None) -> 
     return model
 
 
+def warn_unused_keys(specs: ResolvedPlan) -> None:
+    """One warning, on rank 0 only, listing the plan keys that matched nothing."""
+    import torch.distributed as dist
+
+    if specs.unused_keys and (not dist.is_initialized() or dist.get_rank() == 0):
+        warnings.warn(f"plan keys that match nothing in this model were skipped: "
+                      f"{', '.join(map(repr, specs.unused_keys))}", stacklevel=3)
+
+
 def check_spmd(tp_mesh, holding: str) -> None:
     """Raise ``PlanError`` unless ``holding`` is ``"spmd"`` exactly when the mesh is an SPMD mesh."""
     is_spmd = bool(getattr(tp_mesh, "spmd", False))
@@ -171,14 +237,20 @@ def check_spmd(tp_mesh, holding: str) -> None:
 
 
 # -- DTensor holding: torch's styles, with our shards as their parameters ---------------
-def _dtensor_params(module: nn.Module, prefix: str, state: ShardState) -> None:
+def _dtensor_params(module: nn.Module, prefix: str, state: ShardState, *, sharded_only: bool = False) -> None:
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     for pname, p in list(module.named_parameters(recurse=False)):
-        spec = state.specs.get(f"{prefix}.{pname}" if prefix else pname, ShardSpec())
-        placement = Replicate() if spec.replicated else Shard(spec.dim)
-        d = DTensor.from_local(p.data, state.tp_mesh, [placement], run_check=False)
-        module.register_parameter(pname, nn.Parameter(d, requires_grad=p.requires_grad))
+        done = state.converted.get(id(p))
+        spec = state.specs.spec_of(f"{prefix}.{pname}" if prefix else pname)
+        if sharded_only and spec.replicated:
+            continue
+        if done is None:  # the first module of a tied weight converts it; the others reuse it
+            placement = Replicate() if spec.replicated else Shard(spec.dim)
+            d = DTensor.from_local(p.data, state.tp_mesh, [placement], run_check=False)
+            done = (p, nn.Parameter(d, requires_grad=p.requires_grad))
+            state.converted[id(p)] = done
+        module.register_parameter(pname, done[1])
 
 
 def _wire_dtensor(module: nn.Module, path: str, style: Style, state: ShardState) -> None:

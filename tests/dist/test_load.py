@@ -196,7 +196,7 @@ def _errors(folder):
     model = meta_model()
     with torch.device("meta"):
         model.norm_out.register_buffer("table", torch.ones(4), persistent=False)
-    with pytest.raises(CheckpointError, match="non-persistent buffer 'norm_out.table'.*real device"):
+    with pytest.raises(CheckpointError, match="non-persistent buffer .norm_out.table.*sw.empty_model"):
         sw.load(model, save("plain", canonical), plan=tiny_plan(), mesh=mesh)
     # ... while a materialised one is kept
     model = meta_model()

@@ -162,6 +162,16 @@ def check_shardable(shape: Shape, spec: ShardSpec, degree: int) -> None:
     )
 
 
+def dividing_degrees(tensors: Sequence[tuple[Shape, ShardSpec]], *, limit: int = 64) -> list[int]:
+    """Every degree up to ``limit`` that splits all ``(shape, spec)`` pairs.
+
+    >>> dividing_degrees([((12, 4), ShardSpec(dim=0)), ((8,), ShardSpec(dim=0))], limit=8)
+    [1, 2, 4]
+    """
+    sizes = [s for shape, spec in tensors if not spec.replicated for s in block_sizes(shape, spec)]
+    return [d for d in range(1, limit + 1) if all(s % d == 0 for s in sizes)]
+
+
 def local_shape(shape: Shape, spec: ShardSpec, degree: int) -> tuple[int, ...]:
     """Shape of each rank's local shard.
 

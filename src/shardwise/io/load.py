@@ -25,7 +25,15 @@ from shardwise.io.checkpoint import Checkpoint, resolve_checkpoint
 from shardwise.io.guards import check_mesh, check_model, check_options
 from shardwise.io.reader import RegionReader, plan_reads
 from shardwise.io.staging import host_to_device
-from shardwise.parallel import HOLDINGS, check_spmd, default_holding, get_shard_state, install, tp_axis
+from shardwise.parallel import (
+    HOLDINGS,
+    check_spmd,
+    default_holding,
+    get_shard_state,
+    install,
+    tp_axis,
+    warn_unused_keys,
+)
 
 _SHOW = 20  # names listed in an error before "... and N more"
 
@@ -37,7 +45,8 @@ class LoadResult:
     ``missing_keys``: model tensors the checkpoint lacks (non-strict loads only);
     ``unexpected_keys``: checkpoint tensors the model has no place for; ``bytes_read``:
     tensor bytes this rank read from disk; ``seconds``: wall time of the call on this rank;
-    ``tensors``: how many tensors were read.
+    ``tensors``: how many tensors were read; ``unused_plan_keys``: plan keys that matched
+    nothing in this model (skipped, as transformers skips them).
     """
 
     missing_keys: tuple[str, ...]
@@ -45,6 +54,7 @@ class LoadResult:
     bytes_read: int
     seconds: float
     tensors: int
+    unused_plan_keys: tuple[str, ...] = ()
 
     def __repr__(self) -> str:
         return (f"LoadResult(tensors={self.tensors}, bytes_read={self.bytes_read}, "
@@ -58,6 +68,9 @@ def load(model: nn.Module, path: str | os.PathLike, *, plan, mesh, dtype: torch.
     """Fill ``model`` (usually built on the meta device) from the checkpoint at ``path``,
     sharded by ``plan`` over the tp axis of ``mesh``; every rank of the mesh calls it.
 
+    ``plan`` is a dict of module or parameter paths to styles (transformers' and diffusers'
+    plans as they ship), or ``"auto"`` for the model's own plan; keys that match nothing
+    in this model are skipped, warned about once and listed in the result.
     ``path`` is a ``.safetensors`` file, a ``*.safetensors.index.json`` (any prefix), a
     folder holding one of them, or a torch DCP folder (with ``.metadata``). ``dtype`` casts
     floating-point tensors after slicing (``None`` keeps the file's dtypes). ``strict``
@@ -88,6 +101,7 @@ def load(model: nn.Module, path: str | os.PathLike, *, plan, mesh, dtype: torch.
     check_spmd(tp_mesh, holding)
     degree = tp_mesh.size()
     specs = resolve_plan(model, plan, degree)
+    warn_unused_keys(specs)
     if holding == "spmd":  # one process drives every device: tensors are built on them
         from shardwise.io.spmd import load_spmd
 
@@ -123,10 +137,10 @@ def load(model: nn.Module, path: str | os.PathLike, *, plan, mesh, dtype: torch.
             return tensors.pop(name)  # install owns it now; our reference goes
         return finalize(split(own[name].detach().cpu(), spec, degree, rank))  # non-strict: keep own
 
-    install(model, specs, mesh, holding=holding, local_tensor=local_tensor)
+    install(model, specs, mesh, holding=holding, local_tensor=local_tensor, dtype=dtype)
     move_non_persistent(model, device)
     return LoadResult(tuple(missing), tuple(unexpected), reader.bytes_read,
-                      time.perf_counter() - start, len(items))
+                      time.perf_counter() - start, len(items), specs.unused_keys)
 
 
 def match_keys(model: nn.Module, specs: ResolvedPlan, ckpt: Checkpoint, *, strict: bool):
@@ -139,7 +153,8 @@ def match_keys(model: nn.Module, specs: ResolvedPlan, ckpt: Checkpoint, *, stric
     for alias, kept in specs.aliases.items():
         names_of[kept].append(alias)
     stored = set(ckpt.names)
-    shapes = {n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items()}
+    state = model.state_dict(keep_vars=True)
+    shapes = {n: tuple(t.shape) for n, t in state.items()}
     sources, missing = {}, []
     for name, candidates in names_of.items():
         found = next((c for c in candidates if c in stored), None)
@@ -152,6 +167,7 @@ def match_keys(model: nn.Module, specs: ResolvedPlan, ckpt: Checkpoint, *, stric
                 f"{file}: tensor {found!r} has shape {entry.shape} in the checkpoint but "
                 f"{shapes[name]} in the model; load a checkpoint of this model's configuration"
             )
+        check_dtype(found, entry.torch_dtype, state[name].dtype, where=file)
         sources[name] = (file, entry)
     unexpected = sorted(stored - set(shapes))
     if missing and strict:
@@ -161,6 +177,19 @@ def match_keys(model: nn.Module, specs: ResolvedPlan, ckpt: Checkpoint, *, stric
             "strict=False to keep the model's own values for them"
         )
     return sources, missing, unexpected
+
+
+def check_dtype(name: str, stored: torch.dtype, declared: torch.dtype, *, where) -> None:
+    """Raise ``CheckpointError`` unless a tensor stored as ``stored`` can fill a model tensor
+    declared ``declared``: floating point to floating point (cast after slicing), anything
+    else only to its own dtype, so no integer or bool is ever reinterpreted or narrowed."""
+    if stored == declared or (stored.is_floating_point and declared.is_floating_point):
+        return
+    raise CheckpointError(
+        f"{where}: tensor {name!r} is stored as {stored} but the model declares {declared}; "
+        "a checkpoint of another model or a corrupted header? Load the checkpoint written for "
+        "this model, or convert that tensor to the declared dtype first"
+    )
 
 
 def check_nothing_left_on_meta(model: nn.Module, specs: ResolvedPlan, missing: list[str]) -> None:
@@ -177,9 +206,9 @@ def check_nothing_left_on_meta(model: nn.Module, specs: ResolvedPlan, missing: l
         if name not in state and buf.is_meta:
             raise CheckpointError(
                 f"non-persistent buffer {name!r} is on the meta device; checkpoints never store "
-                "non-persistent buffers, so loading cannot fill it. Create it on a real device in "
-                "the module's __init__ (e.g. torch.arange(..., device='cpu') inside the meta "
-                "context), or recompute it after building the model and before sw.load"
+                "non-persistent buffers, so loading cannot fill it. Build the model inside "
+                "`with sw.empty_model():` (parameters on meta, buffers real) instead of "
+                "`with torch.device('meta'):`, or use sw.from_pretrained for Hugging Face models"
             )
 
 
@@ -240,5 +269,6 @@ def _is_rank0() -> bool:
 
 
 __all__ = [
-    "LoadResult", "check_nothing_left_on_meta", "device_of", "load", "match_keys", "move_non_persistent",
+    "LoadResult", "check_dtype", "check_nothing_left_on_meta", "device_of", "load", "match_keys",
+    "move_non_persistent",
 ]
