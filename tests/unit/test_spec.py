@@ -10,15 +10,18 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from shardwise.core.spec import (
+    Piece,
     Region,
     ShardSpec,
     assemble,
     block_sizes,
     check_shardable,
+    check_tiling,
     chunk_layout,
     intersect,
     local_layout,
     local_shape,
+    piece_reads,
     regions_numel,
     shard_regions,
     split,
@@ -356,3 +359,53 @@ def test_plain_indivisible_message():
         "dim 1 of size 10 cannot be split over degree 4: not divisible by 4; "
         "choose a degree that divides 10 (for example 1, 2, 5, 10)"
     )
+
+
+# --- pieces: one canonical tensor assembled from stored tensors (hub layouts, chunks) -----
+@st.composite
+def stacked_and_concatenated(draw):
+    """A 3-D expert tensor [experts, blocks x rows, cols] built like a hub checkpoint's
+    per-expert gate/up tensors: each expert's block stacked on dim 0, blocks concatenated on
+    dim 1. Returns (canonical tensor, pieces, {key: stored tensor}, spec, degree)."""
+    degree = draw(st.sampled_from([1, 2, 4]))
+    experts = draw(st.integers(1, 4)) * (degree if draw(st.booleans()) else 1)
+    num_blocks = draw(st.integers(1, 3))
+    rows, cols = draw(st.integers(1, 3)) * degree, draw(st.integers(1, 3)) * degree
+    dim = draw(st.sampled_from([0, 1, 2]))
+    assume(dim != 0 or experts % degree == 0)
+    blocks = (1,) * num_blocks if dim == 1 else (1,)
+    canon = torch.arange(experts * num_blocks * rows * cols).reshape(experts, num_blocks * rows, cols)
+    stored, pieces = {}, []
+    for b in range(num_blocks):
+        for e in range(experts):
+            key = f"experts.{e}.w{b}"
+            stored[key] = canon[e, b * rows:(b + 1) * rows].clone()
+            pieces.append(Piece(key, Region((0, 0), (rows, cols)), (e, b * rows, 0), stacked=(0,)))
+    return canon, pieces, stored, ShardSpec(dim=dim, blocks=blocks), degree
+
+
+@FAST
+@given(stacked_and_concatenated())
+def test_piece_reads_give_each_rank_its_split(case):
+    canon, pieces, stored, spec, degree = case
+    check_tiling(canon.shape, pieces, "test")
+    for rank in range(degree):
+        want = split(canon, spec, degree, rank)
+        got = torch.full_like(want, -1)
+        for piece, src, off in piece_reads(local_layout(canon.shape, spec, degree, rank), pieces):
+            box = piece.box()
+            sizes = [1 if d in piece.stacked else src.sizes[d - 1] for d in range(3)]
+            dest = got[tuple(slice(o, o + n) for o, n in zip(off, sizes, strict=True))]
+            dest.copy_(stored[piece.key][src.slices()].reshape(dest.shape))
+            assert len(box.offsets) == 3
+        assert torch.equal(got, want)
+
+
+def test_check_tiling_names_the_fault():
+    a = Piece("a", Region((0,), (4,)), (0,))
+    with pytest.raises(ShardingError, match="'a' and 'b' overlap"):
+        check_tiling((6,), [a, Piece("b", Region((0,), (3,)), (3,))], "t")
+    with pytest.raises(ShardingError, match="cover 4 of 6"):
+        check_tiling((6,), [a], "t")
+    with pytest.raises(ShardingError, match="outside"):
+        check_tiling((6,), [a, Piece("b", Region((0,), (4,)), (4,))], "t")

@@ -10,6 +10,7 @@ checkpoint headers and the key/shape checks all come before the first tensor byt
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,11 +20,12 @@ from torch import nn
 
 from shardwise._progress import Progress
 from shardwise.core.plan import ResolvedPlan, resolve_plan
-from shardwise.core.spec import split
+from shardwise.core.spec import local_layout, local_shape, piece_reads, split
 from shardwise.errors import CheckpointError, PlanError
 from shardwise.io.checkpoint import Checkpoint, resolve_checkpoint
 from shardwise.io.guards import check_mesh, check_model, check_options
-from shardwise.io.reader import RegionReader, plan_reads
+from shardwise.io.hub_layout import Composite, hub_tensors
+from shardwise.io.reader import ReadItem, RegionReader, plan_reads
 from shardwise.io.staging import host_to_device
 from shardwise.parallel import (
     HOLDINGS,
@@ -114,7 +116,10 @@ def load(model: nn.Module, path: str | os.PathLike, *, plan, mesh, dtype: torch.
     ckpt = resolve_checkpoint(path)
     sources, missing, unexpected = match_keys(model, specs, ckpt, strict=strict)
     check_nothing_left_on_meta(model, specs, missing)
-    items = plan_reads(sources, specs, degree, rank)
+    composites = {n: s for n, s in sources.items() if isinstance(s, Composite)}
+    items = plan_reads({n: s for n, s in sources.items() if n not in composites}, specs, degree, rank)
+    assembler = Assembler(composites, specs, degree, rank)
+    items += assembler.items
     device = device_of(tp_mesh)
     to_device = host_to_device(device)  # pinned staging buffers on CUDA
 
@@ -129,7 +134,8 @@ def load(model: nn.Module, path: str | os.PathLike, *, plan, mesh, dtype: torch.
 
     with Progress(sum(i.nbytes for i in items), progress, _is_rank0(), "shardwise load") as bar, \
             RegionReader(ckpt.headers, num_threads=_num_threads(num_threads), on_bytes=bar) as reader:
-        tensors = reader.read(items, finalize=lambda item, raw: finalize(raw))
+        tensors = reader.read(items, finalize=lambda item, raw: assembler.take(item, raw, finalize))
+    tensors = {n: t for n, t in tensors.items() if t is not None} | assembler.done
     own = model.state_dict(keep_vars=True) if missing else {}
 
     def local_tensor(name, spec):
@@ -144,9 +150,11 @@ def load(model: nn.Module, path: str | os.PathLike, *, plan, mesh, dtype: torch.
 
 
 def match_keys(model: nn.Module, specs: ResolvedPlan, ckpt: Checkpoint, *, strict: bool):
-    """``({name: (file, entry)}, missing, unexpected)`` for the model tensors in ``specs``.
+    """``({name: (file, entry) or Composite}, missing, unexpected)`` for the model tensors
+    in ``specs``.
 
-    A tied tensor may be stored under any of its names. Raises ``CheckpointError`` for a
+    A tied tensor may be stored under any of its names; a tensor stored in its hub layout
+    (transformers' conversion mapping) is a ``Composite`` of stored tensors. Raises ``CheckpointError`` for a
     shape that disagrees with the model and, when ``strict``, for missing keys.
     """
     names_of: dict[str, list[str]] = {name: [name] for name in specs}
@@ -155,9 +163,22 @@ def match_keys(model: nn.Module, specs: ResolvedPlan, ckpt: Checkpoint, *, stric
     stored = set(ckpt.names)
     state = model.state_dict(keep_vars=True)
     shapes = {n: tuple(t.shape) for n, t in state.items()}
+    absent = {n for n, candidates in names_of.items() if not any(c in stored for c in candidates)}
+    # A tensor the checkpoint stores in its hub layout (renamed, or split per expert).
+    hub, used = hub_tensors(model, {k: ckpt.entry(k) for k in ckpt.names}, absent) if absent else ({}, set())
     sources, missing = {}, []
     for name, candidates in names_of.items():
         found = next((c for c in candidates if c in stored), None)
+        if found is None and name in hub:
+            composite = hub[name]
+            if composite.shape != shapes[name]:
+                raise CheckpointError(
+                    f"{ckpt.root}: {name!r} assembles to shape {composite.shape} from the checkpoint's "
+                    f"{len(composite.stored)} stored tensor(s) but is {shapes[name]} in the model; load "
+                    "a checkpoint of this model's configuration")
+            check_dtype(name, composite.entry.torch_dtype, state[name].dtype, where=ckpt.root)
+            sources[name] = composite
+            continue
         if found is None:
             missing.append(name)
             continue
@@ -169,7 +190,7 @@ def match_keys(model: nn.Module, specs: ResolvedPlan, ckpt: Checkpoint, *, stric
             )
         check_dtype(found, entry.torch_dtype, state[name].dtype, where=file)
         sources[name] = (file, entry)
-    unexpected = sorted(stored - set(shapes))
+    unexpected = sorted(stored - set(shapes) - used)
     if missing and strict:
         raise CheckpointError(
             f"{ckpt.root}: {len(missing)} model tensor(s) missing from the checkpoint: "
@@ -177,6 +198,52 @@ def match_keys(model: nn.Module, specs: ResolvedPlan, ckpt: Checkpoint, *, stric
             "strict=False to keep the model's own values for them"
         )
     return sources, missing, unexpected
+
+
+class Assembler:
+    """Reads of tensors made of several stored tensors (hub layouts), and their assembly.
+
+    ``items`` are one :class:`ReadItem` per overlap of this rank's regions with a stored
+    tensor (:func:`shardwise.core.spec.piece_reads`); :meth:`take` copies each read box
+    into its place in the local shard and finalizes the shard when its last box arrives.
+    """
+
+    def __init__(self, composites: dict, specs: ResolvedPlan, degree: int, rank: int):
+        self.items: list[ReadItem] = []
+        self.done: dict[str, torch.Tensor] = {}
+        self._place: dict[str, tuple[str, tuple[slice, ...]]] = {}
+        self._pending: dict[str, list] = {}  # name -> [buffer or None, reads left, shape, dtype]
+        self._lock = threading.Lock()
+        for name, comp in composites.items():
+            shape = local_shape(comp.shape, specs[name], degree)
+            reads = piece_reads(local_layout(comp.shape, specs[name], degree, rank), comp.pieces)
+            self._pending[name] = [None, len(reads), shape, comp.entry.torch_dtype]
+            if not reads:  # an empty tensor: nothing to read
+                self.done[name] = torch.empty(shape, dtype=comp.entry.torch_dtype)
+            for i, (piece, src, off) in enumerate(reads):
+                path, entry = comp.stored[piece.key]
+                it = iter(src.sizes)
+                box = [1 if d in piece.stacked else next(it) for d in range(len(off))]
+                item = ReadItem(f"{name}#{i}", path, entry, [(src, (0,) * len(src.sizes))], src.sizes)
+                self.items.append(item)
+                self._place[item.name] = (name, tuple(slice(o, o + n) for o, n in zip(off, box, strict=True)))
+
+    def take(self, item: ReadItem, raw: torch.Tensor, finalize):
+        if item.name not in self._place:
+            return finalize(raw)
+        name, where = self._place.pop(item.name)
+        with self._lock:
+            state = self._pending[name]
+            if state[0] is None:
+                state[0] = torch.empty(state[2], dtype=state[3])
+            buf = state[0]
+        buf[where].copy_(raw.view(buf[where].shape))
+        with self._lock:
+            state[1] -= 1
+            last = state[1] == 0
+        if last:
+            self.done[name] = finalize(self._pending.pop(name)[0])
+        return None
 
 
 def check_dtype(name: str, stored: torch.dtype, declared: torch.dtype, *, where) -> None:

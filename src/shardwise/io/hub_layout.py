@@ -1,0 +1,197 @@
+"""Checkpoints in their hub key layout, read through region math.
+
+transformers' ``save_pretrained`` writes the layout a model was published in, not the one
+its modules hold: a Mixtral checkpoint stores ``...block_sparse_moe.experts.3.w1.weight``
+per expert where the module holds one fused ``mlp.experts.gate_up_proj``. transformers
+converts on load (``conversion_mapping.py``: renamings, and converters whose operations
+stack and concatenate). Here those conversions become geometry instead of copies: a model
+tensor is a list of :class:`~shardwise.core.spec.Piece`\\ s (which stored tensor lands at
+which offset), and a rank reads only the boxes of the stored tensors its regions overlap.
+
+The mapping is read from the installed transformers (its own rename and match functions),
+never copied. Operations that are not region maps (transposes, dequantisation, ...) are
+refused with the converter's name before any byte is read.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch import nn
+
+from shardwise.core.header import TensorEntry
+from shardwise.core.spec import Piece, Region
+from shardwise.errors import CheckpointError
+
+
+@dataclass(frozen=True)
+class Composite:
+    """One model tensor assembled from stored tensors: its canonical shape and pieces, and
+    where each stored tensor lives (``{stored key: (file, entry)}``)."""
+
+    shape: tuple[int, ...]
+    pieces: tuple[Piece, ...]
+    stored: dict
+
+    @property
+    def entry(self) -> TensorEntry:
+        return next(iter(self.stored.values()))[1]
+
+
+@dataclass
+class _Virtual:  # a tensor in the middle of a chain of operations
+    shape: tuple[int, ...]
+    pieces: list[Piece]
+
+
+def _stack(parts: list[_Virtual], dim: int, what: str) -> _Virtual:
+    if len({p.shape for p in parts}) != 1:
+        raise CheckpointError(f"{what}: stacked tensors differ in shape: {sorted({p.shape for p in parts})}")
+    pieces = []
+    for j, part in enumerate(parts):
+        for q in part.pieces:
+            offsets = q.offsets[:dim] + (j,) + q.offsets[dim:]
+            stacked = tuple(d + 1 if d >= dim else d for d in q.stacked) + (dim,)
+            pieces.append(Piece(q.key, q.source, offsets, tuple(sorted(stacked))))
+    shape = parts[0].shape
+    return _Virtual(shape[:dim] + (len(parts),) + shape[dim:], pieces)
+
+
+def _concat(parts: list[_Virtual], dim: int, what: str) -> _Virtual:
+    rest = {p.shape[:dim] + p.shape[dim + 1:] for p in parts}
+    if len(rest) != 1:
+        shapes = [p.shape for p in parts]
+        raise CheckpointError(f"{what}: concatenated tensors differ off dim {dim}: {shapes}")
+    pieces, start = [], 0
+    for part in parts:
+        for q in part.pieces:
+            offsets = q.offsets[:dim] + (q.offsets[dim] + start,) + q.offsets[dim + 1:]
+            pieces.append(Piece(q.key, q.source, offsets, q.stacked))
+        start += part.shape[dim]
+    shape = parts[0].shape
+    return _Virtual(shape[:dim] + (start,) + shape[dim + 1:], pieces)
+
+
+def _natural(key: str):
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", key)]
+
+
+def _indices_run(keys: list[str], what: str) -> None:
+    """Stacked per-expert keys must be experts 0..n-1, each once (checked on the last index
+    that differs between the keys)."""
+    found = [tuple(int(n) for n in re.findall(r"\.(\d+)\.", k)) for k in keys]
+    varying = [i for i in range(min(map(len, found), default=0)) if len({f[i] for f in found}) > 1]
+    if len(keys) > 1 and varying:
+        idx = sorted(f[varying[-1]] for f in found)
+        if idx != list(range(len(keys))):
+            raise CheckpointError(f"{what}: expected experts 0..{len(keys) - 1} once each, "
+                                  f"found indices {idx}")
+
+
+class _Mapping:
+    """transformers' conversions for one model, applied to checkpoint keys."""
+
+    def __init__(self, model: nn.Module):
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, rename_source_key
+
+        transforms = get_model_conversion_mapping(model)
+        self.converters = [t for t in transforms if isinstance(t, WeightConverter)]
+        self.renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+        self._rename = rename_source_key
+        self.prefix = getattr(model, "base_model_prefix", None)
+        self.meta = dict.fromkeys(model.state_dict(keep_vars=True))
+
+    def target(self, key: str):
+        """``(model key, converter or None, source pattern)`` of a stored key."""
+        name, pattern = self._rename(key, self.renamings, self.converters, self.prefix, self.meta)
+        if pattern is None:
+            return name, None, None
+        renamed = key
+        for r in self.renamings:
+            renamed, _ = r.rename_source_key(renamed)
+        for conv in self.converters:
+            _, p = conv.rename_source_key(renamed)
+            if p is not None:
+                return name, conv, p
+        return name, None, None
+
+
+def _apply(conv, groups: dict[str, list[_Virtual]], what: str) -> _Virtual:
+    """Run ``conv``'s operations as geometry over the collected stored tensors."""
+    ops = list(getattr(conv, "operations", []) or [])
+    current: dict[str, list[_Virtual]] | dict[str, _Virtual] = groups
+    for op in ops:
+        name = type(op).__name__
+        dim = getattr(op, "dim", None)
+        if name == "MergeModulelist":
+            current = {p: _stack(v if isinstance(v, list) else [v], dim, what) for p, v in current.items()}
+        elif name == "Concatenate":
+            order = [p for p in conv.source_patterns if p in current] or list(current)
+            parts = [x for p in order for x in (current[p] if isinstance(current[p], list) else [current[p]])]
+            current = {"": _concat(parts, dim, what)}
+        else:
+            raise CheckpointError(
+                f"{what}: transformers converts it with {type(conv).__name__}({name}), which is not a "
+                "region map (it transforms values, not just their places); shardwise cannot stream it. "
+                "Load the model with transformers and sw.save it (module layout), then load that")
+    values = list(current.values())
+    if len(values) != 1:
+        raise CheckpointError(f"{what}: the converter leaves {len(values)} tensors for one target")
+    single = values[0]
+    if isinstance(single, list):
+        if len(single) != 1:
+            raise CheckpointError(f"{what}: {len(single)} stored tensors for one target and no operation")
+        single = single[0]
+    return single
+
+
+def _whole(key: str, entry: TensorEntry) -> Piece:
+    zeros = (0,) * len(entry.shape)
+    return Piece(key, Region(zeros, entry.shape), zeros)
+
+
+def hub_tensors(model: nn.Module, stored: dict[str, tuple[Path, TensorEntry]],
+                wanted: set[str]) -> tuple[dict[str, Composite], set[str]]:
+    """``({model tensor: Composite}, stored keys used)`` for the tensors of ``wanted`` that a
+    transformers conversion builds from ``stored`` (``{key: (file, entry)}``). Empty when
+    the model is not a transformers model or transformers is not installed."""
+    try:
+        mapping = _Mapping(model)
+    except (ImportError, AttributeError, TypeError):
+        return {}, set()
+    groups: dict[str, tuple[object, dict[str, list[str]]]] = {}
+    renamed: dict[str, str] = {}
+    for key in stored:
+        name, conv, pattern = mapping.target(key)
+        if name not in wanted:
+            continue
+        if conv is None:
+            renamed[name] = key
+        else:
+            groups.setdefault(name, (conv, {}))[1].setdefault(pattern, []).append(key)
+    out: dict[str, Composite] = {}
+    used: set[str] = set()
+    for name, key in renamed.items():
+        path, entry = stored[key]
+        out[name] = Composite(entry.shape, (_whole(key, entry),), {key: (path, entry)})
+        used.add(key)
+    for name, (conv, by_pattern) in groups.items():
+        what = f"model tensor {name!r}"
+        collected = {}
+        for pattern, keys in by_pattern.items():
+            keys.sort(key=_natural)
+            _indices_run(keys, what)
+            collected[pattern] = [_Virtual(stored[k][1].shape, [_whole(k, stored[k][1])]) for k in keys]
+        built = _apply(conv, collected, what)
+        dtypes = {stored[p.key][1].dtype for p in built.pieces}
+        if len(dtypes) != 1:
+            raise CheckpointError(f"{what}: its stored tensors have different dtypes {sorted(dtypes)}")
+        out[name] = Composite(built.shape, tuple(built.pieces), {p.key: stored[p.key] for p in built.pieces})
+        used.update(p.key for p in built.pieces)
+    return out, used
+
+
+__all__ = ["Composite", "hub_tensors"]
