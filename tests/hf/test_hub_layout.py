@@ -1,0 +1,81 @@
+"""Checkpoints in their hub key layout (what save_pretrained writes), streamed at tp=2.
+
+Mixtral and Qwen3-MoE store one tensor per expert and projection where the module holds
+fused 3-D parameters; GPT-NeoX stores ``embed_out`` for ``lm_head``; DeepSeek-V2 mixes MLA
+attention, shared and routed experts. Each loads with logits equal to one process, in
+both holdings, and a rank reads about half of every expert's bytes.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from safetensors import safe_open  # noqa: E402
+
+import shardwise as sw  # noqa: E402
+from harness import run_ranks  # noqa: E402
+from hf import hf_models  # noqa: E402
+
+KINDS = ["mixtral", "qwen3_moe", "gpt_neox", "deepseek_v2"]
+
+
+def _stored_keys(folder) -> dict[str, int]:
+    sizes = {}
+    for f in folder.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as h:
+            for k in h.keys():  # noqa: SIM118 - safe_open has no __iter__
+                sl = h.get_slice(k)
+                n = 1
+                for d in sl.get_shape():
+                    n *= d
+                sizes[k] = n * 4  # float32
+    return sizes
+
+
+def _load(kind: str, folder: str):
+    backend = sw.init_backend("gloo")
+    want = hf_models.forward(hf_models.build_tiny(kind), kind)
+    out = []
+    for holding in ("dtensor", "local"):  # one launch for both holdings: transformers imports are slow
+        with sw.empty_model():
+            model = hf_models.model_class(kind)._from_config(hf_models.KINDS[kind][2]())
+        result = sw.load(model, folder, plan="auto", mesh=backend.mesh(tp=2), holding=holding)
+        got = hf_models.forward(model.eval(), kind)
+        assert got.shape == want.shape
+        assert (got - want).abs().max() < 1e-4, (holding, (got - want).abs().max())
+        out.append((result.bytes_read, result.unexpected_keys))
+    return out
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_hub_layout_loads_at_tp2_in_both_holdings(tmp_path, kind):
+    folder = hf_models.save_tiny(kind, tmp_path / kind)
+    stored = _stored_keys(folder)
+    model_keys = set(hf_models.build_tiny(kind).state_dict())
+    assert set(stored) != model_keys, "the checkpoint should be in its hub layout"
+    results = [r for rank in run_ranks(_load, 2, kind, str(folder)) for r in rank]
+    assert all(unexpected == () for _, unexpected in results)
+    if kind in ("mixtral", "qwen3_moe"):  # every expert tensor is split over tp: half read per rank
+        experts = sum(n for k, n in stored.items() if ".experts." in k)
+        total = sum(stored.values())
+        for bytes_read, _ in results:
+            assert bytes_read < total - experts / 2 + 1024
+            assert bytes_read > experts / 2
+
+
+def test_conversion_that_is_not_a_region_map_is_refused(tmp_path):
+    # A stored tensor that transformers would transpose cannot be streamed: refuse by name.
+    from shardwise.errors import CheckpointError
+    from shardwise.io.hub_layout import _apply, _Virtual
+
+    class Transpose:
+        dim0, dim1 = 0, 1
+
+    class Conv:
+        source_patterns = ["a"]
+        operations = [Transpose()]
+
+    with pytest.raises(CheckpointError, match=r"Conv\(Transpose\).*not a region map"):
+        _apply(Conv(), {"a": [_Virtual((2, 2), [])]}, "model tensor 'w'")
