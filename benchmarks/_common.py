@@ -33,7 +33,8 @@ from shardwise.core.header import dtype_to_str  # noqa: E402
 from shardwise.core.spec import ShardSpec  # noqa: E402
 from shardwise.io.safetensors_io import INDEX_SUFFIX, StreamingWriter, index_json, plan_files  # noqa: E402
 
-OUT_DIR = BENCH_DIR / "out"
+OUT_DIR = BENCH_DIR / "results"  # kept in the repository, next to the docs they feed
+SCRATCH_DIR = BENCH_DIR / "out"  # git-ignored: runs from a dirty tree
 DOC = REPO / "docs" / "benchmarks.md"
 GB = 10**9
 
@@ -388,7 +389,8 @@ def machine_info() -> dict:
                 if line.startswith("model name")), "unknown CPU")
     thp = re.search(r"\[(\w+)\]", _read("/sys/kernel/mm/transparent_hugepage/enabled"))
     try:
-        commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+        # --dirty: figures measured on uncommitted code must not name a commit that lacks it
+        commit = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"],
                                 capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         commit = ""
@@ -427,19 +429,35 @@ def _replace_section(text: str, name: str, section: str) -> str:
     return text.rstrip("\n") + "\n\n" + section
 
 
+def results_dir() -> Path:
+    """Where a run saves its JSON: ``benchmarks/results/`` from a clean tree, else the
+    git-ignored ``benchmarks/out/``."""
+    commit = machine_info()["commit"]
+    return SCRATCH_DIR if commit.endswith("-dirty") or not commit else OUT_DIR
+
+
 def write_results(name: str, rows: list[dict], columns, notes: str = "", extra: dict | None = None) -> str:
-    """Save ``benchmarks/out/<name>.json`` and replace the ``## <name>`` section of
-    ``docs/benchmarks.md`` (other sections kept; the file is created if missing).
+    """Save ``benchmarks/results/<name>.json`` (kept in the repository) and replace the
+    ``## <name>`` section of ``docs/benchmarks.md`` (other sections kept; the file is
+    created if missing). From a dirty tree neither is written: the JSON goes to the
+    ignored ``benchmarks/out/`` and docs stay as they are, since their commit stamp would
+    name a commit that does not hold the code measured.
 
     Returns the markdown table. ``extra`` goes into the JSON only (per-rank details...).
     """
     info = machine_info()
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    dirty = info["commit"].endswith("-dirty") or not info["commit"]
+    out_dir = SCRATCH_DIR if dirty else OUT_DIR
+    out_dir.mkdir(parents=True, exist_ok=True)
     payload = {"name": name, "machine": info, "columns": [list(c) for c in columns],
                "rows": rows, "notes": notes, **(extra or {})}
-    (OUT_DIR / f"{name}.json").write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    (out_dir / f"{name}.json").write_text(json.dumps(payload, indent=1, default=str) + "\n")
 
     table = markdown_table(rows, columns)
+    if dirty:
+        print(f"[{name}] the work tree is dirty ({info['commit'] or 'no git'}): docs/benchmarks.md not "
+              f"updated, JSON in {out_dir}/; commit, then run again to publish", file=sys.stderr)
+        return table
     machine = (f"{info['date']}; {info['cores']} cores ({info['cpu']}), "
                f"{info['ram_bytes'] / 2**30:.0f} GiB RAM, Linux {info['kernel']}, THP {info['thp']}; "
                f"torch {info['torch']}, safetensors {info['safetensors']}; commit {info['commit'] or '?'}")
@@ -447,7 +465,7 @@ def write_results(name: str, rows: list[dict], columns, notes: str = "", extra: 
     DOC.parent.mkdir(parents=True, exist_ok=True)
     text = DOC.read_text() if DOC.is_file() else (
         "# Benchmarks\n\nFigures written by the scripts in `benchmarks/` (each replaces its own "
-        "section; raw data in `benchmarks/out/*.json`). Run them again on your machine before "
+        "section; raw data in `benchmarks/results/*.json`). Run them again on your machine before "
         "quoting them: they depend on cores, memory bandwidth and the page cache.\n")
     tmp = DOC.with_name(DOC.name + ".partial")
     tmp.write_text(_replace_section(text, name, section).rstrip("\n") + "\n")
