@@ -124,6 +124,10 @@ class HFShapedLM(nn.Module):
     def tp_plan(self) -> dict:  # what a transformers model exposes, for plan="auto"
         return lm_plan()
 
+    @property
+    def ep_plan(self) -> dict:
+        return {f"model.{k}": v for k, v in BASE_EP_PLAN.items()}
+
     def forward(self, ids):
         return self.lm_head(self.model(ids))
 
@@ -143,6 +147,11 @@ BASE_TP_PLAN = {
     "layers.*.mlp.gate_proj": "colwise",
     "layers.*.mlp.up_proj": "colwise",
     "layers.*.mlp.down_proj": "rowwise",
+}
+BASE_EP_PLAN = {
+    "layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
+    "layers.*.mlp.experts.down_proj": "grouped_gemm",
+    "layers.*.mlp.experts": "ep_dispatch_experts",
 }
 LM_PLAN = {"model.embed_tokens": "embedding_rowwise", "lm_head": "colwise_gather_output"}
 

@@ -44,10 +44,10 @@ def _grads(model_or_params) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
         spec = state.specs.get(name) if state is not None else None
         # a tp shard the mesh does not show: a plain local shard, or FSDP over "local" holding
         local_shard = spec is not None and not spec.replicated and state.holding == "local"
-        hidden_tp = state.degree if local_shard else 1
+        hidden_tp = state.coords(spec)[0] if local_shard else 1
         if type(g).__name__ == "DTensor":
             mesh = g.device_mesh
-            if "tp" in (mesh.mesh_dim_names or ()):
+            if {"tp", "ep"} & set(mesh.mesh_dim_names or ()):
                 hidden_tp = 1
             if any(pl.is_partial() for pl in g.placements):
                 from torch.distributed.tensor import Replicate

@@ -136,6 +136,9 @@ def wire_forward(module: nn.Module, style: Style, state) -> None:
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(lambda p: dist.all_reduce(p.grad, group=group))
         return
+    if kind == "ep_experts":
+        _wire_ep_experts(module, style, state)
+        return
     inner = module.forward
 
     def forward(*args, **kwargs):
@@ -151,6 +154,32 @@ def wire_forward(module: nn.Module, style: Style, state) -> None:
             passed, rope = out.split([out.shape[-1] - style.rope_dim, style.rope_dim], dim=-1)
             return torch.cat([passed, _CopyTo.apply(rope, group)], dim=-1)
         return out
+
+    module.forward = forward
+
+
+def _wire_ep_experts(module: nn.Module, style: Style, state) -> None:
+    """Expert parallel, all-reduce implementation (the ep group shares one batch).
+
+    Each rank holds experts ``[rank * n, (rank + 1) * n)``; routes to other ranks' experts
+    get the local id ``n`` and weight 0, which transformers' experts skip (its contract:
+    ``num_experts`` is the local count and ``_is_expert_parallel`` is set), and the partial
+    outputs are summed over the ep group. The shared inputs' gradients are partial on
+    every rank, so they are all-reduced in backward.
+    """
+    n, group, rank = style.num_experts // state.ep_degree, state.ep_group, state.ep_rank
+    if hasattr(module, "num_experts"):
+        module.num_experts = n
+    module._is_expert_parallel = True
+    inner = module.forward
+
+    def forward(hidden, top_k_index, top_k_weights, *rest, **kwargs):
+        hidden = _CopyTo.apply(hidden, group)
+        top_k_weights = _CopyTo.apply(top_k_weights, group)
+        off_rank = (top_k_index // n) != rank
+        local_index = torch.where(off_rank, n, top_k_index % n)
+        out = inner(hidden, local_index, top_k_weights.masked_fill(off_rank, 0.0), *rest, **kwargs)
+        return _ReduceFrom.apply(out, group)
 
     module.forward = forward
 

@@ -45,9 +45,21 @@ class ShardState:
     holding: str
     specs: ResolvedPlan
     group: object = field(repr=False, default=None)  # process group of the tp axis
+    ep_mesh: object = field(repr=False, default=None)  # the ep axis (expert parallel), if any
+    ep_degree: int = 1
+    ep_rank: int = 0
+    ep_group: object = field(repr=False, default=None)
     # DTensor holding: {id(local Parameter): (that Parameter, its DTensor Parameter)} while
     # wiring, so a tied weight seen from a second module becomes the same DTensor Parameter.
     converted: dict = field(repr=False, default_factory=dict)
+
+
+    def coords(self, spec: ShardSpec) -> tuple[int, int]:
+        """``(degree, rank)`` of this rank on the mesh axis ``spec`` shards over."""
+        return (self.ep_degree, self.ep_rank) if spec.axis == "ep" else (self.degree, self.tp_rank)
+
+    def axis_mesh(self, spec: ShardSpec):
+        return self.ep_mesh if spec.axis == "ep" else self.tp_mesh
 
 
 def get_shard_state(model: nn.Module) -> ShardState | None:
@@ -63,6 +75,28 @@ def tp_axis(mesh):
     if mesh.ndim == 1:
         return mesh
     raise PlanError(f"mesh with axes {names} has no 'tp' axis; build it with backend.mesh(tp=...)")
+
+
+def ep_axis(mesh):
+    """The ep axis of ``mesh`` (expert parallel), or ``None`` when it has none."""
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    return mesh["ep"] if "ep" in names else None
+
+
+def mesh_coords(mesh, *, spmd: bool = False) -> dict[str, tuple[int, int]]:
+    """``{"tp": (degree, rank), "ep": (degree, rank)}`` of this process on ``mesh``."""
+    tp, ep = tp_axis(mesh), ep_axis(mesh)
+    return {"tp": (tp.size(), 0 if spmd else tp.get_local_rank()),
+            "ep": (1, 0) if ep is None else (ep.size(), ep.get_local_rank())}
+
+
+def resolve_for_mesh(model: nn.Module, plan, mesh, ep_plan=None) -> ResolvedPlan:
+    """``resolve_plan`` for the tp and ep axes of ``mesh``; unused keys warned about once."""
+    tp, ep = tp_axis(mesh), ep_axis(mesh)
+    specs = resolve_plan(model, plan, tp.size(), ep_plan=ep_plan,
+                         ep_degree=1 if ep is None else ep.size())
+    warn_unused_keys(specs)
+    return specs
 
 
 def default_holding() -> str:
@@ -116,8 +150,15 @@ def install(model: nn.Module, specs: ResolvedPlan, mesh, *, holding: str,
         prefix, _, leaf = alias.rpartition(".")
         kept_prefix, _, kept_leaf = kept.rpartition(".")
         setattr(model.get_submodule(prefix), leaf, getattr(model.get_submodule(kept_prefix), kept_leaf))
+    ep_mesh = ep_axis(mesh)
     state = ShardState(mesh=mesh, tp_mesh=tp_mesh, degree=degree, tp_rank=tp_rank, holding=holding,
-                       specs=specs, group=tp_mesh.get_group())
+                       specs=specs, group=tp_mesh.get_group(), ep_mesh=ep_mesh)
+    if ep_mesh is not None:
+        state.ep_degree, state.ep_rank = ep_mesh.size(), 0 if spmd else ep_mesh.get_local_rank()
+        state.ep_group = ep_mesh.get_group()
+    if specs.degrees["ep"] != state.ep_degree:
+        raise PlanError(f"plan was resolved for ep degree {specs.degrees['ep']} but the mesh ep axis "
+                        f"has {state.ep_degree}")
     if not spmd:  # spmd: the model's own forward is correct, the partitioner adds collectives
         _wire(model, specs, state)
     state.converted.clear()
@@ -157,7 +198,7 @@ def check_installed(model: nn.Module, specs: ResolvedPlan, declared: dict, *, ho
         t = state[name]
         is_dtensor = type(t).__name__ == "DTensor"
         local = tuple(local_of(t).shape)
-        want_local = shape if holding == "spmd" else local_shape(shape, spec, specs.degree)
+        want_local = shape if holding == "spmd" else local_shape(shape, spec, specs.degrees[spec.axis])
         if holding == "spmd":
             local = tuple(t.shape)
         if (is_dtensor and tuple(t.shape) != shape) or local != want_local:
@@ -177,11 +218,12 @@ def check_installed(model: nn.Module, specs: ResolvedPlan, declared: dict, *, ho
                                 "tensor after sharding; this is a shardwise bug, please report it")
 
 
-def parallelize(model: nn.Module, plan, mesh, *, holding: str | None = None) -> nn.Module:
+def parallelize(model: nn.Module, plan, mesh, *, holding: str | None = None, ep_plan=None) -> nn.Module:
     """Shard a materialised ``model`` in place so its forward equals the one-device forward.
 
     ``plan`` is a dict of module or parameter paths to styles, or ``"auto"`` (the plan the
-    model ships). Every rank must call it with the same weights (same seed, or loaded from
+    model ships). On a mesh with an ``ep`` axis, ``ep_plan`` (default: the model's own)
+    shards the experts over it. Every rank must call it with the same weights (same seed, or loaded from
     the same file). ``holding`` defaults to the active backend's mode (``"dtensor"`` on gloo and
     nccl, ``"local"`` on xla and neuron).
 
@@ -192,8 +234,7 @@ def parallelize(model: nn.Module, plan, mesh, *, holding: str | None = None) -> 
     if get_shard_state(model) is not None:
         raise PlanError("model is already parallelised; build a fresh model to apply another plan")
     tp_mesh = tp_axis(mesh)
-    specs = resolve_plan(model, plan, tp_mesh.size())
-    warn_unused_keys(specs)
+    specs = resolve_for_mesh(model, plan, mesh, ep_plan)
     full = model.state_dict()
     meta = [n for n in specs if full[n].is_meta]
     if meta:
@@ -204,12 +245,12 @@ def parallelize(model: nn.Module, plan, mesh, *, holding: str | None = None) -> 
         install(model, specs, mesh, holding=holding,
                 local_tensor=lambda name, spec: tp_mesh.distribute(full[name], spec.dim))
         return model
-    degree, rank = tp_mesh.size(), tp_mesh.get_local_rank()
+    coords = mesh_coords(mesh)
     device = torch.device(tp_mesh.device_type) if tp_mesh.device_type != "cpu" else None
 
     def local_tensor(name: str, spec: ShardSpec) -> torch.Tensor:
         t = full[name].detach()
-        local = t if spec.replicated else split(t, spec, degree, rank)
+        local = t if spec.replicated else split(t, spec, *coords[spec.axis])
         return local.to(device) if device is not None and local.device != device else local
 
     install(model, specs, mesh, holding=holding, local_tensor=local_tensor)
@@ -247,7 +288,7 @@ def _dtensor_params(module: nn.Module, prefix: str, state: ShardState, *, sharde
             continue
         if done is None:  # the first module of a tied weight converts it; the others reuse it
             placement = Replicate() if spec.replicated else Shard(spec.dim)
-            d = DTensor.from_local(p.data, state.tp_mesh, [placement], run_check=False)
+            d = DTensor.from_local(p.data, state.axis_mesh(spec), [placement], run_check=False)
             done = (p, nn.Parameter(d, requires_grad=p.requires_grad))
             state.converted[id(p)] = done
         module.register_parameter(pname, done[1])

@@ -36,7 +36,7 @@ def _check_grads(model, reference, state) -> None:
     ref = {n: p.grad for n, p in reference.named_parameters()}
     for name, p in model.named_parameters():
         spec = state.specs[name]
-        want = ref[name] if spec.replicated else split(ref[name], spec, state.degree, state.tp_rank)
+        want = ref[name] if spec.replicated else split(ref[name], spec, *state.coords(spec))
         torch.testing.assert_close(_local_grad(p), want, rtol=1e-4, atol=1e-4,
                                    msg=lambda m, name=name: f"{name}: {m}")
 
@@ -62,6 +62,30 @@ def _parallelize(degree: int, holding: str, shape: str, tie: bool):
 @pytest.mark.parametrize("shape", ["dense", "moe"])
 def test_transformers_plans_forward_and_gradients(degree, holding, shape):
     assert run_ranks(_parallelize, degree, degree, holding, shape, True) == [True] * degree
+
+
+def _expert_parallel(axes: dict, holding: str):
+    backend = sw.init_backend("gloo")
+    reference = make_lm(num_experts=4)
+    want = reference(_ids())
+    _loss(want).backward()
+    model = make_lm(num_experts=4)
+    sw.parallelize(model, "auto", backend.mesh(**axes), holding=holding)
+    state = sw.get_shard_state(model)
+    assert state.specs["model.layers.0.mlp.experts.gate_up_proj"] == sw.ShardSpec(dim=0, axis="ep")
+    assert local_of(model.model.layers[0].mlp.experts.down_proj).shape[0] == 4 // axes["ep"]
+    got = model(_ids())
+    torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-5)
+    _loss(got).backward()
+    _check_grads(model, reference, state)
+    return True
+
+
+@pytest.mark.parametrize("holding", ["dtensor", "local"])
+@pytest.mark.parametrize("axes", [{"ep": 2}, {"ep": 2, "tp": 2}], ids=["ep2", "ep2xtp2"])
+def test_expert_parallel_forward_and_gradients(axes, holding):
+    world = axes["ep"] * axes.get("tp", 1)
+    assert run_ranks(_expert_parallel, world, axes, holding) == [True] * world
 
 
 def test_untied_head():
@@ -137,3 +161,33 @@ def test_stored_dtype_that_cannot_become_the_parameter(tmp_path):
     tensors["model.norm.weight"] = torch.ones(32, dtype=torch.int32)
     st.save_file(tensors, str(tmp_path / "model.safetensors"))
     assert run_ranks(_int_for_float, 1, str(tmp_path)) == [True]
+
+
+def _save_expert_parallel(folder: str, holding: str):
+    backend = sw.init_backend("gloo")
+    model = make_lm(num_experts=4)
+    sw.parallelize(model, "auto", backend.mesh(ep=2), holding=holding)
+    sw.save(model, f"{folder}/full")
+    sw.save(model, f"{folder}/dcp", distributed=True)
+    return True
+
+
+def _reload_at_tp2(folder: str):
+    backend = sw.init_backend("gloo")
+    want = make_lm(num_experts=4)(_ids())
+    with sw.empty_model():
+        model = make_lm(num_experts=4)
+    sw.load(model, f"{folder}/dcp", plan="auto", mesh=backend.mesh(tp=2))
+    torch.testing.assert_close(model(_ids()), want, rtol=1e-5, atol=1e-5)
+    return True
+
+
+@pytest.mark.parametrize("holding", ["dtensor", "local"])
+def test_expert_parallel_save_and_reshard(tmp_path, holding):
+    assert run_ranks(_save_expert_parallel, 2, str(tmp_path), holding) == [True] * 2
+    want = make_lm(num_experts=4).state_dict()
+    got = st.load_file(str(tmp_path / "full" / "model.safetensors"))
+    assert set(got) | {"lm_head.weight"} == set(want)  # the tied head is stored once
+    for name, t in got.items():
+        assert torch.equal(t, want[name]), name
+    assert run_ranks(_reload_at_tp2, 2, str(tmp_path)) == [True] * 2

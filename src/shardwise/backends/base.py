@@ -20,7 +20,7 @@ import torch.distributed as dist
 from shardwise.errors import BackendError, CollectiveError, MeshError
 
 # Mesh axes, outer to inner: replicas of the whole model, then FSDP shards, then TP.
-MESH_AXES = ("dp_replicate", "dp_shard", "tp")
+MESH_AXES = ("dp_replicate", "dp_shard", "ep", "tp")
 DEFAULT_TIMEOUT = _dt.timedelta(minutes=10)
 
 _REDUCE_OPS = {
@@ -170,15 +170,18 @@ class Backend:
 
     # -- mesh ---------------------------------------------------------------------
     def mesh(self, **axes: int):
-        """A DeviceMesh with named axes, outer to inner ``dp_replicate, dp_shard, tp``.
+        """A DeviceMesh with named axes, outer to inner ``dp_replicate, dp_shard, ep, tp``.
 
-        Axes left out are absent; with no axes, ``tp`` spans the world. The product of
+        Axes left out are absent; with no axes, ``tp`` spans the world; ``ep`` (expert
+        parallel) without ``tp`` adds a ``tp`` axis of size 1. The product of
         the sizes must equal the world size. Collective: every rank calls it.
 
         >>> mesh = backend.mesh(dp_shard=2, tp=2)   # doctest: +SKIP
         >>> mesh.mesh_dim_names
         ('dp_shard', 'tp')
         """
+        if "ep" in axes and "tp" not in axes:  # an ep mesh always has a tp axis, of size 1 here
+            axes = {**axes, "tp": 1}
         names, shape = mesh_axes(axes, self.world_size, "the world size")
         return self._make_mesh(names, shape)
 

@@ -121,13 +121,24 @@ class _DuplicateKeyError(ValueError):
     pass
 
 
+class _SurrogateError(ValueError):
+    pass
+
+
 def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
     # json.loads keeps the last of repeated keys; a second entry for one tensor
-    # would silently hide the first, so a repeat is a fault.
+    # would silently hide the first, so a repeat is a fault. A "\ud800" escape decodes to
+    # a lone surrogate, which is no Unicode text (safetensors refuses it; printing it fails).
     result: dict[str, object] = {}
     for key, value in pairs:
         if key in result:
             raise _DuplicateKeyError(key)
+        for text in (key, value):
+            if isinstance(text, str) and not text.isascii():
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise _SurrogateError(text) from None
         result[key] = value
     return result
 
@@ -139,6 +150,9 @@ def parse_json_object(raw: bytes, *, source: str, what: str) -> dict:
         obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
     except _DuplicateKeyError as e:
         raise CheckpointError(f"{source}: {what} repeats the key {e.args[0]!r}") from None
+    except _SurrogateError as e:
+        raise CheckpointError(f"{source}: {what} holds the string {e.args[0]!r:.200}, which has an "
+                              "unpaired surrogate escape and is not Unicode text") from None
     except UnicodeDecodeError as e:
         raise CheckpointError(f"{source}: {what} is not valid UTF-8 ({e.reason} at byte {e.start})") from e
     except (ValueError, RecursionError) as e:
@@ -182,8 +196,10 @@ def parse_header(raw_json: bytes, *, data_size: int, source: str) -> FileHeader:
 
     Raises :class:`CheckpointError` naming ``source``, the tensor and the fault:
     bad UTF-8/JSON, metadata that is not str -> str, an unknown dtype, a bad shape,
-    offsets outside the data, a byte size other than shape x dtype, or two tensors
-    whose bytes overlap.
+    offsets outside the data, a byte size other than shape x dtype, or tensors that do
+    not tile the data section exactly (a gap, an overlap, trailing bytes), which is what
+    the format requires: a header length shortened into its padding moves the data
+    section, and only the tiling check tells that from a valid file.
     """
     obj = parse_json_object(raw_json, source=source, what="header")
     metadata = obj.pop("__metadata__", None)
@@ -195,15 +211,33 @@ def parse_header(raw_json: bytes, *, data_size: int, source: str) -> FileHeader:
     entries = {
         name: _parse_entry(name, info, data_size=data_size, source=source) for name, info in obj.items()
     }
+    _check_tiling(entries.values(), data_size, source)
+    return FileHeader(entries, dict(metadata), 8 + len(raw_json), source)
+
+
+def _check_tiling(entries, data_size: int, source: str) -> None:
     prev: TensorEntry | None = None
-    for entry in sorted(entries.values(), key=lambda e: (e.start, e.end)):
-        if prev is not None and entry.start < prev.end:
+    end = 0
+    for entry in sorted(entries, key=lambda e: (e.start, e.end)):
+        if entry.start < end:
             raise CheckpointError(
                 f"{source}: tensors {prev.name!r} [{prev.start}, {prev.end}) and "
                 f"{entry.name!r} [{entry.start}, {entry.end}) overlap"
             )
-        prev = entry
-    return FileHeader(entries, dict(metadata), 8 + len(raw_json), source)
+        if entry.start > end:
+            after = f"after tensor {prev.name!r}" if prev is not None else "at the start"
+            raise CheckpointError(
+                f"{source}: bytes [{end}, {entry.start}) of the data section {after} belong to no "
+                f"tensor (the next is {entry.name!r}); the tensors must cover the data exactly, so "
+                "the header length or offsets are corrupt"
+            )
+        prev, end = entry, entry.end
+    if end != data_size:
+        raise CheckpointError(
+            f"{source}: the tensors cover {end} bytes but the data section holds {data_size}; "
+            f"{data_size - end} trailing bytes belong to no tensor (a corrupt header length, or "
+            "bytes appended to the file)"
+        )
 
 
 def layout_header(

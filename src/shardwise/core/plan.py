@@ -40,11 +40,14 @@ class ResolvedPlan(dict):
     ``keys`` (``{module path or tensor name: the plan key that claimed it}``), ``aliases``
     (tied tensors: extra name -> the name kept), ``local_owners`` (modules whose forward
     must see the local shards of parameters sharded by a parameter key), ``unused_keys``
-    (plan keys that matched nothing) and the ``degree`` it was validated for.
+    (plan keys that matched nothing), the tp ``degree`` it was validated for and
+    ``degrees`` (``{"tp": degree, "ep": ep degree}``: a spec's ranks are on ``spec.axis``).
     """
 
-    def __init__(self, specs, *, styles, keys, aliases, degree, local_owners=(), unused_keys=()):
+    def __init__(self, specs, *, styles, keys, aliases, degree, local_owners=(), unused_keys=(),
+                 ep_degree: int = 1):
         super().__init__(specs)
+        self.degrees: dict[str, int] = {"tp": degree, "ep": ep_degree}
         self.styles: dict[str, Style] = styles
         self.keys: dict[str, str] = keys
         self.aliases: dict[str, str] = aliases
@@ -155,6 +158,8 @@ def _param_spec(shape: tuple[int, ...], leaf: str, style: Style) -> ShardSpec:
     """The spec a parameter key gives its tensor (transformers' rule: colwise splits the
     output-feature dim ``ndim - 2``, rowwise the last dim; a rowwise ``bias`` stays whole)."""
     ndim = len(shape)
+    if style.axis == "ep" and style.sharded and ndim:  # grouped_gemm: whole experts per rank
+        return ShardSpec(dim=0, axis="ep")
     if not style.sharded or ndim == 0 or (style.kind == "rowwise" and leaf == "bias"):
         return ShardSpec()
     if style.embedding:
@@ -211,14 +216,15 @@ def _claim(owned: dict, tensor, name: str, spec: ShardSpec, key: str) -> None:
     owned[id(tensor)] = (spec, name, key)
 
 
-def _check_divisible(model: nn.Module, owned: dict, degree: int) -> None:
+def _check_divisible(model: nn.Module, owned: dict, degrees: dict[str, int]) -> None:
     pairs = [(tuple(t.shape), spec, name, key) for t, (spec, name, key) in
              ((_tensor(model, v[1]), v) for v in owned.values())]
     for shape, spec, name, key in pairs:
+        degree = degrees[spec.axis]
         try:
             check_shardable(shape, spec, degree)
         except ShardingError as e:
-            ok = dividing_degrees([(s, p) for s, p, _, _ in pairs])
+            ok = dividing_degrees([(s, p) for s, p, _, _ in pairs if p.axis == spec.axis])
             raise ShardingError(f"plan key {key!r}, tensor {name!r} of shape {shape}: {e}. Degrees that "
                                 f"split every tensor of this plan: {', '.join(map(str, ok))}") from e
 
@@ -228,7 +234,8 @@ def _tensor(model: nn.Module, name: str):
     return getattr(model.get_submodule(path), leaf)
 
 
-def resolve_plan(model: nn.Module, plan, degree: int, *, strict: bool = False) -> ResolvedPlan:
+def resolve_plan(model: nn.Module, plan, degree: int, *, strict: bool = False, ep_plan=None,
+                 ep_degree: int = 1) -> ResolvedPlan:
     """``{tensor name: ShardSpec}`` for every parameter and persistent buffer of ``model``.
 
     ``plan`` is a dict of module or parameter paths to styles, or ``"auto"`` for the plan
@@ -237,6 +244,9 @@ def resolve_plan(model: nn.Module, plan, degree: int, *, strict: bool = False) -
     different styles, and that ``degree`` divides every sharded dim, every packed block and
     the head counts the model exposes. Tensors outside the plan are replicated. Keys that
     match nothing are listed in ``unused_keys`` (``strict=True``: ``PlanError``).
+    With ``ep_degree > 1``, ``ep_plan`` (a dict, or ``"auto"``: the model's own) shards the
+    experts over the ep axis and takes precedence over ``plan`` for those modules and
+    everything under them, as in transformers.
 
     >>> specs = resolve_plan(model, {"layers.*.mlp.up": "colwise"}, degree=2)  # doctest: +SKIP
     >>> specs["layers.0.mlp.up.weight"]                                         # doctest: +SKIP
@@ -247,6 +257,12 @@ def resolve_plan(model: nn.Module, plan, degree: int, *, strict: bool = False) -
     if isinstance(plan, str) and plan == "auto":
         plan = plan_from_model(model)
     module_claims, param_claims, unused = match_plan(model, plan, strict=strict)
+    if not isinstance(ep_degree, int) or isinstance(ep_degree, bool) or ep_degree < 1:
+        raise PlanError(f"ep_degree must be a positive int, got {ep_degree!r}")
+    if ep_degree > 1:
+        module_claims, param_claims, ep_unused = _with_ep_plan(model, ep_plan, module_claims,
+                                                               param_claims, strict)
+        unused = unused + ep_unused
     styles: dict[str, Style] = {}
     keys: dict[str, str] = {}
     owned: dict[int, tuple[ShardSpec, str, str]] = {}
@@ -279,7 +295,8 @@ def resolve_plan(model: nn.Module, plan, degree: int, *, strict: bool = False) -
             sharded.append(name)
             if path not in local_owners:
                 local_owners.append(path)
-    _check_divisible(model, owned, degree)
+    _check_divisible(model, owned, {"tp": degree, "ep": ep_degree})
+    _count_experts(model, styles, owned)
     _check_heads(model, sharded, keys, degree)
 
     specs: dict[str, ShardSpec] = {}
@@ -294,7 +311,40 @@ def resolve_plan(model: nn.Module, plan, degree: int, *, strict: bool = False) -
         first_name[id(tensor)] = name
         specs[name] = owned[id(tensor)][0] if id(tensor) in owned else ShardSpec()
     return ResolvedPlan(specs, styles=styles, keys=keys, aliases=aliases, degree=degree,
-                        local_owners=local_owners, unused_keys=unused)
+                        local_owners=local_owners, unused_keys=unused, ep_degree=ep_degree)
+
+
+def _with_ep_plan(model: nn.Module, ep_plan, module_claims: dict, param_claims: dict, strict: bool):
+    """The claims of the tp plan without the expert modules, plus those of the ep plan."""
+    if ep_plan is None or (isinstance(ep_plan, str) and ep_plan == "auto"):
+        ep_plan = ep_plan_from_model(model)
+    ep_modules, ep_params, unused = match_plan(model, ep_plan, strict=strict)
+    for key, raw in ep_plan.items():
+        if normalize_style(raw, key=key).axis != "ep":
+            raise PlanError(f"ep_plan key {key!r} has style {raw!r}; an ep plan holds 'grouped_gemm' "
+                            "(expert parameters) and 'ep_dispatch_experts' (the experts module)")
+    roots = tuple(set(ep_modules) | set(ep_params))
+
+    def tp_kept(name: str) -> bool:  # ep rules win over tp rules on the same modules and below
+        return not any(name == r or name.startswith(r + ".") for r in roots)
+
+    modules = {p: c for p, c in module_claims.items() if tp_kept(p)} | ep_modules
+    params = {n: c for n, c in param_claims.items() if tp_kept(n)} | ep_params
+    return modules, params, unused
+
+
+def _count_experts(model: nn.Module, styles: dict[str, Style], owned: dict) -> None:
+    """Give each ``ep_dispatch_experts`` style the global expert count of its module."""
+    for path, style in list(styles.items()):
+        if style.forward != "ep_experts":
+            continue
+        module = model.get_submodule(path)
+        counts = {p.shape[0] for p in module.parameters(recurse=False)
+                  if id(p) in owned and owned[id(p)][0].axis == "ep"}
+        if len(counts) != 1:
+            raise PlanError(f"ep_dispatch_experts on {path!r} needs its expert parameters sharded by "
+                            f"'grouped_gemm' (one expert count), found counts {sorted(counts)}")
+        styles[path] = replace(style, num_experts=counts.pop())
 
 
 def _check_tied(name: str, kept: str, owner, module_claims, param_claims) -> None:
@@ -326,6 +376,20 @@ def plan_from_model(model: nn.Module) -> dict:
                     "_tp_plan or config.base_model_tp_plan); pass plan={module path: style}")
 
 
+def ep_plan_from_model(model: nn.Module) -> dict:
+    """The expert-parallel plan a transformers model ships (``model.ep_plan``, or the
+    config's ``base_model_ep_plan`` with the base-model prefix); ``{}`` when none."""
+    plan = getattr(model, "ep_plan", None)
+    if isinstance(plan, Mapping) and plan:
+        return dict(plan)
+    config = getattr(model, "config", None)
+    base = getattr(config, "base_model_ep_plan", None) if config is not None else None
+    if isinstance(base, Mapping) and base:
+        prefix = _base_prefix(model)
+        return {f"{prefix}.{k}" if prefix else k: v for k, v in base.items()}
+    return {}
+
+
 def plan_summary(resolved: ResolvedPlan) -> dict[str, str]:
     """``{module path: style source}``, for logs and the informational JSON of a checkpoint."""
     return {p: s.source or s.kind for p, s in resolved.styles.items()}
@@ -333,5 +397,6 @@ def plan_summary(resolved: ResolvedPlan) -> dict[str, str]:
 
 __all__ = [
     "PackedColwise", "PackedRowwise", "ResolvedPlan", "SUPPORTED_STYLES", "Style",
-    "match_plan", "normalize_style", "plan_from_model", "plan_summary", "resolve_plan",
+    "ep_plan_from_model", "match_plan", "normalize_style", "plan_from_model", "plan_summary",
+    "resolve_plan",
 ]

@@ -17,6 +17,7 @@ import torch
 from shardwise.errors import PlanError, ShardingError
 
 Shape = Sequence[int]
+SHARD_AXES = ("tp", "ep")
 Layout = list[tuple["Region", tuple[int, ...]]]
 
 
@@ -54,21 +55,25 @@ class Region:
 
 @dataclass(frozen=True, repr=False)
 class ShardSpec:
-    """How one tensor is split over the tp axis.
+    """How one tensor is split over one mesh axis.
 
     ``dim`` is the sharded tensor dim (non-negative; ``None`` means replicated).
     ``blocks`` are the ratios of the packed blocks along ``dim``: each block is
     split over the ranks on its own, so a fused gate|up weight keeps gate rows
-    and up rows apart on every rank.
+    and up rows apart on every rank. ``axis`` is the mesh axis the ranks are on:
+    ``"tp"`` (tensor parallel) or ``"ep"`` (expert parallel: experts split on dim 0).
 
     >>> ShardSpec(dim=0, blocks=(1, 1))
     ShardSpec(dim=0, blocks=(1, 1))
+    >>> ShardSpec(dim=0, axis="ep")
+    ShardSpec(dim=0, blocks=(1,), axis='ep')
     >>> ShardSpec()
     ShardSpec(replicated)
     """
 
     dim: int | None = None
     blocks: tuple[int, ...] = (1,)
+    axis: str = "tp"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "blocks", tuple(self.blocks))
@@ -81,11 +86,16 @@ class ShardSpec:
             raise PlanError(f"ShardSpec.blocks must be positive ints, got {self.blocks!r}")
         if self.dim is None and self.blocks != (1,):
             raise PlanError(f"ShardSpec.blocks={self.blocks} needs a shard dim; pass dim= or drop blocks")
+        if self.axis not in SHARD_AXES:
+            raise PlanError(f"ShardSpec.axis must be one of {SHARD_AXES}, got {self.axis!r}")
+        if self.dim is None and self.axis != "tp":  # one replicated spec, whatever the axis
+            object.__setattr__(self, "axis", "tp")
 
     def __repr__(self) -> str:
         if self.replicated:
             return "ShardSpec(replicated)"
-        return f"ShardSpec(dim={self.dim}, blocks={self.blocks})"
+        axis = f", axis={self.axis!r}" if self.axis != "tp" else ""
+        return f"ShardSpec(dim={self.dim}, blocks={self.blocks}{axis})"
 
     @property
     def replicated(self) -> bool:

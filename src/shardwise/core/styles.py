@@ -71,6 +71,9 @@ FORWARDS = {
                    "every expert on local shards, outputs are all-reduced",
     "divide_input": "the input is divided by the degree (an identity expert beside moe_experts)",
     "mla_kv_a": "the rotary part of the output gets its gradient all-reduced (DeepSeek MLA)",
+    "ep_experts": "expert parallel, all-reduce implementation: every rank of the ep axis runs its own "
+                  "experts on the batch they share (routes to other ranks' experts masked), outputs "
+                  "are all-reduced over the ep axis",
 }
 
 
@@ -84,7 +87,9 @@ class Style:
     all-gathers a colwise output back to full size; ``split_input`` takes a replicated
     input and splits it locally before a rowwise matmul; ``embedding`` marks the
     embedding styles (a parameter key then splits dim 0 for rowwise, dim 1 for colwise).
-    ``forward`` is a key of ``FORWARDS``; ``rope_dim`` is the rotary width ``mla_kv_a`` needs.
+    ``forward`` is a key of ``FORWARDS``; ``rope_dim`` is the rotary width ``mla_kv_a`` needs
+    and ``num_experts`` the global expert count ``ep_experts`` needs. ``axis`` is the mesh
+    axis the style shards over (``"ep"``: experts split on dim 0).
     """
 
     kind: str
@@ -95,6 +100,8 @@ class Style:
     forward: str = "linear"
     embedding: bool = False
     rope_dim: int | None = None
+    num_experts: int | None = None
+    axis: str = "tp"
 
     @property
     def sharded(self) -> bool:
@@ -132,6 +139,12 @@ _STRINGS: dict[str, Style] = {
     "moe_identity_expert": _s("replicate", forward="divide_input"),
     "mla_kv_a_proj": _s("replicate", forward="mla_kv_a"),
 }
+# Styles of an expert-parallel plan (transformers' base_model_ep_plan), on the ep axis.
+_EP_STRINGS: dict[str, Style] = {
+    "grouped_gemm": _s("colwise", axis="ep"),
+    "ep_dispatch_experts": _s("replicate", forward="ep_experts", axis="ep"),
+}
+_STRINGS.update(_EP_STRINGS)
 SUPPORTED_STYLES = tuple(sorted(_STRINGS)) + ("PackedColwise(blocks)", "PackedRowwise(blocks)")
 # Default packed layout when a "packed_*" string names no blocks and the module carries
 # none: transformers uses it for gate|up, two equal halves.

@@ -50,7 +50,7 @@ def model_placed(model: nn.Module) -> dict[str, Placed]:
     state = get_shard_state(model)
     tensors = model.state_dict(keep_vars=True)
     if state is not None:
-        return {n: place(tensors[n], spec, state.degree, state.tp_rank, name=n)
+        return {n: place(tensors[n], spec, *state.coords(spec), name=n)
                 for n, spec in state.specs.items()}
     seen: set[int] = set()
     out = {}

@@ -81,7 +81,8 @@ def place(tensor: torch.Tensor, spec: ShardSpec | None, degree: int, tp_rank: in
         mesh = tensor.device_mesh
         names = mesh.mesh_dim_names or ()
         coord = mesh.get_coordinate()
-        tp_index = names.index("tp") if "tp" in names else None
+        axis = spec.axis if spec is not None else "tp"  # the mesh axis the spec splits over
+        tp_index = names.index(axis) if axis in names else None
         if spec is None and tp_index is not None:
             p = tensor.placements[tp_index]
             spec = ShardSpec(dim=p.dim) if p.is_shard() else ShardSpec()

@@ -185,6 +185,7 @@ class SaveItem:
     spec: ShardSpec
     gathered: bool                  # sharded over degree > 1: needs a gather
     local: torch.Tensor = field(repr=False)
+    degree: int = 1                 # of the mesh axis the spec shards over
 
     @property
     def nbytes(self) -> int:
@@ -196,7 +197,7 @@ def collect_items(model: nn.Module) -> tuple[list[SaveItem], ShardState | None]:
     state = get_shard_state(model)
     specs = state.specs if state is not None else resolve_plan(model, {}, 1)
     # An spmd tensor is global (one process holds every shard): nothing to gather.
-    degree = state.degree if state is not None and state.holding != "spmd" else 1
+    spmd = state is None or state.holding == "spmd"
     tensors = model.state_dict(keep_vars=True)
     items = []
     for name, spec in specs.items():
@@ -209,12 +210,13 @@ def collect_items(model: nn.Module) -> tuple[list[SaveItem], ShardState | None]:
         if local.is_meta:
             raise CheckpointError(f"tensor {name!r} is on the meta device, so it has no values to "
                                   "save; load or materialise the model first")
+        degree = 1 if spmd else state.coords(spec)[0]
         gathered = degree > 1 and not spec.replicated
         shape = list(local.shape)
         if gathered:
             shape[spec.dim] *= degree
             check_shardable(shape, spec, degree)
-        items.append(SaveItem(name, dtype_to_str(local.dtype), tuple(shape), spec, gathered, local))
+        items.append(SaveItem(name, dtype_to_str(local.dtype), tuple(shape), spec, gathered, local, degree))
     return items, state
 
 
@@ -225,7 +227,8 @@ def check_holding(name: str, t: torch.Tensor, state: ShardState | None) -> None:
         raise UnsupportedModelError(
             f"{name!r} is a DTensor, but shardwise did not parallelise this model (sw.parallelize or "
             "sw.load), so its shard layout is unknown; use sw.save(model, path, distributed=True)")
-    if t.device_mesh is not state.tp_mesh and t.device_mesh != state.tp_mesh:
+    meshes = [m for m in (state.tp_mesh, state.ep_mesh) if m is not None]
+    if not any(t.device_mesh is m or t.device_mesh == m for m in meshes):
         names = t.device_mesh.mesh_dim_names
         raise UnsupportedModelError(
             f"{name!r} is sharded over mesh axes {names} besides the tp axis (FSDP over tensor "
@@ -241,10 +244,14 @@ class FileGatherer:
     def __init__(self, backend, state: ShardState | None, items: dict[str, SaveItem], meta: dict):
         self.backend, self.items, self.meta = backend, items, meta
         self.rank = backend.rank if backend is not None else 0
-        self.degree = state.degree if state is not None else 1
-        self.group = state.group if state is not None else None
-        # Only the tp group holding global rank 0 gathers; other replicas only join agree().
-        self.gathers = state is not None and 0 in state.tp_mesh.mesh.flatten().tolist()
+        # Per mesh axis (tp, ep): its group, and whether this rank's group is the one holding
+        # global rank 0, which alone gathers; other replicas only join agree().
+        self.axes = {}
+        if state is not None:
+            axes = (("tp", state.tp_mesh, state.group), ("ep", state.ep_mesh, state.ep_group))
+            for axis, mesh, group in axes:
+                if mesh is not None:
+                    self.axes[axis] = (group, 0 in mesh.mesh.flatten().tolist())
         self._buffer: torch.Tensor | None = None
         self._receive: list[torch.Tensor] | None = None
 
@@ -259,10 +266,11 @@ class FileGatherer:
     def _receive_buffers(self, item: SaveItem) -> list[torch.Tensor]:
         """One chunk-sized buffer per tp rank, as large as the largest chunk of any tensor."""
         if self._receive is None:
-            size = max(_chunk_bytes(i, self.degree) for i in self.items.values() if i.gathered)
+            gathered = [i for i in self.items.values() if i.gathered]
+            size = max(_chunk_bytes(i, i.degree) for i in gathered)
             self._receive = [torch.empty(size, dtype=torch.uint8, device=item.local.device)
-                             for _ in range(self.degree)]
-        return self._receive
+                             for _ in range(max(i.degree for i in gathered))]
+        return self._receive[:item.degree]
 
     def write_file(self, path: Path | None, group, bar) -> Exception | None:
         """Gather and write one file's tensors; return rank 0's first failure (then keep joining
@@ -277,8 +285,9 @@ class FileGatherer:
             for name, _, _ in group:
                 item = self.items[name]
                 full = None
-                if item.gathered and self.gathers:  # after a failure too: peers must not wait
-                    full = gather_to_rank0(self.backend, item.local, item.spec, self.degree, self.group,
+                group, gathers = self.axes.get(item.spec.axis, (None, False))
+                if item.gathered and gathers:  # after a failure too: peers must not wait
+                    full = gather_to_rank0(self.backend, item.local, item.spec, item.degree, group,
                                            item.shape, keep=writer is not None,
                                            buffer=self._assembly_buffer(item) if writer else None,
                                            receive=self._receive_buffers(item) if self.rank == 0 else None)

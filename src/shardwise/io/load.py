@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from shardwise._progress import Progress
-from shardwise.core.plan import ResolvedPlan, resolve_plan
+from shardwise.core.plan import ResolvedPlan
 from shardwise.core.spec import local_layout, local_shape, piece_reads, split
 from shardwise.errors import CheckpointError, PlanError
 from shardwise.io.checkpoint import Checkpoint, resolve_checkpoint
@@ -33,8 +33,9 @@ from shardwise.parallel import (
     default_holding,
     get_shard_state,
     install,
+    mesh_coords,
+    resolve_for_mesh,
     tp_axis,
-    warn_unused_keys,
 )
 
 _SHOW = 20  # names listed in an error before "... and N more"
@@ -66,13 +67,16 @@ class LoadResult:
 
 def load(model: nn.Module, path: str | os.PathLike, *, plan, mesh, dtype: torch.dtype | None = None,
          strict: bool = True, num_threads: int | None = None, progress: bool | None = None,
-         holding: str | None = None, **options) -> LoadResult:
+         holding: str | None = None, ep_plan=None, **options) -> LoadResult:
     """Fill ``model`` (usually built on the meta device) from the checkpoint at ``path``,
     sharded by ``plan`` over the tp axis of ``mesh``; every rank of the mesh calls it.
 
     ``plan`` is a dict of module or parameter paths to styles (transformers' and diffusers'
     plans as they ship), or ``"auto"`` for the model's own plan; keys that match nothing
-    in this model are skipped, warned about once and listed in the result.
+    in this model are skipped, warned about once and listed in the result. On a mesh with
+    an ``ep`` axis (``backend.mesh(ep=2)``, ``backend.mesh(ep=2, tp=2)``) the experts are
+    split over it by ``ep_plan`` (default: the model's own ``base_model_ep_plan``), and a
+    rank reads only its own experts' bytes.
     ``path`` is a ``.safetensors`` file, a ``*.safetensors.index.json`` (any prefix), a
     folder holding one of them, or a torch DCP folder (with ``.metadata``). ``dtype`` casts
     floating-point tensors after slicing (``None`` keeps the file's dtypes). ``strict``
@@ -101,15 +105,13 @@ def load(model: nn.Module, path: str | os.PathLike, *, plan, mesh, dtype: torch.
         raise ValueError(f"holding must be one of {HOLDINGS} or None (the backend's), got {holding!r}")
     tp_mesh = tp_axis(mesh)
     check_spmd(tp_mesh, holding)
-    degree = tp_mesh.size()
-    specs = resolve_plan(model, plan, degree)
-    warn_unused_keys(specs)
+    specs = resolve_for_mesh(model, plan, mesh, ep_plan)
     if holding == "spmd":  # one process drives every device: tensors are built on them
         from shardwise.io.spmd import load_spmd
 
         return load_spmd(model, path, specs=specs, mesh=mesh, dtype=dtype, strict=strict,
                          num_threads=_num_threads(num_threads), start=start)
-    rank = tp_mesh.get_local_rank()
+    coords = mesh_coords(mesh)
     if (Path(path) / ".metadata").is_file() or any(Path(path).glob("*.distcp")):  # DCP, maybe incomplete
         return _load_dcp(model, path, specs=specs, mesh=mesh, holding=holding, dtype=dtype, strict=strict)
 
@@ -117,8 +119,9 @@ def load(model: nn.Module, path: str | os.PathLike, *, plan, mesh, dtype: torch.
     sources, missing, unexpected = match_keys(model, specs, ckpt, strict=strict)
     check_nothing_left_on_meta(model, specs, missing)
     composites = {n: s for n, s in sources.items() if isinstance(s, Composite)}
-    items = plan_reads({n: s for n, s in sources.items() if n not in composites}, specs, degree, rank)
-    assembler = Assembler(composites, specs, degree, rank)
+    items = [item for axis, (d, r) in coords.items() for item in plan_reads(
+        {n: s for n, s in sources.items() if n not in composites and specs[n].axis == axis}, specs, d, r)]
+    assembler = Assembler(composites, specs, coords)
     items += assembler.items
     device = device_of(tp_mesh)
     to_device = host_to_device(device)  # pinned staging buffers on CUDA
@@ -141,7 +144,7 @@ def load(model: nn.Module, path: str | os.PathLike, *, plan, mesh, dtype: torch.
     def local_tensor(name, spec):
         if name in tensors:
             return tensors.pop(name)  # install owns it now; our reference goes
-        return finalize(split(own[name].detach().cpu(), spec, degree, rank))  # non-strict: keep own
+        return finalize(split(own[name].detach().cpu(), spec, *coords[spec.axis]))  # non-strict: keep own
 
     install(model, specs, mesh, holding=holding, local_tensor=local_tensor, dtype=dtype)
     move_non_persistent(model, device)
@@ -208,15 +211,17 @@ class Assembler:
     into its place in the local shard and finalizes the shard when its last box arrives.
     """
 
-    def __init__(self, composites: dict, specs: ResolvedPlan, degree: int, rank: int):
+    def __init__(self, composites: dict, specs: ResolvedPlan, coords: dict[str, tuple[int, int]]):
         self.items: list[ReadItem] = []
         self.done: dict[str, torch.Tensor] = {}
         self._place: dict[str, tuple[str, tuple[slice, ...]]] = {}
         self._pending: dict[str, list] = {}  # name -> [buffer or None, reads left, shape, dtype]
         self._lock = threading.Lock()
         for name, comp in composites.items():
-            shape = local_shape(comp.shape, specs[name], degree)
-            reads = piece_reads(local_layout(comp.shape, specs[name], degree, rank), comp.pieces)
+            spec = specs[name]
+            degree, rank = coords[spec.axis]
+            shape = local_shape(comp.shape, spec, degree)
+            reads = piece_reads(local_layout(comp.shape, spec, degree, rank), comp.pieces)
             self._pending[name] = [None, len(reads), shape, comp.entry.torch_dtype]
             if not reads:  # an empty tensor: nothing to read
                 self.done[name] = torch.empty(shape, dtype=comp.entry.torch_dtype)

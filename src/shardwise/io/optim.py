@@ -49,7 +49,7 @@ def _placed(model: nn.Module, osd: Mapping) -> dict[str, Placed]:
         param = params.get(pname) if pname is not None else None
         if param is not None and tuple(value.shape) == tuple(param.shape):
             spec = state.specs.get(pname, ShardSpec()) if state is not None else None
-            degree, rank = (state.degree, state.tp_rank) if state is not None else (1, 0)
+            degree, rank = state.coords(spec) if state is not None else (1, 0)
             out[key] = place(value, spec, degree, rank, name=key)
         elif type(value).__name__ == "DTensor" or (param is not None and value.dim() > 0
                                                     and _is_sharded(model, pname, param)):

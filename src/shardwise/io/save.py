@@ -104,7 +104,7 @@ def save(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str
                  index_json(file_plan, sum(i.nbytes for i in items), dict(metadata or {})))
     try:
         agree(backend, capture(dest.prepare) if dest else None, what=what,
-              digest=fingerprint((run.degree, file_plan, [(i.name, i.spec) for i in items])))
+              digest=fingerprint((file_plan, [(i.name, i.spec, i.degree) for i in items])))
         with Progress(sum(i.nbytes for i in items), progress, run.rank == 0, "shardwise save") as bar:
             for fname, group in file_plan:
                 bar.file(fname)
