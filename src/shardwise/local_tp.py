@@ -150,7 +150,7 @@ def wire_forward(module: nn.Module, style: Style, state) -> None:
         out = inner(*args, **kwargs)
         if kind in ("moe_experts", "reduce_output"):
             return _ReduceFrom.apply(out, group)
-        if kind == "mla_kv_a":
+        if kind == "mla_kv_a" and style.rope_dim:
             passed, rope = out.split([out.shape[-1] - style.rope_dim, style.rope_dim], dim=-1)
             return torch.cat([passed, _CopyTo.apply(rope, group)], dim=-1)
         return out

@@ -143,6 +143,7 @@ def install(model: nn.Module, specs: ResolvedPlan, mesh, *, holding: str,
     degree, tp_rank = tp_mesh.size(), 0 if spmd else tp_mesh.get_local_rank()
     if specs.degree != degree:
         raise PlanError(f"plan was resolved for degree {specs.degree} but the mesh tp axis has {degree}")
+    check_wiring(model, specs, holding)
     declared = {n: (tuple(t.shape), t.dtype) for n, t in model.state_dict(keep_vars=True).items()}
     for name, spec in specs.items():
         _set_tensor(model, name, local_tensor(name, spec))
@@ -165,6 +166,22 @@ def install(model: nn.Module, specs: ResolvedPlan, mesh, *, holding: str,
     check_installed(model, specs, declared, holding=holding, dtype=dtype)
     model.__dict__[_STATE_ATTR] = state
     return state
+
+
+def check_wiring(model: nn.Module, specs: ResolvedPlan, holding: str) -> None:
+    """Raise ``PlanError`` for a sharded nn.Linear / nn.Embedding subclass with a forward of
+    its own under ``"local"`` holding: its forward is replaced by the local-shard one, which
+    would silently skip whatever the subclass adds (a norm inside an embedding, say)."""
+    if holding != "local":
+        return
+    for path, style in specs.styles.items():
+        module = model.get_submodule(path)
+        base = nn.Embedding if isinstance(module, nn.Embedding) else nn.Linear
+        if style.forward == "linear" and type(module).forward is not base.forward:
+            raise PlanError(
+                f"plan key {specs.keys[path]!r}: {path!r} is a {type(module).__name__}, a {base.__name__} "
+                f"with a forward of its own, which local holding cannot shard without skipping it; use "
+                "holding='dtensor', or plan its submodules instead")
 
 
 def _wire(model: nn.Module, specs: ResolvedPlan, state: ShardState) -> None:
@@ -309,7 +326,10 @@ def _wire_dtensor(module: nn.Module, path: str, style: Style, state: ShardState)
     class _FromShards(base):
         # torch's styles distribute a full tensor; ours already hold their shard.
         def _partition_linear_fn(self, name, mod, device_mesh):
-            _dtensor_params(mod, path, state)
+            # torch calls this for every submodule (name relative to `module`): a child's
+            # parameters (a norm inside an embedding) are looked up under their own names.
+            if mod is module:
+                _dtensor_params(mod, path, state)
 
         _partition_embedding_fn = _partition_linear_fn
 

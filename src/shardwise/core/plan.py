@@ -168,11 +168,17 @@ def _param_spec(shape: tuple[int, ...], leaf: str, style: Style) -> ShardSpec:
     return ShardSpec(dim=dim, blocks=style.blocks)
 
 
-def _rope_dim(model: nn.Module, key: str) -> int:
-    config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    value = getattr(text, "qk_rope_head_dim", None)
-    if not isinstance(value, int) or value <= 0:
+def _rope_dim(model: nn.Module, path: str, key: str) -> int:
+    # The attention module's own width first: some configs hold it per layer.
+    value = getattr(model.get_submodule(path.rpartition(".")[0]), "qk_rope_head_dim", None)
+    if value is None:
+        config = getattr(model, "config", None)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        try:
+            value = getattr(text, "qk_rope_head_dim", None)
+        except Exception:  # noqa: BLE001 - a per-layer attribute refuses a global read
+            value = None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:  # 0: no rotary part
         raise PlanError(f"plan key {key!r} uses 'mla_kv_a_proj', which needs the model config's "
                         "qk_rope_head_dim (the rotary part of the projection's output); this model has none")
     return value
@@ -197,7 +203,10 @@ def _check_heads(model: nn.Module, sharded: list[str], keys, degree: int) -> Non
         if not near:
             continue
         for attr in _HEAD_ATTRS:
-            value = getattr(owner, attr, None)
+            try:
+                value = getattr(owner, attr, None)
+            except Exception:  # noqa: BLE001 - a per-layer config attribute refuses a global read
+                continue
             if isinstance(value, int) and not isinstance(value, bool) and value > 0 and value % degree:
                 path = next((p for p in near if _ATTENTION.search(p)), near[0])
                 where = f"model.{name}" if name else "model"
@@ -275,7 +284,7 @@ def resolve_plan(model: nn.Module, plan, degree: int, *, strict: bool = False, e
                 raise PlanError(f"plan key {key!r}: gathering the output of a packed projection "
                                 "is not supported")
         if style.forward == "mla_kv_a":
-            style = replace(style, rope_dim=_rope_dim(model, key))
+            style = replace(style, rope_dim=_rope_dim(model, path, key))
         styles[path], keys[path] = style, key
         for pname, spec in _module_specs(module, style, path, key).items():
             _claim(owned, getattr(module, pname), f"{path}.{pname}", spec, key)

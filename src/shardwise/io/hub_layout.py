@@ -153,6 +153,36 @@ def _whole(key: str, entry: TensorEntry) -> Piece:
     return Piece(key, Region(zeros, entry.shape), zeros)
 
 
+def _split_targets(conv, key: str, name: str, entry: TensorEntry, shapes: dict, what: str) -> dict:
+    """``{model tensor: Piece}`` for a converter that splits one stored tensor into several
+    (``Split``: sizes of the model tensors; ``Chunk``: equal parts), each a slab of it."""
+    ops = list(getattr(conv, "operations", []) or [])
+    op = type(ops[0]).__name__ if len(ops) == 1 else "+".join(type(o).__name__ for o in ops)
+    if op not in ("Split", "Chunk"):
+        raise CheckpointError(f"{what}: transformers converts it with {type(conv).__name__}({op}), which "
+                              "is not a region map; shardwise cannot stream it")
+    dim, first = ops[0].dim, conv.target_patterns[0]
+    names = [name.replace(first, t) for t in conv.target_patterns]
+    n = entry.shape[dim]
+    if op == "Split":
+        missing = [t for t in names if t not in shapes]
+        if missing:
+            raise CheckpointError(f"{what}: split into {missing}, which the model does not have")
+        sizes = [shapes[t][dim] for t in names]
+    else:
+        step = -(-n // len(names))
+        sizes = [max(0, min(step, n - i * step)) for i in range(len(names))]
+    if sum(sizes) != n:
+        raise CheckpointError(f"{what}: {key!r} has {n} rows on dim {dim} but its parts need {sum(sizes)}")
+    out, start = {}, 0
+    for target, size in zip(names, sizes, strict=True):
+        offsets = tuple(start if d == dim else 0 for d in range(len(entry.shape)))
+        box = tuple(size if d == dim else s for d, s in enumerate(entry.shape))
+        out[target] = Piece(key, Region(offsets, box), (0,) * len(box))
+        start += size
+    return out
+
+
 def hub_tensors(model: nn.Module, stored: dict[str, tuple[Path, TensorEntry]],
                 wanted: set[str]) -> tuple[dict[str, Composite], set[str]]:
     """``({model tensor: Composite}, stored keys used)`` for the tensors of ``wanted`` that a
@@ -164,16 +194,26 @@ def hub_tensors(model: nn.Module, stored: dict[str, tuple[Path, TensorEntry]],
         return {}, set()
     groups: dict[str, tuple[object, dict[str, list[str]]]] = {}
     renamed: dict[str, str] = {}
+    out: dict[str, Composite] = {}
+    used: set[str] = set()
+    shapes = {n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items()}
     for key in stored:
         name, conv, pattern = mapping.target(key)
+        if conv is not None and len(conv.target_patterns) > 1:  # one stored tensor, several targets
+            if not wanted & {name.replace(conv.target_patterns[0], t) for t in conv.target_patterns}:
+                continue
+            path, entry = stored[key]
+            parts = _split_targets(conv, key, name, entry, shapes, f"stored tensor {key!r}")
+            for target, piece in parts.items():
+                out[target] = Composite(piece.source.sizes, (piece,), {key: (path, entry)})
+            used.add(key)
+            continue
         if name not in wanted:
             continue
         if conv is None:
             renamed[name] = key
         else:
             groups.setdefault(name, (conv, {}))[1].setdefault(pattern, []).append(key)
-    out: dict[str, Composite] = {}
-    used: set[str] = set()
     for name, key in renamed.items():
         path, entry = stored[key]
         out[name] = Composite(entry.shape, (_whole(key, entry),), {key: (path, entry)})

@@ -30,6 +30,7 @@ from shardwise.io.staging import host_to_device
 from shardwise.parallel import (
     HOLDINGS,
     check_spmd,
+    check_wiring,
     default_holding,
     get_shard_state,
     install,
@@ -106,6 +107,7 @@ def load(model: nn.Module, path: str | os.PathLike, *, plan, mesh, dtype: torch.
     tp_mesh = tp_axis(mesh)
     check_spmd(tp_mesh, holding)
     specs = resolve_for_mesh(model, plan, mesh, ep_plan)
+    check_wiring(model, specs, holding)
     if holding == "spmd":  # one process drives every device: tensors are built on them
         from shardwise.io.spmd import load_spmd
 
