@@ -2,7 +2,8 @@
 
 Mixtral and Qwen3-MoE store one tensor per expert and projection where the module holds
 fused 3-D parameters; GPT-NeoX stores ``embed_out`` for ``lm_head``; DeepSeek-V2 mixes MLA
-attention, shared and routed experts. Each loads with logits equal to one process, in
+attention, shared and routed experts, and its plan names ``q_b_proj``, which this
+configuration lacks (skipped); Qwen3-Next is hybrid (linear attention and full attention). Each loads with logits equal to one process, in
 both holdings, and a rank reads about half of every expert's bytes.
 """
 
@@ -18,7 +19,7 @@ import shardwise as sw  # noqa: E402
 from harness import run_ranks  # noqa: E402
 from hf import hf_models  # noqa: E402
 
-KINDS = ["mixtral", "qwen3_moe", "gpt_neox", "deepseek_v2"]
+KINDS = ["mixtral", "qwen3_moe", "gpt_neox", "deepseek_v2", "qwen3_next"]
 
 
 def _stored_keys(folder) -> dict[str, int]:
@@ -45,7 +46,7 @@ def _load(kind: str, folder: str):
         got = hf_models.forward(model.eval(), kind)
         assert got.shape == want.shape
         assert (got - want).abs().max() < 1e-4, (holding, (got - want).abs().max())
-        out.append((result.bytes_read, result.unexpected_keys))
+        out.append((result.bytes_read, result.unexpected_keys, result.unused_plan_keys))
     return out
 
 
@@ -56,11 +57,13 @@ def test_hub_layout_loads_at_tp2_in_both_holdings(tmp_path, kind):
     model_keys = set(hf_models.build_tiny(kind).state_dict())
     assert set(stored) != model_keys, "the checkpoint should be in its hub layout"
     results = [r for rank in run_ranks(_load, 2, kind, str(folder)) for r in rank]
-    assert all(unexpected == () for _, unexpected in results)
+    assert all(unexpected == () for _, unexpected, _ in results)
+    if kind == "deepseek_v2":  # q_lora_rank=None: no q_b_proj in this configuration
+        assert all(any("q_b_proj" in k for k in unused) for _, _, unused in results)
     if kind in ("mixtral", "qwen3_moe"):  # every expert tensor is split over tp: half read per rank
         experts = sum(n for k, n in stored.items() if ".experts." in k)
         total = sum(stored.values())
-        for bytes_read, _ in results:
+        for bytes_read, _, _ in results:
             assert bytes_read < total - experts / 2 + 1024
             assert bytes_read > experts / 2
 
