@@ -359,3 +359,34 @@ def test_bad_degree_and_plan_types():
         sw.resolve_plan(meta(TinyTransformer), [("head", "colwise")], 2)
     with pytest.raises(sw.PlanError):
         sw.PackedColwise([1, 0])
+
+
+def test_head_count_error_names_the_attention_module():
+    # the plan lists lm_head first; the error must point at an attention projection
+    model = meta(LlamaForCausalLM)  # 8 heads, 4 kv heads
+    plan = {**LM_TP_PLAN, **with_prefix(LLAMA_BASE_TP_PLAN)}
+    with pytest.raises(sw.ShardingError) as e:
+        sw.resolve_plan(model, plan, 8)
+    assert "self_attn" in str(e.value) and "lm_head" not in str(e.value)
+
+
+def test_indivisible_degree_lists_the_degrees_that_divide_the_model():
+    model = meta(TinyTransformer, hidden=36, heads=3, ffn=60)
+    with pytest.raises(sw.ShardingError, match=r"plan: 1, 2, 3, 4, 6, 12$"):  # 36 and 60 rows
+        sw.resolve_plan(model, {"layers.*.mlp.down": "rowwise", "layers.*.attn.q": "colwise"}, 8)
+
+
+def test_parameter_keys_and_expert_styles():
+    from hf_shaped import HFShapedLM
+
+    model = meta(HFShapedLM, num_experts=4)
+    specs = sw.resolve_plan(model, "auto", 2)
+    assert specs["model.layers.0.mlp.experts.gate_up_proj"] == sw.ShardSpec(dim=1, blocks=(1, 1))
+    assert specs["model.layers.0.mlp.experts.down_proj"] == sw.ShardSpec(dim=2)
+    assert specs.styles["model.layers.0.mlp.experts"].forward == "moe_experts"
+    assert specs.local_owners[0] == "model.layers.0.mlp.experts"
+    ep = sw.resolve_plan(model, "auto", 1, ep_degree=2)  # ep rules replace the tp rules of the experts
+    assert ep["model.layers.1.mlp.experts.down_proj"] == sw.ShardSpec(dim=0, axis="ep")
+    assert ep.styles["model.layers.1.mlp.experts"].num_experts == 4
+    with pytest.raises(sw.ShardingError, match="gate_up_proj"):
+        sw.resolve_plan(model, "auto", 1, ep_degree=3)
