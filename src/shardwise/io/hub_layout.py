@@ -15,6 +15,7 @@ refused with the converter's name before any byte is read.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -234,4 +235,80 @@ def hub_tensors(model: nn.Module, stored: dict[str, tuple[Path, TensorEntry]],
     return out, used
 
 
-__all__ = ["Composite", "hub_tensors"]
+
+
+@dataclass(frozen=True)
+class StoredPart:
+    """One tensor of the hub layout as a box of a model tensor: ``key`` is written as
+    ``model_tensor[piece.box()]`` with the ``piece.stacked`` dims squeezed."""
+
+    key: str
+    model_name: str
+    piece: Piece
+
+    def take(self, full):
+        """This part of the model tensor ``full``, contiguous, ready to write."""
+        box = self.piece.box()
+        part = full[box.slices()]
+        for d in sorted(self.piece.stacked, reverse=True):
+            part = part.squeeze(d)
+        return part.contiguous()
+
+
+def hub_save_layout(model: nn.Module,
+                    tensors: dict[str, tuple[tuple[int, ...], str]]) -> list[StoredPart] | None:
+    """The tensors ``save_pretrained`` would write for ``tensors`` (``{model tensor: (shape,
+    safetensors dtype)}``), in its order, each as a box of one model tensor; ``None`` when
+    the model has no conversion to revert (its module layout is its hub layout).
+
+    transformers' own ``revert_weight_conversion`` names the stored tensors and their shapes
+    (run on meta tensors: no data); the load direction's region map (:func:`hub_tensors`)
+    then places each of them in its model tensor, so save and load share one mapping. Raises
+    ``CheckpointError`` when the two do not tile every model tensor exactly.
+    """
+    try:
+        import torch
+        from transformers.core_model_loading import revert_weight_conversion
+
+        from shardwise.core.header import str_to_dtype
+    except ImportError:
+        return None
+    meta = {n: torch.empty(shape, dtype=str_to_dtype(dt), device="meta")
+            for n, (shape, dt) in tensors.items()}
+    try:
+        reverted = revert_weight_conversion(model, dict(meta))
+    except Exception as e:  # noqa: BLE001 - transformers raises anything for a layout it cannot revert
+        raise CheckpointError(f"transformers cannot revert {type(model).__name__}'s weight conversions "
+                              f"({type(e).__name__}: {e}); save with layout='module'") from e
+    if list(reverted) == list(meta):
+        return None
+    stored = {}
+    for key, t in reverted.items():
+        nbytes = math.prod(t.shape) * t.dtype.itemsize
+        stored[key] = (None, TensorEntry(key, tensors_dtype(t), tuple(t.shape), 0, nbytes))
+    composites, used = hub_tensors(model, stored, set(tensors))
+    parts: dict[str, StoredPart] = {}
+    for name, comp in composites.items():
+        if comp.shape != tuple(tensors[name][0]):
+            raise CheckpointError(f"{name!r}: the hub layout reassembles to {comp.shape}, not "
+                                  f"{tuple(tensors[name][0])}; save with layout='module'")
+        for piece in comp.pieces:
+            parts[piece.key] = StoredPart(piece.key, name, piece)
+    unplaced = [k for k in reverted if k not in parts]
+    if unplaced:
+        raise CheckpointError(f"the hub layout's {unplaced[:3]} map to no model tensor; save with "
+                              "layout='module'")
+    missing = set(tensors) - set(composites)
+    if missing:
+        raise CheckpointError(f"model tensors {sorted(missing)[:3]} have no place in the hub layout; "
+                              "save with layout='module'")
+    return [parts[k] for k in reverted]
+
+
+def tensors_dtype(t) -> str:
+    from shardwise.core.header import dtype_to_str
+
+    return dtype_to_str(t.dtype)
+
+
+__all__ = ["Composite", "StoredPart", "hub_save_layout", "hub_tensors"]
