@@ -390,3 +390,17 @@ def test_parameter_keys_and_expert_styles():
     assert ep.styles["model.layers.1.mlp.experts"].num_experts == 4
     with pytest.raises(sw.ShardingError, match="gate_up_proj"):
         sw.resolve_plan(model, "auto", 1, ep_degree=3)
+
+
+def test_statistics_over_sharded_features_are_refused():
+    # Gemma-3n's activation sparsity: a top-k over gate_proj's features, which colwise would split
+    class SparseMlp(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.activation_sparsity = 0.95
+            self.gate_proj, self.up_proj = nn.Linear(8, 16), nn.Linear(8, 16)
+
+    model = meta(nn.ModuleDict, {"mlp": SparseMlp()})
+    with pytest.raises(sw.PlanError, match="activation-sparsity"):
+        sw.resolve_plan(model, {"mlp.gate_proj": "colwise", "mlp.up_proj": "colwise"}, 2)
+    assert sw.resolve_plan(model, {"mlp.up_proj": "colwise"}, 2)  # gate kept whole: fine

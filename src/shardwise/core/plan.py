@@ -306,6 +306,7 @@ def resolve_plan(model: nn.Module, plan, degree: int, *, strict: bool = False, e
                 local_owners.append(path)
     _check_divisible(model, owned, {"tp": degree, "ep": ep_degree})
     _count_experts(model, styles, owned)
+    _check_statistics_over_shards(model, owned, keys, {"tp": degree, "ep": ep_degree})
     _check_heads(model, sharded, keys, degree)
 
     specs: dict[str, ShardSpec] = {}
@@ -321,6 +322,25 @@ def resolve_plan(model: nn.Module, plan, degree: int, *, strict: bool = False, e
         specs[name] = owned[id(tensor)][0] if id(tensor) in owned else ShardSpec()
     return ResolvedPlan(specs, styles=styles, keys=keys, aliases=aliases, degree=degree,
                         local_owners=local_owners, unused_keys=unused, ep_degree=ep_degree)
+
+
+def _check_statistics_over_shards(model: nn.Module, owned: dict, keys: dict, degrees: dict) -> None:
+    """Refuse a plan that splits the features a module takes statistics over: each rank would
+    compute them over its own part, and the output would be wrong without an error. Known
+    case: Gemma-3n's activation sparsity (a Gaussian top-k over the intermediate features of
+    ``gate_proj``), which transformers' shipped plan shards colwise."""
+    for path, module in model.named_modules():
+        sparsity = getattr(module, "activation_sparsity", 0.0)
+        gate = getattr(module, "gate_proj", None)
+        if not (isinstance(sparsity, float) and sparsity > 0 and isinstance(gate, nn.Linear)):
+            continue
+        entry = owned.get(id(gate.weight))
+        if entry is not None and not entry[0].replicated and degrees[entry[0].axis] > 1:
+            raise PlanError(
+                f"plan key {entry[2]!r} shards {entry[1]!r}, but {path!r} takes activation-sparsity "
+                f"statistics (sparsity {sparsity}) over all of its intermediate features: every rank "
+                "would see only its part and the output would be wrong. Keep this layer's MLP whole "
+                "(drop its gate_proj/up_proj/down_proj keys) or set activation_sparsity_pattern to 0")
 
 
 def _with_ep_plan(model: nn.Module, ep_plan, module_claims: dict, param_claims: dict, strict: bool):
