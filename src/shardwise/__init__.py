@@ -15,8 +15,9 @@ from shardwise.backends import (
     register_backend,
     shutdown_backend,
 )
-from shardwise.core.plan import PackedColwise, PackedRowwise, resolve_plan
+from shardwise.core.plan import resolve_plan
 from shardwise.core.spec import Region, ShardSpec
+from shardwise.core.styles import PackedColwise, PackedRowwise
 from shardwise.errors import (
     BackendError,
     BackendUnavailableError,
@@ -42,6 +43,10 @@ _LAZY = {
     "save_optimizer": "shardwise.io.optim",
     "load_optimizer": "shardwise.io.optim",
     "clip_grad_norm_": "shardwise.clip",
+    "verify": "shardwise.io.verify",
+    "diff": "shardwise.io.diff",
+    "from_pretrained": "shardwise.hf",
+    "empty_model": "shardwise.hf",
 }
 
 

@@ -1,4 +1,5 @@
-"""The ``shardwise`` command line: ``demo``, ``inspect PATH``, ``consolidate SRC DST``."""
+"""The ``shardwise`` command line: ``demo``, ``inspect PATH``, ``consolidate SRC DST``,
+``verify PATH``, ``diff A B``."""
 
 from __future__ import annotations
 
@@ -19,27 +20,79 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _consolidate(args: argparse.Namespace) -> int:
+    import time
+
     from shardwise.errors import ShardwiseError
+    from shardwise.io.checkpoint import resolve_checkpoint
     from shardwise.io.consolidate import consolidate
 
+    start = time.perf_counter()
     try:
         out = consolidate(args.src, args.dst, max_shard_size=args.max_shard_size,
                           filename_prefix=args.prefix, overwrite=args.overwrite)
     except ShardwiseError as e:
-        print(f"shardwise consolidate: {e}", file=sys.stderr)
+        # The library's refusals name its keyword; on the command line the fix is the flag.
+        print(f"shardwise consolidate: {str(e).replace('overwrite=True', '--overwrite')}", file=sys.stderr)
         return 1
-    print(f"wrote {out}")
+    seconds = time.perf_counter() - start
+    ckpt = resolve_checkpoint(out)
+    print(f"wrote {out}: {len(ckpt.names)} tensors, {ckpt.total_size:,} bytes in {len(ckpt.files)} "
+          f"file(s), {seconds:.1f} s")
     return 0
 
 
+def _verify(args: argparse.Namespace) -> int:
+    from shardwise.io.verify import main_verify
+
+    return main_verify(args.path, as_json=args.json)
+
+
+def _diff(args: argparse.Namespace) -> int:
+    from shardwise.io.diff import main_diff
+
+    return main_diff(args.a, args.b, as_json=args.json)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive number of ranks")
+    return value
+
+
+def _check_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    from shardwise._demo_model import config_for
+    from shardwise.demo import valid_degrees
+
+    degrees = valid_degrees(args.size)
+    if args.tp not in degrees:
+        parser.error(f"argument --tp: {args.tp} does not divide the {config_for(args.size).heads} "
+                     f"attention heads of the {args.size} model; choose one of "
+                     f"{', '.join(map(str, degrees))}")
+
+
+def _version() -> str:
+    from shardwise import __version__
+
+    return f"shardwise {__version__}"
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from shardwise._demo_model import SIZES
+
     parser = argparse.ArgumentParser(prog="shardwise", description=__doc__)
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="stream a small checkpoint on local gloo ranks and compare")
-    demo.add_argument("--tp", type=int, default=4, help="tensor-parallel degree (ranks to spawn)")
-    demo.add_argument("--size", default="small", help="model size: tiny, small, medium")
-    demo.add_argument("--keep", default=None, metavar="DIR", help="write the checkpoint here and keep it")
-    demo.set_defaults(func=_demo)
+    demo = sub.add_parser("demo", help="stream, save and reshard a small checkpoint on local gloo ranks")
+    demo.add_argument("--tp", type=_positive_int, default=4,
+                      help="tensor-parallel degree (ranks to spawn; divides the 8 heads: 1, 2, 4, 8)")
+    demo.add_argument("--size", default="small", choices=list(SIZES), help="model size (default: small)")
+    demo.add_argument("--keep", default=None, metavar="DIR",
+                      help="write the checkpoint here and keep it (and what is saved, in DIR-saved)")
+    demo.set_defaults(func=_demo, check=_check_demo, subparser=demo)
     inspect = sub.add_parser("inspect", help="describe a checkpoint: format, tensors, dtypes, size, layout")
     inspect.add_argument("path", help="a .safetensors file, an index, or a checkpoint folder (DCP too)")
     inspect.set_defaults(func=_inspect)
@@ -51,13 +104,37 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--overwrite", action="store_true",
                        help="replace DST once the new one is complete")
     merge.set_defaults(func=_consolidate)
+    check = sub.add_parser("verify", help="check a checkpoint's structure and every tensor's checksum "
+                                          "(exit 0 when whole, 1 otherwise)")
+    check.add_argument("path", help="a .safetensors file, an index, or a checkpoint folder (DCP too)")
+    check.add_argument("--json", action="store_true", help="print the report as JSON")
+    check.set_defaults(func=_verify)
+    compare = sub.add_parser("diff", help="compare two checkpoints tensor by tensor, any layouts "
+                                          "(exit 0 when identical, 1 when not, 2 on an unreadable one)")
+    compare.add_argument("a", help="the first checkpoint (safetensors or DCP)")
+    compare.add_argument("b", help="the second checkpoint")
+    compare.add_argument("--json", action="store_true", help="print the report as JSON")
+    compare.set_defaults(func=_diff)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    return int(args.func(args) or 0)
+    check = getattr(args, "check", None)
+    if check is not None:
+        check(args, args.subparser)
+    try:
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader left (`shardwise inspect X | head`): stop quietly, as other tools do.
+        # stdout goes to /dev/null so that the interpreter's final flush does not fail again.
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool killed by the closed pipe
+    return code
 
 
 if __name__ == "__main__":

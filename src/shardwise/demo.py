@@ -1,14 +1,18 @@
-"""``shardwise demo``: stream a sharded safetensors checkpoint on local gloo ranks.
+"""``shardwise demo``: stream, save and reshard a sharded checkpoint on local gloo ranks.
 
 The parent builds a small transformer, writes it as a sharded checkpoint (several files and
 an index) and computes the one-process forward. ``tp`` ranks then each stream their slice
-with ``sw.load`` into a meta model, check the forward, and, for comparison, do what users do
-today: load the whole checkpoint with ``safetensors.torch.load_file`` and shard it. The
-table shows, per rank, bytes read, peak memory above the rank's starting level and seconds.
+with ``sw.load`` into a meta model and check the forward; for comparison they also do what
+users do today: load the whole checkpoint with ``safetensors.torch.load_file`` and shard it.
+Then they gather the model back into one safetensors checkpoint (``sw.save``), write a
+distributed checkpoint (every rank its own part) and load that at half the degree
+(``tp`` -> ``tp / 2``, two replicas), checking the forward again. The tables show, per rank,
+bytes read, peak memory above the rank's level before each step, and seconds.
 """
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import json
 import tempfile
@@ -17,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from shardwise._demo_model import PLAN, build, config_for, demo_tokens
+from shardwise._demo_model import PLAN, SIZES, build, config_for, demo_tokens
 from shardwise.launch import spawn
 
 _TOLERANCE = 1e-4
@@ -41,44 +45,82 @@ def write_checkpoint(model: torch.nn.Module, folder: Path, *, num_files: int = 3
     return [folder / fname for fname, _ in file_plan]
 
 
-def _rank(folder: str, files: list[str], size: str, reference: torch.Tensor) -> dict:
+def valid_degrees(size: str) -> list[int]:
+    """The ``--tp`` values the ``size`` model takes: the divisors of its head count."""
+    heads = config_for(size).heads
+    return [d for d in range(1, heads + 1) if heads % d == 0]
+
+
+def _release_freed_memory() -> None:
+    """Give the memory of earlier steps back to the system (glibc keeps freed heap pages), so
+    that the next step's peak above its starting level counts its own allocations only."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):  # not glibc: nothing to trim, figures are upper bounds
+        pass
+
+
+def _timed(step, backend):
+    """``(result, peak bytes, seconds, method)`` of ``step()``, the ranks starting together."""
+    from shardwise._memory import PeakMemory
+
+    gc.collect()
+    _release_freed_memory()
+    backend.barrier()
+    with PeakMemory() as peak:
+        t0 = time.perf_counter()
+        result = step()
+        seconds = time.perf_counter() - t0
+    return result, peak.bytes, seconds, peak.method
+
+
+def _forward_diff(model, size: str, reference: torch.Tensor) -> float:
+    with torch.no_grad():
+        return (model(demo_tokens(size)) - reference).abs().max().item()
+
+
+def _rank(folder: str, files: list[str], size: str, reference: torch.Tensor, out: str) -> dict:
     import safetensors.torch
     import torch.distributed.tensor.parallel  # noqa: F401  (imported before either timing)
 
     import shardwise as sw
-    from shardwise._memory import PeakMemory
 
     backend = sw.init_backend("gloo")
     mesh = backend.mesh(tp=backend.world_size)
-    row = {"rank": backend.rank}
+    row: dict = {"rank": backend.rank}
     # Warm torch's DTensor paths once, untimed, so neither method pays first-call costs.
     sw.parallelize(build("tiny", seed=0), PLAN, mesh)
 
     model = build(size, seed=None, device="meta")
-    gc.collect()
-    backend.barrier()  # the ranks time each method together, not overlapping the other
-    with PeakMemory() as peak:
-        result = sw.load(model, folder, plan=PLAN, mesh=mesh, progress=False)
-    row["stream"] = (result.bytes_read, peak.bytes, result.seconds)
-    with torch.no_grad():
-        out = model(demo_tokens(size))
-    row["max_diff"] = (out - reference).abs().max().item()
-    del model, out
-    gc.collect()
+    result, peak, seconds, row["rss_method"] = _timed(
+        lambda: sw.load(model, folder, plan=PLAN, mesh=mesh, progress=False), backend)
+    row["stream"] = (result.bytes_read, peak, seconds)
+    row["max_diff"] = _forward_diff(model, size, reference)
+
+    _, peak, seconds, _ = _timed(lambda: sw.save(model, f"{out}/full", progress=False), backend)
+    row["save"] = (peak, seconds)
+    _, peak, seconds, _ = _timed(lambda: sw.save(model, f"{out}/dcp", distributed=True), backend)
+    row["dcp"] = (peak, seconds)
+    del model
 
     # The usual way: every rank loads the whole checkpoint, then shards the model.
-    model = build(size, seed=None, device="meta")
-    backend.barrier()
-    with PeakMemory() as peak:
-        t0 = time.perf_counter()
+    def whole() -> None:
+        model = build(size, seed=None, device="meta")
         for f in files:  # copied out of the mmap, as load_state_dict into a real model would
             part = {k: v.clone() for k, v in safetensors.torch.load_file(f).items()}
             model.load_state_dict(part, strict=False, assign=True)
             del part
         sw.parallelize(model, PLAN, mesh)
-        seconds = time.perf_counter() - t0
-    row["whole"] = (sum(Path(f).stat().st_size for f in files), peak.bytes, seconds)
-    row["rss_method"] = peak.method
+
+    _, peak, seconds, _ = _timed(whole, backend)
+    row["whole"] = (sum(Path(f).stat().st_size for f in files), peak, seconds)
+
+    if backend.world_size % 2 == 0:  # the distributed checkpoint at half the degree
+        half = backend.mesh(dp_replicate=2, tp=backend.world_size // 2)
+        model = build(size, seed=None, device="meta")
+        result, peak, seconds, _ = _timed(
+            lambda: sw.load(model, f"{out}/dcp", plan=PLAN, mesh=half, progress=False), backend)
+        row["reshard"] = (result.bytes_read, peak, seconds, _forward_diff(model, size, reference))
     return row
 
 
@@ -95,7 +137,7 @@ def _ratio(baseline: float, ours: float, better: str, worse: str) -> str:
     return f"{r:.1f}x {better}" if r >= 1 else f"{1 / r:.1f}x {worse}"
 
 
-def _table(rows: list[dict]) -> str:
+def _load_table(rows: list[dict]) -> str:
     head = (f"{'':>4}  {'--- shardwise streaming load ---':^36}    {'--- load_file, then shard ---':^36}\n"
             f"{'rank':>4}  {'bytes read':>12} {'peak RSS':>12} {'seconds':>9}    "
             f"{'bytes read':>12} {'peak RSS':>12} {'seconds':>9}")
@@ -107,15 +149,61 @@ def _table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _save_table(rows: list[dict], tp: int) -> str:
+    reshard, dcp = "reshard" in rows[0], "dcp" in rows[0]
+    head = f"{'':>4}  {'--- gather save ---':^22}"
+    cols = f"{'rank':>4}  {'peak RSS':>12} {'seconds':>9}"
+    if dcp:
+        head += f"  {'--- distributed save ---':^22}"
+        cols += f"  {'peak RSS':>12} {'seconds':>9}"
+    if reshard:
+        head += f"  {f'--- load it at tp={tp // 2} ---':^36}"
+        cols += f"  {'bytes read':>12} {'peak RSS':>12} {'seconds':>9}"
+    lines = [head, cols]
+    for r in rows:
+        line = f"{r['rank']:>4}  {_mb(r['save'][0]):>12} {r['save'][1]:>9.3f}"
+        if dcp:
+            line += f"  {_mb(r['dcp'][0]):>12} {r['dcp'][1]:>9.3f}"
+        if reshard:
+            b, p, s, _ = r["reshard"]
+            line += f"  {_mb(b):>12} {_mb(p):>12} {s:>9.3f}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def _same_tensors(saved: Path, size: str) -> bool:
+    """Whether the gather save holds exactly the demo model's tensors."""
+    import safetensors.torch
+
+    want = build(size).state_dict()
+    got = {}
+    for f in sorted(saved.glob("*.safetensors")):
+        got.update(safetensors.torch.load_file(str(f)))
+    return got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def _memory_words(method: str) -> str:
+    if method == "VmHWM":
+        how = ("the kernel's record of the most RAM the process held (VmHWM), reset at the start "
+               "of each step")
+    elif method == "sampled":
+        how = "RAM use sampled every 2 ms (a lower bound: a short spike can fall between samples)"
+    else:
+        how = "not measured on this system (no /proc), so it reads 0"
+    return (f"peak RSS: the most RAM each rank's process held during the step, above what it held "
+            f"just before; measured from {how}.")
+
+
 def run_demo(*, tp: int = 4, size: str = "small", keep: str | None = None) -> int:
-    """Run the demo on ``tp`` local gloo ranks; return 0 when every rank's forward matched."""
-    cfg = config_for(size)
-    if not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"--tp must be a positive int, got {tp!r}")
-    if cfg.heads % tp:
-        raise ValueError(f"--tp {tp} must divide the {cfg.heads} attention heads of the {size} model")
+    """Run the demo on ``tp`` local gloo ranks; return 0 when every forward matched."""
+    if size not in SIZES:
+        raise ValueError(f"unknown demo size {size!r}; choose one of {', '.join(SIZES)}")
+    if not isinstance(tp, int) or tp not in valid_degrees(size):
+        raise ValueError(f"--tp must divide the {config_for(size).heads} attention heads of the {size} "
+                         f"model: one of {', '.join(map(str, valid_degrees(size)))}; got {tp!r}")
     with tempfile.TemporaryDirectory(prefix="shardwise-demo-") as tmp:
-        folder = Path(keep) if keep else Path(tmp)
+        folder = Path(keep) if keep else Path(tmp) / "ckpt"
+        out = Path(keep).with_name(Path(keep).name + "-saved") if keep else Path(tmp) / "saved"
         model = build(size)
         params = sum(p.numel() for p in model.parameters())
         with torch.no_grad():
@@ -126,20 +214,39 @@ def run_demo(*, tp: int = 4, size: str = "small", keep: str | None = None) -> in
         print(f"shardwise demo: {size} transformer, {params / 1e6:.1f}M parameters (fp32), "
               f"checkpoint {_mb(total)} in {len(files)} files + index at {folder}"
               f"{'' if keep else ' (temporary)'}")
-        print(f"streaming it at degree {tp} on {tp} gloo ranks...\n")
-        rows = spawn(_rank, tp, args=(str(folder), [str(f) for f in files], size, reference), timeout=300)
+        print(f"streaming it at degree {tp} on {tp} gloo ranks, then saving it back...\n")
+        rows = spawn(_rank, tp, args=(str(folder), [str(f) for f in files], size, reference, str(out)),
+                     timeout=600)
+        same = _same_tensors(out / "full", size)
+        saved = sum(f.stat().st_size for f in (out / "full").glob("*.safetensors"))
+        parts = sorted((out / "dcp").glob("*.distcp"))
+        parts_mb = _mb(sum(f.stat().st_size for f in parts))
+    return _report(rows, tp, same=same, saved=saved, parts=(len(parts), parts_mb), out=out, keep=keep)
 
-    print(_table(rows))
+
+def _report(rows: list[dict], tp: int, *, same: bool, saved: int, parts: tuple[int, str], out: Path,
+            keep: str | None) -> int:
+    print(_load_table(rows))
     worst = max(r["max_diff"] for r in rows)
-    ok = worst <= _TOLERANCE
-    stream_mem = max(r["stream"][1] for r in rows)
-    whole_mem = max(r["whole"][1] for r in rows)
-    stream_s = max(r["stream"][2] for r in rows)
-    whole_s = max(r["whole"][2] for r in rows)
-    print(f"\npeak RSS is above each rank's level before the load ({rows[0]['rss_method']}); "
-          "load_file maps and copies every tensor of every file.")
+    stream_mem, whole_mem = max(r["stream"][1] for r in rows), max(r["whole"][1] for r in rows)
+    stream_s, whole_s = max(r["stream"][2] for r in rows), max(r["whole"][2] for r in rows)
+    print(f"\n{_memory_words(rows[0]['rss_method'])} load_file maps and copies every tensor of every file.")
     print(f"streaming vs load-then-shard: {_ratio(whole_mem, stream_mem, 'less', 'more')} peak memory "
           f"(largest rank), {_ratio(whole_s, stream_s, 'faster', 'slower')} (slowest rank)")
     print(f"forward check against one process: max |diff| = {worst:.2e} "
-          f"(tolerance {_TOLERANCE:g}): {'OK' if ok else 'FAILED'}")
+          f"(tolerance {_TOLERANCE:g}): {'OK' if worst <= _TOLERANCE else 'FAILED'}\n")
+    print(_save_table(rows, tp))
+    where = f" at {out}" if keep else ""
+    print(f"\ngather save: rank 0 wrote one ordinary safetensors checkpoint ({_mb(saved)}){where}, "
+          "one tensor at a time; the other ranks only sent their shards. Same tensors as the "
+          f"model: {'OK' if same else 'FAILED'}")
+    print(f"distributed save: each of the {tp} ranks wrote its own part, nothing gathered "
+          f"({parts[0]} files, {parts[1]})")
+    ok = worst <= _TOLERANCE and same
+    if "reshard" in rows[0]:
+        diff = max(r["reshard"][3] for r in rows)
+        ok = ok and diff <= _TOLERANCE
+        print(f"reshard: the tp={tp} distributed checkpoint loaded at tp={tp // 2} (2 replicas); each "
+              f"rank read only the chunks its tp={tp // 2} shard needs. Forward check: "
+              f"max |diff| = {diff:.2e}: {'OK' if diff <= _TOLERANCE else 'FAILED'}")
     return 0 if ok else 1

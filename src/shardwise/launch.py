@@ -25,7 +25,8 @@ from shardwise.errors import ShardwiseError
 
 # Ranks fork from a server that already imported torch: a rank starts in well under a
 # second instead of paying torch's import on each spawn (2 cores here).
-_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor.parallel", "shardwise"]
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor.parallel",
+            "shardwise"]
 
 
 class RankFailure(ShardwiseError, RuntimeError):

@@ -315,6 +315,15 @@ def _wire_dtensor(module: nn.Module, path: str, style: Style, state: ShardState)
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+    if type(module).forward in (nn.Linear.forward, nn.Embedding.forward):
+        # DTensor parameters, forward on their local shards with explicit (autograd-aware)
+        # collectives, as local holding computes: the same outputs and gradients, without
+        # DTensor dispatch, whose first call per op and shape costs milliseconds of Python
+        # (a model's first forward paid ~0.15 s of it). Subclasses keep torch's styles below.
+        _dtensor_params(module, path, state)
+        wire_local(module, style, state)
+        run_on_local_params(module)
+        return
     is_embedding = isinstance(module, nn.Embedding)
     if style.kind == "colwise":
         base = ColwiseParallel

@@ -32,3 +32,10 @@ def test_demo_tiny_tp2_keeps_its_checkpoint(tmp_path):
     files = sorted(p.name for p in keep.iterdir())
     assert "model.safetensors.index.json" in files
     assert sum(name.endswith(".safetensors") for name in files) >= 3
+    # the gather save, the distributed save and the reshard, each with its figures
+    assert re.search(r"^\s*rank\s+peak RSS\s+seconds\s+peak RSS\s+seconds\s+bytes read", out, re.M), out
+    assert "Same tensors as the model: OK" in out
+    assert re.search(r"reshard: the tp=2 distributed checkpoint loaded at tp=1 .*: OK", out), out
+    assert "peak RSS: the most RAM each rank's process held during the step" in out
+    saved = keep.with_name("ckpt-saved")
+    assert (saved / "full" / "model.safetensors").is_file() and any((saved / "dcp").glob("*.distcp"))

@@ -52,6 +52,8 @@ def _assert_same(folder: Path, original: Path, prefix: str = "model") -> None:
     """Every tensor of ``original`` is in ``folder`` with equal values and bytes."""
     ref = load_file(original)
     names = sorted(p.name for p in folder.iterdir())
+    assert "shardwise.json" in names  # the per-tensor checksums that sw.verify checks
+    names.remove("shardwise.json")
     index = folder / f"{prefix}.safetensors.index.json"
     if index.exists():
         content = json.loads(index.read_text())
@@ -268,10 +270,10 @@ def test_world_of_one_is_a_plain_streaming_saver(tmp_path):
     with safe_open(tmp_path / "empty" / first, framework="pt") as f:
         assert f.metadata() == {"format": "pt", "who": "test"}
     (tmp_path / "mixed").mkdir()
-    (tmp_path / "mixed" / "config.json").write_text("{}")
-    with pytest.raises(sw.CheckpointError, match="config.json"):
+    (tmp_path / "mixed" / "tokenizer.json").write_text("{}")  # config.json is part of a checkpoint
+    with pytest.raises(sw.CheckpointError, match="tokenizer.json"):
         sw.save(make_model(), tmp_path / "mixed", overwrite=True)  # never deletes foreign files
-    assert (tmp_path / "mixed" / "config.json").exists()
+    assert (tmp_path / "mixed" / "tokenizer.json").exists()
     assert _leftovers(tmp_path) == []
 
 

@@ -3,7 +3,8 @@
 Mixtral and Qwen3-MoE store one tensor per expert and projection where the module holds
 fused 3-D parameters; GPT-NeoX stores ``embed_out`` for ``lm_head``; DeepSeek-V2 mixes MLA
 attention, shared and routed experts, and its plan names ``q_b_proj``, which this
-configuration lacks (skipped); Qwen3-Next is hybrid (linear attention and full attention). Each loads with logits equal to one process, in
+configuration lacks (skipped); Qwen3-Next is hybrid (linear attention and full attention).
+``sw.save`` writes the hub layout back, byte-equal to ``save_pretrained``'s files. Each loads with logits equal to one process, in
 both holdings, and a rank reads about half of every expert's bytes.
 """
 
@@ -35,7 +36,7 @@ def _stored_keys(folder) -> dict[str, int]:
     return sizes
 
 
-def _load(kind: str, folder: str):
+def _load(kind: str, folder: str, saved: str):
     backend = sw.init_backend("gloo")
     want = hf_models.forward(hf_models.build_tiny(kind), kind)
     out = []
@@ -43,6 +44,7 @@ def _load(kind: str, folder: str):
         with sw.empty_model():
             model = hf_models.model_class(kind)._from_config(hf_models.KINDS[kind][2]())
         result = sw.load(model, folder, plan="auto", mesh=backend.mesh(tp=2), holding=holding)
+        sw.save(model, f"{saved}-{holding}", max_shard_size=hf_models.SHARD_SIZE)  # the hub layout back
         got = hf_models.forward(model.eval(), kind)
         assert got.shape == want.shape
         assert (got - want).abs().max() < 1e-4, (holding, (got - want).abs().max())
@@ -56,7 +58,12 @@ def test_hub_layout_loads_at_tp2_in_both_holdings(tmp_path, kind):
     stored = _stored_keys(folder)
     model_keys = set(hf_models.build_tiny(kind).state_dict())
     assert set(stored) != model_keys, "the checkpoint should be in its hub layout"
-    results = [r for rank in run_ranks(_load, 2, kind, str(folder)) for r in rank]
+    saved = tmp_path / "saved"
+    results = [r for rank in run_ranks(_load, 2, kind, str(folder), str(saved)) for r in rank]
+    for holding in ("dtensor", "local"):  # byte for byte what save_pretrained wrote
+        out = tmp_path / f"saved-{holding}"
+        for f in sorted(folder.iterdir()):
+            assert (out / f.name).read_bytes() == f.read_bytes(), (kind, holding, f.name)
     assert all(unexpected == () for _, unexpected, _ in results)
     if kind == "deepseek_v2":  # q_lora_rank=None: no q_b_proj in this configuration
         assert all(any("q_b_proj" in k for k in unused) for _, _, unused in results)

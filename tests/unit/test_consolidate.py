@@ -41,8 +41,9 @@ def test_byte_identical_to_gather_save(tmp_path, max_shard_size):
     out = sw.consolidate(tmp_path / "dcp", tmp_path / "merged", max_shard_size=max_shard_size)
     assert out == tmp_path / "merged"
     gathered, merged = _files(tmp_path / "gather"), _files(tmp_path / "merged")
-    assert list(merged) == list(gathered)
-    assert (len(merged) > 1) == (max_shard_size == 200)  # several files and an index, or one
+    assert list(merged) == list(gathered)  # shardwise.json with the checksums included
+    assert "shardwise.json" in merged
+    assert (len(merged) > 2) == (max_shard_size == 200)  # several files and an index, or one
     for name in gathered:
         assert merged[name] == gathered[name], name
     loaded = {}
@@ -59,12 +60,12 @@ def test_prefix_overwrite_and_refusals(tmp_path):
     model = Mixed()
     sw.save(model, tmp_path / "dcp", distributed=True)
     sw.consolidate(tmp_path / "dcp", tmp_path / "out", filename_prefix="weights", max_shard_size=300)
-    names = sorted(p.name for p in (tmp_path / "out").iterdir())
+    names = sorted(p.name for p in (tmp_path / "out").iterdir() if p.name != "shardwise.json")
     assert names[-1] == "weights.safetensors.index.json" and names[0].startswith("weights-00001-of-")
     with pytest.raises(CheckpointError, match="already exists"):
         sw.consolidate(tmp_path / "dcp", tmp_path / "out")
     sw.consolidate(tmp_path / "dcp", tmp_path / "out", overwrite=True)
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.safetensors", "shardwise.json"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # nothing left aside
 
     (tmp_path / "dcp" / ".metadata").unlink()

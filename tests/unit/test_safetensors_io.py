@@ -299,12 +299,65 @@ def test_truncated_files_are_refused(tmp_path):
         read_header(cut)
 
 
-def test_parse_header_accepts_gaps_and_empty_tensors():
+def test_parse_header_accepts_empty_tensors_tiling_the_data():
     raw = json.dumps({"a": {"dtype": "U8", "shape": [0], "data_offsets": [4, 4]},
+                      "c": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},
                       "b": {"dtype": "U8", "shape": [2], "data_offsets": [4, 6]}}).encode()
-    header = parse_header(raw, data_size=10, source="mem")
+    header = parse_header(raw, data_size=6, source="mem")
     assert header.entries["b"] == TensorEntry("b", "U8", (2,), 4, 6)
     assert header.data_start == 8 + len(raw)
+
+
+@pytest.mark.parametrize("offsets, data_size, fault", [
+    ({"a": [0, 2], "b": [4, 6]}, 6, "bytes [2, 4)"),       # a hole between tensors
+    ({"a": [2, 4], "b": [4, 6]}, 6, "bytes [0, 2)"),       # a hole at the start
+    ({"a": [0, 2], "b": [2, 4]}, 6, "2 trailing bytes"),   # bytes after the last tensor
+])
+def test_parse_header_refuses_data_not_tiled_exactly(offsets, data_size, fault):
+    raw = json.dumps({n: {"dtype": "U8", "shape": [2], "data_offsets": o} for n, o in offsets.items()})
+    with pytest.raises(CheckpointError, match=re.escape(fault)):
+        parse_header(raw.encode(), data_size=data_size, source="mem")
+
+
+def test_header_length_shortened_into_its_padding_is_refused(tmp_path):
+    # The length prefix moved back into the space padding shifts the data section: the JSON
+    # still parses, every offset still fits, and only the tiling check sees the fault.
+    path = tmp_path / "short.safetensors"
+    save_file({"w": torch.tensor([1.0, 2.0, 3.0, 4.0])}, path)
+    raw = bytearray(path.read_bytes())
+    n = int.from_bytes(raw[:8], "little")
+    assert raw[8 + n - 1:8 + n] == b" "  # the JSON ends in padding
+    raw[:8] = (n - 1).to_bytes(8, "little")
+    path.write_bytes(bytes(raw))
+    with pytest.raises(Exception):  # noqa: B017 - the reference reader refuses it too
+        load_file(path)
+    with raises_naming(path, "trailing bytes"):
+        read_header(path)
+
+
+def test_lone_surrogate_in_a_name_is_refused(tmp_path):
+    path = raw_file(tmp_path / "s.safetensors",
+                    b'{"w\\ud800":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}', b"\x01")
+    with raises_naming(path, "surrogate"):
+        read_header(path)
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text('{"weight_map": {"\\udfff": "s.safetensors"}}')
+    with raises_naming(index, "surrogate"):
+        resolve_checkpoint(index)
+
+
+def test_cli_inspect_prints_any_name_on_an_ascii_terminal(tmp_path, monkeypatch, capsys):
+    import io
+    import sys
+
+    from shardwise.cli import main
+
+    save_file({"poids_é_重み": torch.ones(2)}, tmp_path / "model.safetensors")
+    ascii_out = io.TextIOWrapper(io.BytesIO(), encoding="ascii")
+    monkeypatch.setattr(sys, "stdout", ascii_out)
+    assert main(["inspect", str(tmp_path)]) == 0
+    ascii_out.seek(0)
+    assert "poids_\\xe9_\\u91cd\\u307f" in ascii_out.read()
 
 
 # --- streaming writer ------------------------------------------------------------------------
@@ -362,6 +415,34 @@ def test_streaming_writer_any_order_loads_in_safetensors(tmp_path):
         assert all(same(f.get_tensor(k), v) for k, v in tensors.items())
     assert list(read_header(out).entries) == order
     assert [p.name for p in tmp_path.iterdir()] == ["any.safetensors"]
+
+
+def test_streaming_writer_checksums_what_it_writes(tmp_path):
+    import zlib
+
+    from shardwise.io.info import collect_checksums
+
+    tensors = {"big": torch.arange(600_000, dtype=torch.float32).reshape(600, 1000),  # helper thread
+               "col": torch.arange(12, dtype=torch.int64).reshape(3, 4).t(),          # not contiguous
+               "empty": torch.zeros(0, 3)}
+    path = tmp_path / "c.safetensors"
+    with collect_checksums() as sums:
+        with StreamingWriter(path, specs_of(tensors, list(tensors))) as w:
+            for name, t in tensors.items():
+                w.write(name, t)
+        unfinished = tmp_path / "x.safetensors"
+        with pytest.raises(RuntimeError), StreamingWriter(unfinished, [("z", "F32", (1,))]) as w:
+            w.write("z", torch.ones(1))
+            raise RuntimeError("a file that is not completed reports nothing")
+    data = path.read_bytes()
+    header = read_header(path)
+    for name, entry in header.entries.items():
+        raw = data[header.data_start + entry.start:header.data_start + entry.end]
+        assert w is not None and sums[name] == f"{zlib.crc32(raw):08x}", name
+    assert set(sums) == set(tensors)
+    with StreamingWriter(tmp_path / "n.safetensors", [("a", "F32", (1,))], checksums=False) as w:
+        w.write("a", torch.ones(1))
+    assert w.checksums == {}
 
 
 def test_streaming_writer_misuse(tmp_path):
@@ -473,6 +554,29 @@ def test_bad_index_is_refused_naming_the_index(tmp_path, weight_map, fault):
         resolve_checkpoint(index.parent)
 
 
+def test_index_naming_a_file_longer_than_the_os_allows_is_refused(tmp_path):
+    index = sharded_with_index(tmp_path, {"a": "x" * 5000 + ".safetensors"})
+    with raises_naming(index, "cannot be looked up"):
+        resolve_checkpoint(tmp_path)
+    with pytest.raises(CheckpointError, match="cannot read"):
+        resolve_checkpoint(tmp_path / ("y" * 5000))
+
+
+def test_index_symlinked_out_of_the_folder_is_refused(tmp_path):
+    elsewhere = sharded_with_index(tmp_path / "elsewhere", {"a": "model-00001-of-00002.safetensors",
+                                                            "b": "model-00002-of-00002.safetensors"})
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    for f in elsewhere.parent.glob("*.safetensors"):  # the shards are real files in the folder
+        (ckpt / f.name).write_bytes(f.read_bytes())
+    (ckpt / elsewhere.name).symlink_to(elsewhere)
+    with raises_naming(ckpt / elsewhere.name, "symlink", "outside"):
+        resolve_checkpoint(ckpt)
+    with raises_naming(ckpt / elsewhere.name, "symlink", "outside"):
+        resolve_checkpoint(ckpt / elsewhere.name)
+    assert resolve_checkpoint(elsewhere.parent).names == ["a", "b"]
+
+
 @pytest.mark.parametrize("content, fault", [
     ("not json", "not valid JSON"),
     ('{"weight_map": {"a": 1}}', "weight_map"),
@@ -559,16 +663,18 @@ def test_parse_size():
 def test_plan_files_and_index_json():
     specs = [("a", "F32", (100,)), ("b", "F32", (100,)), ("big", "F32", (1000,)), ("c", "BF16", (10,))]
     plan = plan_files(specs, "800B", "model")
+    # huggingface_hub's rule (save_pretrained's): an oversized tensor's file comes when the
+    # tensor is met, while the file being filled goes on (tests/hf compares with the hub).
     assert [(f, [s[0] for s in g]) for f, g in plan] == [
-        ("model-00001-of-00003.safetensors", ["a", "b"]),
-        ("model-00002-of-00003.safetensors", ["big"]),
+        ("model-00001-of-00003.safetensors", ["big"]),
+        ("model-00002-of-00003.safetensors", ["a", "b"]),
         ("model-00003-of-00003.safetensors", ["c"]),
     ]
     assert plan_files(specs, "1GB", "m") == [("m.safetensors", specs)]
     assert plan_files([], 10, "m") == [("m.safetensors", [])]
     index = index_json(plan, 4820, {"format": "pt"})
     assert index["metadata"] == {"total_size": 4820, "format": "pt"}
-    assert index["weight_map"] == {"a": plan[0][0], "b": plan[0][0], "big": plan[1][0], "c": plan[2][0]}
+    assert index["weight_map"] == {"a": plan[1][0], "b": plan[1][0], "big": plan[0][0], "c": plan[2][0]}
     with pytest.raises(CheckpointError, match="twice"):
         plan_files(specs + specs[:1], "1GB", "m")
     with pytest.raises(CheckpointError, match="prefix"):

@@ -91,6 +91,14 @@ def init_backend(name: str = "auto", *, timeout=None) -> Backend:
     MASTER_PORT); without it, the world is this one process. A second call returns
     the same backend; a call naming a different backend raises.
 
+    ``timeout`` (seconds, or a ``datetime.timedelta``; default ``None`` = 10 minutes,
+    ``shardwise.backends.base.DEFAULT_TIMEOUT``) bounds how long joining the process group
+    and every collective on it (shardwise's, and torch's in a sharded forward) may wait for
+    the other ranks before failing on that rank (shardwise raises ``CollectiveError``): a
+    peer that died or never came. ``sw.save`` waits at
+    most a minute of it for every rank to enter. Raise it for a slow first start (many
+    nodes), lower it in tests so that a lost rank fails fast.
+
     >>> import shardwise as sw
     >>> backend = sw.init_backend("gloo")   # doctest: +SKIP
     >>> backend.world_size                  # doctest: +SKIP

@@ -88,8 +88,13 @@ def mesh_axes(axes: dict, total: int, what: str) -> tuple[tuple[str, ...], tuple
         product *= s
     if product != total:
         desc = " x ".join(f"{a}={axes[a]}" for a in names)
+        hint = ""
+        if product > total and what == "the world size":
+            # The usual cause: a script started with `python`, a world of one process.
+            hint = (f"; launch with torchrun --nproc-per-node {product} script.py (one process "
+                    "per device), or")
         raise MeshError(
-            f"mesh {desc} has {product} devices but {what} is {total}; "
+            f"mesh {desc} has {product} devices but {what} is {total}{hint or ';'} "
             f"make the axis sizes multiply to {total}"
         )
     return names, shape

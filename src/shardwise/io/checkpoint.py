@@ -25,7 +25,10 @@ def _pickle_error(path: Path, *, index: Path | None = None) -> CheckpointError:
         f"{where}: {path.suffix} weights are pickles; shardwise reads only safetensors and never "
         "unpickles (loading a pickle can run arbitrary code). Convert once, from a source you trust: "
         f"sd = torch.load({path.name!r}, map_location='cpu', weights_only=True); "
-        "safetensors.torch.save_file({k: v.contiguous() for k, v in sd.items()}, 'model.safetensors')"
+        "safetensors.torch.save_file({k: v.clone(memory_format=torch.contiguous_format) for k, v in "
+        "sd.items()}, 'model.safetensors')  (the copies matter: tied weights share memory, which "
+        "save_file refuses). Or, with the model built: model.load_state_dict(sd); "
+        "safetensors.torch.save_model(model, 'model.safetensors')  (writes each tied weight once)"
     )
 
 
@@ -70,7 +73,7 @@ def _hub_blobs(root: Path) -> Path | None:
     return None
 
 
-def _check_inside(root: Path, path: Path, *, source: Path) -> None:
+def check_inside(root: Path, path: Path, *, source: Path) -> None:
     # A symlink may not lead out of the folder, except into the blob store of a
     # huggingface_hub cache, whose snapshots are symlinks into ../../blobs.
     target, real_root = path.resolve(), root.resolve()
@@ -98,16 +101,22 @@ def _shard_path(root: Path, fname: str, *, index: Path) -> Path:
         raise _pickle_error(path, index=index)
     if not fname.endswith(".safetensors"):
         raise CheckpointError(f"{index}: weight_map names {fname!r}, which is not a .safetensors file")
-    if not path.is_file():
+    try:
+        regular = path.is_file()  # raises, not False, for a name over the OS's length limit
+    except OSError as e:
+        raise CheckpointError(f"{index}: weight_map names the file {fname!r:.200}, which cannot be "
+                              f"looked up ({e.strerror}); the index is corrupt") from None
+    if not regular:
         raise CheckpointError(
             f"{index}: weight_map names {fname!r}, but {path} does not exist or is not a regular file"
         )
-    _check_inside(root, path, source=index)
+    check_inside(root, path, source=index)
     return path
 
 
 def _from_index(index: Path) -> Checkpoint:
     root = index.parent
+    check_inside(root, index, source=index)
     fd = _open_regular(index)
     try:
         size = os.fstat(fd).st_size
@@ -161,7 +170,7 @@ def _resolve_dir(root: Path) -> Checkpoint:
             f"*{INDEX_SUFFIX}; pass one file, or add an index naming which file holds each tensor"
         )
     if files:
-        _check_inside(root, files[0], source=root)
+        check_inside(root, files[0], source=root)
         return _single(files[0])
     pickles = sorted(p for p in root.iterdir() if p.suffix in _PICKLE_SUFFIXES and p.is_file())
     if pickles:
@@ -180,6 +189,14 @@ def resolve_checkpoint(path: str | os.PathLike) -> Checkpoint:
     (PosixPath('ckpt/model-00001-of-00002.safetensors'), TensorEntry(...))
     """
     path = Path(path)
+    try:
+        return _resolve(path)
+    except OSError as e:  # a name too long, a permission, an I/O error: name the file
+        where = e.filename if e.filename is not None else path
+        raise CheckpointError(f"{path}: cannot read the checkpoint: {where}: {e.strerror or e}") from e
+
+
+def _resolve(path: Path) -> Checkpoint:
     if not path.exists():
         raise CheckpointError(f"{path}: no such checkpoint file or folder")
     if path.is_dir():
@@ -195,3 +212,6 @@ def resolve_checkpoint(path: str | os.PathLike) -> Checkpoint:
     )
 
 
+
+
+__all__ = ["Checkpoint", "check_inside", "resolve_checkpoint"]

@@ -8,14 +8,13 @@ stays near one tensor. Every dtype works, integer and bool included. The files a
 aside and moved into place like ``sw.save``.
 
 Each chunk's bytes are read straight into the tensor being assembled
-(:func:`shardwise.io.dcp_metadata.read_chunk_into`) rather than unpickled into a new tensor
+(:func:`shardwise.io.dcp_chunks.read_chunk_into`) rather than unpickled into a new tensor
 and copied, as ``dcp.load`` does; that copy was a third of the time. A checkpoint written
 with storage transforms (DCP's experimental extensions) goes through ``dcp.load``.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from pathlib import Path
@@ -27,24 +26,18 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from shardwise.core.header import dtype_to_str, spec_nbytes
 from shardwise.core.spec import Region
 from shardwise.errors import CheckpointError
-from shardwise.io.dcp_metadata import MetadataReader, read_chunk_into, read_metadata
+from shardwise.io.dcp_chunks import MetadataReader, read_chunk_into
+from shardwise.io.dcp_metadata import read_metadata
+from shardwise.io.info import gather_info, read_info, write_info
 from shardwise.io.safetensors_io import INDEX_SUFFIX, StreamingWriter, index_json, plan_files
+from shardwise.io.side_files import copy_side_files
 
 
 def _user_metadata(src: Path) -> dict[str, str]:
     """The ``metadata`` the distributed save recorded in ``shardwise.json``, so the headers
-    match a gather save given the same metadata; {} for a checkpoint shardwise did not write."""
-    from shardwise.io.dcp import INFO_FILE
-
-    try:
-        with open(src / INFO_FILE) as f:
-            meta = json.load(f).get("metadata") or {}
-    except (OSError, ValueError, AttributeError):
-        return {}
-    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                             for k, v in meta.items()):
-        return {}
-    return meta
+    match a gather save given the same metadata; {} for a checkpoint shardwise did not write.
+    A ``shardwise.json`` that is not a valid one is a ``CheckpointError`` (``read_info``)."""
+    return dict((read_info(src) or {}).get("metadata") or {})
 
 
 def consolidation_plan(src, *, max_shard_size: int | str = "5GB", filename_prefix: str = "model"):
@@ -71,7 +64,8 @@ def consolidation_plan(src, *, max_shard_size: int | str = "5GB", filename_prefi
     index = None
     if len(file_plan) > 1:
         total = sum(spec_nbytes(d, s) for _, d, s in specs)
-        index = (filename_prefix + INDEX_SUFFIX, index_json(file_plan, total, dict(user)))
+        recorded = dict((read_info(src) or {}).get("index_metadata") or {})  # total_parameters
+        index = (filename_prefix + INDEX_SUFFIX, index_json(file_plan, total, {**user, **recorded}))
     return metadata, file_plan, index, header_metadata(user)
 
 
@@ -100,7 +94,7 @@ class _ChunkReader:
         for chunk, info in zip(md.chunks, infos, strict=True):
             box = out[Region(tuple(chunk.offsets), tuple(chunk.sizes)).slices()]
             read_chunk_into(self._file(str(info.relative_path)), info, (0,) * len(chunk.sizes),
-                            tuple(chunk.sizes), box)
+                            tuple(chunk.sizes), box, dtype=md.properties.dtype, sizes=tuple(chunk.sizes))
         return out
 
     def close(self) -> None:
@@ -121,8 +115,15 @@ def consolidate(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_siz
 
     >>> sw.consolidate("out/dcp", "out/merged", max_shard_size="2GB")   # doctest: +SKIP
     """
+    from shardwise.io.hf_dcp import is_sharded_safetensors
     from shardwise.io.target import Destination, target_path
 
+    if is_sharded_safetensors(src):  # torch's / transformers' rank-local safetensors: no pickle
+        from shardwise.io.hf_dcp_read import consolidate_sharded
+
+        return consolidate_sharded(src, dst, max_shard_size=max_shard_size,
+                                   filename_prefix=filename_prefix, overwrite=overwrite)
+    _refuse_plain_safetensors(Path(src))
     metadata, file_plan, index, header = consolidation_plan(
         src, max_shard_size=max_shard_size, filename_prefix=filename_prefix)
     reader = _ChunkReader(Path(src), metadata)
@@ -133,16 +134,33 @@ def consolidate(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_siz
     torch.set_num_threads(1)
     try:
         dest.prepare()
+        checksums: dict[str, str] = {}
         for fname, group in file_plan:
             with StreamingWriter(dest.tmp / fname, group, metadata=header) as writer:
                 for name, _, _ in group:
                     writer.write(name, reader.tensor(name))
+            checksums.update(writer.checksums)
+        write_info(dest.tmp, gather_info(checksums, [s for _, group in file_plan for s in group]))
+        copy_side_files(Path(src), dest.tmp)  # a Hugging Face model's config.json & co
         dest.commit(index)
     finally:
         torch.set_num_threads(threads)
         reader.close()
         dest.discard()
     return dest.target
+
+
+def _refuse_plain_safetensors(src: Path) -> None:
+    """An ordinary safetensors checkpoint (no DCP ``.metadata``) has nothing to consolidate."""
+    if (src / ".metadata").is_file():
+        return
+    files = [src] if src.suffix == ".safetensors" and src.is_file() else (
+        sorted(src.glob("*.safetensors")) if src.is_dir() else [])
+    if files:
+        raise CheckpointError(
+            f"{src} is already a safetensors checkpoint ({len(files)} .safetensors file(s), no DCP "
+            ".metadata): consolidate turns a distributed checkpoint into one, so there is nothing to "
+            "do; load or copy it as it is (sw.load, from_pretrained), or `shardwise inspect` it")
 
 
 __all__ = ["consolidate", "consolidation_plan"]

@@ -17,8 +17,6 @@ classes, but loading a DCP checkpoint still trusts its source.
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -34,11 +32,13 @@ from shardwise.core.header import dtype_to_str
 from shardwise.core.plan import ResolvedPlan, plan_summary
 from shardwise.core.spec import local_layout, local_shape, split
 from shardwise.errors import CheckpointError
-from shardwise.io.dcp_items import CanonicalLoadPlanner, CanonicalSavePlanner, Placed, place
-from shardwise.io.dcp_metadata import MetadataReader, check_tensors, read_metadata
+from shardwise.io.dcp_chunks import MetadataReader
+from shardwise.io.dcp_coord import collective, dcp_error, gather_checksums
+from shardwise.io.dcp_items import CanonicalLoadPlanner, CanonicalSavePlanner, HashingWriter, Placed, place
+from shardwise.io.dcp_metadata import check_tensors, read_metadata
+from shardwise.io.info import INFO_FILE, write_info
 from shardwise.parallel import get_shard_state, install, tp_axis
 
-INFO_FILE = "shardwise.json"
 INFO_FORMAT = "shardwise-dcp"
 
 
@@ -65,6 +65,7 @@ def checkpoint_info(model: nn.Module, placed: Mapping[str, Placed], *, kind: str
                     metadata: Mapping | None = None) -> dict:
     """The informational ``shardwise.json`` content for a save of ``model``."""
     import shardwise
+    from shardwise.io.side_files import index_metadata
 
     state = get_shard_state(model)
     mesh = state.mesh if state is not None else next(
@@ -87,6 +88,9 @@ def checkpoint_info(model: nn.Module, placed: Mapping[str, Placed], *, kind: str
         "tensors": {n: {"dtype": dtype_to_str(p.local.dtype), "shape": list(p.shape)}
                     for n, p in placed.items()},
         "metadata": dict(metadata or {}),
+        # what sw.save's index metadata would carry (total_parameters), for sw.consolidate
+        "index_metadata": index_metadata(model, {n: tuple(p.shape) for n, p in placed.items()})
+        if kind == "model" else {},
     }
 
 
@@ -107,17 +111,8 @@ def _on_rank0(fn: Callable[[], object], what: str, *, share: bool = False):
 
     agree(world_backend(), capture(run) if _rank() == 0 else None, what=what)
     if share and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(result, src=0, group=coordination_group())
+        collective(what, lambda: dist.broadcast_object_list(result, src=0, group=coordination_group()))
     return result[0]
-
-
-def _write_info(folder: Path, info: dict) -> None:
-    tmp = folder / (INFO_FILE + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(info, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, folder / INFO_FILE)
 
 
 _ASYNC_GROUP: dict = {}
@@ -191,18 +186,25 @@ def write_checkpoint(path, state_dict: dict, placed: Mapping[str, Placed], info:
         dest.prepare()
         return str(dest.tmp)
 
-    tmp = Path(_on_rank0(prepare, f"preparing a distributed save to {target}", share=True))
+    try:  # a peer that dies before the data is written must not strand rank 0's folder
+        tmp = Path(_on_rank0(prepare, f"preparing a distributed save to {target}", share=True))
+    except BaseException:
+        if dest is not None:
+            dest.discard()
+        raise
     planner = planner or CanonicalSavePlanner(placed)
-    writer = dcp.FileSystemWriter(tmp)
+    writer = HashingWriter(tmp)
     no_dist = not dist.is_initialized()
+    what = f"moving the distributed save into {target}"
 
-    def commit():
-        _write_info(dest.tmp, info)
+    def commit(checksums):
+        write_info(dest.tmp, {**info, "checksums": checksums})
         dest.commit(None)
 
     def finish():
         try:
-            _on_rank0(commit, f"moving the distributed save into {target}")
+            checksums = gather_checksums(writer, what)
+            _on_rank0(lambda: commit(checksums), what)
         finally:
             if dest is not None:
                 dest.discard()
@@ -265,8 +267,11 @@ def read_checkpoint(path, metadata, state_dict: dict, placed: Mapping[str, Place
     """Fill ``state_dict`` (the ``placed`` local tensors in place; other values replaced)
     from the checkpoint; every rank calls it. Returns the bytes this rank read."""
     reader = MetadataReader(path, metadata)
-    dcp.load(state_dict, storage_reader=reader, planner=CanonicalLoadPlanner(placed),
-             no_dist=not dist.is_initialized(), process_group=coordination_group())
+    try:
+        dcp.load(state_dict, storage_reader=reader, planner=CanonicalLoadPlanner(placed),
+                 no_dist=not dist.is_initialized(), process_group=coordination_group())
+    except (Exception, CheckpointException) as e:  # a corrupt chunk, or a rank that died
+        raise dcp_error(path, e, "reading the distributed checkpoint") from e
     return reader.bytes_read
 
 
@@ -323,5 +328,5 @@ def stored_name(name: str, specs: ResolvedPlan, stored) -> str:
     return next((a for a, kept in specs.aliases.items() if kept == name and a in stored), name)
 
 
-__all__ = ["AsyncSave", "INFO_FILE", "checkpoint_info", "load_dcp", "model_placed", "read_checkpoint",
-           "save_dcp", "write_checkpoint"]
+__all__ = ["AsyncSave", "INFO_FILE", "checkpoint_info", "load_dcp", "model_placed",
+           "read_checkpoint", "save_dcp", "write_checkpoint"]

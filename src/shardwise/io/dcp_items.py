@@ -14,6 +14,8 @@ resharding between the saved chunks and ours. Nothing is gathered.
 from __future__ import annotations
 
 import io
+import threading
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -21,6 +23,7 @@ import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import (
@@ -31,6 +34,7 @@ from torch.distributed.checkpoint.planner_helpers import (
 
 from shardwise.core.spec import Layout, Region, ShardSpec, chunk_layout, local_layout
 from shardwise.errors import CheckpointError
+from shardwise.io.info import Hasher, chunk_key
 
 
 @dataclass(frozen=True)
@@ -238,3 +242,63 @@ class CanonicalLoadPlanner(DefaultLoadPlanner):
             raise CheckpointError(f"checkpoint value {fqn!r} is not a plain value "
                                   f"(weights_only load failed: {e})") from e
         set_element(self.original_state_dict, self.mappings[fqn], obj)
+
+
+class _HashingPlanner:
+    """A save planner seen through :class:`HashingWriter`: ``resolve_data`` also starts the
+    checksum of each tensor it hands to the writer. Everything else is the planner's own."""
+
+    def __init__(self, planner, writer: HashingWriter):
+        self._planner, self._writer = planner, writer
+
+    def __getattr__(self, name):
+        return getattr(self._planner, name)
+
+    def resolve_data(self, write_item):
+        data = self._planner.resolve_data(write_item)
+        if isinstance(data, torch.Tensor):
+            if data.device.type != "cpu":  # one copy to the host, hashed and written from there
+                data = data.detach().cpu()
+            self._writer.hash(write_item.index, data)
+        return data
+
+
+class HashingWriter(FileSystemWriter):
+    """DCP's file writer that also records the CRC-32 of every chunk it writes, computed on
+    a helper thread while torch.save writes the same bytes (``shardwise.io.info``).
+
+    :attr:`checksums` (``{tensor name: {chunk_key(offsets): checksum}}``) is complete once
+    ``write_data`` has returned. At most a few checksums are in flight at a time, each
+    holding its tensor alive: the writer must not keep every resolved chunk (an SPMD save
+    resolves host copies) until the end.
+    """
+
+    _IN_FLIGHT = 2
+
+    def __init__(self, path, **kwargs):
+        super().__init__(path, **kwargs)
+        self.checksums: dict[str, dict[str, str]] = {}
+        self._lock = threading.Lock()
+        self._pending: deque = deque()
+        self._hasher = Hasher()
+
+    def hash(self, index, data: torch.Tensor) -> None:
+        # A non-contiguous chunk is copied to C order on the helper thread, not here.
+        handle = self._hasher.submit_tensor(data)
+        with self._lock:
+            self._pending.append((index, handle, data))
+            while len(self._pending) > self._IN_FLIGHT:
+                self._settle(self._pending.popleft())
+
+    def _settle(self, entry) -> None:
+        index, handle, _ = entry
+        self.checksums.setdefault(index.fqn, {})[chunk_key(index.offset)] = Hasher.result(handle)
+
+    def write_data(self, plan, planner):
+        try:
+            return super().write_data(plan, _HashingPlanner(planner, self))
+        finally:
+            with self._lock:
+                while self._pending:
+                    self._settle(self._pending.popleft())
+            self._hasher.close()

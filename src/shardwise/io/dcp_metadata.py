@@ -9,18 +9,16 @@ finished: "incomplete checkpoint".
 
 from __future__ import annotations
 
-import io
 import math
 import pickle
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from shardwise.errors import CheckpointError
-from shardwise.io.safetensors_io import byte_view
+from shardwise.io.checkpoint import check_inside
 
 METADATA_FILE = ".metadata"
 
@@ -57,7 +55,9 @@ def read_metadata(path: str | Path) -> Metadata:
     """The DCP ``Metadata`` of the checkpoint folder ``path``, after checking it is complete.
 
     Raises ``CheckpointError`` ("incomplete checkpoint") when ``.metadata`` is missing or
-    unreadable, or when a data file it names is missing or shorter than the bytes it lists.
+    unreadable, or when a data file it names is missing or shorter than the bytes it lists;
+    and when a file is a symlink out of the folder or the chunks do not tile a tensor
+    exactly (:func:`check_chunks`).
     """
     path = Path(path)
     if not path.is_dir():
@@ -72,6 +72,7 @@ def read_metadata(path: str | Path) -> Metadata:
             f"{path}: incomplete checkpoint: no {METADATA_FILE}{hint}. A DCP save writes it last, "
             "so the save that wrote this folder never finished (or this is not a DCP checkpoint); "
             "save again or load an earlier checkpoint")
+    check_inside(path, meta, source=meta)
     try:
         with open(meta, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
@@ -79,9 +80,18 @@ def read_metadata(path: str | Path) -> Metadata:
         raise CheckpointError(f"{meta}: {e}") from e
     except Exception as e:
         raise CheckpointError(f"{meta}: incomplete checkpoint: the metadata cannot be read ({e})") from e
-    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
+    # getattr: a flipped byte in the pickle can rename an attribute
+    if (not isinstance(metadata, Metadata) or not isinstance(getattr(metadata, "storage_data", None), dict)
+            or not isinstance(getattr(metadata, "state_dict_metadata", None), dict)):
         raise CheckpointError(f"{meta}: not a DCP metadata file ({type(metadata).__name__})")
-    _check_files(path, metadata)
+    try:
+        _check_files(path, metadata)
+        check_chunks(path, metadata)
+    except (AttributeError, TypeError, ValueError, KeyError, IndexError, OverflowError) as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"{meta}: the metadata is malformed ({type(e).__name__}: {e}); the "
+                              "file is corrupt or was not written by torch.distributed.checkpoint") from e
     return metadata
 
 
@@ -89,115 +99,95 @@ def _check_files(path: Path, metadata: Metadata) -> None:
     need: dict[str, int] = {}
     for info in metadata.storage_data.values():
         rel = str(info.relative_path)
-        if not rel or "/" in rel or "\\" in rel or rel in (".", ".."):
+        if not rel or "/" in rel or "\\" in rel or "\0" in rel or rel in (".", ".."):
             raise CheckpointError(f"{path}: the metadata names data file {rel!r}, outside the folder")
+        if not (_is_int(info.offset) and _is_int(info.length) and info.offset >= 0 and info.length >= 0):
+            raise CheckpointError(f"{path}: the metadata gives data file {rel!r} the byte range "
+                                  f"offset={info.offset!r} length={info.length!r}; the file is corrupt")
         need[rel] = max(need.get(rel, 0), info.offset + info.length)
     bad = []
     for rel, size in sorted(need.items()):
         f = path / rel
-        if not f.is_file():
+        try:
+            regular = f.is_file()
+        except OSError as e:  # a name over the OS's length limit
+            raise CheckpointError(f"{path}: the metadata names data file {rel!r:.200}, which cannot "
+                                  f"be looked up ({e.strerror})") from None
+        if not regular:
             bad.append(f"{rel} is missing")
-        elif f.stat().st_size < size:
+            continue
+        check_inside(path, f, source=path / METADATA_FILE)
+        if f.stat().st_size < size:
             bad.append(f"{rel} has {f.stat().st_size} bytes, fewer than the {size} listed")
     if bad:
         raise CheckpointError(f"{path}: incomplete checkpoint: {'; '.join(bad[:5])}"
                               f"{' ...' if len(bad) > 5 else ''}; save again or load an earlier checkpoint")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_chunks(path: Path, metadata: Metadata) -> None:
+    """Every tensor of the checkpoint is tiled exactly once by its chunks, before any read.
+
+    Each chunk lies inside its tensor, has a stored blob at least as large as its bytes
+    (so no size in the metadata can ask for more memory than the data files hold), and no
+    two chunks overlap; their volumes add up to the tensor's. Raises ``CheckpointError``
+    naming the tensor and the chunk.
+    """
+    storage = metadata.storage_data
     for fqn, md in metadata.state_dict_metadata.items():
-        if isinstance(md, TensorStorageMetadata):
-            volume = sum(math.prod(c.sizes) for c in md.chunks)
-            if volume != math.prod(md.size):
-                raise CheckpointError(f"{path}: tensor {fqn!r} of shape {tuple(md.size)} is not covered "
-                                      f"by its chunks ({volume} of {math.prod(md.size)} elements)")
+        if not isinstance(md, TensorStorageMetadata):
+            if MetadataIndex(fqn) not in storage:
+                raise CheckpointError(f"{path}: value {fqn!r} has no stored data in the metadata")
+            continue
+        where = f"{path}: tensor {fqn!r}"
+        dtype, size = md.properties.dtype, tuple(md.size)
+        if not isinstance(dtype, torch.dtype):
+            raise CheckpointError(f"{where}: dtype {dtype!r} is not a torch dtype")
+        if not all(_is_int(d) and d >= 0 for d in size):
+            raise CheckpointError(f"{where}: shape {size!r} must be non-negative ints")
+        boxes, volume = [], 0
+        for c in md.chunks:
+            off, sz = tuple(c.offsets), tuple(c.sizes)
+            if not (len(off) == len(sz) == len(size) and all(_is_int(x) and x >= 0 for x in off + sz)):
+                raise CheckpointError(f"{where}: chunk offsets {off} / sizes {sz} do not fit shape {size}")
+            if any(o + n > d for o, n, d in zip(off, sz, size, strict=True)):
+                raise CheckpointError(f"{where}: chunk at {off} of sizes {sz} reaches outside shape {size}")
+            info = storage.get(MetadataIndex(fqn, off))
+            if info is None:
+                raise CheckpointError(f"{where}: the chunk at {off} has no stored data in the metadata")
+            nbytes = math.prod(sz) * dtype.itemsize
+            if nbytes > info.length:
+                raise CheckpointError(f"{where}: the chunk at {off} of sizes {sz} needs {nbytes} bytes "
+                                      f"but its stored data is {info.length} bytes; the metadata is corrupt")
+            volume += math.prod(sz)
+            boxes.append((off, sz))
+        if volume != math.prod(size):
+            raise CheckpointError(f"{where} of shape {size} is not covered by its chunks "
+                                  f"({volume} of {math.prod(size)} elements)")
+        _check_disjoint(where, boxes)
 
 
-def read_chunk_into(f, info, offsets, lengths, dest: torch.Tensor) -> int:
-    """Copy the box (``offsets``, ``lengths``) of the saved chunk ``info`` (a DCP
-    ``_StorageInfo``: a torch.save blob at ``info.offset`` in the open file ``f``) into
-    ``dest``; return the bytes read from the file.
-
-    DCP's reader unpickles every saved chunk whole into a new tensor and then copies the
-    part it needs: under resharding each rank holds a transient copy of chunks bigger than
-    its share, and the allocator keeps that memory. Here the blob is opened on the meta
-    device (``weights_only``: its layout and where its bytes start, no data read), and only
-    the byte runs of the box are read, straight into ``dest`` when it is contiguous on the
-    CPU in the saved dtype (else through a buffer the size of the box). A chunk stored in a
-    layout other than a plain contiguous one is read whole, as DCP does.
-    """
-    from torch.distributed.checkpoint.utils import _create_file_view
-
-    from shardwise.core.header import region_runs
-    from shardwise.io.safetensors_io import _pread_into
-
-    where = f"{getattr(f, 'name', '?')}: a chunk at byte {info.offset}"
-    try:
-        meta = torch.load(_create_file_view(f, info.offset, info.length), map_location="meta",
-                          weights_only=True)
-    except Exception as e:
-        raise CheckpointError(f"{where} cannot be read ({e})") from e
-    record = getattr(meta.untyped_storage(), "_checkpoint_offset", None)
-    if record is None or not meta.is_contiguous():
-        whole = torch.load(_create_file_view(f, info.offset, info.length), map_location="cpu",
-                           weights_only=True)
-        dest.copy_(whole[tuple(slice(o, o + n) for o, n in zip(offsets, lengths, strict=True))])
-        return info.length
-    if tuple(dest.shape) != tuple(lengths):
-        raise CheckpointError(f"{where} gives a {tuple(lengths)} box for a {tuple(dest.shape)} destination")
-    direct = dest.is_contiguous() and dest.dtype == meta.dtype and dest.device.type == "cpu"
-    out = dest if direct else torch.empty(tuple(lengths), dtype=meta.dtype)
-    base = info.offset + record + meta.storage_offset() * meta.element_size()
-    runs = region_runs(tuple(meta.shape), meta.element_size(), tuple(offsets), tuple(lengths))
-    buf = byte_view(out.detach())
-    pos = 0
-    for start, length in runs:
-        _pread_into(f.fileno(), buf[pos:pos + length], base + start, what=where)
-        pos += length
-    if not direct:
-        dest.copy_(out)
-    return pos
-
-
-class MetadataReader(FileSystemReader):
-    """A ``FileSystemReader`` that serves metadata already read (and checked) by
-    :func:`read_metadata` instead of unpickling ``.metadata`` again, and that reads only
-    the bytes each rank needs (:func:`read_chunk_into`) straight into its tensors.
-    ``bytes_read`` counts them. Storage transforms (DCP's experimental extensions) go
-    through DCP's own reader.
-    """
-
-    def __init__(self, path: str | Path, metadata: Metadata):
-        super().__init__(path)
-        self._metadata = metadata
-        self.bytes_read = 0
-
-    def read_metadata(self, *args, **kwargs) -> Metadata:
-        return self._metadata
-
-    def read_data(self, plan, planner):
-        from torch.distributed.checkpoint.planner import LoadItemType
-        from torch.distributed.checkpoint.utils import _create_file_view
-
-        infos = {item.storage_index: self.storage_data[item.storage_index] for item in plan.items}
-        if any(getattr(i, "transform_descriptors", None) for i in infos.values()):
-            self.bytes_read += sum(i.length for i in infos.values())
-            return super().read_data(plan, planner)
-        by_file: dict[str, list] = {}
-        for item in plan.items:
-            by_file.setdefault(str(infos[item.storage_index].relative_path), []).append(item)
-        for rel, items in by_file.items():
-            with open(Path(self.path) / rel, "rb") as f:
-                for item in items:
-                    info = infos[item.storage_index]
-                    if item.type == LoadItemType.BYTE_IO:
-                        data = _create_file_view(f, info.offset, info.length).read()
-                        self.bytes_read += len(data)
-                        planner.load_bytes(item, io.BytesIO(data))
-                        continue
-                    target = planner.resolve_tensor(item).detach()
-                    self.bytes_read += read_chunk_into(f, info, item.storage_offsets, item.lengths, target)
-                    planner.commit_tensor(item, target)
-        done = torch.futures.Future()
-        done.set_result(None)
-        return done
+def _check_disjoint(where: str, boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> None:
+    """Raise if two boxes overlap: a sweep along the dim whose chunk starts differ most, so
+    that row, column and block splits all compare each chunk with its few neighbours only."""
+    boxes = [b for b in boxes if 0 not in b[1]]
+    if len(boxes) < 2 or not boxes[0][0]:
+        if len(boxes) > 1:  # several chunks of a 0-d tensor
+            raise CheckpointError(f"{where}: a 0-d tensor has {len(boxes)} chunks")
+        return
+    ndim = len(boxes[0][0])
+    d = max(range(ndim), key=lambda i: len({off[i] for off, _ in boxes}))
+    active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for off, sz in sorted(boxes, key=lambda b: b[0][d]):
+        active = [a for a in active if a[0][d] + a[1][d] > off[d]]
+        for aoff, asz in active:
+            if all(ao < o + n and o < ao + an for ao, an, o, n in zip(aoff, asz, off, sz, strict=True)):
+                raise CheckpointError(f"{where}: chunks at {aoff} (sizes {asz}) and {off} (sizes {sz}) "
+                                      "overlap; the metadata is corrupt")
+        active.append((off, sz))
 
 
 def check_tensors(path, metadata: Metadata, wanted: Mapping[str, tuple[int, ...]], *,

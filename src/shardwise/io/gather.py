@@ -254,6 +254,9 @@ class FileGatherer:
                     self.axes[axis] = (group, 0 in mesh.mesh.flatten().tolist())
         self._buffer: torch.Tensor | None = None
         self._receive: list[torch.Tensor] | None = None
+        self.parts: dict = {}  # stored name -> StoredPart, for a hub-layout save
+        self._held: dict[str, torch.Tensor | None] = {}
+        self._left: dict[str, int] = {}
 
     def _assembly_buffer(self, item: SaveItem) -> torch.Tensor | None:
         """One buffer, as large as the largest gathered tensor, that every tensor is built in
@@ -274,7 +277,9 @@ class FileGatherer:
 
     def write_file(self, path: Path | None, group, bar) -> Exception | None:
         """Gather and write one file's tensors; return rank 0's first failure (then keep joining
-        the gathers, so that no peer waits), None elsewhere."""
+        the gathers, so that no peer waits), None elsewhere. With ``self.parts`` (a hub
+        layout) a name may be a box of a model tensor: that tensor is gathered once, when
+        its first box is written, and kept on rank 0 until its last."""
         error, writer = None, None
         if self.rank == 0:
             try:
@@ -282,32 +287,47 @@ class FileGatherer:
             except Exception as e:
                 error = e
         try:
-            for name, _, _ in group:
-                item = self.items[name]
-                full = None
-                group, gathers = self.axes.get(item.spec.axis, (None, False))
-                if item.gathered and gathers:  # after a failure too: peers must not wait
-                    full = gather_to_rank0(self.backend, item.local, item.spec, item.degree, group,
-                                           item.shape, keep=writer is not None,
-                                           buffer=self._assembly_buffer(item) if writer else None,
-                                           receive=self._receive_buffers(item) if self.rank == 0 else None)
-                elif writer is not None:
-                    full = item.local
+            for name, _, shape in group:
+                part = self.parts.get(name)
+                item = self.items[part.model_name if part is not None else name]
+                data = self._full(item, writer) if part is None else self._part(part, item, writer)
                 if writer is not None:
                     try:
-                        writer.write(name, full if full.device.type == "cpu" else full.cpu())
+                        writer.write(name, data if data.device.type == "cpu" else data.cpu())
                     except Exception as e:
                         error = e
                         writer.abort()
                         writer = None
-                del full
-                bar(item.nbytes)
+                del data
+                bar(item.nbytes if part is None else math.prod(shape) * item.local.element_size())
             if writer is not None:
                 error = capture(writer.close)
         finally:
             if writer is not None:
                 writer.abort()  # a no-op after close()
         return error
+
+    def _full(self, item: SaveItem, writer) -> torch.Tensor | None:
+        """The canonical tensor on rank 0 (None elsewhere); every rank of its group joins."""
+        pg, gathers = self.axes.get(item.spec.axis, (None, False))
+        if item.gathered and gathers:  # after a failure too: peers must not wait
+            return gather_to_rank0(self.backend, item.local, item.spec, item.degree, pg,
+                                   item.shape, keep=writer is not None,
+                                   buffer=self._assembly_buffer(item) if writer else None,
+                                   receive=self._receive_buffers(item) if self.rank == 0 else None)
+        return item.local if writer is not None else None
+
+    def _part(self, part, item: SaveItem, writer) -> torch.Tensor | None:
+        left = self._left.setdefault(item.name, sum(p.model_name == item.name for p in self.parts.values()))
+        if item.name not in self._held:
+            full = self._full(item, writer)
+            # the assembly buffer is reused by the next gather: keep a copy while boxes remain
+            self._held[item.name] = full.clone() if full is not None and left > 1 else full
+        full = self._held[item.name]
+        self._left[item.name] = left - 1
+        if left == 1:
+            del self._held[item.name]
+        return part.take(full) if full is not None else None
 
 
 def _chunk_bytes(item: SaveItem, degree: int) -> int:

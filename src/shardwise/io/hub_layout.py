@@ -91,6 +91,13 @@ def _indices_run(keys: list[str], what: str) -> None:
                                   f"found indices {idx}")
 
 
+def is_transformers_model(model: nn.Module) -> bool:
+    """Whether ``model`` is a transformers ``PreTrainedModel``, read off its class hierarchy
+    (transformers is not imported for a model that is not one of its own)."""
+    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
+               for c in type(model).__mro__)
+
+
 class _Mapping:
     """transformers' conversions for one model, applied to checkpoint keys."""
 
@@ -189,6 +196,8 @@ def hub_tensors(model: nn.Module, stored: dict[str, tuple[Path, TensorEntry]],
     """``({model tensor: Composite}, stored keys used)`` for the tensors of ``wanted`` that a
     transformers conversion builds from ``stored`` (``{key: (file, entry)}``). Empty when
     the model is not a transformers model or transformers is not installed."""
+    if not is_transformers_model(model):
+        return {}, set()
     try:
         mapping = _Mapping(model)
     except (ImportError, AttributeError, TypeError):
@@ -266,6 +275,8 @@ def hub_save_layout(model: nn.Module,
     then places each of them in its model tensor, so save and load share one mapping. Raises
     ``CheckpointError`` when the two do not tile every model tensor exactly.
     """
+    if not is_transformers_model(model):
+        return None
     try:
         import torch
         from transformers.core_model_loading import revert_weight_conversion
@@ -305,10 +316,28 @@ def hub_save_layout(model: nn.Module,
     return [parts[k] for k in reverted]
 
 
+def shared_storages(parts: list[StoredPart], itemsize: dict[str, int]) -> dict[str, tuple[object, int]]:
+    """``{stored name: (storage id, storage bytes)}`` for the parts that share one storage in
+    the state dict ``save_pretrained`` splits: transformers reverts a stack of experts by
+    taking views of one tensor (``SplitModulelist``), so the experts of one stacked block
+    (same model tensor, same place off the stacked dims) share it; ``itemsize`` is per
+    model tensor. Parts that are not stacked have storages of their own (not listed)."""
+    groups: dict[object, list[StoredPart]] = {}
+    for p in parts:
+        if p.piece.stacked:
+            off = tuple(o for d, o in enumerate(p.piece.offsets) if d not in p.piece.stacked)
+            groups.setdefault((p.model_name, off), []).append(p)
+    out = {}
+    for sid, members in groups.items():
+        nbytes = sum(math.prod(m.piece.source.sizes) for m in members) * itemsize[members[0].model_name]
+        out.update({m.key: (sid, nbytes) for m in members})
+    return out
+
+
 def tensors_dtype(t) -> str:
     from shardwise.core.header import dtype_to_str
 
     return dtype_to_str(t.dtype)
 
 
-__all__ = ["Composite", "StoredPart", "hub_save_layout", "hub_tensors"]
+__all__ = ["Composite", "StoredPart", "hub_save_layout", "hub_tensors", "shared_storages"]

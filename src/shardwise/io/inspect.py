@@ -7,8 +7,8 @@ DCP's classes only) and, when shardwise wrote it, the layout recorded in ``shard
 
 from __future__ import annotations
 
-import json
 import os
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,9 +42,28 @@ def inspect_checkpoint(path: str | os.PathLike) -> Report:
     'torch distributed checkpoint (DCP)'
     """
     path = Path(path)
-    if path.is_dir() and ((path / ".metadata").is_file() or any(path.glob("*.distcp"))):
+    try:
+        return _inspect(path)
+    except OSError as e:  # a name too long, a permission, an I/O error
+        raise CheckpointError(f"{path}: cannot read the checkpoint: {e.filename or path}: "
+                              f"{e.strerror or e}") from e
+
+
+def is_dcp(path: Path) -> bool:
+    """Whether the folder ``path`` looks like a torch distributed checkpoint (maybe incomplete)."""
+    return path.is_dir() and ((path / ".metadata").is_file() or any(path.glob("*.distcp")))
+
+
+def _inspect(path: Path) -> Report:
+    if is_dcp(path):
         return _dcp(path)
     from shardwise.io.checkpoint import resolve_checkpoint
+    from shardwise.io.hf_dcp import is_sharded_safetensors
+
+    if is_sharded_safetensors(path):
+        from shardwise.io.hf_dcp_read import inspect_sharded
+
+        return inspect_sharded(path)
 
     ckpt = resolve_checkpoint(path)
     kind = ("safetensors, sharded" if len(ckpt.files) > 1 or path.name.endswith(".json")
@@ -60,8 +79,8 @@ def inspect_checkpoint(path: str | os.PathLike) -> Report:
 def _dcp(path: Path) -> Report:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from shardwise.io.dcp import INFO_FILE
     from shardwise.io.dcp_metadata import read_metadata
+    from shardwise.io.info import read_info
 
     metadata = read_metadata(path)
     tensors, values = [], []
@@ -71,14 +90,8 @@ def _dcp(path: Path) -> Report:
         else:
             values.append(fqn)
     files = sorted({str(info.relative_path) for info in metadata.storage_data.values()})
-    layout = None
-    try:
-        with open(path / INFO_FILE) as f:
-            layout = json.load(f)
-    except (OSError, ValueError):
-        pass
     return Report(path, "torch distributed checkpoint (DCP)", files, tensors, values,
-                  layout=layout if isinstance(layout, dict) else None)
+                  layout=read_info(path))
 
 
 def _size(n: int) -> str:
@@ -101,12 +114,31 @@ def _layout_lines(layout: dict | None) -> list[str]:
         f"layout: mesh {axes or 'none'}, tp degree {layout.get('degree', '?')}, holding "
         f"{layout.get('holding') or 'n/a'}, sharded over {sharded or 'nothing'}",
     ]
-    plan = layout.get("plan") or {}
-    if plan:
-        lines.append(f"plan ({len(plan)} modules): " + ", ".join(f"{k}: {v}" for k, v in plan.items()))
+    lines += compact_plan(layout.get("plan") or {})
     extra = layout.get("metadata") or {}
     if extra:
         lines.append("metadata: " + ", ".join(f"{k}={v}" for k, v in extra.items()))
+    chunks = (layout.get("checksums") or {}).get("chunks") or {}
+    if chunks:
+        lines.append(f"checksums: crc32 of {sum(map(len, chunks.values()))} chunks "
+                     "(`shardwise verify` checks them)")
+    return lines
+
+
+_LAYER_INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)")
+
+
+def compact_plan(plan: dict) -> list[str]:
+    """The plan, one line per pattern (``layers.*.attn.q: colwise x24``) rather than one per
+    module: a real model has hundreds of layers, each with the same entries."""
+    if not plan:
+        return []
+    groups: dict[tuple[str, str], int] = {}
+    for path, style in plan.items():
+        key = (_LAYER_INDEX.sub("*", path), str(style))
+        groups[key] = groups.get(key, 0) + 1
+    lines = [f"plan: {len(plan)} modules in {len(groups)} pattern(s)"]
+    lines += [f"  {pattern}: {style}" + (f" x{n}" if n > 1 else "") for (pattern, style), n in groups.items()]
     return lines
 
 
@@ -135,16 +167,30 @@ def format_report(report: Report) -> str:
     return "\n".join(lines)
 
 
+def print_safely(text: str, file=None) -> None:
+    """Print ``text`` whatever the terminal's encoding: characters it cannot show (a tensor
+    name in another script on an ASCII terminal) are written as escapes, not a traceback."""
+    import sys
+
+    file = file or sys.stdout
+    try:
+        print(text, file=file)
+    except UnicodeEncodeError:
+        encoding = getattr(file, "encoding", None) or "ascii"
+        print(text.encode(encoding, "backslashreplace").decode(encoding), file=file)
+
+
 def main_inspect(path: str) -> int:
     """``shardwise inspect PATH``: print the report; a bad checkpoint is an error message."""
     import sys
 
     try:
-        print(format_report(inspect_checkpoint(path)))
+        print_safely(format_report(inspect_checkpoint(path)))
     except CheckpointError as e:
-        print(f"shardwise inspect: {e}", file=sys.stderr)
+        print_safely(f"shardwise inspect: {e}", file=sys.stderr)
         return 1
     return 0
 
 
-__all__ = ["Report", "format_report", "inspect_checkpoint", "main_inspect"]
+__all__ = ["Report", "compact_plan", "format_report", "inspect_checkpoint", "is_dcp", "main_inspect",
+           "print_safely"]

@@ -24,8 +24,10 @@ from shardwise.core.spec import local_layout, local_shape, piece_reads, split
 from shardwise.errors import CheckpointError, PlanError
 from shardwise.io.checkpoint import Checkpoint, resolve_checkpoint
 from shardwise.io.guards import check_mesh, check_model, check_options
+from shardwise.io.hf_dcp import is_sharded_safetensors
 from shardwise.io.hub_layout import Composite, hub_tensors
-from shardwise.io.reader import ReadItem, RegionReader, plan_reads
+from shardwise.io.reader import ReadItem, RegionReader, cpu_views, plan_reads
+from shardwise.io.replicas import read_once, replica_axis
 from shardwise.io.staging import host_to_device
 from shardwise.parallel import (
     HOLDINGS,
@@ -116,6 +118,11 @@ def load(model: nn.Module, path: str | os.PathLike, *, plan, mesh, dtype: torch.
     coords = mesh_coords(mesh)
     if (Path(path) / ".metadata").is_file() or any(Path(path).glob("*.distcp")):  # DCP, maybe incomplete
         return _load_dcp(model, path, specs=specs, mesh=mesh, holding=holding, dtype=dtype, strict=strict)
+    if is_sharded_safetensors(path):  # rank-local safetensors with DCP_SHARDING_INFO (torch, transformers)
+        from shardwise.io.hf_dcp_read import load_sharded_safetensors
+
+        return load_sharded_safetensors(model, path, specs=specs, mesh=mesh, holding=holding, dtype=dtype,
+                                        strict=strict, num_threads=num_threads, progress=progress)
 
     ckpt = resolve_checkpoint(path)
     sources, missing, unexpected = match_keys(model, specs, ckpt, strict=strict)
@@ -138,8 +145,16 @@ def load(model: nn.Module, path: str | os.PathLike, *, plan, mesh, dtype: torch.
         return raw.to(dtype) if cast else raw
 
     with Progress(sum(i.nbytes for i in items), progress, _is_rank0(), "shardwise load") as bar, \
-            RegionReader(ckpt.headers, num_threads=_num_threads(num_threads), on_bytes=bar) as reader:
-        tensors = reader.read(items, finalize=lambda item, raw: assembler.take(item, raw, finalize))
+            RegionReader(ckpt.headers, num_threads=_num_threads(num_threads), on_bytes=bar,
+                         viewable=cpu_views(device, dtype)) as reader:
+        def take(item, raw):
+            return assembler.take(item, raw, finalize)
+
+        if replica_axis(mesh) is None:
+            tensors = reader.read(items, finalize=take)
+        else:  # dp replicas: each region is read from storage by one of them and sent to the others
+            whole = {n for n in sources if n not in composites and specs[n].replicated}
+            tensors = read_once(reader, items, finalize=take, mesh=mesh, whole=whole, on_bytes=bar)
     tensors = {n: t for n, t in tensors.items() if t is not None} | assembler.done
     own = model.state_dict(keep_vars=True) if missing else {}
 

@@ -15,6 +15,11 @@ also spreads over the threads. The window is taken piece by piece as pieces are 
 raw tensor is allocated whole at its first piece, but its pages become resident only as
 pieces are read into them, and the next tensor's pieces queue up while the last pieces of
 the previous one are still being read, so no thread waits at a tensor boundary.
+
+Two cases skip the copy through ``pread`` (``shardwise.io.mapped``): a tensor whose one region
+is contiguous on disk may become a view of the page cache when the caller allows it
+(``viewable``: a CPU model that keeps the file's dtype), and a box of many short runs (a
+column slice) is copied out of a short-lived mapping with one strided copy.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import torch
 
 from shardwise.core.header import FileHeader, TensorEntry
 from shardwise.core.spec import Layout, Region, ShardSpec, local_layout, local_shape
+from shardwise.io.mapped import FileViews, contiguous_span, copy_mapped
 from shardwise.io.safetensors_io import _open_regular, read_region
 
 PIECE_BYTES = 32 << 20
@@ -66,15 +72,18 @@ def plan_reads(sources: Mapping[str, tuple[Path, TensorEntry]], specs: Mapping[s
 
 
 def _pieces(item: ReadItem, piece_bytes: int) -> Iterator[tuple[Region, tuple[int, ...]]]:
-    """Each region of ``item`` cut along dim 0 into boxes of at most ``piece_bytes``
-    (at least one row), with the box's offset in the local tensor."""
+    """Each region of ``item`` cut along dim 0 into boxes whose rows span at most
+    ``piece_bytes`` of the file (at least one row), with the box's offset in the local tensor.
+
+    A row counts whole even where the box takes part of it: a column slice is copied out of
+    a mapping of the rows it spans, and that mapping's pages are what a piece holds."""
     for region, off in item.layout:
         if region.numel == 0:
             continue
         if not region.sizes:
             yield region, off
             continue
-        row = math.prod(region.sizes[1:]) * item.entry.itemsize
+        row = math.prod(item.entry.shape[1:]) * item.entry.itemsize
         step = max(1, piece_bytes // max(row, 1))
         for start in range(0, region.sizes[0], step):
             n = min(step, region.sizes[0] - start)
@@ -122,6 +131,19 @@ class _Job:
 Finalize = Callable[[ReadItem, torch.Tensor], torch.Tensor]
 
 
+def cpu_views(device: torch.device, dtype: torch.dtype | None) -> Callable[[ReadItem], bool] | None:
+    """The ``viewable`` predicate of a load onto ``device`` casting floating tensors to
+    ``dtype``: on the CPU, an item the load will not cast may stay a view of the page cache."""
+    if device.type != "cpu":
+        return None
+
+    def viewable(item: ReadItem) -> bool:
+        stored = item.entry.torch_dtype
+        return dtype is None or not stored.is_floating_point or stored == dtype
+
+    return viewable
+
+
 class RegionReader:
     """Reads :class:`ReadItem`s with a pool of threads; a context manager owning the fds.
 
@@ -132,7 +154,8 @@ class RegionReader:
 
     def __init__(self, headers: Mapping[Path, FileHeader], *, num_threads: int,
                  piece_bytes: int = PIECE_BYTES, window_bytes: int = WINDOW_BYTES,
-                 on_bytes: Callable[[int], None] | None = None):
+                 on_bytes: Callable[[int], None] | None = None,
+                 viewable: Callable[[ReadItem], bool] | None = None):
         if not (isinstance(num_threads, int) and not isinstance(num_threads, bool) and num_threads >= 1):
             raise ValueError(f"num_threads must be a positive int, got {num_threads!r}")
         self.headers = headers
@@ -140,7 +163,9 @@ class RegionReader:
         self.piece_bytes = piece_bytes
         self.window_bytes = window_bytes
         self.on_bytes = on_bytes
+        self.viewable = viewable
         self.bytes_read = 0
+        self._views = FileViews()
         self._fds: dict[Path, int] = {}
         self._lock = threading.Lock()
 
@@ -151,6 +176,7 @@ class RegionReader:
         self.close()
 
     def close(self) -> None:
+        self._views.close()
         fds, self._fds = self._fds, {}
         for fd in fds.values():
             os.close(fd)
@@ -170,6 +196,10 @@ class RegionReader:
         futures = []
         try:
             for item in items:
+                view = self._view(item)
+                if view is not None:
+                    results[item.name] = finalize(item, view)
+                    continue
                 pieces = list(_pieces(item, self.piece_bytes))
                 if not pieces:  # an empty tensor: nothing to read
                     self._finish(_Job(item, 0), results, finalize, window)
@@ -191,20 +221,41 @@ class RegionReader:
             pool.shutdown(wait=True, cancel_futures=True)
         return results
 
+    def _view(self, item: ReadItem) -> torch.Tensor | None:
+        """The item as a view of the page cache, when allowed and its one region is contiguous."""
+        if self.viewable is None or len(item.layout) != 1 or not self.viewable(item):
+            return None
+        region = item.layout[0][0]
+        if region.numel == 0:
+            return None
+        view = self._views.view(self._fd(item.path), item.path, self.headers[item.path], item.entry, region)
+        if view is not None:
+            self._count(item.nbytes)
+        return view
+
+    def _count(self, n: int) -> None:
+        with self._lock:
+            self.bytes_read += n
+        if self.on_bytes is not None:
+            self.on_bytes(n)
+
     def _piece(self, job: _Job, region: Region, off: tuple[int, ...], results, finalize, window) -> None:
         try:
             item = job.item
             dest = job.raw[tuple(slice(o, o + s) for o, s in zip(off, region.sizes, strict=True))]
-            # pread needs contiguous memory; a packed dim-1 slot is strided, so read aside.
-            out = dest if dest.is_contiguous() else torch.empty(region.sizes, dtype=dest.dtype)
-            n = read_region(self._fd(item.path), self.headers[item.path], item.entry,
-                            region.offsets, region.sizes, out)
-            if out is not dest:
-                dest.copy_(out)
-            with self._lock:
-                self.bytes_read += n
-            if self.on_bytes is not None:
-                self.on_bytes(n)
+            fd, header = self._fd(item.path), self.headers[item.path]
+            n = 0
+            if region.sizes and contiguous_span(item.entry, region) is None:
+                # Many short runs (a column slice): one strided copy out of a mapping of the
+                # rows, not one pread per row. 0 = misaligned data, read below instead.
+                n = copy_mapped(fd, header, item.entry, region, dest)
+            if n == 0:
+                # pread needs contiguous memory; a packed dim-1 slot is strided, so read aside.
+                out = dest if dest.is_contiguous() else torch.empty(region.sizes, dtype=dest.dtype)
+                n = read_region(fd, header, item.entry, region.offsets, region.sizes, out)
+                if out is not dest:
+                    dest.copy_(out)
+            self._count(n)
             with job.lock:
                 job.remaining -= 1
                 last = job.remaining == 0
@@ -221,4 +272,4 @@ class RegionReader:
         window.release(job.item.nbytes)
 
 
-__all__ = ["PIECE_BYTES", "ReadItem", "RegionReader", "WINDOW_BYTES", "plan_reads"]
+__all__ = ["PIECE_BYTES", "ReadItem", "RegionReader", "WINDOW_BYTES", "cpu_views", "plan_reads"]

@@ -12,7 +12,7 @@ import ctypes
 import os
 import re
 import stat
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from fractions import Fraction
 from pathlib import Path
 
@@ -30,6 +30,7 @@ from shardwise.core.header import (
     str_to_dtype,
 )
 from shardwise.errors import CheckpointError
+from shardwise.io.info import Hasher, record_checksums
 
 INDEX_SUFFIX = ".safetensors.index.json"
 # --- reading -----------------------------------------------------------------------------
@@ -180,14 +181,21 @@ class StreamingWriter:
     aside and renamed into place by :meth:`close`, after an fsync; if the ``with``
     block raises, or a tensor is missing at close, the partial file is removed.
 
+    With ``checksums`` (the default) it computes each tensor's CRC-32 while writing its
+    bytes (``shardwise.io.info``): :attr:`checksums` maps each written tensor to it, and a
+    completed file reports them to an enclosing ``collect_checksums()`` block.
+
     >>> with StreamingWriter("out/model.safetensors", [("w", "F32", (2, 2))]) as w:  # doctest: +SKIP
     ...     w.write("w", torch.ones(2, 2))
     """
 
     def __init__(
-        self, path: str | os.PathLike, specs: Sequence[Spec], metadata: dict[str, str] | None = None
+        self, path: str | os.PathLike, specs: Sequence[Spec], metadata: dict[str, str] | None = None,
+        *, checksums: bool = True,
     ):
         self.path = Path(path)
+        self.checksums: dict[str, str] = {}
+        self._hasher = Hasher() if checksums else None
         self._specs = [(name, dtype, tuple(shape)) for name, dtype, shape in specs]
         prefix, self._offsets = layout_header(self._specs, metadata)
         self._tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.partial")
@@ -240,8 +248,12 @@ class StreamingWriter:
             raise CheckpointError(f"{self.path}: tensor {name!r} is on {tensor.device}; move it to CPU first")
         assert self._pos == self._offsets[name][0], (self._pos, self._offsets[name])
         data = tensor.detach().resolve_conj().resolve_neg().contiguous()
+        view = byte_view(data)
+        crc = self._hasher.submit(view) if self._hasher is not None else None
         if data.numel():
-            self._write_all(byte_view(data))
+            self._write_all(view)
+        if crc is not None:  # before returning: the caller may reuse the tensor's memory next
+            self.checksums[name] = Hasher.result(crc)
         self._next += 1
 
     def close(self) -> None:
@@ -264,9 +276,16 @@ class StreamingWriter:
             self.abort()
             raise
         _fsync_dir(self.path.parent)
+        self._close_hasher()
+        record_checksums(self.checksums)
+
+    def _close_hasher(self) -> None:
+        if self._hasher is not None:
+            self._hasher.close()
 
     def abort(self) -> None:
         """Close and remove the partial file; safe to call more than once."""
+        self._close_hasher()
         if self._fd is not None:
             fd, self._fd = self._fd, None
             os.close(fd)
@@ -317,11 +336,19 @@ def parse_size(size: int | str) -> int:
 
 
 def plan_files(
-    specs: Sequence[Spec], max_shard_size: int | str, prefix: str = "model"
+    specs: Sequence[Spec], max_shard_size: int | str, prefix: str = "model",
+    storages: Mapping[str, tuple[object, int]] | None = None,
 ) -> list[tuple[str, list[Spec]]]:
-    """Group tensors, in order, into files of at most ``max_shard_size`` bytes each
-    (a tensor above the limit gets a file of its own). One file is ``{prefix}.safetensors``;
-    several are ``{prefix}-00001-of-0000N.safetensors`` like transformers names them.
+    """Group tensors, in order, into files of at most ``max_shard_size`` bytes each, split
+    where huggingface_hub's ``split_torch_state_dict_into_shards`` (so ``save_pretrained``)
+    splits: a tensor above the limit gets a file of its own, placed when it is met, while
+    the file being filled goes on. One file is ``{prefix}.safetensors``; several are
+    ``{prefix}-00001-of-0000N.safetensors`` like transformers names them.
+
+    ``storages`` (``{name: (storage id, storage bytes)}``) says which tensors share one
+    storage in the state dict ``save_pretrained`` would split (per-expert views of one
+    fused tensor): as there, the first of them counts the whole storage and the others
+    join its file, after the split.
 
     >>> [(f, [s[0] for s in g]) for f, g in plan_files([("a", "F32", (4,)), ("b", "F32", (4,))], 16)]
     [('model-00001-of-00002.safetensors', ['a']), ('model-00002-of-00002.safetensors', ['b'])]
@@ -329,19 +356,36 @@ def plan_files(
     limit = parse_size(max_shard_size)
     if not prefix or "/" in prefix or "\\" in prefix:
         raise CheckpointError(f"file prefix {prefix!r} must be a plain non-empty file name")
-    groups: list[list[Spec]] = [[]]
+    groups: list[list[Spec]] = []
+    current: list[Spec] = []
     size = 0
     seen: set[str] = set()
+    first_of: dict[object, str] = {}   # storage id -> the tensor that placed it
+    joining: list[tuple[str, Spec]] = []  # (that tensor, a tensor sharing its storage)
     for name, dtype, shape in specs:
         if name in seen:
             raise CheckpointError(f"tensor {name!r} appears twice in the save plan")
         seen.add(name)
-        nbytes = spec_nbytes(dtype, shape)
-        if groups[-1] and size + nbytes > limit:
-            groups.append([])
-            size = 0
-        groups[-1].append((name, dtype, tuple(shape)))
+        spec = (name, dtype, tuple(shape))
+        storage = storages.get(name) if storages else None
+        if storage is not None and storage[0] in first_of:
+            joining.append((first_of[storage[0]], spec))
+            continue
+        if storage is not None:
+            first_of[storage[0]] = name
+        nbytes = storage[1] if storage is not None else spec_nbytes(dtype, shape)
+        if nbytes > limit:
+            groups.append([spec])
+            continue
+        if current and size + nbytes > limit:
+            groups.append(current)
+            current, size = [], 0
+        current.append(spec)
         size += nbytes
+    if current or not groups:
+        groups.append(current)
+    for first, spec in joining:
+        next(g for g in groups if any(s[0] == first for s in g)).append(spec)
     if len(groups) == 1:
         return [(f"{prefix}.safetensors", groups[0])]
     n = len(groups)

@@ -17,10 +17,11 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 
 from shardwise._progress import Progress
-from shardwise.errors import CheckpointError
+from shardwise.errors import CheckpointError, CollectiveError
 from shardwise.io.gather import (
     FileGatherer,
     agree,
@@ -29,7 +30,10 @@ from shardwise.io.gather import (
     fingerprint,
     world_backend,
 )
+from shardwise.io.hub_layout import hub_save_layout, shared_storages
+from shardwise.io.info import collect_checksums, gather_info, write_info
 from shardwise.io.safetensors_io import INDEX_SUFFIX, index_json, plan_files
+from shardwise.io.side_files import default_prefix, index_metadata, write_side_files
 from shardwise.io.target import Destination, target_path
 
 if TYPE_CHECKING:
@@ -43,18 +47,31 @@ _SAVE_FILE_DTYPES = ("U64", "I64", "F64", "C64", "F32", "U32", "I32", "BF16", "F
 
 
 def save(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
-         filename_prefix: str = "model", metadata: Mapping[str, str] | None = None,
+         filename_prefix: str | None = None, metadata: Mapping[str, str] | None = None,
          overwrite: bool = False, progress: bool | None = None, distributed: bool = False,
-         async_save: bool = False) -> AsyncSave | None:
+         async_save: bool = False, format: str = "distcp", layout: str = "hub") -> AsyncSave | None:
     """Write ``model`` to the folder ``path`` as an ordinary safetensors checkpoint.
 
-    Collective: every rank calls it, rank 0 writes. The folder holds
+    Collective: every rank calls it (a rank that waits over a minute for the others raises,
+    saying so), rank 0 writes. The folder holds
     ``{filename_prefix}.safetensors``, or ``{prefix}-0000i-of-0000N.safetensors`` files of
-    at most ``max_shard_size`` each plus ``{prefix}.safetensors.index.json``; every header
+    at most ``max_shard_size`` each (split where huggingface_hub's
+    ``split_torch_state_dict_into_shards`` splits) plus ``{prefix}.safetensors.index.json``,
+    whose metadata has ``total_size`` and, unless the model is a diffusers one,
+    ``total_parameters``; the prefix defaults to ``diffusion_pytorch_model`` for a diffusers
+    model, else ``model``. A transformers or diffusers model's ``config.json`` (and
+    ``generation_config.json``) is written too, as its ``save_pretrained`` writes it, so the
+    library's ``from_pretrained`` loads the folder; given the same ``max_shard_size``, the
+    files are byte-identical to ``save_pretrained``'s. Every header
     has ``{"format": "pt"}`` and ``metadata`` (which also goes into the index). Tensors are
     canonical (unsharded, packed blocks in their own order) and tied weights are written
-    once, under the name kept by the plan. A model that was not parallelised is written as
-    it is by rank 0 (a world of one, or ranks holding identical copies).
+    once, under the name kept by the plan. ``layout="hub"`` (the default) writes a
+    transformers model in the layout ``save_pretrained`` writes (per-expert tensors,
+    original names: transformers' weight conversions reverted, as region maps);
+    ``layout="module"`` writes the module's own names. A model that was not parallelised is written as
+    it is by rank 0 (a world of one, or ranks holding identical copies). ``shardwise.json``
+    beside them records each tensor's CRC-32, computed as it is written, which
+    ``sw.verify`` checks.
 
     Memory: rank 0 builds one tensor at a time, in one reused buffer, from row chunks of
     every rank's shard gathered in turn (about an eighth of the tensor each), so its peak
@@ -64,56 +81,121 @@ def save(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str
     installed). ``distributed=True`` writes a torch distributed checkpoint instead, every
     rank its own part (``shardwise.io.dcp.save_dcp``; ``max_shard_size`` and
     ``filename_prefix`` do not apply); with ``async_save=True`` too it returns a handle
-    whose ``wait()`` every rank calls. The gather save returns None.
+    whose ``wait()`` every rank calls. With ``format="safetensors"`` the distributed save
+    writes rank-local safetensors files instead (torch's ``HuggingFaceStorageWriter(
+    save_distributed=True)`` format, which transformers and torch read; no pickle;
+    ``shardwise.io.hf_dcp_write``; no ``async_save``). The gather save returns None.
 
     Crash safety: everything is written into ``.{name}.shardwise-tmp-*`` beside ``path``
     (same filesystem) and renamed into place when complete; a folder already at ``path``
     is an error unless ``overwrite=True`` (an empty folder counts as absent), and is then
     exchanged for the new one in one atomic rename (Linux ``renameat2``; elsewhere renamed
     aside first, a window that the next save repairs) and only then deleted. ``overwrite``
-    refuses a folder holding anything but checkpoint files, so that it never deletes, say,
-    a ``config.json``. If a rank dies or any rank fails: ``path`` is untouched (absent, or
-    the previous checkpoint byte for byte), every surviving rank raises, and rank 0 removes
-    its temporary folder; one left by a killed rank 0 is removed by the next save to
-    ``path``. A temporary folder never sits at a path a loader would look at, its files
-    appear only once fsynced, and a several-file checkpoint gets its index last.
+    refuses a folder holding anything but checkpoint files and their ``config.json`` /
+    ``generation_config.json``, so that it never deletes, say, a tokenizer. If a rank dies
+    or any rank fails: ``path`` is untouched (absent, or the previous checkpoint byte for
+    byte), every surviving rank raises, and rank 0 removes its temporary folder; one left
+    by a killed rank 0 is removed by the next save to ``path``. A temporary folder never
+    sits at a path a loader would look at, its files appear only once fsynced, and a
+    several-file checkpoint gets its index last.
 
     >>> sw.save(model, "out/full", max_shard_size="2GB")                    # doctest: +SKIP
     >>> sw.load(model2, "out/full", plan=plan, mesh=backend.mesh(tp=2))     # doctest: +SKIP
     """
     if async_save and not distributed:
         raise ValueError("async_save=True writes a distributed checkpoint; pass distributed=True too")
+    if format not in ("distcp", "safetensors"):
+        raise ValueError(f"format must be 'distcp' or 'safetensors', got {format!r}")
+    from shardwise.io.guards import check_model
+
+    if distributed:  # the guards first, then every rank meets (the save's own guards follow)
+        check_model(model, action="save")
+        join_collective(world_backend(), "sw.save")
+    if distributed and format == "safetensors":
+        if async_save:
+            raise ValueError("async_save=True is not supported with format='safetensors'; "
+                             "use format='distcp' for an async distributed save")
+        from shardwise.io.hf_dcp_write import save_sharded_safetensors
+
+        return save_sharded_safetensors(model, path, overwrite=overwrite, metadata=metadata,
+                                        progress=progress)
     if distributed:
         return _save_dcp(model, path, overwrite=overwrite, metadata=metadata, progress=progress,
                          async_save=async_save)
-    from shardwise.io.guards import check_model
-
     check_model(model, action="save")
     target = target_path(path)
+    filename_prefix = filename_prefix or default_prefix(model)
     header_meta = header_metadata(metadata)
     items, state = collect_items(model)
+    stored = stored_tensors(model, items, layout)
+    storages = shared_storages([p for *_, p in stored if p is not None],
+                               {i.name: i.local.element_size() for i in items})
     file_plan = [(fname, sorted(group, key=save_file_order)) for fname, group in
-                 plan_files([(i.name, i.dtype, i.shape) for i in items], max_shard_size, filename_prefix)]
+                 plan_files([(n, dt, shape) for n, dt, shape, _ in stored], max_shard_size, filename_prefix,
+                            storages)]
     backend = world_backend()
+    join_collective(backend, "sw.save")  # after the guards and the plan: all pure
     run = FileGatherer(backend, state, {i.name: i for i in items}, header_meta)
+    run.parts = {n: part for n, _, _, part in stored if part is not None}
     what = f"sw.save to {target}"
     dest = Destination(target, overwrite) if run.rank == 0 else None
     index = None
     if len(file_plan) > 1:
+        extra = index_metadata(model, {i.name: i.shape for i in items})  # total_parameters
         index = (filename_prefix + INDEX_SUFFIX,
-                 index_json(file_plan, sum(i.nbytes for i in items), dict(metadata or {})))
+                 index_json(file_plan, sum(i.nbytes for i in items), {**dict(metadata or {}), **extra}))
     try:
         agree(backend, capture(dest.prepare) if dest else None, what=what,
               digest=fingerprint((file_plan, [(i.name, i.spec, i.degree) for i in items])))
-        with Progress(sum(i.nbytes for i in items), progress, run.rank == 0, "shardwise save") as bar:
+        with Progress(sum(i.nbytes for i in items), progress, run.rank == 0, "shardwise save") as bar, \
+                collect_checksums() as checksums:  # each tensor's, computed as rank 0 writes it
             for fname, group in file_plan:
                 bar.file(fname)
                 error = run.write_file(dest.tmp / fname if dest else None, group, bar)
                 agree(backend, error, what=what)
-        agree(backend, capture(lambda: dest.commit(index)) if dest else None, what=what)
+
+        def commit():
+            write_info(dest.tmp, gather_info(checksums, [(n, dt, shape) for n, dt, shape, _ in stored]))
+            write_side_files(model, dest.tmp)  # config.json & co: from_pretrained reads the folder
+            dest.commit(index)
+
+        agree(backend, capture(commit) if dest else None, what=what)
     finally:
         if dest is not None:
             dest.discard()
+
+
+# How long the first rank to enter a save waits for the others before saying that the call
+# must be made on every rank (bounded by the backend's timeout).
+HANDSHAKE_SECONDS = 60.0
+
+
+def join_collective(backend, what: str) -> None:
+    """Every rank meets here first: a rank that enters ``what`` alone (under ``if rank ==
+    0:``) gets an error naming the mistake within HANDSHAKE_SECONDS, rather than a gloo
+    "Connection closed by peer" or a hang in the middle of the save."""
+    if backend is None or backend.world_size == 1:
+        return
+    seconds = min(HANDSHAKE_SECONDS, backend.timeout.total_seconds())
+    # A tag rather than a barrier: a peer waiting in another collective of the same shape
+    # (a barrier at its exit) must not pass for a peer entering the save.
+    # uint8, as agree()'s rows: every backend gathers bytes.
+    tag = torch.frombuffer(bytearray(fingerprint(what)), dtype=torch.uint8)
+    cause = None
+    try:
+        tags = backend.all_gather(tag.to(backend.device), timeout=seconds)
+        others = [r for r, t in enumerate(tags) if not torch.equal(t.cpu(), tag)]
+        if others:
+            cause = f"rank(s) {others} are in another collective operation"
+    except CollectiveError as e:
+        cause = e
+    if cause is not None:
+        raise CollectiveError(
+            f"{what} is collective: call it on every rank (not under `if rank == 0:`), at the same "
+            f"point of the program; rank {backend.rank} waited up to {seconds:.0f} s and not every "
+            f"rank of the {backend.world_size} joined (a peer left, is elsewhere, or arrives later: "
+            f"then meet first with dist.barrier()). Cause: {cause}"
+        ) from (cause if isinstance(cause, BaseException) else None)
 
 
 def _save_dcp(model, path, **kwargs):
@@ -134,6 +216,20 @@ def header_metadata(metadata) -> dict[str, str]:
         raise CheckpointError(f"metadata['format'] is {metadata['format']!r}; a torch safetensors "
                               "checkpoint says 'pt' there, which loaders check; drop the key")
     return {"format": "pt", **metadata}
+
+
+def stored_tensors(model: nn.Module, items, layout: str) -> list[tuple[str, str, tuple, object]]:
+    """``(name, dtype, shape, StoredPart or None)`` of every tensor the save writes, in order:
+    the model's own tensors (``layout="module"``, or a model without weight conversions), or
+    the hub layout ``save_pretrained`` writes (``layout="hub"``: per-expert tensors, original
+    names), each a box of a model tensor."""
+    if layout not in ("hub", "module"):
+        raise CheckpointError(f"layout must be 'hub' or 'module', got {layout!r}")
+    parts = hub_save_layout(model, {i.name: (i.shape, i.dtype) for i in items}) if layout == "hub" else None
+    if parts is None:
+        return [(i.name, i.dtype, i.shape, None) for i in items]
+    dtypes = {i.name: i.dtype for i in items}
+    return [(p.key, dtypes[p.model_name], p.piece.source.sizes, p) for p in parts]
 
 
 def save_file_order(spec) -> tuple[int, str]:

@@ -77,9 +77,11 @@ class Destination:
 
 
 # What shardwise writes into a checkpoint folder (safetensors, their index, DCP's files and
-# shardwise.json, the writers' hidden partial files): overwrite=True deletes nothing else.
+# shardwise.json, the writers' hidden partial files, a Hugging Face model's config files):
+# overwrite=True deletes nothing else.
 _CHECKPOINT_FILE = re.compile(r".*\.safetensors|.*\.safetensors\.index\.json|\..*\.partial"
-                              r"|\.metadata|.*\.distcp|shardwise\.json")
+                              r"|\.metadata|.*\.distcp|shardwise\.json"
+                              r"|config\.json|generation_config\.json")
 
 
 def _check_target(target: Path, overwrite: bool) -> None:

@@ -1,0 +1,90 @@
+"""What the per-tensor checksums cost a save (benchmarks/reliability.py checksums).
+
+The same ~500 MB model is saved by one process and by 2 gloo ranks at tp=2, as a gather save
+and as a distributed save, with checksums and with them switched off (``Hasher`` replaced by
+one that returns a constant), the two alternating in the same processes. Compared: the
+median of the slowest rank's seconds, and the best save of each (on a shared machine the
+median moves with other load; the best is the least disturbed run). Every save ends with
+fsync, as sw.save always does; dirty pages are flushed (``os.sync``) before each one, so
+that one save's writeback does not land in the next.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from _common import PLAN, BenchModel, real_plan
+
+
+def cost_model() -> BenchModel:
+    torch.manual_seed(0)
+    return BenchModel(8, 1024, 16384)  # 0.52 GB of float32
+
+
+_REAL: dict = {}
+
+
+def _switch(on: bool) -> None:
+    from shardwise.io.info import Hasher
+
+    _REAL.setdefault("submit", (Hasher.submit, Hasher.submit_tensor))
+    if on:
+        Hasher.submit, Hasher.submit_tensor = _REAL["submit"]
+    else:
+        Hasher.submit = lambda self, buf: "00000000"
+        Hasher.submit_tensor = lambda self, t: "00000000"
+
+
+def save_rank(root: str, kind: str, rounds: int) -> dict[bool, list[float]]:
+    """``{checksums on: [seconds per save]}``, the two alternating, ``rounds`` of each."""
+    import shardwise as sw
+
+    backend = sw.init_backend("gloo")
+    model = cost_model()
+    sw.parallelize(model, real_plan(PLAN), backend.mesh(tp=backend.world_size))
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for r in range(rounds):
+        for checksums in (False, True) if r % 2 == 0 else (True, False):
+            _switch(checksums)
+            target = Path(root) / f"{kind}-{r}-{checksums}"
+            if backend.rank == 0:
+                os.sync()
+            backend.barrier()
+            start = time.perf_counter()
+            sw.save(model, target, distributed=kind == "dcp")
+            backend.barrier()
+            times[checksums].append(time.perf_counter() - start)
+            if backend.rank == 0:
+                shutil.rmtree(target)
+    return times
+
+
+def run_checksum_cost(work: Path, rounds: int = 3, ranks=(1, 2), progress=print) -> dict:
+    from shardwise.launch import spawn
+
+    work.mkdir(parents=True, exist_ok=True)
+    nbytes = sum(t.numel() * t.element_size() for t in cost_model().state_dict().values())
+    rows = []
+    for n in ranks:
+        for kind in ("gather", "dcp"):
+            got = spawn(save_rank, n, args=(str(work), kind, rounds), timeout=1200)
+            # the slowest rank of each save (the barrier after it makes them nearly equal)
+            off = [max(t[False][i] for t in got) for i in range(rounds)]
+            on = [max(t[True][i] for t in got) for i in range(rounds)]
+            rows.append({"save": f"{kind}, {n} rank{'s' if n > 1 else ''}", "gb": nbytes / 1e9,
+                         "without_s": statistics.median(off), "with_s": statistics.median(on),
+                         "cost_pct": 100 * (statistics.median(on) / statistics.median(off) - 1),
+                         "best_without_s": min(off), "best_with_s": min(on),
+                         "best_cost_pct": 100 * (min(on) / min(off) - 1),
+                         "all_without": off, "all_with": on})
+            if progress:
+                progress(f"  checksum cost: {rows[-1]['save']} done")
+    return {"rounds": rounds, "bytes": nbytes, "rows": rows}
+
+
+__all__ = ["run_checksum_cost"]

@@ -1,0 +1,170 @@
+"""The front door for Hugging Face models: ``sw.from_pretrained`` and ``sw.empty_model``.
+
+``from_pretrained`` does what a transformers or diffusers ``from_pretrained`` does up to the
+weights (read the config, build the model), but builds it with its parameters on the meta
+device and its buffers real, then streams each rank's slice with ``sw.load``. Neither
+library is imported by ``import shardwise``: only when this module's functions are called,
+and only the one the class comes from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from shardwise.errors import CheckpointError, UnsupportedModelError
+
+
+@contextlib.contextmanager
+def empty_model():
+    """Build models with parameters on the meta device and buffers real, ties kept.
+
+    Inside the block every parameter a module registers is replaced by a meta tensor of the
+    same shape, dtype, class and ``requires_grad``; buffers (a rotary ``inv_freq``, position
+    ids) are computed on the CPU as usual, since no checkpoint stores the non-persistent
+    ones. A parameter that is already on meta is registered as it is, so a weight tied in
+    ``__init__`` (``lm_head.weight = embed.weight``) stays one tensor. Each parameter is
+    created as its module creates it (for ``nn.Linear`` and ``nn.Embedding`` an untouched
+    ``torch.empty``) and dropped at once; the modules' initialisers then run on the meta
+    tensor, which costs nothing.
+
+    >>> with sw.empty_model():                                        # doctest: +SKIP
+    ...     model = MyModel(config)
+    >>> sw.load(model, "ckpt/", plan=plan, mesh=mesh)                 # doctest: +SKIP
+    """
+    original = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            moved = type(param)(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+            moved.__dict__.update(param.__dict__)  # attributes libraries set on parameters
+            param = moved
+        original(module, name, param)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+def _library(cls) -> str:
+    """``"transformers"`` or ``"diffusers"``, from the class hierarchy (no import needed)."""
+    if not isinstance(cls, type):
+        raise TypeError(f"sw.from_pretrained takes a model class (AutoModelForCausalLM, "
+                        f"FluxTransformer2DModel, ...), got {type(cls).__name__} {cls!r:.80}")
+    bases = {(c.__module__.split(".")[0], c.__name__) for c in cls.__mro__}
+    if ("transformers", "PreTrainedModel") in bases or (
+            cls.__module__.startswith("transformers.models.auto") and hasattr(cls, "from_config")):
+        return "transformers"
+    if ("diffusers", "ModelMixin") in bases:
+        return "diffusers"
+    if ("diffusers", "DiffusionPipeline") in bases:
+        raise UnsupportedModelError(
+            f"{cls.__name__} is a diffusers pipeline; sw.from_pretrained loads one model: pass its "
+            "class and folder, e.g. sw.from_pretrained(FluxTransformer2DModel, 'ckpt/transformer', "
+            "mesh=mesh), then build the pipeline around it")
+    raise UnsupportedModelError(
+        f"{cls.__name__} is neither a transformers model class (PreTrainedModel or an Auto class) "
+        "nor a diffusers ModelMixin; build the model inside `with sw.empty_model():` and call "
+        "sw.load(model, path, plan=..., mesh=...)")
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype | None):
+    """Parameters and float buffers created without a dtype get ``dtype``, as the libraries'
+    own ``from_pretrained(dtype=...)`` builds them."""
+    if dtype is None or not dtype.is_floating_point:
+        yield
+        return
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+def _build_transformers(cls, folder: Path, dtype: torch.dtype | None) -> nn.Module:
+    import transformers
+
+    auto = cls.__module__.startswith("transformers.models.auto")
+    config_cls = getattr(cls, "config_class", None) if not auto else None
+    config = (config_cls or transformers.AutoConfig).from_pretrained(folder)
+    kwargs = {"dtype": dtype} if dtype is not None else {}
+    model = cls.from_config(config, **kwargs) if auto else cls._from_config(config, **kwargs)
+    generation = folder / "generation_config.json"
+    if generation.is_file() and getattr(model, "can_generate", lambda: False)():
+        model.generation_config = transformers.GenerationConfig.from_pretrained(folder)
+    return model
+
+
+def _build_diffusers(cls, folder: Path) -> nn.Module:
+    return cls.from_config(cls.load_config(folder))
+
+
+def _checkpoint_folder(path) -> Path:
+    folder = Path(os.fspath(path))
+    if not folder.is_dir():
+        raise CheckpointError(
+            f"{folder}: not a local folder; sw.from_pretrained reads a checkpoint folder on this "
+            "machine (config.json and safetensors). For a hub model, download it first: "
+            "huggingface_hub.snapshot_download(repo_id) returns the folder to pass")
+    if not (folder / "config.json").is_file():
+        raise CheckpointError(
+            f"{folder}: no config.json, so the model cannot be built from this folder; pass the "
+            "folder save_pretrained (or sw.save of a Hugging Face model) wrote, e.g. "
+            "'ckpt/transformer' for a diffusers pipeline's transformer")
+    return folder
+
+
+def from_pretrained(cls, path: str | os.PathLike, *, mesh, dtype: torch.dtype | None = None,
+                    plan="auto", **load_options) -> nn.Module:
+    """A transformers or diffusers model read from the folder ``path``, sharded over ``mesh``.
+
+    ``cls`` is a transformers model class or Auto class (``AutoModelForCausalLM``) or a
+    diffusers ``ModelMixin`` class (``FluxTransformer2DModel``). The config is read from
+    ``path``, the model built inside :func:`empty_model` (parameters on meta, buffers real),
+    then every rank streams its own slice with ``sw.load(model, path, plan=plan, mesh=mesh,
+    dtype=dtype, **load_options)``. ``plan="auto"`` is the model's own plan (transformers:
+    the config's ``base_model_tp_plan`` under the base model's prefix plus the class's
+    ``_tp_plan``; diffusers: the class's ``_tp_plan``); a dict replaces it. ``dtype`` builds
+    and casts floating-point tensors to it (``None`` keeps the checkpoint's dtypes).
+    Collective like ``sw.load``: every rank of the mesh calls it.
+
+    Returns the model in eval mode, with the ``sw.load`` result as ``model.result``.
+
+    >>> from transformers import AutoModelForCausalLM                                # doctest: +SKIP
+    >>> model = sw.from_pretrained(AutoModelForCausalLM, "ckpt/", mesh=backend.mesh(tp=4))  # doctest: +SKIP
+    >>> model.result                                                                 # doctest: +SKIP
+    LoadResult(tensors=291, bytes_read=4021813248, seconds=1.912, missing=0, unexpected=0)
+    """
+    from shardwise.io.guards import check_mesh
+    from shardwise.io.load import load
+
+    library = _library(cls)
+    check_mesh(mesh)  # before anything is read or built
+    folder = _checkpoint_folder(path)
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype or None, got {dtype!r}")
+    with _default_dtype(dtype), empty_model():
+        model = (_build_transformers(cls, folder, dtype) if library == "transformers"
+                 else _build_diffusers(cls, folder))
+    result = load(model, folder, plan=plan, mesh=mesh, dtype=dtype, **load_options)
+    model.eval()
+    _attach(model, "result", result)
+    return model
+
+
+def _attach(model: nn.Module, name: str, value) -> None:
+    if name in model._modules or name in model._parameters or name in model._buffers:
+        raise UnsupportedModelError(f"{type(model).__name__} has a submodule or tensor named {name!r}, "
+                                    "where sw.from_pretrained puts the load result")
+    model.__dict__[name] = value
+
+
+__all__ = ["empty_model", "from_pretrained"]

@@ -1,0 +1,218 @@
+"""Reading the chunks of a distributed checkpoint: only the bytes asked for, each blob
+checked against the metadata before a byte of its data is read.
+
+A DCP data file (``.distcp``) is a run of ``torch.save`` blobs, one per saved chunk; the
+metadata (``shardwise.io.dcp_metadata``) says where each lies. Every blob is opened on the
+meta device first (its dtype, shape and where its bytes start, no data read), so a blob that
+disagrees with the metadata is a ``CheckpointError``, never a cast, a shifted read or an
+allocation the file cannot back.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import zlib
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from shardwise.errors import CheckpointError
+from shardwise.io.safetensors_io import byte_view
+
+
+def read_chunk_into(f, info, offsets, lengths, dest: torch.Tensor, *, dtype: torch.dtype | None = None,
+                    sizes=None) -> int:
+    """Copy the box (``offsets``, ``lengths``) of the saved chunk ``info`` (a DCP
+    ``_StorageInfo``: a torch.save blob at ``info.offset`` in the open file ``f``) into
+    ``dest``; return the bytes read from the file.
+
+    DCP's reader unpickles every saved chunk whole into a new tensor and then copies the
+    part it needs: under resharding each rank holds a transient copy of chunks bigger than
+    its share, and the allocator keeps that memory. Here the blob is opened on the meta
+    device (``weights_only``: its layout and where its bytes start, no data read), and only
+    the byte runs of the box are read, straight into ``dest`` when it is contiguous on the
+    CPU in the saved dtype (else through a buffer the size of the box). A chunk stored in a
+    layout other than a plain contiguous one is read whole, as DCP does.
+
+    ``dtype`` and ``sizes``, the chunk's as the metadata lists them, are checked against the
+    blob before a byte of data is read: a blob of another dtype or shape, or one whose
+    storage runs past its stored length, is a ``CheckpointError``, never a cast or an
+    allocation the file cannot back.
+    """
+    from shardwise.core.header import region_runs
+    from shardwise.io.safetensors_io import _pread_into
+
+    where = _where(f, info)
+    meta, base = open_blob(f, info, dtype=dtype, sizes=sizes)
+    if base is None:
+        whole = load_blob(f, info)
+        dest.copy_(whole[tuple(slice(o, o + n) for o, n in zip(offsets, lengths, strict=True))])
+        return info.length
+    if tuple(dest.shape) != tuple(lengths):
+        raise CheckpointError(f"{where} gives a {tuple(lengths)} box for a {tuple(dest.shape)} destination")
+    direct = dest.is_contiguous() and dest.dtype == meta.dtype and dest.device.type == "cpu"
+    out = dest if direct else torch.empty(tuple(lengths), dtype=meta.dtype)
+    runs = region_runs(tuple(meta.shape), meta.element_size(), tuple(offsets), tuple(lengths))
+    buf = byte_view(out.detach())
+    pos = 0
+    for start, length in runs:
+        _pread_into(f.fileno(), buf[pos:pos + length], base + start, what=where)
+        pos += length
+    if pos == meta.numel() * meta.element_size():  # the whole chunk: its zip record's CRC applies
+        expected = zip_crc(f, info, meta, base)
+        got = zlib.crc32(buf) if expected is not None else None
+        if got != expected:
+            raise CheckpointError(f"{where}: the data does not match the CRC-32 its zip record holds "
+                                  f"({got:08x}, not {expected:08x}); the file is corrupt")
+    if not direct:
+        dest.copy_(out)
+    return pos
+
+
+def zip_crc(f, info, meta: torch.Tensor, base: int) -> int | None:
+    """The CRC-32 that the blob's zip archive records for the chunk's data, or None when
+    there is none to compare with (the data is part of a larger storage, or the record has no
+    data descriptor). torch.save writes each record followed by a data descriptor
+    (``PK\\x07\\x08``, CRC-32, sizes); torch.load checks the CRC when it reads a record whole,
+    and so does :func:`read_chunk_into`, which reads the bytes itself."""
+    nbytes = meta.numel() * meta.element_size()
+    if meta.storage_offset() != 0 or meta.untyped_storage().nbytes() != nbytes:
+        return None
+    end = base + nbytes
+    if end + 8 > info.offset + info.length:
+        return None
+    tail = os.pread(f.fileno(), 8, end)
+    if tail[:4] != b"PK\x07\x08":
+        return None
+    return int.from_bytes(tail[4:8], "little")
+
+
+def _where(f, info) -> str:
+    return f"{getattr(f, 'name', '?')}: a chunk at byte {info.offset}"
+
+
+def open_blob(f, info, *, dtype: torch.dtype | None = None, sizes=None) -> tuple[torch.Tensor, int | None]:
+    """The saved chunk ``info`` in the open file ``f`` as a meta tensor (no data read), checked
+    against the ``dtype`` and ``sizes`` the metadata lists; and the file offset where its
+    bytes lie in C order, or None when it is stored otherwise (then :func:`load_blob`)."""
+    from torch.distributed.checkpoint.utils import _create_file_view
+
+    where = _where(f, info)
+    try:
+        meta = torch.load(_create_file_view(f, info.offset, info.length), map_location="meta",
+                          weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"{where} cannot be read ({e})") from e
+    _check_blob(where, meta, info, dtype, sizes)
+    record = getattr(meta.untyped_storage(), "_checkpoint_offset", None)
+    if record is None or not meta.is_contiguous():
+        return meta, None
+    return meta, info.offset + record + meta.storage_offset() * meta.element_size()
+
+
+def load_blob(f, info) -> torch.Tensor:
+    """The saved chunk ``info`` read whole (``weights_only``); :func:`open_blob` has checked it."""
+    from torch.distributed.checkpoint.utils import _create_file_view
+
+    try:
+        return torch.load(_create_file_view(f, info.offset, info.length), map_location="cpu",
+                          weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"{_where(f, info)} cannot be read ({e})") from e
+
+
+def chunk_checksum(f, info, *, dtype: torch.dtype, sizes, piece: int = 16 << 20
+                   ) -> tuple[str, int, str | None]:
+    """``(checksum, bytes read, the zip record's CRC-32 or None)`` of the saved chunk
+    ``info``'s tensor bytes in C order, read in pieces of at most ``piece`` bytes (the chunk
+    is loaded whole, and torch.load checks its CRC, when it is stored in a layout other than
+    a plain contiguous one)."""
+    from shardwise.io.info import tensor_crc
+    from shardwise.io.safetensors_io import _pread_into
+
+    meta, base = open_blob(f, info, dtype=dtype, sizes=sizes)
+    if base is None:
+        whole = load_blob(f, info)
+        return tensor_crc(whole), whole.numel() * whole.element_size(), None
+    nbytes = meta.numel() * meta.element_size()
+    buf = bytearray(min(piece, nbytes))
+    crc, done = 0, 0
+    while done < nbytes:
+        view = memoryview(buf)[: min(len(buf), nbytes - done)]
+        _pread_into(f.fileno(), view, base + done, what=_where(f, info))
+        crc = zlib.crc32(view, crc)
+        done += len(view)
+    expected = zip_crc(f, info, meta, base)
+    return f"{crc:08x}", nbytes, None if expected is None else f"{expected:08x}"
+
+
+def _check_blob(where: str, meta, info, dtype, sizes) -> None:
+    if not isinstance(meta, torch.Tensor):
+        raise CheckpointError(f"{where} holds a {type(meta).__name__}, not a tensor")
+    if dtype is not None and meta.dtype != dtype:
+        raise CheckpointError(f"{where} holds {meta.dtype} data but the metadata says {dtype}; "
+                              "the checkpoint is corrupt")
+    if sizes is not None and tuple(meta.shape) != tuple(sizes):
+        raise CheckpointError(f"{where} holds a tensor of shape {tuple(meta.shape)} but the metadata "
+                              f"says {tuple(sizes)}; the checkpoint is corrupt")
+    record = getattr(meta.untyped_storage(), "_checkpoint_offset", None) or 0
+    if record + meta.untyped_storage().nbytes() > info.length:
+        raise CheckpointError(f"{where} says its data runs {meta.untyped_storage().nbytes()} bytes "
+                              f"from byte {record}, past the {info.length} bytes stored; the checkpoint "
+                              "is corrupt")
+
+
+class MetadataReader(FileSystemReader):
+    """A ``FileSystemReader`` that serves metadata already read (and checked) by
+    :func:`read_metadata` instead of unpickling ``.metadata`` again, and that reads only
+    the bytes each rank needs (:func:`read_chunk_into`) straight into its tensors.
+    ``bytes_read`` counts them. Storage transforms (DCP's experimental extensions) go
+    through DCP's own reader.
+    """
+
+    def __init__(self, path: str | Path, metadata: Metadata):
+        super().__init__(path)
+        self._metadata = metadata
+        self.bytes_read = 0
+        self._chunks = {(fqn, tuple(c.offsets)): (md.properties.dtype, tuple(c.sizes))
+                        for fqn, md in metadata.state_dict_metadata.items()
+                        if isinstance(md, TensorStorageMetadata) for c in md.chunks}
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        return self._metadata
+
+    def read_data(self, plan, planner):
+        from torch.distributed.checkpoint.planner import LoadItemType
+        from torch.distributed.checkpoint.utils import _create_file_view
+
+        infos = {item.storage_index: self.storage_data[item.storage_index] for item in plan.items}
+        if any(getattr(i, "transform_descriptors", None) for i in infos.values()):
+            self.bytes_read += sum(i.length for i in infos.values())
+            return super().read_data(plan, planner)
+        by_file: dict[str, list] = {}
+        for item in plan.items:
+            by_file.setdefault(str(infos[item.storage_index].relative_path), []).append(item)
+        for rel, items in by_file.items():
+            with open(Path(self.path) / rel, "rb") as f:
+                for item in items:
+                    info = infos[item.storage_index]
+                    if item.type == LoadItemType.BYTE_IO:
+                        data = _create_file_view(f, info.offset, info.length).read()
+                        self.bytes_read += len(data)
+                        planner.load_bytes(item, io.BytesIO(data))
+                        continue
+                    target = planner.resolve_tensor(item).detach()
+                    index = item.storage_index
+                    dtype, sizes = self._chunks.get((index.fqn, tuple(index.offset)), (None, None))
+                    self.bytes_read += read_chunk_into(f, info, item.storage_offsets, item.lengths, target,
+                                                       dtype=dtype, sizes=sizes)
+                    planner.commit_tensor(item, target)
+        done = torch.futures.Future()
+        done.set_result(None)
+        return done
+
+
+__all__ = ["MetadataReader", "chunk_checksum", "load_blob", "open_blob", "read_chunk_into", "zip_crc"]

@@ -1,0 +1,297 @@
+"""Distributed checkpoints in safetensors: the format torch's ``HuggingFaceStorageWriter(
+save_distributed=True)`` writes (and so transformers' ``save_pretrained(dir,
+distributed_checkpoint=True)``), and its chunk map, validated before any data is read.
+
+The format: a folder of rank-local safetensors files. Each file's header metadata holds
+``DCP_SHARDING_INFO``, a JSON object ``{tensor: {"saved_offsets": [...]}}`` giving where each
+of its entries sits in the global tensor, and ``DCP_VERSION`` (``"1.0"``). A file holds at
+most one chunk of a tensor; a tensor's chunks are spread over the files. No pickle anywhere,
+so loading such a checkpoint trusts nothing but the validation below.
+
+The format records no global shape: it is the largest ``offset + size`` over a tensor's
+chunks. So the chunks are checked to tile it exactly (every element once, none twice), and
+when the folder has a ``shardwise.json`` (shardwise wrote it) its recorded shapes must agree,
+which also catches a missing last chunk. Detection reads headers, never file names (torch
+names files ``shard-{rank}-model-{i}-of-{n}.safetensors``; nothing here depends on it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from shardwise.core.header import FileHeader, TensorEntry, parse_json_object, str_to_dtype
+from shardwise.core.spec import Region, intersect
+from shardwise.errors import CheckpointError
+from shardwise.io.checkpoint import check_inside
+from shardwise.io.info import INFO_FILE, read_info
+from shardwise.io.safetensors_io import INDEX_SUFFIX, read_header
+
+SHARDING_INFO_KEY = "DCP_SHARDING_INFO"
+VERSION_KEY = "DCP_VERSION"
+VERSION = "1.0"          # torch writes str(HF_DCP_VERSION) == "1.0"
+OFFSETS_KEY = "saved_offsets"
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One stored piece of a tensor: the file entry holding it and the box of the global
+    tensor it fills (``region.sizes == entry.shape``)."""
+
+    path: Path
+    entry: TensorEntry
+    region: Region
+
+
+@dataclass(frozen=True)
+class ShardedTensor:
+    """A tensor of a sharded checkpoint: safetensors dtype name, global shape, its chunks."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: tuple[Chunk, ...]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return str_to_dtype(self.dtype)
+
+    @property
+    def itemsize(self) -> int:
+        return self.torch_dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+
+@dataclass
+class ShardedCheckpoint:
+    """A validated sharded checkpoint. ``names``/``entry``/``root`` answer like
+    :class:`shardwise.io.checkpoint.Checkpoint`, so the loader's key matching works on it."""
+
+    root: Path
+    files: list[Path]
+    headers: dict[Path, FileHeader]
+    tensors: dict[str, ShardedTensor]
+    info: dict | None = None  # shardwise.json, when the folder has one
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def entry(self, name: str) -> tuple[Path, ShardedTensor]:
+        try:
+            return self.root, self.tensors[name]
+        except KeyError:
+            raise CheckpointError(
+                f"{self.root}: the checkpoint has no tensor {name!r} ({len(self.tensors)} tensors)"
+            ) from None
+
+    @property
+    def total_size(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+
+# --- detection -----------------------------------------------------------------------------
+
+def _data_files(root: Path) -> list[Path]:
+    files = sorted(p for p in root.glob("*.safetensors") if p.is_file())
+    for p in files:
+        check_inside(root, p, source=root)
+    return files
+
+
+def is_sharded_safetensors(path: str | os.PathLike) -> bool:
+    """True when ``path`` is a folder of safetensors files whose headers carry
+    ``DCP_SHARDING_INFO`` and no ``*.safetensors.index.json`` (an index names an ordinary
+    checkpoint, such as torch's consolidation written into the same folder).
+
+    Reads only headers; a corrupt header raises ``CheckpointError`` naming the file.
+
+    >>> is_sharded_safetensors("out/hf_dcp")                    # doctest: +SKIP
+    True
+    """
+    root = Path(path)
+    if not root.is_dir() or any(root.glob("*" + INDEX_SUFFIX)):
+        return False
+    return any(SHARDING_INFO_KEY in read_header(p).metadata for p in _data_files(root))
+
+
+# --- the chunk map ---------------------------------------------------------------------------
+
+def _is_offsets(value: object, ndim: int) -> bool:
+    return (isinstance(value, list) and len(value) == ndim
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value))
+
+
+def file_offsets(path: Path, header: FileHeader) -> dict[str, tuple[int, ...]]:
+    """``{tensor: saved offsets}`` of one file, checked against its entries. Pure."""
+    meta = header.metadata
+    if SHARDING_INFO_KEY not in meta:
+        raise CheckpointError(
+            f"{path}: its header has no {SHARDING_INFO_KEY}, but other files of the folder do; "
+            "an ordinary safetensors file among the shards (a consolidated copy?): move it out")
+    version = meta.get(VERSION_KEY)
+    if version is not None and version.split(".")[0] != VERSION.split(".")[0]:
+        raise CheckpointError(
+            f"{path}: {VERSION_KEY} is {version!r}; shardwise reads version {VERSION} "
+            "(written by a newer torch?); consolidate it with that torch first")
+    raw = meta[SHARDING_INFO_KEY].encode("utf-8")
+    info = parse_json_object(raw, source=str(path), what=SHARDING_INFO_KEY)
+    for name in info:
+        if name not in header.entries:
+            raise CheckpointError(f"{path}: {SHARDING_INFO_KEY} lists tensor {name!r}, "
+                                  "which the file does not hold; the header is corrupt")
+    out = {}
+    for name, entry in header.entries.items():
+        item = info.get(name)
+        if item is None:
+            raise CheckpointError(f"{path}: tensor {name!r} has no entry in {SHARDING_INFO_KEY}, "
+                                  "so where it belongs is unknown; the header is corrupt")
+        offsets = item.get(OFFSETS_KEY) if isinstance(item, dict) else None
+        if not _is_offsets(offsets, len(entry.shape)):
+            raise CheckpointError(
+                f"{path}: tensor {name!r}: {SHARDING_INFO_KEY} gives {item!r:.200} but needs "
+                f"{{{OFFSETS_KEY!r}: {len(entry.shape)} non-negative ints}} for shape {entry.shape}")
+        out[name] = tuple(offsets)
+    return out
+
+
+def chunk_map(headers: Mapping[Path, FileHeader]) -> dict[str, ShardedTensor]:
+    """Every tensor's global shape and chunks, from the files' headers; pure, no data read.
+
+    Raises ``CheckpointError`` naming the file and tensor for: a file without sharding
+    info, info that disagrees with the file's entries, chunks of one tensor that differ in
+    dtype or rank, and chunks that do not tile the tensor exactly (see :func:`check_tiling`).
+    """
+    chunks: dict[str, list[Chunk]] = {}
+    for path, header in headers.items():
+        for name, offsets in file_offsets(path, header).items():
+            entry = header.entries[name]
+            chunks.setdefault(name, []).append(Chunk(path, entry, Region(offsets, entry.shape)))
+    tensors = {}
+    for name, found in chunks.items():
+        first = found[0]
+        for c in found[1:]:
+            if c.entry.dtype != first.entry.dtype or len(c.entry.shape) != len(first.entry.shape):
+                raise CheckpointError(
+                    f"tensor {name!r}: its chunk in {c.path} is {c.entry.dtype} of shape "
+                    f"{c.entry.shape} but its chunk in {first.path} is {first.entry.dtype} of "
+                    f"shape {first.entry.shape}; the files come from different checkpoints")
+        shape = tuple(max((c.region.offsets[d] + c.region.sizes[d] for c in found), default=0)
+                      for d in range(len(first.entry.shape)))
+        check_tiling(name, shape, [(str(c.path), c.region) for c in found])
+        tensors[name] = ShardedTensor(name, first.entry.dtype, shape, tuple(found))
+    return tensors
+
+
+def check_tiling(name: str, shape: Sequence[int], pieces: Sequence[tuple[str, Region]]) -> None:
+    """Raise ``CheckpointError`` unless the regions of ``pieces`` (``(source, region)``) tile
+    the tensor of ``shape`` exactly: each inside it, no two overlapping, their volumes
+    summing to its volume. Pure; shared by the reader and the writer.
+
+    >>> check_tiling("w", (4, 2), [("a", Region((0, 0), (2, 2))), ("b", Region((2, 0), (2, 2)))])
+    """
+    shape = tuple(shape)
+    for src, r in pieces:
+        inside = len(r.offsets) == len(shape) and all(
+            o + s <= d for o, s, d in zip(r.offsets, r.sizes, shape, strict=True))
+        if not inside:
+            raise CheckpointError(f"{src}: tensor {name!r}: chunk at offsets {r.offsets} of sizes "
+                                  f"{r.sizes} falls outside its shape {shape}")
+    _check_overlap(name, [(s, r) for s, r in pieces if r.numel])
+    covered, total = sum(r.numel for _, r in pieces), math.prod(shape)
+    if covered != total:
+        files = sorted({s for s, _ in pieces})
+        raise CheckpointError(
+            f"tensor {name!r}: its chunks in {', '.join(files[:4])}{' ...' if len(files) > 4 else ''} "
+            f"cover {covered} of the {total} elements of its shape {shape}; a chunk (or a whole "
+            "rank's file) is missing: copy the complete checkpoint folder, or save again")
+
+
+def _check_overlap(name: str, pieces: list[tuple[str, Region]]) -> None:
+    if len(pieces) < 2:
+        return
+    ndim = len(pieces[0][1].offsets)
+    # Sweep along the dim where chunk starts differ most: only chunks whose span on it
+    # is still open can overlap the next one (a grid of chunks keeps that set small).
+    dim = max(range(ndim), key=lambda d: len({r.offsets[d] for _, r in pieces}), default=None)
+    if dim is None:  # scalars: two chunks of one scalar overlap
+        a, b = pieces[0], pieces[1]
+        _overlap_error(name, a, b)
+    open_: list[tuple[str, Region]] = []
+    for src, r in sorted(pieces, key=lambda p: p[1].offsets[dim]):
+        start = r.offsets[dim]
+        open_ = [(s, a) for s, a in open_ if a.offsets[dim] + a.sizes[dim] > start]
+        for other in open_:
+            if intersect(other[1], r) is not None:
+                _overlap_error(name, other, (src, r))
+        open_.append((src, r))
+
+
+def _overlap_error(name: str, a: tuple[str, Region], b: tuple[str, Region]):
+    where = a[0] if a[0] == b[0] else f"{a[0]} and {b[0]}"
+    raise CheckpointError(
+        f"{where}: tensor {name!r}: chunks at offsets {a[1].offsets} (sizes {a[1].sizes}) and "
+        f"{b[1].offsets} (sizes {b[1].sizes}) overlap, so which bytes hold the tensor is "
+        "ambiguous; the folder mixes checkpoints or a header is corrupt")
+
+
+# --- a folder ---------------------------------------------------------------------------------
+
+def _check_recorded(root: Path, tensors: Mapping[str, ShardedTensor], info: dict | None) -> None:
+    """The shapes shardwise recorded at save time must be the ones the chunks make: a missing
+    last chunk, or a whole missing file, shows up here and nowhere else."""
+    recorded = (info or {}).get("tensors")
+    if not isinstance(recorded, dict):
+        return
+    for name, want in recorded.items():  # read_info checked the field's types
+        got = tensors.get(name)
+        if got is None:
+            raise CheckpointError(f"{root}: {INFO_FILE} lists tensor {name!r}, which no file holds; "
+                                  "a rank's file is missing: copy the complete folder, or save again")
+        if tuple(want["shape"]) != got.shape:
+            raise CheckpointError(
+                f"{root}: tensor {name!r}: {INFO_FILE} records shape {tuple(want['shape'])} but its chunks "
+                f"make {got.shape}; a rank's file is missing: copy the complete folder, or save again")
+
+
+def read_sharded(path: str | os.PathLike) -> ShardedCheckpoint:
+    """The validated chunk map of the sharded checkpoint folder ``path``; reads headers only.
+
+    >>> ckpt = read_sharded("out/hf_dcp")                                  # doctest: +SKIP
+    >>> [c.region for c in ckpt.tensors["lm_head.weight"].chunks]           # doctest: +SKIP
+    [Region(offsets=(0, 0), sizes=(32, 32)), Region(offsets=(32, 0), sizes=(32, 32))]
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: no such checkpoint folder")
+    files = _data_files(root)
+    if not files:
+        raise CheckpointError(f"{root}: no .safetensors files in this folder")
+    headers = {p: read_header(p) for p in files}
+    tensors = chunk_map(headers)
+    info = read_info(root)
+    _check_recorded(root, tensors, info)
+    return ShardedCheckpoint(root, files, headers, tensors, info)
+
+
+def sharding_metadata(offsets: Mapping[str, Sequence[int]]) -> dict[str, str]:
+    """The header metadata of one rank-local file holding the chunks at ``offsets``
+    (``{tensor: saved offsets}``), as torch's writer puts it."""
+    info = {name: {OFFSETS_KEY: [int(o) for o in off]} for name, off in offsets.items()}
+    return {SHARDING_INFO_KEY: json.dumps(info), VERSION_KEY: VERSION, "format": "pt"}
+
+
+__all__ = [
+    "Chunk", "OFFSETS_KEY", "SHARDING_INFO_KEY", "ShardedCheckpoint", "ShardedTensor",
+    "VERSION", "VERSION_KEY", "check_tiling", "chunk_map", "file_offsets", "is_sharded_safetensors",
+    "read_sharded", "sharding_metadata",
+]

@@ -1,0 +1,279 @@
+"""Reading sharded safetensors checkpoints (``shardwise.io.hf_dcp``): ``sw.load`` at any
+degree and mesh, ``sw.consolidate`` and ``shardwise inspect``.
+
+Plan, then execute: :func:`plan_chunk_reads` (pure) intersects each region a rank wants with
+the chunks of the tensor and names, for every overlap, the box of the chunk's file entry to
+read and where it lands in the local tensor. The reads go through the loader's
+:class:`~shardwise.io.reader.RegionReader` (``pread`` of exactly the box's byte runs, on a
+thread pool, within its memory window). A local tensor that one box fills whole (a rank
+loading the layout it saved, or a finer one) is the read buffer itself; one assembled from
+several chunks is copied together once, then handed on.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from shardwise.core.spec import Layout, Region, intersect, local_layout, split
+from shardwise.io.hf_dcp import ShardedCheckpoint, ShardedTensor, read_sharded
+from shardwise.io.reader import ReadItem, RegionReader
+
+Request = tuple[ShardedTensor, Layout]
+Finalize = Callable[[str, torch.Tensor], torch.Tensor]
+
+
+def local_extent(layout: Layout) -> tuple[int, ...]:
+    """The local tensor's shape: the layout's regions tile it exactly."""
+    ndim = len(layout[0][0].sizes)
+    return tuple(max(off[d] + r.sizes[d] for r, off in layout) for d in range(ndim))
+
+
+def plan_chunk_reads(tensor: ShardedTensor, layout: Layout, *,
+                     tag: str = "") -> list[tuple[ReadItem, Region]]:
+    """The reads giving the local tensor of ``layout`` (regions of ``tensor`` with their
+    offsets in the local tensor): for each overlap of a region with a chunk, a
+    :class:`ReadItem` of that box of the chunk's entry, and the box's place in the local
+    tensor. Only chunks that overlap a region are read. Pure.
+
+    >>> [(i.path.name, dest) for i, dest in plan_chunk_reads(t, layout)]      # doctest: +SKIP
+    [('shard-00001-model-00001-of-00001.safetensors', Region(offsets=(0, 0), sizes=(16, 32)))]
+    """
+    reads: list[tuple[ReadItem, Region]] = []
+    for region, off in layout:
+        for chunk in tensor.chunks:
+            box = intersect(region, chunk.region)
+            if box is None or box.numel == 0:
+                continue
+            start = zip(box.offsets, chunk.region.offsets, strict=True)
+            in_chunk = Region(tuple(b - c for b, c in start), box.sizes)
+            place = zip(off, box.offsets, region.offsets, strict=True)
+            dest = Region(tuple(o + b - r for o, b, r in place), box.sizes)
+            item = ReadItem(f"{tag or tensor.name}#{len(reads)}", chunk.path, chunk.entry,
+                            [(in_chunk, (0,) * len(box.sizes))], box.sizes)
+            reads.append((item, dest))
+    return reads
+
+
+class _Assembly:
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, remaining: int):
+        self.shape, self.dtype, self.remaining = shape, dtype, remaining
+        self.out: torch.Tensor | None = None
+        self.lock = threading.Lock()
+
+
+class ShardedReader:
+    """Local tensors of a :class:`ShardedCheckpoint`, read box by box; a context manager
+    owning the reader's file descriptors.
+
+    >>> with ShardedReader(read_sharded("out/hf_dcp"), num_threads=4) as reader:   # doctest: +SKIP
+    ...     local = reader.read({"w": (ckpt.tensors["w"], layout)}, finalize=lambda k, t: t)["w"]
+    """
+
+    def __init__(self, ckpt: ShardedCheckpoint, *, num_threads: int,
+                 on_bytes: Callable[[int], None] | None = None):
+        self.ckpt = ckpt
+        self._reader = RegionReader(ckpt.headers, num_threads=num_threads, on_bytes=on_bytes)
+
+    def __enter__(self) -> ShardedReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._reader.close()
+
+    @property
+    def bytes_read(self) -> int:
+        return self._reader.bytes_read
+
+    def read(self, requests: Mapping[str, Request], *, finalize: Finalize) -> dict[str, torch.Tensor]:
+        """``{key: finalize(key, local tensor)}`` for ``requests`` (``{key: (tensor, layout)}``).
+        ``finalize`` runs on the reader's threads, once per key, as each tensor completes."""
+        results: dict[str, torch.Tensor] = {}
+        owner: dict[str, tuple[str, Region, _Assembly | None]] = {}
+        items: list[ReadItem] = []
+        for key, (tensor, layout) in requests.items():
+            shape = local_extent(layout) if layout else ()
+            reads = plan_chunk_reads(tensor, layout, tag=key)
+            if not reads:  # an empty tensor: nothing to read
+                results[key] = finalize(key, torch.empty(shape, dtype=tensor.torch_dtype))
+                continue
+            direct = len(reads) == 1 and reads[0][0].local_shape == shape
+            assembly = None if direct else _Assembly(shape, tensor.torch_dtype, len(reads))
+            for item, dest in reads:
+                owner[item.name] = (key, dest, assembly)
+                items.append(item)
+
+        def done(item: ReadItem, raw: torch.Tensor) -> None:
+            key, dest, assembly = owner[item.name]
+            if assembly is None:
+                results[key] = finalize(key, raw)
+                return
+            with assembly.lock:
+                if assembly.out is None:
+                    assembly.out = torch.empty(assembly.shape, dtype=assembly.dtype)
+                out = assembly.out
+            out[dest.slices()].copy_(raw)  # boxes are disjoint: no lock needed
+            with assembly.lock:
+                assembly.remaining -= 1
+                last = assembly.remaining == 0
+            if last:
+                assembly.out = None
+                results[key] = finalize(key, out)
+
+        self._reader.read(items, finalize=done)
+        return results
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The whole tensor ``name`` on the CPU, in its stored dtype."""
+        t = self.ckpt.tensors[name]
+        zeros = (0,) * len(t.shape)
+        return self.read({name: (t, [(Region(zeros, t.shape), zeros)])}, finalize=lambda k, x: x)[name]
+
+
+def finalizer(dtype: torch.dtype | None, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Cast (floating tensors, to ``dtype``) and move a freshly read local tensor, as
+    ``sw.load`` does: a narrowing cast on the host, before the copy; a widening one after."""
+    from shardwise.io.staging import host_to_device
+
+    to_device = host_to_device(device)
+
+    def finalize(raw: torch.Tensor) -> torch.Tensor:
+        cast = dtype is not None and raw.is_floating_point() and raw.dtype != dtype
+        if cast and dtype.itemsize <= raw.dtype.itemsize:
+            raw, cast = raw.to(dtype), False
+        raw = to_device(raw) if raw.device != device else raw
+        return raw.to(dtype) if cast else raw
+
+    return finalize
+
+
+def load_sharded_safetensors(model: nn.Module, path, *, specs, mesh, holding: str,
+                             dtype: torch.dtype | None = None, strict: bool = True,
+                             num_threads: int | None = None, progress: bool | None = None):
+    """Load the sharded safetensors checkpoint at ``path`` into ``model`` (usually on the meta
+    device), sharded by ``specs`` over the tp axis of ``mesh``, and install the shards like
+    ``sw.load``; every rank calls it (``sw.load`` dispatches here), no collective runs. The
+    chunk map is validated and keys and shapes are matched before any data is read; each
+    rank reads only the chunk bytes that overlap its regions. Returns a ``LoadResult``.
+
+    >>> load_sharded_safetensors(model, "out/hf_dcp", specs=resolve_plan(model, plan, 4),
+    ...                          mesh=mesh, holding="dtensor")              # doctest: +SKIP
+    """
+    from shardwise._progress import Progress
+    from shardwise.io.load import (
+        LoadResult,
+        _is_rank0,
+        _num_threads,
+        check_nothing_left_on_meta,
+        device_of,
+        match_keys,
+        move_non_persistent,
+    )
+    from shardwise.parallel import install, tp_axis
+
+    start = time.perf_counter()
+    ckpt = read_sharded(path)
+    sources, missing, unexpected = match_keys(model, specs, ckpt, strict=strict)
+    check_nothing_left_on_meta(model, specs, missing)
+    tp_mesh = tp_axis(mesh)
+    degree, rank = tp_mesh.size(), tp_mesh.get_local_rank()
+    requests = {name: (t, local_layout(t.shape, specs[name], degree, rank))
+                for name, (_, t) in sources.items()}
+    finalize = finalizer(dtype, device_of(tp_mesh))
+    total = sum(sum(r.numel for r, _ in layout) * t.itemsize for t, layout in requests.values())
+    with Progress(total, progress, _is_rank0(), "shardwise load") as bar, \
+            ShardedReader(ckpt, num_threads=_num_threads(num_threads), on_bytes=bar) as reader:
+        tensors = reader.read(requests, finalize=lambda key, raw: finalize(raw))
+    own = model.state_dict(keep_vars=True) if missing else {}
+
+    def local_tensor(name, spec):
+        if name in tensors:
+            return tensors.pop(name)
+        return finalize(split(own[name].detach().cpu(), spec, degree, rank))  # strict=False: keep own
+
+    install(model, specs, mesh, holding=holding, local_tensor=local_tensor, dtype=dtype)
+    move_non_persistent(model, device_of(tp_mesh))
+    return LoadResult(tuple(missing), tuple(unexpected), reader.bytes_read,
+                      time.perf_counter() - start, len(requests))
+
+
+# --- consolidate and inspect -------------------------------------------------------------------
+
+def _ordered(ckpt: ShardedCheckpoint) -> list[ShardedTensor]:
+    """The model's order when shardwise recorded it (so consolidation splits files like
+    ``sw.save``), else by name: the format itself keeps no order."""
+    recorded = (ckpt.info or {}).get("tensors")
+    if isinstance(recorded, dict) and set(recorded) == set(ckpt.tensors):
+        return [ckpt.tensors[n] for n in recorded]
+    return [ckpt.tensors[n] for n in sorted(ckpt.tensors)]
+
+
+def consolidate_sharded(src: str | os.PathLike, dst: str | os.PathLike, *,
+                        max_shard_size: int | str = "5GB", filename_prefix: str = "model",
+                        overwrite: bool = False, num_threads: int = 4) -> Path:
+    """Write the sharded safetensors checkpoint ``src`` as an ordinary safetensors checkpoint
+    in the folder ``dst``, streaming one tensor at a time; one process, no process group.
+    Files, headers and index are ``sw.save``'s (so the weights are byte-equal to a
+    ``save_file`` of the same tensors). Crash-safe like every save. Returns ``dst``.
+
+    >>> consolidate_sharded("out/hf_dcp", "out/merged")                    # doctest: +SKIP
+    """
+    from shardwise.io.consolidate import _user_metadata
+    from shardwise.io.info import gather_info, write_info
+    from shardwise.io.safetensors_io import INDEX_SUFFIX, StreamingWriter, index_json, plan_files
+    from shardwise.io.save import header_metadata, save_file_order
+    from shardwise.io.target import Destination, target_path
+
+    ckpt = read_sharded(src)
+    tensors = _ordered(ckpt)
+    user = _user_metadata(Path(src))
+    specs = [(t.name, t.dtype, t.shape) for t in tensors]
+    file_plan = [(fname, sorted(group, key=save_file_order))
+                 for fname, group in plan_files(specs, max_shard_size, filename_prefix)]
+    index = None
+    if len(file_plan) > 1:
+        index = (filename_prefix + INDEX_SUFFIX,
+                 index_json(file_plan, sum(t.nbytes for t in tensors), dict(user)))
+    dest = Destination(target_path(dst), overwrite)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the copies are memory-bound: see shardwise.io.consolidate
+    try:
+        with ShardedReader(ckpt, num_threads=num_threads) as reader:
+            dest.prepare()
+            checksums: dict[str, str] = {}
+            for fname, group in file_plan:
+                with StreamingWriter(dest.tmp / fname, group, metadata=header_metadata(user)) as writer:
+                    for name, _, _ in group:
+                        writer.write(name, reader.tensor(name))
+                checksums.update(writer.checksums)
+            write_info(dest.tmp, gather_info(checksums))  # what sw.save would record
+            dest.commit(index)
+    finally:
+        torch.set_num_threads(threads)
+        dest.discard()
+    return dest.target
+
+
+def inspect_sharded(path: str | os.PathLike):
+    """The ``shardwise inspect`` report of a sharded safetensors checkpoint (headers only)."""
+    from shardwise.io.hf_dcp import SHARDING_INFO_KEY
+    from shardwise.io.inspect import Report
+
+    ckpt = read_sharded(path)
+    rows = [(t.name, t.dtype, t.shape, len(t.chunks)) for t in _ordered(ckpt)]
+    meta = {k: v for k, v in ckpt.headers[ckpt.files[0]].metadata.items() if k != SHARDING_INFO_KEY}
+    return Report(Path(path), "torch distributed checkpoint in safetensors (DCP_SHARDING_INFO, no pickle)",
+                  [f.name for f in ckpt.files], rows, metadata=meta, layout=ckpt.info)
+
+
+__all__ = ["ShardedReader", "consolidate_sharded", "finalizer", "inspect_sharded", "load_sharded_safetensors",
+           "local_extent", "plan_chunk_reads"]

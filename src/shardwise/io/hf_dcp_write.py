@@ -1,0 +1,234 @@
+"""Writing sharded safetensors checkpoints (the format of ``shardwise.io.hf_dcp``): every rank
+writes its own canonical chunks as rank-local safetensors files, nothing is gathered.
+
+A rank's chunks are the regions of its layout (``shardwise.io.dcp_items.place``, whose region
+math is ``shardwise.core.spec``'s): one per plain shard, one per block part of a packed shard,
+several for an FSDP x TP shard. The ranks exchange only the list of regions they hold
+(names, offsets, sizes), and every rank runs the same pure plan on it: a region held by
+several ranks (a replicated tensor) is written once, by the holder with the fewest bytes so
+far, and the regions to be written must tile every tensor exactly before anything is
+written. A file holds at most one chunk of a tensor, so rank ``r``'s ``k``-th chunk of a
+tensor goes to ``shard-{r+1}-model-{k}-of-{K}.safetensors``, the names torch and
+transformers use. Headers carry torch's ``DCP_SHARDING_INFO`` / ``DCP_VERSION`` metadata, so
+torch's ``HuggingFaceStorageReader``, its ``consolidate_safetensors_files`` and transformers'
+``from_pretrained`` read the folder; ``shardwise.json`` records the layout and the shapes,
+and Hugging Face models get their ``config.json``.
+
+Each file is streamed (header first, then each chunk from the rank's memory); torch's writer
+builds each file whole in memory first. The folder is written aside and moved into place
+when every rank is done, like every shardwise save.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch.distributed as dist
+from torch import nn
+
+from shardwise.core.header import dtype_to_str, spec_nbytes
+from shardwise.core.spec import Region
+from shardwise.errors import CheckpointError
+from shardwise.io.hf_dcp import check_tiling, sharding_metadata
+
+# (tensor name, safetensors dtype, canonical shape, region) of one chunk a rank holds
+Held = tuple[str, str, tuple[int, ...], Region]
+
+
+def held_chunks(placed: Mapping) -> list[Held]:
+    """The chunks a rank holds, from ``{name: Placed}``; an empty region is dropped unless
+    the tensor itself is empty (its one chunk keeps the name in the checkpoint)."""
+    out = []
+    for name, p in placed.items():
+        dtype = dtype_to_str(p.local.dtype)
+        for region, _ in p.layout:
+            if region.numel or math.prod(p.shape) == 0:
+                out.append((name, dtype, tuple(p.shape), region))
+    return out
+
+
+def assign_chunks(held: Sequence[Sequence[Held]]) -> list[list[Held]]:
+    """Which rank writes which chunk, from every rank's :func:`held_chunks` (index = rank).
+
+    A chunk several ranks hold goes to the one with the fewest bytes assigned so far (the
+    lowest rank on a tie). Raises ``CheckpointError`` if the ranks disagree on a tensor's
+    dtype or shape, or if the chunks do not tile a tensor exactly. Pure and deterministic,
+    so every rank computes the same answer without another collective.
+    """
+    tensors: dict[str, tuple[str, tuple[int, ...], int]] = {}
+    holders: dict[tuple[str, Region], list[int]] = {}
+    for rank, chunks in enumerate(held):
+        for name, dtype, shape, region in chunks:
+            known = tensors.setdefault(name, (dtype, shape, rank))
+            if known[:2] != (dtype, shape):
+                raise CheckpointError(
+                    f"tensor {name!r} is {dtype} of shape {shape} on rank {rank} but {known[0]} of "
+                    f"shape {known[1]} on rank {known[2]}; every rank must save the same model")
+            holders.setdefault((name, region), []).append(rank)
+    load = [0] * len(held)
+    out: list[list[Held]] = [[] for _ in held]
+    written: dict[str, list[tuple[str, Region]]] = {}
+    for (name, region), ranks in holders.items():
+        dtype, shape, _ = tensors[name]
+        rank = min(ranks, key=lambda r: (load[r], r))
+        load[rank] += spec_nbytes(dtype, region.sizes)
+        out[rank].append((name, dtype, shape, region))
+        written.setdefault(name, []).append((f"rank {rank}", region))
+    for name, (_, shape, _) in tensors.items():
+        check_tiling(name, shape, written[name])
+    return out
+
+
+def file_name(rank: int, index: int, num_files: int) -> str:
+    """Rank ``rank``'s ``index``-th file (1-based) of ``num_files``, named as torch names them."""
+    return f"shard-{rank + 1:05d}-model-{index:05d}-of-{num_files:05d}.safetensors"
+
+
+def rank_files(chunks: Sequence[Held], rank: int, num_files: int) -> list[tuple[str, list[Held]]]:
+    """This rank's files: the ``k``-th chunk of each tensor goes to file ``k``. Pure."""
+    files: list[list[Held]] = []
+    count: dict[str, int] = {}
+    for chunk in chunks:
+        k = count.get(chunk[0], 0)
+        count[chunk[0]] = k + 1
+        if k == len(files):
+            files.append([])
+        files[k].append(chunk)
+    return [(file_name(rank, k + 1, num_files), group) for k, group in enumerate(files)]
+
+
+def num_files(assigned: Sequence[Sequence[Held]]) -> int:
+    """The most chunks of one tensor that one rank writes (every rank's ``-of-`` count)."""
+    most = 1
+    for chunks in assigned:
+        counts: dict[str, int] = {}
+        for chunk in chunks:
+            counts[chunk[0]] = counts.get(chunk[0], 0) + 1
+        most = max([most, *counts.values()])
+    return most
+
+
+def write_file(path: Path, group: Sequence[Held], placed: Mapping) -> dict[str, dict[str, str]]:
+    """Stream one rank-local file: header (with the sharding metadata), then each chunk.
+    Returns each chunk's checksum, ``{tensor: {chunk key: crc32}}`` (``shardwise.io.info``)."""
+    from shardwise.io.info import chunk_key
+    from shardwise.io.safetensors_io import StreamingWriter
+    from shardwise.io.save import save_file_order
+
+    specs = sorted(((name, dtype, region.sizes) for name, dtype, _, region in group), key=save_file_order)
+    where = {name: region for name, _, _, region in group}
+    metadata = sharding_metadata({name: where[name].offsets for name, _, _ in specs})
+    with StreamingWriter(path, specs, metadata=metadata) as writer:
+        for name, _, _ in specs:
+            p = placed[name]
+            off = dict(p.layout)[where[name]]
+            writer.write(name, p.piece(off, where[name].sizes).cpu())
+    return {name: {chunk_key(where[name].offsets): crc} for name, crc in writer.checksums.items()}
+
+
+def _gather(obj) -> list:
+    from shardwise.backends import coordination_group
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj, group=coordination_group())
+    return out
+
+
+def _write_side_files(model: nn.Module, folder: Path, info: dict) -> None:
+    from shardwise.io.info import write_info
+
+    write_info(folder, info)
+    config = getattr(model, "config", None)
+    if callable(getattr(config, "save_pretrained", None)):  # a Hugging Face model
+        config.save_pretrained(folder)
+        generation = getattr(model, "generation_config", None)
+        can_generate = getattr(model, "can_generate", lambda: False)
+        if generation is not None and can_generate():
+            generation.save_pretrained(folder)
+
+
+def _write_rank_files(folder: Path, files, placed: Mapping, sums: dict) -> None:
+    for fname, group in files:
+        for name, chunks in write_file(folder / fname, group, placed).items():
+            sums.setdefault(name, {}).update(chunks)
+
+
+def _all_checksums(sums: dict[str, dict[str, str]]) -> dict:
+    """Every rank's chunk checksums, as ``shardwise.json`` records them (each chunk is
+    written by one rank, so no key collides)."""
+    from shardwise.io.info import ALGORITHM
+
+    chunks: dict[str, dict[str, str]] = {}
+    for part in _gather(sums):
+        for name, by_offsets in part.items():
+            chunks.setdefault(name, {}).update(by_offsets)
+    return {"algorithm": ALGORITHM, "chunks": chunks}
+
+
+def save_sharded_safetensors(model: nn.Module, path, *, overwrite: bool = False,
+                             metadata: Mapping[str, str] | None = None, progress: bool | None = None) -> None:
+    """Write ``model`` at ``path`` as a sharded safetensors checkpoint (torch's
+    ``HuggingFaceStorageWriter(save_distributed=True)`` format); every rank calls it and
+    writes its own chunks, nothing is gathered. ``metadata`` goes into ``shardwise.json``
+    (and, through ``sw.consolidate``, into the safetensors headers). ``progress`` is
+    accepted for ``sw.save``'s signature. Complete or absent: written aside, moved into
+    place when every rank is done; ``path`` must be on a filesystem every rank sees.
+
+    >>> sw.save(model, "out/hf_dcp", distributed=True, format="safetensors")   # doctest: +SKIP
+    """
+    from shardwise.io.dcp import _on_rank0, checkpoint_info, model_placed
+    from shardwise.io.gather import agree, capture, world_backend
+    from shardwise.io.guards import check_model
+    from shardwise.io.save import header_metadata
+    from shardwise.io.target import Destination, target_path
+    from shardwise.parallel import get_shard_state
+
+    check_model(model, action="save")
+    header_metadata(metadata)  # str -> str, or a CheckpointError before anything is written
+    state = get_shard_state(model)
+    if state is not None and state.holding == "spmd":
+        raise CheckpointError("a sharded safetensors save needs one process per device; under "
+                              "holding 'spmd' save with format='distcp' (the default)")
+    target = target_path(path)
+    what = f"sw.save(distributed=True, format='safetensors') to {target}"
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    backend = world_backend()
+    box: dict = {}
+
+    def plan_own():
+        box["placed"] = model_placed(model)
+        box["held"] = held_chunks(box["placed"])
+
+    agree(backend, capture(plan_own), what=what)  # no rank may miss the gather below
+    assigned = assign_chunks(_gather(box["held"]))  # same input, same answer on every rank
+    placed = box["placed"]
+    dest = Destination(target, overwrite) if rank == 0 else None
+
+    def prepare():
+        dest.prepare()
+        return str(dest.tmp)
+
+    try:
+        tmp = Path(_on_rank0(prepare, f"preparing {what}", share=True))
+        files = rank_files(assigned[rank], rank, num_files(assigned))
+        sums: dict[str, dict[str, str]] = {}
+        agree(backend, capture(lambda: _write_rank_files(tmp, files, placed, sums)), what=what)
+        info = checkpoint_info(model, placed, kind="model", metadata=metadata)
+        info.update(storage="safetensors", checksums=_all_checksums(sums))
+
+        def commit():
+            _write_side_files(model, dest.tmp, info)
+            dest.commit(None)
+
+        _on_rank0(commit, f"moving {what} into place")
+    finally:
+        if dest is not None:
+            dest.discard()
+
+
+__all__ = ["assign_chunks", "file_name", "held_chunks", "num_files", "rank_files", "save_sharded_safetensors",
+           "write_file"]

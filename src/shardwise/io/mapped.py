@@ -1,0 +1,162 @@
+"""Reading boxes of safetensors tensors through memory maps of the page cache.
+
+Two uses, both chosen per box by the region reader (``shardwise.io.reader``):
+
+- **Views** (zero copy): a box that is one contiguous byte run on disk, already in the
+  dtype the model wants, for a CPU model, becomes a tensor over a private (copy-on-write)
+  mapping of the file: no copy and no fresh memory at load time; the page-cache pages
+  are mapped in as the model first touches them (what ``safetensors.safe_open`` and
+  transformers' loader do). A write to the tensor (an optimizer step) copies just that
+  page into the process; the file never changes. The mapping lives as long as any tensor
+  viewing it (each view's storage holds it), and it keeps the file's inode alive.
+- **Strided copies**: a box made of many short runs (a column slice, one run per row) is
+  copied out of a mapping of the rows it spans with one strided ``copy_`` instead of one
+  ``pread`` per row; the mapping is dropped right after, so its pages leave the process.
+
+Every mapped byte lies inside the entry's validated extent, and the file is checked to be
+at least that long just before mapping (a file shortened since its header was read is a
+``CheckpointError``, as with ``pread``). A file truncated *while* mapped makes the kernel
+raise SIGBUS on access: do not rewrite a checkpoint in place while a model loaded from it
+is alive (``sw.save`` writes aside and renames, which is safe; so is deleting the file).
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+from shardwise.core.header import FileHeader, TensorEntry
+from shardwise.core.spec import Region
+from shardwise.errors import CheckpointError
+
+_GRANULE = mmap.ALLOCATIONGRANULARITY
+# Private (copy-on-write) mappings are POSIX; elsewhere (Windows) every box is read with pread.
+AVAILABLE = hasattr(mmap, "MAP_PRIVATE")
+
+
+def contiguous_span(entry: TensorEntry, region: Region) -> tuple[int, int] | None:
+    """``(offset within the tensor's bytes, length)`` when ``region`` of ``entry`` is one
+    contiguous, non-empty byte run (leading dims of size 1, then one partial dim, then
+    whole dims), else ``None``. Pure.
+
+    >>> e = TensorEntry("w", "BF16", (4, 6), 0, 48)
+    >>> contiguous_span(e, Region((1, 0), (2, 6))), contiguous_span(e, Region((0, 2), (2, 3)))
+    ((12, 24), None)
+    """
+    shape, sizes = entry.shape, region.sizes
+    if 0 in sizes:
+        return None
+    strides = _strides(shape)
+    k = next((d for d, n in enumerate(sizes) if n != 1), len(shape) - 1)
+    if any(sizes[d] != shape[d] for d in range(k + 1, len(shape))):
+        return None
+    start = sum(o * s for o, s in zip(region.offsets, strides, strict=True))
+    length = sizes[k] * strides[k] if shape else 1
+    return start * entry.itemsize, length * entry.itemsize
+
+
+def _check_length(fd: int, header: FileHeader, entry: TensorEntry) -> None:
+    need = header.data_start + entry.end
+    size = os.fstat(fd).st_size
+    if size < need:
+        raise CheckpointError(
+            f"{header.source}: tensor {entry.name!r} ends at byte {need} but the file now has {size} "
+            "bytes; it was truncated or replaced after its header was read. Load it again once it "
+            "is complete")
+
+
+class FileViews:
+    """Private whole-file mappings, one per file, made on first use; thread-safe.
+
+    ``view(fd, path, header, entry, region)`` is a tensor over the box's bytes (see the
+    module doc), or ``None`` when the box is not one aligned contiguous run. Each view has a
+    storage of exactly its own bytes (``torch.save`` of it writes those bytes, not the file),
+    which holds the mapping: it is unmapped when the last view of the file is freed.
+    """
+
+    def __init__(self):
+        self._maps: dict[Path, mmap.mmap] = {}
+        self._lock = threading.Lock()
+
+    def _map(self, fd: int, path: Path) -> mmap.mmap:
+        with self._lock:
+            mapping = self._maps.get(path)
+            if mapping is None:
+                # The descriptor whose header was validated, whatever the path names now.
+                # Private and writable: a write to a view copies its page, the file never changes.
+                mapping = self._maps[path] = mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE,
+                                                       prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            return mapping
+
+    def view(self, fd: int, path: Path, header: FileHeader, entry: TensorEntry,
+             region: Region) -> torch.Tensor | None:
+        span = contiguous_span(entry, region)
+        if span is None or not AVAILABLE:
+            return None
+        offset = header.data_start + entry.start + span[0]
+        if offset % entry.itemsize:
+            return None  # a misaligned tensor cannot be viewed in its dtype: read it
+        _check_length(fd, header, entry)
+        mapping = self._map(fd, path)
+        if len(mapping) < offset + span[1]:
+            raise CheckpointError(f"{header.source}: the file is shorter than its header says; truncated?")
+        # Never closed explicitly: the storage keeps the mmap object alive, and closing it
+        # under a live tensor would unmap memory the tensor still points at.
+        flat = torch.frombuffer(mapping, dtype=entry.torch_dtype, count=span[1] // entry.itemsize,
+                                offset=offset)
+        return flat.view(region.sizes)
+
+    def close(self) -> None:
+        """Drop this reader's references; the views keep their mappings alive."""
+        with self._lock:
+            self._maps.clear()
+
+
+def _strides(sizes) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(sizes):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
+def copy_mapped(fd: int, header: FileHeader, entry: TensorEntry, region: Region, dest: torch.Tensor) -> int:
+    """Copy ``region`` of ``entry`` into ``dest`` (any strides, the entry's dtype, the
+    region's shape) through a mapping of the rows it spans; returns the bytes copied.
+
+    Returns 0 without copying when the entry's data is misaligned for its dtype or private
+    mappings are not available (the caller then reads with ``pread``).
+    """
+    shape, item = entry.shape, entry.itemsize
+    if 0 in region.sizes or not shape or not AVAILABLE:
+        return 0
+    strides = _strides(shape)
+    first = sum(o * s for o, s in zip(region.offsets, strides, strict=True))
+    last = sum((o + n - 1) * s for o, n, s in zip(region.offsets, region.sizes, strides, strict=True))
+    base = header.data_start + entry.start
+    lo, hi = base + first * item, base + (last + 1) * item
+    if lo % item:
+        return 0
+    _check_length(fd, header, entry)
+    start = lo - lo % _GRANULE
+    mapping = mmap.mmap(fd, hi - start, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE,
+                        offset=start)
+    try:
+        _strided_copy(mapping, lo - start, hi - lo, entry.torch_dtype, region.sizes, strides, dest)
+    finally:
+        mapping.close()  # the tensors over it lived only inside _strided_copy
+    return math.prod(region.sizes) * item
+
+
+def _strided_copy(mapping: mmap.mmap, offset: int, count: int, dtype: torch.dtype, sizes, strides,
+                  dest: torch.Tensor) -> None:
+    flat = torch.frombuffer(mapping, dtype=torch.uint8, count=count, offset=offset)
+    dest.copy_(flat.view(dtype).as_strided(sizes, strides))
+
+
+__all__ = ["FileViews", "contiguous_span", "copy_mapped"]

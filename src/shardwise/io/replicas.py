@@ -1,0 +1,130 @@
+"""Replicas read once: on a mesh with a ``dp_replicate`` axis, each region is read from storage
+by one replica and sent to the others over the process group.
+
+Ranks that differ only in their ``dp_replicate`` coordinate hold the same local shards, so
+instead of every replica reading the whole checkpoint (``replicas x checkpoint`` bytes from a
+shared file system) the reads are split between them: :func:`assign_owners` (pure) gives each
+read to one rank of its group, balancing bytes; every rank then reads only what it owns
+(views of the page cache, strided copies or ``pread``, as any load) and the owners broadcast
+within the group. Two kinds of group:
+
+- a tensor sharded over the tp (or ep) axis: its ``dp_replicate`` group (same tp/ep coordinate);
+- a tensor every rank holds whole (a replicated spec): the whole mesh when it spans the world,
+  so that across the job it is read once, not once per tp rank.
+
+Order: first every rank reads what it owns, then one ``all_reduce`` tells every rank whether
+any read failed (so a bad file raises on every rank instead of leaving the others waiting in a
+broadcast), then the broadcasts run in the same order on every rank (asynchronous; received
+tensors are finalized as they arrive). ``bytes_read`` of the load counts storage reads only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from shardwise.errors import CheckpointError, CollectiveError
+from shardwise.io.reader import Finalize, ReadItem, RegionReader
+
+
+def replica_axis(mesh):
+    """The ``dp_replicate`` axis of ``mesh`` when it has more than one replica, else ``None``."""
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    if "dp_replicate" not in names or mesh["dp_replicate"].size() < 2:
+        return None
+    return mesh["dp_replicate"]
+
+
+def assign_owners(groups: Sequence[str], members: dict[str, Sequence[int]],
+                  sizes: Sequence[int]) -> list[int]:
+    """The global rank that reads each item, balancing bytes. Pure and deterministic.
+
+    ``groups[i]`` names the group of item ``i``, ``members[name]`` lists its global ranks and
+    ``sizes[i]`` is the item's bytes. Groups are filled in the order of ``members``; within
+    one, items go largest first, each to the member given the fewest bytes so far (ties: the
+    lowest rank). Every rank must reach the same owners for the items of a group it is in:
+    put a group every rank shares (same items everywhere) first, since later groups' items
+    differ between ranks and so do the counts they leave.
+
+    >>> assign_owners(["dp", "dp", "dp"], {"dp": [0, 2]}, [4, 3, 2])
+    [0, 2, 2]
+    >>> assign_owners(["dp", "all", "dp"], {"all": [0, 1, 2, 3], "dp": [0, 2]}, [4, 3, 2])
+    [2, 0, 0]
+    """
+    given: dict[int, int] = {}
+    owners = [-1] * len(sizes)
+    order = {name: k for k, name in enumerate(members)}
+    for i in sorted(range(len(sizes)), key=lambda i: (order[groups[i]], -sizes[i], i)):
+        owner = min(members[groups[i]], key=lambda r: (given.get(r, 0), r))
+        owners[i] = owner
+        given[owner] = given.get(owner, 0) + sizes[i]
+    return owners
+
+
+def read_once(reader: RegionReader, items: list[ReadItem], *, finalize: Finalize, mesh,
+              whole: set[str], on_bytes: Callable[[int], None] | None = None) -> dict:
+    """``{name: finalize(item, raw)}`` for every item, each read from storage by one replica.
+
+    ``whole``: names of the items every rank of ``mesh`` reads in full, identically and in the
+    same order (replicated tensors). Collective over ``mesh``: every rank calls it with its own
+    items (the same list, in the same order, on ranks that share their tp and ep coordinates).
+    Waits as long as the process group's timeout allows.
+    """
+    dp_group = replica_axis(mesh).get_group()
+    spans_world = mesh.size() == dist.get_world_size()
+    groups = {}  # "all" first: see assign_owners
+    if spans_world:
+        groups["all"] = (dist.group.WORLD, list(range(dist.get_world_size())))
+    groups["dp"] = (dp_group, dist.get_process_group_ranks(dp_group))
+    kind = ["all" if spans_world and it.name in whole else "dp" for it in items]
+    owners = assign_owners(kind, {k: ranks for k, (_, ranks) in groups.items()}, [it.nbytes for it in items])
+    me = dist.get_rank()
+    raw: dict[str, torch.Tensor] = {}
+    error: BaseException | None = None
+    try:
+        raw = reader.read([it for it, o in zip(items, owners, strict=True) if o == me],
+                          finalize=lambda item, t: t)
+    except Exception as e:  # told to every rank below, then raised here
+        error = e
+    failed = torch.tensor([1 if error else 0], dtype=torch.int32)
+    _wait(dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=groups["all" if spans_world else "dp"][0],
+                          async_op=True), "the check that every replica read its share")
+    if error is not None:
+        raise error
+    if failed.item():
+        raise CheckpointError("another rank failed to read its share of the checkpoint (its own error "
+                              "names the file); every rank stopped before the replicas exchanged tensors")
+    return _exchange(items, owners, [groups[k][0] for k in kind], raw, finalize, on_bytes)
+
+
+def _exchange(items, owners, groups, raw, finalize, on_bytes) -> dict:
+    """Broadcast every item from its owner, in item order; finalize each as it arrives."""
+    me = dist.get_rank()
+    pending = []
+    for item, owner, group in zip(items, owners, groups, strict=True):
+        tensor = (raw.pop(item.name) if owner == me
+                  else torch.empty(item.local_shape, dtype=item.entry.torch_dtype))
+        work = None
+        if item.nbytes:  # gloo moves bytes of any dtype
+            work = dist.broadcast(tensor.reshape(-1).view(torch.uint8), src=owner, group=group, async_op=True)
+        pending.append((item, owner, work, tensor))
+    results = {}
+    for item, owner, work, tensor in pending:
+        if work is not None:
+            _wait(work, f"the broadcast of {item.name!r} from rank {owner} to its replicas")
+        if owner != me and on_bytes is not None:
+            on_bytes(item.nbytes)
+        results[item.name] = finalize(item, tensor)
+    return results
+
+
+def _wait(work, what: str) -> None:
+    try:
+        work.wait()
+    except Exception as e:  # torch raises RuntimeError / DistBackendError subclasses
+        raise CollectiveError(f"{what} on rank {dist.get_rank()} failed or timed out: {e}") from e
+
+
+__all__ = ["assign_owners", "read_once", "replica_axis"]

@@ -1,0 +1,40 @@
+"""overwrite=True replaces a folder that holds a Hugging Face checkpoint's config files, and
+still refuses one holding anything else."""
+
+import pytest
+from torch import nn
+
+import shardwise as sw
+from shardwise.io.side_files import default_prefix, index_metadata, write_side_files
+
+
+def _hf_folder(folder, *extra):
+    sw.save(nn.Linear(4, 4), folder)
+    for name in ("config.json", "generation_config.json", *extra):
+        (folder / name).write_text("{}")
+
+
+def test_overwrite_replaces_a_folder_with_config_files(tmp_path):
+    _hf_folder(tmp_path / "ckpt")
+    with pytest.raises(sw.CheckpointError, match="overwrite=True"):
+        sw.save(nn.Linear(4, 2), tmp_path / "ckpt")
+    sw.save(nn.Linear(4, 2), tmp_path / "ckpt", overwrite=True)
+    # a plain model has no config: the new checkpoint is what it wrote, nothing older is left
+    assert not (tmp_path / "ckpt" / "config.json").exists()
+    assert (tmp_path / "ckpt" / "model.safetensors").is_file()
+
+
+def test_overwrite_still_refuses_other_files(tmp_path):
+    _hf_folder(tmp_path / "ckpt", "tokenizer.json")
+    with pytest.raises(sw.CheckpointError, match="tokenizer.json"):
+        sw.save(nn.Linear(4, 2), tmp_path / "ckpt", overwrite=True)
+    assert (tmp_path / "ckpt" / "tokenizer.json").exists()
+
+
+def test_a_plain_model_has_no_side_files(tmp_path):
+    model = nn.Linear(4, 2)
+    assert write_side_files(model, tmp_path) == [] and list(tmp_path.iterdir()) == []
+    assert default_prefix(model) == "model"
+    # parameters only, each once: the index's total_parameters as transformers counts it
+    shapes = {"weight": (2, 4), "bias": (2,), "running": (7,)}
+    assert index_metadata(model, shapes) == {"total_parameters": 10}
