@@ -175,10 +175,11 @@ def _save_expert_parallel(folder: str, holding: str):
 def _reload_at_tp2(folder: str):
     backend = sw.init_backend("gloo")
     want = make_lm(num_experts=4)(_ids())
-    with sw.empty_model():
-        model = make_lm(num_experts=4)
-    sw.load(model, f"{folder}/dcp", plan="auto", mesh=backend.mesh(tp=2))
-    torch.testing.assert_close(model(_ids()), want, rtol=1e-5, atol=1e-5)
+    for axes in ({"tp": 2}, {"ep": 2}):  # written at ep=2: read at tp=2, and at ep=2 again
+        with sw.empty_model():
+            model = make_lm(num_experts=4)
+        sw.load(model, f"{folder}/dcp", plan="auto", mesh=backend.mesh(**axes))
+        torch.testing.assert_close(model(_ids()), want, rtol=1e-5, atol=1e-5)
     return True
 
 

@@ -236,3 +236,34 @@ def test_fsdp_tp_packed_save_reads_everywhere(tmp_path):
     ours = load_file(sw.consolidate(folder, tmp_path / "sw-merged") / "model.safetensors")
     assert sorted(ours) == sorted(ref)
     assert all(_same_bytes(ours[n], ref[n]) for n in ref)
+
+
+# --- an MoE model both ways: transformers writes, shardwise reads (tp and ep); and back ------
+
+def _moe_both_ways(src: str, hf_dst: str, sw_dst: str):
+    from hf_models import KINDS, model_class
+
+    backend = sw.init_backend("gloo")
+    theirs = _transformers_load(src)  # transformers' own tp=2 load of the Qwen3-MoE
+    theirs.save_pretrained(hf_dst, distributed_checkpoint=True)
+    out = []
+    for axes in ({"tp": 2}, {"ep": 2}):
+        with sw.empty_model():
+            model = model_class("qwen3_moe")._from_config(KINDS["qwen3_moe"][2]())
+        sw.load(model, hf_dst, plan="auto", mesh=backend.mesh(**axes))
+        out.append(forward(model.eval(), "qwen3_moe").tolist())
+    sw.save(model, sw_dst, distributed=True, format="safetensors")  # written at ep=2
+    back = _transformers_load(sw_dst)
+    out.append(forward(back, "qwen3_moe").tolist())
+    return out
+
+
+def test_moe_distributed_checkpoint_both_ways(tmp_path):
+    from hf_models import build_tiny, save_tiny
+
+    src = save_tiny("qwen3_moe", tmp_path / "src")
+    expected = forward(build_tiny("qwen3_moe"), "qwen3_moe")
+    results = run_ranks(_moe_both_ways, 2, str(src), str(tmp_path / "hf-dcp"), str(tmp_path / "sw-dcp"),
+                        timeout=TIMEOUT)
+    for got in [x for per_rank in results for x in per_rank]:
+        torch.testing.assert_close(torch.tensor(got), expected, rtol=1e-4, atol=1e-4)

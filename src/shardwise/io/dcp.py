@@ -37,7 +37,7 @@ from shardwise.io.dcp_coord import collective, dcp_error, gather_checksums
 from shardwise.io.dcp_items import CanonicalLoadPlanner, CanonicalSavePlanner, HashingWriter, Placed, place
 from shardwise.io.dcp_metadata import check_tensors, read_metadata
 from shardwise.io.info import INFO_FILE, write_info
-from shardwise.parallel import get_shard_state, install, tp_axis
+from shardwise.parallel import get_shard_state, install, mesh_coords, tp_axis
 
 INFO_FORMAT = "shardwise-dcp"
 
@@ -289,7 +289,7 @@ def load_dcp(model: nn.Module, path, *, specs: ResolvedPlan, mesh, holding: str,
     start = time.perf_counter()
     metadata = read_metadata(path)
     tp_mesh = tp_axis(mesh)
-    degree, rank = tp_mesh.size(), tp_mesh.get_local_rank()
+    coords = mesh_coords(mesh)  # per mesh axis: a spec's ranks are on spec.axis (tp or ep)
     own = model.state_dict(keep_vars=True)
     stored = metadata.state_dict_metadata
     key = {n: stored_name(n, specs, stored) for n in specs}
@@ -305,17 +305,18 @@ def load_dcp(model: nn.Module, path, *, specs: ResolvedPlan, mesh, holding: str,
         saved = stored[key[n]].properties.dtype
         want = dtype if dtype is not None and saved.is_floating_point else saved
         shape = tuple(own[n].shape)
+        degree, rank = coords[spec.axis]
         buf = torch.empty(local_shape(shape, spec, degree), dtype=want, device=device)
         placed[key[n]] = Placed(buf, shape, local_layout(shape, spec, degree, rank))
     nbytes = read_checkpoint(path, metadata, {k: p.local for k, p in placed.items()}, placed)
 
     def local_tensor(name, spec):
         if name in missing_names:  # strict=False: keep the model's own value
-            t = split(own[name].detach().cpu(), spec, degree, rank)
+            t = split(own[name].detach().cpu(), spec, *coords[spec.axis])
             return (t.to(dtype) if dtype is not None and t.is_floating_point() else t).to(device)
         return placed[key[name]].local
 
-    install(model, specs, mesh, holding=holding, local_tensor=local_tensor)
+    install(model, specs, mesh, holding=holding, local_tensor=local_tensor, dtype=dtype)
     move_non_persistent(model, device)
     return LoadResult(tuple(missing_names), tuple(unexpected), nbytes,
                       time.perf_counter() - start, len(placed))

@@ -178,15 +178,15 @@ def load_sharded_safetensors(model: nn.Module, path, *, specs, mesh, holding: st
         match_keys,
         move_non_persistent,
     )
-    from shardwise.parallel import install, tp_axis
+    from shardwise.parallel import install, mesh_coords, tp_axis
 
     start = time.perf_counter()
     ckpt = read_sharded(path)
     sources, missing, unexpected = match_keys(model, specs, ckpt, strict=strict)
     check_nothing_left_on_meta(model, specs, missing)
     tp_mesh = tp_axis(mesh)
-    degree, rank = tp_mesh.size(), tp_mesh.get_local_rank()
-    requests = {name: (t, local_layout(t.shape, specs[name], degree, rank))
+    coords = mesh_coords(mesh)  # per mesh axis: a spec's ranks are on spec.axis (tp or ep)
+    requests = {name: (t, local_layout(t.shape, specs[name], *coords[specs[name].axis]))
                 for name, (_, t) in sources.items()}
     finalize = finalizer(dtype, device_of(tp_mesh))
     total = sum(sum(r.numel for r, _ in layout) * t.itemsize for t, layout in requests.values())
@@ -198,7 +198,7 @@ def load_sharded_safetensors(model: nn.Module, path, *, specs, mesh, holding: st
     def local_tensor(name, spec):
         if name in tensors:
             return tensors.pop(name)
-        return finalize(split(own[name].detach().cpu(), spec, degree, rank))  # strict=False: keep own
+        return finalize(split(own[name].detach().cpu(), spec, *coords[spec.axis]))  # strict=False: own
 
     install(model, specs, mesh, holding=holding, local_tensor=local_tensor, dtype=dtype)
     move_non_persistent(model, device_of(tp_mesh))
