@@ -73,6 +73,17 @@ def _deepseek_v2():
                             topk_group=1, max_position_embeddings=64)
 
 
+def _deepseek_v3():
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(vocab_size=96, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+                            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                            n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=2,
+                            topk_group=1, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=32,
+                            qk_rope_head_dim=8, qk_nope_head_dim=16, qk_head_dim=24, v_head_dim=16,
+                            max_position_embeddings=64)
+
+
 def _qwen3_next():
     from transformers import Qwen3NextConfig
 
@@ -99,6 +110,7 @@ KINDS = {
     "gpt_neox": ("transformers", "GPTNeoXForCausalLM", _gpt_neox),
     "deepseek_v2": ("transformers", "DeepseekV2ForCausalLM", _deepseek_v2),
     "qwen3_next": ("transformers", "Qwen3NextForCausalLM", _qwen3_next),
+    "deepseek_v3": ("transformers", "DeepseekV3ForCausalLM", _deepseek_v3),
     "flux2": ("diffusers", "Flux2Transformer2DModel", _flux2),
 }
 

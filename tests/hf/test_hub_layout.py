@@ -4,8 +4,9 @@ Mixtral and Qwen3-MoE store one tensor per expert and projection where the modul
 fused 3-D parameters; GPT-NeoX stores ``embed_out`` for ``lm_head``; DeepSeek-V2 mixes MLA
 attention, shared and routed experts, and its plan names ``q_b_proj``, which this
 configuration lacks (skipped); Qwen3-Next is hybrid (linear attention and full attention).
-``sw.save`` writes the hub layout back, byte-equal to ``save_pretrained``'s files. Each loads with logits equal to one process, in
-both holdings, and a rank reads about half of every expert's bytes.
+``sw.save`` writes the hub layout back, byte-equal to ``save_pretrained``'s files. Each loads
+with logits equal to one process, in both holdings, and a rank reads about half of every
+expert's bytes (at tp=2, and exactly its own experts at ep=2).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import shardwise as sw  # noqa: E402
 from harness import run_ranks  # noqa: E402
 from hf import hf_models  # noqa: E402
 
-KINDS = ["mixtral", "qwen3_moe", "gpt_neox", "deepseek_v2", "qwen3_next"]
+KINDS = ["mixtral", "qwen3_moe", "gpt_neox", "deepseek_v2", "deepseek_v3", "qwen3_next"]
 
 
 def _stored_keys(folder) -> dict[str, int]:
@@ -99,7 +100,7 @@ def _load_ep(kind: str, folder: str, axes: dict):
         with sw.empty_model():
             model = hf_models.model_class(kind)._from_config(hf_models.KINDS[kind][2]())
         result = sw.load(model, folder, plan="auto", mesh=backend.mesh(**axes), holding=holding)
-        experts = next(m for n, m in model.named_modules() if n.endswith("layers.1.mlp.experts"))
+        experts = next(m for n, m in model.named_modules() if n.endswith(".mlp.experts"))
         assert experts.num_experts == 4 // axes["ep"]  # transformers' contract for masked routes
         got = hf_models.forward(model.eval(), kind)
         assert (got - want).abs().max() < 1e-4, (holding, (got - want).abs().max())
@@ -107,11 +108,11 @@ def _load_ep(kind: str, folder: str, axes: dict):
     return out
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "deepseek_v3", "qwen3_next"])
 def test_expert_parallel_load_reads_only_own_experts(tmp_path, kind):
     folder = hf_models.save_tiny(kind, tmp_path / kind)
     stored = _stored_keys(folder)
-    experts = sum(n for k, n in stored.items() if ".experts." in k)
+    experts = sum(n for k, n in stored.items() if ".experts." in k and "shared_expert" not in k)
     dense = sum(stored.values()) - experts
     for bytes_read in [b for rank in run_ranks(_load_ep, 2, kind, str(folder), {"ep": 2}) for b in rank]:
         assert bytes_read == dense + experts // 2  # every dense byte, half of the experts'
