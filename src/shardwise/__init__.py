@@ -24,11 +24,13 @@ from shardwise.errors import (
     CheckpointError,
     CollectiveError,
     MeshError,
+    NonFiniteError,
     PlanError,
     ShardingError,
     ShardwiseError,
     UnknownBackendError,
     UnsupportedModelError,
+    UsageError,
 )
 from shardwise.parallel import get_shard_state, parallelize
 
@@ -59,8 +61,8 @@ def __getattr__(name: str):
 
 __all__ = [
     "Backend", "BackendError", "BackendUnavailableError", "CheckpointError", "CollectiveError",
-    "MeshError", "PackedColwise", "PackedRowwise", "PlanError", "Region", "ShardSpec",
-    "ShardingError", "ShardwiseError", "UnknownBackendError", "UnsupportedModelError",
+    "MeshError", "NonFiniteError", "PackedColwise", "PackedRowwise", "PlanError", "Region", "ShardSpec",
+    "ShardingError", "ShardwiseError", "UnknownBackendError", "UnsupportedModelError", "UsageError",
     "__version__", "available_backends", "current_backend", "get_shard_state", "init_backend",
     "parallelize", "register_backend", "resolve_plan", "shutdown_backend",
     *_LAZY,

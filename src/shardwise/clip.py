@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardwise.errors import NonFiniteError
 from shardwise.parallel import get_shard_state
 
 
@@ -92,7 +93,7 @@ def clip_grad_norm_(model_or_params: nn.Module | Iterable[torch.Tensor] | torch.
             dist.all_reduce(total)
         total = total ** (1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
-        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is {total.item()}; "
+        raise NonFiniteError(f"the total norm of order {norm_type} of the gradients is {total.item()}; "
                            "pass error_if_nonfinite=False to clip anyway")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for target, _, _ in grads:

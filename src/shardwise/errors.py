@@ -52,5 +52,13 @@ class CheckpointError(ShardwiseError, ValueError):
     """A checkpoint that is missing, malformed, incomplete or does not match the model."""
 
 
+class UsageError(ShardwiseError, ValueError):
+    """An argument whose value the call does not accept (an option, a name, a count)."""
+
+
+class NonFiniteError(ShardwiseError, RuntimeError):
+    """A computed value that must be finite is not (a gradient norm)."""
+
+
 class UnsupportedModelError(ShardwiseError, ValueError):
     """A model shardwise refuses to load or save (quantized, offloaded, PEFT-injected)."""

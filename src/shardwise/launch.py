@@ -21,7 +21,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from shardwise.errors import ShardwiseError
+from shardwise.errors import ShardwiseError, UsageError
 
 # Ranks fork from a server that already imported torch: a rank starts in well under a
 # second instead of paying torch's import on each spawn (2 cores here).
@@ -87,7 +87,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *, args: tuple = (), kwargs: 
     [None, None, None, None]
     """
     if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
+        raise UsageError(f"world_size must be >= 1, got {world_size}")
     ctx = _context()
     queue = ctx.Queue()
     port = free_port()

@@ -27,7 +27,7 @@ from torch import nn
 
 from shardwise.core.plan import ResolvedPlan, Style, resolve_plan
 from shardwise.core.spec import ShardSpec, local_shape, split
-from shardwise.errors import PlanError, ShardingError
+from shardwise.errors import PlanError, ShardingError, UsageError
 from shardwise.local_tp import run_on_local_params, wire_forward, wire_local
 
 HOLDINGS = ("dtensor", "local", "spmd")
@@ -136,7 +136,7 @@ def install(model: nn.Module, specs: ResolvedPlan, mesh, *, holding: str,
     every floating-point tensor must have (``None``: any floating dtype).
     """
     if holding not in HOLDINGS:
-        raise ValueError(f"holding must be one of {HOLDINGS}, got {holding!r}")
+        raise UsageError(f"holding must be one of {HOLDINGS}, got {holding!r}")
     tp_mesh = tp_axis(mesh)
     check_spmd(tp_mesh, holding)
     spmd = holding == "spmd"

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 
 from shardwise.backends.base import MESH_AXES, Backend, torchrun_env
-from shardwise.errors import BackendError, UnknownBackendError
+from shardwise.errors import BackendError, UnknownBackendError, UsageError
 
 ENTRY_POINT_GROUP = "shardwise.backends"
 # "auto" asks these, in order, whether they are available; gloo always is.
@@ -34,9 +34,9 @@ def register_backend(name: str, factory: Factory) -> None:
     >>> register_backend("mygloo", GlooBackend)   # doctest: +SKIP
     """
     if not isinstance(name, str) or not name or name == "auto":
-        raise ValueError(f"backend name must be a non-empty string other than 'auto', got {name!r}")
+        raise UsageError(f"backend name must be a non-empty string other than 'auto', got {name!r}")
     if name in _registry:
-        raise ValueError(f"backend {name!r} is already registered (known: {', '.join(sorted(_registry))})")
+        raise UsageError(f"backend {name!r} is already registered (known: {', '.join(sorted(_registry))})")
     _registry[name] = factory
 
 

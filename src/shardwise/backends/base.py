@@ -17,7 +17,7 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
-from shardwise.errors import BackendError, CollectiveError, MeshError
+from shardwise.errors import BackendError, CollectiveError, MeshError, UsageError
 
 # Mesh axes, outer to inner: replicas of the whole model, then FSDP shards, then TP.
 MESH_AXES = ("dp_replicate", "dp_shard", "ep", "tp")
@@ -37,7 +37,7 @@ def _as_timedelta(timeout: float | _dt.timedelta | None) -> _dt.timedelta:
     if isinstance(timeout, _dt.timedelta):
         return timeout
     if timeout <= 0:
-        raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
+        raise UsageError(f"timeout must be positive seconds, got {timeout!r}")
     return _dt.timedelta(seconds=float(timeout))
 
 
@@ -216,7 +216,7 @@ class Backend:
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", *, group=None, timeout=None):
         """Reduce ``tensor`` in place across the group and return it."""
         if op not in _REDUCE_OPS:
-            raise ValueError(f"unknown reduce op {op!r}; known: {', '.join(_REDUCE_OPS)}")
+            raise UsageError(f"unknown reduce op {op!r}; known: {', '.join(_REDUCE_OPS)}")
         self._wait(dist.all_reduce(tensor, _REDUCE_OPS[op], group=group, async_op=True),
                    "all_reduce", timeout)
         return tensor

@@ -21,7 +21,7 @@ from torch import nn
 from shardwise._progress import Progress
 from shardwise.core.plan import ResolvedPlan
 from shardwise.core.spec import local_layout, local_shape, piece_reads, split
-from shardwise.errors import CheckpointError, PlanError
+from shardwise.errors import CheckpointError, PlanError, UsageError
 from shardwise.io.checkpoint import Checkpoint, resolve_checkpoint
 from shardwise.io.guards import check_mesh, check_model, check_options
 from shardwise.io.hf_dcp import is_sharded_safetensors
@@ -105,7 +105,7 @@ def load(model: nn.Module, path: str | os.PathLike, *, plan, mesh, dtype: torch.
         raise TypeError(f"dtype must be a torch.dtype or None, got {dtype!r}")
     holding = holding or default_holding()
     if holding not in HOLDINGS:
-        raise ValueError(f"holding must be one of {HOLDINGS} or None (the backend's), got {holding!r}")
+        raise UsageError(f"holding must be one of {HOLDINGS} or None (the backend's), got {holding!r}")
     tp_mesh = tp_axis(mesh)
     check_spmd(tp_mesh, holding)
     specs = resolve_for_mesh(model, plan, mesh, ep_plan)

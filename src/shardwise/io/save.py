@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from shardwise._progress import Progress
-from shardwise.errors import CheckpointError, CollectiveError
+from shardwise.errors import CheckpointError, CollectiveError, UsageError
 from shardwise.io.gather import (
     FileGatherer,
     agree,
@@ -103,9 +103,9 @@ def save(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str
     >>> sw.load(model2, "out/full", plan=plan, mesh=backend.mesh(tp=2))     # doctest: +SKIP
     """
     if async_save and not distributed:
-        raise ValueError("async_save=True writes a distributed checkpoint; pass distributed=True too")
+        raise UsageError("async_save=True writes a distributed checkpoint; pass distributed=True too")
     if format not in ("distcp", "safetensors"):
-        raise ValueError(f"format must be 'distcp' or 'safetensors', got {format!r}")
+        raise UsageError(f"format must be 'distcp' or 'safetensors', got {format!r}")
     from shardwise.io.guards import check_model
 
     if distributed:  # the guards first, then every rank meets (the save's own guards follow)
@@ -113,7 +113,7 @@ def save(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str
         join_collective(world_backend(), "sw.save")
     if distributed and format == "safetensors":
         if async_save:
-            raise ValueError("async_save=True is not supported with format='safetensors'; "
+            raise UsageError("async_save=True is not supported with format='safetensors'; "
                              "use format='distcp' for an async distributed save")
         from shardwise.io.hf_dcp_write import save_sharded_safetensors
 
