@@ -9,19 +9,17 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from shardwise.core.pieces import Piece, check_tiling, piece_reads
 from shardwise.core.spec import (
-    Piece,
     Region,
     ShardSpec,
     assemble,
     block_sizes,
     check_shardable,
-    check_tiling,
     chunk_layout,
     intersect,
     local_layout,
     local_shape,
-    piece_reads,
     regions_numel,
     shard_regions,
     split,

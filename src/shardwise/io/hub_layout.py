@@ -23,7 +23,8 @@ from pathlib import Path
 from torch import nn
 
 from shardwise.core.header import TensorEntry
-from shardwise.core.spec import Piece, Region
+from shardwise.core.pieces import Piece
+from shardwise.core.spec import Region
 from shardwise.errors import CheckpointError
 
 

@@ -19,8 +19,9 @@ import torch
 from torch import nn
 
 from shardwise._progress import Progress
+from shardwise.core.pieces import piece_reads
 from shardwise.core.plan import ResolvedPlan
-from shardwise.core.spec import local_layout, local_shape, piece_reads, split
+from shardwise.core.spec import local_layout, local_shape, split
 from shardwise.errors import CheckpointError, PlanError, UsageError
 from shardwise.io.checkpoint import Checkpoint, resolve_checkpoint
 from shardwise.io.guards import check_mesh, check_model, check_options

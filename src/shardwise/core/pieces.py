@@ -1,0 +1,85 @@
+"""Pieces: one canonical tensor assembled from several stored tensors, and which boxes of
+them a rank reads (hub key layouts: per-expert tensors stacked into one fused parameter, a
+fused stored tensor split into several; distributed checkpoints' chunks). Pure, like
+``core/spec.py``: shapes and offsets are plain ints.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from shardwise.core.spec import Layout, Region, Shape, intersect
+from shardwise.errors import ShardingError
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Where a box of a stored tensor sits in a canonical tensor assembled from several
+    stored tensors (a hub layout: per-expert tensors stacked and concatenated into one
+    fused parameter; a distributed checkpoint's chunks).
+
+    ``key`` names the stored tensor; ``source`` is the box of it that is used; ``offsets``
+    is where that box starts in the canonical tensor; ``stacked`` are canonical dims the
+    stored tensor lacks (size 1 in the canonical box: an expert's index).
+    """
+
+    key: str
+    source: Region
+    offsets: tuple[int, ...]
+    stacked: tuple[int, ...] = ()
+
+    def box(self) -> Region:
+        """This piece's box in the canonical tensor."""
+        sizes, it = [], iter(self.source.sizes)
+        for d in range(len(self.offsets)):
+            sizes.append(1 if d in self.stacked else next(it))
+        return Region(self.offsets, tuple(sizes))
+
+
+def piece_reads(layout: Layout, pieces: Sequence[Piece]) -> list[tuple[Piece, Region, tuple[int, ...]]]:
+    """For a rank's ``layout`` (from :func:`local_layout`) of a canonical tensor made of
+    ``pieces``: ``(piece, region of the stored tensor to read, offset in the local shard)``
+    for every overlap, so that each byte of the local shard is read once.
+
+    >>> p = [Piece("a", Region((0,), (2,)), (0,)), Piece("b", Region((0,), (2,)), (2,))]
+    >>> [(x.key, r.offsets, off) for x, r, off in piece_reads([(Region((1,), (2,)), (0,))], p)]
+    [('a', (1,), (0,)), ('b', (0,), (1,))]
+    """
+    out = []
+    for region, local_off in layout:
+        for piece in pieces:
+            box = intersect(region, piece.box())
+            if box is None:
+                continue
+            rel = [b - p for b, p in zip(box.offsets, piece.offsets, strict=True)]
+            kept = [d for d in range(len(rel)) if d not in piece.stacked]
+            src = Region(tuple(piece.source.offsets[i] + rel[d] for i, d in enumerate(kept)),
+                         tuple(box.sizes[d] for d in kept))
+            off = tuple(o + b - r for o, b, r in zip(local_off, box.offsets, region.offsets, strict=True))
+            out.append((piece, src, off))
+    return out
+
+
+def check_tiling(shape: Shape, pieces: Sequence[Piece], what: str) -> None:
+    """Raise ``ShardingError`` unless ``pieces`` cover every element of ``shape`` exactly once.
+
+    Pieces are boxes, so exact tiling is: each inside the shape, no two overlapping, and
+    their element counts summing to the whole.
+    """
+    whole = Region((0,) * len(shape), tuple(shape))
+    boxes = [p.box() for p in pieces]
+    for p, b in zip(pieces, boxes, strict=True):
+        if len(b.offsets) != len(shape) or intersect(whole, b) != b:
+            raise ShardingError(f"{what}: {p.key!r} lands at {b} outside the tensor of shape {tuple(shape)}")
+    for i, a in enumerate(boxes):
+        for b, q in zip(boxes[i + 1:], pieces[i + 1:], strict=True):
+            if intersect(a, b) is not None:
+                raise ShardingError(f"{what}: {pieces[i].key!r} and {q.key!r} overlap at {intersect(a, b)}")
+    if sum(b.numel for b in boxes) != math.prod(shape):
+        raise ShardingError(f"{what}: the stored tensors cover {sum(b.numel for b in boxes)} of "
+                            f"{math.prod(shape)} elements of shape {tuple(shape)}")
+
+
+__all__ = ["Piece", "check_tiling", "piece_reads"]

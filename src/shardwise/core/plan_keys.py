@@ -1,0 +1,108 @@
+"""Plan keys: which modules and parameters a key names, and the plans a model ships.
+
+Matched the way transformers matches them (``transformers/distributed``): each ``*`` stands
+for one numeric path component, a key may name a module or a parameter, a key written for
+the base model also matches under ``base_model_prefix``, and keys that match nothing are
+returned, not raised (unless ``strict``). Pure: no torch.distributed, no file I/O.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Mapping
+
+from torch import nn
+
+from shardwise.core.styles import normalize_style
+from shardwise.errors import PlanError
+
+
+def _key_pattern(key: str) -> re.Pattern:
+    parts = [r"\d+" if p == "*" else re.escape(p) for p in key.split(".")]
+    return re.compile(r"\.".join(parts))
+
+
+def base_prefix(model: nn.Module) -> str:
+    prefix = getattr(model, "base_model_prefix", "")
+    inner = getattr(model, prefix, None) if isinstance(prefix, str) and prefix else None
+    return prefix if isinstance(inner, nn.Module) and inner is not model else ""
+
+
+def match_plan(model: nn.Module, plan: Mapping, *, strict: bool = False):
+    """``(modules, params, unused)``: ``{module path: (key, style)}`` and ``{parameter name:
+    (key, style)}`` for every match of every key, and the keys that matched nothing."""
+    if not isinstance(plan, Mapping):
+        raise PlanError(f"a plan must be a dict of module path -> style, got {type(plan).__name__}")
+    module_names = [n for n, _ in model.named_modules()]
+    param_names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    prefix = base_prefix(model)
+    modules: dict[str, tuple[str, object]] = {}
+    params: dict[str, tuple[str, object]] = {}
+    unused: list[str] = []
+    for key, style in plan.items():
+        if not isinstance(key, str) or not key:
+            raise PlanError(f"plan keys must be module or parameter paths (non-empty strings), got {key!r}")
+        normalize_style(style, key=key)  # an unknown style is an error even where nothing matches
+        hits = _hits(key, module_names, param_names)
+        if not any(hits) and prefix:
+            hits = _hits(f"{prefix}.{key}", module_names, param_names)
+        if not any(hits):
+            if strict:
+                raise PlanError(f"plan key {key!r} matches no module or parameter"
+                                f"{_close(key, module_names + param_names)}")
+            unused.append(key)
+            continue
+        for claimed, names in zip((modules, params), hits, strict=True):
+            for name in names:
+                if name in claimed and claimed[name][1] != style:
+                    raise PlanError(f"plan keys {claimed[name][0]!r} and {key!r} both claim {name!r} "
+                                    "with different styles; keep one entry per module or parameter")
+                claimed[name] = (key, style)
+    return modules, params, unused
+
+
+def _hits(key: str, module_names, param_names) -> tuple[list[str], list[str]]:
+    pattern = _key_pattern(key)
+    dots = key.count(".")
+    return tuple([n for n in names if n.count(".") == dots and pattern.fullmatch(n)]  # type: ignore[return-value]
+                 for names in (module_names, param_names))
+
+
+def _close(name: str, names) -> str:
+    near = difflib.get_close_matches(name, [m for m in names if m], n=3)
+    return f"; did you mean {', '.join(map(repr, near))}?" if near else ""
+
+
+def plan_from_model(model: nn.Module) -> dict:
+    """The plan a model ships: transformers' ``model.tp_plan`` (its own ``_tp_plan``, its
+    submodules' and the config's ``base_model_tp_plan``, already prefixed), or the class
+    ``_tp_plan`` of a diffusers model. Raises ``PlanError`` when the model ships none."""
+    for attr in ("tp_plan", "_tp_plan"):
+        plan = getattr(model, attr, None)
+        if isinstance(plan, Mapping) and plan:
+            return dict(plan)
+    config = getattr(model, "config", None)
+    base = getattr(config, "base_model_tp_plan", None) if config is not None else None
+    if isinstance(base, Mapping) and base:
+        prefix = base_prefix(model)
+        return {f"{prefix}.{k}" if prefix else k: v for k, v in base.items()}
+    raise PlanError(f"plan='auto', but {type(model).__name__} ships no tensor-parallel plan (no tp_plan, "
+                    "_tp_plan or config.base_model_tp_plan); pass plan={module path: style}")
+
+
+def ep_plan_from_model(model: nn.Module) -> dict:
+    """The expert-parallel plan a transformers model ships (``model.ep_plan``, or the
+    config's ``base_model_ep_plan`` with the base-model prefix); ``{}`` when none."""
+    plan = getattr(model, "ep_plan", None)
+    if isinstance(plan, Mapping) and plan:
+        return dict(plan)
+    config = getattr(model, "config", None)
+    base = getattr(config, "base_model_ep_plan", None) if config is not None else None
+    if isinstance(base, Mapping) and base:
+        prefix = base_prefix(model)
+        return {f"{prefix}.{k}" if prefix else k: v for k, v in base.items()}
+    return {}
+
+
+__all__ = ["base_prefix", "ep_plan_from_model", "match_plan", "plan_from_model"]
