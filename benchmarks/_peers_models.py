@@ -31,18 +31,22 @@ class PeerModel:
 
 
 def _llama_config(total_bytes: int) -> dict:
-    # hidden h, intermediate ~2.75h, 8 layers, vocab 32000, 4 kv heads of 128 (tp 1/2/4 divide them).
-    layers, vocab = 8, 32000
-    best = 512
-    for h in range(512, 16384, 256):
-        inter = (int(2.75 * h) + 255) // 256 * 256
-        kv = 4 * 128
-        params = 2 * vocab * h + layers * (2 * h * h + 2 * h * kv + 3 * h * inter)
-        if params * 2 > total_bytes:
-            break
-        best = h
-    h = best
-    return dict(hidden_size=h, intermediate_size=(int(2.75 * h) + 255) // 256 * 256, num_hidden_layers=layers,
+    """The largest Llama of at most ``total_bytes`` of bfloat16 with 8 or more layers: hidden h
+    a multiple of 4 heads of 128 (tp 1, 2 and 4 split whole heads), intermediate ~2.75h,
+    4 kv heads of 128, vocab 32000, untied head; then as many layers as still fit."""
+    vocab, kv = 32000, 4 * 128
+
+    def inter(h):
+        return (int(2.75 * h) + 255) // 256 * 256
+
+    def nbytes(h, layers):
+        return 2 * (2 * vocab * h + layers * (2 * h * h + 2 * h * kv + 3 * h * inter(h)))
+
+    h = max([512] + [h for h in range(512, 16384, 512) if nbytes(h, 8) <= total_bytes])
+    layers = 8
+    while nbytes(h, layers + 1) <= total_bytes:
+        layers += 1
+    return dict(hidden_size=h, intermediate_size=inter(h), num_hidden_layers=layers,
                 num_attention_heads=h // 128, num_key_value_heads=4, head_dim=128, vocab_size=vocab,
                 max_position_embeddings=2048, tie_word_embeddings=False)
 

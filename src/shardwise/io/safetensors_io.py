@@ -1,9 +1,10 @@
 """Safetensors files on disk: headers, boxes of tensors, a streaming writer (checkpoint
 folders and indexes are ``shardwise.io.checkpoint``).
 
-Reads use ``pread`` into the destination tensor's memory, never mmap: a column
-slice through an mmap pulls in every page the tensor spans, while ``pread`` of
-each contiguous run reads exactly the box. Nothing here ever unpickles.
+``read_region`` reads a box with ``pread`` of each contiguous run into the destination
+tensor's memory (exactly the box's bytes). The loader may instead keep a CPU region as a
+page-cache view or copy a column slice out of a mapping (``shardwise.io.mapped``), where
+that measured faster. Nothing here ever unpickles.
 """
 
 from __future__ import annotations
