@@ -60,6 +60,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    base_model_prefix = "model"  # as transformers' PreTrainedModel subclasses declare it
     def __init__(self, tie=False, **kw):
         super().__init__()
         self.config = Config(kw.get("heads", 8), kw.get("kv_heads", 4))
@@ -404,3 +405,13 @@ def test_statistics_over_sharded_features_are_refused():
     with pytest.raises(sw.PlanError, match="activation-sparsity"):
         sw.resolve_plan(model, {"mlp.gate_proj": "colwise", "mlp.up_proj": "colwise"}, 2)
     assert sw.resolve_plan(model, {"mlp.up_proj": "colwise"}, 2)  # gate kept whole: fine
+
+
+def test_base_model_plan_applies_to_a_causal_lm_under_its_prefix():
+    # config.base_model_tp_plan's keys name the base model's modules ("layers.*..."): on a
+    # *ForCausalLM they match under base_model_prefix ("model.layers.*...")
+    model = meta(LlamaForCausalLM)
+    specs = sw.resolve_plan(model, LLAMA_BASE_TP_PLAN, 2)
+    assert specs["model.layers.1.self_attn.q_proj.weight"] == sw.ShardSpec(dim=0)
+    assert specs["model.layers.0.mlp.down_proj.weight"] == sw.ShardSpec(dim=1)
+    assert specs.unused_keys == ()
