@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q 'tox>=4'
-exec tox -e gloo -- "$@"
+if [ "$#" -gt 0 ]; then exec tox -e gloo -- "$@"; else exec tox -e gloo; fi  # no "--": keep the env's default args

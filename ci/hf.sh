@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q 'tox>=4'
-exec tox -e hf -- "$@"
+if [ "$#" -gt 0 ]; then exec tox -e hf -- "$@"; else exec tox -e hf; fi  # no "--": keep the env's default args

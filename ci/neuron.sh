@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q 'tox>=4'
-exec tox -e neuron -- "$@"
+if [ "$#" -gt 0 ]; then exec tox -e neuron -- "$@"; else exec tox -e neuron; fi  # no "--": keep the env's default args

@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q 'tox>=4'
-exec tox -e xla -- "$@"
+if [ "$#" -gt 0 ]; then exec tox -e xla -- "$@"; else exec tox -e xla; fi  # no "--": keep the env's default args
