@@ -51,7 +51,7 @@ class VerifyReport:
 
     def summary(self) -> str:
         """One line: the verdict and the counts."""
-        unit = "chunks" if self.kind == "dcp" else "tensors"
+        unit = "tensors" if self.kind == "safetensors" else "chunks"
         counts = (f"{self.tensors} tensors, {self.checksummed} {unit} checksummed, "
                   f"{self.bytes_read} bytes read")
         if self.ok:
@@ -81,11 +81,15 @@ def verify(path: str | os.PathLike) -> VerifyReport:
     >>> report.ok, report.summary()                        # doctest: +SKIP
     (True, 'OK out/full: safetensors, 291 tensors, 291 tensors checksummed, 4021813248 bytes read')
     """
+    from shardwise.io.hf_dcp import is_sharded_safetensors
     from shardwise.io.inspect import is_dcp
 
     report = VerifyReport(str(path))
     try:
-        if is_dcp(Path(path)):
+        if Path(path).is_dir() and is_sharded_safetensors(path):
+            report.kind = "sharded safetensors"
+            _verify_sharded(Path(path), report)
+        elif is_dcp(Path(path)):
             report.kind = "dcp"
             _verify_dcp(Path(path), report)
         else:
@@ -222,6 +226,39 @@ def _verify_dcp(path: Path, report: VerifyReport) -> None:
         report.problems.append(f"{path}: {len(gone)} chunk(s) with a recorded checksum are not in the "
                                f"checkpoint: {', '.join(gone[:5])}")
     if sums and report.checksummed < sum(len(md.chunks) for md in tensors.values()):
+        report.notes.append("some chunks have no recorded checksum")
+
+
+def _verify_sharded(path: Path, report: VerifyReport) -> None:
+    """Rank-local safetensors with DCP_SHARDING_INFO: the chunk map tiles every tensor (checked
+    by ``read_sharded``), and each chunk's bytes match the CRC-32 ``shardwise.json`` recorded."""
+    from shardwise.io.hf_dcp import read_sharded
+    from shardwise.io.info import chunk_key
+    from shardwise.io.safetensors_io import _open_regular
+
+    ckpt = read_sharded(path)  # headers, sharding info, exact tiling: raises on the first fault
+    _, sums = _recorded(path, report, {n: (t.dtype, t.shape) for n, t in ckpt.tensors.items()})
+    report.tensors = len(ckpt.tensors)
+    fds: dict[Path, int] = {}
+    buf = bytearray(_PIECE)
+    try:
+        for name, tensor in ckpt.tensors.items():
+            recorded = sums.get(name, {})
+            for chunk in tensor.chunks:
+                key = chunk_key(chunk.region.offsets)
+                if key not in recorded:
+                    continue
+                fd = fds.get(chunk.path) or fds.setdefault(chunk.path, _open_regular(chunk.path))
+                start = ckpt.headers[chunk.path].data_start + chunk.entry.start
+                got = _crc_of_range(fd, start, chunk.entry.nbytes, buf, str(chunk.path))
+                report.bytes_read += chunk.entry.nbytes
+                report.checksummed += 1
+                if got != recorded[key]:
+                    report.mismatched.append(f"{name}@{key}")
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    if sums and report.checksummed < sum(len(t.chunks) for t in ckpt.tensors.values()):
         report.notes.append("some chunks have no recorded checksum")
 
 
