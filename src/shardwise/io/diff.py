@@ -144,6 +144,40 @@ class _Dcp:
         self._files.clear()
 
 
+class _Sharded(_Safetensors):
+    """Rows of the tensors of a distributed checkpoint in safetensors (rank-local files with
+    DCP_SHARDING_INFO), read from only the chunks that overlap them."""
+
+    def __init__(self, path: Path):
+        from shardwise.io.hf_dcp import read_sharded
+
+        self.ckpt = read_sharded(path)  # validated: every tensor tiled exactly by its chunks
+        self.tensors = {n: (t.torch_dtype, t.shape) for n, t in self.ckpt.tensors.items()}
+        self._fds = {}
+
+    def rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        from shardwise.core.spec import intersect
+        from shardwise.io.safetensors_io import _open_regular, read_region
+
+        tensor = self.ckpt.tensors[name]
+        offsets, sizes = _slab(tensor.shape, lo, hi)
+        want = Region(offsets, sizes)
+        out = torch.empty(sizes, dtype=tensor.torch_dtype)
+        for chunk in tensor.chunks:
+            both = intersect(want, chunk.region)
+            if both is None:
+                continue
+            if chunk.path not in self._fds:
+                self._fds[chunk.path] = _open_regular(chunk.path)
+            part = torch.empty(both.sizes, dtype=tensor.torch_dtype)
+            in_chunk = tuple(b - c for b, c in zip(both.offsets, chunk.region.offsets, strict=True))
+            read_region(self._fds[chunk.path], self.ckpt.headers[chunk.path], chunk.entry, in_chunk,
+                        both.sizes, part)
+            out[Region(tuple(b - o for b, o in zip(both.offsets, offsets, strict=True)),
+                       both.sizes).slices()] = part
+        return out
+
+
 def _slab(shape: tuple[int, ...], lo: int, hi: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The box of rows ``[lo, hi)`` of a tensor of ``shape`` (the whole of a 0-d tensor)."""
     if not shape:
@@ -152,8 +186,11 @@ def _slab(shape: tuple[int, ...], lo: int, hi: int) -> tuple[tuple[int, ...], tu
 
 
 def _open(path: Path):
+    from shardwise.io.hf_dcp import is_sharded_safetensors
     from shardwise.io.inspect import is_dcp
 
+    if path.is_dir() and is_sharded_safetensors(path):
+        return _Sharded(path)
     return _Dcp(path) if is_dcp(path) else _Safetensors(path)
 
 
