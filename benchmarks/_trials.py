@@ -98,13 +98,13 @@ def _prepare(root: Path, kind: str) -> float:
     outcomes = ranks.wait(300)
     assert all(o.kind == "ok" for o in outcomes.values()), outcomes
     took = time.monotonic() - began
-    if kind.endswith("overwrite"):  # the previous checkpoint: another model, same layout
-        shutil.rmtree(root / "target")
+    shutil.rmtree(root / "target")
+    if kind == "consolidate":  # consolidate replaces a previous checkpoint: another model's
+        sw.save(trial_model(1), root / "previous")
+    elif kind.endswith("overwrite"):  # the previous checkpoint: another model, same layout
         outcomes = _launch(root, kind.removesuffix("-overwrite"), 1, None).wait(300)
         assert all(o.kind == "ok" for o in outcomes.values()), outcomes
         (root / "target").rename(root / "previous")
-    elif kind != "consolidate":
-        shutil.rmtree(root / "target")
     return took
 
 
@@ -137,10 +137,9 @@ def _state(target: Path, before: dict | None, reference: Path) -> str:
 def kill_trial(root: Path, kind: str, j: int, took: float, rng: random.Random) -> dict:
     """One trial: start the run, kill at a random moment, check what is left, save again."""
     target = root / "target"
-    if kind != "consolidate":  # fresh, or over the previous checkpoint (another model)
-        shutil.rmtree(target, ignore_errors=True)
-        if kind.endswith("overwrite"):
-            shutil.copytree(root / "previous", target)
+    shutil.rmtree(target, ignore_errors=True)  # fresh, or over the previous checkpoint
+    if (root / "previous").exists():
+        shutil.copytree(root / "previous", target)
     before = _files(target)
     victims = [0] if kind == "consolidate" else {"rank 0": [0], "rank 1": [1], "both": [0, 1]}[
         VICTIMS[j % 3]]
@@ -149,7 +148,7 @@ def kill_trial(root: Path, kind: str, j: int, took: float, rng: random.Random) -
     ranks = _launch(root, kind, 0, ready)
     while not ready.exists() and ranks.procs[0].exitcode is None:
         time.sleep(0.005)
-    delay = rng.uniform(0, 1.2 * took)
+    delay = rng.uniform(0, 1.5 * took)  # some land after the end: the run must have finished
     time.sleep(delay)
     for v in victims:
         ranks.kill(v)

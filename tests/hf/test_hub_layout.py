@@ -121,3 +121,23 @@ def test_expert_parallel_load_reads_only_own_experts(tmp_path, kind):
 def test_expert_and_tensor_parallel_load(tmp_path):
     folder = hf_models.save_tiny("mixtral", tmp_path / "mixtral")
     assert len(run_ranks(_load_ep, 4, "mixtral", str(folder), {"ep": 2, "tp": 2})) == 4
+
+
+def _dcp_save(kind: str, folder: str, out: str):
+    backend = sw.init_backend("gloo")
+    with sw.empty_model():
+        model = hf_models.model_class(kind)._from_config(hf_models.KINDS[kind][2]())
+    sw.load(model, folder, plan="auto", mesh=backend.mesh(ep=2))
+    sw.save(model, out, distributed=True)  # module names, with the model's config.json beside
+    return True
+
+
+def test_consolidate_writes_the_hub_layout(tmp_path):
+    folder = hf_models.save_tiny("mixtral", tmp_path / "ckpt")
+    assert run_ranks(_dcp_save, 2, "mixtral", str(folder), str(tmp_path / "dcp")) == [True, True]
+    merged = sw.consolidate(tmp_path / "dcp", tmp_path / "merged", max_shard_size=hf_models.SHARD_SIZE)
+    for f in sorted(folder.iterdir()):  # save_pretrained's own files, byte for byte
+        assert (merged / f.name).read_bytes() == f.read_bytes(), f.name
+    module = sw.consolidate(tmp_path / "dcp", tmp_path / "module", layout="module")
+    with safe_open(str(module / "model.safetensors"), "pt") as f:  # the module's own names
+        assert "model.layers.0.mlp.experts.gate_up_proj" in set(f.keys())

@@ -181,7 +181,7 @@ def test_info_file_still_describes_a_good_checkpoint(dcp_dir):
     assert set(info["checksums"]["chunks"]) == {"lin.weight", "lin.bias", "ids"}
 
 
-def _flip_data_byte(folder) -> None:
+def _damage_data(folder, how: str) -> None:
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
     from shardwise.io.dcp_chunks import open_blob
@@ -191,22 +191,28 @@ def _flip_data_byte(folder) -> None:
     info = metadata.storage_data[MetadataIndex("lin.weight", md.chunks[0].offsets)]
     path = folder / info.relative_path
     with open(path, "rb") as f:
-        _, base = open_blob(f, info)
+        meta, base = open_blob(f, info)
     raw = bytearray(path.read_bytes())
-    raw[base + 5] ^= 0x04
+    if how == "flip":
+        raw[base + 5] ^= 0x04
+    else:  # zero the last data bytes and the zip data descriptor after them (its CRC too)
+        end = base + meta.nbytes
+        raw[end - 4:end + 12] = bytes(16)
     path.write_bytes(bytes(raw))
 
 
-def test_a_flipped_data_byte_fails_its_zip_crc_when_a_chunk_is_read_whole(dcp_dir, tmp_path):
+@pytest.mark.parametrize("how, fault", [("flip", "CRC-32 its zip record holds"),
+                                        ("zero", "no zip data descriptor")])
+def test_damaged_data_fails_its_zip_crc_when_a_chunk_is_read_whole(dcp_dir, tmp_path, how, fault):
     # torch.load checks each record's CRC-32; shardwise reads the bytes itself, so it checks too
     (dcp_dir / "shardwise.json").unlink()  # not only shardwise's own checksums: any DCP checkpoint
-    _flip_data_byte(dcp_dir)
-    with pytest.raises(CheckpointError, match="CRC-32 its zip record holds"):
+    _damage_data(dcp_dir, how)
+    with pytest.raises(CheckpointError, match=fault):
         sw.consolidate(dcp_dir, tmp_path / "out")
     assert not (tmp_path / "out").exists()
     report = sw.verify(dcp_dir)
-    assert not report.ok and report.mismatched == ["lin.weight@0,0"]
-    assert "zip record" in report.notes[0]
+    assert not report.ok and "zip record" in report.notes[0]
+    assert report.mismatched == ["lin.weight@0,0"] if how == "flip" else fault in report.problems[0]
 
 
 def test_metadata_missing_an_attribute_is_a_clean_error(dcp_dir, tmp_path):

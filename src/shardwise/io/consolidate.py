@@ -2,14 +2,16 @@
 offline, in one process, without a process group.
 
 The output is byte-identical to ``sw.save`` (the gather save) of the same model: the same
-names in the same order, the same file split and naming, the same headers and index. It is
+names in the same order, the same file split and naming, the same headers, index and
+``shardwise.json`` (the checksums of the tensors as written). It is
 streamed: each tensor is assembled from only its own chunks, written and freed, so memory
 stays near one tensor. Every dtype works, integer and bool included. The files are written
 aside and moved into place like ``sw.save``.
 
 Each chunk's bytes are read straight into the tensor being assembled
-(:func:`shardwise.io.dcp_chunks.read_chunk_into`) rather than unpickled into a new tensor
-and copied, as ``dcp.load`` does; that copy was a third of the time. A checkpoint written
+(:func:`shardwise.io.dcp_chunks.read_chunk_into`, which checks each chunk against its zip
+record's CRC-32 as torch.load does) rather than unpickled into a new tensor and copied, as
+``dcp.load`` does; that copy was a third of the time. A checkpoint written
 with storage transforms (DCP's experimental extensions) goes through ``dcp.load``.
 """
 
@@ -23,11 +25,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
-from shardwise.core.header import dtype_to_str, spec_nbytes
+from shardwise.core.header import dtype_to_str, spec_nbytes, str_to_dtype
 from shardwise.core.spec import Region
 from shardwise.errors import CheckpointError
 from shardwise.io.dcp_chunks import MetadataReader, read_chunk_into
 from shardwise.io.dcp_metadata import read_metadata
+from shardwise.io.hub_layout import hub_save_layout, model_from_folder, shared_storages
 from shardwise.io.info import gather_info, read_info, write_info
 from shardwise.io.safetensors_io import INDEX_SUFFIX, StreamingWriter, index_json, plan_files
 from shardwise.io.side_files import copy_side_files
@@ -40,9 +43,12 @@ def _user_metadata(src: Path) -> dict[str, str]:
     return dict((read_info(src) or {}).get("metadata") or {})
 
 
-def consolidation_plan(src, *, max_shard_size: int | str = "5GB", filename_prefix: str = "model"):
-    """``(metadata, file plan, index or None, header metadata)`` for consolidating ``src``;
-    the file plan is the one ``sw.save`` makes for the same tensors."""
+def consolidation_plan(src, *, max_shard_size: int | str = "5GB", filename_prefix: str = "model",
+                       layout: str = "hub"):
+    """``(metadata, file plan, index or None, header metadata, hub parts)`` for consolidating
+    ``src``; the file plan is the one ``sw.save`` makes for the same tensors: in the hub layout
+    (``{stored name: StoredPart}``) when ``src`` holds a transformers model's config.json and
+    ``layout="hub"``, else in the module's own names (hub parts ``{}``)."""
     from shardwise.io.save import header_metadata, save_file_order
 
     src = Path(src)
@@ -59,14 +65,29 @@ def consolidation_plan(src, *, max_shard_size: int | str = "5GB", filename_prefi
     if not specs:
         raise CheckpointError(f"{src}: the checkpoint holds no tensors")
     user = _user_metadata(src)
+    parts, storages = _hub_parts(src, specs, layout)
+    if parts:
+        dtypes = {n: d for n, d, _ in specs}
+        specs = [(p.key, dtypes[p.model_name], p.piece.source.sizes) for p in parts.values()]
     file_plan = [(fname, sorted(group, key=save_file_order))
-                 for fname, group in plan_files(specs, max_shard_size, filename_prefix)]
+                 for fname, group in plan_files(specs, max_shard_size, filename_prefix, storages)]
     index = None
     if len(file_plan) > 1:
         total = sum(spec_nbytes(d, s) for _, d, s in specs)
         recorded = dict((read_info(src) or {}).get("index_metadata") or {})  # total_parameters
         index = (filename_prefix + INDEX_SUFFIX, index_json(file_plan, total, {**user, **recorded}))
-    return metadata, file_plan, index, header_metadata(user)
+    return metadata, file_plan, index, header_metadata(user), parts
+
+
+def _hub_parts(src: Path, specs: list, layout: str) -> tuple[dict, dict]:
+    if layout not in ("hub", "module"):
+        raise CheckpointError(f"layout must be 'hub' or 'module', got {layout!r}")
+    model = model_from_folder(src) if layout == "hub" else None
+    if model is None:
+        return {}, {}
+    parts = hub_save_layout(model, {n: (s, d) for n, d, s in specs}) or []
+    sizes = {n: str_to_dtype(d).itemsize for n, d, _ in specs}
+    return {p.key: p for p in parts}, shared_storages(parts, sizes)
 
 
 class _ChunkReader:
@@ -97,6 +118,19 @@ class _ChunkReader:
                             tuple(chunk.sizes), box, dtype=md.properties.dtype, sizes=tuple(chunk.sizes))
         return out
 
+    def part(self, part, parts: dict) -> torch.Tensor:
+        """A box of a model tensor (the hub layout); the tensor is read once and kept until
+        its last box is written."""
+        held = self.__dict__.setdefault("_held", {})
+        if part.model_name not in held:
+            left = sum(p.model_name == part.model_name for p in parts.values())
+            held[part.model_name] = [self.tensor(part.model_name), left]
+        entry = held[part.model_name]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del held[part.model_name]
+        return part.take(entry[0])
+
     def close(self) -> None:
         for f in self._files.values():
             f.close()
@@ -104,14 +138,16 @@ class _ChunkReader:
 
 
 def consolidate(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_size: int | str = "5GB",
-                filename_prefix: str = "model", overwrite: bool = False) -> Path:
+                filename_prefix: str = "model", overwrite: bool = False, layout: str = "hub") -> Path:
     """Write the distributed checkpoint ``src`` as a safetensors checkpoint in the folder
     ``dst``; one process, no process group. Returns ``dst``.
 
     ``max_shard_size`` and ``filename_prefix`` split and name the files as ``sw.save`` does
     (``{prefix}.safetensors``, or ``{prefix}-0000i-of-0000N.safetensors`` plus an index).
-    ``dst`` must not exist unless ``overwrite=True``. ``src``'s ``.metadata`` is a pickle:
-    consolidate only checkpoints whose source you trust.
+    ``dst`` must not exist unless ``overwrite=True``. A transformers model's checkpoint (its
+    config.json beside the data) is written in its hub layout, as ``save_pretrained`` and
+    ``sw.save`` write it; ``layout="module"`` keeps the module's own names. ``src``'s
+    ``.metadata`` is a pickle: consolidate only checkpoints whose source you trust.
 
     >>> sw.consolidate("out/dcp", "out/merged", max_shard_size="2GB")   # doctest: +SKIP
     """
@@ -124,8 +160,8 @@ def consolidate(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_siz
         return consolidate_sharded(src, dst, max_shard_size=max_shard_size,
                                    filename_prefix=filename_prefix, overwrite=overwrite)
     _refuse_plain_safetensors(Path(src))
-    metadata, file_plan, index, header = consolidation_plan(
-        src, max_shard_size=max_shard_size, filename_prefix=filename_prefix)
+    metadata, file_plan, index, header, parts = consolidation_plan(
+        src, max_shard_size=max_shard_size, filename_prefix=filename_prefix, layout=layout)
     reader = _ChunkReader(Path(src), metadata)
     dest = Destination(target_path(dst), overwrite)
     # The copies are memory-bound: one thread moves them as fast, while a pool of OpenMP
@@ -138,7 +174,8 @@ def consolidate(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_siz
         for fname, group in file_plan:
             with StreamingWriter(dest.tmp / fname, group, metadata=header) as writer:
                 for name, _, _ in group:
-                    writer.write(name, reader.tensor(name))
+                    part = parts.get(name)
+                    writer.write(name, reader.tensor(name) if part is None else reader.part(part, parts))
             checksums.update(writer.checksums)
         write_info(dest.tmp, gather_info(checksums, [s for _, group in file_plan for s in group]))
         copy_side_files(Path(src), dest.tmp)  # a Hugging Face model's config.json & co

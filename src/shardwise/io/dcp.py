@@ -5,7 +5,8 @@ The checkpoint is canonical: tensors keep the model's names and unsharded shapes
 or FSDP x TP shard is written as several chunks at their canonical offsets, replicated
 tensors once. So it loads at any degree, and plain ``torch.distributed.checkpoint.load``
 (or ``sw.consolidate``) reads it without shardwise's plan. ``shardwise.json`` beside the
-data records the plan, mesh, degree, dtypes and versions; it is informational only.
+data records the plan, mesh, degree, dtypes and versions (informational) and the CRC-32 of
+every chunk, computed as it is written (``HashingWriter``), which ``sw.verify`` checks.
 
 A save is written into a temporary folder beside the target and moved into place once every
 rank is done, exactly like the gather save (``shardwise.io.save``), so an interrupted save
@@ -37,6 +38,7 @@ from shardwise.io.dcp_coord import collective, dcp_error, gather_checksums
 from shardwise.io.dcp_items import CanonicalLoadPlanner, CanonicalSavePlanner, HashingWriter, Placed, place
 from shardwise.io.dcp_metadata import check_tensors, read_metadata
 from shardwise.io.info import INFO_FILE, write_info
+from shardwise.io.side_files import write_side_files
 from shardwise.parallel import get_shard_state, install, mesh_coords, tp_axis
 
 INFO_FORMAT = "shardwise-dcp"
@@ -168,11 +170,13 @@ class AsyncSave:
 
 def write_checkpoint(path, state_dict: dict, placed: Mapping[str, Placed], info: dict, *,
                      overwrite: bool = False, async_save: bool = False,
-                     planner: CanonicalSavePlanner | None = None) -> AsyncSave | None:
+                     planner: CanonicalSavePlanner | None = None,
+                     side_files: Callable[[Path], object] | None = None) -> AsyncSave | None:
     """Save ``state_dict`` (local tensors for the ``placed`` keys, plain values otherwise)
     as a canonical DCP checkpoint at ``path``; every rank calls it. With ``async_save`` the
     data is staged (copied) before returning and the returned handle's ``wait`` completes it.
     ``planner`` replaces ``CanonicalSavePlanner(placed)`` (SPMD resolves shards its own way).
+    ``side_files(folder)`` writes files beside the data on rank 0 (a model's config.json).
 
     Crash safety is the gather save's (``shardwise.io.save``): rank 0 prepares a temporary
     folder beside ``path``, DCP writes into it, and it replaces ``path`` once complete.
@@ -199,6 +203,8 @@ def write_checkpoint(path, state_dict: dict, placed: Mapping[str, Placed], info:
 
     def commit(checksums):
         write_info(dest.tmp, {**info, "checksums": checksums})
+        if side_files is not None:
+            side_files(dest.tmp)
         dest.commit(None)
 
     def finish():
@@ -257,8 +263,10 @@ def save_dcp(model: nn.Module, path, *, overwrite: bool = False, async_save: boo
         placed = model_placed(model)
     info = checkpoint_info(model, placed, kind="model", metadata=metadata)
     state_dict = {n: p.local for n, p in placed.items()}
+    # A Hugging Face model's config beside the data: consolidate rebuilds the hub layout and
+    # from_pretrained reads its output.
     return write_checkpoint(path, state_dict, placed, info, overwrite=overwrite, async_save=async_save,
-                            planner=planner)
+                            planner=planner, side_files=lambda folder: write_side_files(model, folder))
 
 
 # --- reading ------------------------------------------------------------------------------

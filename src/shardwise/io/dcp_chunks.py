@@ -73,20 +73,22 @@ def read_chunk_into(f, info, offsets, lengths, dest: torch.Tensor, *, dtype: tor
 
 
 def zip_crc(f, info, meta: torch.Tensor, base: int) -> int | None:
-    """The CRC-32 that the blob's zip archive records for the chunk's data, or None when
-    there is none to compare with (the data is part of a larger storage, or the record has no
-    data descriptor). torch.save writes each record followed by a data descriptor
-    (``PK\\x07\\x08``, CRC-32, sizes); torch.load checks the CRC when it reads a record whole,
-    and so does :func:`read_chunk_into`, which reads the bytes itself."""
+    """The CRC-32 that the blob's zip archive records for the chunk's data; None when the
+    chunk is part of a larger storage (the CRC covers the storage, not the chunk).
+
+    torch.save writes every record followed by a data descriptor (``PK\\x07\\x08``, the
+    CRC-32, the sizes; torch.load's own offset arithmetic relies on it), and torch.load
+    checks the CRC when it reads a record whole; :func:`read_chunk_into` reads the bytes
+    itself, so it checks them here. A descriptor that is not where it must be means the
+    blob is corrupt."""
     nbytes = meta.numel() * meta.element_size()
     if meta.storage_offset() != 0 or meta.untyped_storage().nbytes() != nbytes:
         return None
     end = base + nbytes
-    if end + 8 > info.offset + info.length:
-        return None
-    tail = os.pread(f.fileno(), 8, end)
+    tail = os.pread(f.fileno(), 8, end) if end + 8 <= info.offset + info.length else b""
     if tail[:4] != b"PK\x07\x08":
-        return None
+        raise CheckpointError(f"{_where(f, info)}: no zip data descriptor after the data (at byte "
+                              f"{end}); the file is corrupt")
     return int.from_bytes(tail[4:8], "little")
 
 

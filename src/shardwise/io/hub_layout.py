@@ -335,10 +335,42 @@ def shared_storages(parts: list[StoredPart], itemsize: dict[str, int]) -> dict[s
     return out
 
 
+def model_from_folder(folder: Path) -> nn.Module | None:
+    """A meta-device transformers model built from ``folder/config.json`` (its
+    ``architectures``), to name a checkpoint's hub layout without the model in hand; None
+    when the folder has no transformers config or transformers is not installed."""
+    import json
+
+    config_file = Path(folder) / "config.json"
+    try:
+        arch = (json.loads(config_file.read_text()).get("architectures") or [None])[0]
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(arch, str):
+        return None
+    try:
+        import torch
+        import transformers
+
+        cls = getattr(transformers, arch, None)
+        if cls is None:
+            return None
+        config = transformers.AutoConfig.from_pretrained(folder)
+        with torch.device("meta"):
+            return cls._from_config(config)
+    except ImportError:
+        return None
+    except Exception as e:  # noqa: BLE001 - transformers raises anything for a config it cannot build
+        raise CheckpointError(f"{config_file}: transformers cannot build {arch} from it ({type(e).__name__}: "
+                              f"{e}); consolidate with layout='module'") from e
+
+
 def tensors_dtype(t) -> str:
     from shardwise.core.header import dtype_to_str
 
     return dtype_to_str(t.dtype)
 
 
-__all__ = ["Composite", "StoredPart", "hub_save_layout", "hub_tensors", "shared_storages"]
+__all__ = [
+    "Composite", "StoredPart", "hub_save_layout", "hub_tensors", "model_from_folder", "shared_storages",
+]
