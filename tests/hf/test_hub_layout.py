@@ -118,9 +118,10 @@ def test_expert_parallel_load_reads_only_own_experts(tmp_path, kind):
         assert bytes_read == dense + experts // 2  # every dense byte, half of the experts'
 
 
-def test_expert_and_tensor_parallel_load(tmp_path):
-    folder = hf_models.save_tiny("mixtral", tmp_path / "mixtral")
-    assert len(run_ranks(_load_ep, 4, "mixtral", str(folder), {"ep": 2, "tp": 2})) == 4
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "deepseek_v3", "qwen3_next"])
+def test_expert_and_tensor_parallel_load(tmp_path, kind):
+    folder = hf_models.save_tiny(kind, tmp_path / kind)
+    assert len(run_ranks(_load_ep, 4, kind, str(folder), {"ep": 2, "tp": 2}, timeout=240)) == 4
 
 
 def _dcp_save(kind: str, folder: str, out: str):
