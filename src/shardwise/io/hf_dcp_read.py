@@ -24,6 +24,7 @@ from torch import nn
 from shardwise.core.spec import Layout, Region, intersect, local_layout, split
 from shardwise.io.hf_dcp import ShardedCheckpoint, ShardedTensor, read_sharded
 from shardwise.io.reader import ReadItem, RegionReader
+from shardwise.io.staging import finalizer
 
 Request = tuple[ShardedTensor, Layout]
 Finalize = Callable[[str, torch.Tensor], torch.Tensor]
@@ -137,23 +138,6 @@ class ShardedReader:
         t = self.ckpt.tensors[name]
         zeros = (0,) * len(t.shape)
         return self.read({name: (t, [(Region(zeros, t.shape), zeros)])}, finalize=lambda k, x: x)[name]
-
-
-def finalizer(dtype: torch.dtype | None, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Cast (floating tensors, to ``dtype``) and move a freshly read local tensor, as
-    ``sw.load`` does: a narrowing cast on the host, before the copy; a widening one after."""
-    from shardwise.io.staging import host_to_device
-
-    to_device = host_to_device(device)
-
-    def finalize(raw: torch.Tensor) -> torch.Tensor:
-        cast = dtype is not None and raw.is_floating_point() and raw.dtype != dtype
-        if cast and dtype.itemsize <= raw.dtype.itemsize:
-            raw, cast = raw.to(dtype), False
-        raw = to_device(raw) if raw.device != device else raw
-        return raw.to(dtype) if cast else raw
-
-    return finalize
 
 
 def load_sharded_safetensors(model: nn.Module, path, *, specs, mesh, holding: str,
@@ -275,5 +259,5 @@ def inspect_sharded(path: str | os.PathLike):
                   [f.name for f in ckpt.files], rows, metadata=meta, layout=ckpt.info)
 
 
-__all__ = ["ShardedReader", "consolidate_sharded", "finalizer", "inspect_sharded", "load_sharded_safetensors",
+__all__ = ["ShardedReader", "consolidate_sharded", "inspect_sharded", "load_sharded_safetensors",
            "local_extent", "plan_chunk_reads"]

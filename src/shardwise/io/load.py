@@ -29,7 +29,7 @@ from shardwise.io.hf_dcp import is_sharded_safetensors
 from shardwise.io.hub_layout import Composite, hub_tensors
 from shardwise.io.reader import ReadItem, RegionReader, cpu_views, plan_reads
 from shardwise.io.replicas import read_once, replica_axis
-from shardwise.io.staging import host_to_device
+from shardwise.io.staging import finalizer
 from shardwise.parallel import (
     HOLDINGS,
     check_spmd,
@@ -134,16 +134,7 @@ def load(model: nn.Module, path: str | os.PathLike, *, plan, mesh, dtype: torch.
     assembler = Assembler(composites, specs, coords)
     items += assembler.items
     device = device_of(tp_mesh)
-    to_device = host_to_device(device)  # pinned staging buffers on CUDA
-
-    def finalize(raw: torch.Tensor) -> torch.Tensor:
-        # After slicing: only this rank's part is ever cast. A widening cast runs on the
-        # device, after the copy, so that fewer bytes cross to it.
-        cast = dtype is not None and raw.is_floating_point() and raw.dtype != dtype
-        if cast and dtype.itemsize <= raw.dtype.itemsize:
-            raw, cast = raw.to(dtype), False
-        raw = to_device(raw) if raw.device != device else raw
-        return raw.to(dtype) if cast else raw
+    finalize = finalizer(dtype, device)  # cast after slicing, then to the device
 
     with Progress(sum(i.nbytes for i in items), progress, _is_rank0(), "shardwise load") as bar, \
             RegionReader(ckpt.headers, num_threads=_num_threads(num_threads), on_bytes=bar,

@@ -82,4 +82,19 @@ class PinnedStager:
         return dst
 
 
-__all__ = ["NUM_BUFFERS", "PinnedStager", "STAGE_BYTES", "host_to_device"]
+def finalizer(dtype: torch.dtype | None, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Cast (floating tensors, to ``dtype``) and move a freshly read local tensor, as
+    ``sw.load`` does: a narrowing cast on the host, before the copy; a widening one after."""
+    to_device = host_to_device(device)
+
+    def finalize(raw: torch.Tensor) -> torch.Tensor:
+        cast = dtype is not None and raw.is_floating_point() and raw.dtype != dtype
+        if cast and dtype.itemsize <= raw.dtype.itemsize:
+            raw, cast = raw.to(dtype), False
+        raw = to_device(raw) if raw.device != device else raw
+        return raw.to(dtype) if cast else raw
+
+    return finalize
+
+
+__all__ = ["NUM_BUFFERS", "PinnedStager", "STAGE_BYTES", "finalizer", "host_to_device"]
