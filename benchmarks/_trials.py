@@ -161,7 +161,10 @@ def kill_trial(root: Path, kind: str, j: int, took: float, rng: random.Random) -
            "left_after_kill": _leftovers(root)}
     # The next run, undisturbed, repairs what a killed rank 0 left and must succeed.
     again = _launch(root, kind if kind != "dcp" and kind != "gather" else kind + "-overwrite", 0, None)
-    row["next_run"] = ",".join(sorted({o.kind for o in again.wait(300).values()}))
+    ended = again.wait(300)
+    row["next_run"] = ",".join(sorted({o.kind for o in ended.values()}))
+    if row["next_run"] != "ok":
+        row["next_run_detail"] = {r: _last_line(o.value) for r, o in ended.items() if o.kind != "ok"}
     row["left_after_next"] = _leftovers(root)
     row["next_state"] = _state(target, None, root / "reference")
     row["ok"] = (not row["state"].startswith(("LOST", "PARTIAL"))
