@@ -24,7 +24,9 @@ import torch
 from _common import PLAN, BenchModel, real_plan
 from _ranks import Ranks, die, run_with_deaths
 
-KILL_KINDS = ("gather", "gather-overwrite", "dcp", "dcp-overwrite", "consolidate")
+# gather: the rank-0 stream; parallel: every rank writes its own regions (sw.save parallel_write)
+KILL_KINDS = ("gather", "gather-overwrite", "parallel", "parallel-overwrite", "dcp", "dcp-overwrite",
+              "consolidate")
 VICTIMS = ("rank 0", "rank 1", "both")
 TIMEOUT = 10.0  # seconds: the collectives' timeout in every trial
 
@@ -56,8 +58,18 @@ def save_rank(root: str, kind: str, seed: int, ready: str | None) -> str:
     if ready and backend.rank == 0:
         Path(ready).touch()
     target = f"{root}/target"
-    sw.save(model, target, distributed=kind.startswith("dcp"), overwrite=kind.endswith("overwrite"))
+    _save(model, target, kind, overwrite=kind.endswith("overwrite"))
     return "saved"
+
+
+def _save(model, target, kind: str, **kwargs) -> None:
+    """``sw.save`` as ``kind`` (dcp..., parallel..., else the rank-0 stream) does it."""
+    import shardwise as sw
+
+    if kind.startswith("dcp"):
+        sw.save(model, target, distributed=True, **kwargs)
+    else:
+        sw.save(model, target, parallel_write=kind.startswith("parallel"), **kwargs)
 
 
 def consolidate_proc(src: str, dst: str, ready: str | None) -> str:
@@ -160,7 +172,8 @@ def kill_trial(root: Path, kind: str, j: int, took: float, rng: random.Random) -
            "state": _state(target, before, root / "reference"),
            "left_after_kill": _leftovers(root)}
     # The next run, undisturbed, repairs what a killed rank 0 left and must succeed.
-    again = _launch(root, kind if kind != "dcp" and kind != "gather" else kind + "-overwrite", 0, None)
+    again_kind = kind if kind.endswith("overwrite") or kind == "consolidate" else kind + "-overwrite"
+    again = _launch(root, again_kind, 0, None)
     ended = again.wait(300)
     row["next_run"] = ",".join(sorted({o.kind for o in ended.values()}))
     if row["next_run"] != "ok":
@@ -192,7 +205,7 @@ def run_kills(work: Path, n: int, seed: int, kinds=KILL_KINDS, progress=print) -
 
 # --- rank deaths ---------------------------------------------------------------------------------
 
-DEATH_OPS = ("gather save", "dcp save", "dcp load", "safetensors load")
+DEATH_OPS = ("gather save", "parallel save", "dcp save", "dcp load", "safetensors load")
 DEATHS = ("exit", "kill", "stop")
 POINTS = ("early", "middle")
 
@@ -202,13 +215,15 @@ def _hook(op: str, point: str) -> tuple[object, str, int]:
     import torch.distributed.checkpoint as dcp
 
     from shardwise.io import dcp as sw_dcp
-    from shardwise.io import gather, load, reader, save
+    from shardwise.io import gather, load, parallel_save, reader, save
     from shardwise.io.dcp_chunks import MetadataReader
     from shardwise.io.dcp_items import HashingWriter
 
     return {
         ("gather save", "early"): (save, "agree", 1),
         ("gather save", "middle"): (gather, "gather_to_rank0", 3),
+        ("parallel save", "early"): (save, "agree", 1),
+        ("parallel save", "middle"): (parallel_save, "_pwrite_all", 3),
         ("dcp save", "early"): (sw_dcp, "_on_rank0", 1),
         ("dcp save", "middle"): (HashingWriter, "write_data", 1),
         ("dcp load", "early"): (dcp, "load", 1),
@@ -239,7 +254,7 @@ def death_rank(root: str, op: str, death: str, victim: int, point: str) -> tuple
         if op.endswith("save"):
             model = trial_model(0)
             sw.parallelize(model, real_plan(PLAN), mesh)
-            sw.save(model, f"{root}/out", distributed=op.startswith("dcp"))
+            _save(model, f"{root}/out", op.split()[0])
         else:
             with torch.device("meta"):
                 model = trial_model(0)

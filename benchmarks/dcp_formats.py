@@ -29,7 +29,16 @@ import tempfile
 from pathlib import Path
 
 import torch
-from _common import GB, PLAN, BenchModel, machine_info, make_checkpoint, markdown_table, real_plan, results_dir
+from _common import (
+    GB,
+    PLAN,
+    BenchModel,
+    machine_info,
+    make_checkpoint,
+    markdown_table,
+    real_plan,
+    results_dir,
+)
 from dcp import _build, _empty_like, _timed
 
 import shardwise as sw

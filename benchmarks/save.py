@@ -1,6 +1,7 @@
-"""Save benchmark: sw.save (gather to rank 0, one tensor at a time) against safetensors' save_file.
+"""Save benchmark: sw.save (rank-0 stream, and every rank writing its own regions) against
+safetensors' save_file.
 
-    python3 benchmarks/save.py --size 3GB --degrees 1 2 4 --repeat 3
+    python3 benchmarks/save.py --size 3GB --degrees 1 2 4 --repeat 3 --writes stream parallel
 
 Rows, all writing the same bytes (one file: the checkpoint stays under max_shard_size):
 
@@ -9,7 +10,10 @@ Rows, all writing the same bytes (one file: the checkpoint stays under max_shard
   save_file does not fsync; the "+ fsync" row adds the time to make the file durable,
   which sw.save always does (it fsyncs, then renames into place).
 - shardwise sw.save at tp=N: N spawned gloo ranks, each holding its shard (``sw.load`` of
-  the checkpoint into a meta-device BenchModel), then ``sw.save`` of the model.
+  the checkpoint into a meta-device BenchModel), then ``sw.save`` of the model, as the
+  rank-0 stream (``parallel_write=False``: one tensor at a time gathered to rank 0, which
+  writes) and in parallel (``parallel_write=True``: rank 0 lays the file out, every rank
+  writes its own regions at their offsets, the checksums are read back from the file).
 
 Figures: seconds (the slowest rank), GB/s = checkpoint bytes / seconds, peak RSS above the
 process's level just before the save (rank 0, and the largest of the other ranks), rank 0's
@@ -48,6 +52,9 @@ from safetensors.torch import load_file, save_file
 from shardwise.io.safetensors_io import parse_size
 from shardwise.launch import spawn
 
+WRITES = {"stream": False, "parallel": True}  # --writes: sw.save's parallel_write
+
+
 # --- what each process runs (module level, so spawn can pickle them) ------------------------
 
 def save_file_rank(files: list[str], out_file: str) -> dict:
@@ -71,8 +78,13 @@ def save_file_rank(files: list[str], out_file: str) -> dict:
     return {"rank": 0, "seconds": seconds, "fsync_seconds": time.perf_counter() - t0, **peak.as_dict()}
 
 
-def shardwise_rank(ckpt_dir: str, out_dir: str, degree: int) -> dict:
-    """One rank of a tp=``degree`` gloo mesh: load its shard, then time ``sw.save``."""
+def shardwise_rank(ckpt_dir: str, out_dir: str, degree: int, parallel_write: bool = False,
+                   owned: bool = True) -> dict:
+    """One rank of a tp=``degree`` gloo mesh: load its shard, then time ``sw.save``.
+
+    ``owned``: copy every shard into the process's own memory first, as save_file's process
+    holds its tensors (and a trained model its weights); otherwise the shards stay the
+    load's views of the page cache, and the save pays the page faults of mapping them in."""
     import shardwise as sw
 
     backend = sw.init_backend("gloo")
@@ -80,11 +92,17 @@ def shardwise_rank(ckpt_dir: str, out_dir: str, degree: int) -> dict:
     with torch.device("meta"):
         model = BenchModel.from_checkpoint(ckpt_dir, dtype=torch.bfloat16)
     sw.load(model, ckpt_dir, plan=real_plan(PLAN), mesh=mesh)
+    if owned:
+        from shardwise.parallel import local_of
+
+        with torch.no_grad():  # a copy-on-write mapping: each page becomes the process's own
+            for t in model.state_dict(keep_vars=True).values():
+                local_of(t).copy_(local_of(t).clone())
     gc.collect()
     backend.barrier()
     with PeakRSS() as peak:
         t0 = time.perf_counter()
-        sw.save(model, out_dir, overwrite=True, progress=False)
+        sw.save(model, out_dir, overwrite=True, progress=False, parallel_write=parallel_write)
         seconds = time.perf_counter() - t0
     return {"rank": backend.rank, "seconds": seconds, **peak.as_dict()}
 
@@ -130,7 +148,9 @@ def _notes(ckpt, largest: int, args) -> str:
     return (
         f"Model: {ckpt.total_bytes / GB:.2f} GB of {cfg['dtype']}, a Llama-like stack of "
         f"{cfg['num_layers']} layers, hidden {cfg['hidden']}, vocab {cfg['vocab']}; largest tensor "
-        f"{largest / GB:.3f} GB. Plan: q/k/v colwise, o rowwise, packed gate_up PackedColwise([1, 1]), "
+        f"{largest / GB:.3f} GB. sw.save stream: gathered to rank 0, which writes; sw.save parallel: "
+        "every rank writes its own regions into the file rank 0 laid out, then the checksums are "
+        "read back from the file. Plan: q/k/v colwise, o rowwise, packed gate_up PackedColwise([1, 1]), "
         "down rowwise; embedding and norms replicated. Every method writes one file (sw.save: "
         "default max_shard_size 5GB), and every sw.save output was byte-identical to save_file's "
         "unless a note says otherwise. save_file does not fsync; sw.save writes into a temporary "
@@ -141,7 +161,10 @@ def _notes(ckpt, largest: int, args) -> str:
         f"4 ranks on 2 cores). Median of {args.repeat} interleaved rounds (by the slowest rank); "
         "on a shared machine single runs vary by 2x and more, so ratios in one round matter more "
         "than absolute seconds. Command: `python3 benchmarks/save.py --size "
-        f"{args.size} --degrees {' '.join(map(str, args.degrees))} --repeat {args.repeat}`."
+        f"{args.size} --degrees {' '.join(map(str, args.degrees))} --repeat {args.repeat} "
+        f"--writes {' '.join(args.writes)}{' --mapped' if args.mapped else ''}`. Each rank's "
+        + ("shards are the load's page-cache views (the save maps them in)." if args.mapped else
+           "shards are copied into its own memory before the timed save, as save_file's are.")
     )
 
 
@@ -153,6 +176,10 @@ def main(argv=None) -> None:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--repeat", type=int, default=3, help="rounds; each row is the median (default 3)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per spawned phase")
+    p.add_argument("--mapped", action="store_true",
+                   help="sw.save the shards as loaded (page-cache views), not owned copies")
+    p.add_argument("--writes", nargs="+", choices=WRITES, default=list(WRITES),
+                   help="sw.save modes to time (default: stream parallel)")
     args = p.parse_args(argv)
     if args.repeat < 1 or any(d < 1 for d in args.degrees):
         p.error("--repeat and --degrees must be positive")
@@ -170,22 +197,24 @@ def main(argv=None) -> None:
     reference = work / "save_file.safetensors"
     room = mem_available() >= 2.2 * total
     plain: list[dict] = []
-    ours: dict[int, list[tuple[list[dict], str]]] = {d: [] for d in args.degrees}
+    ours: dict[tuple[str, int], list[tuple[list[dict], str]]] = {
+        (w, d): [] for d in args.degrees for w in args.writes}
     try:
         for run in range(args.repeat):  # rounds interleave the methods: drift hits them alike
             if room:
                 log(f"[{run + 1}/{args.repeat}] save_file, one process")
                 os.sync()
                 plain += spawn(save_file_rank, 1, args=(files, str(reference)), timeout=args.timeout)
-            for degree in args.degrees:
-                log(f"[{run + 1}/{args.repeat}] sw.save on {degree} rank(s)")
-                out = work / f"sw-{degree}"
+            for write, degree in ours:
+                log(f"[{run + 1}/{args.repeat}] sw.save {write} on {degree} rank(s)")
+                out = work / f"sw-{write}-{degree}"
                 os.sync()
-                ranks = spawn(shardwise_rank, degree, args=(str(folder), str(out), degree),
+                ranks = spawn(shardwise_rank, degree,
+                              args=(str(folder), str(out), degree, WRITES[write], not args.mapped),
                               timeout=args.timeout)
                 same = not reference.exists() or filecmp.cmp(reference, out / "model.safetensors",
                                                              shallow=False)
-                ours[degree].append((ranks, "" if same else "output differs from save_file's"))
+                ours[write, degree].append((ranks, "" if same else "output differs from save_file's"))
                 shutil.rmtree(out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -197,10 +226,10 @@ def main(argv=None) -> None:
         rows.append(_row("save_file + fsync", 1, durable, total, largest, None))
     else:
         rows.append(_row("save_file", 1, None, total, largest, None, "skipped: not enough free RAM"))
-    for degree, runs in ours.items():
+    for (write, degree), runs in sorted(ours.items(), key=lambda kv: (kv[0][1], kv[0][0] != "stream")):
         ranks, note = _median(runs, lambda run: max(r["seconds"] for r in run[0]))
-        rows.append(_row("shardwise sw.save", degree, max(r["seconds"] for r in ranks), total, largest,
-                         ranks, note))
+        rows.append(_row(f"shardwise sw.save {write}", degree, max(r["seconds"] for r in ranks), total,
+                         largest, ranks, note))
     _add_ratios(rows)
     table = write_results("save", [{k: v for k, v in r.items() if k != "ranks"} for r in rows], COLUMNS,
                           _notes(ckpt, largest, args),
@@ -208,8 +237,8 @@ def main(argv=None) -> None:
                                  "per_rank": [{"method": r["method"], "degree": r["degree"],
                                                "ranks": r["ranks"]} for r in rows],
                                  "rounds": {"save_file": plain,
-                                            **{f"sw.save tp={d}": [ranks for ranks, _ in runs]
-                                               for d, runs in ours.items()}}})
+                                            **{f"sw.save {w} tp={d}": [ranks for ranks, _ in runs]
+                                               for (w, d), runs in ours.items()}}})
     print(table)
 
 

@@ -141,6 +141,16 @@ def make_model(seed: int = 0, **kwargs) -> TinyTransformer:
     return model
 
 
+def fsdp_blocks(model: TinyTransformer, mesh) -> TinyTransformer:
+    """FSDP2 over ``mesh["dp_shard"]``: each block, then the model (how users wrap it)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in [*model.layers, *model.fused, *model.single]:
+        fully_shard(block, mesh=mesh["dp_shard"])
+    fully_shard(model, mesh=mesh["dp_shard"])
+    return model
+
+
 def tokens(seed: int = 1, batch: int = 2, length: int = 5, vocab: int = 64) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (batch, length), generator=g)

@@ -28,6 +28,7 @@ from shardwise.errors import (
     PlanError,
     ShardingError,
     ShardwiseError,
+    StorageError,
     UnknownBackendError,
     UnsupportedModelError,
     UsageError,
@@ -62,7 +63,8 @@ def __getattr__(name: str):
 __all__ = [
     "Backend", "BackendError", "BackendUnavailableError", "CheckpointError", "CollectiveError",
     "MeshError", "NonFiniteError", "PackedColwise", "PackedRowwise", "PlanError", "Region", "ShardSpec",
-    "ShardingError", "ShardwiseError", "UnknownBackendError", "UnsupportedModelError", "UsageError",
+    "ShardingError", "ShardwiseError", "StorageError", "UnknownBackendError", "UnsupportedModelError",
+    "UsageError",
     "__version__", "available_backends", "current_backend", "get_shard_state", "init_backend",
     "parallelize", "register_backend", "resolve_plan", "shutdown_backend",
     *_LAZY,

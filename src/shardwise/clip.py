@@ -14,21 +14,17 @@ import math
 from collections.abc import Iterable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+import shardwise.comm as comm
 from shardwise.errors import NonFiniteError
 from shardwise.parallel import get_shard_state
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def _grads(model_or_params) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
     """``(local grad to scale, local grad to measure, copies)`` for every parameter with a
     gradient; ``copies`` is how many ranks hold the same elements."""
-    world = _world()
+    world = comm.world_size()
     if isinstance(model_or_params, nn.Module):
         state = get_shard_state(model_or_params)
         named = list(model_or_params.named_parameters())
@@ -53,8 +49,9 @@ def _grads(model_or_params) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
             if any(pl.is_partial() for pl in g.placements):
                 from torch.distributed.tensor import Replicate
 
-                g = g.redistribute(placements=[Replicate() if pl.is_partial() else pl
-                                               for pl in g.placements])
+                with comm.guarded("redistribute", group=mesh, purpose=f"the gradient of {name!r}"):
+                    g = g.redistribute(placements=[Replicate() if pl.is_partial() else pl
+                                                   for pl in g.placements])
             split = math.prod(mesh.size(i) for i, pl in enumerate(g.placements) if not pl.is_replicate())
             out.append((p.grad.to_local(), g.to_local(), world // (split * hidden_tp)))
         else:
@@ -82,15 +79,13 @@ def clip_grad_norm_(model_or_params: nn.Module | Iterable[torch.Tensor] | torch.
         for _, local, _ in grads:
             if local.numel():
                 total = torch.maximum(total, local.detach().abs().max().double())
-        if _world() > 1:
-            dist.all_reduce(total, op=dist.ReduceOp.MAX)
+        comm.all_reduce(total, "max", purpose="clip_grad_norm_")
     else:
         total = torch.zeros((), dtype=torch.float64, device=device)
         for _, local, copies in grads:
             norm = torch.linalg.vector_norm(local.detach(), norm_type, dtype=torch.float64)
             total += norm ** norm_type / copies
-        if _world() > 1:
-            dist.all_reduce(total)
+        comm.all_reduce(total, purpose="clip_grad_norm_")
         total = total ** (1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise NonFiniteError(f"the total norm of order {norm_type} of the gradients is {total.item()}; "

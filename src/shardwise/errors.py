@@ -2,7 +2,8 @@
 
 Every error names what is wrong (the parameter, file or value) and how to fix it.
 Bad input raises a subclass of ``ValueError``; an environment or runtime fault
-raises a subclass of ``RuntimeError``. All of them also derive from
+raises a subclass of ``RuntimeError`` (of ``OSError`` for a file system fault, with its
+``errno``). All of them also derive from
 ``ShardwiseError`` so that callers can catch everything shardwise raises at once.
 """
 
@@ -35,6 +36,17 @@ class CollectiveError(BackendError):
             message = f"{message}\n{detail}"
         super().__init__(message)
 
+    @classmethod
+    def failed(cls, what: str, *, rank: int, cause: BaseException,
+               seconds: float | None = None) -> CollectiveError:
+        """The error of one rank whose collective ``what`` (which names the operation and its
+        group size) raised ``cause`` or did not finish within ``seconds``."""
+        within = f" or did not finish within {seconds:.0f} s" if seconds is not None else ""
+        return cls(f"{what} failed{within} on rank {rank}: {type(cause).__name__}: {cause}. Every "
+                   "rank of the group must reach the same collective calls in the same order: check "
+                   "that no rank skipped this one (under `if rank == 0:`) or raised before it, and "
+                   "whether a peer died (its own log says why)")
+
 
 class MeshError(ShardwiseError, ValueError):
     """A mesh request that does not fit the world (axis sizes, names)."""
@@ -58,6 +70,11 @@ class UsageError(ShardwiseError, ValueError):
 
 class NonFiniteError(ShardwiseError, RuntimeError):
     """A computed value that must be finite is not (a gradient norm)."""
+
+
+class StorageError(ShardwiseError, OSError):
+    """A file system operation on a checkpoint failed (a rename refused, a permission, an
+    I/O error); an ``OSError`` with the ``errno`` and file names of the failed call."""
 
 
 class UnsupportedModelError(ShardwiseError, ValueError):

@@ -30,7 +30,7 @@ def empty_model():
     ``__init__`` (``lm_head.weight = embed.weight``) stays one tensor. Each parameter is
     created as its module creates it (for ``nn.Linear`` and ``nn.Embedding`` an untouched
     ``torch.empty``) and dropped at once; the modules' initialisers then run on the meta
-    tensor, which costs nothing.
+    tensor, and transformers' ones skip it (it is flagged ``_is_hf_initialized``).
 
     >>> with sw.empty_model():                                        # doctest: +SKIP
     ...     model = MyModel(config)
@@ -43,6 +43,11 @@ def empty_model():
             moved = type(param)(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
             moved.__dict__.update(param.__dict__)  # attributes libraries set on parameters
             param = moved
+        if param is not None:
+            # transformers' weight initialisers skip a tensor flagged as initialised; on meta
+            # they would only cost time (torch runs meta normal_ through Python decompositions,
+            # ~0.5 ms a call). Its buffer initialisers (rotary tables) still run.
+            param._is_hf_initialized = True
         original(module, name, param)
 
     nn.Module.register_parameter = register_on_meta

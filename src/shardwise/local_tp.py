@@ -18,23 +18,21 @@ from __future__ import annotations
 import types
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+import shardwise.comm as comm
 from shardwise.core.plan import Style
 from shardwise.core.spec import ShardSpec, assemble, split
 
 
 def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
-    out = t.clone()
-    dist.all_reduce(out, group=group)
-    return out
+    return comm.all_reduce_inline(t.clone(), group=group)
 
 
 def _all_gather_last(t: torch.Tensor, group, spec: ShardSpec, degree: int) -> torch.Tensor:
     parts = [torch.empty_like(t) for _ in range(degree)]
-    dist.all_gather(parts, t.contiguous(), group=group)
+    comm.all_gather_inline(parts, t.contiguous(), group=group)
     return assemble(parts, ShardSpec(dim=t.ndim - 1, blocks=spec.blocks), degree)
 
 
@@ -132,9 +130,12 @@ def wire_forward(module: nn.Module, style: Style, state) -> None:
     if kind in ("none", "local_params"):  # local_params: see run_on_local_params
         return
     if kind == "grad_allreduce":
+        def hook(p: torch.Tensor) -> None:  # a post-accumulate hook must return None
+            comm.all_reduce_inline(p.grad, group=group)
+
         for p in module.parameters(recurse=False):
             if p.requires_grad:
-                p.register_post_accumulate_grad_hook(lambda p: dist.all_reduce(p.grad, group=group))
+                p.register_post_accumulate_grad_hook(hook)
         return
     if kind == "ep_experts":
         _wire_ep_experts(module, style, state)

@@ -306,9 +306,20 @@ def _dtensor_params(module: nn.Module, prefix: str, state: ShardState, *, sharde
         if done is None:  # the first module of a tied weight converts it; the others reuse it
             placement = Replicate() if spec.replicated else Shard(spec.dim)
             d = DTensor.from_local(p.data, state.axis_mesh(spec), [placement], run_check=False)
-            done = (p, nn.Parameter(d, requires_grad=p.requires_grad))
+            done = (p, _as_parameter(d, p.requires_grad))
             state.converted[id(p)] = done
         module.register_parameter(pname, done[1])
+
+
+def _as_parameter(d: torch.Tensor, requires_grad: bool) -> nn.Parameter:
+    """``d`` (a fresh DTensor leaf) marked as a Parameter: what ``nn.Parameter(d)`` returns for
+    a tensor subclass, without its ``d.detach()``, which runs DTensor's sharding propagation
+    (milliseconds for each new shape in a fresh process: a load's install paid ~15 ms)."""
+    if d.grad_fn is not None:  # not a leaf: let torch make the Parameter its own way
+        return nn.Parameter(d, requires_grad=requires_grad)
+    d.requires_grad_(requires_grad)
+    d._is_param = True  # how torch/nn/parameter.py marks a tensor subclass as a Parameter
+    return d if isinstance(d, nn.Parameter) else nn.Parameter(d, requires_grad=requires_grad)
 
 
 def _wire_dtensor(module: nn.Module, path: str, style: Style, state: ShardState) -> None:

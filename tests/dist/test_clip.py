@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import shardwise as sw
 from harness import run_ranks
-from models import make_model, tiny_plan, tokens
+from models import fsdp_blocks, make_model, tiny_plan, tokens
 from shardwise.core.spec import split
 from shardwise.parallel import local_of
 
@@ -46,8 +46,6 @@ def _set_grads(model, ref_grads):
 
 
 def _clip_everywhere(norm_type: float):
-    from torch.distributed.fsdp import fully_shard
-
     backend = sw.init_backend("gloo")
     reference = make_model()
     _loss(reference).backward()
@@ -62,9 +60,7 @@ def _clip_everywhere(norm_type: float):
         sw.parallelize(model, tiny_plan(), mesh, holding=holding)
         rows = slice(None)
         if fsdp:
-            for block in [*model.layers, *model.fused, *model.single]:
-                fully_shard(block, mesh=mesh["dp_shard"])
-            fully_shard(model, mesh=mesh["dp_shard"])
+            fsdp_blocks(model, mesh)
             dp = mesh["dp_shard"].get_local_rank()
             rows = slice(2 * dp, 2 * dp + 2)  # FSDP averages the two halves' gradients
         if backward:

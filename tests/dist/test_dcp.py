@@ -10,7 +10,7 @@ import torch.distributed.checkpoint as dcp
 
 import shardwise as sw
 from harness import run_ranks
-from models import make_model, tiny_plan, tokens
+from models import fsdp_blocks, make_model, tiny_plan, tokens
 from shardwise.core.spec import split
 from shardwise.errors import CheckpointError
 from shardwise.io.dcp_metadata import read_metadata
@@ -39,14 +39,6 @@ def _model(**kwargs):
 def _meta_model(**kwargs):
     with torch.device("meta"):
         return _model(**kwargs)
-
-
-def _fsdp(model, mesh):
-    from torch.distributed.fsdp import fully_shard
-
-    for block in [*model.layers, *model.fused, *model.single]:
-        fully_shard(block, mesh=mesh["dp_shard"])
-    fully_shard(model, mesh=mesh["dp_shard"])
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -80,7 +72,7 @@ def _matrix(root: str, holding: str):
         model = _model()
         sw.parallelize(model, tiny_plan(), mesh, holding=holding)
         if src == "fsdp2x2":
-            _fsdp(model, mesh)
+            fsdp_blocks(model, mesh)
         sw.save(model, f"{root}/{src}", distributed=True)
         if src == "tp4":
             sw.save(model, f"{root}/gather", max_shard_size=SHARD_SIZE)
@@ -90,7 +82,7 @@ def _matrix(root: str, holding: str):
             sw.load(model, f"{root}/{src}", plan=tiny_plan(), mesh=mesh, holding=holding)
             _check_shards(model, ref, mesh, dst)
             if dst == "fsdp2x2":  # FSDP over the loaded TP shards: same bytes, same forward
-                _fsdp(model, mesh)
+                fsdp_blocks(model, mesh)
                 _check_shards(model, ref, mesh, dst)
                 with torch.no_grad():
                     torch.testing.assert_close(model(tokens()), expected_out, rtol=1e-5, atol=1e-5)
@@ -133,7 +125,7 @@ def _async_and_failures(root: str):
     mesh = backend.mesh(dp_shard=2, tp=2)
     model = _model()
     sw.parallelize(model, tiny_plan(), mesh)
-    _fsdp(model, mesh)
+    fsdp_blocks(model, mesh)
     sw.save(model, f"{root}/blocking", distributed=True)
     handle = sw.save(model, f"{root}/async", distributed=True, async_save=True)
     with torch.no_grad():  # the async save staged its copy: changing the model now is safe

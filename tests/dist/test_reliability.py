@@ -127,7 +127,7 @@ def test_stress_scripts_smoke(tmp_path):
     assert [r["kind"] for r in kills["rows"]] == ["dcp"]
     assert all(r["ok"] for r in kills["rows"]), kills["rows"]
 
-    deaths = run_deaths(tmp_path / "deaths", progress=None, ops=("dcp load", "gather save"),
+    deaths = run_deaths(tmp_path / "deaths", progress=None, ops=("dcp load", "gather save", "parallel save"),
                         deaths=("kill",), points=("middle",), victims=(1,))
-    assert [r["survivor"] for r in deaths["rows"]] == ["CollectiveError", "CollectiveError"], deaths
+    assert [r["survivor"] for r in deaths["rows"]] == ["CollectiveError"] * 3, deaths
     assert not any(r["left"] for r in deaths["rows"])

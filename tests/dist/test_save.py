@@ -170,7 +170,7 @@ def _options_and_failures(tmp: Path) -> dict:
     if backend.rank == 0:
         StreamingWriter.write = full_disk
     try:
-        out["disk_full"] = _outcome(lambda: sw.save(model, tmp / "full-disk"))  # one file
+        out["disk_full"] = _outcome(lambda: sw.save(model, tmp / "full-disk", parallel_write=False))  # one file
     finally:
         StreamingWriter.write = write
     out["after"] = _outcome(lambda: backend.barrier(timeout=20))  # nobody is stuck in a gather
@@ -194,7 +194,7 @@ def _killed(tmp: Path, victim: int) -> None:
         return real(*args, **kwargs)
 
     gather.gather_to_rank0 = dying
-    sw.save(model, tmp / "ckpt", overwrite=True, max_shard_size=SMALL)
+    sw.save(model, tmp / "ckpt", overwrite=True, max_shard_size=SMALL, parallel_write=False)
 
 
 # --- tests -------------------------------------------------------------------------------------

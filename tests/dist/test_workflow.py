@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 import shardwise as sw
 from harness import run_ranks
-from models import make_model, tiny_plan, tokens
+from models import fsdp_blocks, make_model, tiny_plan, tokens
 
 LR, WD, MAX_NORM, BATCH = 1e-2, 0.1, 0.5, 4
 # The key biases get no gradient (softmax ignores a constant shift), only rounding noise
@@ -27,14 +27,6 @@ def _loss(model, x, y):
 
 def _optimizer(model):
     return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, eps=EPS)
-
-
-def _fsdp(model, mesh):
-    from torch.distributed.fsdp import fully_shard
-
-    for block in [*model.layers, *model.fused, *model.single]:
-        fully_shard(block, mesh=mesh["dp_shard"])
-    fully_shard(model, mesh=mesh["dp_shard"])
 
 
 def _train(model, optimizer, steps, rows: slice):
@@ -56,7 +48,7 @@ def _workflow(root: str):
     mesh = backend.mesh(dp_shard=2, tp=2)
     model = make_model()
     sw.parallelize(model, tiny_plan(), mesh)
-    _fsdp(model, mesh)
+    fsdp_blocks(model, mesh)
     optimizer = _optimizer(model)
     half = BATCH // 2
     dp = mesh["dp_shard"].get_local_rank()

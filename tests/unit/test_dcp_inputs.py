@@ -176,7 +176,7 @@ def test_wrong_types_in_the_metadata_are_a_clean_error(dcp_dir, tmp_path):
 
 def test_info_file_still_describes_a_good_checkpoint(dcp_dir):
     report = inspect_checkpoint(dcp_dir)
-    assert report.layout["checksums"]["algorithm"] == "crc32"
+    assert report.layout["checksums"]["algorithm"] == "xxh3_64"
     info = json.loads((dcp_dir / "shardwise.json").read_text())
     assert set(info["checksums"]["chunks"]) == {"lin.weight", "lin.bias", "ids"}
 

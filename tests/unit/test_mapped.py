@@ -19,9 +19,9 @@ from shardwise.core.header import TensorEntry
 from shardwise.core.spec import Region, ShardSpec, split
 from shardwise.errors import CheckpointError
 from shardwise.io.checkpoint import resolve_checkpoint
+from shardwise.io.files import open_regular
 from shardwise.io.mapped import contiguous_span, copy_mapped
 from shardwise.io.reader import RegionReader, cpu_views, plan_reads
-from shardwise.io.safetensors_io import _open_regular
 
 TENSORS = {
     "rows": (torch.arange(96.0).reshape(24, 4), ShardSpec(dim=0)),
@@ -99,6 +99,28 @@ def test_a_contiguous_region_is_a_private_view_of_the_file(ckpt):
     assert torch.equal(got["replicated"], TENSORS["replicated"][0])
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/self/maps")
+def test_a_column_slice_is_a_strided_view_of_the_file(ckpt):
+    path = next(iter(ckpt.headers))
+    before = path.read_bytes()
+    got, _, _ = _read(ckpt, 2, 1, cpu_views(torch.device("cpu"), None), strided_views=True)
+    cols, cube = got["cols"], got["cube"]
+    assert _mapping_of(cols) == str(path) and _mapping_of(cube) == str(path)
+    assert _mapping_of(got["packed_rows"]) != str(path)  # two regions: a copy
+    assert cols.stride() == (16, 1) and cube.stride() == (32, 4, 1)  # the file's own strides
+    # its storage spans its first to its last element (other ranks' columns included)
+    assert cols.untyped_storage().nbytes() == ((6 - 1) * 16 + 8) * 4
+    # a matmul takes the strided weight as it is, and equals the one on the split
+    x = torch.ones(3, 8)
+    want = split(TENSORS["cols"][0], ShardSpec(dim=1), 2, 1)
+    linear = torch.nn.functional.linear
+    assert torch.equal(linear(x, cols.float()), linear(x, want.float()))
+    # a write copies the pages into the process: the file is unchanged
+    cols.add_(1)
+    assert path.read_bytes() == before
+    assert torch.equal(cols, want + 1)
+
+
 def test_a_cast_or_another_device_reads_a_copy(ckpt):
     assert cpu_views(torch.device("meta"), None) is None
     viewable = cpu_views(torch.device("cpu"), torch.float16)
@@ -146,7 +168,7 @@ def test_a_file_shortened_after_its_header_was_read_is_an_error(tmp_path, spec):
 def test_copy_mapped_any_destination_strides(ckpt):
     path = next(iter(ckpt.headers))
     header = ckpt.headers[path]
-    fd = _open_regular(path)
+    fd = open_regular(path)
     try:
         canonical = TENSORS["cube"][0]
         region = Region((1, 2, 1), (3, 5, 2))

@@ -8,6 +8,7 @@ import zlib
 
 import pytest
 import torch
+import xxhash
 from safetensors.torch import save_file
 from torch import nn
 
@@ -125,14 +126,34 @@ def test_verify_finds_a_header_whose_dtype_changed(tmp_path):
     assert not report.ok and "'ids' is F64 (10,)" in report.problems[0] and not report.mismatched
 
 
-def test_recorded_checksum_is_crc32_of_the_bytes(tmp_path):
+def test_recorded_checksum_is_xxh3_of_the_bytes(tmp_path):
     model = Mixed()
     sw.save(model, tmp_path / "ckpt")
     sums = json.loads((tmp_path / "ckpt" / "shardwise.json").read_text())["checksums"]
-    assert sums["algorithm"] == "crc32"
+    assert sums["algorithm"] == "xxh3_64"
     for name, t in model.state_dict().items():
         raw = bytes(t.contiguous().reshape(-1).view(torch.uint8).tolist())
-        assert sums["tensors"][name] == f"{zlib.crc32(raw):08x}", name
+        assert sums["tensors"][name] == xxhash.xxh3_64_hexdigest(raw), name
+
+
+def test_checkpoints_with_crc32_checksums_still_verify(tmp_path):
+    # shardwise recorded CRC-32 before XXH3: such a checkpoint verifies, and a flipped byte shows
+    model = Mixed()
+    sw.save(model, tmp_path / "ckpt")
+    info_file = tmp_path / "ckpt" / "shardwise.json"
+    info = json.loads(info_file.read_text())
+    info["checksums"] = {"algorithm": "crc32", "tensors": {
+        name: f"{zlib.crc32(bytes(t.contiguous().reshape(-1).view(torch.uint8).tolist())):08x}"
+        for name, t in model.state_dict().items()}}
+    info_file.write_text(json.dumps(info))
+    report = sw.verify(tmp_path / "ckpt")
+    assert report.ok and report.checksummed == len(model.state_dict()), report.problems
+    file = tmp_path / "ckpt" / "model.safetensors"
+    raw = bytearray(file.read_bytes())
+    raw[-1] ^= 0x01
+    file.write_bytes(bytes(raw))
+    report = sw.verify(tmp_path / "ckpt")
+    assert not report.ok and len(report.mismatched) == 1
 
 
 def test_diff_across_layouts_and_differences(tmp_path, capsys):

@@ -23,7 +23,7 @@ from shardwise.errors import BackendError, CollectiveError, MeshError, UsageErro
 MESH_AXES = ("dp_replicate", "dp_shard", "ep", "tp")
 DEFAULT_TIMEOUT = _dt.timedelta(minutes=10)
 
-_REDUCE_OPS = {
+REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
     "max": dist.ReduceOp.MAX,
     "min": dist.ReduceOp.MIN,
@@ -39,6 +39,11 @@ def _as_timedelta(timeout: float | _dt.timedelta | None) -> _dt.timedelta:
     if timeout <= 0:
         raise UsageError(f"timeout must be positive seconds, got {timeout!r}")
     return _dt.timedelta(seconds=float(timeout))
+
+
+def _op(name: str, group) -> str:
+    """How a collective is named in its errors: the operation and its group size."""
+    return f"{name} over {dist.get_world_size(group)} ranks"
 
 
 def torchrun_env() -> dict[str, int | str] | None:
@@ -203,29 +208,33 @@ class Backend:
         return None
 
     # -- collectives (every rank of the group calls each) ------------------------------
+    def wait(self, work, what: str, *, timeout=None) -> None:
+        """Finish the asynchronous collective ``work`` (from an ``async_op=True`` call) within
+        ``timeout`` seconds (default: the backend's); a failure or a timeout raises a
+        ``CollectiveError`` naming ``what`` (the operation and its group size)."""
+        self._wait(work, what, timeout)
+
     def _wait(self, work, what: str, timeout) -> None:
         limit = _as_timedelta(timeout) if timeout is not None else self.timeout
         try:
             work.wait(limit)
         except Exception as e:  # torch raises RuntimeError/DistBackendError subclasses
-            raise CollectiveError(
-                f"{what} on rank {self.rank} failed or did not finish within "
-                f"{limit.total_seconds():.0f} s: {e}"
-            ) from e
+            raise CollectiveError.failed(what, rank=self.rank, cause=e,
+                                         seconds=limit.total_seconds()) from e
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", *, group=None, timeout=None):
         """Reduce ``tensor`` in place across the group and return it."""
-        if op not in _REDUCE_OPS:
-            raise UsageError(f"unknown reduce op {op!r}; known: {', '.join(_REDUCE_OPS)}")
-        self._wait(dist.all_reduce(tensor, _REDUCE_OPS[op], group=group, async_op=True),
-                   "all_reduce", timeout)
+        if op not in REDUCE_OPS:
+            raise UsageError(f"unknown reduce op {op!r}; known: {', '.join(REDUCE_OPS)}")
+        self._wait(dist.all_reduce(tensor, REDUCE_OPS[op], group=group, async_op=True),
+                   _op("all_reduce", group), timeout)
         return tensor
 
     def all_gather(self, tensor: torch.Tensor, *, group=None, timeout=None) -> list[torch.Tensor]:
         """Every rank's ``tensor`` (same shape on every rank), in group-rank order."""
         out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
         self._wait(dist.all_gather(out, tensor.contiguous(), group=group, async_op=True),
-                   "all_gather", timeout)
+                   _op("all_gather", group), timeout)
         return out
 
     def gather(self, tensor: torch.Tensor, dst: int = 0, *, group=None, timeout=None):
@@ -237,7 +246,7 @@ class Backend:
         if self.rank == dst:
             out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
         self._wait(dist.gather(tensor.contiguous(), out, dst=dst, group=group, async_op=True),
-                   "gather", timeout)
+                   _op("gather", group), timeout)
         return out
 
     def gather_into(self, tensor: torch.Tensor, out: list[torch.Tensor] | None, dst: int = 0, *,
@@ -257,7 +266,7 @@ class Backend:
             return
         tensor = tensor.contiguous()
         if self.rank != dst:
-            self._wait(dist.isend(tensor, dst=dst, group=group), "gather (send)", timeout)
+            self._wait(dist.isend(tensor, dst=dst, group=group), _op("gather (send)", group), timeout)
             return
         me = dist.get_group_rank(group, self.rank) if group is not None else self.rank
         works = []
@@ -268,15 +277,16 @@ class Backend:
             src = dist.get_global_rank(group, i) if group is not None else i
             works.append(dist.irecv(buf, src=src, group=group))
         for work in works:
-            self._wait(work, "gather (receive)", timeout)
+            self._wait(work, _op("gather (receive)", group), timeout)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, group=None, timeout=None):
         """Overwrite ``tensor`` on every rank with global rank ``src``'s and return it."""
-        self._wait(dist.broadcast(tensor, src=src, group=group, async_op=True), "broadcast", timeout)
+        self._wait(dist.broadcast(tensor, src=src, group=group, async_op=True),
+                   _op("broadcast", group), timeout)
         return tensor
 
     def barrier(self, *, group=None, timeout=None) -> None:
-        self._wait(dist.barrier(group=group, async_op=True), "barrier", timeout)
+        self._wait(dist.barrier(group=group, async_op=True), _op("barrier", group), timeout)
 
     def shutdown(self) -> None:
         """Leave the process group (only if this backend created it)."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardwise.errors import CheckpointError
+from shardwise.errors import CheckpointError, UsageError
 
 # The reference reader refuses headers above 100 MB; so do we, before allocating.
 MAX_HEADER_SIZE = 100_000_000
@@ -293,9 +293,11 @@ def region_runs(
     """
     shape, offsets, sizes = tuple(shape), tuple(region_offsets), tuple(region_sizes)
     if not len(shape) == len(offsets) == len(sizes):
-        raise ValueError(f"box offsets {offsets} / sizes {sizes} do not match shape {shape}")
+        raise UsageError(f"box offsets {offsets} / sizes {sizes} do not match shape {shape}: give "
+                         "one offset and one size per dim of the tensor")
     if any(o < 0 or s < 0 or o + s > d for o, s, d in zip(offsets, sizes, shape, strict=True)):
-        raise ValueError(f"box offsets {offsets} sizes {sizes} fall outside shape {shape}")
+        raise UsageError(f"box offsets {offsets} sizes {sizes} fall outside shape {shape}: each "
+                         "offset + size must be within its dim")
     if 0 in sizes:
         return []
     strides = [itemsize] * len(shape)

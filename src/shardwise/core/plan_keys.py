@@ -74,35 +74,35 @@ def _close(name: str, names) -> str:
     return f"; did you mean {', '.join(map(repr, near))}?" if near else ""
 
 
+def _shipped_plan(model: nn.Module, attrs: tuple[str, ...], config_attr: str) -> dict:
+    """The first non-empty mapping among the model's ``attrs``, else its config's
+    ``config_attr`` with each key under the base-model prefix; ``{}`` when none."""
+    for attr in attrs:
+        plan = getattr(model, attr, None)
+        if isinstance(plan, Mapping) and plan:
+            return dict(plan)
+    base = getattr(getattr(model, "config", None), config_attr, None)
+    if isinstance(base, Mapping) and base:
+        prefix = base_prefix(model)
+        return {f"{prefix}.{k}" if prefix else k: v for k, v in base.items()}
+    return {}
+
+
 def plan_from_model(model: nn.Module) -> dict:
     """The plan a model ships: transformers' ``model.tp_plan`` (its own ``_tp_plan``, its
     submodules' and the config's ``base_model_tp_plan``, already prefixed), or the class
     ``_tp_plan`` of a diffusers model. Raises ``PlanError`` when the model ships none."""
-    for attr in ("tp_plan", "_tp_plan"):
-        plan = getattr(model, attr, None)
-        if isinstance(plan, Mapping) and plan:
-            return dict(plan)
-    config = getattr(model, "config", None)
-    base = getattr(config, "base_model_tp_plan", None) if config is not None else None
-    if isinstance(base, Mapping) and base:
-        prefix = base_prefix(model)
-        return {f"{prefix}.{k}" if prefix else k: v for k, v in base.items()}
-    raise PlanError(f"plan='auto', but {type(model).__name__} ships no tensor-parallel plan (no tp_plan, "
-                    "_tp_plan or config.base_model_tp_plan); pass plan={module path: style}")
+    plan = _shipped_plan(model, ("tp_plan", "_tp_plan"), "base_model_tp_plan")
+    if not plan:
+        raise PlanError(f"plan='auto', but {type(model).__name__} ships no tensor-parallel plan (no tp_plan, "
+                        "_tp_plan or config.base_model_tp_plan); pass plan={module path: style}")
+    return plan
 
 
 def ep_plan_from_model(model: nn.Module) -> dict:
     """The expert-parallel plan a transformers model ships (``model.ep_plan``, or the
     config's ``base_model_ep_plan`` with the base-model prefix); ``{}`` when none."""
-    plan = getattr(model, "ep_plan", None)
-    if isinstance(plan, Mapping) and plan:
-        return dict(plan)
-    config = getattr(model, "config", None)
-    base = getattr(config, "base_model_ep_plan", None) if config is not None else None
-    if isinstance(base, Mapping) and base:
-        prefix = base_prefix(model)
-        return {f"{prefix}.{k}" if prefix else k: v for k, v in base.items()}
-    return {}
+    return _shipped_plan(model, ("ep_plan",), "base_model_ep_plan")
 
 
 __all__ = ["base_prefix", "ep_plan_from_model", "match_plan", "plan_from_model"]

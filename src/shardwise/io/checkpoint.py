@@ -12,9 +12,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
-from shardwise.core.header import MAX_HEADER_SIZE, FileHeader, TensorEntry, parse_json_object
+from shardwise.core.header import FileHeader, TensorEntry
 from shardwise.errors import CheckpointError
-from shardwise.io.safetensors_io import INDEX_SUFFIX, _open_regular, _pread_into, read_header
+from shardwise.io.files import check_inside, read_json_file
+from shardwise.io.safetensors_io import INDEX_SUFFIX, read_header
 
 _PICKLE_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle"})
 
@@ -30,7 +31,6 @@ def _pickle_error(path: Path, *, index: Path | None = None) -> CheckpointError:
         "save_file refuses). Or, with the model built: model.load_state_dict(sd); "
         "safetensors.torch.save_model(model, 'model.safetensors')  (writes each tied weight once)"
     )
-
 
 
 # --- folders and indexes --------------------------------------------------------------------
@@ -64,30 +64,6 @@ class Checkpoint:
         return sum(self.headers[p].entries[n].nbytes for n, p in self.weight_map.items())
 
 
-def _hub_blobs(root: Path) -> Path | None:
-    """The ``blobs`` folder of a huggingface_hub cache repo whose snapshot holds ``root``."""
-    for parent in root.parents:
-        if parent.name == "snapshots":
-            blobs = parent.parent / "blobs"
-            return blobs if blobs.is_dir() else None
-    return None
-
-
-def check_inside(root: Path, path: Path, *, source: Path) -> None:
-    # A symlink may not lead out of the folder, except into the blob store of a
-    # huggingface_hub cache, whose snapshots are symlinks into ../../blobs.
-    target, real_root = path.resolve(), root.resolve()
-    if target.is_relative_to(real_root):
-        return
-    blobs = _hub_blobs(real_root)
-    if blobs is not None and target.is_relative_to(blobs.resolve()):
-        return
-    raise CheckpointError(
-        f"{source}: {path.name} is a symlink to {target}, outside the checkpoint folder {root}; "
-        "refusing to read it (copy the file into the folder if you trust it)"
-    )
-
-
 def _shard_path(root: Path, fname: str, *, index: Path) -> Path:
     pure = PurePosixPath(fname)
     if (not fname or "\\" in fname or "\0" in fname or pure.is_absolute()
@@ -116,17 +92,7 @@ def _shard_path(root: Path, fname: str, *, index: Path) -> Path:
 
 def _from_index(index: Path) -> Checkpoint:
     root = index.parent
-    check_inside(root, index, source=index)
-    fd = _open_regular(index)
-    try:
-        size = os.fstat(fd).st_size
-        if size > MAX_HEADER_SIZE:
-            raise CheckpointError(f"{index}: {size} bytes, over the {MAX_HEADER_SIZE}-byte cap for an index")
-        raw = bytearray(size)
-        _pread_into(fd, memoryview(raw), 0, what=str(index))
-    finally:
-        os.close(fd)
-    wm = parse_json_object(bytes(raw), source=str(index), what="index").get("weight_map")
+    wm = read_json_file(root, index, what="the index").get("weight_map")
     if not (isinstance(wm, dict) and wm
             and all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items())):
         raise CheckpointError(
@@ -212,6 +178,4 @@ def _resolve(path: Path) -> Checkpoint:
     )
 
 
-
-
-__all__ = ["Checkpoint", "check_inside", "resolve_checkpoint"]
+__all__ = ["Checkpoint", "resolve_checkpoint"]

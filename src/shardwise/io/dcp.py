@@ -5,7 +5,7 @@ The checkpoint is canonical: tensors keep the model's names and unsharded shapes
 or FSDP x TP shard is written as several chunks at their canonical offsets, replicated
 tensors once. So it loads at any degree, and plain ``torch.distributed.checkpoint.load``
 (or ``sw.consolidate``) reads it without shardwise's plan. ``shardwise.json`` beside the
-data records the plan, mesh, degree, dtypes and versions (informational) and the CRC-32 of
+data records the plan, mesh, degree, dtypes and versions (informational) and the checksum (XXH3-64) of
 every chunk, computed as it is written (``HashingWriter``), which ``sw.verify`` checks.
 
 A save is written into a temporary folder beside the target and moved into place once every
@@ -28,17 +28,21 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: name it
 
+import shardwise.comm as comm
 from shardwise.backends import coordination_group
+from shardwise.comm import agree, capture, world_backend
 from shardwise.core.header import dtype_to_str
 from shardwise.core.plan import ResolvedPlan, plan_summary
 from shardwise.core.spec import local_layout, local_shape, split
 from shardwise.errors import CheckpointError
 from shardwise.io.dcp_chunks import MetadataReader
-from shardwise.io.dcp_coord import collective, dcp_error, gather_checksums
+from shardwise.io.dcp_coord import dcp_error, gather_checksums
 from shardwise.io.dcp_items import CanonicalLoadPlanner, CanonicalSavePlanner, HashingWriter, Placed, place
 from shardwise.io.dcp_metadata import check_tensors, read_metadata
+from shardwise.io.guards import check_model
 from shardwise.io.info import INFO_FILE, write_info
-from shardwise.io.side_files import write_side_files
+from shardwise.io.side_files import index_metadata, write_side_files
+from shardwise.io.target import Destination, target_path
 from shardwise.parallel import get_shard_state, install, mesh_coords, tp_axis
 
 INFO_FORMAT = "shardwise-dcp"
@@ -67,8 +71,6 @@ def checkpoint_info(model: nn.Module, placed: Mapping[str, Placed], *, kind: str
                     metadata: Mapping | None = None) -> dict:
     """The informational ``shardwise.json`` content for a save of ``model``."""
     import shardwise
-    from shardwise.io.side_files import index_metadata
-
     state = get_shard_state(model)
     mesh = state.mesh if state is not None else next(
         (t.device_mesh for t in model.state_dict(keep_vars=True).values()
@@ -80,7 +82,7 @@ def checkpoint_info(model: nn.Module, placed: Mapping[str, Placed], *, kind: str
     return {
         "format": INFO_FORMAT, "version": 1, "kind": kind,
         "shardwise": shardwise.__version__, "torch": torch.__version__,
-        "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+        "world_size": comm.world_size(),
         "mesh": None if mesh is None else {"axes": list(mesh.mesh_dim_names or ()),
                                            "shape": list(mesh.mesh.shape)},
         "degree": state.degree if state is not None else 1,
@@ -98,22 +100,16 @@ def checkpoint_info(model: nn.Module, placed: Mapping[str, Placed], *, kind: str
 
 # --- writing ------------------------------------------------------------------------------
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
 def _on_rank0(fn: Callable[[], object], what: str, *, share: bool = False):
     """Run ``fn`` on rank 0; every rank raises if it failed and, with ``share``, gets its result."""
-    from shardwise.io.gather import agree, capture, world_backend
-
     result = [None]
 
     def run():
         result[0] = fn()
 
-    agree(world_backend(), capture(run) if _rank() == 0 else None, what=what)
-    if share and dist.is_initialized() and dist.get_world_size() > 1:
-        collective(what, lambda: dist.broadcast_object_list(result, src=0, group=coordination_group()))
+    agree(world_backend(), capture(run) if comm.rank() == 0 else None, what=what)
+    if share:
+        result[0] = comm.broadcast_object(result[0], src=0, group=coordination_group(), purpose=what)
     return result[0]
 
 
@@ -181,10 +177,8 @@ def write_checkpoint(path, state_dict: dict, placed: Mapping[str, Placed], info:
     Crash safety is the gather save's (``shardwise.io.save``): rank 0 prepares a temporary
     folder beside ``path``, DCP writes into it, and it replaces ``path`` once complete.
     """
-    from shardwise.io.target import Destination, target_path
-
     target = target_path(path)
-    dest = Destination(target, overwrite) if _rank() == 0 else None
+    dest = Destination(target, overwrite) if comm.rank() == 0 else None
 
     def prepare():
         dest.prepare()
@@ -249,8 +243,6 @@ def save_dcp(model: nn.Module, path, *, overwrite: bool = False, async_save: boo
     >>> handle = sw.save(model, "out/dcp", distributed=True, async_save=True)  # doctest: +SKIP
     >>> handle.wait()                                                   # doctest: +SKIP
     """
-    from shardwise.io.guards import check_model
-
     check_model(model, action="save")
     state = get_shard_state(model)
     planner = None

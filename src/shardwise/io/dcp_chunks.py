@@ -20,7 +20,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from shardwise.errors import CheckpointError
-from shardwise.io.safetensors_io import byte_view
+from shardwise.io.files import byte_view
 
 
 def read_chunk_into(f, info, offsets, lengths, dest: torch.Tensor, *, dtype: torch.dtype | None = None,
@@ -43,7 +43,7 @@ def read_chunk_into(f, info, offsets, lengths, dest: torch.Tensor, *, dtype: tor
     allocation the file cannot back.
     """
     from shardwise.core.header import region_runs
-    from shardwise.io.safetensors_io import _pread_into
+    from shardwise.io.files import pread_into
 
     where = _where(f, info)
     meta, base = open_blob(f, info, dtype=dtype, sizes=sizes)
@@ -59,7 +59,7 @@ def read_chunk_into(f, info, offsets, lengths, dest: torch.Tensor, *, dtype: tor
     buf = byte_view(out.detach())
     pos = 0
     for start, length in runs:
-        _pread_into(f.fileno(), buf[pos:pos + length], base + start, what=where)
+        pread_into(f.fileno(), buf[pos:pos + length], base + start, what=where)
         pos += length
     if pos == meta.numel() * meta.element_size():  # the whole chunk: its zip record's CRC applies
         expected = zip_crc(f, info, meta, base)
@@ -126,29 +126,29 @@ def load_blob(f, info) -> torch.Tensor:
         raise CheckpointError(f"{_where(f, info)} cannot be read ({e})") from e
 
 
-def chunk_checksum(f, info, *, dtype: torch.dtype, sizes, piece: int = 16 << 20
+def chunk_checksum(f, info, *, dtype: torch.dtype, sizes, algorithm: str, piece: int = 16 << 20
                    ) -> tuple[str, int, str | None]:
-    """``(checksum, bytes read, the zip record's CRC-32 or None)`` of the saved chunk
-    ``info``'s tensor bytes in C order, read in pieces of at most ``piece`` bytes (the chunk
-    is loaded whole, and torch.load checks its CRC, when it is stored in a layout other than
-    a plain contiguous one)."""
-    from shardwise.io.info import tensor_crc
-    from shardwise.io.safetensors_io import _pread_into
+    """``(checksum by ``algorithm``, bytes read, the zip record's CRC-32 or None)`` of the
+    saved chunk ``info``'s tensor bytes in C order, read in pieces of at most ``piece`` bytes
+    (the chunk is loaded whole, and torch.load checks its CRC, when it is stored in a layout
+    other than a plain contiguous one)."""
+    from shardwise.io.files import pread_into
+    from shardwise.io.info import new_digest, tensor_checksum
 
     meta, base = open_blob(f, info, dtype=dtype, sizes=sizes)
     if base is None:
         whole = load_blob(f, info)
-        return tensor_crc(whole), whole.numel() * whole.element_size(), None
+        return tensor_checksum(whole, algorithm), whole.numel() * whole.element_size(), None
     nbytes = meta.numel() * meta.element_size()
     buf = bytearray(min(piece, nbytes))
-    crc, done = 0, 0
+    digest, done = new_digest(algorithm), 0
     while done < nbytes:
         view = memoryview(buf)[: min(len(buf), nbytes - done)]
-        _pread_into(f.fileno(), view, base + done, what=_where(f, info))
-        crc = zlib.crc32(view, crc)
+        pread_into(f.fileno(), view, base + done, what=_where(f, info))
+        digest.update(view)
         done += len(view)
     expected = zip_crc(f, info, meta, base)
-    return f"{crc:08x}", nbytes, None if expected is None else f"{expected:08x}"
+    return digest.hexdigest(), nbytes, None if expected is None else f"{expected:08x}"
 
 
 def _check_blob(where: str, meta, info, dtype, sizes) -> None:

@@ -3,47 +3,31 @@ the chunk checksums of a distributed save gathered to rank 0.
 
 DCP reports a failure as ``CheckpointException`` (a BaseException carrying every rank's
 exception) and lets a collective whose peer died raise gloo's or NCCL's ``RuntimeError``;
-:func:`dcp_error` and :func:`collective` turn both into errors from ``shardwise.errors``
-that name the checkpoint and every rank's fault.
+:func:`dcp_error` turns both into errors from ``shardwise.errors`` that name the checkpoint
+and every rank's fault (shardwise's own collectives get theirs from ``shardwise.comm``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: name it
 
+import shardwise.comm as comm
 from shardwise.backends import coordination_group
 from shardwise.errors import CheckpointError, CollectiveError, ShardwiseError
 from shardwise.io.dcp_items import HashingWriter
 from shardwise.io.info import ALGORITHM
 
 
-def collective(what: str, fn: Callable[[], object]):
-    """Run a torch.distributed call; a failure (a peer that died) is a CollectiveError."""
-    try:
-        return fn()
-    except ShardwiseError:
-        raise
-    except Exception as e:  # gloo/nccl raise RuntimeError (DistBackendError) when a peer is gone
-        raise CollectiveError(f"{what}: a collective failed, so another rank stopped or died "
-                              f"({type(e).__name__}: {e})") from e
-
-
 def gather_checksums(writer: HashingWriter, what: str) -> dict:
     """Every rank's chunk checksums (``shardwise.json``'s "checksums"), merged on rank 0;
     every rank calls it, after the data is written. Other ranks get an empty record."""
-    sums = writer.checksums
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        collective(what, lambda: dist.gather_object(sums, everyone, dst=0, group=coordination_group()))
-        if dist.get_rank() != 0:
-            return {}
-        sums = {}
-        for part in everyone:
-            for fqn, chunks in part.items():
-                sums.setdefault(fqn, {}).update(chunks)
+    everyone = comm.gather_object(writer.checksums, dst=0, group=coordination_group(), purpose=what)
+    if everyone is None:  # not rank 0
+        return {}
+    sums: dict = {}
+    for part in everyone:
+        for fqn, chunks in part.items():
+            sums.setdefault(fqn, {}).update(chunks)
     return {"algorithm": ALGORITHM, "chunks": sums}
 
 
@@ -68,4 +52,4 @@ def dcp_error(path, e: BaseException, what: str) -> ShardwiseError:
                            f"or died ({type(e).__name__}: {e})")
 
 
-__all__ = ["collective", "dcp_error", "gather_checksums"]
+__all__ = ["dcp_error", "gather_checksums"]

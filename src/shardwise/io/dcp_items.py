@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import io
 import threading
-from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -34,7 +33,7 @@ from torch.distributed.checkpoint.planner_helpers import (
 
 from shardwise.core.spec import Layout, Region, ShardSpec, chunk_layout, local_layout
 from shardwise.errors import CheckpointError
-from shardwise.io.info import Hasher, chunk_key
+from shardwise.io.info import chunk_key, tensor_checksum
 
 
 @dataclass(frozen=True)
@@ -264,41 +263,23 @@ class _HashingPlanner:
 
 
 class HashingWriter(FileSystemWriter):
-    """DCP's file writer that also records the CRC-32 of every chunk it writes, computed on
-    a helper thread while torch.save writes the same bytes (``shardwise.io.info``).
+    """DCP's file writer that also records the checksum of every chunk it writes
+    (``shardwise.io.info``), computed as the planner hands the chunk over to be written.
 
     :attr:`checksums` (``{tensor name: {chunk_key(offsets): checksum}}``) is complete once
-    ``write_data`` has returned. At most a few checksums are in flight at a time, each
-    holding its tensor alive: the writer must not keep every resolved chunk (an SPMD save
-    resolves host copies) until the end.
+    ``write_data`` has returned.
     """
-
-    _IN_FLIGHT = 2
 
     def __init__(self, path, **kwargs):
         super().__init__(path, **kwargs)
         self.checksums: dict[str, dict[str, str]] = {}
         self._lock = threading.Lock()
-        self._pending: deque = deque()
-        self._hasher = Hasher()
 
     def hash(self, index, data: torch.Tensor) -> None:
-        # A non-contiguous chunk is copied to C order on the helper thread, not here.
-        handle = self._hasher.submit_tensor(data)
-        with self._lock:
-            self._pending.append((index, handle, data))
-            while len(self._pending) > self._IN_FLIGHT:
-                self._settle(self._pending.popleft())
-
-    def _settle(self, entry) -> None:
-        index, handle, _ = entry
-        self.checksums.setdefault(index.fqn, {})[chunk_key(index.offset)] = Hasher.result(handle)
+        # Inline: XXH3 runs at memory speed, and the bytes are about to be written anyway.
+        checksum = tensor_checksum(data)
+        with self._lock:  # torch's writer may resolve chunks on several threads
+            self.checksums.setdefault(index.fqn, {})[chunk_key(index.offset)] = checksum
 
     def write_data(self, plan, planner):
-        try:
-            return super().write_data(plan, _HashingPlanner(planner, self))
-        finally:
-            with self._lock:
-                while self._pending:
-                    self._settle(self._pending.popleft())
-            self._hasher.close()
+        return super().write_data(plan, _HashingPlanner(planner, self))

@@ -18,7 +18,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from shardwise.errors import CheckpointError
-from shardwise.io.checkpoint import check_inside
+from shardwise.io.files import check_inside
 
 METADATA_FILE = ".metadata"
 

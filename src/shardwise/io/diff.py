@@ -1,7 +1,9 @@
 """``sw.diff`` / ``shardwise diff A B``: two checkpoints compared tensor by tensor.
 
 Any two layouts: safetensors (one file or sharded) and distributed checkpoints (DCP) at any
-degree, since both hold canonical tensors under the model's names. Streaming: each tensor is
+degree, since both hold canonical tensors under the model's names; and a transformers
+model's hub layout (``save_pretrained``'s names, per-expert tensors) against its module
+names, through the conversion mapping of the model its ``config.json`` names. Streaming: each tensor is
 read in slabs of whole rows (at most 64 MB from each side at a time), from only the chunks
 that hold them, so memory stays bounded whatever the tensors' sizes.
 """
@@ -16,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from shardwise.core.spec import Region
 from shardwise.errors import CheckpointError
+from shardwise.io.diff_sources import open_side
 
 _SLAB_BYTES = 64 << 20
 
@@ -71,129 +73,6 @@ class DiffReport:
         return json.dumps(self.to_dict(), indent=1, ensure_ascii=True)
 
 
-class _Safetensors:
-    """Rows of the tensors of a safetensors checkpoint (validated headers, pread of boxes)."""
-
-    def __init__(self, path: Path):
-        from shardwise.io.checkpoint import resolve_checkpoint
-
-        self.ckpt = resolve_checkpoint(path)
-        self.tensors = {n: (self.ckpt.entry(n)[1].torch_dtype, self.ckpt.entry(n)[1].shape)
-                        for n in self.ckpt.names}
-        self._fds: dict[Path, int] = {}
-
-    def rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
-        from shardwise.io.safetensors_io import _open_regular, read_region
-
-        file, entry = self.ckpt.entry(name)
-        if file not in self._fds:
-            self._fds[file] = _open_regular(file)
-        offsets, sizes = _slab(entry.shape, lo, hi)
-        out = torch.empty(sizes, dtype=entry.torch_dtype)
-        read_region(self._fds[file], self.ckpt.headers[file], entry, offsets, sizes, out)
-        return out
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-
-
-class _Dcp:
-    """Rows of the tensors of a DCP checkpoint, from only the chunks that overlap them."""
-
-    def __init__(self, path: Path):
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-        from shardwise.io.dcp_metadata import read_metadata
-
-        self.path, self.metadata = path, read_metadata(path)
-        self.tensors = {n: (md.properties.dtype, tuple(md.size))
-                        for n, md in self.metadata.state_dict_metadata.items()
-                        if isinstance(md, TensorStorageMetadata)}
-        self._files: dict[str, object] = {}
-
-    def rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
-        from torch.distributed.checkpoint.metadata import MetadataIndex
-
-        from shardwise.io.dcp_chunks import read_chunk_into
-
-        md = self.metadata.state_dict_metadata[name]
-        offsets, sizes = _slab(tuple(md.size), lo, hi)
-        out = torch.empty(sizes, dtype=md.properties.dtype)
-        for chunk in md.chunks:
-            start = tuple(max(a, b) for a, b in zip(offsets, chunk.offsets, strict=True))
-            end = tuple(min(a + n, b + m) for a, n, b, m in
-                        zip(offsets, sizes, chunk.offsets, chunk.sizes, strict=True))
-            if any(s >= e for s, e in zip(start, end, strict=True)):
-                continue  # no overlap (read_metadata checked that the chunks tile the tensor)
-            both = tuple(e - s for s, e in zip(start, end, strict=True))
-            info = self.metadata.storage_data[MetadataIndex(name, chunk.offsets)]
-            rel = str(info.relative_path)
-            if rel not in self._files:
-                self._files[rel] = open(self.path / rel, "rb")  # noqa: SIM115 - closed by close()
-            dest = out[Region(tuple(s - o for s, o in zip(start, offsets, strict=True)), both).slices()]
-            in_chunk = tuple(s - o for s, o in zip(start, chunk.offsets, strict=True))
-            read_chunk_into(self._files[rel], info, in_chunk, both, dest,
-                            dtype=md.properties.dtype, sizes=tuple(chunk.sizes))
-        return out
-
-    def close(self) -> None:
-        for f in self._files.values():
-            f.close()
-        self._files.clear()
-
-
-class _Sharded(_Safetensors):
-    """Rows of the tensors of a distributed checkpoint in safetensors (rank-local files with
-    DCP_SHARDING_INFO), read from only the chunks that overlap them."""
-
-    def __init__(self, path: Path):
-        from shardwise.io.hf_dcp import read_sharded
-
-        self.ckpt = read_sharded(path)  # validated: every tensor tiled exactly by its chunks
-        self.tensors = {n: (t.torch_dtype, t.shape) for n, t in self.ckpt.tensors.items()}
-        self._fds = {}
-
-    def rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
-        from shardwise.core.spec import intersect
-        from shardwise.io.safetensors_io import _open_regular, read_region
-
-        tensor = self.ckpt.tensors[name]
-        offsets, sizes = _slab(tensor.shape, lo, hi)
-        want = Region(offsets, sizes)
-        out = torch.empty(sizes, dtype=tensor.torch_dtype)
-        for chunk in tensor.chunks:
-            both = intersect(want, chunk.region)
-            if both is None:
-                continue
-            if chunk.path not in self._fds:
-                self._fds[chunk.path] = _open_regular(chunk.path)
-            part = torch.empty(both.sizes, dtype=tensor.torch_dtype)
-            in_chunk = tuple(b - c for b, c in zip(both.offsets, chunk.region.offsets, strict=True))
-            read_region(self._fds[chunk.path], self.ckpt.headers[chunk.path], chunk.entry, in_chunk,
-                        both.sizes, part)
-            out[Region(tuple(b - o for b, o in zip(both.offsets, offsets, strict=True)),
-                       both.sizes).slices()] = part
-        return out
-
-
-def _slab(shape: tuple[int, ...], lo: int, hi: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The box of rows ``[lo, hi)`` of a tensor of ``shape`` (the whole of a 0-d tensor)."""
-    if not shape:
-        return (), ()
-    return (lo,) + (0,) * (len(shape) - 1), (hi - lo,) + tuple(shape[1:])
-
-
-def _open(path: Path):
-    from shardwise.io.hf_dcp import is_sharded_safetensors
-    from shardwise.io.inspect import is_dcp
-
-    if path.is_dir() and is_sharded_safetensors(path):
-        return _Sharded(path)
-    return _Dcp(path) if is_dcp(path) else _Safetensors(path)
-
-
 def _compare(name: str, a, b, slab_bytes: int) -> TensorDiff | None:
     (dtype_a, shape_a), (dtype_b, shape_b) = a.tensors[name], b.tensors[name]
     dtypes = (str(dtype_a).removeprefix("torch."), str(dtype_b).removeprefix("torch."))
@@ -226,8 +105,8 @@ def _as_float64(t: torch.Tensor) -> torch.Tensor:
 
 
 def diff(a: str | os.PathLike, b: str | os.PathLike, *, slab_bytes: int = _SLAB_BYTES) -> DiffReport:
-    """Compare the checkpoints ``a`` and ``b`` (any mix of safetensors and DCP, any layout)
-    tensor by tensor: names on one side only, dtype and shape differences, exact equality
+    """Compare the checkpoints ``a`` and ``b`` (any mix of safetensors and DCP, any degree, hub
+    or module names) tensor by tensor: names on one side only, dtype and shape differences, exact equality
     (same bytes) and the largest absolute difference. Reads at most ``slab_bytes`` of each
     side at a time. Raises ``CheckpointError`` if either checkpoint cannot be read.
 
@@ -235,14 +114,16 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, *, slab_bytes: int = _SLAB_
     >>> report.identical, report.summary()               # doctest: +SKIP
     (True, 'IDENTICAL: 291 identical, 0 differ, 0 only in A, 0 only in B')
     """
-    left = _open(Path(a))
+    left = open_side(Path(a))
     try:
-        right = _open(Path(b))
+        right = open_side(Path(b))
     except BaseException:
         left.close()
         raise
     report = DiffReport(str(a), str(b))
     try:
+        left.use_module_names(set(right.tensors) - set(left.tensors))
+        right.use_module_names(set(left.tensors) - set(right.tensors))
         report.only_a = [n for n in left.tensors if n not in right.tensors]
         report.only_b = [n for n in right.tensors if n not in left.tensors]
         for name in left.tensors:

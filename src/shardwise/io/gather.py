@@ -5,58 +5,32 @@
 :class:`FileGatherer` gathers one tensor at a time to rank 0, which reassembles it and
 streams it into the open file. Which rank calls what: every rank of the tp group that holds
 global rank 0 calls :func:`gather_to_rank0` for every sharded tensor, in the same order;
-every rank of the world calls :func:`agree` at the same points, so that a failure on one
-rank (a full disk on rank 0) raises on every rank instead of leaving peers in a collective.
+every rank of the world calls ``shardwise.comm.agree`` at the same points, so that a failure
+on one rank (a full disk on rank 0) raises on every rank instead of leaving peers in a
+collective.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from shardwise.backends import Backend, current_backend
+from shardwise.backends import Backend
+from shardwise.comm import capture
 from shardwise.core.header import dtype_to_str
 from shardwise.core.plan import resolve_plan
 from shardwise.core.spec import Region, ShardSpec, check_shardable, chunk_layout, local_layout
-from shardwise.errors import CheckpointError, CollectiveError, UnsupportedModelError
+from shardwise.errors import CheckpointError, UnsupportedModelError
 from shardwise.io.safetensors_io import StreamingWriter
 from shardwise.parallel import ShardState, get_shard_state, local_of
 
-# A verdict row: status (1 byte), plan fingerprint (8 bytes), then the error text.
-_MSG_BYTES = 1015
-_ROW_BYTES = 1 + 8 + _MSG_BYTES
-_OK, _BAD_INPUT, _FAILED = 0, 1, 2
 # Bytes gathered per collective, all ranks together (see num_chunks).
 _CHUNK_BYTES = 64 << 20
 _SMALL_BYTES = 1 << 20
-
-
-class _AdoptedBackend(Backend):
-    """Collectives over a process group that shardwise did not start (no ``init_backend``)."""
-
-    name = "adopted"
-
-    def __init__(self):
-        super().__init__()
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-
-    def _device(self) -> torch.device:
-        if "nccl" in str(dist.get_backend()):
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-
-
-def world_backend() -> Backend | None:
-    """The backend whose collectives the save uses, or None in a process without a group."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    return current_backend() or _AdoptedBackend()
 
 
 def num_chunks(nbytes: int, rows: int) -> int:
@@ -118,61 +92,6 @@ def _empty(shape, like: torch.Tensor, buffer: torch.Tensor | None) -> torch.Tens
     if buffer is None:
         return torch.empty(shape, dtype=like.dtype, device=like.device)
     return buffer[: math.prod(shape) * like.element_size()].view(like.dtype).view(shape)
-
-
-def fingerprint(parts) -> bytes:
-    """8 bytes that differ when two ranks would save different tensors or files."""
-    return hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
-
-
-def _row(error: BaseException | None, digest: bytes) -> torch.Tensor:
-    row = torch.zeros(_ROW_BYTES, dtype=torch.uint8)
-    status = _OK if error is None else _BAD_INPUT if isinstance(error, ValueError) else _FAILED
-    row[0] = status
-    row[1:9] = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
-    if error is not None:
-        text = f"{type(error).__name__}: {error}".encode("utf-8", "replace")[:_MSG_BYTES]
-        row[9 : 9 + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
-    return row
-
-
-def agree(backend: Backend | None, error: BaseException | None, *, what: str,
-          digest: bytes = b"\0" * 8) -> None:
-    """Every rank calls it at the same point: raise on every rank if any rank failed.
-
-    The rank that failed re-raises its own ``error``; the others raise a
-    ``CheckpointError`` (the failure was bad input, such as an existing target) or a
-    ``CollectiveError`` (anything else, such as a full disk) carrying each failing
-    rank's message. Ranks whose ``digest`` (a :func:`fingerprint`) differs from rank 0's
-    were asked to save different models: every rank raises ``CheckpointError``.
-    """
-    if backend is None or backend.world_size == 1:
-        if error is not None:
-            raise error
-        return
-    try:
-        rows = backend.all_gather(_row(error, digest).to(backend.device))
-    except CollectiveError:
-        if error is not None:  # our own failure says more than a peer's absence
-            raise error from None
-        raise
-    rows = [r.cpu() for r in rows]
-    failures = {r: bytes(row[9:].tolist()).rstrip(b"\0").decode("utf-8", "replace")
-                for r, row in enumerate(rows) if int(row[0]) != _OK}
-    if error is not None:
-        raise error
-    if failures:
-        detail = "; ".join(f"rank {r}: {m}" for r, m in sorted(failures.items()))
-        if all(int(rows[r][0]) == _BAD_INPUT for r in failures):
-            raise CheckpointError(f"{what} failed on rank(s) {sorted(failures)}: {detail}")
-        raise CollectiveError(f"{what} failed on rank(s) {sorted(failures)}", failures)
-    differ = [r for r, row in enumerate(rows) if bytes(row[1:9].tolist()) != bytes(rows[0][1:9].tolist())]
-    if differ:
-        raise CheckpointError(
-            f"{what}: rank(s) {differ} hold different tensors (names, dtypes, shapes or shard "
-            "specs) than rank 0; every rank must call sw.save on the same model, parallelised "
-            "with the same plan"
-        )
 
 
 @dataclass
@@ -338,15 +257,4 @@ def _chunk_bytes(item: SaveItem, degree: int) -> int:
     return -(-rows // k) * (local.numel() // rows if rows else 0) * local.element_size()
 
 
-def capture(fn) -> Exception | None:
-    try:
-        fn()
-    except Exception as e:  # reported to every rank by agree(), re-raised there
-        return e
-    return None
-
-
-__all__ = [
-    "FileGatherer", "SaveItem", "agree", "capture", "collect_items", "fingerprint",
-    "gather_to_rank0", "num_chunks", "world_backend",
-]
+__all__ = ["FileGatherer", "SaveItem", "collect_items", "gather_to_rank0", "num_chunks"]

@@ -29,7 +29,7 @@ import torch
 from shardwise.core.header import FileHeader, TensorEntry, parse_json_object, str_to_dtype
 from shardwise.core.spec import Region, intersect
 from shardwise.errors import CheckpointError
-from shardwise.io.checkpoint import check_inside
+from shardwise.io.files import check_inside
 from shardwise.io.info import INFO_FILE, read_info
 from shardwise.io.safetensors_io import INDEX_SUFFIX, read_header
 

@@ -25,9 +25,11 @@ import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-import torch.distributed as dist
 from torch import nn
 
+import shardwise.comm as comm
+from shardwise.backends import coordination_group
+from shardwise.comm import agree, capture, world_backend
 from shardwise.core.header import dtype_to_str, spec_nbytes
 from shardwise.core.spec import Region
 from shardwise.errors import CheckpointError
@@ -112,7 +114,7 @@ def num_files(assigned: Sequence[Sequence[Held]]) -> int:
 
 def write_file(path: Path, group: Sequence[Held], placed: Mapping) -> dict[str, dict[str, str]]:
     """Stream one rank-local file: header (with the sharding metadata), then each chunk.
-    Returns each chunk's checksum, ``{tensor: {chunk key: crc32}}`` (``shardwise.io.info``)."""
+    Returns each chunk's checksum, ``{tensor: {chunk key: checksum}}`` (``shardwise.io.info``)."""
     from shardwise.io.info import chunk_key
     from shardwise.io.safetensors_io import StreamingWriter
     from shardwise.io.save import save_file_order
@@ -126,16 +128,6 @@ def write_file(path: Path, group: Sequence[Held], placed: Mapping) -> dict[str, 
             off = dict(p.layout)[where[name]]
             writer.write(name, p.piece(off, where[name].sizes).cpu())
     return {name: {chunk_key(where[name].offsets): crc} for name, crc in writer.checksums.items()}
-
-
-def _gather(obj) -> list:
-    from shardwise.backends import coordination_group
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj, group=coordination_group())
-    return out
 
 
 def _write_side_files(model: nn.Module, folder: Path, info: dict) -> None:
@@ -163,7 +155,7 @@ def _all_checksums(sums: dict[str, dict[str, str]]) -> dict:
     from shardwise.io.info import ALGORITHM
 
     chunks: dict[str, dict[str, str]] = {}
-    for part in _gather(sums):
+    for part in comm.all_gather_object(sums, group=coordination_group(), purpose="sharing the checksums"):
         for name, by_offsets in part.items():
             chunks.setdefault(name, {}).update(by_offsets)
     return {"algorithm": ALGORITHM, "chunks": chunks}
@@ -181,7 +173,6 @@ def save_sharded_safetensors(model: nn.Module, path, *, overwrite: bool = False,
     >>> sw.save(model, "out/hf_dcp", distributed=True, format="safetensors")   # doctest: +SKIP
     """
     from shardwise.io.dcp import _on_rank0, checkpoint_info, model_placed
-    from shardwise.io.gather import agree, capture, world_backend
     from shardwise.io.guards import check_model
     from shardwise.io.save import header_metadata
     from shardwise.io.target import Destination, target_path
@@ -195,7 +186,7 @@ def save_sharded_safetensors(model: nn.Module, path, *, overwrite: bool = False,
                               "holding 'spmd' save with format='distcp' (the default)")
     target = target_path(path)
     what = f"sw.save(distributed=True, format='safetensors') to {target}"
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = comm.rank()
     backend = world_backend()
     box: dict = {}
 
@@ -204,7 +195,8 @@ def save_sharded_safetensors(model: nn.Module, path, *, overwrite: bool = False,
         box["held"] = held_chunks(box["placed"])
 
     agree(backend, capture(plan_own), what=what)  # no rank may miss the gather below
-    assigned = assign_chunks(_gather(box["held"]))  # same input, same answer on every rank
+    held = comm.all_gather_object(box["held"], group=coordination_group(), purpose=what)
+    assigned = assign_chunks(held)  # same input, same answer on every rank
     placed = box["placed"]
     dest = Destination(target, overwrite) if rank == 0 else None
 

@@ -2,11 +2,14 @@
 
 Every checkpoint shardwise writes carries one: a distributed save records its layout (plan,
 mesh, degree, dtypes; informational) and one checksum per saved chunk; a gather save or a
-consolidation records one checksum per tensor. The checksum is CRC-32 (``zlib.crc32``) of
-the tensor's bytes in C order, as 8 hex digits: the cheapest hash the standard library
-has (2-4 GB/s on one core of the test machine, against 0.7 for blake2b and 0.5 for md5),
-computed on a helper thread while the same bytes are written, and enough to catch a flipped
-byte or a torn write; it is no defence against tampering.
+consolidation records one checksum per tensor. The checksum is XXH3-64 (the ``xxhash``
+package) of the tensor's bytes in C order, as 16 hex digits, computed inline just before the
+same bytes are written (while they are in the CPU cache). It was chosen by its cost to a
+save: on one core of the test machine it runs at ~20 GB/s from memory and ~60 GB/s from
+cache, against 4 for ``zlib.crc32`` (what shardwise recorded first, still verified), 12 for
+CRC-32C and 0.9 for blake2b; on 2 ranks sharing 2 cores a helper thread cannot hide a
+slower hash, and CRC-32 cost a distributed save 29%. It catches a flipped byte or a torn
+write; it is no defence against tampering.
 
 The file is read like any other checkpoint input: a regular file inside the folder, at
 most 100 MB, strict JSON, every field it has of the type it should be.
@@ -18,72 +21,57 @@ import json
 import os
 import zlib
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
 
 import torch
+import xxhash
 
-from shardwise.core.header import MAX_HEADER_SIZE, parse_json_object
 from shardwise.errors import CheckpointError
+from shardwise.io.files import byte_view, read_json_file
 
 INFO_FILE = "shardwise.json"
-ALGORITHM = "crc32"
-# Below this, a checksum is cheaper inline than handed to the helper thread.
-_INLINE_BYTES = 1 << 20
 
 
-def crc32_hex(buf, value: int = 0) -> str:
-    """The checksum text of ``buf`` (a bytes-like object), continuing from ``value``."""
-    return f"{zlib.crc32(buf, value):08x}"
-
-
-def tensor_crc(t: torch.Tensor) -> str:
-    """The checksum text of ``t``'s bytes in C order (through a copy only when it is not
-    contiguous, held here while it is read: a byte view does not keep its tensor alive)."""
-    from shardwise.io.safetensors_io import byte_view
-
-    data = t.detach().resolve_conj().resolve_neg().cpu().contiguous()
-    return crc32_hex(byte_view(data))
-
-
-class Hasher:
-    """Checksums computed on one helper thread while the caller writes the same bytes.
-
-    zlib.crc32 releases the GIL, as does ``os.write``, so a checksum submitted just
-    before a write runs beside it and costs little wall time where a core is free (its CPU
-    time, about 0.25-0.5 s per GB, shows where none is). Whoever submits keeps the memory
-    alive until :meth:`result` (or :meth:`close`) returns.
-    """
+class _Crc32:
+    """CRC-32 (``zlib.crc32``), what shardwise recorded before xxh3: still verified."""
 
     def __init__(self):
-        self._pool: ThreadPoolExecutor | None = None
+        self._value = 0
 
-    def submit(self, buf) -> Future | str:
-        """Start the checksum of ``buf``; :meth:`result` turns the handle into its text."""
-        if len(buf) < _INLINE_BYTES:
-            return crc32_hex(buf)
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="shardwise-crc")
-        return self._pool.submit(crc32_hex, buf)
+    def update(self, buf) -> None:
+        self._value = zlib.crc32(buf, self._value)
 
-    def submit_tensor(self, t: torch.Tensor) -> Future | str:
-        """Start the checksum of ``t``'s bytes in C order (made contiguous on the helper thread)."""
-        if t.numel() * t.element_size() < _INLINE_BYTES:
-            return tensor_crc(t)
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="shardwise-crc")
-        return self._pool.submit(tensor_crc, t)  # the caller keeps t alive until the result
+    def hexdigest(self) -> str:
+        return f"{self._value:08x}"
 
-    @staticmethod
-    def result(handle: Future | str) -> str:
-        return handle if isinstance(handle, str) else handle.result()
 
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+# algorithm name (as recorded in shardwise.json) -> (digest factory, hex digits)
+DIGESTS = {"xxh3_64": (xxhash.xxh3_64, 16), "crc32": (_Crc32, 8)}
+ALGORITHM = "xxh3_64"  # what saves record
+
+
+def new_digest(algorithm: str = ALGORITHM):
+    """A running checksum (``update(buffer)``, ``hexdigest()``) of the named algorithm."""
+    if algorithm not in DIGESTS:
+        raise CheckpointError(f"unknown checksum algorithm {algorithm!r}; shardwise knows "
+                              f"{sorted(DIGESTS)} (a newer shardwise may have written this checkpoint)")
+    return DIGESTS[algorithm][0]()
+
+
+def digest_hex(buf, algorithm: str = ALGORITHM) -> str:
+    """The checksum text of ``buf`` (a bytes-like object)."""
+    digest = new_digest(algorithm)
+    digest.update(buf)
+    return digest.hexdigest()
+
+
+def tensor_checksum(t: torch.Tensor, algorithm: str = ALGORITHM) -> str:
+    """The checksum text of ``t``'s bytes in C order (through a copy only when it is not
+    contiguous, held here while it is read: a byte view does not keep its tensor alive)."""
+    data = t.detach().resolve_conj().resolve_neg().cpu().contiguous()
+    return digest_hex(byte_view(data), algorithm)
 
 
 _SINK: ContextVar[dict[str, str] | None] = ContextVar("shardwise_checksums", default=None)
@@ -146,9 +134,18 @@ def _str_map(v) -> bool:
     return isinstance(v, dict) and all(isinstance(x, str) for x in (*v.keys(), *v.values()))
 
 
-def _hex_map(v) -> bool:
-    return _str_map(v) and all(len(x) == 8 and all(c in "0123456789abcdef" for c in x)
+def _hex_map(v, digits: int) -> bool:
+    return _str_map(v) and all(len(x) == digits and all(c in "0123456789abcdef" for c in x)
                                for x in v.values())
+
+
+def _checksums_ok(v) -> bool:
+    if not isinstance(v, dict) or v.get("algorithm") not in DIGESTS:
+        return False
+    digits = DIGESTS[v["algorithm"]][1]
+    if "tensors" in v:
+        return _hex_map(v["tensors"], digits)
+    return isinstance(v.get("chunks"), dict) and all(_hex_map(c, digits) for c in v["chunks"].values())
 
 
 # field -> (what it must be, check); a field that is absent is fine.
@@ -173,10 +170,8 @@ _FIELDS = {
     "tensors": ("an object of {dtype, shape}", lambda v: isinstance(v, dict) and all(
         isinstance(t, dict) and isinstance(t.get("dtype"), str) and isinstance(t.get("shape"), list)
         for t in v.values())),
-    "checksums": ("{algorithm: 'crc32', tensors: {name: hex} or chunks: {name: {offsets: hex}}}",
-                  lambda v: isinstance(v, dict) and v.get("algorithm") == ALGORITHM and (
-                      _hex_map(v.get("tensors")) if "tensors" in v else
-                      isinstance(v.get("chunks"), dict) and all(_hex_map(c) for c in v["chunks"].values()))),
+    "checksums": (f"{{algorithm: one of {sorted(DIGESTS)}, tensors: {{name: hex}} or "
+                  "chunks: {name: {offsets: hex}}}", _checksums_ok),
 }
 
 
@@ -187,24 +182,11 @@ def read_info(folder: str | os.PathLike) -> dict | None:
     file inside the folder, is over 100 MB, is not a JSON object, or has a field of the
     wrong type. (It never blocks: a FIFO is refused, not opened for reading.)
     """
-    from shardwise.io.checkpoint import check_inside
-    from shardwise.io.safetensors_io import _open_regular, _pread_into
-
     folder = Path(folder)
     path = folder / INFO_FILE
     if not os.path.lexists(path):
         return None
-    check_inside(folder, path, source=path)
-    fd = _open_regular(path)
-    try:
-        size = os.fstat(fd).st_size
-        if size > MAX_HEADER_SIZE:
-            raise CheckpointError(f"{path}: {size} bytes, over the {MAX_HEADER_SIZE}-byte cap")
-        raw = bytearray(size)
-        _pread_into(fd, memoryview(raw), 0, what=str(path))
-    finally:
-        os.close(fd)
-    info = parse_json_object(bytes(raw), source=str(path), what="the file")
+    info = read_json_file(folder, path, what="the file")
     for key, (want, ok) in _FIELDS.items():
         if key in info and not ok(info[key]):
             raise CheckpointError(
@@ -213,12 +195,14 @@ def read_info(folder: str | os.PathLike) -> dict | None:
     return info
 
 
-def recorded_checksums(info: dict | None) -> tuple[dict[str, str], dict[str, dict[str, str]]]:
-    """``(per tensor, per DCP chunk)`` checksums recorded in ``info`` (empty when none)."""
+def recorded_checksums(info: dict | None) -> tuple[str, dict[str, str], dict[str, dict[str, str]]]:
+    """``(algorithm, per tensor, per DCP chunk)`` checksums recorded in ``info`` (empty when
+    none; ``info`` as :func:`read_info` validated it)."""
     sums = (info or {}).get("checksums") or {}
-    return dict(sums.get("tensors") or {}), dict(sums.get("chunks") or {})
+    return (sums.get("algorithm", ALGORITHM), dict(sums.get("tensors") or {}),
+            dict(sums.get("chunks") or {}))
 
 
-__all__ = ["ALGORITHM", "Hasher", "INFO_FILE", "chunk_key", "collect_checksums", "crc32_hex",
-           "gather_info", "read_info", "record_checksums", "recorded_checksums", "tensor_crc",
-           "write_info"]
+__all__ = ["ALGORITHM", "DIGESTS", "INFO_FILE", "chunk_key", "collect_checksums", "digest_hex",
+           "gather_info", "new_digest", "read_info", "record_checksums", "recorded_checksums",
+           "tensor_checksum", "write_info"]

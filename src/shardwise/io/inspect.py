@@ -118,9 +118,10 @@ def _layout_lines(layout: dict | None) -> list[str]:
     extra = layout.get("metadata") or {}
     if extra:
         lines.append("metadata: " + ", ".join(f"{k}={v}" for k, v in extra.items()))
-    chunks = (layout.get("checksums") or {}).get("chunks") or {}
+    sums = layout.get("checksums") or {}
+    chunks = sums.get("chunks") or {}
     if chunks:
-        lines.append(f"checksums: crc32 of {sum(map(len, chunks.values()))} chunks "
+        lines.append(f"checksums: {sums.get('algorithm')} of {sum(map(len, chunks.values()))} chunks "
                      "(`shardwise verify` checks them)")
     return lines
 

@@ -2,16 +2,23 @@
 
 Two uses, both chosen per box by the region reader (``shardwise.io.reader``):
 
-- **Views** (zero copy): a box that is one contiguous byte run on disk, already in the
-  dtype the model wants, for a CPU model, becomes a tensor over a private (copy-on-write)
-  mapping of the file: no copy and no fresh memory at load time; the page-cache pages
-  are mapped in as the model first touches them (what ``safetensors.safe_open`` and
-  transformers' loader do). A write to the tensor (an optimizer step) copies just that
-  page into the process; the file never changes. The mapping lives as long as any tensor
-  viewing it (each view's storage holds it), and it keeps the file's inode alive.
-- **Strided copies**: a box made of many short runs (a column slice, one run per row) is
-  copied out of a mapping of the rows it spans with one strided ``copy_`` instead of one
-  ``pread`` per row; the mapping is dropped right after, so its pages leave the process.
+- **Views** (zero copy): a box already in the dtype the model wants, for a CPU model,
+  becomes a tensor over a private (copy-on-write) mapping of the file: no copy and no
+  fresh memory at load time; the page-cache pages are mapped in as the model first
+  touches them (what ``safetensors.safe_open`` and transformers' loader do). A write to
+  the tensor (an optimizer step) copies just that page into the process; the file never
+  changes. The mapping lives as long as any tensor viewing it (each view's storage holds
+  it), and it keeps the file's inode alive. A box that is one contiguous run is a
+  contiguous tensor whose storage is exactly its bytes. A box of many runs (a column
+  slice, one run per row) may also be a view when the caller asks (``strided=True``): a
+  strided tensor (the file's row strides) whose storage spans its first to its last
+  element, other ranks' columns included, so ``torch.save`` of it writes that whole span
+  and the process maps every page the rows touch (its RSS counts them; they are page
+  cache, shared with the other ranks, not memory of its own). Matmuls take such a
+  weight as it is (BLAS leading dimensions), with no copy per forward.
+- **Strided copies**: a box of many short runs that is not viewed is copied out of a
+  mapping of the rows it spans with one strided ``copy_`` instead of one ``pread`` per
+  row; the mapping is dropped right after, so its pages leave the process.
 
 Every mapped byte lies inside the entry's validated extent, and the file is checked to be
 at least that long just before mapping (a file shortened since its header was read is a
@@ -94,27 +101,41 @@ class FileViews:
             return mapping
 
     def view(self, fd: int, path: Path, header: FileHeader, entry: TensorEntry,
-             region: Region) -> torch.Tensor | None:
-        span = contiguous_span(entry, region)
-        if span is None or not AVAILABLE:
+             region: Region, *, strided: bool = False) -> torch.Tensor | None:
+        """The box as a view (see the module doc), or ``None``: empty, misaligned, no
+        private mappings here, or not one contiguous run unless ``strided``."""
+        if not AVAILABLE or 0 in region.sizes:
             return None
-        offset = header.data_start + entry.start + span[0]
+        span = contiguous_span(entry, region)
+        if span is None and not strided:
+            return None
+        first, end = _extent(entry, region)
+        offset = header.data_start + entry.start + first * entry.itemsize
         if offset % entry.itemsize:
             return None  # a misaligned tensor cannot be viewed in its dtype: read it
         _check_length(fd, header, entry)
         mapping = self._map(fd, path)
-        if len(mapping) < offset + span[1]:
+        if len(mapping) < offset + (end - first) * entry.itemsize:
             raise CheckpointError(f"{header.source}: the file is shorter than its header says; truncated?")
         # Never closed explicitly: the storage keeps the mmap object alive, and closing it
         # under a live tensor would unmap memory the tensor still points at.
-        flat = torch.frombuffer(mapping, dtype=entry.torch_dtype, count=span[1] // entry.itemsize,
-                                offset=offset)
-        return flat.view(region.sizes)
+        flat = torch.frombuffer(mapping, dtype=entry.torch_dtype, count=end - first, offset=offset)
+        if span is not None:
+            return flat.view(region.sizes)
+        return flat.as_strided(region.sizes, _strides(entry.shape))
 
     def close(self) -> None:
         """Drop this reader's references; the views keep their mappings alive."""
         with self._lock:
             self._maps.clear()
+
+
+def _extent(entry: TensorEntry, region: Region) -> tuple[int, int]:
+    """``(first, last + 1)``: the elements of the tensor (row-major) that a non-empty box spans."""
+    strides = _strides(entry.shape)
+    first = sum(o * s for o, s in zip(region.offsets, strides, strict=True))
+    last = sum((o + n - 1) * s for o, n, s in zip(region.offsets, region.sizes, strides, strict=True))
+    return first, last + 1
 
 
 def _strides(sizes) -> tuple[int, ...]:
@@ -136,10 +157,9 @@ def copy_mapped(fd: int, header: FileHeader, entry: TensorEntry, region: Region,
     if 0 in region.sizes or not shape or not AVAILABLE:
         return 0
     strides = _strides(shape)
-    first = sum(o * s for o, s in zip(region.offsets, strides, strict=True))
-    last = sum((o + n - 1) * s for o, n, s in zip(region.offsets, region.sizes, strides, strict=True))
+    first, end = _extent(entry, region)
     base = header.data_start + entry.start
-    lo, hi = base + first * item, base + (last + 1) * item
+    lo, hi = base + first * item, base + end * item
     if lo % item:
         return 0
     _check_length(fd, header, entry)

@@ -16,10 +16,11 @@ raw tensor is allocated whole at its first piece, but its pages become resident 
 pieces are read into them, and the next tensor's pieces queue up while the last pieces of
 the previous one are still being read, so no thread waits at a tensor boundary.
 
-Two cases skip the copy through ``pread`` (``shardwise.io.mapped``): a tensor whose one region
-is contiguous on disk may become a view of the page cache when the caller allows it
-(``viewable``: a CPU model that keeps the file's dtype), and a box of many short runs (a
-column slice) is copied out of a short-lived mapping with one strided copy.
+Two cases skip the copy through ``pread`` (``shardwise.io.mapped``): a tensor of one region
+may become a view of the page cache when the caller allows it (``viewable``: a CPU model
+that keeps the file's dtype), strided when the region is a column slice (``strided_views``);
+a box of many short runs that is not viewed (a column slice) is copied out of a short-lived
+mapping with one strided copy.
 """
 
 from __future__ import annotations
@@ -36,8 +37,10 @@ import torch
 
 from shardwise.core.header import FileHeader, TensorEntry
 from shardwise.core.spec import Layout, Region, ShardSpec, local_layout, local_shape
+from shardwise.errors import UsageError
+from shardwise.io.files import open_regular
 from shardwise.io.mapped import FileViews, contiguous_span, copy_mapped
-from shardwise.io.safetensors_io import _open_regular, read_region
+from shardwise.io.safetensors_io import read_region
 
 PIECE_BYTES = 32 << 20
 WINDOW_BYTES = 256 << 20
@@ -155,15 +158,21 @@ class RegionReader:
     def __init__(self, headers: Mapping[Path, FileHeader], *, num_threads: int,
                  piece_bytes: int = PIECE_BYTES, window_bytes: int = WINDOW_BYTES,
                  on_bytes: Callable[[int], None] | None = None,
-                 viewable: Callable[[ReadItem], bool] | None = None):
+                 viewable: Callable[[ReadItem], bool] | None = None, strided_views: bool = False):
         if not (isinstance(num_threads, int) and not isinstance(num_threads, bool) and num_threads >= 1):
-            raise ValueError(f"num_threads must be a positive int, got {num_threads!r}")
+            raise UsageError(f"num_threads must be a positive int (the reader threads), got {num_threads!r}; "
+                             "pass num_threads=None to sw.load for its default")
         self.headers = headers
         self.num_threads = num_threads
         self.piece_bytes = piece_bytes
         self.window_bytes = window_bytes
         self.on_bytes = on_bytes
         self.viewable = viewable
+        # A column slice viewed in place costs no copy and no memory of the process's own,
+        # but it is a non-contiguous parameter (FSDP's fully_shard refuses it, .view() fails,
+        # torch.save writes the span, other ranks' columns included), so sw.load copies:
+        # the strided copy out of a mapping runs at ~3.5 GB/s here, a few % of a load.
+        self.strided_views = strided_views
         self.bytes_read = 0
         self._views = FileViews()
         self._fds: dict[Path, int] = {}
@@ -185,7 +194,7 @@ class RegionReader:
         with self._lock:
             fd = self._fds.get(path)
             if fd is None:
-                fd = self._fds[path] = _open_regular(path)
+                fd = self._fds[path] = open_regular(path)
             return fd
 
     def read(self, items: list[ReadItem], *, finalize: Finalize) -> dict[str, torch.Tensor]:
@@ -222,13 +231,15 @@ class RegionReader:
         return results
 
     def _view(self, item: ReadItem) -> torch.Tensor | None:
-        """The item as a view of the page cache, when allowed and its one region is contiguous."""
+        """The item as a view of the page cache, when allowed and it has one region
+        (contiguous, or any box with ``strided_views``)."""
         if self.viewable is None or len(item.layout) != 1 or not self.viewable(item):
             return None
         region = item.layout[0][0]
         if region.numel == 0:
             return None
-        view = self._views.view(self._fd(item.path), item.path, self.headers[item.path], item.entry, region)
+        view = self._views.view(self._fd(item.path), item.path, self.headers[item.path], item.entry, region,
+                                strided=self.strided_views)
         if view is not None:
             self._count(item.nbytes)
         return view

@@ -25,7 +25,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from shardwise.errors import CheckpointError, CollectiveError
+import shardwise.comm as comm
+from shardwise.errors import CheckpointError
 from shardwise.io.reader import Finalize, ReadItem, RegionReader
 
 
@@ -70,7 +71,7 @@ def read_once(reader: RegionReader, items: list[ReadItem], *, finalize: Finalize
     ``whole``: names of the items every rank of ``mesh`` reads in full, identically and in the
     same order (replicated tensors). Collective over ``mesh``: every rank calls it with its own
     items (the same list, in the same order, on ranks that share their tp and ep coordinates).
-    Waits as long as the process group's timeout allows.
+    Each collective waits as long as the backend's timeout allows.
     """
     dp_group = replica_axis(mesh).get_group()
     spans_world = mesh.size() == dist.get_world_size()
@@ -89,8 +90,8 @@ def read_once(reader: RegionReader, items: list[ReadItem], *, finalize: Finalize
     except Exception as e:  # told to every rank below, then raised here
         error = e
     failed = torch.tensor([1 if error else 0], dtype=torch.int32)
-    _wait(dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=groups["all" if spans_world else "dp"][0],
-                          async_op=True), "the check that every replica read its share")
+    comm.all_reduce(failed, "max", group=groups["all" if spans_world else "dp"][0],
+                    purpose="the check that every replica read its share")
     if error is not None:
         raise error
     if failed.item():
@@ -108,23 +109,17 @@ def _exchange(items, owners, groups, raw, finalize, on_bytes) -> dict:
                   else torch.empty(item.local_shape, dtype=item.entry.torch_dtype))
         work = None
         if item.nbytes:  # gloo moves bytes of any dtype
-            work = dist.broadcast(tensor.reshape(-1).view(torch.uint8), src=owner, group=group, async_op=True)
+            work = comm.broadcast(tensor.reshape(-1).view(torch.uint8), owner, group=group, async_op=True,
+                                  purpose=f"the broadcast of {item.name!r} from rank {owner} to its replicas")
         pending.append((item, owner, work, tensor))
     results = {}
     for item, owner, work, tensor in pending:
         if work is not None:
-            _wait(work, f"the broadcast of {item.name!r} from rank {owner} to its replicas")
+            work.wait()
         if owner != me and on_bytes is not None:
             on_bytes(item.nbytes)
         results[item.name] = finalize(item, tensor)
     return results
-
-
-def _wait(work, what: str) -> None:
-    try:
-        work.wait()
-    except Exception as e:  # torch raises RuntimeError / DistBackendError subclasses
-        raise CollectiveError(f"{what} on rank {dist.get_rank()} failed or timed out: {e}") from e
 
 
 __all__ = ["assign_owners", "read_once", "replica_axis"]

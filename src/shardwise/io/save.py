@@ -21,15 +21,10 @@ import torch
 from torch import nn
 
 from shardwise._progress import Progress
+from shardwise.comm import agree, capture, fingerprint, world_backend
 from shardwise.errors import CheckpointError, CollectiveError, UsageError
-from shardwise.io.gather import (
-    FileGatherer,
-    agree,
-    capture,
-    collect_items,
-    fingerprint,
-    world_backend,
-)
+from shardwise.io import parallel_save
+from shardwise.io.gather import FileGatherer, collect_items
 from shardwise.io.hub_layout import hub_save_layout, shared_storages
 from shardwise.io.info import collect_checksums, gather_info, write_info
 from shardwise.io.safetensors_io import INDEX_SUFFIX, index_json, plan_files
@@ -49,7 +44,8 @@ _SAVE_FILE_DTYPES = ("U64", "I64", "F64", "C64", "F32", "U32", "I32", "BF16", "F
 def save(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
          filename_prefix: str | None = None, metadata: Mapping[str, str] | None = None,
          overwrite: bool = False, progress: bool | None = None, distributed: bool = False,
-         async_save: bool = False, format: str = "distcp", layout: str = "hub") -> AsyncSave | None:
+         async_save: bool = False, format: str = "distcp", layout: str = "hub",
+         parallel_write: bool | None = None) -> AsyncSave | None:
     """Write ``model`` to the folder ``path`` as an ordinary safetensors checkpoint.
 
     Collective: every rank calls it (a rank that waits over a minute for the others raises,
@@ -70,13 +66,24 @@ def save(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str
     original names: transformers' weight conversions reverted, as region maps);
     ``layout="module"`` writes the module's own names. A model that was not parallelised is written as
     it is by rank 0 (a world of one, or ranks holding identical copies). ``shardwise.json``
-    beside them records each tensor's CRC-32, computed as it is written, which
+    beside them records each tensor's checksum (XXH3-64), computed as it is written, which
     ``sw.verify`` checks.
 
-    Memory: rank 0 builds one tensor at a time, in one reused buffer, from row chunks of
-    every rank's shard gathered in turn (about an eighth of the tensor each), so its peak
-    above its baseline stays under 2x the largest tensor (1.25-1.5x measured); other ranks
-    only send their shards and never hold a full tensor.
+    ``parallel_write``: with ranks on several machines that all see the target's filesystem
+    (None, the default, probes it: rank 0 puts a token in the temporary folder and every rank
+    reads it), nothing is gathered: rank 0 lays every file out and each rank writes its own
+    regions at their offsets (``shardwise.io.parallel_save``); the checksums are then read
+    back from the files. Same bytes, same crash safety. On one machine None streams from
+    rank 0 (several writers sharing one disk and page cache were measured no faster);
+    ``True`` writes in parallel wherever the folder is shared and raises when a rank cannot
+    see it; ``False`` always streams.
+
+    Memory (the rank-0 stream): rank 0 builds one tensor at a time, in one reused buffer,
+    from row chunks of every rank's shard gathered in turn (about an eighth of the tensor
+    each), so its peak above its baseline stays under 2x the largest tensor (1.25-1.5x
+    measured); other ranks only send their shards and never hold a full tensor. Writing in
+    parallel, no rank holds more than a copy of one box of its own shard (8 MiB more to
+    read the checksums back).
     ``progress`` shows a bar on rank 0 (default: when stderr is a terminal; tqdm if
     installed). ``distributed=True`` writes a torch distributed checkpoint instead, every
     rank its own part (``shardwise.io.dcp.save_dcp``; ``max_shard_size`` and
@@ -120,8 +127,10 @@ def save(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str
         return save_sharded_safetensors(model, path, overwrite=overwrite, metadata=metadata,
                                         progress=progress)
     if distributed:
-        return _save_dcp(model, path, overwrite=overwrite, metadata=metadata, progress=progress,
-                         async_save=async_save)
+        from shardwise.io.dcp import save_dcp  # imported on use: torch.distributed.checkpoint is slow to load
+
+        return save_dcp(model, path, overwrite=overwrite, metadata=metadata, progress=progress,
+                        async_save=async_save)
     check_model(model, action="save")
     target = target_path(path)
     filename_prefix = filename_prefix or default_prefix(model)
@@ -134,6 +143,7 @@ def save(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str
                  plan_files([(n, dt, shape) for n, dt, shape, _ in stored], max_shard_size, filename_prefix,
                             storages)]
     backend = world_backend()
+    parallel = parallel_save.wanted(parallel_write, backend)
     join_collective(backend, "sw.save")  # after the guards and the plan: all pure
     run = FileGatherer(backend, state, {i.name: i for i in items}, header_meta)
     run.parts = {n: part for n, _, _, part in stored if part is not None}
@@ -146,13 +156,19 @@ def save(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str
                  index_json(file_plan, sum(i.nbytes for i in items), {**dict(metadata or {}), **extra}))
     try:
         agree(backend, capture(dest.prepare) if dest else None, what=what,
-              digest=fingerprint((file_plan, [(i.name, i.spec, i.degree) for i in items])))
+              digest=fingerprint((file_plan, [(i.name, i.spec, i.degree) for i in items], parallel_write)))
+        shared = (parallel_save.shared_folder(backend, dest.tmp if dest else None, what=what,
+                                              required=parallel_write is True) if parallel else None)
         with Progress(sum(i.nbytes for i in items), progress, run.rank == 0, "shardwise save") as bar, \
                 collect_checksums() as checksums:  # each tensor's, computed as rank 0 writes it
-            for fname, group in file_plan:
-                bar.file(fname)
-                error = run.write_file(dest.tmp / fname if dest else None, group, bar)
-                agree(backend, error, what=what)
+            if shared is not None:  # every rank writes its own regions: nothing is gathered
+                checksums.update(parallel_save.write_parallel(backend, run, state, shared, file_plan,
+                                                              bar, what=what))
+            else:
+                for fname, group in file_plan:
+                    bar.file(fname)
+                    error = run.write_file(dest.tmp / fname if dest else None, group, bar)
+                    agree(backend, error, what=what)
 
         def commit():
             write_info(dest.tmp, gather_info(checksums, [(n, dt, shape) for n, dt, shape, _ in stored]))
@@ -196,16 +212,6 @@ def join_collective(backend, what: str) -> None:
             f"rank of the {backend.world_size} joined (a peer left, is elsewhere, or arrives later: "
             f"then meet first with dist.barrier()). Cause: {cause}"
         ) from (cause if isinstance(cause, BaseException) else None)
-
-
-def _save_dcp(model, path, **kwargs):
-    try:
-        from shardwise.io.dcp import save_dcp
-    except ImportError as e:
-        raise ImportError(f"sw.save(..., distributed=True) needs shardwise.io.dcp, which cannot be "
-                          f"imported here ({e}); save without distributed=True for a safetensors "
-                          "checkpoint") from e
-    return save_dcp(model, path, **kwargs)
 
 
 def header_metadata(metadata) -> dict[str, str]:

@@ -20,6 +20,8 @@ from collections.abc import Callable
 
 import torch
 
+from shardwise.errors import UsageError
+
 STAGE_BYTES = 32 << 20  # one pinned buffer
 NUM_BUFFERS = 4         # buffers a load may pin (allocated as the reader threads need them)
 
@@ -44,8 +46,9 @@ class PinnedStager:
     def __init__(self, device: torch.device, *, buffer_bytes: int = STAGE_BYTES,
                  num_buffers: int = NUM_BUFFERS):
         if buffer_bytes < 1 or num_buffers < 1:
-            raise ValueError(f"buffer_bytes and num_buffers must be positive, got {buffer_bytes}, "
-                             f"{num_buffers}")
+            raise UsageError(f"PinnedStager: buffer_bytes and num_buffers must be positive, got "
+                             f"buffer_bytes={buffer_bytes}, num_buffers={num_buffers}; leave them at "
+                             f"their defaults ({STAGE_BYTES} and {NUM_BUFFERS})")
         self.device, self.buffer_bytes, self.num_buffers = device, buffer_bytes, num_buffers
         self._free: queue.Queue = queue.Queue()
         self._made = 0

@@ -21,8 +21,8 @@ import socket
 import sys
 from pathlib import Path
 
-from shardwise.errors import CheckpointError
-from shardwise.io.safetensors_io import _fsync_dir
+from shardwise.errors import CheckpointError, StorageError
+from shardwise.io.files import fsync_dir
 
 TMP_MARK, OLD_MARK = ".shardwise-tmp-", ".shardwise-old-"
 
@@ -55,7 +55,7 @@ class Destination:
                 f.write(json.dumps(index[1], indent=2, sort_keys=True) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
-        _fsync_dir(self.tmp)
+        fsync_dir(self.tmp)
         target = self.target
         if target.is_dir() and not target.is_symlink() and not any(target.iterdir()):
             target.rmdir()  # an empty folder holds nothing to keep
@@ -66,9 +66,9 @@ class Destination:
             _exchange(self.tmp, target, self.tmp.name.replace(TMP_MARK, OLD_MARK))
             shutil.rmtree(self.tmp)  # now the previous checkpoint
         else:
-            raise CheckpointError(f"{target} appeared while saving; pass overwrite=True to replace it")
+            raise _appeared(target)
         self.tmp = None
-        _fsync_dir(target.parent)
+        fsync_dir(target.parent)
 
     def discard(self) -> None:
         if self.tmp is not None:
@@ -172,13 +172,20 @@ def _renameat2(src: Path, dst: Path, flags: int) -> bool:
     err = ctypes.get_errno()
     if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
         return False
-    raise OSError(err, os.strerror(err), str(src), None, str(dst))
+    if err == errno.EEXIST and flags == _RENAME_NOREPLACE:
+        raise _appeared(dst)
+    raise StorageError(err, f"{os.strerror(err)} (moving the finished checkpoint into place; check that "
+                       "the folder is writable and the target not in use)", str(src), None, str(dst))
+
+
+def _appeared(target: Path) -> CheckpointError:
+    return CheckpointError(f"{target} appeared while saving; pass overwrite=True to replace it")
 
 
 def _rename_noreplace(src: Path, dst: Path) -> None:
     if not _renameat2(src, dst, _RENAME_NOREPLACE):
         if dst.exists():  # os.rename would silently replace an empty folder
-            raise FileExistsError(errno.EEXIST, "exists", str(dst))
+            raise _appeared(dst)
         os.rename(src, dst)
 
 

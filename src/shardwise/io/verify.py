@@ -1,8 +1,9 @@
 """``sw.verify`` / ``shardwise verify PATH``: is a checkpoint whole and unchanged since it was saved?
 
 No model, no process group, one process, memory bounded by one read buffer (16 MB): every
-tensor's bytes are streamed through CRC-32 and compared with the checksum ``sw.save``,
-``sw.consolidate`` or a distributed save recorded in ``shardwise.json``.
+tensor's bytes are streamed through the checksum ``sw.save``,
+``sw.consolidate`` or a distributed save recorded in ``shardwise.json`` (XXH3-64; CRC-32
+in checkpoints from before it) and compared.
 
 - safetensors (a file, a folder, an index): every header is validated (offsets, dtypes,
   sizes, the data section tiled exactly), the index names only files inside the folder and
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -124,7 +124,7 @@ def _recorded(folder: Path, report: VerifyReport, found: dict[str, tuple[str, tu
 
 def _verify_safetensors(path: Path, report: VerifyReport) -> None:
     from shardwise.io.checkpoint import resolve_checkpoint
-    from shardwise.io.safetensors_io import _open_regular
+    from shardwise.io.files import open_regular
 
     ckpt = resolve_checkpoint(path)  # headers, tiling, index: raises on the first fault
     listed = set(ckpt.weight_map)
@@ -134,7 +134,7 @@ def _verify_safetensors(path: Path, report: VerifyReport) -> None:
             report.problems.append(f"{file}: holds {len(unlisted)} tensor(s) the index does not list "
                                    f"({', '.join(map(repr, unlisted[:5]))}); the index is stale")
     found = {n: (ckpt.entry(n)[1].dtype, ckpt.entry(n)[1].shape) for n in ckpt.names}
-    sums, _ = _recorded(ckpt.root, report, found)
+    algorithm, sums, _ = _recorded(ckpt.root, report, found)
     report.tensors = len(ckpt.weight_map)
     by_file: dict[Path, list[str]] = {}
     for name, file in ckpt.weight_map.items():
@@ -142,13 +142,14 @@ def _verify_safetensors(path: Path, report: VerifyReport) -> None:
     buf = bytearray(_PIECE)
     for file, names in by_file.items():
         header = ckpt.headers[file]
-        fd = _open_regular(file)
+        fd = open_regular(file)
         try:
             for name in sorted(names, key=lambda n: header.entries[n].start):  # in file order
                 if name not in sums:
                     continue
                 entry = header.entries[name]
-                got = _crc_of_range(fd, header.data_start + entry.start, entry.nbytes, buf, str(file))
+                got = _digest_of_range(fd, header.data_start + entry.start, entry.nbytes, buf, str(file),
+                                       algorithm)
                 report.bytes_read += entry.nbytes
                 report.checksummed += 1
                 if got != sums[name]:
@@ -158,16 +159,18 @@ def _verify_safetensors(path: Path, report: VerifyReport) -> None:
     _missing_sums(sums, set(ckpt.weight_map), ckpt.root, report)
 
 
-def _crc_of_range(fd: int, start: int, nbytes: int, buf: bytearray, what: str) -> str:
-    from shardwise.io.safetensors_io import _pread_into
+def _digest_of_range(fd: int, start: int, nbytes: int, buf: bytearray, what: str,
+                     algorithm: str) -> str:
+    from shardwise.io.files import pread_into
+    from shardwise.io.info import new_digest
 
-    crc, done = 0, 0
+    digest, done = new_digest(algorithm), 0
     while done < nbytes:
         view = memoryview(buf)[: min(len(buf), nbytes - done)]
-        _pread_into(fd, view, start + done, what=what)
-        crc = zlib.crc32(view, crc)
+        pread_into(fd, view, start + done, what=what)
+        digest.update(view)
         done += len(view)
-    return f"{crc:08x}"
+    return digest.hexdigest()
 
 
 def _missing_sums(sums: dict, present: set[str], root: Path, report: VerifyReport) -> None:
@@ -194,7 +197,7 @@ def _verify_dcp(path: Path, report: VerifyReport) -> None:
     files: dict[str, object] = {}
     tensors = {fqn: md for fqn, md in metadata.state_dict_metadata.items()
                if isinstance(md, TensorStorageMetadata)}
-    _, sums = _recorded(path, report, {n: (dtype_to_str(md.properties.dtype), tuple(md.size))
+    algorithm, _, sums = _recorded(path, report, {n: (dtype_to_str(md.properties.dtype), tuple(md.size))
                                        for n, md in tensors.items()},
                         otherwise="each chunk is checked against the CRC-32 of its zip record")
     report.tensors = len(tensors)
@@ -207,8 +210,10 @@ def _verify_dcp(path: Path, report: VerifyReport) -> None:
                 f = files.get(rel) or files.setdefault(rel, open(path / rel, "rb"))  # noqa: SIM115
                 key = chunk_key(chunk.offsets)
                 try:
+                    # shardwise's own checksum where recorded, else the zip record's CRC-32
                     got, nbytes, zipped = chunk_checksum(f, info, dtype=md.properties.dtype,
-                                                         sizes=tuple(chunk.sizes))
+                                                         sizes=tuple(chunk.sizes),
+                                                         algorithm=algorithm if key in recorded else "crc32")
                 except CheckpointError as e:  # a bad blob: name it and go on with the others
                     report.problems.append(f"tensor {fqn!r} chunk at ({key}): {e}")
                     continue
@@ -231,13 +236,13 @@ def _verify_dcp(path: Path, report: VerifyReport) -> None:
 
 def _verify_sharded(path: Path, report: VerifyReport) -> None:
     """Rank-local safetensors with DCP_SHARDING_INFO: the chunk map tiles every tensor (checked
-    by ``read_sharded``), and each chunk's bytes match the CRC-32 ``shardwise.json`` recorded."""
+    by ``read_sharded``), and each chunk's bytes match the checksum ``shardwise.json`` recorded."""
+    from shardwise.io.files import open_regular
     from shardwise.io.hf_dcp import read_sharded
     from shardwise.io.info import chunk_key
-    from shardwise.io.safetensors_io import _open_regular
 
     ckpt = read_sharded(path)  # headers, sharding info, exact tiling: raises on the first fault
-    _, sums = _recorded(path, report, {n: (t.dtype, t.shape) for n, t in ckpt.tensors.items()})
+    algorithm, _, sums = _recorded(path, report, {n: (t.dtype, t.shape) for n, t in ckpt.tensors.items()})
     report.tensors = len(ckpt.tensors)
     fds: dict[Path, int] = {}
     buf = bytearray(_PIECE)
@@ -248,9 +253,9 @@ def _verify_sharded(path: Path, report: VerifyReport) -> None:
                 key = chunk_key(chunk.region.offsets)
                 if key not in recorded:
                     continue
-                fd = fds.get(chunk.path) or fds.setdefault(chunk.path, _open_regular(chunk.path))
+                fd = fds.get(chunk.path) or fds.setdefault(chunk.path, open_regular(chunk.path))
                 start = ckpt.headers[chunk.path].data_start + chunk.entry.start
-                got = _crc_of_range(fd, start, chunk.entry.nbytes, buf, str(chunk.path))
+                got = _digest_of_range(fd, start, chunk.entry.nbytes, buf, str(chunk.path), algorithm)
                 report.bytes_read += chunk.entry.nbytes
                 report.checksummed += 1
                 if got != recorded[key]:

@@ -1,0 +1,265 @@
+"""Every collective shardwise runs, bounded and named: one place that gives each call the
+backend's timeout and turns its failure into a ``CollectiveError`` naming the operation, its
+group size, this rank and the fix.
+
+Three kinds of call, by what torch lets a caller bound:
+
+- tensor collectives of a load, a save or a clip (:func:`all_reduce`, :func:`broadcast`):
+  issued with ``async_op=True`` and waited for by the active backend (:func:`world_backend`),
+  within its timeout;
+- the forward and backward collectives of local holding (:func:`all_reduce_inline`,
+  :func:`all_gather_inline`, in ``shardwise.local_tp``): plain synchronous calls inside a
+  try/except, so a training step pays nothing more than torch's own call; bounded by the
+  process group's timeout;
+- object collectives (pickled values: a path, chunk lists, checksums): torch has no
+  asynchronous form of them, so they are bounded by the process group's timeout.
+
+The cross-rank verdict (:func:`agree`) lives here too: every rank reports its own failure at
+the same point and every rank raises if any rank failed, so that no rank is left waiting in a
+collective that a failed peer will never reach. Without a process group (one process) each
+call is that of a world of one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from shardwise.backends import Backend, current_backend
+from shardwise.backends.base import REDUCE_OPS
+from shardwise.errors import CheckpointError, CollectiveError, ShardwiseError, UsageError
+
+
+def is_distributed() -> bool:
+    """True when this process is in a process group."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    """This process's global rank (0 without a process group)."""
+    return dist.get_rank() if is_distributed() else 0
+
+
+def world_size() -> int:
+    """The number of ranks in the default group (1 without a process group)."""
+    return dist.get_world_size() if is_distributed() else 1
+
+
+class _AdoptedBackend(Backend):
+    """Collectives over a process group that shardwise did not start (no ``init_backend``)."""
+
+    name = "adopted"
+
+    def __init__(self):
+        super().__init__()
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+
+    def _device(self) -> torch.device:
+        if "nccl" in str(dist.get_backend()):
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+
+def world_backend() -> Backend | None:
+    """The backend whose collectives shardwise uses, or None in a process without a group."""
+    if not is_distributed():
+        return None
+    return current_backend() or _AdoptedBackend()
+
+
+def _what(op: str, group, purpose: str) -> str:
+    # group: None (the default group), a process group or a DeviceMesh; each has a size()
+    named = f"{op} over {world_size() if group is None else group.size()} ranks"
+    return f"{purpose} ({named})" if purpose else named
+
+
+@contextmanager
+def guarded(op: str, *, group=None, purpose: str = "") -> Iterator[None]:
+    """Run collectives that torch issues for us (object collectives, a DTensor redistribute
+    over a mesh passed as ``group``) so that their failure, a peer that died or a timeout,
+    raises a ``CollectiveError``."""
+    try:
+        yield
+    except ShardwiseError:
+        raise
+    except Exception as e:  # gloo/nccl raise RuntimeError (DistBackendError) when a peer is gone
+        raise CollectiveError.failed(_what(op, group, purpose), rank=rank(), cause=e) from e
+
+
+class Pending:
+    """An asynchronous collective; :meth:`wait` finishes it within the backend's timeout."""
+
+    def __init__(self, work, what: str, backend: Backend | None):
+        self._work, self._what, self._backend = work, what, backend
+
+    def wait(self) -> None:
+        """Block until done; a failure or a timeout raises ``CollectiveError``. Idempotent."""
+        work, self._work = self._work, None
+        if work is not None:
+            self._backend.wait(work, self._what)
+
+
+def _start(op: str, group, purpose: str, issue: Callable[[], object]) -> Pending:
+    backend = world_backend()
+    if backend is None:
+        return Pending(None, op, None)
+    what = _what(op, group, purpose)
+    with guarded(op, group=group, purpose=purpose):  # gloo may refuse at once, not in wait()
+        work = issue()
+    return Pending(work, what, backend)
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum", *, group=None, purpose: str = "") -> torch.Tensor:
+    """Reduce ``tensor`` in place over ``group`` (``op``: sum, max, min, product) and return
+    it; every rank of the group calls it. ``purpose`` says what for, in the error."""
+    if op not in REDUCE_OPS:
+        raise UsageError(f"unknown reduce op {op!r}; known: {', '.join(REDUCE_OPS)}")
+    _start("all_reduce", group, purpose,
+           lambda: dist.all_reduce(tensor, REDUCE_OPS[op], group=group, async_op=True)).wait()
+    return tensor
+
+
+def broadcast(tensor: torch.Tensor, src: int, *, group=None, purpose: str = "",
+              async_op: bool = False) -> Pending:
+    """Overwrite ``tensor`` on every rank of ``group`` with global rank ``src``'s. Returns a
+    handle to :meth:`~Pending.wait` on (already finished unless ``async_op``)."""
+    pending = _start("broadcast", group, purpose,
+                     lambda: dist.broadcast(tensor, src=src, group=group, async_op=True))
+    if not async_op:
+        pending.wait()
+    return pending
+
+
+def all_reduce_inline(tensor: torch.Tensor, *, group=None) -> torch.Tensor:
+    """Sum ``tensor`` in place over ``group``: a plain synchronous call for local holding's
+    forward and backward (every training step), bounded by the process group's timeout;
+    only a failure costs anything extra."""
+    try:
+        dist.all_reduce(tensor, group=group)
+    except Exception as e:  # torch raises RuntimeError/DistBackendError subclasses
+        raise CollectiveError.failed(_what("all_reduce", group, ""), rank=rank(), cause=e) from e
+    return tensor
+
+
+def all_gather_inline(parts: list[torch.Tensor], tensor: torch.Tensor, *, group=None) -> list[torch.Tensor]:
+    """Every group rank's ``tensor`` into ``parts`` (one per group rank), synchronously, as
+    :func:`all_reduce_inline`."""
+    try:
+        dist.all_gather(parts, tensor, group=group)
+    except Exception as e:  # torch raises RuntimeError/DistBackendError subclasses
+        raise CollectiveError.failed(_what("all_gather", group, ""), rank=rank(), cause=e) from e
+    return parts
+
+
+def broadcast_object(obj, src: int = 0, *, group=None, purpose: str = ""):
+    """Global rank ``src``'s ``obj`` (picklable) on every rank of ``group``."""
+    if world_size() == 1:
+        return obj
+    box = [obj]
+    with guarded("broadcast_object_list", group=group, purpose=purpose):
+        dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def all_gather_object(obj, *, group=None, purpose: str = "") -> list:
+    """Every rank's ``obj`` (picklable), in group-rank order, on every rank of ``group``."""
+    if world_size() == 1:
+        return [obj]
+    out = [None] * dist.get_world_size(group)
+    with guarded("all_gather_object", group=group, purpose=purpose):
+        dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def gather_object(obj, dst: int = 0, *, group=None, purpose: str = "") -> list | None:
+    """Every rank's ``obj`` (picklable), in group-rank order, on global rank ``dst``; None on
+    the other ranks."""
+    if world_size() == 1:
+        return [obj]
+    out = [None] * dist.get_world_size(group) if rank() == dst else None
+    with guarded("gather_object", group=group, purpose=purpose):
+        dist.gather_object(obj, out, dst=dst, group=group)
+    return out
+
+
+# --- the cross-rank verdict ------------------------------------------------------------------
+
+# A verdict row: status (1 byte), plan fingerprint (8 bytes), then the error text.
+_MSG_BYTES = 1015
+_ROW_BYTES = 1 + 8 + _MSG_BYTES
+_OK, _BAD_INPUT, _FAILED = 0, 1, 2
+
+
+def fingerprint(parts) -> bytes:
+    """8 bytes that differ when two ranks would save different tensors or files."""
+    return hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+
+
+def capture(fn: Callable[[], object]) -> Exception | None:
+    """Run ``fn``; return its exception (to hand to :func:`agree`) or None."""
+    try:
+        fn()
+    except Exception as e:  # reported to every rank by agree(), re-raised there
+        return e
+    return None
+
+
+def _row(error: BaseException | None, digest: bytes) -> torch.Tensor:
+    row = torch.zeros(_ROW_BYTES, dtype=torch.uint8)
+    status = _OK if error is None else _BAD_INPUT if isinstance(error, ValueError) else _FAILED
+    row[0] = status
+    row[1:9] = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
+    if error is not None:
+        text = f"{type(error).__name__}: {error}".encode("utf-8", "replace")[:_MSG_BYTES]
+        row[9 : 9 + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    return row
+
+
+def agree(backend: Backend | None, error: BaseException | None, *, what: str,
+          digest: bytes = b"\0" * 8) -> None:
+    """Every rank calls it at the same point: raise on every rank if any rank failed.
+
+    The rank that failed re-raises its own ``error``; the others raise a
+    ``CheckpointError`` (the failure was bad input, such as an existing target) or a
+    ``CollectiveError`` (anything else, such as a full disk) carrying each failing
+    rank's message. Ranks whose ``digest`` (a :func:`fingerprint`) differs from rank 0's
+    were asked to save different models: every rank raises ``CheckpointError``.
+    """
+    if backend is None or backend.world_size == 1:
+        if error is not None:
+            raise error
+        return
+    try:
+        rows = backend.all_gather(_row(error, digest).to(backend.device))
+    except CollectiveError:
+        if error is not None:  # our own failure says more than a peer's absence
+            raise error from None
+        raise
+    rows = [r.cpu() for r in rows]
+    failures = {r: bytes(row[9:].tolist()).rstrip(b"\0").decode("utf-8", "replace")
+                for r, row in enumerate(rows) if int(row[0]) != _OK}
+    if error is not None:
+        raise error
+    if failures:
+        detail = "; ".join(f"rank {r}: {m}" for r, m in sorted(failures.items()))
+        if all(int(rows[r][0]) == _BAD_INPUT for r in failures):
+            raise CheckpointError(f"{what} failed on rank(s) {sorted(failures)}: {detail}")
+        raise CollectiveError(f"{what} failed on rank(s) {sorted(failures)}", failures)
+    differ = [r for r, row in enumerate(rows) if bytes(row[1:9].tolist()) != bytes(rows[0][1:9].tolist())]
+    if differ:
+        raise CheckpointError(
+            f"{what}: rank(s) {differ} hold different tensors (names, dtypes, shapes or shard "
+            "specs) than rank 0; every rank must call sw.save on the same model, parallelised "
+            "with the same plan"
+        )
+
+
+__all__ = [
+    "Pending", "agree", "all_gather_inline", "all_gather_object", "all_reduce", "all_reduce_inline",
+    "broadcast", "broadcast_object", "capture", "fingerprint", "gather_object", "guarded",
+    "is_distributed", "rank", "world_backend", "world_size",
+]
