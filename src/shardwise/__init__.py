@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+from shardwise._version import __version__
 from shardwise.backends import (
     Backend,
     available_backends,
@@ -34,8 +35,6 @@ from shardwise.errors import (
     UsageError,
 )
 from shardwise.parallel import get_shard_state, parallelize
-
-__version__ = "0.1.0"
 
 # The I/O entry points load on first use: `import shardwise` stays light.
 _LAZY = {

@@ -17,6 +17,8 @@ import torch
 from torch import nn
 
 from shardwise.errors import CheckpointError, UnsupportedModelError
+from shardwise.io.guards import check_mesh
+from shardwise.io.load import load
 
 
 @contextlib.contextmanager
@@ -148,9 +150,6 @@ def from_pretrained(cls, path: str | os.PathLike, *, mesh, dtype: torch.dtype | 
     >>> model.result                                                                 # doctest: +SKIP
     LoadResult(tensors=291, bytes_read=4021813248, seconds=1.912, missing=0, unexpected=0)
     """
-    from shardwise.io.guards import check_mesh
-    from shardwise.io.load import load
-
     library = _library(cls)
     check_mesh(mesh)  # before anything is read or built
     folder = _checkpoint_folder(path)

@@ -21,6 +21,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from shardwise.backends import shutdown_backend
 from shardwise.errors import ShardwiseError, UsageError
 
 # Ranks fork from a server that already imported torch: a rank starts in well under a
@@ -68,8 +69,6 @@ def _rank_main(fn, args, kwargs, rank, world_size, port, env, queue):
     except BaseException:  # report everything, KeyboardInterrupt included, to the parent
         queue.put((rank, False, traceback.format_exc()))
     finally:
-        from shardwise.backends import shutdown_backend
-
         try:
             shutdown_backend()
         except Exception:  # the group may be broken already; the parent has the report

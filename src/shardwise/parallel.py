@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from shardwise.backends import current_backend
 from shardwise.core.plan import ResolvedPlan, Style, resolve_plan
 from shardwise.core.spec import ShardSpec, local_shape, split
 from shardwise.errors import PlanError, ShardingError, UsageError
@@ -100,8 +101,6 @@ def resolve_for_mesh(model: nn.Module, plan, mesh, ep_plan=None) -> ResolvedPlan
 
 
 def default_holding() -> str:
-    from shardwise.backends import current_backend
-
     backend = current_backend()
     return backend.holding if backend is not None else "dtensor"
 

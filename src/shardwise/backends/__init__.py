@@ -141,6 +141,9 @@ def shutdown_backend() -> None:
 
 
 def _register_builtins() -> None:
+    # Deferred: these modules import each other's base and this registry, and registering on
+    # first use keeps `import shardwise` free of them (each imports its accelerator's
+    # library, torch_xla or torch_neuronx, only when that backend is initialised).
     from shardwise.backends.gloo import GlooBackend
     from shardwise.backends.nccl import NcclBackend
     from shardwise.backends.neuron import NeuronBackend

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from shardwise.backends.base import Backend
+from shardwise.backends.base import Backend, torchrun_env
 from shardwise.errors import BackendError
 
 
@@ -27,8 +27,6 @@ class NcclBackend(Backend):
                 f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); "
                 "install a CUDA build of torch on a GPU machine, or use init_backend('gloo')"
             )
-        from shardwise.backends.base import torchrun_env
-
         env = torchrun_env()
         local_rank = env["local_rank"] if env else 0
         if local_rank >= torch.cuda.device_count():
@@ -40,8 +38,6 @@ class NcclBackend(Backend):
         super().start()
 
     def _init_kwargs(self) -> dict:
-        from shardwise.backends.base import torchrun_env
-
         env = torchrun_env()
         return {"device_id": torch.device("cuda", env["local_rank"] if env else 0)}
 

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.backends.base import Backend, torchrun_env
+from shardwise.backends.group_mesh import GroupMesh
 from shardwise.errors import BackendError, BackendUnavailableError, CollectiveError
 
 XLA_HINT = "pip install 'shardwise[xla]' (torch-xla must match your torch version)"
@@ -123,8 +124,6 @@ class XlaBackend(Backend):
         return torch.device(import_torch_xla().device())
 
     def _make_mesh(self, names, shape):
-        from shardwise.backends.group_mesh import GroupMesh
-
         return GroupMesh(self.device_type, names, shape, rank=self.rank, new_group=self._new_group)
 
     @staticmethod

@@ -30,17 +30,15 @@ from shardwise.core.spec import Region
 from shardwise.errors import CheckpointError
 from shardwise.io.dcp_chunks import MetadataReader, read_chunk_into
 from shardwise.io.dcp_metadata import read_metadata
+from shardwise.io.detect import METADATA_FILE
+from shardwise.io.headers import header_metadata, save_file_order
+from shardwise.io.hf_dcp import is_sharded_safetensors
+from shardwise.io.hf_dcp_read import consolidate_sharded
 from shardwise.io.hub_layout import hub_save_layout, model_from_folder, shared_storages
-from shardwise.io.info import gather_info, read_info, write_info
+from shardwise.io.info import gather_info, read_info, user_metadata, write_info
 from shardwise.io.safetensors_io import INDEX_SUFFIX, StreamingWriter, index_json, plan_files
 from shardwise.io.side_files import copy_side_files
-
-
-def _user_metadata(src: Path) -> dict[str, str]:
-    """The ``metadata`` the distributed save recorded in ``shardwise.json``, so the headers
-    match a gather save given the same metadata; {} for a checkpoint shardwise did not write.
-    A ``shardwise.json`` that is not a valid one is a ``CheckpointError`` (``read_info``)."""
-    return dict((read_info(src) or {}).get("metadata") or {})
+from shardwise.io.target import Destination, target_path
 
 
 def consolidation_plan(src, *, max_shard_size: int | str = "5GB", filename_prefix: str = "model",
@@ -49,8 +47,6 @@ def consolidation_plan(src, *, max_shard_size: int | str = "5GB", filename_prefi
     ``src``; the file plan is the one ``sw.save`` makes for the same tensors: in the hub layout
     (``{stored name: StoredPart}``) when ``src`` holds a transformers model's config.json and
     ``layout="hub"``, else in the module's own names (hub parts ``{}``)."""
-    from shardwise.io.save import header_metadata, save_file_order
-
     src = Path(src)
     metadata = read_metadata(src)
     specs, other = [], []
@@ -64,7 +60,7 @@ def consolidation_plan(src, *, max_shard_size: int | str = "5GB", filename_prefi
                               "checkpoint?); consolidate writes model checkpoints only")
     if not specs:
         raise CheckpointError(f"{src}: the checkpoint holds no tensors")
-    user = _user_metadata(src)
+    user = user_metadata(src)
     parts, storages = _hub_parts(src, specs, layout)
     if parts:
         dtypes = {n: d for n, d, _ in specs}
@@ -151,12 +147,7 @@ def consolidate(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_siz
 
     >>> sw.consolidate("out/dcp", "out/merged", max_shard_size="2GB")   # doctest: +SKIP
     """
-    from shardwise.io.hf_dcp import is_sharded_safetensors
-    from shardwise.io.target import Destination, target_path
-
     if is_sharded_safetensors(src):  # torch's / transformers' rank-local safetensors: no pickle
-        from shardwise.io.hf_dcp_read import consolidate_sharded
-
         return consolidate_sharded(src, dst, max_shard_size=max_shard_size,
                                    filename_prefix=filename_prefix, overwrite=overwrite)
     _refuse_plain_safetensors(Path(src))
@@ -189,7 +180,7 @@ def consolidate(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_siz
 
 def _refuse_plain_safetensors(src: Path) -> None:
     """An ordinary safetensors checkpoint (no DCP ``.metadata``) has nothing to consolidate."""
-    if (src / ".metadata").is_file():
+    if (src / METADATA_FILE).is_file():
         return
     files = [src] if src.suffix == ".safetensors" and src.is_file() else (
         sorted(src.glob("*.safetensors")) if src.is_dir() else [])

@@ -30,88 +30,22 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 
 import shardwise.comm as comm
 from shardwise.backends import coordination_group
-from shardwise.comm import agree, capture, world_backend
-from shardwise.core.header import dtype_to_str
-from shardwise.core.plan import ResolvedPlan, plan_summary
+from shardwise.core.plan import ResolvedPlan
 from shardwise.core.spec import local_layout, local_shape, split
 from shardwise.errors import CheckpointError
 from shardwise.io.dcp_chunks import MetadataReader
-from shardwise.io.dcp_coord import dcp_error, gather_checksums
-from shardwise.io.dcp_items import CanonicalLoadPlanner, CanonicalSavePlanner, HashingWriter, Placed, place
+from shardwise.io.dcp_coord import checkpoint_info, dcp_error, gather_checksums, model_placed
+from shardwise.io.dcp_coord import on_rank0 as _on_rank0  # a module global: benchmarks/_trials.py hooks it
+from shardwise.io.dcp_items import CanonicalLoadPlanner, CanonicalSavePlanner, HashingWriter, Placed
 from shardwise.io.dcp_metadata import check_tensors, read_metadata
 from shardwise.io.guards import check_model
 from shardwise.io.info import INFO_FILE, write_info
-from shardwise.io.side_files import index_metadata, write_side_files
+from shardwise.io.pipeline import LoadResult, check_nothing_left_on_meta, device_of, move_non_persistent
+from shardwise.io.side_files import write_side_files
+from shardwise.io.spmd_save import SpmdSavePlanner, spmd_placed
+from shardwise.io.staging import cast, loaded_dtype
 from shardwise.io.target import Destination, target_path
 from shardwise.parallel import get_shard_state, install, mesh_coords, tp_axis
-
-INFO_FORMAT = "shardwise-dcp"
-
-
-# --- what a model holds -----------------------------------------------------------------
-
-def model_placed(model: nn.Module) -> dict[str, Placed]:
-    """``{tensor name: Placed}`` for every parameter and persistent buffer of ``model``, in
-    state-dict order; a tied tensor appears once, under its first name."""
-    state = get_shard_state(model)
-    tensors = model.state_dict(keep_vars=True)
-    if state is not None:
-        return {n: place(tensors[n], spec, *state.coords(spec), name=n)
-                for n, spec in state.specs.items()}
-    seen: set[int] = set()
-    out = {}
-    for n, t in tensors.items():
-        if id(t) not in seen:
-            seen.add(id(t))
-            out[n] = place(t, None, 1, 0, name=n)
-    return out
-
-
-def checkpoint_info(model: nn.Module, placed: Mapping[str, Placed], *, kind: str,
-                    metadata: Mapping | None = None) -> dict:
-    """The informational ``shardwise.json`` content for a save of ``model``."""
-    import shardwise
-    state = get_shard_state(model)
-    mesh = state.mesh if state is not None else next(
-        (t.device_mesh for t in model.state_dict(keep_vars=True).values()
-         if type(t).__name__ == "DTensor"), None)
-    sharded_axes = sorted({(t.device_mesh.mesh_dim_names or ("?",) * t.device_mesh.ndim)[i]
-                           for t in model.state_dict(keep_vars=True).values()
-                           if type(t).__name__ == "DTensor"
-                           for i, p in enumerate(t.placements) if p.is_shard()})
-    return {
-        "format": INFO_FORMAT, "version": 1, "kind": kind,
-        "shardwise": shardwise.__version__, "torch": torch.__version__,
-        "world_size": comm.world_size(),
-        "mesh": None if mesh is None else {"axes": list(mesh.mesh_dim_names or ()),
-                                           "shape": list(mesh.mesh.shape)},
-        "degree": state.degree if state is not None else 1,
-        "holding": state.holding if state is not None else None,
-        "sharded_axes": sharded_axes,
-        "plan": plan_summary(state.specs) if state is not None else {},
-        "tensors": {n: {"dtype": dtype_to_str(p.local.dtype), "shape": list(p.shape)}
-                    for n, p in placed.items()},
-        "metadata": dict(metadata or {}),
-        # what sw.save's index metadata would carry (total_parameters), for sw.consolidate
-        "index_metadata": index_metadata(model, {n: tuple(p.shape) for n, p in placed.items()})
-        if kind == "model" else {},
-    }
-
-
-# --- writing ------------------------------------------------------------------------------
-
-def _on_rank0(fn: Callable[[], object], what: str, *, share: bool = False):
-    """Run ``fn`` on rank 0; every rank raises if it failed and, with ``share``, gets its result."""
-    result = [None]
-
-    def run():
-        result[0] = fn()
-
-    agree(world_backend(), capture(run) if comm.rank() == 0 else None, what=what)
-    if share:
-        result[0] = comm.broadcast_object(result[0], src=0, group=coordination_group(), purpose=what)
-    return result[0]
-
 
 _ASYNC_GROUP: dict = {}
 
@@ -247,8 +181,6 @@ def save_dcp(model: nn.Module, path, *, overwrite: bool = False, async_save: boo
     state = get_shard_state(model)
     planner = None
     if state is not None and state.holding == "spmd":  # global tensors: this process's shards
-        from shardwise.io.spmd import SpmdSavePlanner, spmd_placed
-
         placed = spmd_placed(model)
         planner = SpmdSavePlanner(placed)
     else:
@@ -284,8 +216,6 @@ def load_dcp(model: nn.Module, path, *, specs: ResolvedPlan, mesh, holding: str,
     Raises ``CheckpointError`` for an incomplete checkpoint and for missing or mismatched
     tensors (naming them). The checkpoint's ``.metadata`` is a pickle: trust its source.
     """
-    from shardwise.io.load import LoadResult, check_nothing_left_on_meta, device_of, move_non_persistent
-
     start = time.perf_counter()
     metadata = read_metadata(path)
     tp_mesh = tp_axis(mesh)
@@ -302,8 +232,7 @@ def load_dcp(model: nn.Module, path, *, specs: ResolvedPlan, mesh, holding: str,
     for n, spec in specs.items():
         if key[n] in missing:
             continue
-        saved = stored[key[n]].properties.dtype
-        want = dtype if dtype is not None and saved.is_floating_point else saved
+        want = loaded_dtype(stored[key[n]].properties.dtype, dtype)
         shape = tuple(own[n].shape)
         degree, rank = coords[spec.axis]
         buf = torch.empty(local_shape(shape, spec, degree), dtype=want, device=device)
@@ -313,7 +242,7 @@ def load_dcp(model: nn.Module, path, *, specs: ResolvedPlan, mesh, holding: str,
     def local_tensor(name, spec):
         if name in missing_names:  # strict=False: keep the model's own value
             t = split(own[name].detach().cpu(), spec, *coords[spec.axis])
-            return (t.to(dtype) if dtype is not None and t.is_floating_point() else t).to(device)
+            return cast(t, dtype).to(device)
         return placed[key[name]].local
 
     install(model, specs, mesh, holding=holding, local_tensor=local_tensor, dtype=dtype)

@@ -19,8 +19,10 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from shardwise.core.header import region_runs
 from shardwise.errors import CheckpointError
-from shardwise.io.files import byte_view
+from shardwise.io.files import byte_view, pread_into
+from shardwise.io.info import new_digest, tensor_checksum
 
 
 def read_chunk_into(f, info, offsets, lengths, dest: torch.Tensor, *, dtype: torch.dtype | None = None,
@@ -42,9 +44,6 @@ def read_chunk_into(f, info, offsets, lengths, dest: torch.Tensor, *, dtype: tor
     storage runs past its stored length, is a ``CheckpointError``, never a cast or an
     allocation the file cannot back.
     """
-    from shardwise.core.header import region_runs
-    from shardwise.io.files import pread_into
-
     where = _where(f, info)
     meta, base = open_blob(f, info, dtype=dtype, sizes=sizes)
     if base is None:
@@ -132,9 +131,6 @@ def chunk_checksum(f, info, *, dtype: torch.dtype, sizes, algorithm: str, piece:
     saved chunk ``info``'s tensor bytes in C order, read in pieces of at most ``piece`` bytes
     (the chunk is loaded whole, and torch.load checks its CRC, when it is stored in a layout
     other than a plain contiguous one)."""
-    from shardwise.io.files import pread_into
-    from shardwise.io.info import new_digest, tensor_checksum
-
     meta, base = open_blob(f, info, dtype=dtype, sizes=sizes)
     if base is None:
         whole = load_blob(f, info)

@@ -1,5 +1,9 @@
-"""Coordination around torch.distributed.checkpoint: its failures as ShardwiseErrors, and
-the chunk checksums of a distributed save gathered to rank 0.
+"""What the distributed saves share (DCP, ``shardwise.io.dcp``, and rank-local safetensors,
+``shardwise.io.hf_dcp_write``): what a model holds (:func:`model_placed`), the
+``shardwise.json`` record (:func:`checkpoint_info`), running a step on rank 0 with every rank
+agreeing on its outcome (:func:`on_rank0`); and the coordination around
+torch.distributed.checkpoint: its failures as ShardwiseErrors, and the chunk checksums of a
+distributed save gathered to rank 0.
 
 DCP reports a failure as ``CheckpointException`` (a BaseException carrying every rank's
 exception) and lets a collective whose peer died raise gloo's or NCCL's ``RuntimeError``;
@@ -9,13 +13,90 @@ and every rank's fault (shardwise's own collectives get theirs from ``shardwise.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
+import torch
+from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: name it
 
 import shardwise.comm as comm
+from shardwise._version import __version__
 from shardwise.backends import coordination_group
+from shardwise.comm import agree, capture, world_backend
+from shardwise.core.header import dtype_to_str
+from shardwise.core.plan import plan_summary
 from shardwise.errors import CheckpointError, CollectiveError, ShardwiseError
-from shardwise.io.dcp_items import HashingWriter
+from shardwise.io.dcp_items import HashingWriter, Placed, place
 from shardwise.io.info import ALGORITHM
+from shardwise.io.side_files import index_metadata
+from shardwise.parallel import get_shard_state
+
+INFO_FORMAT = "shardwise-dcp"
+
+
+# --- what a model holds -----------------------------------------------------------------
+
+def model_placed(model: nn.Module) -> dict[str, Placed]:
+    """``{tensor name: Placed}`` for every parameter and persistent buffer of ``model``, in
+    state-dict order; a tied tensor appears once, under its first name."""
+    state = get_shard_state(model)
+    tensors = model.state_dict(keep_vars=True)
+    if state is not None:
+        return {n: place(tensors[n], spec, *state.coords(spec), name=n)
+                for n, spec in state.specs.items()}
+    seen: set[int] = set()
+    out = {}
+    for n, t in tensors.items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            out[n] = place(t, None, 1, 0, name=n)
+    return out
+
+
+def checkpoint_info(model: nn.Module, placed: Mapping[str, Placed], *, kind: str,
+                    metadata: Mapping | None = None) -> dict:
+    """The informational ``shardwise.json`` content for a save of ``model``."""
+    state = get_shard_state(model)
+    mesh = state.mesh if state is not None else next(
+        (t.device_mesh for t in model.state_dict(keep_vars=True).values()
+         if type(t).__name__ == "DTensor"), None)
+    sharded_axes = sorted({(t.device_mesh.mesh_dim_names or ("?",) * t.device_mesh.ndim)[i]
+                           for t in model.state_dict(keep_vars=True).values()
+                           if type(t).__name__ == "DTensor"
+                           for i, p in enumerate(t.placements) if p.is_shard()})
+    return {
+        "format": INFO_FORMAT, "version": 1, "kind": kind,
+        "shardwise": __version__, "torch": torch.__version__,
+        "world_size": comm.world_size(),
+        "mesh": None if mesh is None else {"axes": list(mesh.mesh_dim_names or ()),
+                                           "shape": list(mesh.mesh.shape)},
+        "degree": state.degree if state is not None else 1,
+        "holding": state.holding if state is not None else None,
+        "sharded_axes": sharded_axes,
+        "plan": plan_summary(state.specs) if state is not None else {},
+        "tensors": {n: {"dtype": dtype_to_str(p.local.dtype), "shape": list(p.shape)}
+                    for n, p in placed.items()},
+        "metadata": dict(metadata or {}),
+        # what sw.save's index metadata would carry (total_parameters), for sw.consolidate
+        "index_metadata": index_metadata(model, {n: tuple(p.shape) for n, p in placed.items()})
+        if kind == "model" else {},
+    }
+
+
+def on_rank0(fn: Callable[[], object], what: str, *, share: bool = False):
+    """Run ``fn`` on rank 0; every rank raises if it failed and, with ``share``, gets its result."""
+    result = [None]
+
+    def run():
+        result[0] = fn()
+
+    agree(world_backend(), capture(run) if comm.rank() == 0 else None, what=what)
+    if share:
+        result[0] = comm.broadcast_object(result[0], src=0, group=coordination_group(), purpose=what)
+    return result[0]
+
+
+# --- coordination around torch.distributed.checkpoint --------------------------------------
 
 
 def gather_checksums(writer: HashingWriter, what: str) -> dict:
@@ -52,4 +133,4 @@ def dcp_error(path, e: BaseException, what: str) -> ShardwiseError:
                            f"or died ({type(e).__name__}: {e})")
 
 
-__all__ = ["dcp_error", "gather_checksums"]
+__all__ = ["INFO_FORMAT", "checkpoint_info", "dcp_error", "gather_checksums", "model_placed", "on_rank0"]

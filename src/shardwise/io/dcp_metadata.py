@@ -18,9 +18,9 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from shardwise.errors import CheckpointError
+from shardwise.io.detect import METADATA_FILE
 from shardwise.io.files import check_inside
-
-METADATA_FILE = ".metadata"
+from shardwise.io.target import TMP_MARK
 
 _META_MODULE = "torch.distributed.checkpoint.metadata"
 _ALLOWED = {
@@ -64,8 +64,6 @@ def read_metadata(path: str | Path) -> Metadata:
         raise CheckpointError(f"{path}: no such checkpoint folder")
     meta = path / METADATA_FILE
     if not meta.is_file():
-        from shardwise.io.target import TMP_MARK
-
         partial = sorted(p.name for p in path.parent.glob(f".{path.name}{TMP_MARK}*"))
         hint = f" ({partial[0]} beside it is an unfinished save)" if partial else ""
         raise CheckpointError(

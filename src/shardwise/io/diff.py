@@ -20,6 +20,7 @@ import torch
 
 from shardwise.errors import CheckpointError
 from shardwise.io.diff_sources import open_side
+from shardwise.io.inspect import print_safely
 
 _SLAB_BYTES = 64 << 20
 
@@ -142,8 +143,6 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, *, slab_bytes: int = _SLAB_
 def main_diff(a: str, b: str, *, as_json: bool = False) -> int:
     """``shardwise diff A B [--json]``: 0 when identical, 1 when they differ, 2 when one cannot be read."""
     import sys
-
-    from shardwise.io.inspect import print_safely
 
     try:
         report = diff(a, b)

@@ -13,15 +13,20 @@ from pathlib import Path
 
 import torch
 
-from shardwise.core.spec import Region
+from shardwise.core.pieces import piece_reads
+from shardwise.core.spec import Region, intersect
+from shardwise.io.checkpoint import resolve_checkpoint
+from shardwise.io.detect import is_dcp
+from shardwise.io.files import open_regular
+from shardwise.io.hf_dcp import is_sharded_safetensors, read_sharded
+from shardwise.io.hub_layout import hub_tensors, model_from_folder
+from shardwise.io.safetensors_io import read_region
 
 
 class _Safetensors:
     """Rows of the tensors of a safetensors checkpoint (validated headers, pread of boxes)."""
 
     def __init__(self, path: Path):
-        from shardwise.io.checkpoint import resolve_checkpoint
-
         self.ckpt = resolve_checkpoint(path)
         self.tensors = {n: (self.ckpt.entry(n)[1].torch_dtype, self.ckpt.entry(n)[1].shape)
                         for n in self.ckpt.names}
@@ -29,15 +34,11 @@ class _Safetensors:
         self.composites: dict = {}  # module name -> hub_layout.Composite (see use_module_names)
 
     def _fd(self, file: Path) -> int:
-        from shardwise.io.files import open_regular
-
         if file not in self._fds:
             self._fds[file] = open_regular(file)
         return self._fds[file]
 
     def rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
-        from shardwise.io.safetensors_io import read_region
-
         if name in self.composites:
             return self._composite_rows(self.composites[name], lo, hi)
         file, entry = self.ckpt.entry(name)
@@ -51,8 +52,6 @@ class _Safetensors:
         lacks) that this checkpoint stores in a transformers hub layout, in place of the
         stored tensors they are built from; nothing changes when the folder's config.json
         names no transformers model (or transformers is absent)."""
-        from shardwise.io.hub_layout import hub_tensors, model_from_folder
-
         model = model_from_folder(self.ckpt.root) if wanted else None
         if model is None:
             return
@@ -62,9 +61,6 @@ class _Safetensors:
         self.tensors.update({n: (c.entry.torch_dtype, c.shape) for n, c in self.composites.items()})
 
     def _composite_rows(self, comp, lo: int, hi: int) -> torch.Tensor:
-        from shardwise.core.pieces import piece_reads
-        from shardwise.io.safetensors_io import read_region
-
         offsets, sizes = _slab(comp.shape, lo, hi)
         out = torch.empty(sizes, dtype=comp.entry.torch_dtype)
         layout = [(Region(offsets, sizes), (0,) * len(sizes))]
@@ -87,6 +83,8 @@ class _Dcp:
     """Rows of the tensors of a DCP checkpoint, from only the chunks that overlap them."""
 
     def __init__(self, path: Path):
+        # imported on use here and in rows: torch.distributed.checkpoint takes ~0.5 s to import,
+        # which a diff of safetensors checkpoints should not pay
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         from shardwise.io.dcp_metadata import read_metadata
@@ -136,8 +134,6 @@ class _Sharded(_Safetensors):
     DCP_SHARDING_INFO), read from only the chunks that overlap them."""
 
     def __init__(self, path: Path):
-        from shardwise.io.hf_dcp import read_sharded
-
         self.ckpt = read_sharded(path)  # validated: every tensor tiled exactly by its chunks
         self.tensors = {n: (t.torch_dtype, t.shape) for n, t in self.ckpt.tensors.items()}
         self._fds = {}
@@ -147,10 +143,6 @@ class _Sharded(_Safetensors):
         pass  # torch's and transformers' distributed writers store module names
 
     def rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
-        from shardwise.core.spec import intersect
-        from shardwise.io.files import open_regular
-        from shardwise.io.safetensors_io import read_region
-
         tensor = self.ckpt.tensors[name]
         offsets, sizes = _slab(tensor.shape, lo, hi)
         want = Region(offsets, sizes)
@@ -179,9 +171,6 @@ def _slab(shape: tuple[int, ...], lo: int, hi: int) -> tuple[tuple[int, ...], tu
 
 def open_side(path: Path):
     """The reader of the checkpoint at ``path``, by its format."""
-    from shardwise.io.hf_dcp import is_sharded_safetensors
-    from shardwise.io.inspect import is_dcp
-
     if path.is_dir() and is_sharded_safetensors(path):
         return _Sharded(path)
     return _Dcp(path) if is_dcp(path) else _Safetensors(path)

@@ -1,5 +1,5 @@
 """Reading sharded safetensors checkpoints (``shardwise.io.hf_dcp``): ``sw.load`` at any
-degree and mesh, ``sw.consolidate`` and ``shardwise inspect``.
+degree and mesh, and ``sw.consolidate`` (``shardwise inspect`` lists them in :func:`ordered_tensors`).
 
 Plan, then execute: :func:`plan_chunk_reads` (pure) intersects each region a rank wants with
 the chunks of the tensor and names, for every overlap, the box of the chunk's file entry to
@@ -21,10 +21,25 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from shardwise._progress import Progress
 from shardwise.core.spec import Layout, Region, intersect, local_layout, split
+from shardwise.io.headers import header_metadata, save_file_order
 from shardwise.io.hf_dcp import ShardedCheckpoint, ShardedTensor, read_sharded
+from shardwise.io.info import gather_info, user_metadata, write_info
+from shardwise.io.pipeline import (
+    LoadResult,
+    check_nothing_left_on_meta,
+    device_of,
+    is_rank0,
+    match_keys,
+    move_non_persistent,
+    reader_threads,
+)
 from shardwise.io.reader import ReadItem, RegionReader
+from shardwise.io.safetensors_io import INDEX_SUFFIX, StreamingWriter, index_json, plan_files
 from shardwise.io.staging import finalizer
+from shardwise.io.target import Destination, target_path
+from shardwise.parallel import install, mesh_coords, tp_axis
 
 Request = tuple[ShardedTensor, Layout]
 Finalize = Callable[[str, torch.Tensor], torch.Tensor]
@@ -152,18 +167,6 @@ def load_sharded_safetensors(model: nn.Module, path, *, specs, mesh, holding: st
     >>> load_sharded_safetensors(model, "out/hf_dcp", specs=resolve_plan(model, plan, 4),
     ...                          mesh=mesh, holding="dtensor")              # doctest: +SKIP
     """
-    from shardwise._progress import Progress
-    from shardwise.io.load import (
-        LoadResult,
-        _is_rank0,
-        _num_threads,
-        check_nothing_left_on_meta,
-        device_of,
-        match_keys,
-        move_non_persistent,
-    )
-    from shardwise.parallel import install, mesh_coords, tp_axis
-
     start = time.perf_counter()
     ckpt = read_sharded(path)
     sources, missing, unexpected = match_keys(model, specs, ckpt, strict=strict)
@@ -174,8 +177,8 @@ def load_sharded_safetensors(model: nn.Module, path, *, specs, mesh, holding: st
                 for name, (_, t) in sources.items()}
     finalize = finalizer(dtype, device_of(tp_mesh))
     total = sum(sum(r.numel for r, _ in layout) * t.itemsize for t, layout in requests.values())
-    with Progress(total, progress, _is_rank0(), "shardwise load") as bar, \
-            ShardedReader(ckpt, num_threads=_num_threads(num_threads), on_bytes=bar) as reader:
+    with Progress(total, progress, is_rank0(), "shardwise load") as bar, \
+            ShardedReader(ckpt, num_threads=reader_threads(num_threads), on_bytes=bar) as reader:
         tensors = reader.read(requests, finalize=lambda key, raw: finalize(raw))
     own = model.state_dict(keep_vars=True) if missing else {}
 
@@ -192,7 +195,7 @@ def load_sharded_safetensors(model: nn.Module, path, *, specs, mesh, holding: st
 
 # --- consolidate and inspect -------------------------------------------------------------------
 
-def _ordered(ckpt: ShardedCheckpoint) -> list[ShardedTensor]:
+def ordered_tensors(ckpt: ShardedCheckpoint) -> list[ShardedTensor]:
     """The model's order when shardwise recorded it (so consolidation splits files like
     ``sw.save``), else by name: the format itself keeps no order."""
     recorded = (ckpt.info or {}).get("tensors")
@@ -211,15 +214,9 @@ def consolidate_sharded(src: str | os.PathLike, dst: str | os.PathLike, *,
 
     >>> consolidate_sharded("out/hf_dcp", "out/merged")                    # doctest: +SKIP
     """
-    from shardwise.io.consolidate import _user_metadata
-    from shardwise.io.info import gather_info, write_info
-    from shardwise.io.safetensors_io import INDEX_SUFFIX, StreamingWriter, index_json, plan_files
-    from shardwise.io.save import header_metadata, save_file_order
-    from shardwise.io.target import Destination, target_path
-
     ckpt = read_sharded(src)
-    tensors = _ordered(ckpt)
-    user = _user_metadata(Path(src))
+    tensors = ordered_tensors(ckpt)
+    user = user_metadata(src)
     specs = [(t.name, t.dtype, t.shape) for t in tensors]
     file_plan = [(fname, sorted(group, key=save_file_order))
                  for fname, group in plan_files(specs, max_shard_size, filename_prefix)]
@@ -247,17 +244,5 @@ def consolidate_sharded(src: str | os.PathLike, dst: str | os.PathLike, *,
     return dest.target
 
 
-def inspect_sharded(path: str | os.PathLike):
-    """The ``shardwise inspect`` report of a sharded safetensors checkpoint (headers only)."""
-    from shardwise.io.hf_dcp import SHARDING_INFO_KEY
-    from shardwise.io.inspect import Report
-
-    ckpt = read_sharded(path)
-    rows = [(t.name, t.dtype, t.shape, len(t.chunks)) for t in _ordered(ckpt)]
-    meta = {k: v for k, v in ckpt.headers[ckpt.files[0]].metadata.items() if k != SHARDING_INFO_KEY}
-    return Report(Path(path), "torch distributed checkpoint in safetensors (DCP_SHARDING_INFO, no pickle)",
-                  [f.name for f in ckpt.files], rows, metadata=meta, layout=ckpt.info)
-
-
-__all__ = ["ShardedReader", "consolidate_sharded", "inspect_sharded", "load_sharded_safetensors",
-           "local_extent", "plan_chunk_reads"]
+__all__ = ["ShardedReader", "consolidate_sharded", "load_sharded_safetensors", "local_extent",
+           "ordered_tensors", "plan_chunk_reads"]

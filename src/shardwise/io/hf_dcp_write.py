@@ -33,7 +33,14 @@ from shardwise.comm import agree, capture, world_backend
 from shardwise.core.header import dtype_to_str, spec_nbytes
 from shardwise.core.spec import Region
 from shardwise.errors import CheckpointError
+from shardwise.io.dcp_coord import checkpoint_info, model_placed, on_rank0
+from shardwise.io.guards import check_model
+from shardwise.io.headers import header_metadata, save_file_order
 from shardwise.io.hf_dcp import check_tiling, sharding_metadata
+from shardwise.io.info import ALGORITHM, chunk_key, write_info
+from shardwise.io.safetensors_io import StreamingWriter
+from shardwise.io.target import Destination, target_path
+from shardwise.parallel import get_shard_state
 
 # (tensor name, safetensors dtype, canonical shape, region) of one chunk a rank holds
 Held = tuple[str, str, tuple[int, ...], Region]
@@ -115,10 +122,6 @@ def num_files(assigned: Sequence[Sequence[Held]]) -> int:
 def write_file(path: Path, group: Sequence[Held], placed: Mapping) -> dict[str, dict[str, str]]:
     """Stream one rank-local file: header (with the sharding metadata), then each chunk.
     Returns each chunk's checksum, ``{tensor: {chunk key: checksum}}`` (``shardwise.io.info``)."""
-    from shardwise.io.info import chunk_key
-    from shardwise.io.safetensors_io import StreamingWriter
-    from shardwise.io.save import save_file_order
-
     specs = sorted(((name, dtype, region.sizes) for name, dtype, _, region in group), key=save_file_order)
     where = {name: region for name, _, _, region in group}
     metadata = sharding_metadata({name: where[name].offsets for name, _, _ in specs})
@@ -131,8 +134,6 @@ def write_file(path: Path, group: Sequence[Held], placed: Mapping) -> dict[str, 
 
 
 def _write_side_files(model: nn.Module, folder: Path, info: dict) -> None:
-    from shardwise.io.info import write_info
-
     write_info(folder, info)
     config = getattr(model, "config", None)
     if callable(getattr(config, "save_pretrained", None)):  # a Hugging Face model
@@ -152,8 +153,6 @@ def _write_rank_files(folder: Path, files, placed: Mapping, sums: dict) -> None:
 def _all_checksums(sums: dict[str, dict[str, str]]) -> dict:
     """Every rank's chunk checksums, as ``shardwise.json`` records them (each chunk is
     written by one rank, so no key collides)."""
-    from shardwise.io.info import ALGORITHM
-
     chunks: dict[str, dict[str, str]] = {}
     for part in comm.all_gather_object(sums, group=coordination_group(), purpose="sharing the checksums"):
         for name, by_offsets in part.items():
@@ -172,12 +171,6 @@ def save_sharded_safetensors(model: nn.Module, path, *, overwrite: bool = False,
 
     >>> sw.save(model, "out/hf_dcp", distributed=True, format="safetensors")   # doctest: +SKIP
     """
-    from shardwise.io.dcp import _on_rank0, checkpoint_info, model_placed
-    from shardwise.io.guards import check_model
-    from shardwise.io.save import header_metadata
-    from shardwise.io.target import Destination, target_path
-    from shardwise.parallel import get_shard_state
-
     check_model(model, action="save")
     header_metadata(metadata)  # str -> str, or a CheckpointError before anything is written
     state = get_shard_state(model)
@@ -205,7 +198,7 @@ def save_sharded_safetensors(model: nn.Module, path, *, overwrite: bool = False,
         return str(dest.tmp)
 
     try:
-        tmp = Path(_on_rank0(prepare, f"preparing {what}", share=True))
+        tmp = Path(on_rank0(prepare, f"preparing {what}", share=True))
         files = rank_files(assigned[rank], rank, num_files(assigned))
         sums: dict[str, dict[str, str]] = {}
         agree(backend, capture(lambda: _write_rank_files(tmp, files, placed, sums)), what=what)
@@ -216,7 +209,7 @@ def save_sharded_safetensors(model: nn.Module, path, *, overwrite: bool = False,
             _write_side_files(model, dest.tmp, info)
             dest.commit(None)
 
-        _on_rank0(commit, f"moving {what} into place")
+        on_rank0(commit, f"moving {what} into place")
     finally:
         if dest is not None:
             dest.discard()

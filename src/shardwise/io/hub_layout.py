@@ -22,7 +22,7 @@ from pathlib import Path
 
 from torch import nn
 
-from shardwise.core.header import TensorEntry
+from shardwise.core.header import TensorEntry, dtype_to_str, str_to_dtype
 from shardwise.core.pieces import Piece
 from shardwise.core.spec import Region
 from shardwise.errors import CheckpointError
@@ -281,8 +281,6 @@ def hub_save_layout(model: nn.Module,
     try:
         import torch
         from transformers.core_model_loading import revert_weight_conversion
-
-        from shardwise.core.header import str_to_dtype
     except ImportError:
         return None
     meta = {n: torch.empty(shape, dtype=str_to_dtype(dt), device="meta")
@@ -366,8 +364,6 @@ def model_from_folder(folder: Path) -> nn.Module | None:
 
 
 def tensors_dtype(t) -> str:
-    from shardwise.core.header import dtype_to_str
-
     return dtype_to_str(t.dtype)
 
 

@@ -195,6 +195,13 @@ def read_info(folder: str | os.PathLike) -> dict | None:
     return info
 
 
+def user_metadata(folder: str | os.PathLike) -> dict[str, str]:
+    """The ``metadata`` a distributed save recorded in ``folder``'s ``shardwise.json`` (so a
+    consolidation's headers match a gather save given the same metadata); {} for a
+    checkpoint shardwise did not write. An invalid ``shardwise.json`` is a ``CheckpointError``."""
+    return dict((read_info(folder) or {}).get("metadata") or {})
+
+
 def recorded_checksums(info: dict | None) -> tuple[str, dict[str, str], dict[str, dict[str, str]]]:
     """``(algorithm, per tensor, per DCP chunk)`` checksums recorded in ``info`` (empty when
     none; ``info`` as :func:`read_info` validated it)."""
@@ -205,4 +212,4 @@ def recorded_checksums(info: dict | None) -> tuple[str, dict[str, str], dict[str
 
 __all__ = ["ALGORITHM", "DIGESTS", "INFO_FILE", "chunk_key", "collect_checksums", "digest_hex",
            "gather_info", "new_digest", "read_info", "record_checksums", "recorded_checksums",
-           "tensor_checksum", "write_info"]
+           "tensor_checksum", "user_metadata", "write_info"]

@@ -15,6 +15,11 @@ from pathlib import Path
 
 from shardwise.core.header import dtype_to_str, spec_nbytes
 from shardwise.errors import CheckpointError
+from shardwise.io.checkpoint import resolve_checkpoint
+from shardwise.io.detect import is_dcp
+from shardwise.io.hf_dcp import SHARDING_INFO_KEY, is_sharded_safetensors, read_sharded
+from shardwise.io.hf_dcp_read import ordered_tensors
+from shardwise.io.info import read_info
 
 
 @dataclass
@@ -49,21 +54,11 @@ def inspect_checkpoint(path: str | os.PathLike) -> Report:
                               f"{e.strerror or e}") from e
 
 
-def is_dcp(path: Path) -> bool:
-    """Whether the folder ``path`` looks like a torch distributed checkpoint (maybe incomplete)."""
-    return path.is_dir() and ((path / ".metadata").is_file() or any(path.glob("*.distcp")))
-
-
 def _inspect(path: Path) -> Report:
     if is_dcp(path):
         return _dcp(path)
-    from shardwise.io.checkpoint import resolve_checkpoint
-    from shardwise.io.hf_dcp import is_sharded_safetensors
-
     if is_sharded_safetensors(path):
-        from shardwise.io.hf_dcp_read import inspect_sharded
-
-        return inspect_sharded(path)
+        return _sharded(path)
 
     ckpt = resolve_checkpoint(path)
     kind = ("safetensors, sharded" if len(ckpt.files) > 1 or path.name.endswith(".json")
@@ -76,11 +71,21 @@ def _inspect(path: Path) -> Report:
     return Report(path, kind, [f.name for f in ckpt.files], tensors, metadata=metadata)
 
 
+def _sharded(path: Path) -> Report:
+    """The report of a sharded safetensors checkpoint (headers only)."""
+    ckpt = read_sharded(path)
+    rows = [(t.name, t.dtype, t.shape, len(t.chunks)) for t in ordered_tensors(ckpt)]
+    meta = {k: v for k, v in ckpt.headers[ckpt.files[0]].metadata.items() if k != SHARDING_INFO_KEY}
+    return Report(path, "torch distributed checkpoint in safetensors (DCP_SHARDING_INFO, no pickle)",
+                  [f.name for f in ckpt.files], rows, metadata=meta, layout=ckpt.info)
+
+
 def _dcp(path: Path) -> Report:
+    # imported on use: torch.distributed.checkpoint takes ~0.5 s to import, which inspecting a
+    # safetensors checkpoint should not pay
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from shardwise.io.dcp_metadata import read_metadata
-    from shardwise.io.info import read_info
 
     metadata = read_metadata(path)
     tensors, values = [], []
@@ -193,5 +198,4 @@ def main_inspect(path: str) -> int:
     return 0
 
 
-__all__ = ["Report", "compact_plan", "format_report", "inspect_checkpoint", "is_dcp", "main_inspect",
-           "print_safely"]
+__all__ = ["Report", "compact_plan", "format_report", "inspect_checkpoint", "main_inspect", "print_safely"]

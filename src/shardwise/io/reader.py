@@ -41,6 +41,7 @@ from shardwise.errors import UsageError
 from shardwise.io.files import open_regular
 from shardwise.io.mapped import FileViews, contiguous_span, copy_mapped
 from shardwise.io.safetensors_io import read_region
+from shardwise.io.staging import loaded_dtype
 
 PIECE_BYTES = 32 << 20
 WINDOW_BYTES = 256 << 20
@@ -142,7 +143,7 @@ def cpu_views(device: torch.device, dtype: torch.dtype | None) -> Callable[[Read
 
     def viewable(item: ReadItem) -> bool:
         stored = item.entry.torch_dtype
-        return dtype is None or not stored.is_floating_point or stored == dtype
+        return loaded_dtype(stored, dtype) == stored
 
     return viewable
 

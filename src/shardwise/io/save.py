@@ -25,6 +25,8 @@ from shardwise.comm import agree, capture, fingerprint, world_backend
 from shardwise.errors import CheckpointError, CollectiveError, UsageError
 from shardwise.io import parallel_save
 from shardwise.io.gather import FileGatherer, collect_items
+from shardwise.io.guards import check_model
+from shardwise.io.headers import header_metadata, save_file_order
 from shardwise.io.hub_layout import hub_save_layout, shared_storages
 from shardwise.io.info import collect_checksums, gather_info, write_info
 from shardwise.io.safetensors_io import INDEX_SUFFIX, index_json, plan_files
@@ -33,13 +35,6 @@ from shardwise.io.target import Destination, target_path
 
 if TYPE_CHECKING:
     from shardwise.io.dcp import AsyncSave
-
-# safetensors' serializer orders a file's tensors by dtype (its enum order, descending),
-# then by name; we follow it so that a one-file save of a model is byte-identical to
-# save_file(state_dict, metadata={"format": "pt"}).
-_SAVE_FILE_DTYPES = ("U64", "I64", "F64", "C64", "F32", "U32", "I32", "BF16", "F16", "U16",
-                     "I16", "F8_E4M3", "F8_E5M2", "I8", "U8", "BOOL")
-
 
 def save(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
          filename_prefix: str | None = None, metadata: Mapping[str, str] | None = None,
@@ -113,8 +108,6 @@ def save(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str
         raise UsageError("async_save=True writes a distributed checkpoint; pass distributed=True too")
     if format not in ("distcp", "safetensors"):
         raise UsageError(f"format must be 'distcp' or 'safetensors', got {format!r}")
-    from shardwise.io.guards import check_model
-
     if distributed:  # the guards first, then every rank meets (the save's own guards follow)
         check_model(model, action="save")
         join_collective(world_backend(), "sw.save")
@@ -122,6 +115,7 @@ def save(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str
         if async_save:
             raise UsageError("async_save=True is not supported with format='safetensors'; "
                              "use format='distcp' for an async distributed save")
+        # imported on use, as save_dcp below: it imports torch.distributed.checkpoint (dcp_coord)
         from shardwise.io.hf_dcp_write import save_sharded_safetensors
 
         return save_sharded_safetensors(model, path, overwrite=overwrite, metadata=metadata,
@@ -214,16 +208,6 @@ def join_collective(backend, what: str) -> None:
         ) from (cause if isinstance(cause, BaseException) else None)
 
 
-def header_metadata(metadata) -> dict[str, str]:
-    metadata = dict(metadata or {})
-    if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-        raise CheckpointError(f"metadata must map strings to strings, got {metadata!r:.200}")
-    if metadata.get("format", "pt") != "pt":
-        raise CheckpointError(f"metadata['format'] is {metadata['format']!r}; a torch safetensors "
-                              "checkpoint says 'pt' there, which loaders check; drop the key")
-    return {"format": "pt", **metadata}
-
-
 def stored_tensors(model: nn.Module, items, layout: str) -> list[tuple[str, str, tuple, object]]:
     """``(name, dtype, shape, StoredPart or None)`` of every tensor the save writes, in order:
     the model's own tensors (``layout="module"``, or a model without weight conversions), or
@@ -236,12 +220,6 @@ def stored_tensors(model: nn.Module, items, layout: str) -> list[tuple[str, str,
         return [(i.name, i.dtype, i.shape, None) for i in items]
     dtypes = {i.name: i.dtype for i in items}
     return [(p.key, dtypes[p.model_name], p.piece.source.sizes, p) for p in parts]
-
-
-def save_file_order(spec) -> tuple[int, str]:
-    name, dtype, _ = spec
-    rank = _SAVE_FILE_DTYPES.index(dtype) if dtype in _SAVE_FILE_DTYPES else len(_SAVE_FILE_DTYPES)
-    return rank, name
 
 
 __all__ = ["header_metadata", "save", "save_file_order"]

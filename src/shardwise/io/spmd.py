@@ -1,4 +1,4 @@
-"""Load and save under torch_xla SPMD (holding ``"spmd"``: one process drives every device).
+"""Loading under torch_xla SPMD (holding ``"spmd"``: one process drives every device).
 
 Load: each tensor is built on the devices from the chunks the devices hold, read off disk
 (:meth:`SpmdMesh.from_chunks`): with the tp axis of degree ``d``, the device at tp position
@@ -9,25 +9,34 @@ host, only the chunks on their way to the devices. Safetensors checkpoints go th
 same :class:`~shardwise.io.reader.RegionReader` as every other load, one read item per chunk;
 DCP checkpoints through the same canonical planner, a batch of tensors at a time.
 
-Save: the gather save needs nothing here (a tensor is global: ``.cpu()`` is the canonical
-tensor). A DCP save writes each of this process's distinct shards as one chunk at its
-canonical offsets (:func:`spmd_placed`, :class:`SpmdSavePlanner`).
+Saving is ``shardwise.io.spmd_save``.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from shardwise.core.plan import ResolvedPlan
-from shardwise.core.spec import Region, ShardSpec, local_layout, local_shape
-from shardwise.io.dcp_items import CanonicalSavePlanner, Placed
+from shardwise.core.spec import ShardSpec, local_layout, local_shape
+from shardwise.io.checkpoint import resolve_checkpoint
+from shardwise.io.dcp import read_checkpoint, stored_name
+from shardwise.io.dcp_items import Placed
+from shardwise.io.dcp_metadata import check_tensors, read_metadata
+from shardwise.io.detect import is_dcp
+from shardwise.io.pipeline import (
+    LoadResult,
+    check_nothing_left_on_meta,
+    device_of,
+    match_keys,
+    move_non_persistent,
+)
 from shardwise.io.reader import WINDOW_BYTES, ReadItem, RegionReader
-from shardwise.parallel import get_shard_state, install, tp_axis
+from shardwise.io.staging import cast, loaded_dtype
+from shardwise.parallel import install, tp_axis
 
 
 def chunk_reads(sources, specs, degree: int, positions: list[int]) -> tuple[list[ReadItem], dict]:
@@ -68,25 +77,11 @@ class _Builder:
         return None
 
 
-def cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """``t`` in ``dtype`` when it is floating point and a dtype is asked for (on the host)."""
-    return t.to(dtype) if dtype is not None and t.is_floating_point() and t.dtype != dtype else t
-
-
 def load_spmd(model: nn.Module, path, *, specs: ResolvedPlan, mesh, dtype, strict: bool,
               num_threads: int, start: float):
     """``sw.load`` for holding ``"spmd"`` (it dispatches here after its guards and the plan)."""
-    from shardwise.io.checkpoint import resolve_checkpoint
-    from shardwise.io.load import (
-        LoadResult,
-        check_nothing_left_on_meta,
-        device_of,
-        match_keys,
-        move_non_persistent,
-    )
-
     tp_mesh = tp_axis(mesh)
-    if (Path(path) / ".metadata").is_file() or any(Path(path).glob("*.distcp")):
+    if is_dcp(path):
         built, missing, unexpected, nbytes = _read_dcp(model, path, specs, tp_mesh, dtype, strict)
     else:
         ckpt = resolve_checkpoint(path)
@@ -115,10 +110,6 @@ def load_spmd(model: nn.Module, path, *, specs: ResolvedPlan, mesh, dtype, stric
 def _read_dcp(model, path, specs: ResolvedPlan, tp_mesh, dtype, strict: bool):
     """Read the chunks of a DCP checkpoint a batch of tensors at a time (each batch about
     WINDOW_BYTES on the host), building each tensor on the devices as its batch completes."""
-    from shardwise.io.dcp import read_checkpoint, stored_name
-    from shardwise.io.dcp_metadata import check_tensors, read_metadata
-    from shardwise.io.load import check_nothing_left_on_meta
-
     metadata = read_metadata(path)
     own = model.state_dict(keep_vars=True)
     stored = metadata.state_dict_metadata
@@ -131,8 +122,7 @@ def _read_dcp(model, path, specs: ResolvedPlan, tp_mesh, dtype, strict: bool):
     built, nbytes, batch, batch_bytes = {}, 0, {}, 0
     names = [n for n in specs if n not in missing_names]
     for i, n in enumerate(names):
-        saved = stored[key[n]].properties.dtype
-        want = dtype if dtype is not None and saved.is_floating_point else saved
+        want = loaded_dtype(stored[key[n]].properties.dtype, dtype)
         batch[n] = _host_chunks(tuple(own[n].shape), specs[n], degree, positions, want)
         batch_bytes += batch[n].local.numel() * batch[n].local.element_size()
         if batch_bytes < WINDOW_BYTES and i + 1 < len(names):
@@ -160,51 +150,4 @@ def _host_chunks(shape, spec: ShardSpec, degree: int, positions: list[int], dtyp
     return Placed(torch.empty(size, dtype=dtype), shape, layout)
 
 
-# --- saving -----------------------------------------------------------------------------
-
-def spmd_placed(model: nn.Module) -> dict[str, Placed]:
-    """``{name: Placed}`` for a DCP save of an SPMD model: ``local`` is the global tensor
-    (so local offsets are canonical offsets) and the layout lists this process's distinct
-    shards. DCP drops the copies other processes also write."""
-    from shardwise.backends.xla_spmd import local_regions
-
-    state = get_shard_state(model)
-    tensors = model.state_dict(keep_vars=True)
-    out = {}
-    for name, spec in state.specs.items():
-        t = tensors[name].detach()
-        boxes = [((0,) * t.ndim, tuple(t.shape))] if spec.replicated or t.ndim == 0 else local_regions(t)
-        out[name] = Placed(t, tuple(t.shape), [(Region(o, s), tuple(o)) for o, s in boxes])
-    return out
-
-
-class SpmdSavePlanner(CanonicalSavePlanner):
-    """The canonical save planner, resolving each shard of an SPMD tensor from the tensor's
-    local shards on the host (fetched once per tensor, dropped as they are written) rather
-    than by slicing the global tensor, which would compile one XLA program per slice."""
-
-    def __init__(self, placed):
-        super().__init__(placed)
-        self._shards: dict[str, dict[tuple[int, ...], torch.Tensor]] = {}
-        self._lock = threading.Lock()
-
-    def resolve_data(self, write_item):
-        fqn = write_item.index.fqn
-        p = self._placed.get(fqn)
-        if p is None or p.local.device.type != "xla":
-            return super().resolve_data(write_item)
-        if len(p.layout) == 1 and p.layout[0][0].sizes == p.shape:  # whole (replicated): one copy
-            return self.state_dict[fqn].cpu()
-        from shardwise.backends.xla_spmd import local_shards
-
-        with self._lock:
-            if fqn not in self._shards:
-                self._shards[fqn] = local_shards(self.state_dict[fqn])
-            shards = self._shards[fqn]
-            data = shards.pop(tuple(write_item.index.offset))
-            if not shards:
-                del self._shards[fqn]
-        return data
-
-
-__all__ = ["SpmdSavePlanner", "chunk_reads", "load_spmd", "spmd_placed"]
+__all__ = ["chunk_reads", "load_spmd"]

@@ -85,19 +85,37 @@ class PinnedStager:
         return dst
 
 
+def loaded_dtype(stored: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a tensor stored as ``stored`` is loaded as under ``sw.load(dtype=...)``: the
+    one cast rule of every load path. Floating tensors take ``dtype``; everything else (and
+    every tensor when ``dtype`` is None) keeps its stored dtype, so no integer is narrowed.
+
+    >>> loaded_dtype(torch.float32, torch.bfloat16), loaded_dtype(torch.int64, torch.bfloat16)
+    (torch.bfloat16, torch.int64)
+    """
+    return dtype if dtype is not None and stored.is_floating_point else stored
+
+
+def cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``t`` in its :func:`loaded_dtype` (``t`` itself when that is its dtype already)."""
+    want = loaded_dtype(t.dtype, dtype)
+    return t if t.dtype == want else t.to(want)
+
+
 def finalizer(dtype: torch.dtype | None, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Cast (floating tensors, to ``dtype``) and move a freshly read local tensor, as
+    """Cast (by :func:`loaded_dtype`) and move a freshly read local tensor, as
     ``sw.load`` does: a narrowing cast on the host, before the copy; a widening one after."""
     to_device = host_to_device(device)
 
     def finalize(raw: torch.Tensor) -> torch.Tensor:
-        cast = dtype is not None and raw.is_floating_point() and raw.dtype != dtype
-        if cast and dtype.itemsize <= raw.dtype.itemsize:
-            raw, cast = raw.to(dtype), False
+        convert = loaded_dtype(raw.dtype, dtype) != raw.dtype
+        if convert and dtype.itemsize <= raw.dtype.itemsize:
+            raw, convert = raw.to(dtype), False
         raw = to_device(raw) if raw.device != device else raw
-        return raw.to(dtype) if cast else raw
+        return raw.to(dtype) if convert else raw
 
     return finalize
 
 
-__all__ = ["NUM_BUFFERS", "PinnedStager", "STAGE_BYTES", "finalizer", "host_to_device"]
+__all__ = ["NUM_BUFFERS", "PinnedStager", "STAGE_BYTES", "cast", "finalizer", "host_to_device",
+           "loaded_dtype"]

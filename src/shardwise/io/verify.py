@@ -24,7 +24,14 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from shardwise.core.header import dtype_to_str
 from shardwise.errors import CheckpointError
+from shardwise.io.checkpoint import resolve_checkpoint
+from shardwise.io.detect import is_dcp
+from shardwise.io.files import open_regular, pread_into
+from shardwise.io.hf_dcp import is_sharded_safetensors, read_sharded
+from shardwise.io.info import INFO_FILE, chunk_key, new_digest, read_info, recorded_checksums
+from shardwise.io.inspect import print_safely
 
 _PIECE = 16 << 20
 
@@ -81,9 +88,6 @@ def verify(path: str | os.PathLike) -> VerifyReport:
     >>> report.ok, report.summary()                        # doctest: +SKIP
     (True, 'OK out/full: safetensors, 291 tensors, 291 tensors checksummed, 4021813248 bytes read')
     """
-    from shardwise.io.hf_dcp import is_sharded_safetensors
-    from shardwise.io.inspect import is_dcp
-
     report = VerifyReport(str(path))
     try:
         if Path(path).is_dir() and is_sharded_safetensors(path):
@@ -106,8 +110,6 @@ def _recorded(folder: Path, report: VerifyReport, found: dict[str, tuple[str, tu
               otherwise: str = "the structure was checked, the values cannot be"):
     """The checksums recorded beside the checkpoint; and a problem for every tensor whose dtype
     or shape (``found``: {name: (safetensors dtype, shape)}) differs from what was saved."""
-    from shardwise.io.info import INFO_FILE, read_info, recorded_checksums
-
     info = read_info(folder)
     if info is None:
         report.notes.append(f"no {INFO_FILE}: no checksums recorded (not written by shardwise); "
@@ -123,9 +125,6 @@ def _recorded(folder: Path, report: VerifyReport, found: dict[str, tuple[str, tu
 # --- safetensors -----------------------------------------------------------------------------
 
 def _verify_safetensors(path: Path, report: VerifyReport) -> None:
-    from shardwise.io.checkpoint import resolve_checkpoint
-    from shardwise.io.files import open_regular
-
     ckpt = resolve_checkpoint(path)  # headers, tiling, index: raises on the first fault
     listed = set(ckpt.weight_map)
     for file, header in ckpt.headers.items():
@@ -161,9 +160,6 @@ def _verify_safetensors(path: Path, report: VerifyReport) -> None:
 
 def _digest_of_range(fd: int, start: int, nbytes: int, buf: bytearray, what: str,
                      algorithm: str) -> str:
-    from shardwise.io.files import pread_into
-    from shardwise.io.info import new_digest
-
     digest, done = new_digest(algorithm), 0
     while done < nbytes:
         view = memoryview(buf)[: min(len(buf), nbytes - done)]
@@ -186,12 +182,12 @@ def _missing_sums(sums: dict, present: set[str], root: Path, report: VerifyRepor
 # --- distributed checkpoints -----------------------------------------------------------------
 
 def _verify_dcp(path: Path, report: VerifyReport) -> None:
+    # imported on use: torch.distributed.checkpoint takes ~0.5 s to import, which verifying a
+    # safetensors checkpoint should not pay
     from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
-    from shardwise.core.header import dtype_to_str
     from shardwise.io.dcp_chunks import chunk_checksum
     from shardwise.io.dcp_metadata import read_metadata
-    from shardwise.io.info import chunk_key
 
     metadata = read_metadata(path)  # files, sizes, chunk tiling: raises on the first fault
     files: dict[str, object] = {}
@@ -237,10 +233,6 @@ def _verify_dcp(path: Path, report: VerifyReport) -> None:
 def _verify_sharded(path: Path, report: VerifyReport) -> None:
     """Rank-local safetensors with DCP_SHARDING_INFO: the chunk map tiles every tensor (checked
     by ``read_sharded``), and each chunk's bytes match the checksum ``shardwise.json`` recorded."""
-    from shardwise.io.files import open_regular
-    from shardwise.io.hf_dcp import read_sharded
-    from shardwise.io.info import chunk_key
-
     ckpt = read_sharded(path)  # headers, sharding info, exact tiling: raises on the first fault
     algorithm, _, sums = _recorded(path, report, {n: (t.dtype, t.shape) for n, t in ckpt.tensors.items()})
     report.tensors = len(ckpt.tensors)
@@ -270,8 +262,6 @@ def _verify_sharded(path: Path, report: VerifyReport) -> None:
 def main_verify(path: str, *, as_json: bool = False) -> int:
     """``shardwise verify PATH [--json]``: the faults, then one summary line; 0 when ok, else 1."""
     import sys
-
-    from shardwise.io.inspect import print_safely
 
     report = verify(path)
     if as_json:

@@ -1,0 +1,63 @@
+"""Saving under torch_xla SPMD (holding ``"spmd"``: one process drives every device).
+
+The gather save needs nothing here (a tensor is global: ``.cpu()`` is the canonical
+tensor). A DCP save (``shardwise.io.dcp.save_dcp``) writes each of this process's distinct
+shards as one chunk at its canonical offsets (:func:`spmd_placed`, :class:`SpmdSavePlanner`).
+Loading is ``shardwise.io.spmd``.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch import nn
+
+from shardwise.backends.xla_spmd import local_regions, local_shards
+from shardwise.core.spec import Region
+from shardwise.io.dcp_items import CanonicalSavePlanner, Placed
+from shardwise.parallel import get_shard_state
+
+
+def spmd_placed(model: nn.Module) -> dict[str, Placed]:
+    """``{name: Placed}`` for a DCP save of an SPMD model: ``local`` is the global tensor
+    (so local offsets are canonical offsets) and the layout lists this process's distinct
+    shards. DCP drops the copies other processes also write."""
+    state = get_shard_state(model)
+    tensors = model.state_dict(keep_vars=True)
+    out = {}
+    for name, spec in state.specs.items():
+        t = tensors[name].detach()
+        boxes = [((0,) * t.ndim, tuple(t.shape))] if spec.replicated or t.ndim == 0 else local_regions(t)
+        out[name] = Placed(t, tuple(t.shape), [(Region(o, s), tuple(o)) for o, s in boxes])
+    return out
+
+
+class SpmdSavePlanner(CanonicalSavePlanner):
+    """The canonical save planner, resolving each shard of an SPMD tensor from the tensor's
+    local shards on the host (fetched once per tensor, dropped as they are written) rather
+    than by slicing the global tensor, which would compile one XLA program per slice."""
+
+    def __init__(self, placed):
+        super().__init__(placed)
+        self._shards: dict[str, dict[tuple[int, ...], torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def resolve_data(self, write_item):
+        fqn = write_item.index.fqn
+        p = self._placed.get(fqn)
+        if p is None or p.local.device.type != "xla":
+            return super().resolve_data(write_item)
+        if len(p.layout) == 1 and p.layout[0][0].sizes == p.shape:  # whole (replicated): one copy
+            return self.state_dict[fqn].cpu()
+        with self._lock:
+            if fqn not in self._shards:
+                self._shards[fqn] = local_shards(self.state_dict[fqn])
+            shards = self._shards[fqn]
+            data = shards.pop(tuple(write_item.index.offset))
+            if not shards:
+                del self._shards[fqn]
+        return data
+
+
+__all__ = ["SpmdSavePlanner", "spmd_placed"]
