@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from shardwise._version import __version__
 from shardwise.backends import (
     Backend,
@@ -35,6 +37,19 @@ from shardwise.errors import (
     UsageError,
 )
 from shardwise.parallel import get_shard_state, parallelize
+
+if TYPE_CHECKING:  # what type checkers see for the names below, which load on first use
+    from shardwise.clip import clip_grad_norm_ as clip_grad_norm_
+    from shardwise.hf import empty_model as empty_model
+    from shardwise.hf import from_pretrained as from_pretrained
+    from shardwise.io.consolidate import consolidate as consolidate
+    from shardwise.io.diff import diff as diff
+    from shardwise.io.load import LoadResult as LoadResult
+    from shardwise.io.load import load as load
+    from shardwise.io.optim import load_optimizer as load_optimizer
+    from shardwise.io.optim import save_optimizer as save_optimizer
+    from shardwise.io.save import save as save
+    from shardwise.io.verify import verify as verify
 
 # The I/O entry points load on first use: `import shardwise` stays light.
 _LAZY = {
