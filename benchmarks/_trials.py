@@ -215,7 +215,7 @@ def _hook(op: str, point: str) -> tuple[object, str, int]:
     import torch.distributed.checkpoint as dcp
 
     from shardwise.io import dcp as sw_dcp
-    from shardwise.io import gather, load, parallel_save, reader, save
+    from shardwise.io import gather, parallel_save, reader, safetensors_source, save
     from shardwise.io.dcp_chunks import MetadataReader
     from shardwise.io.dcp_items import HashingWriter
 
@@ -228,7 +228,7 @@ def _hook(op: str, point: str) -> tuple[object, str, int]:
         ("dcp save", "middle"): (HashingWriter, "write_data", 1),
         ("dcp load", "early"): (dcp, "load", 1),
         ("dcp load", "middle"): (MetadataReader, "read_data", 1),
-        ("safetensors load", "early"): (load, "resolve_checkpoint", 1),
+        ("safetensors load", "early"): (safetensors_source, "resolve_checkpoint", 1),
         ("safetensors load", "middle"): (reader.RegionReader, "read", 1),
     }[(op, point)]
 

@@ -66,16 +66,11 @@ def _load(method: str, model, folder: str, ckpt: str, plan, mesh) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
 
-    from shardwise.io.hf_dcp_read import load_sharded_safetensors
-
     if method.startswith("sw"):
         with torch.device("meta"):
             fresh = BenchModel.from_checkpoint(ckpt, dtype=torch.bfloat16)
-        if method == "sw distcp":
-            return _timed(lambda: sw.load(fresh, folder, plan=plan, mesh=mesh))
-        specs = sw.resolve_plan(fresh, plan, mesh.size())
-        return _timed(lambda: load_sharded_safetensors(fresh, folder, specs=specs, mesh=mesh,
-                                                       holding="dtensor"))
+        # both formats go through sw.load's one pipeline (its source is detected from the files)
+        return _timed(lambda: sw.load(fresh, folder, plan=plan, mesh=mesh))
     # the destination tensors are allocated inside the timing, as shardwise's loads allocate theirs
     if method == "torch distcp":
         return _timed(lambda: dcp.load(_empty_like(model.state_dict()), checkpoint_id=folder))

@@ -14,6 +14,9 @@ Two holding modes come from the same ``ShardSpec``s:
 
 ``install`` is the one place that writes shards into a model: ``parallelize`` feeds it
 slices of the model's own tensors, the loaders feed it slices read from disk.
+
+Length (~370 lines): install, its invariant check and the shard state belong together;
+the forward wiring is already in ``local_tp.py``.
 """
 
 from __future__ import annotations

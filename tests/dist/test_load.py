@@ -25,6 +25,7 @@ from shardwise.core.header import dtype_to_str
 from shardwise.core.spec import shard_regions, split
 from shardwise.errors import CheckpointError
 from shardwise.io.safetensors_io import StreamingWriter, index_json, plan_files
+from shardwise.io.source import Reads
 from shardwise.parallel import local_of
 
 
@@ -148,6 +149,10 @@ def test_streaming_load(ckpts, world):
         assert len({per_rank[i] for per_rank in got}) == 1
 
 
+class _FromDcp(Exception):
+    """Stops a load at the stand-in DCP source's plan."""
+
+
 def _errors(folder):
     from pathlib import Path
 
@@ -231,19 +236,38 @@ def _errors(folder):
     sw.load(meta_model(), folder / "plain.safetensors", plan=tiny_plan(), mesh=mesh, progress=False)
     assert len(bars) == 1
 
-    # a torch DCP folder (it has .metadata) goes to shardwise.io.dcp.load_dcp with the resolved plan
+    # a torch DCP folder (it has .metadata) is read by shardwise.io.dcp's DcpSource with the resolved plan
     calls = []
+
+    class FakeDcpSource:
+        def __init__(self, path):
+            calls.append(path)
+
+        def match(self, model, specs, *, strict):
+            calls.append((specs, strict))
+            return [], []
+
+        def plan(self, wants):
+            calls.append(wants)
+            return Reads(wants, 0)
+
+        def read(self, reads, *, finalize, options, on_bytes=None):
+            calls.append(options)
+            raise _FromDcp
+
     fake_dcp = types.ModuleType("shardwise.io.dcp")
-    fake_dcp.load_dcp = lambda model, path, **kwargs: calls.append((path, kwargs)) or "from dcp"
+    fake_dcp.DcpSource = FakeDcpSource
     sys.modules["shardwise.io.dcp"] = fake_dcp
     dcp_dir = folder / "dcp"
     dcp_dir.mkdir()
     (dcp_dir / ".metadata").write_bytes(b"")
-    assert sw.load(meta_model(), dcp_dir, plan=tiny_plan(), mesh=mesh, dtype=torch.bfloat16) == "from dcp"
-    (path, kwargs), = calls
-    assert path == dcp_dir and kwargs["specs"]["head.weight"] == sw.ShardSpec(dim=0)
-    assert kwargs["mesh"] is mesh and kwargs["dtype"] == torch.bfloat16 and kwargs["strict"] is True
-    assert kwargs["holding"] == "dtensor"
+    with pytest.raises(_FromDcp):
+        sw.load(meta_model(), dcp_dir, plan=tiny_plan(), mesh=mesh, dtype=torch.bfloat16)
+    path, (specs, strict), wants, options = calls
+    assert path == dcp_dir and specs["head.weight"] == sw.ShardSpec(dim=0) and strict is True
+    assert options.mesh is mesh and options.dtype == torch.bfloat16
+    # holding "dtensor": this rank's own part of each tensor, on its tp coordinates
+    assert wants["head.weight"].spec == sw.ShardSpec(dim=0) and wants["head.weight"].degree == mesh.size()
 
     # tied weights: stored under either name
     weights = {"embed.weight": torch.randn(8, 4)}

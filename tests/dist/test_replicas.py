@@ -77,18 +77,18 @@ def test_each_region_is_read_by_one_replica(ckpt, holding, dtype):
 
 
 def _one_replica_fails(path: str):
-    import shardwise.io.load as load_module
+    import shardwise.io.safetensors_source as source_module
 
     backend = sw.init_backend("gloo")
     mesh = backend.mesh(dp_replicate=2, tp=2)
     with torch.device("meta"):
         model = TinyTransformer()
-    resolved = load_module.resolve_checkpoint(path)  # headers read while the file is whole
+    resolved = source_module.resolve_checkpoint(path)  # headers read while the file is whole
     backend.barrier()
     if backend.rank == 0:  # then the file loses its last bytes: only their reader can notice
         os.truncate(path, os.path.getsize(path) - 64)
     backend.barrier()
-    load_module.resolve_checkpoint = lambda p: resolved
+    source_module.resolve_checkpoint = lambda p: resolved
     with pytest.raises(CheckpointError) as e:
         sw.load(model, path, plan=tiny_plan(), mesh=mesh, progress=False)
     return str(e.value)

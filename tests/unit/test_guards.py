@@ -48,8 +48,7 @@ def traps(monkeypatch, mesh):
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
-    from shardwise.io import load as load_mod
-    from shardwise.io import reader, safetensors_io
+    from shardwise.io import reader, safetensors_io, safetensors_source
 
     attempted: list[str] = []
 
@@ -68,7 +67,7 @@ def traps(monkeypatch, mesh):
     monkeypatch.setattr(os, "pread", trap("os.pread"))
     if hasattr(os, "preadv"):
         monkeypatch.setattr(os, "preadv", trap("os.preadv"))
-    monkeypatch.setattr(load_mod, "resolve_checkpoint", trap("resolve_checkpoint"))
+    monkeypatch.setattr(safetensors_source, "resolve_checkpoint", trap("resolve_checkpoint"))
     return attempted
 
 

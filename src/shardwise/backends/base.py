@@ -6,6 +6,9 @@ group they name (all of them unless a ``group`` is passed); ``shutdown()`` ends 
 Subclasses set the class attributes and override ``_device()`` and, where their
 hardware needs it, ``start()`` / ``_init_group()`` (how the default group is created) and
 ``_make_mesh()`` (what ``mesh()`` returns where torch's DeviceMesh cannot run).
+
+Length (~300 lines): the one interface every backend implements, kept whole so that a
+new backend reads a single file.
 """
 
 from __future__ import annotations

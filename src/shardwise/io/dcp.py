@@ -14,11 +14,14 @@ never leaves a ``.metadata`` at the target. The path must be on a filesystem eve
 
 DCP's ``.metadata`` is a pickle: shardwise unpickles it with an allow-list of DCP's own
 classes, but loading a DCP checkpoint still trusts its source.
+
+Length: the save and the load of the format stay together (~300 lines): they share the
+canonical chunk layout and the info file, and split apart they would import each other.
 """
 
 from __future__ import annotations
 
-import time
+import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -27,11 +30,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: name it
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import shardwise.comm as comm
 from shardwise.backends import coordination_group
 from shardwise.core.plan import ResolvedPlan
-from shardwise.core.spec import local_layout, local_shape, split
+from shardwise.core.spec import local_layout, local_shape
 from shardwise.errors import CheckpointError
 from shardwise.io.dcp_chunks import MetadataReader
 from shardwise.io.dcp_coord import checkpoint_info, dcp_error, gather_checksums, model_placed
@@ -40,12 +44,12 @@ from shardwise.io.dcp_items import CanonicalLoadPlanner, CanonicalSavePlanner, H
 from shardwise.io.dcp_metadata import check_tensors, read_metadata
 from shardwise.io.guards import check_model
 from shardwise.io.info import INFO_FILE, write_info
-from shardwise.io.pipeline import LoadResult, check_nothing_left_on_meta, device_of, move_non_persistent
 from shardwise.io.side_files import write_side_files
+from shardwise.io.source import Finalize, ReadOptions, Reads, Want
 from shardwise.io.spmd_save import SpmdSavePlanner, spmd_placed
-from shardwise.io.staging import cast, loaded_dtype
+from shardwise.io.staging import loaded_dtype
 from shardwise.io.target import Destination, target_path
-from shardwise.parallel import get_shard_state, install, mesh_coords, tp_axis
+from shardwise.parallel import get_shard_state
 
 _ASYNC_GROUP: dict = {}
 
@@ -207,48 +211,91 @@ def read_checkpoint(path, metadata, state_dict: dict, placed: Mapping[str, Place
     return reader.bytes_read
 
 
-def load_dcp(model: nn.Module, path, *, specs: ResolvedPlan, mesh, holding: str,
-             dtype: torch.dtype | None = None, strict: bool = True):
-    """Load the DCP checkpoint at ``path`` into ``model`` (usually on the meta device),
-    resharded to ``specs`` over the tp axis of ``mesh``, and install the shards exactly like
-    the safetensors path; every rank calls it (``sw.load`` dispatches here). Each rank reads
-    only the saved chunks that overlap its regions. ``dtype`` casts floating tensors.
-    Raises ``CheckpointError`` for an incomplete checkpoint and for missing or mismatched
-    tensors (naming them). The checkpoint's ``.metadata`` is a pickle: trust its source.
+class DcpSource:
+    """The :class:`~shardwise.io.source.Source` of a torch DCP checkpoint. Its reads go
+    through torch's own planner and storage reader (:func:`read_checkpoint`): torch owns this
+    format (the pickled ``.metadata``, the chunk files, the collective load plan), so the
+    source only says which regions each rank wants (:class:`Placed`). ``read`` is collective:
+    every rank calls it, with the same ``options.window`` batching. The checkpoint's
+    ``.metadata`` is a pickle (unpickled with an allow-list): trust its source.
     """
-    start = time.perf_counter()
-    metadata = read_metadata(path)
-    tp_mesh = tp_axis(mesh)
-    coords = mesh_coords(mesh)  # per mesh axis: a spec's ranks are on spec.axis (tp or ep)
-    own = model.state_dict(keep_vars=True)
-    stored = metadata.state_dict_metadata
-    key = {n: stored_name(n, specs, stored) for n in specs}
-    wanted = {key[n]: tuple(own[n].shape) for n in specs}
-    missing, unexpected = check_tensors(path, metadata, wanted, strict=strict, allowed_extra=specs.aliases)
-    missing_names = [n for n in specs if key[n] in missing]
-    check_nothing_left_on_meta(model, specs, missing_names)
-    device = device_of(tp_mesh)
-    placed = {}
-    for n, spec in specs.items():
-        if key[n] in missing:
-            continue
-        want = loaded_dtype(stored[key[n]].properties.dtype, dtype)
-        shape = tuple(own[n].shape)
-        degree, rank = coords[spec.axis]
-        buf = torch.empty(local_shape(shape, spec, degree), dtype=want, device=device)
-        placed[key[n]] = Placed(buf, shape, local_layout(shape, spec, degree, rank))
-    nbytes = read_checkpoint(path, metadata, {k: p.local for k, p in placed.items()}, placed)
 
-    def local_tensor(name, spec):
-        if name in missing_names:  # strict=False: keep the model's own value
-            t = split(own[name].detach().cpu(), spec, *coords[spec.axis])
-            return cast(t, dtype).to(device)
-        return placed[key[name]].local
+    def __init__(self, path):
+        self.root = Path(path)
+        self.metadata = read_metadata(path)  # raises for an incomplete checkpoint
+        self.bytes_read = 0
+        self._key: dict[str, str] = {}  # model name -> checkpoint key
+        self._shape: dict[str, tuple[int, ...]] = {}  # checkpoint key -> the model's shape
 
-    install(model, specs, mesh, holding=holding, local_tensor=local_tensor, dtype=dtype)
-    move_non_persistent(model, device)
-    return LoadResult(tuple(missing_names), tuple(unexpected), nbytes,
-                      time.perf_counter() - start, len(placed))
+    def tensors(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        md = self.metadata.state_dict_metadata
+        return {k: (m.properties.dtype, tuple(m.size)) for k, m in md.items()
+                if isinstance(m, TensorStorageMetadata)}
+
+    def match(self, model: nn.Module, specs: ResolvedPlan, *, strict: bool) -> tuple[list[str], list[str]]:
+        own = model.state_dict(keep_vars=True)
+        stored = self.metadata.state_dict_metadata
+        self._key = {n: stored_name(n, specs, stored) for n in specs}
+        wanted = {self._key[n]: tuple(own[n].shape) for n in specs}
+        missing, unexpected = check_tensors(self.root, self.metadata, wanted, strict=strict,
+                                            allowed_extra=specs.aliases)
+        self._shape = wanted
+        return [n for n in specs if self._key[n] in missing], unexpected
+
+    def plan(self, wants: Mapping[str, Want]) -> Reads:
+        """One :class:`Placed` per checkpoint key: its wanted local tensors side by side."""
+        groups: dict[str, list[tuple[str, Want]]] = {}
+        for key, w in wants.items():
+            groups.setdefault(self._key[w.name], []).append((key, w))
+        md = self.metadata.state_dict_metadata
+        total = sum(math.prod(local_shape(self._shape[k], w.spec, w.degree)) * md[k].properties.dtype.itemsize
+                    for k, group in groups.items() for _, w in group)
+        return Reads(wants, total, groups)
+
+    def read(self, reads: Reads, *, finalize: Finalize, options: ReadOptions,
+             on_bytes: Callable[[int], None] | None = None) -> dict:
+        md = self.metadata.state_dict_metadata
+        out, batch, size = {}, {}, 0
+        keys = list(reads.detail)
+        for i, k in enumerate(keys):
+            want = loaded_dtype(md[k].properties.dtype, options.dtype)
+            batch[k] = _side_by_side(self._shape[k], reads.detail[k], want, options.device)
+            size += batch[k][0].local.numel() * batch[k][0].local.element_size()
+            if options.window is not None and size < options.window and i + 1 < len(keys):
+                continue
+            nbytes = read_checkpoint(self.root, self.metadata, {k: p.local for k, (p, _) in batch.items()},
+                                     {k: p for k, (p, _) in batch.items()})
+            self.bytes_read += nbytes
+            if on_bytes is not None:
+                on_bytes(nbytes)
+            for placed, parts in batch.values():
+                for key, view in parts(placed.local):
+                    out[key] = finalize(key, view)
+            batch, size = {}, 0
+        return out
+
+
+def _side_by_side(shape, group: list, dtype: torch.dtype, device):
+    """``(Placed, parts)``: one buffer holding the wanted local tensors of one checkpoint
+    tensor along dim 0 (one want: the local tensor itself); ``parts(buffer)`` yields each
+    key with its view."""
+    sizes = [local_shape(shape, w.spec, w.degree) for _, w in group]
+    layouts = [local_layout(shape, w.spec, w.degree, w.rank) for _, w in group]
+    if len(group) == 1:
+        buf = torch.empty(sizes[0], dtype=dtype, device=device)
+        return Placed(buf, shape, layouts[0]), lambda local: [(group[0][0], local)]
+    assert shape, "a scalar is wanted once"  # several wants: chunks of a split tensor (spmd)
+    starts = [sum(s[0] for s in sizes[:i]) for i in range(len(sizes))]
+    extent = (starts[-1] + sizes[-1][0],) + tuple(max(s[d] for s in sizes) for d in range(1, len(shape)))
+    layout = [(region, (off[0] + start,) + tuple(off[1:]))
+              for start, lay in zip(starts, layouts, strict=True) for region, off in lay]
+    buf = torch.empty(extent, dtype=dtype, device=device)
+
+    def parts(local):
+        return [(key, local[(slice(start, start + s[0]),) + tuple(slice(0, n) for n in s[1:])])
+                for (key, _), start, s in zip(group, starts, sizes, strict=True)]
+
+    return Placed(buf, shape, layout), parts
 
 
 def stored_name(name: str, specs: ResolvedPlan, stored) -> str:
@@ -258,5 +305,5 @@ def stored_name(name: str, specs: ResolvedPlan, stored) -> str:
     return next((a for a, kept in specs.aliases.items() if kept == name and a in stored), name)
 
 
-__all__ = ["AsyncSave", "INFO_FILE", "checkpoint_info", "load_dcp", "model_placed",
+__all__ = ["AsyncSave", "DcpSource", "INFO_FILE", "checkpoint_info", "model_placed",
            "read_checkpoint", "save_dcp", "write_checkpoint"]

@@ -1,5 +1,6 @@
 """Reading sharded safetensors checkpoints (``shardwise.io.hf_dcp``): ``sw.load`` at any
-degree and mesh, and ``sw.consolidate`` (``shardwise inspect`` lists them in :func:`ordered_tensors`).
+degree and mesh (:class:`ShardedSource`), and ``sw.consolidate`` (``shardwise inspect`` lists
+them in :func:`ordered_tensors`).
 
 Plan, then execute: :func:`plan_chunk_reads` (pure) intersects each region a rank wants with
 the chunks of the tensor and names, for every overlap, the box of the chunk's file entry to
@@ -14,35 +15,23 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from shardwise._progress import Progress
-from shardwise.core.spec import Layout, Region, intersect, local_layout, split
+from shardwise.core.spec import Layout, Region, intersect, local_layout
 from shardwise.io.headers import header_metadata, save_file_order
 from shardwise.io.hf_dcp import ShardedCheckpoint, ShardedTensor, read_sharded
 from shardwise.io.info import gather_info, user_metadata, write_info
-from shardwise.io.pipeline import (
-    LoadResult,
-    check_nothing_left_on_meta,
-    device_of,
-    is_rank0,
-    match_keys,
-    move_non_persistent,
-    reader_threads,
-)
+from shardwise.io.pipeline import match_keys
 from shardwise.io.reader import ReadItem, RegionReader
 from shardwise.io.safetensors_io import INDEX_SUFFIX, StreamingWriter, index_json, plan_files
-from shardwise.io.staging import finalizer
+from shardwise.io.source import Finalize, ReadOptions, Reads, Want
 from shardwise.io.target import Destination, target_path
-from shardwise.parallel import install, mesh_coords, tp_axis
 
 Request = tuple[ShardedTensor, Layout]
-Finalize = Callable[[str, torch.Tensor], torch.Tensor]
 
 
 def local_extent(layout: Layout) -> tuple[int, ...]:
@@ -155,42 +144,38 @@ class ShardedReader:
         return self.read({name: (t, [(Region(zeros, t.shape), zeros)])}, finalize=lambda k, x: x)[name]
 
 
-def load_sharded_safetensors(model: nn.Module, path, *, specs, mesh, holding: str,
-                             dtype: torch.dtype | None = None, strict: bool = True,
-                             num_threads: int | None = None, progress: bool | None = None):
-    """Load the sharded safetensors checkpoint at ``path`` into ``model`` (usually on the meta
-    device), sharded by ``specs`` over the tp axis of ``mesh``, and install the shards like
-    ``sw.load``; every rank calls it (``sw.load`` dispatches here), no collective runs. The
-    chunk map is validated and keys and shapes are matched before any data is read; each
-    rank reads only the chunk bytes that overlap its regions. Returns a ``LoadResult``.
+class ShardedSource:
+    """The :class:`~shardwise.io.source.Source` of a sharded safetensors checkpoint: the
+    chunk map is validated on opening, keys and shapes matched before any data is read, and
+    each rank reads only the chunk bytes that overlap its regions; no collective runs."""
 
-    >>> load_sharded_safetensors(model, "out/hf_dcp", specs=resolve_plan(model, plan, 4),
-    ...                          mesh=mesh, holding="dtensor")              # doctest: +SKIP
-    """
-    start = time.perf_counter()
-    ckpt = read_sharded(path)
-    sources, missing, unexpected = match_keys(model, specs, ckpt, strict=strict)
-    check_nothing_left_on_meta(model, specs, missing)
-    tp_mesh = tp_axis(mesh)
-    coords = mesh_coords(mesh)  # per mesh axis: a spec's ranks are on spec.axis (tp or ep)
-    requests = {name: (t, local_layout(t.shape, specs[name], *coords[specs[name].axis]))
-                for name, (_, t) in sources.items()}
-    finalize = finalizer(dtype, device_of(tp_mesh))
-    total = sum(sum(r.numel for r, _ in layout) * t.itemsize for t, layout in requests.values())
-    with Progress(total, progress, is_rank0(), "shardwise load") as bar, \
-            ShardedReader(ckpt, num_threads=reader_threads(num_threads), on_bytes=bar) as reader:
-        tensors = reader.read(requests, finalize=lambda key, raw: finalize(raw))
-    own = model.state_dict(keep_vars=True) if missing else {}
+    def __init__(self, path: str | os.PathLike):
+        self.ckpt = read_sharded(path)
+        self.bytes_read = 0
+        self._sources: dict = {}
 
-    def local_tensor(name, spec):
-        if name in tensors:
-            return tensors.pop(name)
-        return finalize(split(own[name].detach().cpu(), spec, *coords[spec.axis]))  # strict=False: own
+    def tensors(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        return {n: (t.torch_dtype, t.shape) for n, t in self.ckpt.tensors.items()}
 
-    install(model, specs, mesh, holding=holding, local_tensor=local_tensor, dtype=dtype)
-    move_non_persistent(model, device_of(tp_mesh))
-    return LoadResult(tuple(missing), tuple(unexpected), reader.bytes_read,
-                      time.perf_counter() - start, len(requests))
+    def match(self, model: nn.Module, specs, *, strict: bool) -> tuple[list[str], list[str]]:
+        self._sources, missing, unexpected = match_keys(model, specs, self.ckpt, strict=strict)
+        return missing, unexpected
+
+    def plan(self, wants: Mapping[str, Want]) -> Reads:
+        requests = {}
+        for key, w in wants.items():
+            t = self._sources[w.name][1]
+            requests[key] = (t, local_layout(t.shape, w.spec, w.degree, w.rank))
+        total = sum(sum(r.numel for r, _ in layout) * t.itemsize for t, layout in requests.values())
+        return Reads(wants, total, requests)
+
+    def read(self, reads: Reads, *, finalize: Finalize, options: ReadOptions,
+             on_bytes: Callable[[int], None] | None = None) -> dict:
+        with ShardedReader(self.ckpt, num_threads=options.num_threads, on_bytes=on_bytes) as reader:
+            try:
+                return reader.read(reads.detail, finalize=finalize)
+            finally:
+                self.bytes_read += reader.bytes_read
 
 
 # --- consolidate and inspect -------------------------------------------------------------------
@@ -244,5 +229,5 @@ def consolidate_sharded(src: str | os.PathLike, dst: str | os.PathLike, *,
     return dest.target
 
 
-__all__ = ["ShardedReader", "consolidate_sharded", "load_sharded_safetensors", "local_extent",
+__all__ = ["ShardedReader", "ShardedSource", "consolidate_sharded", "local_extent",
            "ordered_tensors", "plan_chunk_reads"]

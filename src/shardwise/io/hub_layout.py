@@ -11,6 +11,9 @@ which offset), and a rank reads only the boxes of the stored tensors its regions
 The mapping is read from the installed transformers (its own rename and match functions),
 never copied. Operations that are not region maps (transposes, dequantisation, ...) are
 refused with the converter's name before any byte is read.
+
+Length (~370 lines): both directions of the mapping (stored tensors to model tensors on
+load, model tensors to stored tensors on save) share its parsing of the conversions.
 """
 
 from __future__ import annotations

@@ -3,10 +3,9 @@ torch DCP, rank-local sharded safetensors) and however the shards are held: the 
 matching a checkpoint's keys, shapes and dtypes to the model before any data is read, the
 checks that nothing is left on the meta device, and the device and thread count of a load.
 
-This module imports no format module: the format loaders (``shardwise.io.load``'s
-safetensors path, ``shardwise.io.dcp``, ``shardwise.io.hf_dcp_read``, ``shardwise.io.spmd``)
-import it, and ``shardwise.io.load`` dispatches to them. The cast rule is
-:func:`shardwise.io.staging.loaded_dtype`.
+This module imports no format module: the sources (``shardwise.io.safetensors_source``,
+``shardwise.io.dcp``, ``shardwise.io.hf_dcp_read``) and the pipeline (``shardwise.io.load``)
+import it. The cast rule is :func:`shardwise.io.staging.loaded_dtype`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,62 @@
+"""The last step of ``sw.load``: what each rank wants read, and placing what was read, per
+holding. ``"dtensor"`` and ``"local"`` (one process per device) are :class:`InstallPlacement`;
+``"spmd"`` (one process driving every device) is :class:`~shardwise.io.spmd.SpmdPlacement`.
+
+A placement has ``device`` and ``window`` (for :class:`~shardwise.io.source.ReadOptions`),
+``wants(names)``, the ``finalize`` a source calls per read local tensor (on reader threads),
+and ``install(model, tensors, missing)``, which wires the model as ``parallelize`` does.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shardwise.core.plan import ResolvedPlan
+from shardwise.core.spec import split
+from shardwise.io.pipeline import device_of
+from shardwise.io.source import Want
+from shardwise.io.spmd import SpmdPlacement
+from shardwise.io.staging import finalizer
+from shardwise.parallel import install, mesh_coords, tp_axis
+
+
+class InstallPlacement:
+    """One process per device: each rank wants its own regions (its coordinates on each
+    tensor's axis, tp or ep), cast and moved to its device as they are read, then installed
+    with :func:`shardwise.parallel.install`."""
+
+    window = None  # the reads stream: no batching
+
+    def __init__(self, specs: ResolvedPlan, mesh, dtype: torch.dtype | None, holding: str):
+        self.specs, self.mesh, self.dtype, self.holding = specs, mesh, dtype, holding
+        self.coords = mesh_coords(mesh)  # per mesh axis: a spec's ranks are on spec.axis
+        self.device = device_of(tp_axis(mesh))
+        self._finalize = finalizer(dtype, self.device)  # cast after slicing, then to the device
+
+    def wants(self, names: list[str]) -> dict[str, Want]:
+        return {n: Want(n, self.specs[n], *self.coords[self.specs[n].axis]) for n in names}
+
+    def finalize(self, key: str, raw: torch.Tensor) -> torch.Tensor:
+        return self._finalize(raw)
+
+    def install(self, model: nn.Module, tensors: dict, missing: list[str]) -> None:
+        own = model.state_dict(keep_vars=True) if missing else {}
+
+        def local_tensor(name, spec):
+            if name in tensors:
+                return tensors.pop(name)  # install owns it now; our reference goes
+            return self._finalize(split(own[name].detach().cpu(), spec, *self.coords[spec.axis]))  # own
+
+        install(model, self.specs, self.mesh, holding=self.holding, local_tensor=local_tensor,
+                dtype=self.dtype)
+
+
+def placement(model: nn.Module, specs: ResolvedPlan, mesh, dtype: torch.dtype | None, holding: str):
+    """The placement of ``holding`` (already validated by ``sw.load``'s guards)."""
+    if holding == "spmd":
+        return SpmdPlacement(model, specs, mesh, dtype)
+    return InstallPlacement(specs, mesh, dtype, holding)
+
+
+__all__ = ["InstallPlacement", "placement"]

@@ -1,0 +1,125 @@
+"""The :class:`~shardwise.io.source.Source` of ordinary safetensors checkpoints: one file, or
+an index and its files, tensors in the model's names or in a hub layout (transformers'
+conversion mapping: one model tensor assembled from several stored tensors).
+
+Every rank reads only the bytes of its own regions of each tensor (the whole tensor when it
+is replicated) through :class:`~shardwise.io.reader.RegionReader`; no collective runs,
+except that dp replicas (``io.replicas``) read each region once and send it to the others.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Mapping
+
+import torch
+from torch import nn
+
+from shardwise.core.pieces import piece_reads
+from shardwise.core.plan import ResolvedPlan
+from shardwise.core.spec import local_layout, local_shape
+from shardwise.io.checkpoint import resolve_checkpoint
+from shardwise.io.hub_layout import Composite
+from shardwise.io.pipeline import match_keys
+from shardwise.io.reader import ReadItem, RegionReader, cpu_views, plan_reads
+from shardwise.io.replicas import read_once, replica_axis
+from shardwise.io.source import Finalize, ReadOptions, Reads, Want
+
+
+class SafetensorsSource:
+    """A safetensors checkpoint (a file, a folder, an index) read region by region."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.ckpt = resolve_checkpoint(path)
+        self.bytes_read = 0
+        self._sources: dict = {}  # model name -> (file, entry) or Composite, from match
+
+    def tensors(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        entries = {n: self.ckpt.entry(n)[1] for n in self.ckpt.names}
+        return {n: (e.torch_dtype, e.shape) for n, e in entries.items()}
+
+    def match(self, model: nn.Module, specs: ResolvedPlan, *, strict: bool) -> tuple[list[str], list[str]]:
+        self._sources, missing, unexpected = match_keys(model, specs, self.ckpt, strict=strict)
+        return missing, unexpected
+
+    def plan(self, wants: Mapping[str, Want]) -> Reads:
+        plain = {k: w for k, w in wants.items() if not isinstance(self._sources[w.name], Composite)}
+        items = [item for key, w in plain.items() for item in plan_reads(
+            {key: self._sources[w.name]}, {key: w.spec}, w.degree, w.rank)]
+        assembler = Assembler({k: (self._sources[w.name], w) for k, w in wants.items() if k not in plain})
+        items += assembler.items
+        whole = {k for k, w in plain.items() if w.spec.replicated}
+        return Reads(wants, sum(i.nbytes for i in items), (items, assembler, whole))
+
+    def read(self, reads: Reads, *, finalize: Finalize, options: ReadOptions,
+             on_bytes: Callable[[int], None] | None = None) -> dict:
+        items, assembler, whole = reads.detail
+        viewable = cpu_views(options.device, options.dtype) if options.device is not None else None
+        with RegionReader(self.ckpt.headers, num_threads=options.num_threads, on_bytes=on_bytes,
+                          viewable=viewable) as reader:
+            def take(item, raw):
+                return assembler.take(item, raw, finalize)
+
+            try:
+                if options.mesh is None or replica_axis(options.mesh) is None:
+                    tensors = reader.read(items, finalize=take)
+                else:  # dp replicas: each region is read by one of them and sent to the others
+                    tensors = read_once(reader, items, finalize=take, mesh=options.mesh, whole=whole,
+                                        on_bytes=on_bytes)
+            finally:
+                self.bytes_read += reader.bytes_read
+        out = {k: t for k, t in tensors.items() if k not in assembler.parts}
+        return out | assembler.done | {k: finalize(k, t) for k, t in assembler.empty.items()}
+
+
+class Assembler:
+    """Reads of tensors made of several stored tensors (hub layouts), and their assembly.
+
+    ``items`` are one :class:`ReadItem` per overlap of a wanted local tensor's regions with a
+    stored tensor (:func:`shardwise.core.pieces.piece_reads`); :meth:`take` copies each read
+    box into its place in the local tensor and finalizes it when its last box arrives.
+    """
+
+    def __init__(self, composites: Mapping[str, tuple[Composite, Want]]):
+        self.items: list[ReadItem] = []
+        self.done: dict = {}
+        self.empty: dict[str, torch.Tensor] = {}  # keys of empty tensors: nothing to read
+        self.parts: set[str] = set()  # names of the items that are boxes of a composite
+        self._place: dict[str, tuple[str, tuple[slice, ...]]] = {}
+        self._pending: dict[str, list] = {}  # key -> [buffer or None, reads left, shape, dtype]
+        self._lock = threading.Lock()
+        for key, (comp, want) in composites.items():
+            shape = local_shape(comp.shape, want.spec, want.degree)
+            reads = piece_reads(local_layout(comp.shape, want.spec, want.degree, want.rank), comp.pieces)
+            self._pending[key] = [None, len(reads), shape, comp.entry.torch_dtype]
+            if not reads:
+                self.empty[key] = torch.empty(shape, dtype=comp.entry.torch_dtype)
+            for i, (piece, src, off) in enumerate(reads):
+                path, entry = comp.stored[piece.key]
+                it = iter(src.sizes)
+                box = [1 if d in piece.stacked else next(it) for d in range(len(off))]
+                item = ReadItem(f"{key}#{i}", path, entry, [(src, (0,) * len(src.sizes))], src.sizes)
+                self.items.append(item)
+                self.parts.add(item.name)
+                self._place[item.name] = (key, tuple(slice(o, o + n) for o, n in zip(off, box, strict=True)))
+
+    def take(self, item: ReadItem, raw: torch.Tensor, finalize: Finalize):
+        if item.name not in self._place:
+            return finalize(item.name, raw)
+        key, where = self._place.pop(item.name)
+        with self._lock:
+            state = self._pending[key]
+            if state[0] is None:
+                state[0] = torch.empty(state[2], dtype=state[3])
+            buf = state[0]
+        buf[where].copy_(raw.view(buf[where].shape))
+        with self._lock:
+            state[1] -= 1
+            last = state[1] == 0
+        if last:
+            self.done[key] = finalize(key, self._pending.pop(key)[0])
+        return None
+
+
+__all__ = ["Assembler", "SafetensorsSource"]
