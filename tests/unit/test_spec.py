@@ -17,6 +17,7 @@ from shardwise.core.spec import (
     block_sizes,
     check_shardable,
     chunk_layout,
+    global_shape,
     intersect,
     local_layout,
     local_shape,
@@ -407,3 +408,17 @@ def test_check_tiling_names_the_fault():
         check_tiling((6,), [a], "t")
     with pytest.raises(ShardingError, match="outside"):
         check_tiling((6,), [a, Piece("b", Region((0,), (4,)), (4,))], "t")
+
+
+@FAST
+@given(layouts())
+def test_global_shape_inverts_local_shape(case):
+    shape, spec, degree = case
+    assert global_shape(local_shape(shape, spec, degree), spec, degree) == shape
+
+
+def test_global_shape_refuses_a_local_shape_no_canonical_tensor_has():
+    with pytest.raises(ShardingError):  # blocks [1, 1] of 3 rows each: 6 rows do not halve into 2 blocks
+        global_shape((3, 4), ShardSpec(dim=0, blocks=(1, 1)), 2)
+    with pytest.raises(PlanError):
+        global_shape((4,), ShardSpec(dim=1), 2)

@@ -198,6 +198,23 @@ def local_shape(shape: Shape, spec: ShardSpec, degree: int) -> tuple[int, ...]:
     return out[: spec.dim] + (out[spec.dim] // degree,) + out[spec.dim + 1 :]
 
 
+def global_shape(local: Shape, spec: ShardSpec, degree: int) -> tuple[int, ...]:
+    """The canonical shape whose shards under ``spec`` at ``degree`` have shape ``local``
+    (the inverse of :func:`local_shape`; every rank's shard has the same shape).
+
+    >>> global_shape((8, 2), ShardSpec(dim=1), 2)
+    (8, 4)
+    """
+    out = tuple(int(s) for s in local)
+    if spec.replicated:
+        return out
+    _check_degree(degree)
+    _check_dim(out, spec.dim, "local shape")
+    out = out[: spec.dim] + (out[spec.dim] * degree,) + out[spec.dim + 1 :]
+    check_shardable(out, spec, degree)
+    return out
+
+
 def shard_regions(shape: Shape, spec: ShardSpec, degree: int, rank: int) -> list[Region]:
     """This rank's regions of the canonical tensor, in local concatenation order.
 

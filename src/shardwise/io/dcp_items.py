@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.planner_helpers import (
     create_read_items_for_chunk_list,
 )
 
-from shardwise.core.spec import Layout, Region, ShardSpec, chunk_layout, local_layout
+from shardwise.core.spec import Layout, Region, ShardSpec, chunk_layout, global_shape, local_layout
 from shardwise.errors import CheckpointError
 from shardwise.io.info import chunk_key, tensor_checksum
 
@@ -111,10 +111,8 @@ def place(tensor: torch.Tensor, spec: ShardSpec | None, degree: int, tp_rank: in
                                       "finish the step (reduce the gradients) before saving")
     spec = spec or ShardSpec()
     local = local.detach()
-    shape = list(base_shape)
-    if not tp_in_mesh and not spec.replicated:
-        shape[spec.dim] *= degree            # a plain local shard: the canonical dim is degree x
-    shape = tuple(shape)
+    # a plain local shard (tp not in the DTensor's mesh): the canonical shape is degree x along dim
+    shape = tuple(base_shape) if tp_in_mesh else global_shape(base_shape, spec, degree)
     layout = local_layout(shape, spec, degree, tp_rank)
     have = list(layout_shape(shape, spec, degree))
     for dim, num, index in chunks:

@@ -23,7 +23,7 @@ from shardwise.backends import Backend
 from shardwise.comm import capture
 from shardwise.core.header import dtype_to_str
 from shardwise.core.plan import resolve_plan
-from shardwise.core.spec import Region, ShardSpec, check_shardable, chunk_layout, local_layout
+from shardwise.core.spec import Region, ShardSpec, chunk_layout, global_shape, local_layout
 from shardwise.errors import CheckpointError, UnsupportedModelError
 from shardwise.io.safetensors_io import StreamingWriter
 from shardwise.parallel import ShardState, get_shard_state, local_of
@@ -131,11 +131,8 @@ def collect_items(model: nn.Module) -> tuple[list[SaveItem], ShardState | None]:
                                   "save; load or materialise the model first")
         degree = 1 if spmd else state.coords(spec)[0]
         gathered = degree > 1 and not spec.replicated
-        shape = list(local.shape)
-        if gathered:
-            shape[spec.dim] *= degree
-            check_shardable(shape, spec, degree)
-        items.append(SaveItem(name, dtype_to_str(local.dtype), tuple(shape), spec, gathered, local, degree))
+        shape = global_shape(local.shape, spec, degree) if gathered else tuple(local.shape)
+        items.append(SaveItem(name, dtype_to_str(local.dtype), shape, spec, gathered, local, degree))
     return items, state
 
 
