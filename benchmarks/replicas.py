@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,9 +28,9 @@ from pathlib import Path
 
 import _peers_models as pm
 from _common import GB, warm_file_cache, write_results
+from _ranks import torchrun_nodes
 
 from shardwise.io.safetensors_io import parse_size
-from shardwise.launch import free_port
 
 MODES = {"replicas": "mesh(dp_replicate=2, tp=2)", "plain": "mesh(dp_shard=2, tp=2)"}
 
@@ -62,27 +61,7 @@ def worker(folder: str, out: str, mode: str) -> None:
 
 def run_nodes(folder: Path, mode: str, timeout: float) -> list[dict]:
     out = Path(tempfile.mkdtemp(prefix=f"shardwise-replicas-{mode}-"))
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    def command(node: int) -> list[str]:
-        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-                "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "0",
-                __file__, "--worker", str(folder), str(out), mode]
-
-    procs = [subprocess.Popen(command(n), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for n in (0, 1)]
-    deadline, logs = time.monotonic() + timeout, []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    if any(p.returncode for p in procs):
-        raise RuntimeError(f"torchrun failed ({[p.returncode for p in procs]}):\n" + "\n".join(logs)[-4000:])
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+    return torchrun_nodes([__file__, "--worker", str(folder), str(out), mode], out, timeout=timeout)
 
 
 def main(argv=None) -> None:

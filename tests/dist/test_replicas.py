@@ -9,11 +9,8 @@ without a replica axis).
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -25,8 +22,12 @@ from harness import run_ranks
 from models import TinyTransformer, make_model, tiny_plan, tokens
 from shardwise.core.spec import split
 from shardwise.errors import CheckpointError
-from shardwise.launch import free_port
 from shardwise.parallel import local_of
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+from _ranks import torchrun_nodes  # noqa: E402
 
 NODE_SCRIPT = Path(__file__).with_name("replica_node.py")
 
@@ -106,26 +107,7 @@ def test_a_failed_read_raises_on_every_rank(tmp_path):
 
 def _run_nodes(ckpt: Path, out: Path, mode: str, timeout: float = 240.0) -> list[dict]:
     out.mkdir()
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-         "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "0",
-         str(NODE_SCRIPT), str(ckpt), str(out), mode],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
-    deadline = time.monotonic() + timeout
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    if any(p.returncode for p in procs):
-        pytest.fail(f"torchrun failed ({[p.returncode for p in procs]}):\n" + "\n".join(logs)[-4000:])
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+    return torchrun_nodes([str(NODE_SCRIPT), str(ckpt), str(out), mode], out, timeout=timeout)
 
 
 @pytest.mark.slow
