@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+import sys
 import tempfile
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from shardwise.core.header import (
 )
 from shardwise.errors import CheckpointError
 from shardwise.io.checkpoint import Checkpoint, resolve_checkpoint
+from shardwise.io.files import Writeback
 from shardwise.io.safetensors_io import (
     StreamingWriter,
     index_json,
@@ -726,3 +728,35 @@ with open(path, "rb") as f:
 assert torch.equal(out, t[:, 3:]), out
 """
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="sync_file_range is Linux's; elsewhere fsync does it all")
+@pytest.mark.parametrize("sequential", [True, False])
+def test_writeback_starts_every_stretch_and_keeps_the_bytes(tmp_path, sequential):
+    path = tmp_path / "f.bin"
+    data = bytes(range(256)) * (14 << 10)  # 3.5 MiB
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        writeback = Writeback(fd, sequential=sequential, every=1 << 20)
+        for start in range(0, len(data), 512 << 10):
+            os.write(fd, data[start:start + (512 << 10)])
+            writeback.wrote(512 << 10)
+        assert writeback.started == 3 << 20  # told at 1, 2 and 3 MiB; the last half is fsync's
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == data
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="sync_file_range is Linux's")
+def test_writeback_on_a_pipe_gives_up_quietly():
+    read, write = os.pipe()
+    try:
+        writeback = Writeback(write, sequential=True, every=4)
+        os.write(write, b"12345678")
+        writeback.wrote(8)  # ESPIPE: nothing started, and no error
+        writeback.wrote(8)
+        assert writeback.started == 0 and os.read(read, 8) == b"12345678"
+    finally:
+        os.close(read)
+        os.close(write)

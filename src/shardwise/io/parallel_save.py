@@ -38,7 +38,7 @@ from shardwise.core.header import layout_header, region_runs, spec_nbytes
 from shardwise.core.pieces import Piece, piece_reads
 from shardwise.core.spec import Layout, Region, local_layout
 from shardwise.errors import CheckpointError, UsageError
-from shardwise.io.files import byte_view, pread_into
+from shardwise.io.files import Writeback, byte_view, pread_into
 from shardwise.io.info import new_digest
 
 PROBE_PREFIX = ".shardwise-probe-"
@@ -145,12 +145,14 @@ def _write_file(path: Path, group, offsets: dict, base: int, jobs) -> None:
             for data, runs in _boxes(item, piece, layout, shape):
                 if fd is None:  # never O_CREAT: a missing file is an error, not a new file
                     fd = os.open(path, os.O_WRONLY)
+                    writeback = Writeback(fd, sequential=False)
                 data = data.detach().resolve_conj().resolve_neg().cpu().contiguous()
                 view, pos = byte_view(data), 0
                 # one pwrite per run: a dim-0 split is one run, a dim-1 split one run per row
                 for offset, length in runs:
                     _pwrite_all(fd, view[pos : pos + length], base + offsets[name][0] + offset)
                     pos += length
+                writeback.wrote(len(view))
                 assert pos == len(view), (pos, len(view))
         if fd is not None:
             os.fsync(fd)

@@ -32,7 +32,7 @@ from shardwise.core.header import (
     str_to_dtype,
 )
 from shardwise.errors import CheckpointError, UsageError
-from shardwise.io.files import byte_view, fsync_dir, open_regular, pread_into, pread_runs
+from shardwise.io.files import Writeback, byte_view, fsync_dir, open_regular, pread_into, pread_runs
 from shardwise.io.info import new_digest, record_checksums
 
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -146,6 +146,7 @@ class StreamingWriter:
         self._next = 0
         self._pos = 0
         self._fd: int | None = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        self._writeback = Writeback(self._fd, sequential=True)
         try:
             self._write_all(memoryview(prefix))
         except BaseException:
@@ -167,6 +168,7 @@ class StreamingWriter:
         while done < len(buf):
             done += os.write(self._fd, buf[done:])
         self._pos += done
+        self._writeback.wrote(done)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Append tensor ``name``; it must be the next spec, with its dtype and shape, on CPU."""
