@@ -59,33 +59,52 @@ def gather_to_rank0(backend: Backend, local: torch.Tensor, spec: ShardSpec, degr
     gather). Shards are equal-sized: the degree divides every block. On rank 0, ``buffer``
     (contiguous uint8, at least the tensor's bytes) is where the tensor is built and
     ``receive`` (one uint8 tensor per tp rank, at least a chunk's bytes each) is where the
-    chunks land; both are reused from tensor to tensor, so their pages are touched once.
+    chunks land that are not one contiguous stretch of the canonical tensor (those land in
+    place); both are reused from tensor to tensor, so their pages are touched once.
     """
     data = local.detach().contiguous()
     rows = data.shape[0]
     k = num_chunks(math.prod(shape) * data.element_size(), rows)
     step = -(-rows // k)
-    full, layouts = None, None
+    full, flat, layouts = None, None, None
     if receive is None and backend.rank == 0:  # rank 0 receives even when it keeps nothing
         receive = [torch.empty(data[:step].numel() * data.element_size(), dtype=torch.uint8,
                                device=data.device) for _ in range(degree)]
+    if keep and backend.rank == 0:
+        full = _empty(shape, data, buffer)
+        flat = full.view(-1).view(torch.uint8)
+        layouts = [local_layout(shape, spec, degree, r) for r in range(degree)]
     for index, lo in enumerate(range(0, rows, step)):
         piece = data[lo : lo + step]
         nbytes = piece.numel() * piece.element_size()
-        got = [r[:nbytes] for r in receive] if receive is not None else None
+        got, chunks = [r[:nbytes] for r in receive] if receive is not None else None, None
+        if full is not None:
+            # A chunk that is one contiguous stretch of the canonical tensor (a dim-0 shard,
+            # two thirds of a Llama's bytes) is received in place: no copy afterwards.
+            chunks = [chunk_layout(layout, data.shape, 0, k, index) for layout in layouts]
+            for r, chunk in enumerate(chunks):
+                start = _contiguous_start(chunk, shape, data.element_size(), nbytes)
+                if start is not None:
+                    got[r], chunks[r] = flat[start : start + nbytes], []
         backend.gather_into(piece.reshape(-1).view(torch.uint8), got, dst=0, group=group)
-        if backend.rank != 0 or not keep:
-            continue
-        if full is None:
-            full = _empty(shape, data, buffer)
-            layouts = [local_layout(shape, spec, degree, r) for r in range(degree)]
-        for layout, raw in zip(layouts, got, strict=True):
-            part = raw.view(data.dtype).view(piece.shape)
-            for region, off in chunk_layout(layout, data.shape, 0, k, index):
+        for chunk, raw in zip(chunks or (), got or (), strict=False):
+            part = raw.view(data.dtype).view(piece.shape) if chunk else None
+            for region, off in chunk:
                 full[region.slices()] = part[Region(off, region.sizes).slices()]
-    if full is None and keep and backend.rank == 0:  # no rows: nothing travelled
-        full = _empty(shape, data, buffer)
     return full
+
+
+def _contiguous_start(chunk, shape: tuple[int, ...], itemsize: int, nbytes: int) -> int | None:
+    """The byte offset in the canonical tensor of ``shape`` where a chunk of ``nbytes`` lands
+    whole, when it is one run of whole rows taken from the chunk's start; else None."""
+    if len(chunk) != 1:
+        return None
+    region, off = chunk[0]
+    if any(off) or region.sizes[1:] != tuple(shape[1:]) or any(region.offsets[1:]):
+        return None
+    if region.numel * itemsize != nbytes:
+        return None
+    return region.offsets[0] * math.prod(shape[1:]) * itemsize
 
 
 def _empty(shape, like: torch.Tensor, buffer: torch.Tensor | None) -> torch.Tensor:
