@@ -380,6 +380,27 @@ def _read(path: str) -> str:
         return ""
 
 
+# What a benchmark itself writes: changes there do not make the measured code uncommitted.
+_OUTPUTS = ("docs/", "benchmarks/results/")
+
+
+def _commit() -> str:
+    """HEAD's short hash, with "-dirty" when code differs from it: figures measured on
+    uncommitted code must not name a commit that lacks it. Untracked files count (a new
+    script not yet committed), the benchmarks' own outputs do not (a run that publishes
+    two tables would otherwise refuse the second)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True,
+                              timeout=10, check=True).stdout
+
+    try:
+        head = git("rev-parse", "--short", "HEAD").strip()
+        changed = [line[3:] for line in git("status", "--porcelain", "--untracked-files=all").splitlines()]
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return head + ("-dirty" if any(not p.startswith(_OUTPUTS) for p in changed) else "")
+
+
 def machine_info() -> dict:
     """Where the figures come from: CPU, cores, RAM, kernel, library versions, date, commit."""
     import numpy
@@ -388,12 +409,7 @@ def machine_info() -> dict:
     cpu = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
                 if line.startswith("model name")), "unknown CPU")
     thp = re.search(r"\[(\w+)\]", _read("/sys/kernel/mm/transparent_hugepage/enabled"))
-    try:
-        # --dirty: figures measured on uncommitted code must not name a commit that lacks it
-        commit = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"],
-                                capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit = ""
+    commit = _commit()
     ram = int(_read("/proc/meminfo").split()[1]) * 1024
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
