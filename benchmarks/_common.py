@@ -31,7 +31,7 @@ if (REPO / "src" / "shardwise").is_dir() and str(REPO / "src") not in sys.path:
 
 from shardwise.core.header import dtype_to_str  # noqa: E402
 from shardwise.core.spec import ShardSpec  # noqa: E402
-from shardwise.io.safetensors_io import INDEX_SUFFIX, StreamingWriter, index_json, plan_files  # noqa: E402
+from shardwise.io.safetensors.format import INDEX_SUFFIX, StreamingWriter, index_json, plan_files  # noqa: E402
 
 OUT_DIR = BENCH_DIR / "results"  # kept in the repository, next to the docs they feed
 SCRATCH_DIR = BENCH_DIR / "out"  # git-ignored: runs from a dirty tree

@@ -62,7 +62,7 @@ def _stamped(folder: Path, config: dict) -> bool:
 
 
 def _finish(kind: str, folder: Path, library: str, description: str) -> PeerModel:
-    from shardwise.io.safetensors_io import read_header
+    from shardwise.io.safetensors.format import read_header
 
     files = sorted(folder.glob("*.safetensors"))
     total = sum(sum(e.nbytes for e in read_header(f).entries.values()) for f in files)

@@ -214,10 +214,12 @@ def _hook(op: str, point: str) -> tuple[object, str, int]:
     """Where the victim dies: (owner, attribute, on which call)."""
     import torch.distributed.checkpoint as dcp
 
-    from shardwise.io import dcp as sw_dcp
-    from shardwise.io import gather, parallel_save, reader, safetensors_source, save
-    from shardwise.io.dcp_chunks import MetadataReader
-    from shardwise.io.dcp_items import HashingWriter
+    from shardwise.io import gather, parallel_save, save
+    from shardwise.io.dcp import checkpoint as sw_dcp
+    from shardwise.io.dcp.chunks import MetadataReader
+    from shardwise.io.dcp.items import HashingWriter
+    from shardwise.io.safetensors import reader
+    from shardwise.io.safetensors import source as safetensors_source
 
     return {
         ("gather save", "early"): (save, "agree", 1),

@@ -55,7 +55,7 @@ from _common import (
 from safetensors.torch import load_file
 
 from shardwise.core.spec import split
-from shardwise.io.safetensors_io import parse_size
+from shardwise.io.safetensors.format import parse_size
 from shardwise.launch import spawn
 
 # --- what each rank runs (module level, so spawn can pickle them) ---------------------------

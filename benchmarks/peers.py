@@ -39,7 +39,7 @@ import _peers_models as pm
 import torch
 from _common import GB, PeakRSS, io_delta, mem_available, proc_io, proc_status, warm_file_cache, write_results
 
-from shardwise.io.safetensors_io import parse_size
+from shardwise.io.safetensors.format import parse_size
 from shardwise.launch import spawn
 
 METHODS = {"llama": ("shardwise", "transformers", "load-then-shard"),

@@ -30,7 +30,7 @@ import _peers_models as pm
 from _common import GB, warm_file_cache, write_results
 from _ranks import torchrun_nodes
 
-from shardwise.io.safetensors_io import parse_size
+from shardwise.io.safetensors.format import parse_size
 
 MODES = {"replicas": "mesh(dp_replicate=2, tp=2)", "plain": "mesh(dp_shard=2, tp=2)"}
 

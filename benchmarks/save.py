@@ -49,7 +49,7 @@ from _common import (
 )
 from safetensors.torch import load_file, save_file
 
-from shardwise.io.safetensors_io import parse_size
+from shardwise.io.safetensors.format import parse_size
 from shardwise.launch import spawn
 
 WRITES = {"stream": False, "parallel": True}  # --writes: sw.save's parallel_write

@@ -31,7 +31,7 @@ import _peers_models as pm
 import torch
 from _common import GB, warm_file_cache, write_results
 
-from shardwise.io.safetensors_io import parse_size
+from shardwise.io.safetensors.format import parse_size
 from shardwise.launch import spawn
 
 METHODS = ("shardwise", "transformers")

@@ -42,26 +42,26 @@ if TYPE_CHECKING:  # what type checkers see for the names below, which load on f
     from shardwise.clip import clip_grad_norm_ as clip_grad_norm_
     from shardwise.hf import empty_model as empty_model
     from shardwise.hf import from_pretrained as from_pretrained
-    from shardwise.io.consolidate import consolidate as consolidate
-    from shardwise.io.diff import diff as diff
+    from shardwise.io.check.diff import diff as diff
+    from shardwise.io.check.verify import verify as verify
+    from shardwise.io.dcp.consolidate import consolidate as consolidate
+    from shardwise.io.dcp.optim import load_optimizer as load_optimizer
+    from shardwise.io.dcp.optim import save_optimizer as save_optimizer
     from shardwise.io.load import LoadResult as LoadResult
     from shardwise.io.load import load as load
-    from shardwise.io.optim import load_optimizer as load_optimizer
-    from shardwise.io.optim import save_optimizer as save_optimizer
     from shardwise.io.save import save as save
-    from shardwise.io.verify import verify as verify
 
 # The I/O entry points load on first use: `import shardwise` stays light.
 _LAZY = {
     "load": "shardwise.io.load",
     "LoadResult": "shardwise.io.load",
     "save": "shardwise.io.save",
-    "consolidate": "shardwise.io.consolidate",
-    "save_optimizer": "shardwise.io.optim",
-    "load_optimizer": "shardwise.io.optim",
+    "consolidate": "shardwise.io.dcp.consolidate",
+    "save_optimizer": "shardwise.io.dcp.optim",
+    "load_optimizer": "shardwise.io.dcp.optim",
     "clip_grad_norm_": "shardwise.clip",
-    "verify": "shardwise.io.verify",
-    "diff": "shardwise.io.diff",
+    "verify": "shardwise.io.check.verify",
+    "diff": "shardwise.io.check.diff",
     "from_pretrained": "shardwise.hf",
     "empty_model": "shardwise.hf",
 }

@@ -14,7 +14,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from shardwise.io.inspect import main_inspect
+    from shardwise.io.check.inspect import main_inspect
 
     return main_inspect(args.path)
 
@@ -23,8 +23,8 @@ def _consolidate(args: argparse.Namespace) -> int:
     import time
 
     from shardwise.errors import ShardwiseError
-    from shardwise.io.checkpoint import resolve_checkpoint
-    from shardwise.io.consolidate import consolidate
+    from shardwise.io.dcp.consolidate import consolidate
+    from shardwise.io.safetensors.checkpoint import resolve_checkpoint
 
     start = time.perf_counter()
     try:
@@ -42,13 +42,13 @@ def _consolidate(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from shardwise.io.verify import main_verify
+    from shardwise.io.check.verify import main_verify
 
     return main_verify(args.path, as_json=args.json)
 
 
 def _diff(args: argparse.Namespace) -> int:
-    from shardwise.io.diff import main_diff
+    from shardwise.io.check.diff import main_diff
 
     return main_diff(args.a, args.b, as_json=args.json)
 

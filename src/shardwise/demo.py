@@ -30,7 +30,7 @@ _TOLERANCE = 1e-4
 def write_checkpoint(model: torch.nn.Module, folder: Path, *, num_files: int = 3) -> list[Path]:
     """Write ``model`` as ``model-0000i-of-0000N.safetensors`` files plus the index; return the files."""
     from shardwise.core.header import dtype_to_str
-    from shardwise.io.safetensors_io import INDEX_SUFFIX, StreamingWriter, index_json, plan_files
+    from shardwise.io.safetensors.format import INDEX_SUFFIX, StreamingWriter, index_json, plan_files
 
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     specs = [(k, dtype_to_str(v.dtype), tuple(v.shape)) for k, v in state.items()]

@@ -24,7 +24,7 @@ from models import TinyTransformer, make_model, tiny_plan, tokens
 from shardwise.core.header import dtype_to_str
 from shardwise.core.spec import shard_regions, split
 from shardwise.errors import CheckpointError
-from shardwise.io.safetensors_io import StreamingWriter, index_json, plan_files
+from shardwise.io.safetensors.format import StreamingWriter, index_json, plan_files
 from shardwise.io.source import Reads
 from shardwise.parallel import local_of
 
@@ -236,7 +236,7 @@ def _errors(folder):
     sw.load(meta_model(), folder / "plain.safetensors", plan=tiny_plan(), mesh=mesh, progress=False)
     assert len(bars) == 1
 
-    # a torch DCP folder (it has .metadata) is read by shardwise.io.dcp's DcpSource with the resolved plan
+    # a torch DCP folder (it has .metadata) is read by shardwise.io.dcp.checkpoint's DcpSource with the resolved plan
     calls = []
 
     class FakeDcpSource:
@@ -255,9 +255,9 @@ def _errors(folder):
             calls.append(options)
             raise _FromDcp
 
-    fake_dcp = types.ModuleType("shardwise.io.dcp")
+    fake_dcp = types.ModuleType("shardwise.io.dcp.checkpoint")
     fake_dcp.DcpSource = FakeDcpSource
-    sys.modules["shardwise.io.dcp"] = fake_dcp
+    sys.modules["shardwise.io.dcp.checkpoint"] = fake_dcp
     dcp_dir = folder / "dcp"
     dcp_dir.mkdir()
     (dcp_dir / ".metadata").write_bytes(b"")

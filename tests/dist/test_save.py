@@ -25,8 +25,8 @@ from torch import nn
 import shardwise as sw
 from harness import RankFailure, run_ranks
 from models import TinyTransformer, make_model, tiny_plan
-from shardwise.io.checkpoint import resolve_checkpoint
-from shardwise.io.safetensors_io import StreamingWriter
+from shardwise.io.safetensors.checkpoint import resolve_checkpoint
+from shardwise.io.safetensors.format import StreamingWriter
 
 HOLDINGS = ("dtensor", "local")
 SMALL = "20KB"  # the tiny model is 160 KB: several files

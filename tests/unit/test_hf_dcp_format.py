@@ -11,9 +11,9 @@ from safetensors.torch import save_file
 
 from shardwise.core.spec import Region, ShardSpec, local_layout
 from shardwise.errors import CheckpointError
-from shardwise.io.hf_dcp import is_sharded_safetensors, read_sharded, sharding_metadata
-from shardwise.io.hf_dcp_read import ShardedReader, consolidate_sharded, plan_chunk_reads
-from shardwise.io.hf_dcp_write import assign_chunks, num_files, rank_files
+from shardwise.io.dcp.sharded import is_sharded_safetensors, read_sharded, sharding_metadata
+from shardwise.io.dcp.sharded_read import ShardedReader, consolidate_sharded, plan_chunk_reads
+from shardwise.io.dcp.sharded_write import assign_chunks, num_files, rank_files
 
 W = torch.arange(32, dtype=torch.float32).reshape(8, 4)   # rows split 2 | 3 | 3 over three files
 B = torch.tensor([1.5, -2.0, 3.0, 4.0], dtype=torch.bfloat16)  # replicated, in file 1 only
@@ -43,7 +43,7 @@ def no_reads(monkeypatch):
     """Fail the test if any tensor byte is read."""
     def refuse(*args, **kwargs):
         raise AssertionError("a tensor byte was read")
-    monkeypatch.setattr("shardwise.io.reader.read_region", refuse)
+    monkeypatch.setattr("shardwise.io.safetensors.reader.read_region", refuse)
 
 
 def test_chunk_map_and_detection(tmp_path):
@@ -84,7 +84,7 @@ def test_reads_only_overlapping_chunk_bytes(tmp_path):
 
 def test_consolidate_and_inspect(tmp_path):
     import shardwise as sw
-    from shardwise.io.inspect import format_report, inspect_checkpoint
+    from shardwise.io.check.inspect import format_report, inspect_checkpoint
 
     folder = _folder(tmp_path / "ckpt")
     out = sw.consolidate(folder, tmp_path / "merged")  # dispatched on the headers

@@ -33,9 +33,9 @@ from shardwise.core.header import (
     str_to_dtype,
 )
 from shardwise.errors import CheckpointError
-from shardwise.io.checkpoint import Checkpoint, resolve_checkpoint
 from shardwise.io.files import Writeback
-from shardwise.io.safetensors_io import (
+from shardwise.io.safetensors.checkpoint import Checkpoint, resolve_checkpoint
+from shardwise.io.safetensors.format import (
     StreamingWriter,
     index_json,
     parse_size,
@@ -716,7 +716,7 @@ def test_reading_and_writing_need_no_numpy(tmp_path):
 import sys
 sys.modules["numpy"] = None  # any import of numpy now fails
 import torch
-from shardwise.io.safetensors_io import StreamingWriter, read_header, read_region
+from shardwise.io.safetensors.format import StreamingWriter, read_header, read_region
 t = torch.arange(24, dtype=torch.bfloat16).reshape(4, 6)
 path = {str(tmp_path / "m.safetensors")!r}
 with StreamingWriter(path, [("w", "BF16", (4, 6))]) as w:

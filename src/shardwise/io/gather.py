@@ -25,7 +25,7 @@ from shardwise.core.header import dtype_to_str
 from shardwise.core.plan import resolve_plan
 from shardwise.core.spec import Region, ShardSpec, chunk_layout, global_shape, local_layout
 from shardwise.errors import CheckpointError, UnsupportedModelError
-from shardwise.io.safetensors_io import StreamingWriter
+from shardwise.io.safetensors.format import StreamingWriter
 from shardwise.parallel import ShardState, get_shard_state, local_of
 
 # Bytes gathered per collective, all ranks together (see num_chunks).

@@ -7,8 +7,8 @@ rule and the host-to-device copy of ``shardwise.io.staging``) -> place per holdi
 (``shardwise.io.place``: ``install`` for dtensor/local, built on the devices for spmd).
 
 A format is a :class:`~shardwise.io.source.Source`: ordinary safetensors and hub layouts
-(``shardwise.io.safetensors_source``), rank-local sharded safetensors
-(``shardwise.io.hf_dcp_read``), torch DCP (``shardwise.io.dcp``). What the steps share
+(``shardwise.io.safetensors.source``), rank-local sharded safetensors
+(``shardwise.io.dcp.sharded_read``), torch DCP (``shardwise.io.dcp.checkpoint``). What the steps share
 (key matching, the meta checks, ``LoadResult``) is ``shardwise.io.pipeline``. Every rank
 plans and reads on its own; the only collectives are DCP's own and the dp replicas' sharing
 of reads (``shardwise.io.replicas``).
@@ -24,10 +24,10 @@ from torch import nn
 
 from shardwise._progress import Progress
 from shardwise.errors import CheckpointError, PlanError, UsageError
+from shardwise.io.dcp.sharded import is_sharded_safetensors
+from shardwise.io.dcp.sharded_read import ShardedSource
 from shardwise.io.detect import is_dcp
 from shardwise.io.guards import check_mesh, check_model, check_options
-from shardwise.io.hf_dcp import is_sharded_safetensors
-from shardwise.io.hf_dcp_read import ShardedSource
 from shardwise.io.pipeline import (
     LoadResult,
     check_dtype,
@@ -39,7 +39,7 @@ from shardwise.io.pipeline import (
     reader_threads,
 )
 from shardwise.io.place import placement
-from shardwise.io.safetensors_source import SafetensorsSource
+from shardwise.io.safetensors.source import SafetensorsSource
 from shardwise.io.source import ReadOptions, Source
 from shardwise.parallel import (
     HOLDINGS,
@@ -117,7 +117,7 @@ def open_source(path: str | os.PathLike) -> Source:
     detected once, from file names (``shardwise.io.detect``)."""
     if is_dcp(path):  # DCP, maybe incomplete: its metadata reader says so
         try:  # imported on use: torch.distributed.checkpoint takes ~0.5 s to import
-            from shardwise.io.dcp import DcpSource
+            from shardwise.io.dcp.checkpoint import DcpSource
         except ImportError as e:
             raise CheckpointError(
                 f"{path}: a torch distributed checkpoint (it has .metadata), but this shardwise "

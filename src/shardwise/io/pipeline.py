@@ -3,8 +3,8 @@ torch DCP, rank-local sharded safetensors) and however the shards are held: the 
 matching a checkpoint's keys, shapes and dtypes to the model before any data is read, the
 checks that nothing is left on the meta device, and the device and thread count of a load.
 
-This module imports no format module: the sources (``shardwise.io.safetensors_source``,
-``shardwise.io.dcp``, ``shardwise.io.hf_dcp_read``) and the pipeline (``shardwise.io.load``)
+This module imports no format module: the sources (``shardwise.io.safetensors.source``,
+``shardwise.io.dcp.checkpoint``, ``shardwise.io.dcp.sharded_read``) and the pipeline (``shardwise.io.load``)
 import it. The cast rule is :func:`shardwise.io.staging.loaded_dtype`.
 """
 
@@ -20,8 +20,8 @@ from torch import nn
 from shardwise.backends import current_backend
 from shardwise.core.plan import ResolvedPlan
 from shardwise.errors import CheckpointError
-from shardwise.io.checkpoint import Checkpoint
-from shardwise.io.hub_layout import hub_tensors
+from shardwise.io.safetensors.checkpoint import Checkpoint
+from shardwise.io.safetensors.hub_layout import hub_tensors
 
 _SHOW = 20  # names listed in an error before "... and N more"
 

@@ -26,15 +26,15 @@ from shardwise.errors import CheckpointError, CollectiveError, UsageError
 from shardwise.io import parallel_save
 from shardwise.io.gather import FileGatherer, collect_items
 from shardwise.io.guards import check_model
-from shardwise.io.headers import header_metadata, save_file_order
-from shardwise.io.hub_layout import hub_save_layout, shared_storages
 from shardwise.io.info import collect_checksums, gather_info, write_info
-from shardwise.io.safetensors_io import INDEX_SUFFIX, index_json, plan_files
+from shardwise.io.safetensors.format import INDEX_SUFFIX, index_json, plan_files
+from shardwise.io.safetensors.headers import header_metadata, save_file_order
+from shardwise.io.safetensors.hub_layout import hub_save_layout, shared_storages
 from shardwise.io.side_files import default_prefix, index_metadata, write_side_files
 from shardwise.io.target import Destination, target_path
 
 if TYPE_CHECKING:
-    from shardwise.io.dcp import AsyncSave
+    from shardwise.io.dcp.checkpoint import AsyncSave
 
 def save(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
          filename_prefix: str | None = None, metadata: Mapping[str, str] | None = None,
@@ -81,12 +81,12 @@ def save(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str
     read the checksums back).
     ``progress`` shows a bar on rank 0 (default: when stderr is a terminal; tqdm if
     installed). ``distributed=True`` writes a torch distributed checkpoint instead, every
-    rank its own part (``shardwise.io.dcp.save_dcp``; ``max_shard_size`` and
+    rank its own part (``shardwise.io.dcp.checkpoint.save_dcp``; ``max_shard_size`` and
     ``filename_prefix`` do not apply); with ``async_save=True`` too it returns a handle
     whose ``wait()`` every rank calls. With ``format="safetensors"`` the distributed save
     writes rank-local safetensors files instead (torch's ``HuggingFaceStorageWriter(
     save_distributed=True)`` format, which transformers and torch read; no pickle;
-    ``shardwise.io.hf_dcp_write``; no ``async_save``). The gather save returns None.
+    ``shardwise.io.dcp.sharded_write``; no ``async_save``). The gather save returns None.
 
     Crash safety: everything is written into ``.{name}.shardwise-tmp-*`` beside ``path``
     (same filesystem) and renamed into place when complete; a folder already at ``path``
@@ -116,12 +116,14 @@ def save(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str
             raise UsageError("async_save=True is not supported with format='safetensors'; "
                              "use format='distcp' for an async distributed save")
         # imported on use, as save_dcp below: it imports torch.distributed.checkpoint (dcp_coord)
-        from shardwise.io.hf_dcp_write import save_sharded_safetensors
+        from shardwise.io.dcp.sharded_write import save_sharded_safetensors
 
         return save_sharded_safetensors(model, path, overwrite=overwrite, metadata=metadata,
                                         progress=progress)
     if distributed:
-        from shardwise.io.dcp import save_dcp  # imported on use: torch.distributed.checkpoint is slow to load
+        from shardwise.io.dcp.checkpoint import (
+            save_dcp,  # imported on use: torch.distributed.checkpoint is slow to load
+        )
 
         return save_dcp(model, path, overwrite=overwrite, metadata=metadata, progress=progress,
                         async_save=async_save)

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from shardwise.errors import CheckpointError
-from shardwise.io.diff_sources import open_side
-from shardwise.io.inspect import print_safely
+from shardwise.io.check.diff_sources import open_side
+from shardwise.io.check.inspect import print_safely
 
 _SLAB_BYTES = 64 << 20
 

@@ -31,7 +31,7 @@ from shardwise.core.spec import Region, intersect
 from shardwise.errors import CheckpointError
 from shardwise.io.files import check_inside
 from shardwise.io.info import INFO_FILE, read_info
-from shardwise.io.safetensors_io import INDEX_SUFFIX, read_header
+from shardwise.io.safetensors.format import INDEX_SUFFIX, read_header
 
 SHARDING_INFO_KEY = "DCP_SHARDING_INFO"
 VERSION_KEY = "DCP_VERSION"
@@ -74,7 +74,7 @@ class ShardedTensor:
 @dataclass
 class ShardedCheckpoint:
     """A validated sharded checkpoint. ``names``/``entry``/``root`` answer like
-    :class:`shardwise.io.checkpoint.Checkpoint`, so the loader's key matching works on it."""
+    :class:`shardwise.io.safetensors.checkpoint.Checkpoint`, so the loader's key matching works on it."""
 
     root: Path
     files: list[Path]

@@ -37,11 +37,11 @@ from shardwise.backends import coordination_group
 from shardwise.core.plan import ResolvedPlan
 from shardwise.core.spec import local_layout, local_shape
 from shardwise.errors import CheckpointError
-from shardwise.io.dcp_chunks import MetadataReader
-from shardwise.io.dcp_coord import checkpoint_info, dcp_error, gather_checksums, model_placed
-from shardwise.io.dcp_coord import on_rank0 as _on_rank0  # a module global: benchmarks/_trials.py hooks it
-from shardwise.io.dcp_items import CanonicalLoadPlanner, CanonicalSavePlanner, HashingWriter, Placed
-from shardwise.io.dcp_metadata import check_tensors, read_metadata
+from shardwise.io.dcp.chunks import MetadataReader
+from shardwise.io.dcp.coord import checkpoint_info, dcp_error, gather_checksums, model_placed
+from shardwise.io.dcp.coord import on_rank0 as _on_rank0  # a module global: benchmarks/_trials.py hooks it
+from shardwise.io.dcp.items import CanonicalLoadPlanner, CanonicalSavePlanner, HashingWriter, Placed
+from shardwise.io.dcp.metadata import check_tensors, read_metadata
 from shardwise.io.guards import check_model
 from shardwise.io.info import INFO_FILE, write_info
 from shardwise.io.side_files import write_side_files

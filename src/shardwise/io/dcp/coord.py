@@ -1,5 +1,5 @@
-"""What the distributed saves share (DCP, ``shardwise.io.dcp``, and rank-local safetensors,
-``shardwise.io.hf_dcp_write``): what a model holds (:func:`model_placed`), the
+"""What the distributed saves share (DCP, ``shardwise.io.dcp.checkpoint``, and rank-local safetensors,
+``shardwise.io.dcp.sharded_write``): what a model holds (:func:`model_placed`), the
 ``shardwise.json`` record (:func:`checkpoint_info`), running a step on rank 0 with every rank
 agreeing on its outcome (:func:`on_rank0`); and the coordination around
 torch.distributed.checkpoint: its failures as ShardwiseErrors, and the chunk checksums of a
@@ -26,7 +26,7 @@ from shardwise.comm import agree, capture, world_backend
 from shardwise.core.header import dtype_to_str
 from shardwise.core.plan import plan_summary
 from shardwise.errors import CheckpointError, CollectiveError, ShardwiseError
-from shardwise.io.dcp_items import HashingWriter, Placed, place
+from shardwise.io.dcp.items import HashingWriter, Placed, place
 from shardwise.io.info import ALGORITHM
 from shardwise.io.side_files import index_metadata
 from shardwise.parallel import get_shard_state

@@ -1,9 +1,9 @@
 """Safetensors files on disk: headers, boxes of tensors, a streaming writer (checkpoint
-folders and indexes are ``shardwise.io.checkpoint``).
+folders and indexes are ``shardwise.io.safetensors.checkpoint``).
 
 ``read_region`` reads a box with ``pread`` of each contiguous run into the destination
 tensor's memory (exactly the box's bytes). The loader may instead keep a CPU region as a
-page-cache view or copy a column slice out of a mapping (``shardwise.io.mapped``), where
+page-cache view or copy a column slice out of a mapping (``shardwise.io.safetensors.mapped``), where
 that measured faster. Nothing here ever unpickles.
 
 Length (~330 lines): reading and streaming writing of the one format, with its file and

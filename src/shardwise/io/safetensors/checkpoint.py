@@ -15,7 +15,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 from shardwise.core.header import FileHeader, TensorEntry
 from shardwise.errors import CheckpointError
 from shardwise.io.files import check_inside, read_json_file
-from shardwise.io.safetensors_io import INDEX_SUFFIX, read_header
+from shardwise.io.safetensors.format import INDEX_SUFFIX, read_header
 
 _PICKLE_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle"})
 

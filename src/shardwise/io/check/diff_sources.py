@@ -15,12 +15,12 @@ import torch
 
 from shardwise.core.pieces import piece_reads
 from shardwise.core.spec import Region, intersect
-from shardwise.io.checkpoint import resolve_checkpoint
+from shardwise.io.dcp.sharded import is_sharded_safetensors, read_sharded
 from shardwise.io.detect import is_dcp
 from shardwise.io.files import open_regular
-from shardwise.io.hf_dcp import is_sharded_safetensors, read_sharded
-from shardwise.io.hub_layout import hub_tensors, model_from_folder
-from shardwise.io.safetensors_io import read_region
+from shardwise.io.safetensors.checkpoint import resolve_checkpoint
+from shardwise.io.safetensors.format import read_region
+from shardwise.io.safetensors.hub_layout import hub_tensors, model_from_folder
 
 
 class _Safetensors:
@@ -87,7 +87,7 @@ class _Dcp:
         # which a diff of safetensors checkpoints should not pay
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        from shardwise.io.dcp_metadata import read_metadata
+        from shardwise.io.dcp.metadata import read_metadata
 
         self.path, self.metadata = path, read_metadata(path)
         self.tensors = {n: (md.properties.dtype, tuple(md.size))
@@ -98,7 +98,7 @@ class _Dcp:
     def rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
         from torch.distributed.checkpoint.metadata import MetadataIndex
 
-        from shardwise.io.dcp_chunks import read_chunk_into
+        from shardwise.io.dcp.chunks import read_chunk_into
 
         md = self.metadata.state_dict_metadata[name]
         offsets, sizes = _slab(tuple(md.size), lo, hi)

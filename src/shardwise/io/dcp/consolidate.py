@@ -9,7 +9,7 @@ stays near one tensor. Every dtype works, integer and bool included. The files a
 aside and moved into place like ``sw.save``.
 
 Each chunk's bytes are read straight into the tensor being assembled
-(:func:`shardwise.io.dcp_chunks.read_chunk_into`, which checks each chunk against its zip
+(:func:`shardwise.io.dcp.chunks.read_chunk_into`, which checks each chunk against its zip
 record's CRC-32 as torch.load does) rather than unpickled into a new tensor and copied, as
 ``dcp.load`` does; that copy was a third of the time. A checkpoint written
 with storage transforms (DCP's experimental extensions) goes through ``dcp.load``.
@@ -28,15 +28,15 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from shardwise.core.header import dtype_to_str, spec_nbytes, str_to_dtype
 from shardwise.core.spec import Region
 from shardwise.errors import CheckpointError
-from shardwise.io.dcp_chunks import MetadataReader, read_chunk_into
-from shardwise.io.dcp_metadata import read_metadata
+from shardwise.io.dcp.chunks import MetadataReader, read_chunk_into
+from shardwise.io.dcp.metadata import read_metadata
+from shardwise.io.dcp.sharded import is_sharded_safetensors
+from shardwise.io.dcp.sharded_read import consolidate_sharded
 from shardwise.io.detect import METADATA_FILE
-from shardwise.io.headers import header_metadata, save_file_order
-from shardwise.io.hf_dcp import is_sharded_safetensors
-from shardwise.io.hf_dcp_read import consolidate_sharded
-from shardwise.io.hub_layout import hub_save_layout, model_from_folder, shared_storages
 from shardwise.io.info import gather_info, read_info, user_metadata, write_info
-from shardwise.io.safetensors_io import INDEX_SUFFIX, StreamingWriter, index_json, plan_files
+from shardwise.io.safetensors.format import INDEX_SUFFIX, StreamingWriter, index_json, plan_files
+from shardwise.io.safetensors.headers import header_metadata, save_file_order
+from shardwise.io.safetensors.hub_layout import hub_save_layout, model_from_folder, shared_storages
 from shardwise.io.side_files import copy_side_files
 from shardwise.io.target import Destination, target_path
 

@@ -15,11 +15,11 @@ from pathlib import Path
 
 from shardwise.core.header import dtype_to_str, spec_nbytes
 from shardwise.errors import CheckpointError
-from shardwise.io.checkpoint import resolve_checkpoint
+from shardwise.io.dcp.sharded import SHARDING_INFO_KEY, is_sharded_safetensors, read_sharded
+from shardwise.io.dcp.sharded_read import ordered_tensors
 from shardwise.io.detect import is_dcp
-from shardwise.io.hf_dcp import SHARDING_INFO_KEY, is_sharded_safetensors, read_sharded
-from shardwise.io.hf_dcp_read import ordered_tensors
 from shardwise.io.info import read_info
+from shardwise.io.safetensors.checkpoint import resolve_checkpoint
 
 
 @dataclass
@@ -85,7 +85,7 @@ def _dcp(path: Path) -> Report:
     # safetensors checkpoint should not pay
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from shardwise.io.dcp_metadata import read_metadata
+    from shardwise.io.dcp.metadata import read_metadata
 
     metadata = read_metadata(path)
     tensors, values = [], []

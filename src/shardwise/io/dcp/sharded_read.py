@@ -1,11 +1,11 @@
-"""Reading sharded safetensors checkpoints (``shardwise.io.hf_dcp``): ``sw.load`` at any
+"""Reading sharded safetensors checkpoints (``shardwise.io.dcp.sharded``): ``sw.load`` at any
 degree and mesh (:class:`ShardedSource`), and ``sw.consolidate`` (``shardwise inspect`` lists
 them in :func:`ordered_tensors`).
 
 Plan, then execute: :func:`plan_chunk_reads` (pure) intersects each region a rank wants with
 the chunks of the tensor and names, for every overlap, the box of the chunk's file entry to
 read and where it lands in the local tensor. The reads go through the loader's
-:class:`~shardwise.io.reader.RegionReader` (``pread`` of exactly the box's byte runs, on a
+:class:`~shardwise.io.safetensors.reader.RegionReader` (``pread`` of exactly the box's byte runs, on a
 thread pool, within its memory window). A local tensor that one box fills whole (a rank
 loading the layout it saved, or a finer one) is the read buffer itself; one assembled from
 several chunks is copied together once, then handed on.
@@ -22,12 +22,12 @@ import torch
 from torch import nn
 
 from shardwise.core.spec import Layout, Region, intersect, local_layout
-from shardwise.io.headers import header_metadata, save_file_order
-from shardwise.io.hf_dcp import ShardedCheckpoint, ShardedTensor, read_sharded
+from shardwise.io.dcp.sharded import ShardedCheckpoint, ShardedTensor, read_sharded
 from shardwise.io.info import gather_info, user_metadata, write_info
 from shardwise.io.pipeline import match_keys
-from shardwise.io.reader import ReadItem, RegionReader
-from shardwise.io.safetensors_io import INDEX_SUFFIX, StreamingWriter, index_json, plan_files
+from shardwise.io.safetensors.format import INDEX_SUFFIX, StreamingWriter, index_json, plan_files
+from shardwise.io.safetensors.headers import header_metadata, save_file_order
+from shardwise.io.safetensors.reader import ReadItem, RegionReader
 from shardwise.io.source import Finalize, ReadOptions, Reads, Want
 from shardwise.io.target import Destination, target_path
 
@@ -211,7 +211,7 @@ def consolidate_sharded(src: str | os.PathLike, dst: str | os.PathLike, *,
                  index_json(file_plan, sum(t.nbytes for t in tensors), dict(user)))
     dest = Destination(target_path(dst), overwrite)
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the copies are memory-bound: see shardwise.io.consolidate
+    torch.set_num_threads(1)  # the copies are memory-bound: see shardwise.io.dcp.consolidate
     try:
         with ShardedReader(ckpt, num_threads=num_threads) as reader:
             dest.prepare()

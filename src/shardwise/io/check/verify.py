@@ -26,12 +26,12 @@ from pathlib import Path
 
 from shardwise.core.header import dtype_to_str
 from shardwise.errors import CheckpointError
-from shardwise.io.checkpoint import resolve_checkpoint
+from shardwise.io.check.inspect import print_safely
+from shardwise.io.dcp.sharded import is_sharded_safetensors, read_sharded
 from shardwise.io.detect import is_dcp
 from shardwise.io.files import open_regular, pread_into
-from shardwise.io.hf_dcp import is_sharded_safetensors, read_sharded
 from shardwise.io.info import INFO_FILE, chunk_key, new_digest, read_info, recorded_checksums
-from shardwise.io.inspect import print_safely
+from shardwise.io.safetensors.checkpoint import resolve_checkpoint
 
 _PIECE = 16 << 20
 
@@ -186,8 +186,8 @@ def _verify_dcp(path: Path, report: VerifyReport) -> None:
     # safetensors checkpoint should not pay
     from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
-    from shardwise.io.dcp_chunks import chunk_checksum
-    from shardwise.io.dcp_metadata import read_metadata
+    from shardwise.io.dcp.chunks import chunk_checksum
+    from shardwise.io.dcp.metadata import read_metadata
 
     metadata = read_metadata(path)  # files, sizes, chunk tiling: raises on the first fault
     files: dict[str, object] = {}

@@ -3,7 +3,7 @@ an index and its files, tensors in the model's names or in a hub layout (transfo
 conversion mapping: one model tensor assembled from several stored tensors).
 
 Every rank reads only the bytes of its own regions of each tensor (the whole tensor when it
-is replicated) through :class:`~shardwise.io.reader.RegionReader`; no collective runs,
+is replicated) through :class:`~shardwise.io.safetensors.reader.RegionReader`; no collective runs,
 except that dp replicas (``io.replicas``) read each region once and send it to the others.
 """
 
@@ -19,11 +19,11 @@ from torch import nn
 from shardwise.core.pieces import piece_reads
 from shardwise.core.plan import ResolvedPlan
 from shardwise.core.spec import local_layout, local_shape
-from shardwise.io.checkpoint import resolve_checkpoint
-from shardwise.io.hub_layout import Composite
 from shardwise.io.pipeline import match_keys
-from shardwise.io.reader import ReadItem, RegionReader, cpu_views, plan_reads
 from shardwise.io.replicas import read_once, replica_axis
+from shardwise.io.safetensors.checkpoint import resolve_checkpoint
+from shardwise.io.safetensors.hub_layout import Composite
+from shardwise.io.safetensors.reader import ReadItem, RegionReader, cpu_views, plan_reads
 from shardwise.io.source import Finalize, ReadOptions, Reads, Want
 
 
