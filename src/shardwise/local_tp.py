@@ -24,6 +24,7 @@ from torch import nn
 import shardwise.comm as comm
 from shardwise.core.plan import Style
 from shardwise.core.spec import ShardSpec, assemble, split
+from shardwise.errors import UnsupportedModelError
 
 
 def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
@@ -119,6 +120,56 @@ def _dim_embedding(mod: nn.Embedding, ids, style: Style, state):
     y = F.embedding(ids, mod.weight, mod.padding_idx, mod.max_norm, mod.norm_type,
                     mod.scale_grad_by_freq, mod.sparse)
     return _GatherFrom.apply(y, state.group, (1,), state.degree, state.tp_rank)
+
+
+# -- nn.Embedding subclasses with a forward of their own ---------------------------
+class _ShardedLookup(nn.Embedding):
+    """The lookup of a sharded embedding, on its local shard, with its collective: put
+    between an nn.Embedding subclass and nn.Embedding in the MRO (``wire_embedding_subclass``)."""
+
+    def forward(self, ids):
+        style, state = self._shardwise_lookup
+        self._shardwise_lookups += 1
+        fwd = _vocab_embedding if style.kind == "rowwise" else _dim_embedding
+        return fwd(self, ids, style, state)
+
+
+_WIRED_CLASSES: dict[type, type] = {}
+
+
+def wire_embedding_subclass(module: nn.Embedding, style: Style, state) -> None:
+    """Shard an nn.Embedding subclass whose forward adds to the lookup (a norm, a scale).
+
+    Replacing its forward would skip what it adds; running it on a vocab-sharded output
+    would normalise partial sums (torch's own styles fail there with a bare AssertionError).
+    Instead the instance's class becomes a subclass whose MRO puts :class:`_ShardedLookup`
+    right before nn.Embedding, the way FSDP's ``fully_shard`` swaps a module's class: the
+    ``super().forward(ids)`` in the module's own forward then does the local lookup and its
+    all-reduce (or all-gather), and the rest of its forward sees the whole embedding. A
+    forward that reads ``self.weight`` itself instead of calling ``super().forward`` would
+    index the local shard with global ids: that raises when the forward returns.
+    """
+    cls = type(module)
+    wired = _WIRED_CLASSES.get(cls)
+    if wired is None:
+        wired = _WIRED_CLASSES[cls] = type(cls.__name__, (cls, _ShardedLookup),
+                                           {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    module.__class__ = wired
+    module._shardwise_lookup = (style, state)
+    inner = module.forward
+
+    def forward(*args, **kwargs):
+        module._shardwise_lookups = 0
+        out = inner(*args, **kwargs)
+        if module._shardwise_lookups == 0:
+            raise UnsupportedModelError(
+                f"{cls.__name__}.forward does not call nn.Embedding.forward (super().forward), so it "
+                "reads the sharded weight itself with global ids; shardwise cannot shard it this way. "
+                "Leave this embedding out of the plan (replicated), or plan the modules after it")
+        return out
+
+    module.forward = forward
+
 
 
 # -- module styles that wrap the module's own forward (both holdings) -------------------

@@ -32,7 +32,7 @@ from shardwise.backends import current_backend
 from shardwise.core.plan import ResolvedPlan, Style, resolve_plan
 from shardwise.core.spec import ShardSpec, local_shape, split
 from shardwise.errors import PlanError, ShardingError, UsageError
-from shardwise.local_tp import run_on_local_params, wire_forward, wire_local
+from shardwise.local_tp import run_on_local_params, wire_embedding_subclass, wire_forward, wire_local
 
 HOLDINGS = ("dtensor", "local", "spmd")
 _STATE_ATTR = "_shardwise_state"
@@ -171,19 +171,24 @@ def install(model: nn.Module, specs: ResolvedPlan, mesh, *, holding: str,
 
 
 def check_wiring(model: nn.Module, specs: ResolvedPlan, holding: str) -> None:
-    """Raise ``PlanError`` for a sharded nn.Linear / nn.Embedding subclass with a forward of
-    its own under ``"local"`` holding: its forward is replaced by the local-shard one, which
-    would silently skip whatever the subclass adds (a norm inside an embedding, say)."""
+    """Raise ``PlanError`` for a sharded nn.Linear subclass with a forward of its own under
+    ``"local"`` holding: its forward is replaced by the local-shard one, which would silently
+    skip whatever the subclass adds. (An nn.Embedding subclass keeps its forward in both
+    holdings: ``wire_embedding_subclass``.)"""
     if holding != "local":
         return
     for path, style in specs.styles.items():
         module = model.get_submodule(path)
-        base = nn.Embedding if isinstance(module, nn.Embedding) else nn.Linear
-        if style.forward == "linear" and type(module).forward is not base.forward:
+        if (style.forward == "linear" and not isinstance(module, nn.Embedding)
+                and type(module).forward is not nn.Linear.forward):
             raise PlanError(
-                f"plan key {specs.keys[path]!r}: {path!r} is a {type(module).__name__}, a {base.__name__} "
+                f"plan key {specs.keys[path]!r}: {path!r} is a {type(module).__name__}, an nn.Linear "
                 f"with a forward of its own, which local holding cannot shard without skipping it; use "
                 "holding='dtensor', or plan its submodules instead")
+
+
+def _own_embedding_forward(module: nn.Module) -> bool:
+    return isinstance(module, nn.Embedding) and type(module).forward is not nn.Embedding.forward
 
 
 def _wire(model: nn.Module, specs: ResolvedPlan, state: ShardState) -> None:
@@ -200,6 +205,8 @@ def _wire(model: nn.Module, specs: ResolvedPlan, state: ShardState) -> None:
             wire_forward(module, style, state)
         elif state.holding == "dtensor":
             _wire_dtensor(module, path, style, state)
+        elif _own_embedding_forward(module):
+            wire_embedding_subclass(module, style, state)
         else:
             wire_local(module, style, state)
 
@@ -335,6 +342,11 @@ def _wire_dtensor(module: nn.Module, path: str, style: Style, state: ShardState)
         # (a model's first forward paid ~0.15 s of it). Subclasses keep torch's styles below.
         _dtensor_params(module, path, state)
         wire_local(module, style, state)
+        run_on_local_params(module)
+        return
+    if _own_embedding_forward(module):  # a norm or a scale after the lookup: see its docstring
+        _dtensor_params(module, path, state)
+        wire_embedding_subclass(module, style, state)
         run_on_local_params(module)
         return
     is_embedding = isinstance(module, nn.Embedding)

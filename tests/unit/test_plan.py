@@ -407,6 +407,30 @@ def test_statistics_over_sharded_features_are_refused():
     assert sw.resolve_plan(model, {"mlp.up_proj": "colwise"}, 2)  # gate kept whole: fine
 
 
+class _FusedExperts(nn.Module):
+    """Inkling-style experts: a fused [experts, 2 x intermediate, hidden] gate_up_proj that the
+    forward cuts into gate and up halves."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.zeros(2, 16, 8))
+        self.down_proj = nn.Parameter(torch.zeros(2, 8, 8))
+
+    def forward(self, x, expert):
+        gate, up = nn.functional.linear(x, self.gate_up_proj[expert]).chunk(2, dim=-1)
+        return nn.functional.linear(nn.functional.silu(gate) * up, self.down_proj[expert])
+
+
+def test_a_plain_split_of_fused_gate_up_halves_is_refused():
+    model = meta(nn.ModuleDict, {"experts": _FusedExperts()})
+    with pytest.raises(sw.PlanError, match="packed_colwise"):
+        sw.resolve_plan(model, {"experts.gate_up_proj": "colwise", "experts.down_proj": "rowwise"}, 2)
+    packed = {"experts.gate_up_proj": "packed_colwise", "experts.down_proj": "rowwise"}
+    specs = sw.resolve_plan(model, packed, 2)
+    assert specs["experts.gate_up_proj"] == sw.ShardSpec(dim=1, blocks=(1, 1))
+    assert sw.resolve_plan(model, {"experts.gate_up_proj": "colwise"}, 1)  # degree 1 splits nothing
+
+
 def test_base_model_plan_applies_to_a_causal_lm_under_its_prefix():
     # config.base_model_tp_plan's keys name the base model's modules ("layers.*..."): on a
     # *ForCausalLM they match under base_model_prefix ("model.layers.*...")

@@ -16,6 +16,7 @@ the refusals are found in one place.
 
 from __future__ import annotations
 
+import inspect
 import re
 from dataclasses import replace
 
@@ -253,6 +254,7 @@ def resolve_plan(model: nn.Module, plan, degree: int, *, strict: bool = False, e
     _check_divisible(model, owned, {"tp": degree, "ep": ep_degree})
     _count_experts(model, styles, owned)
     _check_statistics_over_shards(model, owned, keys, {"tp": degree, "ep": ep_degree})
+    _check_fused_halves(model, owned, {"tp": degree, "ep": ep_degree})
     _check_heads(model, sharded, keys, degree)
 
     specs: dict[str, ShardSpec] = {}
@@ -287,6 +289,35 @@ def _check_statistics_over_shards(model: nn.Module, owned: dict, keys: dict, deg
                 f"statistics (sparsity {sparsity}) over all of its intermediate features: every rank "
                 "would see only its part and the output would be wrong. Keep this layer's MLP whole "
                 "(drop its gate_proj/up_proj/down_proj keys) or set activation_sparsity_pattern to 0")
+
+
+def _check_fused_halves(model: nn.Module, owned: dict, degrees: dict) -> None:
+    """Refuse a plain colwise split of a fused ``gate_up_proj`` ([..., 2 x intermediate,
+    hidden]) whose module's forward cuts each projection into its gate and up halves
+    (``.chunk(2, dim=-1)``): one rank would hold gate rows only and another up rows only, and
+    the output would be wrong without an error. ``packed_colwise`` splits each half. Known case:
+    Inkling's experts, which transformers' shipped plan shards "colwise"."""
+    for module in model.modules():
+        param = module._parameters.get("gate_up_proj")
+        entry = owned.get(id(param)) if param is not None else None
+        if entry is None:
+            continue
+        spec = entry[0]
+        if (spec.replicated or degrees[spec.axis] == 1 or len(spec.blocks) != 1
+                or spec.dim != param.dim() - 2 or ".chunk(2" not in _forward_source(type(module))):
+            continue
+        raise PlanError(
+            f"plan key {entry[2]!r} splits {entry[1]!r} plainly along its fused gate/up dim, but "
+            f"{type(module).__name__}.forward cuts that dim into gate and up halves, so each rank "
+            "would get whole halves instead of part of each and the output would be wrong; use "
+            "'packed_colwise' for it (each half split alike)")
+
+
+def _forward_source(cls: type) -> str:
+    try:
+        return inspect.getsource(cls.forward)
+    except (OSError, TypeError):  # no source (built in, compiled): nothing to check
+        return ""
 
 
 def _with_ep_plan(model: nn.Module, ep_plan, module_claims: dict, param_claims: dict, strict: bool):
