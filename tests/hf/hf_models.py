@@ -96,6 +96,16 @@ def _qwen3_next():
                            max_position_embeddings=64)
 
 
+def _muse_spark_text():  # an nn.Embedding subclass that normalises after the lookup, and MoE
+    from transformers import MuseSparkTextConfig
+
+    return MuseSparkTextConfig(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                               max_position_embeddings=64, sliding_window=8, moe_intermediate_size=32,
+                               num_local_experts=4, num_experts_per_tok=2, moe_hidden_size=32,
+                               bos_token_id=94, eos_token_id=95)
+
+
 def _flux2():
     return dict(patch_size=1, in_channels=8, num_layers=1, num_single_layers=1, attention_head_dim=16,
                 num_attention_heads=4, joint_attention_dim=32, timestep_guidance_channels=32,
@@ -111,6 +121,7 @@ KINDS = {
     "deepseek_v2": ("transformers", "DeepseekV2ForCausalLM", _deepseek_v2),
     "qwen3_next": ("transformers", "Qwen3NextForCausalLM", _qwen3_next),
     "deepseek_v3": ("transformers", "DeepseekV3ForCausalLM", _deepseek_v3),
+    "muse_spark_text": ("transformers", "MuseSparkTextModel", _muse_spark_text),
     "flux2": ("diffusers", "Flux2Transformer2DModel", _flux2),
 }
 
