@@ -16,6 +16,7 @@ the refusals are found in one place.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 from dataclasses import replace
@@ -313,6 +314,7 @@ def _check_fused_halves(model: nn.Module, owned: dict, degrees: dict) -> None:
             "'packed_colwise' for it (each half split alike)")
 
 
+@functools.cache  # one read per class, not per layer of a deep MoE
 def _forward_source(cls: type) -> str:
     try:
         return inspect.getsource(cls.forward)

@@ -87,10 +87,13 @@ def gather_to_rank0(backend: Backend, local: torch.Tensor, spec: ShardSpec, degr
                 if start is not None:
                     got[r], chunks[r] = flat[start : start + nbytes], []
         backend.gather_into(piece.reshape(-1).view(torch.uint8), got, dst=0, group=group)
-        for chunk, raw in zip(chunks or (), got or (), strict=False):
-            part = raw.view(data.dtype).view(piece.shape) if chunk else None
-            for region, off in chunk:
-                full[region.slices()] = part[Region(off, region.sizes).slices()]
+        if chunks is None:  # not rank 0, or nothing kept
+            continue
+        for chunk, raw in zip(chunks, got, strict=True):
+            if chunk:  # empty: received in place
+                part = raw.view(data.dtype).view(piece.shape)
+                for region, off in chunk:
+                    full[region.slices()] = part[Region(off, region.sizes).slices()]
     return full
 
 
