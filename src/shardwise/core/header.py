@@ -69,8 +69,23 @@ def spec_nbytes(dtype: str, shape: Sequence[int]) -> int:
     return math.prod(shape) * str_to_dtype(dtype).itemsize
 
 
+class NamedDtype:
+    """``torch_dtype`` and ``itemsize`` of a record whose ``dtype`` is a safetensors dtype name
+    (a file's tensor entry, a sharded checkpoint's tensor)."""
+
+    dtype: str
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return str_to_dtype(self.dtype)
+
+    @property
+    def itemsize(self) -> int:
+        return self.torch_dtype.itemsize
+
+
 @dataclass(frozen=True)
-class TensorEntry:
+class TensorEntry(NamedDtype):
     """One tensor of a file: its bytes are ``[start, end)`` relative to the data start."""
 
     name: str
@@ -82,14 +97,6 @@ class TensorEntry:
     @property
     def nbytes(self) -> int:
         return self.end - self.start
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return str_to_dtype(self.dtype)
-
-    @property
-    def itemsize(self) -> int:
-        return self.torch_dtype.itemsize
 
 
 @dataclass(frozen=True)

@@ -24,9 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from shardwise.core.header import FileHeader, TensorEntry, parse_json_object, str_to_dtype
+from shardwise.core.header import FileHeader, NamedDtype, TensorEntry, parse_json_object
 from shardwise.core.spec import Region, intersect
 from shardwise.errors import CheckpointError
 from shardwise.io.files import check_inside
@@ -50,21 +48,13 @@ class Chunk:
 
 
 @dataclass(frozen=True)
-class ShardedTensor:
+class ShardedTensor(NamedDtype):
     """A tensor of a sharded checkpoint: safetensors dtype name, global shape, its chunks."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
     chunks: tuple[Chunk, ...]
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return str_to_dtype(self.dtype)
-
-    @property
-    def itemsize(self) -> int:
-        return self.torch_dtype.itemsize
 
     @property
     def nbytes(self) -> int:
