@@ -106,6 +106,14 @@ def _muse_spark_text():  # an nn.Embedding subclass that normalises after the lo
                                bos_token_id=94, eos_token_id=95)
 
 
+def _hrm_text():  # the checkpoint fuses gate|q|k|v into gqkv_proj and gate|up into gate_up_proj
+    from transformers import HrmTextConfig
+
+    return HrmTextConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, head_dim=16, max_position_embeddings=64, H_cycles=1,
+                         L_cycles=1, num_layers_per_stack=1)
+
+
 def _flux2():
     return dict(patch_size=1, in_channels=8, num_layers=1, num_single_layers=1, attention_head_dim=16,
                 num_attention_heads=4, joint_attention_dim=32, timestep_guidance_channels=32,
@@ -122,6 +130,7 @@ KINDS = {
     "qwen3_next": ("transformers", "Qwen3NextForCausalLM", _qwen3_next),
     "deepseek_v3": ("transformers", "DeepseekV3ForCausalLM", _deepseek_v3),
     "muse_spark_text": ("transformers", "MuseSparkTextModel", _muse_spark_text),
+    "hrm_text": ("transformers", "HrmTextForCausalLM", _hrm_text),
     "flux2": ("diffusers", "Flux2Transformer2DModel", _flux2),
 }
 

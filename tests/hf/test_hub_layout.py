@@ -3,7 +3,10 @@
 Mixtral and Qwen3-MoE store one tensor per expert and projection where the module holds
 fused 3-D parameters; GPT-NeoX stores ``embed_out`` for ``lm_head``; DeepSeek-V2 mixes MLA
 attention, shared and routed experts, and its plan names ``q_b_proj``, which this
-configuration lacks (skipped); Qwen3-Next is hybrid (linear attention and full attention).
+configuration lacks (skipped); Qwen3-Next is hybrid (linear attention and full attention);
+HRM-Text stores one fused ``gqkv_proj`` (gate|q|k|v) and ``gate_up_proj`` per layer where
+the modules are separate, so each stored tensor is assembled from boxes of several model
+tensors on save.
 ``sw.save`` writes the hub layout back, byte-equal to ``save_pretrained``'s files. Each loads
 with logits equal to one process, in both holdings, and a rank reads about half of every
 expert's bytes (at tp=2, and exactly its own experts at ep=2).
@@ -21,7 +24,7 @@ import shardwise as sw  # noqa: E402
 from harness import run_ranks  # noqa: E402
 from hf import hf_models  # noqa: E402
 
-KINDS = ["mixtral", "qwen3_moe", "gpt_neox", "deepseek_v2", "deepseek_v3", "qwen3_next"]
+KINDS = ["mixtral", "qwen3_moe", "gpt_neox", "deepseek_v2", "deepseek_v3", "qwen3_next", "hrm_text"]
 
 
 def _stored_keys(folder) -> dict[str, int]:
@@ -124,21 +127,24 @@ def test_expert_and_tensor_parallel_load(tmp_path, kind):
     assert len(run_ranks(_load_ep, 4, kind, str(folder), {"ep": 2, "tp": 2}, timeout=240)) == 4
 
 
-def _dcp_save(kind: str, folder: str, out: str):
+def _dcp_save(kind: str, folder: str, out: str, axes: dict):
     backend = sw.init_backend("gloo")
     with sw.empty_model():
         model = hf_models.model_class(kind)._from_config(hf_models.KINDS[kind][2]())
-    sw.load(model, folder, plan="auto", mesh=backend.mesh(ep=2))
+    sw.load(model, folder, plan="auto", mesh=backend.mesh(**axes))
     sw.save(model, out, distributed=True)  # module names, with the model's config.json beside
     return True
 
 
-def test_consolidate_writes_the_hub_layout(tmp_path):
-    folder = hf_models.save_tiny("mixtral", tmp_path / "ckpt")
-    assert run_ranks(_dcp_save, 2, "mixtral", str(folder), str(tmp_path / "dcp")) == [True, True]
+@pytest.mark.parametrize(("kind", "axes"), [("mixtral", {"ep": 2}), ("hrm_text", {"tp": 2})])
+def test_consolidate_writes_the_hub_layout(tmp_path, kind, axes):
+    folder = hf_models.save_tiny(kind, tmp_path / "ckpt")
+    assert run_ranks(_dcp_save, 2, kind, str(folder), str(tmp_path / "dcp"), axes) == [True, True]
     merged = sw.consolidate(tmp_path / "dcp", tmp_path / "merged", max_shard_size=hf_models.SHARD_SIZE)
     for f in sorted(folder.iterdir()):  # save_pretrained's own files, byte for byte
         assert (merged / f.name).read_bytes() == f.read_bytes(), f.name
     module = sw.consolidate(tmp_path / "dcp", tmp_path / "module", layout="module")
     with safe_open(str(module / "model.safetensors"), "pt") as f:  # the module's own names
-        assert "model.layers.0.mlp.experts.gate_up_proj" in set(f.keys())
+        own = "model.layers.0.mlp.experts.gate_up_proj" if kind == "mixtral" else \
+            "model.H_module.layers.0.self_attn.q_proj.weight"
+        assert own in set(f.keys())

@@ -1,6 +1,7 @@
 """sw.save with every rank writing its own regions, in the hub layout (per-expert tensors as
-boxes of fused model tensors): the files save_pretrained wrote, byte for byte, at tp=2 and at
-ep=2 x tp=2, and the same bytes as the rank-0 stream."""
+boxes of fused model tensors; HRM-Text's fused gqkv_proj, made of four model tensors): the
+files save_pretrained wrote, byte for byte, at tp=2 and at ep=2 x tp=2, and the same bytes as
+the rank-0 stream."""
 
 from __future__ import annotations
 
@@ -23,12 +24,14 @@ def _save_both_ways(kind: str, folder: str, out: str, axes: dict) -> bool:
     return True
 
 
-@pytest.mark.parametrize("axes", [{"tp": 2}, {"ep": 2, "tp": 2}], ids=["tp2", "ep2xtp2"])
-def test_hub_layout_written_in_parallel_is_save_pretrained_byte_for_byte(tmp_path, axes):
-    folder = hf_models.save_tiny("qwen3_moe", tmp_path / "ckpt")
+@pytest.mark.parametrize(("kind", "axes"), [("qwen3_moe", {"tp": 2}), ("qwen3_moe", {"ep": 2, "tp": 2}),
+                                           ("hrm_text", {"tp": 2})],
+                         ids=["tp2", "ep2xtp2", "fused-tp2"])
+def test_hub_layout_written_in_parallel_is_save_pretrained_byte_for_byte(tmp_path, kind, axes):
+    folder = hf_models.save_tiny(kind, tmp_path / "ckpt")
     world = axes.get("ep", 1) * axes["tp"]
     out = tmp_path / "out"
-    assert run_ranks(_save_both_ways, world, "qwen3_moe", str(folder), str(out), axes,
+    assert run_ranks(_save_both_ways, world, kind, str(folder), str(out), axes,
                      timeout=240) == [True] * world
     stream, parallel = tmp_path / "out-stream", tmp_path / "out-parallel"
     assert sorted(p.name for p in parallel.iterdir()) == sorted(p.name for p in stream.iterdir())

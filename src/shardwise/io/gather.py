@@ -13,6 +13,7 @@ collective.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from torch import nn
 
 from shardwise.backends import Backend
 from shardwise.comm import capture
-from shardwise.core.header import dtype_to_str
+from shardwise.core.header import dtype_to_str, str_to_dtype
 from shardwise.core.plan import resolve_plan
 from shardwise.core.spec import Region, ShardSpec, chunk_layout, global_shape, local_layout
 from shardwise.errors import CheckpointError, UnsupportedModelError
@@ -194,7 +195,7 @@ class FileGatherer:
         self._receive: list[torch.Tensor] | None = None
         self.parts: dict = {}  # stored name -> StoredPart, for a hub-layout save
         self._held: dict[str, torch.Tensor | None] = {}
-        self._left: dict[str, int] = {}
+        self._left: Counter[str] = Counter()  # model tensor -> boxes of it still to write
 
     def _assembly_buffer(self, item: SaveItem) -> torch.Tensor | None:
         """One buffer, as large as the largest gathered tensor, that every tensor is built in
@@ -225,10 +226,14 @@ class FileGatherer:
             except Exception as e:
                 error = e
         try:
-            for name, _, shape in group:
+            for name, dtype, shape in group:
                 part = self.parts.get(name)
-                item = self.items[part.model_name if part is not None else name]
-                data = self._full(item, writer) if part is None else self._part(part, item, writer)
+                if part is None:
+                    nbytes = self.items[name].nbytes
+                    data = self._full(self.items[name], writer)
+                else:
+                    nbytes = math.prod(shape) * str_to_dtype(dtype).itemsize
+                    data = part.assemble(lambda n, w=writer: self._model_tensor(n, w))
                 if writer is not None:
                     try:
                         writer.write(name, data if data.device.type == "cpu" else data.cpu())
@@ -237,7 +242,7 @@ class FileGatherer:
                         writer.abort()
                         writer = None
                 del data
-                bar(item.nbytes if part is None else math.prod(shape) * item.local.element_size())
+                bar(nbytes)
             if writer is not None:
                 error = capture(writer.close)
         finally:
@@ -255,17 +260,21 @@ class FileGatherer:
                                    receive=self._receive_buffers(item) if self.rank == 0 else None)
         return item.local if writer is not None else None
 
-    def _part(self, part, item: SaveItem, writer) -> torch.Tensor | None:
-        left = self._left.setdefault(item.name, sum(p.model_name == item.name for p in self.parts.values()))
-        if item.name not in self._held:
-            full = self._full(item, writer)
+    def _model_tensor(self, name: str, writer) -> torch.Tensor | None:
+        """Model tensor ``name`` on rank 0 (None elsewhere), for a box of a hub-layout tensor:
+        gathered once, when its first box is written, and kept until its last."""
+        if not self._left:
+            self._left = Counter(n for p in self.parts.values() for n, _ in p.fragments)
+        left = self._left[name]
+        if name not in self._held:
+            full = self._full(self.items[name], writer)
             # the assembly buffer is reused by the next gather: keep a copy while boxes remain
-            self._held[item.name] = full.clone() if full is not None and left > 1 else full
-        full = self._held[item.name]
-        self._left[item.name] = left - 1
+            self._held[name] = full.clone() if full is not None and left > 1 else full
+        full = self._held[name]
+        self._left[name] = left - 1
         if left == 1:
-            del self._held[item.name]
-        return part.take(full) if full is not None else None
+            del self._held[name]
+        return full
 
 
 def _chunk_bytes(item: SaveItem, degree: int) -> int:

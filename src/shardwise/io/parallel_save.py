@@ -123,8 +123,7 @@ def _boxes(item, piece: Piece, layout: Layout, shape: tuple[int, ...]):
     for _, src, local_off in piece_reads(layout, [piece]):
         box = Piece(piece.key, src, local_off, piece.stacked).box()  # in the local shard
         data = item.local[box.slices()].reshape(src.sizes)  # drops the stacked (expert) dims
-        start = tuple(o - b for o, b in zip(src.offsets, piece.source.offsets, strict=True))
-        yield data, region_runs(shape, itemsize, start, src.sizes)
+        yield data, region_runs(shape, itemsize, src.offsets, src.sizes)  # src: in the stored tensor
 
 
 def _pwrite_all(fd: int, buf: memoryview, pos: int) -> None:
@@ -135,25 +134,25 @@ def _pwrite_all(fd: int, buf: memoryview, pos: int) -> None:
 
 def _write_file(path: Path, group, offsets: dict, base: int, jobs) -> None:
     """Write this rank's boxes of the tensors of one file (created by rank 0), then fsync.
-    Box by box: one box's copy (when it is not contiguous) and runs are held at a time."""
+    Box by box: one box's copy (when it is not contiguous) and runs are held at a time.
+    ``jobs[name]`` lists ``(item, piece, layout)`` for each model tensor in stored tensor
+    ``name`` (several for a hub-layout tensor fused from several model tensors)."""
     fd = None
     try:
-        for name, _, shape in group:
-            item, piece, layout = jobs[name]
-            if layout is None:
-                continue
-            for data, runs in _boxes(item, piece, layout, shape):
-                if fd is None:  # never O_CREAT: a missing file is an error, not a new file
-                    fd = os.open(path, os.O_WRONLY)
-                    writeback = Writeback(fd, sequential=False)
-                data = data.detach().resolve_conj().resolve_neg().cpu().contiguous()
-                view, pos = byte_view(data), 0
-                # one pwrite per run: a dim-0 split is one run, a dim-1 split one run per row
-                for offset, length in runs:
-                    _pwrite_all(fd, view[pos : pos + length], base + offsets[name][0] + offset)
-                    pos += length
-                writeback.wrote(len(view))
-                assert pos == len(view), (pos, len(view))
+        boxes = ((name, data, runs) for name, _, shape in group for item, piece, layout in jobs[name]
+                 if layout is not None for data, runs in _boxes(item, piece, layout, shape))
+        for name, data, runs in boxes:
+            if fd is None:  # never O_CREAT: a missing file is an error, not a new file
+                fd = os.open(path, os.O_WRONLY)
+                writeback = Writeback(fd, sequential=False)
+            data = data.detach().resolve_conj().resolve_neg().cpu().contiguous()
+            view, pos = byte_view(data), 0
+            # one pwrite per run: a dim-0 split is one run, a dim-1 split one run per row
+            for offset, length in runs:
+                _pwrite_all(fd, view[pos : pos + length], base + offsets[name][0] + offset)
+                pos += length
+            writeback.wrote(len(view))
+            assert pos == len(view), (pos, len(view))
         if fd is not None:
             os.fsync(fd)
     finally:
@@ -237,12 +236,15 @@ def write_parallel(backend, run, state, folder: Path, file_plan, bar, *, what: s
             jobs = {}
             for name, _, shape in group:
                 part = run.parts.get(name)
-                item = run.items[part.model_name if part is not None else name]
-                if item.name not in layout_of:
-                    layout_of[item.name] = _layout(item, state, run.axes, rank)
                 zeros = (0,) * len(shape)
-                piece = part.piece if part is not None else Piece(name, Region(zeros, shape), zeros)
-                jobs[name] = (item, piece, layout_of[item.name])
+                whole = ((name, Piece(name, Region(zeros, shape), zeros)),)
+                fragments = part.fragments if part is not None else whole
+                jobs[name] = []
+                for model_name, piece in fragments:  # the model tensors' boxes in this stored tensor
+                    item = run.items[model_name]
+                    if model_name not in layout_of:
+                        layout_of[model_name] = _layout(item, state, run.axes, rank)
+                    jobs[name].append((item, piece, layout_of[model_name]))
             _write_file(folder / fname, group, offsets, len(prefix), jobs)
 
     agree(backend, capture(write_all), what=what)  # every rank has fsynced its writes

@@ -29,7 +29,7 @@ from shardwise.io.guards import check_model
 from shardwise.io.info import collect_checksums, gather_info, write_info
 from shardwise.io.safetensors.format import INDEX_SUFFIX, index_json, plan_files
 from shardwise.io.safetensors.headers import header_metadata, save_file_order
-from shardwise.io.safetensors.hub_layout import hub_save_layout, shared_storages
+from shardwise.io.safetensors.hub_save import hub_save_layout, shared_storages
 from shardwise.io.side_files import default_prefix, index_metadata, write_side_files
 from shardwise.io.target import Destination, target_path
 
@@ -220,8 +220,7 @@ def stored_tensors(model: nn.Module, items, layout: str) -> list[tuple[str, str,
     parts = hub_save_layout(model, {i.name: (i.shape, i.dtype) for i in items}) if layout == "hub" else None
     if parts is None:
         return [(i.name, i.dtype, i.shape, None) for i in items]
-    dtypes = {i.name: i.dtype for i in items}
-    return [(p.key, dtypes[p.model_name], p.piece.source.sizes, p) for p in parts]
+    return [(p.key, p.dtype, p.shape, p) for p in parts]
 
 
 __all__ = ["header_metadata", "save", "save_file_order"]

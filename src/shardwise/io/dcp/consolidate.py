@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -36,7 +37,8 @@ from shardwise.io.detect import METADATA_FILE
 from shardwise.io.info import gather_info, read_info, user_metadata, write_info
 from shardwise.io.safetensors.format import INDEX_SUFFIX, StreamingWriter, index_json, plan_files
 from shardwise.io.safetensors.headers import header_metadata, save_file_order
-from shardwise.io.safetensors.hub_layout import hub_save_layout, model_from_folder, shared_storages
+from shardwise.io.safetensors.hub_layout import model_from_folder
+from shardwise.io.safetensors.hub_save import hub_save_layout, shared_storages
 from shardwise.io.side_files import copy_side_files
 from shardwise.io.target import Destination, target_path
 
@@ -63,8 +65,7 @@ def consolidation_plan(src, *, max_shard_size: int | str = "5GB", filename_prefi
     user = user_metadata(src)
     parts, storages = _hub_parts(src, specs, layout)
     if parts:
-        dtypes = {n: d for n, d, _ in specs}
-        specs = [(p.key, dtypes[p.model_name], p.piece.source.sizes) for p in parts.values()]
+        specs = [(p.key, p.dtype, p.shape) for p in parts.values()]
     file_plan = [(fname, sorted(group, key=save_file_order))
                  for fname, group in plan_files(specs, max_shard_size, filename_prefix, storages)]
     index = None
@@ -115,17 +116,21 @@ class _ChunkReader:
         return out
 
     def part(self, part, parts: dict) -> torch.Tensor:
-        """A box of a model tensor (the hub layout); the tensor is read once and kept until
-        its last box is written."""
+        """A tensor of the hub layout, assembled from boxes of model tensors; each model
+        tensor is read once and kept until its last box is written."""
         held = self.__dict__.setdefault("_held", {})
-        if part.model_name not in held:
-            left = sum(p.model_name == part.model_name for p in parts.values())
-            held[part.model_name] = [self.tensor(part.model_name), left]
-        entry = held[part.model_name]
-        entry[1] -= 1
-        if entry[1] == 0:
-            del held[part.model_name]
-        return part.take(entry[0])
+        uses = self.__dict__.setdefault("_uses", Counter(n for p in parts.values() for n, _ in p.fragments))
+
+        def tensor(name: str) -> torch.Tensor:
+            if name not in held:
+                held[name] = self.tensor(name)
+            full = held[name]
+            uses[name] -= 1
+            if uses[name] == 0:
+                del held[name]
+            return full
+
+        return part.assemble(tensor)
 
     def close(self) -> None:
         for f in self._files.values():

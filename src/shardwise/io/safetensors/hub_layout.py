@@ -12,20 +12,19 @@ The mapping is read from the installed transformers (its own rename and match fu
 never copied. Operations that are not region maps (transposes, dequantisation, ...) are
 refused with the converter's name before any byte is read.
 
-Length (~370 lines): both directions of the mapping (stored tensors to model tensors on
-load, model tensors to stored tensors on save) share its parsing of the conversions.
+The save direction (model tensors back to stored tensors) is ``hub_save.py``; it reuses this
+module's region map, so both directions share one reading of the conversions.
 """
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from torch import nn
 
-from shardwise.core.header import TensorEntry, dtype_to_str, str_to_dtype
+from shardwise.core.header import TensorEntry, dtype_to_str
 from shardwise.core.pieces import Piece
 from shardwise.core.spec import Region
 from shardwise.errors import CheckpointError
@@ -196,10 +195,13 @@ def _split_targets(conv, key: str, name: str, entry: TensorEntry, shapes: dict, 
 
 
 def hub_tensors(model: nn.Module, stored: dict[str, tuple[Path, TensorEntry]],
-                wanted: set[str]) -> tuple[dict[str, Composite], set[str]]:
+                wanted: set[str], shapes: dict[str, tuple[int, ...]] | None = None,
+                ) -> tuple[dict[str, Composite], set[str]]:
     """``({model tensor: Composite}, stored keys used)`` for the tensors of ``wanted`` that a
     transformers conversion builds from ``stored`` (``{key: (file, entry)}``). Empty when
-    the model is not a transformers model or transformers is not installed."""
+    the model is not a transformers model or transformers is not installed. ``shapes`` are
+    the model tensors' global shapes (default: the model's state dict, which is global on
+    a model not yet sharded); a ``Split`` takes its part sizes from them."""
     if not is_transformers_model(model):
         return {}, set()
     try:
@@ -210,7 +212,8 @@ def hub_tensors(model: nn.Module, stored: dict[str, tuple[Path, TensorEntry]],
     renamed: dict[str, str] = {}
     out: dict[str, Composite] = {}
     used: set[str] = set()
-    shapes = {n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items()}
+    if shapes is None:
+        shapes = {n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items()}
     for key in stored:
         name, conv, pattern = mapping.target(key)
         if conv is not None and len(conv.target_patterns) > 1:  # one stored tensor, several targets
@@ -250,92 +253,6 @@ def hub_tensors(model: nn.Module, stored: dict[str, tuple[Path, TensorEntry]],
 
 
 
-@dataclass(frozen=True)
-class StoredPart:
-    """One tensor of the hub layout as a box of a model tensor: ``key`` is written as
-    ``model_tensor[piece.box()]`` with the ``piece.stacked`` dims squeezed."""
-
-    key: str
-    model_name: str
-    piece: Piece
-
-    def take(self, full):
-        """This part of the model tensor ``full``, contiguous, ready to write."""
-        box = self.piece.box()
-        part = full[box.slices()]
-        for d in sorted(self.piece.stacked, reverse=True):
-            part = part.squeeze(d)
-        return part.contiguous()
-
-
-def hub_save_layout(model: nn.Module,
-                    tensors: dict[str, tuple[tuple[int, ...], str]]) -> list[StoredPart] | None:
-    """The tensors ``save_pretrained`` would write for ``tensors`` (``{model tensor: (shape,
-    safetensors dtype)}``), in its order, each as a box of one model tensor; ``None`` when
-    the model has no conversion to revert (its module layout is its hub layout).
-
-    transformers' own ``revert_weight_conversion`` names the stored tensors and their shapes
-    (run on meta tensors: no data); the load direction's region map (:func:`hub_tensors`)
-    then places each of them in its model tensor, so save and load share one mapping. Raises
-    ``CheckpointError`` when the two do not tile every model tensor exactly.
-    """
-    if not is_transformers_model(model):
-        return None
-    try:
-        import torch
-        from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:
-        return None
-    meta = {n: torch.empty(shape, dtype=str_to_dtype(dt), device="meta")
-            for n, (shape, dt) in tensors.items()}
-    try:
-        reverted = revert_weight_conversion(model, dict(meta))
-    except Exception as e:  # noqa: BLE001 - transformers raises anything for a layout it cannot revert
-        raise CheckpointError(f"transformers cannot revert {type(model).__name__}'s weight conversions "
-                              f"({type(e).__name__}: {e}); save with layout='module'") from e
-    if list(reverted) == list(meta):
-        return None
-    stored = {}
-    for key, t in reverted.items():
-        nbytes = math.prod(t.shape) * t.dtype.itemsize
-        stored[key] = (None, TensorEntry(key, tensors_dtype(t), tuple(t.shape), 0, nbytes))
-    composites, used = hub_tensors(model, stored, set(tensors))
-    parts: dict[str, StoredPart] = {}
-    for name, comp in composites.items():
-        if comp.shape != tuple(tensors[name][0]):
-            raise CheckpointError(f"{name!r}: the hub layout reassembles to {comp.shape}, not "
-                                  f"{tuple(tensors[name][0])}; save with layout='module'")
-        for piece in comp.pieces:
-            parts[piece.key] = StoredPart(piece.key, name, piece)
-    unplaced = [k for k in reverted if k not in parts]
-    if unplaced:
-        raise CheckpointError(f"the hub layout's {unplaced[:3]} map to no model tensor; save with "
-                              "layout='module'")
-    missing = set(tensors) - set(composites)
-    if missing:
-        raise CheckpointError(f"model tensors {sorted(missing)[:3]} have no place in the hub layout; "
-                              "save with layout='module'")
-    return [parts[k] for k in reverted]
-
-
-def shared_storages(parts: list[StoredPart], itemsize: dict[str, int]) -> dict[str, tuple[object, int]]:
-    """``{stored name: (storage id, storage bytes)}`` for the parts that share one storage in
-    the state dict ``save_pretrained`` splits: transformers reverts a stack of experts by
-    taking views of one tensor (``SplitModulelist``), so the experts of one stacked block
-    (same model tensor, same place off the stacked dims) share it; ``itemsize`` is per
-    model tensor. Parts that are not stacked have storages of their own (not listed)."""
-    groups: dict[object, list[StoredPart]] = {}
-    for p in parts:
-        if p.piece.stacked:
-            off = tuple(o for d, o in enumerate(p.piece.offsets) if d not in p.piece.stacked)
-            groups.setdefault((p.model_name, off), []).append(p)
-    out = {}
-    for sid, members in groups.items():
-        nbytes = sum(math.prod(m.piece.source.sizes) for m in members) * itemsize[members[0].model_name]
-        out.update({m.key: (sid, nbytes) for m in members})
-    return out
-
-
 def model_from_folder(folder: Path) -> nn.Module | None:
     """A meta-device transformers model built from ``folder/config.json`` (its
     ``architectures``), to name a checkpoint's hub layout without the model in hand; None
@@ -370,6 +287,4 @@ def tensors_dtype(t) -> str:
     return dtype_to_str(t.dtype)
 
 
-__all__ = [
-    "Composite", "StoredPart", "hub_save_layout", "hub_tensors", "model_from_folder", "shared_storages",
-]
+__all__ = ["Composite", "hub_tensors", "is_transformers_model", "model_from_folder", "tensors_dtype"]
