@@ -1,5 +1,5 @@
 """The ``shardwise`` command line: ``demo``, ``inspect PATH``, ``consolidate SRC DST``,
-``verify PATH``, ``diff A B``."""
+``verify PATH [--against MODEL]``, ``diff A B``."""
 
 from __future__ import annotations
 
@@ -44,7 +44,13 @@ def _consolidate(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from shardwise.io.check.verify import main_verify
 
-    return main_verify(args.path, as_json=args.json)
+    return main_verify(args.path, as_json=args.json, against=args.against, dtype=args.dtype,
+                       layout=args.layout)
+
+
+def _check_verify(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    if args.against is None and (args.dtype is not None or args.layout != "auto"):
+        parser.error("--dtype and --layout apply to the comparison with a model: pass --against too")
 
 
 def _diff(args: argparse.Namespace) -> int:
@@ -108,7 +114,18 @@ def build_parser() -> argparse.ArgumentParser:
                                           "(exit 0 when whole, 1 otherwise)")
     check.add_argument("path", help="a .safetensors file, an index, or a checkpoint folder (DCP too)")
     check.add_argument("--json", action="store_true", help="print the report as JSON")
-    check.set_defaults(func=_verify)
+    check.add_argument("--against", default=None, metavar="MODEL_DIR_OR_CONFIG",
+                       help="also check every tensor's name and shape against what this model (a folder "
+                            "with config.json, or the file) holds in the checkpoint (exit 2 when the model "
+                            "cannot be built)")
+    check.add_argument("--dtype", default=None, metavar="DTYPE",
+                       help="with --against: also check that every floating-point tensor is DTYPE "
+                            "(bfloat16, BF16, ...); without it dtypes are not compared")
+    check.add_argument("--layout", default="auto", choices=["auto", "hub", "module"],
+                       help="with --against: the key layout to expect: hub (what save_pretrained "
+                            "writes), module (the model's own names) or auto (default: the one the "
+                            "checkpoint matches)")
+    check.set_defaults(func=_verify, check=_check_verify, subparser=check)
     compare = sub.add_parser("diff", help="compare two checkpoints tensor by tensor, any layouts "
                                           "(exit 0 when identical, 1 when not, 2 on an unreadable one)")
     compare.add_argument("a", help="the first checkpoint (safetensors or DCP)")

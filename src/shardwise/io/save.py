@@ -24,6 +24,7 @@ from shardwise._progress import Progress
 from shardwise.comm import agree, capture, fingerprint, world_backend
 from shardwise.errors import CheckpointError, CollectiveError, UsageError
 from shardwise.io import parallel_save
+from shardwise.io.check.against import Expectation, compare, expected_tensors
 from shardwise.io.gather import FileGatherer, collect_items
 from shardwise.io.guards import check_model
 from shardwise.io.info import collect_checksums, gather_info, write_info
@@ -132,7 +133,11 @@ def save(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str
     filename_prefix = filename_prefix or default_prefix(model)
     header_meta = header_metadata(metadata)
     items, state = collect_items(model)
+    if layout == "hub":  # as save_pretrained: a model's _keys_to_ignore_on_save are not written
+        ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
+        items = [i for i in items if i.name not in ignored]
     stored = stored_tensors(model, items, layout)
+    check_stored(model, items, stored, layout)
     storages = shared_storages([p for *_, p in stored if p is not None],
                                {i.name: i.local.element_size() for i in items})
     file_plan = [(fname, sorted(group, key=save_file_order)) for fname, group in
@@ -208,6 +213,20 @@ def join_collective(backend, what: str) -> None:
             f"rank of the {backend.world_size} joined (a peer left, is elsewhere, or arrives later: "
             f"then meet first with dist.barrier()). Cause: {cause}"
         ) from (cause if isinstance(cause, BaseException) else None)
+
+
+def check_stored(model: nn.Module, items, stored, layout: str) -> None:
+    """The save's invariant, before anything is written: every stored tensor has exactly the
+    name, shape and dtype that a checkpoint of ``model`` holds in ``layout`` (what
+    ``sw.verify(path, against=model)`` checks afterwards), else ``CheckpointError``."""
+    tensors = {i.name: (tuple(i.shape), i.dtype) for i in items}
+    want = Expectation(type(model).__name__, layout, expected_tensors(model, layout=layout, tensors=tensors),
+                       {}, True)
+    report = compare({n: (dt, tuple(shape)) for n, dt, shape, _ in stored}, want)
+    if not report.ok:
+        raise CheckpointError(f"sw.save would write a checkpoint that does not match {type(model).__name__} "
+                              f"({layout} layout): {'; '.join(report.problems()[:5])}. Nothing was written; "
+                              "save with layout='module', and report this as a bug")
 
 
 def stored_tensors(model: nn.Module, items, layout: str) -> list[tuple[str, str, tuple, object]]:

@@ -15,6 +15,11 @@ in checkpoints from before it) and compared.
 
 A checkpoint not written by shardwise has no checksums: its structure is checked and the
 report says so.
+
+``against=MODEL`` (a model, its folder or its config.json) also checks every tensor's name,
+shape and, where defined, dtype against what that model holds in the checkpoint's layout
+(``shardwise.io.check.against``): the check a checkpoint whose own headers and checksums
+agree, but which holds a tensor of the wrong shape, fails.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from shardwise.core.header import dtype_to_str
-from shardwise.errors import CheckpointError
+from shardwise.errors import CheckpointError, ShardwiseError, UsageError
+from shardwise.io.check.against import AgainstReport, check_against, expectations
 from shardwise.io.check.inspect import print_safely
 from shardwise.io.dcp.sharded import is_sharded_safetensors, read_sharded
 from shardwise.io.detect import is_dcp
@@ -51,6 +57,7 @@ class VerifyReport:
     problems: list[str] = field(default_factory=list)
     mismatched: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    against: AgainstReport | None = None  # with verify(against=...): the comparison, also in problems
 
     @property
     def ok(self) -> bool:
@@ -61,6 +68,8 @@ class VerifyReport:
         unit = "tensors" if self.kind == "safetensors" else "chunks"
         counts = (f"{self.tensors} tensors, {self.checksummed} {unit} checksummed, "
                   f"{self.bytes_read} bytes read")
+        if self.against is not None:
+            counts += f"; {self.against.summary()}"
         if self.ok:
             return f"OK {self.path}: {self.kind}, {counts}"
         faults = []
@@ -78,31 +87,52 @@ class VerifyReport:
         return json.dumps(self.to_dict(), indent=1, ensure_ascii=True)
 
 
-def verify(path: str | os.PathLike) -> VerifyReport:
+def verify(path: str | os.PathLike, *, against=None, dtype=None, layout: str = "auto") -> VerifyReport:
     """Check the checkpoint at ``path`` (safetensors file, index or folder, or DCP folder)
     without loading it: its structure, and every tensor against its recorded checksum.
 
-    Never raises for a bad checkpoint: the faults are in the returned report.
+    ``against``: a model (meta is enough), a model folder or its ``config.json``; then every
+    tensor's name and shape must be what that model holds in the checkpoint's ``layout``
+    ("hub": what ``save_pretrained`` writes; "module": the model's own names, which a
+    distributed save holds; "auto": the one the checkpoint's names match), and its dtype too
+    against a model in hand or when ``dtype`` is given (floating-point tensors in ``dtype``).
+    Missing, unexpected and wrong-shaped tensors are problems; ``report.against`` lists them.
+
+    Never raises for a bad checkpoint: the faults are in the returned report. A bad
+    ``against`` (no config, a class the library lacks) raises before anything is read.
 
     >>> report = sw.verify("out/full")                     # doctest: +SKIP
     >>> report.ok, report.summary()                        # doctest: +SKIP
     (True, 'OK out/full: safetensors, 291 tensors, 291 tensors checksummed, 4021813248 bytes read')
+    >>> sw.verify("out/full", against="ckpt/").against.missing      # doctest: +SKIP
+    []
     """
+    if against is None and (dtype is not None or layout != "auto"):
+        raise UsageError("dtype and layout say how to compare with a model: pass against= too")
+    candidates = expectations(against, dtype=dtype) if against is not None else None
     report = VerifyReport(str(path))
+    found = None
     try:
         if Path(path).is_dir() and is_sharded_safetensors(path):
             report.kind = "sharded safetensors"
-            _verify_sharded(Path(path), report)
+            found = _verify_sharded(Path(path), report)
         elif is_dcp(Path(path)):
             report.kind = "dcp"
-            _verify_dcp(Path(path), report)
+            found = _verify_dcp(Path(path), report)
         else:
             report.kind = "safetensors"
-            _verify_safetensors(Path(path), report)
+            found = _verify_safetensors(Path(path), report)
     except CheckpointError as e:
         report.problems.append(str(e))
     except OSError as e:
         report.problems.append(f"{path}: cannot read the checkpoint: {e}")
+    if candidates is not None and found is not None:
+        # rank-local and DCP checkpoints hold the module's names; safetensors most often the hub's
+        prefer = "hub" if report.kind == "safetensors" else "module"
+        report.against = check_against(found, candidates, layout=layout, prefer=prefer)
+        report.problems += report.against.problems()
+    elif candidates is not None:
+        report.notes.append("the checkpoint could not be read, so it was not compared with the model")
     return report
 
 
@@ -124,7 +154,7 @@ def _recorded(folder: Path, report: VerifyReport, found: dict[str, tuple[str, tu
 
 # --- safetensors -----------------------------------------------------------------------------
 
-def _verify_safetensors(path: Path, report: VerifyReport) -> None:
+def _verify_safetensors(path: Path, report: VerifyReport) -> dict[str, tuple[str, tuple]]:
     ckpt = resolve_checkpoint(path)  # headers, tiling, index: raises on the first fault
     listed = set(ckpt.weight_map)
     for file, header in ckpt.headers.items():
@@ -156,6 +186,7 @@ def _verify_safetensors(path: Path, report: VerifyReport) -> None:
         finally:
             os.close(fd)
     _missing_sums(sums, set(ckpt.weight_map), ckpt.root, report)
+    return found
 
 
 def _digest_of_range(fd: int, start: int, nbytes: int, buf: bytearray, what: str,
@@ -181,7 +212,7 @@ def _missing_sums(sums: dict, present: set[str], root: Path, report: VerifyRepor
 
 # --- distributed checkpoints -----------------------------------------------------------------
 
-def _verify_dcp(path: Path, report: VerifyReport) -> None:
+def _verify_dcp(path: Path, report: VerifyReport) -> dict[str, tuple[str, tuple]]:
     # imported on use: torch.distributed.checkpoint takes ~0.5 s to import, which verifying a
     # safetensors checkpoint should not pay
     from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
@@ -193,9 +224,9 @@ def _verify_dcp(path: Path, report: VerifyReport) -> None:
     files: dict[str, object] = {}
     tensors = {fqn: md for fqn, md in metadata.state_dict_metadata.items()
                if isinstance(md, TensorStorageMetadata)}
-    algorithm, _, sums = _recorded(path, report, {n: (dtype_to_str(md.properties.dtype), tuple(md.size))
-                                       for n, md in tensors.items()},
-                        otherwise="each chunk is checked against the CRC-32 of its zip record")
+    found = {n: (dtype_to_str(md.properties.dtype), tuple(md.size)) for n, md in tensors.items()}
+    algorithm, _, sums = _recorded(path, report, found,
+                                   otherwise="each chunk is checked against the CRC-32 of its zip record")
     report.tensors = len(tensors)
     try:
         for fqn, md in tensors.items():
@@ -228,13 +259,15 @@ def _verify_dcp(path: Path, report: VerifyReport) -> None:
                                f"checkpoint: {', '.join(gone[:5])}")
     if sums and report.checksummed < sum(len(md.chunks) for md in tensors.values()):
         report.notes.append("some chunks have no recorded checksum")
+    return found
 
 
-def _verify_sharded(path: Path, report: VerifyReport) -> None:
+def _verify_sharded(path: Path, report: VerifyReport) -> dict[str, tuple[str, tuple]]:
     """Rank-local safetensors with DCP_SHARDING_INFO: the chunk map tiles every tensor (checked
     by ``read_sharded``), and each chunk's bytes match the checksum ``shardwise.json`` recorded."""
     ckpt = read_sharded(path)  # headers, sharding info, exact tiling: raises on the first fault
-    algorithm, _, sums = _recorded(path, report, {n: (t.dtype, t.shape) for n, t in ckpt.tensors.items()})
+    found = {n: (t.dtype, t.shape) for n, t in ckpt.tensors.items()}
+    algorithm, _, sums = _recorded(path, report, found)
     report.tensors = len(ckpt.tensors)
     fds: dict[Path, int] = {}
     buf = bytearray(_PIECE)
@@ -257,13 +290,20 @@ def _verify_sharded(path: Path, report: VerifyReport) -> None:
             os.close(fd)
     if sums and report.checksummed < sum(len(t.chunks) for t in ckpt.tensors.values()):
         report.notes.append("some chunks have no recorded checksum")
+    return found
 
 
-def main_verify(path: str, *, as_json: bool = False) -> int:
-    """``shardwise verify PATH [--json]``: the faults, then one summary line; 0 when ok, else 1."""
+def main_verify(path: str, *, as_json: bool = False, against: str | None = None, dtype: str | None = None,
+                layout: str = "auto") -> int:
+    """``shardwise verify PATH [--against MODEL] [--json]``: the faults, then one summary line;
+    0 when ok, 1 when not, 2 when the model to compare with cannot be built."""
     import sys
 
-    report = verify(path)
+    try:
+        report = verify(path, against=against, dtype=dtype, layout=layout)
+    except ShardwiseError as e:
+        print_safely(f"shardwise verify: --against {against}: {e}", file=sys.stderr)
+        return 2
     if as_json:
         print_safely(report.to_json())
     else:

@@ -25,6 +25,7 @@ from torch import nn
 
 from shardwise.core.header import TensorEntry, dtype_to_str, str_to_dtype
 from shardwise.core.pieces import Piece, check_tiling
+from shardwise.core.spec import Region
 from shardwise.errors import CheckpointError, ShardingError
 from shardwise.io.safetensors.hub_layout import hub_tensors, is_transformers_model
 
@@ -117,6 +118,15 @@ def hub_save_layout(model: nn.Module,
         _tiles(comp.shape, comp.pieces, f"model tensor {name!r} in the hub layout")
         for piece in comp.pieces:
             fragments.setdefault(piece.key, []).append((name, piece))
+    for key, t in reverted.items():
+        # A key that the load direction renames to no model tensor while it names one itself
+        # (DeepSeek-V4's ".norm." -> ".kv_norm." also matches model.norm.weight): the load
+        # reads it under its own name, so the save writes it so too.
+        if key not in fragments and key in tensors and key not in composites \
+                and shapes[key] == tuple(t.shape):
+            zeros = (0,) * len(t.shape)
+            fragments[key] = [(key, Piece(key, Region(zeros, shapes[key]), zeros))]
+            composites[key] = None
     unplaced = [k for k in reverted if k not in fragments]
     if unplaced:
         raise CheckpointError(f"the hub layout's {unplaced[:3]} map to no model tensor; {_MODULE}")

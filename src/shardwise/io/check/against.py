@@ -1,0 +1,322 @@
+"""What a checkpoint of a model must hold, and ``sw.verify(path, against=...)``'s check of it.
+
+:func:`expected_tensors` names every tensor a checkpoint of a model holds, with its shape
+and dtype, without touching data (meta tensors only):
+
+- ``layout="module"``: the model's state dict, without non-persistent buffers, each tied
+  tensor once under the name ``sw.save`` keeps (the first in state-dict order, as the plan
+  resolver and ``io.gather.collect_items`` keep it), with its global shape (a DTensor's
+  own; a local shard's from its shard spec and degree, as ``collect_items`` computes it).
+- ``layout="hub"``: for a transformers model, the keys ``save_pretrained`` writes:
+  transformers' own ``revert_weight_conversion`` run on those meta tensors (per-expert
+  tensors, fused ``gqkv_proj`` / ``gate_up_proj`` tensors, original names), and its
+  ``_keys_to_ignore_on_save`` dropped. Any other model's hub layout is its module layout.
+
+Dtypes: a checkpoint's dtype is defined per tensor only by a model in hand (or by the
+``dtype`` the caller gives, which applies to floating-point tensors as ``model.to(dtype)``
+does). A config's ``dtype`` is not: checkpoints keep some tensors in float32 (norms,
+router weights), integer buffers, quantisation scales. So ``verify`` against a folder or a
+config compares names and shapes, and dtypes only when ``dtype`` is given; against a
+module it compares dtypes too (the ones it holds, or ``dtype``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from shardwise.core.header import dtype_to_str, str_to_dtype
+from shardwise.core.plan import resolve_plan
+from shardwise.core.spec import global_shape
+from shardwise.errors import CheckpointError, UsageError
+from shardwise.io.safetensors.hub_layout import is_transformers_model
+from shardwise.parallel import get_shard_state
+
+Expected = dict[str, tuple[tuple[int, ...], str]]
+LAYOUTS = ("hub", "module")
+
+
+def expected_tensors(source: nn.Module | str | os.PathLike, *, layout: str = "hub",
+                     dtype: torch.dtype | str | None = None,
+                     tensors: Mapping[str, tuple[tuple[int, ...], str]] | None = None) -> Expected:
+    """``{stored key: (shape, safetensors dtype)}`` that a checkpoint of ``source`` holds in
+    ``layout`` ("hub" or "module"; see the module docstring), in the order the layout lists
+    them. ``source`` is a model (on meta, real, DTensors or local shards: global shapes), a
+    model folder holding ``config.json``, or that file (transformers: its
+    ``architectures``; diffusers: its ``_class_name``; built on meta). ``tensors``
+    (``{model tensor name: (global shape, dtype)}``, ties already once, as ``sw.save``
+    collects them) stands for the model's own tensors; ``dtype`` casts the floating-point
+    ones. Raises ``UsageError`` for a bad argument, ``CheckpointError`` when the model cannot
+    be built or transformers cannot revert its conversions.
+
+    >>> expected_tensors("hrm/")["model.H_module.layers.0.attn.gqkv_proj.weight"]  # doctest: +SKIP
+    ((256, 64), 'F32')
+    """
+    if layout not in LAYOUTS:
+        raise UsageError(f"layout must be 'hub' or 'module', got {layout!r}")
+    dtype = as_dtype(dtype)
+    model, _ = resolve_model(source)
+    held, aliases = model_tensors(model) if tensors is None else (_checked(tensors), {})
+    return stored_layout(model, cast(held, dtype), aliases, layout)[0]
+
+
+# --- the model ---------------------------------------------------------------------------------
+
+def resolve_model(source: nn.Module | str | os.PathLike) -> tuple[nn.Module, str]:
+    """``(model, what to call it in a message)``: ``source`` itself, or the meta model its
+    config builds."""
+    if isinstance(source, nn.Module):
+        return source, type(source).__name__
+    if not isinstance(source, (str, os.PathLike)):
+        raise UsageError(f"against must be a model, a model folder or its config.json, "
+                         f"got {type(source).__name__}")
+    path = Path(source)
+    config_file = path / "config.json" if path.is_dir() else path
+    if not config_file.is_file():
+        raise UsageError(f"{path}: no config.json there; pass the model folder (config.json beside "
+                         "the weights), its config.json, or the model itself")
+    model = model_from_config(config_file)
+    return model, f"{type(model).__name__} from {config_file}"
+
+
+def model_from_config(config_file: Path) -> nn.Module:
+    """The meta-device model a transformers (``architectures``) or diffusers (``_class_name``)
+    config.json describes."""
+    try:
+        config = json.loads(Path(config_file).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{config_file}: not a readable JSON config ({e})") from e
+    arch = (config.get("architectures") or [None])[0] if isinstance(config, dict) else None
+    name = config.get("_class_name") if isinstance(config, dict) and arch is None else arch
+    if not isinstance(name, str):
+        raise CheckpointError(f"{config_file}: names no model class (no 'architectures' for transformers, "
+                              "no '_class_name' for diffusers); pass the model itself")
+    library = "transformers" if arch is not None else "diffusers"
+    try:
+        module = __import__(library)
+    except ImportError as e:
+        raise CheckpointError(f"{config_file}: describes a {library} model ({name}), and {library} is "
+                              "not installed") from e
+    cls = getattr(module, name, None)
+    if not isinstance(cls, type):
+        raise CheckpointError(f"{config_file}: {library} has no class {name!r} (custom code?); pass "
+                              "the model itself (built on meta)")
+    try:
+        with torch.device("meta"):
+            if library == "transformers":
+                return cls._from_config(module.AutoConfig.from_pretrained(config_file))
+            return cls.from_config(cls.load_config(config_file))
+    except Exception as e:  # noqa: BLE001 - the libraries raise anything for a config they cannot build
+        raise CheckpointError(f"{config_file}: {library} cannot build {name} from it "
+                              f"({type(e).__name__}: {e})") from e
+
+
+def model_tensors(model: nn.Module) -> tuple[Expected, dict[str, str]]:
+    """``({tensor name: (global shape, dtype)}, {tied alias: name kept})`` of ``model``'s
+    state dict: what ``collect_items`` would collect, read from shapes only (it refuses a
+    meta model, which has no values to save, so its rule is restated here)."""
+    state = get_shard_state(model)
+    specs = state.specs if state is not None else resolve_plan(model, {}, 1)
+    spmd = state is None or state.holding == "spmd"
+    held = model.state_dict(keep_vars=True)
+    out: Expected = {}
+    for name, spec in specs.items():
+        if name not in held:
+            raise CheckpointError(f"tensor {name!r} was parallelised but is no longer in the model's "
+                                  "state_dict; pass the model as it was parallelised or loaded")
+        t = held[name]
+        shape = tuple(t.shape)  # a DTensor's shape is global
+        if type(t).__name__ != "DTensor" and not spmd and not spec.replicated:
+            degree = state.coords(spec)[0]
+            shape = global_shape(shape, spec, degree) if degree > 1 else shape
+        out[name] = (shape, dtype_to_str(t.dtype))
+    return out, {a: k for a, k in specs.aliases.items() if a in held}
+
+
+def _checked(tensors: Mapping) -> Expected:
+    out = {}
+    for name, value in tensors.items():
+        try:
+            shape, dt = value
+            out[name] = (tuple(int(s) for s in shape), dt if isinstance(dt, str) else dtype_to_str(dt))
+        except (TypeError, ValueError) as e:
+            raise UsageError(f"tensors[{name!r}] must be (shape, dtype), got {value!r}") from e
+    return out
+
+
+def as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """A torch dtype from ``torch.bfloat16``, ``"bfloat16"``, ``"torch.bfloat16"`` or ``"BF16"``."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str):
+        name = dtype.removeprefix("torch.")
+        found = getattr(torch, name, None)
+        if isinstance(found, torch.dtype):
+            return found
+        try:
+            return str_to_dtype(name.upper())
+        except CheckpointError:
+            pass
+    raise UsageError(f"dtype must be a torch dtype or its name ('bfloat16', 'BF16'), got {dtype!r}")
+
+
+def cast(tensors: Expected, dtype: torch.dtype | str | None) -> Expected:
+    """``tensors`` with every floating-point dtype replaced by ``dtype`` (as ``model.to(dtype)``)."""
+    dtype = as_dtype(dtype)
+    if dtype is None:
+        return dict(tensors)
+    name = dtype_to_str(dtype)
+    return {n: (shape, name if str_to_dtype(dt).is_floating_point else dt)
+            for n, (shape, dt) in tensors.items()}
+
+
+def stored_layout(model: nn.Module, tensors: Expected, aliases: Mapping[str, str],
+                  layout: str) -> tuple[Expected, dict[str, str]]:
+    """``(tensors, aliases)`` under their stored names in ``layout``: for the hub layout of a
+    transformers model, as ``save_pretrained`` writes them (transformers' own revert, run
+    on meta tensors); a tied alias keeps its place only where it reverts to one key."""
+    if layout not in LAYOUTS:
+        raise UsageError(f"layout must be 'hub' or 'module', got {layout!r}")
+    if layout == "module" or not is_transformers_model(model):
+        return dict(tensors), dict(aliases)
+    ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
+    kept = {n: v for n, v in tensors.items() if n not in ignored}
+    stored = _revert(model, kept)
+    stored_aliases = {}
+    for alias, name in aliases.items():
+        if name in kept:
+            one, mine = _revert(model, {alias: kept[name]}), _revert(model, {name: kept[name]})
+            if len(one) == len(mine) == 1 and next(iter(mine)) in stored:
+                stored_aliases[next(iter(one))] = next(iter(mine))
+    return stored, stored_aliases
+
+
+def _revert(model: nn.Module, tensors: Expected) -> Expected:
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return dict(tensors)
+    meta = {n: torch.empty(shape, dtype=str_to_dtype(dt), device="meta")
+            for n, (shape, dt) in tensors.items()}
+    try:
+        reverted = revert_weight_conversion(model, meta)
+    except Exception as e:  # noqa: BLE001 - transformers raises anything for a layout it cannot revert
+        raise CheckpointError(f"transformers cannot revert {type(model).__name__}'s weight conversions "
+                              f"({type(e).__name__}: {e}); use layout='module'") from e
+    return {k: (tuple(t.shape), dtype_to_str(t.dtype)) for k, t in reverted.items()}
+
+
+# --- the check -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Expectation:
+    """What one layout of a model holds: ``tensors`` (``{stored key: (shape, dtype)}``),
+    ``aliases`` (a tied tensor's other stored name -> the key it stands for) and whether the
+    dtypes are defined (compared)."""
+
+    what: str
+    layout: str
+    tensors: Expected = field(repr=False)
+    aliases: dict[str, str] = field(repr=False)
+    dtypes: bool
+
+
+def expectations(source, *, dtype: torch.dtype | str | None = None) -> list[Expectation]:
+    """The hub and the module layout of ``source`` (one, when they are the same); dtypes are
+    defined for a model in hand or when ``dtype`` is given (see the module docstring)."""
+    dtype = as_dtype(dtype)
+    model, what = resolve_model(source)
+    held, aliases = model_tensors(model)
+    held = cast(held, dtype)
+    dtypes = dtype is not None or isinstance(source, nn.Module)
+    out = []
+    for layout in LAYOUTS:
+        tensors, stored_aliases = stored_layout(model, held, aliases, layout)
+        if not any(e.tensors == tensors for e in out):
+            out.append(Expectation(what, layout, tensors, stored_aliases, dtypes))
+    return out
+
+
+@dataclass
+class AgainstReport:
+    """How a checkpoint's tensors (names, shapes, dtypes where defined) compare with what
+    ``model`` expects in ``layout``: tensors ``missing`` from the checkpoint, ``unexpected``
+    in it, and ``wrong`` (present, of another shape or dtype; each ``"name: found, expected"``)."""
+
+    model: str
+    layout: str
+    dtypes_compared: bool
+    expected: int = 0
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    wrong: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not (self.missing or self.unexpected or self.wrong)
+
+    def problems(self) -> list[str]:
+        """One line per kind of fault (names listed, five at most) and one per wrong tensor."""
+        out, where = [], f"{self.model} ({self.layout} layout)"
+        if self.missing:
+            out.append(f"{len(self.missing)} tensor(s) that {where} expects are not in the checkpoint: "
+                       f"{_some(self.missing)}")
+        if self.unexpected:
+            out.append(f"{len(self.unexpected)} tensor(s) in the checkpoint are not in {where}: "
+                       f"{_some(self.unexpected)}")
+        out += [f"tensor {line}" for line in self.wrong]
+        return out
+
+    def summary(self) -> str:
+        what = "names, shapes and dtypes" if self.dtypes_compared else "names and shapes; dtypes not compared"
+        return f"{'matches' if self.ok else 'does not match'} {self.model} ({self.layout} layout: {what})"
+
+
+def _some(names: list[str]) -> str:
+    return ", ".join(map(repr, names[:5])) + (", ..." if len(names) > 5 else "")
+
+
+def compare(found: Mapping[str, tuple[str, tuple]], expected: Expectation) -> AgainstReport:
+    """Check ``found`` (``{stored key: (dtype, shape)}``, as ``verify`` reads a checkpoint)
+    against ``expected``. A tied tensor may be stored under any of its names."""
+    report = AgainstReport(expected.what, expected.layout, expected.dtypes, len(expected.tensors))
+    covered = set()
+    for name, (dt, shape) in found.items():
+        key = name if name in expected.tensors else expected.aliases.get(name)
+        if key is None:
+            report.unexpected.append(name)
+            continue
+        covered.add(key)
+        want_shape, want_dt = expected.tensors[key]
+        shape = tuple(shape)
+        if shape != want_shape or (expected.dtypes and dt != want_dt):
+            got, want = (shape, want_shape)
+            if expected.dtypes:
+                got, want = f"{dt} {shape}", f"{want_dt} {want_shape}"
+            report.wrong.append(f"{name!r} is {got} in the checkpoint, but {report.model} expects {want}")
+    report.missing = [k for k in expected.tensors if k not in covered]
+    return report
+
+
+def check_against(found: Mapping[str, tuple[str, tuple]], candidates: list[Expectation], *,
+                  layout: str = "auto", prefer: str = "hub") -> AgainstReport:
+    """:func:`compare` with the candidate of ``layout``; with ``"auto"``, the one whose names
+    the checkpoint matches best (ties: ``prefer``, the layout its format usually holds)."""
+    if layout not in ("auto", *LAYOUTS):
+        raise UsageError(f"layout must be 'auto', 'hub' or 'module', got {layout!r}")
+    if len(candidates) == 1:  # the model's hub layout is its module layout: its own names
+        candidates = [replace(candidates[0], layout="module" if layout == "auto" else layout)]
+    if layout != "auto":
+        return compare(found, next(e for e in candidates if e.layout == layout))
+    reports = [compare(found, e) for e in candidates]
+    return min(reports, key=lambda r: (len(r.missing) + len(r.unexpected), r.layout != prefer))
+
+
+__all__ = ["AgainstReport", "Expectation", "check_against", "compare", "expectations", "expected_tensors",
+           "model_tensors", "resolve_model"]
