@@ -8,7 +8,9 @@ runs past its time limit, a rank that dies, or a collective that fails restarts 
 
 Each task, on each rank: build the model (``shardwise``: parameters on meta, buffers real;
 ``peer``: the library's own ``from_pretrained`` with its tensor-parallel option), run the
-case's fixed input and compare with the one-process reference the parent saved.
+case's fixed input and compare with the one-process reference the parent saved; a correct
+shardwise load is then saved back with ``sw.save`` and compared with its source
+(``_zoo_save.py``).
 """
 
 from __future__ import annotations
@@ -132,6 +134,7 @@ def compare(out: torch.Tensor, ref: torch.Tensor) -> dict:
 def run_task(case, tool: str, tp: int, mesh, limit: int) -> dict:
     """Load ``case`` with ``tool`` on this rank, run the fixed input, compare. Never raises."""
     from _zoo_models import first_line, run_forward
+    from _zoo_save import save_round_trip
 
     start = time.perf_counter()
     model = None
@@ -141,6 +144,11 @@ def run_task(case, tool: str, tp: int, mesh, limit: int) -> dict:
             model = _with_shardwise(case, mesh) if tool == "shardwise" else _with_peer(case, tp)
             _, out = run_forward(model, case.library, data["inputs"])
             result = compare(out, data["reference"])
+            if tool == "shardwise" and result["status"] == "pass":  # then it must save back exactly
+                saved = save_round_trip(case, model, data, compare)
+                result["save"] = saved["status"]
+                if saved["status"] != "pass":
+                    result.update(saved)
     except BaseException as e:  # noqa: BLE001 - every failure is a row of the report
         if isinstance(e, KeyboardInterrupt):
             raise

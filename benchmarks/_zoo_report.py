@@ -16,8 +16,9 @@ from pathlib import Path
 NOT_TRIED = {"skip": "not testable", "build": "build fails", "forward": "forward fails in one process",
              "round trip": "save/reload differs in one process"}
 LABEL = {"pass": "pass", "wrong": "**SILENT WRONG**", "error": "error", "hang": "hang", "not run": "not run",
-         **NOT_TRIED}
-_ORDER = ("hang", "error", "wrong", "pass")
+         "refused": "save refused", **NOT_TRIED}
+# "refused": the load was right, and sw.save refused (before writing) to write it back.
+_ORDER = ("hang", "error", "wrong", "refused", "pass")
 
 
 def combine(per_rank: list[dict]) -> dict:
@@ -116,28 +117,33 @@ def markdown(rows: list[dict], meta: dict) -> str:
         f"diffusers {meta['diffusers']}, torch {meta['torch']}",
         f"- runtime: {meta['seconds']} s" + _runs(meta),
         "",
-        "| kind | families | tested | shardwise pass | peer pass | shardwise SILENT WRONG "
-        "| peer SILENT WRONG |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| kind | families | tested | shardwise pass | peer pass | shardwise save refused "
+        "| shardwise SILENT WRONG | peer SILENT WRONG |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for kind in ("dense", "MoE", "all"):
         k = c.get(kind, {})
         cells = [k.get(n, 0) for n in ("families", "tested", "shardwise pass", "peer pass",
-                                        "shardwise wrong", "peer wrong")]
+                                        "shardwise refused", "shardwise wrong", "peer wrong")]
         lines.append(f"| {kind} | " + " | ".join(map(str, cells)) + " |")
     lines += ["", "\"tested\": built and ran in one process. \"hub layout\": the checkpoint's keys differ "
-              "from the module's state_dict keys (transformers' save reverts its weight conversions).", "",
-              "| family | library | kind | hub layout | shardwise | peer | reason |",
-              "|---|---|---|---|---|---|---|"]
+              "from the module's state_dict keys (transformers' save reverts its weight conversions). "
+              "\"save\": after a correct load, `sw.save` of the tp model must write every tensor of the "
+              "source checkpoint byte for byte, and the library's `from_pretrained` of that folder must "
+              "give the reference output; shardwise counts as pass only when both the load and the save "
+              "pass (\"save refused\": sw.save raised before writing, naming what it cannot write back).",
+              "", "| family | library | kind | hub layout | shardwise | save | peer | reason |",
+              "|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["library"] != "transformers", r["family"])):
         lines.append(f"| {r['family']} | {r['library']} | {'MoE' if r['moe'] else 'dense'} | "
                      f"{'yes' if r['hub_layout'] else 'no'} | {LABEL[r['shardwise']['status']]} | "
+                     f"{r['shardwise'].get('save', '')} | "
                      f"{LABEL[r['peer']['status']]}{' (earlier run)' if 'from' in r['peer'] else ''} | "
                      f"{_reason(r)} |")
     lines += ["", "## shardwise failures by cause", ""]
     groups = defaultdict(list)
     for r in rows:
-        if r["shardwise"]["status"] in ("wrong", "error", "hang"):
+        if r["shardwise"]["status"] in ("wrong", "error", "hang", "refused"):
             groups[(r["shardwise"]["status"], cause(r["shardwise"].get("detail", "")))].append(r)
     for (status, _), members in sorted(groups.items(), key=lambda g: (-len(g[1]), g[0])):
         first = members[0]

@@ -40,7 +40,7 @@ from _zoo_models import build_case, diffusers_families, transformers_families
 from _zoo_ranks import RankPool, quiet_libraries
 from _zoo_report import classify, write_report
 
-TESTED = ("pass", "wrong", "error", "hang")
+TESTED = ("pass", "wrong", "error", "hang", "refused")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
