@@ -14,9 +14,6 @@ Two holding modes come from the same ``ShardSpec``s:
 
 ``install`` is the one place that writes shards into a model: ``parallelize`` feeds it
 slices of the model's own tensors, the loaders feed it slices read from disk.
-
-Length (~370 lines): install, its invariant check and the shard state belong together;
-the forward wiring is already in ``local_tp.py``.
 """
 
 from __future__ import annotations
@@ -29,10 +26,11 @@ import torch
 from torch import nn
 
 from shardwise.backends import current_backend
-from shardwise.core.plan import ResolvedPlan, Style, resolve_plan
+from shardwise.core.plan import ResolvedPlan, Style, resolve_plan, without_tp
 from shardwise.core.spec import ShardSpec, local_shape, split
 from shardwise.errors import PlanError, ShardingError, UsageError
 from shardwise.local_tp import run_on_local_params, wire_embedding_subclass, wire_forward, wire_local
+from shardwise.plan_checks import check_plan
 
 HOLDINGS = ("dtensor", "local", "spmd")
 _STATE_ATTR = "_shardwise_state"
@@ -43,7 +41,7 @@ class ShardState:
     """What shardwise knows about a parallelised model (kept on the model)."""
 
     mesh: object                       # the DeviceMesh passed in (may be 2-D)
-    tp_mesh: object                    # its tp axis
+    tp_mesh: object                    # its tp axis (None: the mesh has none, degree 1)
     degree: int
     tp_rank: int                       # 0 under "spmd": one process holds every position
     holding: str
@@ -72,13 +70,22 @@ def get_shard_state(model: nn.Module) -> ShardState | None:
 
 
 def tp_axis(mesh):
-    """The tp axis of ``mesh``: ``mesh["tp"]`` when named, else a 1-D mesh itself."""
+    """The tp axis of ``mesh``: ``mesh["tp"]`` when named, an unnamed 1-D mesh itself, and
+    ``None`` when the mesh names its axes and none is "tp" (``backend.mesh(dp_shard=4)``,
+    ``backend.mesh(ep=2)``): nothing is tensor parallel there, so the model is held whole
+    (ready for ``fully_shard``) instead of the TP plan splitting it over a data axis."""
     names = getattr(mesh, "mesh_dim_names", None) or ()
     if "tp" in names:
         return mesh["tp"] if len(names) > 1 else mesh
-    if mesh.ndim == 1:
+    if not names and mesh.ndim == 1:
         return mesh
-    raise PlanError(f"mesh with axes {names} has no 'tp' axis; build it with backend.mesh(tp=...)")
+    if not names:
+        raise PlanError(f"a {mesh.ndim}-D mesh without axis names has no 'tp' axis; build it with "
+                        "backend.mesh(tp=...)")
+    if getattr(mesh, "spmd", False):  # one global tensor per parameter needs an axis to place it on
+        raise PlanError(f"the xla_spmd mesh with axes {names} has no 'tp' axis; add tp=1 to hold the "
+                        "model whole: backend.mesh(..., tp=1)")
+    return None
 
 
 def ep_axis(mesh):
@@ -90,17 +97,19 @@ def ep_axis(mesh):
 def mesh_coords(mesh, *, spmd: bool = False) -> dict[str, tuple[int, int]]:
     """``{"tp": (degree, rank), "ep": (degree, rank)}`` of this process on ``mesh``."""
     tp, ep = tp_axis(mesh), ep_axis(mesh)
-    return {"tp": (tp.size(), 0 if spmd else tp.get_local_rank()),
+    return {"tp": (1, 0) if tp is None else (tp.size(), 0 if spmd else tp.get_local_rank()),
             "ep": (1, 0) if ep is None else (ep.size(), ep.get_local_rank())}
 
 
 def resolve_for_mesh(model: nn.Module, plan, mesh, ep_plan=None) -> ResolvedPlan:
-    """``resolve_plan`` for the tp and ep axes of ``mesh``; unused keys warned about once."""
+    """``resolve_plan`` for the tp and ep axes of ``mesh``; unused keys warned about once.
+    On a mesh without a tp axis the plan is checked as at degree 1, then its tp part dropped."""
     tp, ep = tp_axis(mesh), ep_axis(mesh)
-    specs = resolve_plan(model, plan, tp.size(), ep_plan=ep_plan,
+    specs = resolve_plan(model, plan, 1 if tp is None else tp.size(), ep_plan=ep_plan,
                          ep_degree=1 if ep is None else ep.size())
+    check_plan(model, specs)  # a forward shaping split heads by the global count
     warn_unused_keys(specs)
-    return specs
+    return without_tp(specs) if tp is None else specs
 
 
 def default_holding() -> str:
@@ -139,10 +148,10 @@ def install(model: nn.Module, specs: ResolvedPlan, mesh, *, holding: str,
     """
     if holding not in HOLDINGS:
         raise UsageError(f"holding must be one of {HOLDINGS}, got {holding!r}")
-    tp_mesh = tp_axis(mesh)
-    check_spmd(tp_mesh, holding)
+    tp_mesh = tp_axis(mesh)  # None: no tp axis, nothing tensor parallel (degree 1)
+    check_spmd(mesh if tp_mesh is None else tp_mesh, holding)
     spmd = holding == "spmd"
-    degree, tp_rank = tp_mesh.size(), 0 if spmd else tp_mesh.get_local_rank()
+    degree, tp_rank = mesh_coords(mesh, spmd=spmd)["tp"]
     if specs.degree != degree:
         raise PlanError(f"plan was resolved for degree {specs.degree} but the mesh tp axis has {degree}")
     check_wiring(model, specs, holding)
@@ -155,7 +164,8 @@ def install(model: nn.Module, specs: ResolvedPlan, mesh, *, holding: str,
         setattr(model.get_submodule(prefix), leaf, getattr(model.get_submodule(kept_prefix), kept_leaf))
     ep_mesh = ep_axis(mesh)
     state = ShardState(mesh=mesh, tp_mesh=tp_mesh, degree=degree, tp_rank=tp_rank, holding=holding,
-                       specs=specs, group=tp_mesh.get_group(), ep_mesh=ep_mesh)
+                       specs=specs, group=None if tp_mesh is None else tp_mesh.get_group(),
+                       ep_mesh=ep_mesh)
     if ep_mesh is not None:
         state.ep_degree, state.ep_rank = ep_mesh.size(), 0 if spmd else ep_mesh.get_local_rank()
         state.ep_group = ep_mesh.get_group()
@@ -272,7 +282,7 @@ def parallelize(model: nn.Module, plan, mesh, *, holding: str | None = None, ep_
                 local_tensor=lambda name, spec: tp_mesh.distribute(full[name], spec.dim))
         return model
     coords = mesh_coords(mesh)
-    device = torch.device(tp_mesh.device_type) if tp_mesh.device_type != "cpu" else None
+    device = torch.device(mesh.device_type) if mesh.device_type != "cpu" else None
 
     def local_tensor(name: str, spec: ShardSpec) -> torch.Tensor:
         t = full[name].detach()

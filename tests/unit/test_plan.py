@@ -136,11 +136,12 @@ class PackedRowwiseParallel(PackedColwiseParallel):
 
 
 class FluxAttention(nn.Module):
-    def __init__(self, h, heads, added=False):
+    def __init__(self, h, heads, added=False, pre_only=False):
         super().__init__()
         self.heads = heads
         self.to_q, self.to_k, self.to_v = (nn.Linear(h, h) for _ in range(3))
-        self.to_out = nn.ModuleList([nn.Linear(h, h), nn.Dropout(0.0)])
+        if not pre_only:  # as diffusers: a single-stream block's attention has no output projection
+            self.to_out = nn.ModuleList([nn.Linear(h, h), nn.Dropout(0.0)])
         if added:
             self.add_q_proj, self.add_k_proj, self.add_v_proj = (nn.Linear(h, h) for _ in range(3))
             self.to_add_out = nn.Linear(h, h)
@@ -205,7 +206,7 @@ class Flux2Transformer(nn.Module):
 class FluxSingleBlock(nn.Module):
     def __init__(self, h, heads, mult=4):
         super().__init__()
-        self.attn = FluxAttention(h, heads)
+        self.attn = FluxAttention(h, heads, pre_only=True)
         self.proj_mlp = nn.Linear(h, mult * h)
         self.proj_out = nn.Linear((1 + mult) * h, h)
 
@@ -281,8 +282,10 @@ def test_unknown_style_lists_supported():
 
 def test_key_matching_nothing_is_skipped_and_reported():
     # transformers' semantics: a key this configuration lacks is skipped and listed
+    attention = {"layers.*.attn.q": "colwise", "layers.*.attn.k": "colwise", "layers.*.attn.v": "colwise",
+                 "layers.*.attn.o": "rowwise"}
     specs = sw.resolve_plan(meta(TinyTransformer), {"layers.*.attn.q_proj": "colwise", "lm_head": "colwise",
-                                                    "layers.*.attn.q": "colwise"}, 2)
+                                                    **attention}, 2)
     assert specs.unused_keys == ("layers.*.attn.q_proj", "lm_head")
     assert specs["layers.0.attn.q.weight"] == sw.ShardSpec(dim=0)
 
@@ -315,7 +318,7 @@ def test_two_keys_claiming_one_module():
 def test_indivisible_dim_names_key_tensor_and_sizes():
     model = meta(TinyTransformer, hidden=36, heads=3, ffn=60)
     with pytest.raises(sw.ShardingError) as e:
-        sw.resolve_plan(model, {"layers.*.mlp.down": "rowwise"}, 8)
+        sw.resolve_plan(model, {"layers.*.mlp.down": "rowwise", "layers.*.mlp.gate_up": "packed_colwise"}, 8)
     msg = str(e.value)
     assert "'layers.*.mlp.down'" in msg and "layers.0.mlp.down.weight" in msg and "60" in msg and "8" in msg
 
@@ -332,7 +335,8 @@ def test_head_count_must_divide():
     # hidden 48 divides by 4, but 3 heads do not
     model = meta(TinyTransformer, hidden=48, heads=3, ffn=64)
     with pytest.raises(sw.ShardingError) as e:
-        sw.resolve_plan(model, {"layers.*.attn.q": "colwise"}, 4)
+        sw.resolve_plan(model, {"layers.*.attn.q": "colwise", "layers.*.attn.k": "colwise",
+                                "layers.*.attn.v": "colwise", "layers.*.attn.o": "rowwise"}, 4)
     assert "num_heads = 3" in str(e.value) and "'layers.*.attn.q'" in str(e.value)
 
 
@@ -371,10 +375,13 @@ def test_head_count_error_names_the_attention_module():
     assert "self_attn" in str(e.value) and "lm_head" not in str(e.value)
 
 
-def test_indivisible_degree_lists_the_degrees_that_divide_the_model():
+def test_indivisible_degree_lists_the_degrees_that_pass_every_check():
+    # 36 and 60 rows split at 1, 2, 3, 4, 6, 12, but the 3 heads only at 1 and 3
     model = meta(TinyTransformer, hidden=36, heads=3, ffn=60)
-    with pytest.raises(sw.ShardingError, match=r"plan: 1, 2, 3, 4, 6, 12$"):  # 36 and 60 rows
-        sw.resolve_plan(model, {"layers.*.mlp.down": "rowwise", "layers.*.attn.q": "colwise"}, 8)
+    with pytest.raises(sw.ShardingError, match=r"plan: 1, 3$"):
+        sw.resolve_plan(model, {"layers.*.mlp.down": "rowwise", "layers.*.mlp.gate_up": "packed_colwise",
+                                "layers.*.attn.q": "colwise", "layers.*.attn.k": "colwise",
+                                "layers.*.attn.v": "colwise", "layers.*.attn.o": "rowwise"}, 8)
 
 
 def test_parameter_keys_and_expert_styles():

@@ -7,24 +7,29 @@ a parameter, each ``*`` stands for one numeric path component (the index of a
 A key that matches nothing in this configuration (a projection some layers lack, a
 ``q_proj`` that only exists without ``q_lora_rank``) is skipped and reported in
 ``ResolvedPlan.unused_keys``; ``strict=True`` makes it an error, for hand-written plans.
+A plan none of whose keys matches anything is an error (``core/plan_keys.py``).
 Styles are normalised in ``core/styles.py``. Everything is validated here, on a meta
 model, before any process group is touched. Pure: no torch.distributed, no file I/O.
 
-Length (~340 lines): every check a plan gets before anything runs lives here, so that
-the refusals are found in one place.
+Every check a plan gets before anything runs is called from ``resolve_plan``, so that the
+refusals are found from one place: the pairing of split projections in
+``core/plan_pairs.py``, the degree checks (tensor sizes, head counts) in
+``core/plan_degrees.py``, the rest here. A check that reads a model's forward source
+beyond these lives above core (``shardwise/plan_checks.py``).
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-import re
 from dataclasses import replace
 
 from torch import nn
 
-from shardwise.core.plan_keys import ep_plan_from_model, match_plan, plan_from_model
-from shardwise.core.spec import ShardSpec, check_shardable, dividing_degrees
+from shardwise.core.plan_degrees import check_degrees, head_counts
+from shardwise.core.plan_keys import check_some_key_matches, ep_plan_from_model, match_plan, plan_from_model
+from shardwise.core.plan_pairs import check_pairs
+from shardwise.core.spec import ShardSpec
 from shardwise.core.styles import (
     DEFAULT_PACKED,
     SUPPORTED_STYLES,
@@ -34,7 +39,7 @@ from shardwise.core.styles import (
     check_blocks,
     normalize_style,
 )
-from shardwise.errors import PlanError, ShardingError
+from shardwise.errors import PlanError
 
 
 class ResolvedPlan(dict):
@@ -132,58 +137,12 @@ def _rope_dim(model: nn.Module, path: str, key: str) -> int:
     return value
 
 
-_HEAD_ATTRS = ("num_heads", "heads", "num_attention_heads", "num_key_value_heads",
-               "num_kv_heads", "n_heads", "n_kv_heads")
-_ATTENTION = re.compile(r"attn|attention|q_proj|k_proj|v_proj|qkv|to_q|to_k|to_v")
-
-
-def _check_heads(model: nn.Module, sharded: list[str], keys, degree: int) -> None:
-    """The degree must divide every attention head count next to a sharded projection."""
-    if degree == 1 or not sharded:
-        return
-    config = getattr(model, "config", None)
-    # The root's head counts come from its config: diffusers warns on config attributes
-    # read off the model itself.
-    owners = [("config", config)] if config is not None else [("", model)]
-    owners += [(n, m) for n, m in model.named_modules() if n]
-    for name, owner in owners:
-        near = [p for p in sharded if name in ("", "config") or p.startswith(name + ".")]
-        if not near:
-            continue
-        for attr in _HEAD_ATTRS:
-            try:
-                value = getattr(owner, attr, None)
-            except Exception:  # noqa: BLE001 - a per-layer config attribute refuses a global read
-                continue
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0 and value % degree:
-                path = next((p for p in near if _ATTENTION.search(p)), near[0])
-                where = f"model.{name}" if name else "model"
-                raise ShardingError(
-                    f"{where}.{attr} = {value} is not divisible by degree {degree}, but plan key "
-                    f"{keys[path]!r} shards {path!r}: each rank must own whole heads; choose a degree "
-                    f"that divides {value}"
-                )
-
-
 def _claim(owned: dict, tensor, name: str, spec: ShardSpec, key: str) -> None:
     if id(tensor) in owned and owned[id(tensor)][1] != name and owned[id(tensor)][0] != spec:
         other = owned[id(tensor)]
         raise PlanError(f"plan key {key!r} shards {name!r} as {spec}, but the same tied tensor "
                         f"is {other[1]!r} sharded as {other[0]}; plan tied modules alike")
     owned[id(tensor)] = (spec, name, key)
-
-
-def _check_divisible(model: nn.Module, owned: dict, degrees: dict[str, int]) -> None:
-    pairs = [(tuple(t.shape), spec, name, key) for t, (spec, name, key) in
-             ((_tensor(model, v[1]), v) for v in owned.values())]
-    for shape, spec, name, key in pairs:
-        degree = degrees[spec.axis]
-        try:
-            check_shardable(shape, spec, degree)
-        except ShardingError as e:
-            ok = dividing_degrees([(s, p) for s, p, _, _ in pairs if p.axis == spec.axis])
-            raise ShardingError(f"plan key {key!r}, tensor {name!r} of shape {shape}: {e}. Degrees that "
-                                f"split every tensor of this plan: {', '.join(map(str, ok))}") from e
 
 
 def _tensor(model: nn.Module, name: str):
@@ -214,6 +173,7 @@ def resolve_plan(model: nn.Module, plan, degree: int, *, strict: bool = False, e
     if isinstance(plan, str) and plan == "auto":
         plan = plan_from_model(model)
     module_claims, param_claims, unused = match_plan(model, plan, strict=strict)
+    check_some_key_matches(model, plan, unused)
     if not isinstance(ep_degree, int) or isinstance(ep_degree, bool) or ep_degree < 1:
         raise PlanError(f"ep_degree must be a positive int, got {ep_degree!r}")
     if ep_degree > 1:
@@ -252,11 +212,18 @@ def resolve_plan(model: nn.Module, plan, degree: int, *, strict: bool = False, e
             sharded.append(name)
             if path not in local_owners:
                 local_owners.append(path)
-    _check_divisible(model, owned, {"tp": degree, "ep": ep_degree})
+    tensors = dict(model.named_parameters(remove_duplicate=False))
+    check_pairs({n: owned[id(t)][0] if id(t) in owned else ShardSpec() for n, t in tensors.items()},
+                {n: tuple(t.shape) for n, t in tensors.items()}, styles, keys, degree)
+
+    def others(degrees: dict[str, int]) -> None:  # the checks whose outcome depends on the degrees
+        _check_statistics_over_shards(model, owned, keys, degrees)
+        _check_fused_halves(model, owned, degrees)
+
+    check_degrees([(tuple(_tensor(model, n).shape), spec, n, key) for spec, n, key in owned.values()],
+                  head_counts(model, sharded), keys, {"tp": degree, "ep": ep_degree}, others)
     _count_experts(model, styles, owned)
-    _check_statistics_over_shards(model, owned, keys, {"tp": degree, "ep": ep_degree})
-    _check_fused_halves(model, owned, {"tp": degree, "ep": ep_degree})
-    _check_heads(model, sharded, keys, degree)
+    others({"tp": degree, "ep": ep_degree})
 
     specs: dict[str, ShardSpec] = {}
     aliases: dict[str, str] = {}
@@ -327,6 +294,7 @@ def _with_ep_plan(model: nn.Module, ep_plan, module_claims: dict, param_claims: 
     if ep_plan is None or (isinstance(ep_plan, str) and ep_plan == "auto"):
         ep_plan = ep_plan_from_model(model)
     ep_modules, ep_params, unused = match_plan(model, ep_plan, strict=strict)
+    check_some_key_matches(model, ep_plan, unused, what="ep_plan")
     for key, raw in ep_plan.items():
         if normalize_style(raw, key=key).axis != "ep":
             raise PlanError(f"ep_plan key {key!r} has style {raw!r}; an ep plan holds 'grouped_gemm' "
@@ -372,8 +340,22 @@ def plan_summary(resolved: ResolvedPlan) -> dict[str, str]:
     return {p: s.source or s.kind for p, s in resolved.styles.items()}
 
 
+def without_tp(specs: ResolvedPlan) -> ResolvedPlan:
+    """``specs`` with every tp-sharded tensor replicated and no tp style left to wire (ep
+    specs and styles stay): a degree-1 tp style would still make its parameters DTensors on
+    some axis, which ``fully_shard`` then refuses to combine with its own mesh."""
+    kept = {n: s if s.axis == "ep" else ShardSpec() for n, s in specs.items()}
+    styles = {p: s for p, s in specs.styles.items() if s.axis == "ep"}
+    owners = [p for p in specs.local_owners
+              if any(n.rpartition(".")[0] == p and not s.replicated for n, s in kept.items())]
+    keys = {k: v for k, v in specs.keys.items() if k in styles or not kept.get(k, ShardSpec()).replicated}
+    return ResolvedPlan(kept, styles=styles, keys=keys, aliases=specs.aliases, degree=1,
+                        local_owners=owners, unused_keys=specs.unused_keys,
+                        ep_degree=specs.degrees["ep"])
+
+
 __all__ = [
     "PackedColwise", "PackedRowwise", "ResolvedPlan", "SUPPORTED_STYLES", "Style",
     "ep_plan_from_model", "match_plan", "normalize_style", "plan_from_model", "plan_summary",
-    "resolve_plan",
+    "resolve_plan", "without_tp",
 ]

@@ -49,8 +49,9 @@ def match_plan(model: nn.Module, plan: Mapping, *, strict: bool = False):
             hits = _hits(f"{prefix}.{key}", module_names, param_names)
         if not any(hits):
             if strict:
-                raise PlanError(f"plan key {key!r} matches no module or parameter"
-                                f"{_close(key, module_names + param_names)}")
+                near = closest_paths(key, _patterns(model), prefix)
+                raise PlanError(f"plan key {key!r} matches no module or parameter; did you mean "
+                                f"{', '.join(map(repr, near))}?")
             unused.append(key)
             continue
         for claimed, names in zip((modules, params), hits, strict=True):
@@ -69,9 +70,41 @@ def _hits(key: str, module_names, param_names) -> tuple[list[str], list[str]]:
                  for names in (module_names, param_names))
 
 
-def _close(name: str, names) -> str:
-    near = difflib.get_close_matches(name, [m for m in names if m], n=3)
-    return f"; did you mean {', '.join(map(repr, near))}?" if near else ""
+def _patterns(model: nn.Module) -> list[str]:
+    """The model's module paths (and its parameters that are not a module's weight or bias,
+    such as 3-D expert tensors) with each numeric component written ``*``, as plan keys are."""
+    names = [n for n, _ in model.named_modules() if n]
+    names += [n for n, _ in model.named_parameters() if n.rpartition(".")[2] not in ("weight", "bias")]
+    return list(dict.fromkeys(re.sub(r"(?<![^.])\d+(?![^.])", "*", n) for n in names))
+
+
+def closest_paths(key: str, patterns: list[str], prefix: str = "", n: int = 3) -> list[str]:
+    """The ``n`` patterns most like ``key``; one under the base-model ``prefix`` is also
+    compared without it, since a key may be written for the base model."""
+    def score(pattern: str) -> float:
+        bare = pattern[len(prefix) + 1:] if prefix and pattern.startswith(prefix + ".") else pattern
+        return max(difflib.SequenceMatcher(None, key, p).ratio() for p in (pattern, bare))
+
+    return sorted(patterns, key=lambda p: -score(p))[:n]
+
+
+def check_some_key_matches(model: nn.Module, plan: Mapping, unused, *, what: str = "plan") -> None:
+    """Raise ``PlanError`` when a non-empty ``plan`` has no key that matches anything: every key
+    skipped would leave the whole model on every rank, which no one means (a plan written for
+    another model, or for another module layout). Skipping stays per key when one matched."""
+    if not plan or len(unused) < len(plan):
+        return
+    patterns, prefix = _patterns(model), base_prefix(model)
+    shown = [f"{k!r} (closest: {', '.join(map(repr, closest_paths(k, patterns, prefix)))})"
+             for k in list(plan)[:3]]
+    more = f", and {len(plan) - 3} more" if len(plan) > 3 else ""
+    base = f"; a key written for the base model also matches under {prefix + '.'!r}" if prefix else ""
+    own = (f", or pass plan='auto' for the plan {type(model).__name__} ships"
+           if what == "plan" and _shipped_plan(model, ("tp_plan", "_tp_plan"), "base_model_tp_plan") else "")
+    raise PlanError(
+        f"none of the {what}'s {len(plan)} keys matches a module or parameter of {type(model).__name__}, so "
+        f"nothing would be sharded and every rank would hold the whole model: {'; '.join(shown)}{more}. "
+        f"Write each key as the model names its modules, with '*' for a layer index{base}{own}")
 
 
 def _shipped_plan(model: nn.Module, attrs: tuple[str, ...], config_attr: str) -> dict:
@@ -105,4 +138,5 @@ def ep_plan_from_model(model: nn.Module) -> dict:
     return _shipped_plan(model, ("ep_plan",), "base_model_ep_plan")
 
 
-__all__ = ["base_prefix", "ep_plan_from_model", "match_plan", "plan_from_model"]
+__all__ = ["base_prefix", "check_some_key_matches", "closest_paths", "ep_plan_from_model", "match_plan",
+           "plan_from_model"]

@@ -90,8 +90,8 @@ def load(model: nn.Module, path: str | os.PathLike, *, plan, mesh, dtype: torch.
     holding = holding or default_holding()
     if holding not in HOLDINGS:
         raise UsageError(f"holding must be one of {HOLDINGS} or None (the backend's), got {holding!r}")
-    tp_mesh = tp_axis(mesh)
-    check_spmd(tp_mesh, holding)
+    tp_mesh = tp_axis(mesh)  # None: no tp axis, the model loads whole
+    check_spmd(mesh if tp_mesh is None else tp_mesh, holding)
     specs = resolve_for_mesh(model, plan, mesh, ep_plan)
     check_wiring(model, specs, holding)
 
@@ -107,7 +107,7 @@ def load(model: nn.Module, path: str | os.PathLike, *, plan, mesh, dtype: torch.
     with Progress(reads.nbytes, progress, is_rank0(), "shardwise load") as bar:
         tensors = source.read(reads, finalize=place.finalize, options=how, on_bytes=bar)
     place.install(model, tensors, missing)
-    move_non_persistent(model, device_of(tp_mesh))
+    move_non_persistent(model, device_of(mesh))
     return LoadResult(tuple(missing), tuple(unexpected), source.bytes_read,
                       time.perf_counter() - start, len(names), specs.unused_keys)
 

@@ -18,7 +18,7 @@ from shardwise.io.pipeline import device_of
 from shardwise.io.source import Want
 from shardwise.io.spmd import SpmdPlacement
 from shardwise.io.staging import finalizer
-from shardwise.parallel import install, mesh_coords, tp_axis
+from shardwise.parallel import install, mesh_coords
 
 
 class InstallPlacement:
@@ -31,7 +31,7 @@ class InstallPlacement:
     def __init__(self, specs: ResolvedPlan, mesh, dtype: torch.dtype | None, holding: str):
         self.specs, self.mesh, self.dtype, self.holding = specs, mesh, dtype, holding
         self.coords = mesh_coords(mesh)  # per mesh axis: a spec's ranks are on spec.axis
-        self.device = device_of(tp_axis(mesh))
+        self.device = device_of(mesh)
         self._finalize = finalizer(dtype, self.device)  # cast after slicing, then to the device
 
     def wants(self, names: list[str]) -> dict[str, Want]:

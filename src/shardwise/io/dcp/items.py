@@ -99,8 +99,11 @@ def place(tensor: torch.Tensor, spec: ShardSpec | None, degree: int, tp_rank: in
                     raise CheckpointError(f"tensor {name!r}: placement {p} on the tp axis does not match "
                                           f"its shard spec {spec}")
             elif _is_split(p):
+                # A plain Shard before tp on the tp shard dim splits first: another layout than
+                # FSDP2's, except over a tp axis of size 1 (FSDP2 places (S(0), S(0)) there),
+                # where it holds the same data as the _StridedShard layout.
                 if (tp_index is not None and i < tp_index and p.dim == spec.dim and not spec.replicated
-                        and type(p).__name__ != "_StridedShard"):
+                        and type(p).__name__ != "_StridedShard" and mesh.size(tp_index) > 1):
                     raise CheckpointError(
                         f"tensor {name!r}: {p} on mesh axis {names[i]!r} splits the tp shard dim "
                         "before tp; shardwise supports FSDP2's layout (fully_shard applied after "

@@ -11,6 +11,7 @@ once.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Mapping
 
@@ -68,6 +69,26 @@ def _is_sharded(model: nn.Module, pname: str, param: torch.Tensor) -> bool:
     return type(param).__name__ == "DTensor" or (spec is not None and not spec.replicated)
 
 
+@contextlib.contextmanager
+def _gradients_aside(optimizer: torch.optim.Optimizer):
+    """Parameters without gradients inside, their gradients back after. torch builds a fresh
+    optimizer's state (one step at lr 0 on zero gradients) only when no parameter holds a
+    gradient; otherwise the state stays empty and every stored state has no place to go,
+    as after a backward run before resuming."""
+    if optimizer.state:  # built already: torch leaves it alone
+        yield
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+
+
 def save_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: str | os.PathLike, *,
                    overwrite: bool = False, async_save: bool = False) -> AsyncSave | None:
     """Save ``optimizer``'s state and hyperparameters, keyed by ``model``'s parameter names,
@@ -101,7 +122,8 @@ def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: str
     metadata = read_metadata(path)
     # Builds the state (a zero step) when the optimizer has not stepped yet, so there are
     # tensors of the right local shapes to read into.
-    osd = get_optimizer_state_dict(model, optimizer, options=_options())
+    with _gradients_aside(optimizer):
+        osd = get_optimizer_state_dict(model, optimizer, options=_options())
     placed = _placed(model, osd)
     missing, _ = check_tensors(path, metadata, {k: p.shape for k, p in placed.items()}, strict=False)
     stored = metadata.state_dict_metadata

@@ -1,0 +1,139 @@
+"""Plan checks that read a model's code: a forward that shapes split activations by its head count.
+
+Under tensor parallelism a colwise projection gives each rank ``num_heads / degree`` heads,
+but the attention module keeps its attributes: ``self.num_heads`` (diffusers' ``attn.heads``)
+is still the global count. A forward that writes ``q.view(b, t, -1, head_dim)`` infers the
+local count and is right; one that writes ``q.view(b, t, self.num_heads, -1)`` (or
+``unflatten(-1, (attn.heads, -1))``, ``reshape(b, -1, attn.heads * head_dim)``) fails inside
+torch, or worse, gives every rank all heads of a narrower width and a wrong output without
+an error. This module finds such uses in the source of the module that owns a split
+projection (its ``forward``, its diffusers ``processor``, and the methods they call on it)
+and refuses the plan, naming both modules. It reads source code, so it lives above core.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import inspect
+import textwrap
+
+from torch import nn
+
+from shardwise.core.plan import ResolvedPlan
+from shardwise.errors import PlanError
+
+_HEAD_ATTRS = frozenset(("num_heads", "heads", "num_attention_heads", "num_key_value_heads",
+                         "num_kv_heads", "n_heads", "n_kv_heads", "n_head"))
+_SHAPING = frozenset(("view", "reshape", "unflatten", "rearrange"))
+
+
+def check_plan(model: nn.Module, specs: ResolvedPlan) -> None:
+    """Raise ``PlanError`` when a module whose projection the plan splits colwise shapes
+    activations with its global head count (see the module docstring). Degree 1 splits
+    nothing. Call it with the plan resolved for the model, before any byte is read."""
+    if specs.degree == 1:
+        return
+    owners: dict[str, str] = {}  # owning module -> the first split projection under it
+    for path, style in specs.styles.items():
+        splits_heads = style.kind == "colwise" and not (style.gather_output or style.embedding)
+        if splits_heads and style.axis == "tp":
+            owners.setdefault(path.rpartition(".")[0], path)
+    for owner, projection in owners.items():
+        module = model.get_submodule(owner)
+        for func in _code_of(module):
+            uses = _head_uses(func)
+            if uses:
+                name = getattr(func, "__qualname__", repr(func))
+                raise PlanError(
+                    f"plan key {specs.keys[projection]!r} shards {projection!r} colwise, so each rank "
+                    f"holds 1/{specs.degree} of the heads of {owner or 'the model'!r}, but {name} shapes "
+                    f"them with the global head count ({uses[0]}): the forward would fail or be wrong "
+                    "without an error. "
+                    "Infer the local count from the tensor instead (view(b, t, -1, head_dim)), or keep this "
+                    "module's projections whole (drop their keys)")
+
+
+def _code_of(module: nn.Module) -> list:
+    """The functions that run the module's forward: its class's ``forward``, its processor's
+    ``__call__`` (diffusers), and the methods of the module those call (``head_to_batch_dim``)."""
+    funcs = [type(module).forward]
+    processor = getattr(module, "processor", None)
+    if processor is not None and callable(processor):
+        funcs.append(type(processor).__call__)
+    for func in list(funcs):
+        for name in _called_methods(func):
+            method = getattr(type(module), name, None)
+            if inspect.isfunction(method) and method not in funcs:
+                funcs.append(method)
+    return funcs
+
+
+@functools.cache  # one parse per function, not per layer
+def _parsed(func) -> tuple[ast.FunctionDef, frozenset[str]] | None:
+    """The function's syntax tree and the names that hold the module in it (``self``, and a
+    processor's attention argument)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(func)))
+    except (OSError, TypeError, SyntaxError):  # no source (built in, compiled): nothing to check
+        return None
+    node = tree.body[0]
+    if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+        return None
+    args = [a.arg for a in node.args.args]
+    holders = set(args[:1])  # self
+    if len(args) > 1 and args[0] == "self" and func.__name__ == "__call__":
+        holders.add(args[1])  # a diffusers processor: __call__(self, attn, hidden_states, ...)
+    return node, frozenset(holders)
+
+
+@functools.cache
+def _called_methods(func) -> tuple[str, ...]:
+    parsed = _parsed(func)
+    if parsed is None:
+        return ()
+    node, holders = parsed
+    return tuple(dict.fromkeys(
+        c.func.attr for c in ast.walk(node) if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)
+        and isinstance(c.func.value, ast.Name) and c.func.value.id in holders))
+
+
+@functools.cache
+def _head_uses(func) -> tuple[str, ...]:
+    """The shaping calls (``view``, ``reshape``, ``unflatten``, einops ``rearrange``) of
+    ``func`` whose arguments read a head count off the module, directly or through a local
+    name assigned from it (``heads = attn.heads``)."""
+    parsed = _parsed(func)
+    if parsed is None:
+        return ()
+    node, holders = parsed
+    aliases = {t.id for a in ast.walk(node) if isinstance(a, ast.Assign) and _reads_heads(a.value, holders)
+               for t in a.targets if isinstance(t, ast.Name)}
+    uses = []
+    for call in ast.walk(node):
+        if not (isinstance(call, ast.Call) and _callee(call) in _SHAPING):
+            continue
+        args = [*call.args, *(k.value for k in call.keywords)]
+        if any(_reads_heads(sub, holders) or (isinstance(sub, ast.Name) and sub.id in aliases)
+               for arg in args for sub in ast.walk(arg)):
+            uses.append(ast.unparse(call))
+    return tuple(uses)
+
+
+def _callee(call: ast.Call) -> str:
+    func = call.func
+    return func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+
+
+def _reads_heads(node: ast.AST, holders: frozenset[str]) -> bool:
+    """``self.num_heads``, ``attn.heads``, ``self.config.num_attention_heads``: a head count
+    read off the module (or its config), which tensor parallelism leaves global."""
+    if not (isinstance(node, ast.Attribute) and node.attr in _HEAD_ATTRS):
+        return False
+    base = node.value
+    while isinstance(base, ast.Attribute):
+        base = base.value
+    return isinstance(base, ast.Name) and base.id in holders
+
+
+__all__ = ["check_plan"]
