@@ -82,8 +82,8 @@ def save(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str
     read the checksums back).
     ``progress`` shows a bar on rank 0 (default: when stderr is a terminal; tqdm if
     installed). ``distributed=True`` writes a torch distributed checkpoint instead, every
-    rank its own part (``shardwise.io.dcp.checkpoint.save_dcp``; ``max_shard_size`` and
-    ``filename_prefix`` do not apply); with ``async_save=True`` too it returns a handle
+    rank its own part (``shardwise.io.dcp.checkpoint.save_dcp``; ``max_shard_size``,
+    ``filename_prefix``, ``layout`` and ``parallel_write`` do not apply and are refused); with ``async_save=True`` too it returns a handle
     whose ``wait()`` every rank calls. With ``format="safetensors"`` the distributed save
     writes rank-local safetensors files instead (torch's ``HuggingFaceStorageWriter(
     save_distributed=True)`` format, which transformers and torch read; no pickle;
@@ -109,6 +109,16 @@ def save(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str
         raise UsageError("async_save=True writes a distributed checkpoint; pass distributed=True too")
     if format not in ("distcp", "safetensors"):
         raise UsageError(f"format must be 'distcp' or 'safetensors', got {format!r}")
+    if distributed:  # options of the gather save would be silently dropped: refuse them
+        ignored = [f"{k}={v!r}" for k, v, default in (
+            ("max_shard_size", max_shard_size, "5GB"), ("filename_prefix", filename_prefix, None),
+            ("layout", layout, "hub"), ("parallel_write", parallel_write, None)) if v != default]
+        if ignored:
+            raise UsageError(f"{', '.join(ignored)}: not for a distributed save (every rank "
+                             "writes its own part, in the module's names); drop it, or save with "
+                             "distributed=False and sw.consolidate the distributed checkpoint")
+    elif format != "distcp":
+        raise UsageError(f"format={format!r} applies to a distributed save only; pass distributed=True too")
     if distributed:  # the guards first, then every rank meets (the save's own guards follow)
         check_model(model, action="save")
         join_collective(world_backend(), "sw.save")
