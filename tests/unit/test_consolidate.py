@@ -96,3 +96,19 @@ def test_cli_inspect_and_consolidate(tmp_path, capsys):
     assert main(["consolidate", str(tmp_path / "dcp"), str(tmp_path / "st")]) == 1  # exists
     assert "already exists" in capsys.readouterr().err
     assert main(["inspect", str(tmp_path / "missing")]) == 1
+
+
+def test_hub_layout_of_a_transformers_model_without_transformers_is_refused(tmp_path, monkeypatch):
+    # The hub layout of a transformers model is computed by transformers: without it the keys
+    # save_pretrained writes are unknown, which must not pass for "the model has none".
+    import json
+
+    sw.save(Mixed(), tmp_path / "dcp", distributed=True)
+    (tmp_path / "dcp" / "config.json").write_text(json.dumps(
+        {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "transformers_version": "5.24.0"}))
+    monkeypatch.setitem(__import__("sys").modules, "transformers", None)  # as if not installed
+    with pytest.raises(CheckpointError, match="only transformers can compute.*layout='module'"):
+        sw.consolidate(tmp_path / "dcp", tmp_path / "merged")
+    assert not (tmp_path / "merged").exists()
+    sw.consolidate(tmp_path / "dcp", tmp_path / "module", layout="module")  # the module's names: fine
+    assert set(load_file(tmp_path / "module" / "model.safetensors")) >= {"lin.weight", "embed.weight"}

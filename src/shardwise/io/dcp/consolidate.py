@@ -81,10 +81,33 @@ def _hub_parts(src: Path, specs: list, layout: str) -> tuple[dict, dict]:
         raise CheckpointError(f"layout must be 'hub' or 'module', got {layout!r}")
     model = model_from_folder(src) if layout == "hub" else None
     if model is None:
+        if layout == "hub" and _names_transformers_model(src):
+            raise CheckpointError(
+                f"{src}/config.json names a transformers model, whose hub layout (the keys save_pretrained "
+                "writes) only transformers can compute, and transformers is not installed here; install "
+                "it, or pass layout='module' to write the model's own tensor names")
         return {}, {}
     parts = hub_save_layout(model, {n: (s, d) for n, d, s in specs}) or []
     sizes = {n: str_to_dtype(d).itemsize for n, d, _ in specs}
     return {p.key: p for p in parts}, shared_storages(parts, sizes)
+
+
+def _names_transformers_model(src: Path) -> bool:
+    """Whether ``src/config.json`` names a transformers architecture while transformers cannot
+    be imported (then the hub layout is unknown, not absent)."""
+    import json
+
+    try:
+        config = json.loads((src / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    if not (isinstance(config, dict) and config.get("architectures") and "transformers_version" in config):
+        return False
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return True
+    return False
 
 
 class _ChunkReader:
