@@ -56,11 +56,15 @@ def load(model: nn.Module, path: str | os.PathLike, *, plan, mesh, dtype: torch.
          strict: bool = True, num_threads: int | None = None, progress: bool | None = None,
          holding: str | None = None, ep_plan=None, **options) -> LoadResult:
     """Fill ``model`` (usually built on the meta device) from the checkpoint at ``path``,
-    sharded by ``plan`` over the tp axis of ``mesh``; every rank of the mesh calls it.
+    sharded by ``plan`` over the tp axis of ``mesh``; every rank of the mesh calls it. A
+    mesh without a tp axis (``backend.mesh(dp_shard=4)``) holds the model whole, ready for
+    ``fully_shard``.
 
     ``plan`` is a dict of module or parameter paths to styles (transformers' and diffusers'
     plans as they ship), or ``"auto"`` for the model's own plan; keys that match nothing
-    in this model are skipped, warned about once and listed in the result. On a mesh with
+    in this model are skipped, warned about once and listed in the result, as long as one
+    key matches (a plan none of whose keys match is a ``PlanError`` naming the closest
+    module paths). On a mesh with
     an ``ep`` axis (``backend.mesh(ep=2)``, ``backend.mesh(ep=2, tp=2)``) the experts are
     split over it by ``ep_plan`` (default: the model's own ``base_model_ep_plan``), and a
     rank reads only its own experts' bytes.
