@@ -50,6 +50,7 @@ if TYPE_CHECKING:  # what type checkers see for the names below, which load on f
     from shardwise.io.load import LoadResult as LoadResult
     from shardwise.io.load import load as load
     from shardwise.io.save import save as save
+    from shardwise.validate import validate as validate
 
 # The I/O entry points load on first use: `import shardwise` stays light.
 _LAZY = {
@@ -64,6 +65,7 @@ _LAZY = {
     "diff": "shardwise.io.check.diff",
     "from_pretrained": "shardwise.hf",
     "empty_model": "shardwise.hf",
+    "validate": "shardwise.validate",
 }
 
 

@@ -1,5 +1,5 @@
 """The ``shardwise`` command line: ``demo``, ``inspect PATH``, ``consolidate SRC DST``,
-``verify PATH [--against MODEL]``, ``diff A B``."""
+``verify PATH [--against MODEL]``, ``diff A B``, ``validate --backend NAME [--json OUT]``."""
 
 from __future__ import annotations
 
@@ -57,6 +57,12 @@ def _diff(args: argparse.Namespace) -> int:
     from shardwise.io.check.diff import main_diff
 
     return main_diff(args.a, args.b, as_json=args.json)
+
+
+def _validate(args: argparse.Namespace) -> int:
+    from shardwise.validate.command import run
+
+    return run(args)
 
 
 def _positive_int(text: str) -> int:
@@ -132,6 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("b", help="the second checkpoint")
     compare.add_argument("--json", action="store_true", help="print the report as JSON")
     compare.set_defaults(func=_diff)
+    from shardwise.validate.command import add_arguments
+
+    suite = sub.add_parser("validate", help="the hardware validation suite: every scenario at every layout "
+                                            "the world allows (exit 0 when none fails); run it under the "
+                                            "backend's launcher, or with --nproc N")
+    add_arguments(suite)
+    suite.set_defaults(func=_validate)
     return parser
 
 

@@ -1,0 +1,95 @@
+"""The ``validate`` verb: ``shardwise validate`` and ``python -m shardwise.validate`` share
+these arguments and this entry point."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", default="auto",
+                        help="gloo, nccl, xla, xla_spmd, neuron, ... or auto (default)")
+    parser.add_argument("--json", default=None, metavar="OUT", help="write the report as JSON (rank 0)")
+    parser.add_argument("--markdown", default=None, metavar="OUT",
+                        help="write the report as markdown (rank 0)")
+    parser.add_argument("--nproc", type=int, default=None, metavar="N",
+                        help="start N local ranks here instead of under a launcher (gloo on one host)")
+    parser.add_argument("--workdir", default=None, metavar="DIR",
+                        help="where checkpoints are written; every rank must see it (shared storage "
+                             "across hosts). Default: a temporary folder, removed at the end")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary folder")
+    parser.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+                        help="the backend's collective timeout (default 300)")
+    parser.add_argument("--report", nargs="+", default=None, metavar="JSON",
+                        help="run nothing: print the markdown of these reports (for the docs)")
+    parser.add_argument("--into", default=None, metavar="FILE",
+                        help="with --report: write the markdown into FILE, between its "
+                             "'<!-- generated: ... -->' and '<!-- end generated -->' lines")
+
+
+def _rank(args: argparse.Namespace) -> int:
+    from shardwise.errors import BackendError
+    from shardwise.validate.runner import validate
+
+    try:
+        report = validate(args.backend, json=args.json, markdown=args.markdown, workdir=args.workdir,
+                          keep=args.keep, timeout=args.timeout)
+    except BackendError as e:  # the backend did not start: nothing ran, no report
+        print(f"shardwise validate: {e}", file=sys.stderr)
+        return 1
+    return 0 if report.ok else 1
+
+
+def _report(paths: list[str], into: str | None) -> int:
+    from pathlib import Path
+
+    from shardwise.validate.report import load_runs, markdown, replace_generated
+
+    text = markdown(load_runs(paths))
+    if into is None:
+        sys.stdout.write(text)
+        return 0
+    page = Path(into)
+    try:
+        page.write_text(replace_generated(page.read_text(), text))
+    except (OSError, ValueError) as e:
+        print(f"shardwise validate: {into}: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote the tables of {len(paths)} run(s) into {into}")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """Exit status: 0 when every scenario is PASS or UNSUPPORTED, 1 otherwise."""
+    if args.report:
+        return _report(args.report, args.into)
+    if args.into:
+        print("shardwise validate: --into goes with --report JSON ...", file=sys.stderr)
+        return 2
+    if args.nproc is None:
+        return _rank(args)
+    import os
+
+    from shardwise.launch import RankFailure, spawn
+
+    if "RANK" in os.environ:
+        print("shardwise validate: --nproc starts its own ranks; under a launcher leave it out",
+              file=sys.stderr)
+        return 2
+    try:
+        codes = spawn(_rank, args.nproc, args=(args,), timeout=3600)
+    except RankFailure as e:
+        print(f"shardwise validate: {e}", file=sys.stderr)
+        return 1
+    return max(codes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m shardwise.validate",
+                                     description="the hardware validation suite (see docs/validate.md)")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+__all__ = ["add_arguments", "main", "run"]

@@ -1,0 +1,253 @@
+"""The model every backend validates on, built in code (no download, no transformers).
+
+Shaped like a Qwen3-MoE causal LM, small, and divisible at every degree the suite runs:
+16 attention heads and 8 KV heads (grouped-query attention; head_dim 4), ``q_norm`` /
+``k_norm`` on the head dim, one dense SwiGLU layer and one MoE layer of 16 experts held as
+fused 3-D parameters (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``) with a top-2
+router, an untied head. The plans are the ones transformers ships for Qwen3-MoE
+(``base_model_tp_plan``, ``base_model_ep_plan``), so the suite exercises plain, packed,
+parameter-key, replicated-with-gradient-all-reduce, MoE and expert-parallel styles.
+
+Tensor parallel degrees must divide the 8 KV heads (1, 2, 4, 8); expert parallel degrees the
+16 experts (up to 16). Every size is a multiple of 16, so each sharded dim divides.
+
+:func:`golden` is the one-process CPU run every layout is compared with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab: int = 128
+    hidden: int = 64
+    heads: int = 16
+    kv_heads: int = 8
+    head_dim: int = 4
+    inter: int = 64          # the dense layer's SwiGLU width
+    expert_inter: int = 16   # each expert's SwiGLU width
+    num_experts: int = 16
+    top_k: int = 2
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+CONFIG = ModelConfig()
+MAX_TP = CONFIG.kv_heads  # each rank must own whole KV heads
+
+TP_PLAN = {
+    "model.embed_tokens": "embedding_rowwise",
+    "model.layers.*.self_attn.q_proj": "colwise",
+    "model.layers.*.self_attn.k_proj": "colwise",
+    "model.layers.*.self_attn.v_proj": "colwise",
+    "model.layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+    "model.layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
+    "model.layers.*.self_attn.o_proj": "rowwise",
+    "model.layers.*.mlp.gate_proj": "colwise",
+    "model.layers.*.mlp.up_proj": "colwise",
+    "model.layers.*.mlp.down_proj": "rowwise",
+    "model.layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+    "model.layers.*.mlp.experts.down_proj": "rowwise",
+    "model.layers.*.mlp.experts": "moe_tp_experts",
+    "lm_head": "colwise_gather_output",
+}
+EP_PLAN = {
+    "model.layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
+    "model.layers.*.mlp.experts.down_proj": "grouped_gemm",
+    "model.layers.*.mlp.experts": "ep_dispatch_experts",
+}
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_key_value_heads = cfg.heads, cfg.kv_heads  # read by the plan checks
+        self.head_dim = cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden, cfg.heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=False)
+        self.q_norm = nn.RMSNorm(cfg.head_dim)
+        self.k_norm = nn.RMSNorm(cfg.head_dim)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds heads / degree of them
+        q = self.q_norm(self.q_proj(x).view(b, t, -1, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(b, t, -1, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class Mlp(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Experts(nn.Module):
+    """Fused expert weights as transformers holds them, called with the router's choice.
+    The loop runs over the experts this rank holds (``gate_up_proj.shape[0]``); a route to
+    another rank's expert arrives as that count and is skipped (transformers' contract).
+    Every token goes through every local expert, weighted by its routing weight (0 where it
+    was not routed): static shapes and no data-dependent branch, so an XLA device compiles
+    one graph (the suite's model is tiny; the extra work does not matter)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_experts = cfg.num_experts
+        self.gate_up_proj = nn.Parameter(torch.randn(cfg.num_experts, 2 * cfg.expert_inter, cfg.hidden) * 0.1)
+        self.down_proj = nn.Parameter(torch.randn(cfg.num_experts, cfg.hidden, cfg.expert_inter) * 0.1)
+
+    def forward(self, x, top_k_index, top_k_weights):
+        out = torch.zeros_like(x)
+        for e in range(self.gate_up_proj.shape[0]):
+            weight = (top_k_weights * (top_k_index == e)).sum(-1, keepdim=True)
+            gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+            out = out + F.linear(F.silu(gate) * up, self.down_proj[e]) * weight
+        return out
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k = cfg.top_k
+        self.gate = nn.Linear(cfg.hidden, cfg.num_experts, bias=False)
+        self.experts = Experts(cfg)
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, index = torch.topk(self.gate(x).softmax(-1), self.top_k, dim=-1)
+        return self.experts(x, index, weights / weights.sum(-1, keepdim=True)).view(shape)
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg: ModelConfig, moe: bool):
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(cfg.hidden)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden)
+        self.mlp = MoE(cfg) if moe else Mlp(cfg.hidden, cfg.inter)
+
+    def forward(self, x):
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Body(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.layers = nn.ModuleList([Layer(cfg, moe=False), Layer(cfg, moe=True)])
+        self.norm = nn.RMSNorm(cfg.hidden)
+
+    def forward(self, ids):
+        x = self.embed_tokens(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.norm(x)
+
+
+class ValidateLM(nn.Module):
+    def __init__(self, cfg: ModelConfig = CONFIG):
+        super().__init__()
+        self.config = cfg
+        self.model = Body(cfg)
+        self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+
+    def forward(self, ids):
+        return self.lm_head(self.model(ids))
+
+
+def build(seed: int = 0, *, device: str | torch.device | None = None) -> ValidateLM:
+    """The model with weights from ``seed`` (``device="meta"``: no memory, for ``sw.load``).
+    Norm weights are moved off 1 so that a misplaced one shows."""
+    if str(device) == "meta":
+        with torch.device("meta"):
+            return ValidateLM()
+    torch.manual_seed(seed)
+    model = ValidateLM()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def canonical(seed: int = 0) -> dict[str, torch.Tensor]:
+    """The model's tensors as an ordinary checkpoint holds them."""
+    return {k: v.detach().contiguous() for k, v in build(seed).state_dict().items()}
+
+
+def batch(step: int, *, size: int = 4, length: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and next-token targets of training step ``step`` (the same on every rank)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(0, CONFIG.vocab, (size, length + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def loss_of(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+# AdamW as the suite steps it. eps 1e-4, not the default 1e-8: parameters whose true gradient
+# is ~0 get rounding noise (~1e-9) that differs between layouts, which eps=1e-8 would turn into
+# steps of +-lr; real gradients here are ~1e-3, far above it.
+LR, WEIGHT_DECAY, EPS, MAX_NORM = 1e-2, 0.1, 1e-4, 0.5
+
+
+def optimizer_for(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, eps=EPS)
+
+
+@dataclass
+class Golden:
+    """The one-process CPU run: logits and gradients of step 0, the gradient norm, the
+    clipped gradients, the weights and AdamW state after step 0, the weights after step 1."""
+
+    logits: torch.Tensor
+    loss: float
+    grads: dict[str, torch.Tensor]
+    norm: float
+    clipped: dict[str, torch.Tensor]
+    after_step: dict[str, torch.Tensor]
+    optim_state: dict[str, dict[str, torch.Tensor]]
+    after_two_steps: dict[str, torch.Tensor]
+
+
+def golden() -> Golden:
+    model = build()
+    optimizer = optimizer_for(model.parameters())
+    ids, targets = batch(0)
+    logits = model(ids)
+    loss = loss_of(logits, targets)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item()
+    clipped = {n: p.grad.clone() for n, p in model.named_parameters()}
+    optimizer.step()
+    optimizer.zero_grad()
+    after = {n: p.detach().clone() for n, p in model.named_parameters()}
+    names = {id(p): n for n, p in model.named_parameters()}
+    state = {names[id(p)]: {k: v.clone() for k, v in s.items() if torch.is_tensor(v) and v.dim()}
+             for p, s in optimizer.state.items()}
+    ids, targets = batch(1)
+    loss_of(model(ids), targets).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    optimizer.step()
+    two = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return Golden(logits.detach(), loss.item(), grads, norm, clipped, after, state, two)

@@ -1,0 +1,227 @@
+"""Running the suite on every rank: the world check, then each layout's scenarios, then the
+job's; one verdict per scenario agreed by every rank; the report kept up to date on disk.
+
+A scenario that raises is a FAIL with the error's first line and the suite goes on. A
+collective that breaks (a ``CollectiveError``, a torch distributed error, or the agreement
+itself failing) stops it: the ranks can no longer be trusted to meet, so the report says where
+it stopped, and the JSON written so far stays.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import shardwise as sw
+from shardwise.validate import job_scenarios
+from shardwise.validate.layouts import layouts_for
+from shardwise.validate.model import canonical, golden
+from shardwise.validate.report import FAIL, PASS, UNSUPPORTED, Report, Result, run_header, table
+from shardwise.validate.scenarios import SCENARIOS, Job, Run, Unsupported, layout_limit
+from shardwise.validate.world import check_world, mesh_world
+
+JOB_SCENARIOS = (("crossload", job_scenarios.crossload),
+                 ("collective_timeout", job_scenarios.collective_timeout))
+
+
+class Stop(Exception):
+    """The ranks can no longer meet: record and stop."""
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def _breaks_the_group(e: BaseException) -> bool:
+    return isinstance(e, sw.CollectiveError | getattr(dist, "DistError", sw.CollectiveError))
+
+
+def _fail_reason(everyone: list[tuple]) -> str:
+    """The first failing rank's reason, naming the rank unless every rank failed alike."""
+    failed = [(r, o[1]) for r, o in enumerate(everyone) if o[0] == FAIL]
+    if len(failed) == len(everyone) and len({reason for _, reason in failed}) == 1:
+        return failed[0][1]
+    return f"rank {failed[0][0]}: {failed[0][1]}"
+
+
+class Runner:
+    def __init__(self, backend, *, json_path=None, markdown_path=None, workdir=None, keep=False,
+                 print_table=True):
+        self.backend = backend
+        self.rank0 = backend.rank == 0
+        self.json_path, self.markdown_path = json_path, markdown_path
+        self.keep, self.print_table = keep, print_table
+        world = mesh_world(backend)
+        self.report = Report(run_header(backend, world=world, processes=backend.world_size))
+        self.layouts = layouts_for(world)
+        self.report.layouts = [lay.name for lay in self.layouts]
+        self._workdir = workdir
+        self._start = time.monotonic()
+        # The suite's own exchanges (verdicts, the work folder) go over a gloo group of their
+        # own: a rank that failed before a collective its peers wait in must not meet them in
+        # it with a verdict (gloo aborts on a mismatched collective). Its timeout outlasts a
+        # scenario collective's, so a peer stuck in one times out there first and then reports.
+        limit = 2 * backend.timeout.total_seconds() + 60
+        self._group = dist.new_group(backend="gloo", timeout=_dt.timedelta(seconds=limit))
+
+    # -- agreement -------------------------------------------------------------------------
+    def _gather(self, mine):
+        out = [None] * self.backend.world_size
+        try:
+            dist.all_gather_object(out, mine, group=self._group)
+        except Exception as e:
+            raise Stop(f"the ranks could not exchange their verdicts: {_first_line(e)}") from e
+        return out
+
+    def _record(self, name, layout, mesh, outcome, seconds, judge=None) -> Result:
+        """Every rank's ``outcome`` (status, reason, details, breaks) -> one agreed result."""
+        everyone = self._gather(outcome)
+        statuses = [o[0] for o in everyone]
+        details = {"per_rank": [o[2] for o in everyone]}
+        if FAIL in statuses:
+            status, reason = FAIL, _fail_reason(everyone)
+        elif UNSUPPORTED in statuses:
+            status, reason = UNSUPPORTED, everyone[statuses.index(UNSUPPORTED)][1]
+        else:
+            status, reason = PASS, ""
+            verdict = judge([o[2] for o in everyone]) if judge else None
+            if verdict:
+                status, reason = FAIL, verdict
+        result = Result(name, layout, status, reason, round(seconds, 3), mesh, details)
+        self.report.results.append(result)
+        self._save_progress()
+        if any(o[3] for o in everyone):
+            raise Stop(f"{name}{f' at {layout}' if layout else ''}: {reason}")
+        return result
+
+    def _attempt(self, fn, *args, where: str = ""):
+        """``(status, reason, details, breaks)`` of ``fn(*args)`` on this rank, and its seconds."""
+        start = time.monotonic()
+        try:
+            details = fn(*args) or {}
+            outcome = (PASS, "", details, False)
+        except Unsupported as e:
+            outcome = (UNSUPPORTED, str(e), {}, False)
+        except Exception as e:  # the scenario failed on this rank; the traceback goes to stderr
+            print(f"shardwise validate: rank {self.backend.rank}: {fn.__name__}{where} failed:",
+                  file=sys.stderr)
+            traceback.print_exc()
+            outcome = (FAIL, _first_line(e), {}, _breaks_the_group(e))
+        return outcome, time.monotonic() - start
+
+    def _save_progress(self) -> None:
+        self.report.seconds = time.monotonic() - self._start
+        if self.rank0 and self.json_path:
+            self.report.write_json(self.json_path)
+
+    # -- the run -------------------------------------------------------------------------------
+    def run(self) -> Report:
+        try:
+            self._run()
+            self.report.complete = True
+        except Stop as e:
+            self.report.stopped = str(e)
+        self._save_progress()
+        if self.rank0:
+            if self.markdown_path:
+                from shardwise.validate.report import markdown
+
+                Path(self.markdown_path).write_text(markdown([self.report.to_dict()]))
+            if self.print_table:
+                print(table(self.report.to_dict()), flush=True)
+        return self.report
+
+    def _run(self) -> None:
+        outcome, seconds = self._attempt(check_world, self.backend)
+        if outcome[0] == PASS:  # the check ran: its own verdict, with the counts it saw
+            status, reason, counts = outcome[2]
+            outcome = (status, reason, counts, False)
+        result = self._record("world", None, None, outcome, seconds)
+        if result.status != PASS:
+            raise Stop(f"the world is not what the launcher says: {result.reason}")
+        root = self._root()
+        try:
+            job = self._job(root)
+            for index, layout in enumerate(self.layouts):
+                self._layout(job, Run(index, layout, folder=root / layout.name))
+            for name, fn in JOB_SCENARIOS:
+                outcome, seconds = self._attempt(fn, job)
+                self._record(name, None, None, outcome, seconds)
+        finally:
+            if self.rank0 and not self.keep and self._workdir is None:
+                shutil.rmtree(root, ignore_errors=True)
+
+    def _root(self) -> Path:
+        """A folder every rank sees: ``workdir`` (shared storage on several hosts), else rank 0's
+        temporary folder."""
+        path = None
+        if self.rank0:
+            base = Path(self._workdir) if self._workdir else None
+            if base is not None:
+                base.mkdir(parents=True, exist_ok=True)
+            path = tempfile.mkdtemp(prefix="shardwise-validate-", dir=base)
+        box = [path]
+        dist.broadcast_object_list(box, src=0, group=self._group)
+        return Path(box[0])
+
+    def _job(self, root: Path) -> Job:
+        import safetensors.torch as st
+
+        truth = canonical()
+        source = root / "source" / "model.safetensors"
+        if self.rank0:
+            source.parent.mkdir(parents=True)
+            st.save_file(truth, source, metadata={"format": "pt"})  # what save_pretrained writes
+        self.backend.barrier()
+        total = sum(t.numel() * t.element_size() for t in truth.values())
+        return Job(self.backend, golden(), truth, root, source, total, self.layouts)
+
+    def _layout(self, job: Job, run: Run) -> None:
+        limit = layout_limit(self.backend, run.layout)
+        done: dict[str, str] = {}
+        for sc in SCENARIOS:
+            if not sc.applies(run.layout):
+                continue
+            missing = [n for n in sc.needs if done.get(n) != PASS]
+            if limit:
+                outcome, seconds = (UNSUPPORTED, limit, {}, False), 0.0
+            elif missing:
+                reason = f"not run: {missing[0]} did not pass at this layout"
+                outcome, seconds = (FAIL, reason, {}, False), 0.0
+            else:
+                outcome, seconds = self._attempt(sc.fn, job, run, where=f" at {run.layout.name}")
+            judge = (lambda ranks, sc=sc: sc.judge(job, run.layout, ranks)) if sc.judge else None
+            result = self._record(sc.name, run.layout.name, run.layout.mesh_axes, outcome, seconds, judge)
+            done[sc.name] = result.status
+        run.model = None
+
+
+def validate(backend: str = "auto", *, json=None, markdown=None, workdir=None, keep: bool = False,
+             timeout: float | None = 300.0, print_table: bool = True) -> Report:
+    """Run the hardware validation suite on every rank of the job; return the report (the
+    same on every rank). Rank 0 prints the table and writes ``json`` / ``markdown``.
+
+    Launch it with the backend's launcher (``torchrun --nproc-per-node 8 -m shardwise.validate
+    --backend nccl``); ``workdir`` must be a folder every rank sees (shared storage across
+    hosts; default: rank 0's temporary folder, removed unless ``keep``).
+
+    >>> report = sw.validate("gloo", json="gloo.json")   # doctest: +SKIP
+    >>> report.ok                                          # doctest: +SKIP
+    True
+    """
+    torch.manual_seed(0)
+    started = sw.init_backend(backend, timeout=timeout)
+    return Runner(started, json_path=json, markdown_path=markdown, workdir=workdir, keep=keep,
+                  print_table=print_table).run()
+
+
+__all__ = ["Runner", "validate"]

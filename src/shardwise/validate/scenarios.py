@@ -1,0 +1,272 @@
+"""The scenarios run at every layout, in order, on one model per layout.
+
+Each is ``fn(job, run) -> details`` on every rank: it raises ``Unsupported`` (with the
+reason) where the backend cannot run it, anything else to fail; its ``details`` (numbers,
+per rank) are gathered, and a ``judge`` may then decide on the whole job's figures (bytes
+read over the job). ``needs`` names the scenarios of the same layout whose state it builds
+on (the loaded model, its gradients). Public API only (``sw.load``, ``sw.save``, ...), plus
+the comparisons of :mod:`shardwise.validate.checks`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+import shardwise as sw
+from shardwise.validate.checks import Deferred, Mismatch, compare, compare_grads, compare_tensors, same_bytes
+from shardwise.validate.layouts import Layout
+from shardwise.validate.model import EP_PLAN, MAX_NORM, TP_PLAN, Golden, batch, build, loss_of, optimizer_for
+
+
+class Unsupported(Exception):
+    """This backend cannot run the scenario; the message says why."""
+
+
+@dataclass
+class Job:
+    """What every scenario of the run shares (the same on every rank)."""
+
+    backend: object
+    golden: Golden
+    truth: dict[str, torch.Tensor]        # the canonical tensors of the source checkpoint
+    root: Path                            # a folder every rank sees
+    source: Path                          # the source checkpoint (one safetensors file)
+    total_bytes: int                      # tensor bytes in the source
+    layouts: list[Layout]
+
+
+@dataclass
+class Run:
+    """One layout's state, built up by its scenarios in order."""
+
+    index: int
+    layout: Layout
+    mesh: object = None
+    model: torch.nn.Module | None = None
+    bytes_read: int = 0
+    folder: Path = field(default=Path("."))
+
+
+def layout_limit(backend, layout: Layout) -> str | None:
+    """Why ``backend`` cannot run ``layout`` at all, or None."""
+    if layout.has("dp_shard") and backend.holding == "local":
+        return (f"dp_shard needs FSDP2 (fully_shard), which needs DTensor parameters; backend "
+                f"{backend.name!r} holds plain local shards")
+    return None
+
+
+def place(job: Job, layout: Layout, mesh, path) -> tuple[torch.nn.Module, object]:
+    """``sw.load`` the checkpoint at ``path`` into a meta model on ``mesh``, then FSDP2 over
+    ``dp_shard`` (each layer, then the model), as users wrap it."""
+    model = build(device="meta")
+    kwargs = {"ep_plan": EP_PLAN} if layout.has("ep") else {}
+    result = sw.load(model, path, plan=TP_PLAN, mesh=mesh, progress=False, **kwargs)
+    if layout.has("dp_shard") and job.backend.holding == "dtensor":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh["dp_shard"])
+        fully_shard(model, mesh=mesh["dp_shard"])
+    return model, result
+
+
+def _reshard_target(job: Job, run: Run) -> Layout:
+    """The next layout this backend runs (itself when it is the only one)."""
+    n = len(job.layouts)
+    for step in range(1, n + 1):
+        other = job.layouts[(run.index + step) % n]
+        if layout_limit(job.backend, other) is None:
+            return other
+    return run.layout
+
+
+def _state(model):
+    return sw.get_shard_state(model)
+
+
+def _to_device(job: Job, *tensors):
+    return tuple(t.to(job.backend.device) for t in tensors)
+
+
+# -- the scenarios ------------------------------------------------------------------------
+def load(job: Job, run: Run) -> dict:
+    """Each rank streams its slice of the source; every local tensor is byte-exact."""
+    run.mesh = job.backend.mesh(**run.layout.mesh_axes)
+    run.model, result = place(job, run.layout, run.mesh, job.source)
+    run.bytes_read = result.bytes_read
+    compare_tensors(run.model.state_dict().items(), job.truth, _state(run.model), "loaded", exact=True)
+    return {"bytes_read": result.bytes_read, "seconds": round(result.seconds, 3)}
+
+
+def judge_load(job: Job, layout: Layout, ranks: list[dict]) -> str | None:
+    """Every byte read by some rank; a rank of a split layout reads less than the whole."""
+    got = [r["bytes_read"] for r in ranks]
+    if sum(got) < job.total_bytes:
+        return f"the job read {sum(got)} bytes of a {job.total_bytes}-byte checkpoint"
+    split = layout.has("tp") or layout.has("ep") or layout.has("dp_replicate")
+    if split and job.backend.holding != "spmd" and max(got) >= job.total_bytes:  # spmd: one process
+        return f"a rank read the whole checkpoint ({max(got)} bytes) at {layout.name}"
+    return None
+
+
+def forward_backward(job: Job, run: Run) -> dict:
+    """Logits, loss and every gradient equal the one-process run's."""
+    ids, targets = _to_device(job, *batch(0))
+    logits = run.model(ids)
+    later, out = Deferred(), {}
+    with later:
+        out["logits_max_diff"] = compare(logits.float(), job.golden.logits, "logits")
+    loss = loss_of(logits, targets)
+    with later:
+        compare(loss.detach().reshape(1), torch.tensor([job.golden.loss]), "loss")
+    loss.backward()
+    with later:
+        out["grad_max_diff"] = compare_grads(run.model, job.golden.grads, _state(run.model), "gradient of")
+    later.raise_first()
+    return out
+
+
+def clip_grad_norm(job: Job, run: Run) -> dict:
+    """``sw.clip_grad_norm_`` gives the one-process norm and clips like it."""
+    norm = sw.clip_grad_norm_(run.model, MAX_NORM).item()
+    if abs(norm - job.golden.norm) > 1e-5 * job.golden.norm:
+        raise Mismatch(f"total norm {norm!r}, one process {job.golden.norm!r}")
+    grad = compare_grads(run.model, job.golden.clipped, _state(run.model), "clipped gradient of")
+    return {"norm": norm, "grad_max_diff": grad}
+
+
+def gather_save(job: Job, run: Run) -> dict:
+    """``sw.save`` of the loaded model writes the source file back, byte for byte."""
+    out = run.folder / "gather"
+    try:
+        sw.save(run.model, out, progress=False)
+    except sw.UnsupportedModelError as e:
+        if not run.layout.has("dp_shard"):
+            raise
+        # shardwise refuses on purpose (on every backend) and names the way that works,
+        # which dcp_reshard runs: a distributed save, then sw.consolidate.
+        raise Unsupported(f"shardwise: {str(e).splitlines()[0]}") from e
+    if job.backend.rank != 0:  # rank 0 wrote it
+        return {}
+    files = sorted(out.glob("*.safetensors"))
+    if [f.name for f in files] != [job.source.name] or files[0].read_bytes() != job.source.read_bytes():
+        _first_difference(out, job)
+        raise Mismatch(f"the gather save ({', '.join(f.name for f in files)}) holds the same tensors as "
+                       f"the source but its file is not byte-equal to {job.source.name}")
+    return {"bytes": files[0].stat().st_size}
+
+
+def _first_difference(folder: Path, job: Job) -> None:
+    from safetensors import safe_open
+
+    got = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(f, "pt") as fh:
+            got.update({k: fh.get_tensor(k) for k in fh.keys()})  # noqa: SIM118 (safe_open has no __iter__)
+    for name, want in job.truth.items():
+        if name not in got:
+            raise Mismatch(f"the gather save lacks {name!r}")
+        if not same_bytes(got[name], want):
+            raise Mismatch(f"the gather save's {name!r} differs from the source")
+    extra = sorted(set(got) - set(job.truth))
+    if extra:
+        raise Mismatch(f"the gather save has {len(extra)} unexpected tensor(s), first {extra[0]!r}")
+
+
+def dcp_reshard(job: Job, run: Run) -> dict:
+    """A distributed save reloads byte-exact at another layout, consolidates (rank 0, one
+    process) to the source's tensors, and both checkpoints verify."""
+    dcp, merged = run.folder / "dcp", run.folder / "dcp-merged"
+    sw.save(run.model, dcp, distributed=True)
+    target = _reshard_target(job, run)
+    mesh = job.backend.mesh(**target.mesh_axes)
+    model, _ = place(job, target, mesh, dcp)
+    compare_tensors(model.state_dict().items(), job.truth, _state(model), f"resharded to {target.name}",
+                    exact=True)
+    details = {"reshard_to": target.name}
+    if job.backend.rank == 0:  # no collective follows: the other ranks go on to the verdict
+        sw.consolidate(dcp, merged)
+        _first_difference(merged, job)
+        for path in (dcp, merged):
+            report = sw.verify(path)
+            if not report.ok:
+                raise Mismatch(f"sw.verify: {report.summary()}")
+        details["verified"] = [str(dcp.name), str(merged.name)]
+    return details
+
+
+def replicas_read_once(job: Job, run: Run) -> dict:
+    """On a dp_replicate layout the job reads the checkpoint once (judged over the job)."""
+    return {"bytes_read": run.bytes_read}
+
+
+def judge_replicas(job: Job, layout: Layout, ranks: list[dict]) -> str | None:
+    total = sum(r["bytes_read"] for r in ranks)
+    if total != job.total_bytes:
+        return (f"the job read {total} bytes ({total / job.total_bytes:.2f} checkpoints) of a "
+                f"{job.total_bytes}-byte checkpoint; the replicas should read it once")
+    return None
+
+
+def optimizer_reshard(job: Job, run: Run) -> dict:
+    """AdamW steps on the clipped gradients; model and optimizer are saved, reloaded at another
+    layout, and a second step there equals the one-process run's."""
+    model, backend, later, out = run.model, job.backend, Deferred(), {}
+    optimizer = optimizer_for(model.parameters())
+    optimizer.step()
+    with later:
+        out["step1_max_diff"] = compare_tensors(model.named_parameters(), job.golden.after_step,
+                                                _state(model), "after a step,")
+    sw.save(model, run.folder / "model-step1", distributed=True)
+    sw.save_optimizer(model, optimizer, run.folder / "optim-step1")
+
+    target = _reshard_target(job, run)
+    out["reshard_to"] = target.name
+    resumed, _ = place(job, target, backend.mesh(**target.mesh_axes), run.folder / "model-step1")
+    state = _state(resumed)
+    optimizer = optimizer_for(resumed.parameters())
+    sw.load_optimizer(resumed, optimizer, run.folder / "optim-step1")
+    names = dict(resumed.named_parameters())
+    with later:
+        for key in ("exp_avg", "exp_avg_sq"):
+            compare_tensors(((n, optimizer.state[p][key]) for n, p in names.items()),
+                            {n: s[key] for n, s in job.golden.optim_state.items()}, state, f"AdamW {key} of")
+        steps = {float(s["step"]) for s in optimizer.state.values()}
+        if steps != {1.0}:
+            raise Mismatch(f"AdamW step counts after load_optimizer are {sorted(steps)}, expected [1.0]")
+    ids, targets = _to_device(job, *batch(1))
+    loss_of(resumed(ids), targets).backward()
+    sw.clip_grad_norm_(resumed, MAX_NORM)
+    optimizer.step()
+    with later:
+        out["step2_max_diff"] = compare_tensors(resumed.named_parameters(), job.golden.after_two_steps, state,
+                                                f"after the second step at {target.name},")
+    later.raise_first()
+    return out
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    fn: Callable[[Job, Run], dict]
+    needs: tuple[str, ...] = ()
+    applies: Callable[[Layout], bool] = lambda layout: True
+    judge: Callable[[Job, Layout, list[dict]], str | None] | None = None
+
+
+SCENARIOS = (
+    Scenario("load", load, judge=judge_load),
+    Scenario("forward_backward", forward_backward, needs=("load",)),
+    Scenario("clip_grad_norm", clip_grad_norm, needs=("forward_backward",)),
+    Scenario("gather_save", gather_save, needs=("load",)),
+    Scenario("dcp_reshard", dcp_reshard, needs=("load",)),
+    Scenario("replicas_read_once", replicas_read_once, needs=("load",),
+             applies=lambda layout: layout.has("dp_replicate"), judge=judge_replicas),
+    Scenario("optimizer_reshard", optimizer_reshard, needs=("clip_grad_norm",)),
+)
+
+__all__ = ["SCENARIOS", "Job", "Run", "Scenario", "Unsupported", "layout_limit", "place"]
