@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CI job "hf": the suite against real transformers and diffusers models (tests/hf), in its own env so the gloo env stays minimal. Runner: any Linux CPU machine.
+# CI job "hf": the suite against real transformers and diffusers models (tests/hf) and the README's and docs' code blocks (tests/docs), in its own env so the gloo env stays minimal. Runner: any Linux CPU machine.
 # Extra arguments go to pytest (e.g. ci/hf.sh -x -k load).
 set -euo pipefail
 cd "$(dirname "$0")/.."
