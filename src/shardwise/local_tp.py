@@ -176,17 +176,12 @@ def wire_embedding_subclass(module: nn.Embedding, style: Style, state) -> None:
 def wire_forward(module: nn.Module, style: Style, state) -> None:
     """Wrap ``module.forward`` for a style whose module keeps its own code (``style.forward``
     other than ``"linear"``): activations are plain tensors in both holdings, so one wrapper
-    serves both. ``grad_allreduce`` registers gradient hooks instead of wrapping."""
+    serves both. ``grad_allreduce`` wraps the parameters instead (:func:`_wire_grad_allreduce`)."""
     kind, group = style.forward, state.group
     if kind in ("none", "local_params"):  # local_params: see run_on_local_params
         return
     if kind == "grad_allreduce":
-        def hook(p: torch.Tensor) -> None:  # a post-accumulate hook must return None
-            comm.all_reduce_inline(p.grad, group=group)
-
-        for p in module.parameters(recurse=False):
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(hook)
+        _wire_grad_allreduce(module, group)
         return
     if kind == "ep_experts":
         _wire_ep_experts(module, style, state)
@@ -206,6 +201,38 @@ def wire_forward(module: nn.Module, style: Style, state) -> None:
             passed, rope = out.split([out.shape[-1] - style.rope_dim, style.rope_dim], dim=-1)
             return torch.cat([passed, _CopyTo.apply(rope, group)], dim=-1)
         return out
+
+    module.forward = forward
+
+
+def _wire_grad_allreduce(module: nn.Module, group) -> None:
+    """Sum the gradients of ``module``'s own parameters over the tp axis (a norm applied to
+    each rank's own heads: every rank's gradient covers its heads only).
+
+    Each call hands the module's forward its parameters passed through ``_CopyTo`` (identity
+    forward, all-reduce backward), so the reduction is a node of the autograd graph between
+    whatever parameter the module holds *when it runs* and its use. Not a hook on the
+    Parameter (what transformers' ``ReplicatedWithGradAllReduce`` registers): FSDP2's
+    ``fully_shard`` swaps a module's parameters for its own (sharded between steps, unsharded
+    in forward), so a hook on the Parameter seen here never fires and each tp rank keeps its
+    partial gradient; a hook added lazily in forward would live on FSDP2's internals. And a
+    post-accumulate hook reduces the accumulated ``.grad``, so under gradient accumulation
+    the earlier micro-batches are summed over tp again; here each backward's own
+    contribution is reduced, once. Not a DTensor ``Replicate()`` parameter either: local
+    holding has no DTensor, and the reduction would be left to whoever next redistributes
+    the gradient (FSDP2 does, a plain optimizer or a saved ``.grad`` would see it partial).
+    """
+    inner = module.forward
+
+    def forward(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return inner(*args, **kwargs)
+        held = {n: p for n, p in module._parameters.items() if p is not None and p.requires_grad}
+        module._parameters.update({n: _CopyTo.apply(p, group) for n, p in held.items()})
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            module._parameters.update(held)
 
     module.forward = forward
 

@@ -27,17 +27,11 @@ from shardwise.validate.report import (
 from shardwise.validate.scenarios import SCENARIOS
 
 JOB_SCENARIOS = ("world", "crossload", "collective_timeout")
-# Known shardwise bugs the suite finds, by world: {(scenario, layout): the bug}. A
-# "replicated_with_grad_allreduce" parameter (q_norm, k_norm) loses its gradient all-reduce over
-# tp once FSDP2 wraps the TP model, so its gradient is one tp rank's part: everything trained at
-# dp_shard2_tp2 differs from the one-process run (tp4 reshards its optimizer to that layout).
-_FSDP_GRAD_ALLREDUCE = "grad_allreduce parameters under fully_shard (dp_shard x tp)"
-KNOWN_FAILURES = {
-    4: {("forward_backward", "dp_shard2_tp2"): _FSDP_GRAD_ALLREDUCE,
-        ("clip_grad_norm", "dp_shard2_tp2"): _FSDP_GRAD_ALLREDUCE,
-        ("optimizer_reshard", "dp_shard2_tp2"): _FSDP_GRAD_ALLREDUCE,
-        ("optimizer_reshard", "tp4"): _FSDP_GRAD_ALLREDUCE},
-}
+# Known shardwise bugs the suite finds, by world: {(scenario, layout): the bug}. None now; the
+# last ones (forward_backward, clip_grad_norm, optimizer_reshard at dp_shard2_tp2, and
+# optimizer_reshard at tp4, which reshards to it) were q_norm / k_norm losing their gradient
+# all-reduce under fully_shard (tests/dist/test_fsdp_tp_grads.py).
+KNOWN_FAILURES: dict[int, dict[tuple[str, str], str]] = {}
 
 
 def _suite(json_path: str):

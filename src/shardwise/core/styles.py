@@ -130,9 +130,11 @@ _STRINGS: dict[str, Style] = {
     "replicated": _s("replicate", forward="none"),
     "local": _s("replicate", forward="none"),
     "replicated_with_grad_allreduce": _s("replicate", forward="grad_allreduce"),
-    # transformers' sequence_parallel keeps the parameters replicated and lets DTensor
-    # reduce their gradients over the sequence shards: the same contract as above.
-    "sequence_parallel": _s("replicate", forward="grad_allreduce"),
+    # transformers' sequence_parallel runs its module on a shard of the sequence, so each
+    # rank's gradient is partial and DTensor sums it. shardwise never shards the sequence:
+    # the module sees the whole activation, its gradient is already whole on every rank,
+    # and a sum over tp would count it degree times (it did: 2x at tp=2). Held like "local".
+    "sequence_parallel": _s("replicate", forward="none"),
     "local_params": _s("replicate", forward="local_params"),
     "all_reduce": _s("replicate", forward="reduce_output"),
     "moe_tp_experts": _s("replicate", forward="moe_experts"),
