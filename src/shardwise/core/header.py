@@ -5,9 +5,6 @@ Pure: no file I/O. The on-disk format is an 8-byte little-endian header length
 end]}, "__metadata__": {str: str}}``, padded with spaces to a multiple of 8), then
 the data. Offsets are relative to the start of the data. A header comes from an
 untrusted file, so :func:`parse_header` checks every field before anything uses it.
-
-Length (~300 lines): the parser and the layout of the format in one place, so that what
-is written is exactly what the parser accepts.
 """
 
 from __future__ import annotations

@@ -4,9 +4,6 @@ Everything here is pure: shapes, degrees and ranks are plain ints, and the only
 tensor operations are local (indexing, ``cat``, copies). A *region* is a box of
 the canonical (unsharded) tensor; a rank's local shard is the concatenation of
 its regions along the shard dim, in the order :func:`shard_regions` returns them.
-
-Length (~340 lines): all shard geometry of the package, on purpose in one pure module
-that the property tests cover as a unit.
 """
 
 from __future__ import annotations

@@ -5,9 +5,6 @@ folders and indexes are ``shardwise.io.safetensors.checkpoint``).
 tensor's memory (exactly the box's bytes). The loader may instead keep a CPU region as a
 page-cache view or copy a column slice out of a mapping (``shardwise.io.safetensors.mapped``), where
 that measured faster. Nothing here ever unpickles.
-
-Length (~330 lines): reading and streaming writing of the one format, with its file and
-index planning; each part is short and they share the header layout.
 """
 
 from __future__ import annotations
