@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 from shardwise.errors import CheckpointError, UnsupportedModelError
-from shardwise.io.guards import check_mesh
+from shardwise.io.guards import check_mesh, quant_scheme
 from shardwise.io.load import load
+from shardwise.io.quant_checks import drop_quantization_config
 
 
 @contextlib.contextmanager
@@ -110,6 +111,23 @@ def _build_transformers(cls, folder: Path, dtype: torch.dtype | None) -> nn.Modu
     return model
 
 
+def _quantized_modules(model: nn.Module, dequantize: bool) -> None:
+    """A checkpoint whose config has a quantization shardwise reads (FP8 with block scales)
+    gets transformers' own quantized modules, put in place by its quantizer as its
+    ``from_pretrained`` does (``modules_to_not_convert``, lm_head left whole); with
+    ``dequantize`` the model stays unquantized. Any other quantization is left to the load's
+    guards, which refuse it naming the scheme."""
+    qc = getattr(getattr(model, "config", None), "quantization_config", None)
+    if qc is None or quant_scheme(qc)[1] is not None:
+        return
+    if dequantize:
+        drop_quantization_config(model)
+        return
+    from transformers.quantizers import AutoHfQuantizer
+
+    AutoHfQuantizer.from_config(qc, pre_quantized=True).preprocess_model(model)
+
+
 def _build_diffusers(cls, folder: Path) -> nn.Module:
     return cls.from_config(cls.load_config(folder))
 
@@ -130,7 +148,7 @@ def _checkpoint_folder(path) -> Path:
 
 
 def from_pretrained(cls, path: str | os.PathLike, *, mesh, dtype: torch.dtype | None = None,
-                    plan="auto", **load_options) -> nn.Module:
+                    plan="auto", dequantize: bool = False, **load_options) -> nn.Module:
     """A transformers or diffusers model read from the folder ``path``, sharded over ``mesh``.
 
     ``cls`` is a transformers model class or Auto class (``AutoModelForCausalLM``) or a
@@ -142,6 +160,14 @@ def from_pretrained(cls, path: str | os.PathLike, *, mesh, dtype: torch.dtype | 
     ``_tp_plan``; diffusers: the class's ``_tp_plan``); a dict replaces it. ``dtype`` builds
     and casts floating-point tensors to it (``None`` keeps the checkpoint's dtypes).
     Collective like ``sw.load``: every rank of the mesh calls it.
+
+    An FP8 checkpoint (``quantization_config`` with ``quant_method: fp8`` and block scales in
+    its config.json) is built with transformers' own ``FP8Linear`` modules (its quantizer's
+    module replacement) and stays quantized: each rank holds its fp8 weight shards and the
+    scales of the blocks they touch (``dtype`` applies to the other tensors). With
+    ``dequantize=True`` the model is built unquantized, each rank dequantizes only its own
+    shards into ``dtype``, and the config loses its ``quantization_config``, as transformers'
+    ``FineGrainedFP8Config(dequantize=True)`` does.
 
     Returns the model in eval mode, with the ``sw.load`` result as ``model.result``.
 
@@ -158,7 +184,9 @@ def from_pretrained(cls, path: str | os.PathLike, *, mesh, dtype: torch.dtype | 
     with _default_dtype(dtype), empty_model():
         model = (_build_transformers(cls, folder, dtype) if library == "transformers"
                  else _build_diffusers(cls, folder))
-    result = load(model, folder, plan=plan, mesh=mesh, dtype=dtype, **load_options)
+        if library == "transformers":
+            _quantized_modules(model, dequantize)
+    result = load(model, folder, plan=plan, mesh=mesh, dtype=dtype, dequantize=dequantize, **load_options)
     model.eval()
     _attach(model, "result", result)
     return model

@@ -27,10 +27,12 @@ from torch import nn
 
 from shardwise.backends import current_backend
 from shardwise.core.plan import ResolvedPlan, Style, resolve_plan, without_tp
-from shardwise.core.spec import ShardSpec, local_shape, split
-from shardwise.errors import PlanError, ShardingError, UsageError
+from shardwise.core.spec import ShardSpec, split
+from shardwise.errors import PlanError, UsageError
+from shardwise.installed import check_installed, local_of  # noqa: F401 - local_of: re-exported
 from shardwise.local_tp import run_on_local_params, wire_embedding_subclass, wire_forward, wire_local
 from shardwise.plan_checks import check_plan
+from shardwise.quant_tp import local_part, quantized_module, scale_is_local, wire_quantized
 
 HOLDINGS = ("dtensor", "local", "spmd")
 _STATE_ATTR = "_shardwise_state"
@@ -117,12 +119,6 @@ def default_holding() -> str:
     return backend.holding if backend is not None else "dtensor"
 
 
-def local_of(tensor: torch.Tensor) -> torch.Tensor:
-    """The local tensor of a DTensor (a plain tensor is returned as is)."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if to_local is not None and type(tensor).__name__ == "DTensor" else tensor
-
-
 def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
     prefix, _, leaf = name.rpartition(".")
     module = model.get_submodule(prefix)
@@ -143,7 +139,7 @@ def install(model: nn.Module, specs: ResolvedPlan, mesh, *, holding: str,
     Called on every rank of the mesh, with the same ``specs``. ``local_tensor`` returns
     this rank's local shard (already on the right device and dtype). No collective runs
     here: DTensors are built from local shards. Afterwards every tensor is checked
-    against what the model declared (:func:`check_installed`): ``dtype`` is the dtype
+    against what the model declared (:func:`shardwise.installed.check_installed`): ``dtype`` is the dtype
     every floating-point tensor must have (``None``: any floating dtype).
     """
     if holding not in HOLDINGS:
@@ -175,7 +171,8 @@ def install(model: nn.Module, specs: ResolvedPlan, mesh, *, holding: str,
     if not spmd:  # spmd: the model's own forward is correct, the partitioner adds collectives
         _wire(model, specs, state)
     state.converted.clear()
-    check_installed(model, specs, declared, holding=holding, dtype=dtype)
+    check_installed(model, specs, declared, holding=holding, dtype=dtype,
+                    coords=mesh_coords(mesh, spmd=spmd))
     model.__dict__[_STATE_ATTR] = state
     return state
 
@@ -190,7 +187,7 @@ def check_wiring(model: nn.Module, specs: ResolvedPlan, holding: str) -> None:
     for path, style in specs.styles.items():
         module = model.get_submodule(path)
         if (style.forward == "linear" and not isinstance(module, nn.Embedding)
-                and type(module).forward is not nn.Linear.forward):
+                and type(module).forward is not nn.Linear.forward and quantized_module(specs, path) is None):
             raise PlanError(
                 f"plan key {specs.keys[path]!r}: {path!r} is a {type(module).__name__}, an nn.Linear "
                 f"with a forward of its own, which local holding cannot shard without skipping it; use "
@@ -211,7 +208,11 @@ def _wire(model: nn.Module, specs: ResolvedPlan, state: ShardState) -> None:
             run_on_local_params(module)
     for path, style in specs.styles.items():
         module = model.get_submodule(path)
-        if style.forward != "linear":
+        if style.forward == "linear" and quantized_module(specs, path) is not None:
+            if state.holding == "dtensor":
+                _dtensor_params(module, path, state)
+            wire_quantized(module, path, style, state)  # its own FP8 kernel, on local shards
+        elif style.forward != "linear":
             wire_forward(module, style, state)
         elif state.holding == "dtensor":
             _wire_dtensor(module, path, style, state)
@@ -219,39 +220,6 @@ def _wire(model: nn.Module, specs: ResolvedPlan, state: ShardState) -> None:
             wire_embedding_subclass(module, style, state)
         else:
             wire_local(module, style, state)
-
-
-def check_installed(model: nn.Module, specs: ResolvedPlan, declared: dict, *, holding: str,
-                    dtype: torch.dtype | None) -> None:
-    """Raise ``ShardingError`` naming the tensor unless every tensor of ``model`` has its
-    declared global shape, a local shard of the spec's size, the dtype policy (floating
-    tensors stay floating, and are ``dtype`` when given; others keep their declared dtype)
-    and every tie of the plan still shares one tensor. Cheap: shapes and identities only.
-    """
-    state = model.state_dict(keep_vars=True)
-    for name, spec in specs.items():
-        shape, declared_dtype = declared[name]
-        t = state[name]
-        is_dtensor = type(t).__name__ == "DTensor"
-        local = tuple(local_of(t).shape)
-        want_local = shape if holding == "spmd" else local_shape(shape, spec, specs.degrees[spec.axis])
-        if holding == "spmd":
-            local = tuple(t.shape)
-        if (is_dtensor and tuple(t.shape) != shape) or local != want_local:
-            held = f"a DTensor of global shape {tuple(t.shape)}" if is_dtensor else "a tensor"
-            raise ShardingError(
-                f"{name!r}: after sharding it is {held} with local shape {local}, but the model "
-                f"declares {shape} sharded as {spec} (local {want_local}); this is a shardwise bug, "
-                "please report it with the plan")
-        if declared_dtype.is_floating_point != t.dtype.is_floating_point or (
-                not t.dtype.is_floating_point and t.dtype != declared_dtype) or (
-                dtype is not None and t.dtype.is_floating_point and t.dtype != dtype):
-            want = dtype if dtype is not None and declared_dtype.is_floating_point else declared_dtype
-            raise ShardingError(f"{name!r} is {t.dtype} after sharding but must be {want}")
-    for alias, kept in specs.aliases.items():
-        if state.get(alias) is not state.get(kept):
-            raise ShardingError(f"{alias!r} and {kept!r} are tied in the model but no longer share one "
-                                "tensor after sharding; this is a shardwise bug, please report it")
 
 
 def parallelize(model: nn.Module, plan, mesh, *, holding: str | None = None, ep_plan=None) -> nn.Module:
@@ -286,7 +254,7 @@ def parallelize(model: nn.Module, plan, mesh, *, holding: str | None = None, ep_
 
     def local_tensor(name: str, spec: ShardSpec) -> torch.Tensor:
         t = full[name].detach()
-        local = t if spec.replicated else split(t, spec, *coords[spec.axis])
+        local = t if spec.replicated else local_part(t, name, spec, specs, coords[spec.axis])
         return local.to(device) if device is not None and local.device != device else local
 
     install(model, specs, mesh, holding=holding, local_tensor=local_tensor)
@@ -320,8 +288,8 @@ def _dtensor_params(module: nn.Module, prefix: str, state: ShardState, *, sharde
     for pname, p in list(module.named_parameters(recurse=False)):
         done = state.converted.get(id(p))
         spec = state.specs.spec_of(f"{prefix}.{pname}" if prefix else pname)
-        if sharded_only and spec.replicated:
-            continue
+        if (sharded_only and spec.replicated) or scale_is_local(state.specs, f"{prefix}.{pname}"):
+            continue  # a scale whose blocks shard boundaries cut: held local (shardwise.quant_tp)
         if done is None:  # the first module of a tied weight converts it; the others reuse it
             placement = Replicate() if spec.replicated else Shard(spec.dim)
             d = DTensor.from_local(p.data, state.axis_mesh(spec), [placement], run_check=False)

@@ -121,6 +121,22 @@ def _int8_with_scale(m):
         m.fused[0].mlp.down.weight_scale = nn.Parameter(torch.empty(32))
 
 
+def _fp8_experts(m):  # transformers' FP8Experts: fused 3-D fp8 experts with their scales
+    with torch.device("meta"):
+        m.fused[0].mlp.gate_up_proj = nn.Parameter(torch.empty(4, 64, 32, dtype=torch.float8_e4m3fn))
+        m.fused[0].mlp.gate_up_proj_scale_inv = nn.Parameter(torch.empty(4, 1, 1))
+
+
+def _fp8_linear(block_size):  # transformers' FP8Linear, block-scaled or (None) per-tensor
+    def mutate(m):
+        down = m.fused[0].mlp.down
+        with torch.device("meta"):
+            down.weight = nn.Parameter(torch.empty(down.weight.shape, dtype=torch.float8_e4m3fn))
+            down.weight_scale_inv = nn.Parameter(torch.empty(()) if block_size is None else torch.empty(1, 1))
+        down.block_size = block_size
+    return mutate
+
+
 def _setattr(path, attr, value):
     def mutate(m):
         setattr(m.get_submodule(path) if path else m, attr, value)
@@ -145,7 +161,20 @@ MODEL_CASES = [
      r"'layers\.0\.mlp\.down' is a quantized layer \(Linear8bitLt\)"),
     ("int_scale", _int8_with_scale, r"'fused\.0\.mlp\.down\.weight' holds torch\.int8.*'weight_scale'"),
     ("config", _setattr("", "config", SimpleNamespace(quantization_config={"quant_method": "bitsandbytes"})),
-     r"quantized \(model\.config\.quantization_config is set\)"),
+     r"quantized with 'bitsandbytes' \(model\.config\.quantization_config is set\).*FP8 with block scales"),
+    *[(scheme, _setattr("", "config", SimpleNamespace(quantization_config={"quant_method": scheme})),
+       rf"quantized with '{scheme}' \(model\.config\.quantization_config is set\)")
+      for scheme in ("gptq", "awq", "compressed-tensors", "torchao")],
+    ("fp8_per_tensor", _setattr("", "config", SimpleNamespace(quantization_config={
+        "quant_method": "fp8", "weight_block_size": None})), r"quantized with 'fp8'.*per-tensor FP8 scales"),
+    ("fp8_ue8m0", _setattr("", "config", SimpleNamespace(quantization_config={
+        "quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "ue8m0"})),
+     r"its scale_fmt is 'ue8m0'"),
+    ("bnb_flag", _setattr("", "is_loaded_in_4bit", True),
+     r"quantized with 'bitsandbytes' \(model\.is_loaded_in_4bit"),
+    ("fp8_experts", _fp8_experts,
+     r"'fused\.0\.mlp\.gate_up_proj' holds torch\.float8_e4m3fn.*'gate_up_proj_scale_inv'"),
+    ("fp8_per_tensor_linear", _fp8_linear(None), r"'fused\.0\.mlp\.down\.weight' holds torch\.float8_e4m3fn"),
     ("hf_quantizer", _setattr("", "hf_quantizer", object()), r"model\.hf_quantizer is set"),
     ("device_map", _setattr("", "hf_device_map", {"": "cpu"}), r"hf_device_map.*without device_map"),
     ("hf_hook", _setattr("single.0.proj_in", "_hf_hook", AlignDevicesHook()),
@@ -180,6 +209,20 @@ def test_harmless_lookalikes_pass():
         model.norm_out.register_buffer("position_ids", torch.arange(4))
         model.norm_out.register_buffer("scale", torch.ones(1))
     guards.check_model(model, action="load")
+
+
+def test_fp8_block_scaled_passes():
+    """FP8 with 128x128 block scales (DeepSeek-V3, Qwen3-FP8) is what shardwise supports."""
+    model = meta_model()
+    fp8 = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+    model.config = SimpleNamespace(quantization_config=fp8)
+    _fp8_linear([128, 128])(model)
+    guards.check_model(model, action="load")
+    guards.check_model(model, action="save")
+    del model.fused[0].mlp.down.weight_scale_inv  # a dequantized model keeping the FP8 config: not saved
+    model.fused[0].mlp.down.weight = nn.Parameter(torch.empty(32, 64, device="meta"))
+    with pytest.raises(UnsupportedModelError, match=r"says fp8 but no module holds FP8 weights"):
+        guards.check_model(model, action="save")
 
 
 class FakeMesh:

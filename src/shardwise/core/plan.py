@@ -29,6 +29,7 @@ from torch import nn
 from shardwise.core.plan_degrees import check_degrees, head_counts
 from shardwise.core.plan_keys import check_some_key_matches, ep_plan_from_model, match_plan, plan_from_model
 from shardwise.core.plan_pairs import check_pairs
+from shardwise.core.quant_layout import QuantTie, is_tied_scale, tie_scales
 from shardwise.core.spec import ShardSpec
 from shardwise.core.styles import (
     DEFAULT_PACKED,
@@ -51,10 +52,13 @@ class ResolvedPlan(dict):
     must see the local shards of parameters sharded by a parameter key), ``unused_keys``
     (plan keys that matched nothing), the tp ``degree`` it was validated for and
     ``degrees`` (``{"tp": degree, "ep": ep degree}``: a spec's ranks are on ``spec.axis``).
+    ``ties`` (``{scale tensor: QuantTie}``) are the scales of block-quantized weights: a
+    scale's spec is its weight's, and its regions follow the weight's (``core.quant_layout``);
+    ``quantized`` names those weights and scales (they keep their dtypes on a load).
     """
 
     def __init__(self, specs, *, styles, keys, aliases, degree, local_owners=(), unused_keys=(),
-                 ep_degree: int = 1):
+                 ep_degree: int = 1, ties: dict[str, QuantTie] | None = None):
         super().__init__(specs)
         self.degrees: dict[str, int] = {"tp": degree, "ep": ep_degree}
         self.styles: dict[str, Style] = styles
@@ -63,6 +67,10 @@ class ResolvedPlan(dict):
         self.degree: int = degree
         self.local_owners: tuple[str, ...] = tuple(local_owners)
         self.unused_keys: tuple[str, ...] = tuple(unused_keys)
+        self.ties: dict[str, QuantTie] = dict(ties or {})
+        # the quantized weights and their scales: they keep their declared dtypes whatever
+        # ``dtype`` a load casts the other floating tensors to
+        self.quantized: frozenset[str] = frozenset(self.ties) | {t.weight for t in self.ties.values()}
 
     def spec_of(self, name: str) -> ShardSpec:
         """The spec of ``name``, following a tied alias to the tensor it shares (a tensor
@@ -180,6 +188,9 @@ def resolve_plan(model: nn.Module, plan, degree: int, *, strict: bool = False, e
         module_claims, param_claims, ep_unused = _with_ep_plan(model, ep_plan, module_claims,
                                                                param_claims, strict)
         unused = unused + ep_unused
+    # A plan key naming an FP8 weight's scales (transformers' quantizer adds them): the scales
+    # follow their weight's spec as region math instead (tie_scales below).
+    param_claims = {n: c for n, c in param_claims.items() if not is_tied_scale(model, n)}
     styles: dict[str, Style] = {}
     keys: dict[str, str] = {}
     owned: dict[int, tuple[ShardSpec, str, str]] = {}
@@ -236,8 +247,10 @@ def resolve_plan(model: nn.Module, plan, degree: int, *, strict: bool = False, e
             continue
         first_name[id(tensor)] = name
         specs[name] = owned[id(tensor)][0] if id(tensor) in owned else ShardSpec()
+    ties = tie_scales(model, specs, styles, keys)
+    local_owners = [p for p in local_owners if f"{p}.weight" not in {t.weight for t in ties.values()}]
     return ResolvedPlan(specs, styles=styles, keys=keys, aliases=aliases, degree=degree,
-                        local_owners=local_owners, unused_keys=unused, ep_degree=ep_degree)
+                        local_owners=local_owners, unused_keys=unused, ep_degree=ep_degree, ties=ties)
 
 
 def _check_statistics_over_shards(model: nn.Module, owned: dict, keys: dict, degrees: dict) -> None:
@@ -351,7 +364,7 @@ def without_tp(specs: ResolvedPlan) -> ResolvedPlan:
     keys = {k: v for k, v in specs.keys.items() if k in styles or not kept.get(k, ShardSpec()).replicated}
     return ResolvedPlan(kept, styles=styles, keys=keys, aliases=specs.aliases, degree=1,
                         local_owners=owners, unused_keys=specs.unused_keys,
-                        ep_degree=specs.degrees["ep"])
+                        ep_degree=specs.degrees["ep"], ties=specs.ties)
 
 
 __all__ = [

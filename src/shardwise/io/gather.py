@@ -24,8 +24,10 @@ from shardwise.backends import Backend
 from shardwise.comm import capture
 from shardwise.core.header import dtype_to_str, str_to_dtype
 from shardwise.core.plan import resolve_plan
+from shardwise.core.quant_layout import QuantTie
 from shardwise.core.spec import Region, ShardSpec, chunk_layout, global_shape, local_layout
 from shardwise.errors import CheckpointError, UnsupportedModelError
+from shardwise.io.quant_save import gather_scales_to_rank0
 from shardwise.io.safetensors.format import StreamingWriter
 from shardwise.parallel import ShardState, get_shard_state, local_of
 
@@ -128,6 +130,8 @@ class SaveItem:
     gathered: bool                  # sharded over degree > 1: needs a gather
     local: torch.Tensor = field(repr=False)
     degree: int = 1                 # of the mesh axis the spec shards over
+    tie: QuantTie | None = None     # an FP8 weight's scales: held and gathered by their tie
+    rank: int = 0                   # this rank on that axis
 
     @property
     def nbytes(self) -> int:
@@ -152,10 +156,13 @@ def collect_items(model: nn.Module) -> tuple[list[SaveItem], ShardState | None]:
         if local.is_meta:
             raise CheckpointError(f"tensor {name!r} is on the meta device, so it has no values to "
                                   "save; load or materialise the model first")
-        degree = 1 if spmd else state.coords(spec)[0]
+        degree, rank = (1, 0) if spmd else state.coords(spec)
         gathered = degree > 1 and not spec.replicated
-        shape = global_shape(local.shape, spec, degree) if gathered else tuple(local.shape)
-        items.append(SaveItem(name, dtype_to_str(local.dtype), shape, spec, gathered, local, degree))
+        tie = specs.ties.get(name) if gathered else None
+        shape = global_shape(local.shape, spec, degree) if gathered and tie is None else tuple(local.shape)
+        shape = tie.scale_shape if tie is not None else shape
+        items.append(SaveItem(name, dtype_to_str(local.dtype), shape, spec, gathered, local, degree, tie,
+                              rank))
     return items, state
 
 
@@ -253,6 +260,9 @@ class FileGatherer:
     def _full(self, item: SaveItem, writer) -> torch.Tensor | None:
         """The canonical tensor on rank 0 (None elsewhere); every rank of its group joins."""
         pg, gathers = self.axes.get(item.spec.axis, (None, False))
+        if item.gathered and gathers and item.tie is not None:  # each scale once (io.quant_save)
+            return gather_scales_to_rank0(self.backend, item.local, item.tie, item.spec, item.degree,
+                                          item.rank, pg, keep=writer is not None)
         if item.gathered and gathers:  # after a failure too: peers must not wait
             return gather_to_rank0(self.backend, item.local, item.spec, item.degree, pg,
                                    item.shape, keep=writer is not None,

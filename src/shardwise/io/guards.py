@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shardwise.core.quant_layout import fp8_block_of
 from shardwise.errors import MeshError, UnsupportedModelError
 
 # Tensor types a checkpoint path handles as is; anything else wraps its data.
@@ -19,6 +20,8 @@ _PLAIN_TENSOR_TYPES = ("Tensor", "Parameter", "DTensor", "Buffer")
 _BNB_PARAM_TYPES = ("Params4bit", "Int8Params")
 _QUANT_MODULE_TYPES = ("Linear4bit", "Linear8bitLt", "LinearNF4", "Float8Linear", "QuantizedLinear")
 _QUANT_TENSOR_MARKS = ("Float8", "AffineQuantized", "NF4", "Int4", "Int8", "Quantized", "Fp8")
+SUPPORTED_QUANT = ("FP8 with block scales (quant_method 'fp8', weight_block_size [128, 128] and others: "
+                   "transformers' FP8Linear)")
 _GROUP_OFFLOAD_HOOKS = ("group_offloading", "lazy_prefetch_group_offloading")
 _FLOAT8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
                                               "float8_e5m2fnuz") if hasattr(torch, n))
@@ -45,23 +48,61 @@ def check_model(model: nn.Module, *, action: str) -> None:
 
 def _check_quantization_config(model: nn.Module, action: str) -> None:
     config = getattr(model, "config", None)
-    found = [(f"model.config.{a}" if owner is config else f"model.{a}")
+    found = [(f"model.config.{a}" if owner is config else f"model.{a}", getattr(owner, a))
              for owner in (config, model) if owner is not None
              for a in ("quantization_config", "hf_quantizer")
              if getattr(owner, a, None) not in (None, {})]
-    found += [f"model.{a}" for a in ("is_loaded_in_4bit", "is_loaded_in_8bit")
+    found += [(f"model.{a}", "bitsandbytes") for a in ("is_loaded_in_4bit", "is_loaded_in_8bit")
               if getattr(model, a, False) is True]
-    if found:
-        raise _refuse(action, f"it is quantized ({found[0]} is set)",
-                      "shardwise reads and writes unquantized weights only; load the original "
-                      "(unquantized) model, shard it with shardwise, then quantize each shard")
+    for where, value in found:
+        method, why = quant_scheme(getattr(value, "quantization_config", value))
+        if why is None:
+            continue
+        scheme = f" with {method!r}" if method else ""
+        raise _refuse(action, f"it is quantized{scheme} ({where} is set){why}",
+                      f"shardwise reads and writes unquantized weights and {SUPPORTED_QUANT} only; load "
+                      "the original (unquantized) model, shard it with shardwise, then quantize each shard")
+    if action == "save" and any(w.startswith("model.config.") for w, _ in found) and not any(
+            fp8_block_of(m) for m in model.modules()):
+        raise _refuse(action, "model.config.quantization_config says fp8 but no module holds FP8 weights "
+                      "(a dequantized model?), so its config.json would describe weights it does not hold",
+                      "delete model.config.quantization_config before saving (sw.load(..., dequantize=True) "
+                      "does), or save the model with its FP8Linear modules")
+
+
+def quant_scheme(qc) -> tuple[str | None, str | None]:
+    """``(quant_method, None)`` for a quantization config shardwise supports (FP8 with block
+    scales: ``quant_method`` ``"fp8"``, a ``weight_block_size`` of two ints, float32 scales,
+    dynamic activations, no FP4 experts); ``(quant_method, why not)`` for any other."""
+    if isinstance(qc, str):  # bitsandbytes' flags on the model
+        return qc, ""
+
+    def get(name):
+        return qc.get(name) if isinstance(qc, dict) else getattr(qc, name, None)
+
+    method = get("quant_method")
+    method = str(getattr(method, "value", method)) if method is not None else None
+    if method != "fp8":
+        return method, ""
+    block = get("weight_block_size")
+    if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(
+            isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        return method, f"; weight_block_size is {block!r}: per-tensor FP8 scales are not supported yet"
+    for name, ok in (("scale_fmt", ("float", None)), ("activation_scheme", ("dynamic", None)),
+                     ("expert_dtype", ("fp8", None))):
+        if get(name) not in ok:
+            return method, f"; its {name} is {get(name)!r} (supported: {ok[0]!r})"
+    return method, None
 
 
 def _check_quantized_tensors(model: nn.Module, action: str) -> None:
-    fix = ("shardwise reads and writes unquantized weights only; build the model without quantization "
-           "(no torchao quantize_, no bitsandbytes layers), load it, then quantize")
+    fix = (f"shardwise reads and writes unquantized weights and {SUPPORTED_QUANT} only; build the model "
+           "without quantization (no torchao quantize_, no bitsandbytes layers), load it, then quantize")
     for path, module in model.named_modules():
         cls = type(module).__name__
+        if fp8_block_of(module) is not None:
+            _check_fp8_linear(path, module, action)
+            continue
         if cls in _QUANT_MODULE_TYPES:
             raise _refuse(action, f"module {path or '<root>'!r} is a quantized layer ({cls})", fix)
         tensors = dict(module.named_parameters(recurse=False))
@@ -82,11 +123,29 @@ def _check_quantized_tensors(model: nn.Module, action: str) -> None:
         scales = [n for n in tensors if "scale" in n.lower()]
         if not scales:
             continue
+        params = dict(module.named_parameters(recurse=False))
         for name, t in tensors.items():
-            if t is not None and "weight" in name.lower() and _is_quantized_dtype(t.dtype):
+            if t is None or name in scales:
+                continue
+            if ("weight" in name.lower() and _is_quantized_dtype(t.dtype)) or (
+                    name in params and t.dtype in _FLOAT8):  # FP8 experts: gate_up_proj, down_proj
                 full = f"{path}.{name}" if path else name
                 raise _refuse(action, f"{full!r} holds {t.dtype} values next to the scale tensor "
                               f"{scales[0]!r} (quantized weights)", fix)
+
+
+def _check_fp8_linear(path: str, module: nn.Module, action: str) -> None:
+    """An FP8 block-scaled linear (``core.quant_layout.fp8_block_of``) as shardwise holds it:
+    float8_e4m3fn values, float32 scales, no static activation scale."""
+    weight, scale = module.weight, module.weight_scale_inv
+    static = getattr(module, "activation_scale", None) is not None
+    problem = (f"its weight is {weight.dtype}" if weight.dtype != torch.float8_e4m3fn
+               else f"its weight_scale_inv is {scale.dtype} (ue8m0 scales?)" if scale.dtype != torch.float32
+               else "it has a static activation_scale" if static else None)
+    if problem is not None:
+        raise _refuse(action, f"FP8 module {path!r} ({type(module).__name__}): {problem}",
+                      f"shardwise supports {SUPPORTED_QUANT} with float8_e4m3fn weights, float32 scales and "
+                      "dynamic activations; dequantize this checkpoint first")
 
 
 def _is_quantized_dtype(dtype: torch.dtype) -> bool:
@@ -173,7 +232,8 @@ _NON_STREAMING = {
                   "holds only its 1/degree of the model",
     "offload_folder": "offloading to disk cannot be combined with streaming shards; drop offload_folder",
     "offload_state_dict": "offloading cannot be combined with streaming shards; drop offload_state_dict",
-    "quantization_config": "shardwise loads unquantized weights; load, then quantize each shard",
+    "quantization_config": "shardwise reads the checkpoint's own quantization (its config.json); pass "
+                           "dequantize=True to get the weights in the model's dtype instead",
 }
 
 
@@ -192,4 +252,4 @@ def check_options(*, _where: str = "load", **options) -> None:
         raise TypeError(f"{_where}() got an unexpected keyword argument {name!r}")
 
 
-__all__ = ["check_mesh", "check_model", "check_options"]
+__all__ = ["SUPPORTED_QUANT", "check_mesh", "check_model", "check_options", "quant_scheme"]

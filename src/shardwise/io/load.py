@@ -39,6 +39,7 @@ from shardwise.io.pipeline import (
     reader_threads,
 )
 from shardwise.io.place import placement
+from shardwise.io.quant_checks import check_quantized_load, check_quantized_source, drop_quantization_config
 from shardwise.io.safetensors.source import SafetensorsSource
 from shardwise.io.source import ReadOptions, Source
 from shardwise.parallel import (
@@ -54,7 +55,7 @@ from shardwise.parallel import (
 
 def load(model: nn.Module, path: str | os.PathLike, *, plan, mesh, dtype: torch.dtype | None = None,
          strict: bool = True, num_threads: int | None = None, progress: bool | None = None,
-         holding: str | None = None, ep_plan=None, **options) -> LoadResult:
+         holding: str | None = None, ep_plan=None, dequantize: bool = False, **options) -> LoadResult:
     """Fill ``model`` (usually built on the meta device) from the checkpoint at ``path``,
     sharded by ``plan`` over the tp axis of ``mesh``; every rank of the mesh calls it. A
     mesh without a tp axis (``backend.mesh(dp_shard=4)``) holds the model whole, ready for
@@ -78,6 +79,16 @@ def load(model: nn.Module, path: str | os.PathLike, *, plan, mesh, dtype: torch.
     Unknown keyword options raise ``TypeError``; ``device_map`` and other placement
     options of ``from_pretrained`` raise ``UnsupportedModelError`` (they cannot stream).
 
+    FP8 checkpoints with block scales (``x.weight`` float8_e4m3fn, ``x.weight_scale_inv``
+    float32, ``weight_block_size`` in the checkpoint's ``config.json``: DeepSeek-V3,
+    Qwen3-FP8): a model holding transformers' ``FP8Linear`` modules keeps them quantized, each
+    rank holding its weight shard and the scales of every block it touches (``dtype`` leaves
+    both as they are); ``dequantize=True`` fills a model built unquantized (plain
+    ``nn.Linear``), each rank dequantizing only its own shard (float32, cast once into
+    ``dtype`` or the declared dtype) and the model's ``config.quantization_config`` is then
+    removed, as transformers does. An FP8 checkpoint into a plain model without
+    ``dequantize=True`` raises ``CheckpointError``.
+
     >>> with torch.device("meta"):                                          # doctest: +SKIP
     ...     model = MyModel(config)
     >>> sw.load(model, "ckpt/", plan=plan, mesh=backend.mesh(tp=4), dtype=torch.bfloat16)  # doctest: +SKIP
@@ -98,8 +109,10 @@ def load(model: nn.Module, path: str | os.PathLike, *, plan, mesh, dtype: torch.
     check_spmd(mesh if tp_mesh is None else tp_mesh, holding)
     specs = resolve_for_mesh(model, plan, mesh, ep_plan)
     check_wiring(model, specs, holding)
+    check_quantized_load(specs, holding, dequantize)
 
-    source = open_source(path)
+    source = open_source(path, dequantize=dequantize)
+    check_quantized_source(source, specs, mesh)
     missing, unexpected = source.match(model, specs, strict=strict)
     check_nothing_left_on_meta(model, specs, missing)
     place = placement(model, specs, mesh, dtype, holding)
@@ -112,13 +125,20 @@ def load(model: nn.Module, path: str | os.PathLike, *, plan, mesh, dtype: torch.
         tensors = source.read(reads, finalize=place.finalize, options=how, on_bytes=bar)
     place.install(model, tensors, missing)
     move_non_persistent(model, device_of(mesh))
+    if dequantize:
+        drop_quantization_config(model)
     return LoadResult(tuple(missing), tuple(unexpected), source.bytes_read,
                       time.perf_counter() - start, len(names), specs.unused_keys)
 
 
-def open_source(path: str | os.PathLike) -> Source:
+def open_source(path: str | os.PathLike, *, dequantize: bool = False) -> Source:
     """The :class:`~shardwise.io.source.Source` of the checkpoint at ``path``, its format
-    detected once, from file names (``shardwise.io.detect``)."""
+    detected once, from file names (``shardwise.io.detect``). ``dequantize``: FP8 tensors
+    into plain model tensors (safetensors checkpoints only)."""
+    if dequantize and (is_dcp(path) or is_sharded_safetensors(path)):
+        raise UsageError(f"{path}: dequantize=True reads FP8 safetensors checkpoints (weights with their "
+                         "block scales); this is a distributed checkpoint: load it into the quantized "
+                         "model it was saved from")
     if is_dcp(path):  # DCP, maybe incomplete: its metadata reader says so
         try:  # imported on use: torch.distributed.checkpoint takes ~0.5 s to import
             from shardwise.io.dcp.checkpoint import DcpSource
@@ -130,7 +150,7 @@ def open_source(path: str | os.PathLike) -> Source:
         return DcpSource(path)
     if is_sharded_safetensors(path):  # rank-local safetensors with DCP_SHARDING_INFO (torch, transformers)
         return ShardedSource(path)
-    return SafetensorsSource(path)
+    return SafetensorsSource(path, dequantize=dequantize)
 
 
 __all__ = [

@@ -22,6 +22,7 @@ from shardwise.core.plan import ResolvedPlan
 from shardwise.errors import CheckpointError
 from shardwise.io.safetensors.checkpoint import Checkpoint
 from shardwise.io.safetensors.hub_layout import hub_tensors
+from shardwise.io.safetensors.quantized import pair_quantized
 
 _SHOW = 20  # names listed in an error before "... and N more"
 
@@ -51,13 +52,17 @@ class LoadResult:
 
 
 
-def match_keys(model: nn.Module, specs: ResolvedPlan, ckpt: Checkpoint, *, strict: bool):
-    """``({name: (file, entry) or Composite}, missing, unexpected)`` for the model tensors
-    in ``specs``.
+def match_keys(model: nn.Module, specs: ResolvedPlan, ckpt: Checkpoint, *, strict: bool,
+               dequantize: bool = False):
+    """``({name: (file, entry), Composite or Dequantized}, missing, unexpected)`` for the model
+    tensors in ``specs``.
 
     A tied tensor may be stored under any of its names; a tensor stored in its hub layout
-    (transformers' conversion mapping) is a ``Composite`` of stored tensors. Raises ``CheckpointError`` for a
-    shape that disagrees with the model and, when ``strict``, for missing keys.
+    (transformers' conversion mapping) is a ``Composite`` of stored tensors; one stored FP8
+    with block scales into a model tensor of another dtype is ``Dequantized`` when
+    ``dequantize``, else refused (``io.safetensors.quantized.pair_quantized``). Raises
+    ``CheckpointError`` for a shape that disagrees with the model and, when ``strict``, for
+    missing keys.
     """
     names_of: dict[str, list[str]] = {name: [name] for name in specs}
     for alias, kept in specs.aliases.items():
@@ -68,7 +73,7 @@ def match_keys(model: nn.Module, specs: ResolvedPlan, ckpt: Checkpoint, *, stric
     absent = {n for n, candidates in names_of.items() if not any(c in stored for c in candidates)}
     # A tensor the checkpoint stores in its hub layout (renamed, or split per expert).
     hub, used = hub_tensors(model, {k: ckpt.entry(k) for k in ckpt.names}, absent) if absent else ({}, set())
-    sources, missing = {}, []
+    sources, missing, found_as = {}, [], {}
     for name, candidates in names_of.items():
         found = next((c for c in candidates if c in stored), None)
         if found is None and name in hub:
@@ -91,7 +96,10 @@ def match_keys(model: nn.Module, specs: ResolvedPlan, ckpt: Checkpoint, *, stric
                 f"{shapes[name]} in the model; load a checkpoint of this model's configuration"
             )
         check_dtype(found, entry.torch_dtype, state[name].dtype, where=file)
-        sources[name] = (file, entry)
+        sources[name], found_as[name] = (file, entry), found
+    declared = {n: state[n].dtype for n in sources}
+    used |= pair_quantized(sources, found_as, declared, ckpt, dequantize=dequantize,
+                           quantized=specs.quantized, model_config=getattr(model, "config", None))
     unexpected = sorted(stored - set(shapes) - used)
     if missing and strict:
         raise CheckpointError(

@@ -13,12 +13,11 @@ import torch
 from torch import nn
 
 from shardwise.core.plan import ResolvedPlan
-from shardwise.core.spec import split
 from shardwise.io.pipeline import device_of
 from shardwise.io.source import Want
 from shardwise.io.spmd import SpmdPlacement
 from shardwise.io.staging import finalizer
-from shardwise.parallel import install, mesh_coords
+from shardwise.parallel import install, local_part, mesh_coords
 
 
 class InstallPlacement:
@@ -33,12 +32,15 @@ class InstallPlacement:
         self.coords = mesh_coords(mesh)  # per mesh axis: a spec's ranks are on spec.axis
         self.device = device_of(mesh)
         self._finalize = finalizer(dtype, self.device)  # cast after slicing, then to the device
+        self._keep = finalizer(None, self.device)  # FP8 weights and their scales keep their dtypes
+        self._quantized = specs.quantized
 
     def wants(self, names: list[str]) -> dict[str, Want]:
-        return {n: Want(n, self.specs[n], *self.coords[self.specs[n].axis]) for n in names}
+        return {n: Want(n, self.specs[n], *self.coords[self.specs[n].axis], tie=self.specs.ties.get(n))
+                for n in names}
 
     def finalize(self, key: str, raw: torch.Tensor) -> torch.Tensor:
-        return self._finalize(raw)
+        return (self._keep if key in self._quantized else self._finalize)(raw)
 
     def install(self, model: nn.Module, tensors: dict, missing: list[str]) -> None:
         own = model.state_dict(keep_vars=True) if missing else {}
@@ -46,7 +48,8 @@ class InstallPlacement:
         def local_tensor(name, spec):
             if name in tensors:
                 return tensors.pop(name)  # install owns it now; our reference goes
-            return self._finalize(split(own[name].detach().cpu(), spec, *self.coords[spec.axis]))  # own
+            return self.finalize(name, local_part(own[name].detach().cpu(), name, spec, self.specs,
+                                                  self.coords[spec.axis]))  # own
 
         install(model, self.specs, self.mesh, holding=self.holding, local_tensor=local_tensor,
                 dtype=self.dtype)

@@ -28,6 +28,7 @@ from shardwise.io.check.against import Expectation, compare, expected_tensors
 from shardwise.io.gather import FileGatherer, collect_items
 from shardwise.io.guards import check_model
 from shardwise.io.info import collect_checksums, gather_info, write_info
+from shardwise.io.quant_checks import check_quantized_save
 from shardwise.io.safetensors.format import INDEX_SUFFIX, index_json, plan_files
 from shardwise.io.safetensors.headers import header_metadata, save_file_order
 from shardwise.io.safetensors.hub_save import hub_save_layout, shared_storages
@@ -83,11 +84,18 @@ def save(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str
     ``progress`` shows a bar on rank 0 (default: when stderr is a terminal; tqdm if
     installed). ``distributed=True`` writes a torch distributed checkpoint instead, every
     rank its own part (``shardwise.io.dcp.checkpoint.save_dcp``; ``max_shard_size``,
-    ``filename_prefix``, ``layout`` and ``parallel_write`` do not apply and are refused); with ``async_save=True`` too it returns a handle
-    whose ``wait()`` every rank calls. With ``format="safetensors"`` the distributed save
-    writes rank-local safetensors files instead (torch's ``HuggingFaceStorageWriter(
-    save_distributed=True)`` format, which transformers and torch read; no pickle;
-    ``shardwise.io.dcp.sharded_write``; no ``async_save``). The gather save returns None.
+    ``filename_prefix``, ``layout`` and ``parallel_write`` do not apply and are refused); with
+    ``async_save=True`` too it returns a handle whose ``wait()`` every rank calls. With
+    ``format="safetensors"`` the distributed save writes rank-local safetensors files instead
+    (torch's ``HuggingFaceStorageWriter(save_distributed=True)`` format, which transformers and
+    torch read; no pickle; ``shardwise.io.dcp.sharded_write``; no ``async_save``). The gather
+    save returns None.
+
+    FP8 models (transformers' ``FP8Linear`` modules, kept quantized by ``sw.load``): the fp8
+    weights and float32 ``weight_scale_inv`` scales are written as stored, each scale once
+    (from the rank holding its block's first row), with the config's ``quantization_config``:
+    a checkpoint loaded at any degree saves back byte for byte. The distributed and parallel
+    writes refuse them for now.
 
     Crash safety: everything is written into ``.{name}.shardwise-tmp-*`` beside ``path``
     (same filesystem) and renamed into place when complete; a folder already at ``path``
@@ -121,6 +129,7 @@ def save(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str
         raise UsageError(f"format={format!r} applies to a distributed save only; pass distributed=True too")
     if distributed:  # the guards first, then every rank meets (the save's own guards follow)
         check_model(model, action="save")
+        check_quantized_save(model, "as a distributed checkpoint")
         join_collective(world_backend(), "sw.save")
     if distributed and format == "safetensors":
         if async_save:
@@ -155,6 +164,10 @@ def save(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str
                             storages)]
     backend = world_backend()
     parallel = parallel_save.wanted(parallel_write, backend)
+    if any(i.tie is not None for i in items):  # the parallel write splits every tensor evenly
+        if parallel_write:
+            check_quantized_save(model, "with parallel_write=True")
+        parallel = False
     join_collective(backend, "sw.save")  # after the guards and the plan: all pure
     run = FileGatherer(backend, state, {i.name: i for i in items}, header_meta)
     run.parts = {n: part for n, _, _, part in stored if part is not None}

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from shardwise.core.plan import ResolvedPlan
+from shardwise.core.quant_layout import QuantTie
 from shardwise.core.spec import ShardSpec
 
 # (request key, raw local tensor) -> what the load keeps (None: the placement kept it itself)
@@ -28,12 +29,16 @@ Finalize = Callable[[str, torch.Tensor], Any]
 @dataclass(frozen=True)
 class Want:
     """One local tensor a load needs: part ``rank`` of ``degree`` of model tensor ``name``
-    split by ``spec`` (``core.spec.local_layout`` gives its regions of the stored tensor)."""
+    split by ``spec`` (``core.spec.local_layout`` gives its regions of the stored tensor).
+    With a ``tie`` it is the scale tensor of that block-quantized weight, split along with it:
+    its regions are ``core.quant_layout.scale_layout``'s (a source that cannot read them
+    refuses the tie)."""
 
     name: str
     spec: ShardSpec
     degree: int
     rank: int
+    tie: QuantTie | None = None
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,8 @@ import subprocess
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from shardwise.errors import UsageError
+
 PASS, FAIL, UNSUPPORTED = "PASS", "FAIL", "UNSUPPORTED"
 STATUSES = (PASS, FAIL, UNSUPPORTED)
 JOB = "job"  # the column of scenarios that run once for the whole job
@@ -194,7 +196,7 @@ def replace_generated(text: str, generated: str) -> str:
         start = next(i for i, line in enumerate(lines) if line.startswith(GENERATED_START))
         end = next(i for i in range(start + 1, len(lines)) if lines[i].startswith(GENERATED_END))
     except StopIteration:
-        raise ValueError(f"no '{GENERATED_START} ... -->' line followed by '{GENERATED_END}' to replace "
+        raise UsageError(f"no '{GENERATED_START} ... -->' line followed by '{GENERATED_END}' to replace "
                          "between; add both lines where the tables go") from None
     return "".join([*lines[:start + 1], generated, *lines[end:]])
 

@@ -132,7 +132,9 @@ def model_tensors(model: nn.Module) -> tuple[Expected, dict[str, str]]:
                                   "state_dict; pass the model as it was parallelised or loaded")
         t = held[name]
         shape = tuple(t.shape)  # a DTensor's shape is global
-        if type(t).__name__ != "DTensor" and not spmd and not spec.replicated:
+        if name in specs.ties:  # an FP8 weight's scales: local shards may overlap
+            shape = specs.ties[name].scale_shape
+        elif type(t).__name__ != "DTensor" and not spmd and not spec.replicated:
             degree = state.coords(spec)[0]
             shape = global_shape(shape, spec, degree) if degree > 1 else shape
         out[name] = (shape, dtype_to_str(t.dtype))

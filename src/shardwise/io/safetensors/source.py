@@ -1,6 +1,8 @@
 """The :class:`~shardwise.io.source.Source` of ordinary safetensors checkpoints: one file, or
 an index and its files, tensors in the model's names or in a hub layout (transformers'
-conversion mapping: one model tensor assembled from several stored tensors).
+conversion mapping: one model tensor assembled from several stored tensors), FP8 weights
+with block scales kept quantized (the scales split along with their weights) or dequantized
+per rank (``io.safetensors.quantized``).
 
 Every rank reads only the bytes of its own regions of each tensor (the whole tensor when it
 is replicated) through :class:`~shardwise.io.safetensors.reader.RegionReader`; no collective runs,
@@ -18,11 +20,13 @@ from torch import nn
 
 from shardwise.core.pieces import piece_reads
 from shardwise.core.plan import ResolvedPlan
+from shardwise.core.quant_layout import scale_layout, scale_local_shape
 from shardwise.core.spec import local_layout, local_shape
 from shardwise.io.pipeline import match_keys
 from shardwise.io.replicas import read_once, replica_axis
 from shardwise.io.safetensors.checkpoint import resolve_checkpoint
 from shardwise.io.safetensors.hub_layout import Composite
+from shardwise.io.safetensors.quantized import Dequantized, Dequantizer
 from shardwise.io.safetensors.reader import ReadItem, RegionReader, cpu_views, plan_reads
 from shardwise.io.source import Finalize, ReadOptions, Reads, Want
 
@@ -30,35 +34,44 @@ from shardwise.io.source import Finalize, ReadOptions, Reads, Want
 class SafetensorsSource:
     """A safetensors checkpoint (a file, a folder, an index) read region by region."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, *, dequantize: bool = False):
         self.ckpt = resolve_checkpoint(path)
+        self.dequantize = dequantize  # FP8 tensors with block scales into plain model tensors
         self.bytes_read = 0
-        self._sources: dict = {}  # model name -> (file, entry) or Composite, from match
+        self._sources: dict = {}  # model name -> (file, entry), Composite or Dequantized, from match
 
     def tensors(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         entries = {n: self.ckpt.entry(n)[1] for n in self.ckpt.names}
         return {n: (e.torch_dtype, e.shape) for n, e in entries.items()}
 
     def match(self, model: nn.Module, specs: ResolvedPlan, *, strict: bool) -> tuple[list[str], list[str]]:
-        self._sources, missing, unexpected = match_keys(model, specs, self.ckpt, strict=strict)
+        self._sources, missing, unexpected = match_keys(model, specs, self.ckpt, strict=strict,
+                                                        dequantize=self.dequantize)
         return missing, unexpected
 
     def plan(self, wants: Mapping[str, Want]) -> Reads:
-        plain = {k: w for k, w in wants.items() if not isinstance(self._sources[w.name], Composite)}
-        items = [item for key, w in plain.items() for item in plan_reads(
+        plain = {k: w for k, w in wants.items() if isinstance(self._sources[w.name], tuple)}
+        items = [_scale_read(key, self._sources[w.name], w) for key, w in plain.items() if w.tie is not None]
+        items += [item for key, w in plain.items() if w.tie is None for item in plan_reads(
             {key: self._sources[w.name]}, {key: w.spec}, w.degree, w.rank)]
-        assembler = Assembler({k: (self._sources[w.name], w) for k, w in wants.items() if k not in plain})
-        items += assembler.items
+        assembler = Assembler({k: (self._sources[w.name], w) for k, w in wants.items()
+                               if isinstance(self._sources[w.name], Composite)})
+        dequantizer = Dequantizer({k: (self._sources[w.name], w) for k, w in wants.items()
+                                   if isinstance(self._sources[w.name], Dequantized)})
+        items += assembler.items + dequantizer.items
         whole = {k for k, w in plain.items() if w.spec.replicated}
-        return Reads(wants, sum(i.nbytes for i in items), (items, assembler, whole))
+        return Reads(wants, sum(i.nbytes for i in items), (items, assembler, dequantizer, whole))
 
     def read(self, reads: Reads, *, finalize: Finalize, options: ReadOptions,
              on_bytes: Callable[[int], None] | None = None) -> dict:
-        items, assembler, whole = reads.detail
+        items, assembler, dequantizer, whole = reads.detail
+        dequantizer.dtype = options.dtype
         viewable = cpu_views(options.device, options.dtype) if options.device is not None else None
         with RegionReader(self.ckpt.headers, num_threads=options.num_threads, on_bytes=on_bytes,
                           viewable=viewable) as reader:
             def take(item, raw):
+                if item.name in dequantizer.parts:
+                    return dequantizer.take(item, raw, finalize)
                 return assembler.take(item, raw, finalize)
 
             try:
@@ -69,8 +82,16 @@ class SafetensorsSource:
                                         on_bytes=on_bytes)
             finally:
                 self.bytes_read += reader.bytes_read
-        out = {k: t for k, t in tensors.items() if k not in assembler.parts}
-        return out | assembler.done | {k: finalize(k, t) for k, t in assembler.empty.items()}
+        out = {k: t for k, t in tensors.items() if k not in assembler.parts and k not in dequantizer.parts}
+        out |= {k: finalize(k, t) for k, t in assembler.empty.items()}
+        return out | assembler.done | dequantizer.done
+
+
+def _scale_read(key: str, source, want: Want) -> ReadItem:
+    """The read of a block-quantized weight's scales, split along with their weight."""
+    path, entry = source
+    return ReadItem(key, path, entry, scale_layout(want.tie, want.spec, want.degree, want.rank),
+                    scale_local_shape(want.tie, want.spec, want.degree, want.rank))
 
 
 class Assembler:

@@ -1,0 +1,111 @@
+"""Guards of loads and saves of block-quantized (FP8) models, and the config step after a
+dequantized load. They run before any tensor is read, written or gathered (a checkpoint's
+config.json is read for its block size).
+
+Where shardwise handles a quantized weight's scales itself: the safetensors source reads them
+at their own regions (``core.quant_layout.scale_layout``), the gather save takes each once
+(``io.quant_save``). Other paths split every tensor evenly by its spec, which is right for a
+scale only where every rank's blocks are whole (``tie_aligned``); elsewhere they refuse here.
+"""
+
+from __future__ import annotations
+
+import json
+
+from torch import nn
+
+from shardwise.core.plan import ResolvedPlan
+from shardwise.core.quant_layout import quant_ties, tie_aligned
+from shardwise.errors import CheckpointError, UnsupportedModelError, UsageError
+from shardwise.io.safetensors.quantized import checkpoint_block
+from shardwise.parallel import get_shard_state
+
+
+def cut_scales(specs: ResolvedPlan) -> list[str]:
+    """The scale tensors of ``specs`` whose blocks some shard boundary cuts (not an even split)."""
+    out = []
+    for scale, tie in specs.ties.items():
+        spec = specs[tie.weight]
+        if not tie_aligned(tie, spec, specs.degrees[spec.axis]):
+            out.append(scale)
+    return out
+
+
+def check_quantized_load(specs: ResolvedPlan, holding: str, dequantize: bool) -> None:
+    """Refuse ``dequantize=True`` into a model holding FP8 modules, and FP8 modules under
+    ``"spmd"`` holding (one global tensor per parameter cannot hold overlapping scales)."""
+    if dequantize and specs.ties:
+        first = next(iter(specs.ties.values())).weight.rpartition(".")[0]
+        raise UsageError(f"dequantize=True fills a model built unquantized, but {first!r} (and "
+                         f"{len(specs.ties) - 1} more) is an FP8 module; build the model with plain "
+                         "nn.Linear modules (sw.from_pretrained(..., dequantize=True) does), or drop "
+                         "dequantize=True to keep the weights quantized")
+    if holding == "spmd" and specs.ties:
+        raise UnsupportedModelError("FP8 modules under holding 'spmd' are not supported yet; load with "
+                                    "dequantize=True, or use one process per device")
+
+
+def check_quantized_source(source, specs: ResolvedPlan, mesh) -> None:
+    """Refuse a checkpoint whose ``weight_block_size`` is not the FP8 modules' ``block_size``,
+    and FP8 scales cut by shard boundaries from a source that splits tensors evenly (torch
+    DCP, rank-local sharded safetensors): only the safetensors source reads scale regions."""
+    from shardwise.io.safetensors.source import SafetensorsSource
+
+    if not specs.ties:
+        return
+    if isinstance(source, SafetensorsSource):  # the checkpoint's block size is the modules'
+        config = source.ckpt.root / "config.json"
+        block = checkpoint_block(source.ckpt.root) if _has_quantization(config) else None
+        wrong = [(s, t.block) for s, t in specs.ties.items() if block is not None and t.block != block]
+        if wrong:
+            raise CheckpointError(f"{config}: weight_block_size {list(block)}, but the model's FP8 module of "
+                                  f"{wrong[0][0]!r} has block_size {list(wrong[0][1])}; build the model "
+                                  "from this checkpoint's config")
+        return
+    cut = cut_scales(specs)
+    if cut:
+        raise CheckpointError(
+            f"{type(source).__name__}: {cut[0]!r} (and {len(cut) - 1} more) are FP8 scales whose blocks "
+            "shard boundaries cut at this degree; this format splits every tensor evenly, so it cannot give "
+            "each rank the scales of the blocks it touches. Load at a degree where every shard holds whole "
+            "128-row blocks, or consolidate to safetensors first (sw.consolidate)")
+
+
+def _has_quantization(config) -> bool:
+    try:
+        return json.loads(config.read_text()).get("quantization_config") is not None
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def check_quantized_save(model: nn.Module, how: str) -> None:
+    """Refuse a save path that splits tensors evenly (``how``: a distributed or a parallel
+    save) for a model holding FP8 modules."""
+    state = get_shard_state(model)
+    ties = state.specs.ties if state is not None else quant_ties(model)
+    if not ties:
+        return
+    raise UnsupportedModelError(
+        f"cannot save this model {how}: it holds FP8 weights with block scales ({next(iter(ties))!r}, ...), "
+        "which this path does not write yet; use sw.save(model, path) (the gather save writes them back "
+        "byte for byte), or load with dequantize=True to save an unquantized checkpoint")
+
+
+def drop_quantization_config(model: nn.Module) -> None:
+    """After a dequantized load the model holds no quantized weights: remove its
+    ``config.quantization_config`` (as transformers' ``remove_quantization_config`` does), so that
+    a save of it writes a config.json that says so."""
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "quantization_config", None) is not None:
+        try:
+            delattr(config, "quantization_config")
+        except AttributeError:
+            config.quantization_config = None
+    for attr in ("hf_quantizer", "quantization_method"):
+        model.__dict__.pop(attr, None)
+    if getattr(model, "is_quantized", False):
+        model.is_quantized = False
+
+
+__all__ = ["check_quantized_load", "check_quantized_save", "check_quantized_source", "cut_scales",
+           "drop_quantization_config"]
