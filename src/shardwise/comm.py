@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from shardwise.backends import Backend, current_backend
 from shardwise.backends.base import REDUCE_OPS
-from shardwise.errors import CheckpointError, CollectiveError, ShardwiseError, UsageError
+from shardwise.errors import BackendError, CheckpointError, CollectiveError, ShardwiseError, UsageError
 
 
 def is_distributed() -> bool:
@@ -49,6 +49,16 @@ def world_size() -> int:
     return dist.get_world_size() if is_distributed() else 1
 
 
+def _device_types(group=None) -> set[str]:
+    """The device types ``group`` (None: the default group) has a backend for; empty where torch
+    cannot say (a process group written in Python, such as torch_xla's)."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    try:
+        return {d.type for d in pg._device_types}
+    except (AttributeError, RuntimeError):  # not a c10d ProcessGroup, or one without backends
+        return set()
+
+
 class _AdoptedBackend(Backend):
     """Collectives over a process group that shardwise did not start (no ``init_backend``)."""
 
@@ -59,9 +69,31 @@ class _AdoptedBackend(Backend):
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
 
     def _device(self) -> torch.device:
-        if "nccl" in str(dist.get_backend()):
+        types = _device_types()
+        if "cpu" in types:
+            return torch.device("cpu")
+        if "cuda" in types:
             return torch.device("cuda", torch.cuda.current_device())
+        raise BackendError(
+            f"shardwise cannot tell which device the tensors of this process's group "
+            f"({dist.get_backend()!r}) must be on: call sw.init_backend() with its backend's name "
+            "before loading or saving"
+        )
+
+
+def device_for(group=None) -> torch.device:
+    """The device of the tensors ``group``'s collectives move (None: the default group): the CPU
+    where the group takes host tensors (gloo), else the active backend's device (NCCL's GPU,
+    an XLA device, a NeuronCore): a device-only group refuses CPU tensors, or (torch_xla's)
+    ignores them. The CPU without a process group.
+
+    >>> device_for()   # one process, or a gloo group
+    device(type='cpu')
+    """
+    backend = world_backend()
+    if backend is None or "cpu" in _device_types(group):
         return torch.device("cpu")
+    return torch.device(backend.device)
 
 
 def world_backend() -> Backend | None:
@@ -260,6 +292,6 @@ def agree(backend: Backend | None, error: BaseException | None, *, what: str,
 
 __all__ = [
     "Pending", "agree", "all_gather_inline", "all_gather_object", "all_reduce", "all_reduce_inline",
-    "broadcast", "broadcast_object", "capture", "fingerprint", "gather_object", "guarded",
+    "broadcast", "broadcast_object", "capture", "device_for", "fingerprint", "gather_object", "guarded",
     "is_distributed", "rank", "world_backend", "world_size",
 ]

@@ -1,30 +1,27 @@
-"""The neuron suite (``tox -e neuron``) for Trainium/Inferentia: tests/hardware/xla_multiprocess.py
-under torchrun, one process per NeuronCore (``SHARDWISE_NEURON_NPROC``, default 2: a
-trn1.2xlarge has 2). Not yet run on Neuron hardware; the CPU suite runs the same script
-against a fake Neuron stack (tests/dist/test_neuron_fake_ranks.py).
-
-neuronx-cc compiles every new graph on first use (minutes for the first step; the cache under
-/var/tmp/neuron-compile-cache makes reruns fast), hence the long timeout.
+"""The neuron suite (``tox -e neuron``) for Trainium with TorchNeuron (torch-neuronx 2.13/2.14,
+native): ``shardwise validate --backend neuron`` under torchrun, one process per NeuronCore
+(``SHARDWISE_NEURON_NPROC``, default 2), the JSON report written next to the test's output.
+Not yet run on Neuron hardware; the CPU suite runs the same suite against a fake TorchNeuron
+(tests/dist/test_neuron_native_fake.py). The torch_xla-based torch-neuronx is test_neuron_xla.py.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 
 def _why_not() -> str | None:
     from shardwise.backends import neuron
-    from shardwise.errors import BackendUnavailableError
 
-    try:
-        neuron.import_torch_neuronx()
-    except BackendUnavailableError as e:
-        return str(e)
+    version = neuron.torch_neuronx_version()
+    if version is None or not neuron.is_native(version):
+        return (f"TorchNeuron (torch-neuronx 2.13 or later) is not installed "
+                f"(found: {'.'.join(map(str, version)) if version else 'none'}); {neuron.NEURON_HINT}")
     if neuron.neuron_core_count() == 0:
         return f"no NeuronCore: the Neuron driver lists none under {neuron.NEURON_SYSFS}"
     return None
@@ -33,17 +30,19 @@ def _why_not() -> str | None:
 pytestmark = [pytest.mark.neuron]
 
 
-def test_multiprocess_on_neuroncores(tmp_path):
+def test_validate_on_neuroncores(tmp_path):
     why = _why_not()
     if why is not None:
         pytest.skip(why)
-    here = Path(__file__).resolve().parent
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     nproc = os.environ.get("SHARDWISE_NEURON_NPROC", "2")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", nproc,
-           str(here / "xla_multiprocess.py"), "--backend", "neuron", "--out", str(tmp_path)]
+    report = tmp_path / f"neuron-{nproc}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", nproc, "-m",
+           "shardwise.validate", "--backend", "neuron", "--json", str(report),
+           "--workdir", str(tmp_path / "work")]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
-    print(proc.stdout[-4000:])
+    print(proc.stdout[-6000:])
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    assert "shardwise ALL OK" in proc.stdout
+    run = json.loads(report.read_text())
+    assert run["backend"] == "neuron" and run["world_size"] == int(nproc) and run["complete"]

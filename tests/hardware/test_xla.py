@@ -89,7 +89,9 @@ def test_multiprocess_on_tpu(tmp_path):
            str(HERE / "xla_multiprocess.py"), "--backend", "xla", "--out", str(tmp_path)]
     proc = subprocess.run(cmd, env=_env(None), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, _quiet(proc.stdout + proc.stderr)
-    assert "shardwise ALL OK" in proc.stdout
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("shardwise ")]
+    assert lines[0].startswith(f"shardwise xla: world {nproc},"), lines  # one job, not worlds of one
+    assert lines.count("shardwise ALL OK") == 1, lines
 
 
 # --- the cases: each runs alone in a fresh interpreter --------------------------------------

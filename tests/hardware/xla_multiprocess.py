@@ -1,17 +1,21 @@
-"""The multi-process xla / neuron check, one process per device, launched by torchrun:
+"""The multi-process xla / neuron_xla check, one process per device, launched by torchrun:
 
     PJRT_DEVICE=TPU torchrun --nproc-per-node 4 tests/hardware/xla_multiprocess.py --backend xla --out /tmp/sw
-    torchrun --nproc-per-node 2 tests/hardware/xla_multiprocess.py --backend neuron --out /tmp/sw
+    torchrun --nproc-per-node 2 tests/hardware/xla_multiprocess.py --backend neuron_xla --out /tmp/sw
 
-(tests/hardware/test_xla.py and test_neuron.py run it so when the hardware is there.) Every
+(tests/hardware/test_xla.py and test_neuron_xla.py run it so when the hardware is there.) First
+the world: the backend's world size must equal the launcher's WORLD_SIZE and the PJRT runtime's
+own count (``xr.world_size()``), or the script fails before any check, so that processes that
+each see a world of one (torch_xla on PJRT CPU) can never print ``ALL OK``. Then every
 rank: streaming load at degree = world size (and at dp_shard=2 x tp=world/2 when the world
 is even), each local shard byte-equal to its slice of the canonical tensor, the
 forward against the one-process CPU forward, a gather save whose tensors are byte-equal to
 the canonical ones, and a DCP save loaded back at another layout. Rank 0 prints one line per
 check and ``ALL OK``; any failure exits non-zero with the rank's traceback.
 
-On the CPU, several PJRT processes each see a world of one, so this cannot run there; the CPU
-suite runs it under torchrun against a fake Neuron stack (tests/dist/test_neuron_fake_ranks.py).
+On the CPU, several PJRT processes each see a world of one, so this cannot run there (it fails
+at the world check); the CPU suite runs it under torchrun against a fake Neuron stack
+(tests/dist/test_neuron_fake_ranks.py), and against fake PJRT CPU to see that it fails.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from shardwise.core.spec import split  # noqa: E402
 
 # fp32 on accelerators: TPU matmuls run at full precision only when asked (below), neuronx-cc
 # casts fp32 matmuls to bf16 unless --auto-cast=none; what remains is summation order.
-TOLERANCE = {"xla": 2e-3, "neuron": 2e-3}
+TOLERANCE = {"xla": 2e-3, "neuron_xla": 2e-3}
 
 
 def _say(rank: int, text: str) -> None:
@@ -54,14 +58,29 @@ def _check_shards(model, canonical) -> None:
         assert torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8)), name
 
 
+def _check_world(backend) -> None:
+    """The backend's world is the launcher's and the runtime's: else each process may be a world
+    of its own, every one rank 0, and every one would print ALL OK."""
+    import torch_xla.runtime as xr
+
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    runtime = int(xr.world_size())
+    if not backend.world_size == launched == runtime:
+        raise SystemExit(f"shardwise FAIL: world: backend {backend.name!r} has a world of "
+                         f"{backend.world_size}, the launcher started WORLD_SIZE={launched}, the PJRT "
+                         f"runtime counts {runtime}: these processes do not form one job (torch_xla "
+                         "on PJRT CPU has no multi-process collectives)")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--backend", choices=("xla", "neuron"), required=True)
+    parser.add_argument("--backend", choices=("xla", "neuron_xla"), required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    if args.backend == "neuron":
+    if args.backend == "neuron_xla":
         os.environ.setdefault("NEURON_CC_FLAGS", "--auto-cast=none")
     backend = sw.init_backend(args.backend)
+    _check_world(backend)
     if args.backend == "xla":
         try:
             import torch_xla.backends

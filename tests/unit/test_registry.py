@@ -23,7 +23,7 @@ def test_unknown_name_lists_known_ones():
         sw.init_backend("tpu9000")
     msg = str(e.value)
     assert "tpu9000" in msg
-    for name in ("gloo", "nccl", "xla", "neuron"):
+    for name in ("gloo", "nccl", "xla", "xla_spmd", "neuron", "neuron_xla"):
         assert name in msg
 
 
@@ -102,12 +102,14 @@ def test_missing_torch_xla_is_backend_unavailable(clean_backend, monkeypatch):
     assert not backends.get_backend_class("xla").is_available()
 
 
-def test_missing_torch_neuronx_is_backend_unavailable(clean_backend, monkeypatch):
+@pytest.mark.parametrize("name", ["neuron", "neuron_xla"])
+def test_missing_torch_neuronx_is_backend_unavailable(clean_backend, monkeypatch, name):
     monkeypatch.setitem(sys.modules, "torch_neuronx", None)
     with pytest.raises(sw.BackendUnavailableError) as e:
-        sw.init_backend("neuron")
+        sw.init_backend(name)
     assert "torch_neuronx" in str(e.value) and "Neuron" in str(e.value)
-    assert not backends.get_backend_class("neuron").is_available()
+    assert f"backends/{name}/requirements.txt" in str(e.value)
+    assert not backends.get_backend_class(name).is_available()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error when CUDA is absent")
@@ -130,3 +132,16 @@ def test_import_shardwise_does_not_import_hardware_packages():
             "bad = [m for m in ('torch_xla', 'torch_neuronx') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_builtin_backends_are_imported_by_name_on_first_use():
+    code = ("import sys, shardwise as sw; from shardwise import backends; "
+            "names = sw.available_backends(); "
+            "loaded = sorted(m for m in sys.modules if m.startswith('shardwise.backends.')); "
+            "assert loaded == ['shardwise.backends.base'], loaded; "
+            "assert backends.get_backend_class('nccl').__name__ == 'NcclBackend'; "
+            "assert 'shardwise.backends.nccl' in sys.modules; "
+            "assert 'shardwise.backends.xla' not in sys.modules; "
+            "print(names)")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    assert out.strip() == str(["gloo", "nccl", "neuron", "neuron_xla", "xla", "xla_spmd"])

@@ -1,15 +1,17 @@
 """The backend registry: ``init_backend(name)`` gives every path one device, mesh and
 collective interface, whatever the accelerator.
 
-Built-in names are ``gloo``, ``nccl``, ``xla``, ``xla_spmd`` and ``neuron``; third parties add theirs
-with ``register_backend`` or through the ``shardwise.backends`` entry-point group
-(each entry point loads to a factory: a callable taking ``timeout=`` and returning a
-``Backend``). Factories are looked up lazily, so hardware packages are only imported
-when their backend is used.
+Built-in names are ``gloo``, ``nccl``, ``xla``, ``xla_spmd``, ``neuron`` (native TorchNeuron) and
+``neuron_xla`` (the torch_xla-based torch-neuronx); third parties add theirs with
+``register_backend`` or through the ``shardwise.backends`` entry-point group (each entry point
+loads to a factory: a callable taking ``timeout=`` and returning a ``Backend``). Every built-in
+module is imported only when its name is first looked up (``import shardwise`` imports none of
+them), and each imports its hardware package only when its backend is used.
 """
 
 from __future__ import annotations
 
+import importlib
 import threading
 from collections.abc import Callable
 
@@ -18,8 +20,18 @@ from shardwise.errors import BackendError, UnknownBackendError, UsageError
 
 ENTRY_POINT_GROUP = "shardwise.backends"
 # "auto" asks these, in order, whether they are available; gloo always is.
-# xla_spmd only answers yes where the user already turned SPMD on.
-AUTO_ORDER = ("neuron", "xla_spmd", "xla", "nccl", "gloo")
+# xla_spmd only answers yes where the user already turned SPMD on; of neuron and neuron_xla at
+# most one is, by the installed torch-neuronx (native for torch 2.10 on, torch_xla-based before).
+AUTO_ORDER = ("neuron", "neuron_xla", "xla_spmd", "xla", "nccl", "gloo")
+# name -> "module:class", imported on first lookup
+BUILTINS = {
+    "gloo": "shardwise.backends.gloo:GlooBackend",
+    "nccl": "shardwise.backends.nccl:NcclBackend",
+    "xla": "shardwise.backends.xla:XlaBackend",
+    "xla_spmd": "shardwise.backends.xla_spmd:XlaSpmdBackend",
+    "neuron": "shardwise.backends.neuron:NeuronBackend",
+    "neuron_xla": "shardwise.backends.neuron_xla:NeuronXlaBackend",
+}
 
 Factory = Callable[..., Backend]
 _registry: dict[str, Factory] = {}
@@ -35,9 +47,13 @@ def register_backend(name: str, factory: Factory) -> None:
     """
     if not isinstance(name, str) or not name or name == "auto":
         raise UsageError(f"backend name must be a non-empty string other than 'auto', got {name!r}")
-    if name in _registry:
-        raise UsageError(f"backend {name!r} is already registered (known: {', '.join(sorted(_registry))})")
+    if name in _registry or name in BUILTINS:
+        raise UsageError(f"backend {name!r} is already registered (known: {', '.join(_known())})")
     _registry[name] = factory
+
+
+def _known() -> list[str]:
+    return sorted(set(_registry) | set(BUILTINS))
 
 
 def _load_entry_points() -> None:
@@ -48,7 +64,7 @@ def _load_entry_points() -> None:
     from importlib.metadata import entry_points
 
     for ep in entry_points(group=ENTRY_POINT_GROUP):
-        if ep.name in _registry:
+        if ep.name in _registry or ep.name in BUILTINS:
             continue
         try:
             register_backend(ep.name, ep.load())
@@ -61,21 +77,25 @@ def _load_entry_points() -> None:
 def available_backends() -> list[str]:
     """Every registered backend name (built-in and entry points)."""
     _load_entry_points()
-    return sorted(_registry)
+    return _known()
 
 
 def get_backend_class(name: str) -> Factory:
+    if name in BUILTINS:
+        module, cls = BUILTINS[name].split(":")
+        return getattr(importlib.import_module(module), cls)
     _load_entry_points()
     try:
         return _registry[name]
     except KeyError:
         raise UnknownBackendError(
-            f"unknown backend {name!r}; known backends: {', '.join(sorted(_registry))} (or 'auto')"
+            f"unknown backend {name!r}; known backends: {', '.join(_known())} (or 'auto')"
         ) from None
 
 
 def resolve_auto() -> str:
-    """The backend "auto" picks here: neuron, then xla_spmd (SPMD already on), xla, nccl, else gloo."""
+    """The backend "auto" picks here: neuron (native TorchNeuron) or neuron_xla by the installed
+    torch-neuronx, then xla_spmd (SPMD already on), xla, nccl, else gloo."""
     for name in AUTO_ORDER:
         factory = get_backend_class(name)
         is_available = getattr(factory, "is_available", None)
@@ -127,7 +147,7 @@ def current_backend() -> Backend | None:
 
 def coordination_group():
     """The process group for CPU-side coordination (DCP, object collectives) of the active
-    backend: None (the default group) unless the backend keeps a side group (xla, neuron)."""
+    backend: None (the default group) unless the backend keeps a side group (xla, neuron_xla)."""
     return _active.coordination_group if _active is not None else None
 
 
@@ -140,24 +160,8 @@ def shutdown_backend() -> None:
         _active = None
 
 
-def _register_builtins() -> None:
-    # Deferred: these modules import each other's base and this registry, and registering on
-    # first use keeps `import shardwise` free of them (each imports its accelerator's
-    # library, torch_xla or torch_neuronx, only when that backend is initialised).
-    from shardwise.backends.gloo import GlooBackend
-    from shardwise.backends.nccl import NcclBackend
-    from shardwise.backends.neuron import NeuronBackend
-    from shardwise.backends.xla import XlaBackend
-    from shardwise.backends.xla_spmd import XlaSpmdBackend
-
-    for cls in (GlooBackend, NcclBackend, XlaBackend, XlaSpmdBackend, NeuronBackend):
-        register_backend(cls.name, cls)
-
-
-_register_builtins()
-
 __all__ = [
-    "AUTO_ORDER", "Backend", "ENTRY_POINT_GROUP", "MESH_AXES", "available_backends",
+    "AUTO_ORDER", "BUILTINS", "Backend", "ENTRY_POINT_GROUP", "MESH_AXES", "available_backends",
     "coordination_group", "current_backend", "get_backend_class", "init_backend", "register_backend",
     "resolve_auto", "shutdown_backend", "torchrun_env",
 ]

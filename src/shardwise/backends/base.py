@@ -121,6 +121,9 @@ class Backend:
     device_type: ClassVar[str] = "cpu"
     supports_dtensor: ClassVar[bool] = True   # shards held as DTensors (else local + hooks)
     supports_gather: ClassVar[bool] = True    # a gather to one rank (else all-gather only)
+    # Why a collective's timeout cannot be honoured here, or None when it is (the validation
+    # suite reports its timeout scenario UNSUPPORTED with this reason).
+    timeout_limit: ClassVar[str | None] = None
 
     def __init__(self, *, timeout: float | _dt.timedelta | None = None):
         self.timeout = _as_timedelta(timeout)
@@ -148,7 +151,8 @@ class Backend:
         return {}
 
     def start(self) -> None:
-        """Join (or adopt) the default process group. Called once by ``init_backend``."""
+        """Join (or adopt) the default process group, then check that its collectives reach
+        every rank (``_check_world``). Called once by ``init_backend``."""
         if dist.is_initialized():
             got = dist.get_backend()
             if self.dist_backend not in str(got):
@@ -164,7 +168,38 @@ class Backend:
         self.world_size = dist.get_world_size()
         env = torchrun_env()
         self.local_rank = env["local_rank"] if env else 0
+        try:
+            self._check_world()
+        except BackendError:
+            if self._owns_group:
+                dist.destroy_process_group()
+                self._owns_group = False
+            raise
         self._started = True
+
+    def _check_world(self) -> None:
+        """A one-element all_reduce of ones over the group (on this backend's device) must sum
+        to the world size: else the group's collectives are no-ops for what shardwise sends (an
+        adopted ``env://`` "xla" group on PJRT CPU, a group of another device) and every load and
+        forward would be silently wrong. Whether the world is the launcher's is the validation
+        suite's first check (``shardwise.validate.world``), which reports it."""
+        if self.world_size == 1:
+            return
+        how = "adopted" if not self._owns_group else "started"
+        ones = torch.ones(1, device=self.device)
+        total = self.all_reduce(ones, timeout=self.timeout).item()
+        if total != self.world_size:
+            first = ""
+            if how == "adopted":
+                first = f"destroy it and let sw.init_backend({self.name!r}) create the group, "
+            fix = (f"{first}on a runtime whose collectives span every process (torch_xla on PJRT CPU has "
+                   "no multi-process collectives), each process on its own device")
+            raise BackendError(
+                f"backend {self.name!r}: the process group it {how} ({dist.get_backend()!r}, "
+                f"{self.world_size} ranks) does not reach the other ranks: an all_reduce of ones on "
+                f"{ones.device} summed to {total:g}, not {self.world_size}; its collectives are no-ops "
+                f"for these tensors, so every load and forward would be silently wrong. Fix: {fix}"
+            )
 
     def _init_group(self) -> None:
         """Create the default process group (none exists yet)."""

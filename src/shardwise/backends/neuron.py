@@ -1,44 +1,44 @@
-"""AWS Trainium/Inferentia through torch-neuronx, which builds on torch_xla.
+"""AWS Trainium through TorchNeuron, the native PyTorch backend of torch-neuronx 2.13 and 2.14
+(public beta in Neuron SDK 2.33, Trn2/Trn3): device ``"neuron"`` (PrivateUse1), process group backend
+``"neuron"``, DTensor and FSDP2 as on CUDA. So this backend is the nccl one with another device:
+one process per NeuronCore under torchrun, shards held as DTensors, torch's DeviceMesh. The
+torch_xla-based torch-neuronx of earlier SDKs (Trn1/Inf2) is ``neuron_xla``.
 
-torch-neuronx's documented model (its training developer guide): each NeuronCore is an XLA
-device (``torch_xla.device()``), one process per NeuronCore launched by ``torchrun``, joined
-by ``init_process_group("xla")``; importing torch_neuronx registers the Neuron PJRT plugin
-(``PJRT_DEVICE=NEURON``). So everything but detection and the messages is the xla backend:
-local shards with forward hooks, a gloo side group for DCP, shard-on-host-then-move loads.
+Detection never imports torch_neuronx nor starts the Neuron runtime: NeuronCores are counted from
+the Neuron driver's sysfs tree (``/sys/devices/virtual/neuron_device/neuron*/core_count``) and the
+installed torch-neuronx's version is read from its package metadata. Its first two numbers are
+torch's version: 2.9 was the last torch_xla-based one (AWS: "PyTorch 2.9 is the last version using
+PyTorch/XLA"), every later one is native.
 
-Detection never starts the Neuron runtime (that would claim the NeuronCores before torch_xla's
-rendezvous hands each process its own): the NeuronCores are counted from the Neuron driver's
-sysfs tree (``/sys/devices/virtual/neuron_device/neuron*/core_count``). torch_neuronx is
-imported only inside functions.
-
-This targets the torch_xla-based torch-neuronx. The native TorchNeuron stack of recent Neuron
-releases (device ``neuron``, process group backend ``neuron``, DTensor support) is a
-different backend and is not covered here.
+Written from TorchNeuron's documented model; it has not run on Neuron hardware (docs/backends.md).
+Not documented, so handled conservatively: which NeuronCore a process gets (``LOCAL_RANK`` when
+the process sees several, else its only one) and whether the group implements a gather to one
+rank (``supports_gather = False``: the gather save all-gathers).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
+import re
 from pathlib import Path
 
-from shardwise.backends.xla import XlaBackend
+import torch
+
+from shardwise.backends.base import Backend, torchrun_env
 from shardwise.errors import BackendError, BackendUnavailableError
 
-NEURON_HINT = ("install torch-neuronx from the AWS Neuron package repository "
-               "(pip install 'shardwise[neuron]' --extra-index-url https://pip.repos.neuron.amazonaws.com); "
-               "the package of that name on PyPI is a placeholder")
+NATIVE_FROM = (2, 10)  # torch-neuronx for torch 2.10 and later is TorchNeuron (no torch_xla)
+_INDEX = "--extra-index-url https://pip.repos.neuron.amazonaws.com"
+NEURON_HINT = (f"install TorchNeuron from the AWS Neuron package repository (pip install "
+               f"-r backends/neuron/requirements.txt {_INDEX}); the package named torch-neuronx on "
+               "PyPI is a placeholder")
+NEURON_XLA_HINT = (f"install the torch_xla-based torch-neuronx from the AWS Neuron package repository "
+                   f"(pip install -r backends/neuron_xla/requirements.txt {_INDEX}); the package named "
+                   "torch-neuronx on PyPI is a placeholder")
 # Where the Neuron driver lists its devices; a module attribute so that tests can point it
 # at a fake tree.
 NEURON_SYSFS = Path("/sys/devices/virtual/neuron_device")
-
-
-def import_torch_neuronx():
-    try:
-        import torch_neuronx
-    except Exception as e:  # the PyPI placeholder raises a non-ImportError on import
-        raise BackendUnavailableError(
-            f"backend 'neuron' needs torch_neuronx, which is not importable ({e}); {NEURON_HINT}"
-        ) from e
-    return torch_neuronx
 
 
 def neuron_core_count() -> int:
@@ -57,25 +57,100 @@ def neuron_core_count() -> int:
     return total
 
 
-class NeuronBackend(XlaBackend):
+def torch_neuronx_version() -> tuple[int, int] | None:
+    """``(major, minor)`` of the installed torch-neuronx, from its package metadata (never by
+    importing it); None when it is not installed or its version does not parse.
+
+    >>> torch_neuronx_version()   # TorchNeuron 2.13.1  # doctest: +SKIP
+    (2, 13)
+    """
+    try:
+        text = importlib.metadata.version("torch-neuronx")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    match = re.match(r"(\d+)\.(\d+)", text)
+    return (int(match[1]), int(match[2])) if match else None
+
+
+def is_native(version: tuple[int, int]) -> bool:
+    """True for a torch-neuronx version that is TorchNeuron (torch 2.10 or later). Pure.
+
+    >>> is_native((2, 13)), is_native((2, 9))
+    (True, False)
+    """
+    return tuple(version) >= NATIVE_FROM
+
+
+def import_torch_neuronx(backend: str = "neuron", *, hint: str = NEURON_HINT):
+    """torch_neuronx, or ``BackendUnavailableError`` naming ``backend`` and ``hint``."""
+    try:
+        import torch_neuronx
+    except Exception as e:  # the PyPI placeholder raises a non-ImportError on import
+        raise BackendUnavailableError(
+            f"backend {backend!r} needs torch_neuronx, which is not importable ({e}); {hint}"
+        ) from e
+    return torch_neuronx
+
+
+def _installed() -> bool:
+    """True when a torch_neuronx module can be found (it is not imported)."""
+    try:
+        return importlib.util.find_spec("torch_neuronx") is not None
+    except (ImportError, ValueError):  # a broken or blocked entry in sys.modules
+        return False
+
+
+class NeuronBackend(Backend):
     name = "neuron"
+    dist_backend = "neuron"
+    device_type = "neuron"
+    supports_dtensor = True
+    supports_gather = False
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._index = 0
 
     @classmethod
     def is_available(cls) -> bool:
-        if neuron_core_count() == 0:
-            return False
-        try:
-            import_torch_neuronx()
-        except BackendUnavailableError:
-            return False
-        return True
+        version = torch_neuronx_version()
+        return version is not None and is_native(version) and neuron_core_count() > 0 and _installed()
 
     def start(self) -> None:
-        import_torch_neuronx()
+        version = torch_neuronx_version()
+        if not _installed():
+            import_torch_neuronx()  # raises, saying what to install
+        if version is not None and not is_native(version):
+            raise BackendUnavailableError(
+                f"backend 'neuron' is TorchNeuron (torch-neuronx 2.13 or later), but torch-neuronx "
+                f"{'.'.join(map(str, version))} is installed: the torch_xla-based one (use "
+                f"sw.init_backend('neuron_xla')) or PyPI's placeholder; {NEURON_HINT}"
+            )
         if neuron_core_count() == 0:
             raise BackendError(
                 f"backend 'neuron' found no NeuronCore: the Neuron driver lists none under "
-                f"{NEURON_SYSFS}; run on a Trainium/Inferentia instance (trn1, trn2, inf2) with the "
-                "Neuron driver installed, or use sw.init_backend('gloo') on CPUs"
+                f"{NEURON_SYSFS}; run on a Trainium instance (trn2, trn3) with the Neuron driver "
+                "installed, or use sw.init_backend('gloo') on CPUs"
             )
+        import_torch_neuronx()  # registers the "neuron" device and process group backend
+        module = getattr(torch, "neuron", None)
+        count = int(module.device_count()) if module is not None else 0
+        if count == 0:
+            raise BackendError(
+                "torch_neuronx is imported but torch.neuron sees no device: is this TorchNeuron "
+                f"(torch-neuronx 2.13 or later) and may this process use a NeuronCore? {NEURON_HINT}"
+            )
+        env = torchrun_env()
+        local_rank = env["local_rank"] if env else 0
+        # One process per NeuronCore, as on CUDA: LOCAL_RANK picks it among those this process
+        # sees, unless the runtime shows each process only its own (index 0).
+        if count > 1:
+            if local_rank >= count:
+                raise BackendError(f"LOCAL_RANK={local_rank} but this process sees only {count} "
+                                   "NeuronCore(s); launch at most one process per NeuronCore")
+            self._index = local_rank
+            module.set_device(local_rank)
         super().start()
+
+    def _device(self) -> torch.device:
+        return torch.device(self.device_type, self._index)

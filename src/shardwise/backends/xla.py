@@ -1,5 +1,6 @@
 """TPU (and other PJRT devices) through torch_xla, one process per device: TPU pods launched
-with torchrun or torch_xla's launcher, and torch-neuronx (``neuron.py`` builds on this).
+with torchrun or torch_xla's launcher, and the torch_xla-based torch-neuronx (``neuron_xla.py``
+builds on this).
 
 - Process group: torch_xla's ``xla`` backend. It only moves XLA tensors, so the backend
   also opens a gloo group over the same ranks (``coordination_group``) for what runs on
@@ -9,6 +10,8 @@ with torchrun or torch_xla's launcher, and torch-neuronx (``neuron.py`` builds o
   ``new_xla_process_group`` (a plain ``new_group`` would not tell XLA its replica groups).
 - Holding: local shards with forward hooks doing the collectives (DTensor does not run on
   XLA); the gather save all-gathers (``supports_gather = False``).
+- Timeouts: not honoured (``timeout_limit`` says why); ``init_backend("xla", timeout=...)``
+  warns that the value bounds nothing but the start.
 
 One process driving several devices (SPMD) is the separate backend ``xla_spmd``
 (``xla_spmd.py``). torch_xla is imported only inside functions, so ``import shardwise``
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -28,6 +32,12 @@ from shardwise.backends.group_mesh import GroupMesh
 from shardwise.errors import BackendError, BackendUnavailableError, CollectiveError
 
 XLA_HINT = "pip install 'shardwise[xla]' (torch-xla must match your torch version)"
+TIMEOUT_LIMIT = (
+    "torch_xla's 'xla' process group finishes a collective when it is issued (it is an op of the lazy "
+    "graph, run later on the device) and its work objects refuse a finite wait, so no collective "
+    "can be bounded: a peer that never comes blocks the graph's execution until the runtime's own "
+    "limits end the job"
+)
 
 
 def import_torch_xla():
@@ -62,9 +72,16 @@ class XlaBackend(Backend):
     supports_dtensor = False
     supports_gather = False
 
+    timeout_limit = TIMEOUT_LIMIT
+
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self._side_group = None
+        if kwargs.get("timeout") is not None:
+            warnings.warn(
+                f"backend {self.name!r} cannot honour timeout={kwargs['timeout']!r} for collectives: "
+                f"{TIMEOUT_LIMIT}. It still bounds joining the process group and the gloo side group "
+                "(DCP, object collectives)", stacklevel=3)
 
     @classmethod
     def is_available(cls) -> bool:
@@ -138,8 +155,8 @@ class XlaBackend(Backend):
 
     def _wait(self, work, what: str, timeout) -> None:
         # torch_xla's work objects wrap a finished future and refuse a finite wait timeout
-        # ("FutureWrappingWork::wait() with finite timeout not implemented"): the collective
-        # is an op in the lazy graph, bounded by the process group's own timeout.
+        # ("FutureWrappingWork::wait() with finite timeout not implemented"): the collective is an
+        # op in the lazy graph, and nothing bounds it (TIMEOUT_LIMIT, stated at init_backend).
         try:
             work.wait()
         except Exception as e:  # torch raises RuntimeError subclasses

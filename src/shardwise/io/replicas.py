@@ -16,6 +16,12 @@ Order: first every rank reads what it owns, then one ``all_reduce`` tells every 
 any read failed (so a bad file raises on every rank instead of leaving the others waiting in a
 broadcast), then the broadcasts run in the same order on every rank (asynchronous; received
 tensors are finalized as they arrive). ``bytes_read`` of the load counts storage reads only.
+
+Where the tensors travel: on the device the group's collectives take (``comm.device_for``): the
+CPU over gloo; the backend's device over a device-only group (NCCL takes CUDA tensors only,
+torch_xla's group XLA tensors only). There the bytes are staged on the device for the
+broadcast, and a receiver brings them back to the host before finalizing, so that every
+finalize (the cast, assembling a hub layout, dequantizing) gets what a storage read gives.
 """
 
 from __future__ import annotations
@@ -89,9 +95,9 @@ def read_once(reader: RegionReader, items: list[ReadItem], *, finalize: Finalize
                           finalize=lambda item, t: t)
     except Exception as e:  # told to every rank below, then raised here
         error = e
-    failed = torch.tensor([1 if error else 0], dtype=torch.int32)
-    comm.all_reduce(failed, "max", group=groups["all" if spans_world else "dp"][0],
-                    purpose="the check that every replica read its share")
+    check = groups["all" if spans_world else "dp"][0]
+    failed = torch.tensor([1 if error else 0], dtype=torch.int32, device=comm.device_for(check))
+    comm.all_reduce(failed, "max", group=check, purpose="the check that every replica read its share")
     if error is not None:
         raise error
     if failed.item():
@@ -107,17 +113,24 @@ def _exchange(items, owners, groups, raw, finalize, on_bytes) -> dict:
     for item, owner, group in zip(items, owners, groups, strict=True):
         tensor = (raw.pop(item.name) if owner == me
                   else torch.empty(item.local_shape, dtype=item.entry.torch_dtype))
-        work = None
-        if item.nbytes:  # gloo moves bytes of any dtype
-            work = comm.broadcast(tensor.reshape(-1).view(torch.uint8), owner, group=group, async_op=True,
+        work, staged = None, None
+        if item.nbytes:  # moved as bytes: every group moves uint8, whatever the dtype
+            device = comm.device_for(group)
+            data = tensor.reshape(-1).view(torch.uint8)  # a view of a receiver's buffer
+            staged = (data if device == data.device else data.to(device) if owner == me
+                      else torch.empty_like(data, device=device))
+            work = comm.broadcast(staged, owner, group=group, async_op=True,
                                   purpose=f"the broadcast of {item.name!r} from rank {owner} to its replicas")
-        pending.append((item, owner, work, tensor))
+        pending.append((item, owner, work, tensor, staged))
     results = {}
-    for item, owner, work, tensor in pending:
+    for item, owner, work, tensor, staged in pending:
         if work is not None:
             work.wait()
-        if owner != me and on_bytes is not None:
-            on_bytes(item.nbytes)
+        if owner != me:
+            if staged is not None and staged.device != tensor.device:  # to the host, as a read gives it
+                tensor.reshape(-1).view(torch.uint8).copy_(staged)
+            if on_bytes is not None:
+                on_bytes(item.nbytes)
         results[item.name] = finalize(item, tensor)
     return results
 
