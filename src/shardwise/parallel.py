@@ -100,7 +100,7 @@ def mesh_coords(mesh, *, spmd: bool = False) -> dict[str, tuple[int, int]]:
     """``{"tp": (degree, rank), "ep": (degree, rank)}`` of this process on ``mesh``."""
     tp, ep = tp_axis(mesh), ep_axis(mesh)
     return {"tp": (1, 0) if tp is None else (tp.size(), 0 if spmd else tp.get_local_rank()),
-            "ep": (1, 0) if ep is None else (ep.size(), ep.get_local_rank())}
+            "ep": (1, 0) if ep is None else (ep.size(), 0 if spmd else ep.get_local_rank())}
 
 
 def resolve_for_mesh(model: nn.Module, plan, mesh, ep_plan=None) -> ResolvedPlan:
