@@ -112,20 +112,75 @@ def _build_transformers(cls, folder: Path, dtype: torch.dtype | None) -> nn.Modu
 
 
 def _quantized_modules(model: nn.Module, dequantize: bool) -> None:
-    """A checkpoint whose config has a quantization shardwise reads (FP8 with block scales)
-    gets transformers' own quantized modules, put in place by its quantizer as its
+    """A checkpoint whose config has a quantization shardwise reads (FP8 with block scales,
+    MXFP4) gets transformers' own quantized modules, put in place by its quantizer as its
     ``from_pretrained`` does (``modules_to_not_convert``, lm_head left whole); with
     ``dequantize`` the model stays unquantized. Any other quantization is left to the load's
     guards, which refuse it naming the scheme."""
     qc = getattr(getattr(model, "config", None), "quantization_config", None)
-    if qc is None or quant_scheme(qc)[1] is not None:
+    method = quant_scheme(qc)
+    if qc is None or method[1] is not None:
         return
     if dequantize:
         drop_quantization_config(model)
         return
     from transformers.quantizers import AutoHfQuantizer
 
-    AutoHfQuantizer.from_config(qc, pre_quantized=True).preprocess_model(model)
+    quantizer = AutoHfQuantizer.from_config(qc, pre_quantized=True)
+    if method[0] == "mxfp4":
+        mxfp4_experts(model, quantizer)
+    else:
+        quantizer.preprocess_model(model)
+
+
+def mxfp4_experts(model: nn.Module, quantizer=None) -> nn.Module:
+    """Put transformers' MXFP4 expert modules (``Mxfp4GptOssMLP`` / ``Mxfp4GptOssExperts``) in
+    place of a gpt-oss model's MLPs, on the meta device, where its quantizer's
+    ``replace_with_mxfp4_linear`` puts them (``modules_to_not_convert`` from ``quantizer``, else
+    the model config's ``quantization_config``), and return the model.
+
+    Not through that function: on a machine without a GPU it leaves the model unquantized, and
+    elsewhere it first fetches its Triton kernels from the hub. And each experts module holds
+    the checkpoint's tensors as they are stored, ``gate_up_proj_blocks`` / ``down_proj_blocks``
+    (uint8 ``(E, rows, K/32, 16)``) and ``*_scales`` (uint8 ``(E, rows, K/32)``), the names of its
+    quantizer's ``serialized_names``, as uint8 parameters, in place of its packed placeholder
+    ``gate_up_proj`` that transformers replaces at load by a Triton tensor: a rank's shards are
+    what ``transformers.integrations.mxfp4.swizzle_mxfp4_convertops(blocks, scales, ...)``
+    takes, and ``sw.save`` writes them back as stored. The biases keep the dtype of the
+    module they replace (the checkpoint's), so a save writes them back as stored too.
+    """
+    import torch
+    from transformers.integrations.mxfp4 import Mxfp4GptOssExperts, Mxfp4GptOssMLP
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+    from transformers.quantizers import AutoHfQuantizer
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    if quantizer is None:
+        quantizer = AutoHfQuantizer.from_config(model.config.quantization_config, pre_quantized=True)
+    skip = quantizer.get_modules_to_not_convert(model, quantizer.quantization_config.modules_to_not_convert,
+                                                model._keep_in_fp32_modules)
+    for name, module in list(model.named_modules()):
+        if not (isinstance(module, GptOssMLP) and should_convert_module(f"{name}.experts", skip)):
+            continue
+        with torch.device("meta"):
+            experts = Mxfp4GptOssExperts(model.config)
+        held = {}  # in the module's order, each placeholder replaced where it stood
+        for pname, p in experts._parameters.items():
+            if pname.endswith("_bias"):
+                p = torch.empty_like(getattr(module.experts, pname), device="meta")
+            if p.dtype == torch.uint8:  # (E, rows, K / 2) bytes
+                groups = tuple(p.shape[:-1]) + (p.shape[-1] // 16,)
+                held[pname + "_blocks"] = torch.empty(groups + (16,), dtype=torch.uint8, device="meta")
+                held[pname + "_scales"] = torch.empty(groups, dtype=torch.uint8, device="meta")
+            else:
+                held[pname] = p
+        experts._parameters.clear()
+        for pname, p in held.items():
+            experts.register_parameter(pname, nn.Parameter(p, requires_grad=False))
+        model.set_submodule(name, Mxfp4GptOssMLP(module.router, experts))
+    model.is_quantized = True
+    model.quantization_method = quantizer.quantization_config.quant_method
+    return model
 
 
 def _build_diffusers(cls, folder: Path) -> nn.Module:
@@ -164,10 +219,13 @@ def from_pretrained(cls, path: str | os.PathLike, *, mesh, dtype: torch.dtype | 
     An FP8 checkpoint (``quantization_config`` with ``quant_method: fp8`` and block scales in
     its config.json) is built with transformers' own ``FP8Linear`` modules (its quantizer's
     module replacement) and stays quantized: each rank holds its fp8 weight shards and the
-    scales of the blocks they touch (``dtype`` applies to the other tensors). With
-    ``dequantize=True`` the model is built unquantized, each rank dequantizes only its own
-    shards into ``dtype``, and the config loses its ``quantization_config``, as transformers'
-    ``FineGrainedFP8Config(dequantize=True)`` does.
+    scales of the blocks they touch (``dtype`` applies to the other tensors). An MXFP4
+    checkpoint (gpt-oss) is built with transformers' MXFP4 expert modules
+    (:func:`mxfp4_experts`), each rank holding its experts' ``*_blocks`` and ``*_scales`` as
+    stored (all of them under the tp plan, which leaves experts whole; its own under the ep
+    plan). With ``dequantize=True`` the model is built unquantized, each rank dequantizes only
+    its own shards into ``dtype``, and the config loses its ``quantization_config``, as
+    transformers' ``FineGrainedFP8Config(dequantize=True)`` / ``Mxfp4Config(dequantize=True)`` do.
 
     Returns the model in eval mode, with the ``sw.load`` result as ``model.result``.
 
@@ -199,4 +257,4 @@ def _attach(model: nn.Module, name: str, value) -> None:
     model.__dict__[name] = value
 
 
-__all__ = ["empty_model", "from_pretrained"]
+__all__ = ["empty_model", "from_pretrained", "mxfp4_experts"]

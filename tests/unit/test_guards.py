@@ -225,6 +225,21 @@ def test_fp8_block_scaled_passes():
         guards.check_model(model, action="save")
 
 
+def test_mxfp4_passes():
+    """MXFP4 (gpt-oss): uint8 x_blocks / x_scales pairs, as stored, under quant_method mxfp4."""
+    model = meta_model()
+    model.config = SimpleNamespace(quantization_config={"quant_method": "mxfp4"})
+    mlp = model.fused[0].mlp
+    with torch.device("meta"):
+        mlp.w_blocks = nn.Parameter(torch.empty(4, 64, 1, 16, dtype=torch.uint8), requires_grad=False)
+        mlp.w_scales = nn.Parameter(torch.empty(4, 64, 1, dtype=torch.uint8), requires_grad=False)
+    guards.check_model(model, action="load")
+    guards.check_model(model, action="save")
+    del mlp.w_blocks, mlp.w_scales  # a dequantized model keeping the MXFP4 config: not saved
+    with pytest.raises(UnsupportedModelError, match=r"says mxfp4 but no module holds MXFP4 weights"):
+        guards.check_model(model, action="save")
+
+
 class FakeMesh:
     """Duck-types what the guard reads; a real DeviceMesh cannot outgrow the world."""
 

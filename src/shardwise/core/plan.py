@@ -188,8 +188,8 @@ def resolve_plan(model: nn.Module, plan, degree: int, *, strict: bool = False, e
         module_claims, param_claims, ep_unused = _with_ep_plan(model, ep_plan, module_claims,
                                                                param_claims, strict)
         unused = unused + ep_unused
-    # A plan key naming an FP8 weight's scales (transformers' quantizer adds them): the scales
-    # follow their weight's spec as region math instead (tie_scales below).
+    # A plan key naming a quantized weight's scales (transformers' quantizers add them): the
+    # scales follow their weight's spec as region math instead (tie_scales below).
     param_claims = {n: c for n, c in param_claims.items() if not is_tied_scale(model, n)}
     styles: dict[str, Style] = {}
     keys: dict[str, str] = {}
@@ -247,7 +247,7 @@ def resolve_plan(model: nn.Module, plan, degree: int, *, strict: bool = False, e
             continue
         first_name[id(tensor)] = name
         specs[name] = owned[id(tensor)][0] if id(tensor) in owned else ShardSpec()
-    ties = tie_scales(model, specs, styles, keys)
+    ties = tie_scales(model, specs, styles, keys, {"tp": degree, "ep": ep_degree})
     local_owners = [p for p in local_owners if f"{p}.weight" not in {t.weight for t in ties.values()}]
     return ResolvedPlan(specs, styles=styles, keys=keys, aliases=aliases, degree=degree,
                         local_owners=local_owners, unused_keys=unused, ep_degree=ep_degree, ties=ties)

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 
 from torch import nn
 
+from shardwise.core.quant_layout import MXFP4_SUFFIXES
 from shardwise.core.styles import normalize_style
 from shardwise.errors import PlanError
 
@@ -44,9 +45,10 @@ def match_plan(model: nn.Module, plan: Mapping, *, strict: bool = False):
         if not isinstance(key, str) or not key:
             raise PlanError(f"plan keys must be module or parameter paths (non-empty strings), got {key!r}")
         normalize_style(style, key=key)  # an unknown style is an error even where nothing matches
-        hits = _hits(key, module_names, param_names)
-        if not any(hits) and prefix:
-            hits = _hits(f"{prefix}.{key}", module_names, param_names)
+        hits = _hits_under(key, prefix, module_names, param_names)
+        if not any(hits):  # a parameter held quantized as `x_blocks` + `x_scales` (MXFP4): the key
+            # names `x`, as transformers' quantizers extend plans (HfQuantizer.update_parallel_plan)
+            hits = ([], _hits_under(key + MXFP4_SUFFIXES[0], prefix, module_names, param_names)[1])
         if not any(hits):
             if strict:
                 near = closest_paths(key, _patterns(model), prefix)
@@ -61,6 +63,12 @@ def match_plan(model: nn.Module, plan: Mapping, *, strict: bool = False):
                                     "with different styles; keep one entry per module or parameter")
                 claimed[name] = (key, style)
     return modules, params, unused
+
+
+def _hits_under(key: str, prefix: str, module_names, param_names) -> tuple[list[str], list[str]]:
+    """:func:`_hits` of ``key``, else of ``key`` under the base-model ``prefix``."""
+    hits = _hits(key, module_names, param_names)
+    return _hits(f"{prefix}.{key}", module_names, param_names) if not any(hits) and prefix else hits
 
 
 def _hits(key: str, module_names, param_names) -> tuple[list[str], list[str]]:

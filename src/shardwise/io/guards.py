@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shardwise.core.quant_layout import fp8_block_of
+from shardwise.core.quant_layout import fp8_block_of, quant_pairs
 from shardwise.errors import MeshError, UnsupportedModelError
 
 # Tensor types a checkpoint path handles as is; anything else wraps its data.
@@ -21,7 +21,8 @@ _BNB_PARAM_TYPES = ("Params4bit", "Int8Params")
 _QUANT_MODULE_TYPES = ("Linear4bit", "Linear8bitLt", "LinearNF4", "Float8Linear", "QuantizedLinear")
 _QUANT_TENSOR_MARKS = ("Float8", "AffineQuantized", "NF4", "Int4", "Int8", "Quantized", "Fp8")
 SUPPORTED_QUANT = ("FP8 with block scales (quant_method 'fp8', weight_block_size [128, 128] and others: "
-                   "transformers' FP8Linear)")
+                   "transformers' FP8Linear) and MXFP4 (quant_method 'mxfp4': gpt-oss's experts as "
+                   "x_blocks / x_scales, one e8m0 scale per 32 e2m1 values)")
 _GROUP_OFFLOAD_HOOKS = ("group_offloading", "lazy_prefetch_group_offloading")
 _FLOAT8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
                                               "float8_e5m2fnuz") if hasattr(torch, n))
@@ -62,18 +63,21 @@ def _check_quantization_config(model: nn.Module, action: str) -> None:
         raise _refuse(action, f"it is quantized{scheme} ({where} is set){why}",
                       f"shardwise reads and writes unquantized weights and {SUPPORTED_QUANT} only; load "
                       "the original (unquantized) model, shard it with shardwise, then quantize each shard")
-    if action == "save" and any(w.startswith("model.config.") for w, _ in found) and not any(
-            fp8_block_of(m) for m in model.modules()):
-        raise _refuse(action, "model.config.quantization_config says fp8 but no module holds FP8 weights "
-                      "(a dequantized model?), so its config.json would describe weights it does not hold",
+    configured = [quant_scheme(v)[0] for w, v in found if w.startswith("model.config.")]
+    if action == "save" and configured and not any(quant_pairs(m) for m in model.modules()):
+        method = configured[0]
+        raise _refuse(action, f"model.config.quantization_config says {method} but no module holds "
+                      f"{str(method).upper()} weights (a dequantized model?), so its config.json would "
+                      "describe weights it does not hold",
                       "delete model.config.quantization_config before saving (sw.load(..., dequantize=True) "
-                      "does), or save the model with its FP8Linear modules")
+                      "does), or save the model with its quantized modules")
 
 
 def quant_scheme(qc) -> tuple[str | None, str | None]:
     """``(quant_method, None)`` for a quantization config shardwise supports (FP8 with block
     scales: ``quant_method`` ``"fp8"``, a ``weight_block_size`` of two ints, float32 scales,
-    dynamic activations, no FP4 experts); ``(quant_method, why not)`` for any other."""
+    dynamic activations, no FP4 experts; MXFP4: ``quant_method`` ``"mxfp4"``, gpt-oss's
+    experts); ``(quant_method, why not)`` for any other."""
     if isinstance(qc, str):  # bitsandbytes' flags on the model
         return qc, ""
 
@@ -82,6 +86,8 @@ def quant_scheme(qc) -> tuple[str | None, str | None]:
 
     method = get("quant_method")
     method = str(getattr(method, "value", method)) if method is not None else None
+    if method == "mxfp4":  # fixed layout: 32 values a scale (its dequantize flag is a load option)
+        return method, None
     if method != "fp8":
         return method, ""
     block = get("weight_block_size")
@@ -102,6 +108,8 @@ def _check_quantized_tensors(model: nn.Module, action: str) -> None:
         cls = type(module).__name__
         if fp8_block_of(module) is not None:
             _check_fp8_linear(path, module, action)
+            continue
+        if quant_pairs(module):  # MXFP4: uint8 blocks and scales, as stored
             continue
         if cls in _QUANT_MODULE_TYPES:
             raise _refuse(action, f"module {path or '<root>'!r} is a quantized layer ({cls})", fix)

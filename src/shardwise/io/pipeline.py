@@ -22,7 +22,7 @@ from shardwise.core.plan import ResolvedPlan
 from shardwise.errors import CheckpointError
 from shardwise.io.safetensors.checkpoint import Checkpoint
 from shardwise.io.safetensors.hub_layout import hub_tensors
-from shardwise.io.safetensors.quantized import pair_quantized
+from shardwise.io.safetensors.quantized import pair_mxfp4, pair_quantized
 
 _SHOW = 20  # names listed in an error before "... and N more"
 
@@ -59,8 +59,9 @@ def match_keys(model: nn.Module, specs: ResolvedPlan, ckpt: Checkpoint, *, stric
 
     A tied tensor may be stored under any of its names; a tensor stored in its hub layout
     (transformers' conversion mapping) is a ``Composite`` of stored tensors; one stored FP8
-    with block scales into a model tensor of another dtype is ``Dequantized`` when
-    ``dequantize``, else refused (``io.safetensors.quantized.pair_quantized``). Raises
+    with block scales into a model tensor of another dtype, or stored as MXFP4 blocks and
+    scales, is ``Dequantized`` when ``dequantize``, else refused
+    (``io.safetensors.quantized.pair_quantized`` / ``pair_mxfp4``). Raises
     ``CheckpointError`` for a shape that disagrees with the model and, when ``strict``, for
     missing keys.
     """
@@ -71,11 +72,17 @@ def match_keys(model: nn.Module, specs: ResolvedPlan, ckpt: Checkpoint, *, stric
     state = model.state_dict(keep_vars=True)
     shapes = {n: tuple(t.shape) for n, t in state.items()}
     absent = {n for n, candidates in names_of.items() if not any(c in stored for c in candidates)}
+    # A tensor the checkpoint stores as MXFP4 blocks and scales (gpt-oss's experts).
+    mxfp4, mxfp4_used = pair_mxfp4(absent, shapes, {n: state[n].dtype for n in absent}, ckpt,
+                                   dequantize=dequantize) if absent else ({}, set())
+    absent -= set(mxfp4)
     # A tensor the checkpoint stores in its hub layout (renamed, or split per expert).
     hub, used = hub_tensors(model, {k: ckpt.entry(k) for k in ckpt.names}, absent) if absent else ({}, set())
     sources, missing, found_as = {}, [], {}
     for name, candidates in names_of.items():
         found = next((c for c in candidates if c in stored), None)
+        if found is None and name in mxfp4:
+            continue
         if found is None and name in hub:
             composite = hub[name]
             if composite.shape != shapes[name]:
@@ -100,6 +107,8 @@ def match_keys(model: nn.Module, specs: ResolvedPlan, ckpt: Checkpoint, *, stric
     declared = {n: state[n].dtype for n in sources}
     used |= pair_quantized(sources, found_as, declared, ckpt, dequantize=dequantize,
                            quantized=specs.quantized, model_config=getattr(model, "config", None))
+    sources |= mxfp4
+    used |= mxfp4_used
     unexpected = sorted(stored - set(shapes) - used)
     if missing and strict:
         raise CheckpointError(

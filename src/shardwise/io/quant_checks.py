@@ -1,16 +1,18 @@
-"""Guards of loads and saves of block-quantized (FP8) models, and the config step after a
+"""Guards of loads and saves of block-quantized (FP8, MXFP4) models, and the config step after a
 dequantized load. They run before any tensor is read, written or gathered (a checkpoint's
 config.json is read for its block size).
 
-Where shardwise handles a quantized weight's scales itself: the safetensors source reads them
-at their own regions (``core.quant_layout.scale_layout``), the gather save takes each once
-(``io.quant_save``). Other paths split every tensor evenly by its spec, which is right for a
-scale only where every rank's blocks are whole (``tie_aligned``); elsewhere they refuse here.
+Where shardwise handles a quantized weight's scales itself: the safetensors and DCP sources
+read them at their own regions (``core.quant_layout.scale_layout``), the gather save and the
+DCP save write each once (``io.quant_save``, ``io.dcp.quant``). The other paths (rank-local
+sharded safetensors, the parallel write) split every tensor evenly by its spec, which is right
+for a scale only where every rank's blocks are whole (``tie_aligned``); elsewhere they refuse here.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 
 from torch import nn
 
@@ -32,31 +34,38 @@ def cut_scales(specs: ResolvedPlan) -> list[str]:
 
 
 def check_quantized_load(specs: ResolvedPlan, holding: str, dequantize: bool) -> None:
-    """Refuse ``dequantize=True`` into a model holding FP8 modules, and FP8 modules under
-    ``"spmd"`` holding (one global tensor per parameter cannot hold overlapping scales)."""
+    """Refuse ``dequantize=True`` into a model holding quantized (FP8, MXFP4) modules, and such
+    modules under ``"spmd"`` holding (one global tensor per parameter cannot hold overlapping
+    scales)."""
     if dequantize and specs.ties:
-        first = next(iter(specs.ties.values())).weight.rpartition(".")[0]
-        raise UsageError(f"dequantize=True fills a model built unquantized, but {first!r} (and "
-                         f"{len(specs.ties) - 1} more) is an FP8 module; build the model with plain "
-                         "nn.Linear modules (sw.from_pretrained(..., dequantize=True) does), or drop "
+        tie = next(iter(specs.ties.values()))
+        kind = "an FP8 module" if tie.scheme == "fp8_block" else "an MXFP4 module"
+        path = tie.weight.rpartition(".")[0]
+        raise UsageError(f"dequantize=True fills a model built unquantized, but {path!r} (and "
+                         f"{len(specs.ties) - 1} more quantized pairs) is {kind}; build the model with "
+                         "plain modules (sw.from_pretrained(..., dequantize=True) does), or drop "
                          "dequantize=True to keep the weights quantized")
     if holding == "spmd" and specs.ties:
-        raise UnsupportedModelError("FP8 modules under holding 'spmd' are not supported yet; load with "
-                                    "dequantize=True, or use one process per device")
+        raise UnsupportedModelError("quantized modules (FP8, MXFP4) under holding 'spmd' are not supported "
+                                    "yet; load with dequantize=True, or use one process per device")
 
 
 def check_quantized_source(source, specs: ResolvedPlan, mesh) -> None:
     """Refuse a checkpoint whose ``weight_block_size`` is not the FP8 modules' ``block_size``,
-    and FP8 scales cut by shard boundaries from a source that splits tensors evenly (torch
-    DCP, rank-local sharded safetensors): only the safetensors source reads scale regions."""
+    and FP8 scales cut by shard boundaries from a source that splits tensors evenly (rank-local
+    sharded safetensors): the safetensors and DCP sources read scale regions."""
     from shardwise.io.safetensors.source import SafetensorsSource
 
     if not specs.ties:
         return
-    if isinstance(source, SafetensorsSource):  # the checkpoint's block size is the modules'
+    dcp = sys.modules.get("shardwise.io.dcp.checkpoint")  # imported if the source is a DCP one
+    if dcp is not None and isinstance(source, dcp.DcpSource):
+        return  # canonical scales, read at their regions; another block size is another shape
+    if isinstance(source, SafetensorsSource):  # the checkpoint's block size is the FP8 modules'
         config = source.ckpt.root / "config.json"
-        block = checkpoint_block(source.ckpt.root) if _has_quantization(config) else None
-        wrong = [(s, t.block) for s, t in specs.ties.items() if block is not None and t.block != block]
+        fp8 = {s: t for s, t in specs.ties.items() if t.scheme == "fp8_block"}
+        block = checkpoint_block(source.ckpt.root) if fp8 and _has_quantization(config) else None
+        wrong = [(s, t.block) for s, t in fp8.items() if block is not None and t.block != block]
         if wrong:
             raise CheckpointError(f"{config}: weight_block_size {list(block)}, but the model's FP8 module of "
                                   f"{wrong[0][0]!r} has block_size {list(wrong[0][1])}; build the model "
@@ -68,7 +77,8 @@ def check_quantized_source(source, specs: ResolvedPlan, mesh) -> None:
             f"{type(source).__name__}: {cut[0]!r} (and {len(cut) - 1} more) are FP8 scales whose blocks "
             "shard boundaries cut at this degree; this format splits every tensor evenly, so it cannot give "
             "each rank the scales of the blocks it touches. Load at a degree where every shard holds whole "
-            "128-row blocks, or consolidate to safetensors first (sw.consolidate)")
+            "128-row blocks, or consolidate to safetensors first (sw.consolidate); a distributed save "
+            "with format='distcp' (the default) reloads at any degree")
 
 
 def _has_quantization(config) -> bool:
@@ -79,8 +89,8 @@ def _has_quantization(config) -> bool:
 
 
 def check_quantized_save(model: nn.Module, how: str) -> None:
-    """Refuse a save path that splits tensors evenly (``how``: a distributed or a parallel
-    save) for a model holding FP8 modules."""
+    """Refuse a save path that splits tensors evenly (``how``: a rank-local sharded
+    safetensors save, a parallel write) for a model holding FP8 modules."""
     state = get_shard_state(model)
     ties = state.specs.ties if state is not None else quant_ties(model)
     if not ties:
@@ -88,7 +98,8 @@ def check_quantized_save(model: nn.Module, how: str) -> None:
     raise UnsupportedModelError(
         f"cannot save this model {how}: it holds FP8 weights with block scales ({next(iter(ties))!r}, ...), "
         "which this path does not write yet; use sw.save(model, path) (the gather save writes them back "
-        "byte for byte), or load with dequantize=True to save an unquantized checkpoint")
+        "byte for byte) or sw.save(model, path, distributed=True) (a DCP checkpoint), or load with "
+        "dequantize=True to save an unquantized checkpoint")
 
 
 def drop_quantization_config(model: nn.Module) -> None:

@@ -6,6 +6,12 @@ model's hub layout (``save_pretrained``'s names, per-expert tensors) against its
 names, through the conversion mapping of the model its ``config.json`` names. Streaming: each tensor is
 read in slabs of whole rows (at most 64 MB from each side at a time), from only the chunks
 that hold them, so memory stays bounded whatever the tensors' sizes.
+
+Quantized checkpoints (FP8 with block scales, ``io.check.quant``): an FP8 weight whose bytes
+or scales differ from the other side's (an FP8 checkpoint against its dequantized save, or two
+FP8 checkpoints quantized with other scales) is compared in dequantized units (float32, as a
+dequantized load computes them), and its scales, where the other side has none, are part of it
+rather than "only in A". Identical FP8 checkpoints still compare byte for byte.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import torch
 from shardwise.errors import CheckpointError
 from shardwise.io.check.diff_sources import open_side
 from shardwise.io.check.inspect import print_safely
+from shardwise.io.check.quant import Dequantizing, fp8_pairs
 
 _SLAB_BYTES = 64 << 20
 
@@ -30,7 +37,8 @@ class TensorDiff:
     """One tensor present on both sides that is not identical. ``equal`` is whether every
     value is the same (False whenever the dtype or shape differs); ``max_abs_diff`` is over
     values compared as float64 (None when the shapes differ; nan when a NaN is on one side
-    only)."""
+    only). ``dequantized``: the values compared are an FP8 side's dequantized ones (its
+    values times their block's scale), so ``max_abs_diff`` is in dequantized units."""
 
     name: str
     dtype_a: str
@@ -39,12 +47,14 @@ class TensorDiff:
     shape_b: tuple[int, ...]
     equal: bool
     max_abs_diff: float | None
+    dequantized: bool = False
 
 
 @dataclass
 class DiffReport:
     """What :func:`diff` found: names only in ``a`` or only in ``b``, the tensors that differ,
-    and how many are identical (same dtype, shape and bytes)."""
+    and how many are identical (same dtype, shape and bytes). ``scales_a`` / ``scales_b``: FP8
+    scales of one side only, compared as part of their weight's dequantized values."""
 
     a: str
     b: str
@@ -52,6 +62,8 @@ class DiffReport:
     only_b: list[str] = field(default_factory=list)
     differ: list[TensorDiff] = field(default_factory=list)
     same: int = 0
+    scales_a: list[str] = field(default_factory=list)
+    scales_b: list[str] = field(default_factory=list)
 
     @property
     def identical(self) -> bool:
@@ -61,6 +73,9 @@ class DiffReport:
         """One line: identical or not, with the counts."""
         counts = (f"{self.same} identical, {len(self.differ)} differ, {len(self.only_a)} only in A, "
                   f"{len(self.only_b)} only in B")
+        dequantized = sum(d.dequantized for d in self.differ)
+        if dequantized:
+            counts += f" ({dequantized} FP8 weight(s) compared dequantized)"
         return f"{'IDENTICAL' if self.identical else 'DIFFERENT'}: {counts}"
 
     def to_dict(self) -> dict:
@@ -99,6 +114,25 @@ def _compare(name: str, a, b, slab_bytes: int) -> TensorDiff | None:
     return TensorDiff(name, *dtypes, shape_a, shape_b, equal and dtype_a == dtype_b, worst)
 
 
+def _compare_quantized(name: str, a, b, pairs, sides, found: dict, slab_bytes: int) -> TensorDiff | None:
+    """An FP8 weight of one side or both: byte for byte where both hold it quantized with the
+    same bytes and the same scales, else its dequantized values (``sides``) compared."""
+    in_a, in_b = name in pairs[0], name in pairs[1]
+    if in_a and in_b and a.tensors[name] == b.tensors[name]:
+        scale = pairs[0][name].scales
+        if scale == pairs[1][name].scales and found.get(scale, 0) is None:  # scales byte-equal
+            raw = _compare(name, a, b, slab_bytes)
+            if raw is None:
+                return None
+    (dtype_a, shape_a), (dtype_b, shape_b) = a.tensors[name], b.tensors[name]
+    dtypes = (str(dtype_a).removeprefix("torch."), str(dtype_b).removeprefix("torch."))
+    if shape_a != shape_b:
+        return TensorDiff(name, *dtypes, shape_a, shape_b, False, None)
+    values = _compare(name, *sides, slab_bytes)
+    worst = 0.0 if values is None else values.max_abs_diff
+    return TensorDiff(name, *dtypes, shape_a, shape_b, worst == 0.0, worst, dequantized=True)
+
+
 def _as_float64(t: torch.Tensor) -> torch.Tensor:
     if t.is_complex():
         return t.to(torch.complex128)
@@ -125,15 +159,25 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, *, slab_bytes: int = _SLAB_
     try:
         left.use_module_names(set(right.tensors) - set(left.tensors))
         right.use_module_names(set(left.tensors) - set(right.tensors))
-        report.only_a = [n for n in left.tensors if n not in right.tensors]
-        report.only_b = [n for n in right.tensors if n not in left.tensors]
-        for name in left.tensors:
-            if name in right.tensors:
-                found = _compare(name, left, right, slab_bytes)
-                if found is None:
-                    report.same += 1
-                else:
-                    report.differ.append(found)
+        pairs = fp8_pairs(left, left.root), fp8_pairs(right, right.root)
+        report.scales_a = [p.scales for n, p in pairs[0].items()
+                           if n in right.tensors and p.scales not in right.tensors]
+        report.scales_b = [p.scales for n, p in pairs[1].items()
+                           if n in left.tensors and p.scales not in left.tensors]
+        report.only_a = [n for n in left.tensors if n not in right.tensors and n not in report.scales_a]
+        report.only_b = [n for n in right.tensors if n not in left.tensors and n not in report.scales_b]
+        common = [n for n in left.tensors if n in right.tensors]
+        found = {n: _compare(n, left, right, slab_bytes) for n in common if n not in pairs[0]
+                 and n not in pairs[1]}
+        sides = Dequantizing(left, pairs[0], left.root), Dequantizing(right, pairs[1], right.root)
+        for name in common:
+            if name not in found:
+                found[name] = _compare_quantized(name, left, right, pairs, sides, found, slab_bytes)
+        for name in common:
+            if found[name] is None:
+                report.same += 1
+            else:
+                report.differ.append(found[name])
     finally:
         left.close()
         right.close()
@@ -163,9 +207,9 @@ def main_diff(a: str, b: str, *, as_json: bool = False) -> int:
         if d.shape_a != d.shape_b:
             what.append(f"shape {d.shape_a} vs {d.shape_b}")
         elif d.equal:
-            what.append("equal values")
+            what.append("equal values" + (" once dequantized" if d.dequantized else ""))
         else:
-            what.append(f"max abs diff {d.max_abs_diff:.6g}")
+            what.append(f"max abs diff {d.max_abs_diff:.6g}" + (" (dequantized)" if d.dequantized else ""))
         print_safely(f"  differs: {d.name}: {', '.join(what)}")
     print_safely(report.summary())
     return 0 if report.identical else 1

@@ -3,7 +3,7 @@
 One class per format (safetensors files, a DCP folder, rank-local safetensors with
 DCP_SHARDING_INFO), each with ``tensors`` (``{name: (dtype, shape)}``), ``rows(name, lo,
 hi)`` (rows ``[lo, hi)`` of one tensor, read from only the stored boxes that hold them),
-``use_module_names`` and ``close``.
+``use_module_names``, ``close`` and ``root`` (the folder whose config.json describes it).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ class _Safetensors:
 
     def __init__(self, path: Path):
         self.ckpt = resolve_checkpoint(path)
+        self.root = self.ckpt.root
         self.tensors = {n: (self.ckpt.entry(n)[1].torch_dtype, self.ckpt.entry(n)[1].shape)
                         for n in self.ckpt.names}
         self._fds: dict[Path, int] = {}
@@ -90,6 +91,7 @@ class _Dcp:
         from shardwise.io.dcp.metadata import read_metadata
 
         self.path, self.metadata = path, read_metadata(path)
+        self.root = path
         self.tensors = {n: (md.properties.dtype, tuple(md.size))
                         for n, md in self.metadata.state_dict_metadata.items()
                         if isinstance(md, TensorStorageMetadata)}
@@ -135,6 +137,7 @@ class _Sharded(_Safetensors):
 
     def __init__(self, path: Path):
         self.ckpt = read_sharded(path)  # validated: every tensor tiled exactly by its chunks
+        self.root = self.ckpt.root
         self.tensors = {n: (t.torch_dtype, t.shape) for n, t in self.ckpt.tensors.items()}
         self._fds = {}
         self.composites = {}

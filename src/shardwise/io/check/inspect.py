@@ -3,6 +3,8 @@
 A safetensors file or folder (one file, or sharded with an index) is described from its
 validated headers; a torch distributed checkpoint from its ``.metadata`` (unpickled with
 DCP's classes only) and, when shardwise wrote it, the layout recorded in ``shardwise.json``.
+A quantized checkpoint's weights and scales are shown with their scheme and block size (the
+``quantization_config`` of its ``config.json``, paired by ``io.check.quant``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 
 from shardwise.core.header import dtype_to_str, spec_nbytes
 from shardwise.errors import CheckpointError
+from shardwise.io.check.quant import describe_quantization, quant_pairs, quantization_config
 from shardwise.io.dcp.sharded import SHARDING_INFO_KEY, is_sharded_safetensors, read_sharded
 from shardwise.io.dcp.sharded_read import ordered_tensors
 from shardwise.io.detect import is_dcp
@@ -25,7 +28,9 @@ from shardwise.io.safetensors.checkpoint import resolve_checkpoint
 @dataclass
 class Report:
     """A checkpoint's description. ``tensors`` rows are ``(name, dtype, shape, chunks)``
-    (``chunks`` is None for safetensors); ``values`` names non-tensor DCP entries."""
+    (``chunks`` is None for safetensors); ``values`` names non-tensor DCP entries. ``quant``
+    gives each quantized weight and its scales their scheme and block (``fp8_block 128x128``,
+    ``... scales``); ``quantization`` is the line about the checkpoint's quantization."""
 
     path: Path
     kind: str
@@ -34,6 +39,8 @@ class Report:
     values: list[str] = field(default_factory=list)
     metadata: dict = field(default_factory=dict)
     layout: dict | None = None
+    quant: dict[str, str] = field(default_factory=dict)
+    quantization: str | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -48,7 +55,9 @@ def inspect_checkpoint(path: str | os.PathLike) -> Report:
     """
     path = Path(path)
     try:
-        return _inspect(path)
+        report = _inspect(path)
+        _quantization(report, path if path.is_dir() else path.parent)
+        return report
     except OSError as e:  # a name too long, a permission, an I/O error
         raise CheckpointError(f"{path}: cannot read the checkpoint: {e.filename or path}: "
                               f"{e.strerror or e}") from e
@@ -69,6 +78,15 @@ def _inspect(path: Path) -> Report:
         tensors.append((name, entry.dtype, entry.shape, None))
     metadata = dict(ckpt.headers[ckpt.files[0]].metadata) if ckpt.files else {}
     return Report(path, kind, [f.name for f in ckpt.files], tensors, metadata=metadata)
+
+
+def _quantization(report: Report, root: Path) -> None:
+    qc = quantization_config(root)
+    pairs, _ = quant_pairs({n: (d, s) for n, d, s, _ in report.tensors}, qc)
+    for pair in pairs.values():
+        report.quant[pair.values] = pair.describe()
+        report.quant[pair.scales] = f"{pair.describe()} scales"
+    report.quantization = describe_quantization(qc, pairs)
 
 
 def _sharded(path: Path) -> Report:
@@ -161,15 +179,18 @@ def format_report(report: Report) -> str:
             lines.append(f"{len(report.values)} non-tensor values (e.g. {report.values[0]})")
     elif report.metadata:
         lines.append("metadata: " + ", ".join(f"{k}={v}" for k, v in report.metadata.items()))
+    if report.quantization:
+        lines.append(report.quantization)
     width = max([len(n) for n, *_ in report.tensors] + [4])
     chunks = report.kind.startswith("torch")
     lines.append("")
     head = f"{'name':<{width}}  {'dtype':<7} {'shape':<18} {'bytes':>12}"
-    lines.append(head + ("  chunks" if chunks else ""))
+    lines.append(head + ("  chunks" if chunks else "") + ("  quant" if report.quant else ""))
     for name, dtype, shape, n in report.tensors:
         shown = "x".join(map(str, shape)) or "scalar"
         row = f"{name:<{width}}  {dtype:<7} {shown:<18} {spec_nbytes(dtype, shape):>12}"
-        lines.append(row + (f"  {n:>6}" if chunks else ""))
+        row += f"  {n:>6}" if chunks else ""
+        lines.append((row + f"  {report.quant.get(name, '')}").rstrip() if report.quant else row)
     return "\n".join(lines)
 
 

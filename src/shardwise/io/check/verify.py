@@ -16,6 +16,10 @@ in checkpoints from before it) and compared.
 A checkpoint not written by shardwise has no checksums: its structure is checked and the
 report says so.
 
+A quantized checkpoint (``io.check.quant``): every FP8 weight has its ``weight_scale_inv`` of
+shape ``ceil(dims / weight_block_size)`` (the block from the ``config.json`` beside it), every
+scale its FP8 weight, every MXFP4 ``*_blocks`` its ``*_scales``; each fault is a problem.
+
 ``against=MODEL`` (a model, its folder or its config.json) also checks every tensor's name,
 shape and, where defined, dtype against what that model holds in the checkpoint's layout
 (``shardwise.io.check.against``): the check a checkpoint whose own headers and checksums
@@ -33,6 +37,7 @@ from shardwise.core.header import dtype_to_str
 from shardwise.errors import CheckpointError, ShardwiseError, UsageError
 from shardwise.io.check.against import AgainstReport, check_against, expectations
 from shardwise.io.check.inspect import print_safely
+from shardwise.io.check.quant import has_config, quant_pairs, quantization_config
 from shardwise.io.dcp.sharded import is_sharded_safetensors, read_sharded
 from shardwise.io.detect import is_dcp
 from shardwise.io.files import open_regular, pread_into
@@ -126,6 +131,8 @@ def verify(path: str | os.PathLike, *, against=None, dtype=None, layout: str = "
         report.problems.append(str(e))
     except OSError as e:
         report.problems.append(f"{path}: cannot read the checkpoint: {e}")
+    if found is not None:
+        _check_quantized(Path(path), found, report)
     if candidates is not None and found is not None:
         # rank-local and DCP checkpoints hold the module's names; safetensors most often the hub's
         prefer = "hub" if report.kind == "safetensors" else "module"
@@ -150,6 +157,23 @@ def _recorded(folder: Path, report: VerifyReport, found: dict[str, tuple[str, tu
             report.problems.append(f"tensor {name!r} is {dtype} {shape} in the checkpoint but was saved "
                                    f"as {saved['dtype']} {tuple(saved['shape'])}")
     return recorded_checksums(info)
+
+
+def _check_quantized(path: Path, found: dict[str, tuple[str, tuple]], report: VerifyReport) -> None:
+    """Every quantized weight has its scales, of the shape its block size needs."""
+    root = path if path.is_dir() else path.parent
+    qc = quantization_config(root)
+    pairs, problems = quant_pairs(found, qc)
+    report.problems += problems
+    unknown = [p.values for p in pairs.values() if p.block is None]
+    if unknown and has_config(root):
+        report.problems.append(f"{root / 'config.json'}: no quantization_config with a weight_block_size, "
+                               f"but {unknown[0]!r} (and {len(unknown) - 1} more) is FP8 with block scales; "
+                               "a loader would read it as unquantized: write the checkpoint's "
+                               "quantization_config into config.json")
+    elif unknown:
+        report.notes.append(f"{len(unknown)} FP8 weight(s) with scales but no config.json beside them: "
+                            "the scales' shapes were not checked against a block size")
 
 
 # --- safetensors -----------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from shardwise.core.header import dtype_to_str
 from shardwise.core.plan import plan_summary
 from shardwise.errors import CheckpointError, CollectiveError, ShardwiseError
 from shardwise.io.dcp.items import HashingWriter, Placed, place
+from shardwise.io.dcp.quant import scale_placed
 from shardwise.io.info import ALGORITHM
 from shardwise.io.side_files import index_metadata
 from shardwise.parallel import get_shard_state
@@ -41,9 +42,10 @@ def model_placed(model: nn.Module) -> dict[str, Placed]:
     state-dict order; a tied tensor appears once, under its first name."""
     state = get_shard_state(model)
     tensors = model.state_dict(keep_vars=True)
-    if state is not None:
-        return {n: place(tensors[n], spec, *state.coords(spec), name=n)
-                for n, spec in state.specs.items()}
+    if state is not None:  # a quantized weight's scales: each block once (io.dcp.quant)
+        ties = state.specs.ties
+        return {n: scale_placed(tensors[n], ties[n], spec, *state.coords(spec), name=n) if n in ties
+                else place(tensors[n], spec, *state.coords(spec), name=n) for n, spec in state.specs.items()}
     seen: set[int] = set()
     out = {}
     for n, t in tensors.items():

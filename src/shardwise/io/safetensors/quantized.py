@@ -1,14 +1,19 @@
-"""FP8 block-scaled checkpoints read per rank: a weight and its scales as one tied read.
+"""Block-quantized checkpoints read per rank: a weight and its scales as one tied read.
 
-A checkpoint stores ``x.weight`` as ``float8_e4m3fn`` next to ``x.weight_scale_inv`` (float32,
-one scale per block of ``weight_block_size`` in its ``config.json``). Two ways to read it:
+FP8: a checkpoint stores ``x.weight`` as ``float8_e4m3fn`` next to ``x.weight_scale_inv``
+(float32, one scale per block of ``weight_block_size`` in its ``config.json``). MXFP4
+(gpt-oss): ``x_blocks`` uint8 ``(..., rows, K/32, 16)`` next to ``x_scales`` uint8 ``(..., rows,
+K/32)`` for the module's parameter ``x``, which holds the transpose ``(..., K, rows)`` dequantized.
+Two ways to read them:
 
-- kept quantized (the model holds ``FP8Linear`` modules): the weight is an ordinary tensor
-  and the scale a model tensor of its own, read at :func:`core.quant_layout.scale_layout`
-  (``SafetensorsSource.plan`` does it, from the ``Want``'s tie);
-- ``dequantize=True`` (the model holds plain ``nn.Linear``): the model tensor ``x.weight`` is a
-  :class:`Dequantized` source, and :class:`Dequantizer` reads the rank's weight region and its
-  scale region, then dequantizes only that shard into the loaded dtype.
+- kept quantized (the model holds ``FP8Linear`` modules, or MXFP4 expert modules holding
+  ``x_blocks`` / ``x_scales``): the values are an ordinary tensor and the scales a model tensor
+  of their own, read at :func:`core.quant_layout.scale_layout` (``SafetensorsSource.plan``
+  does it, from the ``Want``'s tie);
+- ``dequantize=True`` (the model holds plain ``nn.Linear`` / gpt-oss's plain experts): the model
+  tensor is a :class:`Dequantized` source, and :class:`Dequantizer` reads the rank's value
+  and scale regions (``core.quant_dequant.dequant_reads``), then dequantizes only that shard
+  into the loaded dtype.
 
 Why a tied pair of reads finished by one callback, like the hub layout's ``Assembler``, and
 not a composite of pieces: the pieces machinery copies boxes of stored tensors into place,
@@ -17,8 +22,9 @@ scale), and the scale's region is not a box of the weight's but a function of it
 (``scale_region``). The reader stays what it is (it reads boxes); the pairing and the math
 live here and in ``core``.
 
-:func:`pair_quantized` runs in the key matching of every safetensors source, so an FP8
-checkpoint never fills a plain model by a bare cast: without ``dequantize=True`` it raises.
+:func:`pair_quantized` and :func:`pair_mxfp4` run in the key matching of every safetensors
+source, so a quantized checkpoint never fills a plain model by a bare cast (nor leaves its
+tensors "missing"): without ``dequantize=True`` it raises.
 """
 
 from __future__ import annotations
@@ -32,8 +38,8 @@ from pathlib import Path
 import torch
 
 from shardwise.core.header import TensorEntry
-from shardwise.core.quant_layout import QuantTie, dequantize_local, scale_layout, scale_local_shape
-from shardwise.core.spec import local_layout, local_shape
+from shardwise.core.quant import MXFP4_GROUP, QuantScheme, scale_shape
+from shardwise.core.quant_dequant import dequant_reads, dequantize_shard
 from shardwise.errors import CheckpointError
 from shardwise.io.guards import SUPPORTED_QUANT, quant_scheme
 from shardwise.io.safetensors.hub_layout import Composite
@@ -46,17 +52,17 @@ FLOAT8 = frozenset(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "
 
 @dataclass(frozen=True)
 class Dequantized:
-    """A model tensor stored FP8 with block scales, loaded dequantized: the stored ``weight``
-    and ``scale`` (``(file, entry)`` each), the ``block`` and the model's ``declared`` dtype."""
+    """A model tensor of ``shape`` stored block-quantized, loaded dequantized: the stored
+    ``weight`` (FP8 values or MXFP4 blocks) and ``scale`` (``(file, entry)`` each), the
+    ``scheme`` (name and block on the logical weight), the model's ``declared`` dtype, and
+    whether the model tensor is the stored weight ``transposed`` (gpt-oss's experts)."""
 
     weight: tuple[Path, TensorEntry]
     scale: tuple[Path, TensorEntry]
-    block: tuple[int, int]
+    scheme: QuantScheme
     declared: torch.dtype
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.weight[1].shape
+    shape: tuple[int, ...]
+    transposed: bool = False
 
 
 def scale_key(name: str) -> str:
@@ -103,24 +109,69 @@ def pair_quantized(sources: dict, found: Mapping[str, str], declared: Mapping[st
                 "(sw.from_pretrained does, unless dequantize=True)")
         block = block or checkpoint_block(ckpt.root, model_config)
         scale = ckpt.entry(key)
-        tie = QuantTie(name, entry.shape, block)
-        if scale[1].shape != tie.scale_shape:
+        want = scale_shape(entry.shape, block)
+        if scale[1].shape != want:
             raise CheckpointError(f"{scale[0]}: scales {key!r} have shape {scale[1].shape}, but a weight of "
-                                  f"shape {entry.shape} in blocks {block} needs {tie.scale_shape}; is "
+                                  f"shape {entry.shape} in blocks {block} needs {want}; is "
                                   "weight_block_size in config.json right for this checkpoint?")
-        sources[name] = Dequantized(source, scale, block, declared[name])
+        scheme = QuantScheme.fp8_block(block, ndim=len(entry.shape))
+        sources[name] = Dequantized(source, scale, scheme, declared[name], entry.shape)
         used.add(key)
     return used
+
+
+def pair_mxfp4(absent: set[str], shapes: Mapping[str, tuple[int, ...]], declared: Mapping[str, torch.dtype],
+               ckpt, *, dequantize: bool) -> tuple[dict[str, Dequantized], set[str]]:
+    """``({model tensor: Dequantized}, stored keys used)`` for the model tensors ``absent`` from
+    the checkpoint that it stores as MXFP4 (``x_blocks`` + ``x_scales``, gpt-oss's experts),
+    loaded dequantized as transformers does (``convert_moe_packed_tensors``: the model tensor
+    is the stored weight transposed). Without ``dequantize`` such a tensor raises
+    ``CheckpointError`` (it would otherwise be missing, or filled from nothing)."""
+    stored = set(ckpt.names)
+    out, used, method = {}, set(), None
+    for name in sorted(absent):
+        keys = QuantScheme.mxfp4().stored_keys(name)
+        if not all(k in stored for k in keys):
+            continue
+        (bfile, blocks), scales = ckpt.entry(keys[0]), ckpt.entry(keys[1])
+        if not dequantize or not declared[name].is_floating_point:
+            raise CheckpointError(
+                f"{bfile}: {name!r} is stored as MXFP4 ({keys[0]!r} and {keys[1]!r}) but the model holds it "
+                f"as {declared[name]} {shapes[name]}; pass dequantize=True to load it dequantized into the "
+                "model's dtype, or build the model with MXFP4 expert modules holding the blocks and scales "
+                "as they are stored (sw.from_pretrained does, unless dequantize=True)")
+        if method is None:
+            qc = _quantization_config(ckpt.root)
+            method = quant_scheme(qc)[0] if qc is not None else "mxfp4"
+        if method != "mxfp4":
+            raise CheckpointError(f"{ckpt.root}/config.json: quant_method {method!r}, but {name!r} is stored "
+                                  "as MXFP4 blocks and scales; shardwise reads such a pair as MXFP4 only")
+        _check_mxfp4(bfile, name, blocks, scales[1], shapes[name])
+        scheme = QuantScheme.mxfp4(ndim=len(shapes[name]))
+        out[name] = Dequantized((bfile, blocks), scales, scheme, declared[name], shapes[name],
+                                transposed=True)
+        used.update(keys)
+    return out, used
+
+
+def _check_mxfp4(file, name: str, blocks: TensorEntry, scales: TensorEntry, shape: tuple[int, ...]) -> None:
+    """Refuse an MXFP4 pair that is not uint8 ``(..., rows, G, 16)`` / ``(..., rows, G)`` of the
+    transpose of the model's ``shape``."""
+    want = tuple(shape[:-2]) + (shape[-1], shape[-2] // MXFP4_GROUP) if len(shape) >= 2 else None
+    if (want is None or blocks.torch_dtype != torch.uint8 or scales.torch_dtype != torch.uint8
+            or shape[-2] % MXFP4_GROUP or tuple(blocks.shape) != want + (MXFP4_GROUP // 2,)
+            or tuple(scales.shape) != want):
+        raise CheckpointError(
+            f"{file}: MXFP4 {name!r} is stored as {blocks.torch_dtype} {tuple(blocks.shape)} with scales "
+            f"{scales.torch_dtype} {tuple(scales.shape)}, which does not fit the model's {tuple(shape)} "
+            f"(uint8 blocks of its transpose, {MXFP4_GROUP} values a scale); load a checkpoint of this "
+            "model's configuration")
 
 
 def checkpoint_block(root: Path, model_config=None) -> tuple[int, int]:
     """The ``weight_block_size`` of the FP8 checkpoint in ``root`` (its ``config.json``; else the
     model config's ``quantization_config``), checked to be a scheme shardwise supports."""
-    qc, where = None, root / "config.json"
-    try:
-        qc = json.loads(where.read_text()).get("quantization_config")
-    except (OSError, ValueError, AttributeError):
-        pass
+    qc, where = _quantization_config(root), root / "config.json"
     if qc is None and model_config is not None:
         qc, where = getattr(model_config, "quantization_config", None), "model.config"
     if qc is None:
@@ -130,38 +181,48 @@ def checkpoint_block(root: Path, model_config=None) -> tuple[int, int]:
     method, why = quant_scheme(qc)
     if why is not None:
         raise CheckpointError(f"{where}: quantization {method!r}{why}; shardwise reads {SUPPORTED_QUANT}")
+    if method != "fp8":
+        raise CheckpointError(f"{where}: quant_method {method!r}, but the checkpoint holds FP8 weights with "
+                              "block scales; load a checkpoint whose config.json describes its tensors")
     block = qc.get("weight_block_size") if isinstance(qc, dict) else qc.weight_block_size
     return int(block[0]), int(block[1])
+
+
+def _quantization_config(root: Path):
+    """The ``quantization_config`` of ``root/config.json`` (None: no file, or none in it)."""
+    try:
+        return json.loads((root / "config.json").read_text()).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 class Dequantizer:
     """The reads of :class:`Dequantized` tensors and their dequantization.
 
-    ``items`` are two :class:`ReadItem`\\ s per wanted local tensor: its weight regions (fp8)
-    and its scale regions (``scale_layout``). :meth:`take` keeps the first to arrive; with the
-    second it dequantizes the shard (``core.quant_layout.dequantize_local``: float32 in chunks,
+    ``items`` are two :class:`ReadItem`\\ s per wanted local tensor: the boxes of the stored
+    values (fp8, or MXFP4 blocks) and of the scales its regions touch
+    (``core.quant_dequant.dequant_reads``). :meth:`take` keeps the first to arrive; with the
+    second it dequantizes the shard (``core.quant_dequant.dequantize_shard``: float32 in chunks,
     cast once into ``dtype``, else the model's declared dtype), drops both raw tensors and
-    finalizes the result. Peak per tensor: its fp8 and scale shards plus the output shard."""
+    finalizes the result. Peak per tensor: its quantized shards plus the output shard."""
 
     def __init__(self, tensors: Mapping[str, tuple[Dequantized, Want]]):
         self.items: list[ReadItem] = []
         self.parts: dict[str, tuple[str, int]] = {}  # item name -> (key, 0 values / 1 scales)
         self.done: dict = {}
         self.dtype: torch.dtype | None = None  # set by the source before reading: sw.load's dtype
-        self._what: dict[str, tuple[Dequantized, Want, QuantTie]] = {}
+        self._what: dict[str, tuple[Dequantized, Want]] = {}
         self._raw: dict[str, list] = {}
         self._lock = threading.Lock()
         for key, (d, want) in tensors.items():
-            tie = QuantTie(want.name, d.shape, d.block)
-            spec, degree = want.spec, want.degree
-            at = (spec, degree, want.rank)
-            reads = ((d.weight, local_layout(d.shape, *at), local_shape(d.shape, spec, degree)),
-                     (d.scale, scale_layout(tie, *at), scale_local_shape(tie, *at)))
-            for part, ((path, entry), layout, shape) in enumerate(reads):
+            reads = dequant_reads(d.scheme, d.shape, want.spec, want.degree, want.rank,
+                                  transposed=d.transposed)
+            for part, (layout, shape) in enumerate(reads):
+                path, entry = (d.weight, d.scale)[part]
                 item = ReadItem(f"{key}#{'values' if part == 0 else 'scales'}", path, entry, layout, shape)
                 self.items.append(item)
                 self.parts[item.name] = (key, part)
-            self._what[key] = (d, want, tie)
+            self._what[key] = (d, want)
             self._raw[key] = [None, None]
 
     def take(self, item: ReadItem, raw: torch.Tensor, finalize: Finalize):
@@ -173,12 +234,13 @@ class Dequantizer:
             if ready:
                 del self._raw[key]
         if ready:
-            d, want, tie = self._what[key]
-            out = dequantize_local(pair[0], pair[1], tie, want.spec, want.degree, want.rank,
-                                   self.dtype or d.declared)
+            d, want = self._what[key]
+            out = dequantize_shard(pair[0], pair[1], d.scheme, d.shape, want.spec, want.degree, want.rank,
+                                   self.dtype or d.declared, transposed=d.transposed)
             pair.clear()
             self.done[key] = finalize(key, out)
         return None
 
 
-__all__ = ["Dequantized", "Dequantizer", "FLOAT8", "checkpoint_block", "pair_quantized", "scale_key"]
+__all__ = ["Dequantized", "Dequantizer", "FLOAT8", "checkpoint_block", "pair_mxfp4", "pair_quantized",
+           "scale_key"]

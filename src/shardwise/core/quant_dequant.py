@@ -1,0 +1,122 @@
+"""Dequantizing on load: what a rank reads of a block-quantized tensor, and its shard (pure).
+
+A model tensor stored quantized (FP8 with block scales, or MXFP4 ``x_blocks`` / ``x_scales``)
+and loaded into a plain model: rank ``rank`` reads, for each region of its shard, the boxes of
+the stored values and scales that region touches (``core.quant.scale_region`` /
+``mxfp4_regions``), then dequantizes element by element in float32 and casts once, so its
+shard equals the same slice of the full dequantization bit for bit, whatever the boundaries
+(inside an FP8 block or a 32-value MXFP4 group included). gpt-oss's experts hold the
+transpose of what is stored (``transposed``), as transformers' ``convert_moe_packed_tensors``
+returns it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardwise.core.quant import (
+    QuantScheme,
+    dequantize_region,
+    mxfp4_dequantize_region,
+    mxfp4_regions,
+    scale_region,
+)
+from shardwise.core.spec import Layout, Region, ShardSpec, local_layout, local_shape
+from shardwise.errors import PlanError
+
+DEQUANT_CHUNK = 1 << 22  # weight elements dequantized at once: 16 MiB of float32 temporaries
+
+
+def _stored_regions(scheme: QuantScheme, region: Region) -> tuple[Region, Region]:
+    """The (values, scales) regions of the stored tensors holding ``region`` of the logical weight."""
+    if scheme.name == "mxfp4":
+        return mxfp4_regions(region)
+    return region, scale_region(region, scheme.block)
+
+
+def _swap(region: Region) -> Region:
+    """``region`` with its last two dims swapped (gpt-oss's experts hold the transpose)."""
+    o, n = region.offsets, region.sizes
+    return Region(o[:-2] + (o[-1], o[-2]), n[:-2] + (n[-1], n[-2]))
+
+
+def _stack(boxes: list[Region], dim: int | None) -> tuple[Layout, tuple[int, ...]]:
+    """``boxes`` concatenated along ``dim`` into one local buffer (``None``: one box, replicated)."""
+    if dim is None:
+        return [(boxes[0], (0,) * len(boxes[0].sizes))], boxes[0].sizes
+    layout, pos = [], 0
+    for box in boxes:
+        layout.append((box, tuple(pos if d == dim else 0 for d in range(len(box.sizes)))))
+        pos += box.sizes[dim]
+    return layout, tuple(pos if d == dim else n for d, n in enumerate(boxes[0].sizes))
+
+
+def dequant_reads(scheme: QuantScheme, shape: tuple[int, ...], spec: ShardSpec, degree: int, rank: int, *,
+                  transposed: bool = False) -> tuple[tuple[Layout, tuple], tuple[Layout, tuple]]:
+    """What rank ``rank`` reads to dequantize its shard of a model tensor of ``shape`` split by
+    ``spec``, stored quantized in ``scheme`` (``transposed``: the stored logical weight is the
+    model tensor with its last two dims swapped, as gpt-oss's MXFP4 experts): ``((values
+    layout, local shape), (scales layout, local shape))``, each layout the boxes of the stored
+    tensor the rank's regions touch (``core.quant.scale_region`` / ``mxfp4_regions``), stacked
+    along the shard dim in region order. Boundaries inside a block or a 32-group are fine: the
+    box covers the whole block, and neighbouring ranks both read it.
+
+    >>> (v, _), (s, _) = dequant_reads(QuantScheme.mxfp4(), (4, 96, 64), ShardSpec(dim=1), 2, 1,
+    ...                                transposed=True)  # K = 96 at tp=2: rank 1 starts inside group 1
+    >>> v[0][0], s[0][0]
+    (Region(offsets=(0, 0, 1, 0), sizes=(4, 64, 2, 16)), Region(offsets=(0, 0, 1), sizes=(4, 64, 2)))
+    """
+    if len(scheme.block) != len(shape):
+        raise PlanError(f"{scheme} does not fit a weight of {len(shape)} dims {tuple(shape)}")
+    values, scales = [], []
+    for region, _ in local_layout(shape, spec, degree, rank):
+        v, s = _stored_regions(scheme, _swap(region) if transposed else region)
+        values.append(v)
+        scales.append(s)
+    dim = None if spec.replicated else spec.dim
+    if dim is not None and transposed and dim >= len(shape) - 2:
+        dim = 2 * len(shape) - 3 - dim
+    if dim is not None and scheme.block[dim] is None:
+        raise PlanError(f"{scheme}: the scales lack dim {dim}, which the spec {spec} splits")
+    scale_dim = None if dim is None else dim - sum(b is None for b in scheme.block[:dim])
+    return _stack(values, dim), _stack(scales, scale_dim)
+
+
+def dequantize_shard(values: torch.Tensor, scales: torch.Tensor, scheme: QuantScheme, shape: tuple[int, ...],
+                     spec: ShardSpec, degree: int, rank: int, dtype: torch.dtype, *, transposed: bool = False,
+                     chunk_elements: int = DEQUANT_CHUNK) -> torch.Tensor:
+    """Rank ``rank``'s dequantized shard (in ``dtype``) of a model tensor of ``shape`` split by
+    ``spec``, from ``values`` and ``scales`` read as :func:`dequant_reads` says: each region
+    through ``core.quant.dequantize_region`` (FP8) or ``mxfp4_dequantize_region`` (then
+    transposed back when ``transposed``), float32 then cast once, so it equals the same slice
+    of the full dequantization bit for bit. Regions go in dim-0 chunks of about
+    ``chunk_elements``, so the float32 temporaries stay small."""
+    out = torch.empty(local_shape(shape, spec, degree), dtype=dtype, device=values.device)
+    (held_v, _), (held_s, _) = dequant_reads(scheme, shape, spec, degree, rank, transposed=transposed)
+    for (region, off), (vbox, voff), (sbox, soff) in zip(local_layout(shape, spec, degree, rank), held_v,
+                                                         held_s, strict=True):
+        if region.numel == 0:
+            continue
+        rows = region.sizes[0]
+        step = max(1, chunk_elements // max(1, region.numel // rows))
+        for lo in range(0, rows, step):
+            n = min(step, rows - lo)
+            part = Region((region.offsets[0] + lo,) + region.offsets[1:], (n,) + region.sizes[1:])
+            local = Region((off[0] + lo,) + tuple(off[1:]), part.sizes)
+            logical = _swap(part) if transposed else part
+            need_v, need_s = _stored_regions(scheme, logical)
+            v, s = values[_within(need_v, vbox, voff).slices()], scales[_within(need_s, sbox, soff).slices()]
+            if scheme.name == "mxfp4":
+                piece = mxfp4_dequantize_region(v, s, logical, dtype)
+            else:
+                piece = dequantize_region(v, s, logical, scheme.block, dtype)
+            out[local.slices()] = piece.transpose(-1, -2) if transposed else piece
+    return out
+
+
+def _within(need: Region, box: Region, at: tuple[int, ...]) -> Region:
+    """Where ``need`` (inside ``box``) sits in a local buffer holding ``box`` at offset ``at``."""
+    return Region(tuple(o + a - b for o, a, b in zip(at, need.offsets, box.offsets, strict=True)), need.sizes)
+
+
+__all__ = ["DEQUANT_CHUNK", "dequant_reads", "dequantize_shard"]

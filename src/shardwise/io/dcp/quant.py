@@ -1,0 +1,84 @@
+"""Block-quantized weights in distributed checkpoints: the scales follow their weight.
+
+A quantized module's weight is an ordinary tensor (split by its spec), its scales a tied tensor
+(``core.quant_layout``): a rank holds the scale of every block its weight shard touches, so
+where a shard boundary cuts a block, neighbouring ranks hold the same scale. A distributed save
+writes each scale once, from the rank owning its block (``scale_owned_layout``, as the gather
+save does), at its canonical offsets: the checkpoint holds the canonical scale tensor, loads at
+any degree and consolidates to the safetensors the hub ships. A load reads each rank's scale
+regions (``scale_layout``; DCP's overlap math reads a block two ranks share twice, once each)
+and keeps the stored dtypes of the weights and scales, whatever ``sw.load``'s ``dtype``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from shardwise.core.quant_layout import (
+    QuantTie,
+    scale_layout,
+    scale_local_shape,
+    scale_owned_layout,
+    tie_aligned,
+)
+from shardwise.core.spec import Layout, ShardSpec, local_layout, local_shape
+from shardwise.errors import CheckpointError
+from shardwise.io.dcp.items import Placed, place
+from shardwise.io.source import Want
+from shardwise.io.staging import loaded_dtype
+
+FLOAT8 = frozenset(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                                                 "float8_e5m2fnuz") if hasattr(torch, n))
+
+
+def scale_placed(tensor: torch.Tensor, tie: QuantTie, spec: ShardSpec, degree: int, rank: int, *,
+                 name: str) -> Placed:
+    """Where this rank's scales of ``tie`` go in the canonical scale tensor: the blocks it owns.
+    Where every rank's blocks are whole, the scales are split like any tensor (``place``: a
+    DTensor, FSDP over it); else they are a plain local tensor held as ``scale_layout`` says."""
+    if tie_aligned(tie, spec, degree):
+        return place(tensor, spec, degree, rank, name=name)
+    local = tensor.to_local() if type(tensor).__name__ == "DTensor" else tensor
+    want = scale_local_shape(tie, spec, degree, rank)
+    if tuple(local.shape) != want:
+        raise CheckpointError(f"tensor {name!r}: local scales of shape {tuple(local.shape)}, but rank {rank} "
+                              f"of {degree} holding its shard of {tie.weight!r} holds {want}; load the model "
+                              "with sw.load or sw.from_pretrained, which place the scales with their weight")
+    return Placed(local.detach(), tie.scale_shape, scale_owned_layout(tie, spec, degree, rank))
+
+
+def want_layout(shape: tuple[int, ...], want: Want) -> tuple[tuple[int, ...], Layout]:
+    """The local shape and layout of the wanted tensor of canonical ``shape``: split by its
+    spec, or for a scale tensor, the scales of every block its weight shard touches."""
+    at = (want.spec, want.degree, want.rank)
+    if want.tie is None:
+        return local_shape(shape, want.spec, want.degree), local_layout(shape, *at)
+    return scale_local_shape(want.tie, *at), scale_layout(want.tie, *at)
+
+
+def read_dtype(stored: torch.dtype, want: Want, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a wanted tensor is read in: FP8 weights and scales as stored, else ``loaded_dtype``."""
+    if want.tie is not None or stored in FLOAT8:
+        return stored
+    return loaded_dtype(stored, dtype)
+
+
+def check_fp8_match(root, stored: Mapping, keys: Mapping[str, str],
+                    declared: Mapping[str, torch.dtype]) -> None:
+    """Refuse a model tensor stored FP8 next to its block scales that the model declares in
+    another dtype: a cast would ignore the scales (DCP loads are not dequantized)."""
+    for name, key in keys.items():
+        md = stored.get(key)
+        dtype = getattr(getattr(md, "properties", None), "dtype", None)
+        scale = key[: -len("weight")] + "weight_scale_inv" if key.endswith(".weight") else None
+        if dtype in FLOAT8 and declared[name] not in FLOAT8 and scale in stored:
+            raise CheckpointError(
+                f"{root}: {key!r} is stored as {dtype} with block scales {scale!r}, but the model declares "
+                f"{declared[name]}; a distributed checkpoint loads into the quantized model it was saved "
+                "from (its FP8 modules: sw.from_pretrained builds them). To get it dequantized, "
+                "sw.consolidate it to safetensors and load that with dequantize=True")
+
+
+__all__ = ["check_fp8_match", "read_dtype", "scale_placed", "want_layout"]
