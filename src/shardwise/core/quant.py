@@ -226,6 +226,44 @@ def dequantize_region(q: torch.Tensor, scale: torch.Tensor, weight_region: Regio
     return (q.float() * expand_scale(decode_scale(scale), weight_region, block)).to(dtype)
 
 
+def dequantize_region_into(q: torch.Tensor, scale: torch.Tensor, weight_region: Region, block: Block,
+                           out: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """:func:`dequantize_region` in float32 into ``out`` (float32, shaped like ``weight_region``),
+    using ``scratch`` (the same) for the expanded scale: no temporary the size of the region is
+    allocated, so a caller that reuses both buffers across chunks keeps the heap flat. Equal bit
+    for bit to ``dequantize_region(..., torch.float32)``; returns ``out``.
+
+    >>> q = torch.ones(3, 2, dtype=torch.float8_e4m3fn)
+    >>> dequantize_region_into(q, torch.tensor([[2.0], [3.0]]), Region((1, 0), (3, 2)), (2, 2),
+    ...                        torch.empty(3, 2), torch.empty(3, 2))
+    tensor([[2., 2.],
+            [3., 3.],
+            [3., 3.]])
+    """
+    if tuple(q.shape) != weight_region.sizes:
+        raise PlanError(f"quantized values of shape {tuple(q.shape)} do not fit weight region "
+                        f"{weight_region}; read the weight at the region itself")
+    want = scale_region(weight_region, block).sizes
+    if tuple(scale.shape) != want:
+        raise PlanError(f"scale of shape {tuple(scale.shape)} does not fit weight region {weight_region} "
+                        f"with block {block}: expected {want}; read it at scale_region(region, block)")
+    out.copy_(q)
+    s = decode_scale(scale)
+    steps = list(enumerate(zip(weight_region.offsets, weight_region.sizes, block, strict=True)))
+    last = max((d for d, (_, _, b) in steps if b is not None and b > 1), default=None)
+    for d, (a, n, b) in steps:
+        if b is None:
+            s = s.unsqueeze(d)
+        elif b > 1:
+            index = torch.arange(a, a + n, device=s.device) // b - a // b
+            shape = s.shape[:d] + (n,) + s.shape[d + 1:]
+            if d == last and tuple(shape) == tuple(out.shape):  # the full-size expansion: into scratch
+                s = torch.index_select(s, d, index, out=scratch)
+            else:
+                s = s.index_select(d, index)
+    return out.mul_(s.expand(weight_region.sizes))
+
+
 def mxfp4_regions(weight_region: Region, *, exact: bool = False) -> tuple[Region, Region]:
     """The (``*_blocks``, ``*_scales``) regions holding ``weight_region`` of an MXFP4 weight's
     logical values ``(..., rows, K)``.
@@ -307,6 +345,7 @@ __all__ = [
     "QuantScheme",
     "decode_scale",
     "dequantize_region",
+    "dequantize_region_into",
     "expand_scale",
     "is_block_aligned",
     "mxfp4_dequantize_region",

@@ -16,7 +16,7 @@ import torch
 
 from shardwise.core.quant import (
     QuantScheme,
-    dequantize_region,
+    dequantize_region_into,
     mxfp4_dequantize_region,
     mxfp4_regions,
     scale_region,
@@ -25,6 +25,10 @@ from shardwise.core.spec import Layout, Region, ShardSpec, local_layout, local_s
 from shardwise.errors import PlanError
 
 DEQUANT_CHUNK = 1 << 22  # weight elements dequantized at once: 16 MiB of float32 temporaries
+# The workspace's floor (float32 elements): above glibc's largest dynamic mmap threshold (32 MiB),
+# so it is always mmapped and freeing it never raises the threshold; the pages it leaves untouched
+# cost no memory.
+_WORK_FLOOR = (32 << 20) // 4 + 4096
 
 
 def _stored_regions(scheme: QuantScheme, region: Region) -> tuple[Region, Region]:
@@ -87,18 +91,25 @@ def dequantize_shard(values: torch.Tensor, scales: torch.Tensor, scheme: QuantSc
                      chunk_elements: int = DEQUANT_CHUNK) -> torch.Tensor:
     """Rank ``rank``'s dequantized shard (in ``dtype``) of a model tensor of ``shape`` split by
     ``spec``, from ``values`` and ``scales`` read as :func:`dequant_reads` says: each region
-    through ``core.quant.dequantize_region`` (FP8) or ``mxfp4_dequantize_region`` (then
+    through ``core.quant.dequantize_region_into`` (FP8) or ``mxfp4_dequantize_region`` (then
     transposed back when ``transposed``), float32 then cast once, so it equals the same slice
     of the full dequantization bit for bit. Regions go in dim-0 chunks of about
-    ``chunk_elements``, so the float32 temporaries stay small."""
+    ``chunk_elements``, so the float32 temporaries stay small; FP8 chunks reuse one float32
+    workspace allocated per call, so none are allocated and freed between the outputs."""
     out = torch.empty(local_shape(shape, spec, degree), dtype=dtype, device=values.device)
     (held_v, _), (held_s, _) = dequant_reads(scheme, shape, spec, degree, rank, transposed=transposed)
-    for (region, off), (vbox, voff), (sbox, soff) in zip(local_layout(shape, spec, degree, rank), held_v,
-                                                         held_s, strict=True):
+    regions = list(local_layout(shape, spec, degree, rank))
+    steps = [max(1, chunk_elements // max(1, r.numel // r.sizes[0])) if r.numel else 0 for r, _ in regions]
+    # FP8: one float32 workspace (values, then the expanded scales) for all chunks, so no chunk-sized
+    # temporaries are allocated and freed between the outputs (glibc would keep that memory).
+    cap = max((min(st, r.sizes[0]) * (r.numel // r.sizes[0])
+               for st, (r, _) in zip(steps, regions, strict=True) if st), default=0)
+    work = (torch.empty(max(2 * cap, _WORK_FLOOR), dtype=torch.float32, device=values.device)
+            if cap and scheme.name != "mxfp4" else None)
+    for step, (region, off), (vbox, voff), (sbox, soff) in zip(steps, regions, held_v, held_s, strict=True):
         if region.numel == 0:
             continue
         rows = region.sizes[0]
-        step = max(1, chunk_elements // max(1, region.numel // rows))
         for lo in range(0, rows, step):
             n = min(step, rows - lo)
             part = Region((region.offsets[0] + lo,) + region.offsets[1:], (n,) + region.sizes[1:])
@@ -109,8 +120,10 @@ def dequantize_shard(values: torch.Tensor, scales: torch.Tensor, scheme: QuantSc
             if scheme.name == "mxfp4":
                 piece = mxfp4_dequantize_region(v, s, logical, dtype)
             else:
-                piece = dequantize_region(v, s, logical, scheme.block, dtype)
-            out[local.slices()] = piece.transpose(-1, -2) if transposed else piece
+                numel = part.numel
+                piece = dequantize_region_into(v, s, logical, scheme.block, work[:numel].view(logical.sizes),
+                                               work[cap:cap + numel].view(logical.sizes))
+            out[local.slices()].copy_(piece.transpose(-1, -2) if transposed else piece)  # cast once
     return out
 
 

@@ -29,6 +29,7 @@ tensors "missing"): without ``dequantize=True`` it raises.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import threading
 from collections.abc import Mapping
@@ -196,6 +197,20 @@ def _quantization_config(root: Path):
         return None
 
 
+def _malloc_trim():
+    """glibc's ``malloc_trim`` (hands the heap's free pages back), or ``None`` off glibc."""
+    try:
+        fn = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    except (OSError, TypeError):
+        return None
+    if fn is not None:
+        fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return fn
+
+
+_MALLOC_TRIM = _malloc_trim()
+
+
 class Dequantizer:
     """The reads of :class:`Dequantized` tensors and their dequantization.
 
@@ -238,6 +253,10 @@ class Dequantizer:
             out = dequantize_shard(pair[0], pair[1], d.scheme, d.shape, want.spec, want.degree, want.rank,
                                    self.dtype or d.declared, transposed=d.transposed)
             pair.clear()
+            if _MALLOC_TRIM is not None:
+                # The raw shards just freed sit between kept outputs in glibc's heap, which keeps
+                # such holes (about 400 MiB a rank over a 1 GB FP8 load): hand their pages back.
+                _MALLOC_TRIM(0)
             self.done[key] = finalize(key, out)
         return None
 
