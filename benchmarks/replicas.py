@@ -28,7 +28,7 @@ from pathlib import Path
 
 import _peers_models as pm
 from _common import GB, warm_file_cache, write_results
-from _ranks import torchrun_nodes
+from _torchrun import torchrun_nodes
 
 from shardwise.io.safetensors.format import parse_size
 

@@ -1,6 +1,7 @@
 """Failures on real gloo ranks: corrupt data files, ranks that die, and the checksums of
-tensor-parallel saves. Ranks that die are launched by benchmarks/_ranks.py (the harness's
-``run_ranks`` stops every rank once one dies; here the survivors are what is tested)."""
+tensor-parallel saves. Ranks that die are launched by tests/stress/dying_ranks.py (the
+harness's ``run_ranks`` stops every rank once one dies; here the survivors are what is tested).
+The longer stress passes (fuzzer, kill trials, the rank-death matrix) are tests/stress/."""
 
 from __future__ import annotations
 
@@ -14,10 +15,9 @@ import shardwise as sw
 from harness import run_ranks
 from models import make_model, tiny_plan
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCH))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "stress"))
 
-from _ranks import die, run_with_deaths  # noqa: E402
+from dying_ranks import die, run_with_deaths  # noqa: E402
 
 TIMEOUT = 20  # the collectives' timeout in the ranks that lose a peer
 
@@ -111,23 +111,3 @@ def test_rank_death_during_a_dcp_load_is_a_shardwise_error(tmp_path):
     assert outcomes[1].kind == "died"
     assert outcomes[0].kind == "ok", outcomes[0].value
     assert outcomes[0].value == "CollectiveError"
-
-
-def test_stress_scripts_smoke(tmp_path):
-    """A small pass of benchmarks/reliability.py: every fuzz case and crash trial passes."""
-    from _fuzz import run_fuzz
-    from _trials import run_deaths, run_kills
-
-    fuzz = run_fuzz(tmp_path / "fuzz", 25, seed=7, progress=None)
-    assert sum(fuzz["per_case"].values()) == 25
-    assert fuzz["per_case"]["ok"] + fuzz["per_case"]["clean"] == 25, fuzz["examples"]
-    assert fuzz["per_call"]["load"]["clean"] > 0  # the mutations do reach the checks
-
-    kills = run_kills(tmp_path / "kills", 1, seed=7, kinds=("dcp",), progress=None)
-    assert [r["kind"] for r in kills["rows"]] == ["dcp"]
-    assert all(r["ok"] for r in kills["rows"]), kills["rows"]
-
-    deaths = run_deaths(tmp_path / "deaths", progress=None, ops=("dcp load", "gather save", "parallel save"),
-                        deaths=("kill",), points=("middle",), victims=(1,))
-    assert [r["survivor"] for r in deaths["rows"]] == ["CollectiveError"] * 3, deaths
-    assert not any(r["left"] for r in deaths["rows"])

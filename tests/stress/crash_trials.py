@@ -1,4 +1,4 @@
-"""Crash trials (benchmarks/reliability.py kills | deaths).
+"""Crash trials (tests/stress/stress.py kills | deaths).
 
 ``kills``: a save (gather, distributed, each fresh or over a previous checkpoint) on two
 gloo ranks, or a consolidation, is SIGKILLed from outside at a random moment (rank 0, rank 1
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 from _common import PLAN, BenchModel, real_plan
-from _ranks import Ranks, die, run_with_deaths
+from dying_ranks import Ranks, die, run_with_deaths
 
 # gather: the rank-0 stream; parallel: every rank writes its own regions (sw.save parallel_write)
 KILL_KINDS = ("gather", "gather-overwrite", "parallel", "parallel-overwrite", "dcp", "dcp-overwrite",

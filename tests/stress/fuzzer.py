@@ -1,7 +1,7 @@
-"""The fuzzer (benchmarks/reliability.py fuzz): mutated checkpoints through every entry point.
+"""The fuzzer (tests/stress/stress.py fuzz): mutated checkpoints through every entry point.
 
 One worker process runs the cases one after another: for each it builds the mutated folder
-(``_fuzz_mutate``), then calls ``sw.load`` (a world of one, tp=1), ``shardwise inspect``,
+(``fuzz_mutate``), then calls ``sw.load`` (a world of one, tp=1), ``shardwise inspect``,
 ``sw.verify`` and, for DCP folders, ``sw.consolidate``. The parent feeds it case numbers
 and watches it: a case that gives no answer within the deadline is a hang (the worker is
 killed and restarted), a worker that dies is a crash.
@@ -185,7 +185,7 @@ def _ops(folder: Path, kind: str, case: Path, state: dict):
 
 
 def run_case(i: int, seed: int, work: Path, state: dict, audit: _Audit, say) -> dict:
-    from _fuzz_mutate import new_case
+    from fuzz_mutate import new_case
 
     rng = random.Random(f"{seed}-{i}")
     case = work / "cases" / str(i)
@@ -248,7 +248,7 @@ def worker_main(work: Path, seed: int) -> None:
 
 class _Worker:
     def __init__(self, work: Path, seed: int, log):
-        script = Path(__file__).with_name("reliability.py")
+        script = Path(__file__).with_name("stress.py")
         self.proc = subprocess.Popen(
             ["nice", "-n", "10", sys.executable, str(script), "_worker", "--work", str(work),
              "--seed", str(seed)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,

@@ -1,4 +1,4 @@
-"""Mutations of checkpoint folders for the fuzzer (benchmarks/reliability.py fuzz).
+"""Mutations of checkpoint folders for the fuzzer (tests/stress/stress.py fuzz).
 
 Three seed checkpoints of one small model, written by shardwise: a one-file safetensors
 folder, a sharded one with its index, and a distributed (DCP) one saved at tp=2 (several
