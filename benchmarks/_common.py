@@ -78,16 +78,10 @@ def rss_bytes() -> int:
 
 
 def _reset_hwm() -> bool:
-    """Reset VmHWM to the current RSS (``echo 5 > /proc/self/clear_refs``); True when it worked.
-    (shardwise's demo does the same privately: benchmarks use only shardwise's public names.)"""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return False
-    st = proc_status()
-    # RSS counters are batched per CPU; tolerate a little slack between the two fields.
-    return "VmHWM" in st and st["VmHWM"] <= st.get("VmRSS", 0) + (1 << 20)
+    """Reset VmHWM to the current RSS (``echo 5 > /proc/self/clear_refs``); True when it worked."""
+    from shardwise.memory import reset_high_water_mark
+
+    return reset_high_water_mark()
 
 
 class PeakRSS:

@@ -62,7 +62,7 @@ def _release_freed_memory() -> None:
 
 def _timed(step, backend):
     """``(result, peak bytes, seconds, method)`` of ``step()``, the ranks starting together."""
-    from shardwise._memory import PeakMemory
+    from shardwise.memory import PeakMemory
 
     gc.collect()
     _release_freed_memory()

@@ -1,4 +1,5 @@
-"""Peak resident memory of this process above a starting level (Linux ``/proc``), for the demo.
+"""Peak resident memory of this process above a starting level (Linux ``/proc``), for the
+demo and the benchmarks.
 
 ``ru_maxrss`` only ever grows over a process's life, so it cannot measure a second phase.
 Writing ``5`` to ``/proc/self/clear_refs`` (Linux >= 4.0) resets the kernel's high-water mark
@@ -12,7 +13,7 @@ from __future__ import annotations
 import threading
 
 
-def _status() -> dict[str, int]:
+def memory_status() -> dict[str, int]:
     """``VmRSS`` / ``VmHWM`` of this process in bytes; empty where /proc is missing."""
     out: dict[str, int] = {}
     try:
@@ -26,13 +27,13 @@ def _status() -> dict[str, int]:
     return out
 
 
-def _reset_high_water_mark() -> bool:
+def reset_high_water_mark() -> bool:
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
     except OSError:
         return False
-    st = _status()
+    st = memory_status()
     # RSS counters are batched per CPU; tolerate a little slack between the two fields.
     return "VmHWM" in st and st["VmHWM"] <= st.get("VmRSS", 0) + (1 << 20)
 
@@ -57,15 +58,15 @@ class PeakMemory:
         self._thread: threading.Thread | None = None
 
     def _sample(self) -> None:
-        self._max = max(self._max, _status().get("VmRSS", 0))
+        self._max = max(self._max, memory_status().get("VmRSS", 0))
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             self._sample()
 
     def __enter__(self) -> PeakMemory:
-        exact = _reset_high_water_mark()
-        self.baseline = self._max = _status().get("VmRSS", 0)
+        exact = reset_high_water_mark()
+        self.baseline = self._max = memory_status().get("VmRSS", 0)
         if exact:
             self.method = "VmHWM"
         elif self.baseline:
@@ -81,5 +82,8 @@ class PeakMemory:
             self._thread.join()
             self._thread = None
         self._sample()
-        peak = _status().get("VmHWM", 0) if self.method == "VmHWM" else 0
+        peak = memory_status().get("VmHWM", 0) if self.method == "VmHWM" else 0
         self.bytes = max(0, max(peak, self._max) - self.baseline)
+
+
+__all__ = ["PeakMemory", "memory_status", "reset_high_water_mark"]
