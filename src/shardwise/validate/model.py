@@ -34,6 +34,8 @@ class ModelConfig:
     expert_inter: int = 16   # each expert's SwiGLU width
     num_experts: int = 16
     top_k: int = 2
+    moe_layers: tuple[bool, ...] = (False, True)  # per layer: an MoE layer (True) or dense SwiGLU
+    tie: bool = False  # lm_head tied to the embedding
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -152,7 +154,7 @@ class Body(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab, cfg.hidden)
-        self.layers = nn.ModuleList([Layer(cfg, moe=False), Layer(cfg, moe=True)])
+        self.layers = nn.ModuleList([Layer(cfg, moe=moe) for moe in cfg.moe_layers])
         self.norm = nn.RMSNorm(cfg.hidden)
 
     def forward(self, ids):
@@ -163,11 +165,23 @@ class Body(nn.Module):
 
 
 class ValidateLM(nn.Module):
+    base_model_prefix = "model"
+
     def __init__(self, cfg: ModelConfig = CONFIG):
         super().__init__()
         self.config = cfg
         self.model = Body(cfg)
         self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+        if cfg.tie:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def tp_plan(self) -> dict:  # as a transformers causal LM exposes it, for plan="auto"
+        return dict(TP_PLAN)
+
+    @property
+    def ep_plan(self) -> dict:
+        return dict(EP_PLAN)
 
     def forward(self, ids):
         return self.lm_head(self.model(ids))
