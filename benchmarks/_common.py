@@ -19,19 +19,25 @@ import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+if TYPE_CHECKING:
+    import shardwise as sw
+
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 # Benchmark the checkout, not whatever shardwise is installed; spawned ranks inherit sys.path.
-if (REPO / "src" / "shardwise").is_dir() and str(REPO / "src") not in sys.path:
-    sys.path.insert(0, str(REPO / "src"))
+# SHARDWISE_BENCH_SRC names another checkout's src/ (benchmarks/before_after.py measures an
+# older commit with it); every shardwise import below is inside a function, so that a run
+# takes shardwise from there only.
+SRC = Path(os.environ.get("SHARDWISE_BENCH_SRC") or REPO / "src")
+if (SRC / "shardwise").is_dir() and str(SRC) not in sys.path:
+    sys.path.insert(0, str(SRC))
 
-from shardwise.core.header import dtype_to_str  # noqa: E402
-from shardwise.core.spec import ShardSpec  # noqa: E402
-from shardwise.io.safetensors.format import INDEX_SUFFIX, StreamingWriter, index_json, plan_files  # noqa: E402
+INDEX_SUFFIX = ".safetensors.index.json"
 
 OUT_DIR = BENCH_DIR / "results"  # kept in the repository, next to the docs they feed
 SCRATCH_DIR = BENCH_DIR / "out"  # git-ignored: runs from a dirty tree
@@ -206,7 +212,7 @@ def real_plan(plan: dict[str, str]) -> dict:
     return {k: sw.PackedColwise([1, 1]) if v == "packed_colwise" else v for k, v in plan.items()}
 
 
-def shard_specs(config: dict, plan: dict[str, str], degree: int) -> dict[str, ShardSpec]:
+def shard_specs(config: dict, plan: dict[str, str], degree: int) -> dict[str, sw.ShardSpec]:
     """ShardSpec of every sharded tensor of a :func:`make_checkpoint` model at ``degree``,
     from shardwise's own plan resolution (replicated tensors left out)."""
     from shardwise.core.plan import resolve_plan
@@ -335,6 +341,9 @@ def make_checkpoint(folder, total_bytes: int, file_bytes: int, *, dtype: torch.d
     are generated and streamed to disk one at a time (peak memory ~ one tensor in float32).
     A checkpoint already in ``folder`` with the same config is reused as it is.
     """
+    from shardwise.core.header import dtype_to_str
+    from shardwise.io.safetensors.format import StreamingWriter, index_json, plan_files
+
     folder = Path(folder)
     item = torch.empty((), dtype=dtype).element_size()
     hidden = max(64, int(math.sqrt(total_bytes / item / (16 * layers + 8))) // 64 * 64)
