@@ -70,7 +70,7 @@ def _code_of(module: nn.Module) -> list:
 
 
 @functools.cache  # one parse per function, not per layer
-def _parsed(func) -> tuple[ast.FunctionDef, frozenset[str]] | None:
+def _parsed(func) -> tuple[ast.FunctionDef | ast.AsyncFunctionDef, frozenset[str]] | None:
     """The function's syntax tree and the names that hold the module in it (``self``, and a
     processor's attention argument)."""
     try:

@@ -227,6 +227,7 @@ def _check_tiling(entries, data_size: int, source: str) -> None:
     end = 0
     for entry in sorted(entries, key=lambda e: (e.start, e.end)):
         if entry.start < end:
+            assert prev is not None  # end > 0 only once an entry was seen
             raise CheckpointError(
                 f"{source}: tensors {prev.name!r} [{prev.start}, {prev.end}) and "
                 f"{entry.name!r} [{entry.start}, {entry.end}) overlap"

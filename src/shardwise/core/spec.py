@@ -127,7 +127,7 @@ def block_sizes(shape: Shape, spec: ShardSpec) -> tuple[int, ...]:
     >>> block_sizes((36, 2), ShardSpec(dim=0, blocks=(1, 1, 1, 3, 3)))
     (4, 4, 4, 12, 12)
     """
-    if spec.replicated:
+    if spec.dim is None:  # replicated
         raise PlanError("a replicated ShardSpec has no blocks")
     _check_dim(shape, spec.dim, "shard")
     size, total = shape[spec.dim], sum(spec.blocks)
@@ -154,7 +154,7 @@ def check_shardable(shape: Shape, spec: ShardSpec, degree: int) -> None:
     >>> check_shardable((8, 4), ShardSpec(dim=0, blocks=(1, 1)), 2)  # blocks of 4 rows: fine
     """
     _check_degree(degree)
-    if spec.replicated:
+    if spec.dim is None:  # replicated
         return
     sizes = block_sizes(shape, spec)
     bad = [(i, s) for i, s in enumerate(sizes) if s % degree]
@@ -190,7 +190,7 @@ def local_shape(shape: Shape, spec: ShardSpec, degree: int) -> tuple[int, ...]:
     """
     check_shardable(shape, spec, degree)
     out = tuple(int(s) for s in shape)
-    if spec.replicated:
+    if spec.dim is None:  # replicated
         return out
     return out[: spec.dim] + (out[spec.dim] // degree,) + out[spec.dim + 1 :]
 
@@ -203,7 +203,7 @@ def global_shape(local: Shape, spec: ShardSpec, degree: int) -> tuple[int, ...]:
     (8, 4)
     """
     out = tuple(int(s) for s in local)
-    if spec.replicated:
+    if spec.dim is None:  # replicated
         return out
     _check_degree(degree)
     _check_dim(out, spec.dim, "local shape")
@@ -224,7 +224,7 @@ def shard_regions(shape: Shape, spec: ShardSpec, degree: int, rank: int) -> list
     _check_degree(degree, rank)
     check_shardable(shape, spec, degree)
     shape = tuple(int(s) for s in shape)
-    if spec.replicated:
+    if spec.dim is None:  # replicated
         return [Region((0,) * len(shape), shape)]
     d = spec.dim
     spans: list[list[int]] = []  # [start, size] along d
@@ -248,7 +248,7 @@ def local_layout(shape: Shape, spec: ShardSpec, degree: int, rank: int) -> Layou
     (Region(offsets=(6, 0), sizes=(2, 4)), (2, 0))
     """
     regions = shard_regions(shape, spec, degree, rank)
-    if spec.replicated:
+    if spec.dim is None:  # replicated
         return [(regions[0], regions[0].offsets)]
     layout, pos = [], 0
     for region in regions:
@@ -269,7 +269,7 @@ def split(tensor: torch.Tensor, spec: ShardSpec, degree: int, rank: int) -> torc
     tensor([2, 3, 6, 7])
     """
     regions = shard_regions(tuple(tensor.shape), spec, degree, rank)
-    if spec.replicated:
+    if spec.dim is None:  # replicated
         return tensor.clone(memory_format=torch.contiguous_format)
     # cat copies even a single piece, so the result never aliases `tensor`.
     return torch.cat([tensor[r.slices()] for r in regions], dim=spec.dim)
@@ -287,7 +287,7 @@ def assemble(shards: Sequence[torch.Tensor], spec: ShardSpec, degree: int) -> to
     if len(shards) != degree:
         raise PlanError(f"assemble needs one shard per rank ({degree}), got {len(shards)}")
     first = shards[0]
-    if spec.replicated:
+    if spec.dim is None:  # replicated
         return first.clone(memory_format=torch.contiguous_format)
     _check_dim(first.shape, spec.dim, "shard")
     shape = list(first.shape)

@@ -11,6 +11,7 @@ Pure: no torch.distributed. docs/plans.md has the table with each style's collec
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from shardwise.errors import PlanError
@@ -18,7 +19,7 @@ from shardwise.errors import PlanError
 
 @dataclass(frozen=True)
 class _Packed:
-    blocks: tuple[int, ...] | None = None
+    blocks: Sequence[int] | None = None  # any sequence in; a tuple once constructed
 
     def __post_init__(self) -> None:
         if self.blocks is not None:

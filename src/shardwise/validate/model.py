@@ -243,6 +243,11 @@ class Golden:
     after_two_steps: dict[str, torch.Tensor]
 
 
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    assert p.grad is not None  # every parameter of this model takes part in the loss
+    return p.grad.clone()
+
+
 def golden() -> Golden:
     model = build()
     optimizer = optimizer_for(model.parameters())
@@ -250,9 +255,9 @@ def golden() -> Golden:
     logits = model(ids)
     loss = loss_of(logits, targets)
     loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    grads = {n: _grad(p) for n, p in model.named_parameters()}
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item()
-    clipped = {n: p.grad.clone() for n, p in model.named_parameters()}
+    clipped = {n: _grad(p) for n, p in model.named_parameters()}
     optimizer.step()
     optimizer.zero_grad()
     after = {n: p.detach().clone() for n, p in model.named_parameters()}
