@@ -84,7 +84,8 @@ def test_bf16_input_and_experts_dims():
     assert torch.equal(one_q.view(torch.uint8), q[1].view(torch.uint8)) and torch.equal(one_s, s[1])
 
 
-@pytest.mark.parametrize("shape,block", [((5,), (2, 2)), ((4, 4), (2,)), ((4, 4), (0, 2)), ((4, 4), (2, None))])
+@pytest.mark.parametrize("shape,block", [((5,), (2, 2)), ((4, 4), (2,)), ((4, 4), (0, 2)),
+                                         ((4, 4), (2, None))])
 def test_bad_shapes_and_blocks_are_refused(shape, block):
     with pytest.raises(PlanError):
         quantize_fp8_blocks(torch.ones(shape), block)
