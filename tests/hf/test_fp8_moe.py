@@ -27,7 +27,7 @@ pytest.importorskip("transformers")
 import shardwise as sw  # noqa: E402
 from harness import run_ranks  # noqa: E402
 from hf import fp8_moe_models as M  # noqa: E402
-from shardwise.errors import CheckpointError  # noqa: E402
+from shardwise.errors import CheckpointError, UnsupportedModelError  # noqa: E402
 
 # (kind, layout, axis, degree): blocks whole at qwen3_moe tp2, cut at deepseek_v3 tp2 and qwen3_moe tp4
 CASES = [("qwen3_moe", "transformers", "tp", 2), ("qwen3_moe", "transformers", "ep", 2),
@@ -84,6 +84,12 @@ def _ranks(kind: str, layout: str, folder: str, out: str, axis: str, degree: int
     return _kept(ctx)
 
 
+def _at(specs, spec, rank: int) -> tuple[int, int]:
+    """(degree, rank) of ``spec``'s axis on a one-axis mesh (the other axis has degree 1)."""
+    degree = specs.degrees[spec.axis]
+    return degree, rank if degree > 1 else 0
+
+
 def _dequantized(ctx) -> None:
     from shardwise.core.spec import split
     from shardwise.parallel import get_shard_state, local_of
@@ -95,7 +101,8 @@ def _dequantized(ctx) -> None:
     for name, t in model.state_dict().items():
         local = local_of(t)
         want = ctx.full[name].to(local.dtype)  # the router's fp32 weights stay fp32 (transformers' rule)
-        assert same_bits(local, split(want, specs.spec_of(name), ctx.degree, ctx.rank)), name
+        spec = specs.spec_of(name)
+        assert same_bits(local, split(want, spec, *_at(specs, spec, ctx.rank))), name
         experts += ".experts." in name
     assert experts and model.result.bytes_read < sum(v.numel() * v.element_size() for v in ctx.held.values())
     sw.save(model, f"{ctx.out}/deq")
@@ -114,21 +121,29 @@ def _kept(ctx) -> int:
     cut = 0
     for scale_name, tie in specs.ties.items():
         spec = specs[tie.weight]
+        n, rank = _at(specs, spec, ctx.rank)
         weight, scale = local_of(state[tie.weight]), local_of(state[scale_name])
         assert weight.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
-        assert same_bits(weight, split(ctx.held[tie.weight], spec, ctx.degree, ctx.rank)), tie.weight
-        held = scale_layout(tie, spec, ctx.degree, ctx.rank)
+        assert same_bits(weight, split(ctx.held[tie.weight], spec, n, rank)), tie.weight
+        held = scale_layout(tie, spec, n, rank)
         assert same_bits(scale, take_layout(ctx.held[scale_name], held, tuple(scale.shape))), scale_name
-        cut += not tie_aligned(tie, spec, ctx.degree)
+        cut += not tie_aligned(tie, spec, n)
         parts = []
-        for (region, off), (scales, soff) in zip(local_layout(tie.weight_shape, spec, ctx.degree, ctx.rank),
+        for (region, off), (scales, soff) in zip(local_layout(tie.weight_shape, spec, n, rank),
                                                  held, strict=True):
             q, s = weight[Region(off, region.sizes).slices()], scale[Region(soff, scales.sizes).slices()]
             parts.append((region, off, dequantize_region(q, s, region, tie.block, torch.bfloat16)))
         got = torch.empty(weight.shape, dtype=torch.bfloat16)
         for region, off, part in parts:
             got[Region(off, region.sizes).slices()] = part
-        assert same_bits(got, split(ctx.full[tie.weight], spec, ctx.degree, ctx.rank)), tie.weight
+        assert same_bits(got, split(ctx.full[tie.weight], spec, n, rank)), tie.weight
+    for tie in specs.ties.values():  # an FP8 experts kernel on a cut shard would be wrong
+        spec = specs[tie.weight]
+        if len(tie.block) == 3 and not tie_aligned(tie, spec, specs.degrees[spec.axis]):
+            experts = kept.get_submodule(tie.weight.rpartition(".")[0])
+            hidden, index = torch.zeros(3, experts.hidden_dim), torch.zeros(3, 2, dtype=torch.long)
+            with pytest.raises(UnsupportedModelError, match=r"cut 128-wide FP8 blocks.*dequantize=True"):
+                experts(hidden, index, torch.ones(3, 2))
     sw.save(kept, f"{ctx.out}/kept", max_shard_size=M.SHARD_SIZE)
     return cut
 
