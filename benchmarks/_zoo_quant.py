@@ -18,6 +18,7 @@ is reported with shardwise's error, not left out.
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 import time
@@ -29,6 +30,7 @@ from _common import REPO
 if str(REPO / "tests") not in sys.path:
     sys.path.insert(0, str(REPO / "tests"))  # the fixture builders; spawned ranks inherit sys.path
 
+INDEX = "model.safetensors.index.json"
 LAYOUTS = (("tp", 2), ("tp", 4), ("tp", 8), ("ep", 2), ("ep", 4))
 
 
@@ -143,7 +145,7 @@ def _ranks(variants: list[Variant], folders: dict, out: str, axis: str, degree: 
         try:
             results[v.name] = _check(v, folders[v.name], f"{out}/{v.name}", mesh, backend.rank)
         except Exception as e:  # the row says which error; the sweep goes on
-            results[v.name] = {"error": f"{type(e).__name__}: {first_line(e)}"}
+            results[v.name] = {"error": first_line(e)}
         results[v.name]["seconds"] = round(time.perf_counter() - t0, 1)
     return results
 
@@ -154,7 +156,16 @@ def _same_files(source: Path, saved: Path) -> str:
     if got != names:
         return f"differs: files {got} vs {names}"
     bad = [n for n in names if (saved / n).read_bytes() != (source / n).read_bytes()]
+    if bad == [INDEX] and _index_core(saved) == _index_core(source):
+        # the index's total_parameters counts the model object that wrote it: gpt-oss's fixture is
+        # written from the plain model (transformers cannot quantize MXFP4 on CPU)
+        return "byte-equal (index: same weight_map and total_size)"
     return f"differs: {bad[0]}" if bad else "byte-equal"
+
+
+def _index_core(folder: Path) -> tuple:
+    index = json.loads((folder / INDEX).read_text())
+    return index["weight_map"], index["metadata"]["total_size"]
 
 
 def quant_stage(work: Path, *, layouts=LAYOUTS, timeout: int = 900, log=print) -> list[dict]:

@@ -165,6 +165,7 @@ def write_report(rows: list[dict], meta: dict, out: Path, *, merge: bool, quanti
     path = out.with_suffix(".json")
     runs = [meta["commit"] + " " + meta["date"]]
     quant = {"meta": meta, "rows": quantized} if quantized is not None else None
+    only_quant = not rows
     if merge and path.is_file():
         old = json.loads(path.read_text())
         quant = quant or old.get("quantized")
@@ -179,7 +180,7 @@ def write_report(rows: list[dict], meta: dict, out: Path, *, merge: bool, quanti
         if kept:
             runs = sorted(set(old["meta"].get("runs", [])) | set(runs))
             rows = kept + rows
-    if not rows and merge and path.is_file():  # only the quantized stage ran: the families' meta stays
+    if only_quant and merge and path.is_file():  # only the quantized stage ran: the families' meta stays
         meta = old["meta"]
     else:
         meta = {**meta, "runs": runs}

@@ -34,11 +34,11 @@ BLOCK = (128, 128)
 FP8 = torch.float8_e4m3fn
 
 
-def _qwen3():  # 128-multiples everywhere: aligned at tp=2, blocks cut at tp=4 (q/k/v 64 rows)
+def _qwen3():  # 128-multiples everywhere: aligned at tp=2, blocks cut at tp=4 and 8 (q/k/v 64, 32 rows)
     from transformers import Qwen3Config
 
     return Qwen3Config(vocab_size=96, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
-                       num_attention_heads=4, num_key_value_heads=4, head_dim=64,
+                       num_attention_heads=8, num_key_value_heads=8, head_dim=32,
                        max_position_embeddings=64, tie_word_embeddings=False)
 
 

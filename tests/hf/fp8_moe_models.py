@@ -40,7 +40,7 @@ def _qwen3_moe():  # moe I = 256: whole blocks at tp=2, cut at tp=4 and 8
     from transformers import Qwen3MoeConfig
 
     return Qwen3MoeConfig(vocab_size=96, hidden_size=256, intermediate_size=384, moe_intermediate_size=256,
-                          num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, head_dim=64,
+                          num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=8, head_dim=32,
                           num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
                           max_position_embeddings=64, tie_word_embeddings=False)
 
@@ -49,7 +49,7 @@ def _deepseek_v3():  # a dense first layer, then 8 experts of I = 128 and a shar
     from transformers import DeepseekV3Config
 
     return DeepseekV3Config(vocab_size=96, hidden_size=256, intermediate_size=384, moe_intermediate_size=128,
-                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                            num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8,
                             n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=1,
                             topk_group=1, first_k_dense_replace=1, q_lora_rank=192, kv_lora_rank=128,
                             qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=64,
