@@ -5,9 +5,9 @@ embeddings, norms and ``lm_head`` bf16; ``quantization_config`` in ``config.json
 transformers' own ``save_pretrained`` from its FP8 quantizer's ``FP8Linear`` modules.
 
 Each weight is generated, quantized and dropped one at a time (peak ~ one float32 weight), so
-the full bf16 model never exists. The quantization is ``quantize_fp8_block``, a copy of
-``tests/hf/fp8_models.py``'s (equal to transformers' ``Fp8Quantize`` bit for bit where that
-applies; tested there). A folder already holding the same configuration is reused.
+the full bf16 model never exists. The quantization is ``shardwise.core.quant.quantize_fp8_blocks``
+(equal to transformers' ``Fp8Quantize`` bit for bit where that applies; tests/hf/test_fp8.py).
+A folder already holding the same configuration is reused.
 """
 
 from __future__ import annotations
@@ -42,27 +42,12 @@ def qwen3_config(layers: int = 14) -> dict:
                 tie_word_embeddings=False)
 
 
-def quantize_fp8_block(weight: torch.Tensor, block=BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(float8_e4m3fn values, float32 weight_scale_inv)`` of a 2-D weight, one scale per block
-    (``amax / 448``; an all-zero block gets 1), partial last blocks included."""
-    fp8_max = torch.finfo(FP8).max
-    rows, cols = weight.shape
-    bm, bn = block
-    padded = torch.zeros(math.ceil(rows / bm) * bm, math.ceil(cols / bn) * bn, dtype=torch.float32)
-    padded[:rows, :cols] = weight.float()
-    tiles = padded.reshape(padded.shape[0] // bm, bm, padded.shape[1] // bn, bn)
-    max_abs = tiles.abs().amax(dim=(-3, -1))
-    safe = torch.where(max_abs > 0, max_abs, torch.ones_like(max_abs))
-    scales = torch.where(max_abs > 0, fp8_max / safe, torch.ones_like(max_abs))
-    inv = (1.0 / scales).to(torch.float32)
-    q = torch.clamp(tiles * scales.unsqueeze(-1).unsqueeze(-3), min=-fp8_max, max=fp8_max).to(FP8)
-    return q.reshape(padded.shape)[:rows, :cols].clone(memory_format=torch.contiguous_format), inv
-
-
 def fp8_checkpoint(folder: Path, *, layers: int = 14, seed: int = 0) -> QuantCheckpoint:
     """Write (or reuse) the FP8 checkpoint in ``folder``."""
     from transformers import FineGrainedFP8Config, Qwen3Config, Qwen3ForCausalLM
     from transformers.quantizers import AutoHfQuantizer
+
+    from shardwise.core.quant import quantize_fp8_blocks
 
     folder = Path(folder)
     config = {**qwen3_config(layers), "seed": seed, "block": list(BLOCK)}
@@ -84,7 +69,7 @@ def fp8_checkpoint(folder: Path, *, layers: int = 14, seed: int = 0) -> QuantChe
             value = torch.randn(meta.shape, generator=gen) * 0.02
             value *= torch.logspace(-1, 1, meta.shape[0])[:, None]  # blocks with different scales
             if meta.dtype == FP8:
-                state[name], state[name + "_scale_inv"] = quantize_fp8_block(value)
+                state[name], state[name + "_scale_inv"] = quantize_fp8_blocks(value, BLOCK)
             else:
                 state[name] = value.to(torch.bfloat16)
             del value
@@ -120,4 +105,4 @@ def _finish(folder: Path, layers: int) -> QuantCheckpoint:
     return QuantCheckpoint(folder, files, stored, bf16, description)
 
 
-__all__ = ["QuantCheckpoint", "fp8_checkpoint", "quantize_fp8_block", "qwen3_config"]
+__all__ = ["QuantCheckpoint", "fp8_checkpoint", "qwen3_config"]

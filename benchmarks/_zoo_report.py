@@ -12,6 +12,8 @@ import re
 from collections import Counter, defaultdict
 from pathlib import Path
 
+from _zoo_quant import markdown as quant_markdown
+
 # Results that are not any tool's fault: the family could not be tried.
 NOT_TRIED = {"skip": "not testable", "build": "build fails", "forward": "forward fails in one process",
              "round trip": "save/reload differs in one process"}
@@ -155,13 +157,18 @@ def markdown(rows: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_report(rows: list[dict], meta: dict, out: Path, *, merge: bool) -> Path:
+def write_report(rows: list[dict], meta: dict, out: Path, *, merge: bool, quantized: list[dict] | None = None
+                 ) -> Path:
     """Write ``out`` (markdown) and the JSON beside it; with ``merge`` keep the other rows of
-    the JSON already there. Returns the JSON path."""
+    the JSON already there, and its quantized stage's rows when ``quantized`` is None (this run
+    had no such stage). Returns the JSON path."""
     path = out.with_suffix(".json")
     runs = [meta["commit"] + " " + meta["date"]]
+    quant = {"meta": meta, "rows": quantized} if quantized is not None else None
+    only_quant = not rows
     if merge and path.is_file():
         old = json.loads(path.read_text())
+        quant = quant or old.get("quantized")
         before = {r["family"]: r for r in old["families"]}
         for r in rows:  # a --no-peer rerun keeps the peer result it did not redo
             prev = before.get(r["family"], {}).get("peer", {"status": "not run"})
@@ -173,8 +180,17 @@ def write_report(rows: list[dict], meta: dict, out: Path, *, merge: bool) -> Pat
         if kept:
             runs = sorted(set(old["meta"].get("runs", [])) | set(runs))
             rows = kept + rows
-    meta = {**meta, "runs": runs}
+    if only_quant and merge and path.is_file():  # only the quantized stage ran: the families' meta stays
+        meta = old["meta"]
+    else:
+        meta = {**meta, "runs": runs}
     out.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"meta": meta, "counts": counts(rows), "families": rows}, indent=1) + "\n")
-    out.write_text(markdown(rows, meta))
+    report = {"meta": meta, "counts": counts(rows), "families": rows}
+    if quant is not None:
+        report["quantized"] = quant
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    text = markdown(rows, meta)
+    if quant is not None:
+        text += "\n".join(quant_markdown(quant["rows"], quant["meta"])) + "\n"
+    out.write_text(text)
     return path

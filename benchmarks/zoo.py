@@ -4,6 +4,7 @@
     python benchmarks/zoo.py --only llama,qwen3_moe   # a few families (rows merged into the existing JSON)
     python benchmarks/zoo.py --failed-from docs/models.json   # rerun what did not pass for shardwise
     python benchmarks/zoo.py --no-peer --limit 10     # shardwise only, the first 10 families
+    python benchmarks/zoo.py --quantized-only         # only the quantized stage (other rows kept)
 
 For each family the parent (one process) builds a tiny model (hidden 64, 3 layers, 4 heads,
 vocab 256, 4 experts: benchmarks/_zoo_configs.py), perturbs its weights, saves it with
@@ -20,6 +21,9 @@ gloo ranks, started once, load each checkpoint two ways and compare with that ou
 A result is pass, SILENT WRONG (no error, but another output shape or other values), error
 (first line of the exception), hang (a rank gave no result in time), or, for both tools, one
 of: not testable (no text model class), build fails, forward fails in one process too.
+Then the quantized stage (``_zoo_quant.py``): FP8 and MXFP4 variants of DeepSeek-V3, Qwen3,
+Qwen3-MoE and gpt-oss at tp 2/4/8 and ep 2/4, loaded dequantized and kept quantized, saved
+back; its table is the "Quantized variants" section of docs/models.md.
 Installs nothing: ``tox -e zoo`` has the requirements.
 """
 
@@ -37,6 +41,7 @@ from pathlib import Path
 import _common  # noqa: F401 - puts the checkout's src first on sys.path
 from _common import REPO
 from _zoo_models import build_case, diffusers_families, transformers_families
+from _zoo_quant import quant_stage
 from _zoo_ranks import RankPool, quiet_libraries
 from _zoo_report import classify, write_report
 
@@ -57,6 +62,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "models.md")
     ap.add_argument("--merge", action=argparse.BooleanOptionalAction, default=None,
                     help="keep the other families' rows of an existing JSON (default: when a subset runs)")
+    ap.add_argument("--quantized", action=argparse.BooleanOptionalAction, default=None,
+                    help="run the quantized stage (default: on a run of the whole zoo)")
+    ap.add_argument("--quantized-only", action="store_true",
+                    help="run only the quantized stage; the families' rows of the existing JSON are kept")
     ap.add_argument("--work", type=Path,
                     help="folder for the checkpoints (default: a temporary one, removed)")
     return ap.parse_args(argv)
@@ -116,11 +125,16 @@ def sweep(families, args, work: Path) -> list[dict]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     quiet_libraries()  # before diffusers/transformers print their import-time notices
-    families = select(args)
+    families = [] if args.quantized_only else select(args)
+    partial = bool(args.only or args.failed_from or args.limit)
+    run_quant = args.quantized_only or (args.quantized if args.quantized is not None else not partial)
     work = args.work or Path(tempfile.mkdtemp(prefix="shardwise-zoo-"))
     start = time.perf_counter()
+    quantized = None
     try:
-        rows = sweep(families, args, work)
+        rows = sweep(families, args, work) if families else []
+        if run_quant:
+            quantized = quant_stage(work, log=lambda m: print(m, flush=True))
     finally:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
@@ -129,8 +143,8 @@ def main(argv=None) -> int:
             "seconds": round(time.perf_counter() - start), "peer": args.peer,
             "transformers": _version("transformers"), "diffusers": _version("diffusers"),
             "torch": _version("torch")}
-    merge = args.merge if args.merge is not None else bool(args.only or args.failed_from or args.limit)
-    path = write_report(rows, meta, args.out, merge=merge)
+    merge = args.merge if args.merge is not None else partial or args.quantized_only
+    path = write_report(rows, meta, args.out, merge=merge, quantized=quantized)
     print(f"wrote {args.out} and {path} in {meta['seconds']} s", flush=True)
     return 0
 

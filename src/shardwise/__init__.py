@@ -43,6 +43,8 @@ if TYPE_CHECKING:  # what type checkers see for the names below, which load on f
     from shardwise.hf import empty_model as empty_model
     from shardwise.hf import from_pretrained as from_pretrained
     from shardwise.io.check.diff import diff as diff
+    from shardwise.io.check.inspect import inspect_checkpoint as inspect  # noqa: F401 - in __all__ via _ALIASES
+    from shardwise.io.check.inspect import inspect_checkpoint as inspect_checkpoint
     from shardwise.io.check.verify import verify as verify
     from shardwise.io.dcp.consolidate import consolidate as consolidate
     from shardwise.io.dcp.optim import load_optimizer as load_optimizer
@@ -67,13 +69,20 @@ _LAZY = {
     "empty_model": "shardwise.hf",
     "validate": "shardwise.validate",
 }
+# public names bound to a function of another name: ``sw.inspect`` (DESIGN.md's twin of
+# ``shardwise inspect PATH``) is ``inspect_checkpoint``, which keeps working under its own name
+_ALIASES = {
+    "inspect": ("shardwise.io.check.inspect", "inspect_checkpoint"),
+    "inspect_checkpoint": ("shardwise.io.check.inspect", "inspect_checkpoint"),
+}
 
 
 def __getattr__(name: str):
-    if name in _LAZY:
+    if name in _LAZY or name in _ALIASES:
         import importlib
 
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        module, attr = _ALIASES.get(name) or (_LAZY[name], name)
+        return getattr(importlib.import_module(module), attr)
     raise AttributeError(f"module 'shardwise' has no attribute {name!r}")
 
 __all__ = [
@@ -83,5 +92,5 @@ __all__ = [
     "UsageError",
     "__version__", "available_backends", "current_backend", "get_shard_state", "init_backend",
     "parallelize", "register_backend", "resolve_plan", "shutdown_backend",
-    *_LAZY,
+    *_LAZY, *_ALIASES,
 ]

@@ -32,7 +32,7 @@ from shardwise.errors import PlanError, UsageError
 from shardwise.installed import check_installed, local_of  # noqa: F401 - local_of: re-exported
 from shardwise.local_tp import run_on_local_params, wire_embedding_subclass, wire_forward, wire_local
 from shardwise.plan_checks import check_plan
-from shardwise.quant_tp import local_part, quantized_module, scale_is_local, wire_quantized
+from shardwise.quant_tp import guard_cut_experts, local_part, quantized_module, scale_is_local, wire_quantized
 
 HOLDINGS = ("dtensor", "local", "spmd")
 _STATE_ATTR = "_shardwise_state"
@@ -220,6 +220,7 @@ def _wire(model: nn.Module, specs: ResolvedPlan, state: ShardState) -> None:
             wire_embedding_subclass(module, style, state)
         else:
             wire_local(module, style, state)
+    guard_cut_experts(model, specs)  # FP8 experts whose shards cut blocks: their kernels would be wrong
 
 
 def parallelize(model: nn.Module, plan, mesh, *, holding: str | None = None, ep_plan=None) -> nn.Module:

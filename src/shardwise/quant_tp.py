@@ -98,6 +98,24 @@ def wire_quantized(module: nn.Module, path: str, style: Style, state) -> None:
     module.forward = types.MethodType(lambda mod, x: forward(x), module)
 
 
+def guard_cut_experts(model: nn.Module, specs: ResolvedPlan) -> None:
+    """Make the forward of each FP8 experts module (transformers' ``FP8Experts``) whose shard
+    boundaries cut a block raise: its kernels read local row ``i`` with local scale row
+    ``i // 128``, wrong on such a shard (the shards themselves are held exactly)."""
+    for tie in specs.ties.values():
+        spec = specs[tie.weight]
+        degree = specs.degrees[spec.axis]
+        if tie.scheme != "fp8_block" or len(tie.block) != 3 or tie_aligned(tie, spec, degree):
+            continue
+        path = tie.weight.rpartition(".")[0]
+        error = _cut_error(path, tie, spec, degree)
+
+        def forward(*args, _error=error, **kwargs):
+            raise _error
+
+        model.get_submodule(path).forward = forward
+
+
 def _cut_error(path: str, tie: QuantTie, spec: ShardSpec, degree: int) -> UnsupportedModelError:
     dim, block = spec.dim, tie.block[spec.dim]
     whole = []
@@ -116,4 +134,4 @@ def _cut_error(path: str, tie: QuantTie, spec: ShardSpec, degree: int) -> Unsupp
         f"to run the forward, load with dequantize=True, or use a degree that keeps blocks whole ({hint})")
 
 
-__all__ = ["local_part", "quantized_module", "scale_is_local", "wire_quantized"]
+__all__ = ["guard_cut_experts", "local_part", "quantized_module", "scale_is_local", "wire_quantized"]

@@ -8,7 +8,7 @@ included; the other tensors are bf16; ``config.json`` carries ``quantization_con
 transformers writes the files itself: the model is built with its FP8 quantizer's own module
 replacement (``FineGrainedFP8HfQuantizer.preprocess_model``: ``FP8Linear`` modules, lm_head
 left out as transformers leaves it), the quantized tensors are assigned, and
-``save_pretrained`` writes them. Only the values come from here: :func:`quantize_fp8_block`
+``save_pretrained`` writes them. Only the values come from here: ``core.quant.quantize_fp8_blocks``
 equals transformers' ``Fp8Quantize`` bit for bit where that applies (dims that are multiples
 of the block; tested), and goes on where it stops: ``Fp8Quantize`` leaves a weight whose dims
 are not multiples of 128 unquantized, and ``Fp8Dequantize`` raises on one, while hub
@@ -21,26 +21,24 @@ checkpoints hold such weights quantized with ``ceil(rows / 128)`` scale rows.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from shardwise.core.quant import dequantize_region
+from shardwise.core.quant import dequantize_region, quantize_fp8_blocks
 from shardwise.core.spec import Region
 
 SHARD_SIZE = "200KB"  # several files: the index is exercised
 BLOCK = (128, 128)
 FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max
 
 
-def _qwen3():  # 128-multiples everywhere: aligned at tp=2, blocks cut at tp=4 (q/k/v 64 rows)
+def _qwen3():  # 128-multiples everywhere: aligned at tp=2, blocks cut at tp=4 and 8 (q/k/v 64, 32 rows)
     from transformers import Qwen3Config
 
     return Qwen3Config(vocab_size=96, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
-                       num_attention_heads=4, num_key_value_heads=4, head_dim=64,
+                       num_attention_heads=8, num_key_value_heads=8, head_dim=32,
                        max_position_embeddings=64, tie_word_embeddings=False)
 
 
@@ -59,23 +57,6 @@ def model_class(kind: str):
     import transformers
 
     return getattr(transformers, KINDS[kind][0])
-
-
-def quantize_fp8_block(weight: torch.Tensor, block=BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(float8_e4m3fn values, float32 weight_scale_inv)`` of a 2-D weight, one scale per
-    block (``amax / 448``; an all-zero block gets 1), as transformers' ``Fp8Quantize`` computes
-    them, partial last blocks included (padded with zeros, which change no amax)."""
-    rows, cols = weight.shape
-    bm, bn = block
-    padded = torch.zeros(math.ceil(rows / bm) * bm, math.ceil(cols / bn) * bn, dtype=torch.float32)
-    padded[:rows, :cols] = weight.float()
-    tiles = padded.reshape(padded.shape[0] // bm, bm, padded.shape[1] // bn, bn)
-    max_abs = tiles.abs().amax(dim=(-3, -1))
-    safe = torch.where(max_abs > 0, max_abs, torch.ones_like(max_abs))
-    scales = torch.where(max_abs > 0, FP8_MAX / safe, torch.ones_like(max_abs))
-    inv = (1.0 / scales).to(torch.float32)
-    q = torch.clamp(tiles * scales.unsqueeze(-1).unsqueeze(-3), min=-FP8_MAX, max=FP8_MAX).to(FP8)
-    return q.reshape(padded.shape)[:rows, :cols].clone(memory_format=torch.contiguous_format), inv
 
 
 def build_plain(kind: str, *, seed: int = 0) -> torch.nn.Module:
@@ -108,7 +89,7 @@ def save_fp8(kind: str, folder: str | Path, *, seed: int = 0, max_shard_size: st
         if name.endswith(".weight_scale_inv"):
             continue
         if tensor.dtype == FP8:
-            state[name], state[name + "_scale_inv"] = quantize_fp8_block(plain[name])
+            state[name], state[name + "_scale_inv"] = quantize_fp8_blocks(plain[name], BLOCK)
         else:
             state[name] = plain[name]
     model.load_state_dict(state, assign=True, strict=True)
@@ -229,6 +210,6 @@ def logits(model: torch.nn.Module) -> torch.Tensor:
 
 __all__ = [
     "BLOCK", "KINDS", "SHARD_SIZE", "block_of", "build_plain", "dequantized_state", "fake_fp8_linear",
-    "fp8_model", "inputs", "logits", "meta_fp8_model", "model_class", "quantize_fp8_block", "reference_model",
+    "fp8_model", "inputs", "logits", "meta_fp8_model", "model_class", "reference_model",
     "save_fp8", "stored_tensors", "transformers_dequantized", "use_fake_fp8_kernel",
 ]

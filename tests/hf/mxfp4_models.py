@@ -40,7 +40,7 @@ def config():
     from transformers import GptOssConfig
 
     return GptOssConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                        num_attention_heads=8, num_key_value_heads=8, head_dim=16, num_local_experts=4,
                         num_experts_per_tok=2, max_position_embeddings=64, sliding_window=8,
                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
                         tie_word_embeddings=False)

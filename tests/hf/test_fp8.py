@@ -30,6 +30,7 @@ pytest.importorskip("transformers")
 import shardwise as sw  # noqa: E402
 from harness import run_ranks  # noqa: E402
 from hf import fp8_models as F  # noqa: E402
+from shardwise.core.quant import quantize_fp8_blocks  # noqa: E402
 from shardwise.errors import CheckpointError, UnsupportedModelError, UsageError  # noqa: E402
 
 CASES = [("qwen3", 2), ("qwen3", 4), ("llama576", 8)]
@@ -54,7 +55,7 @@ def test_the_fixture_is_what_transformers_writes_and_dequantizes(ckpts):
     weight = F.build_plain("qwen3").state_dict()["model.layers.0.mlp.down_proj.weight"]
     quantize = Fp8Quantize(SimpleNamespace(quantization_config=FineGrainedFP8Config()))
     theirs = quantize._quantize_one("w.weight", weight)
-    q, scale = F.quantize_fp8_block(weight)
+    q, scale = quantize_fp8_blocks(weight, F.BLOCK)
     assert same_bits(theirs["w.weight"], q) and same_bits(theirs["w.weight_scale_inv"], scale)
     stored = F.stored_tensors(ckpts["llama576"])
     assert stored["model.layers.0.mlp.up_proj.weight"].dtype == torch.float8_e4m3fn

@@ -61,6 +61,18 @@ def test_inspect_shows_scheme_and_block_per_tensor(fp8, capsys):
     assert report.quant[DOWN] == "fp8_block 128x128" and len(report.quant) == 14
 
 
+def test_sw_inspect_is_the_python_twin_of_the_cli(fp8):
+    """``sw.inspect`` (DESIGN.md's name) describes the checkpoint as ``inspect_checkpoint`` does,
+    which keeps working under both its names."""
+    assert sw.inspect is sw.inspect_checkpoint is inspect_checkpoint
+    assert "inspect" in sw.__all__ and "inspect_checkpoint" in sw.__all__
+    report = sw.inspect(fp8)
+    assert report.quant[UP] == "fp8_block 128x128" and report.quant[UP + "_scale_inv"].endswith("scales")
+    assert report.quant == inspect_checkpoint(fp8).quant and report.tensors == inspect_checkpoint(fp8).tensors
+    with pytest.raises(CheckpointError):
+        sw.inspect(fp8 / "no-such-file.safetensors")
+
+
 def test_inspect_without_quantization_config(fp8, tmp_path):
     bare = rewrite(fp8, tmp_path / "bare", config=lambda c: c.pop("quantization_config"))
     report = inspect_checkpoint(bare)

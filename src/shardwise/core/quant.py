@@ -193,10 +193,7 @@ def expand_scale(scale: torch.Tensor, weight_region: Region, block: Block) -> to
     >>> expand_scale(torch.tensor([1.0, 2.0]), Region((2,), (4,)), (3,))
     tensor([1., 2., 2., 2.])
     """
-    want = scale_region(weight_region, block).sizes
-    if tuple(scale.shape) != want:
-        raise PlanError(f"scale of shape {tuple(scale.shape)} does not fit weight region {weight_region} "
-                        f"with block {block}: expected {want}; read it at scale_region(region, block)")
+    _check_scale(scale, weight_region, block)
     out = scale
     for d, (a, n, b) in enumerate(zip(weight_region.offsets, weight_region.sizes, block, strict=True)):
         if b is None:
@@ -205,6 +202,56 @@ def expand_scale(scale: torch.Tensor, weight_region: Region, block: Block) -> to
             index = torch.arange(a, a + n, device=scale.device) // b - a // b
             out = out.index_select(d, index)
     return out.expand(weight_region.sizes)
+
+
+def _check_scale(scale: torch.Tensor, weight_region: Region, block: Block) -> None:
+    want = scale_region(weight_region, block).sizes
+    if tuple(scale.shape) != want:
+        raise PlanError(f"scale of shape {tuple(scale.shape)} does not fit weight region {weight_region} "
+                        f"with block {block}: expected {want}; read it at scale_region(region, block)")
+
+
+def _check_pair(q: torch.Tensor, scale: torch.Tensor, weight_region: Region, block: Block) -> None:
+    """The guard of both FP8 dequantizations: values read at the region, scales at its scale region."""
+    if tuple(q.shape) != weight_region.sizes:
+        raise PlanError(f"quantized values of shape {tuple(q.shape)} do not fit weight region "
+                        f"{weight_region}; read the weight at the region itself")
+    _check_scale(scale, weight_region, block)
+
+
+def quantize_fp8_blocks(weight: torch.Tensor, block: tuple[int, int] = (128, 128)
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(float8_e4m3fn values, float32 scales)`` of ``weight`` ``(..., rows, cols)``, one scale
+    per ``block`` of the last two dims (leading dims, experts, get one per entry), as the hub's
+    FP8 checkpoints store them (``weight_scale_inv``): a block's scale is ``1 / (448 / amax)``
+    (1 for an all-zero block) and its values ``clamp(w * 448 / amax, +-448)`` rounded to e4m3,
+    computed in float32 as transformers' ``Fp8Quantize`` does (bit for bit where its rules
+    apply), partial last blocks included (zero padding changes no amax). The inverse of
+    :func:`dequantize_region` up to e4m3 rounding.
+
+    >>> q, s = quantize_fp8_blocks(torch.tensor([[1.0, -2.0, 0.0], [4.0, 0.0, 0.0]]), (1, 2))
+    >>> q.float(), s
+    (tensor([[ 224., -448.,    0.],
+            [ 448.,    0.,    0.]]), tensor([[0.0045, 1.0000],
+            [0.0089, 1.0000]]))
+    """
+    if weight.dim() < 2 or len(block) != 2 or None in block:
+        raise PlanError(f"quantize_fp8_blocks takes a weight (..., rows, cols) and a block of 2 positive "
+                        f"ints, got shape {tuple(weight.shape)} and block {tuple(block)}")
+    _check_block(tuple(block))
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max
+    *lead, rows, cols = weight.shape
+    bm, bn = block
+    grid = (-(-rows // bm), -(-cols // bn))
+    padded = weight.new_zeros((*lead, grid[0] * bm, grid[1] * bn), dtype=torch.float32)
+    padded[..., :rows, :cols] = weight
+    tiles = padded.reshape(*lead, grid[0], bm, grid[1], bn)
+    max_abs = tiles.abs().amax(dim=(-3, -1))
+    safe = torch.where(max_abs > 0, max_abs, torch.ones_like(max_abs))
+    scales = torch.where(max_abs > 0, fp8_max / safe, torch.ones_like(max_abs))
+    q = torch.clamp(tiles * scales.unsqueeze(-1).unsqueeze(-3), min=-fp8_max, max=fp8_max)
+    q = q.to(torch.float8_e4m3fn).reshape(padded.shape)[..., :rows, :cols]
+    return q.clone(memory_format=torch.contiguous_format), (1.0 / scales).to(torch.float32)
 
 
 def dequantize_region(q: torch.Tensor, scale: torch.Tensor, weight_region: Region, block: Block,
@@ -220,9 +267,7 @@ def dequantize_region(q: torch.Tensor, scale: torch.Tensor, weight_region: Regio
             [3., 3.],
             [3., 3.]])
     """
-    if tuple(q.shape) != weight_region.sizes:
-        raise PlanError(f"quantized values of shape {tuple(q.shape)} do not fit weight region "
-                        f"{weight_region}; read the weight at the region itself")
+    _check_pair(q, scale, weight_region, block)
     return (q.float() * expand_scale(decode_scale(scale), weight_region, block)).to(dtype)
 
 
@@ -240,13 +285,7 @@ def dequantize_region_into(q: torch.Tensor, scale: torch.Tensor, weight_region: 
             [3., 3.],
             [3., 3.]])
     """
-    if tuple(q.shape) != weight_region.sizes:
-        raise PlanError(f"quantized values of shape {tuple(q.shape)} do not fit weight region "
-                        f"{weight_region}; read the weight at the region itself")
-    want = scale_region(weight_region, block).sizes
-    if tuple(scale.shape) != want:
-        raise PlanError(f"scale of shape {tuple(scale.shape)} does not fit weight region {weight_region} "
-                        f"with block {block}: expected {want}; read it at scale_region(region, block)")
+    _check_pair(q, scale, weight_region, block)
     out.copy_(q)
     s = decode_scale(scale)
     steps = list(enumerate(zip(weight_region.offsets, weight_region.sizes, block, strict=True)))
@@ -351,6 +390,7 @@ __all__ = [
     "mxfp4_dequantize_region",
     "mxfp4_regions",
     "offsets_in_block",
+    "quantize_fp8_blocks",
     "scale_region",
     "scale_shape",
     "unpack_e2m1",

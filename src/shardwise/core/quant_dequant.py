@@ -12,8 +12,11 @@ returns it.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 
+from shardwise.core.pieces import Piece
 from shardwise.core.quant import (
     QuantScheme,
     dequantize_region_into,
@@ -127,9 +130,40 @@ def dequantize_shard(values: torch.Tensor, scales: torch.Tensor, scheme: QuantSc
     return out
 
 
+def scale_pieces(pieces: Sequence[Piece], block: tuple[int | None, ...], key_of: Callable[[str], str]
+                 ) -> tuple[Piece, ...]:
+    """The pieces of a block-quantized tensor's scales, from the ``pieces`` of its values (an
+    experts tensor stored per expert, each stored weight with its own scales ``key_of(key)``):
+    each piece's scales land where its blocks lie in the assembled tensor, which needs every
+    piece to start on a block boundary of the assembled tensor and of its stored tensor (else
+    the assembled tensor's blocks are not the stored ones: ``PlanError``). Dims the stored
+    tensors lack (``stacked``) have block 1 in ``block``.
+
+    >>> p = [Piece("e.0.w", Region((0, 0), (128, 64)), (0, 0, 0), (0,)),
+    ...      Piece("e.1.w", Region((0, 0), (128, 64)), (1, 0, 0), (0,))]
+    >>> [(q.key, q.source.sizes, q.offsets) for q in scale_pieces(p, (1, 128, 128), lambda k: k + "_s")]
+    [('e.0.w_s', (1, 1), (0, 0, 0)), ('e.1.w_s', (1, 1), (1, 0, 0))]
+    """
+    out = []
+    for piece in pieces:
+        kept = [d for d in range(len(piece.offsets)) if d not in piece.stacked]
+        for i, d in enumerate(kept):
+            # a piece starting on block boundaries of both tensors keeps its blocks whole; as pieces
+            # tile the tensor, a partial last block is then at the assembled tensor's end
+            b = block[d]
+            if b is None or piece.offsets[d] % b or piece.source.offsets[i] % b:
+                raise PlanError(f"{piece.key!r} lands at {piece.offsets} of the assembled tensor, which "
+                                f"cuts its {b}-wide blocks on dim {d}: its scales do not tile the assembled "
+                                "scales")
+        scales = scale_region(piece.source, tuple(block[d] for d in kept))
+        offsets = tuple(o if d in piece.stacked else o // block[d] for d, o in enumerate(piece.offsets))
+        out.append(Piece(key_of(piece.key), scales, offsets, piece.stacked))
+    return tuple(out)
+
+
 def _within(need: Region, box: Region, at: tuple[int, ...]) -> Region:
     """Where ``need`` (inside ``box``) sits in a local buffer holding ``box`` at offset ``at``."""
     return Region(tuple(o + a - b for o, a, b in zip(at, need.offsets, box.offsets, strict=True)), need.sizes)
 
 
-__all__ = ["DEQUANT_CHUNK", "dequant_reads", "dequantize_shard"]
+__all__ = ["DEQUANT_CHUNK", "dequant_reads", "dequantize_shard", "scale_pieces"]

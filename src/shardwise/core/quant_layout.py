@@ -228,15 +228,35 @@ def fp8_block_of(module: nn.Module) -> tuple[int, int] | None:
     return int(block[0]), int(block[1])
 
 
+def fp8_expert_pairs(module: nn.Module) -> list[tuple[str, str, tuple[int, int, int]]]:
+    """``(values, scales, block)`` of each FP8 expert projection of a block-scaled experts
+    module (transformers' ``FP8Experts``: ``x`` float8 ``(E, rows, K)`` next to ``x_scale_inv``
+    ``(E, ceil(rows / bh), ceil(K / bw))`` and a 2-entry ``block_size``), block ``(1, bh, bw)``:
+    one scale per block of each expert. Attributes only (meta modules too)."""
+    block = getattr(module, "block_size", None)
+    if not isinstance(block, (tuple, list)) or len(block) != 2 or not all(
+            isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block):
+        return []
+    params, out = module._parameters, []
+    for name, values in params.items():
+        scales = params.get(name + "_scale_inv")
+        if (values is not None and scales is not None and values.dtype in _FLOAT8 and values.dim() == 3
+                and scales.dim() == 3):
+            out.append((name, name + "_scale_inv", (1, int(block[0]), int(block[1]))))
+    return out
+
+
 def quant_pairs(module: nn.Module) -> list[tuple[str, str, tuple[int | None, ...], str]]:
     """``(values, scales, block, scheme)`` of each block-quantized pair of ``module``'s own
-    parameters: an FP8 linear's ``weight`` and ``weight_scale_inv`` (:func:`fp8_block_of`), and
-    every MXFP4 pair ``x_blocks`` (uint8, ``(..., K/32, 16)``) / ``x_scales`` (uint8), as
-    transformers names them (its MXFP4 quantizer's ``serialized_names``). Attributes only."""
+    parameters: an FP8 linear's ``weight`` and ``weight_scale_inv`` (:func:`fp8_block_of`), an
+    FP8 experts module's projections (:func:`fp8_expert_pairs`), and every MXFP4 pair
+    ``x_blocks`` (uint8, ``(..., K/32, 16)``) / ``x_scales`` (uint8), as transformers names them
+    (its quantizers' ``serialized_names``). Attributes only."""
     out = []
     block = fp8_block_of(module)
     if block is not None:
         out.append(("weight", FP8_SCALE_SUFFIX, block, "fp8_block"))
+    out += [(values, scales, b, "fp8_block") for values, scales, b in fp8_expert_pairs(module)]
     params = module._parameters
     for name, blocks in params.items():
         base = name.removesuffix(MXFP4_SUFFIXES[0])
@@ -276,15 +296,16 @@ def tie_scales(model: nn.Module, specs: dict, styles: dict, keys: dict,
                degrees: dict[str, int] | None = None) -> dict[str, QuantTie]:
     """``{scale: QuantTie}`` of ``model`` (:func:`quant_ties`), each scale given its weight's spec
     in ``specs`` (a plan key naming the scale itself, as transformers' quantizer adds them, is
-    overridden: the scale follows its weight as region math). A sharded FP8 module must be
-    planned by a module key: its forward is wired as one (``shardwise.quant_tp``). A sharded
+    overridden: the scale follows its weight as region math). A sharded FP8 linear must be
+    planned by a module key: its forward is wired as one (``shardwise.quant_tp``); FP8 experts
+    are planned by their parameters' keys, as their unquantized twins. A sharded
     MXFP4 weight must keep every 32-group whole on every rank at its axis's degree in
     ``degrees`` (``ShardingError`` naming the degrees that do)."""
     ties = quant_ties(model)
     for scale, tie in ties.items():
         spec = specs[tie.weight]
         path = tie.weight.rpartition(".")[0]
-        if tie.scheme == "fp8_block" and not spec.replicated and path not in styles:
+        if tie.scheme == "fp8_block" and len(tie.block) == 2 and not spec.replicated and path not in styles:
             raise PlanError(f"plan key {keys.get(tie.weight)!r} shards the FP8 weight {tie.weight!r} by "
                             f"a parameter key; plan its module {path!r} instead (colwise or rowwise), so "
                             "that its weight, scales and forward are sharded together")
@@ -332,6 +353,7 @@ def _check_whole_groups(tie: QuantTie, spec: ShardSpec, degree: int, key: str | 
 
 __all__ = [
     "DEQUANT_CHUNK", "FP8_SCALE_SUFFIX", "MXFP4_SUFFIXES", "QuantTie", "dequantize_local", "fp8_block_of",
+    "fp8_expert_pairs",
     "is_tied_scale", "quant_pairs", "quant_ties", "scale_layout", "scale_local_shape", "scale_owned_layout",
     "take_layout", "tie_aligned", "tie_scales",
 ]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shardwise.core.quant_layout import fp8_block_of, quant_pairs
+from shardwise.core.quant_layout import fp8_block_of, fp8_expert_pairs, quant_pairs
 from shardwise.errors import MeshError, UnsupportedModelError
 
 # Tensor types a checkpoint path handles as is; anything else wraps its data.
@@ -109,6 +109,9 @@ def _check_quantized_tensors(model: nn.Module, action: str) -> None:
         if fp8_block_of(module) is not None:
             _check_fp8_linear(path, module, action)
             continue
+        if fp8_expert_pairs(module):
+            _check_fp8_experts(path, module, action)
+            continue
         if quant_pairs(module):  # MXFP4: uint8 blocks and scales, as stored
             continue
         if cls in _QUANT_MODULE_TYPES:
@@ -154,6 +157,21 @@ def _check_fp8_linear(path: str, module: nn.Module, action: str) -> None:
         raise _refuse(action, f"FP8 module {path!r} ({type(module).__name__}): {problem}",
                       f"shardwise supports {SUPPORTED_QUANT} with float8_e4m3fn weights, float32 scales and "
                       "dynamic activations; dequantize this checkpoint first")
+
+
+def _check_fp8_experts(path: str, module: nn.Module, action: str) -> None:
+    """FP8 experts (``core.quant_layout.fp8_expert_pairs``) as shardwise holds them: every
+    projection float8_e4m3fn with float32 scales, dynamic activations."""
+    for values, scales, _ in fp8_expert_pairs(module):
+        v, s = module._parameters[values], module._parameters[scales]
+        problem = (f"its {values} is {v.dtype}" if v.dtype != torch.float8_e4m3fn
+                   else f"its {scales} is {s.dtype} (ue8m0 scales?)" if s.dtype != torch.float32
+                   else "it has static activation scales" if getattr(module, "activation_scheme", "dynamic")
+                   != "dynamic" else None)
+        if problem is not None:
+            raise _refuse(action, f"FP8 experts {path!r} ({type(module).__name__}): {problem}",
+                          f"shardwise supports {SUPPORTED_QUANT} with float8_e4m3fn weights, float32 scales "
+                          "and dynamic activations; dequantize this checkpoint first")
 
 
 def _is_quantized_dtype(dtype: torch.dtype) -> bool:

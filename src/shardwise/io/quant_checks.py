@@ -65,10 +65,11 @@ def check_quantized_source(source, specs: ResolvedPlan, mesh) -> None:
         config = source.ckpt.root / "config.json"
         fp8 = {s: t for s, t in specs.ties.items() if t.scheme == "fp8_block"}
         block = checkpoint_block(source.ckpt.root) if fp8 and _has_quantization(config) else None
-        wrong = [(s, t.block) for s, t in fp8.items() if block is not None and t.block != block]
+        # the checkpoint's block is on the last two dims (experts have a 1 before it)
+        wrong = [(s, t.block) for s, t in fp8.items() if block is not None and t.block[-2:] != block]
         if wrong:
             raise CheckpointError(f"{config}: weight_block_size {list(block)}, but the model's FP8 module of "
-                                  f"{wrong[0][0]!r} has block_size {list(wrong[0][1])}; build the model "
+                                  f"{wrong[0][0]!r} has block_size {list(wrong[0][1][-2:])}; build the model "
                                   "from this checkpoint's config")
         return
     cut = cut_scales(specs)

@@ -39,9 +39,10 @@ from pathlib import Path
 import torch
 
 from shardwise.core.header import TensorEntry
+from shardwise.core.pieces import piece_reads
 from shardwise.core.quant import MXFP4_GROUP, QuantScheme, scale_shape
-from shardwise.core.quant_dequant import dequant_reads, dequantize_shard
-from shardwise.errors import CheckpointError
+from shardwise.core.quant_dequant import dequant_reads, dequantize_shard, scale_pieces
+from shardwise.errors import CheckpointError, PlanError
 from shardwise.io.guards import SUPPORTED_QUANT, quant_scheme
 from shardwise.io.safetensors.hub_layout import Composite
 from shardwise.io.safetensors.reader import ReadItem
@@ -54,12 +55,14 @@ FLOAT8 = frozenset(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "
 @dataclass(frozen=True)
 class Dequantized:
     """A model tensor of ``shape`` stored block-quantized, loaded dequantized: the stored
-    ``weight`` (FP8 values or MXFP4 blocks) and ``scale`` (``(file, entry)`` each), the
-    ``scheme`` (name and block on the logical weight), the model's ``declared`` dtype, and
-    whether the model tensor is the stored weight ``transposed`` (gpt-oss's experts)."""
+    ``weight`` (FP8 values or MXFP4 blocks) and ``scale``, each a ``(file, entry)`` or a
+    :class:`Composite` of stored tensors in the model tensor's coordinates (FP8 experts stored
+    per expert, their scales per expert or fused), the ``scheme`` (name and block on the
+    logical weight), the model's ``declared`` dtype, and whether the model tensor is the
+    stored weight ``transposed`` (gpt-oss's experts)."""
 
-    weight: tuple[Path, TensorEntry]
-    scale: tuple[Path, TensorEntry]
+    weight: tuple[Path, TensorEntry] | Composite
+    scale: tuple[Path, TensorEntry] | Composite
     scheme: QuantScheme
     declared: torch.dtype
     shape: tuple[int, ...]
@@ -84,12 +87,9 @@ def pair_quantized(sources: dict, found: Mapping[str, str], declared: Mapping[st
     block = None
     for name, source in sources.items():
         if isinstance(source, Composite):
-            keys = [p.key for p in source.pieces if scale_key(p.key) in stored]
-            if keys and source.entry.torch_dtype in FLOAT8:
-                raise CheckpointError(
-                    f"{ckpt.root}: {name!r} is assembled from FP8 tensors with block scales ({keys[0]!r}, "
-                    "...: per-expert FP8 weights in the hub layout); shardwise does not read those yet. Load "
-                    "with transformers and sw.save the dequantized model, then load that")
+            if source.entry.torch_dtype in FLOAT8:
+                block = block or checkpoint_block(ckpt.root, model_config)
+                used |= _pair_composite(sources, name, source, declared[name], ckpt, block, dequantize)
             continue
         file, entry = source
         stored_fp8, declared_fp8 = entry.torch_dtype in FLOAT8, declared[name] in FLOAT8
@@ -119,6 +119,53 @@ def pair_quantized(sources: dict, found: Mapping[str, str], declared: Mapping[st
         sources[name] = Dequantized(source, scale, scheme, declared[name], entry.shape)
         used.add(key)
     return used
+
+
+def _pair_composite(sources: dict, name: str, comp: Composite, declared: torch.dtype, ckpt,
+                    block: tuple[int, int], dequantize: bool) -> set[str]:
+    """An FP8 model tensor assembled from stored tensors (experts stored per expert, as
+    transformers' ``save_pretrained`` writes FP8 experts): kept quantized its values are
+    assembled as they are and its scales are the model's own tensor; into a plain model, a
+    :class:`Dequantized` whose values are the composite and whose scales are the fused
+    ``<name>_scale_inv`` or the per-expert scales placed as their weights are."""
+    stored = set(ckpt.names)
+    fused, per_piece = scale_key(name), [scale_key(p.key) for p in comp.pieces]
+    if declared in FLOAT8:
+        if fused not in stored and all(k in stored for k in per_piece):
+            raise CheckpointError(
+                f"{ckpt.root}: {name!r} is stored per expert with per-expert FP8 scales ({per_piece[0]!r}, "
+                f"...), but the model keeps {fused!r} quantized; shardwise reads FP8 experts kept quantized "
+                "with their scales fused (as transformers' save_pretrained writes them): pass "
+                "dequantize=True to load this checkpoint dequantized")
+        return set()
+    if fused in stored:
+        scale = ckpt.entry(fused)
+        keys = {fused}
+    elif all(k in stored for k in per_piece):
+        try:
+            pieces = scale_pieces(comp.pieces, (1,) * (len(comp.shape) - 2) + block, scale_key)
+        except PlanError as e:
+            raise CheckpointError(f"{ckpt.root}: {name!r}: {e}") from e
+        scale = Composite(scale_shape(comp.shape, (1,) * (len(comp.shape) - 2) + block), pieces,
+                          {p.key: ckpt.entry(p.key) for p in pieces})
+        keys = set(per_piece)
+    else:
+        return set()  # FP8 values without scales: cast like any stored tensor
+    if not dequantize:
+        raise CheckpointError(
+            f"{ckpt.root}: {name!r} is assembled from FP8 tensors ({comp.pieces[0].key!r}, ...) with block "
+            f"scales but the model declares {declared}; pass dequantize=True to load it dequantized into "
+            "the model's dtype, or build the model with its FP8 modules (sw.from_pretrained does, unless "
+            "dequantize=True)")
+    scheme = QuantScheme.fp8_block(block, ndim=len(comp.shape))
+    held = tuple(scale.shape if isinstance(scale, Composite) else scale[1].shape)
+    want = scheme.stored_shapes(comp.shape)[1]
+    if held != want:
+        raise CheckpointError(f"{ckpt.root}: the scales of {name!r} have shape {held}, but a weight of shape "
+                              f"{comp.shape} in blocks {block} needs {want}; is weight_block_size in "
+                              "config.json right for this checkpoint?")
+    sources[name] = Dequantized(comp, scale, scheme, declared, comp.shape)
+    return keys
 
 
 def pair_mxfp4(absent: set[str], shapes: Mapping[str, tuple[int, ...]], declared: Mapping[str, torch.dtype],
@@ -214,51 +261,88 @@ _MALLOC_TRIM = _malloc_trim()
 class Dequantizer:
     """The reads of :class:`Dequantized` tensors and their dequantization.
 
-    ``items`` are two :class:`ReadItem`\\ s per wanted local tensor: the boxes of the stored
-    values (fp8, or MXFP4 blocks) and of the scales its regions touch
-    (``core.quant_dequant.dequant_reads``). :meth:`take` keeps the first to arrive; with the
-    second it dequantizes the shard (``core.quant_dequant.dequantize_shard``: float32 in chunks,
-    cast once into ``dtype``, else the model's declared dtype), drops both raw tensors and
-    finalizes the result. Peak per tensor: its quantized shards plus the output shard."""
+    ``items`` are the reads of each wanted local tensor's two parts, the stored values (fp8, or
+    MXFP4 blocks) and the scales, at the boxes its regions touch
+    (``core.quant_dequant.dequant_reads``): one :class:`ReadItem` for a part stored as one
+    tensor, one per overlap with a stored tensor for a :class:`Composite` part
+    (``core.pieces.piece_reads``), copied into place as it arrives. When both parts are
+    complete :meth:`take` dequantizes the shard (``core.quant_dequant.dequantize_shard``:
+    float32 in chunks, cast once into ``dtype``, else the model's declared dtype), drops the
+    raw parts and finalizes the result. Peak per tensor: its quantized shards plus the output."""
 
     def __init__(self, tensors: Mapping[str, tuple[Dequantized, Want]]):
         self.items: list[ReadItem] = []
-        self.parts: dict[str, tuple[str, int]] = {}  # item name -> (key, 0 values / 1 scales)
+        self.parts: dict[str, tuple[str, int, tuple[slice, ...] | None]] = {}  # item -> (key, part, where)
         self.done: dict = {}
         self.dtype: torch.dtype | None = None  # set by the source before reading: sw.load's dtype
         self._what: dict[str, tuple[Dequantized, Want]] = {}
-        self._raw: dict[str, list] = {}
+        self._raw: dict[str, list] = {}  # key -> [values, scales, reads left, (shape, dtype) per part]
         self._lock = threading.Lock()
         for key, (d, want) in tensors.items():
             reads = dequant_reads(d.scheme, d.shape, want.spec, want.degree, want.rank,
                                   transposed=d.transposed)
+            left, held = 0, []
             for part, (layout, shape) in enumerate(reads):
-                path, entry = (d.weight, d.scale)[part]
-                item = ReadItem(f"{key}#{'values' if part == 0 else 'scales'}", path, entry, layout, shape)
-                self.items.append(item)
-                self.parts[item.name] = (key, part)
+                source = (d.weight, d.scale)[part]
+                for item, where in _part_items(f"{key}#{('values', 'scales')[part]}", source, layout, shape):
+                    self.items.append(item)
+                    self.parts[item.name] = (key, part, where)
+                    left += 1
+                dtype = source.entry.torch_dtype if isinstance(source, Composite) else source[1].torch_dtype
+                held.append((shape, dtype))
+            if not left:
+                raise CheckpointError(f"{key}: this rank's shard of a quantized tensor is empty; load at a "
+                                      "lower degree")
             self._what[key] = (d, want)
-            self._raw[key] = [None, None]
+            self._raw[key] = [None, None, left, held]
 
     def take(self, item: ReadItem, raw: torch.Tensor, finalize: Finalize):
-        key, part = self.parts[item.name]
+        key, part, where = self.parts[item.name]
         with self._lock:
             pair = self._raw[key]
-            pair[part] = raw
-            ready = pair[0] is not None and pair[1] is not None
+            if where is None:
+                pair[part] = raw
+            else:
+                if pair[part] is None:
+                    pair[part] = torch.empty(pair[3][part][0], dtype=pair[3][part][1])
+                buf = pair[part]
+        if where is not None:
+            buf[where].copy_(raw.view(buf[where].shape))
+        with self._lock:
+            pair[2] -= 1
+            ready = pair[2] == 0
             if ready:
                 del self._raw[key]
         if ready:
             d, want = self._what[key]
-            out = dequantize_shard(pair[0], pair[1], d.scheme, d.shape, want.spec, want.degree, want.rank,
-                                   self.dtype or d.declared, transposed=d.transposed)
+            values, scales = (p if p is not None else torch.empty(s, dtype=t)
+                              for p, (s, t) in zip(pair[:2], pair[3], strict=True))
             pair.clear()
+            out = dequantize_shard(values, scales, d.scheme, d.shape, want.spec, want.degree, want.rank,
+                                   self.dtype or d.declared, transposed=d.transposed)
+            del values, scales
             if _MALLOC_TRIM is not None:
                 # The raw shards just freed sit between kept outputs in glibc's heap, which keeps
                 # such holes (about 400 MiB a rank over a 1 GB FP8 load): hand their pages back.
                 _MALLOC_TRIM(0)
             self.done[key] = finalize(key, out)
         return None
+
+
+def _part_items(name: str, source, layout, shape) -> list[tuple[ReadItem, tuple[slice, ...] | None]]:
+    """The reads of one part of a dequantized tensor held as ``layout`` in a local buffer of
+    ``shape``: the part itself (``where`` None) for a stored tensor, else one read per overlap of
+    the layout with a piece of the :class:`Composite` and where it goes in the buffer."""
+    if not isinstance(source, Composite):
+        return [(ReadItem(name, source[0], source[1], layout, shape), None)]
+    out = []
+    for i, (piece, src, off) in enumerate(piece_reads(layout, source.pieces)):
+        path, entry = source.stored[piece.key]
+        it = iter(src.sizes)
+        box = [1 if d in piece.stacked else next(it) for d in range(len(off))]
+        item = ReadItem(f"{name}{i}", path, entry, [(src, (0,) * len(src.sizes))], src.sizes)
+        out.append((item, tuple(slice(o, o + n) for o, n in zip(off, box, strict=True))))
+    return out
 
 
 __all__ = ["Dequantized", "Dequantizer", "FLOAT8", "checkpoint_block", "pair_mxfp4", "pair_quantized",
