@@ -18,6 +18,7 @@ from torch import nn
 
 import shardwise.comm as comm
 from shardwise.errors import NonFiniteError
+from shardwise.holding import Holding, is_dtensor
 from shardwise.parallel import get_shard_state
 
 
@@ -40,9 +41,9 @@ def _grads(model_or_params) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
             continue
         spec = state.specs.get(name) if state is not None else None
         # a tp shard the mesh does not show: a plain local shard, or FSDP over "local" holding
-        local_shard = spec is not None and not spec.replicated and state.holding == "local"
+        local_shard = spec is not None and not spec.replicated and state.holding is Holding.LOCAL
         hidden_tp = state.coords(spec)[0] if local_shard else 1
-        if type(g).__name__ == "DTensor":
+        if is_dtensor(g):
             mesh = g.device_mesh
             if {"tp", "ep"} & set(mesh.mesh_dim_names or ()):
                 hidden_tp = 1

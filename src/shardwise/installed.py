@@ -12,40 +12,34 @@ from shardwise.core.plan import ResolvedPlan
 from shardwise.core.quant_layout import scale_local_shape
 from shardwise.core.spec import local_shape
 from shardwise.errors import ShardingError
+from shardwise.holding import Holding, is_dtensor, local_of
 
 
-def local_of(tensor: torch.Tensor) -> torch.Tensor:
-    """The local tensor of a DTensor (a plain tensor is returned as is)."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if to_local is not None and type(tensor).__name__ == "DTensor" else tensor
-
-
-
-def check_installed(model: nn.Module, specs: ResolvedPlan, declared: dict, *, holding: str,
+def check_installed(model: nn.Module, specs: ResolvedPlan, declared: dict, *, holding: Holding,
                     dtype: torch.dtype | None, coords: dict | None = None) -> None:
     """Raise ``ShardingError`` naming the tensor unless every tensor of ``model`` has its
     declared global shape, a local shard of the spec's size, the dtype policy (floating
     tensors stay floating, and are ``dtype`` when given; others keep their declared dtype;
     quantized weights and their scales keep theirs) and every tie of the plan still shares
     one tensor. A quantized weight's scales are held as their tie says (``coords``: this
-    rank's ``mesh_coords``). Cheap: shapes and identities only.
+    rank's ``MeshDims.axis_coords``). Cheap: shapes and identities only.
     """
     state = model.state_dict(keep_vars=True)
     for name, spec in specs.items():
         shape, declared_dtype = declared[name]
         t = state[name]
-        is_dtensor = type(t).__name__ == "DTensor"
+        held_dtensor = is_dtensor(t)
         local = tuple(local_of(t).shape)
-        if holding == "spmd":
+        if holding.one_process:  # a global tensor, placed over the devices
             want_local = shape
         elif name in specs.ties and coords is not None:  # an FP8 weight's scales, split along
             want_local = scale_local_shape(specs.ties[name], spec, *coords[spec.axis])
         else:
             want_local = local_shape(shape, spec, specs.degrees[spec.axis])
-        if holding == "spmd":
+        if holding.one_process:
             local = tuple(t.shape)
-        if (is_dtensor and tuple(t.shape) != shape) or local != want_local:
-            held = f"a DTensor of global shape {tuple(t.shape)}" if is_dtensor else "a tensor"
+        if (held_dtensor and tuple(t.shape) != shape) or local != want_local:
+            held = f"a DTensor of global shape {tuple(t.shape)}" if held_dtensor else "a tensor"
             raise ShardingError(
                 f"{name!r}: after sharding it is {held} with local shape {local}, but the model "
                 f"declares {shape} sharded as {spec} (local {want_local}); this is a shardwise bug, "

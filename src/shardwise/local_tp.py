@@ -25,6 +25,7 @@ import shardwise.comm as comm
 from shardwise.core.plan import Style
 from shardwise.core.spec import ShardSpec, assemble, split
 from shardwise.errors import UnsupportedModelError
+from shardwise.holding import is_dtensor
 
 
 def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
@@ -277,7 +278,7 @@ def run_on_local_params(module: nn.Module) -> None:
     inner = module.forward
 
     def forward(*args, **kwargs):
-        held = {n: p for n, p in module._parameters.items() if type(p).__name__ == "DTensor"}
+        held = {n: p for n, p in module._parameters.items() if is_dtensor(p)}
         module._parameters.update({n: p.to_local() for n, p in held.items()})
         try:
             return inner(*args, **kwargs)

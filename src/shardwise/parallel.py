@@ -1,6 +1,6 @@
 """Put local shards into a model and make its forward correct under tensor parallelism.
 
-Two holding modes come from the same ``ShardSpec``s:
+Three holdings (:class:`shardwise.holding.Holding`) come from the same ``ShardSpec``s:
 
 - ``"dtensor"`` (gloo, nccl): parameters become DTensors on the tp axis of the mesh
   and torch's ``ColwiseParallel`` / ``RowwiseParallel`` convert activations. A packed
@@ -20,50 +20,37 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 
 import torch
 from torch import nn
 
-from shardwise.backends import current_backend
 from shardwise.core.plan import ResolvedPlan, Style, resolve_plan, without_tp
 from shardwise.core.spec import ShardSpec, split
-from shardwise.errors import PlanError, UsageError
-from shardwise.installed import check_installed, local_of  # noqa: F401 - local_of: re-exported
+from shardwise.errors import PlanError
+from shardwise.holding import Holding, local_of  # noqa: F401 - local_of: re-exported
+from shardwise.installed import check_installed
 from shardwise.local_tp import run_on_local_params, wire_embedding_subclass, wire_forward, wire_local
+from shardwise.mesh import MeshDims, decode_mesh
 from shardwise.plan_checks import check_plan
 from shardwise.quant_tp import guard_cut_experts, local_part, quantized_module, scale_is_local, wire_quantized
 
-HOLDINGS = ("dtensor", "local", "spmd")
 _STATE_ATTR = "_shardwise_state"
 
 
-@dataclass
-class ShardState:
-    """What shardwise knows about a parallelised model (kept on the model)."""
+@dataclass(frozen=True, kw_only=True)
+class ShardState(MeshDims):
+    """What shardwise knows about a parallelised model (kept on the model): the decoded mesh
+    it was installed on (:class:`~shardwise.mesh.MeshDims`) and the resolved plan. Built
+    whole by :func:`install`, never changed afterwards."""
 
-    mesh: object                       # the DeviceMesh passed in (may be 2-D)
-    tp_mesh: object                    # its tp axis (None: the mesh has none, degree 1)
-    degree: int
-    tp_rank: int                       # 0 under "spmd": one process holds every position
-    holding: str
     specs: ResolvedPlan
-    group: object = field(repr=False, default=None)  # process group of the tp axis
-    ep_mesh: object = field(repr=False, default=None)  # the ep axis (expert parallel), if any
-    ep_degree: int = 1
-    ep_rank: int = 0
-    ep_group: object = field(repr=False, default=None)
-    # DTensor holding: {id(local Parameter): (that Parameter, its DTensor Parameter)} while
-    # wiring, so a tied weight seen from a second module becomes the same DTensor Parameter.
-    converted: dict = field(repr=False, default_factory=dict)
 
+    @classmethod
+    def of(cls, dims: MeshDims, specs: ResolvedPlan) -> ShardState:
+        return cls(specs=specs, **{f.name: getattr(dims, f.name) for f in fields(MeshDims)})
 
-    def coords(self, spec: ShardSpec) -> tuple[int, int]:
-        """``(degree, rank)`` of this rank on the mesh axis ``spec`` shards over."""
-        return (self.ep_degree, self.ep_rank) if spec.axis == "ep" else (self.degree, self.tp_rank)
-
-    def axis_mesh(self, spec: ShardSpec):
-        return self.ep_mesh if spec.axis == "ep" else self.tp_mesh
+    __repr__ = MeshDims.__repr__  # the dataclass's own repr would print the whole plan
 
 
 def get_shard_state(model: nn.Module) -> ShardState | None:
@@ -71,52 +58,13 @@ def get_shard_state(model: nn.Module) -> ShardState | None:
     return model.__dict__.get(_STATE_ATTR)
 
 
-def tp_axis(mesh):
-    """The tp axis of ``mesh``: ``mesh["tp"]`` when named, an unnamed 1-D mesh itself, and
-    ``None`` when the mesh names its axes and none is "tp" (``backend.mesh(dp_shard=4)``,
-    ``backend.mesh(ep=2)``): nothing is tensor parallel there, so the model is held whole
-    (ready for ``fully_shard``) instead of the TP plan splitting it over a data axis."""
-    names = getattr(mesh, "mesh_dim_names", None) or ()
-    if "tp" in names:
-        return mesh["tp"] if len(names) > 1 else mesh
-    if not names and mesh.ndim == 1:
-        return mesh
-    if not names:
-        raise PlanError(f"a {mesh.ndim}-D mesh without axis names has no 'tp' axis; build it with "
-                        "backend.mesh(tp=...)")
-    if getattr(mesh, "spmd", False):  # one global tensor per parameter needs an axis to place it on
-        raise PlanError(f"the xla_spmd mesh with axes {names} has no 'tp' axis; add tp=1 to hold the "
-                        "model whole: backend.mesh(..., tp=1)")
-    return None
-
-
-def ep_axis(mesh):
-    """The ep axis of ``mesh`` (expert parallel), or ``None`` when it has none."""
-    names = getattr(mesh, "mesh_dim_names", None) or ()
-    return mesh["ep"] if "ep" in names else None
-
-
-def mesh_coords(mesh, *, spmd: bool = False) -> dict[str, tuple[int, int]]:
-    """``{"tp": (degree, rank), "ep": (degree, rank)}`` of this process on ``mesh``."""
-    tp, ep = tp_axis(mesh), ep_axis(mesh)
-    return {"tp": (1, 0) if tp is None else (tp.size(), 0 if spmd else tp.get_local_rank()),
-            "ep": (1, 0) if ep is None else (ep.size(), 0 if spmd else ep.get_local_rank())}
-
-
-def resolve_for_mesh(model: nn.Module, plan, mesh, ep_plan=None) -> ResolvedPlan:
-    """``resolve_plan`` for the tp and ep axes of ``mesh``; unused keys warned about once.
+def resolve_for_mesh(model: nn.Module, plan, dims: MeshDims, ep_plan=None) -> ResolvedPlan:
+    """``resolve_plan`` for the tp and ep axes of ``dims``; unused keys warned about once.
     On a mesh without a tp axis the plan is checked as at degree 1, then its tp part dropped."""
-    tp, ep = tp_axis(mesh), ep_axis(mesh)
-    specs = resolve_plan(model, plan, 1 if tp is None else tp.size(), ep_plan=ep_plan,
-                         ep_degree=1 if ep is None else ep.size())
+    specs = resolve_plan(model, plan, dims.degree, ep_plan=ep_plan, ep_degree=dims.ep_degree)
     check_plan(model, specs)  # a forward shaping split heads by the global count
     warn_unused_keys(specs)
-    return without_tp(specs) if tp is None else specs
-
-
-def default_holding() -> str:
-    backend = current_backend()
-    return backend.holding if backend is not None else "dtensor"
+    return without_tp(specs) if dims.tp_mesh is None else specs
 
 
 def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
@@ -131,26 +79,26 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
         raise PlanError(f"{name!r} is neither a parameter nor a buffer of the model")
 
 
-def install(model: nn.Module, specs: ResolvedPlan, mesh, *, holding: str,
+def install(model: nn.Module, specs: ResolvedPlan, dims: MeshDims, *,
             local_tensor: Callable[[str, ShardSpec], torch.Tensor],
-            dtype: torch.dtype | None = None) -> ShardState:
+            dtype: torch.dtype | None = None, holding: str | Holding | None = None) -> ShardState:
     """Replace every tensor of ``model`` by ``local_tensor(name, spec)`` and wire the forward.
 
-    Called on every rank of the mesh, with the same ``specs``. ``local_tensor`` returns
-    this rank's local shard (already on the right device and dtype). No collective runs
-    here: DTensors are built from local shards. Afterwards every tensor is checked
-    against what the model declared (:func:`shardwise.installed.check_installed`): ``dtype`` is the dtype
-    every floating-point tensor must have (``None``: any floating dtype).
+    Called on every rank of the mesh, with the same ``specs`` and ``dims`` (the mesh decoded
+    by :func:`shardwise.mesh.decode_mesh`; a raw mesh is decoded here with ``holding``, for
+    callers below the API such as tests). ``local_tensor`` returns this rank's local shard
+    (already on the right device and dtype). No collective runs here: DTensors are built
+    from local shards. Afterwards every tensor is checked against what the model declared
+    (:func:`shardwise.installed.check_installed`): ``dtype`` is the dtype every
+    floating-point tensor must have (``None``: any floating dtype).
     """
-    if holding not in HOLDINGS:
-        raise UsageError(f"holding must be one of {HOLDINGS}, got {holding!r}")
-    tp_mesh = tp_axis(mesh)  # None: no tp axis, nothing tensor parallel (degree 1)
-    check_spmd(mesh if tp_mesh is None else tp_mesh, holding)
-    spmd = holding == "spmd"
-    degree, tp_rank = mesh_coords(mesh, spmd=spmd)["tp"]
-    if specs.degree != degree:
-        raise PlanError(f"plan was resolved for degree {specs.degree} but the mesh tp axis has {degree}")
-    check_wiring(model, specs, holding)
+    if not isinstance(dims, MeshDims):
+        dims = decode_mesh(dims, holding)
+        check_wiring(model, specs, dims.holding)
+    for axis, degree in (("tp", dims.degree), ("ep", dims.ep_degree)):
+        if specs.degrees[axis] != degree:
+            raise PlanError(f"plan was resolved for {axis} degree {specs.degrees[axis]} but the mesh "
+                            f"{axis} axis has {degree}")
     declared = {n: (tuple(t.shape), t.dtype) for n, t in model.state_dict(keep_vars=True).items()}
     for name, spec in specs.items():
         _set_tensor(model, name, local_tensor(name, spec))
@@ -158,31 +106,20 @@ def install(model: nn.Module, specs: ResolvedPlan, mesh, *, holding: str,
         prefix, _, leaf = alias.rpartition(".")
         kept_prefix, _, kept_leaf = kept.rpartition(".")
         setattr(model.get_submodule(prefix), leaf, getattr(model.get_submodule(kept_prefix), kept_leaf))
-    ep_mesh = ep_axis(mesh)
-    state = ShardState(mesh=mesh, tp_mesh=tp_mesh, degree=degree, tp_rank=tp_rank, holding=holding,
-                       specs=specs, group=None if tp_mesh is None else tp_mesh.get_group(),
-                       ep_mesh=ep_mesh)
-    if ep_mesh is not None:
-        state.ep_degree, state.ep_rank = ep_mesh.size(), 0 if spmd else ep_mesh.get_local_rank()
-        state.ep_group = ep_mesh.get_group()
-    if specs.degrees["ep"] != state.ep_degree:
-        raise PlanError(f"plan was resolved for ep degree {specs.degrees['ep']} but the mesh ep axis "
-                        f"has {state.ep_degree}")
-    if not spmd:  # spmd: the model's own forward is correct, the partitioner adds collectives
-        _wire(model, specs, state)
-    state.converted.clear()
-    check_installed(model, specs, declared, holding=holding, dtype=dtype,
-                    coords=mesh_coords(mesh, spmd=spmd))
+    state = ShardState.of(dims, specs)
+    if dims.holding.wires_forward:  # spmd: the model's own forward is correct, the partitioner
+        _wire(model, specs, state)   # adds the collectives
+    check_installed(model, specs, declared, holding=dims.holding, dtype=dtype, coords=dims.axis_coords)
     model.__dict__[_STATE_ATTR] = state
     return state
 
 
-def check_wiring(model: nn.Module, specs: ResolvedPlan, holding: str) -> None:
+def check_wiring(model: nn.Module, specs: ResolvedPlan, holding: Holding) -> None:
     """Raise ``PlanError`` for a sharded nn.Linear subclass with a forward of its own under
     ``"local"`` holding: its forward is replaced by the local-shard one, which would silently
     skip whatever the subclass adds. (An nn.Embedding subclass keeps its forward in both
     holdings: ``wire_embedding_subclass``.)"""
-    if holding != "local":
+    if holding is not Holding.LOCAL:
         return
     for path, style in specs.styles.items():
         module = model.get_submodule(path)
@@ -199,23 +136,27 @@ def _own_embedding_forward(module: nn.Module) -> bool:
 
 
 def _wire(model: nn.Module, specs: ResolvedPlan, state: ShardState) -> None:
+    # DTensor holding: {id(local Parameter): (that Parameter, its DTensor Parameter)} while
+    # wiring, so a tied weight seen from a second module becomes the same DTensor Parameter.
+    converted: dict = {}
+    dtensor = state.holding is Holding.DTENSOR
     # Owners of parameters sharded by a parameter key first: their local-shard wrapper is
     # innermost, below any style wrapper (moe_experts) of the same module.
     for path in specs.local_owners:
         module = model.get_submodule(path)
-        if state.holding == "dtensor":
-            _dtensor_params(module, path, state, sharded_only=True)
+        if dtensor:
+            _dtensor_params(module, path, state, converted, sharded_only=True)
             run_on_local_params(module)
     for path, style in specs.styles.items():
         module = model.get_submodule(path)
         if style.forward == "linear" and quantized_module(specs, path) is not None:
-            if state.holding == "dtensor":
-                _dtensor_params(module, path, state)
+            if dtensor:
+                _dtensor_params(module, path, state, converted)
             wire_quantized(module, path, style, state)  # its own FP8 kernel, on local shards
         elif style.forward != "linear":
             wire_forward(module, style, state)
-        elif state.holding == "dtensor":
-            _wire_dtensor(module, path, style, state)
+        elif dtensor:
+            _wire_dtensor(module, path, style, state, converted)
         elif _own_embedding_forward(module):
             wire_embedding_subclass(module, style, state)
         else:
@@ -238,19 +179,21 @@ def parallelize(model: nn.Module, plan, mesh, *, holding: str | None = None, ep_
     """
     if get_shard_state(model) is not None:
         raise PlanError("model is already parallelised; build a fresh model to apply another plan")
-    tp_mesh = tp_axis(mesh)
-    specs = resolve_for_mesh(model, plan, mesh, ep_plan)
+    dims = decode_mesh(mesh, holding)  # the API boundary: the mesh decoded once
+    specs = resolve_for_mesh(model, plan, dims, ep_plan)
     full = model.state_dict()
     meta = [n for n in specs if full[n].is_meta]
     if meta:
         raise PlanError(f"parallelize needs a materialised model, but {meta[0]!r} is on the meta "
                         "device; use sw.load(model, path, plan=..., mesh=...) to fill a meta model")
-    holding = holding or default_holding()
-    if holding == "spmd":
-        install(model, specs, mesh, holding=holding,
-                local_tensor=lambda name, spec: tp_mesh.distribute(full[name], spec.dim))
+    check_wiring(model, specs, dims.holding)
+    if dims.holding.one_process:
+        install(model, specs, dims,
+                local_tensor=lambda name, spec: dims.tp_mesh.distribute(full[name], spec.dim))
         return model
-    coords = mesh_coords(mesh)
+    coords = dims.axis_coords
+    # the mesh's device type, not dims.device: a model parallelised over a CPU (gloo) mesh
+    # keeps its tensors where they are
     device = torch.device(mesh.device_type) if mesh.device_type != "cpu" else None
 
     def local_tensor(name: str, spec: ShardSpec) -> torch.Tensor:
@@ -258,7 +201,7 @@ def parallelize(model: nn.Module, plan, mesh, *, holding: str | None = None, ep_
         local = t if spec.replicated else local_part(t, name, spec, specs, coords[spec.axis])
         return local.to(device) if device is not None and local.device != device else local
 
-    install(model, specs, mesh, holding=holding, local_tensor=local_tensor)
+    install(model, specs, dims, local_tensor=local_tensor)
     return model
 
 
@@ -271,23 +214,13 @@ def warn_unused_keys(specs: ResolvedPlan) -> None:
                       f"{', '.join(map(repr, specs.unused_keys))}", stacklevel=3)
 
 
-def check_spmd(tp_mesh, holding: str) -> None:
-    """Raise ``PlanError`` unless ``holding`` is ``"spmd"`` exactly when the mesh is an SPMD mesh."""
-    is_spmd = bool(getattr(tp_mesh, "spmd", False))
-    if is_spmd and holding != "spmd":
-        raise PlanError(f"holding {holding!r} needs one process per device, but this mesh is an SPMD "
-                        "mesh (one process drives every device); use holding='spmd' or leave it unset")
-    if holding == "spmd" and not is_spmd:
-        raise PlanError("holding 'spmd' needs the mesh of sw.init_backend('xla_spmd') (one process "
-                        "driving every device); with one process per device use 'dtensor' or 'local'")
-
-
 # -- DTensor holding: torch's styles, with our shards as their parameters ---------------
-def _dtensor_params(module: nn.Module, prefix: str, state: ShardState, *, sharded_only: bool = False) -> None:
+def _dtensor_params(module: nn.Module, prefix: str, state: ShardState, converted: dict, *,
+                    sharded_only: bool = False) -> None:
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     for pname, p in list(module.named_parameters(recurse=False)):
-        done = state.converted.get(id(p))
+        done = converted.get(id(p))
         spec = state.specs.spec_of(f"{prefix}.{pname}" if prefix else pname)
         if (sharded_only and spec.replicated) or scale_is_local(state.specs, f"{prefix}.{pname}"):
             continue  # a scale whose blocks shard boundaries cut: held local (shardwise.quant_tp)
@@ -295,7 +228,7 @@ def _dtensor_params(module: nn.Module, prefix: str, state: ShardState, *, sharde
             placement = Replicate() if spec.replicated else Shard(spec.dim)
             d = DTensor.from_local(p.data, state.axis_mesh(spec), [placement], run_check=False)
             done = (p, _as_parameter(d, p.requires_grad))
-            state.converted[id(p)] = done
+            converted[id(p)] = done
         module.register_parameter(pname, done[1])
 
 
@@ -310,7 +243,7 @@ def _as_parameter(d: torch.Tensor, requires_grad: bool) -> nn.Parameter:
     return d if isinstance(d, nn.Parameter) else nn.Parameter(d, requires_grad=requires_grad)
 
 
-def _wire_dtensor(module: nn.Module, path: str, style: Style, state: ShardState) -> None:
+def _wire_dtensor(module: nn.Module, path: str, style: Style, state: ShardState, converted: dict) -> None:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -319,12 +252,12 @@ def _wire_dtensor(module: nn.Module, path: str, style: Style, state: ShardState)
         # collectives, as local holding computes: the same outputs and gradients, without
         # DTensor dispatch, whose first call per op and shape costs milliseconds of Python
         # (a model's first forward paid ~0.15 s of it). Subclasses keep torch's styles below.
-        _dtensor_params(module, path, state)
+        _dtensor_params(module, path, state, converted)
         wire_local(module, style, state)
         run_on_local_params(module)
         return
     if _own_embedding_forward(module):  # a norm or a scale after the lookup: see its docstring
-        _dtensor_params(module, path, state)
+        _dtensor_params(module, path, state, converted)
         wire_embedding_subclass(module, style, state)
         run_on_local_params(module)
         return
@@ -342,7 +275,7 @@ def _wire_dtensor(module: nn.Module, path: str, style: Style, state: ShardState)
             # torch calls this for every submodule (name relative to `module`): a child's
             # parameters (a norm inside an embedding) are looked up under their own names.
             if mod is module:
-                _dtensor_params(mod, path, state)
+                _dtensor_params(mod, path, state, converted)
 
         _partition_embedding_fn = _partition_linear_fn
 

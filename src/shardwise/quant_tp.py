@@ -30,6 +30,7 @@ from shardwise.core.plan import ResolvedPlan, Style
 from shardwise.core.quant_layout import FP8_SCALE_SUFFIX, QuantTie, scale_layout, take_layout, tie_aligned
 from shardwise.core.spec import ShardSpec, split
 from shardwise.errors import ShardingError, UnsupportedModelError
+from shardwise.holding import is_dtensor
 from shardwise.local_tp import _CopyTo, _GatherFrom, _ReduceFrom, _SplitTo
 
 
@@ -75,7 +76,7 @@ def wire_quantized(module: nn.Module, path: str, style: Style, state) -> None:
     def forward(x):
         if not aligned:
             raise _cut_error(path, tie, spec, state.degree)
-        held = {n: p for n, p in module._parameters.items() if type(p).__name__ == "DTensor"}
+        held = {n: p for n, p in module._parameters.items() if is_dtensor(p)}
         module._parameters.update({n: p.to_local() for n, p in held.items()})
         try:
             if style.kind == "colwise":

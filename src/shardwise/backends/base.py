@@ -5,10 +5,9 @@ on every rank; ``mesh()`` and the collectives are then called by every rank of t
 group they name (all of them unless a ``group`` is passed); ``shutdown()`` ends it.
 Subclasses set the class attributes and override ``_device()`` and, where their
 hardware needs it, ``start()`` / ``_init_group()`` (how the default group is created) and
-``_make_mesh()`` (what ``mesh()`` returns where torch's DeviceMesh cannot run).
-
-Length (~300 lines): the one interface every backend implements, kept whole so that a
-new backend reads a single file.
+``_make_mesh()`` (what ``mesh()`` returns where torch's DeviceMesh cannot run). A backend
+whose holding is SPMD (one process drives every device) also overrides ``local_shards()`` and
+``local_regions()``, which a distributed save calls on the process that holds the tensors.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.errors import BackendError, CollectiveError, MeshError, UsageError
+from shardwise.holding import Holding
 
 # Mesh axes, outer to inner: replicas of the whole model, then FSDP shards, then TP.
 MESH_AXES = ("dp_replicate", "dp_shard", "ep", "tp")
@@ -140,9 +140,22 @@ class Backend:
         return True
 
     @property
-    def holding(self) -> str:
-        """How parameters are held: "dtensor" or "local" (local shards + forward hooks)."""
-        return "dtensor" if self.supports_dtensor else "local"
+    def holding(self) -> Holding:
+        """How parameters are held: DTensors, or local shards with forward hooks."""
+        return Holding.DTENSOR if self.supports_dtensor else Holding.LOCAL
+
+    # -- global tensors (SPMD holding only) --------------------------------------
+    def local_shards(self, tensor: torch.Tensor) -> dict[tuple[int, ...], torch.Tensor]:
+        """This process's distinct shards of the global ``tensor`` on the host, keyed by their
+        canonical offsets. Only a backend whose holding is SPMD has global tensors."""
+        raise BackendError(f"backend {self.name!r} holds shards as local tensors (holding "
+                           f"{self.holding.value!r}): it has no global tensor to take shards of")
+
+    def local_regions(self, tensor: torch.Tensor) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """``(offsets, sizes)`` of this process's distinct shards of the global ``tensor``, sorted,
+        without copying. Only a backend whose holding is SPMD has global tensors."""
+        raise BackendError(f"backend {self.name!r} holds shards as local tensors (holding "
+                           f"{self.holding.value!r}): it has no global tensor to list regions of")
 
     def _device(self) -> torch.device:
         return torch.device("cpu")

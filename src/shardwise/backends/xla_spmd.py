@@ -31,6 +31,7 @@ import torch
 from shardwise.backends.base import Backend, mesh_axes, torchrun_env
 from shardwise.backends.xla import import_torch_xla, spmd_enabled
 from shardwise.errors import MeshError, ShardingError
+from shardwise.holding import Holding
 
 TP = "tp"
 
@@ -43,8 +44,14 @@ class XlaSpmdBackend(Backend):
     supports_gather = True
 
     @property
-    def holding(self) -> str:
-        return "spmd"
+    def holding(self) -> Holding:
+        return Holding.SPMD
+
+    def local_shards(self, tensor: torch.Tensor) -> dict[tuple[int, ...], torch.Tensor]:
+        return local_shards(tensor)
+
+    def local_regions(self, tensor: torch.Tensor) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        return local_regions(tensor)
 
     @classmethod
     def is_available(cls) -> bool:

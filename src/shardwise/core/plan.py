@@ -14,14 +14,14 @@ model, before any process group is touched. Pure: no torch.distributed, no file 
 Every check a plan gets before anything runs is called from ``resolve_plan``, so that the
 refusals are found from one place: the pairing of split projections in
 ``core/plan_pairs.py``, the degree checks (tensor sizes, head counts) in
-``core/plan_degrees.py``, the rest here. A check that reads a model's forward source
-beyond these lives above core (``shardwise/plan_checks.py``).
+``core/plan_degrees.py``, the rest here, then the checks registered with
+:func:`register_model_check`: those that read a model's forward source or know a model
+family live above core (``shardwise/plan_checks.py``) and core calls them without knowing them.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 from torch import nn
@@ -41,6 +41,23 @@ from shardwise.core.styles import (
     normalize_style,
 )
 from shardwise.errors import PlanError
+
+# Checks of a plan against what a model's code does with the tensors it splits (a forward
+# that takes statistics over split features, or cuts a fused tensor into halves), run by
+# resolve_plan with the degrees. They read source or know model families, so they live
+# above core (``shardwise.plan_checks``) and are registered here, where core calls them
+# without knowing them. ``owned``: {id(parameter): (its ShardSpec, its name, the plan key
+# that claimed it)}; ``degrees``: {"tp": ..., "ep": ...}; a check raises ``PlanError``.
+ModelCheck = Callable[[nn.Module, Mapping[int, tuple[ShardSpec, str, str]], Mapping[str, int]], None]
+_MODEL_CHECKS: list[ModelCheck] = []
+
+
+def register_model_check(check: ModelCheck) -> ModelCheck:
+    """Have :func:`resolve_plan` run ``check(model, owned, degrees)`` (see ``ModelCheck``) on
+    every plan, after its own checks; registering a check twice runs it once."""
+    if check not in _MODEL_CHECKS:
+        _MODEL_CHECKS.append(check)
+    return check
 
 
 class ResolvedPlan(dict):
@@ -228,8 +245,8 @@ def resolve_plan(model: nn.Module, plan, degree: int, *, strict: bool = False, e
                 {n: tuple(t.shape) for n, t in tensors.items()}, styles, keys, degree)
 
     def others(degrees: dict[str, int]) -> None:  # the checks whose outcome depends on the degrees
-        _check_statistics_over_shards(model, owned, keys, degrees)
-        _check_fused_halves(model, owned, degrees)
+        for check in _MODEL_CHECKS:
+            check(model, owned, degrees)
 
     check_degrees([(tuple(_tensor(model, n).shape), spec, n, key) for spec, n, key in owned.values()],
                   head_counts(model, sharded), keys, {"tp": degree, "ep": ep_degree}, others)
@@ -251,55 +268,6 @@ def resolve_plan(model: nn.Module, plan, degree: int, *, strict: bool = False, e
     local_owners = [p for p in local_owners if f"{p}.weight" not in {t.weight for t in ties.values()}]
     return ResolvedPlan(specs, styles=styles, keys=keys, aliases=aliases, degree=degree,
                         local_owners=local_owners, unused_keys=unused, ep_degree=ep_degree, ties=ties)
-
-
-def _check_statistics_over_shards(model: nn.Module, owned: dict, keys: dict, degrees: dict) -> None:
-    """Refuse a plan that splits the features a module takes statistics over: each rank would
-    compute them over its own part, and the output would be wrong without an error. Known
-    case: Gemma-3n's activation sparsity (a Gaussian top-k over the intermediate features of
-    ``gate_proj``), which transformers' shipped plan shards colwise."""
-    for path, module in model.named_modules():
-        sparsity = getattr(module, "activation_sparsity", 0.0)
-        gate = getattr(module, "gate_proj", None)
-        if not (isinstance(sparsity, float) and sparsity > 0 and isinstance(gate, nn.Linear)):
-            continue
-        entry = owned.get(id(gate.weight))
-        if entry is not None and not entry[0].replicated and degrees[entry[0].axis] > 1:
-            raise PlanError(
-                f"plan key {entry[2]!r} shards {entry[1]!r}, but {path!r} takes activation-sparsity "
-                f"statistics (sparsity {sparsity}) over all of its intermediate features: every rank "
-                "would see only its part and the output would be wrong. Keep this layer's MLP whole "
-                "(drop its gate_proj/up_proj/down_proj keys) or set activation_sparsity_pattern to 0")
-
-
-def _check_fused_halves(model: nn.Module, owned: dict, degrees: dict) -> None:
-    """Refuse a plain colwise split of a fused ``gate_up_proj`` ([..., 2 x intermediate,
-    hidden]) whose module's forward cuts each projection into its gate and up halves
-    (``.chunk(2, dim=-1)``): one rank would hold gate rows only and another up rows only, and
-    the output would be wrong without an error. ``packed_colwise`` splits each half. Known case:
-    Inkling's experts, which transformers' shipped plan shards "colwise"."""
-    for module in model.modules():
-        param = module._parameters.get("gate_up_proj")
-        entry = owned.get(id(param)) if param is not None else None
-        if entry is None:
-            continue
-        spec = entry[0]
-        if (spec.replicated or degrees[spec.axis] == 1 or len(spec.blocks) != 1
-                or spec.dim != param.dim() - 2 or ".chunk(2" not in _forward_source(type(module))):
-            continue
-        raise PlanError(
-            f"plan key {entry[2]!r} splits {entry[1]!r} plainly along its fused gate/up dim, but "
-            f"{type(module).__name__}.forward cuts that dim into gate and up halves, so each rank "
-            "would get whole halves instead of part of each and the output would be wrong; use "
-            "'packed_colwise' for it (each half split alike)")
-
-
-@functools.cache  # one read per class, not per layer of a deep MoE
-def _forward_source(cls: type) -> str:
-    try:
-        return inspect.getsource(cls.forward)
-    except (OSError, TypeError):  # no source (built in, compiled): nothing to check
-        return ""
 
 
 def _with_ep_plan(model: nn.Module, ep_plan, module_claims: dict, param_claims: dict, strict: bool):
@@ -370,5 +338,5 @@ def without_tp(specs: ResolvedPlan) -> ResolvedPlan:
 __all__ = [
     "PackedColwise", "PackedRowwise", "ResolvedPlan", "SUPPORTED_STYLES", "Style",
     "ep_plan_from_model", "match_plan", "normalize_style", "plan_from_model", "plan_summary",
-    "resolve_plan", "without_tp",
+    "register_model_check", "resolve_plan", "without_tp",
 ]

@@ -27,6 +27,7 @@ from shardwise.core.plan import resolve_plan
 from shardwise.core.quant_layout import QuantTie
 from shardwise.core.spec import Region, ShardSpec, chunk_layout, global_shape, local_layout
 from shardwise.errors import CheckpointError, UnsupportedModelError
+from shardwise.holding import Holding, is_dtensor
 from shardwise.io.quant_save import gather_scales_to_rank0
 from shardwise.io.safetensors.format import StreamingWriter
 from shardwise.parallel import ShardState, get_shard_state, local_of
@@ -143,7 +144,7 @@ def collect_items(model: nn.Module) -> tuple[list[SaveItem], ShardState | None]:
     state = get_shard_state(model)
     specs = state.specs if state is not None else resolve_plan(model, {}, 1)
     # An spmd tensor is global (one process holds every shard): nothing to gather.
-    spmd = state is None or state.holding == "spmd"
+    spmd = state is None or state.holding is Holding.SPMD
     tensors = model.state_dict(keep_vars=True)
     items = []
     for name, spec in specs.items():
@@ -167,7 +168,7 @@ def collect_items(model: nn.Module) -> tuple[list[SaveItem], ShardState | None]:
 
 
 def check_holding(name: str, t: torch.Tensor, state: ShardState | None) -> None:
-    if type(t).__name__ != "DTensor":
+    if not is_dtensor(t):
         return
     if state is None:
         raise UnsupportedModelError(

@@ -32,7 +32,6 @@ from shardwise.io.pipeline import (
     LoadResult,
     check_dtype,
     check_nothing_left_on_meta,
-    device_of,
     is_rank0,
     match_keys,
     move_non_persistent,
@@ -42,15 +41,8 @@ from shardwise.io.place import placement
 from shardwise.io.quant_checks import check_quantized_load, check_quantized_source, drop_quantization_config
 from shardwise.io.safetensors.source import SafetensorsSource
 from shardwise.io.source import ReadOptions, Source
-from shardwise.parallel import (
-    HOLDINGS,
-    check_spmd,
-    check_wiring,
-    default_holding,
-    get_shard_state,
-    resolve_for_mesh,
-    tp_axis,
-)
+from shardwise.mesh import decode_mesh
+from shardwise.parallel import check_wiring, get_shard_state, resolve_for_mesh
 
 
 def load(model: nn.Module, path: str | os.PathLike, *, plan, mesh, dtype: torch.dtype | None = None,
@@ -102,29 +94,25 @@ def load(model: nn.Module, path: str | os.PathLike, *, plan, mesh, dtype: torch.
         raise PlanError("model is already parallelised; build a fresh (meta) model to load into")
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype or None, got {dtype!r}")
-    holding = holding or default_holding()
-    if holding not in HOLDINGS:
-        raise UsageError(f"holding must be one of {HOLDINGS} or None (the backend's), got {holding!r}")
-    tp_mesh = tp_axis(mesh)  # None: no tp axis, the model loads whole
-    check_spmd(mesh if tp_mesh is None else tp_mesh, holding)
-    specs = resolve_for_mesh(model, plan, mesh, ep_plan)
-    check_wiring(model, specs, holding)
-    check_quantized_load(specs, holding, dequantize)
+    dims = decode_mesh(mesh, holding)  # the API boundary: the mesh decoded once, passed down
+    specs = resolve_for_mesh(model, plan, dims, ep_plan)
+    check_wiring(model, specs, dims.holding)
+    check_quantized_load(specs, dims.holding, dequantize)
 
     source = open_source(path, dequantize=dequantize)
     check_quantized_source(source, specs, mesh)
     missing, unexpected = source.match(model, specs, strict=strict)
     check_nothing_left_on_meta(model, specs, missing)
-    place = placement(model, specs, mesh, dtype, holding)
+    place = placement(model, specs, dims, dtype)
     names = [n for n in specs if n not in missing]
     reads = source.plan(place.wants(names))
     # dp replicas share their reads only where each process holds its own shards
     how = ReadOptions(dtype, place.device, reader_threads(num_threads),
-                      mesh=None if holding == "spmd" else mesh, window=place.window)
+                      mesh=None if dims.holding.one_process else mesh, window=place.window)
     with Progress(reads.nbytes, progress, is_rank0(), "shardwise load") as bar:
         tensors = source.read(reads, finalize=place.finalize, options=how, on_bytes=bar)
     place.install(model, tensors, missing)
-    move_non_persistent(model, device_of(mesh))
+    move_non_persistent(model, dims.device)
     if dequantize:
         drop_quantization_config(model)
     return LoadResult(tuple(missing), tuple(unexpected), source.bytes_read,
@@ -154,6 +142,6 @@ def open_source(path: str | os.PathLike, *, dequantize: bool = False) -> Source:
 
 
 __all__ = [
-    "LoadResult", "check_dtype", "check_nothing_left_on_meta", "device_of", "load", "match_keys",
+    "LoadResult", "check_dtype", "check_nothing_left_on_meta", "load", "match_keys",
     "move_non_persistent", "open_source",
 ]

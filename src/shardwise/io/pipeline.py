@@ -3,9 +3,11 @@ torch DCP, rank-local sharded safetensors) and however the shards are held: the 
 matching a checkpoint's keys, shapes and dtypes to the model before any data is read, the
 checks that nothing is left on the meta device, and the device and thread count of a load.
 
-This module imports no format module: the sources (``shardwise.io.safetensors.source``,
-``shardwise.io.dcp.checkpoint``, ``shardwise.io.dcp.sharded_read``) and the pipeline (``shardwise.io.load``)
-import it. The cast rule is :func:`shardwise.io.staging.loaded_dtype`.
+The sources (``shardwise.io.safetensors.source``, ``shardwise.io.dcp.checkpoint``,
+``shardwise.io.dcp.sharded_read``) and the pipeline (``shardwise.io.load``) import it; key
+matching reads safetensors headers, hub layouts and quantized pairs. The device of a load is
+the decoded mesh's (``shardwise.mesh.MeshDims.device``). The cast rule is
+:func:`shardwise.io.staging.loaded_dtype`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.backends import current_backend
 from shardwise.core.plan import ResolvedPlan
 from shardwise.errors import CheckpointError
 from shardwise.io.safetensors.checkpoint import Checkpoint
@@ -168,13 +169,6 @@ def move_non_persistent(model: nn.Module, device: torch.device) -> None:
 
 
 
-def device_of(tp_mesh) -> torch.device:
-    backend = current_backend()
-    if backend is not None:
-        return torch.device(backend.device)
-    return torch.device(tp_mesh.device_type)
-
-
 def reader_threads(asked: int | None) -> int:
     """The reader threads of a load: ``asked``, else ``min(8, cpus / ranks on this host)``."""
     if asked is not None:
@@ -197,6 +191,6 @@ def is_rank0() -> bool:
 
 
 __all__ = [
-    "LoadResult", "check_dtype", "check_nothing_left_on_meta", "device_of", "is_rank0", "listing",
+    "LoadResult", "check_dtype", "check_nothing_left_on_meta", "is_rank0", "listing",
     "match_keys", "move_non_persistent", "reader_threads",
 ]

@@ -13,11 +13,11 @@ import torch
 from torch import nn
 
 from shardwise.core.plan import ResolvedPlan
-from shardwise.io.pipeline import device_of
 from shardwise.io.source import Want
 from shardwise.io.spmd import SpmdPlacement
 from shardwise.io.staging import finalizer
-from shardwise.parallel import install, local_part, mesh_coords
+from shardwise.mesh import MeshDims
+from shardwise.parallel import install, local_part
 
 
 class InstallPlacement:
@@ -27,10 +27,10 @@ class InstallPlacement:
 
     window = None  # the reads stream: no batching
 
-    def __init__(self, specs: ResolvedPlan, mesh, dtype: torch.dtype | None, holding: str):
-        self.specs, self.mesh, self.dtype, self.holding = specs, mesh, dtype, holding
-        self.coords = mesh_coords(mesh)  # per mesh axis: a spec's ranks are on spec.axis
-        self.device = device_of(mesh)
+    def __init__(self, specs: ResolvedPlan, dims: MeshDims, dtype: torch.dtype | None):
+        self.specs, self.dims, self.dtype = specs, dims, dtype
+        self.coords = dims.axis_coords  # per mesh axis: a spec's ranks are on spec.axis
+        self.device = dims.device
         self._finalize = finalizer(dtype, self.device)  # cast after slicing, then to the device
         self._keep = finalizer(None, self.device)  # FP8 weights and their scales keep their dtypes
         self._quantized = specs.quantized
@@ -51,15 +51,14 @@ class InstallPlacement:
             return self.finalize(name, local_part(own[name].detach().cpu(), name, spec, self.specs,
                                                   self.coords[spec.axis]))  # own
 
-        install(model, self.specs, self.mesh, holding=self.holding, local_tensor=local_tensor,
-                dtype=self.dtype)
+        install(model, self.specs, self.dims, local_tensor=local_tensor, dtype=self.dtype)
 
 
-def placement(model: nn.Module, specs: ResolvedPlan, mesh, dtype: torch.dtype | None, holding: str):
-    """The placement of ``holding`` (already validated by ``sw.load``'s guards)."""
-    if holding == "spmd":
-        return SpmdPlacement(model, specs, mesh, dtype)
-    return InstallPlacement(specs, mesh, dtype, holding)
+def placement(model: nn.Module, specs: ResolvedPlan, dims: MeshDims, dtype: torch.dtype | None):
+    """The placement of ``dims.holding``."""
+    if dims.holding.one_process:
+        return SpmdPlacement(model, specs, dims, dtype)
+    return InstallPlacement(specs, dims, dtype)
 
 
 __all__ = ["InstallPlacement", "placement"]

@@ -19,6 +19,7 @@ from torch import nn
 from shardwise.core.plan import ResolvedPlan
 from shardwise.core.quant_layout import quant_ties, tie_aligned
 from shardwise.errors import CheckpointError, UnsupportedModelError, UsageError
+from shardwise.holding import Holding
 from shardwise.io.safetensors.quantized import checkpoint_block
 from shardwise.parallel import get_shard_state
 
@@ -33,7 +34,7 @@ def cut_scales(specs: ResolvedPlan) -> list[str]:
     return out
 
 
-def check_quantized_load(specs: ResolvedPlan, holding: str, dequantize: bool) -> None:
+def check_quantized_load(specs: ResolvedPlan, holding: Holding, dequantize: bool) -> None:
     """Refuse ``dequantize=True`` into a model holding quantized (FP8, MXFP4) modules, and such
     modules under ``"spmd"`` holding (one global tensor per parameter cannot hold overlapping
     scales)."""
@@ -45,7 +46,7 @@ def check_quantized_load(specs: ResolvedPlan, holding: str, dequantize: bool) ->
                          f"{len(specs.ties) - 1} more quantized pairs) is {kind}; build the model with "
                          "plain modules (sw.from_pretrained(..., dequantize=True) does), or drop "
                          "dequantize=True to keep the weights quantized")
-    if holding == "spmd" and specs.ties:
+    if holding is Holding.SPMD and specs.ties:
         raise UnsupportedModelError("quantized modules (FP8, MXFP4) under holding 'spmd' are not supported "
                                     "yet; load with dequantize=True, or use one process per device")
 

@@ -24,7 +24,8 @@ from shardwise.core.spec import ShardSpec
 from shardwise.io.safetensors.reader import WINDOW_BYTES
 from shardwise.io.source import Want
 from shardwise.io.staging import cast
-from shardwise.parallel import install, tp_axis
+from shardwise.mesh import MeshDims
+from shardwise.parallel import install
 
 
 class SpmdPlacement:
@@ -34,9 +35,9 @@ class SpmdPlacement:
     device = None  # chunks stay on the host until from_chunks sends them
     window = WINDOW_BYTES
 
-    def __init__(self, model: nn.Module, specs: ResolvedPlan, mesh, dtype: torch.dtype | None):
-        self.tp_mesh, self.specs, self.dtype = tp_axis(mesh), specs, dtype
-        self._mesh = mesh
+    def __init__(self, model: nn.Module, specs: ResolvedPlan, dims: MeshDims, dtype: torch.dtype | None):
+        self.tp_mesh, self.specs, self.dtype = dims.tp_mesh, specs, dtype
+        self._dims = dims
         self._shapes = {n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items()}
         self._keys: dict[str, tuple[str, int]] = {}
         self._needed: dict[str, int] = {}
@@ -79,7 +80,7 @@ class SpmdPlacement:
             # strict=False: the model's own value
             return self.tp_mesh.distribute(cast(own[name].detach().cpu(), self.dtype), spec.dim)
 
-        install(model, self.specs, self._mesh, holding="spmd", local_tensor=local_tensor)
+        install(model, self.specs, self._dims, local_tensor=local_tensor)
 
 
 __all__ = ["SpmdPlacement"]

@@ -13,7 +13,6 @@ import threading
 import torch
 from torch import nn
 
-from shardwise.backends.xla_spmd import local_regions, local_shards
 from shardwise.core.spec import Region
 from shardwise.io.dcp.items import CanonicalSavePlanner, Placed
 from shardwise.parallel import get_shard_state
@@ -22,13 +21,15 @@ from shardwise.parallel import get_shard_state
 def spmd_placed(model: nn.Module) -> dict[str, Placed]:
     """``{name: Placed}`` for a DCP save of an SPMD model: ``local`` is the global tensor
     (so local offsets are canonical offsets) and the layout lists this process's distinct
-    shards. DCP drops the copies other processes also write."""
+    shards (``Backend.local_regions`` of the backend the model was loaded on). DCP drops the
+    copies other processes also write."""
     state = get_shard_state(model)
     tensors = model.state_dict(keep_vars=True)
     out = {}
     for name, spec in state.specs.items():
         t = tensors[name].detach()
-        boxes = [((0,) * t.ndim, tuple(t.shape))] if spec.replicated or t.ndim == 0 else local_regions(t)
+        whole = spec.replicated or t.ndim == 0
+        boxes = [((0,) * t.ndim, tuple(t.shape))] if whole else state.backend.local_regions(t)
         out[name] = Placed(t, tuple(t.shape), [(Region(o, s), tuple(o)) for o, s in boxes])
     return out
 
@@ -36,10 +37,12 @@ def spmd_placed(model: nn.Module) -> dict[str, Placed]:
 class SpmdSavePlanner(CanonicalSavePlanner):
     """The canonical save planner, resolving each shard of an SPMD tensor from the tensor's
     local shards on the host (fetched once per tensor, dropped as they are written) rather
-    than by slicing the global tensor, which would compile one XLA program per slice."""
+    than by slicing the global tensor, which would compile one XLA program per slice.
+    ``backend``: the one holding the tensors (``ShardState.backend``)."""
 
-    def __init__(self, placed):
+    def __init__(self, placed, backend):
         super().__init__(placed)
+        self._backend = backend
         self._shards: dict[str, dict[tuple[int, ...], torch.Tensor]] = {}
         self._lock = threading.Lock()
 
@@ -52,7 +55,7 @@ class SpmdSavePlanner(CanonicalSavePlanner):
             return self.state_dict[fqn].cpu()
         with self._lock:
             if fqn not in self._shards:
-                self._shards[fqn] = local_shards(self.state_dict[fqn])
+                self._shards[fqn] = self._backend.local_shards(self.state_dict[fqn])
             shards = self._shards[fqn]
             data = shards.pop(tuple(write_item.index.offset))
             if not shards:

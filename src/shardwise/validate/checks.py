@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from shardwise.core.spec import split
+from shardwise.holding import Holding, is_dtensor
 
 # fp32 everywhere. The sharded run sums in another order than the one-process run (rowwise
 # reductions, all-reduced partial sums): ~1e-6 relative here; 1e-4 leaves room for device
@@ -53,7 +54,7 @@ class Deferred:
 
 def local_of(t: torch.Tensor) -> torch.Tensor:
     """The tensor this rank holds, on the CPU (a DTensor's local part)."""
-    if type(t).__name__ == "DTensor":
+    if is_dtensor(t):
         t = t.to_local()
     return t.detach().cpu()
 
@@ -63,14 +64,14 @@ def local_grad(p: torch.Tensor) -> torch.Tensor | None:
     g = p.grad
     if g is None:
         return None
-    if type(g).__name__ == "DTensor" and g.placements != p.placements:
+    if is_dtensor(g) and g.placements != p.placements:
         g = g.redistribute(p.device_mesh, p.placements)
     return local_of(g)
 
 
 def expected_local(full: torch.Tensor, name: str, state, like: torch.Tensor) -> torch.Tensor:
     """This rank's part of the canonical ``full`` for tensor ``name`` held as ``like``."""
-    if state is None or state.holding == "spmd":
+    if state is None or state.holding is Holding.SPMD:
         return full
     spec = state.specs[name]
     want = full if spec.replicated else split(full, spec, *state.coords(spec))

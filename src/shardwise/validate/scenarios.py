@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 import shardwise as sw
+from shardwise.holding import Holding
 from shardwise.validate.checks import Deferred, Mismatch, compare, compare_grads, compare_tensors, same_bytes
 from shardwise.validate.layouts import Layout
 from shardwise.validate.model import EP_PLAN, MAX_NORM, TP_PLAN, Golden, batch, build, loss_of, optimizer_for
@@ -53,7 +54,7 @@ class Run:
 
 def layout_limit(backend, layout: Layout) -> str | None:
     """Why ``backend`` cannot run ``layout`` at all, or None."""
-    if layout.has("dp_shard") and backend.holding == "local":
+    if layout.has("dp_shard") and backend.holding is Holding.LOCAL:
         return (f"dp_shard needs FSDP2 (fully_shard), which needs DTensor parameters; backend "
                 f"{backend.name!r} holds plain local shards")
     return None
@@ -65,7 +66,7 @@ def place(job: Job, layout: Layout, mesh, path) -> tuple[torch.nn.Module, object
     model = build(device="meta")
     kwargs = {"ep_plan": EP_PLAN} if layout.has("ep") else {}
     result = sw.load(model, path, plan=TP_PLAN, mesh=mesh, progress=False, **kwargs)
-    if layout.has("dp_shard") and job.backend.holding == "dtensor":
+    if layout.has("dp_shard") and job.backend.holding is Holding.DTENSOR:
         from torch.distributed.fsdp import fully_shard
 
         for layer in model.model.layers:
@@ -108,7 +109,7 @@ def judge_load(job: Job, layout: Layout, ranks: list[dict]) -> str | None:
     if sum(got) < job.total_bytes:
         return f"the job read {sum(got)} bytes of a {job.total_bytes}-byte checkpoint"
     split = layout.has("tp") or layout.has("ep") or layout.has("dp_replicate")
-    if split and job.backend.holding != "spmd" and max(got) >= job.total_bytes:  # spmd: one process
+    if split and job.backend.holding is not Holding.SPMD and max(got) >= job.total_bytes:  # spmd: one process
         return f"a rank read the whole checkpoint ({max(got)} bytes) at {layout.name}"
     return None
 

@@ -16,6 +16,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from shardwise.holding import Holding
 from shardwise.validate.report import FAIL, PASS
 
 
@@ -25,7 +26,7 @@ def runtime_world(backend) -> int:
         import torch_xla.runtime as xr
 
         return int(xr.world_size())
-    if backend.holding == "spmd":
+    if backend.holding is Holding.SPMD:
         import torch_xla.runtime as xr
 
         return int(xr.process_count())
@@ -34,7 +35,7 @@ def runtime_world(backend) -> int:
 
 def mesh_world(backend) -> int:
     """The number of devices a mesh spans: processes, or under SPMD the XLA devices."""
-    if backend.holding == "spmd":
+    if backend.holding is Holding.SPMD:
         import torch_xla.runtime as xr
 
         return int(xr.global_runtime_device_count())

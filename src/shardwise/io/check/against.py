@@ -35,6 +35,7 @@ from shardwise.core.header import dtype_to_str, str_to_dtype
 from shardwise.core.plan import resolve_plan
 from shardwise.core.spec import global_shape
 from shardwise.errors import CheckpointError, UsageError
+from shardwise.holding import Holding, is_dtensor
 from shardwise.io.safetensors.hub_layout import is_transformers_model
 from shardwise.parallel import get_shard_state
 
@@ -123,7 +124,7 @@ def model_tensors(model: nn.Module) -> tuple[Expected, dict[str, str]]:
     meta model, which has no values to save, so its rule is restated here)."""
     state = get_shard_state(model)
     specs = state.specs if state is not None else resolve_plan(model, {}, 1)
-    spmd = state is None or state.holding == "spmd"
+    spmd = state is None or state.holding is Holding.SPMD
     held = model.state_dict(keep_vars=True)
     out: Expected = {}
     for name, spec in specs.items():
@@ -134,7 +135,7 @@ def model_tensors(model: nn.Module) -> tuple[Expected, dict[str, str]]:
         shape = tuple(t.shape)  # a DTensor's shape is global
         if name in specs.ties:  # an FP8 weight's scales: local shards may overlap
             shape = specs.ties[name].scale_shape
-        elif type(t).__name__ != "DTensor" and not spmd and not spec.replicated:
+        elif not is_dtensor(t) and not spmd and not spec.replicated:
             degree = state.coords(spec)[0]
             shape = global_shape(shape, spec, degree) if degree > 1 else shape
         out[name] = (shape, dtype_to_str(t.dtype))

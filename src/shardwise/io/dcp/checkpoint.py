@@ -36,6 +36,7 @@ import shardwise.comm as comm
 from shardwise.backends import coordination_group
 from shardwise.core.plan import ResolvedPlan
 from shardwise.errors import CheckpointError
+from shardwise.holding import Holding
 from shardwise.io.dcp.chunks import MetadataReader
 from shardwise.io.dcp.coord import checkpoint_info, dcp_error, gather_checksums, model_placed
 from shardwise.io.dcp.coord import on_rank0 as _on_rank0  # a module global: benchmarks/_trials.py hooks it
@@ -183,9 +184,9 @@ def save_dcp(model: nn.Module, path, *, overwrite: bool = False, async_save: boo
     check_model(model, action="save")
     state = get_shard_state(model)
     planner = None
-    if state is not None and state.holding == "spmd":  # global tensors: this process's shards
+    if state is not None and state.holding is Holding.SPMD:  # global tensors: this process's shards
         placed = spmd_placed(model)
-        planner = SpmdSavePlanner(placed)
+        planner = SpmdSavePlanner(placed, state.backend)
     else:
         placed = model_placed(model)
     info = checkpoint_info(model, placed, kind="model", metadata=metadata)

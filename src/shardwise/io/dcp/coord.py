@@ -26,6 +26,7 @@ from shardwise.comm import agree, capture, world_backend
 from shardwise.core.header import dtype_to_str
 from shardwise.core.plan import plan_summary
 from shardwise.errors import CheckpointError, CollectiveError, ShardwiseError
+from shardwise.holding import is_dtensor
 from shardwise.io.dcp.items import HashingWriter, Placed, place
 from shardwise.io.dcp.quant import scale_placed
 from shardwise.io.info import ALGORITHM
@@ -61,10 +62,10 @@ def checkpoint_info(model: nn.Module, placed: Mapping[str, Placed], *, kind: str
     state = get_shard_state(model)
     mesh = state.mesh if state is not None else next(
         (t.device_mesh for t in model.state_dict(keep_vars=True).values()
-         if type(t).__name__ == "DTensor"), None)
+         if is_dtensor(t)), None)
     sharded_axes = sorted({(t.device_mesh.mesh_dim_names or ("?",) * t.device_mesh.ndim)[i]
                            for t in model.state_dict(keep_vars=True).values()
-                           if type(t).__name__ == "DTensor"
+                           if is_dtensor(t)
                            for i, p in enumerate(t.placements) if p.is_shard()})
     return {
         "format": INFO_FORMAT, "version": 1, "kind": kind,
@@ -73,7 +74,7 @@ def checkpoint_info(model: nn.Module, placed: Mapping[str, Placed], *, kind: str
         "mesh": None if mesh is None else {"axes": list(mesh.mesh_dim_names or ()),
                                            "shape": list(mesh.mesh.shape)},
         "degree": state.degree if state is not None else 1,
-        "holding": state.holding if state is not None else None,
+        "holding": state.holding.value if state is not None else None,
         "sharded_axes": sharded_axes,
         "plan": plan_summary(state.specs) if state is not None else {},
         "tensors": {n: {"dtype": dtype_to_str(p.local.dtype), "shape": list(p.shape)}

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.planner_helpers import (
 
 from shardwise.core.spec import Layout, Region, ShardSpec, chunk_layout, global_shape, local_layout
 from shardwise.errors import CheckpointError
+from shardwise.holding import is_dtensor
 from shardwise.io.info import chunk_key, tensor_checksum
 
 
@@ -79,7 +80,7 @@ def place(tensor: torch.Tensor, spec: ShardSpec | None, degree: int, tp_rank: in
     local, base_shape = tensor, tuple(tensor.shape)
     chunks: list[tuple[int, int, int]] = []   # (dim, num_chunks, index)
     tp_in_mesh = False
-    if type(tensor).__name__ == "DTensor":
+    if is_dtensor(tensor):
         local = tensor.to_local()
         mesh = tensor.device_mesh
         names = mesh.mesh_dim_names or ()

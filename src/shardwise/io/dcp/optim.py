@@ -20,6 +20,7 @@ from torch import nn
 
 from shardwise.core.spec import ShardSpec
 from shardwise.errors import CheckpointError
+from shardwise.holding import is_dtensor
 from shardwise.io.dcp.checkpoint import AsyncSave, checkpoint_info, read_checkpoint, write_checkpoint
 from shardwise.io.dcp.items import Placed, place
 from shardwise.io.dcp.metadata import check_tensors, read_metadata
@@ -52,7 +53,7 @@ def _placed(model: nn.Module, osd: Mapping) -> dict[str, Placed]:
             spec = state.specs.get(pname, ShardSpec()) if state is not None else None
             degree, rank = state.coords(spec) if state is not None else (1, 0)
             out[key] = place(value, spec, degree, rank, name=key)
-        elif type(value).__name__ == "DTensor" or (param is not None and value.dim() > 0
+        elif is_dtensor(value) or (param is not None and value.dim() > 0
                                                     and _is_sharded(model, pname, param)):
             raise CheckpointError(
                 f"optimizer state {key!r} has shape {tuple(value.shape)}, unlike its sharded "
@@ -66,7 +67,7 @@ def _placed(model: nn.Module, osd: Mapping) -> dict[str, Placed]:
 def _is_sharded(model: nn.Module, pname: str, param: torch.Tensor) -> bool:
     state = get_shard_state(model)
     spec = state.specs.get(pname) if state is not None else None
-    return type(param).__name__ == "DTensor" or (spec is not None and not spec.replicated)
+    return is_dtensor(param) or (spec is not None and not spec.replicated)
 
 
 @contextlib.contextmanager

@@ -25,6 +25,7 @@ from shardwise.core.quant_layout import (
 )
 from shardwise.core.spec import Layout, ShardSpec, local_layout, local_shape
 from shardwise.errors import CheckpointError
+from shardwise.holding import is_dtensor
 from shardwise.io.dcp.items import Placed, place
 from shardwise.io.source import Want
 from shardwise.io.staging import loaded_dtype
@@ -40,7 +41,7 @@ def scale_placed(tensor: torch.Tensor, tie: QuantTie, spec: ShardSpec, degree: i
     DTensor, FSDP over it); else they are a plain local tensor held as ``scale_layout`` says."""
     if tie_aligned(tie, spec, degree):
         return place(tensor, spec, degree, rank, name=name)
-    local = tensor.to_local() if type(tensor).__name__ == "DTensor" else tensor
+    local = tensor.to_local() if is_dtensor(tensor) else tensor
     want = scale_local_shape(tie, spec, degree, rank)
     if tuple(local.shape) != want:
         raise CheckpointError(f"tensor {name!r}: local scales of shape {tuple(local.shape)}, but rank {rank} "

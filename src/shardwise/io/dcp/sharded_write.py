@@ -33,6 +33,7 @@ from shardwise.comm import agree, capture, world_backend
 from shardwise.core.header import dtype_to_str, spec_nbytes
 from shardwise.core.spec import Region
 from shardwise.errors import CheckpointError
+from shardwise.holding import Holding
 from shardwise.io.dcp.coord import checkpoint_info, model_placed, on_rank0
 from shardwise.io.dcp.sharded import check_tiling, sharding_metadata
 from shardwise.io.guards import check_model
@@ -174,7 +175,7 @@ def save_sharded_safetensors(model: nn.Module, path, *, overwrite: bool = False,
     check_model(model, action="save")
     header_metadata(metadata)  # str -> str, or a CheckpointError before anything is written
     state = get_shard_state(model)
-    if state is not None and state.holding == "spmd":
+    if state is not None and state.holding is Holding.SPMD:
         raise CheckpointError("a sharded safetensors save needs one process per device; under "
                               "holding 'spmd' save with format='distcp' (the default)")
     target = target_path(path)

@@ -1,0 +1,138 @@
+"""The mesh, decoded once at the API boundary.
+
+A public entry that takes a mesh (``sw.load``, ``sw.parallelize``, and through them
+``sw.from_pretrained``) calls :func:`decode_mesh` once; everything below gets the frozen
+:class:`MeshDims` it returns (the tp and ep axes with their degrees, ranks and process
+groups, the holding, the device, the backend) and never looks at the raw mesh's axis names,
+the holding string or the process-global backend again. The ``ShardState`` a parallelised
+model keeps is this value plus the resolved plan (``shardwise.parallel``), so a save, a clip
+or an optimizer save reads the same decoding.
+
+Region math (``shardwise.core``) takes the plain ints of :meth:`MeshDims.coords`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from shardwise.backends import current_backend
+from shardwise.core.spec import ShardSpec
+from shardwise.errors import PlanError
+from shardwise.holding import Holding
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeshDims:
+    """A mesh as shardwise uses it: the tp and ep axes (``None`` where the mesh has none:
+    degree 1, rank 0), their process groups, how shards are held, and this process's
+    device and backend. Built by :func:`decode_mesh`; ranks are 0 under ``Holding.SPMD``,
+    where one process holds every position.
+
+    >>> MeshDims(mesh=None, degree=2, tp_rank=1, holding="local")
+    MeshDims(degree=2, tp_rank=1, holding=local, ep_degree=1, ep_rank=0, device=cpu)
+    """
+
+    mesh: object = field(repr=False)   # the mesh passed in (may be 2-D)
+    tp_mesh: object = field(repr=False, default=None)
+    degree: int = 1                    # of the tp axis
+    tp_rank: int = 0
+    holding: Holding = Holding.DTENSOR
+    group: object = field(repr=False, default=None)  # process group of the tp axis
+    ep_mesh: object = field(repr=False, default=None)  # the ep axis (expert parallel)
+    ep_degree: int = 1
+    ep_rank: int = 0
+    ep_group: object = field(repr=False, default=None)
+    device: torch.device = torch.device("cpu")
+    backend: object = field(repr=False, default=None)  # the Backend that made the mesh, if any
+
+    def __post_init__(self):
+        # the public keyword takes strings; the value holds the enum
+        object.__setattr__(self, "holding", Holding.parse(self.holding))
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(degree={self.degree}, tp_rank={self.tp_rank}, "
+                f"holding={self.holding}, ep_degree={self.ep_degree}, ep_rank={self.ep_rank}, "
+                f"device={self.device})")
+
+    def coords(self, spec: ShardSpec) -> tuple[int, int]:
+        """``(degree, rank)`` of this rank on the mesh axis ``spec`` shards over."""
+        return (self.ep_degree, self.ep_rank) if spec.axis == "ep" else (self.degree, self.tp_rank)
+
+    def axis_mesh(self, spec: ShardSpec):
+        """The sub-mesh of the axis ``spec`` shards over (``None``: the mesh has no such axis)."""
+        return self.ep_mesh if spec.axis == "ep" else self.tp_mesh
+
+    @property
+    def axis_coords(self) -> dict[str, tuple[int, int]]:
+        """``{"tp": (degree, rank), "ep": (degree, rank)}``: :meth:`coords` per axis name."""
+        return {"tp": (self.degree, self.tp_rank), "ep": (self.ep_degree, self.ep_rank)}
+
+
+def decode_mesh(mesh, holding: str | Holding | None = None) -> MeshDims:
+    """``mesh`` (a DeviceMesh, or the ``SpmdMesh`` of ``xla_spmd``) decoded into
+    :class:`MeshDims`; ``holding`` ``None`` is the active backend's (``"dtensor"`` without one).
+
+    Raises ``UsageError`` for an unknown holding, and ``PlanError`` for a mesh whose tp axis
+    cannot be found (:func:`tp_axis`) or whose kind disagrees with the holding
+    (:func:`check_spmd`). Collective-free: reads sizes and local ranks only.
+    """
+    backend = current_backend()
+    if holding is None:
+        holding = backend.holding if backend is not None else Holding.DTENSOR
+    holding = Holding.parse(holding)
+    tp_mesh = tp_axis(mesh)  # None: no tp axis, nothing tensor parallel (degree 1)
+    check_spmd(mesh if tp_mesh is None else tp_mesh, holding)
+    ep_mesh = ep_axis(mesh)
+
+    def on(axis):  # (degree, rank, group) of one axis
+        if axis is None:
+            return 1, 0, None
+        return axis.size(), 0 if holding.one_process else axis.get_local_rank(), axis.get_group()
+
+    degree, tp_rank, group = on(tp_mesh)
+    ep_degree, ep_rank, ep_group = on(ep_mesh)
+    device = torch.device(backend.device) if backend is not None else torch.device(mesh.device_type)
+    return MeshDims(mesh=mesh, tp_mesh=tp_mesh, degree=degree, tp_rank=tp_rank, holding=holding,
+                    group=group, ep_mesh=ep_mesh, ep_degree=ep_degree, ep_rank=ep_rank,
+                    ep_group=ep_group, device=device, backend=backend)
+
+
+def tp_axis(mesh):
+    """The tp axis of ``mesh``: ``mesh["tp"]`` when named, an unnamed 1-D mesh itself, and
+    ``None`` when the mesh names its axes and none is "tp" (``backend.mesh(dp_shard=4)``,
+    ``backend.mesh(ep=2)``): nothing is tensor parallel there, so the model is held whole
+    (ready for ``fully_shard``) instead of the TP plan splitting it over a data axis."""
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    if "tp" in names:
+        return mesh["tp"] if len(names) > 1 else mesh
+    if not names and mesh.ndim == 1:
+        return mesh
+    if not names:
+        raise PlanError(f"a {mesh.ndim}-D mesh without axis names has no 'tp' axis; build it with "
+                        "backend.mesh(tp=...)")
+    if getattr(mesh, "spmd", False):  # one global tensor per parameter needs an axis to place it on
+        raise PlanError(f"the xla_spmd mesh with axes {names} has no 'tp' axis; add tp=1 to hold the "
+                        "model whole: backend.mesh(..., tp=1)")
+    return None
+
+
+def ep_axis(mesh):
+    """The ep axis of ``mesh`` (expert parallel), or ``None`` when it has none."""
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    return mesh["ep"] if "ep" in names else None
+
+
+def check_spmd(tp_mesh, holding: Holding) -> None:
+    """Raise ``PlanError`` unless ``holding`` is SPMD exactly when the mesh is an SPMD mesh."""
+    is_spmd = bool(getattr(tp_mesh, "spmd", False))
+    if is_spmd and not holding.one_process:
+        raise PlanError(f"holding {holding.value!r} needs one process per device, but this mesh is an "
+                        "SPMD mesh (one process drives every device); use holding='spmd' or leave it unset")
+    if holding.one_process and not is_spmd:
+        raise PlanError("holding 'spmd' needs the mesh of sw.init_backend('xla_spmd') (one process "
+                        "driving every device); with one process per device use 'dtensor' or 'local'")
+
+
+__all__ = ["MeshDims", "check_spmd", "decode_mesh", "ep_axis", "tp_axis"]
