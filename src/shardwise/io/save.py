@@ -1,9 +1,14 @@
-"""``sw.save``: gather a tensor-parallel model into an ordinary safetensors checkpoint.
+"""``sw.save``: gather a tensor-parallel model into an ordinary safetensors checkpoint, or write
+a distributed checkpoint.
 
-Every rank calls it; rank 0 writes. Names, dtypes and canonical shapes come from the shard
-specs, so rank 0 plans the files and writes each header before any tensor arrives; then one
-tensor at a time is gathered to rank 0, put back in its canonical layout (packed blocks in
-their unsharded order), written and freed. Replicated tensors are written from rank 0's copy.
+The keyword arguments are decoded first into one frozen options value per kind of save
+(``shardwise.io.save_options``: ``SafetensorsSave`` or ``DistributedSave``); an argument of
+the other kind is refused there. The gather save: every rank calls it; rank 0 writes. Names,
+dtypes and canonical shapes come from the shard specs, so every rank plans the files (the
+safetensors sink's ``WritePlan``) before any tensor moves; then the stream sink gathers one
+tensor at a time to rank 0, which puts it back in its canonical layout (packed blocks in
+their unsharded order), writes and frees it (or the parallel sink has every rank write its
+own regions). Replicated tensors are written from rank 0's copy.
 
 What an interrupted save leaves (see :func:`save` for the full statement): the files go into a
 temporary folder beside the target, ``.{name}.shardwise-tmp-{host}-{pid}-{token}``, which
