@@ -14,6 +14,9 @@ torch's ``HuggingFaceStorageReader``, its ``consolidate_safetensors_files`` and 
 ``from_pretrained`` read the folder; ``shardwise.json`` records the layout and the shapes,
 and Hugging Face models get their ``config.json``.
 
+:class:`ShardedSafetensorsSink` is this save as a ``Sink`` (``shardwise.io.sink``): its plan
+names every rank's files, each with its writer and its chunks' offsets.
+
 Each file is streamed (header first, then each chunk from the rank's memory); torch's writer
 builds each file whole in memory first. The folder is written aside and moved into place
 when every rank is done, like every shardwise save.
