@@ -7,13 +7,14 @@ streams it into the open file. Which rank calls what: every rank of the tp group
 global rank 0 calls :func:`gather_to_rank0` for every sharded tensor, in the same order;
 every rank of the world calls ``shardwise.comm.agree`` at the same points, so that a failure
 on one rank (a full disk on rank 0) raises on every rank instead of leaving peers in a
-collective.
+collective. :class:`StreamSink` is this stream as the safetensors ``Sink``.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,15 +22,19 @@ import torch
 from torch import nn
 
 from shardwise.backends import Backend
-from shardwise.comm import capture
+from shardwise.comm import agree, capture
 from shardwise.core.header import dtype_to_str, str_to_dtype
 from shardwise.core.plan import resolve_plan
 from shardwise.core.quant_layout import QuantTie
 from shardwise.core.spec import Region, ShardSpec, chunk_layout, global_shape, local_layout
 from shardwise.errors import CheckpointError, UnsupportedModelError
 from shardwise.holding import Holding, is_dtensor
+from shardwise.io.info import collect_checksums
 from shardwise.io.quant_save import gather_scales_to_rank0
 from shardwise.io.safetensors.format import StreamingWriter
+from shardwise.io.safetensors.hub_save import StoredPart
+from shardwise.io.safetensors.sink import SafetensorsSink
+from shardwise.io.sink import WritePlan
 from shardwise.parallel import ShardState, get_shard_state, local_of
 
 # Bytes gathered per collective, all ranks together (see num_chunks).
@@ -188,8 +193,10 @@ class FileGatherer:
 
     Every rank calls :meth:`write_file` for every file, in the same order."""
 
-    def __init__(self, backend, state: ShardState | None, items: dict[str, SaveItem], meta: dict):
-        self.backend, self.items, self.meta = backend, items, meta
+    def __init__(self, backend, state: ShardState | None, items: dict[str, SaveItem], meta: Mapping[str, str],
+                 parts: Mapping[str, StoredPart] | None = None):
+        self.backend, self.items, self.meta = backend, items, dict(meta)
+        self.parts = dict(parts or {})  # stored name -> StoredPart, for a hub-layout save
         self.rank = backend.rank if backend is not None else 0
         # Per mesh axis (tp, ep): its group, and whether this rank's group is the one holding
         # global rank 0, which alone gathers; other replicas only join agree().
@@ -201,7 +208,6 @@ class FileGatherer:
                     self.axes[axis] = (group, 0 in mesh.mesh.flatten().tolist())
         self._buffer: torch.Tensor | None = None
         self._receive: list[torch.Tensor] | None = None
-        self.parts: dict = {}  # stored name -> StoredPart, for a hub-layout save
         self._held: dict[str, torch.Tensor | None] = {}
         self._left: Counter[str] = Counter()  # model tensor -> boxes of it still to write
 
@@ -296,4 +302,31 @@ def _chunk_bytes(item: SaveItem, degree: int) -> int:
     return -(-rows // k) * (local.numel() // rows if rows else 0) * local.element_size()
 
 
-__all__ = ["FileGatherer", "SaveItem", "collect_items", "gather_to_rank0", "num_chunks"]
+class StreamSink(SafetensorsSink):
+    """The rank-0 stream (``sw.save``'s default): every tensor is gathered to rank 0, which
+    writes the files one after another. ``items`` are the model's tensors with this rank's
+    shards (:func:`collect_items`), ``state`` its ``ShardState``."""
+
+    def __init__(self, backend, state: ShardState | None, items: Mapping[str, SaveItem], *, what: str,
+                 **options):
+        super().__init__(**options)
+        self.backend, self.state, self.items, self.what = backend, state, dict(items), what
+        self.rank = backend.rank if backend is not None else 0
+
+    def gatherer(self, plan: WritePlan) -> FileGatherer:
+        return FileGatherer(self.backend, self.state, self.items, plan.header, plan.parts)
+
+    def write(self, plan: WritePlan, folder: Path | None, bar) -> dict[str, str]:
+        """Collective over the world: every rank joins the gathers of every file in order;
+        rank 0 (``folder`` its temporary folder, None elsewhere) writes them. Returns
+        ``{stored tensor: checksum}`` on rank 0, computed as it writes (empty elsewhere)."""
+        run = self.gatherer(plan)
+        with collect_checksums() as checksums:
+            for f in plan.files:
+                bar.file(f.name)
+                error = run.write_file(folder / f.name if folder is not None else None, f.tensors, bar)
+                agree(self.backend, error, what=self.what)
+        return dict(checksums)
+
+
+__all__ = ["FileGatherer", "SaveItem", "StreamSink", "collect_items", "gather_to_rank0", "num_chunks"]

@@ -39,7 +39,9 @@ from shardwise.core.pieces import Piece, piece_reads
 from shardwise.core.spec import Layout, Region, local_layout
 from shardwise.errors import CheckpointError, UsageError
 from shardwise.io.files import Writeback, byte_view, pread_into
+from shardwise.io.gather import StreamSink
 from shardwise.io.info import new_digest
+from shardwise.io.sink import WritePlan
 
 PROBE_PREFIX = ".shardwise-probe-"
 # Checksums read the files back this many bytes at a time, into one reused buffer.
@@ -213,29 +215,29 @@ def _digest(folder: Path, where: dict, names: list[str]) -> dict[str, str]:
 
 # --- the save ---------------------------------------------------------------------------------
 
-def write_parallel(backend, run, state, folder: Path, file_plan, bar, *, what: str) -> dict[str, str]:
-    """Write every file of ``file_plan`` into ``folder`` (rank 0's temporary folder, seen by
+def write_parallel(backend, run, state, folder: Path, plan: WritePlan, bar, *, what: str) -> dict[str, str]:
+    """Write every file of ``plan`` into ``folder`` (rank 0's temporary folder, seen by
     every rank) and return ``{stored tensor: checksum}`` on rank 0 (empty elsewhere).
     Collective: every rank calls it once; a failure on any rank raises on every rank
     (``agree``), after which rank 0 discards the folder as the stream's caller does.
 
-    ``run`` is the save's ``FileGatherer`` (its items, hub parts, axes and header metadata);
-    ``state`` the model's ``ShardState`` (None for a model that was not parallelised).
+    ``run`` is the save's ``FileGatherer`` (its items and axes); ``state`` the model's
+    ``ShardState`` (None for a model that was not parallelised).
     """
     rank = backend.rank if backend is not None else 0
     layouts, where = [], {}
-    for fname, group in file_plan:
-        prefix, offsets = layout_header(group, run.meta)
-        layouts.append((fname, prefix, sum(spec_nbytes(dt, shape) for _, dt, shape in group), offsets))
-        where.update({n: (fname, len(prefix) + lo, hi - lo) for n, (lo, hi) in offsets.items()})
+    for f in plan.files:
+        prefix, offsets = layout_header(f.tensors, plan.header)
+        layouts.append((f.name, prefix, sum(spec_nbytes(dt, shape) for _, dt, shape in f.tensors), offsets))
+        where.update({n: (f.name, len(prefix) + lo, hi - lo) for n, (lo, hi) in offsets.items()})
     agree(backend, capture(lambda: _create_files(folder, layouts)) if rank == 0 else None, what=what)
 
     def write_all():
         layout_of = {}  # model tensor -> this rank's regions of it, computed once
-        for (fname, group), (_, prefix, _, offsets) in zip(file_plan, layouts, strict=True):
+        for f, (_, prefix, _, offsets) in zip(plan.files, layouts, strict=True):
             jobs = {}
-            for name, _, shape in group:
-                part = run.parts.get(name)
+            for name, _, shape in f.tensors:
+                part = plan.parts.get(name)
                 zeros = (0,) * len(shape)
                 whole = ((name, Piece(name, Region(zeros, shape), zeros)),)
                 fragments = part.fragments if part is not None else whole
@@ -245,7 +247,7 @@ def write_parallel(backend, run, state, folder: Path, file_plan, bar, *, what: s
                     if model_name not in layout_of:
                         layout_of[model_name] = _layout(item, state, run.axes, rank)
                     jobs[name].append((item, piece, layout_of[model_name]))
-            _write_file(folder / fname, group, offsets, len(prefix), jobs)
+            _write_file(folder / f.name, f.tensors, offsets, len(prefix), jobs)
 
     agree(backend, capture(write_all), what=what)  # every rank has fsynced its writes
     for fname, _, size, _ in layouts:
@@ -280,4 +282,15 @@ def wanted(parallel_write: bool | None, backend) -> bool:
     return parallel_write
 
 
-__all__ = ["host_id", "shared_folder", "split_by_bytes", "wanted", "write_parallel"]
+class ParallelSink(StreamSink):
+    """The parallel write as the safetensors ``Sink``: the stream's plan, written by every
+    rank at its regions' offsets (:func:`write_parallel`). ``folder`` in :meth:`write` is
+    rank 0's temporary folder on every rank (:func:`shared_folder`)."""
+
+    def write(self, plan: WritePlan, folder: Path | None, bar) -> dict[str, str]:
+        assert folder is not None, "the parallel write needs the shared folder on every rank"
+        run = self.gatherer(plan)
+        return write_parallel(self.backend, run, self.state, folder, plan, bar, what=self.what)
+
+
+__all__ = ["ParallelSink", "host_id", "shared_folder", "split_by_bytes", "wanted", "write_parallel"]

@@ -1,9 +1,14 @@
-"""``sw.save``: gather a tensor-parallel model into an ordinary safetensors checkpoint.
+"""``sw.save``: gather a tensor-parallel model into an ordinary safetensors checkpoint, or write
+a distributed checkpoint.
 
-Every rank calls it; rank 0 writes. Names, dtypes and canonical shapes come from the shard
-specs, so rank 0 plans the files and writes each header before any tensor arrives; then one
-tensor at a time is gathered to rank 0, put back in its canonical layout (packed blocks in
-their unsharded order), written and freed. Replicated tensors are written from rank 0's copy.
+The keyword arguments are decoded first into one frozen options value per kind of save
+(``shardwise.io.save_options``: ``SafetensorsSave`` or ``DistributedSave``); an argument of
+the other kind is refused there. The gather save: every rank calls it; rank 0 writes. Names,
+dtypes and canonical shapes come from the shard specs, so every rank plans the files (the
+safetensors sink's ``WritePlan``) before any tensor moves; then the stream sink gathers one
+tensor at a time to rank 0, which puts it back in its canonical layout (packed blocks in
+their unsharded order), writes and frees it (or the parallel sink has every rank write its
+own regions). Replicated tensors are written from rank 0's copy.
 
 What an interrupted save leaves (see :func:`save` for the full statement): the files go into a
 temporary folder beside the target, ``.{name}.shardwise-tmp-{host}-{pid}-{token}``, which
@@ -22,17 +27,18 @@ from torch import nn
 
 from shardwise._progress import Progress
 from shardwise.comm import agree, capture, fingerprint, world_backend
-from shardwise.errors import CheckpointError, CollectiveError, UsageError
+from shardwise.errors import CheckpointError, CollectiveError
 from shardwise.io import parallel_save
 from shardwise.io.check.against import Expectation, compare, expected_tensors
-from shardwise.io.gather import FileGatherer, collect_items
+from shardwise.io.gather import StreamSink, collect_items
 from shardwise.io.guards import check_model
-from shardwise.io.info import collect_checksums, gather_info, write_info
+from shardwise.io.info import gather_info, write_info
 from shardwise.io.quant_checks import check_quantized_save
-from shardwise.io.safetensors.format import INDEX_SUFFIX, index_json, plan_files
 from shardwise.io.safetensors.headers import header_metadata, save_file_order
 from shardwise.io.safetensors.hub_save import hub_save_layout, shared_storages
+from shardwise.io.save_options import DistributedSave, SafetensorsSave, save_options
 from shardwise.io.side_files import default_prefix, index_metadata, write_side_files
+from shardwise.io.sink import StoredTensor
 from shardwise.io.target import Destination, target_path
 
 if TYPE_CHECKING:
@@ -113,92 +119,82 @@ def save(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str
     >>> sw.save(model, "out/full", max_shard_size="2GB")                    # doctest: +SKIP
     >>> sw.load(model2, "out/full", plan=plan, mesh=backend.mesh(tp=2))     # doctest: +SKIP
     """
-    if async_save and not distributed:
-        raise UsageError("async_save=True writes a distributed checkpoint; pass distributed=True too")
-    if format not in ("distcp", "safetensors"):
-        raise UsageError(f"format must be 'distcp' or 'safetensors', got {format!r}")
-    if distributed:  # options of the gather save would be silently dropped: refuse them
-        ignored = [f"{k}={v!r}" for k, v, default in (
-            ("max_shard_size", max_shard_size, "5GB"), ("filename_prefix", filename_prefix, None),
-            ("layout", layout, "hub"), ("parallel_write", parallel_write, None)) if v != default]
-        if ignored:
-            raise UsageError(f"{', '.join(ignored)}: not for a distributed save (every rank "
-                             "writes its own part, in the module's names); drop it, or save with "
-                             "distributed=False and sw.consolidate the distributed checkpoint")
-    elif format != "distcp":
-        raise UsageError(f"format={format!r} applies to a distributed save only; pass distributed=True too")
-    if distributed:  # the guards first, then every rank meets (the save's own guards follow)
-        check_model(model, action="save")
-        if format == "safetensors":  # a DCP save writes each FP8 scale once (io.dcp.quant); this cannot
-            check_quantized_save(model, "as rank-local safetensors (format='safetensors')")
-        join_collective(world_backend(), "sw.save")
-    if distributed and format == "safetensors":
-        if async_save:
-            raise UsageError("async_save=True is not supported with format='safetensors'; "
-                             "use format='distcp' for an async distributed save")
+    options = save_options(distributed=distributed, max_shard_size=max_shard_size,
+                           filename_prefix=filename_prefix, layout=layout, parallel_write=parallel_write,
+                           format=format, async_save=async_save)
+    common = dict(metadata=metadata, overwrite=overwrite, progress=progress)
+    if isinstance(options, DistributedSave):
+        return save_distributed(model, path, options, **common)
+    save_safetensors(model, path, options, **common)
+    return None
+
+
+def save_distributed(model: nn.Module, path, options: DistributedSave, *, metadata, overwrite: bool,
+                     progress: bool | None) -> AsyncSave | None:
+    """``sw.save(..., distributed=True)`` with its decoded ``options``: the guards, every rank
+    meets, then the format's writer (torch DCP, or rank-local sharded safetensors)."""
+    check_model(model, action="save")
+    if options.format == "safetensors":  # a DCP save writes each FP8 scale once (io.dcp.quant); this cannot
+        check_quantized_save(model, "as rank-local safetensors (format='safetensors')")
+    join_collective(world_backend(), "sw.save")
+    if options.format == "safetensors":
         # imported on use, as save_dcp below: it imports torch.distributed.checkpoint (dcp_coord)
         from shardwise.io.dcp.sharded_write import save_sharded_safetensors
 
         return save_sharded_safetensors(model, path, overwrite=overwrite, metadata=metadata,
                                         progress=progress)
-    if distributed:
-        from shardwise.io.dcp.checkpoint import (
-            save_dcp,  # imported on use: torch.distributed.checkpoint is slow to load
-        )
+    from shardwise.io.dcp.checkpoint import (
+        save_dcp,  # imported on use: torch.distributed.checkpoint is slow to load
+    )
 
-        return save_dcp(model, path, overwrite=overwrite, metadata=metadata, progress=progress,
-                        async_save=async_save)
+    return save_dcp(model, path, overwrite=overwrite, metadata=metadata, progress=progress,
+                    async_save=options.async_save)
+
+
+def save_safetensors(model: nn.Module, path, options: SafetensorsSave, *, metadata, overwrite: bool,
+                     progress: bool | None) -> None:
+    """``sw.save(..., distributed=False)`` with its decoded ``options``: plan every file (pure,
+    the same on every rank), meet, then write through the rank-0 stream or, where every rank
+    sees the folder, the parallel write; move the folder into place when every rank is done."""
     check_model(model, action="save")
     target = target_path(path)
-    filename_prefix = filename_prefix or default_prefix(model)
-    header_meta = header_metadata(metadata)
+    prefix = options.filename_prefix or default_prefix(model)
     items, state = collect_items(model)
-    if layout == "hub":  # as save_pretrained: a model's _keys_to_ignore_on_save are not written
+    if options.layout == "hub":  # as save_pretrained: a model's _keys_to_ignore_on_save are not written
         ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
         items = [i for i in items if i.name not in ignored]
-    stored = stored_tensors(model, items, layout)
-    check_stored(model, items, stored, layout)
-    storages = shared_storages([p for *_, p in stored if p is not None],
-                               {i.name: i.local.element_size() for i in items})
-    file_plan = [(fname, sorted(group, key=save_file_order)) for fname, group in
-                 plan_files([(n, dt, shape) for n, dt, shape, _ in stored], max_shard_size, filename_prefix,
-                            storages)]
+    stored = stored_tensors(model, items, options.layout)
+    check_stored(model, items, stored, options.layout)
     backend = world_backend()
-    parallel = parallel_save.wanted(parallel_write, backend)
+    what = f"sw.save to {target}"
+    sink_options = dict(
+        max_shard_size=options.max_shard_size, prefix=prefix, metadata=metadata,
+        index_metadata=index_metadata(model, {i.name: i.shape for i in items}),  # total_parameters
+        storages=shared_storages([p for *_, p in stored if p is not None],
+                                 {i.name: i.local.element_size() for i in items}))
+    stream = StreamSink(backend, state, {i.name: i for i in items}, what=what, **sink_options)
+    plan = stream.plan(stored)
+    parallel = parallel_save.wanted(options.parallel_write, backend)
     if any(i.tie is not None for i in items):  # the parallel write splits every tensor evenly
-        if parallel_write:
+        if options.parallel_write:
             check_quantized_save(model, "with parallel_write=True")
         parallel = False
     join_collective(backend, "sw.save")  # after the guards and the plan: all pure
-    run = FileGatherer(backend, state, {i.name: i for i in items}, header_meta)
-    run.parts = {n: part for n, _, _, part in stored if part is not None}
-    what = f"sw.save to {target}"
-    dest = Destination(target, overwrite) if run.rank == 0 else None
-    index = None
-    if len(file_plan) > 1:
-        extra = index_metadata(model, {i.name: i.shape for i in items})  # total_parameters
-        index = (filename_prefix + INDEX_SUFFIX,
-                 index_json(file_plan, sum(i.nbytes for i in items), {**dict(metadata or {}), **extra}))
+    dest = Destination(target, overwrite) if stream.rank == 0 else None
+    digest = fingerprint((plan.files, [(i.name, i.spec, i.degree) for i in items], options.parallel_write))
     try:
-        agree(backend, capture(dest.prepare) if dest else None, what=what,
-              digest=fingerprint((file_plan, [(i.name, i.spec, i.degree) for i in items], parallel_write)))
+        agree(backend, capture(dest.prepare) if dest else None, what=what, digest=digest)
         shared = (parallel_save.shared_folder(backend, dest.tmp if dest else None, what=what,
-                                              required=parallel_write is True) if parallel else None)
-        with Progress(sum(i.nbytes for i in items), progress, run.rank == 0, "shardwise save") as bar, \
-                collect_checksums() as checksums:  # each tensor's, computed as rank 0 writes it
-            if shared is not None:  # every rank writes its own regions: nothing is gathered
-                checksums.update(parallel_save.write_parallel(backend, run, state, shared, file_plan,
-                                                              bar, what=what))
-            else:
-                for fname, group in file_plan:
-                    bar.file(fname)
-                    error = run.write_file(dest.tmp / fname if dest else None, group, bar)
-                    agree(backend, error, what=what)
+                                              required=options.parallel_write is True) if parallel else None)
+        sink = stream if shared is None else parallel_save.ParallelSink(
+            backend, state, stream.items, what=what, **sink_options)
+        with Progress(sum(i.nbytes for i in items), progress, stream.rank == 0, "shardwise save") as bar:
+            checksums = sink.write(plan, shared or (dest.tmp if dest else None), bar)
 
         def commit():
             write_info(dest.tmp, gather_info(checksums, [(n, dt, shape) for n, dt, shape, _ in stored]))
             write_side_files(model, dest.tmp)  # config.json & co: from_pretrained reads the folder
-            dest.commit(index)
+            dest.commit(plan.index)
 
         agree(backend, capture(commit) if dest else None, what=what)
     finally:
@@ -253,8 +249,8 @@ def check_stored(model: nn.Module, items, stored, layout: str) -> None:
                               "save with layout='module', and report this as a bug")
 
 
-def stored_tensors(model: nn.Module, items, layout: str) -> list[tuple[str, str, tuple, object]]:
-    """``(name, dtype, shape, StoredPart or None)`` of every tensor the save writes, in order:
+def stored_tensors(model: nn.Module, items, layout: str) -> list[StoredTensor]:
+    """Every tensor the save writes (name, dtype, shape, StoredPart or None), in order:
     the model's own tensors (``layout="module"``, or a model without weight conversions), or
     the hub layout ``save_pretrained`` writes (``layout="hub"``: per-expert tensors, original
     names), each a box of a model tensor."""
@@ -262,8 +258,8 @@ def stored_tensors(model: nn.Module, items, layout: str) -> list[tuple[str, str,
         raise CheckpointError(f"layout must be 'hub' or 'module', got {layout!r}")
     parts = hub_save_layout(model, {i.name: (i.shape, i.dtype) for i in items}) if layout == "hub" else None
     if parts is None:
-        return [(i.name, i.dtype, i.shape, None) for i in items]
-    return [(p.key, p.dtype, p.shape, p) for p in parts]
+        return [StoredTensor(i.name, i.dtype, tuple(i.shape)) for i in items]
+    return [StoredTensor(p.key, p.dtype, p.shape, p) for p in parts]
 
 
 __all__ = ["header_metadata", "save", "save_file_order"]

@@ -26,7 +26,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
-from shardwise.core.header import dtype_to_str, spec_nbytes, str_to_dtype
+from shardwise.core.header import dtype_to_str, str_to_dtype
 from shardwise.core.spec import Region
 from shardwise.errors import CheckpointError
 from shardwise.io.dcp.chunks import MetadataReader, read_chunk_into
@@ -35,22 +35,23 @@ from shardwise.io.dcp.sharded import is_sharded_safetensors
 from shardwise.io.dcp.sharded_read import consolidate_sharded
 from shardwise.io.detect import METADATA_FILE
 from shardwise.io.info import gather_info, read_info, user_metadata, write_info
-from shardwise.io.safetensors.format import INDEX_SUFFIX, StreamingWriter, index_json, plan_files
-from shardwise.io.safetensors.headers import header_metadata, save_file_order
+from shardwise.io.safetensors.format import StreamingWriter
 from shardwise.io.safetensors.hub_layout import model_from_folder
 from shardwise.io.safetensors.hub_save import hub_save_layout, shared_storages
+from shardwise.io.safetensors.sink import plan_checkpoint
 from shardwise.io.side_files import copy_side_files
+from shardwise.io.sink import WritePlan
 from shardwise.io.target import Destination, target_path
 
 
 def consolidation_plan(src, *, max_shard_size: int | str = "5GB", filename_prefix: str = "model",
-                       layout: str = "hub"):
-    """``(metadata, file plan, index or None, header metadata, hub parts)`` for consolidating
-    ``src``; the file plan is the one ``sw.save`` makes for the same tensors: in the hub layout
-    (``{stored name: StoredPart}``) when ``src`` holds a transformers model's config.json and
-    ``layout="hub"``, else in the module's own names (hub parts ``{}``)."""
+                       layout: str = "hub", metadata: Metadata | None = None) -> WritePlan:
+    """The ``WritePlan`` for consolidating ``src`` (whose DCP ``metadata`` is read unless
+    given): the one ``sw.save`` makes for the same tensors (``plan_checkpoint``), in the hub
+    layout (``plan.parts``) when ``src`` holds a transformers model's config.json and
+    ``layout="hub"``, else in the module's own names."""
     src = Path(src)
-    metadata = read_metadata(src)
+    metadata = read_metadata(src) if metadata is None else metadata
     specs, other = [], []
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
@@ -66,14 +67,9 @@ def consolidation_plan(src, *, max_shard_size: int | str = "5GB", filename_prefi
     parts, storages = _hub_parts(src, specs, layout)
     if parts:
         specs = [(p.key, p.dtype, p.shape) for p in parts.values()]
-    file_plan = [(fname, sorted(group, key=save_file_order))
-                 for fname, group in plan_files(specs, max_shard_size, filename_prefix, storages)]
-    index = None
-    if len(file_plan) > 1:
-        total = sum(spec_nbytes(d, s) for _, d, s in specs)
-        recorded = dict((read_info(src) or {}).get("index_metadata") or {})  # total_parameters
-        index = (filename_prefix + INDEX_SUFFIX, index_json(file_plan, total, {**user, **recorded}))
-    return metadata, file_plan, index, header_metadata(user), parts
+    recorded = dict((read_info(src) or {}).get("index_metadata") or {})  # total_parameters
+    return plan_checkpoint(specs, max_shard_size=max_shard_size, prefix=filename_prefix, metadata=user,
+                           index_metadata=recorded, storages=storages, parts=parts)
 
 
 def _hub_parts(src: Path, specs: list, layout: str) -> tuple[dict, dict]:
@@ -179,8 +175,10 @@ def consolidate(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_siz
         return consolidate_sharded(src, dst, max_shard_size=max_shard_size,
                                    filename_prefix=filename_prefix, overwrite=overwrite)
     _refuse_plain_safetensors(Path(src))
-    metadata, file_plan, index, header, parts = consolidation_plan(
-        src, max_shard_size=max_shard_size, filename_prefix=filename_prefix, layout=layout)
+    metadata = read_metadata(Path(src))
+    plan = consolidation_plan(src, max_shard_size=max_shard_size, filename_prefix=filename_prefix,
+                              layout=layout, metadata=metadata)
+    parts = plan.parts
     reader = _ChunkReader(Path(src), metadata)
     dest = Destination(target_path(dst), overwrite)
     # The copies are memory-bound: one thread moves them as fast, while a pool of OpenMP
@@ -190,15 +188,15 @@ def consolidate(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_siz
     try:
         dest.prepare()
         checksums: dict[str, str] = {}
-        for fname, group in file_plan:
-            with StreamingWriter(dest.tmp / fname, group, metadata=header) as writer:
-                for name, _, _ in group:
+        for planned in plan.files:
+            with StreamingWriter(dest.tmp / planned.name, planned.tensors, metadata=plan.header) as writer:
+                for name, _, _ in planned.tensors:
                     part = parts.get(name)
                     writer.write(name, reader.tensor(name) if part is None else reader.part(part, parts))
             checksums.update(writer.checksums)
-        write_info(dest.tmp, gather_info(checksums, [s for _, group in file_plan for s in group]))
+        write_info(dest.tmp, gather_info(checksums, plan.tensors))
         copy_side_files(Path(src), dest.tmp)  # a Hugging Face model's config.json & co
-        dest.commit(index)
+        dest.commit(plan.index)
     finally:
         torch.set_num_threads(threads)
         reader.close()

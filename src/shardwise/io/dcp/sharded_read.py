@@ -25,9 +25,9 @@ from shardwise.core.spec import Layout, Region, intersect, local_layout
 from shardwise.io.dcp.sharded import ShardedCheckpoint, ShardedTensor, read_sharded
 from shardwise.io.info import gather_info, user_metadata, write_info
 from shardwise.io.pipeline import match_keys
-from shardwise.io.safetensors.format import INDEX_SUFFIX, StreamingWriter, index_json, plan_files
-from shardwise.io.safetensors.headers import header_metadata, save_file_order
+from shardwise.io.safetensors.format import StreamingWriter
 from shardwise.io.safetensors.reader import ReadItem, RegionReader
+from shardwise.io.safetensors.sink import plan_checkpoint
 from shardwise.io.source import Finalize, ReadOptions, Reads, Want
 from shardwise.io.target import Destination, target_path
 
@@ -202,13 +202,8 @@ def consolidate_sharded(src: str | os.PathLike, dst: str | os.PathLike, *,
     ckpt = read_sharded(src)
     tensors = ordered_tensors(ckpt)
     user = user_metadata(src)
-    specs = [(t.name, t.dtype, t.shape) for t in tensors]
-    file_plan = [(fname, sorted(group, key=save_file_order))
-                 for fname, group in plan_files(specs, max_shard_size, filename_prefix)]
-    index = None
-    if len(file_plan) > 1:
-        index = (filename_prefix + INDEX_SUFFIX,
-                 index_json(file_plan, sum(t.nbytes for t in tensors), dict(user)))
+    plan = plan_checkpoint([(t.name, t.dtype, t.shape) for t in tensors], max_shard_size=max_shard_size,
+                           prefix=filename_prefix, metadata=user)
     dest = Destination(target_path(dst), overwrite)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the copies are memory-bound: see shardwise.io.dcp.consolidate
@@ -216,13 +211,14 @@ def consolidate_sharded(src: str | os.PathLike, dst: str | os.PathLike, *,
         with ShardedReader(ckpt, num_threads=num_threads) as reader:
             dest.prepare()
             checksums: dict[str, str] = {}
-            for fname, group in file_plan:
-                with StreamingWriter(dest.tmp / fname, group, metadata=header_metadata(user)) as writer:
-                    for name, _, _ in group:
+            for planned in plan.files:
+                path = dest.tmp / planned.name
+                with StreamingWriter(path, planned.tensors, metadata=plan.header) as writer:
+                    for name, _, _ in planned.tensors:
                         writer.write(name, reader.tensor(name))
                 checksums.update(writer.checksums)
             write_info(dest.tmp, gather_info(checksums))  # what sw.save would record
-            dest.commit(index)
+            dest.commit(plan.index)
     finally:
         torch.set_num_threads(threads)
         dest.discard()

@@ -14,6 +14,9 @@ torch's ``HuggingFaceStorageReader``, its ``consolidate_safetensors_files`` and 
 ``from_pretrained`` read the folder; ``shardwise.json`` records the layout and the shapes,
 and Hugging Face models get their ``config.json``.
 
+:class:`ShardedSafetensorsSink` is this save as a ``Sink`` (``shardwise.io.sink``): its plan
+names every rank's files, each with its writer and its chunks' offsets.
+
 Each file is streamed (header first, then each chunk from the rank's memory); torch's writer
 builds each file whole in memory first. The folder is written aside and moved into place
 when every rank is done, like every shardwise save.
@@ -40,6 +43,7 @@ from shardwise.io.guards import check_model
 from shardwise.io.info import ALGORITHM, chunk_key, write_info
 from shardwise.io.safetensors.format import StreamingWriter
 from shardwise.io.safetensors.headers import header_metadata, save_file_order
+from shardwise.io.sink import PlannedFile, WritePlan
 from shardwise.io.target import Destination, target_path
 from shardwise.parallel import get_shard_state
 
@@ -120,18 +124,46 @@ def num_files(assigned: Sequence[Sequence[Held]]) -> int:
     return most
 
 
-def write_file(path: Path, group: Sequence[Held], placed: Mapping) -> dict[str, dict[str, str]]:
+def write_file(path: Path, planned: PlannedFile, placed: Mapping) -> dict[str, dict[str, str]]:
     """Stream one rank-local file: header (with the sharding metadata), then each chunk.
     Returns each chunk's checksum, ``{tensor: {chunk key: checksum}}`` (``shardwise.io.info``)."""
-    specs = sorted(((name, dtype, region.sizes) for name, dtype, _, region in group), key=save_file_order)
-    where = {name: region for name, _, _, region in group}
-    metadata = sharding_metadata({name: where[name].offsets for name, _, _ in specs})
-    with StreamingWriter(path, specs, metadata=metadata) as writer:
-        for name, _, _ in specs:
+    where = dict(zip((name for name, _, _ in planned.tensors), planned.offsets, strict=True))
+    metadata = sharding_metadata(where)
+    with StreamingWriter(path, planned.tensors, metadata=metadata) as writer:
+        for name, _, sizes in planned.tensors:
             p = placed[name]
-            off = dict(p.layout)[where[name]]
-            writer.write(name, p.piece(off, where[name].sizes).cpu())
-    return {name: {chunk_key(where[name].offsets): crc} for name, crc in writer.checksums.items()}
+            off = dict(p.layout)[Region(where[name], sizes)]
+            writer.write(name, p.piece(off, sizes).cpu())
+    return {name: {chunk_key(where[name]): crc} for name, crc in writer.checksums.items()}
+
+
+class ShardedSafetensorsSink:
+    """The sharded safetensors save as a ``Sink``. :meth:`plan` takes every rank's
+    :func:`held_chunks` (index = rank; the same list on every rank) and gives the files of
+    every rank, each with the rank that writes it and its chunks' offsets; :meth:`write`
+    writes this rank's files from ``placed`` (``{name: Placed}``) and returns its chunk
+    checksums (each rank writes its own files: no collective)."""
+
+    def __init__(self, placed: Mapping, rank: int):
+        self.placed, self.rank = placed, rank
+
+    def plan(self, items: Sequence[Sequence[Held]]) -> WritePlan:
+        assigned = assign_chunks(items)  # same input, same answer on every rank
+        count = num_files(assigned)
+        files = []
+        for rank, chunks in enumerate(assigned):
+            for fname, group in rank_files(chunks, rank, count):
+                ordered = sorted(group, key=lambda c: save_file_order((c[0], c[1], c[3].sizes)))
+                specs = tuple((name, dtype, region.sizes) for name, dtype, _, region in ordered)
+                files.append(PlannedFile(fname, specs, rank, tuple(region.offsets for *_, region in ordered)))
+        return WritePlan(tuple(files))
+
+    def write(self, plan: WritePlan, folder: Path | None, bar=None) -> dict[str, dict[str, str]]:
+        sums: dict[str, dict[str, str]] = {}
+        for planned in plan.files_of(self.rank):
+            for name, chunks in write_file(folder / planned.name, planned, self.placed).items():
+                sums.setdefault(name, {}).update(chunks)
+        return sums
 
 
 def _write_side_files(model: nn.Module, folder: Path, info: dict) -> None:
@@ -143,12 +175,6 @@ def _write_side_files(model: nn.Module, folder: Path, info: dict) -> None:
         can_generate = getattr(model, "can_generate", lambda: False)
         if generation is not None and can_generate():
             generation.save_pretrained(folder)
-
-
-def _write_rank_files(folder: Path, files, placed: Mapping, sums: dict) -> None:
-    for fname, group in files:
-        for name, chunks in write_file(folder / fname, group, placed).items():
-            sums.setdefault(name, {}).update(chunks)
 
 
 def _all_checksums(sums: dict[str, dict[str, str]]) -> dict:
@@ -190,8 +216,9 @@ def save_sharded_safetensors(model: nn.Module, path, *, overwrite: bool = False,
 
     agree(backend, capture(plan_own), what=what)  # no rank may miss the gather below
     held = comm.all_gather_object(box["held"], group=coordination_group(), purpose=what)
-    assigned = assign_chunks(held)  # same input, same answer on every rank
     placed = box["placed"]
+    sink = ShardedSafetensorsSink(placed, rank)
+    plan = sink.plan(held)
     dest = Destination(target, overwrite) if rank == 0 else None
 
     def prepare():
@@ -200,9 +227,8 @@ def save_sharded_safetensors(model: nn.Module, path, *, overwrite: bool = False,
 
     try:
         tmp = Path(on_rank0(prepare, f"preparing {what}", share=True))
-        files = rank_files(assigned[rank], rank, num_files(assigned))
         sums: dict[str, dict[str, str]] = {}
-        agree(backend, capture(lambda: _write_rank_files(tmp, files, placed, sums)), what=what)
+        agree(backend, capture(lambda: sums.update(sink.write(plan, tmp))), what=what)
         info = checkpoint_info(model, placed, kind="model", metadata=metadata)
         info.update(storage="safetensors", checksums=_all_checksums(sums))
 
@@ -216,5 +242,5 @@ def save_sharded_safetensors(model: nn.Module, path, *, overwrite: bool = False,
             dest.discard()
 
 
-__all__ = ["assign_chunks", "file_name", "held_chunks", "num_files", "rank_files", "save_sharded_safetensors",
-           "write_file"]
+__all__ = ["ShardedSafetensorsSink", "assign_chunks", "file_name", "held_chunks", "num_files", "rank_files",
+           "save_sharded_safetensors", "write_file"]
