@@ -25,18 +25,18 @@ from shardwise.comm import agree, capture, fingerprint, world_backend
 from shardwise.errors import CheckpointError, CollectiveError, UsageError
 from shardwise.io import parallel_save
 from shardwise.io.check.against import Expectation, compare, expected_tensors
+from shardwise.io.formats.safetensors.headers import header_metadata, save_file_order
 from shardwise.io.gather import FileGatherer, collect_items
 from shardwise.io.guards import check_model
 from shardwise.io.info import collect_checksums, gather_info, write_info
 from shardwise.io.quant_checks import check_quantized_save
 from shardwise.io.safetensors.format import INDEX_SUFFIX, index_json, plan_files
-from shardwise.io.safetensors.headers import header_metadata, save_file_order
 from shardwise.io.safetensors.hub_save import hub_save_layout, shared_storages
 from shardwise.io.side_files import default_prefix, index_metadata, write_side_files
 from shardwise.io.target import Destination, target_path
 
 if TYPE_CHECKING:
-    from shardwise.io.dcp.checkpoint import AsyncSave
+    from shardwise.io.formats.dcp.checkpoint import AsyncSave
 
 def save(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
          filename_prefix: str | None = None, metadata: Mapping[str, str] | None = None,
@@ -83,7 +83,7 @@ def save(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str
     read the checksums back).
     ``progress`` shows a bar on rank 0 (default: when stderr is a terminal; tqdm if
     installed). ``distributed=True`` writes a torch distributed checkpoint instead, every
-    rank its own part (``shardwise.io.dcp.checkpoint.save_dcp``; ``max_shard_size``,
+    rank its own part (``shardwise.io.formats.dcp.checkpoint.save_dcp``; ``max_shard_size``,
     ``filename_prefix``, ``layout`` and ``parallel_write`` do not apply and are refused); with
     ``async_save=True`` too it returns a handle whose ``wait()`` every rank calls. With
     ``format="safetensors"`` the distributed save writes rank-local safetensors files instead
@@ -129,7 +129,8 @@ def save(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str
         raise UsageError(f"format={format!r} applies to a distributed save only; pass distributed=True too")
     if distributed:  # the guards first, then every rank meets (the save's own guards follow)
         check_model(model, action="save")
-        if format == "safetensors":  # a DCP save writes each FP8 scale once (io.dcp.quant); this cannot
+        # a DCP save writes each FP8 scale once (io.formats.dcp.quant); this cannot
+        if format == "safetensors":
             check_quantized_save(model, "as rank-local safetensors (format='safetensors')")
         join_collective(world_backend(), "sw.save")
     if distributed and format == "safetensors":
@@ -142,7 +143,7 @@ def save(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str
         return save_sharded_safetensors(model, path, overwrite=overwrite, metadata=metadata,
                                         progress=progress)
     if distributed:
-        from shardwise.io.dcp.checkpoint import (
+        from shardwise.io.formats.dcp.checkpoint import (
             save_dcp,  # imported on use: torch.distributed.checkpoint is slow to load
         )
 
