@@ -13,6 +13,11 @@ from __future__ import annotations
 
 import os
 
+# The plugin's own modules are imported inside claims / open_source: Python runs this __init__
+# whenever any of them is imported (io.pipeline imports the safetensors checkpoint and quantized
+# modules, which the sources import back through io.pipeline), so importing them here would make
+# a cycle; the registry imports this module only when it asks the format about a path.
+
 NAME = "safetensors"
 DEQUANTIZES = True
 

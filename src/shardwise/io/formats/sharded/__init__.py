@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import os
 
+# The plugin's own modules are imported inside claims / open_source: Python runs this __init__
+# whenever any of them is imported (the sharded save imports ``checkpoint``), and that should
+# not pull in the reader and the load pipeline it imports.
+
 NAME = "sharded"
 DEQUANTIZES = False  # FP8 weights load as stored (quantized), never dequantized per rank
 
