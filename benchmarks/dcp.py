@@ -125,7 +125,7 @@ def BenchModel_plan():  # noqa: N802 - the plan the generated checkpoint ships w
 
 
 def reshard_rank(ckpt: str, src: str, shard_embedding: bool) -> dict:
-    import shardwise.io.dcp.checkpoint  # noqa: F401 - imported before the baseline: modules are not the load's memory
+    import shardwise.io.formats.dcp.checkpoint  # noqa: F401 - imported before the baseline: modules are not the load's memory
 
     backend = sw.init_backend("gloo")
     mesh = backend.mesh(tp=4)
@@ -145,7 +145,7 @@ def consolidation(src: str, hf: str, out: str, total: int, repeats: int) -> dict
     from safetensors import safe_open
     from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files
 
-    import shardwise.io.dcp.consolidate  # noqa: F401 - both imported before timing
+    import shardwise.io.consolidate  # noqa: F401 - both imported before timing
 
     names = set()
     for f in Path(hf).glob("*.safetensors"):

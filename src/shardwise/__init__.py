@@ -46,9 +46,9 @@ if TYPE_CHECKING:  # what type checkers see for the names below, which load on f
     from shardwise.io.check.inspect import inspect_checkpoint as inspect  # noqa: F401 - in __all__ via _ALIASES
     from shardwise.io.check.inspect import inspect_checkpoint as inspect_checkpoint
     from shardwise.io.check.verify import verify as verify
-    from shardwise.io.dcp.consolidate import consolidate as consolidate
-    from shardwise.io.dcp.optim import load_optimizer as load_optimizer
-    from shardwise.io.dcp.optim import save_optimizer as save_optimizer
+    from shardwise.io.consolidate import consolidate as consolidate
+    from shardwise.io.formats.dcp.optim import load_optimizer as load_optimizer
+    from shardwise.io.formats.dcp.optim import save_optimizer as save_optimizer
     from shardwise.io.load import LoadResult as LoadResult
     from shardwise.io.load import load as load
     from shardwise.io.save import save as save
@@ -59,9 +59,9 @@ _LAZY = {
     "load": "shardwise.io.load",
     "LoadResult": "shardwise.io.load",
     "save": "shardwise.io.save",
-    "consolidate": "shardwise.io.dcp.consolidate",
-    "save_optimizer": "shardwise.io.dcp.optim",
-    "load_optimizer": "shardwise.io.dcp.optim",
+    "consolidate": "shardwise.io.consolidate",
+    "save_optimizer": "shardwise.io.formats.dcp.optim",
+    "load_optimizer": "shardwise.io.formats.dcp.optim",
     "clip_grad_norm_": "shardwise.clip",
     "verify": "shardwise.io.check.verify",
     "diff": "shardwise.io.check.diff",

@@ -23,8 +23,8 @@ def _consolidate(args: argparse.Namespace) -> int:
     import time
 
     from shardwise.errors import ShardwiseError
-    from shardwise.io.dcp.consolidate import consolidate
-    from shardwise.io.safetensors.checkpoint import resolve_checkpoint
+    from shardwise.io.consolidate import consolidate
+    from shardwise.io.formats.safetensors.checkpoint import resolve_checkpoint
 
     start = time.perf_counter()
     try:

@@ -13,7 +13,7 @@ from harness import run_ranks
 from models import fsdp_blocks, make_model, tiny_plan, tokens
 from shardwise.core.spec import split
 from shardwise.errors import CheckpointError
-from shardwise.io.dcp.metadata import read_metadata
+from shardwise.io.formats.dcp.metadata import read_metadata
 from shardwise.parallel import local_of
 
 # name -> mesh axes on 4 ranks; dp_replicate holds identical copies (written once)

@@ -236,7 +236,7 @@ def _errors(folder):
     sw.load(meta_model(), folder / "plain.safetensors", plan=tiny_plan(), mesh=mesh, progress=False)
     assert len(bars) == 1
 
-    # a torch DCP folder (it has .metadata) is read by shardwise.io.dcp.checkpoint's DcpSource with the resolved plan
+    # a torch DCP folder (it has .metadata) is read by shardwise.io.formats.dcp.checkpoint's DcpSource with the resolved plan
     calls = []
 
     class FakeDcpSource:
@@ -255,9 +255,9 @@ def _errors(folder):
             calls.append(options)
             raise _FromDcp
 
-    fake_dcp = types.ModuleType("shardwise.io.dcp.checkpoint")
+    fake_dcp = types.ModuleType("shardwise.io.formats.dcp.checkpoint")
     fake_dcp.DcpSource = FakeDcpSource
-    sys.modules["shardwise.io.dcp.checkpoint"] = fake_dcp
+    sys.modules["shardwise.io.formats.dcp.checkpoint"] = fake_dcp
     dcp_dir = folder / "dcp"
     dcp_dir.mkdir()
     (dcp_dir / ".metadata").write_bytes(b"")

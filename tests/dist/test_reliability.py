@@ -91,7 +91,7 @@ def test_dcp_save_whose_peer_died_early_leaves_no_temporary_folder(tmp_path):
 
 
 def _peer_dies_during_the_dcp_load(root: str):
-    from shardwise.io.dcp import checkpoint as dcp
+    from shardwise.io.formats.dcp import checkpoint as dcp
 
     backend = sw.init_backend("gloo", timeout=TIMEOUT)
     if backend.rank == 1:  # dies while reading its chunks, between DCP's collectives

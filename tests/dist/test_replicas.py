@@ -78,7 +78,7 @@ def test_each_region_is_read_by_one_replica(ckpt, holding, dtype):
 
 
 def _one_replica_fails(path: str):
-    import shardwise.io.safetensors.source as source_module
+    import shardwise.io.formats.safetensors.source as source_module
 
     backend = sw.init_backend("gloo")
     mesh = backend.mesh(dp_replicate=2, tp=2)

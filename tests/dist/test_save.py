@@ -25,7 +25,7 @@ from torch import nn
 import shardwise as sw
 from harness import RankFailure, run_ranks
 from models import TinyTransformer, make_model, tiny_plan
-from shardwise.io.safetensors.checkpoint import resolve_checkpoint
+from shardwise.io.formats.safetensors.checkpoint import resolve_checkpoint
 from shardwise.io.safetensors.format import StreamingWriter
 
 HOLDINGS = ("dtensor", "local")

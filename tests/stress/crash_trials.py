@@ -215,11 +215,11 @@ def _hook(op: str, point: str) -> tuple[object, str, int]:
     import torch.distributed.checkpoint as dcp
 
     from shardwise.io import gather, parallel_save, save
-    from shardwise.io.dcp import checkpoint as sw_dcp
-    from shardwise.io.dcp.chunks import MetadataReader
-    from shardwise.io.dcp.items import HashingWriter
-    from shardwise.io.safetensors import reader
-    from shardwise.io.safetensors import source as safetensors_source
+    from shardwise.io.formats.dcp import checkpoint as sw_dcp
+    from shardwise.io.formats.dcp.chunks import MetadataReader
+    from shardwise.io.formats.dcp.items import HashingWriter
+    from shardwise.io.formats.safetensors import reader
+    from shardwise.io.formats.safetensors import source as safetensors_source
 
     return {
         ("gather save", "early"): (save, "agree", 1),

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.metadata import (
 import shardwise as sw
 from shardwise.errors import CheckpointError
 from shardwise.io.check.inspect import inspect_checkpoint
-from shardwise.io.dcp.metadata import check_chunks, read_metadata
+from shardwise.io.formats.dcp.metadata import check_chunks, read_metadata
 
 
 class Small(nn.Module):
@@ -184,7 +184,7 @@ def test_info_file_still_describes_a_good_checkpoint(dcp_dir):
 def _damage_data(folder, how: str) -> None:
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
-    from shardwise.io.dcp.chunks import open_blob
+    from shardwise.io.formats.dcp.chunks import open_blob
 
     metadata = read_metadata(folder)
     md = metadata.state_dict_metadata["lin.weight"]

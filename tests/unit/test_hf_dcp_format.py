@@ -9,11 +9,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+import shardwise as sw
 from shardwise.core.spec import Region, ShardSpec, local_layout
 from shardwise.errors import CheckpointError
-from shardwise.io.dcp.sharded import is_sharded_safetensors, read_sharded, sharding_metadata
-from shardwise.io.dcp.sharded_read import ShardedReader, consolidate_sharded, plan_chunk_reads
 from shardwise.io.dcp.sharded_write import assign_chunks, num_files, rank_files
+from shardwise.io.formats.sharded.checkpoint import is_sharded_safetensors, read_sharded, sharding_metadata
+from shardwise.io.formats.sharded.source import ShardedReader, plan_chunk_reads
 
 W = torch.arange(32, dtype=torch.float32).reshape(8, 4)   # rows split 2 | 3 | 3 over three files
 B = torch.tensor([1.5, -2.0, 3.0, 4.0], dtype=torch.bfloat16)  # replicated, in file 1 only
@@ -43,7 +44,7 @@ def no_reads(monkeypatch):
     """Fail the test if any tensor byte is read."""
     def refuse(*args, **kwargs):
         raise AssertionError("a tensor byte was read")
-    monkeypatch.setattr("shardwise.io.safetensors.reader.read_region", refuse)
+    monkeypatch.setattr("shardwise.io.formats.safetensors.reader.read_region", refuse)
 
 
 def test_chunk_map_and_detection(tmp_path):
@@ -112,7 +113,7 @@ def test_mutated_headers_refused_before_any_read(tmp_path, no_reads, mutation, m
     with pytest.raises(CheckpointError, match=match):
         read_sharded(folder)
     with pytest.raises(CheckpointError, match=match):
-        consolidate_sharded(folder, tmp_path / "merged")
+        sw.consolidate(folder, tmp_path / "merged")
     assert not (tmp_path / "merged").exists()
 
 

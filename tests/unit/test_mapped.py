@@ -19,9 +19,9 @@ from shardwise.core.header import TensorEntry
 from shardwise.core.spec import Region, ShardSpec, split
 from shardwise.errors import CheckpointError
 from shardwise.io.files import open_regular
-from shardwise.io.safetensors.checkpoint import resolve_checkpoint
-from shardwise.io.safetensors.mapped import contiguous_span, copy_mapped
-from shardwise.io.safetensors.reader import RegionReader, cpu_views, plan_reads
+from shardwise.io.formats.safetensors.checkpoint import resolve_checkpoint
+from shardwise.io.formats.safetensors.mapped import contiguous_span, copy_mapped
+from shardwise.io.formats.safetensors.reader import RegionReader, cpu_views, plan_reads
 
 TENSORS = {
     "rows": (torch.arange(96.0).reshape(24, 4), ShardSpec(dim=0)),

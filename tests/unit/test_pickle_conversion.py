@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from shardwise.errors import CheckpointError
-from shardwise.io.safetensors.checkpoint import resolve_checkpoint
+from shardwise.io.formats.safetensors.checkpoint import resolve_checkpoint
 
 
 class TiedLM(nn.Module):

@@ -178,8 +178,8 @@ def test_a_stored_pair_is_read_dequantized_into_its_transpose_or_refused(tmp_pat
     import safetensors.torch as st
 
     from shardwise.errors import CheckpointError
-    from shardwise.io.safetensors.checkpoint import resolve_checkpoint
-    from shardwise.io.safetensors.quantized import pair_mxfp4
+    from shardwise.io.formats.safetensors.checkpoint import resolve_checkpoint
+    from shardwise.io.formats.safetensors.quantized import pair_mxfp4
 
     st.save_file({"e.w_blocks": torch.zeros(2, 8, 1, 16, dtype=torch.uint8),
                   "e.w_scales": torch.zeros(2, 8, 1, dtype=torch.uint8)}, tmp_path / "model.safetensors")

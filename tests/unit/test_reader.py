@@ -11,8 +11,8 @@ import torch
 
 from shardwise.core.spec import ShardSpec, split
 from shardwise.errors import CheckpointError
-from shardwise.io.safetensors.checkpoint import resolve_checkpoint
-from shardwise.io.safetensors.reader import RegionReader, plan_reads
+from shardwise.io.formats.safetensors.checkpoint import resolve_checkpoint
+from shardwise.io.formats.safetensors.reader import RegionReader, plan_reads
 
 
 def _ar(*shape, dtype=torch.float32):

@@ -34,7 +34,7 @@ from shardwise.core.header import (
 )
 from shardwise.errors import CheckpointError
 from shardwise.io.files import Writeback
-from shardwise.io.safetensors.checkpoint import Checkpoint, resolve_checkpoint
+from shardwise.io.formats.safetensors.checkpoint import Checkpoint, resolve_checkpoint
 from shardwise.io.safetensors.format import (
     StreamingWriter,
     index_json,

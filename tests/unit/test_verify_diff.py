@@ -14,9 +14,9 @@ from torch import nn
 
 import shardwise as sw
 from shardwise.cli import main
-from shardwise.io.dcp.chunks import open_blob
-from shardwise.io.dcp.metadata import read_metadata
-from shardwise.io.safetensors.checkpoint import resolve_checkpoint
+from shardwise.io.formats.dcp.chunks import open_blob
+from shardwise.io.formats.dcp.metadata import read_metadata
+from shardwise.io.formats.safetensors.checkpoint import resolve_checkpoint
 
 
 class Mixed(nn.Module):

@@ -10,8 +10,8 @@ import pytest
 from shardwise.core.spec import Region, ShardSpec, local_layout
 from shardwise.errors import CheckpointError
 from shardwise.io.dcp.sharded_write import ShardedSafetensorsSink
+from shardwise.io.formats.safetensors.headers import save_file_order
 from shardwise.io.safetensors.format import plan_files
-from shardwise.io.safetensors.headers import save_file_order
 from shardwise.io.safetensors.sink import SafetensorsSink, plan_checkpoint
 from shardwise.io.sink import PlannedFile, StoredTensor, WritePlan
 

@@ -29,7 +29,7 @@ import torch
 import xxhash
 
 from shardwise.errors import CheckpointError
-from shardwise.io.files import byte_view, read_json_file
+from shardwise.io.files import byte_view, pread_into, read_json_file
 
 INFO_FILE = "shardwise.json"
 
@@ -124,6 +124,21 @@ def gather_info(checksums: dict[str, str], specs=None) -> dict:
     return info
 
 
+def digest_range(fd: int, start: int, nbytes: int, algorithm: str, *, what: str,
+                 piece: int = 16 << 20) -> str:
+    """The ``algorithm`` digest of ``nbytes`` bytes of the file ``fd`` from ``start``, read in
+    pieces of ``piece`` bytes (memory stays one piece); a short file raises ``CheckpointError``
+    naming ``what``."""
+    buf = bytearray(min(piece, max(nbytes, 1)))
+    digest, done = new_digest(algorithm), 0
+    while done < nbytes:
+        view = memoryview(buf)[: min(len(buf), nbytes - done)]
+        pread_into(fd, view, start + done, what=what)
+        digest.update(view)
+        done += len(view)
+    return digest.hexdigest()
+
+
 # --- reading -------------------------------------------------------------------------------
 
 def _is_int(v) -> bool:
@@ -211,5 +226,5 @@ def recorded_checksums(info: dict | None) -> tuple[str, dict[str, str], dict[str
 
 
 __all__ = ["ALGORITHM", "DIGESTS", "INFO_FILE", "chunk_key", "collect_checksums", "digest_hex",
-           "gather_info", "new_digest", "read_info", "record_checksums", "recorded_checksums",
+           "digest_range", "gather_info", "new_digest", "read_info", "record_checksums", "recorded_checksums",
            "tensor_checksum", "user_metadata", "write_info"]

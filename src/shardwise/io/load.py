@@ -1,14 +1,15 @@
 """``sw.load``: one pipeline for every checkpoint format and holding.
 
-guards -> plan (``resolve_for_mesh``) -> :func:`open_source` (the format detected once) ->
+guards -> plan (``resolve_for_mesh``) -> ``shardwise.io.formats.open_source`` (the format
+detected once, by the registry of format plugins) ->
 ``source.match`` (keys, shapes and dtypes against the model, before any data is read) ->
 ``source.plan`` (this rank's reads) -> ``source.read`` (finalized as they arrive: the cast
 rule and the host-to-device copy of ``shardwise.io.staging``) -> place per holding
 (``shardwise.io.place``: ``install`` for dtensor/local, built on the devices for spmd).
 
 A format is a :class:`~shardwise.io.source.Source`: ordinary safetensors and hub layouts
-(``shardwise.io.safetensors.source``), rank-local sharded safetensors
-(``shardwise.io.dcp.sharded_read``), torch DCP (``shardwise.io.dcp.checkpoint``). What the steps share
+(``shardwise.io.formats.safetensors``), rank-local sharded safetensors
+(``shardwise.io.formats.sharded``), torch DCP (``shardwise.io.formats.dcp``). What the steps share
 (key matching, the meta checks, ``LoadResult``) is ``shardwise.io.pipeline``. Every rank
 plans and reads on its own; the only collectives are DCP's own and the dp replicas' sharing
 of reads (``shardwise.io.replicas``).
@@ -23,10 +24,8 @@ import torch
 from torch import nn
 
 from shardwise._progress import Progress
-from shardwise.errors import CheckpointError, PlanError, UsageError
-from shardwise.io.dcp.sharded import is_sharded_safetensors
-from shardwise.io.dcp.sharded_read import ShardedSource
-from shardwise.io.detect import is_dcp
+from shardwise.errors import PlanError
+from shardwise.io.formats import open_source
 from shardwise.io.guards import check_mesh, check_model, check_options
 from shardwise.io.pipeline import (
     LoadResult,
@@ -39,8 +38,7 @@ from shardwise.io.pipeline import (
 )
 from shardwise.io.place import placement
 from shardwise.io.quant_checks import check_quantized_load, check_quantized_source, drop_quantization_config
-from shardwise.io.safetensors.source import SafetensorsSource
-from shardwise.io.source import ReadOptions, Source
+from shardwise.io.source import ReadOptions
 from shardwise.mesh import decode_mesh
 from shardwise.parallel import check_wiring, get_shard_state, resolve_for_mesh
 
@@ -119,29 +117,7 @@ def load(model: nn.Module, path: str | os.PathLike, *, plan, mesh, dtype: torch.
                       time.perf_counter() - start, len(names), specs.unused_keys)
 
 
-def open_source(path: str | os.PathLike, *, dequantize: bool = False) -> Source:
-    """The :class:`~shardwise.io.source.Source` of the checkpoint at ``path``, its format
-    detected once, from file names (``shardwise.io.detect``). ``dequantize``: FP8 tensors
-    into plain model tensors (safetensors checkpoints only)."""
-    if dequantize and (is_dcp(path) or is_sharded_safetensors(path)):
-        raise UsageError(f"{path}: dequantize=True reads FP8 safetensors checkpoints (weights with their "
-                         "block scales); this is a distributed checkpoint: load it into the quantized "
-                         "model it was saved from")
-    if is_dcp(path):  # DCP, maybe incomplete: its metadata reader says so
-        try:  # imported on use: torch.distributed.checkpoint takes ~0.5 s to import
-            from shardwise.io.dcp.checkpoint import DcpSource
-        except ImportError as e:
-            raise CheckpointError(
-                f"{path}: a torch distributed checkpoint (it has .metadata), but this shardwise "
-                f"cannot read DCP checkpoints ({e}); consolidate it to safetensors first"
-            ) from e
-        return DcpSource(path)
-    if is_sharded_safetensors(path):  # rank-local safetensors with DCP_SHARDING_INFO (torch, transformers)
-        return ShardedSource(path)
-    return SafetensorsSource(path, dequantize=dequantize)
-
-
 __all__ = [
     "LoadResult", "check_dtype", "check_nothing_left_on_meta", "load", "match_keys",
-    "move_non_persistent", "open_source",
+    "move_non_persistent",
 ]

@@ -3,11 +3,11 @@ torch DCP, rank-local sharded safetensors) and however the shards are held: the 
 matching a checkpoint's keys, shapes and dtypes to the model before any data is read, the
 checks that nothing is left on the meta device, and the device and thread count of a load.
 
-The sources (``shardwise.io.safetensors.source``, ``shardwise.io.dcp.checkpoint``,
-``shardwise.io.dcp.sharded_read``) and the pipeline (``shardwise.io.load``) import it; key
-matching reads safetensors headers, hub layouts and quantized pairs. The device of a load is
-the decoded mesh's (``shardwise.mesh.MeshDims.device``). The cast rule is
-:func:`shardwise.io.staging.loaded_dtype`.
+The sources (``shardwise.io.formats``: safetensors, sharded, dcp) and the pipeline
+(``shardwise.io.load``) import it; it imports only the safetensors plugin's ``checkpoint`` and
+``quantized`` modules (key matching pairs FP8 and MXFP4 weights with their scales) and the hub
+layout. The device of a load is the decoded mesh's
+(``shardwise.mesh.MeshDims.device``). The cast rule is :func:`shardwise.io.staging.loaded_dtype`.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from torch import nn
 
 from shardwise.core.plan import ResolvedPlan
 from shardwise.errors import CheckpointError
-from shardwise.io.safetensors.checkpoint import Checkpoint
+from shardwise.io.formats.safetensors.checkpoint import Checkpoint
+from shardwise.io.formats.safetensors.quantized import pair_mxfp4, pair_quantized
 from shardwise.io.safetensors.hub_layout import hub_tensors
-from shardwise.io.safetensors.quantized import pair_mxfp4, pair_quantized
 
 _SHOW = 20  # names listed in an error before "... and N more"
 
@@ -62,7 +62,7 @@ def match_keys(model: nn.Module, specs: ResolvedPlan, ckpt: Checkpoint, *, stric
     (transformers' conversion mapping) is a ``Composite`` of stored tensors; one stored FP8
     with block scales into a model tensor of another dtype, or stored as MXFP4 blocks and
     scales, is ``Dequantized`` when ``dequantize``, else refused
-    (``io.safetensors.quantized.pair_quantized`` / ``pair_mxfp4``). Raises
+    (``io.formats.safetensors.quantized.pair_quantized`` / ``pair_mxfp4``). Raises
     ``CheckpointError`` for a shape that disagrees with the model and, when ``strict``, for
     missing keys.
     """

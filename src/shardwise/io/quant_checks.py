@@ -4,7 +4,7 @@ config.json is read for its block size).
 
 Where shardwise handles a quantized weight's scales itself: the safetensors and DCP sources
 read them at their own regions (``core.quant_layout.scale_layout``), the gather save and the
-DCP save write each once (``io.quant_save``, ``io.dcp.quant``). The other paths (rank-local
+DCP save write each once (``io.quant_save``, ``io.formats.dcp.quant``). The other paths (rank-local
 sharded safetensors, the parallel write) split every tensor evenly by its spec, which is right
 for a scale only where every rank's blocks are whole (``tie_aligned``); elsewhere they refuse here.
 """
@@ -20,7 +20,7 @@ from shardwise.core.plan import ResolvedPlan
 from shardwise.core.quant_layout import quant_ties, tie_aligned
 from shardwise.errors import CheckpointError, UnsupportedModelError, UsageError
 from shardwise.holding import Holding
-from shardwise.io.safetensors.quantized import checkpoint_block
+from shardwise.io.formats.safetensors.quantized import checkpoint_block
 from shardwise.parallel import get_shard_state
 
 
@@ -55,11 +55,11 @@ def check_quantized_source(source, specs: ResolvedPlan, mesh) -> None:
     """Refuse a checkpoint whose ``weight_block_size`` is not the FP8 modules' ``block_size``,
     and FP8 scales cut by shard boundaries from a source that splits tensors evenly (rank-local
     sharded safetensors): the safetensors and DCP sources read scale regions."""
-    from shardwise.io.safetensors.source import SafetensorsSource
+    from shardwise.io.formats.safetensors.source import SafetensorsSource
 
     if not specs.ties:
         return
-    dcp = sys.modules.get("shardwise.io.dcp.checkpoint")  # imported if the source is a DCP one
+    dcp = sys.modules.get("shardwise.io.formats.dcp.checkpoint")  # imported if the source is a DCP one
     if dcp is not None and isinstance(source, dcp.DcpSource):
         return  # canonical scales, read at their regions; another block size is another shape
     if isinstance(source, SafetensorsSource):  # the checkpoint's block size is the FP8 modules'

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 import shardwise.comm as comm
 from shardwise.errors import CheckpointError
-from shardwise.io.safetensors.reader import Finalize, ReadItem, RegionReader
+from shardwise.io.formats.safetensors.reader import Finalize, ReadItem, RegionReader
 
 
 def replica_axis(mesh):

@@ -30,11 +30,11 @@ from shardwise.comm import agree, capture, fingerprint, world_backend
 from shardwise.errors import CheckpointError, CollectiveError
 from shardwise.io import parallel_save
 from shardwise.io.check.against import Expectation, compare, expected_tensors
+from shardwise.io.formats.safetensors.headers import header_metadata, save_file_order
 from shardwise.io.gather import StreamSink, collect_items
 from shardwise.io.guards import check_model
 from shardwise.io.info import gather_info, write_info
 from shardwise.io.quant_checks import check_quantized_save
-from shardwise.io.safetensors.headers import header_metadata, save_file_order
 from shardwise.io.safetensors.hub_save import hub_save_layout, shared_storages
 from shardwise.io.save_options import DistributedSave, SafetensorsSave, save_options
 from shardwise.io.side_files import default_prefix, index_metadata, write_side_files
@@ -42,7 +42,7 @@ from shardwise.io.sink import StoredTensor
 from shardwise.io.target import Destination, target_path
 
 if TYPE_CHECKING:
-    from shardwise.io.dcp.checkpoint import AsyncSave
+    from shardwise.io.formats.dcp.checkpoint import AsyncSave
 
 def save(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
          filename_prefix: str | None = None, metadata: Mapping[str, str] | None = None,
@@ -89,7 +89,7 @@ def save(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str
     read the checksums back).
     ``progress`` shows a bar on rank 0 (default: when stderr is a terminal; tqdm if
     installed). ``distributed=True`` writes a torch distributed checkpoint instead, every
-    rank its own part (``shardwise.io.dcp.checkpoint.save_dcp``; ``max_shard_size``,
+    rank its own part (``shardwise.io.formats.dcp.checkpoint.save_dcp``; ``max_shard_size``,
     ``filename_prefix``, ``layout`` and ``parallel_write`` do not apply and are refused); with
     ``async_save=True`` too it returns a handle whose ``wait()`` every rank calls. With
     ``format="safetensors"`` the distributed save writes rank-local safetensors files instead
@@ -134,7 +134,8 @@ def save_distributed(model: nn.Module, path, options: DistributedSave, *, metada
     """``sw.save(..., distributed=True)`` with its decoded ``options``: the guards, every rank
     meets, then the format's writer (torch DCP, or rank-local sharded safetensors)."""
     check_model(model, action="save")
-    if options.format == "safetensors":  # a DCP save writes each FP8 scale once (io.dcp.quant); this cannot
+    # a DCP save writes each FP8 scale once (io.formats.dcp.quant); rank-local safetensors cannot
+    if options.format == "safetensors":
         check_quantized_save(model, "as rank-local safetensors (format='safetensors')")
     join_collective(world_backend(), "sw.save")
     if options.format == "safetensors":
@@ -143,7 +144,7 @@ def save_distributed(model: nn.Module, path, options: DistributedSave, *, metada
 
         return save_sharded_safetensors(model, path, overwrite=overwrite, metadata=metadata,
                                         progress=progress)
-    from shardwise.io.dcp.checkpoint import (
+    from shardwise.io.formats.dcp.checkpoint import (
         save_dcp,  # imported on use: torch.distributed.checkpoint is slow to load
     )
 

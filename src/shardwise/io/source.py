@@ -1,18 +1,20 @@
-"""The seam between ``sw.load`` and a checkpoint format: a :class:`Source` per format.
+"""The seam between the tools and a checkpoint format: a :class:`Source` per format.
 
-``sw.load`` (``shardwise.io.load``) is one pipeline: guards -> plan -> open the source
-(``load.open_source``, the format detected once) -> ``match`` -> ``plan`` -> ``read`` ->
-place (``shardwise.io.place``). A format only says what it holds, how model tensors map onto
-its stored tensors, which bytes give each wanted local tensor, and reads them.
-Implementations: ``safetensors_source.SafetensorsSource`` (files and index, hub-layout
-composites included), ``hf_dcp_read.ShardedSource`` (rank-local sharded safetensors) and
-``dcp.DcpSource`` (torch DCP, through torch's own planner and reader).
+Every format is a plugin under ``shardwise.io.formats`` (``safetensors``: files, indexes, hub
+layouts, FP8/MXFP4 variants; ``sharded``: rank-local sharded safetensors; ``dcp``: torch DCP,
+read through torch's own planner and reader); ``shardwise.io.formats.open_source`` picks the
+one that claims a path. ``sw.load`` (``shardwise.io.load``) is one pipeline over it: guards ->
+plan -> ``open_source`` -> ``match`` -> ``plan`` -> ``read`` -> place (``shardwise.io.place``).
+``consolidate``, ``verify``, ``diff`` and ``inspect`` use the same Source: ``tensors()`` lists
+what is stored, ``read_box`` reads any box of a stored tensor, ``describe`` and ``blobs`` say
+how it is stored and give its bytes to checksum.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -20,7 +22,7 @@ from torch import nn
 
 from shardwise.core.plan import ResolvedPlan
 from shardwise.core.quant_layout import QuantTie
-from shardwise.core.spec import ShardSpec
+from shardwise.core.spec import Region, ShardSpec
 
 # (request key, raw local tensor) -> what the load keeps (None: the placement kept it itself)
 Finalize = Callable[[str, torch.Tensor], Any]
@@ -65,15 +67,57 @@ class Reads:
     detail: Any = None
 
 
-class Source(Protocol):
-    """One checkpoint format. Every rank calls, in order: ``match`` once, ``plan`` once,
-    ``read`` once (``read`` may run collectives: DCP always, safetensors with dp replicas).
-    ``bytes_read`` counts tensor bytes this rank read from storage."""
+@dataclass(frozen=True)
+class Description:
+    """How a checkpoint is stored, for ``inspect`` and ``verify``: ``kind`` (one line),
+    ``files`` (names relative to the root), header ``metadata``, the ``layout`` shardwise
+    recorded (``shardwise.json``, or None), ``values`` (names of stored non-tensor entries),
+    ``chunks`` (``{tensor: number of stored chunks}``, None for a format that stores whole
+    tensors) and ``problems`` (structural faults that do not stop reading, such as a stale
+    index)."""
 
+    kind: str
+    files: tuple[str, ...]
+    metadata: Mapping[str, str] = field(default_factory=dict)
+    layout: Mapping[str, Any] | None = None
+    values: tuple[str, ...] = ()
+    chunks: Mapping[str, int] | None = None
+    problems: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Blob:
+    """The stored bytes of one tensor (``key`` None) or one chunk of it (``key``: its
+    ``info.chunk_key``), ``nbytes`` long. ``digest(algorithm)`` reads them and returns
+    ``(digest, own)``: ``own`` is the checksum the format itself stores for them (DCP's zip
+    CRC-32), or None; it raises ``CheckpointError`` for a blob that cannot be read. ``own``
+    (the field): the format may store such a checksum, so the blob is worth reading even
+    where shardwise recorded none."""
+
+    tensor: str
+    key: str | None
+    nbytes: int
+    digest: Callable[[str], tuple[str, str | None]]
+    own: bool = False
+
+
+class Source(Protocol):
+    """One checkpoint format, opened by ``shardwise.io.formats.open_source``.
+
+    A load: every rank calls, in order, ``match`` once, ``plan`` once, ``read`` once (``read``
+    may run collectives: DCP always, safetensors with dp replicas). The offline tools (one
+    process) call ``tensors``, ``describe``, ``blobs`` and ``read_box`` in any order, and
+    ``close`` when done. ``bytes_read`` counts tensor bytes this rank read for a load;
+    ``root`` is the folder holding the checkpoint (its ``config.json`` and side files);
+    ``name`` is the registry's name of the format."""
+
+    name: str
+    root: Path
     bytes_read: int
 
     def tensors(self) -> Mapping[str, tuple[torch.dtype, tuple[int, ...]]]:
-        """Every stored tensor: name -> (dtype, shape)."""
+        """Every stored tensor: name -> (dtype, global shape), in the order a consolidation
+        writes them."""
         ...
 
     def match(self, model: nn.Module, specs: ResolvedPlan, *, strict: bool) -> tuple[list[str], list[str]]:
@@ -90,5 +134,28 @@ class Source(Protocol):
         """``{key: finalize(key, local tensor)}`` for every key of ``reads.wants``."""
         ...
 
+    def read_box(self, name: str, box: Region) -> torch.Tensor:
+        """The ``box`` of stored tensor ``name`` (a name of ``tensors()``), on the CPU in its
+        stored dtype, read from only the stored bytes that hold it. One process, no collective."""
+        ...
 
-__all__ = ["Finalize", "ReadOptions", "Reads", "Source", "Want"]
+    def describe(self) -> Description:
+        """How the checkpoint is stored (reads headers and metadata only)."""
+        ...
+
+    def blobs(self) -> Iterator[Blob]:
+        """Every stored tensor's bytes, as stored (whole tensors or chunks), in file order."""
+        ...
+
+    def use_module_names(self, wanted: set[str]) -> None:
+        """From now on, ``tensors()`` and ``read_box`` show the tensors of ``wanted`` (module
+        names) that the checkpoint stores in a transformers hub layout, in place of the stored
+        tensors they are built from; a format that stores module names does nothing."""
+        ...
+
+    def close(self) -> None:
+        """Release the files ``read_box`` and ``blobs`` opened."""
+        ...
+
+
+__all__ = ["Blob", "Description", "Finalize", "ReadOptions", "Reads", "Source", "Want"]

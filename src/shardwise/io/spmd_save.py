@@ -1,7 +1,7 @@
 """Saving under torch_xla SPMD (holding ``"spmd"``: one process drives every device).
 
 The gather save needs nothing here (a tensor is global: ``.cpu()`` is the canonical
-tensor). A DCP save (``shardwise.io.dcp.checkpoint.save_dcp``) writes each of this process's distinct
+tensor). A DCP save (``shardwise.io.formats.dcp.checkpoint.save_dcp``) writes each of this process's distinct
 shards as one chunk at its canonical offsets (:func:`spmd_placed`, :class:`SpmdSavePlanner`).
 Loading is ``shardwise.io.spmd``.
 """
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from shardwise.core.spec import Region
-from shardwise.io.dcp.items import CanonicalSavePlanner, Placed
+from shardwise.io.formats.dcp.items import CanonicalSavePlanner, Placed
 from shardwise.parallel import get_shard_state
 
 

@@ -1,7 +1,9 @@
 """``sw.diff`` / ``shardwise diff A B``: two checkpoints compared tensor by tensor.
 
-Any two layouts: safetensors (one file or sharded) and distributed checkpoints (DCP) at any
-degree, since both hold canonical tensors under the model's names; and a transformers
+Any two checkpoints a format plugin opens (``shardwise.io.formats.open_source``: safetensors,
+one file or sharded; sharded safetensors and DCP at any degree), since all hold canonical
+tensors under the model's names, each side a loop over its ``Source.tensors()`` read through
+``Source.read_box``; and a transformers
 model's hub layout (``save_pretrained``'s names, per-expert tensors) against its module
 names, through the conversion mapping of the model its ``config.json`` names. Streaming: each tensor is
 read in slabs of whole rows (at most 64 MB from each side at a time), from only the chunks
@@ -24,10 +26,12 @@ from pathlib import Path
 
 import torch
 
+from shardwise.core.spec import Region
 from shardwise.errors import CheckpointError
-from shardwise.io.check.diff_sources import open_side
 from shardwise.io.check.inspect import print_safely
 from shardwise.io.check.quant import Dequantizing, fp8_pairs
+from shardwise.io.formats import open_source
+from shardwise.io.source import Source
 
 _SLAB_BYTES = 64 << 20
 
@@ -87,6 +91,30 @@ class DiffReport:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, ensure_ascii=True)
+
+
+class _Side:
+    """One side of a diff: a Source's tensors (``{name: (dtype, shape)}``) read in slabs of
+    whole rows (``rows(name, lo, hi)``, through ``Source.read_box``), and its ``root``."""
+
+    def __init__(self, source: Source):
+        self.source, self.root = source, source.root
+        self.tensors = dict(source.tensors())
+
+    def use_module_names(self, wanted: set[str]) -> None:
+        self.source.use_module_names(wanted)
+        self.tensors = dict(self.source.tensors())
+
+    def rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        """Rows ``[lo, hi)`` of tensor ``name`` (the whole of a 0-d tensor)."""
+        shape = self.tensors[name][1]
+        if not shape:
+            return self.source.read_box(name, Region((), ()))
+        box = Region((lo,) + (0,) * (len(shape) - 1), (hi - lo,) + tuple(shape[1:]))
+        return self.source.read_box(name, box)
+
+    def close(self) -> None:
+        self.source.close()
 
 
 def _compare(name: str, a, b, slab_bytes: int) -> TensorDiff | None:
@@ -149,9 +177,9 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, *, slab_bytes: int = _SLAB_
     >>> report.identical, report.summary()               # doctest: +SKIP
     (True, 'IDENTICAL: 291 identical, 0 differ, 0 only in A, 0 only in B')
     """
-    left = open_side(Path(a))
+    left = _Side(open_source(Path(a)))
     try:
-        right = open_side(Path(b))
+        right = _Side(open_source(Path(b)))
     except BaseException:
         left.close()
         raise

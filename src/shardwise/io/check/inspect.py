@@ -1,8 +1,11 @@
 """``shardwise inspect PATH``: what a checkpoint is, without loading a tensor.
 
-A safetensors file or folder (one file, or sharded with an index) is described from its
-validated headers; a torch distributed checkpoint from its ``.metadata`` (unpickled with
-DCP's classes only) and, when shardwise wrote it, the layout recorded in ``shardwise.json``.
+The checkpoint is opened by its format plugin (``shardwise.io.formats.open_source``) and
+described from ``Source.tensors()`` and ``Source.describe()``: a safetensors file or folder
+(one file, or sharded with an index) from its validated headers; a sharded safetensors
+checkpoint from its headers' chunk maps; a torch distributed checkpoint from its
+``.metadata`` (unpickled with DCP's classes only); either distributed one with the layout
+shardwise recorded in ``shardwise.json``, when it wrote it.
 A quantized checkpoint's weights and scales are shown with their scheme and block size (the
 ``quantization_config`` of its ``config.json``, paired by ``io.check.quant``).
 """
@@ -18,11 +21,7 @@ from pathlib import Path
 from shardwise.core.header import dtype_to_str, spec_nbytes
 from shardwise.errors import CheckpointError
 from shardwise.io.check.quant import describe_quantization, quant_pairs, quantization_config
-from shardwise.io.dcp.sharded import SHARDING_INFO_KEY, is_sharded_safetensors, read_sharded
-from shardwise.io.dcp.sharded_read import ordered_tensors
-from shardwise.io.detect import is_dcp
-from shardwise.io.info import read_info
-from shardwise.io.safetensors.checkpoint import resolve_checkpoint
+from shardwise.io.formats import open_source
 
 
 @dataclass
@@ -64,20 +63,15 @@ def inspect_checkpoint(path: str | os.PathLike) -> Report:
 
 
 def _inspect(path: Path) -> Report:
-    if is_dcp(path):
-        return _dcp(path)
-    if is_sharded_safetensors(path):
-        return _sharded(path)
-
-    ckpt = resolve_checkpoint(path)
-    kind = ("safetensors, sharded" if len(ckpt.files) > 1 or path.name.endswith(".json")
-            or any(ckpt.root.glob("*.safetensors.index.json")) else "safetensors, one file")
-    tensors = []
-    for name, file in ckpt.weight_map.items():
-        entry = ckpt.headers[file].entries[name]
-        tensors.append((name, entry.dtype, entry.shape, None))
-    metadata = dict(ckpt.headers[ckpt.files[0]].metadata) if ckpt.files else {}
-    return Report(path, kind, [f.name for f in ckpt.files], tensors, metadata=metadata)
+    source = open_source(path)
+    try:
+        desc = source.describe()
+        chunks = desc.chunks or {}
+        rows = [(n, dtype_to_str(d), tuple(s), chunks.get(n)) for n, (d, s) in source.tensors().items()]
+    finally:
+        source.close()
+    return Report(path, desc.kind, list(desc.files), rows, list(desc.values), metadata=dict(desc.metadata),
+                  layout=None if desc.layout is None else dict(desc.layout))
 
 
 def _quantization(report: Report, root: Path) -> None:
@@ -87,34 +81,6 @@ def _quantization(report: Report, root: Path) -> None:
         report.quant[pair.values] = pair.describe()
         report.quant[pair.scales] = f"{pair.describe()} scales"
     report.quantization = describe_quantization(qc, pairs)
-
-
-def _sharded(path: Path) -> Report:
-    """The report of a sharded safetensors checkpoint (headers only)."""
-    ckpt = read_sharded(path)
-    rows = [(t.name, t.dtype, t.shape, len(t.chunks)) for t in ordered_tensors(ckpt)]
-    meta = {k: v for k, v in ckpt.headers[ckpt.files[0]].metadata.items() if k != SHARDING_INFO_KEY}
-    return Report(path, "torch distributed checkpoint in safetensors (DCP_SHARDING_INFO, no pickle)",
-                  [f.name for f in ckpt.files], rows, metadata=meta, layout=ckpt.info)
-
-
-def _dcp(path: Path) -> Report:
-    # imported on use: torch.distributed.checkpoint takes ~0.5 s to import, which inspecting a
-    # safetensors checkpoint should not pay
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from shardwise.io.dcp.metadata import read_metadata
-
-    metadata = read_metadata(path)
-    tensors, values = [], []
-    for fqn, md in metadata.state_dict_metadata.items():
-        if isinstance(md, TensorStorageMetadata):
-            tensors.append((fqn, dtype_to_str(md.properties.dtype), tuple(md.size), len(md.chunks)))
-        else:
-            values.append(fqn)
-    files = sorted({str(info.relative_path) for info in metadata.storage_data.values()})
-    return Report(path, "torch distributed checkpoint (DCP)", files, tensors, values,
-                  layout=read_info(path))
 
 
 def _size(n: int) -> str:

@@ -38,13 +38,9 @@ from shardwise.errors import CheckpointError, ShardwiseError, UsageError
 from shardwise.io.check.against import AgainstReport, check_against, expectations
 from shardwise.io.check.inspect import print_safely
 from shardwise.io.check.quant import has_config, quant_pairs, quantization_config
-from shardwise.io.dcp.sharded import is_sharded_safetensors, read_sharded
-from shardwise.io.detect import is_dcp
-from shardwise.io.files import open_regular, pread_into
-from shardwise.io.info import INFO_FILE, chunk_key, new_digest, read_info, recorded_checksums
-from shardwise.io.safetensors.checkpoint import resolve_checkpoint
-
-_PIECE = 16 << 20
+from shardwise.io.formats import open_source
+from shardwise.io.info import INFO_FILE, read_info, recorded_checksums
+from shardwise.io.source import Source
 
 
 @dataclass
@@ -118,15 +114,12 @@ def verify(path: str | os.PathLike, *, against=None, dtype=None, layout: str = "
     report = VerifyReport(str(path))
     found = None
     try:
-        if Path(path).is_dir() and is_sharded_safetensors(path):
-            report.kind = "sharded safetensors"
-            found = _verify_sharded(Path(path), report)
-        elif is_dcp(Path(path)):
-            report.kind = "dcp"
-            found = _verify_dcp(Path(path), report)
-        else:
-            report.kind = "safetensors"
-            found = _verify_safetensors(Path(path), report)
+        source = open_source(path)  # headers, index, chunk tiling: raises on the first fault
+        try:
+            report.kind = _KINDS.get(source.name, source.name)
+            found = _verify_source(source, report)
+        finally:
+            source.close()
     except CheckpointError as e:
         report.problems.append(str(e))
     except OSError as e:
@@ -176,145 +169,57 @@ def _check_quantized(path: Path, found: dict[str, tuple[str, tuple]], report: Ve
                             "the scales' shapes were not checked against a block size")
 
 
-# --- safetensors -----------------------------------------------------------------------------
+_KINDS = {"sharded": "sharded safetensors"}  # the report's name of a format, where it differs
+_UNRECORDED = {"dcp": "each chunk is checked against the CRC-32 of its zip record"}
 
-def _verify_safetensors(path: Path, report: VerifyReport) -> dict[str, tuple[str, tuple]]:
-    ckpt = resolve_checkpoint(path)  # headers, tiling, index: raises on the first fault
-    listed = set(ckpt.weight_map)
-    for file, header in ckpt.headers.items():
-        unlisted = [n for n in header.entries if n not in listed]
-        if unlisted:
-            report.problems.append(f"{file}: holds {len(unlisted)} tensor(s) the index does not list "
-                                   f"({', '.join(map(repr, unlisted[:5]))}); the index is stale")
-    found = {n: (ckpt.entry(n)[1].dtype, ckpt.entry(n)[1].shape) for n in ckpt.names}
-    algorithm, sums, _ = _recorded(ckpt.root, report, found)
-    report.tensors = len(ckpt.weight_map)
-    by_file: dict[Path, list[str]] = {}
-    for name, file in ckpt.weight_map.items():
-        by_file.setdefault(file, []).append(name)
-    buf = bytearray(_PIECE)
-    for file, names in by_file.items():
-        header = ckpt.headers[file]
-        fd = open_regular(file)
+
+def _verify_source(source: Source, report: VerifyReport) -> dict[str, tuple[str, tuple]]:
+    """Every blob of ``source`` (a whole tensor, or a chunk) against the checksum recorded for
+    it in ``shardwise.json``, else against the format's own (DCP's zip CRC-32) where it keeps
+    one; every recorded checksum whose blob is gone is a problem. Returns ``{name:
+    (safetensors dtype, shape)}`` of the stored tensors."""
+    found = {n: (dtype_to_str(d), tuple(s)) for n, (d, s) in source.tensors().items()}
+    report.problems += source.describe().problems
+    algorithm, sums, chunk_sums = _recorded(source.root, report, found, otherwise=_UNRECORDED.get(
+        source.name, "the structure was checked, the values cannot be"))
+    report.tensors = len(found)
+    seen: set[tuple[str, str | None]] = set()
+    blobs = 0
+    for blob in source.blobs():
+        blobs += 1
+        seen.add((blob.tensor, blob.key))
+        chunks = chunk_sums.get(blob.tensor, {})
+        recorded = sums.get(blob.tensor) if blob.key is None else chunks.get(blob.key)
+        if recorded is None and not blob.own:
+            continue
         try:
-            for name in sorted(names, key=lambda n: header.entries[n].start):  # in file order
-                if name not in sums:
-                    continue
-                entry = header.entries[name]
-                got = _digest_of_range(fd, header.data_start + entry.start, entry.nbytes, buf, str(file),
-                                       algorithm)
-                report.bytes_read += entry.nbytes
-                report.checksummed += 1
-                if got != sums[name]:
-                    report.mismatched.append(name)
-        finally:
-            os.close(fd)
-    _missing_sums(sums, set(ckpt.weight_map), ckpt.root, report)
+            got, own = blob.digest(algorithm if recorded is not None else "crc32")
+        except CheckpointError as e:  # a bad blob: name it and go on with the others
+            report.problems.append(f"tensor {blob.tensor!r} chunk at ({blob.key}): {e}")
+            continue
+        report.bytes_read += blob.nbytes
+        want = recorded if recorded is not None else own
+        report.checksummed += want is not None
+        if want is not None and got != want:
+            report.mismatched.append(blob.tensor if blob.key is None else f"{blob.tensor}@{blob.key}")
+    _missing_sums(sums, chunk_sums, found, seen, source.root, report)
+    if sums and report.checksummed < blobs:
+        report.notes.append(f"{blobs - report.checksummed} tensor(s) have no recorded checksum")
+    elif chunk_sums and report.checksummed < blobs:
+        report.notes.append("some chunks have no recorded checksum")
     return found
 
 
-def _digest_of_range(fd: int, start: int, nbytes: int, buf: bytearray, what: str,
-                     algorithm: str) -> str:
-    digest, done = new_digest(algorithm), 0
-    while done < nbytes:
-        view = memoryview(buf)[: min(len(buf), nbytes - done)]
-        pread_into(fd, view, start + done, what=what)
-        digest.update(view)
-        done += len(view)
-    return digest.hexdigest()
-
-
-def _missing_sums(sums: dict, present: set[str], root: Path, report: VerifyReport) -> None:
-    gone = [n for n in sums if n not in present]
+def _missing_sums(sums: dict, chunk_sums: dict, found: dict, seen: set, root: Path,
+                  report: VerifyReport) -> None:
+    gone = [n for n in sums if n not in found]
     if gone:
         report.problems.append(f"{root}: {len(gone)} tensor(s) with a recorded checksum are missing "
                                f"from the checkpoint: {', '.join(map(repr, gone[:5]))}")
-    unchecked = len(present) - len(present & set(sums))
-    if sums and unchecked:
-        report.notes.append(f"{unchecked} tensor(s) have no recorded checksum")
-
-
-# --- distributed checkpoints -----------------------------------------------------------------
-
-def _verify_dcp(path: Path, report: VerifyReport) -> dict[str, tuple[str, tuple]]:
-    # imported on use: torch.distributed.checkpoint takes ~0.5 s to import, which verifying a
-    # safetensors checkpoint should not pay
-    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
-
-    from shardwise.io.dcp.chunks import chunk_checksum
-    from shardwise.io.dcp.metadata import read_metadata
-
-    metadata = read_metadata(path)  # files, sizes, chunk tiling: raises on the first fault
-    files: dict[str, object] = {}
-    tensors = {fqn: md for fqn, md in metadata.state_dict_metadata.items()
-               if isinstance(md, TensorStorageMetadata)}
-    found = {n: (dtype_to_str(md.properties.dtype), tuple(md.size)) for n, md in tensors.items()}
-    algorithm, _, sums = _recorded(path, report, found,
-                                   otherwise="each chunk is checked against the CRC-32 of its zip record")
-    report.tensors = len(tensors)
-    try:
-        for fqn, md in tensors.items():
-            recorded = sums.get(fqn, {})
-            for chunk in md.chunks:
-                info = metadata.storage_data[MetadataIndex(fqn, chunk.offsets)]
-                rel = str(info.relative_path)
-                f = files.get(rel) or files.setdefault(rel, open(path / rel, "rb"))  # noqa: SIM115
-                key = chunk_key(chunk.offsets)
-                try:
-                    # shardwise's own checksum where recorded, else the zip record's CRC-32
-                    got, nbytes, zipped = chunk_checksum(f, info, dtype=md.properties.dtype,
-                                                         sizes=tuple(chunk.sizes),
-                                                         algorithm=algorithm if key in recorded else "crc32")
-                except CheckpointError as e:  # a bad blob: name it and go on with the others
-                    report.problems.append(f"tensor {fqn!r} chunk at ({key}): {e}")
-                    continue
-                report.bytes_read += nbytes
-                want = recorded.get(key, zipped)  # shardwise's own, else the zip record's CRC
-                report.checksummed += want is not None
-                if want is not None and got != want:
-                    report.mismatched.append(f"{fqn}@{key}")
-    finally:
-        for f in files.values():
-            f.close()
-    gone = [f"{fqn}@{key}" for fqn, chunks in sums.items() for key in chunks
-            if fqn not in tensors or key not in {chunk_key(c.offsets) for c in tensors[fqn].chunks}]
+    gone = [f"{n}@{key}" for n, chunks in chunk_sums.items() for key in chunks if (n, key) not in seen]
     if gone:
-        report.problems.append(f"{path}: {len(gone)} chunk(s) with a recorded checksum are not in the "
+        report.problems.append(f"{root}: {len(gone)} chunk(s) with a recorded checksum are not in the "
                                f"checkpoint: {', '.join(gone[:5])}")
-    if sums and report.checksummed < sum(len(md.chunks) for md in tensors.values()):
-        report.notes.append("some chunks have no recorded checksum")
-    return found
-
-
-def _verify_sharded(path: Path, report: VerifyReport) -> dict[str, tuple[str, tuple]]:
-    """Rank-local safetensors with DCP_SHARDING_INFO: the chunk map tiles every tensor (checked
-    by ``read_sharded``), and each chunk's bytes match the checksum ``shardwise.json`` recorded."""
-    ckpt = read_sharded(path)  # headers, sharding info, exact tiling: raises on the first fault
-    found = {n: (t.dtype, t.shape) for n, t in ckpt.tensors.items()}
-    algorithm, _, sums = _recorded(path, report, found)
-    report.tensors = len(ckpt.tensors)
-    fds: dict[Path, int] = {}
-    buf = bytearray(_PIECE)
-    try:
-        for name, tensor in ckpt.tensors.items():
-            recorded = sums.get(name, {})
-            for chunk in tensor.chunks:
-                key = chunk_key(chunk.region.offsets)
-                if key not in recorded:
-                    continue
-                fd = fds.get(chunk.path) or fds.setdefault(chunk.path, open_regular(chunk.path))
-                start = ckpt.headers[chunk.path].data_start + chunk.entry.start
-                got = _digest_of_range(fd, start, chunk.entry.nbytes, buf, str(chunk.path), algorithm)
-                report.bytes_read += chunk.entry.nbytes
-                report.checksummed += 1
-                if got != recorded[key]:
-                    report.mismatched.append(f"{name}@{key}")
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-    if sums and report.checksummed < sum(len(t.chunks) for t in ckpt.tensors.values()):
-        report.notes.append("some chunks have no recorded checksum")
-    return found
 
 
 def main_verify(path: str, *, as_json: bool = False, against: str | None = None, dtype: str | None = None,

@@ -1,2 +1,3 @@
-"""Distributed checkpoints: torch DCP folders and sharded safetensors (every rank writes its own
-regions), their metadata and chunk readers, optimizer state, and consolidation to safetensors."""
+"""The distributed save in rank-local safetensors (``sharded_write``): every rank writes its own
+regions. Reading that format, and everything about torch DCP folders, is the format plugins'
+(``shardwise.io.formats.sharded``, ``shardwise.io.formats.dcp``)."""

@@ -1,7 +1,8 @@
-"""Writing sharded safetensors checkpoints (the format of ``shardwise.io.dcp.sharded``): every rank
-writes its own canonical chunks as rank-local safetensors files, nothing is gathered.
+"""Writing sharded safetensors checkpoints (the format of
+``shardwise.io.formats.sharded.checkpoint``): every rank writes its own canonical chunks as
+rank-local safetensors files, nothing is gathered.
 
-A rank's chunks are the regions of its layout (``shardwise.io.dcp.items.place``, whose region
+A rank's chunks are the regions of its layout (``shardwise.io.formats.dcp.items.place``, whose region
 math is ``shardwise.core.spec``'s): one per plain shard, one per block part of a packed shard,
 several for an FSDP x TP shard. The ranks exchange only the list of regions they hold
 (names, offsets, sizes), and every rank runs the same pure plan on it: a region held by
@@ -37,12 +38,12 @@ from shardwise.core.header import dtype_to_str, spec_nbytes
 from shardwise.core.spec import Region
 from shardwise.errors import CheckpointError
 from shardwise.holding import Holding
-from shardwise.io.dcp.coord import checkpoint_info, model_placed, on_rank0
-from shardwise.io.dcp.sharded import check_tiling, sharding_metadata
+from shardwise.io.formats.dcp.coord import checkpoint_info, model_placed, on_rank0
+from shardwise.io.formats.safetensors.headers import header_metadata, save_file_order
+from shardwise.io.formats.sharded.checkpoint import check_tiling, sharding_metadata
 from shardwise.io.guards import check_model
 from shardwise.io.info import ALGORITHM, chunk_key, write_info
 from shardwise.io.safetensors.format import StreamingWriter
-from shardwise.io.safetensors.headers import header_metadata, save_file_order
 from shardwise.io.sink import PlannedFile, WritePlan
 from shardwise.io.target import Destination, target_path
 from shardwise.parallel import get_shard_state

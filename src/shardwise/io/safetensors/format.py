@@ -1,9 +1,9 @@
 """Safetensors files on disk: headers, boxes of tensors, a streaming writer (checkpoint
-folders and indexes are ``shardwise.io.safetensors.checkpoint``).
+folders and indexes are ``shardwise.io.formats.safetensors.checkpoint``).
 
 ``read_region`` reads a box with ``pread`` of each contiguous run into the destination
 tensor's memory (exactly the box's bytes). The loader may instead keep a CPU region as a
-page-cache view or copy a column slice out of a mapping (``shardwise.io.safetensors.mapped``), where
+page-cache view or copy a column slice out of a mapping (``shardwise.io.formats.safetensors.mapped``), where
 that measured faster. Nothing here ever unpickles.
 """
 

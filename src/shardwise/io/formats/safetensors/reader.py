@@ -16,7 +16,8 @@ raw tensor is allocated whole at its first piece, but its pages become resident 
 pieces are read into them, and the next tensor's pieces queue up while the last pieces of
 the previous one are still being read, so no thread waits at a tensor boundary.
 
-Two cases skip the copy through ``pread`` (``shardwise.io.safetensors.mapped``): a tensor of one region
+Two cases skip the copy through ``pread`` (``shardwise.io.formats.safetensors.mapped``): a
+tensor of one region
 may become a view of the page cache when the caller allows it (``viewable``: a CPU model
 that keeps the file's dtype), strided when the region is a column slice (``strided_views``);
 a box of many short runs that is not viewed (a column slice) is copied out of a short-lived
@@ -39,8 +40,8 @@ from shardwise.core.header import FileHeader, TensorEntry
 from shardwise.core.spec import Layout, Region, ShardSpec, local_layout, local_shape
 from shardwise.errors import UsageError
 from shardwise.io.files import open_regular
+from shardwise.io.formats.safetensors.mapped import FileViews, contiguous_span, copy_mapped
 from shardwise.io.safetensors.format import read_region
-from shardwise.io.safetensors.mapped import FileViews, contiguous_span, copy_mapped
 from shardwise.io.staging import loaded_dtype
 
 PIECE_BYTES = 32 << 20

@@ -2,7 +2,7 @@
 checked against the metadata before a byte of its data is read.
 
 A DCP data file (``.distcp``) is a run of ``torch.save`` blobs, one per saved chunk; the
-metadata (``shardwise.io.dcp.metadata``) says where each lies. Every blob is opened on the
+metadata (``shardwise.io.formats.dcp.metadata``) says where each lies. Every blob is opened on the
 meta device first (its dtype, shape and where its bytes start, no data read), so a blob that
 disagrees with the metadata is a ``CheckpointError``, never a cast, a shifted read or an
 allocation the file cannot back.

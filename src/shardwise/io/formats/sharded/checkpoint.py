@@ -64,7 +64,8 @@ class ShardedTensor(NamedDtype):
 @dataclass
 class ShardedCheckpoint:
     """A validated sharded checkpoint. ``names``/``entry``/``root`` answer like
-    :class:`shardwise.io.safetensors.checkpoint.Checkpoint`, so the loader's key matching works on it."""
+    :class:`shardwise.io.formats.safetensors.checkpoint.Checkpoint`, so the loader's key
+    matching works on it."""
 
     root: Path
     files: list[Path]

@@ -14,9 +14,6 @@ never leaves a ``.metadata`` at the target. The path must be on a filesystem eve
 
 DCP's ``.metadata`` is a pickle: shardwise unpickles it with an allow-list of DCP's own
 classes, but loading a DCP checkpoint still trusts its source.
-
-Length: the save and the load of the format stay together (~300 lines): they share the
-canonical chunk layout and the info file, and split apart they would import each other.
 """
 
 from __future__ import annotations
@@ -30,19 +27,21 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: name it
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import shardwise.comm as comm
 from shardwise.backends import coordination_group
 from shardwise.core.plan import ResolvedPlan
 from shardwise.errors import CheckpointError
 from shardwise.holding import Holding
-from shardwise.io.dcp.chunks import MetadataReader
-from shardwise.io.dcp.coord import checkpoint_info, dcp_error, gather_checksums, model_placed
-from shardwise.io.dcp.coord import on_rank0 as _on_rank0  # a module global: benchmarks/_trials.py hooks it
-from shardwise.io.dcp.items import CanonicalLoadPlanner, CanonicalSavePlanner, HashingWriter, Placed
-from shardwise.io.dcp.metadata import check_tensors, read_metadata
-from shardwise.io.dcp.quant import check_fp8_match, read_dtype, want_layout
+from shardwise.io.formats.dcp.chunks import MetadataReader
+from shardwise.io.formats.dcp.coord import checkpoint_info, dcp_error, gather_checksums, model_placed
+from shardwise.io.formats.dcp.coord import (
+    on_rank0 as _on_rank0,  # a module global: benchmarks/_trials.py hooks it
+)
+from shardwise.io.formats.dcp.items import CanonicalLoadPlanner, CanonicalSavePlanner, HashingWriter, Placed
+from shardwise.io.formats.dcp.metadata import check_tensors
+from shardwise.io.formats.dcp.quant import check_fp8_match, read_dtype, want_layout
+from shardwise.io.formats.dcp.stored import DcpStored
 from shardwise.io.guards import check_model
 from shardwise.io.info import INFO_FILE, write_info
 from shardwise.io.side_files import write_side_files
@@ -211,7 +210,7 @@ def read_checkpoint(path, metadata, state_dict: dict, placed: Mapping[str, Place
     return reader.bytes_read
 
 
-class DcpSource:
+class DcpSource(DcpStored):
     """The :class:`~shardwise.io.source.Source` of a torch DCP checkpoint. Its reads go
     through torch's own planner and storage reader (:func:`read_checkpoint`): torch owns this
     format (the pickled ``.metadata``, the chunk files, the collective load plan), so the
@@ -221,16 +220,10 @@ class DcpSource:
     """
 
     def __init__(self, path):
-        self.root = Path(path)
-        self.metadata = read_metadata(path)  # raises for an incomplete checkpoint
+        super().__init__(path)  # the metadata, checked: raises for an incomplete checkpoint
         self.bytes_read = 0
         self._key: dict[str, str] = {}  # model name -> checkpoint key
         self._shape: dict[str, tuple[int, ...]] = {}  # checkpoint key -> the model's shape
-
-    def tensors(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        md = self.metadata.state_dict_metadata
-        return {k: (m.properties.dtype, tuple(m.size)) for k, m in md.items()
-                if isinstance(m, TensorStorageMetadata)}
 
     def match(self, model: nn.Module, specs: ResolvedPlan, *, strict: bool) -> tuple[list[str], list[str]]:
         own = model.state_dict(keep_vars=True)

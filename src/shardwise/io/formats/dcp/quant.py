@@ -26,7 +26,7 @@ from shardwise.core.quant_layout import (
 from shardwise.core.spec import Layout, ShardSpec, local_layout, local_shape
 from shardwise.errors import CheckpointError
 from shardwise.holding import is_dtensor
-from shardwise.io.dcp.items import Placed, place
+from shardwise.io.formats.dcp.items import Placed, place
 from shardwise.io.source import Want
 from shardwise.io.staging import loaded_dtype
 

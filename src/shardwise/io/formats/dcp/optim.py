@@ -21,9 +21,9 @@ from torch import nn
 from shardwise.core.spec import ShardSpec
 from shardwise.errors import CheckpointError
 from shardwise.holding import is_dtensor
-from shardwise.io.dcp.checkpoint import AsyncSave, checkpoint_info, read_checkpoint, write_checkpoint
-from shardwise.io.dcp.items import Placed, place
-from shardwise.io.dcp.metadata import check_tensors, read_metadata
+from shardwise.io.formats.dcp.checkpoint import AsyncSave, checkpoint_info, read_checkpoint, write_checkpoint
+from shardwise.io.formats.dcp.items import Placed, place
+from shardwise.io.formats.dcp.metadata import check_tensors, read_metadata
 from shardwise.parallel import get_shard_state
 
 _STATE = "state."

@@ -18,8 +18,8 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from shardwise.errors import CheckpointError
-from shardwise.io.detect import METADATA_FILE
 from shardwise.io.files import check_inside
+from shardwise.io.formats.dcp import METADATA_FILE
 from shardwise.io.target import TMP_MARK
 
 _META_MODULE = "torch.distributed.checkpoint.metadata"

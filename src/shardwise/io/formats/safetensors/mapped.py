@@ -1,6 +1,6 @@
 """Reading boxes of safetensors tensors through memory maps of the page cache.
 
-Two uses, both chosen per box by the region reader (``shardwise.io.safetensors.reader``):
+Two uses, both chosen per box by the region reader (``shardwise.io.formats.safetensors.reader``):
 
 - **Views** (zero copy): a box already in the dtype the model wants, for a CPU model,
   becomes a tensor over a private (copy-on-write) mapping of the file: no copy and no

@@ -2,10 +2,10 @@
 an index and its files, tensors in the model's names or in a hub layout (transformers'
 conversion mapping: one model tensor assembled from several stored tensors), FP8 weights
 with block scales kept quantized (the scales split along with their weights) or dequantized
-per rank (``io.safetensors.quantized``).
+per rank (``io.formats.safetensors.quantized``).
 
 Every rank reads only the bytes of its own regions of each tensor (the whole tensor when it
-is replicated) through :class:`~shardwise.io.safetensors.reader.RegionReader`; no collective runs,
+is replicated) through :class:`~shardwise.io.formats.safetensors.reader.RegionReader`; no collective runs,
 except that dp replicas (``io.replicas``) read each region once and send it to the others.
 """
 
@@ -22,27 +22,24 @@ from shardwise.core.pieces import piece_reads
 from shardwise.core.plan import ResolvedPlan
 from shardwise.core.quant_layout import scale_layout, scale_local_shape
 from shardwise.core.spec import local_layout, local_shape
+from shardwise.io.formats.safetensors.checkpoint import resolve_checkpoint
+from shardwise.io.formats.safetensors.quantized import Dequantized, Dequantizer
+from shardwise.io.formats.safetensors.reader import ReadItem, RegionReader, cpu_views, plan_reads
+from shardwise.io.formats.safetensors.stored import SafetensorsStored
 from shardwise.io.pipeline import match_keys
 from shardwise.io.replicas import read_once, replica_axis
-from shardwise.io.safetensors.checkpoint import resolve_checkpoint
 from shardwise.io.safetensors.hub_layout import Composite
-from shardwise.io.safetensors.quantized import Dequantized, Dequantizer
-from shardwise.io.safetensors.reader import ReadItem, RegionReader, cpu_views, plan_reads
 from shardwise.io.source import Finalize, ReadOptions, Reads, Want
 
 
-class SafetensorsSource:
+class SafetensorsSource(SafetensorsStored):
     """A safetensors checkpoint (a file, a folder, an index) read region by region."""
 
     def __init__(self, path: str | os.PathLike, *, dequantize: bool = False):
-        self.ckpt = resolve_checkpoint(path)
+        super().__init__(path, resolve_checkpoint(path))
         self.dequantize = dequantize  # FP8 tensors with block scales into plain model tensors
         self.bytes_read = 0
         self._sources: dict = {}  # model name -> (file, entry), Composite or Dequantized, from match
-
-    def tensors(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        entries = {n: self.ckpt.entry(n)[1] for n in self.ckpt.names}
-        return {n: (e.torch_dtype, e.shape) for n, e in entries.items()}
 
     def match(self, model: nn.Module, specs: ResolvedPlan, *, strict: bool) -> tuple[list[str], list[str]]:
         self._sources, missing, unexpected = match_keys(model, specs, self.ckpt, strict=strict,

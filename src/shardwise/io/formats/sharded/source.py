@@ -1,11 +1,12 @@
-"""Reading sharded safetensors checkpoints (``shardwise.io.dcp.sharded``): ``sw.load`` at any
-degree and mesh (:class:`ShardedSource`), and ``sw.consolidate`` (``shardwise inspect`` lists
-them in :func:`ordered_tensors`).
+"""Reading sharded safetensors checkpoints (``shardwise.io.formats.sharded.checkpoint``): the
+:class:`ShardedSource` of ``sw.load`` at any degree and mesh, and of the offline tools
+(``consolidate``, ``verify``, ``diff``, ``inspect``), which list tensors in
+:func:`ordered_tensors`.
 
 Plan, then execute: :func:`plan_chunk_reads` (pure) intersects each region a rank wants with
 the chunks of the tensor and names, for every overlap, the box of the chunk's file entry to
 read and where it lands in the local tensor. The reads go through the loader's
-:class:`~shardwise.io.safetensors.reader.RegionReader` (``pread`` of exactly the box's byte runs, on a
+:class:`~shardwise.io.formats.safetensors.reader.RegionReader` (``pread`` of exactly the box's byte runs, on a
 thread pool, within its memory window). A local tensor that one box fills whole (a rank
 loading the layout it saved, or a finer one) is the read buffer itself; one assembled from
 several chunks is copied together once, then handed on.
@@ -15,21 +16,25 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from shardwise.core.spec import Layout, Region, intersect, local_layout
-from shardwise.io.dcp.sharded import ShardedCheckpoint, ShardedTensor, read_sharded
-from shardwise.io.info import gather_info, user_metadata, write_info
+from shardwise.io.files import open_regular
+from shardwise.io.formats.safetensors.reader import ReadItem, RegionReader
+from shardwise.io.formats.sharded.checkpoint import (
+    SHARDING_INFO_KEY,
+    ShardedCheckpoint,
+    ShardedTensor,
+    read_sharded,
+)
+from shardwise.io.info import chunk_key, digest_range
 from shardwise.io.pipeline import match_keys
-from shardwise.io.safetensors.format import StreamingWriter
-from shardwise.io.safetensors.reader import ReadItem, RegionReader
-from shardwise.io.safetensors.sink import plan_checkpoint
-from shardwise.io.source import Finalize, ReadOptions, Reads, Want
-from shardwise.io.target import Destination, target_path
+from shardwise.io.safetensors.format import read_region
+from shardwise.io.source import Blob, Description, Finalize, ReadOptions, Reads, Want
 
 Request = tuple[ShardedTensor, Layout]
 
@@ -147,15 +152,21 @@ class ShardedReader:
 class ShardedSource:
     """The :class:`~shardwise.io.source.Source` of a sharded safetensors checkpoint: the
     chunk map is validated on opening, keys and shapes matched before any data is read, and
-    each rank reads only the chunk bytes that overlap its regions; no collective runs."""
+    each rank reads only the chunk bytes that overlap its regions; no collective runs.
+    ``read_box`` and ``blobs`` (the offline tools) read chunk bytes through their own
+    descriptors, released by ``close``."""
+
+    name = "sharded"
 
     def __init__(self, path: str | os.PathLike):
         self.ckpt = read_sharded(path)
+        self.root = self.ckpt.root
         self.bytes_read = 0
         self._sources: dict = {}
+        self._fds: dict[Path, int] = {}
 
     def tensors(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        return {n: (t.torch_dtype, t.shape) for n, t in self.ckpt.tensors.items()}
+        return {t.name: (t.torch_dtype, t.shape) for t in ordered_tensors(self.ckpt)}
 
     def match(self, model: nn.Module, specs, *, strict: bool) -> tuple[list[str], list[str]]:
         self._sources, missing, unexpected = match_keys(model, specs, self.ckpt, strict=strict)
@@ -177,8 +188,51 @@ class ShardedSource:
             finally:
                 self.bytes_read += reader.bytes_read
 
+    # --- the offline tools: consolidate, verify, diff, inspect ---
 
-# --- consolidate and inspect -------------------------------------------------------------------
+    def _fd(self, file: Path) -> int:
+        if file not in self._fds:
+            self._fds[file] = open_regular(file)
+        return self._fds[file]
+
+    def read_box(self, name: str, box: Region) -> torch.Tensor:
+        tensor = self.ckpt.tensors[name]
+        out = torch.empty(box.sizes, dtype=tensor.torch_dtype)
+        for item, dest in plan_chunk_reads(tensor, [(box, (0,) * len(box.sizes))]):
+            part = out[dest.slices()]
+            buf = part if part.is_contiguous() else torch.empty(dest.sizes, dtype=tensor.torch_dtype)
+            (src, _), = item.layout
+            read_region(self._fd(item.path), self.ckpt.headers[item.path], item.entry, src.offsets,
+                        src.sizes, buf)
+            if buf is not part:
+                part.copy_(buf)
+        return out
+
+    def describe(self) -> Description:
+        ckpt = self.ckpt
+        meta = {k: v for k, v in ckpt.headers[ckpt.files[0]].metadata.items() if k != SHARDING_INFO_KEY}
+        return Description("torch distributed checkpoint in safetensors (DCP_SHARDING_INFO, no pickle)",
+                           tuple(f.name for f in ckpt.files), meta, layout=ckpt.info,
+                           chunks={n: len(t.chunks) for n, t in ckpt.tensors.items()})
+
+    def blobs(self) -> Iterator[Blob]:
+        for name, tensor in self.ckpt.tensors.items():
+            for chunk in tensor.chunks:
+                def digest(algorithm: str, chunk=chunk) -> tuple[str, None]:
+                    start = self.ckpt.headers[chunk.path].data_start + chunk.entry.start
+                    return digest_range(self._fd(chunk.path), start, chunk.entry.nbytes, algorithm,
+                                        what=str(chunk.path)), None
+
+                yield Blob(name, chunk_key(chunk.region.offsets), chunk.entry.nbytes, digest)
+
+    def use_module_names(self, wanted: set[str]) -> None:
+        pass  # torch's and transformers' distributed writers store module names
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
 
 def ordered_tensors(ckpt: ShardedCheckpoint) -> list[ShardedTensor]:
     """The model's order when shardwise recorded it (so consolidation splits files like
@@ -189,41 +243,4 @@ def ordered_tensors(ckpt: ShardedCheckpoint) -> list[ShardedTensor]:
     return [ckpt.tensors[n] for n in sorted(ckpt.tensors)]
 
 
-def consolidate_sharded(src: str | os.PathLike, dst: str | os.PathLike, *,
-                        max_shard_size: int | str = "5GB", filename_prefix: str = "model",
-                        overwrite: bool = False, num_threads: int = 4) -> Path:
-    """Write the sharded safetensors checkpoint ``src`` as an ordinary safetensors checkpoint
-    in the folder ``dst``, streaming one tensor at a time; one process, no process group.
-    Files, headers and index are ``sw.save``'s (so the weights are byte-equal to a
-    ``save_file`` of the same tensors). Crash-safe like every save. Returns ``dst``.
-
-    >>> consolidate_sharded("out/hf_dcp", "out/merged")                    # doctest: +SKIP
-    """
-    ckpt = read_sharded(src)
-    tensors = ordered_tensors(ckpt)
-    user = user_metadata(src)
-    plan = plan_checkpoint([(t.name, t.dtype, t.shape) for t in tensors], max_shard_size=max_shard_size,
-                           prefix=filename_prefix, metadata=user)
-    dest = Destination(target_path(dst), overwrite)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the copies are memory-bound: see shardwise.io.dcp.consolidate
-    try:
-        with ShardedReader(ckpt, num_threads=num_threads) as reader:
-            dest.prepare()
-            checksums: dict[str, str] = {}
-            for planned in plan.files:
-                path = dest.tmp / planned.name
-                with StreamingWriter(path, planned.tensors, metadata=plan.header) as writer:
-                    for name, _, _ in planned.tensors:
-                        writer.write(name, reader.tensor(name))
-                checksums.update(writer.checksums)
-            write_info(dest.tmp, gather_info(checksums))  # what sw.save would record
-            dest.commit(plan.index)
-    finally:
-        torch.set_num_threads(threads)
-        dest.discard()
-    return dest.target
-
-
-__all__ = ["ShardedReader", "ShardedSource", "consolidate_sharded", "local_extent",
-           "ordered_tensors", "plan_chunk_reads"]
+__all__ = ["ShardedReader", "ShardedSource", "local_extent", "ordered_tensors", "plan_chunk_reads"]

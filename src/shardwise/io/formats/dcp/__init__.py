@@ -1,0 +1,43 @@
+"""The torch distributed checkpoint (DCP) format plugin: a folder of ``.distcp`` chunk files
+and a pickled ``.metadata``. torch's DCP stays the engine: loads go through its planner and
+``StorageReader`` (``checkpoint``), saves through its ``StorageWriter``; shardwise adds the
+canonical chunk layout (``items``), the checked metadata (``metadata``), chunk reads
+(``chunks``), optimizer state (``optim``) and the offline reads (``stored``).
+
+This module stays light: torch.distributed.checkpoint (~0.5 s to import) is imported only
+when a checkpoint is opened.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from shardwise.errors import CheckpointError
+
+NAME = "dcp"
+DEQUANTIZES = False  # FP8 weights load as stored (quantized), never dequantized per rank
+METADATA_FILE = ".metadata"  # torch DCP writes it last: its absence means an incomplete save
+
+
+def claims(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a folder that looks like a torch distributed checkpoint, from file
+    names only: it has ``.metadata`` or ``*.distcp`` files (maybe incomplete, which its
+    reader then reports)."""
+    path = Path(path)
+    return path.is_dir() and ((path / METADATA_FILE).is_file() or any(path.glob("*.distcp")))
+
+
+def open_source(path: str | os.PathLike, **options):
+    """The :class:`~shardwise.io.formats.dcp.checkpoint.DcpSource` of ``path``."""
+    try:  # imported on use: torch.distributed.checkpoint takes ~0.5 s to import
+        from shardwise.io.formats.dcp.checkpoint import DcpSource
+    except ImportError as e:
+        raise CheckpointError(
+            f"{path}: a torch distributed checkpoint (it has .metadata), but this shardwise "
+            f"cannot read DCP checkpoints ({e}); consolidate it to safetensors first"
+        ) from e
+    return DcpSource(path, **options)
+
+
+__all__ = ["DEQUANTIZES", "METADATA_FILE", "NAME", "claims", "open_source"]

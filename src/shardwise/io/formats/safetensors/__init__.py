@@ -1,0 +1,38 @@
+"""The ordinary safetensors format plugin: one ``.safetensors`` file, a folder holding one,
+or an index (``*.safetensors.index.json``, any prefix) and its files; tensors in the model's
+names or in a transformers hub layout; FP8 block-scaled and MXFP4 weights kept quantized or
+dequantized per rank. ``checkpoint``: folders and indexes, validated; ``reader`` and
+``mapped``: region reads; ``quantized``: tied weight/scale reads; ``source``: the Source;
+``stored``: the offline reads; ``headers``: what shardwise's writers put in headers.
+
+It is the registry's last resort: it claims every path, and its reader names what is wrong
+with one that holds no safetensors checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+
+# The plugin's own modules are imported inside claims / open_source: Python runs this __init__
+# whenever any of them is imported (io.pipeline imports the safetensors checkpoint and quantized
+# modules, which the sources import back through io.pipeline), so importing them here would make
+# a cycle; the registry imports this module only when it asks the format about a path.
+
+NAME = "safetensors"
+DEQUANTIZES = True
+
+
+def claims(path: str | os.PathLike) -> bool:
+    """Every path: the registry asks this plugin last."""
+    return True
+
+
+def open_source(path: str | os.PathLike, **options):
+    """The :class:`~shardwise.io.formats.safetensors.source.SafetensorsSource` of ``path``
+    (``dequantize=True``: FP8 weights with block scales into plain model tensors)."""
+    from shardwise.io.formats.safetensors.source import SafetensorsSource
+
+    return SafetensorsSource(path, **options)
+
+
+__all__ = ["DEQUANTIZES", "NAME", "claims", "open_source"]

@@ -1,0 +1,142 @@
+"""The registry of checkpoint formats (``shardwise.io.formats``): its order, its refusals, and
+that a new format is one plugin plus one registry line: a toy format registered here is
+inspected, verified, diffed and consolidated by the same tools, with no other change."""
+
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import shardwise as sw
+from shardwise.core.header import dtype_to_str, str_to_dtype
+from shardwise.errors import CheckpointError, UsageError
+from shardwise.io import formats
+from shardwise.io.check.inspect import inspect_checkpoint
+from shardwise.io.formats.sharded.checkpoint import sharding_metadata
+from shardwise.io.info import digest_hex
+from shardwise.io.source import Blob, Description
+
+TENSORS = {"w": torch.arange(12, dtype=torch.float32).reshape(4, 3),
+           "b": torch.tensor([1, 2, 3], dtype=torch.int64)}
+
+
+@pytest.fixture
+def registry():
+    """The registry, restored after the test."""
+    saved = dict(formats.FORMATS)
+    yield formats.FORMATS
+    formats.FORMATS.clear()
+    formats.FORMATS.update(saved)
+
+
+def test_order_and_refusals(registry):
+    assert list(registry) == ["dcp", "sharded", "safetensors"]
+    with pytest.raises(UsageError, match=r"no checkpoint format named 'nope'.*dcp, sharded, safetensors"):
+        formats.get_format("nope")
+    with pytest.raises(UsageError, match=r"'dcp' is already registered.*known formats: dcp, sharded"):
+        formats.register_format("dcp", "somewhere")
+    with pytest.raises(UsageError, match=r"no checkpoint format named 'nope' to insert 'x' before"):
+        formats.register_format("x", "somewhere", before="nope")
+    formats.register_format("x", "somewhere")
+    assert list(registry) == ["dcp", "sharded", "x", "safetensors"]
+
+
+def test_each_format_claims_its_own(tmp_path):
+    save_file(TENSORS, tmp_path / "model.safetensors")
+    (tmp_path / "sharded").mkdir()
+    save_file({"w": TENSORS["w"][:2]}, tmp_path / "sharded" / "shard-00001-model-00001-of-00001.safetensors",
+              metadata=sharding_metadata({"w": (0, 0)}))
+    save_file({"w": TENSORS["w"][2:]}, tmp_path / "sharded" / "shard-00002-model-00001-of-00001.safetensors",
+              metadata=sharding_metadata({"w": (2, 0)}))
+    model = torch.nn.Linear(3, 4)
+    sw.save(model, tmp_path / "dcp", distributed=True)
+    opened = {}
+    for name in ("model.safetensors", "sharded", "dcp"):
+        source = formats.open_source(tmp_path / name)
+        try:
+            opened[name] = (source.name, sorted(source.tensors()))
+        finally:
+            source.close()
+    assert opened == {"model.safetensors": ("safetensors", ["b", "w"]), "sharded": ("sharded", ["w"]),
+                      "dcp": ("dcp", ["bias", "weight"])}
+    for name in ("sharded", "dcp"):  # only ordinary safetensors dequantize FP8 weights
+        with pytest.raises(UsageError, match="dequantize=True reads FP8 safetensors"):
+            formats.open_source(tmp_path / name, dequantize=True)
+
+
+# --- a toy format: one folder of raw tensor files and a raw.json listing them ------------------
+
+class RawSource:
+    """A Source for the offline tools only (no ``match``/``plan``/``read``: nothing loads it)."""
+
+    name = "raw"
+
+    def __init__(self, path):
+        self.root, self.bytes_read = Path(path), 0
+        self.listing = json.loads((self.root / "raw.json").read_text())
+
+    def tensors(self):
+        return {n: (str_to_dtype(t["dtype"]), tuple(t["shape"])) for n, t in self.listing.items()}
+
+    def _whole(self, name):
+        dtype, shape = self.tensors()[name]
+        data = bytearray((self.root / f"{name}.bin").read_bytes())
+        return torch.frombuffer(data, dtype=dtype).reshape(shape)
+
+    def read_box(self, name, box):
+        return self._whole(name)[box.slices()].clone()
+
+    def describe(self):
+        return Description("raw test format", tuple(f"{n}.bin" for n in self.listing))
+
+    def blobs(self):
+        for name in self.listing:
+            data = (self.root / f"{name}.bin").read_bytes()
+            yield Blob(name, None, len(data),
+                       lambda algorithm, data=data: (digest_hex(data, algorithm), None))
+
+    def use_module_names(self, wanted):
+        pass
+
+    def close(self):
+        pass
+
+
+def _raw_plugin() -> types.ModuleType:
+    plugin = types.ModuleType("raw_format_plugin")
+    plugin.NAME, plugin.DEQUANTIZES = "raw", False
+    plugin.claims = lambda path: (Path(path) / "raw.json").is_file()
+    plugin.open_source = lambda path, **options: RawSource(path)
+    return plugin
+
+
+def test_a_new_format_is_one_plugin_and_one_line(tmp_path, registry, monkeypatch):
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for name, t in TENSORS.items():
+        (raw / f"{name}.bin").write_bytes(t.numpy().tobytes())
+    (raw / "raw.json").write_text(json.dumps(
+        {n: {"dtype": dtype_to_str(t.dtype), "shape": list(t.shape)} for n, t in TENSORS.items()}))
+    (raw / "config.json").write_text("{}")  # a side file: consolidation copies it
+    monkeypatch.setitem(sys.modules, "raw_format_plugin", _raw_plugin())
+    with pytest.raises(CheckpointError):  # unregistered: the ordinary safetensors reader finds none
+        inspect_checkpoint(raw)
+    formats.register_format("raw", "raw_format_plugin")  # the one line
+
+    report = inspect_checkpoint(raw)
+    assert report.kind == "raw test format"
+    assert [(n, d, s) for n, d, s, _ in report.tensors] == [("w", "F32", (4, 3)), ("b", "I64", (3,))]
+    assert sw.verify(raw).ok
+    merged = sw.consolidate(raw, tmp_path / "merged")
+    assert sorted(p.name for p in merged.iterdir()) == ["config.json", "model.safetensors", "shardwise.json"]
+    back = load_file(merged / "model.safetensors")
+    assert all(torch.equal(back[n], t) for n, t in TENSORS.items())
+    assert sw.verify(merged).ok
+    assert sw.diff(raw, merged).identical
+    (raw / "w.bin").write_bytes(torch.zeros(4, 3).numpy().tobytes())
+    changed = sw.diff(raw, merged)
+    assert [d.name for d in changed.differ] == ["w"] and changed.same == 1
