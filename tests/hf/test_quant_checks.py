@@ -183,3 +183,26 @@ def test_diff_needs_the_block_size_to_dequantize(fp8, tmp_path, capsys):
     with pytest.raises(CheckpointError, match="no quantization_config in config.json says its weight_block"):
         sw.diff(bare, plain)
     assert main(["diff", str(bare), str(plain)]) == 2
+
+
+def test_fp8_experts_with_fused_scales(tmp_path):
+    """transformers' save of FP8Experts: each expert's weight stored per expert, its scales part of
+    a fused tensor. verify pairs them (no "has no scales"), finds a fused scale of the wrong shape,
+    and diff compares them with the hub's per-expert scales in dequantized units."""
+    from hf import fp8_moe_models as MOE
+
+    fused = MOE.save_fp8_moe("qwen3_moe", tmp_path / "fused")
+    hub = MOE.save_fp8_moe("qwen3_moe", tmp_path / "hub", layout="hub")
+    report = sw.verify(fused)
+    assert report.ok, report.problems
+    gate3 = "model.layers.0.mlp.experts.3.up_proj.weight"
+    pair = sw.inspect(fused)
+    assert pair.quant[gate3] == "fp8_block 128x128"
+    diff = sw.diff(fused, hub)
+    experts = [d for d in diff.differ if ".experts." in d.name]
+    assert len(experts) == 12 and all(d.dequantized and d.max_abs_diff == 0.0 for d in experts)
+    scale = "model.layers.0.mlp.experts.gate_up_proj_scale_inv"
+    short = rewrite(fused, tmp_path / "short", tensors=lambda t: {**t, scale: t[scale][:, :3].clone()})
+    problems = sw.verify(short).problems
+    assert any(re.search(r"fused scales .* have shape \(4, 3, 2\), not \(experts, 4, 2\)", p)
+               for p in problems), problems

@@ -1,4 +1,5 @@
-"""FP8 block quantization (shardwise.core.quant.quantize_fp8_blocks), against its inverse.
+"""FP8 block quantization (shardwise.core.quant.quantize_fp8_blocks), against its inverse, and
+the scales of experts stored per expert (shardwise.core.quant_dequant.scale_pieces).
 
 What the hub stores and what :func:`dequantize_region` reads back: any shape (leading expert
 dims, partial last blocks), any block. transformers' ``Fp8Quantize`` bit for bit is checked in
@@ -12,7 +13,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shardwise.core.pieces import Piece, check_tiling
 from shardwise.core.quant import dequantize_region, quantize_fp8_blocks, scale_shape
+from shardwise.core.quant_dequant import scale_pieces
 from shardwise.core.spec import Region
 from shardwise.errors import PlanError
 
@@ -89,3 +92,21 @@ def test_bf16_input_and_experts_dims():
 def test_bad_shapes_and_blocks_are_refused(shape, block):
     with pytest.raises(PlanError):
         quantize_fp8_blocks(torch.ones(shape), block)
+
+
+def _experts(num: int, rows: int, cols: int) -> list[Piece]:
+    """gate_up of ``num`` experts stored per expert: gate rows [0, rows), up rows [rows, 2 rows)."""
+    return [Piece(f"e.{e}.{proj}", Region((0, 0), (rows, cols)), (e, half * rows, 0), (0,))
+            for e in range(num) for half, proj in enumerate(("gate", "up"))]
+
+
+def test_per_expert_scales_tile_the_fused_scales():
+    pieces = scale_pieces(_experts(3, 256, 300), (1, 128, 128), lambda k: k + "_scale_inv")
+    check_tiling(scale_shape((3, 512, 300), (1, 128, 128)), pieces, "scales")  # raises unless exact
+    assert [(p.key, p.source.sizes, p.offsets) for p in pieces[:2]] == [
+        ("e.0.gate_scale_inv", (2, 3), (0, 0, 0)), ("e.0.up_scale_inv", (2, 3), (0, 2, 0))]
+
+
+def test_per_expert_scales_refuse_a_half_that_cuts_a_block():
+    with pytest.raises(PlanError, match="'e.0.up' lands at .* cuts its 128-wide blocks on dim 1"):
+        scale_pieces(_experts(1, 192, 256), (1, 128, 128), lambda k: k + "_scale_inv")

@@ -5,7 +5,9 @@ From names, dtypes and shapes only (no tensor is read), with the scheme and bloc
 the ``quantization_config`` of the ``config.json`` beside the checkpoint:
 
 - FP8 block-scaled (``quant_method: fp8``; DeepSeek-V3, Qwen3-FP8): ``x.weight`` float8 next
-  to ``x.weight_scale_inv`` (float) of shape ``ceil(dims / weight_block_size)``;
+  to ``x.weight_scale_inv`` (float) of shape ``ceil(dims / weight_block_size)``; an expert's
+  weight stored per expert may have its scales fused (``experts.gate_up_proj_scale_inv``, as
+  transformers' ``save_pretrained`` writes ``FP8Experts``);
 - MXFP4 (``quant_method: mxfp4``; gpt-oss): ``x_blocks`` uint8 ``(..., K/32, 16)`` next to
   ``x_scales`` uint8 ``(..., K/32)``, one e8m0 scale per 32 values.
 
@@ -17,6 +19,7 @@ dequantized units (``core.quant.dequantize_region``: float32, the same math as a
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +44,9 @@ class QuantPair:
     scales: str
     scheme: str
     block: tuple[int, ...] | None
+    # an expert's weight whose scales are a part of a fused tensor (transformers' save of
+    # FP8Experts): (expert, first scale row) in ``scales`` (E, rows, cols)
+    fused_at: tuple[int, int] | None = None
 
     def describe(self) -> str:
         """``fp8_block 128x128`` (the scheme and block size, as ``inspect`` shows them)."""
@@ -98,9 +104,15 @@ def quant_pairs(tensors: Mapping[str, tuple], qc: dict | None) -> tuple[dict[str
     block = _fp8_block(qc)
     fp8 = [n for n, (d, _) in found.items() if d in FP8_DTYPES]
     scaled = _method(qc) == "fp8" or any(n + FP8_SCALE in found for n in fp8)
+    fused_used: set[str] = set()
     for name in fp8:
         scale = name + FP8_SCALE
         if scale not in found:
+            fused = _fused_scale(name, found, block, problems)
+            if fused is not None:
+                pairs[name] = fused
+                fused_used.add(fused.scales)
+                continue
             if scaled:
                 problems.append(f"FP8 weight {name!r} has no scales {scale!r}: it cannot be dequantized; "
                                 "write the weight with its weight_scale_inv (or save it unquantized)")
@@ -114,13 +126,40 @@ def quant_pairs(tensors: Mapping[str, tuple], qc: dict | None) -> tuple[dict[str
             problems.append(f"scales {scale!r} have shape {sshape}, but weight {name!r} {wshape} in "
                             f"{pair.describe().split()[1]} blocks needs {want}; requantize the weight or "
                             "fix weight_block_size in config.json")
-    for scale in (n for n in found if n.endswith(FP8_SCALE)):
+    for scale in (n for n in found if n.endswith(FP8_SCALE) and n not in fused_used):
         weight = scale[: -len(FP8_SCALE)]
         if weight not in pairs and (weight not in found or found[weight][0] not in FP8_DTYPES):
             what = "is missing" if weight not in found else f"is {found[weight][0]}, not FP8"
             problems.append(f"scales {scale!r} have no FP8 weight: {weight!r} {what}")
     _mxfp4_pairs(found, qc, pairs, problems)
     return pairs, problems
+
+
+def _fused_scale(name: str, found: dict, block, problems: list[str]) -> QuantPair | None:
+    """The pair of an expert's FP8 weight stored per expert whose scales are fused, as
+    transformers' ``save_pretrained`` writes ``FP8Experts`` (``experts.3.up_proj.weight`` with
+    ``experts.gate_up_proj_scale_inv`` ``(E, rows(gate) + rows(up), cols)``); None if it is not one."""
+    m = _EXPERT.match(name)
+    if m is None:
+        return None
+    fused = f"{m[1]}.{'down_proj' if m[3] == 'down_proj' else 'gate_up_proj'}{FP8_SCALE}"
+    if fused not in found:
+        return None
+    expert, (_, sshape), (_, wshape) = int(m[2]), found[fused], found[name]
+    rows = scale_shape(wshape, block)[0] if block is not None and len(wshape) == 2 else 0
+    pair = QuantPair(name, fused, "fp8_block", block, (expert, rows if m[3] == "up_proj" else 0))
+    if block is not None and len(wshape) == 2:
+        want = scale_shape(wshape, block)
+        want = (want[0] * (1 if m[3] == "down_proj" else 2), want[1])
+        if len(sshape) != 3 or sshape[0] <= expert or tuple(sshape[1:]) != want:
+            problems.append(f"fused scales {fused!r} have shape {sshape}, not (experts, {want[0]}, "
+                            f"{want[1]}) as expert {expert}'s {name!r} {wshape} in "
+                            f"{pair.describe().split()[1]} blocks needs; requantize the experts or fix "
+                            "weight_block_size in config.json")
+    return pair
+
+
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 def _mxfp4_pairs(found: dict, qc: dict | None, pairs: dict, problems: list[str]) -> None:
@@ -176,7 +215,12 @@ class Dequantizing:
         q = self.side.rows(name, lo, hi)
         region = Region((lo, 0), tuple(q.shape))
         scales = scale_region(region, pair.block)
-        s = self.side.rows(pair.scales, scales.offsets[0], scales.offsets[0] + scales.sizes[0])
+        first, stop = scales.offsets[0], scales.offsets[0] + scales.sizes[0]
+        if pair.fused_at is None:
+            s = self.side.rows(pair.scales, first, stop)
+        else:  # this expert's rows of the fused scales
+            expert, at = pair.fused_at
+            s = self.side.rows(pair.scales, expert, expert + 1)[0, at + first:at + stop]
         return dequantize_region(q, s, region, pair.block, torch.float32)
 
 
