@@ -66,6 +66,9 @@ def test_each_format_claims_its_own(tmp_path):
     for name in ("sharded", "dcp"):  # only ordinary safetensors dequantize FP8 weights
         with pytest.raises(UsageError, match="dequantize=True reads FP8 safetensors"):
             formats.open_source(tmp_path / name, dequantize=True)
+    (tmp_path / "dcp" / ".metadata").unlink()  # still DCP by its file names, but incomplete
+    report = sw.verify(tmp_path / "dcp")
+    assert report.kind == "dcp" and not report.ok and "incomplete" in report.problems[0]
 
 
 # --- a toy format: one folder of raw tensor files and a raw.json listing them ------------------

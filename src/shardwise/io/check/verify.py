@@ -38,7 +38,7 @@ from shardwise.errors import CheckpointError, ShardwiseError, UsageError
 from shardwise.io.check.against import AgainstReport, check_against, expectations
 from shardwise.io.check.inspect import print_safely
 from shardwise.io.check.quant import has_config, quant_pairs, quantization_config
-from shardwise.io.formats import open_source
+from shardwise.io.formats import format_of
 from shardwise.io.info import INFO_FILE, read_info, recorded_checksums
 from shardwise.io.source import Source
 
@@ -114,9 +114,10 @@ def verify(path: str | os.PathLike, *, against=None, dtype=None, layout: str = "
     report = VerifyReport(str(path))
     found = None
     try:
-        source = open_source(path)  # headers, index, chunk tiling: raises on the first fault
+        plugin = format_of(path)  # the kind is known even where opening then fails
+        report.kind = _KINDS.get(plugin.NAME, plugin.NAME)
+        source = plugin.open_source(path)  # headers, index, chunk tiling: raises on the first fault
         try:
-            report.kind = _KINDS.get(source.name, source.name)
             found = _verify_source(source, report)
         finally:
             source.close()
