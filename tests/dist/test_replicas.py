@@ -27,7 +27,7 @@ from shardwise.parallel import local_of
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
-from _ranks import torchrun_nodes  # noqa: E402
+from _torchrun import torchrun_nodes  # noqa: E402
 
 NODE_SCRIPT = Path(__file__).with_name("replica_node.py")
 
