@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -20,6 +21,9 @@ import shardwise.comm as comm
 from shardwise.errors import NonFiniteError
 from shardwise.holding import Holding, is_dtensor
 from shardwise.parallel import get_shard_state
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 def _grads(model_or_params) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
@@ -41,20 +45,23 @@ def _grads(model_or_params) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
             continue
         spec = state.specs.get(name) if state is not None else None
         # a tp shard the mesh does not show: a plain local shard, or FSDP over "local" holding
-        local_shard = spec is not None and not spec.replicated and state.holding is Holding.LOCAL
-        hidden_tp = state.coords(spec)[0] if local_shard else 1
+        hidden_tp = 1
+        if (state is not None and spec is not None and not spec.replicated
+                and state.holding is Holding.LOCAL):
+            hidden_tp = state.coords(spec)[0]
         if is_dtensor(g):
-            mesh = g.device_mesh
+            dg = cast("DTensor", g)
+            mesh = dg.device_mesh
             if {"tp", "ep"} & set(mesh.mesh_dim_names or ()):
                 hidden_tp = 1
-            if any(pl.is_partial() for pl in g.placements):
+            if any(pl.is_partial() for pl in dg.placements):
                 from torch.distributed.tensor import Replicate
 
                 with comm.guarded("redistribute", group=mesh, purpose=f"the gradient of {name!r}"):
-                    g = g.redistribute(placements=[Replicate() if pl.is_partial() else pl
-                                                   for pl in g.placements])
-            split = math.prod(mesh.size(i) for i, pl in enumerate(g.placements) if not pl.is_replicate())
-            out.append((p.grad.to_local(), g.to_local(), world // (split * hidden_tp)))
+                    dg = dg.redistribute(placements=[Replicate() if pl.is_partial() else pl
+                                                     for pl in dg.placements])
+            split = math.prod(mesh.size(i) for i, pl in enumerate(dg.placements) if not pl.is_replicate())
+            out.append((cast("DTensor", p.grad).to_local(), dg.to_local(), world // (split * hidden_tp)))
         else:
             out.append((g, g, world // hidden_tp))
     return out

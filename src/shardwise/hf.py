@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -20,6 +21,9 @@ from shardwise.errors import CheckpointError, UnsupportedModelError
 from shardwise.io.guards import check_mesh, quant_scheme
 from shardwise.io.load import load
 from shardwise.io.quant_checks import drop_quantization_config
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @contextlib.contextmanager
@@ -50,7 +54,7 @@ def empty_model():
             # transformers' weight initialisers skip a tensor flagged as initialised; on meta
             # they would only cost time (torch runs meta normal_ through Python decompositions,
             # ~0.5 ms a call). Its buffer initialisers (rotary tables) still run.
-            param._is_hf_initialized = True
+            param._is_hf_initialized = True  # type: ignore[attr-defined]  # transformers' own flag
         original(module, name, param)
 
     nn.Module.register_parameter = register_on_meta
@@ -155,19 +159,22 @@ def mxfp4_experts(model: nn.Module, quantizer=None) -> nn.Module:
     from transformers.quantizers import AutoHfQuantizer
     from transformers.quantizers.quantizers_utils import should_convert_module
 
+    hf_model = cast("PreTrainedModel", model)  # a gpt-oss model
     if quantizer is None:
-        quantizer = AutoHfQuantizer.from_config(model.config.quantization_config, pre_quantized=True)
-    skip = quantizer.get_modules_to_not_convert(model, quantizer.quantization_config.modules_to_not_convert,
-                                                model._keep_in_fp32_modules)
+        quantizer = AutoHfQuantizer.from_config(hf_model.config.quantization_config, pre_quantized=True)
+    skip = quantizer.get_modules_to_not_convert(
+        hf_model, quantizer.quantization_config.modules_to_not_convert, hf_model._keep_in_fp32_modules)
     for name, module in list(model.named_modules()):
         if not (isinstance(module, GptOssMLP) and should_convert_module(f"{name}.experts", skip)):
             continue
         with torch.device("meta"):
-            experts = Mxfp4GptOssExperts(model.config)
+            experts = Mxfp4GptOssExperts(hf_model.config)
         held = {}  # in the module's order, each placeholder replaced where it stood
-        for pname, p in experts._parameters.items():
+        for pname, param in experts._parameters.items():
+            p: torch.Tensor | None = param
             if pname.endswith("_bias"):
                 p = torch.empty_like(getattr(module.experts, pname), device="meta")
+            assert p is not None  # every placeholder of Mxfp4GptOssExperts is a tensor
             if p.dtype == torch.uint8:  # (E, rows, K / 2) bytes
                 groups = tuple(p.shape[:-1]) + (p.shape[-1] // 16,)
                 held[pname + "_blocks"] = torch.empty(groups + (16,), dtype=torch.uint8, device="meta")
@@ -178,7 +185,7 @@ def mxfp4_experts(model: nn.Module, quantizer=None) -> nn.Module:
         for pname, p in held.items():
             experts.register_parameter(pname, nn.Parameter(p, requires_grad=False))
         model.set_submodule(name, Mxfp4GptOssMLP(module.router, experts))
-    model.is_quantized = True
+    model.is_quantized = True  # type: ignore[assignment]  # stubs: Module attrs are Tensor | Module
     model.quantization_method = quantizer.quantization_config.quant_method
     return model
 

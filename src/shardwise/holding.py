@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import enum
 import sys
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from shardwise.errors import UsageError
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 class Holding(str, enum.Enum):
@@ -78,7 +82,7 @@ def is_dtensor(tensor: object) -> bool:
 
 def local_of(tensor: torch.Tensor) -> torch.Tensor:
     """The local tensor of a DTensor (a plain tensor is returned as is)."""
-    return tensor.to_local() if is_dtensor(tensor) else tensor
+    return cast("DTensor", tensor).to_local() if is_dtensor(tensor) else tensor
 
 
 __all__ = ["Holding", "is_dtensor", "local_of"]

@@ -16,6 +16,8 @@ backward, which doubles the gradient of every shard at degree 2.
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -86,6 +88,7 @@ class _SplitTo(torch.autograd.Function):
 
 def wire_local(module: nn.Module, style: Style, state) -> None:
     """Replace ``module.forward`` by its local-shard version for ``style`` (state: ShardState)."""
+    fwd: Callable[[Any, Any, Style, Any], Any]
     if isinstance(module, nn.Embedding):
         fwd = _vocab_embedding if style.kind == "rowwise" else _dim_embedding
     else:
@@ -156,7 +159,8 @@ def wire_embedding_subclass(module: nn.Embedding, style: Style, state) -> None:
         wired = _WIRED_CLASSES[cls] = type(cls.__name__, (cls, _ShardedLookup),
                                            {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
     module.__class__ = wired
-    module._shardwise_lookup = (style, state)
+    # (torch's stubs take only a Tensor or a Module for a Module attribute)
+    module._shardwise_lookup = (style, state)  # type: ignore[assignment]
     inner = module.forward
 
     def forward(*args, **kwargs):
@@ -169,7 +173,7 @@ def wire_embedding_subclass(module: nn.Embedding, style: Style, state) -> None:
                 "Leave this embedding out of the plan (replicated), or plan the modules after it")
         return out
 
-    module.forward = forward
+    module.forward = forward  # type: ignore[method-assign]  # wiring replaces this instance's forward
 
 
 
@@ -250,7 +254,7 @@ def _wire_ep_experts(module: nn.Module, style: Style, state) -> None:
     n, group, rank = style.num_experts // state.ep_degree, state.ep_group, state.ep_rank
     if hasattr(module, "num_experts"):
         module.num_experts = n
-    module._is_expert_parallel = True
+    module._is_expert_parallel = True  # type: ignore[assignment]  # stubs: Module attrs are Tensor | Module
     inner = module.forward
 
     def forward(hidden, top_k_index, top_k_weights, *rest, **kwargs):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, TypeGuard, cast
 
 import torch
 from torch import nn
@@ -34,6 +35,11 @@ from shardwise.local_tp import run_on_local_params, wire_embedding_subclass, wir
 from shardwise.mesh import MeshDims, decode_mesh
 from shardwise.plan_checks import check_plan
 from shardwise.quant_tp import guard_cut_experts, local_part, quantized_module, scale_is_local, wire_quantized
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from shardwise.backends.xla_spmd import SpmdMesh
 
 _STATE_ATTR = "_shardwise_state"
 
@@ -72,6 +78,7 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
     module = model.get_submodule(prefix)
     if leaf in module._parameters:
         old = module._parameters[leaf]
+        assert old is not None  # a state-dict name: a None parameter has none
         module._parameters[leaf] = nn.Parameter(value, requires_grad=old.requires_grad)
     elif leaf in module._buffers:
         module._buffers[leaf] = value
@@ -131,7 +138,7 @@ def check_wiring(model: nn.Module, specs: ResolvedPlan, holding: Holding) -> Non
                 "holding='dtensor', or plan its submodules instead")
 
 
-def _own_embedding_forward(module: nn.Module) -> bool:
+def _own_embedding_forward(module: nn.Module) -> TypeGuard[nn.Embedding]:
     return isinstance(module, nn.Embedding) and type(module).forward is not nn.Embedding.forward
 
 
@@ -188,8 +195,9 @@ def parallelize(model: nn.Module, plan, mesh, *, holding: str | None = None, ep_
                         "device; use sw.load(model, path, plan=..., mesh=...) to fill a meta model")
     check_wiring(model, specs, dims.holding)
     if dims.holding.one_process:
+        spmd_mesh = cast("SpmdMesh", dims.tp_mesh)  # a one-process holding's mesh
         install(model, specs, dims,
-                local_tensor=lambda name, spec: dims.tp_mesh.distribute(full[name], spec.dim))
+                local_tensor=lambda name, spec: spmd_mesh.distribute(full[name], spec.dim))
         return model
     coords = dims.axis_coords
     # the mesh's device type, not dims.device: a model parallelised over a CPU (gloo) mesh
@@ -225,7 +233,7 @@ def _dtensor_params(module: nn.Module, prefix: str, state: ShardState, converted
         if (sharded_only and spec.replicated) or scale_is_local(state.specs, f"{prefix}.{pname}"):
             continue  # a scale whose blocks shard boundaries cut: held local (shardwise.quant_tp)
         if done is None:  # the first module of a tied weight converts it; the others reuse it
-            placement = Replicate() if spec.replicated else Shard(spec.dim)
+            placement = Replicate() if spec.dim is None else Shard(spec.dim)  # None: replicated
             d = DTensor.from_local(p.data, state.axis_mesh(spec), [placement], run_check=False)
             done = (p, _as_parameter(d, p.requires_grad))
             converted[id(p)] = done
@@ -262,6 +270,7 @@ def _wire_dtensor(module: nn.Module, path: str, style: Style, state: ShardState,
         run_on_local_params(module)
         return
     is_embedding = isinstance(module, nn.Embedding)
+    base: type[ColwiseParallel | RowwiseParallel]
     if style.kind == "colwise":
         base = ColwiseParallel
         kwargs = {"output_layouts": Replicate()} if (style.gather_output or is_embedding) else {}
@@ -269,7 +278,7 @@ def _wire_dtensor(module: nn.Module, path: str, style: Style, state: ShardState,
         base = RowwiseParallel
         kwargs = {"input_layouts": Replicate()} if is_embedding else {}
 
-    class _FromShards(base):
+    class _FromShards(base):  # type: ignore[valid-type,misc]  # a base class chosen at run time
         # torch's styles distribute a full tensor; ours already hold their shard.
         def _partition_linear_fn(self, name, mod, device_mesh):
             # torch calls this for every submodule (name relative to `module`): a child's
@@ -279,7 +288,7 @@ def _wire_dtensor(module: nn.Module, path: str, style: Style, state: ShardState,
 
         _partition_embedding_fn = _partition_linear_fn
 
-    parallelize_module(module, state.tp_mesh, _FromShards(**kwargs))
+    parallelize_module(module, cast("DeviceMesh", state.tp_mesh), _FromShards(**kwargs))
     if style.split_input:
         module.register_forward_pre_hook(_split_input_hook(style, state))
 

@@ -172,12 +172,14 @@ def check_fused_halves(model: nn.Module, owned: Mapping, degrees: Mapping[str, i
     Inkling's experts, which transformers' shipped plan shards "colwise"."""
     for module in model.modules():
         param = module._parameters.get("gate_up_proj")
-        entry = owned.get(id(param)) if param is not None else None
+        if param is None:
+            continue
+        entry = owned.get(id(param))
         if entry is None:
             continue
         spec = entry[0]
         if (spec.replicated or degrees[spec.axis] == 1 or len(spec.blocks) != 1
-                or spec.dim != param.dim() - 2 or ".chunk(2" not in _forward_source(type(module))):
+                or spec.dim != param.dim() - 2 or ".chunk(2" not in _forward_source(_class_of(module))):
             continue
         raise PlanError(
             f"plan key {entry[2]!r} splits {entry[1]!r} plainly along its fused gate/up dim, but "
@@ -186,8 +188,13 @@ def check_fused_halves(model: nn.Module, owned: Mapping, degrees: Mapping[str, i
             "'packed_colwise' for it (each half split alike)")
 
 
+def _class_of(module: nn.Module) -> type:
+    # typed `type` for the cache key: mypy does not take a type[Module] as Hashable
+    return type(module)
+
+
 @functools.cache  # one read per class, not per layer of a deep MoE
-def _forward_source(cls: type) -> str:
+def _forward_source(cls: type[nn.Module]) -> str:
     try:
         return inspect.getsource(cls.forward)
     except (OSError, TypeError):  # no source (built in, compiled): nothing to check

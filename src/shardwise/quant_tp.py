@@ -43,7 +43,7 @@ def local_part(tensor: torch.Tensor, name: str, spec: ShardSpec, specs: Resolved
         return split(tensor, spec, *coords)
     layout = scale_layout(tie, spec, *coords)
     shape = list(tie.scale_shape)
-    if not spec.replicated:
+    if spec.dim is not None:  # not replicated
         shape[spec.dim] = sum(r.sizes[spec.dim] for r, _ in layout)
     return take_layout(tensor, layout, tuple(shape))
 
@@ -68,6 +68,7 @@ def wire_quantized(module: nn.Module, path: str, style: Style, state) -> None:
     collectives (``state``: the ``ShardState``); its DTensor parameters, if any, are already
     converted. Where a shard boundary cuts a block the forward raises."""
     tie = quantized_module(state.specs, path)
+    assert tie is not None  # called only for a module quantized_module finds (an FP8 one)
     spec = state.specs[tie.weight]
     aligned = tie_aligned(tie, spec, state.degree)
     inner = type(module).forward
@@ -118,6 +119,7 @@ def guard_cut_experts(model: nn.Module, specs: ResolvedPlan) -> None:
 
 
 def _cut_error(path: str, tie: QuantTie, spec: ShardSpec, degree: int) -> UnsupportedModelError:
+    assert spec.dim is not None  # a cut block needs a split (tie_aligned is True when replicated)
     dim, block = spec.dim, tie.block[spec.dim]
     whole = []
     for d in range(2, 65):

@@ -49,7 +49,7 @@ def _op(name: str, group) -> str:
     return f"{name} over {dist.get_world_size(group)} ranks"
 
 
-def torchrun_env() -> dict[str, int | str] | None:
+def torchrun_env() -> dict[str, int] | None:
     """The torchrun environment (RANK, WORLD_SIZE, ...), or None outside a launcher.
 
     >>> torchrun_env() is None or "rank" in torchrun_env()
@@ -312,6 +312,7 @@ class Backend:
         if not self.supports_gather:
             got = self.all_gather(tensor, group=group, timeout=timeout)
             if self.rank == dst:
+                assert out is not None  # rank dst passes its buffers (documented contract)
                 for o, g in zip(out, got, strict=True):
                     o.copy_(g)
             return
@@ -320,6 +321,7 @@ class Backend:
             self._wait(dist.isend(tensor, dst=dst, group=group), _op("gather (send)", group), timeout)
             return
         me = dist.get_group_rank(group, self.rank) if group is not None else self.rank
+        assert out is not None  # rank dst passes its buffers (documented contract)
         works = []
         for i, buf in enumerate(out):
             if i == me:

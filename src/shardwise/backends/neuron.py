@@ -149,6 +149,7 @@ class NeuronBackend(Backend):
                 raise BackendError(f"LOCAL_RANK={local_rank} but this process sees only {count} "
                                    "NeuronCore(s); launch at most one process per NeuronCore")
             self._index = local_rank
+            assert module is not None  # count > 0: torch.neuron exists
             module.set_device(local_rank)
         super().start()
 

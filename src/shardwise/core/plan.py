@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import replace
+from typing import Any
 
 from torch import nn
 
@@ -79,7 +80,8 @@ class ResolvedPlan(dict):
         super().__init__(specs)
         self.degrees: dict[str, int] = {"tp": degree, "ep": ep_degree}
         self.styles: dict[str, Style] = styles
-        self.keys: dict[str, str] = keys
+        # a public attribute that shadows dict.keys (callers read plan.keys[name])
+        self.keys: dict[str, str] = keys  # type: ignore[assignment]
         self.aliases: dict[str, str] = aliases
         self.degree: int = degree
         self.local_owners: tuple[str, ...] = tuple(local_owners)
@@ -114,6 +116,7 @@ def _module_specs(module: nn.Module, style: Style, path: str, key: str) -> dict[
     """Specs of the module's own tensors under a module key's ``style``."""
     if not style.sharded:
         return {}
+    assert style.blocks is not None  # a sharded style's blocks are filled in (_module_blocks)
     is_embedding = isinstance(module, nn.Embedding)
     if not (isinstance(module, nn.Linear) or is_embedding):
         raise PlanError(
@@ -143,6 +146,7 @@ def _param_spec(shape: tuple[int, ...], leaf: str, style: Style) -> ShardSpec:
     if style.embedding:
         return ShardSpec(dim=0 if style.kind == "rowwise" else min(1, ndim - 1))
     dim = max(ndim - 2, 0) if style.kind == "colwise" else ndim - 1
+    assert style.blocks is not None  # a sharded style's blocks are filled in (_module_blocks)
     return ShardSpec(dim=dim, blocks=style.blocks)
 
 
@@ -150,7 +154,7 @@ def _rope_dim(model: nn.Module, path: str, key: str) -> int:
     # The attention module's own width first: some configs hold it per layer.
     value = getattr(model.get_submodule(path.rpartition(".")[0]), "qk_rope_head_dim", None)
     if value is None:
-        config = getattr(model, "config", None)
+        config: Any = getattr(model, "config", None)  # a transformers config, duck-typed
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         try:
             value = getattr(text, "qk_rope_head_dim", None)
@@ -215,8 +219,9 @@ def resolve_plan(model: nn.Module, plan, degree: int, *, strict: bool = False, e
         style = normalize_style(raw, key=key)
         module = model.get_submodule(path)
         if style.sharded:
-            style = replace(style, blocks=_module_blocks(module, style, path, key))
-            if style.gather_output and len(style.blocks) > 1:
+            blocks = _module_blocks(module, style, path, key)
+            style = replace(style, blocks=blocks)
+            if style.gather_output and len(blocks) > 1:
                 raise PlanError(f"plan key {key!r}: gathering the output of a packed projection "
                                 "is not supported")
         if style.forward == "mla_kv_a":

@@ -123,6 +123,7 @@ def dequantize_shard(values: torch.Tensor, scales: torch.Tensor, scheme: QuantSc
             if scheme.name == "mxfp4":
                 piece = mxfp4_dequantize_region(v, s, logical, dtype)
             else:
+                assert work is not None  # FP8 with a non-empty region: cap > 0
                 numel = part.numel
                 piece = dequantize_region_into(v, s, logical, scheme.block, work[:numel].view(logical.sizes),
                                                work[cap:cap + numel].view(logical.sizes))
@@ -147,6 +148,7 @@ def scale_pieces(pieces: Sequence[Piece], block: tuple[int | None, ...], key_of:
     out = []
     for piece in pieces:
         kept = [d for d in range(len(piece.offsets)) if d not in piece.stacked]
+        kept_block: dict[int, int] = {}  # block of each kept dim (checked not None below)
         for i, d in enumerate(kept):
             # a piece starting on block boundaries of both tensors keeps its blocks whole; as pieces
             # tile the tensor, a partial last block is then at the assembled tensor's end
@@ -155,8 +157,9 @@ def scale_pieces(pieces: Sequence[Piece], block: tuple[int | None, ...], key_of:
                 raise PlanError(f"{piece.key!r} lands at {piece.offsets} of the assembled tensor, which "
                                 f"cuts its {b}-wide blocks on dim {d}: its scales do not tile the assembled "
                                 "scales")
-        scales = scale_region(piece.source, tuple(block[d] for d in kept))
-        offsets = tuple(o if d in piece.stacked else o // block[d] for d, o in enumerate(piece.offsets))
+            kept_block[d] = b
+        scales = scale_region(piece.source, tuple(kept_block[d] for d in kept))
+        offsets = tuple(o if d in piece.stacked else o // kept_block[d] for d, o in enumerate(piece.offsets))
         out.append(Piece(key_of(piece.key), scales, offsets, piece.stacked))
     return tuple(out)
 

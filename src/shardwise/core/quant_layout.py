@@ -103,7 +103,7 @@ def scale_layout(tie: QuantTie, spec: ShardSpec, degree: int, rank: int) -> Layo
     for region, _ in local_layout(tie.weight_shape, spec, degree, rank):
         scales = scale_region(region, tie.block)
         off = [0] * len(scales.sizes)
-        if not spec.replicated:
+        if spec.dim is not None:  # not replicated
             d = tie.scale_dim(spec.dim)
             off[d] = pos
             pos += scales.sizes[d]
@@ -119,7 +119,7 @@ def scale_local_shape(tie: QuantTie, spec: ShardSpec, degree: int, rank: int) ->
     [1, 2, 1, 2, 1, 2, 1, 2]
     """
     layout = scale_layout(tie, spec, degree, rank)
-    if spec.replicated:
+    if spec.dim is None:  # replicated
         return layout[0][0].sizes
     shape, d = list(tie.scale_shape), tie.scale_dim(spec.dim)
     shape[d] = sum(region.sizes[d] for region, _ in layout)
@@ -139,13 +139,14 @@ def scale_owned_layout(tie: QuantTie, spec: ShardSpec, degree: int, rank: int) -
     []
     """
     held = scale_layout(tie, spec, degree, rank)
-    if spec.replicated:
+    if spec.dim is None:  # replicated
         return held if rank == 0 else []
     d, b, sd = spec.dim, tie.block[spec.dim], tie.scale_dim(spec.dim)
     out = []
     weight = local_layout(tie.weight_shape, spec, degree, rank)
     for (region, _), (scales, off) in zip(weight, held, strict=True):
         a, n = region.offsets[d], region.sizes[d]
+        assert b is not None  # a weight split on a dim its scales lack owns no scale layout
         first, stop = -(-a // b), -(-(a + n) // b)
         if n == 0 or stop <= first:
             continue
@@ -166,7 +167,7 @@ def tie_aligned(tie: QuantTie, spec: ShardSpec, degree: int) -> bool:
     >>> tie_aligned(QuantTie("w", (576, 256), (128, 128)), ShardSpec(dim=0), 2)
     False
     """
-    if spec.replicated or degree == 1:
+    if spec.dim is None or degree == 1:  # replicated, or one rank
         return True
     if tie.block[spec.dim] is None:  # a split of a dim the scales lack: every shard cuts blocks
         return False
@@ -252,7 +253,7 @@ def quant_pairs(module: nn.Module) -> list[tuple[str, str, tuple[int | None, ...
     FP8 experts module's projections (:func:`fp8_expert_pairs`), and every MXFP4 pair
     ``x_blocks`` (uint8, ``(..., K/32, 16)``) / ``x_scales`` (uint8), as transformers names them
     (its quantizers' ``serialized_names``). Attributes only."""
-    out = []
+    out: list[tuple[str, str, tuple[int | None, ...], str]] = []
     block = fp8_block_of(module)
     if block is not None:
         out.append(("weight", FP8_SCALE_SUFFIX, block, "fp8_block"))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -27,7 +28,7 @@ from shardwise.io.formats import open_source
 from shardwise.io.info import gather_info, read_info, user_metadata, write_info
 from shardwise.io.safetensors.format import StreamingWriter
 from shardwise.io.safetensors.hub_layout import model_from_folder
-from shardwise.io.safetensors.hub_save import hub_save_layout, shared_storages
+from shardwise.io.safetensors.hub_save import StoredPart, hub_save_layout, shared_storages
 from shardwise.io.safetensors.sink import plan_checkpoint
 from shardwise.io.side_files import copy_side_files
 from shardwise.io.sink import WritePlan
@@ -94,7 +95,7 @@ class _WholeTensors:
     """Whole stored tensors of a Source, and the hub layout's tensors assembled from them;
     each stored tensor a hub tensor needs is read once and kept until its last box is written."""
 
-    def __init__(self, source: Source, parts: dict):
+    def __init__(self, source: Source, parts: Mapping[str, StoredPart]):
         self.source, self.parts = source, parts
         self.shapes = {n: s for n, (_, s) in source.tensors().items()}
         self._held: dict[str, torch.Tensor] = {}
@@ -106,7 +107,11 @@ class _WholeTensors:
 
     def __call__(self, name: str) -> torch.Tensor:
         part = self.parts.get(name)
-        return self.whole(name) if part is None else part.assemble(self._kept)
+        if part is None:
+            return self.whole(name)
+        whole = part.assemble(self._kept)
+        assert whole is not None  # assemble gives None only when a fragment is None; _kept never is
+        return whole
 
     def _kept(self, name: str) -> torch.Tensor:
         if name not in self._held:
@@ -154,14 +159,16 @@ def _write_safetensors(tensor, plan: WritePlan, dest: Destination, *, side_files
     torch.set_num_threads(1)
     try:
         dest.prepare()
+        tmp = dest.tmp
+        assert tmp is not None  # prepare() made the temporary folder
         checksums: dict[str, str] = {}
         for planned in plan.files:
-            with StreamingWriter(dest.tmp / planned.name, planned.tensors, metadata=plan.header) as writer:
+            with StreamingWriter(tmp / planned.name, planned.tensors, metadata=plan.header) as writer:
                 for name, _, _ in planned.tensors:
                     writer.write(name, tensor(name))
             checksums.update(writer.checksums)
-        write_info(dest.tmp, gather_info(checksums, [s for f in plan.files for s in f.tensors]))
-        copy_side_files(side_files, dest.tmp)  # a Hugging Face model's config.json & co
+        write_info(tmp, gather_info(checksums, [s for f in plan.files for s in f.tensors]))
+        copy_side_files(side_files, tmp)  # a Hugging Face model's config.json & co
         dest.commit(plan.index)
     finally:
         torch.set_num_threads(threads)

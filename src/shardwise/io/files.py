@@ -160,7 +160,8 @@ class Writeback:
     """
 
     def __init__(self, fd: int, *, sequential: bool, every: int = WRITEBACK_BYTES):
-        self.fd, self.sequential, self.every = fd, sequential, every
+        self.fd, self.sequential = fd, sequential
+        self.every: float = every  # inf once the file is found not to support it
         self.started = 0  # bytes the kernel was told to start writing (a sequential writer's
         self._written = 0  # offset: it writes from 0 onwards)
 

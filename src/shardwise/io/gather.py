@@ -16,7 +16,9 @@ import math
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -36,6 +38,10 @@ from shardwise.io.safetensors.hub_save import StoredPart
 from shardwise.io.safetensors.sink import SafetensorsSink
 from shardwise.io.sink import WritePlan
 from shardwise.parallel import ShardState, get_shard_state, local_of
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
 
 # Bytes gathered per collective, all ranks together (see num_chunks).
 _CHUNK_BYTES = 64 << 20
@@ -75,7 +81,9 @@ def gather_to_rank0(backend: Backend, local: torch.Tensor, spec: ShardSpec, degr
     rows = data.shape[0]
     k = num_chunks(math.prod(shape) * data.element_size(), rows)
     step = -(-rows // k)
-    full, flat, layouts = None, None, None
+    full: torch.Tensor | None = None
+    flat: torch.Tensor | None = None
+    layouts: list[list[tuple[Region, tuple[int, ...]]]] = []
     if receive is None and backend.rank == 0:  # rank 0 receives even when it keeps nothing
         receive = [torch.empty(data[:step].numel() * data.element_size(), dtype=torch.uint8,
                                device=data.device) for _ in range(degree)]
@@ -88,6 +96,7 @@ def gather_to_rank0(backend: Backend, local: torch.Tensor, spec: ShardSpec, degr
         nbytes = piece.numel() * piece.element_size()
         got, chunks = [r[:nbytes] for r in receive] if receive is not None else None, None
         if full is not None:
+            assert flat is not None and got is not None  # set with full, on rank 0 (which always receives)
             # A chunk that is one contiguous stretch of the canonical tensor (a dim-0 shard,
             # two thirds of a Llama's bytes) is received in place: no copy afterwards.
             chunks = [chunk_layout(layout, data.shape, 0, k, index) for layout in layouts]
@@ -96,7 +105,7 @@ def gather_to_rank0(backend: Backend, local: torch.Tensor, spec: ShardSpec, degr
                 if start is not None:
                     got[r], chunks[r] = flat[start : start + nbytes], []
         backend.gather_into(piece.reshape(-1).view(torch.uint8), got, dst=0, group=group)
-        if chunks is None:  # not rank 0, or nothing kept
+        if chunks is None or full is None or got is None:  # not rank 0, or nothing kept
             continue
         for chunk, raw in zip(chunks, got, strict=True):
             if chunk:  # empty: received in place
@@ -162,7 +171,7 @@ def collect_items(model: nn.Module) -> tuple[list[SaveItem], ShardState | None]:
         if local.is_meta:
             raise CheckpointError(f"tensor {name!r} is on the meta device, so it has no values to "
                                   "save; load or materialise the model first")
-        degree, rank = (1, 0) if spmd else state.coords(spec)
+        degree, rank = (1, 0) if spmd or state is None else state.coords(spec)
         gathered = degree > 1 and not spec.replicated
         tie = specs.ties.get(name) if gathered else None
         shape = global_shape(local.shape, spec, degree) if gathered and tie is None else tuple(local.shape)
@@ -180,8 +189,9 @@ def check_holding(name: str, t: torch.Tensor, state: ShardState | None) -> None:
             f"{name!r} is a DTensor, but shardwise did not parallelise this model (sw.parallelize or "
             "sw.load), so its shard layout is unknown; use sw.save(model, path, distributed=True)")
     meshes = [m for m in (state.tp_mesh, state.ep_mesh) if m is not None]
-    if not any(t.device_mesh is m or t.device_mesh == m for m in meshes):
-        names = t.device_mesh.mesh_dim_names
+    mesh = cast("DTensor", t).device_mesh
+    if not any(mesh is m or mesh == m for m in meshes):
+        names = mesh.mesh_dim_names
         raise UnsupportedModelError(
             f"{name!r} is sharded over mesh axes {names} besides the tp axis (FSDP over tensor "
             "parallelism?); the gather save does not support that layout yet: save with "
@@ -205,7 +215,7 @@ class FileGatherer:
             axes = (("tp", state.tp_mesh, state.group), ("ep", state.ep_mesh, state.ep_group))
             for axis, mesh, group in axes:
                 if mesh is not None:
-                    self.axes[axis] = (group, 0 in mesh.mesh.flatten().tolist())
+                    self.axes[axis] = (group, 0 in cast("DeviceMesh", mesh).mesh.flatten().tolist())
         self._buffer: torch.Tensor | None = None
         self._receive: list[torch.Tensor] | None = None
         self._held: dict[str, torch.Tensor | None] = {}
@@ -236,6 +246,7 @@ class FileGatherer:
         error, writer = None, None
         if self.rank == 0:
             try:
+                assert path is not None  # rank 0 is given its file's path (StreamSink.write)
                 writer = StreamingWriter(path, group, self.meta)
             except Exception as e:
                 error = e
@@ -247,9 +258,10 @@ class FileGatherer:
                     data = self._full(self.items[name], writer)
                 else:
                     nbytes = math.prod(shape) * str_to_dtype(dtype).itemsize
-                    data = part.assemble(lambda n, w=writer: self._model_tensor(n, w))
+                    data = part.assemble(partial(self._model_tensor, writer=writer))
                 if writer is not None:
                     try:
+                        assert data is not None  # rank 0 keeps what it writes (keep=writer is not None)
                         writer.write(name, data if data.device.type == "cpu" else data.cpu())
                     except Exception as e:
                         error = e

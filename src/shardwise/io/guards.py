@@ -164,6 +164,7 @@ def _check_fp8_experts(path: str, module: nn.Module, action: str) -> None:
     projection float8_e4m3fn with float32 scales, dynamic activations."""
     for values, scales, _ in fp8_expert_pairs(module):
         v, s = module._parameters[values], module._parameters[scales]
+        assert v is not None and s is not None  # fp8_expert_pairs lists present parameters only
         problem = (f"its {values} is {v.dtype}" if v.dtype != torch.float8_e4m3fn
                    else f"its {scales} is {s.dtype} (ue8m0 scales?)" if s.dtype != torch.float32
                    else "it has static activation scales" if getattr(module, "activation_scheme", "dynamic")

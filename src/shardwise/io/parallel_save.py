@@ -183,7 +183,8 @@ def split_by_bytes(sizes: list[tuple[str, int]], world_size: int) -> list[list[s
     >>> split_by_bytes([("a", 8), ("b", 5), ("c", 4)], 2)
     [['a'], ['b', 'c']]
     """
-    load, out = [0] * world_size, [[] for _ in range(world_size)]
+    load = [0] * world_size
+    out: list[list[str]] = [[] for _ in range(world_size)]
     for name, nbytes in sorted(sizes, key=lambda s: (-s[1], s[0])):
         r = min(range(world_size), key=lambda i: (load[i], i))
         out[r].append(name)

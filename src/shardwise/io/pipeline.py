@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -23,7 +25,11 @@ from shardwise.core.plan import ResolvedPlan
 from shardwise.errors import CheckpointError
 from shardwise.io.formats.safetensors.checkpoint import Checkpoint
 from shardwise.io.formats.safetensors.quantized import pair_mxfp4, pair_quantized
-from shardwise.io.safetensors.hub_layout import hub_tensors
+from shardwise.io.safetensors.hub_layout import Composite, hub_tensors
+
+if TYPE_CHECKING:
+    from shardwise.core.header import TensorEntry
+    from shardwise.io.formats.safetensors.quantized import Dequantized
 
 _SHOW = 20  # names listed in an error before "... and N more"
 
@@ -79,7 +85,8 @@ def match_keys(model: nn.Module, specs: ResolvedPlan, ckpt: Checkpoint, *, stric
     absent -= set(mxfp4)
     # A tensor the checkpoint stores in its hub layout (renamed, or split per expert).
     hub, used = hub_tensors(model, {k: ckpt.entry(k) for k in ckpt.names}, absent) if absent else ({}, set())
-    sources, missing, found_as = {}, [], {}
+    sources: dict[str, tuple[Path, TensorEntry] | Composite | Dequantized] = {}
+    missing, found_as = [], {}
     for name, candidates in names_of.items():
         found = next((c for c in candidates if c in stored), None)
         if found is None and name in mxfp4:

@@ -68,7 +68,7 @@ def check_quantized_source(source, specs: ResolvedPlan, mesh) -> None:
         block = checkpoint_block(source.ckpt.root) if fp8 and _has_quantization(config) else None
         # the checkpoint's block is on the last two dims (experts have a 1 before it)
         wrong = [(s, t.block) for s, t in fp8.items() if block is not None and t.block[-2:] != block]
-        if wrong:
+        if wrong and block is not None:  # (wrong is empty without a block)
             raise CheckpointError(f"{config}: weight_block_size {list(block)}, but the model's FP8 module of "
                                   f"{wrong[0][0]!r} has block_size {list(wrong[0][1][-2:])}; build the model "
                                   "from this checkpoint's config")
@@ -117,7 +117,7 @@ def drop_quantization_config(model: nn.Module) -> None:
     for attr in ("hf_quantizer", "quantization_method"):
         model.__dict__.pop(attr, None)
     if getattr(model, "is_quantized", False):
-        model.is_quantized = False
+        model.is_quantized = False  # type: ignore[assignment]  # stubs: Module attrs are Tensor | Module
 
 
 __all__ = ["check_quantized_load", "check_quantized_save", "check_quantized_source", "cut_scales",

@@ -122,10 +122,10 @@ def save(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str
     options = save_options(distributed=distributed, max_shard_size=max_shard_size,
                            filename_prefix=filename_prefix, layout=layout, parallel_write=parallel_write,
                            format=format, async_save=async_save)
-    common = dict(metadata=metadata, overwrite=overwrite, progress=progress)
     if isinstance(options, DistributedSave):
-        return save_distributed(model, path, options, **common)
-    save_safetensors(model, path, options, **common)
+        return save_distributed(model, path, options, metadata=metadata, overwrite=overwrite,
+                                progress=progress)
+    save_safetensors(model, path, options, metadata=metadata, overwrite=overwrite, progress=progress)
     return None
 
 
@@ -142,8 +142,8 @@ def save_distributed(model: nn.Module, path, options: DistributedSave, *, metada
         # imported on use, as save_dcp below: it imports torch.distributed.checkpoint (dcp_coord)
         from shardwise.io.dcp.sharded_write import save_sharded_safetensors
 
-        return save_sharded_safetensors(model, path, overwrite=overwrite, metadata=metadata,
-                                        progress=progress)
+        save_sharded_safetensors(model, path, overwrite=overwrite, metadata=metadata, progress=progress)
+        return None
     from shardwise.io.formats.dcp.checkpoint import (
         save_dcp,  # imported on use: torch.distributed.checkpoint is slow to load
     )
@@ -219,7 +219,7 @@ def join_collective(backend, what: str) -> None:
     # (a barrier at its exit) must not pass for a peer entering the save.
     # uint8, as agree()'s rows: every backend gathers bytes.
     tag = torch.frombuffer(bytearray(fingerprint(what)), dtype=torch.uint8)
-    cause = None
+    cause: str | CollectiveError | None = None
     try:
         tags = backend.all_gather(tag.to(backend.device), timeout=seconds)
         others = [r for r, t in enumerate(tags) if not torch.equal(t.cpu(), tag)]

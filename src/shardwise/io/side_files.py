@@ -13,8 +13,13 @@ import copy
 import math
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 from torch import nn
+
+if TYPE_CHECKING:
+    from diffusers.configuration_utils import ConfigMixin
+    from transformers import PreTrainedModel
 
 # Written by a save and replaced with the checkpoint by overwrite=True.
 SIDE_FILES = ("config.json", "generation_config.json")
@@ -52,20 +57,22 @@ def write_side_files(model: nn.Module, folder: Path) -> list[str]:
     their names ([] for a model of neither library, or without a config)."""
     library = library_of(model)
     if library == "transformers" and getattr(model, "config", None) is not None:
+        hf_model = cast("PreTrainedModel", model)
         # save_pretrained records the weights' dtype and the class on the config it writes;
         # a copy keeps the caller's config as it was.
-        config = copy.deepcopy(model.config)
-        config.dtype = str(model.dtype).split(".")[1]
+        config = copy.deepcopy(hf_model.config)
+        config.dtype = str(hf_model.dtype).split(".")[1]
         config.architectures = [type(model).__name__]
         config.save_pretrained(folder)
         names = ["config.json"]
-        if model.can_generate() and getattr(model, "generation_config", None) is not None:
-            model.generation_config.save_pretrained(folder)
+        if hf_model.can_generate() and getattr(model, "generation_config", None) is not None:
+            hf_model.generation_config.save_pretrained(folder)
             names.append("generation_config.json")
         return names
     if library == "diffusers" and hasattr(model, "save_config"):
-        model.save_config(folder)
-        return [model.config_name]
+        diffusers_model = cast("ConfigMixin", model)  # its models are ConfigMixins
+        diffusers_model.save_config(folder)
+        return [cast(str, diffusers_model.config_name)]  # each model class sets it (ConfigMixin: None)
     return []
 
 

@@ -109,7 +109,7 @@ def finalizer(dtype: torch.dtype | None, device: torch.device) -> Callable[[torc
 
     def finalize(raw: torch.Tensor) -> torch.Tensor:
         convert = loaded_dtype(raw.dtype, dtype) != raw.dtype
-        if convert and dtype.itemsize <= raw.dtype.itemsize:
+        if convert and dtype is not None and dtype.itemsize <= raw.dtype.itemsize:  # convert: dtype is set
             raw, convert = raw.to(dtype), False
         raw = to_device(raw) if raw.device != device else raw
         return raw.to(dtype) if convert else raw

@@ -50,21 +50,23 @@ class Destination:
 
     def commit(self, index: tuple[str, dict] | None) -> None:
         """Write the index ``(file name, content)`` if any, last; then move the folder into place."""
+        tmp = self.tmp
+        assert tmp is not None  # prepare() made it
         if index is not None:
-            with open(self.tmp / index[0], "w") as f:
+            with open(tmp / index[0], "w") as f:
                 f.write(json.dumps(index[1], indent=2, sort_keys=True) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
-        fsync_dir(self.tmp)
+        fsync_dir(tmp)
         target = self.target
         if target.is_dir() and not target.is_symlink() and not any(target.iterdir()):
             target.rmdir()  # an empty folder holds nothing to keep
         if not target.exists() and not target.is_symlink():
-            _rename_noreplace(self.tmp, target)
+            _rename_noreplace(tmp, target)
         elif self.overwrite:
             _check_target(target, True)
-            _exchange(self.tmp, target, self.tmp.name.replace(TMP_MARK, OLD_MARK))
-            shutil.rmtree(self.tmp)  # now the previous checkpoint
+            _exchange(tmp, target, tmp.name.replace(TMP_MARK, OLD_MARK))
+            shutil.rmtree(tmp)  # now the previous checkpoint
         else:
             raise _appeared(target)
         self.tmp = None

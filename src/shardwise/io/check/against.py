@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -38,6 +39,9 @@ from shardwise.errors import CheckpointError, UsageError
 from shardwise.holding import Holding, is_dtensor
 from shardwise.io.safetensors.hub_layout import is_transformers_model
 from shardwise.parallel import get_shard_state
+
+if typing.TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 Expected = dict[str, tuple[tuple[int, ...], str]]
 LAYOUTS = ("hub", "module")
@@ -108,11 +112,12 @@ def model_from_config(config_file: Path) -> nn.Module:
     if not isinstance(cls, type):
         raise CheckpointError(f"{config_file}: {library} has no class {name!r} (custom code?); pass "
                               "the model itself (built on meta)")
+    model_class: typing.Any = cls  # a transformers / diffusers model class: their API, untyped here
     try:
         with torch.device("meta"):
             if library == "transformers":
-                return cls._from_config(module.AutoConfig.from_pretrained(config_file))
-            return cls.from_config(cls.load_config(config_file))
+                return model_class._from_config(module.AutoConfig.from_pretrained(config_file))
+            return model_class.from_config(model_class.load_config(config_file))
     except Exception as e:  # noqa: BLE001 - the libraries raise anything for a config they cannot build
         raise CheckpointError(f"{config_file}: {library} cannot build {name} from it "
                               f"({type(e).__name__}: {e})") from e
@@ -135,7 +140,7 @@ def model_tensors(model: nn.Module) -> tuple[Expected, dict[str, str]]:
         shape = tuple(t.shape)  # a DTensor's shape is global
         if name in specs.ties:  # an FP8 weight's scales: local shards may overlap
             shape = specs.ties[name].scale_shape
-        elif not is_dtensor(t) and not spmd and not spec.replicated:
+        elif not is_dtensor(t) and not spmd and state is not None and not spec.replicated:
             degree = state.coords(spec)[0]
             shape = global_shape(shape, spec, degree) if degree > 1 else shape
         out[name] = (shape, dtype_to_str(t.dtype))
@@ -208,7 +213,8 @@ def _revert(model: nn.Module, tensors: Expected) -> Expected:
     meta = {n: torch.empty(shape, dtype=str_to_dtype(dt), device="meta")
             for n, (shape, dt) in tensors.items()}
     try:
-        reverted = revert_weight_conversion(model, meta)
+        # typing.cast: this module's own cast() converts dtypes; a transformers model here (stored_layout)
+        reverted = revert_weight_conversion(typing.cast("PreTrainedModel", model), meta)
     except Exception as e:  # noqa: BLE001 - transformers raises anything for a layout it cannot revert
         raise CheckpointError(f"transformers cannot revert {type(model).__name__}'s weight conversions "
                               f"({type(e).__name__}: {e}); use layout='module'") from e
@@ -238,7 +244,7 @@ def expectations(source, *, dtype: torch.dtype | str | None = None) -> list[Expe
     held, aliases = model_tensors(model)
     held = cast(held, dtype)
     dtypes = dtype is not None or isinstance(source, nn.Module)
-    out = []
+    out: list[Expectation] = []
     for layout in LAYOUTS:
         tensors, stored_aliases = stored_layout(model, held, aliases, layout)
         if not any(e.tensors == tensors for e in out):
@@ -299,6 +305,8 @@ def compare(found: Mapping[str, tuple[str, tuple]], expected: Expectation) -> Ag
         want_shape, want_dt = expected.tensors[key]
         shape = tuple(shape)
         if shape != want_shape or (expected.dtypes and dt != want_dt):
+            got: str | tuple[int, ...]
+            want: str | tuple[int, ...]
             got, want = (shape, want_shape)
             if expected.dtypes:
                 got, want = f"{dt} {shape}", f"{want_dt} {want_shape}"

@@ -142,7 +142,8 @@ def _compare(name: str, a, b, slab_bytes: int) -> TensorDiff | None:
     return TensorDiff(name, *dtypes, shape_a, shape_b, equal and dtype_a == dtype_b, worst)
 
 
-def _compare_quantized(name: str, a, b, pairs, sides, found: dict, slab_bytes: int) -> TensorDiff | None:
+def _compare_quantized(name: str, a, b, pairs, sides: tuple[Dequantizing, Dequantizing], found: dict,
+                       slab_bytes: int) -> TensorDiff | None:
     """An FP8 weight of one side or both: byte for byte where both hold it quantized with the
     same bytes and the same scales, else its dequantized values (``sides``) compared."""
     in_a, in_b = name in pairs[0], name in pairs[1]
@@ -202,10 +203,11 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, *, slab_bytes: int = _SLAB_
             if name not in found:
                 found[name] = _compare_quantized(name, left, right, pairs, sides, found, slab_bytes)
         for name in common:
-            if found[name] is None:
+            result = found[name]
+            if result is None:
                 report.same += 1
             else:
-                report.differ.append(found[name])
+                report.differ.append(result)
     finally:
         left.close()
         right.close()

@@ -83,7 +83,7 @@ def _quantization(report: Report, root: Path) -> None:
     report.quantization = describe_quantization(qc, pairs)
 
 
-def _size(n: int) -> str:
+def _size(n: float) -> str:
     for unit in ("B", "kB", "MB", "GB", "TB"):
         if n < 1000 or unit == "TB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

@@ -162,6 +162,7 @@ class ShardedSafetensorsSink:
     def write(self, plan: WritePlan, folder: Path | None, bar=None) -> dict[str, dict[str, str]]:
         sums: dict[str, dict[str, str]] = {}
         for planned in plan.files_of(self.rank):
+            assert folder is not None  # every rank is given the shared folder (save_sharded_safetensors)
             for name, chunks in write_file(folder / planned.name, planned, self.placed).items():
                 sums.setdefault(name, {}).update(chunks)
         return sums
@@ -170,7 +171,7 @@ class ShardedSafetensorsSink:
 def _write_side_files(model: nn.Module, folder: Path, info: dict) -> None:
     write_info(folder, info)
     config = getattr(model, "config", None)
-    if callable(getattr(config, "save_pretrained", None)):  # a Hugging Face model
+    if config is not None and callable(getattr(config, "save_pretrained", None)):  # a Hugging Face model
         config.save_pretrained(folder)
         generation = getattr(model, "generation_config", None)
         can_generate = getattr(model, "can_generate", lambda: False)

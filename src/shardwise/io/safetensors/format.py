@@ -161,6 +161,7 @@ class StreamingWriter:
             self.abort()
 
     def _write_all(self, buf: memoryview) -> None:
+        assert self._fd is not None  # called only while open (__init__, write() checks)
         done = 0
         while done < len(buf):
             done += os.write(self._fd, buf[done:])

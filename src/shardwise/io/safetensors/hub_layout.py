@@ -19,8 +19,10 @@ module's region map, so both directions share one reading of the conversions.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 from torch import nn
 
@@ -28,6 +30,9 @@ from shardwise.core.header import TensorEntry, dtype_to_str
 from shardwise.core.pieces import Piece
 from shardwise.core.spec import Region
 from shardwise.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass(frozen=True)
@@ -108,10 +113,11 @@ class _Mapping:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter, rename_source_key
 
-        transforms = get_model_conversion_mapping(model)
+        transforms = get_model_conversion_mapping(cast("PreTrainedModel", model))  # is_transformers_model
         self.converters = [t for t in transforms if isinstance(t, WeightConverter)]
         self.renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
-        self._rename = rename_source_key
+        # called with the non-converter transforms as the renamings, as transformers' loader does
+        self._rename: Callable[..., tuple[str, str | None]] = rename_source_key
         self.prefix = getattr(model, "base_model_prefix", None)
         self.meta = dict.fromkeys(model.state_dict(keep_vars=True))
 
@@ -130,18 +136,22 @@ class _Mapping:
         return name, None, None
 
 
+def _as_list(v: list[_Virtual] | _Virtual) -> list[_Virtual]:
+    return v if isinstance(v, list) else [v]
+
+
 def _apply(conv, groups: dict[str, list[_Virtual]], what: str) -> _Virtual:
     """Run ``conv``'s operations as geometry over the collected stored tensors."""
     ops = list(getattr(conv, "operations", []) or [])
-    current: dict[str, list[_Virtual]] | dict[str, _Virtual] = groups
+    current: Mapping[str, list[_Virtual] | _Virtual] = groups
     for op in ops:
         name = type(op).__name__
-        dim = getattr(op, "dim", None)
+        dim: Any = getattr(op, "dim", None)  # an int on the operations handled below
         if name == "MergeModulelist":
-            current = {p: _stack(v if isinstance(v, list) else [v], dim, what) for p, v in current.items()}
+            current = {p: _stack(_as_list(v), dim, what) for p, v in current.items()}
         elif name == "Concatenate":
             order = [p for p in conv.source_patterns if p in current] or list(current)
-            parts = [x for p in order for x in (current[p] if isinstance(current[p], list) else [current[p]])]
+            parts = [x for p in order for x in _as_list(current[p])]
             current = {"": _concat(parts, dim, what)}
         else:
             raise CheckpointError(
@@ -194,11 +204,11 @@ def _split_targets(conv, key: str, name: str, entry: TensorEntry, shapes: dict, 
     return out
 
 
-def hub_tensors(model: nn.Module, stored: dict[str, tuple[Path, TensorEntry]],
+def hub_tensors(model: nn.Module, stored: Mapping[str, tuple[Path | None, TensorEntry]],
                 wanted: set[str], shapes: dict[str, tuple[int, ...]] | None = None,
                 ) -> tuple[dict[str, Composite], set[str]]:
     """``({model tensor: Composite}, stored keys used)`` for the tensors of ``wanted`` that a
-    transformers conversion builds from ``stored`` (``{key: (file, entry)}``). Empty when
+    transformers conversion builds from ``stored`` (``{key: (file or None, entry)}``). Empty when
     the model is not a transformers model or transformers is not installed. ``shapes`` are
     the model tensors' global shapes (default: the model's state dict, which is global on
     a model not yet sharded); a ``Split`` takes its part sizes from them."""

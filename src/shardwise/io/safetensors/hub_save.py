@@ -19,6 +19,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -27,7 +29,10 @@ from shardwise.core.header import TensorEntry, dtype_to_str, str_to_dtype
 from shardwise.core.pieces import Piece, check_tiling
 from shardwise.core.spec import Region
 from shardwise.errors import CheckpointError, ShardingError
-from shardwise.io.safetensors.hub_layout import hub_tensors, is_transformers_model
+from shardwise.io.safetensors.hub_layout import Composite, hub_tensors, is_transformers_model
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 _MODULE = "save with layout='module' (the model's own tensor names) instead"
 
@@ -94,24 +99,25 @@ def hub_save_layout(model: nn.Module,
     meta = {n: torch.empty(shape, dtype=str_to_dtype(dt), device="meta")
             for n, (shape, dt) in tensors.items()}
     try:
-        reverted = revert_weight_conversion(model, dict(meta))
+        reverted = revert_weight_conversion(cast("PreTrainedModel", model), dict(meta))
     except Exception as e:  # noqa: BLE001 - transformers raises anything for a layout it cannot revert
         raise CheckpointError(f"transformers cannot revert {type(model).__name__}'s weight conversions "
                               f"({type(e).__name__}: {e}); {_MODULE}") from e
     if list(reverted) == list(meta):
         return None
-    stored = {}
+    stored: dict[str, tuple[Path | None, TensorEntry]] = {}  # no file: a layout only
     for key, t in reverted.items():
         nbytes = math.prod(t.shape) * t.dtype.itemsize
         stored[key] = (None, TensorEntry(key, dtype_to_str(t.dtype), tuple(t.shape), 0, nbytes))
     shapes = {n: tuple(shape) for n, (shape, _) in tensors.items()}
     try:
-        composites, _ = hub_tensors(model, stored, set(tensors), shapes)
+        built, _ = hub_tensors(model, stored, set(tensors), shapes)
     except CheckpointError as e:
         raise CheckpointError(f"sw.save cannot write {type(model).__name__} in its hub layout: {e}; "
                               f"{_MODULE}") from e
+    composites: dict[str, Composite | None] = dict(built)  # None: a tensor under its own name
     fragments: dict[str, list[tuple[str, Piece]]] = {}
-    for name, comp in composites.items():
+    for name, comp in built.items():
         if comp.shape != shapes[name]:
             raise CheckpointError(f"{name!r}: the hub layout reassembles to {comp.shape}, not "
                                   f"{shapes[name]}; {_MODULE}")

@@ -21,12 +21,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: name it
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import shardwise.comm as comm
 from shardwise.backends import coordination_group
@@ -241,14 +243,15 @@ class DcpSource(DcpStored):
         groups: dict[str, list[tuple[str, Want]]] = {}
         for key, w in wants.items():
             groups.setdefault(self._key[w.name], []).append((key, w))
-        md = self.metadata.state_dict_metadata
+        # the matched keys are tensors (check_tensors)
+        md = cast(dict[str, TensorStorageMetadata], self.metadata.state_dict_metadata)
         total = sum(math.prod(want_layout(self._shape[k], w)[0]) * md[k].properties.dtype.itemsize
                     for k, group in groups.items() for _, w in group)
         return Reads(wants, total, groups)
 
     def read(self, reads: Reads, *, finalize: Finalize, options: ReadOptions,
              on_bytes: Callable[[int], None] | None = None) -> dict:
-        md = self.metadata.state_dict_metadata
+        md = cast(dict[str, TensorStorageMetadata], self.metadata.state_dict_metadata)  # as in plan()
         out, batch, size = {}, {}, 0
         keys = list(reads.detail)
         for i, k in enumerate(keys):

@@ -103,8 +103,9 @@ def open_blob(f, info, *, dtype: torch.dtype | None = None, sizes=None) -> tuple
 
     where = _where(f, info)
     try:
-        meta = torch.load(_create_file_view(f, info.offset, info.length), map_location="meta",
-                          weights_only=True)
+        # torch types its own _create_file_view IOBase; it is a binary file view, as torch.load takes
+        meta = torch.load(_create_file_view(f, info.offset, info.length),  # type: ignore[arg-type]
+                          map_location="meta", weights_only=True)
     except Exception as e:
         raise CheckpointError(f"{where} cannot be read ({e})") from e
     _check_blob(where, meta, info, dtype, sizes)
@@ -119,8 +120,9 @@ def load_blob(f, info) -> torch.Tensor:
     from torch.distributed.checkpoint.utils import _create_file_view
 
     try:
-        return torch.load(_create_file_view(f, info.offset, info.length), map_location="cpu",
-                          weights_only=True)
+        # torch types its own _create_file_view IOBase; it is a binary file view, as torch.load takes
+        return torch.load(_create_file_view(f, info.offset, info.length),  # type: ignore[arg-type]
+                          map_location="cpu", weights_only=True)
     except Exception as e:
         raise CheckpointError(f"{_where(f, info)} cannot be read ({e})") from e
 

@@ -10,6 +10,7 @@ finished: "incomplete checkpoint".
 from __future__ import annotations
 
 import math
+import os
 import pickle
 from collections.abc import Mapping
 from pathlib import Path
@@ -51,7 +52,7 @@ class _MetadataUnpickler(pickle.Unpickler):
             "or was tampered with)")
 
 
-def read_metadata(path: str | Path) -> Metadata:
+def read_metadata(path: str | os.PathLike) -> Metadata:
     """The DCP ``Metadata`` of the checkpoint folder ``path``, after checking it is complete.
 
     Raises ``CheckpointError`` ("incomplete checkpoint") when ``.metadata`` is missing or

@@ -13,11 +13,13 @@ checkpoint written with storage transforms (DCP's experimental extensions) goes 
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
@@ -38,7 +40,7 @@ class DcpStored:
     def __init__(self, path: str | os.PathLike):
         self.root = Path(path)
         self.metadata = read_metadata(path)
-        self._files: dict[str, object] = {}
+        self._files: dict[str, io.BufferedReader] = {}
 
     def _file(self, rel: str):
         f = self._files.get(rel)
@@ -55,7 +57,7 @@ class DcpStored:
         pass  # a distributed checkpoint stores the module's names
 
     def read_box(self, name: str, box: Region) -> torch.Tensor:
-        md = self.metadata.state_dict_metadata[name]
+        md = cast(TensorStorageMetadata, self.metadata.state_dict_metadata[name])  # one of tensors()
         dtype = md.properties.dtype
         infos = [(c, self.metadata.storage_data[MetadataIndex(name, c.offsets)]) for c in md.chunks]
         if any(getattr(info, "transform_descriptors", None) for _, info in infos):
@@ -76,7 +78,7 @@ class DcpStored:
     def _through_dcp_load(self, name: str) -> torch.Tensor:
         import torch.distributed.checkpoint as dcp
 
-        md = self.metadata.state_dict_metadata[name]
+        md = cast(TensorStorageMetadata, self.metadata.state_dict_metadata[name])  # one of tensors()
         out = torch.empty(md.size, dtype=md.properties.dtype)
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
             warnings.simplefilter("ignore", UserWarning)
@@ -88,7 +90,8 @@ class DcpStored:
         values = tuple(n for n, m in md.items() if not isinstance(m, TensorStorageMetadata))
         files = tuple(sorted({str(info.relative_path) for info in self.metadata.storage_data.values()}))
         return Description("torch distributed checkpoint (DCP)", files, layout=read_info(self.root),
-                           values=values, chunks={n: len(m.chunks) for n, m in md.items() if n not in values})
+                           values=values, chunks={n: len(m.chunks) for n, m in md.items()
+                                                                   if isinstance(m, TensorStorageMetadata)})
 
     def blobs(self) -> Iterator[Blob]:
         for name, md in self.metadata.state_dict_metadata.items():

@@ -176,7 +176,9 @@ def pair_mxfp4(absent: set[str], shapes: Mapping[str, tuple[int, ...]], declared
     is the stored weight transposed). Without ``dequantize`` such a tensor raises
     ``CheckpointError`` (it would otherwise be missing, or filled from nothing)."""
     stored = set(ckpt.names)
-    out, used, method = {}, set(), None
+    out: dict[str, Dequantized] = {}
+    used: set[str] = set()
+    method: str | None = None
     for name in sorted(absent):
         keys = QuantScheme.mxfp4().stored_keys(name)
         if not all(k in stored for k in keys):
@@ -219,6 +221,7 @@ def _check_mxfp4(file, name: str, blocks: TensorEntry, scales: TensorEntry, shap
 def checkpoint_block(root: Path, model_config=None) -> tuple[int, int]:
     """The ``weight_block_size`` of the FP8 checkpoint in ``root`` (its ``config.json``; else the
     model config's ``quantization_config``), checked to be a scheme shardwise supports."""
+    where: Path | str
     qc, where = _quantization_config(root), root / "config.json"
     if qc is None and model_config is not None:
         qc, where = getattr(model_config, "quantization_config", None), "model.config"
@@ -233,6 +236,7 @@ def checkpoint_block(root: Path, model_config=None) -> tuple[int, int]:
         raise CheckpointError(f"{where}: quant_method {method!r}, but the checkpoint holds FP8 weights with "
                               "block scales; load a checkpoint whose config.json describes its tensors")
     block = qc.get("weight_block_size") if isinstance(qc, dict) else qc.weight_block_size
+    assert block is not None  # quant_scheme accepted it: an fp8 scheme has its weight_block_size
     return int(block[0]), int(block[1])
 
 
@@ -335,7 +339,7 @@ def _part_items(name: str, source, layout, shape) -> list[tuple[ReadItem, tuple[
     the layout with a piece of the :class:`Composite` and where it goes in the buffer."""
     if not isinstance(source, Composite):
         return [(ReadItem(name, source[0], source[1], layout, shape), None)]
-    out = []
+    out: list[tuple[ReadItem, tuple[slice, ...] | None]] = []
     for i, (piece, src, off) in enumerate(piece_reads(layout, source.pieces)):
         path, entry = source.stored[piece.key]
         it = iter(src.sizes)

@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 
@@ -133,7 +134,9 @@ class _Job:
         self.lock = threading.Lock()
 
 
-Finalize = Callable[[ReadItem, torch.Tensor], torch.Tensor]
+T = TypeVar("T")
+# what a read gives for each item, from the item and its raw local shard
+Finalize = Callable[[ReadItem, torch.Tensor], T]
 
 
 def cpu_views(device: torch.device, dtype: torch.dtype | None) -> Callable[[ReadItem], bool] | None:
@@ -199,9 +202,9 @@ class RegionReader:
                 fd = self._fds[path] = open_regular(path)
             return fd
 
-    def read(self, items: list[ReadItem], *, finalize: Finalize) -> dict[str, torch.Tensor]:
+    def read(self, items: list[ReadItem], *, finalize: Finalize[T]) -> dict[str, T]:
         """``{name: finalize(item, raw local shard)}`` for every item."""
-        results: dict[str, torch.Tensor] = {}
+        results: dict[str, T] = {}
         window = _Window(self.window_bytes)
         pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="shardwise-read")
         futures = []
@@ -255,7 +258,9 @@ class RegionReader:
     def _piece(self, job: _Job, region: Region, off: tuple[int, ...], results, finalize, window) -> None:
         try:
             item = job.item
-            dest = job.raw[tuple(slice(o, o + s) for o, s in zip(off, region.sizes, strict=True))]
+            raw = job.raw
+            assert raw is not None  # freed only by _finish, after the job's last piece
+            dest = raw[tuple(slice(o, o + s) for o, s in zip(off, region.sizes, strict=True))]
             fd, header = self._fd(item.path), self.headers[item.path]
             n = 0
             if region.sizes and contiguous_span(item.entry, region) is None:
@@ -279,8 +284,9 @@ class RegionReader:
             raise
 
     @staticmethod
-    def _finish(job: _Job, results, finalize: Finalize, window: _Window) -> None:
+    def _finish(job: _Job, results, finalize: Finalize[Any], window: _Window) -> None:
         raw, job.raw = job.raw, None
+        assert raw is not None  # a job finishes once, at its last piece
         results[job.item.name] = finalize(job.item, raw)
         window.release(job.item.nbytes)
 

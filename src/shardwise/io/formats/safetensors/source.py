@@ -87,8 +87,10 @@ class SafetensorsSource(SafetensorsStored):
 def _scale_read(key: str, source, want: Want) -> ReadItem:
     """The read of a block-quantized weight's scales, split along with their weight."""
     path, entry = source
-    return ReadItem(key, path, entry, scale_layout(want.tie, want.spec, want.degree, want.rank),
-                    scale_local_shape(want.tie, want.spec, want.degree, want.rank))
+    tie = want.tie
+    assert tie is not None  # plan() reads the scales of the wants with a tie only
+    return ReadItem(key, path, entry, scale_layout(tie, want.spec, want.degree, want.rank),
+                    scale_local_shape(tie, want.spec, want.degree, want.rank))
 
 
 class Assembler:

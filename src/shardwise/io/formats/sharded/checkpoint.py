@@ -23,6 +23,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn, TypeGuard
 
 from shardwise.core.header import FileHeader, NamedDtype, TensorEntry, parse_json_object
 from shardwise.core.spec import Region, intersect
@@ -117,7 +118,7 @@ def is_sharded_safetensors(path: str | os.PathLike) -> bool:
 
 # --- the chunk map ---------------------------------------------------------------------------
 
-def _is_offsets(value: object, ndim: int) -> bool:
+def _is_offsets(value: object, ndim: int) -> TypeGuard[list[int]]:
     return (isinstance(value, list) and len(value) == ndim
             and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value))
 
@@ -227,7 +228,7 @@ def _check_overlap(name: str, pieces: list[tuple[str, Region]]) -> None:
         open_.append((src, r))
 
 
-def _overlap_error(name: str, a: tuple[str, Region], b: tuple[str, Region]):
+def _overlap_error(name: str, a: tuple[str, Region], b: tuple[str, Region]) -> NoReturn:
     where = a[0] if a[0] == b[0] else f"{a[0]} and {b[0]}"
     raise CheckpointError(
         f"{where}: tensor {name!r}: chunks at offsets {a[1].offsets} (sizes {a[1].sizes}) and "
