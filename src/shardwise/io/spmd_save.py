@@ -2,7 +2,9 @@
 
 The gather save needs nothing here (a tensor is global: ``.cpu()`` is the canonical
 tensor). A DCP save (``shardwise.io.dcp.checkpoint.save_dcp``) writes each of this process's distinct
-shards as one chunk at its canonical offsets (:func:`spmd_placed`, :class:`SpmdSavePlanner`).
+shards as one chunk at its canonical offsets (:func:`spmd_placed`, :class:`SpmdSavePlanner`);
+an optimizer save (``shardwise.io.dcp.optim``) places its state tensors the same way
+(:func:`global_placed`).
 Loading is ``shardwise.io.spmd``.
 """
 
@@ -13,6 +15,7 @@ import threading
 import torch
 from torch import nn
 
+from shardwise.backends.xla import settle
 from shardwise.backends.xla_spmd import local_regions, local_shards
 from shardwise.core.spec import Region
 from shardwise.io.dcp.items import CanonicalSavePlanner, Placed
@@ -25,12 +28,20 @@ def spmd_placed(model: nn.Module) -> dict[str, Placed]:
     shards. DCP drops the copies other processes also write."""
     state = get_shard_state(model)
     tensors = model.state_dict(keep_vars=True)
-    out = {}
-    for name, spec in state.specs.items():
-        t = tensors[name].detach()
-        boxes = [((0,) * t.ndim, tuple(t.shape))] if spec.replicated or t.ndim == 0 else local_regions(t)
-        out[name] = Placed(t, tuple(t.shape), [(Region(o, s), tuple(o)) for o, s in boxes])
-    return out
+    settle([tensors[name].detach() for name in state.specs])  # after a step: one program, not one each
+    return {name: global_placed(tensors[name], whole=spec.replicated) for name, spec in state.specs.items()}
+
+
+def global_placed(tensor: torch.Tensor, *, whole: bool = False) -> Placed:
+    """A global SPMD tensor as a :class:`Placed`: ``local`` is the tensor itself (local offsets
+    are canonical offsets) and the layout lists this process's distinct shards as the tensor
+    is actually sharded (``whole``: one region, the whole tensor). A host tensor is whole."""
+    t = tensor.detach()
+    if whole or t.ndim == 0 or t.device.type != "xla":
+        boxes = [((0,) * t.ndim, tuple(t.shape))]
+    else:
+        boxes = local_regions(t)
+    return Placed(t, tuple(t.shape), [(Region(o, s), tuple(o)) for o, s in boxes])
 
 
 class SpmdSavePlanner(CanonicalSavePlanner):
@@ -60,4 +71,4 @@ class SpmdSavePlanner(CanonicalSavePlanner):
         return data
 
 
-__all__ = ["SpmdSavePlanner", "spmd_placed"]
+__all__ = ["SpmdSavePlanner", "global_placed", "spmd_placed"]
