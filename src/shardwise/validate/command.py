@@ -21,6 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep", action="store_true", help="keep the temporary folder")
     parser.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                         help="the backend's collective timeout (default 300)")
+    parser.add_argument("--only", action="append", default=None, metavar="SCENARIO",
+                        help="run only this scenario (repeatable) and the scenarios it builds on; "
+                             "the report says it is partial")
     parser.add_argument("--report", nargs="+", default=None, metavar="JSON",
                         help="run nothing: print the markdown of these reports (for the docs)")
     parser.add_argument("--into", default=None, metavar="FILE",
@@ -29,13 +32,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _rank(args: argparse.Namespace) -> int:
-    from shardwise.errors import BackendError
+    from shardwise.errors import BackendError, UsageError
     from shardwise.validate.runner import validate
 
     try:
         report = validate(args.backend, json=args.json, markdown=args.markdown, workdir=args.workdir,
-                          keep=args.keep, timeout=args.timeout)
-    except BackendError as e:  # the backend did not start: nothing ran, no report
+                          keep=args.keep, timeout=args.timeout, only=args.only)
+    except (BackendError, UsageError) as e:  # nothing ran (the backend did not start): no report
         print(f"shardwise validate: {e}", file=sys.stderr)
         return 1
     return 0 if report.ok else 1

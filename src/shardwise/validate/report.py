@@ -138,6 +138,7 @@ def _verdict(run: dict) -> str:
     s = run["summary"]
     tail = f"; stopped: {run['stopped']}" if run.get("stopped") else ""
     tail += "" if run.get("complete") else "; incomplete"
+    tail += f"; partial: only {', '.join(run['only'])}" if run.get("only") else ""
     return (f"{'OK' if run['ok'] else 'FAILED'}: {s[PASS]} PASS, {s[FAIL]} FAIL, {s[UNSUPPORTED]} "
             f"UNSUPPORTED in {run['seconds']} s{tail}")
 
