@@ -12,12 +12,14 @@ that are only moved or cast are compared byte for byte.
   and forward against CPU, a dp_shard x tp mesh, parallelize, gather save, a DCP save loaded
   back at another layout (and by a one-device process), the chunk checks; an AdamW state
   saved at tp=4 and loaded at dp_shard=2 x tp=2 (byte-exact, split like its parameters);
+- ``shardwise validate --backend xla_spmd`` over 4 and 8 CPU devices (every chip on a TPU VM);
 - several processes (TPU only): tests/hardware/xla_multiprocess.py under torchrun.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -33,6 +35,7 @@ pytestmark = [
 
 HERE = Path(__file__).resolve().parent
 TESTS = HERE.parent
+DOCS = TESTS.parent / "docs"
 TOLERANCE = 1e-4  # fp32 linear on XLA vs CPU: ~1e-6 relative, up to ~2e-4 absolute on randn data
 _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -83,6 +86,32 @@ def test_spmd(tmp_path):
 
 def test_spmd_optimizer_reshard(tmp_path):
     _finish(_start("case_spmd_optimizer", tmp_path, devices=4))
+
+
+@pytest.mark.parametrize("devices", [4, 8])
+def test_validate_spmd(tmp_path, devices):
+    """``shardwise validate --backend xla_spmd`` over 4 and 8 PJRT CPU devices (on a TPU VM: over
+    its chips, once): every scenario PASS or UNSUPPORTED with a reason. With
+    ``SHARDWISE_VALIDATE_DOCS=1`` the JSON goes to docs/validate/xla_spmd-N.json (ci/validate-docs.sh)."""
+    on_cpu = _env(None)["PJRT_DEVICE"] == "CPU"
+    if not on_cpu and devices != 4:
+        pytest.skip("on a TPU VM the suite runs once, over every chip")
+    folder = DOCS / "validate" if os.environ.get("SHARDWISE_VALIDATE_DOCS") == "1" else tmp_path
+    out = folder / f"xla_spmd-{devices}.json" if on_cpu else folder / "xla_spmd-tpu.json"
+    cmd = [sys.executable, "-m", "shardwise.validate", "--backend", "xla_spmd", "--json", str(out)]
+    proc = subprocess.run(cmd, env=_env(devices if on_cpu else None), capture_output=True, text=True,
+                          timeout=1800)
+    assert out.exists(), f"no report written:\n{_quiet(proc.stdout + proc.stderr)}"
+    run = json.loads(out.read_text())
+    problems = [f"{r['scenario']} @ {r['layout']}: {r['status']}: {r['reason']}" for r in run["results"]
+                if r["status"] not in ("PASS", "UNSUPPORTED") or not (r["status"] == "PASS" or r["reason"])]
+    assert not problems, "\n".join(problems)
+    assert proc.returncode == 0 and run["ok"] and run["complete"], _quiet(proc.stdout + proc.stderr)
+    assert (run["backend"], run["holding"], run["processes"]) == ("xla_spmd", "spmd", 1)
+    assert run.get("only") is None  # the whole suite, not a partial run
+    if on_cpu:
+        assert run["world_size"] == devices
+    assert sum(r["status"] == "PASS" for r in run["results"]) > len(run["layouts"]) * 5  # it ran
 
 
 @pytest.mark.skipif(os.environ.get("PJRT_DEVICE", "CPU") != "TPU",

@@ -29,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--into", default=None, metavar="FILE",
                         help="with --report: write the markdown into FILE, between its "
                              "'<!-- generated: ... -->' and '<!-- end generated -->' lines")
+    parser.add_argument("--summary", action="store_true",
+                        help="with --report: one table, a row per run (backend, world, commit, date, "
+                             "counts), as docs/backends.md shows it")
 
 
 def _rank(args: argparse.Namespace) -> int:
@@ -44,12 +47,17 @@ def _rank(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
-def _report(paths: list[str], into: str | None) -> int:
+def _report(paths: list[str], into: str | None, summary: bool) -> int:
     from pathlib import Path
 
-    from shardwise.validate.report import load_runs, markdown, replace_generated
+    from shardwise.errors import UsageError
+    from shardwise.validate.report import load_runs, markdown, replace_generated, runs_table
 
-    text = markdown(load_runs(paths))
+    try:
+        text = (runs_table if summary else markdown)(load_runs(paths))
+    except UsageError as e:
+        print(f"shardwise validate: {e}", file=sys.stderr)
+        return 2
     if into is None:
         sys.stdout.write(text)
         return 0
@@ -66,9 +74,9 @@ def _report(paths: list[str], into: str | None) -> int:
 def run(args: argparse.Namespace) -> int:
     """Exit status: 0 when every scenario is PASS or UNSUPPORTED, 1 otherwise."""
     if args.report:
-        return _report(args.report, args.into)
-    if args.into:
-        print("shardwise validate: --into goes with --report JSON ...", file=sys.stderr)
+        return _report(args.report, args.into, args.summary)
+    if args.into or args.summary:
+        print("shardwise validate: --into and --summary go with --report JSON ...", file=sys.stderr)
         return 2
     if args.nproc is None:
         return _rank(args)
