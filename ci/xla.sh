@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# CI job "xla": the torch_xla suite on PJRT: one device and SPMD over 4 devices (PJRT_DEVICE=CPU on a CPU runner; TPU on a TPU VM). Runner: a CPU machine, or a TPU VM with PJRT_DEVICE=TPU.
+# CI job "xla": the torch_xla suite on PJRT: one device, SPMD over 4 devices, and
+# `shardwise validate --backend xla_spmd` over 4 and 8 devices (PJRT_DEVICE=CPU on a CPU runner;
+# TPU on a TPU VM). Runner: a CPU machine, or a TPU VM with PJRT_DEVICE=TPU.
 # Extra arguments go to pytest (e.g. ci/xla.sh -x -k load).
 #
 # The env is large: torch-xla 2.9.0 runs only beside torch 2.9.0, and PyPI's torch 2.9.0 is a

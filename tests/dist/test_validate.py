@@ -185,3 +185,14 @@ def test_the_docs_tables_are_generated_from_the_runs():
     assert replace_generated(page, markdown(load_runs(runs))) == page, (
         "docs/validate.md's tables differ from its runs' JSON; regenerate them with "
         "`shardwise validate --report docs/validate/*.json --into docs/validate.md`")
+
+
+def test_only_runs_the_named_scenarios_and_what_they_build_on():
+    from shardwise.validate.runner import selected
+
+    assert selected(None) is None
+    assert selected(["optimizer_reshard"]) == {"load", "forward_backward", "clip_grad_norm",
+                                               "optimizer_reshard"}
+    assert selected(["gather_save", "crossload"]) == {"load", "gather_save", "crossload"}
+    with pytest.raises(sw.UsageError, match="no scenario 'optimizer'.*optimizer_reshard"):
+        selected(["optimizer"])

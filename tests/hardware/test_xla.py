@@ -10,13 +10,16 @@ that are only moved or cast are compared byte for byte.
   save, DCP round trip;
 - SPMD, ``init_backend("xla_spmd")`` over every device (4 CPU devices here): degree-4 load
   and forward against CPU, a dp_shard x tp mesh, parallelize, gather save, a DCP save loaded
-  back at another layout (and by a one-device process), the chunk checks;
+  back at another layout (and by a one-device process), the chunk checks; an AdamW state
+  saved at tp=4 and loaded at dp_shard=2 x tp=2 (byte-exact, split like its parameters);
+- ``shardwise validate --backend xla_spmd`` over 4 and 8 CPU devices (every chip on a TPU VM);
 - several processes (TPU only): tests/hardware/xla_multiprocess.py under torchrun.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -32,6 +35,7 @@ pytestmark = [
 
 HERE = Path(__file__).resolve().parent
 TESTS = HERE.parent
+DOCS = TESTS.parent / "docs"
 TOLERANCE = 1e-4  # fp32 linear on XLA vs CPU: ~1e-6 relative, up to ~2e-4 absolute on randn data
 _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -78,6 +82,36 @@ def test_one_device(tmp_path):
 def test_spmd(tmp_path):
     _finish(_start("case_spmd", tmp_path, devices=4))
     _finish(_start("case_load_spmd_dcp_on_one_device", tmp_path))
+
+
+def test_spmd_optimizer_reshard(tmp_path):
+    _finish(_start("case_spmd_optimizer", tmp_path, devices=4))
+
+
+@pytest.mark.parametrize("devices", [4, 8])
+def test_validate_spmd(tmp_path, devices):
+    """``shardwise validate --backend xla_spmd`` over 4 and 8 PJRT CPU devices (on a TPU VM: over
+    its chips, once): every scenario PASS or UNSUPPORTED with a reason. With
+    ``SHARDWISE_VALIDATE_DOCS=1`` the JSON goes to docs/validate/xla_spmd-N.json (ci/validate-docs.sh)."""
+    on_cpu = _env(None)["PJRT_DEVICE"] == "CPU"
+    if not on_cpu and devices != 4:
+        pytest.skip("on a TPU VM the suite runs once, over every chip")
+    folder = DOCS / "validate" if os.environ.get("SHARDWISE_VALIDATE_DOCS") == "1" else tmp_path
+    out = folder / f"xla_spmd-{devices}.json" if on_cpu else folder / "xla_spmd-tpu.json"
+    cmd = [sys.executable, "-m", "shardwise.validate", "--backend", "xla_spmd", "--json", str(out)]
+    proc = subprocess.run(cmd, env=_env(devices if on_cpu else None), capture_output=True, text=True,
+                          timeout=1800)
+    assert out.exists(), f"no report written:\n{_quiet(proc.stdout + proc.stderr)}"
+    run = json.loads(out.read_text())
+    problems = [f"{r['scenario']} @ {r['layout']}: {r['status']}: {r['reason']}" for r in run["results"]
+                if r["status"] not in ("PASS", "UNSUPPORTED") or not (r["status"] == "PASS" or r["reason"])]
+    assert not problems, "\n".join(problems)
+    assert proc.returncode == 0 and run["ok"] and run["complete"], _quiet(proc.stdout + proc.stderr)
+    assert (run["backend"], run["holding"], run["processes"]) == ("xla_spmd", "spmd", 1)
+    assert run.get("only") is None  # the whole suite, not a partial run
+    if on_cpu:
+        assert run["world_size"] == devices
+    assert sum(r["status"] == "PASS" for r in run["results"]) > len(run["layouts"]) * 5  # it ran
 
 
 @pytest.mark.skipif(os.environ.get("PJRT_DEVICE", "CPU") != "TPU",
@@ -280,4 +314,51 @@ def case_load_spmd_dcp_on_one_device(tmp: str) -> None:
     sw.load(model, Path(tmp) / "spmd_dcp", plan=tiny_plan(), mesh=backend.mesh(tp=1))
     for name, t in model.state_dict().items():
         assert _same_bytes(t.cpu(), canonical[name]), name
+    sw.shutdown_backend()
+
+
+def case_spmd_optimizer(tmp: str) -> None:
+    """An AdamW state saved at tp=n loads at dp_shard=2 x tp=n/2: byte-exact, each state tensor
+    split like its parameter, and the step on the devices equals the CPU's."""
+    import torch
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    import shardwise as sw
+    from models import make_model, tiny_plan, tokens
+
+    _, ckpt, _ = _setup(tmp)
+    backend = sw.init_backend("xla_spmd")
+    n = int(xr.global_runtime_device_count())
+    model = _fresh()
+    sw.load(model, ckpt, plan=tiny_plan(), mesh=backend.mesh(tp=n))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(tokens().to(backend.device)).square().mean().backward()
+    optimizer.step()
+    torch_xla.sync()
+    names = dict(model.named_parameters())
+    saved = {(n_, k): v.cpu() for n_, p in names.items() for k, v in optimizer.state[p].items()}
+    sw.save_optimizer(model, optimizer, Path(tmp) / "optim")
+    # The one-process CPU run of the same step. After the XLA backward: autograd sizes its
+    # device queues at its first backward, and one on the CPU first leaves no queue for XLA.
+    reference = make_model()
+    cpu_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    reference(tokens()).square().mean().backward()
+    cpu_opt.step()
+
+    resumed = _fresh()
+    sw.load(resumed, ckpt, plan=tiny_plan(), mesh=backend.mesh(dp_shard=2, tp=n // 2))
+    again = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
+    sw.load_optimizer(resumed, again, Path(tmp) / "optim")
+    spec_of = torch_xla._XLAC._get_xla_sharding_spec
+    want = dict(reference.named_parameters())
+    for name, p in resumed.named_parameters():
+        state = again.state[p]
+        assert set(state) == {"step", "exp_avg", "exp_avg_sq"}, name
+        assert float(state["step"]) == 1.0, name
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert _same_bytes(state[key].cpu(), saved[(name, key)]), (name, key)
+            assert spec_of(state[key]) == spec_of(p), (name, key)  # split like its parameter
+            torch.testing.assert_close(state[key].cpu(), cpu_opt.state[want[name]][key],
+                                       rtol=TOLERANCE, atol=TOLERANCE)
     sw.shutdown_backend()

@@ -144,6 +144,11 @@ class Backend:
         """How parameters are held: DTensors, or local shards with forward hooks."""
         return Holding.DTENSOR if self.supports_dtensor else Holding.LOCAL
 
+    def settle(self, tensors) -> None:
+        """Finish the pending device work behind ``tensors`` before they are read one by one (a
+        save after a step). Eager backends have none: a no-op; a lazy one (torch_xla) runs it all
+        as one program rather than one per tensor read."""
+
     # -- global tensors (SPMD holding only) --------------------------------------
     def local_shards(self, tensor: torch.Tensor) -> dict[tuple[int, ...], torch.Tensor]:
         """This process's distinct shards of the global ``tensor`` on the host, keyed by their

@@ -162,6 +162,21 @@ class XlaBackend(Backend):
         except Exception as e:  # torch raises RuntimeError subclasses
             raise CollectiveError(f"{what} on rank {self.rank} failed: {e}") from e
 
+    def settle(self, tensors) -> None:
+        settle(tensors)
+
     def shutdown(self) -> None:
         self._side_group = None  # destroy_process_group() in super() ends every group
         super().shutdown()
+
+
+def settle(tensors) -> None:
+    """When any of ``tensors`` is an XLA tensor, run every pending XLA operation as one program
+    (``torch_xla.sync``, the step boundary of a training loop). Read one at a time (``.cpu()``,
+    its shards), each pending tensor would compile and run a program of its own: after a step,
+    one per parameter and optimizer state (minutes on a CPU). Not a sync of these tensors only:
+    that may donate buffers that other pending tensors still read (after an in-place clip)."""
+    if any(isinstance(t, torch.Tensor) and t.device.type == "xla" for t in tensors):
+        import torch_xla
+
+        torch_xla.sync(wait=True)

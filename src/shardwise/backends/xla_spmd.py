@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from shardwise.backends.base import Backend, mesh_axes, torchrun_env
-from shardwise.backends.xla import import_torch_xla, spmd_enabled
+from shardwise.backends.xla import import_torch_xla, settle, spmd_enabled
 from shardwise.errors import MeshError, ShardingError
 from shardwise.holding import Holding
 
@@ -46,6 +46,9 @@ class XlaSpmdBackend(Backend):
     @property
     def holding(self) -> Holding:
         return Holding.SPMD
+
+    def settle(self, tensors) -> None:
+        settle(tensors)
 
     def local_shards(self, tensor: torch.Tensor) -> dict[tuple[int, ...], torch.Tensor]:
         return local_shards(tensor)
@@ -234,9 +237,13 @@ def local_shards(tensor: torch.Tensor) -> dict[tuple[int, ...], torch.Tensor]:
 
 
 def local_regions(tensor: torch.Tensor) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """``(offsets, sizes)`` of this process's distinct shards of a global SPMD tensor (no copy)."""
+    """``(offsets, sizes)`` of this process's distinct shards of a global SPMD tensor (no copy);
+    a tensor without a sharding (replicated, e.g. an optimizer state XLA has not yet split) is
+    one whole box."""
     import torch_xla
 
+    if not torch_xla._XLAC._get_xla_sharding_spec(tensor):  # no sharding: one whole copy
+        return [((0,) * tensor.ndim, tuple(tensor.shape))]
     seen = {}
     for _, index in torch_xla._XLAC._get_local_shard_replica_and_indices([tensor])[0]:
         offsets, sizes = _box(index, tensor.shape)

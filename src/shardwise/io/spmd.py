@@ -9,6 +9,10 @@ host, only the chunks on their way to the devices. The chunks are ordinary
 :class:`~shardwise.io.source.Want` s, so every format's source reads them; DCP a batch of
 about ``WINDOW_BYTES`` at a time (its reads hold whole batches on the host).
 
+An optimizer's state tensors load the same way, through a DCP read into host chunks
+(:func:`host_placed`) that then go onto the devices split like their parameter
+(:func:`chunks_to_devices`).
+
 Saving is ``shardwise.io.spmd_save``.
 """
 
@@ -20,7 +24,8 @@ import torch
 from torch import nn
 
 from shardwise.core.plan import ResolvedPlan
-from shardwise.core.spec import ShardSpec
+from shardwise.core.spec import Region, ShardSpec, shard_regions
+from shardwise.io.formats.dcp.items import Placed
 from shardwise.io.formats.safetensors.reader import WINDOW_BYTES
 from shardwise.io.source import Want
 from shardwise.io.staging import cast
@@ -83,4 +88,39 @@ class SpmdPlacement:
         install(model, self.specs, self._dims, local_tensor=local_tensor)
 
 
-__all__ = ["SpmdPlacement"]
+def _chunk_regions(shape, spec: ShardSpec, axis_mesh) -> dict[int, Region]:
+    """{tp position: its canonical chunk along ``spec.dim``} for this process's devices."""
+    chunk, degree = ShardSpec(dim=spec.dim), axis_mesh.size()
+    return {p: shard_regions(shape, chunk, degree, p)[0] for p in axis_mesh.positions()}
+
+
+def _whole(spec: ShardSpec, shape, axis_mesh) -> bool:
+    return spec.replicated or not shape or axis_mesh is None
+
+
+def host_placed(tensor: torch.Tensor, spec: ShardSpec, axis_mesh) -> Placed:
+    """A host buffer for a DCP read of a global SPMD tensor shaped like ``tensor``, laid out
+    as its canonical tensor: its regions are the canonical chunks along ``spec.dim`` that this
+    process's devices hold on ``axis_mesh`` (the whole tensor when ``spec`` is replicated,
+    ``tensor`` is a scalar or there is no such axis). Only those regions are read."""
+    shape = tuple(tensor.shape)
+    buf = torch.empty(shape, dtype=tensor.dtype)
+    if _whole(spec, shape, axis_mesh):
+        return Placed(buf, shape, [(Region((0,) * len(shape), shape), (0,) * len(shape))])
+    return Placed(buf, shape, [(r, r.offsets) for r in _chunk_regions(shape, spec, axis_mesh).values()])
+
+
+def chunks_to_devices(placed: Placed, spec: ShardSpec, axis_mesh, device, *, name: str) -> torch.Tensor:
+    """The global tensor on the devices from ``placed`` (a :func:`host_placed` read): tiled
+    over ``axis_mesh`` along ``spec.dim`` like a parameter of that spec, else replicated
+    (a plain copy to ``device`` without an axis, or for a scalar or a host ``device``)."""
+    buf = placed.local
+    if axis_mesh is None or not buf.ndim or torch.device(device).type != "xla":
+        return buf.to(device)
+    if _whole(spec, buf.shape, axis_mesh):
+        return axis_mesh.from_chunks({0: buf}, buf.shape, None, buf.dtype, name=name)
+    chunks = {p: buf[r.slices()].contiguous() for p, r in _chunk_regions(buf.shape, spec, axis_mesh).items()}
+    return axis_mesh.from_chunks(chunks, buf.shape, spec.dim, buf.dtype, name=name)
+
+
+__all__ = ["SpmdPlacement", "chunks_to_devices", "host_placed"]

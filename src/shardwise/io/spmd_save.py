@@ -2,7 +2,9 @@
 
 The gather save needs nothing here (a tensor is global: ``.cpu()`` is the canonical
 tensor). A DCP save (``shardwise.io.formats.dcp.checkpoint.save_dcp``) writes each of this process's distinct
-shards as one chunk at its canonical offsets (:func:`spmd_placed`, :class:`SpmdSavePlanner`).
+shards as one chunk at its canonical offsets (:func:`spmd_placed`, :class:`SpmdSavePlanner`);
+an optimizer save (``shardwise.io.formats.dcp.optim``) places its state tensors the same way
+(:func:`global_placed`).
 Loading is ``shardwise.io.spmd``.
 """
 
@@ -25,13 +27,22 @@ def spmd_placed(model: nn.Module) -> dict[str, Placed]:
     copies other processes also write."""
     state = get_shard_state(model)
     tensors = model.state_dict(keep_vars=True)
-    out = {}
-    for name, spec in state.specs.items():
-        t = tensors[name].detach()
-        whole = spec.replicated or t.ndim == 0
-        boxes = [((0,) * t.ndim, tuple(t.shape))] if whole else state.backend.local_regions(t)
-        out[name] = Placed(t, tuple(t.shape), [(Region(o, s), tuple(o)) for o, s in boxes])
-    return out
+    state.backend.settle([tensors[name].detach() for name in state.specs])  # after a step: one program
+    return {name: global_placed(tensors[name], state.backend, whole=spec.replicated)
+            for name, spec in state.specs.items()}
+
+
+def global_placed(tensor: torch.Tensor, backend, *, whole: bool = False) -> Placed:
+    """A global SPMD tensor as a :class:`Placed`: ``local`` is the tensor itself (local offsets
+    are canonical offsets) and the layout lists this process's distinct shards as the tensor
+    is actually sharded (``backend.local_regions``; ``whole``: one region, the whole tensor). A
+    host tensor is whole."""
+    t = tensor.detach()
+    if whole or t.ndim == 0 or t.device.type != "xla":
+        boxes = [((0,) * t.ndim, tuple(t.shape))]
+    else:
+        boxes = backend.local_regions(t)
+    return Placed(t, tuple(t.shape), [(Region(o, s), tuple(o)) for o, s in boxes])
 
 
 class SpmdSavePlanner(CanonicalSavePlanner):
@@ -63,4 +74,4 @@ class SpmdSavePlanner(CanonicalSavePlanner):
         return data
 
 
-__all__ = ["SpmdSavePlanner", "spmd_placed"]
+__all__ = ["SpmdSavePlanner", "global_placed", "spmd_placed"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from shardwise.backends.xla import settle
 from shardwise.core.spec import split
 from shardwise.holding import Holding, is_dtensor
 
@@ -109,6 +110,8 @@ def compare_tensors(named, truth: dict[str, torch.Tensor], state, what: str, *, 
     """Compare each ``(name, held tensor)`` of ``named`` with this rank's part of ``truth[name]``;
     return the largest difference. Every name of ``truth`` must appear."""
     worst, seen = 0.0, set()
+    named = list(named)
+    settle([held.detach() for _, held in named])  # torch_xla: one program, not one per tensor
     for name, held in named:
         seen.add(name)
         want = expected_local(truth[name], name, state, held)
@@ -121,6 +124,7 @@ def compare_tensors(named, truth: dict[str, torch.Tensor], state, what: str, *, 
 
 def compare_grads(model, truth: dict[str, torch.Tensor], state, what: str) -> float:
     worst = 0.0
+    settle([p.grad for p in model.parameters() if p.grad is not None])
     for name, p in model.named_parameters():
         g = local_grad(p)
         if g is None:
@@ -130,4 +134,4 @@ def compare_grads(model, truth: dict[str, torch.Tensor], state, what: str) -> fl
 
 
 __all__ = ["ATOL", "RTOL", "Deferred", "Mismatch", "compare", "compare_grads", "compare_tensors",
-           "expected_local", "local_grad", "local_of", "same_bytes"]
+           "expected_local", "local_grad", "local_of", "same_bytes", "settle"]

@@ -21,32 +21,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep", action="store_true", help="keep the temporary folder")
     parser.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                         help="the backend's collective timeout (default 300)")
+    parser.add_argument("--only", action="append", default=None, metavar="SCENARIO",
+                        help="run only this scenario (repeatable) and the scenarios it builds on; "
+                             "the report says it is partial")
     parser.add_argument("--report", nargs="+", default=None, metavar="JSON",
                         help="run nothing: print the markdown of these reports (for the docs)")
     parser.add_argument("--into", default=None, metavar="FILE",
                         help="with --report: write the markdown into FILE, between its "
                              "'<!-- generated: ... -->' and '<!-- end generated -->' lines")
+    parser.add_argument("--summary", action="store_true",
+                        help="with --report: one table, a row per run (backend, world, commit, date, "
+                             "counts), as docs/backends.md shows it")
 
 
 def _rank(args: argparse.Namespace) -> int:
-    from shardwise.errors import BackendError
+    from shardwise.errors import BackendError, UsageError
     from shardwise.validate.runner import validate
 
     try:
         report = validate(args.backend, json=args.json, markdown=args.markdown, workdir=args.workdir,
-                          keep=args.keep, timeout=args.timeout)
-    except BackendError as e:  # the backend did not start: nothing ran, no report
+                          keep=args.keep, timeout=args.timeout, only=args.only)
+    except (BackendError, UsageError) as e:  # nothing ran (the backend did not start): no report
         print(f"shardwise validate: {e}", file=sys.stderr)
         return 1
     return 0 if report.ok else 1
 
 
-def _report(paths: list[str], into: str | None) -> int:
+def _report(paths: list[str], into: str | None, summary: bool) -> int:
     from pathlib import Path
 
-    from shardwise.validate.report import load_runs, markdown, replace_generated
+    from shardwise.errors import UsageError
+    from shardwise.validate.report import load_runs, markdown, replace_generated, runs_table
 
-    text = markdown(load_runs(paths))
+    try:
+        text = (runs_table if summary else markdown)(load_runs(paths))
+    except UsageError as e:
+        print(f"shardwise validate: {e}", file=sys.stderr)
+        return 2
     if into is None:
         sys.stdout.write(text)
         return 0
@@ -63,9 +74,9 @@ def _report(paths: list[str], into: str | None) -> int:
 def run(args: argparse.Namespace) -> int:
     """Exit status: 0 when every scenario is PASS or UNSUPPORTED, 1 otherwise."""
     if args.report:
-        return _report(args.report, args.into)
-    if args.into:
-        print("shardwise validate: --into goes with --report JSON ...", file=sys.stderr)
+        return _report(args.report, args.into, args.summary)
+    if args.into or args.summary:
+        print("shardwise validate: --into and --summary go with --report JSON ...", file=sys.stderr)
         return 2
     if args.nproc is None:
         return _rank(args)

@@ -138,6 +138,7 @@ def _verdict(run: dict) -> str:
     s = run["summary"]
     tail = f"; stopped: {run['stopped']}" if run.get("stopped") else ""
     tail += "" if run.get("complete") else "; incomplete"
+    tail += f"; partial: only {', '.join(run['only'])}" if run.get("only") else ""
     return (f"{'OK' if run['ok'] else 'FAILED'}: {s[PASS]} PASS, {s[FAIL]} FAIL, {s[UNSUPPORTED]} "
             f"UNSUPPORTED in {run['seconds']} s{tail}")
 
@@ -176,6 +177,26 @@ def markdown(runs: list[dict]) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
+def runs_table(runs: list[dict]) -> str:
+    """One markdown table row per run (``Report.to_dict()``, or their JSON files loaded): the
+    backend, its world (devices under SPMD, ranks otherwise), the commit and date it ran at, and
+    its PASS / FAIL / UNSUPPORTED counts. The docs show whole runs only: a partial one (``--only``)
+    is refused."""
+    partial = [f"{run['backend']}, world {run['world_size']}" for run in runs if run.get("only")]
+    if partial:
+        raise UsageError(f"run {partial[0]} ran only some scenarios (--only); the docs show whole runs")
+    out = ["| backend | world | processes | device (holding) | torch | commit | date | PASS | FAIL "
+           "| UNSUPPORTED | result |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for run in runs:
+        s = run["summary"]
+        commit = (run.get("commit") or "unknown")[:10] + (" (modified)" if run.get("dirty") else "")
+        result = "OK" if run["ok"] else "FAILED" if run.get("complete") else "incomplete"
+        out.append(f"| `{run['backend']}` | {run['world_size']} | {run['processes']} | {run['device']} "
+                   f"({run['holding']}) | {run['torch']} | `{commit}` | {run['date'][:10]} | {s[PASS]} "
+                   f"| {s[FAIL]} | {s[UNSUPPORTED]} | {result} |")
+    return "\n".join(out) + "\n"
+
+
 def _bytes_read(run: dict) -> list[str]:
     per_layout = [(r["layout"], [d.get("bytes_read") for d in r.get("details", {}).get("per_rank", [])])
                   for r in run["results"] if r["scenario"] == "load" and r["status"] == PASS]
@@ -208,4 +229,4 @@ def load_runs(paths: list[str | os.PathLike]) -> list[dict]:
 
 
 __all__ = ["FAIL", "JOB", "PASS", "Report", "Result", "STATUSES", "UNSUPPORTED", "load_runs", "markdown",
-           "replace_generated", "run_header", "table"]
+           "replace_generated", "run_header", "runs_table", "table"]

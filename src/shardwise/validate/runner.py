@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 import shardwise as sw
+from shardwise.errors import UsageError
 from shardwise.validate import job_scenarios
 from shardwise.validate.layouts import layouts_for
 from shardwise.validate.model import canonical, golden
@@ -55,13 +56,15 @@ def _fail_reason(everyone: list[tuple]) -> str:
 
 class Runner:
     def __init__(self, backend, *, json_path=None, markdown_path=None, workdir=None, keep=False,
-                 print_table=True):
+                 print_table=True, only=None):
         self.backend = backend
+        self.only = selected(only)
         self.rank0 = backend.rank == 0
         self.json_path, self.markdown_path = json_path, markdown_path
         self.keep, self.print_table = keep, print_table
         world = mesh_world(backend)
-        self.report = Report(run_header(backend, world=world, processes=backend.world_size))
+        self.report = Report({**run_header(backend, world=world, processes=backend.world_size),
+                              "only": sorted(self.only) if self.only is not None else None})
         self.layouts = layouts_for(world)
         self.report.layouts = [lay.name for lay in self.layouts]
         self._workdir = workdir
@@ -154,6 +157,8 @@ class Runner:
             for index, layout in enumerate(self.layouts):
                 self._layout(job, Run(index, layout, folder=root / layout.name))
             for name, fn in JOB_SCENARIOS:
+                if self.only is not None and name not in self.only:
+                    continue
                 outcome, seconds = self._attempt(fn, job)
                 self._record(name, None, None, outcome, seconds)
         finally:
@@ -189,7 +194,7 @@ class Runner:
         limit = layout_limit(self.backend, run.layout)
         done: dict[str, str] = {}
         for sc in SCENARIOS:
-            if not sc.applies(run.layout):
+            if not sc.applies(run.layout) or (self.only is not None and sc.name not in self.only):
                 continue
             missing = [n for n in sc.needs if done.get(n) != PASS]
             if limit:
@@ -205,23 +210,43 @@ class Runner:
         run.model = None
 
 
+def selected(only) -> set[str] | None:
+    """The scenarios to run for ``only`` (names), with every scenario they build on; None: all."""
+    if only is None:
+        return None
+    by_name = {sc.name: sc for sc in SCENARIOS}
+    known = [*by_name, *(name for name, _ in JOB_SCENARIOS)]
+    unknown = [name for name in only if name not in known]
+    if unknown:
+        raise UsageError(f"no scenario {unknown[0]!r}; the scenarios are {', '.join(known)}")
+    out, todo = set(), list(only)
+    while todo:
+        name = todo.pop()
+        if name not in out:
+            out.add(name)
+            todo += list(by_name[name].needs) if name in by_name else []
+    return out
+
+
 def validate(backend: str = "auto", *, json=None, markdown=None, workdir=None, keep: bool = False,
-             timeout: float | None = 300.0, print_table: bool = True) -> Report:
+             timeout: float | None = 300.0, print_table: bool = True, only=None) -> Report:
     """Run the hardware validation suite on every rank of the job; return the report (the
     same on every rank). Rank 0 prints the table and writes ``json`` / ``markdown``.
 
     Launch it with the backend's launcher (``torchrun --nproc-per-node 8 -m shardwise.validate
     --backend nccl``); ``workdir`` must be a folder every rank sees (shared storage across
-    hosts; default: rank 0's temporary folder, removed unless ``keep``).
+    hosts; default: rank 0's temporary folder, removed unless ``keep``). ``only`` (scenario
+    names) runs those and the scenarios they build on; the report records it (a partial run).
 
     >>> report = sw.validate("gloo", json="gloo.json")   # doctest: +SKIP
     >>> report.ok                                          # doctest: +SKIP
     True
     """
     torch.manual_seed(0)
+    only = selected(only)  # an unknown name fails before the backend starts
     started = sw.init_backend(backend, timeout=timeout)
     return Runner(started, json_path=json, markdown_path=markdown, workdir=workdir, keep=keep,
-                  print_table=print_table).run()
+                  print_table=print_table, only=only).run()
 
 
-__all__ = ["Runner", "validate"]
+__all__ = ["Runner", "selected", "validate"]

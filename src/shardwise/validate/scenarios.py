@@ -18,6 +18,7 @@ import torch
 
 import shardwise as sw
 from shardwise.holding import Holding
+from shardwise.validate import checks
 from shardwise.validate.checks import Deferred, Mismatch, compare, compare_grads, compare_tensors, same_bytes
 from shardwise.validate.layouts import Layout
 from shardwise.validate.model import EP_PLAN, MAX_NORM, TP_PLAN, Golden, batch, build, loss_of, optimizer_for
@@ -118,10 +119,11 @@ def forward_backward(job: Job, run: Run) -> dict:
     """Logits, loss and every gradient equal the one-process run's."""
     ids, targets = _to_device(job, *batch(0))
     logits = run.model(ids)
+    loss = loss_of(logits, targets)
+    checks.settle([logits, loss])  # torch_xla: one program for both
     later, out = Deferred(), {}
     with later:
         out["logits_max_diff"] = compare(logits.float(), job.golden.logits, "logits")
-    loss = loss_of(logits, targets)
     with later:
         compare(loss.detach().reshape(1), torch.tensor([job.golden.loss]), "loss")
     loss.backward()

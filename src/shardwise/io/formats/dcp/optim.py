@@ -7,6 +7,11 @@ what they cannot know: a state tensor shaped like its parameter is split like it
 blocks, plain local shards, FSDP x TP), so it is written as canonical chunks and reshards
 on load exactly like the model. Scalar states (``step``) and hyperparameters are stored
 once.
+
+Under torch_xla SPMD (holding ``"spmd"``) a state tensor is global, like its parameter: it
+is saved as the shards this process's devices hold, through the SPMD save planner, and
+loaded into host chunks (a window of bytes at a time) that go onto the devices split like
+the parameter (``shardwise.io.spmd`` / ``spmd_save``).
 """
 
 from __future__ import annotations
@@ -24,6 +29,9 @@ from shardwise.holding import is_dtensor
 from shardwise.io.formats.dcp.checkpoint import AsyncSave, checkpoint_info, read_checkpoint, write_checkpoint
 from shardwise.io.formats.dcp.items import Placed, place
 from shardwise.io.formats.dcp.metadata import check_tensors, read_metadata
+from shardwise.io.formats.safetensors.reader import WINDOW_BYTES
+from shardwise.io.spmd import chunks_to_devices, host_placed
+from shardwise.io.spmd_save import SpmdSavePlanner, global_placed
 from shardwise.parallel import get_shard_state
 
 _STATE = "state."
@@ -64,6 +72,23 @@ def _placed(model: nn.Module, osd: Mapping) -> dict[str, Placed]:
     return out
 
 
+def _spmd(model: nn.Module) -> bool:
+    state = get_shard_state(model)
+    return state is not None and state.holding == "spmd"
+
+
+def _spmd_spec(model: nn.Module, key: str, value: torch.Tensor) -> tuple[ShardSpec, object]:
+    """The spec and axis mesh a global state tensor is split by: its parameter's when shaped
+    like it, else replicated."""
+    state = get_shard_state(model)
+    pname = _param_of(key)
+    param = dict(model.named_parameters()).get(pname) if pname is not None else None
+    if param is None or tuple(value.shape) != tuple(param.shape):
+        return ShardSpec(), state.tp_mesh
+    spec = state.specs.get(pname, ShardSpec())
+    return spec, state.axis_mesh(spec)
+
+
 def _is_sharded(model: nn.Module, pname: str, param: torch.Tensor) -> bool:
     state = get_shard_state(model)
     spec = state.specs.get(pname) if state is not None else None
@@ -101,11 +126,20 @@ def save_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: str
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     osd = get_optimizer_state_dict(model, optimizer, options=_options())
-    placed = _placed(model, osd)
+    planner = None
+    state = get_shard_state(model)
+    if state is not None and state.holding == "spmd":  # global tensors: this process's shards
+        backend = state.backend
+        backend.settle(list(osd.values()))  # one program for every pending state, not one each
+        placed = {k: global_placed(v, backend) for k, v in osd.items() if isinstance(v, torch.Tensor)}
+        planner = SpmdSavePlanner(placed, backend)
+    else:
+        placed = _placed(model, osd)
     info = checkpoint_info(model, placed, kind="optimizer",
                            metadata={"optimizer": type(optimizer).__name__})
     state_dict = {k: placed[k].local if k in placed else v for k, v in osd.items()}
-    return write_checkpoint(path, state_dict, placed, info, overwrite=overwrite, async_save=async_save)
+    return write_checkpoint(path, state_dict, placed, info, overwrite=overwrite, async_save=async_save,
+                            planner=planner)
 
 
 def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: str | os.PathLike, *,
@@ -125,7 +159,12 @@ def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: str
     # tensors of the right local shapes to read into.
     with _gradients_aside(optimizer):
         osd = get_optimizer_state_dict(model, optimizer, options=_options())
-    placed = _placed(model, osd)
+    spmd = _spmd(model)
+    if spmd:
+        splits = {k: _spmd_spec(model, k, v) for k, v in osd.items() if isinstance(v, torch.Tensor)}
+        placed = {k: host_placed(osd[k], spec, axis) for k, (spec, axis) in splits.items()}
+    else:
+        placed = _placed(model, osd)
     missing, _ = check_tensors(path, metadata, {k: p.shape for k, p in placed.items()}, strict=False)
     stored = metadata.state_dict_metadata
     missing += [k for k in osd if k not in placed and k not in stored]
@@ -137,12 +176,39 @@ def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: str
     if extra and strict:
         raise CheckpointError(f"{path}: {len(extra)} checkpoint entries have no place in this optimizer: "
                               f"{', '.join(extra[:10])}; pass strict=False to ignore them")
-    state_dict = {k: placed[k].local if k in placed else v for k, v in osd.items()}
-    read_checkpoint(path, metadata, state_dict, placed)
-    for k, v in state_dict.items():
-        if k not in placed:
-            osd[k] = v
+    if spmd:
+        _read_to_devices(path, metadata, osd, placed, splits)
+    else:
+        state_dict = {k: placed[k].local if k in placed else v for k, v in osd.items()}
+        read_checkpoint(path, metadata, state_dict, placed)
+        for k, v in state_dict.items():
+            if k not in placed:
+                osd[k] = v
     set_optimizer_state_dict(model, optimizer, osd, options=_options())
+
+
+def _read_to_devices(path, metadata, osd: dict, placed: dict[str, Placed], splits: dict) -> None:
+    """Read the SPMD state tensors into their host buffers about ``WINDOW_BYTES`` at a time
+    (one collective DCP read per window; the plain values with the first), each window put
+    onto the devices (``osd`` updated) before the next is read, so the host holds one window."""
+    plain = [k for k in osd if k not in placed]
+    windows, size = [plain], 0
+    for k, p in placed.items():
+        if size >= WINDOW_BYTES:
+            windows.append([])
+            size = 0
+        windows[-1].append(k)
+        size += p.local.numel() * p.local.element_size()
+    for keys in windows:
+        state_dict = {k: placed[k].local if k in placed else osd[k] for k in keys}
+        read_checkpoint(path, metadata, state_dict, {k: placed[k] for k in keys if k in placed})
+        for k in keys:
+            if k in placed:
+                spec, axis = splits[k]
+                device = osd[k].device
+                osd[k] = chunks_to_devices(placed.pop(k), spec, axis, device, name=k)
+            else:
+                osd[k] = state_dict[k]
 
 
 __all__ = ["load_optimizer", "save_optimizer"]
