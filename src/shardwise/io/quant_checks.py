@@ -12,7 +12,6 @@ for a scale only where every rank's blocks are whole (``tie_aligned``); elsewher
 from __future__ import annotations
 
 import json
-import sys
 
 from torch import nn
 
@@ -55,17 +54,14 @@ def check_quantized_source(source, specs: ResolvedPlan, mesh) -> None:
     """Refuse a checkpoint whose ``weight_block_size`` is not the FP8 modules' ``block_size``,
     and FP8 scales cut by shard boundaries from a source that splits tensors evenly (rank-local
     sharded safetensors): the safetensors and DCP sources read scale regions."""
-    from shardwise.io.formats.safetensors.source import SafetensorsSource
-
     if not specs.ties:
         return
-    dcp = sys.modules.get("shardwise.io.formats.dcp.checkpoint")  # imported if the source is a DCP one
-    if dcp is not None and isinstance(source, dcp.DcpSource):
+    if source.name == "dcp":
         return  # canonical scales, read at their regions; another block size is another shape
-    if isinstance(source, SafetensorsSource):  # the checkpoint's block size is the FP8 modules'
-        config = source.ckpt.root / "config.json"
+    if source.name == "safetensors":  # the checkpoint's block size is the FP8 modules'
+        config = source.root / "config.json"
         fp8 = {s: t for s, t in specs.ties.items() if t.scheme == "fp8_block"}
-        block = checkpoint_block(source.ckpt.root) if fp8 and _has_quantization(config) else None
+        block = checkpoint_block(source.root) if fp8 and _has_quantization(config) else None
         # the checkpoint's block is on the last two dims (experts have a 1 before it)
         wrong = [(s, t.block) for s, t in fp8.items() if block is not None and t.block[-2:] != block]
         if wrong and block is not None:  # (wrong is empty without a block)
