@@ -169,33 +169,6 @@ def _wire(model: nn.Module, specs: ResolvedPlan, state: ShardState) -> None:
         else:
             wire_local(module, style, state)
     guard_cut_experts(model, specs)  # FP8 experts whose shards cut blocks: their kernels would be wrong
-    if dtensor:
-        _replicated_as_dtensor(model, state, converted)
-
-
-def _replicated_as_dtensor(model: nn.Module, state: ShardState, converted: dict) -> None:
-    """DTensor holding: every parameter still plain (replicated: a norm, a router, an unplanned
-    layer) becomes a ``Replicate()`` DTensor on the tp axis (else the ep axis), and its module
-    runs on the local tensors. torch's foreach optimizers (AdamW's default on CUDA and on
-    PrivateUse1 devices) refuse a parameter list that mixes DTensor and plain tensors."""
-    from torch.distributed.tensor import DTensor, Replicate
-
-    mesh = state.tp_mesh if state.tp_mesh is not None else state.ep_mesh
-    if mesh is None:  # nothing tensor or expert parallel: no DTensor at all
-        return
-    for path, module in model.named_modules():
-        plain = [(n, p) for n, p in module._parameters.items()
-                 if p is not None and not is_dtensor(p)
-                 and state.specs.spec_of(f"{path}.{n}" if path else n).replicated]
-        for pname, p in plain:
-            done = converted.get(id(p))
-            if done is None:  # the first module of a tied weight converts it; the others reuse it
-                d = DTensor.from_local(p.data, mesh, [Replicate()], run_check=False)
-                done = (p, _as_parameter(d, p.requires_grad))
-                converted[id(p)] = done
-            module.register_parameter(pname, done[1])
-        if plain:
-            run_on_local_params(module)
 
 
 def parallelize(model: nn.Module, plan, mesh, *, holding: str | None = None, ep_plan=None) -> nn.Module:

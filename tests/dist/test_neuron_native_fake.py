@@ -101,12 +101,11 @@ def test_neuron_loads_forwards_and_saves_on_the_fake_torchneuron(tmp_path, lib):
         assert torch.equal(saved[name].view(torch.uint8), t.view(torch.uint8)), name
 
 
-# What the suite finds on the fake that gloo cannot show: {scenario: the error}. None now. It
-# found that AdamW's default on a device (CUDA, and PrivateUse1 devices such as "neuron") is the
-# foreach implementation, whose _foreach_mul_ refused the mix of DTensor and plain parameters that
-# dtensor holding gave (gloo's CPU default is the per-tensor loop); replicated parameters are
-# Replicate() DTensors now (tests/dist/test_dtensor_foreach.py).
-KNOWN_FAILURES: dict[str, str] = {}
+# What the suite finds on the fake that gloo cannot show: AdamW's default on a device (CUDA, and
+# PrivateUse1 devices such as "neuron") is the foreach implementation, whose _foreach_mul_ refuses
+# a list mixing DTensor and plain parameters, which is what dtensor holding gives (gloo's CPU
+# default is the per-tensor loop). The same fails on CUDA. Fixing it flips this test.
+KNOWN_FAILURES = {"optimizer_reshard": "got mixed torch.Tensor and DTensor"}
 
 
 def _validate(sysfs: str, lib: str, json_path: str):
