@@ -190,7 +190,7 @@ def _replicated_as_dtensor(model: nn.Module, state: ShardState, converted: dict)
         for pname, p in plain:
             done = converted.get(id(p))
             if done is None:  # the first module of a tied weight converts it; the others reuse it
-                d = DTensor.from_local(p.data, mesh, [Replicate()], run_check=False)
+                d = DTensor.from_local(p.data, cast("DeviceMesh", mesh), [Replicate()], run_check=False)
                 done = (p, _as_parameter(d, p.requires_grad))
                 converted[id(p)] = done
             module.register_parameter(pname, done[1])
