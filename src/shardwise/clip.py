@@ -50,7 +50,7 @@ def _grads(model_or_params) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
                 and state.holding is Holding.LOCAL):
             hidden_tp = state.coords(spec)[0]
         if is_dtensor(g):
-            dg = cast("DTensor", g)
+            dg = g
             mesh = dg.device_mesh
             if {"tp", "ep"} & set(mesh.mesh_dim_names or ()):
                 hidden_tp = 1

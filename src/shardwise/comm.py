@@ -132,6 +132,7 @@ class Pending:
         """Block until done; a failure or a timeout raises ``CollectiveError``. Idempotent."""
         work, self._work = self._work, None
         if work is not None:
+            assert self._backend is not None  # _start gives a started collective its backend
             self._backend.wait(work, self._what)
 
 

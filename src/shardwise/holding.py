@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import sys
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, TypeGuard
 
 import torch
 
@@ -67,7 +67,7 @@ class Holding(str, enum.Enum):
         return self is not Holding.SPMD
 
 
-def is_dtensor(tensor: object) -> bool:
+def is_dtensor(tensor: object) -> TypeGuard[DTensor]:
     """True when ``tensor`` is a ``torch.distributed.tensor.DTensor`` (a Parameter of one too).
 
     An ``isinstance`` check, without importing ``torch.distributed.tensor`` (about 0.3 s) for
@@ -82,7 +82,7 @@ def is_dtensor(tensor: object) -> bool:
 
 def local_of(tensor: torch.Tensor) -> torch.Tensor:
     """The local tensor of a DTensor (a plain tensor is returned as is)."""
-    return cast("DTensor", tensor).to_local() if is_dtensor(tensor) else tensor
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 __all__ = ["Holding", "is_dtensor", "local_of"]

@@ -14,6 +14,7 @@ Region math (``shardwise.core``) takes the plain ints of :meth:`MeshDims.coords`
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +22,9 @@ from shardwise.backends import current_backend
 from shardwise.core.spec import ShardSpec
 from shardwise.errors import PlanError
 from shardwise.holding import Holding
+
+if TYPE_CHECKING:
+    from shardwise.backends.base import Backend
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,7 +49,7 @@ class MeshDims:
     ep_rank: int = 0
     ep_group: object = field(repr=False, default=None)
     device: torch.device = torch.device("cpu")
-    backend: object = field(repr=False, default=None)  # the Backend that made the mesh, if any
+    backend: Backend | None = field(repr=False, default=None)  # the Backend that made the mesh, if any
 
     def __post_init__(self):
         # the public keyword takes strings; the value holds the enum

@@ -201,8 +201,8 @@ class SpmdMesh:
         positions = self._positions()
         for p in sorted(set(positions)):
             got = chunks.get(0 if dim is None else p)
-            ok = got is not None and got.device.type == "cpu"
-            if not ok or got.dtype != dtype or tuple(got.shape) != tuple(want):
+            if (got is None or got.device.type != "cpu"
+                    or got.dtype != dtype or tuple(got.shape) != tuple(want)):
                 have = None if got is None else f"{tuple(got.shape)} {got.dtype} on {got.device}"
                 raise ShardingError(f"{name}: chunk {p} of {degree} must be a CPU tensor {tuple(want)} "
                                     f"{dtype}, got {have}")
@@ -244,7 +244,7 @@ def local_regions(tensor: torch.Tensor) -> list[tuple[tuple[int, ...], tuple[int
 
     if not torch_xla._XLAC._get_xla_sharding_spec(tensor):  # no sharding: one whole copy
         return [((0,) * tensor.ndim, tuple(tensor.shape))]
-    seen = {}
+    seen: dict[tuple[int, ...], tuple[int, ...]] = {}
     for _, index in torch_xla._XLAC._get_local_shard_replica_and_indices([tensor])[0]:
         offsets, sizes = _box(index, tensor.shape)
         seen.setdefault(offsets, sizes)

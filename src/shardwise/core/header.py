@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -249,7 +249,7 @@ def _check_tiling(entries, data_size: int, source: str) -> None:
 
 
 def layout_header(
-    specs: Sequence[Spec], metadata: dict[str, str] | None = None
+    specs: Sequence[Spec], metadata: Mapping[str, str] | None = None
 ) -> tuple[bytes, dict[str, tuple[int, int]]]:
     """The file prefix (8-byte length + JSON padded with spaces to 8 bytes) for
     tensors laid out back to back in the order of ``specs`` (``(name, dtype, shape)``),

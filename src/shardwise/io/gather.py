@@ -41,7 +41,6 @@ from shardwise.parallel import ShardState, get_shard_state, local_of
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor
 
 # Bytes gathered per collective, all ranks together (see num_chunks).
 _CHUNK_BYTES = 64 << 20
@@ -189,7 +188,7 @@ def check_holding(name: str, t: torch.Tensor, state: ShardState | None) -> None:
             f"{name!r} is a DTensor, but shardwise did not parallelise this model (sw.parallelize or "
             "sw.load), so its shard layout is unknown; use sw.save(model, path, distributed=True)")
     meshes = [m for m in (state.tp_mesh, state.ep_mesh) if m is not None]
-    mesh = cast("DTensor", t).device_mesh
+    mesh = t.device_mesh
     if not any(mesh is m or mesh == m for m in meshes):
         names = mesh.mesh_dim_names
         raise UnsupportedModelError(

@@ -64,7 +64,7 @@ class WritePlan:
 
     files: tuple[PlannedFile, ...]
     header: Mapping[str, str] = field(default_factory=dict)
-    index: tuple[str, Mapping] | None = field(default=None, repr=False)
+    index: tuple[str, dict] | None = field(default=None, repr=False)  # the content goes to json.dumps
     parts: Mapping[str, StoredPart] = field(default_factory=dict, repr=False)
 
     def __repr__(self) -> str:

@@ -19,6 +19,7 @@ Saving is ``shardwise.io.spmd_save``.
 from __future__ import annotations
 
 import threading
+import typing
 
 import torch
 from torch import nn
@@ -32,6 +33,9 @@ from shardwise.io.staging import cast
 from shardwise.mesh import MeshDims
 from shardwise.parallel import install
 
+if typing.TYPE_CHECKING:
+    from shardwise.backends.xla_spmd import SpmdMesh
+
 
 class SpmdPlacement:
     """The wants of one process's devices (one per canonical chunk they hold), and the
@@ -41,7 +45,9 @@ class SpmdPlacement:
     window = WINDOW_BYTES
 
     def __init__(self, model: nn.Module, specs: ResolvedPlan, dims: MeshDims, dtype: torch.dtype | None):
-        self.tp_mesh, self.specs, self.dtype = dims.tp_mesh, specs, dtype
+        # typing.cast: staging's cast() converts dtypes; the SPMD holding's mesh (backends/xla_spmd)
+        self.tp_mesh = typing.cast("SpmdMesh", dims.tp_mesh)
+        self.specs, self.dtype = specs, dtype
         self._dims = dims
         self._shapes = {n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items()}
         self._keys: dict[str, tuple[str, int]] = {}

@@ -26,6 +26,7 @@ def spmd_placed(model: nn.Module) -> dict[str, Placed]:
     shards (``Backend.local_regions`` of the backend the model was loaded on). DCP drops the
     copies other processes also write."""
     state = get_shard_state(model)
+    assert state is not None and state.backend is not None  # an SPMD model, its mesh made by xla_spmd
     tensors = model.state_dict(keep_vars=True)
     state.backend.settle([tensors[name].detach() for name in state.specs])  # after a step: one program
     return {name: global_placed(tensors[name], state.backend, whole=spec.replicated)

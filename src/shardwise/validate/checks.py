@@ -8,11 +8,16 @@ tensor, so it is compared whole. Any mismatch raises :class:`Mismatch` naming th
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import torch
 
 from shardwise.backends.xla import settle
 from shardwise.core.spec import split
 from shardwise.holding import Holding, is_dtensor
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 # fp32 everywhere. The sharded run sums in another order than the one-process run (rowwise
 # reductions, all-reduced partial sums): ~1e-6 relative here; 1e-4 leaves room for device
@@ -65,8 +70,9 @@ def local_grad(p: torch.Tensor) -> torch.Tensor | None:
     g = p.grad
     if g is None:
         return None
-    if is_dtensor(g) and g.placements != p.placements:
-        g = g.redistribute(p.device_mesh, p.placements)
+    dp = cast("DTensor", p)  # read only when its gradient is a DTensor, which makes p one
+    if is_dtensor(g) and g.placements != dp.placements:
+        g = g.redistribute(dp.device_mesh, dp.placements)
     return local_of(g)
 
 
@@ -78,7 +84,8 @@ def expected_local(full: torch.Tensor, name: str, state, like: torch.Tensor) -> 
     want = full if spec.replicated else split(full, spec, *state.coords(spec))
     mesh = getattr(like, "device_mesh", None)
     axes = getattr(mesh, "mesh_dim_names", None) or ()
-    if "dp_shard" in axes:  # FSDP2: dim-0 chunks over dp_shard (an empty one past the end)
+    # FSDP2: dim-0 chunks over dp_shard (an empty one past the end); no mesh has no axes
+    if mesh is not None and "dp_shard" in axes:
         dp = mesh["dp_shard"]
         chunks, index = torch.chunk(want, dp.size(), dim=0), dp.get_local_rank()
         want = chunks[index] if index < len(chunks) else want[:0]

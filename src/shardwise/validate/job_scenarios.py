@@ -59,6 +59,7 @@ def crossload(job: Job) -> dict:
     box = [got]
     dist.broadcast_object_list(box, src=0, group=backend.coordination_group)
     got = box[0]
+    assert got is not None  # rank 0's, which it always sets
     if got.get("read_error"):
         raise Mismatch(f"the checkpoint written on {backend.name} does not load on CPU/gloo: "
                        f"{got['read_error']}")

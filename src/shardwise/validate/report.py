@@ -9,6 +9,7 @@ import json
 import os
 import platform
 import subprocess
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -222,7 +223,7 @@ def replace_generated(text: str, generated: str) -> str:
     return "".join([*lines[:start + 1], generated, *lines[end:]])
 
 
-def load_runs(paths: list[str | os.PathLike]) -> list[dict]:
+def load_runs(paths: Sequence[str | os.PathLike]) -> list[dict]:
     """The reports at ``paths``, by world size then backend (a shell glob sorts 16 before 2)."""
     runs = [json.loads(Path(p).read_text()) for p in paths]
     return sorted(runs, key=lambda run: (run["backend"], run["world_size"]))

@@ -29,6 +29,8 @@ from shardwise.validate.report import FAIL, PASS, UNSUPPORTED, Report, Result, r
 from shardwise.validate.scenarios import SCENARIOS, Job, Run, Unsupported, layout_limit
 from shardwise.validate.world import check_world, mesh_world
 
+Outcome = tuple[str, str, dict, bool]  # one rank's (status, reason, details, breaks the group)
+
 JOB_SCENARIOS = (("crossload", job_scenarios.crossload),
                  ("collective_timeout", job_scenarios.collective_timeout))
 
@@ -106,7 +108,7 @@ class Runner:
             raise Stop(f"{name}{f' at {layout}' if layout else ''}: {reason}")
         return result
 
-    def _attempt(self, fn, *args, where: str = ""):
+    def _attempt(self, fn, *args, where: str = "") -> tuple[Outcome, float]:
         """``(status, reason, details, breaks)`` of ``fn(*args)`` on this rank, and its seconds."""
         start = time.monotonic()
         try:
@@ -176,7 +178,9 @@ class Runner:
             path = tempfile.mkdtemp(prefix="shardwise-validate-", dir=base)
         box = [path]
         dist.broadcast_object_list(box, src=0, group=self._group)
-        return Path(box[0])
+        folder = box[0]
+        assert folder is not None  # rank 0's, which it always makes
+        return Path(folder)
 
     def _job(self, root: Path) -> Job:
         import safetensors.torch as st
@@ -197,6 +201,7 @@ class Runner:
             if not sc.applies(run.layout) or (self.only is not None and sc.name not in self.only):
                 continue
             missing = [n for n in sc.needs if done.get(n) != PASS]
+            outcome: Outcome
             if limit:
                 outcome, seconds = (UNSUPPORTED, limit, {}, False), 0.0
             elif missing:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +24,10 @@ from shardwise.validate.checks import Deferred, Mismatch, compare, compare_grads
 from shardwise.validate.layouts import Layout
 from shardwise.validate.model import EP_PLAN, MAX_NORM, TP_PLAN, Golden, batch, build, loss_of, optimizer_for
 
+if TYPE_CHECKING:
+    from shardwise.backends.base import Backend
+    from shardwise.io.pipeline import LoadResult
+
 
 class Unsupported(Exception):
     """This backend cannot run the scenario; the message says why."""
@@ -32,7 +37,7 @@ class Unsupported(Exception):
 class Job:
     """What every scenario of the run shares (the same on every rank)."""
 
-    backend: object
+    backend: Backend
     golden: Golden
     truth: dict[str, torch.Tensor]        # the canonical tensors of the source checkpoint
     root: Path                            # a folder every rank sees
@@ -53,7 +58,7 @@ class Run:
     folder: Path = field(default=Path("."))
 
 
-def layout_limit(backend, layout: Layout) -> str | None:
+def layout_limit(backend: Backend, layout: Layout) -> str | None:
     """Why ``backend`` cannot run ``layout`` at all, or None."""
     if layout.has("dp_shard") and backend.holding is Holding.LOCAL:
         return (f"dp_shard needs FSDP2 (fully_shard), which needs DTensor parameters; backend "
@@ -61,12 +66,12 @@ def layout_limit(backend, layout: Layout) -> str | None:
     return None
 
 
-def place(job: Job, layout: Layout, mesh, path) -> tuple[torch.nn.Module, object]:
+def place(job: Job, layout: Layout, mesh, path) -> tuple[torch.nn.Module, LoadResult]:
     """``sw.load`` the checkpoint at ``path`` into a meta model on ``mesh``, then FSDP2 over
     ``dp_shard`` (each layer, then the model), as users wrap it."""
     model = build(device="meta")
-    kwargs = {"ep_plan": EP_PLAN} if layout.has("ep") else {}
-    result = sw.load(model, path, plan=TP_PLAN, mesh=mesh, progress=False, **kwargs)
+    result = sw.load(model, path, plan=TP_PLAN, mesh=mesh, progress=False,
+                     ep_plan=EP_PLAN if layout.has("ep") else None)  # None: load's default
     if layout.has("dp_shard") and job.backend.holding is Holding.DTENSOR:
         from torch.distributed.fsdp import fully_shard
 
@@ -84,6 +89,12 @@ def _reshard_target(job: Job, run: Run) -> Layout:
         if layout_limit(job.backend, other) is None:
             return other
     return run.layout
+
+
+def _loaded(run: Run) -> torch.nn.Module:
+    """The model the ``load`` scenario placed (every other scenario needs it, directly or not)."""
+    assert run.model is not None  # the runner skips a scenario whose needs did not pass
+    return run.model
 
 
 def _state(model):
@@ -117,8 +128,9 @@ def judge_load(job: Job, layout: Layout, ranks: list[dict]) -> str | None:
 
 def forward_backward(job: Job, run: Run) -> dict:
     """Logits, loss and every gradient equal the one-process run's."""
+    model = _loaded(run)
     ids, targets = _to_device(job, *batch(0))
-    logits = run.model(ids)
+    logits = model(ids)
     loss = loss_of(logits, targets)
     checks.settle([logits, loss])  # torch_xla: one program for both
     later, out = Deferred(), {}
@@ -128,17 +140,18 @@ def forward_backward(job: Job, run: Run) -> dict:
         compare(loss.detach().reshape(1), torch.tensor([job.golden.loss]), "loss")
     loss.backward()
     with later:
-        out["grad_max_diff"] = compare_grads(run.model, job.golden.grads, _state(run.model), "gradient of")
+        out["grad_max_diff"] = compare_grads(model, job.golden.grads, _state(model), "gradient of")
     later.raise_first()
     return out
 
 
 def clip_grad_norm(job: Job, run: Run) -> dict:
     """``sw.clip_grad_norm_`` gives the one-process norm and clips like it."""
-    norm = sw.clip_grad_norm_(run.model, MAX_NORM).item()
+    model = _loaded(run)
+    norm = sw.clip_grad_norm_(model, MAX_NORM).item()
     if abs(norm - job.golden.norm) > 1e-5 * job.golden.norm:
         raise Mismatch(f"total norm {norm!r}, one process {job.golden.norm!r}")
-    grad = compare_grads(run.model, job.golden.clipped, _state(run.model), "clipped gradient of")
+    grad = compare_grads(model, job.golden.clipped, _state(model), "clipped gradient of")
     return {"norm": norm, "grad_max_diff": grad}
 
 
@@ -146,7 +159,7 @@ def gather_save(job: Job, run: Run) -> dict:
     """``sw.save`` of the loaded model writes the source file back, byte for byte."""
     out = run.folder / "gather"
     try:
-        sw.save(run.model, out, progress=False)
+        sw.save(_loaded(run), out, progress=False)
     except sw.UnsupportedModelError as e:
         if not run.layout.has("dp_shard"):
             raise
@@ -184,13 +197,13 @@ def dcp_reshard(job: Job, run: Run) -> dict:
     """A distributed save reloads byte-exact at another layout, consolidates (rank 0, one
     process) to the source's tensors, and both checkpoints verify."""
     dcp, merged = run.folder / "dcp", run.folder / "dcp-merged"
-    sw.save(run.model, dcp, distributed=True)
+    sw.save(_loaded(run), dcp, distributed=True)
     target = _reshard_target(job, run)
     mesh = job.backend.mesh(**target.mesh_axes)
     model, _ = place(job, target, mesh, dcp)
     compare_tensors(model.state_dict().items(), job.truth, _state(model), f"resharded to {target.name}",
                     exact=True)
-    details = {"reshard_to": target.name}
+    details: dict[str, object] = {"reshard_to": target.name}
     if job.backend.rank == 0:  # no collective follows: the other ranks go on to the verdict
         sw.consolidate(dcp, merged)
         _first_difference(merged, job)
@@ -218,7 +231,8 @@ def judge_replicas(job: Job, layout: Layout, ranks: list[dict]) -> str | None:
 def optimizer_reshard(job: Job, run: Run) -> dict:
     """AdamW steps on the clipped gradients; model and optimizer are saved, reloaded at another
     layout, and a second step there equals the one-process run's."""
-    model, backend, later, out = run.model, job.backend, Deferred(), {}
+    model, backend, later = _loaded(run), job.backend, Deferred()
+    out: dict[str, object] = {}
     optimizer = optimizer_for(model.parameters())
     optimizer.step()
     with later:

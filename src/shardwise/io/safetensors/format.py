@@ -131,7 +131,7 @@ class StreamingWriter:
     """
 
     def __init__(
-        self, path: str | os.PathLike, specs: Sequence[Spec], metadata: dict[str, str] | None = None,
+        self, path: str | os.PathLike, specs: Sequence[Spec], metadata: Mapping[str, str] | None = None,
         *, checksums: bool = True,
     ):
         self.path = Path(path)

@@ -17,13 +17,19 @@ import io
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeGuard, cast
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import (
     _create_read_items,
@@ -35,6 +41,10 @@ from shardwise.core.spec import Layout, Region, ShardSpec, chunk_layout, global_
 from shardwise.errors import CheckpointError
 from shardwise.holding import is_dtensor
 from shardwise.io.info import chunk_key, tensor_checksum
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import Placement
 
 
 @dataclass(frozen=True)
@@ -61,8 +71,9 @@ def _chunk_size(n: int, num_chunks: int, index: int) -> int:
     return min(lo + step, n) - lo
 
 
-def _is_split(p) -> bool:
-    # torch 2.13's _StridedShard is not a Shard subclass and answers is_shard() False
+def _is_split(p: Placement) -> TypeGuard[Shard]:
+    # torch 2.13's _StridedShard is not a Shard subclass and answers is_shard() False (it has
+    # Shard's dim, all that is read of a split placement here)
     return p.is_shard() or type(p).__name__ == "_StridedShard"
 
 
@@ -89,7 +100,8 @@ def place(tensor: torch.Tensor, spec: ShardSpec | None, degree: int, tp_rank: in
         tp_index = names.index(axis) if axis in names else None
         if spec is None and tp_index is not None:
             p = tensor.placements[tp_index]
-            spec = ShardSpec(dim=p.dim) if p.is_shard() else ShardSpec()
+            spec = ShardSpec(dim=cast("Shard", p).dim) if p.is_shard() else ShardSpec()
+            assert coord is not None  # this rank holds a shard of the DTensor: it is on its mesh
             degree, tp_rank = mesh.size(tp_index), coord[tp_index]
         spec = spec or ShardSpec()
         for i, p in enumerate(tensor.placements):
@@ -109,6 +121,7 @@ def place(tensor: torch.Tensor, spec: ShardSpec | None, degree: int, tp_rank: in
                         f"tensor {name!r}: {p} on mesh axis {names[i]!r} splits the tp shard dim "
                         "before tp; shardwise supports FSDP2's layout (fully_shard applied after "
                         "tensor parallelism)")
+                assert coord is not None  # as above
                 chunks.append((p.dim, mesh.size(i), coord[i]))
             elif not p.is_replicate():
                 raise CheckpointError(f"tensor {name!r} has a {p} placement (a pending reduction); "
@@ -130,7 +143,7 @@ def place(tensor: torch.Tensor, spec: ShardSpec | None, degree: int, tp_rank: in
 
 def layout_shape(shape, spec: ShardSpec, degree: int) -> tuple[int, ...]:
     out = list(shape)
-    if not spec.replicated:
+    if spec.dim is not None:  # not spec.replicated
         out[spec.dim] //= degree
     return tuple(out)
 
@@ -184,6 +197,7 @@ class CanonicalSavePlanner(DefaultSavePlanner):
     def resolve_data(self, write_item: WriteItem):
         fqn = write_item.index.fqn
         if fqn in self._placed:
+            assert write_item.index.offset is not None  # create_local_plan gave each piece its offset
             off, sizes = self._pieces[(fqn, tuple(write_item.index.offset))]
             return _exact(self.state_dict[fqn][Region(off, sizes).slices()])
         return super().resolve_data(write_item)
@@ -216,6 +230,7 @@ class CanonicalLoadPlanner(DefaultLoadPlanner):
         self._pieces = _pieces(placed)
 
     def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None  # DCP calls set_up_planner with it first
         md = self.metadata.state_dict_metadata
         requests = []
         for fqn, obj in self.state_dict.items():
@@ -224,7 +239,8 @@ class CanonicalLoadPlanner(DefaultLoadPlanner):
                 requests += _create_read_items(fqn, md[fqn], obj)
                 continue
             chunks = [ChunkStorageMetadata(torch.Size(r.offsets), torch.Size(r.sizes)) for r, _ in p.layout]
-            requests += create_read_items_for_chunk_list(fqn, md[fqn], chunks)
+            # a Placed value is a tensor: its entry is TensorStorageMetadata
+            requests += create_read_items_for_chunk_list(fqn, cast(TensorStorageMetadata, md[fqn]), chunks)
         return LoadPlan(requests)
 
     def resolve_tensor(self, read_item):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Mapping
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -34,6 +35,9 @@ from shardwise.io.spmd import chunks_to_devices, host_placed
 from shardwise.io.spmd_save import SpmdSavePlanner, global_placed
 from shardwise.parallel import get_shard_state
 
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.state_dict import OptimizerStateType, ValueType
+
 _STATE = "state."
 
 
@@ -41,6 +45,14 @@ def _options():
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _get_flat(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, ValueType]:
+    """torch's ``get_optimizer_state_dict`` under :func:`_options`: one value per key (torch
+    types its result as the nested form, ``{"state": ..., "param_groups": ...}``)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return cast("dict[str, ValueType]", get_optimizer_state_dict(model, optimizer, options=_options()))
 
 
 def _param_of(key: str) -> str | None:
@@ -58,10 +70,13 @@ def _placed(model: nn.Module, osd: Mapping) -> dict[str, Placed]:
         pname = _param_of(key)
         param = params.get(pname) if pname is not None else None
         if param is not None and tuple(value.shape) == tuple(param.shape):
-            spec = state.specs.get(pname, ShardSpec()) if state is not None else None
-            degree, rank = state.coords(spec) if state is not None else (1, 0)
+            spec: ShardSpec | None = None
+            degree, rank = 1, 0
+            if state is not None:
+                spec = state.specs.get(pname, ShardSpec())
+                degree, rank = state.coords(spec)
             out[key] = place(value, spec, degree, rank, name=key)
-        elif is_dtensor(value) or (param is not None and value.dim() > 0
+        elif is_dtensor(value) or (param is not None and pname is not None and value.dim() > 0
                                                     and _is_sharded(model, pname, param)):
             raise CheckpointError(
                 f"optimizer state {key!r} has shape {tuple(value.shape)}, unlike its sharded "
@@ -81,6 +96,7 @@ def _spmd_spec(model: nn.Module, key: str, value: torch.Tensor) -> tuple[ShardSp
     """The spec and axis mesh a global state tensor is split by: its parameter's when shaped
     like it, else replicated."""
     state = get_shard_state(model)
+    assert state is not None  # called for an SPMD model (_spmd), which has its state
     pname = _param_of(key)
     param = dict(model.named_parameters()).get(pname) if pname is not None else None
     if param is None or tuple(value.shape) != tuple(param.shape):
@@ -123,13 +139,12 @@ def save_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: str
 
     >>> sw.save_optimizer(model, optimizer, "out/optim")   # doctest: +SKIP
     """
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    osd = get_optimizer_state_dict(model, optimizer, options=_options())
+    osd = _get_flat(model, optimizer)
     planner = None
     state = get_shard_state(model)
     if state is not None and state.holding == "spmd":  # global tensors: this process's shards
         backend = state.backend
+        assert backend is not None  # an SPMD mesh is made by its backend (xla_spmd)
         backend.settle(list(osd.values()))  # one program for every pending state, not one each
         placed = {k: global_placed(v, backend) for k, v in osd.items() if isinstance(v, torch.Tensor)}
         planner = SpmdSavePlanner(placed, backend)
@@ -152,17 +167,18 @@ def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: str
     >>> optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)   # doctest: +SKIP
     >>> sw.load_optimizer(model, optimizer, "out/optim")            # doctest: +SKIP
     """
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     metadata = read_metadata(path)
     # Builds the state (a zero step) when the optimizer has not stepped yet, so there are
     # tensors of the right local shapes to read into.
     with _gradients_aside(optimizer):
-        osd = get_optimizer_state_dict(model, optimizer, options=_options())
+        osd = _get_flat(model, optimizer)
     spmd = _spmd(model)
     if spmd:
-        splits = {k: _spmd_spec(model, k, v) for k, v in osd.items() if isinstance(v, torch.Tensor)}
-        placed = {k: host_placed(osd[k], spec, axis) for k, (spec, axis) in splits.items()}
+        tensors = {k: v for k, v in osd.items() if isinstance(v, torch.Tensor)}
+        splits = {k: _spmd_spec(model, k, v) for k, v in tensors.items()}
+        placed = {k: host_placed(tensors[k], spec, axis) for k, (spec, axis) in splits.items()}
     else:
         placed = _placed(model, osd)
     missing, _ = check_tensors(path, metadata, {k: p.shape for k, p in placed.items()}, strict=False)
@@ -184,7 +200,8 @@ def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: str
         for k, v in state_dict.items():
             if k not in placed:
                 osd[k] = v
-    set_optimizer_state_dict(model, optimizer, osd, options=_options())
+    # flattened, as _options says (torch types the argument as the nested form)
+    set_optimizer_state_dict(model, optimizer, cast("OptimizerStateType", osd), options=_options())
 
 
 def _read_to_devices(path, metadata, osd: dict, placed: dict[str, Placed], splits: dict) -> None:

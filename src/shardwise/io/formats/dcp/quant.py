@@ -13,7 +13,6 @@ and keeps the stored dtypes of the weights and scales, whatever ``sw.load``'s ``
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -31,9 +30,6 @@ from shardwise.io.formats.dcp.items import Placed, place
 from shardwise.io.source import Want
 from shardwise.io.staging import loaded_dtype
 
-if TYPE_CHECKING:
-    from torch.distributed.tensor import DTensor
-
 FLOAT8 = frozenset(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
                                                  "float8_e5m2fnuz") if hasattr(torch, n))
 
@@ -45,7 +41,7 @@ def scale_placed(tensor: torch.Tensor, tie: QuantTie, spec: ShardSpec, degree: i
     DTensor, FSDP over it); else they are a plain local tensor held as ``scale_layout`` says."""
     if tie_aligned(tie, spec, degree):
         return place(tensor, spec, degree, rank, name=name)
-    local = cast("DTensor", tensor).to_local() if is_dtensor(tensor) else tensor
+    local = tensor.to_local() if is_dtensor(tensor) else tensor
     want = scale_local_shape(tie, spec, degree, rank)
     if tuple(local.shape) != want:
         raise CheckpointError(f"tensor {name!r}: local scales of shape {tuple(local.shape)}, but rank {rank} "
