@@ -6,7 +6,7 @@ The output is byte-identical to ``sw.save`` (the gather save) of the same model:
 names in the same order, the same file split and naming, the same headers, index and
 ``shardwise.json`` (the checksums of the tensors as written); the side files beside the
 source (``config.json`` & co) are copied. It is streamed: each tensor is read whole from only
-its own stored bytes (``Source.read_box``), written and freed, so memory stays near one
+its own stored bytes (``Stored.read_box``), written and freed, so memory stays near one
 tensor. Every dtype works, integer and bool included. The files are written aside and moved
 into place like ``sw.save``.
 """
@@ -32,11 +32,11 @@ from shardwise.io.safetensors.hub_save import StoredPart, hub_save_layout, share
 from shardwise.io.safetensors.sink import plan_checkpoint
 from shardwise.io.side_files import copy_side_files
 from shardwise.io.sink import WritePlan
-from shardwise.io.source import Source
+from shardwise.io.source import Stored
 from shardwise.io.target import Destination, target_path
 
 
-def consolidation_plan(source: Source, *, max_shard_size: int | str = "5GB", filename_prefix: str = "model",
+def consolidation_plan(source: Stored, *, max_shard_size: int | str = "5GB", filename_prefix: str = "model",
                        layout: str = "hub") -> WritePlan:
     """The ``WritePlan`` for consolidating ``source``: the one ``sw.save`` makes for the same
     tensors (``plan_checkpoint``), in the hub layout (``plan.parts``: ``{stored name:
@@ -95,7 +95,7 @@ class _WholeTensors:
     """Whole stored tensors of a Source, and the hub layout's tensors assembled from them;
     each stored tensor a hub tensor needs is read once and kept until its last box is written."""
 
-    def __init__(self, source: Source, parts: Mapping[str, StoredPart]):
+    def __init__(self, source: Stored, parts: Mapping[str, StoredPart]):
         self.source, self.parts = source, parts
         self.shapes = {n: s for n, (_, s) in source.tensors().items()}
         self._held: dict[str, torch.Tensor] = {}

@@ -1,11 +1,12 @@
-"""The seam between the tools and a checkpoint format: a :class:`Source` per format.
+"""The seam between the tools and a checkpoint format: two small protocols, :class:`Source`
+(a load) and :class:`Stored` (the offline tools), which each format's source implements.
 
 Every format is a plugin under ``shardwise.io.formats`` (``safetensors``: files, indexes, hub
 layouts, FP8/MXFP4 variants; ``sharded``: rank-local sharded safetensors; ``dcp``: torch DCP,
 read through torch's own planner and reader); ``shardwise.io.formats.open_source`` picks the
 one that claims a path. ``sw.load`` (``shardwise.io.load``) is one pipeline over it: guards ->
 plan -> ``open_source`` -> ``match`` -> ``plan`` -> ``read`` -> place (``shardwise.io.place``).
-``consolidate``, ``verify``, ``diff`` and ``inspect`` use the same Source: ``tensors()`` lists
+``consolidate``, ``verify``, ``diff`` and ``inspect`` use the same object as a Stored: ``tensors()`` lists
 what is stored, ``read_box`` reads any box of a stored tensor, ``describe`` and ``blobs`` say
 how it is stored and give its bytes to checksum.
 """
@@ -101,37 +102,18 @@ class Blob:
     own: bool = False
 
 
-class Source(Protocol):
-    """One checkpoint format, opened by ``shardwise.io.formats.open_source``.
-
-    A load: every rank calls, in order, ``match`` once, ``plan`` once, ``read`` once (``read``
-    may run collectives: DCP always, safetensors with dp replicas). The offline tools (one
-    process) call ``tensors``, ``describe``, ``blobs`` and ``read_box`` in any order, and
-    ``close`` when done. ``bytes_read`` counts tensor bytes this rank read for a load;
-    ``root`` is the folder holding the checkpoint (its ``config.json`` and side files);
-    ``name`` is the registry's name of the format."""
+class Stored(Protocol):
+    """What the offline tools (``consolidate``, ``verify``, ``diff``, ``inspect``: one process,
+    no collective) ask of a checkpoint: ``tensors``, ``describe``, ``blobs`` and ``read_box`` in
+    any order, then ``close``. ``root`` is the folder holding the checkpoint (its
+    ``config.json`` and side files); ``name`` is the registry's name of the format."""
 
     name: str
     root: Path
-    bytes_read: int
 
     def tensors(self) -> Mapping[str, tuple[torch.dtype, tuple[int, ...]]]:
         """Every stored tensor: name -> (dtype, global shape), in the order a consolidation
         writes them."""
-        ...
-
-    def match(self, model: nn.Module, specs: ResolvedPlan, *, strict: bool) -> tuple[list[str], list[str]]:
-        """``(missing, unexpected)`` keys; raises ``CheckpointError`` for a shape or dtype that
-        disagrees with the model and, when ``strict``, for missing keys."""
-        ...
-
-    def plan(self, wants: Mapping[str, Want]) -> Reads:
-        """The reads giving each wanted local tensor (names among the matched ones). Pure."""
-        ...
-
-    def read(self, reads: Reads, *, finalize: Finalize, options: ReadOptions,
-             on_bytes: Callable[[int], None] | None = None) -> dict[str, Any]:
-        """``{key: finalize(key, local tensor)}`` for every key of ``reads.wants``."""
         ...
 
     def read_box(self, name: str, box: Region) -> torch.Tensor:
@@ -158,4 +140,34 @@ class Source(Protocol):
         ...
 
 
-__all__ = ["Blob", "Description", "Finalize", "ReadOptions", "Reads", "Source", "Want"]
+class Source(Protocol):
+    """What ``sw.load`` asks of a checkpoint: every rank calls, in order, ``match`` once, ``plan``
+    once, ``read`` once (``read`` may run collectives: DCP always, safetensors with dp
+    replicas). ``bytes_read`` counts tensor bytes this rank read."""
+
+    name: str
+    root: Path
+    bytes_read: int
+
+    def match(self, model: nn.Module, specs: ResolvedPlan, *, strict: bool) -> tuple[list[str], list[str]]:
+        """``(missing, unexpected)`` keys; raises ``CheckpointError`` for a shape or dtype that
+        disagrees with the model and, when ``strict``, for missing keys."""
+        ...
+
+    def plan(self, wants: Mapping[str, Want]) -> Reads:
+        """The reads giving each wanted local tensor (names among the matched ones). Pure."""
+        ...
+
+    def read(self, reads: Reads, *, finalize: Finalize, options: ReadOptions,
+             on_bytes: Callable[[int], None] | None = None) -> dict[str, Any]:
+        """``{key: finalize(key, local tensor)}`` for every key of ``reads.wants``."""
+        ...
+
+
+class OpenedSource(Source, Stored, Protocol):
+    """What a format plugin's ``open_source`` returns: one object that serves both a load
+    (:class:`Source`) and the offline tools (:class:`Stored`)."""
+
+
+__all__ = ["Blob", "Description", "Finalize", "OpenedSource", "ReadOptions", "Reads", "Source", "Stored",
+           "Want"]

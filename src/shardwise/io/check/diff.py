@@ -2,8 +2,8 @@
 
 Any two checkpoints a format plugin opens (``shardwise.io.formats.open_source``: safetensors,
 one file or sharded; sharded safetensors and DCP at any degree), since all hold canonical
-tensors under the model's names, each side a loop over its ``Source.tensors()`` read through
-``Source.read_box``; and a transformers
+tensors under the model's names, each side a loop over its ``Stored.tensors()`` read through
+``Stored.read_box``; and a transformers
 model's hub layout (``save_pretrained``'s names, per-expert tensors) against its module
 names, through the conversion mapping of the model its ``config.json`` names. Streaming: each tensor is
 read in slabs of whole rows (at most 64 MB from each side at a time), from only the chunks
@@ -31,7 +31,7 @@ from shardwise.errors import CheckpointError
 from shardwise.io.check.inspect import print_safely
 from shardwise.io.check.quant import Dequantizing, fp8_pairs
 from shardwise.io.formats import open_source
-from shardwise.io.source import Source
+from shardwise.io.source import Stored
 
 _SLAB_BYTES = 64 << 20
 
@@ -95,9 +95,9 @@ class DiffReport:
 
 class _Side:
     """One side of a diff: a Source's tensors (``{name: (dtype, shape)}``) read in slabs of
-    whole rows (``rows(name, lo, hi)``, through ``Source.read_box``), and its ``root``."""
+    whole rows (``rows(name, lo, hi)``, through ``Stored.read_box``), and its ``root``."""
 
-    def __init__(self, source: Source):
+    def __init__(self, source: Stored):
         self.source, self.root = source, source.root
         self.tensors = dict(source.tensors())
 

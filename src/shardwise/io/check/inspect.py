@@ -1,7 +1,7 @@
 """``shardwise inspect PATH``: what a checkpoint is, without loading a tensor.
 
 The checkpoint is opened by its format plugin (``shardwise.io.formats.open_source``) and
-described from ``Source.tensors()`` and ``Source.describe()``: a safetensors file or folder
+described from ``Stored.tensors()`` and ``Stored.describe()``: a safetensors file or folder
 (one file, or sharded with an index) from its validated headers; a sharded safetensors
 checkpoint from its headers' chunk maps; a torch distributed checkpoint from its
 ``.metadata`` (unpickled with DCP's classes only); either distributed one with the layout

@@ -40,7 +40,7 @@ from shardwise.io.check.inspect import print_safely
 from shardwise.io.check.quant import has_config, quant_pairs, quantization_config
 from shardwise.io.formats import format_of
 from shardwise.io.info import INFO_FILE, read_info, recorded_checksums
-from shardwise.io.source import Source
+from shardwise.io.source import Stored
 
 
 @dataclass
@@ -174,7 +174,7 @@ _KINDS = {"sharded": "sharded safetensors"}  # the report's name of a format, wh
 _UNRECORDED = {"dcp": "each chunk is checked against the CRC-32 of its zip record"}
 
 
-def _verify_source(source: Source, report: VerifyReport) -> dict[str, tuple[str, tuple]]:
+def _verify_source(source: Stored, report: VerifyReport) -> dict[str, tuple[str, tuple]]:
     """Every blob of ``source`` (a whole tensor, or a chunk) against the checksum recorded for
     it in ``shardwise.json``, else against the format's own (DCP's zip CRC-32) where it keeps
     one; every recorded checksum whose blob is gone is a problem. Returns ``{name:

@@ -3,7 +3,7 @@
 Each format is a package under ``shardwise.io.formats`` whose ``__init__`` stays light and
 offers ``NAME``, ``DEQUANTIZES`` (whether it can read FP8 weights into plain model tensors),
 ``claims(path)`` ("is this mine?") and ``open_source(path, **options)`` (its
-:class:`~shardwise.io.source.Source`, the format's heavy modules imported only then).
+:class:`~shardwise.io.source.OpenedSource`, the format's heavy modules imported only then).
 :func:`open_source` is how ``sw.load``, ``sw.consolidate``, ``sw.verify``, ``sw.diff`` and
 ``shardwise inspect`` open a checkpoint: the first format, in :data:`FORMATS` order, that
 claims the path.
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from shardwise.errors import UsageError
 
 if TYPE_CHECKING:
-    from shardwise.io.source import Source
+    from shardwise.io.source import OpenedSource
 
 # name -> plugin package, in the order they are asked whether a path is theirs
 FORMATS: dict[str, str] = {
@@ -76,8 +76,8 @@ def format_of(path: str | os.PathLike) -> ModuleType:
     raise UsageError(f"{path}: no checkpoint format claims it; known formats: {', '.join(FORMATS)}")
 
 
-def open_source(path: str | os.PathLike, *, dequantize: bool = False) -> Source:
-    """The :class:`~shardwise.io.source.Source` of the checkpoint at ``path``, its format
+def open_source(path: str | os.PathLike, *, dequantize: bool = False) -> OpenedSource:
+    """The :class:`~shardwise.io.source.OpenedSource` of the checkpoint at ``path``, its format
     detected once (:func:`format_of`). ``dequantize``: FP8 weights with block scales into
     plain model tensors, for the formats that can (ordinary safetensors); asking it of
     another raises ``UsageError``.
