@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from hf.fp8_models import stored_tensors
+from hf.fp8_models import inputs, logits, stored_tensors  # the same prompt and logits
 
 SHARD_SIZE = "40KB"  # several files: the index is exercised
 EXPERTS = ("gate_up_proj", "down_proj")
@@ -132,19 +132,6 @@ def reference_model(folder: str | Path, dtype: torch.dtype) -> torch.nn.Module:
     model = model_class()._from_config(config(), dtype=dtype)
     model.load_state_dict(dequantized_state(folder, dtype), strict=True)
     return model.eval()
-
-
-def inputs() -> dict:
-    gen = torch.Generator().manual_seed(1)
-    return {"input_ids": torch.randint(0, 96, (2, 7), generator=gen)}
-
-
-def logits(model: torch.nn.Module) -> torch.Tensor:
-    with torch.no_grad():
-        out = model(**inputs()).logits
-    if type(out).__name__ == "DTensor":
-        out = out.full_tensor()
-    return out.detach().float().cpu()
 
 
 __all__ = [
