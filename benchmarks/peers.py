@@ -111,7 +111,7 @@ def rank_run(method: str, kind: str, folder: str, tp: int, tokens: int = 16) -> 
     # Imports are not part of a load: the library's, and shardwise's modules that a load imports
     # on first use (this environment may not cache bytecode, so each would compile here).
     pm.model_class(kind)
-    import shardwise.hf  # noqa: F401
+    import shardwise.hf.pretrained  # noqa: F401
     import shardwise.io.load  # noqa: F401
     if method == "diffusers":
         _patch_diffusers_for_cpu()

@@ -36,12 +36,13 @@ from shardwise.errors import (
     UnsupportedModelError,
     UsageError,
 )
+from shardwise.hf import adapter as _hf_adapter  # registers the Hugging Face model adapter
 from shardwise.parallel import get_shard_state, parallelize
 
 if TYPE_CHECKING:  # what type checkers see for the names below, which load on first use
     from shardwise.clip import clip_grad_norm_ as clip_grad_norm_
-    from shardwise.hf import empty_model as empty_model
-    from shardwise.hf import from_pretrained as from_pretrained
+    from shardwise.hf.pretrained import empty_model as empty_model
+    from shardwise.hf.pretrained import from_pretrained as from_pretrained
     from shardwise.io.check.diff import diff as diff
     from shardwise.io.check.inspect import inspect_checkpoint as inspect  # noqa: F401 - in __all__ via _ALIASES
     from shardwise.io.check.inspect import inspect_checkpoint as inspect_checkpoint
@@ -65,8 +66,8 @@ _LAZY = {
     "clip_grad_norm_": "shardwise.clip",
     "verify": "shardwise.io.check.verify",
     "diff": "shardwise.io.check.diff",
-    "from_pretrained": "shardwise.hf",
-    "empty_model": "shardwise.hf",
+    "from_pretrained": "shardwise.hf.pretrained",
+    "empty_model": "shardwise.hf.pretrained",
     "validate": "shardwise.validate",
 }
 # public names bound to a function of another name: ``sw.inspect`` (DESIGN.md's twin of

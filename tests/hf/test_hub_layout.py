@@ -82,7 +82,7 @@ def test_hub_layout_loads_at_tp2_in_both_holdings(tmp_path, kind):
 def test_conversion_that_is_not_a_region_map_is_refused(tmp_path):
     # A stored tensor that transformers would transpose cannot be streamed: refuse by name.
     from shardwise.errors import CheckpointError
-    from shardwise.io.safetensors.hub_layout import _apply, _Virtual
+    from shardwise.hf.hub_layout import _apply, _Virtual
 
     class Transpose:
         dim0, dim1 = 0, 1

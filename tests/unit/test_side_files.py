@@ -5,7 +5,7 @@ import pytest
 from torch import nn
 
 import shardwise as sw
-from shardwise.io.side_files import default_prefix, index_metadata, write_side_files
+from shardwise.hf.files import default_prefix, index_metadata, write_side_files
 
 
 def _hf_folder(folder, *extra):

@@ -7,9 +7,12 @@ fused stored tensor split into several; distributed checkpoints' chunks). Pure, 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import torch
+
+from shardwise.core.header import TensorEntry
 from shardwise.core.spec import Layout, Region, Shape, intersect
 from shardwise.errors import ShardingError
 
@@ -36,6 +39,61 @@ class Piece:
         for d in range(len(self.offsets)):
             sizes.append(1 if d in self.stacked else next(it))
         return Region(self.offsets, tuple(sizes))
+
+
+@dataclass(frozen=True)
+class Composite:
+    """One model tensor assembled from stored tensors: its canonical shape and pieces, and
+    where each stored tensor lives (``{stored key: (file, entry)}``)."""
+
+    shape: tuple[int, ...]
+    pieces: tuple[Piece, ...]
+    stored: dict
+
+    @property
+    def entry(self) -> TensorEntry:
+        return next(iter(self.stored.values()))[1]
+
+
+@dataclass(frozen=True)
+class StoredPart:
+    """One tensor of the hub layout, of ``shape`` and ``dtype``, assembled from boxes of model
+    tensors: each ``(model tensor, piece)`` of ``fragments`` puts ``model_tensor[piece.box()]``
+    (its ``piece.stacked`` dims squeezed) at ``piece.source`` of the stored tensor."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+    fragments: tuple[tuple[str, Piece], ...]
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """The model tensors this stored tensor is made of, each once, in fragment order."""
+        return tuple(dict.fromkeys(name for name, _ in self.fragments))
+
+    @property
+    def whole(self) -> bool:
+        """Whether the stored tensor is one box of one model tensor (no assembly buffer)."""
+        return len(self.fragments) == 1 and self.fragments[0][1].source.sizes == self.shape
+
+    def assemble(self, tensor: Callable[[str], torch.Tensor | None]) -> torch.Tensor | None:
+        """The stored tensor, contiguous, from ``tensor(model name)`` (called once per fragment,
+        in order; a box is copied out before the next call, so the callee may reuse its
+        buffer). None when ``tensor`` gives None (a rank that does not write)."""
+        out = None
+        for name, piece in self.fragments:
+            full = tensor(name)
+            if full is None:
+                continue
+            box = full[piece.box().slices()]
+            for d in sorted(piece.stacked, reverse=True):
+                box = box.squeeze(d)
+            if self.whole:
+                return box.contiguous()
+            if out is None:
+                out = torch.empty(self.shape, dtype=box.dtype, device=box.device)
+            out[piece.source.slices()] = box
+        return out
 
 
 def piece_reads(layout: Layout, pieces: Sequence[Piece]) -> list[tuple[Piece, Region, tuple[int, ...]]]:
@@ -82,4 +140,4 @@ def check_tiling(shape: Shape, pieces: Sequence[Piece], what: str) -> None:
                             f"{math.prod(shape)} elements of shape {tuple(shape)}")
 
 
-__all__ = ["Piece", "check_tiling", "piece_reads"]
+__all__ = ["Composite", "Piece", "StoredPart", "check_tiling", "piece_reads"]

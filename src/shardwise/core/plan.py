@@ -16,7 +16,8 @@ refusals are found from one place: the pairing of split projections in
 ``core/plan_pairs.py``, the degree checks (tensor sizes, head counts) in
 ``core/plan_degrees.py``, the rest here, then the checks registered with
 :func:`register_model_check`: those that read a model's forward source or know a model
-family live above core (``shardwise/plan_checks.py``) and core calls them without knowing them.
+family live above core (``shardwise/hf/model_checks.py``) and core
+calls them without knowing them.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from typing import Any
 
 from torch import nn
 
+from shardwise.core.adapter import adapter_for
 from shardwise.core.plan_degrees import check_degrees, head_counts
-from shardwise.core.plan_keys import check_some_key_matches, ep_plan_from_model, match_plan, plan_from_model
+from shardwise.core.plan_keys import check_some_key_matches, match_plan
 from shardwise.core.plan_pairs import check_pairs
 from shardwise.core.quant_layout import QuantTie, is_tied_scale, tie_scales
 from shardwise.core.spec import ShardSpec
@@ -46,7 +48,7 @@ from shardwise.errors import PlanError
 # Checks of a plan against what a model's code does with the tensors it splits (a forward
 # that takes statistics over split features, or cuts a fused tensor into halves), run by
 # resolve_plan with the degrees. They read source or know model families, so they live
-# above core (``shardwise.plan_checks``) and are registered here, where core calls them
+# above core (``shardwise.hf.model_checks``) and are registered here, where core calls them
 # without knowing them. ``owned``: {id(parameter): (its ShardSpec, its name, the plan key
 # that claimed it)}; ``degrees``: {"tp": ..., "ep": ...}; a check raises ``PlanError``.
 ModelCheck = Callable[[nn.Module, Mapping[int, tuple[ShardSpec, str, str]], Mapping[str, int]], None]
@@ -177,6 +179,23 @@ def _claim(owned: dict, tensor, name: str, spec: ShardSpec, key: str) -> None:
 def _tensor(model: nn.Module, name: str):
     path, _, leaf = name.rpartition(".")
     return getattr(model.get_submodule(path), leaf)
+
+
+def plan_from_model(model: nn.Module) -> dict:
+    """The tensor-parallel plan ``model`` ships, as its adapter reads it (``core.adapter``; a
+    Hugging Face model: ``model.tp_plan``, ``_tp_plan`` or ``config.base_model_tp_plan`` under
+    the base-model prefix). Raises ``PlanError`` when it ships none."""
+    plan = adapter_for(model).shipped_plan(model, "tp")
+    if not plan:
+        raise PlanError(f"plan='auto', but {type(model).__name__} ships no tensor-parallel plan (no tp_plan, "
+                        "_tp_plan or config.base_model_tp_plan); pass plan={module path: style}")
+    return plan
+
+
+def ep_plan_from_model(model: nn.Module) -> dict:
+    """The expert-parallel plan ``model`` ships (a Hugging Face model: ``model.ep_plan``, or
+    ``config.base_model_ep_plan`` under the base-model prefix); ``{}`` when none."""
+    return adapter_for(model).shipped_plan(model, "ep")
 
 
 def resolve_plan(model: nn.Module, plan, degree: int, *, strict: bool = False, ep_plan=None,

@@ -1,9 +1,10 @@
-"""Plan keys: which modules and parameters a key names, and the plans a model ships.
+"""Plan keys: which modules and parameters a key names.
 
 Matched the way transformers matches them (``transformers/distributed``): each ``*`` stands
 for one numeric path component, a key may name a module or a parameter, a key written for
-the base model also matches under ``base_model_prefix``, and keys that match nothing are
-returned, not raised (unless ``strict``). Pure: no torch.distributed, no file I/O.
+the base model also matches under the prefix the model's adapter gives (``core.adapter``:
+``base_model_prefix`` for a Hugging Face model), and keys that match nothing are returned,
+not raised (unless ``strict``). Pure: no torch.distributed, no file I/O.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Mapping
 
 from torch import nn
 
+from shardwise.core.adapter import adapter_for
 from shardwise.core.quant_layout import MXFP4_SUFFIXES
 from shardwise.core.styles import normalize_style
 from shardwise.errors import PlanError
@@ -25,9 +27,8 @@ def _key_pattern(key: str) -> re.Pattern:
 
 
 def base_prefix(model: nn.Module) -> str:
-    prefix = getattr(model, "base_model_prefix", "")
-    inner = getattr(model, prefix, None) if isinstance(prefix, str) and prefix else None
-    return prefix if isinstance(inner, nn.Module) and inner is not model else ""
+    """The path under which a key written for the base model also matches (its adapter's)."""
+    return adapter_for(model).base_prefix(model)
 
 
 def match_plan(model: nn.Module, plan: Mapping, *, strict: bool = False):
@@ -108,43 +109,11 @@ def check_some_key_matches(model: nn.Module, plan: Mapping, unused, *, what: str
     more = f", and {len(plan) - 3} more" if len(plan) > 3 else ""
     base = f"; a key written for the base model also matches under {prefix + '.'!r}" if prefix else ""
     own = (f", or pass plan='auto' for the plan {type(model).__name__} ships"
-           if what == "plan" and _shipped_plan(model, ("tp_plan", "_tp_plan"), "base_model_tp_plan") else "")
+           if what == "plan" and adapter_for(model).shipped_plan(model, "tp") else "")
     raise PlanError(
         f"none of the {what}'s {len(plan)} keys matches a module or parameter of {type(model).__name__}, so "
         f"nothing would be sharded and every rank would hold the whole model: {'; '.join(shown)}{more}. "
         f"Write each key as the model names its modules, with '*' for a layer index{base}{own}")
 
 
-def _shipped_plan(model: nn.Module, attrs: tuple[str, ...], config_attr: str) -> dict:
-    """The first non-empty mapping among the model's ``attrs``, else its config's
-    ``config_attr`` with each key under the base-model prefix; ``{}`` when none."""
-    for attr in attrs:
-        plan = getattr(model, attr, None)
-        if isinstance(plan, Mapping) and plan:
-            return dict(plan)
-    base = getattr(getattr(model, "config", None), config_attr, None)
-    if isinstance(base, Mapping) and base:
-        prefix = base_prefix(model)
-        return {f"{prefix}.{k}" if prefix else k: v for k, v in base.items()}
-    return {}
-
-
-def plan_from_model(model: nn.Module) -> dict:
-    """The plan a model ships: transformers' ``model.tp_plan`` (its own ``_tp_plan``, its
-    submodules' and the config's ``base_model_tp_plan``, already prefixed), or the class
-    ``_tp_plan`` of a diffusers model. Raises ``PlanError`` when the model ships none."""
-    plan = _shipped_plan(model, ("tp_plan", "_tp_plan"), "base_model_tp_plan")
-    if not plan:
-        raise PlanError(f"plan='auto', but {type(model).__name__} ships no tensor-parallel plan (no tp_plan, "
-                        "_tp_plan or config.base_model_tp_plan); pass plan={module path: style}")
-    return plan
-
-
-def ep_plan_from_model(model: nn.Module) -> dict:
-    """The expert-parallel plan a transformers model ships (``model.ep_plan``, or the
-    config's ``base_model_ep_plan`` with the base-model prefix); ``{}`` when none."""
-    return _shipped_plan(model, ("ep_plan",), "base_model_ep_plan")
-
-
-__all__ = ["base_prefix", "check_some_key_matches", "closest_paths", "ep_plan_from_model", "match_plan",
-           "plan_from_model"]
+__all__ = ["base_prefix", "check_some_key_matches", "closest_paths", "match_plan"]

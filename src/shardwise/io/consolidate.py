@@ -13,24 +13,23 @@ into place like ``sw.save``.
 
 from __future__ import annotations
 
-import json
 import os
+import shutil
 from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
+from shardwise.core.adapter import adapter_for, folder_model, side_file_names
 from shardwise.core.header import dtype_to_str, str_to_dtype
+from shardwise.core.pieces import StoredPart
 from shardwise.core.spec import Region
 from shardwise.errors import CheckpointError
 from shardwise.io.formats import open_source
 from shardwise.io.info import gather_info, read_info, user_metadata, write_info
 from shardwise.io.safetensors.format import StreamingWriter
-from shardwise.io.safetensors.hub_layout import model_from_folder
-from shardwise.io.safetensors.hub_save import StoredPart, hub_save_layout, shared_storages
 from shardwise.io.safetensors.sink import plan_checkpoint
-from shardwise.io.side_files import copy_side_files
 from shardwise.io.sink import WritePlan
 from shardwise.io.source import Stored
 from shardwise.io.target import Destination, target_path
@@ -62,33 +61,24 @@ def consolidation_plan(source: Stored, *, max_shard_size: int | str = "5GB", fil
 def _hub_parts(src: Path, specs: list, layout: str) -> tuple[dict, dict]:
     if layout not in ("hub", "module"):
         raise CheckpointError(f"layout must be 'hub' or 'module', got {layout!r}")
-    model = model_from_folder(src) if layout == "hub" else None
+    model = folder_model(src, need=True) if layout == "hub" else None
     if model is None:
-        if layout == "hub" and _names_transformers_model(src):
-            raise CheckpointError(
-                f"{src}/config.json names a transformers model, whose hub layout (the keys save_pretrained "
-                "writes) only transformers can compute, and transformers is not installed here; install "
-                "it, or pass layout='module' to write the model's own tensor names")
         return {}, {}
-    parts = hub_save_layout(model, {n: (s, d) for n, d, s in specs}) or []
+    adapter = adapter_for(model)
+    parts = adapter.save_layout(model, {n: (s, d) for n, d, s in specs}) or []
     sizes = {n: str_to_dtype(d).itemsize for n, d, _ in specs}
-    return {p.key: p for p in parts}, shared_storages(parts, sizes)
+    return {p.key: p for p in parts}, adapter.shared_storages(parts, sizes)
 
 
-def _names_transformers_model(src: Path) -> bool:
-    """Whether ``src/config.json`` names a transformers architecture while transformers cannot
-    be imported (then the hub layout is unknown, not absent)."""
-    try:
-        config = json.loads((src / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    if not (isinstance(config, dict) and config.get("architectures") and "transformers_version" in config):
-        return False
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        return True
-    return False
+def _copy_side_files(src: Path, dst: Path) -> list[str]:
+    """Copy the side files (``core.adapter.side_file_names``: a Hugging Face model's
+    ``config.json`` & co) that ``src`` holds into ``dst``; their names."""
+    copied = []
+    for name in side_file_names():
+        if (src / name).is_file() and not (src / name).is_symlink():
+            shutil.copyfile(src / name, dst / name)
+            copied.append(name)
+    return copied
 
 
 class _WholeTensors:
@@ -168,7 +158,7 @@ def _write_safetensors(tensor, plan: WritePlan, dest: Destination, *, side_files
                     writer.write(name, tensor(name))
             checksums.update(writer.checksums)
         write_info(tmp, gather_info(checksums, [s for f in plan.files for s in f.tensors]))
-        copy_side_files(side_files, tmp)  # a Hugging Face model's config.json & co
+        _copy_side_files(side_files, tmp)
         dest.commit(plan.index)
     finally:
         torch.set_num_threads(threads)

@@ -26,6 +26,7 @@ from torch import nn
 from shardwise.backends import Backend
 from shardwise.comm import agree, capture
 from shardwise.core.header import dtype_to_str, str_to_dtype
+from shardwise.core.pieces import StoredPart
 from shardwise.core.plan import resolve_plan
 from shardwise.core.quant_layout import QuantTie
 from shardwise.core.spec import Region, ShardSpec, chunk_layout, global_shape, local_layout
@@ -34,7 +35,6 @@ from shardwise.holding import Holding, is_dtensor
 from shardwise.io.info import collect_checksums
 from shardwise.io.quant_save import gather_scales_to_rank0
 from shardwise.io.safetensors.format import StreamingWriter
-from shardwise.io.safetensors.hub_save import StoredPart
 from shardwise.io.safetensors.sink import SafetensorsSink
 from shardwise.io.sink import WritePlan
 from shardwise.parallel import ShardState, get_shard_state, local_of

@@ -3,8 +3,11 @@
 Each check is pure inspection of Python objects (module classes, attributes, tensor types
 and dtypes, the world size already known to this process): no file is opened and no
 collective runs, so a refused model fails the same way on every rank, at once, without
-leaving a peer waiting in a collective. Optional packages (accelerate, diffusers, peft,
-bitsandbytes, torchao) are recognised by attribute and class names, never imported.
+leaving a peer waiting in a collective. Optional packages (bitsandbytes, torchao) are
+recognised by attribute and class names, never imported. What a model library did to the
+model (a quantizer's config, accelerate's placement, diffusers' offload hooks, peft's
+layers) is refused by its adapter's guards (``shardwise.hf.guards``), which
+:func:`check_model` runs through ``core.adapter.refuse_unsupported``.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shardwise.core.adapter import refuse_unsupported
 from shardwise.core.quant_layout import fp8_block_of, fp8_expert_pairs, quant_pairs
 from shardwise.errors import MeshError, UnsupportedModelError
 
@@ -23,54 +27,28 @@ _QUANT_TENSOR_MARKS = ("Float8", "AffineQuantized", "NF4", "Int4", "Int8", "Quan
 SUPPORTED_QUANT = ("FP8 with block scales (quant_method 'fp8', weight_block_size [128, 128] and others: "
                    "transformers' FP8Linear) and MXFP4 (quant_method 'mxfp4': gpt-oss's experts as "
                    "x_blocks / x_scales, one e8m0 scale per 32 e2m1 values)")
-_GROUP_OFFLOAD_HOOKS = ("group_offloading", "lazy_prefetch_group_offloading")
 _FLOAT8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
                                               "float8_e5m2fnuz") if hasattr(torch, n))
 
 
-def _refuse(action: str, cause: str, fix: str) -> UnsupportedModelError:
+def refusal(action: str, cause: str, fix: str) -> UnsupportedModelError:
+    """The error of a guard: what cannot be done to this model, why, and the fix."""
     return UnsupportedModelError(f"cannot {action} this model: {cause}; {fix}")
 
 
 def check_model(model: nn.Module, *, action: str) -> None:
-    """Raise ``UnsupportedModelError`` if ``model`` is quantized, placed or offloaded by
-    accelerate or diffusers, or carries PEFT/LoRA layers; ``action`` ("load", "save", ...)
-    goes into the message. Pure inspection: no file access, no collective.
+    """Raise ``UnsupportedModelError`` if ``model`` is refused by a model adapter (quantized by
+    a scheme shardwise does not read, placed or offloaded by accelerate or diffusers, PEFT/LoRA
+    layers), or holds quantized layers or tensor subclasses shardwise does not know;
+    ``action`` ("load", "save", ...) goes into the message. Pure inspection: no file access,
+    no collective.
 
     >>> check_model(torch.nn.Linear(2, 2), action="load")
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"{action}: model must be a torch.nn.Module, got {type(model).__name__}")
-    _check_quantization_config(model, action)
-    _check_placement(model, action)
-    _check_peft(model, action)
+    refuse_unsupported(model, action)  # what a library did to it: the Hugging Face adapter's guards
     _check_quantized_tensors(model, action)
-
-
-def _check_quantization_config(model: nn.Module, action: str) -> None:
-    config = getattr(model, "config", None)
-    found = [(f"model.config.{a}" if owner is config else f"model.{a}", getattr(owner, a))
-             for owner in (config, model) if owner is not None
-             for a in ("quantization_config", "hf_quantizer")
-             if getattr(owner, a, None) not in (None, {})]
-    found += [(f"model.{a}", "bitsandbytes") for a in ("is_loaded_in_4bit", "is_loaded_in_8bit")
-              if getattr(model, a, False) is True]
-    for where, value in found:
-        method, why = quant_scheme(getattr(value, "quantization_config", value))
-        if why is None:
-            continue
-        scheme = f" with {method!r}" if method else ""
-        raise _refuse(action, f"it is quantized{scheme} ({where} is set){why}",
-                      f"shardwise reads and writes unquantized weights and {SUPPORTED_QUANT} only; load "
-                      "the original (unquantized) model, shard it with shardwise, then quantize each shard")
-    configured = [quant_scheme(v)[0] for w, v in found if w.startswith("model.config.")]
-    if action == "save" and configured and not any(quant_pairs(m) for m in model.modules()):
-        method = configured[0]
-        raise _refuse(action, f"model.config.quantization_config says {method} but no module holds "
-                      f"{str(method).upper()} weights (a dequantized model?), so its config.json would "
-                      "describe weights it does not hold",
-                      "delete model.config.quantization_config before saving (sw.load(..., dequantize=True) "
-                      "does), or save the model with its quantized modules")
 
 
 def quant_scheme(qc) -> tuple[str | None, str | None]:
@@ -115,7 +93,7 @@ def _check_quantized_tensors(model: nn.Module, action: str) -> None:
         if quant_pairs(module):  # MXFP4: uint8 blocks and scales, as stored
             continue
         if cls in _QUANT_MODULE_TYPES:
-            raise _refuse(action, f"module {path or '<root>'!r} is a quantized layer ({cls})", fix)
+            raise refusal(action, f"module {path or '<root>'!r} is a quantized layer ({cls})", fix)
         tensors = dict(module.named_parameters(recurse=False))
         tensors.update(module.named_buffers(recurse=False))
         for name, t in tensors.items():
@@ -124,11 +102,11 @@ def _check_quantized_tensors(model: nn.Module, action: str) -> None:
             full = f"{path}.{name}" if path else name
             tcls = type(t).__name__
             if tcls in _BNB_PARAM_TYPES:
-                raise _refuse(action, f"parameter {full!r} is a bitsandbytes {tcls}", fix)
+                raise refusal(action, f"parameter {full!r} is a bitsandbytes {tcls}", fix)
             if tcls not in _PLAIN_TENSOR_TYPES:
                 kind = ("a quantized tensor subclass" if any(m in tcls for m in _QUANT_TENSOR_MARKS)
                         else "a tensor subclass shardwise does not know")
-                raise _refuse(action, f"{full!r} is {kind} ({tcls})",
+                raise refusal(action, f"{full!r} is {kind} ({tcls})",
                               fix if "quantized" in kind else
                               "convert it to a plain torch.Tensor (or DTensor) before calling shardwise")
         scales = [n for n in tensors if "scale" in n.lower()]
@@ -141,7 +119,7 @@ def _check_quantized_tensors(model: nn.Module, action: str) -> None:
             if ("weight" in name.lower() and _is_quantized_dtype(t.dtype)) or (
                     name in params and t.dtype in _FLOAT8):  # FP8 experts: gate_up_proj, down_proj
                 full = f"{path}.{name}" if path else name
-                raise _refuse(action, f"{full!r} holds {t.dtype} values next to the scale tensor "
+                raise refusal(action, f"{full!r} holds {t.dtype} values next to the scale tensor "
                               f"{scales[0]!r} (quantized weights)", fix)
 
 
@@ -154,7 +132,7 @@ def _check_fp8_linear(path: str, module: nn.Module, action: str) -> None:
                else f"its weight_scale_inv is {scale.dtype} (ue8m0 scales?)" if scale.dtype != torch.float32
                else "it has a static activation_scale" if static else None)
     if problem is not None:
-        raise _refuse(action, f"FP8 module {path!r} ({type(module).__name__}): {problem}",
+        raise refusal(action, f"FP8 module {path!r} ({type(module).__name__}): {problem}",
                       f"shardwise supports {SUPPORTED_QUANT} with float8_e4m3fn weights, float32 scales and "
                       "dynamic activations; dequantize this checkpoint first")
 
@@ -170,62 +148,13 @@ def _check_fp8_experts(path: str, module: nn.Module, action: str) -> None:
                    else "it has static activation scales" if getattr(module, "activation_scheme", "dynamic")
                    != "dynamic" else None)
         if problem is not None:
-            raise _refuse(action, f"FP8 experts {path!r} ({type(module).__name__}): {problem}",
+            raise refusal(action, f"FP8 experts {path!r} ({type(module).__name__}): {problem}",
                           f"shardwise supports {SUPPORTED_QUANT} with float8_e4m3fn weights, float32 scales "
                           "and dynamic activations; dequantize this checkpoint first")
 
 
 def _is_quantized_dtype(dtype: torch.dtype) -> bool:
     return dtype in _FLOAT8 or not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
-
-
-def _check_placement(model: nn.Module, action: str) -> None:
-    if getattr(model, "hf_device_map", None) is not None:
-        raise _refuse(action, "it was placed by accelerate (model.hf_device_map is set)",
-                      "build the model without device_map= (on the meta device: "
-                      "`with torch.device('meta'):`) and let shardwise place each shard on its rank")
-    for path, module in model.named_modules():
-        where = path or "<root>"
-        if getattr(module, "_hf_hook", None) is not None:
-            hook = type(module._hf_hook).__name__
-            raise _refuse(action, f"module {where!r} carries an accelerate hook ({hook}: device placement "
-                          "or CPU/disk offload)",
-                          "remove it first (accelerate.hooks.remove_hook_from_module(model, recurse=True)) "
-                          "or build the model without device_map/offloading")
-        registry = getattr(module, "_diffusers_hook", None)
-        if registry is not None:
-            names = _hook_names(registry)
-            hit = next((n for n in names if n in _GROUP_OFFLOAD_HOOKS), None)
-            if hit is not None:
-                raise _refuse(action, f"module {where!r} is group-offloaded by diffusers (hook {hit!r})",
-                              "turn group offloading off (do not call enable_group_offload / "
-                              "apply_group_offloading before shardwise); tensor parallelism already "
-                              "divides the memory")
-
-
-def _hook_names(registry) -> list[str]:
-    hooks = getattr(registry, "hooks", None)
-    if isinstance(hooks, dict):
-        return [str(n) for n in hooks]
-    get_hook = getattr(registry, "get_hook", None)
-    if callable(get_hook):
-        return [n for n in _GROUP_OFFLOAD_HOOKS if get_hook(n) is not None]
-    return []
-
-
-def _check_peft(model: nn.Module, action: str) -> None:
-    fix = ("merge the adapters first (peft: model = model.merge_and_unload(); diffusers: "
-           "fuse_lora() then unload_lora_weights()), or load the base model without adapters")
-    for path, module in model.named_modules():
-        where = path or "<root>"
-        if getattr(module, "peft_config", None) or getattr(module, "_hf_peft_config_loaded", False) is True:
-            raise _refuse(action, f"PEFT adapters are attached (peft_config on {where!r})", fix)
-        cls = type(module).__name__
-        if cls.startswith("Lora") or cls.startswith("PeftModel"):
-            raise _refuse(action, f"module {where!r} is a PEFT layer ({cls})", fix)
-        if hasattr(module, "lora_A") or hasattr(module, "lora_B"):
-            raise _refuse(action, f"module {where!r} has LoRA layers injected (lora_A/lora_B, class {cls})",
-                          fix)
 
 
 def check_mesh(mesh) -> None:
@@ -279,4 +208,4 @@ def check_options(*, _where: str = "load", **options) -> None:
         raise TypeError(f"{_where}() got an unexpected keyword argument {name!r}")
 
 
-__all__ = ["SUPPORTED_QUANT", "check_mesh", "check_model", "check_options", "quant_scheme"]
+__all__ = ["SUPPORTED_QUANT", "check_mesh", "check_model", "check_options", "quant_scheme", "refusal"]

@@ -21,11 +21,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardwise.core.adapter import adapter_for
+from shardwise.core.pieces import Composite
 from shardwise.core.plan import ResolvedPlan
 from shardwise.errors import CheckpointError
 from shardwise.io.formats.safetensors.checkpoint import Checkpoint
 from shardwise.io.formats.safetensors.quantized import pair_mxfp4, pair_quantized
-from shardwise.io.safetensors.hub_layout import Composite, hub_tensors
 
 if TYPE_CHECKING:
     from shardwise.core.header import TensorEntry
@@ -84,7 +85,8 @@ def match_keys(model: nn.Module, specs: ResolvedPlan, ckpt: Checkpoint, *, stric
                                    dequantize=dequantize) if absent else ({}, set())
     absent -= set(mxfp4)
     # A tensor the checkpoint stores in its hub layout (renamed, or split per expert).
-    hub, used = hub_tensors(model, {k: ckpt.entry(k) for k in ckpt.names}, absent) if absent else ({}, set())
+    hub, used = (adapter_for(model).stored_tensors(model, {k: ckpt.entry(k) for k in ckpt.names}, absent)
+                 if absent else ({}, set()))
     sources: dict[str, tuple[Path, TensorEntry] | Composite | Dequantized] = {}
     missing, found_as = [], {}
     for name, candidates in names_of.items():

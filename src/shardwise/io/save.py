@@ -27,6 +27,7 @@ from torch import nn
 
 from shardwise._progress import Progress
 from shardwise.comm import agree, capture, fingerprint, world_backend
+from shardwise.core.adapter import adapter_for
 from shardwise.errors import CheckpointError, CollectiveError
 from shardwise.io import parallel_save
 from shardwise.io.check.against import Expectation, compare, expected_tensors
@@ -35,9 +36,7 @@ from shardwise.io.gather import StreamSink, collect_items
 from shardwise.io.guards import check_model
 from shardwise.io.info import gather_info, write_info
 from shardwise.io.quant_checks import check_quantized_save
-from shardwise.io.safetensors.hub_save import hub_save_layout, shared_storages
 from shardwise.io.save_options import DistributedSave, SafetensorsSave, save_options
-from shardwise.io.side_files import default_prefix, index_metadata, write_side_files
 from shardwise.io.sink import StoredTensor
 from shardwise.io.target import Destination, target_path
 
@@ -159,7 +158,8 @@ def save_safetensors(model: nn.Module, path, options: SafetensorsSave, *, metada
     sees the folder, the parallel write; move the folder into place when every rank is done."""
     check_model(model, action="save")
     target = target_path(path)
-    prefix = options.filename_prefix or default_prefix(model)
+    adapter = adapter_for(model)  # its library's file prefix, index metadata, layout, side files
+    prefix = options.filename_prefix or adapter.file_prefix(model)
     items, state = collect_items(model)
     if options.layout == "hub":  # as save_pretrained: a model's _keys_to_ignore_on_save are not written
         ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
@@ -170,9 +170,9 @@ def save_safetensors(model: nn.Module, path, options: SafetensorsSave, *, metada
     what = f"sw.save to {target}"
     sink_options = dict(
         max_shard_size=options.max_shard_size, prefix=prefix, metadata=metadata,
-        index_metadata=index_metadata(model, {i.name: i.shape for i in items}),  # total_parameters
-        storages=shared_storages([p for *_, p in stored if p is not None],
-                                 {i.name: i.local.element_size() for i in items}))
+        index_metadata=adapter.index_metadata(model, {i.name: i.shape for i in items}),  # total_parameters
+        storages=adapter.shared_storages([p for *_, p in stored if p is not None],
+                                         {i.name: i.local.element_size() for i in items}))
     stream = StreamSink(backend, state, {i.name: i for i in items}, what=what, **sink_options)
     plan = stream.plan(stored)
     parallel = parallel_save.wanted(options.parallel_write, backend)
@@ -194,7 +194,7 @@ def save_safetensors(model: nn.Module, path, options: SafetensorsSave, *, metada
 
         def commit():
             write_info(dest.tmp, gather_info(checksums, [(n, dt, shape) for n, dt, shape, _ in stored]))
-            write_side_files(model, dest.tmp)  # config.json & co: from_pretrained reads the folder
+            adapter.write_side_files(model, dest.tmp)  # config.json & co: from_pretrained reads the folder
             dest.commit(plan.index)
 
         agree(backend, capture(commit) if dest else None, what=what)
@@ -257,7 +257,8 @@ def stored_tensors(model: nn.Module, items, layout: str) -> list[StoredTensor]:
     names), each a box of a model tensor."""
     if layout not in ("hub", "module"):
         raise CheckpointError(f"layout must be 'hub' or 'module', got {layout!r}")
-    parts = hub_save_layout(model, {i.name: (i.shape, i.dtype) for i in items}) if layout == "hub" else None
+    parts = (adapter_for(model).save_layout(model, {i.name: (i.shape, i.dtype) for i in items})
+             if layout == "hub" else None)
     if parts is None:
         return [StoredTensor(i.name, i.dtype, tuple(i.shape)) for i in items]
     return [StoredTensor(p.key, p.dtype, p.shape, p) for p in parts]

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from shardwise.io.safetensors.hub_save import StoredPart
+    from shardwise.core.pieces import StoredPart
 
 # (tensor name, safetensors dtype, shape) of one tensor of a file, as its header lists it
 Spec = tuple[str, str, tuple[int, ...]]

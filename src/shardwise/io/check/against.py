@@ -22,7 +22,6 @@ module it compares dtypes too (the ones it holds, or ``dtype``).
 
 from __future__ import annotations
 
-import json
 import os
 import typing
 from collections.abc import Mapping
@@ -32,16 +31,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from shardwise.core.adapter import adapter_for, config_model
 from shardwise.core.header import dtype_to_str, str_to_dtype
 from shardwise.core.plan import resolve_plan
 from shardwise.core.spec import global_shape
 from shardwise.errors import CheckpointError, UsageError
 from shardwise.holding import Holding, is_dtensor
-from shardwise.io.safetensors.hub_layout import is_transformers_model
 from shardwise.parallel import get_shard_state
 
 if typing.TYPE_CHECKING:
-    from transformers import PreTrainedModel
+    pass
 
 Expected = dict[str, tuple[tuple[int, ...], str]]
 LAYOUTS = ("hub", "module")
@@ -91,36 +90,13 @@ def resolve_model(source: nn.Module | str | os.PathLike) -> tuple[nn.Module, str
 
 
 def model_from_config(config_file: Path) -> nn.Module:
-    """The meta-device model a transformers (``architectures``) or diffusers (``_class_name``)
-    config.json describes."""
-    try:
-        config = json.loads(Path(config_file).read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{config_file}: not a readable JSON config ({e})") from e
-    arch = (config.get("architectures") or [None])[0] if isinstance(config, dict) else None
-    name = config.get("_class_name") if isinstance(config, dict) and arch is None else arch
-    if not isinstance(name, str):
+    """The meta-device model a config.json describes (a model adapter's: transformers'
+    ``architectures``, diffusers' ``_class_name``)."""
+    model = config_model(config_file)
+    if model is None:
         raise CheckpointError(f"{config_file}: names no model class (no 'architectures' for transformers, "
                               "no '_class_name' for diffusers); pass the model itself")
-    library = "transformers" if arch is not None else "diffusers"
-    try:
-        module = __import__(library)
-    except ImportError as e:
-        raise CheckpointError(f"{config_file}: describes a {library} model ({name}), and {library} is "
-                              "not installed") from e
-    cls = getattr(module, name, None)
-    if not isinstance(cls, type):
-        raise CheckpointError(f"{config_file}: {library} has no class {name!r} (custom code?); pass "
-                              "the model itself (built on meta)")
-    model_class: typing.Any = cls  # a transformers / diffusers model class: their API, untyped here
-    try:
-        with torch.device("meta"):
-            if library == "transformers":
-                return model_class._from_config(module.AutoConfig.from_pretrained(config_file))
-            return model_class.from_config(model_class.load_config(config_file))
-    except Exception as e:  # noqa: BLE001 - the libraries raise anything for a config they cannot build
-        raise CheckpointError(f"{config_file}: {library} cannot build {name} from it "
-                              f"({type(e).__name__}: {e})") from e
+    return model
 
 
 def model_tensors(model: nn.Module) -> tuple[Expected, dict[str, str]]:
@@ -191,34 +167,20 @@ def stored_layout(model: nn.Module, tensors: Expected, aliases: Mapping[str, str
     on meta tensors); a tied alias keeps its place only where it reverts to one key."""
     if layout not in LAYOUTS:
         raise UsageError(f"layout must be 'hub' or 'module', got {layout!r}")
-    if layout == "module" or not is_transformers_model(model):
+    if layout == "module":
         return dict(tensors), dict(aliases)
+    adapter = adapter_for(model)
     ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
     kept = {n: v for n, v in tensors.items() if n not in ignored}
-    stored = _revert(model, kept)
+    stored = adapter.stored_names(model, kept)
     stored_aliases = {}
     for alias, name in aliases.items():
         if name in kept:
-            one, mine = _revert(model, {alias: kept[name]}), _revert(model, {name: kept[name]})
+            one = adapter.stored_names(model, {alias: kept[name]})
+            mine = adapter.stored_names(model, {name: kept[name]})
             if len(one) == len(mine) == 1 and next(iter(mine)) in stored:
                 stored_aliases[next(iter(one))] = next(iter(mine))
     return stored, stored_aliases
-
-
-def _revert(model: nn.Module, tensors: Expected) -> Expected:
-    try:
-        from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:
-        return dict(tensors)
-    meta = {n: torch.empty(shape, dtype=str_to_dtype(dt), device="meta")
-            for n, (shape, dt) in tensors.items()}
-    try:
-        # typing.cast: this module's own cast() converts dtypes; a transformers model here (stored_layout)
-        reverted = revert_weight_conversion(typing.cast("PreTrainedModel", model), meta)
-    except Exception as e:  # noqa: BLE001 - transformers raises anything for a layout it cannot revert
-        raise CheckpointError(f"transformers cannot revert {type(model).__name__}'s weight conversions "
-                              f"({type(e).__name__}: {e}); use layout='module'") from e
-    return {k: (tuple(t.shape), dtype_to_str(t.dtype)) for k, t in reverted.items()}
 
 
 # --- the check -----------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from torch import nn
 import shardwise.comm as comm
 from shardwise.backends import coordination_group
 from shardwise.comm import agree, capture, world_backend
+from shardwise.core.adapter import adapter_for
 from shardwise.core.header import dtype_to_str, spec_nbytes
 from shardwise.core.spec import Region
 from shardwise.errors import CheckpointError
@@ -168,17 +169,6 @@ class ShardedSafetensorsSink:
         return sums
 
 
-def _write_side_files(model: nn.Module, folder: Path, info: dict) -> None:
-    write_info(folder, info)
-    config = getattr(model, "config", None)
-    if config is not None and callable(getattr(config, "save_pretrained", None)):  # a Hugging Face model
-        config.save_pretrained(folder)
-        generation = getattr(model, "generation_config", None)
-        can_generate = getattr(model, "can_generate", lambda: False)
-        if generation is not None and can_generate():
-            generation.save_pretrained(folder)
-
-
 def _all_checksums(sums: dict[str, dict[str, str]]) -> dict:
     """Every rank's chunk checksums, as ``shardwise.json`` records them (each chunk is
     written by one rank, so no key collides)."""
@@ -235,7 +225,8 @@ def save_sharded_safetensors(model: nn.Module, path, *, overwrite: bool = False,
         info.update(storage="safetensors", checksums=_all_checksums(sums))
 
         def commit():
-            _write_side_files(model, dest.tmp, info)
+            write_info(dest.tmp, info)
+            adapter_for(model).write_side_files(model, dest.tmp)  # config.json & co, as every save
             dest.commit(None)
 
         on_rank0(commit, f"moving {what} into place")

@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import shardwise.comm as comm
 from shardwise.backends import coordination_group
+from shardwise.core.adapter import adapter_for
 from shardwise.core.plan import ResolvedPlan
 from shardwise.errors import CheckpointError
 from shardwise.holding import Holding
@@ -46,7 +47,6 @@ from shardwise.io.formats.dcp.quant import check_fp8_match, read_dtype, want_lay
 from shardwise.io.formats.dcp.stored import DcpStored
 from shardwise.io.guards import check_model
 from shardwise.io.info import INFO_FILE, write_info
-from shardwise.io.side_files import write_side_files
 from shardwise.io.source import Finalize, ReadOptions, Reads, Want
 from shardwise.io.spmd_save import SpmdSavePlanner, spmd_placed
 from shardwise.io.target import Destination, target_path
@@ -194,8 +194,9 @@ def save_dcp(model: nn.Module, path, *, overwrite: bool = False, async_save: boo
     state_dict = {n: p.local for n, p in placed.items()}
     # A Hugging Face model's config beside the data: consolidate rebuilds the hub layout and
     # from_pretrained reads its output.
+    files = adapter_for(model).write_side_files
     return write_checkpoint(path, state_dict, placed, info, overwrite=overwrite, async_save=async_save,
-                            planner=planner, side_files=lambda folder: write_side_files(model, folder))
+                            planner=planner, side_files=lambda folder: files(model, folder))
 
 
 # --- reading ------------------------------------------------------------------------------

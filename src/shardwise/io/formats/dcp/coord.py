@@ -24,6 +24,7 @@ import shardwise.comm as comm
 from shardwise._version import __version__
 from shardwise.backends import coordination_group
 from shardwise.comm import agree, capture, world_backend
+from shardwise.core.adapter import adapter_for
 from shardwise.core.header import dtype_to_str
 from shardwise.core.plan import plan_summary
 from shardwise.errors import CheckpointError, CollectiveError, ShardwiseError
@@ -31,7 +32,6 @@ from shardwise.holding import is_dtensor
 from shardwise.io.formats.dcp.items import HashingWriter, Placed, place
 from shardwise.io.formats.dcp.quant import scale_placed
 from shardwise.io.info import ALGORITHM
-from shardwise.io.side_files import index_metadata
 from shardwise.parallel import get_shard_state
 
 if TYPE_CHECKING:
@@ -85,8 +85,9 @@ def checkpoint_info(model: nn.Module, placed: Mapping[str, Placed], *, kind: str
                     for n, p in placed.items()},
         "metadata": dict(metadata or {}),
         # what sw.save's index metadata would carry (total_parameters), for sw.consolidate
-        "index_metadata": index_metadata(model, {n: tuple(p.shape) for n, p in placed.items()})
-        if kind == "model" else {},
+        "index_metadata": (adapter_for(model).index_metadata(model, {n: tuple(p.shape)
+                                                                     for n, p in placed.items()})
+                           if kind == "model" else {}),
     }
 
 

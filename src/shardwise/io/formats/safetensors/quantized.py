@@ -39,13 +39,12 @@ from pathlib import Path
 import torch
 
 from shardwise.core.header import TensorEntry
-from shardwise.core.pieces import piece_reads
+from shardwise.core.pieces import Composite, piece_reads
 from shardwise.core.quant import MXFP4_GROUP, QuantScheme, scale_shape
 from shardwise.core.quant_dequant import dequant_reads, dequantize_shard, scale_pieces
 from shardwise.errors import CheckpointError, PlanError
 from shardwise.io.formats.safetensors.reader import ReadItem
 from shardwise.io.guards import SUPPORTED_QUANT, quant_scheme
-from shardwise.io.safetensors.hub_layout import Composite
 from shardwise.io.source import Finalize, Want
 
 FLOAT8 = frozenset(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
-from shardwise.core.pieces import piece_reads
+from shardwise.core.pieces import Composite, piece_reads
 from shardwise.core.plan import ResolvedPlan
 from shardwise.core.quant_layout import scale_layout, scale_local_shape
 from shardwise.core.spec import local_layout, local_shape
@@ -28,7 +28,6 @@ from shardwise.io.formats.safetensors.reader import ReadItem, RegionReader, cpu_
 from shardwise.io.formats.safetensors.stored import SafetensorsStored
 from shardwise.io.pipeline import match_keys
 from shardwise.io.replicas import read_once, replica_axis
-from shardwise.io.safetensors.hub_layout import Composite
 from shardwise.io.source import Finalize, ReadOptions, Reads, Want
 
 

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import torch
 
-from shardwise.core.pieces import piece_reads
+from shardwise.core.adapter import adapter_for, folder_model
+from shardwise.core.pieces import Composite, piece_reads
 from shardwise.core.spec import Region
 from shardwise.io.files import open_regular
 from shardwise.io.formats.safetensors.checkpoint import Checkpoint
 from shardwise.io.info import digest_range
 from shardwise.io.safetensors.format import INDEX_SUFFIX, read_region
-from shardwise.io.safetensors.hub_layout import Composite, hub_tensors, model_from_folder
 from shardwise.io.source import Blob, Description
 
 
@@ -49,11 +49,11 @@ class SafetensorsStored:
         return shown | {n: (c.entry.torch_dtype, c.shape) for n, c in self._shown.items()}
 
     def use_module_names(self, wanted: set[str]) -> None:
-        model = model_from_folder(self.ckpt.root) if wanted else None
+        model = folder_model(self.ckpt.root) if wanted else None
         if model is None:  # no transformers model named by config.json, or no transformers
             return
         stored = {k: self.ckpt.entry(k) for k in self.ckpt.names}
-        composites, used = hub_tensors(model, stored, wanted)
+        composites, used = adapter_for(model).stored_tensors(model, stored, wanted)
         self._shown.update(composites)
         self._hidden.update(used)
 

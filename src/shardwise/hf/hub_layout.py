@@ -26,27 +26,13 @@ from typing import TYPE_CHECKING, Any, cast
 
 from torch import nn
 
-from shardwise.core.header import TensorEntry, dtype_to_str
-from shardwise.core.pieces import Piece
+from shardwise.core.header import TensorEntry
+from shardwise.core.pieces import Composite, Piece
 from shardwise.core.spec import Region
 from shardwise.errors import CheckpointError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
-
-
-@dataclass(frozen=True)
-class Composite:
-    """One model tensor assembled from stored tensors: its canonical shape and pieces, and
-    where each stored tensor lives (``{stored key: (file, entry)}``)."""
-
-    shape: tuple[int, ...]
-    pieces: tuple[Piece, ...]
-    stored: dict
-
-    @property
-    def entry(self) -> TensorEntry:
-        return next(iter(self.stored.values()))[1]
 
 
 @dataclass
@@ -261,40 +247,4 @@ def hub_tensors(model: nn.Module, stored: Mapping[str, tuple[Path | None, Tensor
     return out, used
 
 
-
-
-def model_from_folder(folder: Path) -> nn.Module | None:
-    """A meta-device transformers model built from ``folder/config.json`` (its
-    ``architectures``), to name a checkpoint's hub layout without the model in hand; None
-    when the folder has no transformers config or transformers is not installed."""
-    import json
-
-    config_file = Path(folder) / "config.json"
-    try:
-        arch = (json.loads(config_file.read_text()).get("architectures") or [None])[0]
-    except (OSError, ValueError, AttributeError):
-        return None
-    if not isinstance(arch, str):
-        return None
-    try:
-        import torch
-        import transformers
-
-        cls = getattr(transformers, arch, None)
-        if cls is None:
-            return None
-        config = transformers.AutoConfig.from_pretrained(folder)
-        with torch.device("meta"):
-            return cls._from_config(config)
-    except ImportError:
-        return None
-    except Exception as e:  # noqa: BLE001 - transformers raises anything for a config it cannot build
-        raise CheckpointError(f"{config_file}: transformers cannot build {arch} from it ({type(e).__name__}: "
-                              f"{e}); consolidate with layout='module'") from e
-
-
-def tensors_dtype(t) -> str:
-    return dtype_to_str(t.dtype)
-
-
-__all__ = ["Composite", "hub_tensors", "is_transformers_model", "model_from_folder", "tensors_dtype"]
+__all__ = ["hub_tensors", "is_transformers_model"]

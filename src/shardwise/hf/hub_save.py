@@ -17,8 +17,6 @@ boxes of every model tensor tile that tensor exactly.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -26,10 +24,10 @@ import torch
 from torch import nn
 
 from shardwise.core.header import TensorEntry, dtype_to_str, str_to_dtype
-from shardwise.core.pieces import Piece, check_tiling
+from shardwise.core.pieces import Composite, Piece, StoredPart, check_tiling
 from shardwise.core.spec import Region
 from shardwise.errors import CheckpointError, ShardingError
-from shardwise.io.safetensors.hub_layout import Composite, hub_tensors, is_transformers_model
+from shardwise.hf.hub_layout import hub_tensors, is_transformers_model
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -37,45 +35,20 @@ if TYPE_CHECKING:
 _MODULE = "save with layout='module' (the model's own tensor names) instead"
 
 
-@dataclass(frozen=True)
-class StoredPart:
-    """One tensor of the hub layout, of ``shape`` and ``dtype``, assembled from boxes of model
-    tensors: each ``(model tensor, piece)`` of ``fragments`` puts ``model_tensor[piece.box()]``
-    (its ``piece.stacked`` dims squeezed) at ``piece.source`` of the stored tensor."""
-
-    key: str
-    shape: tuple[int, ...]
-    dtype: str
-    fragments: tuple[tuple[str, Piece], ...]
-
-    @property
-    def model_names(self) -> tuple[str, ...]:
-        """The model tensors this stored tensor is made of, each once, in fragment order."""
-        return tuple(dict.fromkeys(name for name, _ in self.fragments))
-
-    @property
-    def whole(self) -> bool:
-        """Whether the stored tensor is one box of one model tensor (no assembly buffer)."""
-        return len(self.fragments) == 1 and self.fragments[0][1].source.sizes == self.shape
-
-    def assemble(self, tensor: Callable[[str], torch.Tensor | None]) -> torch.Tensor | None:
-        """The stored tensor, contiguous, from ``tensor(model name)`` (called once per fragment,
-        in order; a box is copied out before the next call, so the callee may reuse its
-        buffer). None when ``tensor`` gives None (a rank that does not write)."""
-        out = None
-        for name, piece in self.fragments:
-            full = tensor(name)
-            if full is None:
-                continue
-            box = full[piece.box().slices()]
-            for d in sorted(piece.stacked, reverse=True):
-                box = box.squeeze(d)
-            if self.whole:
-                return box.contiguous()
-            if out is None:
-                out = torch.empty(self.shape, dtype=box.dtype, device=box.device)
-            out[piece.source.slices()] = box
-        return out
+def revert(model: nn.Module, meta: dict[str, torch.Tensor],
+           fix: str = _MODULE) -> dict[str, torch.Tensor] | None:
+    """transformers' ``revert_weight_conversion`` of a transformers ``model``'s meta tensors
+    ``meta``: ``{stored key: meta tensor}`` as ``save_pretrained`` writes them; None where
+    transformers is not installed. ``CheckpointError`` (ending with ``fix``) when it cannot."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return None
+    try:
+        return revert_weight_conversion(cast("PreTrainedModel", model), dict(meta))
+    except Exception as e:  # noqa: BLE001 - transformers raises anything for a layout it cannot revert
+        raise CheckpointError(f"transformers cannot revert {type(model).__name__}'s weight conversions "
+                              f"({type(e).__name__}: {e}); {fix}") from e
 
 
 def hub_save_layout(model: nn.Module,
@@ -92,18 +65,10 @@ def hub_save_layout(model: nn.Module,
     """
     if not is_transformers_model(model):
         return None
-    try:
-        from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:
-        return None
     meta = {n: torch.empty(shape, dtype=str_to_dtype(dt), device="meta")
             for n, (shape, dt) in tensors.items()}
-    try:
-        reverted = revert_weight_conversion(cast("PreTrainedModel", model), dict(meta))
-    except Exception as e:  # noqa: BLE001 - transformers raises anything for a layout it cannot revert
-        raise CheckpointError(f"transformers cannot revert {type(model).__name__}'s weight conversions "
-                              f"({type(e).__name__}: {e}); {_MODULE}") from e
-    if list(reverted) == list(meta):
+    reverted = revert(model, meta)
+    if reverted is None or list(reverted) == list(meta):
         return None
     stored: dict[str, tuple[Path | None, TensorEntry]] = {}  # no file: a layout only
     for key, t in reverted.items():
@@ -182,4 +147,4 @@ def shared_storages(parts: list[StoredPart], itemsize: dict[str, int]) -> dict[s
 
 
 
-__all__ = ["StoredPart", "hub_save_layout", "shared_storages"]
+__all__ = ["hub_save_layout", "revert", "shared_storages"]

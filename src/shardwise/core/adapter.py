@@ -1,0 +1,183 @@
+"""Model adapters: what shardwise knows of a model library, behind one small seam.
+
+A model library (transformers, diffusers) decides things no checkpoint says by itself: the
+plan a model ships, the prefix its base-model keys are written under, the key layout its
+checkpoints are published in (per-expert tensors on disk where the module holds one fused
+tensor), the files beside the weights (``config.json``), and what it does to a model that
+shardwise must refuse (device maps, offload hooks, adapters, quantizers). An adapter answers
+those questions for the models it :meth:`~ModelAdapter.claims`; every other model gets the
+answers of :class:`ModelAdapter` itself: a plain torch model, stored under its own names,
+with no plan of its own and no side files. This is the shape of torchtitan's
+``StateDictAdapter``: the loader and the saver ask, the adapter knows.
+
+Core keeps only the seam and the registry (no adapter is imported here, and core calls
+only the plan questions); ``shardwise.hf`` is the Hugging Face adapter and registers itself
+when ``import shardwise`` runs. Who asks what:
+
+- ``core.plan`` (plan matching, ``plan="auto"``): :meth:`~ModelAdapter.base_prefix`,
+  :meth:`~ModelAdapter.shipped_plan`;
+- the guards, before any read, write or collective: :meth:`~ModelAdapter.refuse` of EVERY
+  registered adapter, since an accelerate hook or a PEFT layer can sit on any model;
+- a load: :meth:`~ModelAdapter.stored_tensors` (model tensors assembled from stored ones);
+- a save: :meth:`~ModelAdapter.save_layout`, :meth:`~ModelAdapter.file_prefix`,
+  :meth:`~ModelAdapter.index_metadata`, :meth:`~ModelAdapter.write_side_files`;
+- the offline tools, with no model in hand: :meth:`~ModelAdapter.model_from_folder`,
+  :meth:`~ModelAdapter.model_from_config` and :attr:`~ModelAdapter.side_files`, through
+  :func:`folder_model`, :func:`config_model` and :func:`side_file_names`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from shardwise.errors import UsageError
+
+if TYPE_CHECKING:
+    from shardwise.core.header import TensorEntry
+    from shardwise.core.pieces import Composite, StoredPart
+
+# {model tensor or stored key: (global shape, safetensors dtype)}
+Shapes = Mapping[str, tuple[tuple[int, ...], str]]
+
+
+class ModelAdapter:
+    """The answers for a plain torch model; a library's adapter overrides what it knows.
+
+    >>> adapter_for(nn.Linear(2, 2)).name
+    'torch'
+    """
+
+    name = "torch"
+    side_files: tuple[str, ...] = ()  # files beside the weights that a consolidation copies
+
+    def claims(self, model: nn.Module) -> bool:
+        """Whether this adapter speaks for ``model`` (its class hierarchy, no import)."""
+        return False
+
+    # -- plans: core.plan --------------------------------------------------------------------
+    def base_prefix(self, model: nn.Module) -> str:
+        """The path under which a plan key written for the base model also matches ("")."""
+        return ""
+
+    def shipped_plan(self, model: nn.Module, axis: str) -> dict:
+        """The plan ``model`` ships for ``axis`` ("tp" or "ep"), keys as the model names its
+        modules; ``{}`` when it ships none."""
+        return {}
+
+    # -- guards: every adapter, every model ----------------------------------------------------
+    def refuse(self, model: nn.Module, action: str) -> None:
+        """Raise ``UnsupportedModelError`` for what this library did to ``model`` that
+        shardwise cannot ``action`` ("load", "save", ...). Pure inspection."""
+
+    # -- stored layouts: load and save ---------------------------------------------------------
+    def stored_tensors(self, model: nn.Module, stored: Mapping[str, tuple[Path | None, TensorEntry]],
+                       wanted: set[str], shapes: Mapping[str, tuple[int, ...]] | None = None,
+                       ) -> tuple[dict[str, Composite], set[str]]:
+        """``({model tensor: Composite}, stored keys used)`` for the tensors of ``wanted`` that
+        ``stored`` (``{key: (file or None, entry)}``) holds under other keys or in other
+        pieces; ``shapes`` are the model tensors' global shapes (default: the model's)."""
+        return {}, set()
+
+    def save_layout(self, model: nn.Module, tensors: Shapes) -> list[StoredPart] | None:
+        """The stored tensors a save writes for the model tensors ``tensors``, each a
+        ``StoredPart`` of boxes of them, in the order they are written; ``None``: the model's
+        own names (no layout to revert)."""
+        return None
+
+    def stored_names(self, model: nn.Module, tensors: Shapes) -> dict[str, tuple[tuple[int, ...], str]]:
+        """``tensors`` under the keys the library writes them (``save_layout`` without the
+        geometry, for a check of names and shapes only)."""
+        return dict(tensors)
+
+    def shared_storages(self, parts: list[StoredPart], itemsize: Mapping[str, int]) -> dict:
+        """``{stored key: (storage id, storage bytes)}`` for parts the library's own save
+        writes as views of one storage (the index's ``total_size`` counts storages)."""
+        return {}
+
+    # -- files -----------------------------------------------------------------------------------
+    def file_prefix(self, model: nn.Module) -> str:
+        """The weight file prefix the model's library reads."""
+        return "model"
+
+    def index_metadata(self, model: nn.Module, shapes: Mapping[str, tuple[int, ...]]) -> dict:
+        """What the index's ``metadata`` carries besides ``total_size``."""
+        return {}
+
+    def write_side_files(self, model: nn.Module, folder: Path) -> list[str]:
+        """Write the files the library reads beside the weights into ``folder``; their names."""
+        return []
+
+    def model_from_folder(self, folder: Path, *, need: bool = False) -> nn.Module | None:
+        """The meta-device model whose stored layout a checkpoint folder's side files name, or
+        None; ``need``: raise ``CheckpointError`` where they name one this process cannot build."""
+        return None
+
+    def model_from_config(self, config_file: Path) -> nn.Module | None:
+        """The meta-device model a config file of this library describes; None when the file
+        is not one of its configs, ``CheckpointError`` when it is but cannot be built here."""
+        return None
+
+
+_PLAIN = ModelAdapter()
+_ADAPTERS: dict[str, ModelAdapter] = {}
+
+
+def register_adapter(adapter: ModelAdapter) -> ModelAdapter:
+    """Make ``adapter`` answer for the models it claims; a second adapter of the same name
+    is an error naming the ones registered."""
+    if not isinstance(adapter, ModelAdapter) or adapter.name == _PLAIN.name:
+        raise UsageError(f"a model adapter subclasses core.adapter.ModelAdapter and has a name of its own, "
+                         f"got {adapter!r}")
+    if adapter.name in _ADAPTERS and _ADAPTERS[adapter.name] is not adapter:
+        raise UsageError(f"a model adapter named {adapter.name!r} is already registered; registered: "
+                         f"{', '.join(_ADAPTERS)}")
+    _ADAPTERS[adapter.name] = adapter
+    return adapter
+
+
+def adapters() -> tuple[ModelAdapter, ...]:
+    """Every registered adapter, in registration order."""
+    return tuple(_ADAPTERS.values())
+
+
+def adapter_for(model: nn.Module) -> ModelAdapter:
+    """The registered adapter that claims ``model``, else the plain torch one."""
+    return next((a for a in _ADAPTERS.values() if a.claims(model)), _PLAIN)
+
+
+def refuse_unsupported(model: nn.Module, action: str) -> None:
+    """Every registered adapter's :meth:`ModelAdapter.refuse` on ``model``."""
+    for adapter in _ADAPTERS.values():
+        adapter.refuse(model, action)
+
+
+def folder_model(folder: Path, *, need: bool = False) -> nn.Module | None:
+    """The meta-device model the first adapter that knows ``folder`` builds from it, or None
+    (``ModelAdapter.model_from_folder``)."""
+    for adapter in _ADAPTERS.values():
+        model = adapter.model_from_folder(Path(folder), need=need)
+        if model is not None:
+            return model
+    return None
+
+
+def config_model(config_file: Path) -> nn.Module | None:
+    """The meta-device model the first adapter that reads ``config_file`` builds, or None."""
+    for adapter in _ADAPTERS.values():
+        model = adapter.model_from_config(Path(config_file))
+        if model is not None:
+            return model
+    return None
+
+
+def side_file_names() -> tuple[str, ...]:
+    """The side files of every registered adapter, each once."""
+    return tuple(dict.fromkeys(n for a in _ADAPTERS.values() for n in a.side_files))
+
+
+__all__ = ["ModelAdapter", "adapter_for", "adapters", "config_model", "folder_model", "refuse_unsupported",
+           "register_adapter", "side_file_names"]
