@@ -36,7 +36,7 @@ from shardwise.errors import (
     UnsupportedModelError,
     UsageError,
 )
-from shardwise.hf import adapter as _hf_adapter  # registers the Hugging Face model adapter
+from shardwise.hf import adapter as _hf_adapter  # noqa: F401 - registers the Hugging Face model adapter
 from shardwise.parallel import get_shard_state, parallelize
 
 if TYPE_CHECKING:  # what type checkers see for the names below, which load on first use

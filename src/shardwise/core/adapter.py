@@ -19,8 +19,10 @@ when ``import shardwise`` runs. Who asks what:
 - the guards, before any read, write or collective: :meth:`~ModelAdapter.refuse` of EVERY
   registered adapter, since an accelerate hook or a PEFT layer can sit on any model;
 - a load: :meth:`~ModelAdapter.stored_tensors` (model tensors assembled from stored ones);
-- a save: :meth:`~ModelAdapter.save_layout`, :meth:`~ModelAdapter.file_prefix`,
-  :meth:`~ModelAdapter.index_metadata`, :meth:`~ModelAdapter.write_side_files`;
+- a save: :meth:`~ModelAdapter.unsaved`, :meth:`~ModelAdapter.save_layout`,
+  :meth:`~ModelAdapter.shared_storages`, :meth:`~ModelAdapter.file_prefix`,
+  :meth:`~ModelAdapter.index_metadata`, :meth:`~ModelAdapter.write_side_files`; ``verify``
+  against a model: :meth:`~ModelAdapter.stored_names`;
 - the offline tools, with no model in hand: :meth:`~ModelAdapter.model_from_folder`,
   :meth:`~ModelAdapter.model_from_config` and :attr:`~ModelAdapter.side_files`, through
   :func:`folder_model`, :func:`config_model` and :func:`side_file_names`.
@@ -87,6 +89,10 @@ class ModelAdapter:
         ``StoredPart`` of boxes of them, in the order they are written; ``None``: the model's
         own names (no layout to revert)."""
         return None
+
+    def unsaved(self, model: nn.Module) -> frozenset[str]:
+        """Model tensors that a save in the library's layout leaves out."""
+        return frozenset()
 
     def stored_names(self, model: nn.Module, tensors: Shapes) -> dict[str, tuple[tuple[int, ...], str]]:
         """``tensors`` under the keys the library writes them (``save_layout`` without the

@@ -58,6 +58,9 @@ class HuggingFace(ModelAdapter):
     def save_layout(self, model: nn.Module, tensors: Shapes) -> list[StoredPart] | None:
         return hub_save.hub_save_layout(model, dict(tensors))
 
+    def unsaved(self, model: nn.Module) -> frozenset[str]:
+        return frozenset(getattr(model, "_keys_to_ignore_on_save", None) or ())  # as save_pretrained
+
     def stored_names(self, model: nn.Module, tensors: Shapes) -> dict[str, tuple[tuple[int, ...], str]]:
         if not hub_layout.is_transformers_model(model):
             return dict(tensors)

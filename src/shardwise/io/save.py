@@ -161,8 +161,8 @@ def save_safetensors(model: nn.Module, path, options: SafetensorsSave, *, metada
     adapter = adapter_for(model)  # its library's file prefix, index metadata, layout, side files
     prefix = options.filename_prefix or adapter.file_prefix(model)
     items, state = collect_items(model)
-    if options.layout == "hub":  # as save_pretrained: a model's _keys_to_ignore_on_save are not written
-        ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
+    if options.layout == "hub":  # the library's layout leaves some tensors out (_keys_to_ignore_on_save)
+        ignored = adapter.unsaved(model)
         items = [i for i in items if i.name not in ignored]
     stored = stored_tensors(model, items, options.layout)
     check_stored(model, items, stored, options.layout)

@@ -10,7 +10,8 @@ and dtype, without touching data (meta tensors only):
 - ``layout="hub"``: for a transformers model, the keys ``save_pretrained`` writes:
   transformers' own ``revert_weight_conversion`` run on those meta tensors (per-expert
   tensors, fused ``gqkv_proj`` / ``gate_up_proj`` tensors, original names), and its
-  ``_keys_to_ignore_on_save`` dropped. Any other model's hub layout is its module layout.
+  ``_keys_to_ignore_on_save`` dropped: the model adapter's answers (``core.adapter``:
+  ``stored_names``, ``unsaved``). Any other model's hub layout is its module layout.
 
 Dtypes: a checkpoint's dtype is defined per tensor only by a model in hand (or by the
 ``dtype`` the caller gives, which applies to floating-point tensors as ``model.to(dtype)``
@@ -170,7 +171,7 @@ def stored_layout(model: nn.Module, tensors: Expected, aliases: Mapping[str, str
     if layout == "module":
         return dict(tensors), dict(aliases)
     adapter = adapter_for(model)
-    ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
+    ignored = adapter.unsaved(model)
     kept = {n: v for n, v in tensors.items() if n not in ignored}
     stored = adapter.stored_names(model, kept)
     stored_aliases = {}
