@@ -171,7 +171,7 @@ def save_safetensors(model: nn.Module, path, options: SafetensorsSave, *, metada
     sink_options = dict(
         max_shard_size=options.max_shard_size, prefix=prefix, metadata=metadata,
         index_metadata=index_metadata(model, {i.name: i.shape for i in items}),  # total_parameters
-        storages=shared_storages([p for *_, p in stored if p is not None],
+        storages=shared_storages([s.part for s in stored if s.part is not None],
                                  {i.name: i.local.element_size() for i in items}))
     stream = StreamSink(backend, state, {i.name: i for i in items}, what=what, **sink_options)
     plan = stream.plan(stored)
@@ -193,7 +193,7 @@ def save_safetensors(model: nn.Module, path, options: SafetensorsSave, *, metada
             checksums = sink.write(plan, shared or (dest.tmp if dest else None), bar)
 
         def commit():
-            write_info(dest.tmp, gather_info(checksums, [(n, dt, shape) for n, dt, shape, _ in stored]))
+            write_info(dest.tmp, gather_info(checksums, [s.spec for s in stored]))
             write_side_files(model, dest.tmp)  # config.json & co: from_pretrained reads the folder
             dest.commit(plan.index)
 
@@ -243,7 +243,7 @@ def check_stored(model: nn.Module, items, stored, layout: str) -> None:
     tensors = {i.name: (tuple(i.shape), i.dtype) for i in items}
     want = Expectation(type(model).__name__, layout, expected_tensors(model, layout=layout, tensors=tensors),
                        {}, True)
-    report = compare({n: (dt, tuple(shape)) for n, dt, shape, _ in stored}, want)
+    report = compare({s.name: (s.dtype, s.shape) for s in stored}, want)
     if not report.ok:
         raise CheckpointError(f"sw.save would write a checkpoint that does not match {type(model).__name__} "
                               f"({layout} layout): {'; '.join(report.problems()[:5])}. Nothing was written; "
