@@ -3,10 +3,14 @@
 A public entry that takes a mesh (``sw.load``, ``sw.parallelize``, and through them
 ``sw.from_pretrained``) calls :func:`decode_mesh` once; everything below gets the frozen
 :class:`MeshDims` it returns (the tp and ep axes with their degrees, ranks and process
-groups, the holding, the device, the backend) and never looks at the raw mesh's axis names,
-the holding string or the process-global backend again. The ``ShardState`` a parallelised
-model keeps is this value plus the resolved plan (``shardwise.parallel``), so a save, a clip
-or an optimizer save reads the same decoding.
+groups, the holding, the device, the backend and the one its collectives wait in) and never
+looks at the raw mesh's axis names, the holding string or the process-global backend again.
+The ``ShardState`` a parallelised model keeps is this value plus the resolved plan
+(``shardwise.parallel``), so a save, a clip or an optimizer save reads the same decoding.
+A public entry that runs collectives without a mesh (``sw.save``, ``sw.save_optimizer``,
+``sw.clip_grad_norm_``) resolves their backend once with :func:`world_backend` and passes it
+down. These two functions are the only readers of ``current_backend()``: nothing below the
+public API looks the backend up.
 
 Region math (``shardwise.core``) takes the plain ints of :meth:`MeshDims.coords`.
 """
@@ -18,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+import shardwise.comm as comm
 from shardwise.backends import current_backend
 from shardwise.core.spec import ShardSpec
 from shardwise.errors import PlanError
@@ -50,6 +55,9 @@ class MeshDims:
     ep_group: object = field(repr=False, default=None)
     device: torch.device = torch.device("cpu")
     backend: Backend | None = field(repr=False, default=None)  # the Backend that made the mesh, if any
+    # the backend shardwise.comm's collectives wait in (world_backend()): `backend`, an adopted
+    # one over a process group shardwise did not start, or None without a process group
+    comm_backend: Backend | None = field(repr=False, default=None)
 
     def __post_init__(self):
         # the public keyword takes strings; the value holds the enum
@@ -100,7 +108,28 @@ def decode_mesh(mesh, holding: str | Holding | None = None) -> MeshDims:
     device = torch.device(backend.device) if backend is not None else torch.device(mesh.device_type)
     return MeshDims(mesh=mesh, tp_mesh=tp_mesh, degree=degree, tp_rank=tp_rank, holding=holding,
                     group=group, ep_mesh=ep_mesh, ep_degree=ep_degree, ep_rank=ep_rank,
-                    ep_group=ep_group, device=device, backend=backend)
+                    ep_group=ep_group, device=device, backend=backend, comm_backend=_in_world(backend))
+
+
+def world_backend() -> Backend | None:
+    """The backend whose collectives shardwise runs (the ``backend=`` of ``shardwise.comm``):
+    the one ``sw.init_backend`` started, else an ``AdoptedBackend`` over a process group that
+    shardwise did not start, and None in a process without a process group. Called once by a
+    public entry point that runs collectives without decoding a mesh; below it, the answer is
+    passed down.
+
+    >>> world_backend() is None   # one process, no process group
+    True
+    """
+    return _in_world(current_backend())
+
+
+def _in_world(started: Backend | None) -> Backend | None:
+    """``started`` (the backend ``init_backend`` started, or None) as the backend of the
+    world's collectives."""
+    if not comm.is_distributed():
+        return None
+    return started or comm.AdoptedBackend()
 
 
 def tp_axis(mesh):
@@ -139,4 +168,4 @@ def check_spmd(tp_mesh, holding: Holding) -> None:
                         "driving every device); with one process per device use 'dtensor' or 'local'")
 
 
-__all__ = ["MeshDims", "check_spmd", "decode_mesh", "ep_axis", "tp_axis"]
+__all__ = ["MeshDims", "check_spmd", "decode_mesh", "ep_axis", "tp_axis", "world_backend"]

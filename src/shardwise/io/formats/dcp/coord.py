@@ -22,8 +22,8 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 
 import shardwise.comm as comm
 from shardwise._version import __version__
-from shardwise.backends import coordination_group
-from shardwise.comm import agree, capture, world_backend
+from shardwise.backends import Backend, coordination_group
+from shardwise.comm import agree, capture
 from shardwise.core.header import dtype_to_str
 from shardwise.core.plan import plan_summary
 from shardwise.errors import CheckpointError, CollectiveError, ShardwiseError
@@ -90,14 +90,15 @@ def checkpoint_info(model: nn.Module, placed: Mapping[str, Placed], *, kind: str
     }
 
 
-def on_rank0(fn: Callable[[], object], what: str, *, share: bool = False):
-    """Run ``fn`` on rank 0; every rank raises if it failed and, with ``share``, gets its result."""
+def on_rank0(fn: Callable[[], object], what: str, *, backend: Backend | None, share: bool = False):
+    """Run ``fn`` on rank 0; every rank raises if it failed (:func:`~shardwise.comm.agree` over
+    ``backend``) and, with ``share``, gets its result."""
     result = [None]
 
     def run():
         result[0] = fn()
 
-    agree(world_backend(), capture(run) if comm.rank() == 0 else None, what=what)
+    agree(backend, capture(run) if comm.rank() == 0 else None, what=what)
     if share:
         result[0] = comm.broadcast_object(result[0], src=0, group=coordination_group(), purpose=what)
     return result[0]
