@@ -29,7 +29,10 @@ from shardwise.errors import PlanError
 from shardwise.holding import Holding
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
     from shardwise.backends.base import Backend
+    from shardwise.backends.group_mesh import AxisMesh
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,16 +46,16 @@ class MeshDims:
     MeshDims(degree=2, tp_rank=1, holding=local, ep_degree=1, ep_rank=0, device=cpu)
     """
 
-    mesh: object = field(repr=False)   # the mesh passed in (may be 2-D)
-    tp_mesh: object = field(repr=False, default=None)
+    mesh: AxisMesh | None = field(repr=False)   # the mesh passed in (may be 2-D)
+    tp_mesh: AxisMesh | None = field(repr=False, default=None)
     degree: int = 1                    # of the tp axis
     tp_rank: int = 0
     holding: Holding = Holding.DTENSOR
-    group: object = field(repr=False, default=None)  # process group of the tp axis
-    ep_mesh: object = field(repr=False, default=None)  # the ep axis (expert parallel)
+    group: ProcessGroup | None = field(repr=False, default=None)  # process group of the tp axis
+    ep_mesh: AxisMesh | None = field(repr=False, default=None)  # the ep axis (expert parallel)
     ep_degree: int = 1
     ep_rank: int = 0
-    ep_group: object = field(repr=False, default=None)
+    ep_group: ProcessGroup | None = field(repr=False, default=None)
     device: torch.device = torch.device("cpu")
     backend: Backend | None = field(repr=False, default=None)  # the Backend that made the mesh, if any
     # the backend shardwise.comm's collectives wait in (world_backend()): `backend`, an adopted
@@ -72,7 +75,7 @@ class MeshDims:
         """``(degree, rank)`` of this rank on the mesh axis ``spec`` shards over."""
         return (self.ep_degree, self.ep_rank) if spec.axis == "ep" else (self.degree, self.tp_rank)
 
-    def axis_mesh(self, spec: ShardSpec):
+    def axis_mesh(self, spec: ShardSpec) -> AxisMesh | None:
         """The sub-mesh of the axis ``spec`` shards over (``None``: the mesh has no such axis)."""
         return self.ep_mesh if spec.axis == "ep" else self.tp_mesh
 
@@ -82,9 +85,10 @@ class MeshDims:
         return {"tp": (self.degree, self.tp_rank), "ep": (self.ep_degree, self.ep_rank)}
 
 
-def decode_mesh(mesh, holding: str | Holding | None = None) -> MeshDims:
-    """``mesh`` (a DeviceMesh, or the ``SpmdMesh`` of ``xla_spmd``) decoded into
-    :class:`MeshDims`; ``holding`` ``None`` is the active backend's (``"dtensor"`` without one).
+def decode_mesh(mesh: AxisMesh, holding: str | Holding | None = None) -> MeshDims:
+    """``mesh`` (an ``AxisMesh``: a DeviceMesh, a ``GroupMesh`` of xla or neuron_xla, or the
+    ``SpmdMesh`` of ``xla_spmd``) decoded into :class:`MeshDims`; ``holding`` ``None`` is the
+    active backend's (``"dtensor"`` without one).
 
     Raises ``UsageError`` for an unknown holding, and ``PlanError`` for a mesh whose tp axis
     cannot be found (:func:`tp_axis`) or whose kind disagrees with the holding
@@ -98,7 +102,7 @@ def decode_mesh(mesh, holding: str | Holding | None = None) -> MeshDims:
     check_spmd(mesh if tp_mesh is None else tp_mesh, holding)
     ep_mesh = ep_axis(mesh)
 
-    def on(axis):  # (degree, rank, group) of one axis
+    def on(axis: AxisMesh | None) -> tuple[int, int, ProcessGroup | None]:  # (degree, rank, group)
         if axis is None:
             return 1, 0, None
         return axis.size(), 0 if holding.one_process else axis.get_local_rank(), axis.get_group()
@@ -132,7 +136,7 @@ def _in_world(started: Backend | None) -> Backend | None:
     return started or comm.AdoptedBackend()
 
 
-def tp_axis(mesh):
+def tp_axis(mesh: AxisMesh) -> AxisMesh | None:
     """The tp axis of ``mesh``: ``mesh["tp"]`` when named, an unnamed 1-D mesh itself, and
     ``None`` when the mesh names its axes and none is "tp" (``backend.mesh(dp_shard=4)``,
     ``backend.mesh(ep=2)``): nothing is tensor parallel there, so the model is held whole
@@ -151,13 +155,13 @@ def tp_axis(mesh):
     return None
 
 
-def ep_axis(mesh):
+def ep_axis(mesh: AxisMesh) -> AxisMesh | None:
     """The ep axis of ``mesh`` (expert parallel), or ``None`` when it has none."""
     names = getattr(mesh, "mesh_dim_names", None) or ()
     return mesh["ep"] if "ep" in names else None
 
 
-def check_spmd(tp_mesh, holding: Holding) -> None:
+def check_spmd(tp_mesh: AxisMesh, holding: Holding) -> None:
     """Raise ``PlanError`` unless ``holding`` is SPMD exactly when the mesh is an SPMD mesh."""
     is_spmd = bool(getattr(tp_mesh, "spmd", False))
     if is_spmd and not holding.one_process:

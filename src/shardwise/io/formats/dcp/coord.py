@@ -14,7 +14,7 @@ and every rank's fault (shardwise's own collectives get theirs from ``shardwise.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -35,7 +35,7 @@ from shardwise.io.side_files import index_metadata
 from shardwise.parallel import get_shard_state
 
 if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
+    from shardwise.backends.group_mesh import AxisMesh
 
 INFO_FORMAT = "shardwise-dcp"
 
@@ -64,7 +64,7 @@ def checkpoint_info(model: nn.Module, placed: Mapping[str, Placed], *, kind: str
                     metadata: Mapping | None = None) -> dict:
     """The informational ``shardwise.json`` content for a save of ``model``."""
     state = get_shard_state(model)
-    mesh = cast("DeviceMesh | None", state.mesh) if state is not None else next(
+    mesh: AxisMesh | None = state.mesh if state is not None else next(
         (t.device_mesh for t in model.state_dict(keep_vars=True).values()
          if is_dtensor(t)), None)
     sharded_axes = sorted({(t.device_mesh.mesh_dim_names or ("?",) * t.device_mesh.ndim)[i]
