@@ -20,6 +20,7 @@ from torch import nn
 import shardwise.comm as comm
 from shardwise.errors import NonFiniteError
 from shardwise.holding import Holding, is_dtensor
+from shardwise.mesh import world_backend
 from shardwise.parallel import get_shard_state
 
 if TYPE_CHECKING:
@@ -80,6 +81,7 @@ def clip_grad_norm_(model_or_params: nn.Module | Iterable[torch.Tensor] | torch.
     >>> total = sw.clip_grad_norm_(model, 1.0)   # doctest: +SKIP
     """
     norm_type = float(norm_type)
+    backend = world_backend()  # the API boundary: the backend of the all-reduce below
     grads = _grads(model_or_params)
     device = grads[0][1].device if grads else torch.device("cpu")
     if norm_type == math.inf:
@@ -87,13 +89,13 @@ def clip_grad_norm_(model_or_params: nn.Module | Iterable[torch.Tensor] | torch.
         for _, local, _ in grads:
             if local.numel():
                 total = torch.maximum(total, local.detach().abs().max().double())
-        comm.all_reduce(total, "max", purpose="clip_grad_norm_")
+        comm.all_reduce(total, "max", backend=backend, purpose="clip_grad_norm_")
     else:
         total = torch.zeros((), dtype=torch.float64, device=device)
         for _, local, copies in grads:
             norm = torch.linalg.vector_norm(local.detach(), norm_type, dtype=torch.float64)
             total += norm ** norm_type / copies
-        comm.all_reduce(total, purpose="clip_grad_norm_")
+        comm.all_reduce(total, backend=backend, purpose="clip_grad_norm_")
         total = total ** (1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise NonFiniteError(f"the total norm of order {norm_type} of the gradients is {total.item()}; "

@@ -5,7 +5,7 @@ group size, this rank and the fix.
 Three kinds of call, by what torch lets a caller bound:
 
 - tensor collectives of a load, a save or a clip (:func:`all_reduce`, :func:`broadcast`):
-  issued with ``async_op=True`` and waited for by the active backend (:func:`world_backend`),
+  issued with ``async_op=True`` and waited for by the backend they are given (``backend=``),
   within its timeout;
 - the forward and backward collectives of local holding (:func:`all_reduce_inline`,
   :func:`all_gather_inline`, in ``shardwise.local_tp``): plain synchronous calls inside a
@@ -18,6 +18,10 @@ The cross-rank verdict (:func:`agree`) lives here too: every rank reports its ow
 the same point and every rank raises if any rank failed, so that no rank is left waiting in a
 collective that a failed peer will never reach. Without a process group (one process) each
 call is that of a world of one.
+
+No function here looks the backend up: a public entry point resolves it once
+(``shardwise.mesh.world_backend``, or the decoded mesh's ``MeshDims.comm_backend``) and passes
+it down, None meaning no process group.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from shardwise.backends import Backend, current_backend
+from shardwise.backends import Backend
 from shardwise.backends.base import REDUCE_OPS
 from shardwise.errors import BackendError, CheckpointError, CollectiveError, ShardwiseError, UsageError
 
@@ -59,8 +63,9 @@ def _device_types(group=None) -> set[str]:
         return set()
 
 
-class _AdoptedBackend(Backend):
-    """Collectives over a process group that shardwise did not start (no ``init_backend``)."""
+class AdoptedBackend(Backend):
+    """Collectives over a process group that shardwise did not start (no ``init_backend``):
+    what ``shardwise.mesh.world_backend`` gives there. Built in a process group only."""
 
     name = "adopted"
 
@@ -81,26 +86,18 @@ class _AdoptedBackend(Backend):
         )
 
 
-def device_for(group=None) -> torch.device:
+def device_for(group=None, *, backend: Backend | None) -> torch.device:
     """The device of the tensors ``group``'s collectives move (None: the default group): the CPU
-    where the group takes host tensors (gloo), else the active backend's device (NCCL's GPU,
-    an XLA device, a NeuronCore): a device-only group refuses CPU tensors, or (torch_xla's)
-    ignores them. The CPU without a process group.
+    where the group takes host tensors (gloo), else ``backend``'s device (NCCL's GPU, an XLA
+    device, a NeuronCore): a device-only group refuses CPU tensors, or (torch_xla's) ignores
+    them. The CPU without a process group (``backend`` None).
 
-    >>> device_for()   # one process, or a gloo group
+    >>> device_for(backend=None)   # one process
     device(type='cpu')
     """
-    backend = world_backend()
     if backend is None or "cpu" in _device_types(group):
         return torch.device("cpu")
     return torch.device(backend.device)
-
-
-def world_backend() -> Backend | None:
-    """The backend whose collectives shardwise uses, or None in a process without a group."""
-    if not is_distributed():
-        return None
-    return current_backend() or _AdoptedBackend()
 
 
 def _what(op: str, group, purpose: str) -> str:
@@ -136,8 +133,7 @@ class Pending:
             self._backend.wait(work, self._what)
 
 
-def _start(op: str, group, purpose: str, issue: Callable[[], object]) -> Pending:
-    backend = world_backend()
+def _start(op: str, group, purpose: str, issue: Callable[[], object], backend: Backend | None) -> Pending:
     if backend is None:
         return Pending(None, op, None)
     what = _what(op, group, purpose)
@@ -146,22 +142,29 @@ def _start(op: str, group, purpose: str, issue: Callable[[], object]) -> Pending
     return Pending(work, what, backend)
 
 
-def all_reduce(tensor: torch.Tensor, op: str = "sum", *, group=None, purpose: str = "") -> torch.Tensor:
+def all_reduce(tensor: torch.Tensor, op: str = "sum", *, backend: Backend | None, group=None,
+               purpose: str = "") -> torch.Tensor:
     """Reduce ``tensor`` in place over ``group`` (``op``: sum, max, min, product) and return
-    it; every rank of the group calls it. ``purpose`` says what for, in the error."""
+    it; every rank of the group calls it, ``backend`` waits for it (None: no process group,
+    ``tensor`` is the result). ``purpose`` says what for, in the error.
+
+    >>> all_reduce(torch.ones(1), "max", backend=None)   # one process
+    tensor([1.])
+    """
     if op not in REDUCE_OPS:
         raise UsageError(f"unknown reduce op {op!r}; known: {', '.join(REDUCE_OPS)}")
     _start("all_reduce", group, purpose,
-           lambda: dist.all_reduce(tensor, REDUCE_OPS[op], group=group, async_op=True)).wait()
+           lambda: dist.all_reduce(tensor, REDUCE_OPS[op], group=group, async_op=True), backend).wait()
     return tensor
 
 
-def broadcast(tensor: torch.Tensor, src: int, *, group=None, purpose: str = "",
+def broadcast(tensor: torch.Tensor, src: int, *, backend: Backend | None, group=None, purpose: str = "",
               async_op: bool = False) -> Pending:
-    """Overwrite ``tensor`` on every rank of ``group`` with global rank ``src``'s. Returns a
-    handle to :meth:`~Pending.wait` on (already finished unless ``async_op``)."""
+    """Overwrite ``tensor`` on every rank of ``group`` with global rank ``src``'s; ``backend``
+    waits for it (None: no process group). Returns a handle to :meth:`~Pending.wait` on
+    (already finished unless ``async_op``)."""
     pending = _start("broadcast", group, purpose,
-                     lambda: dist.broadcast(tensor, src=src, group=group, async_op=True))
+                     lambda: dist.broadcast(tensor, src=src, group=group, async_op=True), backend)
     if not async_op:
         pending.wait()
     return pending
@@ -292,7 +295,7 @@ def agree(backend: Backend | None, error: BaseException | None, *, what: str,
 
 
 __all__ = [
-    "Pending", "agree", "all_gather_inline", "all_gather_object", "all_reduce", "all_reduce_inline",
-    "broadcast", "broadcast_object", "capture", "device_for", "fingerprint", "gather_object", "guarded",
-    "is_distributed", "rank", "world_backend", "world_size",
+    "AdoptedBackend", "Pending", "agree", "all_gather_inline", "all_gather_object", "all_reduce",
+    "all_reduce_inline", "broadcast", "broadcast_object", "capture", "device_for", "fingerprint",
+    "gather_object", "guarded", "is_distributed", "rank", "world_size",
 ]

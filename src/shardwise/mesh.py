@@ -3,10 +3,14 @@
 A public entry that takes a mesh (``sw.load``, ``sw.parallelize``, and through them
 ``sw.from_pretrained``) calls :func:`decode_mesh` once; everything below gets the frozen
 :class:`MeshDims` it returns (the tp and ep axes with their degrees, ranks and process
-groups, the holding, the device, the backend) and never looks at the raw mesh's axis names,
-the holding string or the process-global backend again. The ``ShardState`` a parallelised
-model keeps is this value plus the resolved plan (``shardwise.parallel``), so a save, a clip
-or an optimizer save reads the same decoding.
+groups, the holding, the device, the backend and the one its collectives wait in) and never
+looks at the raw mesh's axis names, the holding string or the process-global backend again.
+The ``ShardState`` a parallelised model keeps is this value plus the resolved plan
+(``shardwise.parallel``), so a save, a clip or an optimizer save reads the same decoding.
+A public entry that runs collectives without a mesh (``sw.save``, ``sw.save_optimizer``,
+``sw.clip_grad_norm_``) resolves their backend once with :func:`world_backend` and passes it
+down. These two functions are the only readers of ``current_backend()``: nothing below the
+public API looks the backend up.
 
 Region math (``shardwise.core``) takes the plain ints of :meth:`MeshDims.coords`.
 """
@@ -18,13 +22,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
+import shardwise.comm as comm
 from shardwise.backends import current_backend
 from shardwise.core.spec import ShardSpec
 from shardwise.errors import PlanError
 from shardwise.holding import Holding
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
     from shardwise.backends.base import Backend
+    from shardwise.backends.group_mesh import AxisMesh
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,18 +46,21 @@ class MeshDims:
     MeshDims(degree=2, tp_rank=1, holding=local, ep_degree=1, ep_rank=0, device=cpu)
     """
 
-    mesh: object = field(repr=False)   # the mesh passed in (may be 2-D)
-    tp_mesh: object = field(repr=False, default=None)
+    mesh: AxisMesh | None = field(repr=False)   # the mesh passed in (may be 2-D)
+    tp_mesh: AxisMesh | None = field(repr=False, default=None)
     degree: int = 1                    # of the tp axis
     tp_rank: int = 0
     holding: Holding = Holding.DTENSOR
-    group: object = field(repr=False, default=None)  # process group of the tp axis
-    ep_mesh: object = field(repr=False, default=None)  # the ep axis (expert parallel)
+    group: ProcessGroup | None = field(repr=False, default=None)  # process group of the tp axis
+    ep_mesh: AxisMesh | None = field(repr=False, default=None)  # the ep axis (expert parallel)
     ep_degree: int = 1
     ep_rank: int = 0
-    ep_group: object = field(repr=False, default=None)
+    ep_group: ProcessGroup | None = field(repr=False, default=None)
     device: torch.device = torch.device("cpu")
     backend: Backend | None = field(repr=False, default=None)  # the Backend that made the mesh, if any
+    # the backend shardwise.comm's collectives wait in (world_backend()): `backend`, an adopted
+    # one over a process group shardwise did not start, or None without a process group
+    comm_backend: Backend | None = field(repr=False, default=None)
 
     def __post_init__(self):
         # the public keyword takes strings; the value holds the enum
@@ -64,7 +75,7 @@ class MeshDims:
         """``(degree, rank)`` of this rank on the mesh axis ``spec`` shards over."""
         return (self.ep_degree, self.ep_rank) if spec.axis == "ep" else (self.degree, self.tp_rank)
 
-    def axis_mesh(self, spec: ShardSpec):
+    def axis_mesh(self, spec: ShardSpec) -> AxisMesh | None:
         """The sub-mesh of the axis ``spec`` shards over (``None``: the mesh has no such axis)."""
         return self.ep_mesh if spec.axis == "ep" else self.tp_mesh
 
@@ -74,9 +85,10 @@ class MeshDims:
         return {"tp": (self.degree, self.tp_rank), "ep": (self.ep_degree, self.ep_rank)}
 
 
-def decode_mesh(mesh, holding: str | Holding | None = None) -> MeshDims:
-    """``mesh`` (a DeviceMesh, or the ``SpmdMesh`` of ``xla_spmd``) decoded into
-    :class:`MeshDims`; ``holding`` ``None`` is the active backend's (``"dtensor"`` without one).
+def decode_mesh(mesh: AxisMesh, holding: str | Holding | None = None) -> MeshDims:
+    """``mesh`` (an ``AxisMesh``: a DeviceMesh, a ``GroupMesh`` of xla or neuron_xla, or the
+    ``SpmdMesh`` of ``xla_spmd``) decoded into :class:`MeshDims`; ``holding`` ``None`` is the
+    active backend's (``"dtensor"`` without one).
 
     Raises ``UsageError`` for an unknown holding, and ``PlanError`` for a mesh whose tp axis
     cannot be found (:func:`tp_axis`) or whose kind disagrees with the holding
@@ -90,7 +102,7 @@ def decode_mesh(mesh, holding: str | Holding | None = None) -> MeshDims:
     check_spmd(mesh if tp_mesh is None else tp_mesh, holding)
     ep_mesh = ep_axis(mesh)
 
-    def on(axis):  # (degree, rank, group) of one axis
+    def on(axis: AxisMesh | None) -> tuple[int, int, ProcessGroup | None]:  # (degree, rank, group)
         if axis is None:
             return 1, 0, None
         return axis.size(), 0 if holding.one_process else axis.get_local_rank(), axis.get_group()
@@ -100,10 +112,31 @@ def decode_mesh(mesh, holding: str | Holding | None = None) -> MeshDims:
     device = torch.device(backend.device) if backend is not None else torch.device(mesh.device_type)
     return MeshDims(mesh=mesh, tp_mesh=tp_mesh, degree=degree, tp_rank=tp_rank, holding=holding,
                     group=group, ep_mesh=ep_mesh, ep_degree=ep_degree, ep_rank=ep_rank,
-                    ep_group=ep_group, device=device, backend=backend)
+                    ep_group=ep_group, device=device, backend=backend, comm_backend=_in_world(backend))
 
 
-def tp_axis(mesh):
+def world_backend() -> Backend | None:
+    """The backend whose collectives shardwise runs (the ``backend=`` of ``shardwise.comm``):
+    the one ``sw.init_backend`` started, else an ``AdoptedBackend`` over a process group that
+    shardwise did not start, and None in a process without a process group. Called once by a
+    public entry point that runs collectives without decoding a mesh; below it, the answer is
+    passed down.
+
+    >>> world_backend() is None   # one process, no process group
+    True
+    """
+    return _in_world(current_backend())
+
+
+def _in_world(started: Backend | None) -> Backend | None:
+    """``started`` (the backend ``init_backend`` started, or None) as the backend of the
+    world's collectives."""
+    if not comm.is_distributed():
+        return None
+    return started or comm.AdoptedBackend()
+
+
+def tp_axis(mesh: AxisMesh) -> AxisMesh | None:
     """The tp axis of ``mesh``: ``mesh["tp"]`` when named, an unnamed 1-D mesh itself, and
     ``None`` when the mesh names its axes and none is "tp" (``backend.mesh(dp_shard=4)``,
     ``backend.mesh(ep=2)``): nothing is tensor parallel there, so the model is held whole
@@ -122,13 +155,13 @@ def tp_axis(mesh):
     return None
 
 
-def ep_axis(mesh):
+def ep_axis(mesh: AxisMesh) -> AxisMesh | None:
     """The ep axis of ``mesh`` (expert parallel), or ``None`` when it has none."""
     names = getattr(mesh, "mesh_dim_names", None) or ()
     return mesh["ep"] if "ep" in names else None
 
 
-def check_spmd(tp_mesh, holding: Holding) -> None:
+def check_spmd(tp_mesh: AxisMesh, holding: Holding) -> None:
     """Raise ``PlanError`` unless ``holding`` is SPMD exactly when the mesh is an SPMD mesh."""
     is_spmd = bool(getattr(tp_mesh, "spmd", False))
     if is_spmd and not holding.one_process:
@@ -139,4 +172,4 @@ def check_spmd(tp_mesh, holding: Holding) -> None:
                         "driving every device); with one process per device use 'dtensor' or 'local'")
 
 
-__all__ = ["MeshDims", "check_spmd", "decode_mesh", "ep_axis", "tp_axis"]
+__all__ = ["MeshDims", "check_spmd", "decode_mesh", "ep_axis", "tp_axis", "world_backend"]

@@ -234,7 +234,8 @@ def _dtensor_params(module: nn.Module, prefix: str, state: ShardState, converted
             continue  # a scale whose blocks shard boundaries cut: held local (shardwise.quant_tp)
         if done is None:  # the first module of a tied weight converts it; the others reuse it
             placement = Replicate() if spec.dim is None else Shard(spec.dim)  # None: replicated
-            d = DTensor.from_local(p.data, state.axis_mesh(spec), [placement], run_check=False)
+            mesh = cast("DeviceMesh", state.axis_mesh(spec))  # a DTensor holding's meshes are torch's
+            d = DTensor.from_local(p.data, mesh, [placement], run_check=False)
             done = (p, _as_parameter(d, p.requires_grad))
             converted[id(p)] = done
         module.register_parameter(pname, done[1])

@@ -8,6 +8,8 @@ save must refuse, leaving no folder behind."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 pytest.importorskip("transformers")
@@ -34,8 +36,8 @@ def test_save_refuses_a_stored_tensor_of_the_wrong_shape(tmp_path, monkeypatch):
         real = save_module.stored_tensors
 
         def one_part_shape(model, items, layout):  # the shipped bug: the fused key as one part
-            return [(n, dt, (64, 64) if n.endswith("gqkv_proj.weight") else shape, p)
-                    for n, dt, shape, p in real(model, items, layout)]
+            return [dataclasses.replace(s, shape=(64, 64)) if s.name.endswith("gqkv_proj.weight") else s
+                    for s in real(model, items, layout)]
 
         monkeypatch.setattr(save_module, "stored_tensors", one_part_shape)
         with pytest.raises(sw.CheckpointError, match=r"gqkv_proj\.weight.*\(64, 64\).*\(256, 64\)"):

@@ -50,12 +50,15 @@ def test_storages_and_parts_travel_with_the_plan():
     assert plan.parts == {"e.0": "part0"}
 
 
-def test_the_sink_plans_stored_tensors_and_tuples_alike():
+def test_the_sink_plans_stored_tensors_as_the_recipe_plans_their_specs():
     sink = SafetensorsSink(max_shard_size=700, prefix="m", metadata=None)
     stored = [StoredTensor(n, d, s) for n, d, s in SPECS]
-    assert sink.plan(stored) == sink.plan([(n, d, s, None) for n, d, s in SPECS]) == \
-        plan_checkpoint(SPECS, max_shard_size=700, prefix="m")
-    assert tuple(stored[0]) == ("z.weight", "BF16", (10, 10), None)
+    assert sink.plan(stored) == plan_checkpoint(SPECS, max_shard_size=700, prefix="m")
+    assert [s.spec for s in stored] == SPECS and stored[0].part is None
+    with pytest.raises(TypeError):  # a value with fields, not a tuple to unpack
+        name, dtype, shape, part = stored[0]
+    with_part = sink.plan([StoredTensor(n, d, s, part=f"part of {n}") for n, d, s in SPECS])
+    assert with_part.parts == {n: f"part of {n}" for n, _, _ in SPECS}
 
 
 @pytest.mark.parametrize("kwargs, match", [

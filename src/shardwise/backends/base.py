@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.distributed as dist
 
 from shardwise.errors import BackendError, CollectiveError, MeshError, UsageError
 from shardwise.holding import Holding
+
+if TYPE_CHECKING:
+    from shardwise.backends.group_mesh import AxisMesh
 
 # Mesh axes, outer to inner: replicas of the whole model, then FSDP shards, then TP.
 MESH_AXES = ("dp_replicate", "dp_shard", "ep", "tp")
@@ -251,7 +254,7 @@ class Backend:
         names, shape = mesh_axes(axes, self.world_size, "the world size")
         return self._make_mesh(names, shape)
 
-    def _make_mesh(self, names: tuple[str, ...], shape: tuple[int, ...]):
+    def _make_mesh(self, names: tuple[str, ...], shape: tuple[int, ...]) -> AxisMesh:
         from torch.distributed.device_mesh import init_device_mesh
 
         return init_device_mesh(self.device_type, shape, mesh_dim_names=names)

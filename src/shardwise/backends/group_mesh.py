@@ -1,24 +1,72 @@
-"""A named-axis mesh of process-group ranks, for backends where torch's DeviceMesh cannot be built.
+"""What shardwise reads of a mesh (:class:`AxisMesh`), and a named-axis mesh of process-group
+ranks for backends where torch's DeviceMesh cannot be built (:class:`GroupMesh`).
 
 torch's ``init_device_mesh`` needs a device handle for the device type, which torch_xla does
 not register ("DeviceMesh process groups not initialized!"), so the xla and neuron backends
-use this instead. It is not a DeviceMesh (DTensor cannot run on it, which is why those
-backends hold local shards) and implements only what shardwise reads off a mesh:
-``mesh_dim_names``, ``ndim``, ``device_type``, ``mesh`` (the rank ids), ``size(dim)``,
-``get_local_rank(dim)``, ``get_group(dim)``, ``get_coordinate()`` and ``mesh[axis]``.
+use a GroupMesh instead. It is not a DeviceMesh (DTensor cannot run on it, which is why those
+backends hold local shards) and implements what shardwise reads off a mesh, the
+:class:`AxisMesh` protocol, plus ``get_coordinate()``.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
 
 from shardwise.errors import MeshError
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 NewGroup = Callable[[list[int]], object]
+
+
+class AxisMesh(Protocol):
+    """What shardwise reads of a mesh, at the API boundary (``shardwise.mesh.decode_mesh``)
+    and after it: torch's ``DeviceMesh``, :class:`GroupMesh` (xla, neuron_xla) and the
+    ``SpmdMesh`` of ``backends/xla_spmd.py`` answer it. Reading it is local: sizes, ranks and
+    groups made when the mesh was built (collectively, by every rank), never a collective.
+    """
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...] | None:
+        """The axis names, outer to inner (None: unnamed axes)."""
+        ...
+
+    @property
+    def ndim(self) -> int: ...
+
+    @property
+    def device_type(self) -> str:
+        """"cpu", "cuda", "xla", ...: the device type of the tensors on the mesh."""
+        ...
+
+    @property
+    def mesh(self) -> torch.Tensor:
+        """The global ranks (an SPMD mesh: device ids) in the mesh's shape."""
+        ...
+
+    def size(self, dim: int | None = None, /) -> int:
+        """Positions in the mesh, or along axis ``dim``."""
+        ...
+
+    def get_local_rank(self, dim: int | str | None = None, /) -> int:
+        """This rank's position along axis ``dim`` (the only axis of a 1-D mesh); an SPMD mesh,
+        where one process drives every position, raises."""
+        ...
+
+    def get_group(self, dim: int | str | None = None, /) -> ProcessGroup | None:
+        """The process group of this rank's line along axis ``dim`` (None: an SPMD mesh, where
+        no process group spans the devices)."""
+        ...
+
+    def __getitem__(self, name: str, /) -> AxisMesh:
+        """The 1-D mesh of this rank's line along axis ``name``."""
+        ...
 
 
 class GroupMesh:
@@ -109,4 +157,4 @@ def _axis_group(ranks: torch.Tensor, dim: int, rank: int, new_group: NewGroup):
     return mine
 
 
-__all__ = ["GroupMesh"]
+__all__ = ["AxisMesh", "GroupMesh"]

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.backends.base import Backend, torchrun_env
-from shardwise.backends.group_mesh import GroupMesh
+from shardwise.backends.group_mesh import AxisMesh, GroupMesh
 from shardwise.errors import BackendError, BackendUnavailableError, CollectiveError
 
 XLA_HINT = "pip install 'shardwise[xla]' (torch-xla must match your torch version)"
@@ -140,7 +140,7 @@ class XlaBackend(Backend):
     def _device(self) -> torch.device:
         return torch.device(import_torch_xla().device())
 
-    def _make_mesh(self, names, shape):
+    def _make_mesh(self, names, shape) -> AxisMesh:
         return GroupMesh(self.device_type, names, shape, rank=self.rank, new_group=self._new_group)
 
     @staticmethod

@@ -39,7 +39,7 @@ from torch import nn
 from shardwise.errors import UsageError
 
 if TYPE_CHECKING:
-    from shardwise.core.header import TensorEntry
+    from shardwise.core.header import NamedDtype
     from shardwise.core.pieces import Composite, StoredPart
 
 # {model tensor or stored key: (global shape, safetensors dtype)}
@@ -76,7 +76,7 @@ class ModelAdapter:
         shardwise cannot ``action`` ("load", "save", ...). Pure inspection."""
 
     # -- stored layouts: load and save ---------------------------------------------------------
-    def stored_tensors(self, model: nn.Module, stored: Mapping[str, tuple[Path | None, TensorEntry]],
+    def stored_tensors(self, model: nn.Module, stored: Mapping[str, tuple[Path | None, NamedDtype]],
                        wanted: set[str], shapes: Mapping[str, tuple[int, ...]] | None = None,
                        ) -> tuple[dict[str, Composite], set[str]]:
         """``({model tensor: Composite}, stored keys used)`` for the tensors of ``wanted`` that

@@ -68,9 +68,10 @@ def spec_nbytes(dtype: str, shape: Sequence[int]) -> int:
 
 class NamedDtype:
     """``torch_dtype`` and ``itemsize`` of a record whose ``dtype`` is a safetensors dtype name
-    (a file's tensor entry, a sharded checkpoint's tensor)."""
+    and whose ``shape`` is the tensor's (a file's tensor entry, a sharded checkpoint's tensor)."""
 
     dtype: str
+    shape: tuple[int, ...]
 
     @property
     def torch_dtype(self) -> torch.dtype:

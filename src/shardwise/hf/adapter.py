@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from shardwise.core.adapter import ModelAdapter, Shapes, register_adapter
-from shardwise.core.header import TensorEntry, dtype_to_str, str_to_dtype
+from shardwise.core.header import NamedDtype, dtype_to_str, str_to_dtype
 from shardwise.core.pieces import Composite, StoredPart
 from shardwise.hf import files, guards, hub_layout, hub_save, model_checks, plans
 
@@ -50,7 +50,7 @@ class HuggingFace(ModelAdapter):
     def refuse(self, model: nn.Module, action: str) -> None:
         guards.refuse(model, action)
 
-    def stored_tensors(self, model: nn.Module, stored: Mapping[str, tuple[Path | None, TensorEntry]],
+    def stored_tensors(self, model: nn.Module, stored: Mapping[str, tuple[Path | None, NamedDtype]],
                        wanted: set[str], shapes: Mapping[str, tuple[int, ...]] | None = None,
                        ) -> tuple[dict[str, Composite], set[str]]:
         return hub_layout.hub_tensors(model, stored, wanted, None if shapes is None else dict(shapes))

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from torch import nn
 
-from shardwise.core.header import TensorEntry
+from shardwise.core.header import NamedDtype
 from shardwise.core.pieces import Composite, Piece
 from shardwise.core.spec import Region
 from shardwise.errors import CheckpointError
@@ -155,12 +155,12 @@ def _apply(conv, groups: dict[str, list[_Virtual]], what: str) -> _Virtual:
     return single
 
 
-def _whole(key: str, entry: TensorEntry) -> Piece:
+def _whole(key: str, entry: NamedDtype) -> Piece:
     zeros = (0,) * len(entry.shape)
     return Piece(key, Region(zeros, entry.shape), zeros)
 
 
-def _split_targets(conv, key: str, name: str, entry: TensorEntry, shapes: dict, what: str) -> dict:
+def _split_targets(conv, key: str, name: str, entry: NamedDtype, shapes: dict, what: str) -> dict:
     """``{model tensor: Piece}`` for a converter that splits one stored tensor into several
     (``Split``: sizes of the model tensors; ``Chunk``: equal parts), each a slab of it."""
     ops = list(getattr(conv, "operations", []) or [])
@@ -190,7 +190,7 @@ def _split_targets(conv, key: str, name: str, entry: TensorEntry, shapes: dict, 
     return out
 
 
-def hub_tensors(model: nn.Module, stored: Mapping[str, tuple[Path | None, TensorEntry]],
+def hub_tensors(model: nn.Module, stored: Mapping[str, tuple[Path | None, NamedDtype]],
                 wanted: set[str], shapes: dict[str, tuple[int, ...]] | None = None,
                 ) -> tuple[dict[str, Composite], set[str]]:
     """``({model tensor: Composite}, stored keys used)`` for the tensors of ``wanted`` that a

@@ -18,7 +18,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -38,9 +37,6 @@ from shardwise.io.safetensors.format import StreamingWriter
 from shardwise.io.safetensors.sink import SafetensorsSink
 from shardwise.io.sink import WritePlan
 from shardwise.parallel import ShardState, get_shard_state, local_of
-
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
 
 # Bytes gathered per collective, all ranks together (see num_chunks).
 _CHUNK_BYTES = 64 << 20
@@ -214,7 +210,7 @@ class FileGatherer:
             axes = (("tp", state.tp_mesh, state.group), ("ep", state.ep_mesh, state.ep_group))
             for axis, mesh, group in axes:
                 if mesh is not None:
-                    self.axes[axis] = (group, 0 in cast("DeviceMesh", mesh).mesh.flatten().tolist())
+                    self.axes[axis] = (group, 0 in mesh.mesh.flatten().tolist())
         self._buffer: torch.Tensor | None = None
         self._receive: list[torch.Tensor] | None = None
         self._held: dict[str, torch.Tensor | None] = {}

@@ -106,7 +106,8 @@ def load(model: nn.Module, path: str | os.PathLike, *, plan, mesh, dtype: torch.
     reads = source.plan(place.wants(names))
     # dp replicas share their reads only where each process holds its own shards
     how = ReadOptions(dtype, place.device, reader_threads(num_threads),
-                      mesh=None if dims.holding.one_process else mesh, window=place.window)
+                      mesh=None if dims.holding.one_process else mesh, window=place.window,
+                      backend=dims.comm_backend)
     with Progress(reads.nbytes, progress, is_rank0(), "shardwise load") as bar:
         tensors = source.read(reads, finalize=place.finalize, options=how, on_bytes=bar)
     place.install(model, tensors, missing)

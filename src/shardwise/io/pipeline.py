@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
@@ -25,11 +25,10 @@ from shardwise.core.adapter import adapter_for
 from shardwise.core.pieces import Composite
 from shardwise.core.plan import ResolvedPlan
 from shardwise.errors import CheckpointError
-from shardwise.io.formats.safetensors.checkpoint import Checkpoint
 from shardwise.io.formats.safetensors.quantized import pair_mxfp4, pair_quantized
 
 if TYPE_CHECKING:
-    from shardwise.core.header import TensorEntry
+    from shardwise.core.header import NamedDtype
     from shardwise.io.formats.safetensors.quantized import Dequantized
 
 _SHOW = 20  # names listed in an error before "... and N more"
@@ -59,8 +58,29 @@ class LoadResult:
                 f"unexpected={len(self.unexpected_keys)})")
 
 
+class KeyedCheckpoint(Protocol):
+    """What :func:`match_keys` reads of a checkpoint whose tensors are stored under their
+    names: the safetensors ``Checkpoint`` (``io.formats.safetensors.checkpoint``) and the
+    ``ShardedCheckpoint`` (``io.formats.sharded.checkpoint``). Read only, before any data is."""
 
-def match_keys(model: nn.Module, specs: ResolvedPlan, ckpt: Checkpoint, *, strict: bool,
+    @property
+    def root(self) -> Path:
+        """The checkpoint's folder: errors name it, and its ``config.json`` says how FP8 and
+        MXFP4 tensors are quantized."""
+        ...
+
+    @property
+    def names(self) -> list[str]:
+        """Every stored tensor's name."""
+        ...
+
+    def entry(self, name: str) -> tuple[Path, NamedDtype]:
+        """Where tensor ``name`` lives (its file, or the folder of a sharded one) and its
+        stored dtype and global shape; ``CheckpointError`` for a name it does not hold."""
+        ...
+
+
+def match_keys(model: nn.Module, specs: ResolvedPlan, ckpt: KeyedCheckpoint, *, strict: bool,
                dequantize: bool = False):
     """``({name: (file, entry), Composite or Dequantized}, missing, unexpected)`` for the model
     tensors in ``specs``.
@@ -87,7 +107,7 @@ def match_keys(model: nn.Module, specs: ResolvedPlan, ckpt: Checkpoint, *, stric
     # A tensor the checkpoint stores in its hub layout (renamed, or split per expert).
     hub, used = (adapter_for(model).stored_tensors(model, {k: ckpt.entry(k) for k in ckpt.names}, absent)
                  if absent else ({}, set()))
-    sources: dict[str, tuple[Path, TensorEntry] | Composite | Dequantized] = {}
+    sources: dict[str, tuple[Path, NamedDtype] | Composite | Dequantized] = {}
     missing, found_as = [], {}
     for name, candidates in names_of.items():
         found = next((c for c in candidates if c in stored), None)
@@ -200,6 +220,6 @@ def is_rank0() -> bool:
 
 
 __all__ = [
-    "LoadResult", "check_dtype", "check_nothing_left_on_meta", "is_rank0", "listing",
+    "KeyedCheckpoint", "LoadResult", "check_dtype", "check_nothing_left_on_meta", "is_rank0", "listing",
     "match_keys", "move_non_persistent", "reader_threads",
 ]

@@ -17,7 +17,8 @@ any read failed (so a bad file raises on every rank instead of leaving the other
 broadcast), then the broadcasts run in the same order on every rank (asynchronous; received
 tensors are finalized as they arrive). ``bytes_read`` of the load counts storage reads only.
 
-Where the tensors travel: on the device the group's collectives take (``comm.device_for``): the
+Where the tensors travel: on the device the group's collectives take (``comm.device_for`` with
+the load's backend, decoded with its mesh: ``MeshDims.comm_backend``): the
 CPU over gloo; the backend's device over a device-only group (NCCL takes CUDA tensors only,
 torch_xla's group XLA tensors only). There the bytes are staged on the device for the
 broadcast, and a receiver brings them back to the host before finalizing, so that every
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 import shardwise.comm as comm
+from shardwise.backends import Backend
 from shardwise.errors import CheckpointError
 from shardwise.io.formats.safetensors.reader import Finalize, ReadItem, RegionReader
 
@@ -71,13 +73,15 @@ def assign_owners(groups: Sequence[str], members: dict[str, Sequence[int]],
 
 
 def read_once(reader: RegionReader, items: list[ReadItem], *, finalize: Finalize, mesh,
-              whole: set[str], on_bytes: Callable[[int], None] | None = None) -> dict:
+              backend: Backend | None, whole: set[str],
+              on_bytes: Callable[[int], None] | None = None) -> dict:
     """``{name: finalize(item, raw)}`` for every item, each read from storage by one replica.
 
     ``whole``: names of the items every rank of ``mesh`` reads in full, identically and in the
     same order (replicated tensors). Collective over ``mesh``: every rank calls it with its own
     items (the same list, in the same order, on ranks that share their tp and ep coordinates).
-    Each collective waits as long as the backend's timeout allows.
+    Each collective waits as long as ``backend``'s timeout allows (the load's decoded
+    ``MeshDims.comm_backend``).
     """
     dp_group = replica_axis(mesh).get_group()
     spans_world = mesh.size() == dist.get_world_size()
@@ -96,17 +100,19 @@ def read_once(reader: RegionReader, items: list[ReadItem], *, finalize: Finalize
     except Exception as e:  # told to every rank below, then raised here
         error = e
     check = groups["all" if spans_world else "dp"][0]
-    failed = torch.tensor([1 if error else 0], dtype=torch.int32, device=comm.device_for(check))
-    comm.all_reduce(failed, "max", group=check, purpose="the check that every replica read its share")
+    device = comm.device_for(check, backend=backend)
+    failed = torch.tensor([1 if error else 0], dtype=torch.int32, device=device)
+    comm.all_reduce(failed, "max", backend=backend, group=check,
+                    purpose="the check that every replica read its share")
     if error is not None:
         raise error
     if failed.item():
         raise CheckpointError("another rank failed to read its share of the checkpoint (its own error "
                               "names the file); every rank stopped before the replicas exchanged tensors")
-    return _exchange(items, owners, [groups[k][0] for k in kind], raw, finalize, on_bytes)
+    return _exchange(items, owners, [groups[k][0] for k in kind], raw, finalize, on_bytes, backend)
 
 
-def _exchange(items, owners, groups, raw, finalize, on_bytes) -> dict:
+def _exchange(items, owners, groups, raw, finalize, on_bytes, backend) -> dict:
     """Broadcast every item from its owner, in item order; finalize each as it arrives."""
     me = dist.get_rank()
     pending = []
@@ -115,11 +121,11 @@ def _exchange(items, owners, groups, raw, finalize, on_bytes) -> dict:
                   else torch.empty(item.local_shape, dtype=item.entry.torch_dtype))
         work, staged = None, None
         if item.nbytes:  # moved as bytes: every group moves uint8, whatever the dtype
-            device = comm.device_for(group)
+            device = comm.device_for(group, backend=backend)
             data = tensor.reshape(-1).view(torch.uint8)  # a view of a receiver's buffer
             staged = (data if device == data.device else data.to(device) if owner == me
                       else torch.empty_like(data, device=device))
-            work = comm.broadcast(staged, owner, group=group, async_op=True,
+            work = comm.broadcast(staged, owner, backend=backend, group=group, async_op=True,
                                   purpose=f"the broadcast of {item.name!r} from rank {owner} to its replicas")
         pending.append((item, owner, work, tensor, staged))
     results = {}

@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from shardwise._progress import Progress
-from shardwise.comm import agree, capture, fingerprint, world_backend
+from shardwise.backends import Backend
+from shardwise.comm import agree, capture, fingerprint
 from shardwise.core.adapter import adapter_for
 from shardwise.errors import CheckpointError, CollectiveError
 from shardwise.io import parallel_save
@@ -39,6 +40,7 @@ from shardwise.io.quant_checks import check_quantized_save
 from shardwise.io.save_options import DistributedSave, SafetensorsSave, save_options
 from shardwise.io.sink import StoredTensor
 from shardwise.io.target import Destination, target_path
+from shardwise.mesh import world_backend
 
 if TYPE_CHECKING:
     from shardwise.io.formats.dcp.checkpoint import AsyncSave
@@ -121,41 +123,46 @@ def save(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str
     options = save_options(distributed=distributed, max_shard_size=max_shard_size,
                            filename_prefix=filename_prefix, layout=layout, parallel_write=parallel_write,
                            format=format, async_save=async_save)
+    backend = world_backend()  # the API boundary: the backend of every collective of the save
     if isinstance(options, DistributedSave):
-        return save_distributed(model, path, options, metadata=metadata, overwrite=overwrite,
-                                progress=progress)
-    save_safetensors(model, path, options, metadata=metadata, overwrite=overwrite, progress=progress)
+        return save_distributed(model, path, options, backend=backend, metadata=metadata,
+                                overwrite=overwrite, progress=progress)
+    save_safetensors(model, path, options, backend=backend, metadata=metadata, overwrite=overwrite,
+                     progress=progress)
     return None
 
 
-def save_distributed(model: nn.Module, path, options: DistributedSave, *, metadata, overwrite: bool,
-                     progress: bool | None) -> AsyncSave | None:
+def save_distributed(model: nn.Module, path, options: DistributedSave, *, backend: Backend | None,
+                     metadata, overwrite: bool, progress: bool | None) -> AsyncSave | None:
     """``sw.save(..., distributed=True)`` with its decoded ``options``: the guards, every rank
-    meets, then the format's writer (torch DCP, or rank-local sharded safetensors)."""
+    meets, then the format's writer (torch DCP, or rank-local sharded safetensors); ``backend``
+    (``shardwise.mesh.world_backend``) runs their collectives."""
     check_model(model, action="save")
     # a DCP save writes each FP8 scale once (io.formats.dcp.quant); rank-local safetensors cannot
     if options.format == "safetensors":
         check_quantized_save(model, "as rank-local safetensors (format='safetensors')")
-    join_collective(world_backend(), "sw.save")
+    join_collective(backend, "sw.save")
     if options.format == "safetensors":
         # imported on use, as save_dcp below: it imports torch.distributed.checkpoint (dcp_coord)
         from shardwise.io.dcp.sharded_write import save_sharded_safetensors
 
-        save_sharded_safetensors(model, path, overwrite=overwrite, metadata=metadata, progress=progress)
+        save_sharded_safetensors(model, path, backend=backend, overwrite=overwrite, metadata=metadata,
+                                 progress=progress)
         return None
     from shardwise.io.formats.dcp.checkpoint import (
         save_dcp,  # imported on use: torch.distributed.checkpoint is slow to load
     )
 
-    return save_dcp(model, path, overwrite=overwrite, metadata=metadata, progress=progress,
-                    async_save=options.async_save)
+    return save_dcp(model, path, backend=backend, overwrite=overwrite, metadata=metadata,
+                    progress=progress, async_save=options.async_save)
 
 
-def save_safetensors(model: nn.Module, path, options: SafetensorsSave, *, metadata, overwrite: bool,
-                     progress: bool | None) -> None:
+def save_safetensors(model: nn.Module, path, options: SafetensorsSave, *, backend: Backend | None,
+                     metadata, overwrite: bool, progress: bool | None) -> None:
     """``sw.save(..., distributed=False)`` with its decoded ``options``: plan every file (pure,
     the same on every rank), meet, then write through the rank-0 stream or, where every rank
-    sees the folder, the parallel write; move the folder into place when every rank is done."""
+    sees the folder, the parallel write; move the folder into place when every rank is done.
+    ``backend`` (``shardwise.mesh.world_backend``) runs the collectives."""
     check_model(model, action="save")
     target = target_path(path)
     adapter = adapter_for(model)  # its library's file prefix, index metadata, layout, side files
@@ -166,12 +173,11 @@ def save_safetensors(model: nn.Module, path, options: SafetensorsSave, *, metada
         items = [i for i in items if i.name not in ignored]
     stored = stored_tensors(model, items, options.layout)
     check_stored(model, items, stored, options.layout)
-    backend = world_backend()
     what = f"sw.save to {target}"
     sink_options = dict(
         max_shard_size=options.max_shard_size, prefix=prefix, metadata=metadata,
         index_metadata=adapter.index_metadata(model, {i.name: i.shape for i in items}),  # total_parameters
-        storages=adapter.shared_storages([p for *_, p in stored if p is not None],
+        storages=adapter.shared_storages([s.part for s in stored if s.part is not None],
                                          {i.name: i.local.element_size() for i in items}))
     stream = StreamSink(backend, state, {i.name: i for i in items}, what=what, **sink_options)
     plan = stream.plan(stored)
@@ -193,7 +199,7 @@ def save_safetensors(model: nn.Module, path, options: SafetensorsSave, *, metada
             checksums = sink.write(plan, shared or (dest.tmp if dest else None), bar)
 
         def commit():
-            write_info(dest.tmp, gather_info(checksums, [(n, dt, shape) for n, dt, shape, _ in stored]))
+            write_info(dest.tmp, gather_info(checksums, [s.spec for s in stored]))
             adapter.write_side_files(model, dest.tmp)  # config.json & co: from_pretrained reads the folder
             dest.commit(plan.index)
 
@@ -208,7 +214,7 @@ def save_safetensors(model: nn.Module, path, options: SafetensorsSave, *, metada
 HANDSHAKE_SECONDS = 60.0
 
 
-def join_collective(backend, what: str) -> None:
+def join_collective(backend: Backend | None, what: str) -> None:
     """Every rank meets here first: a rank that enters ``what`` alone (under ``if rank ==
     0:``) gets an error naming the mistake within HANDSHAKE_SECONDS, rather than a gloo
     "Connection closed by peer" or a hang in the middle of the save."""
@@ -243,7 +249,7 @@ def check_stored(model: nn.Module, items, stored, layout: str) -> None:
     tensors = {i.name: (tuple(i.shape), i.dtype) for i in items}
     want = Expectation(type(model).__name__, layout, expected_tensors(model, layout=layout, tensors=tensors),
                        {}, True)
-    report = compare({n: (dt, tuple(shape)) for n, dt, shape, _ in stored}, want)
+    report = compare({s.name: (s.dtype, s.shape) for s in stored}, want)
     if not report.ok:
         raise CheckpointError(f"sw.save would write a checkpoint that does not match {type(model).__name__} "
                               f"({layout} layout): {'; '.join(report.problems()[:5])}. Nothing was written; "

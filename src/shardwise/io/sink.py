@@ -13,10 +13,10 @@ its ``StorageWriter`` protocol and its planner.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from shardwise.core.pieces import StoredPart
@@ -29,15 +29,20 @@ Spec = tuple[str, str, tuple[int, ...]]
 class StoredTensor:
     """One tensor a save writes: its name, dtype and canonical shape, and, in the hub layout,
     the boxes of model tensors it is assembled from (``part``; None: the model tensor itself).
-    Unpacks as ``name, dtype, shape, part``."""
+
+    >>> StoredTensor("lm_head.weight", "BF16", (32, 16))
+    StoredTensor(name='lm_head.weight', dtype='BF16', shape=(32, 16))
+    """
 
     name: str
     dtype: str
     shape: tuple[int, ...]
     part: StoredPart | None = field(default=None, repr=False)
 
-    def __iter__(self) -> Iterator[Any]:
-        return iter((self.name, self.dtype, self.shape, self.part))
+    @property
+    def spec(self) -> Spec:
+        """``(name, dtype, shape)``, as a file's header lists it."""
+        return self.name, self.dtype, self.shape
 
 
 @dataclass(frozen=True)

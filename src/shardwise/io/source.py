@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -24,6 +24,9 @@ from torch import nn
 from shardwise.core.plan import ResolvedPlan
 from shardwise.core.quant_layout import QuantTie
 from shardwise.core.spec import Region, ShardSpec
+
+if TYPE_CHECKING:
+    from shardwise.backends import Backend
 
 # (request key, raw local tensor) -> what the load keeps (None: the placement kept it itself)
 Finalize = Callable[[str, torch.Tensor], Any]
@@ -48,14 +51,16 @@ class Want:
 class ReadOptions:
     """How a source reads: floating tensors cast to ``dtype`` (``staging.loaded_dtype``);
     ``device`` where the finalized tensors go (None: the host, the placement moves them);
-    ``mesh``: set where dp replicas may share their reads (``io.replicas``); ``window``:
-    bytes per batch for a format that reads in collective batches (DCP), None for one batch."""
+    ``mesh``: set where dp replicas may share their reads (``io.replicas``), ``backend`` the
+    one their collectives wait in (the decoded mesh's ``comm_backend``); ``window``: bytes per
+    batch for a format that reads in collective batches (DCP), None for one batch."""
 
     dtype: torch.dtype | None
     device: torch.device | None
     num_threads: int
     mesh: Any = None
     window: int | None = None
+    backend: Backend | None = None
 
 
 @dataclass(frozen=True)

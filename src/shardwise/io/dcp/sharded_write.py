@@ -32,8 +32,8 @@ from pathlib import Path
 from torch import nn
 
 import shardwise.comm as comm
-from shardwise.backends import coordination_group
-from shardwise.comm import agree, capture, world_backend
+from shardwise.backends import Backend, coordination_group
+from shardwise.comm import agree, capture
 from shardwise.core.adapter import adapter_for
 from shardwise.core.header import dtype_to_str, spec_nbytes
 from shardwise.core.spec import Region
@@ -179,7 +179,7 @@ def _all_checksums(sums: dict[str, dict[str, str]]) -> dict:
     return {"algorithm": ALGORITHM, "chunks": chunks}
 
 
-def save_sharded_safetensors(model: nn.Module, path, *, overwrite: bool = False,
+def save_sharded_safetensors(model: nn.Module, path, *, backend: Backend | None, overwrite: bool = False,
                              metadata: Mapping[str, str] | None = None, progress: bool | None = None) -> None:
     """Write ``model`` at ``path`` as a sharded safetensors checkpoint (torch's
     ``HuggingFaceStorageWriter(save_distributed=True)`` format); every rank calls it and
@@ -199,7 +199,6 @@ def save_sharded_safetensors(model: nn.Module, path, *, overwrite: bool = False,
     target = target_path(path)
     what = f"sw.save(distributed=True, format='safetensors') to {target}"
     rank = comm.rank()
-    backend = world_backend()
     box: dict = {}
 
     def plan_own():
@@ -218,7 +217,7 @@ def save_sharded_safetensors(model: nn.Module, path, *, overwrite: bool = False,
         return str(dest.tmp)
 
     try:
-        tmp = Path(on_rank0(prepare, f"preparing {what}", share=True))
+        tmp = Path(on_rank0(prepare, f"preparing {what}", backend=backend, share=True))
         sums: dict[str, dict[str, str]] = {}
         agree(backend, capture(lambda: sums.update(sink.write(plan, tmp))), what=what)
         info = checkpoint_info(model, placed, kind="model", metadata=metadata)
@@ -229,7 +228,7 @@ def save_sharded_safetensors(model: nn.Module, path, *, overwrite: bool = False,
             adapter_for(model).write_side_files(model, dest.tmp)  # config.json & co, as every save
             dest.commit(None)
 
-        on_rank0(commit, f"moving {what} into place")
+        on_rank0(commit, f"moving {what} into place", backend=backend)
     finally:
         if dest is not None:
             dest.discard()

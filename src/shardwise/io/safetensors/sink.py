@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from shardwise.core.header import spec_nbytes
 from shardwise.io.formats.safetensors.headers import header_metadata, save_file_order
 from shardwise.io.safetensors.format import INDEX_SUFFIX, index_json, plan_files
-from shardwise.io.sink import PlannedFile, Spec, WritePlan
+from shardwise.io.sink import PlannedFile, Spec, StoredTensor, WritePlan
 
 
 def plan_checkpoint(tensors: Sequence[Spec], *, max_shard_size: int | str, prefix: str,
@@ -46,8 +46,7 @@ def plan_checkpoint(tensors: Sequence[Spec], *, max_shard_size: int | str, prefi
 class SafetensorsSink:
     """The planning half of an ordinary safetensors checkpoint's sink, configured once; the
     writers (``shardwise.io.gather.StreamSink``, ``shardwise.io.parallel_save.ParallelSink``)
-    add ``write``. ``plan(stored)`` takes ``StoredTensor``\\ s (or ``(name, dtype, shape,
-    part)`` tuples) and is the same on every rank."""
+    add ``write``. ``plan(stored)`` takes ``StoredTensor``\\ s and is the same on every rank."""
 
     def __init__(self, *, max_shard_size: int | str, prefix: str, metadata: Mapping[str, str] | None,
                  index_metadata: Mapping | None = None,
@@ -55,12 +54,12 @@ class SafetensorsSink:
         self.max_shard_size, self.prefix = max_shard_size, prefix
         self.metadata, self.index_metadata, self.storages = metadata, index_metadata, storages
 
-    def plan(self, stored) -> WritePlan:
-        return plan_checkpoint([(name, dtype, tuple(shape)) for name, dtype, shape, _ in stored],
+    def plan(self, stored: Sequence[StoredTensor]) -> WritePlan:
+        return plan_checkpoint([s.spec for s in stored],
                                max_shard_size=self.max_shard_size, prefix=self.prefix,
                                metadata=self.metadata, index_metadata=self.index_metadata,
                                storages=self.storages,
-                               parts={name: part for name, _, _, part in stored if part is not None})
+                               parts={s.name: s.part for s in stored if s.part is not None})
 
 
 __all__ = ["SafetensorsSink", "plan_checkpoint"]

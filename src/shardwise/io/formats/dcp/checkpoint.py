@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import shardwise.comm as comm
-from shardwise.backends import coordination_group
+from shardwise.backends import Backend, coordination_group
 from shardwise.core.adapter import adapter_for
 from shardwise.core.plan import ResolvedPlan
 from shardwise.errors import CheckpointError
@@ -104,7 +104,7 @@ class AsyncSave:
 
 
 def write_checkpoint(path, state_dict: dict, placed: Mapping[str, Placed], info: dict, *,
-                     overwrite: bool = False, async_save: bool = False,
+                     backend: Backend | None, overwrite: bool = False, async_save: bool = False,
                      planner: CanonicalSavePlanner | None = None,
                      side_files: Callable[[Path], object] | None = None) -> AsyncSave | None:
     """Save ``state_dict`` (local tensors for the ``placed`` keys, plain values otherwise)
@@ -112,6 +112,7 @@ def write_checkpoint(path, state_dict: dict, placed: Mapping[str, Placed], info:
     data is staged (copied) before returning and the returned handle's ``wait`` completes it.
     ``planner`` replaces ``CanonicalSavePlanner(placed)`` (SPMD resolves shards its own way).
     ``side_files(folder)`` writes files beside the data on rank 0 (a model's config.json).
+    ``backend`` (``shardwise.mesh.world_backend``) runs the verdicts on rank 0's steps.
 
     Crash safety is the gather save's (``shardwise.io.save``): rank 0 prepares a temporary
     folder beside ``path``, DCP writes into it, and it replaces ``path`` once complete.
@@ -124,7 +125,8 @@ def write_checkpoint(path, state_dict: dict, placed: Mapping[str, Placed], info:
         return str(dest.tmp)
 
     try:  # a peer that dies before the data is written must not strand rank 0's folder
-        tmp = Path(_on_rank0(prepare, f"preparing a distributed save to {target}", share=True))
+        tmp = Path(_on_rank0(prepare, f"preparing a distributed save to {target}", backend=backend,
+                             share=True))
     except BaseException:
         if dest is not None:
             dest.discard()
@@ -143,7 +145,7 @@ def write_checkpoint(path, state_dict: dict, placed: Mapping[str, Placed], info:
     def finish():
         try:
             checksums = gather_checksums(writer, what)
-            _on_rank0(lambda: commit(checksums), what)
+            _on_rank0(lambda: commit(checksums), what, backend=backend)
         finally:
             if dest is not None:
                 dest.discard()
@@ -169,8 +171,9 @@ def write_checkpoint(path, state_dict: dict, placed: Mapping[str, Placed], info:
     return None
 
 
-def save_dcp(model: nn.Module, path, *, overwrite: bool = False, async_save: bool = False,
-             metadata: Mapping | None = None, progress: bool | None = None) -> AsyncSave | None:
+def save_dcp(model: nn.Module, path, *, backend: Backend | None, overwrite: bool = False,
+             async_save: bool = False, metadata: Mapping | None = None,
+             progress: bool | None = None) -> AsyncSave | None:
     """Write ``model`` as a canonical DCP checkpoint at ``path``; every rank calls it, each
     writing only its own regions (nothing is gathered). ``metadata`` goes into
     ``shardwise.json`` (and, through ``sw.consolidate``, into the safetensors headers).
@@ -195,8 +198,9 @@ def save_dcp(model: nn.Module, path, *, overwrite: bool = False, async_save: boo
     # A Hugging Face model's config beside the data: consolidate rebuilds the hub layout and
     # from_pretrained reads its output.
     files = adapter_for(model).write_side_files
-    return write_checkpoint(path, state_dict, placed, info, overwrite=overwrite, async_save=async_save,
-                            planner=planner, side_files=lambda folder: files(model, folder))
+    return write_checkpoint(path, state_dict, placed, info, backend=backend, overwrite=overwrite,
+                            async_save=async_save, planner=planner,
+                            side_files=lambda folder: files(model, folder))
 
 
 # --- reading ------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ and every rank's fault (shardwise's own collectives get theirs from ``shardwise.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -22,8 +22,8 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 
 import shardwise.comm as comm
 from shardwise._version import __version__
-from shardwise.backends import coordination_group
-from shardwise.comm import agree, capture, world_backend
+from shardwise.backends import Backend, coordination_group
+from shardwise.comm import agree, capture
 from shardwise.core.adapter import adapter_for
 from shardwise.core.header import dtype_to_str
 from shardwise.core.plan import plan_summary
@@ -35,7 +35,7 @@ from shardwise.io.info import ALGORITHM
 from shardwise.parallel import get_shard_state
 
 if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
+    from shardwise.backends.group_mesh import AxisMesh
 
 INFO_FORMAT = "shardwise-dcp"
 
@@ -64,7 +64,7 @@ def checkpoint_info(model: nn.Module, placed: Mapping[str, Placed], *, kind: str
                     metadata: Mapping | None = None) -> dict:
     """The informational ``shardwise.json`` content for a save of ``model``."""
     state = get_shard_state(model)
-    mesh = cast("DeviceMesh | None", state.mesh) if state is not None else next(
+    mesh: AxisMesh | None = state.mesh if state is not None else next(
         (t.device_mesh for t in model.state_dict(keep_vars=True).values()
          if is_dtensor(t)), None)
     sharded_axes = sorted({(t.device_mesh.mesh_dim_names or ("?",) * t.device_mesh.ndim)[i]
@@ -91,14 +91,15 @@ def checkpoint_info(model: nn.Module, placed: Mapping[str, Placed], *, kind: str
     }
 
 
-def on_rank0(fn: Callable[[], object], what: str, *, share: bool = False):
-    """Run ``fn`` on rank 0; every rank raises if it failed and, with ``share``, gets its result."""
+def on_rank0(fn: Callable[[], object], what: str, *, backend: Backend | None, share: bool = False):
+    """Run ``fn`` on rank 0; every rank raises if it failed (:func:`~shardwise.comm.agree` over
+    ``backend``) and, with ``share``, gets its result."""
     result = [None]
 
     def run():
         result[0] = fn()
 
-    agree(world_backend(), capture(run) if comm.rank() == 0 else None, what=what)
+    agree(backend, capture(run) if comm.rank() == 0 else None, what=what)
     if share:
         result[0] = comm.broadcast_object(result[0], src=0, group=coordination_group(), purpose=what)
     return result[0]

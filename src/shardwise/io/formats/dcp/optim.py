@@ -33,6 +33,7 @@ from shardwise.io.formats.dcp.metadata import check_tensors, read_metadata
 from shardwise.io.formats.safetensors.reader import WINDOW_BYTES
 from shardwise.io.spmd import chunks_to_devices, host_placed
 from shardwise.io.spmd_save import SpmdSavePlanner, global_placed
+from shardwise.mesh import world_backend
 from shardwise.parallel import get_shard_state
 
 if TYPE_CHECKING:
@@ -153,8 +154,8 @@ def save_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: str
     info = checkpoint_info(model, placed, kind="optimizer",
                            metadata={"optimizer": type(optimizer).__name__})
     state_dict = {k: placed[k].local if k in placed else v for k, v in osd.items()}
-    return write_checkpoint(path, state_dict, placed, info, overwrite=overwrite, async_save=async_save,
-                            planner=planner)
+    return write_checkpoint(path, state_dict, placed, info, backend=world_backend(), overwrite=overwrite,
+                            async_save=async_save, planner=planner)
 
 
 def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: str | os.PathLike, *,

@@ -37,7 +37,8 @@ def _pickle_error(path: Path, *, index: Path | None = None) -> CheckpointError:
 
 @dataclass
 class Checkpoint:
-    """A resolved safetensors checkpoint: which file holds each tensor, and every header."""
+    """A resolved safetensors checkpoint: which file holds each tensor, and every header (the
+    ``KeyedCheckpoint`` the loader's key matching reads, ``shardwise.io.pipeline.match_keys``)."""
 
     root: Path
     files: list[Path]

@@ -74,8 +74,8 @@ class SafetensorsSource(SafetensorsStored):
                 if options.mesh is None or replica_axis(options.mesh) is None:
                     tensors = reader.read(items, finalize=take)
                 else:  # dp replicas: each region is read by one of them and sent to the others
-                    tensors = read_once(reader, items, finalize=take, mesh=options.mesh, whole=whole,
-                                        on_bytes=on_bytes)
+                    tensors = read_once(reader, items, finalize=take, mesh=options.mesh,
+                                        backend=options.backend, whole=whole, on_bytes=on_bytes)
             finally:
                 self.bytes_read += reader.bytes_read
         out = {k: t for k, t in tensors.items() if k not in assembler.parts and k not in dequantizer.parts}

@@ -65,8 +65,8 @@ class ShardedTensor(NamedDtype):
 @dataclass
 class ShardedCheckpoint:
     """A validated sharded checkpoint. ``names``/``entry``/``root`` answer like
-    :class:`shardwise.io.formats.safetensors.checkpoint.Checkpoint`, so the loader's key
-    matching works on it."""
+    :class:`shardwise.io.formats.safetensors.checkpoint.Checkpoint`: both are the
+    ``KeyedCheckpoint`` the loader's key matching reads (``shardwise.io.pipeline.match_keys``)."""
 
     root: Path
     files: list[Path]

@@ -18,7 +18,6 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -36,9 +35,6 @@ from shardwise.io.info import chunk_key, digest_range
 from shardwise.io.pipeline import match_keys
 from shardwise.io.safetensors.format import read_region
 from shardwise.io.source import Blob, Description, Finalize, ReadOptions, Reads, Want
-
-if TYPE_CHECKING:
-    from shardwise.io.formats.safetensors.checkpoint import Checkpoint
 
 Request = tuple[ShardedTensor, Layout]
 
@@ -173,9 +169,7 @@ class ShardedSource:
         return {t.name: (t.torch_dtype, t.shape) for t in ordered_tensors(self.ckpt)}
 
     def match(self, model: nn.Module, specs, *, strict: bool) -> tuple[list[str], list[str]]:
-        # a ShardedCheckpoint answers names / entry / root like a Checkpoint, all match_keys reads
-        self._sources, missing, unexpected = match_keys(model, specs, cast("Checkpoint", self.ckpt),
-                                                        strict=strict)
+        self._sources, missing, unexpected = match_keys(model, specs, self.ckpt, strict=strict)
         return missing, unexpected
 
     def plan(self, wants: Mapping[str, Want]) -> Reads:

@@ -1,0 +1,55 @@
+"""Decode once, at the door (STYLE.md 16): the process-global backend and the tp axis of a mesh
+are read at the API boundary and passed down. ``shardwise.mesh`` decodes a mesh
+(``decode_mesh``) or resolves the backend of the collectives (``world_backend``), a public entry
+point calls one of them, and nothing below looks either up again."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import shardwise as sw
+
+SRC = Path(sw.__file__).parent
+
+
+def _calls(name: str) -> set[tuple[str, str]]:
+    """``{(module path, enclosing function)}`` of every call of a function named ``name`` in the
+    package, however it is reached (``f()``, ``module.f()``); "<module>" outside a function."""
+    found = set()
+    for path in sorted(SRC.rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        where = path.relative_to(SRC).as_posix()
+        outer: dict[int, str] = {}
+        for fn in ast.walk(tree):  # breadth first: an outer function claims its nodes first
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for n in ast.walk(fn):
+                    outer.setdefault(id(n), fn.name)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                f = node.func
+                called = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+                if called == name:
+                    found.add((where, outer.get(id(node), "<module>")))
+    return found
+
+
+def test_the_calls_are_found_wherever_they_are():
+    # the scanner itself: a call of comm.rank() sits in many functions of many modules
+    assert {("comm.py", "gather_object"), ("io/formats/dcp/coord.py", "on_rank0")} <= _calls("rank")
+
+
+@pytest.mark.parametrize("name, boundary", [
+    ("current_backend", {("mesh.py", "decode_mesh"), ("mesh.py", "world_backend")}),
+    ("tp_axis", {("mesh.py", "decode_mesh")}),
+])
+def test_only_the_boundary_reads_the_backend_and_the_tp_axis(name, boundary):
+    assert _calls(name) == boundary
+
+
+def test_the_backend_of_the_collectives_is_resolved_by_public_entry_points_only():
+    callers = _calls("world_backend")
+    assert callers, "nothing resolves the backend: sw.save would run its collectives on none"
+    assert {fn for _, fn in callers} <= set(sw.__all__), callers
