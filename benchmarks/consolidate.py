@@ -161,13 +161,15 @@ def _rows(got: dict, base: str) -> list[dict]:
     for fmt in FORMATS:
         before = median("before", fmt)
         same = all(b[fmt]["digest"] == a[fmt]["digest"] for b in got["before"] for a in got["after"])
-        for which, label in (("before", f"sw.consolidate at {base}"), ("after", "sw.consolidate, this commit")):
+        labels = (("before", f"sw.consolidate at {base}"), ("after", "sw.consolidate, this commit"))
+        for which, label in labels:
             s = median(which, fmt)
             rows.append({"source": fmt, "method": label, "s": s, "ratio": s / before,
                          "peak": median(which, fmt, "peak") / 2**20,
                          "same": ("yes" if same else "NO") if which == "after" else None})
         s = median("reference", f"read only {fmt}")
-        rows.append({"source": fmt, "method": "read only (read_box, this commit)", "s": s, "ratio": s / before})
+        rows.append({"source": fmt, "method": "read only (read_box, this commit)", "s": s,
+                     "ratio": s / before})
         s = median("reference", "save_file")
         rows.append({"source": fmt, "method": "save_file + fsync (tensors in memory)", "s": s,
                      "ratio": s / before})
@@ -215,8 +217,9 @@ def main(argv=None) -> int:
                           flush=True)
         finally:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], check=False)
-    cols = [("source", "source"), ("method", "method"), ("s", "s", ".2f"), ("ratio", f"÷ base ({base})", ".2f"),
-            ("peak", "peak RSS MiB", ".0f"), ("same", "output byte-equal to base")]
+    cols = [("source", "source"), ("method", "method"), ("s", "s", ".2f"),
+            ("ratio", f"÷ base ({base})", ".2f"), ("peak", "peak RSS MiB", ".0f"),
+            ("same", "output byte-equal to base")]
     command = (f"python3 benchmarks/consolidate.py --base {base} --size {args.size} --degree {args.degree} "
                f"--rounds {args.rounds}")
     notes = (f"`{command}`: a {ckpt.total_bytes / GB:.2f} GB bfloat16 BenchModel saved by {args.degree} gloo "
