@@ -19,9 +19,10 @@ round measures two references under this checkout:
 A consolidation done one tensor after the other costs about read + write; one that reads
 ahead while it writes can approach the larger of the two. Each figure is the median over the
 rounds; ratios are to the base commit's consolidation of the same checkpoint in the same run
-(below 1: faster). Peak RSS is above the process's level before the call. The outputs of the
-two commits are compared byte for byte. The JSON goes to benchmarks/results/consolidate.json
-and the table to docs/benchmarks.md (from a clean tree).
+(below 1: faster). CPU seconds (user + system, all threads) say how much of the time the
+process computed rather than waited; peak RSS is above the process's level before the call.
+The outputs of the two commits are compared byte for byte. The JSON goes to
+benchmarks/results/consolidate.json and the table to docs/benchmarks.md (from a clean tree).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import argparse
 import hashlib
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -77,6 +79,12 @@ def _import_readers() -> None:
     import shardwise.io.formats.sharded.source  # noqa: F401
 
 
+def _cpu_seconds() -> float:
+    """User + system seconds of this process so far, all its threads."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _consolidations(work: Path, total: int) -> dict:
     """``sw.consolidate`` of each format: seconds, peak RSS and the output's digest."""
     from _common import PeakRSS, warm_file_cache
@@ -90,10 +98,10 @@ def _consolidations(work: Path, total: int) -> dict:
         warm_file_cache(sorted((work / fmt).iterdir()))
         dst = work / f"{fmt}-merged-{os.getpid()}"
         with PeakRSS() as peak:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), _cpu_seconds()
             sw.consolidate(work / fmt, dst, max_shard_size=2 * total)
-            seconds = time.perf_counter() - start
-        out[fmt] = {"seconds": seconds, "peak": peak.bytes, "digest": _digest(dst)}
+            seconds, cpu = time.perf_counter() - start, _cpu_seconds() - cpu
+        out[fmt] = {"seconds": seconds, "cpu": cpu, "peak": peak.bytes, "digest": _digest(dst)}
         shutil.rmtree(dst)
     return out
 
@@ -111,23 +119,23 @@ def _references(work: Path) -> dict:
     out, tensors = {}, {}
     for fmt in FORMATS:
         warm_file_cache(sorted((work / fmt).iterdir()))
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), _cpu_seconds()
         source = open_source(work / fmt)
         try:
             for name, (_, shape) in source.tensors().items():
                 tensors[name] = source.read_box(name, Region((0,) * len(shape), tuple(shape)))
         finally:
             source.close()
-        out[f"read only {fmt}"] = {"seconds": time.perf_counter() - start}
+        out[f"read only {fmt}"] = {"seconds": time.perf_counter() - start, "cpu": _cpu_seconds() - cpu}
     path = work / f"save_file-{os.getpid()}.safetensors"
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), _cpu_seconds()
     save_file(tensors, path)
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-    out["save_file"] = {"seconds": time.perf_counter() - start}
+    out["save_file"] = {"seconds": time.perf_counter() - start, "cpu": _cpu_seconds() - cpu}
     path.unlink()
     return out
 
@@ -165,14 +173,14 @@ def _rows(got: dict, base: str) -> list[dict]:
         for which, label in labels:
             s = median(which, fmt)
             rows.append({"source": fmt, "method": label, "s": s, "ratio": s / before,
-                         "peak": median(which, fmt, "peak") / 2**20,
+                         "cpu": median(which, fmt, "cpu"), "peak": median(which, fmt, "peak") / 2**20,
                          "same": ("yes" if same else "NO") if which == "after" else None})
         s = median("reference", f"read only {fmt}")
         rows.append({"source": fmt, "method": "read only (read_box, this commit)", "s": s,
-                     "ratio": s / before})
+                     "ratio": s / before, "cpu": median("reference", f"read only {fmt}", "cpu")})
         s = median("reference", "save_file")
         rows.append({"source": fmt, "method": "save_file + fsync (tensors in memory)", "s": s,
-                     "ratio": s / before})
+                     "ratio": s / before, "cpu": median("reference", "save_file", "cpu")})
     return rows
 
 
@@ -218,7 +226,7 @@ def main(argv=None) -> int:
         finally:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], check=False)
     cols = [("source", "source"), ("method", "method"), ("s", "s", ".2f"),
-            ("ratio", f"÷ base ({base})", ".2f"), ("peak", "peak RSS MiB", ".0f"),
+            ("ratio", f"÷ base ({base})", ".2f"), ("cpu", "CPU s", ".2f"), ("peak", "peak RSS MiB", ".0f"),
             ("same", "output byte-equal to base")]
     command = (f"python3 benchmarks/consolidate.py --base {base} --size {args.size} --degree {args.degree} "
                f"--rounds {args.rounds}")
@@ -228,8 +236,10 @@ def main(argv=None) -> int:
              f"source warm; the base commit {base} and this one interleaved, {args.rounds} rounds, median "
              "seconds; ÷ base: over the base commit's consolidation of the same source in the same run "
              "(below 1: faster). read only: every tensor through read_box, nothing written; save_file: "
-             "safetensors' save_file of the same tensors already in memory, plus an fsync. Peak RSS above "
-             "the process's level before the call. Machine shared with other work: load average "
+             "safetensors' save_file of the same tensors already in memory, plus an fsync. CPU s: user + "
+             "system seconds of the process (all threads) during the call, median; the rest of the "
+             "seconds it waited (for the disk, or for a core). Peak RSS above the process's level "
+             "before the call. Machine shared with other work: load average "
              f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores at the end of the run.")
     print(write_results("consolidate", _rows(got, base), cols, notes, extra={"runs": got, "base": base}))
     return 0
