@@ -6,8 +6,8 @@ sharded safetensors checkpoint, under two commits, interleaved, in the same run.
 Setup, untimed: a generated bfloat16 checkpoint of about ``--size`` (``BenchModel``) is loaded
 on ``--degree`` spawned gloo ranks at tp=degree and saved twice, ``sw.save(distributed=True)``
 (DCP, ``.distcp`` files) and ``sw.save(distributed=True, format="safetensors")`` (rank-local
-safetensors with ``DCP_SHARDING_INFO``). Then, round after round, one fresh process per
-commit consolidates both (one output file: ``max_shard_size`` above the checkpoint), the
+safetensors with ``DCP_SHARDING_INFO``). Then, round after round, a fresh process per commit
+and format consolidates it (one output file: ``max_shard_size`` above the checkpoint), the
 commits alternating which goes first, page cache of the source warm before each. The same
 round measures two references under this checkout:
 
@@ -85,25 +85,24 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _consolidations(work: Path, total: int) -> dict:
-    """``sw.consolidate`` of each format: seconds, peak RSS and the output's digest."""
+def _consolidation(work: Path, total: int, fmt: str) -> dict:
+    """``sw.consolidate`` of the ``fmt`` checkpoint: seconds, peak RSS and the output's digest.
+    One per process: memory the allocator kept from an earlier call would hide this one's peak."""
     from _common import PeakRSS, warm_file_cache
 
     import shardwise as sw
 
     _import_readers()
-
-    out = {}
-    for fmt in FORMATS:
-        warm_file_cache(sorted((work / fmt).iterdir()))
-        dst = work / f"{fmt}-merged-{os.getpid()}"
-        with PeakRSS() as peak:
-            start, cpu = time.perf_counter(), _cpu_seconds()
-            sw.consolidate(work / fmt, dst, max_shard_size=2 * total)
-            seconds, cpu = time.perf_counter() - start, _cpu_seconds() - cpu
-        out[fmt] = {"seconds": seconds, "cpu": cpu, "peak": peak.bytes, "digest": _digest(dst)}
+    warm_file_cache(sorted((work / fmt).iterdir()))
+    dst = work / f"{fmt}-merged-{os.getpid()}"
+    with PeakRSS() as peak:
+        start, cpu = time.perf_counter(), _cpu_seconds()
+        sw.consolidate(work / fmt, dst, max_shard_size=2 * total)
+        seconds, cpu = time.perf_counter() - start, _cpu_seconds() - cpu
+    try:
+        return {fmt: {"seconds": seconds, "cpu": cpu, "peak": peak.bytes, "digest": _digest(dst)}}
+    finally:
         shutil.rmtree(dst)
-    return out
 
 
 def _references(work: Path) -> dict:
@@ -144,16 +143,16 @@ def _worker(args) -> int:
     sys.path.insert(0, args.src)
     sys.path.insert(1, str(Path(__file__).resolve().parent))
     work = Path(args.work)
-    got = _references(work) if args.what == "_references" else _consolidations(work, args.total)
+    got = _references(work) if args.what == "_references" else _consolidation(work, args.total, args.format)
     Path(args.out).write_text(json.dumps(got))
     return 0
 
 
-def _run(what: str, src: Path, work: Path, total: int, timeout: float) -> dict:
+def _run(what: str, src: Path, work: Path, total: int, timeout: float, fmt: str = "") -> dict:
     out = work / f"{what}.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SHARDWISE_BENCH_SRC": str(src)}
     cmd = [sys.executable, __file__, what, "--src", str(src), "--work", str(work), "--out", str(out),
-           "--total", str(total)]
+           "--total", str(total), "--format", fmt]
     subprocess.run(cmd, env=env, check=True, timeout=timeout)
     try:
         return json.loads(out.read_text())
@@ -186,14 +185,14 @@ def _rows(got: dict, base: str) -> list[dict]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", nargs="?", default="run", choices=["run", "_consolidations", "_references"])
+    p.add_argument("what", nargs="?", default="run", choices=["run", "_consolidation", "_references"])
     p.add_argument("--base", default="HEAD~1", help="the commit to compare with (default HEAD~1)")
     p.add_argument("--size", default="512MB", help="checkpoint size (bfloat16), e.g. 512MB")
     p.add_argument("--degree", type=int, default=2, help="the ranks that save the checkpoints")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--timeout", type=float, default=600, help="seconds per process")
     p.add_argument("--src"), p.add_argument("--work"), p.add_argument("--out")
-    p.add_argument("--total", type=int)
+    p.add_argument("--total", type=int), p.add_argument("--format", choices=["", *FORMATS])
     args = p.parse_args(argv)
     if args.what != "run":
         return _worker(args)
@@ -215,11 +214,17 @@ def main(argv=None) -> int:
                        check=True)
         try:
             srcs = {"before": tree / "src", "after": REPO / "src", "reference": REPO / "src"}
+
+            def run(which: str, what: str, fmt: str = "") -> dict:
+                return _run(what, srcs[which], work, ckpt.total_bytes, args.timeout, fmt)
+
             for r in range(args.rounds):
                 order = ("before", "after", "reference") if r % 2 == 0 else ("after", "before", "reference")
                 for which in order:
-                    what = "_references" if which == "reference" else "_consolidations"
-                    got[which].append(_run(what, srcs[which], work, ckpt.total_bytes, args.timeout))
+                    if which == "reference":
+                        got[which].append(run(which, "_references"))
+                    else:
+                        got[which].append({f: run(which, "_consolidation", f)[f] for f in FORMATS})
                     print(f"  round {r + 1}/{args.rounds} {which}: "
                           + ", ".join(f"{k} {v['seconds']:.2f} s" for k, v in got[which][-1].items()),
                           flush=True)
