@@ -6,10 +6,9 @@ The output is byte-identical to ``sw.save`` (the gather save) of the same model:
 names in the same order, the same file split and naming, the same headers, index and
 ``shardwise.json`` (the checksums of the tensors as written); the side files beside the
 source (``config.json`` & co) are copied. It is streamed: each tensor is read whole from only
-its own stored bytes (``Stored.read_box``), written and freed. One background thread reads the
-next tensor while this one is written (:class:`_ReadAhead`), so memory stays near two tensors:
-the one being written and the next. Every dtype works, integer and bool included. The files
-are written aside and moved into place like ``sw.save``.
+its own stored bytes (``Stored.read_box``), written and freed, so memory stays near one
+tensor. Every dtype works, integer and bool included. The files are written aside and moved
+into place like ``sw.save``.
 """
 
 from __future__ import annotations
@@ -17,8 +16,7 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -152,44 +150,16 @@ def consolidate(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_siz
         source.close()
 
 
-class _ReadAhead:
-    """``read(name)`` of each of ``names``, in their order, on one background thread, one
-    tensor ahead of the caller: while the caller writes the tensor it was given, the next one
-    is read. Call it with the names in that order, inside ``with``: leaving the block waits
-    for the read in flight, so that nothing reads the Source after it. A read's exception is
-    raised to the caller as it was raised, when the caller asks for that tensor."""
-
-    def __init__(self, read: Callable[[str], torch.Tensor], names: Iterable[str]):
-        self._read, self._names = read, iter(names)
-        # one thread: the reads run in order, and a Source needs not be thread-safe
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwise-consolidate-read")
-        self._next = self._submit()
-
-    def _submit(self) -> tuple[str, Future[torch.Tensor]] | None:
-        name = next(self._names, None)
-        return None if name is None else (name, self._pool.submit(self._read, name))
-
-    def __call__(self, name: str) -> torch.Tensor:
-        assert self._next is not None and self._next[0] == name, (name, self._next)  # plan order
-        tensor = self._next[1].result()
-        self._next = self._submit()  # read only once this one is out: two tensors at most
-        return tensor
-
-    def __enter__(self) -> _ReadAhead:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _write_safetensors(tensor: Callable[[str], torch.Tensor], plan: WritePlan, dest: Destination, *,
-                       side_files: Path) -> Path:
-    """Write ``plan``, each tensor from ``tensor(name)`` (called on a background thread, in the
-    plan's order, one tensor ahead of the writes), into ``dest``, with ``shardwise.json``, the
-    plan's index and the side files of the folder ``side_files``."""
-    # The copies are memory-bound: one thread each for the reads and the writes moves them as
-    # fast, while a pool of OpenMP threads waiting on each other was up to 10x slower on a
-    # busy machine. (The setting is the process's, shared by both threads.)
+def _write_safetensors(tensor, plan: WritePlan, dest: Destination, *, side_files: Path) -> Path:
+    """Write ``plan``, each tensor from ``tensor(name)``, into ``dest``, with
+    ``shardwise.json``, the plan's index and the side files of the folder ``side_files``."""
+    # The copies are memory-bound: one thread moves them as fast, while a pool of OpenMP
+    # threads waiting on each other was up to 10x slower on a busy machine. Reading the next
+    # tensor on a second thread while this one is written did not pay either (measured,
+    # docs/benchmarks.md "consolidate"): writing the tensors alone (save_file + fsync) took
+    # 0.9-1.4x a whole consolidation, the disk being the limit, and the reader thread's malloc
+    # arena returned and faulted in again memory that one thread reuses (sharded safetensors:
+    # 1.2-1.5x the time, 2.5x the peak).
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -197,12 +167,11 @@ def _write_safetensors(tensor: Callable[[str], torch.Tensor], plan: WritePlan, d
         tmp = dest.tmp
         assert tmp is not None  # prepare() made the temporary folder
         checksums: dict[str, str] = {}
-        with _ReadAhead(tensor, [name for f in plan.files for name, _, _ in f.tensors]) as ahead:
-            for planned in plan.files:
-                with StreamingWriter(tmp / planned.name, planned.tensors, metadata=plan.header) as writer:
-                    for name, _, _ in planned.tensors:
-                        writer.write(name, ahead(name))
-                checksums.update(writer.checksums)
+        for planned in plan.files:
+            with StreamingWriter(tmp / planned.name, planned.tensors, metadata=plan.header) as writer:
+                for name, _, _ in planned.tensors:
+                    writer.write(name, tensor(name))
+            checksums.update(writer.checksums)
         write_info(tmp, gather_info(checksums, [s for f in plan.files for s in f.tensors]))
         copy_side_files(side_files, tmp)  # a Hugging Face model's config.json & co
         dest.commit(plan.index)
