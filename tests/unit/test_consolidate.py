@@ -8,6 +8,8 @@ from torch import nn
 
 import shardwise as sw
 from shardwise.errors import CheckpointError
+from shardwise.io.consolidate import consolidation_plan
+from shardwise.io.formats import open_source
 
 
 class Mixed(nn.Module):
@@ -32,12 +34,13 @@ def _files(folder):
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
 
 
+@pytest.mark.parametrize("fmt", ["distcp", "safetensors"])
 @pytest.mark.parametrize("max_shard_size", ["5GB", 200])
-def test_byte_identical_to_gather_save(tmp_path, max_shard_size):
+def test_byte_identical_to_gather_save(tmp_path, max_shard_size, fmt):
     model = Mixed()
     meta = {"note": "consolidated"}
     sw.save(model, tmp_path / "gather", max_shard_size=max_shard_size, metadata=meta)
-    sw.save(model, tmp_path / "dcp", distributed=True, metadata=meta)
+    sw.save(model, tmp_path / "dcp", distributed=True, format=fmt, metadata=meta)
     out = sw.consolidate(tmp_path / "dcp", tmp_path / "merged", max_shard_size=max_shard_size)
     assert out == tmp_path / "merged"
     gathered, merged = _files(tmp_path / "gather"), _files(tmp_path / "merged")
@@ -112,3 +115,33 @@ def test_hub_layout_of_a_transformers_model_without_transformers_is_refused(tmp_
     assert not (tmp_path / "merged").exists()
     sw.consolidate(tmp_path / "dcp", tmp_path / "module", layout="module")  # the module's names: fine
     assert set(load_file(tmp_path / "module" / "model.safetensors")) >= {"lin.weight", "embed.weight"}
+
+
+@pytest.mark.parametrize("fmt", ["distcp", "safetensors"])
+def test_a_failed_read_reaches_the_caller_and_leaves_nothing(tmp_path, monkeypatch, fmt):
+    # The first tensor of the second file fails to read (a disk error, a damaged chunk):
+    # consolidate raises that very error, after the first file was written, and neither the
+    # target nor a temporary folder is left behind.
+    sw.save(Mixed(), tmp_path / "src", distributed=True, format=fmt)
+    source = open_source(tmp_path / "src")
+    plan = consolidation_plan(source, max_shard_size=200, layout="module")
+    cls = type(source)
+    source.close()
+    assert len(plan.files) > 2
+    original, failing, raised = cls.read_box, plan.files[1].tensors[0][0], []
+
+    def read_box(self, name, box):
+        if name == failing:
+            raised.append(CheckpointError(f"{name}: the disk went away"))
+            raise raised[-1]
+        return original(self, name, box)
+
+    monkeypatch.setattr(cls, "read_box", read_box)
+    with pytest.raises(CheckpointError, match="the disk went away") as caught:
+        sw.consolidate(tmp_path / "src", tmp_path / "merged", max_shard_size=200, layout="module")
+    assert caught.value is raised[0]
+    assert not (tmp_path / "merged").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no temporary folder either
+    monkeypatch.setattr(cls, "read_box", original)
+    sw.consolidate(tmp_path / "src", tmp_path / "merged", max_shard_size=200, layout="module")
+    assert len(list((tmp_path / "merged").glob("*.safetensors"))) == len(plan.files)

@@ -144,7 +144,12 @@ def _write_safetensors(tensor, plan: WritePlan, dest: Destination, *, side_files
     """Write ``plan``, each tensor from ``tensor(name)``, into ``dest``, with
     ``shardwise.json``, the plan's index and the side files of the folder ``side_files``."""
     # The copies are memory-bound: one thread moves them as fast, while a pool of OpenMP
-    # threads waiting on each other was up to 10x slower on a busy machine.
+    # threads waiting on each other was up to 10x slower on a busy machine. Reading the next
+    # tensor on a second thread while this one is written did not pay either (measured,
+    # docs/benchmarks.md "consolidate"): writing the tensors alone (save_file + fsync) took
+    # 0.9-1.4x a whole consolidation, the disk being the limit, and the reader thread's malloc
+    # arena returned and faulted in again memory that one thread reuses (sharded safetensors:
+    # 1.2-1.5x the time, 2.5x the peak).
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
