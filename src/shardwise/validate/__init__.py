@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 def __getattr__(name: str):
     if name == "validate":
-        # deferred: runner imports this package (a cycle) and crossload (runpy warns on `-m ...crossload`)
+        # deferred: at the top, runner -> crossload makes `python -m shardwise.validate.crossload` warn
         from shardwise.validate.runner import validate
 
         return validate
