@@ -3,6 +3,7 @@ that a new format is one plugin plus one registry line: a toy format registered 
 inspected, verified, diffed and consolidated by the same tools, with no other change."""
 
 import json
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -43,6 +44,25 @@ def test_order_and_refusals(registry):
         formats.register_format("x", "somewhere", before="nope")
     formats.register_format("x", "somewhere")
     assert list(registry) == ["dcp", "sharded", "x", "safetensors"]
+
+
+def test_torch_dcp_is_imported_only_to_open_a_dcp_checkpoint(tmp_path):
+    """torch.distributed.checkpoint (~1.7 s to import after torch) stays off ``import shardwise``,
+    the gather save, and inspect / verify / diff of a safetensors checkpoint, though the
+    registry asks the DCP plugin about every path; opening a DCP checkpoint imports it."""
+    code = ("import sys, torch, shardwise as sw\n"
+            "dcp = lambda: 'torch.distributed.checkpoint' in sys.modules\n"
+            "seen = [dcp()]\n"
+            "sw.save(torch.nn.Linear(3, 4), sys.argv[1], progress=False)\n"
+            "seen.append(dcp())\n"
+            "sw.inspect(sys.argv[1]); sw.verify(sys.argv[1]); sw.diff(sys.argv[1], sys.argv[1])\n"
+            "seen.append(dcp())\n"
+            "sw.save(torch.nn.Linear(3, 4), sys.argv[2], distributed=True)\n"
+            "print(seen + [dcp()])")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "st"), str(tmp_path / "dcp")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[False, False, False, True]"
 
 
 def test_each_format_claims_its_own(tmp_path):

@@ -29,8 +29,8 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str):
-    # The suite (and what it imports) loads on first use: the CLI's parser names this package.
     if name == "validate":
+        # deferred: at the top, runner -> crossload makes `python -m shardwise.validate.crossload` warn
         from shardwise.validate.runner import validate
 
         return validate

@@ -4,7 +4,14 @@ these arguments and this entry point."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
+
+from shardwise.errors import BackendError, UsageError
+from shardwise.launch import RankFailure, spawn
+from shardwise.validate.report import load_runs, markdown, replace_generated, runs_table
+from shardwise.validate.runner import validate
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,9 +42,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _rank(args: argparse.Namespace) -> int:
-    from shardwise.errors import BackendError, UsageError
-    from shardwise.validate.runner import validate
-
     try:
         report = validate(args.backend, json=args.json, markdown=args.markdown, workdir=args.workdir,
                           keep=args.keep, timeout=args.timeout, only=args.only)
@@ -48,11 +52,6 @@ def _rank(args: argparse.Namespace) -> int:
 
 
 def _report(paths: list[str], into: str | None, summary: bool) -> int:
-    from pathlib import Path
-
-    from shardwise.errors import UsageError
-    from shardwise.validate.report import load_runs, markdown, replace_generated, runs_table
-
     try:
         text = (runs_table if summary else markdown)(load_runs(paths))
     except UsageError as e:
@@ -80,10 +79,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.nproc is None:
         return _rank(args)
-    import os
-
-    from shardwise.launch import RankFailure, spawn
-
     if "RANK" in os.environ:
         print("shardwise validate: --nproc starts its own ranks; under a launcher leave it out",
               file=sys.stderr)

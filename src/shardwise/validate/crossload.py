@@ -13,14 +13,14 @@ import argparse
 import json
 import sys
 
+import shardwise as sw
+from shardwise.validate.checks import compare_tensors
+from shardwise.validate.model import TP_PLAN, build, canonical
+
 WRITE_SEED = 1
 
 
 def _read(path: str) -> str:
-    import shardwise as sw
-    from shardwise.validate.checks import compare_tensors
-    from shardwise.validate.model import TP_PLAN, build, canonical
-
     backend = sw.init_backend("gloo")
     model = build(device="meta")
     sw.load(model, path, plan=TP_PLAN, mesh=backend.mesh(tp=1), progress=False)
@@ -30,9 +30,6 @@ def _read(path: str) -> str:
 
 
 def _write(path: str) -> str:
-    import shardwise as sw
-    from shardwise.validate.model import build
-
     sw.init_backend("gloo")
     sw.save(build(WRITE_SEED), path, distributed=True)
     return path

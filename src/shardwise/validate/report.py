@@ -13,7 +13,11 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
+
+from shardwise._version import __version__
 from shardwise.errors import UsageError
+from shardwise.validate.model import CONFIG
 
 PASS, FAIL, UNSUPPORTED = "PASS", "FAIL", "UNSUPPORTED"
 STATUSES = (PASS, FAIL, UNSUPPORTED)
@@ -60,11 +64,6 @@ def commit_of_checkout() -> tuple[str | None, bool | None]:
 
 
 def run_header(backend, *, world: int, processes: int) -> dict:
-    import torch
-
-    from shardwise import __version__
-    from shardwise.validate.model import CONFIG
-
     commit, dirty = commit_of_checkout()
     if os.environ.get("SHARDWISE_COMMIT"):  # an installed wheel: CI says which commit it built
         commit, dirty = os.environ["SHARDWISE_COMMIT"], None

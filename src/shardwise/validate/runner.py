@@ -25,7 +25,7 @@ from shardwise.errors import UsageError
 from shardwise.validate import job_scenarios
 from shardwise.validate.layouts import layouts_for
 from shardwise.validate.model import canonical, golden
-from shardwise.validate.report import FAIL, PASS, UNSUPPORTED, Report, Result, run_header, table
+from shardwise.validate.report import FAIL, PASS, UNSUPPORTED, Report, Result, markdown, run_header, table
 from shardwise.validate.scenarios import SCENARIOS, Job, Run, Unsupported, layout_limit
 from shardwise.validate.world import check_world, mesh_world
 
@@ -138,8 +138,6 @@ class Runner:
         self._save_progress()
         if self.rank0:
             if self.markdown_path:
-                from shardwise.validate.report import markdown
-
                 Path(self.markdown_path).write_text(markdown([self.report.to_dict()]))
             if self.print_table:
                 print(table(self.report.to_dict()), flush=True)

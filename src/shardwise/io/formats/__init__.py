@@ -1,9 +1,11 @@
 """Checkpoint formats as plugins, and the one registry that knows their order.
 
-Each format is a package under ``shardwise.io.formats`` whose ``__init__`` stays light and
-offers ``NAME``, ``DEQUANTIZES`` (whether it can read FP8 weights into plain model tensors),
-``claims(path)`` ("is this mine?") and ``open_source(path, **options)`` (its
-:class:`~shardwise.io.source.OpenedSource`, the format's heavy modules imported only then).
+Each format is a package under ``shardwise.io.formats`` whose ``__init__`` offers ``NAME``,
+``DEQUANTIZES`` (whether it can read FP8 weights into plain model tensors), ``claims(path)``
+("is this mine?") and ``open_source(path, **options)`` (its
+:class:`~shardwise.io.source.OpenedSource`). The registry imports each plugin it asks, so a
+format whose reader is slow to import imports it only in ``open_source`` (DCP:
+torch.distributed.checkpoint, ~1.7 s).
 :func:`open_source` is how ``sw.load``, ``sw.consolidate``, ``sw.verify``, ``sw.diff`` and
 ``shardwise inspect`` open a checkpoint: the first format, in :data:`FORMATS` order, that
 claims the path.

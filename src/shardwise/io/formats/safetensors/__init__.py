@@ -13,11 +13,6 @@ from __future__ import annotations
 
 import os
 
-# The plugin's own modules are imported inside claims / open_source: Python runs this __init__
-# whenever any of them is imported (io.pipeline imports the safetensors checkpoint and quantized
-# modules, which the sources import back through io.pipeline), so importing them here would make
-# a cycle; the registry imports this module only when it asks the format about a path.
-
 NAME = "safetensors"
 DEQUANTIZES = True
 
@@ -30,6 +25,7 @@ def claims(path: str | os.PathLike) -> bool:
 def open_source(path: str | os.PathLike, **options):
     """The :class:`~shardwise.io.formats.safetensors.source.SafetensorsSource` of ``path``
     (``dequantize=True``: FP8 weights with block scales into plain model tensors)."""
+    # deferred: a cycle (io.pipeline imports .checkpoint, so this __init__; source imports io.pipeline)
     from shardwise.io.formats.safetensors.source import SafetensorsSource
 
     return SafetensorsSource(path, **options)

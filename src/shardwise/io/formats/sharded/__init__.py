@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import os
 
-# The plugin's own modules are imported inside claims / open_source: Python runs this __init__
-# whenever any of them is imported (the sharded save imports ``checkpoint``), and that should
-# not pull in the reader and the load pipeline it imports.
+from shardwise.io.formats.sharded.checkpoint import is_sharded_safetensors
+from shardwise.io.formats.sharded.source import ShardedSource
 
 NAME = "sharded"
 DEQUANTIZES = False  # FP8 weights load as stored (quantized), never dequantized per rank
@@ -22,15 +21,11 @@ def claims(path: str | os.PathLike) -> bool:
     """Whether ``path`` is a folder of safetensors files whose headers carry
     ``DCP_SHARDING_INFO`` (and no index); reads the files' headers, and a corrupt header
     raises ``CheckpointError`` naming the file."""
-    from shardwise.io.formats.sharded.checkpoint import is_sharded_safetensors
-
     return is_sharded_safetensors(path)
 
 
 def open_source(path: str | os.PathLike, **options):
     """The :class:`~shardwise.io.formats.sharded.source.ShardedSource` of ``path``."""
-    from shardwise.io.formats.sharded.source import ShardedSource
-
     return ShardedSource(path, **options)
 
 
