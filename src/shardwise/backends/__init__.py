@@ -145,10 +145,11 @@ def current_backend() -> Backend | None:
     return _active
 
 
-def coordination_group():
-    """The process group for CPU-side coordination (DCP, object collectives) of the active
-    backend: None (the default group) unless the backend keeps a side group (xla, neuron_xla)."""
-    return _active.coordination_group if _active is not None else None
+def coordination_group(backend: Backend | None):
+    """The process group for CPU-side coordination (DCP, object collectives) of ``backend``
+    (the one decoded at the API boundary): None (the default group) unless the backend keeps
+    a side group (xla, neuron_xla), or without a backend."""
+    return backend.coordination_group if backend is not None else None
 
 
 def shutdown_backend() -> None:

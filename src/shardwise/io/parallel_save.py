@@ -33,6 +33,7 @@ import secrets
 import socket
 from pathlib import Path
 
+from shardwise.backends import coordination_group
 from shardwise.comm import agree, all_gather_object, broadcast_object, capture, gather_object
 from shardwise.core.header import layout_header, region_runs, spec_nbytes
 from shardwise.core.pieces import Piece, piece_reads
@@ -82,7 +83,7 @@ def shared_folder(backend, folder: Path | None, *, required: bool, what: str) ->
         path = folder / f"{PROBE_PREFIX}{token}"
         if capture(lambda: path.write_text(token)) is None:
             mine = [str(path), token]
-    group = _group(backend)
+    group = coordination_group(backend)
     offered = broadcast_object(mine, 0, group=group, purpose=f"{what}: the shared-folder probe")
     seen = offered is not None and _sees_token(Path(offered[0]), offered[1])
     answers = all_gather_object((seen, host_id()), group=group, purpose=f"{what}: the shared-folder probe")
@@ -259,18 +260,13 @@ def write_parallel(backend, run, state, folder: Path, plan: WritePlan, bar, *, w
     sums: dict[str, str] = {}
     error = capture(lambda: sums.update(_digest(folder, where, mine)))
     agree(backend, error, what=what)
-    parts = gather_object(sums, 0, group=_group(backend), purpose=f"{what}: the checksums")
+    parts = gather_object(sums, 0, group=coordination_group(backend), purpose=f"{what}: the checksums")
     if parts is None:
         return {}
     out = {name: hexdigest for part in parts for name, hexdigest in part.items()}
     assert set(out) == set(where), f"checksums for {len(out)} of {len(where)} tensors"
     return out
 
-
-def _group(backend):
-    # Object collectives go over the backend's CPU-side group (xla's default group moves
-    # device tensors only).
-    return backend.coordination_group if backend is not None else None
 
 
 def wanted(parallel_write: bool | None, backend) -> bool:

@@ -169,11 +169,12 @@ class ShardedSafetensorsSink:
         return sums
 
 
-def _all_checksums(sums: dict[str, dict[str, str]]) -> dict:
+def _all_checksums(sums: dict[str, dict[str, str]], backend: Backend | None) -> dict:
     """Every rank's chunk checksums, as ``shardwise.json`` records them (each chunk is
     written by one rank, so no key collides)."""
     chunks: dict[str, dict[str, str]] = {}
-    for part in comm.all_gather_object(sums, group=coordination_group(), purpose="sharing the checksums"):
+    group = coordination_group(backend)
+    for part in comm.all_gather_object(sums, group=group, purpose="sharing the checksums"):
         for name, by_offsets in part.items():
             chunks.setdefault(name, {}).update(by_offsets)
     return {"algorithm": ALGORITHM, "chunks": chunks}
@@ -206,7 +207,7 @@ def save_sharded_safetensors(model: nn.Module, path, *, backend: Backend | None,
         box["held"] = held_chunks(box["placed"])
 
     agree(backend, capture(plan_own), what=what)  # no rank may miss the gather below
-    held = comm.all_gather_object(box["held"], group=coordination_group(), purpose=what)
+    held = comm.all_gather_object(box["held"], group=coordination_group(backend), purpose=what)
     placed = box["placed"]
     sink = ShardedSafetensorsSink(placed, rank)
     plan = sink.plan(held)
@@ -221,7 +222,7 @@ def save_sharded_safetensors(model: nn.Module, path, *, backend: Backend | None,
         sums: dict[str, dict[str, str]] = {}
         agree(backend, capture(lambda: sums.update(sink.write(plan, tmp))), what=what)
         info = checkpoint_info(model, placed, kind="model", metadata=metadata)
-        info.update(storage="safetensors", checksums=_all_checksums(sums))
+        info.update(storage="safetensors", checksums=_all_checksums(sums, backend))
 
         def commit():
             write_info(dest.tmp, info)

@@ -144,7 +144,7 @@ def write_checkpoint(path, state_dict: dict, placed: Mapping[str, Placed], info:
 
     def finish():
         try:
-            checksums = gather_checksums(writer, what)
+            checksums = gather_checksums(writer, what, backend)
             _on_rank0(lambda: commit(checksums), what, backend=backend)
         finally:
             if dest is not None:
@@ -164,7 +164,7 @@ def write_checkpoint(path, state_dict: dict, placed: Mapping[str, Placed], info:
         return AsyncSave(future, finish, fail)
     try:
         dcp.save(state_dict, storage_writer=writer, planner=planner, no_dist=no_dist,
-                 process_group=coordination_group())
+                 process_group=coordination_group(backend))
     except (Exception, CheckpointException) as e:  # DCP raised on every rank (it gathers the failures)
         fail(e)
     finish()
@@ -205,13 +205,14 @@ def save_dcp(model: nn.Module, path, *, backend: Backend | None, overwrite: bool
 
 # --- reading ------------------------------------------------------------------------------
 
-def read_checkpoint(path, metadata, state_dict: dict, placed: Mapping[str, Placed]) -> int:
+def read_checkpoint(path, metadata, state_dict: dict, placed: Mapping[str, Placed], *,
+                    backend: Backend | None) -> int:
     """Fill ``state_dict`` (the ``placed`` local tensors in place; other values replaced)
     from the checkpoint; every rank calls it. Returns the bytes this rank read."""
     reader = MetadataReader(path, metadata)
     try:
         dcp.load(state_dict, storage_reader=reader, planner=CanonicalLoadPlanner(placed),
-                 no_dist=not dist.is_initialized(), process_group=coordination_group())
+                 no_dist=not dist.is_initialized(), process_group=coordination_group(backend))
     except (Exception, CheckpointException) as e:  # a corrupt chunk, or a rank that died
         raise dcp_error(path, e, "reading the distributed checkpoint") from e
     return reader.bytes_read
@@ -268,7 +269,7 @@ class DcpSource(DcpStored):
             if i + 1 < len(keys) and (options.window is None or size < options.window):
                 continue
             nbytes = read_checkpoint(self.root, self.metadata, {k: p.local for k, (p, _) in batch.items()},
-                                     {k: p for k, (p, _) in batch.items()})
+                                     {k: p for k, (p, _) in batch.items()}, backend=options.backend)
             self.bytes_read += nbytes
             if on_bytes is not None:
                 on_bytes(nbytes)

@@ -101,17 +101,17 @@ def on_rank0(fn: Callable[[], object], what: str, *, backend: Backend | None, sh
 
     agree(backend, capture(run) if comm.rank() == 0 else None, what=what)
     if share:
-        result[0] = comm.broadcast_object(result[0], src=0, group=coordination_group(), purpose=what)
+        result[0] = comm.broadcast_object(result[0], src=0, group=coordination_group(backend), purpose=what)
     return result[0]
 
 
 # --- coordination around torch.distributed.checkpoint --------------------------------------
 
 
-def gather_checksums(writer: HashingWriter, what: str) -> dict:
+def gather_checksums(writer: HashingWriter, what: str, backend: Backend | None) -> dict:
     """Every rank's chunk checksums (``shardwise.json``'s "checksums"), merged on rank 0;
     every rank calls it, after the data is written. Other ranks get an empty record."""
-    everyone = comm.gather_object(writer.checksums, dst=0, group=coordination_group(), purpose=what)
+    everyone = comm.gather_object(writer.checksums, dst=0, group=coordination_group(backend), purpose=what)
     if everyone is None:  # not rank 0
         return {}
     sums: dict = {}

@@ -170,6 +170,7 @@ def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: str
     """
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
+    backend = world_backend()  # the API boundary: the backend of the collectives below
     metadata = read_metadata(path)
     # Builds the state (a zero step) when the optimizer has not stepped yet, so there are
     # tensors of the right local shapes to read into.
@@ -194,10 +195,10 @@ def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: str
         raise CheckpointError(f"{path}: {len(extra)} checkpoint entries have no place in this optimizer: "
                               f"{', '.join(extra[:10])}; pass strict=False to ignore them")
     if spmd:
-        _read_to_devices(path, metadata, osd, placed, splits)
+        _read_to_devices(path, metadata, osd, placed, splits, backend)
     else:
         state_dict = {k: placed[k].local if k in placed else v for k, v in osd.items()}
-        read_checkpoint(path, metadata, state_dict, placed)
+        read_checkpoint(path, metadata, state_dict, placed, backend=backend)
         for k, v in state_dict.items():
             if k not in placed:
                 osd[k] = v
@@ -205,7 +206,8 @@ def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: str
     set_optimizer_state_dict(model, optimizer, cast("OptimizerStateType", osd), options=_options())
 
 
-def _read_to_devices(path, metadata, osd: dict, placed: dict[str, Placed], splits: dict) -> None:
+def _read_to_devices(path, metadata, osd: dict, placed: dict[str, Placed], splits: dict,
+                     backend) -> None:
     """Read the SPMD state tensors into their host buffers about ``WINDOW_BYTES`` at a time
     (one collective DCP read per window; the plain values with the first), each window put
     onto the devices (``osd`` updated) before the next is read, so the host holds one window."""
@@ -219,7 +221,8 @@ def _read_to_devices(path, metadata, osd: dict, placed: dict[str, Placed], split
         size += p.local.numel() * p.local.element_size()
     for keys in windows:
         state_dict = {k: placed[k].local if k in placed else osd[k] for k in keys}
-        read_checkpoint(path, metadata, state_dict, {k: placed[k] for k in keys if k in placed})
+        read_checkpoint(path, metadata, state_dict, {k: placed[k] for k in keys if k in placed},
+                        backend=backend)
         for k in keys:
             if k in placed:
                 spec, axis = splits[k]
