@@ -140,3 +140,11 @@ def test_the_sharded_save_writes_the_side_files_every_save_writes(mylib, tmp_pat
     sw.save(model, tmp_path / "out")
     for name in ("mylib.json", "weights.safetensors"):
         assert (tmp_path / "merged" / name).read_bytes() == (tmp_path / "out" / name).read_bytes()
+
+
+def test_a_plain_model_index_counts_its_parameters_as_before_the_adapter(tmp_path):
+    # the hub's index format is every save's: a model no library claims keeps total_parameters
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8))
+    sw.save(model, tmp_path / "out", max_shard_size=300)
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_parameters"] == sum(p.numel() for p in model.parameters())

@@ -5,7 +5,8 @@ import pytest
 from torch import nn
 
 import shardwise as sw
-from shardwise.hf.files import default_prefix, index_metadata, write_side_files
+from shardwise.core.adapter import adapter_for
+from shardwise.hf.files import default_prefix, write_side_files
 
 
 def _hf_folder(folder, *extra):
@@ -37,4 +38,4 @@ def test_a_plain_model_has_no_side_files(tmp_path):
     assert default_prefix(model) == "model"
     # parameters only, each once: the index's total_parameters as transformers counts it
     shapes = {"weight": (2, 4), "bias": (2,), "running": (7,)}
-    assert index_metadata(model, shapes) == {"total_parameters": 10}
+    assert adapter_for(model).index_metadata(model, shapes) == {"total_parameters": 10}

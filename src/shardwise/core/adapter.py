@@ -30,6 +30,7 @@ when ``import shardwise`` runs. Who asks what:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -110,8 +111,11 @@ class ModelAdapter:
         return "model"
 
     def index_metadata(self, model: nn.Module, shapes: Mapping[str, tuple[int, ...]]) -> dict:
-        """What the index's ``metadata`` carries besides ``total_size``."""
-        return {}
+        """What the index's ``metadata`` carries besides ``total_size``: ``total_parameters``
+        (parameters only, tied ones once, from the global ``shapes`` of the saved tensors), as
+        the hub's index has it."""
+        params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+        return {"total_parameters": sum(math.prod(s) for n, s in shapes.items() if n in params)}
 
     def write_side_files(self, model: nn.Module, folder: Path) -> list[str]:
         """Write the files the library reads beside the weights into ``folder``; their names."""

@@ -78,7 +78,8 @@ class HuggingFace(ModelAdapter):
         return files.default_prefix(model)
 
     def index_metadata(self, model: nn.Module, shapes: Mapping[str, tuple[int, ...]]) -> dict:
-        return files.index_metadata(model, dict(shapes))
+        # a diffusers index has no total_parameters
+        return {} if files.library_of(model) == "diffusers" else super().index_metadata(model, shapes)
 
     def write_side_files(self, model: nn.Module, folder: Path) -> list[str]:
         return files.write_side_files(model, folder)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -45,16 +44,6 @@ def default_prefix(model: nn.Module) -> str:
     """The weight file prefix the model's library reads: ``diffusion_pytorch_model`` for a
     diffusers model, ``model`` otherwise."""
     return DIFFUSERS_PREFIX if library_of(model) == "diffusers" else "model"
-
-
-def index_metadata(model: nn.Module, shapes: dict[str, tuple[int, ...]]) -> dict:
-    """What the index's ``metadata`` carries besides ``total_size``: ``total_parameters``
-    (parameters only, tied ones once, global shapes ``shapes`` of the saved tensors) as
-    transformers' index has it; nothing for a diffusers model, whose index has none."""
-    if library_of(model) == "diffusers":
-        return {}
-    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-    return {"total_parameters": sum(math.prod(s) for n, s in shapes.items() if n in params)}
 
 
 def write_side_files(model: nn.Module, folder: Path) -> list[str]:
@@ -149,5 +138,5 @@ def model_from_config(config_file: Path) -> nn.Module | None:
                               f"({type(e).__name__}: {e})") from e
 
 
-__all__ = ["DIFFUSERS_PREFIX", "SIDE_FILES", "default_prefix", "index_metadata",
+__all__ = ["DIFFUSERS_PREFIX", "SIDE_FILES", "default_prefix",
            "library_of", "model_from_config", "model_from_folder", "write_side_files"]
