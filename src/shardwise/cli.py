@@ -56,7 +56,7 @@ def _check_verify(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 def _diff(args: argparse.Namespace) -> int:
     from shardwise.io.check.diff import main_diff
 
-    return main_diff(args.a, args.b, as_json=args.json)
+    return main_diff(args.a, args.b, as_json=args.json, atol=args.atol, rtol=args.rtol, dtype=args.dtype)
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -134,10 +134,18 @@ def build_parser() -> argparse.ArgumentParser:
                             "checkpoint matches)")
     check.set_defaults(func=_verify, check=_check_verify, subparser=check)
     compare = sub.add_parser("diff", help="compare two checkpoints tensor by tensor, any layouts "
-                                          "(exit 0 when identical, 1 when not, 2 on an unreadable one)")
+                                          "(exit 0 when identical or within --atol/--rtol, 1 when not, "
+                                          "2 on an unreadable one)")
     compare.add_argument("a", help="the first checkpoint (safetensors or DCP)")
     compare.add_argument("b", help="the second checkpoint")
     compare.add_argument("--json", action="store_true", help="print the report as JSON")
+    compare.add_argument("--atol", type=float, default=None, metavar="X",
+                         help="accept values within |a - b| <= X + RTOL * |b| (default: byte for byte)")
+    compare.add_argument("--rtol", type=float, default=None, metavar="Y",
+                         help="relative tolerance (default 0)")
+    compare.add_argument("--dtype", default=None, metavar="DTYPE",
+                         help="cast floating-point values of both sides to DTYPE (bfloat16, BF16, ...) "
+                              "before comparing: a bfloat16 save against its float32 source")
     compare.set_defaults(func=_diff)
     from shardwise.validate.command import add_arguments
 

@@ -225,3 +225,29 @@ def test_verify_of_a_missing_path_names_no_format(tmp_path, capsys):
     assert main(["verify", str(tmp_path / "nothing")]) == 1
     out = capsys.readouterr().out
     assert out.startswith(f"FAILED {tmp_path / 'nothing'}: unknown,"), out
+
+
+def test_diff_with_a_cast_or_a_tolerance(tmp_path, capsys):
+    """Issue #32: a bfloat16 save against its float32 source; byte for byte stays the default."""
+    torch.manual_seed(0)
+    source = {"w": torch.randn(300, 7), "b": torch.randn(5), "ids": torch.arange(4)}
+    save_file(source, tmp_path / "fp32.safetensors")
+    save_file({k: v.bfloat16() if v.is_floating_point() else v for k, v in source.items()},
+              tmp_path / "bf16.safetensors")
+    a, b = tmp_path / "bf16.safetensors", tmp_path / "fp32.safetensors"
+    exact = sw.diff(a, b)
+    assert not exact.equivalent and sorted(d.name for d in exact.differ) == ["b", "w"] and exact.same == 1
+    cast = sw.diff(a, b, dtype="bfloat16", slab_bytes=1024)      # in slabs of a few rows
+    assert cast.equivalent and not cast.identical and sorted(cast.close) == ["b", "w"], cast
+    assert sw.diff(a, b, atol=1e-2, rtol=1e-2).equivalent
+    tight = sw.diff(a, b, atol=1e-6)
+    assert not tight.equivalent and sorted(d.name for d in tight.differ) == ["b", "w"]
+    assert main(["diff", str(a), str(b), "--atol", "1e-2", "--rtol", "1e-2"]) == 0
+    out = capsys.readouterr().out
+    assert "differs" not in out and out.startswith("EQUIVALENT: 1 identical, 2 within tolerance, 0 differ")
+    assert main(["diff", str(a), str(b), "--dtype", "bfloat16", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["equivalent"] and not data["identical"] and data["tolerance"]["dtype"] == "bfloat16"
+    assert main(["diff", str(a), str(b)]) == 1                 # the default: byte for byte
+    assert main(["diff", str(a), str(b), "--atol", "-1"]) == 2
+    assert "atol must be a finite number >= 0" in capsys.readouterr().err
