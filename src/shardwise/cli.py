@@ -86,6 +86,11 @@ def _check_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> No
                      f"{', '.join(map(str, degrees))}")
 
 
+_DESCRIPTION = ("Read, check and convert tensor-parallel PyTorch checkpoints: demo, inspect PATH, "
+                "consolidate SRC DST, verify PATH [--against MODEL], diff A B, "
+                "validate --backend NAME [--json OUT].")
+
+
 def _version() -> str:
     from shardwise import __version__
 
@@ -95,7 +100,8 @@ def _version() -> str:
 def build_parser() -> argparse.ArgumentParser:
     from shardwise._demo_model import SIZES
 
-    parser = argparse.ArgumentParser(prog="shardwise", description=__doc__)
+    # the module's docstring is reStructuredText: argparse would show its ``double backticks``
+    parser = argparse.ArgumentParser(prog="shardwise", description=_DESCRIPTION)
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="stream, save and reshard a small checkpoint on local gloo ranks")
