@@ -64,8 +64,8 @@ def load(model: nn.Module, path: str | os.PathLike, *, plan, mesh, dtype: torch.
     floating-point tensors after slicing (``None`` keeps the file's dtypes). ``strict``
     raises on missing keys; a shape that disagrees with the model always raises.
     ``num_threads`` read in parallel (default ``min(8, cpus / ranks on this host)``);
-    ``progress`` shows a bar on rank 0 (default: when stderr is a terminal and tqdm is
-    installed). ``holding`` is ``"dtensor"`` or ``"local"`` (default: the backend's).
+    ``progress`` shows a tqdm bar on rank 0 (default: when stderr is a terminal).
+    ``holding`` is ``"dtensor"`` or ``"local"`` (default: the backend's).
     Unknown keyword options raise ``TypeError``; ``device_map`` and other placement
     options of ``from_pretrained`` raise ``UnsupportedModelError`` (they cannot stream).
 
