@@ -52,7 +52,7 @@ def test_an_error_every_rank_raises_is_reported_once(tmp_path):
     printed = [line for line in out.splitlines() if line.startswith("ShardingError: plan key '0'")]
     assert len(printed) == 1, out                  # once on the ranks' stderr, by rank 0
     assert "Degrees that pass every check of this plan: 1, 2, 4, 8, 16" in printed[0], out
-    assert "raised alike on all 3 ranks" in out, out
+    assert "from a check all 3 ranks run alike" in out, out
     assert "job.py, line 12" in out, out           # where the user's script called shardwise
     assert out.count("Traceback (most recent call last)") == 1, out  # torchrun's own, no rank's
     assert "choose a degree that divides" not in out, out  # no cause contradicting the list

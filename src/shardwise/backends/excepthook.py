@@ -72,8 +72,8 @@ def report(error: ShardwiseError, tb) -> None:
     """Print ``error`` once for the whole world (see the module's docstring)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     message = f"{type(error).__name__}: {error}"
-    lines = [message, f"  (raised alike on all {world} ranks, before any collective; reported "
-                      "once, by rank 0)", _where(tb)]
+    lines = [message, f"  (from a check all {world} ranks run alike, before any collective: "
+                      "reported once, by rank 0)", _where(tb)]
     text = "\n".join(line for line in lines if line)
     store = dist.distributed_c10d._get_default_store()
     if rank == 0:
