@@ -505,7 +505,7 @@ _INTRO = """# Reliability
 
 How shardwise behaves under hostile input and crashing processes, measured by
 `tests/stress/stress.py` and `benchmarks/checksums.py` (each run replaces its own section below; raw data in
-`benchmarks/out/reliability-*.json`). What each outcome means is in the script's docstring;
+`benchmarks/results/reliability-*.json`). What each outcome means is in the script's docstring;
 the goal is that every row reads "ok" or "clean", and every trial and death passes.
 """
 

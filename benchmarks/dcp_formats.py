@@ -14,7 +14,7 @@
 Seconds are the slowest rank's, barrier to barrier, median of the repeats; the methods rotate
 their order each repeat; page cache warm (each load reads what was just written). Ratios are
 to ``torch distcp``. The model is ``_common.BenchModel`` (bfloat16, packed gate|up). Prints a
-markdown table and saves ``benchmarks/out/dcp_formats.json``.
+markdown table and saves ``benchmarks/results/dcp_formats.json`` (``_common.results_dir``).
 """
 
 from __future__ import annotations

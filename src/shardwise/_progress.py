@@ -1,5 +1,5 @@
 """One progress display for every path that moves bytes (load, save): a tqdm bar on the
-rank that reports, or one line per file where tqdm is not installed."""
+rank that reports (tqdm is a dependency), or one line per file where an environment removed it."""
 
 from __future__ import annotations
 

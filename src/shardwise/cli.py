@@ -56,7 +56,7 @@ def _check_verify(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 def _diff(args: argparse.Namespace) -> int:
     from shardwise.io.check.diff import main_diff
 
-    return main_diff(args.a, args.b, as_json=args.json)
+    return main_diff(args.a, args.b, as_json=args.json, atol=args.atol, rtol=args.rtol, dtype=args.dtype)
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -86,6 +86,11 @@ def _check_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> No
                      f"{', '.join(map(str, degrees))}")
 
 
+_DESCRIPTION = ("Read, check and convert tensor-parallel PyTorch checkpoints: demo, inspect PATH, "
+                "consolidate SRC DST, verify PATH [--against MODEL], diff A B, "
+                "validate --backend NAME [--json OUT].")
+
+
 def _version() -> str:
     from shardwise import __version__
 
@@ -95,7 +100,8 @@ def _version() -> str:
 def build_parser() -> argparse.ArgumentParser:
     from shardwise._demo_model import SIZES
 
-    parser = argparse.ArgumentParser(prog="shardwise", description=__doc__)
+    # the module's docstring is reStructuredText: argparse would show its ``double backticks``
+    parser = argparse.ArgumentParser(prog="shardwise", description=_DESCRIPTION)
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="stream, save and reshard a small checkpoint on local gloo ranks")
@@ -117,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="replace DST once the new one is complete")
     merge.set_defaults(func=_consolidate)
     check = sub.add_parser("verify", help="check a checkpoint's structure and every tensor's checksum "
-                                          "(exit 0 when whole, 1 otherwise)")
+                                          "(exit 0 OK, 1 FAILED, 3 UNVERIFIED: no fault "
+                                          "found, but no checksum covers every chunk)")
     check.add_argument("path", help="a .safetensors file, an index, or a checkpoint folder (DCP too)")
     check.add_argument("--json", action="store_true", help="print the report as JSON")
     check.add_argument("--against", default=None, metavar="MODEL_DIR_OR_CONFIG",
@@ -133,10 +140,18 @@ def build_parser() -> argparse.ArgumentParser:
                             "checkpoint matches)")
     check.set_defaults(func=_verify, check=_check_verify, subparser=check)
     compare = sub.add_parser("diff", help="compare two checkpoints tensor by tensor, any layouts "
-                                          "(exit 0 when identical, 1 when not, 2 on an unreadable one)")
+                                          "(exit 0 when identical or within --atol/--rtol, 1 when not, "
+                                          "2 on an unreadable one)")
     compare.add_argument("a", help="the first checkpoint (safetensors or DCP)")
     compare.add_argument("b", help="the second checkpoint")
     compare.add_argument("--json", action="store_true", help="print the report as JSON")
+    compare.add_argument("--atol", type=float, default=None, metavar="X",
+                         help="accept values within |a - b| <= X + RTOL * |b| (default: byte for byte)")
+    compare.add_argument("--rtol", type=float, default=None, metavar="Y",
+                         help="relative tolerance (default 0)")
+    compare.add_argument("--dtype", default=None, metavar="DTYPE",
+                         help="cast floating-point values of both sides to DTYPE (bfloat16, BF16, ...) "
+                              "before comparing: a bfloat16 save against its float32 source")
     compare.set_defaults(func=_diff)
     from shardwise.validate.command import add_arguments
 

@@ -9,6 +9,9 @@ raises a subclass of ``RuntimeError`` (of ``OSError`` for a file system fault, w
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 
 class ShardwiseError(Exception):
     """Base class of every error shardwise raises on purpose."""
@@ -79,3 +82,16 @@ class StorageError(ShardwiseError, OSError):
 
 class UnsupportedModelError(ShardwiseError, ValueError):
     """A model shardwise refuses to load or save (quantized, offloaded, PEFT-injected)."""
+
+
+@contextmanager
+def on_every_rank() -> Iterator[None]:
+    """Mark a ``ShardwiseError`` raised inside as one that every rank raises alike: checks that
+    run before any collective, on inputs that are the same on every rank (the options, the
+    mesh's shape, the model and the plan). The hook ``init_backend`` installs
+    (``shardwise.backends.excepthook``) then reports it once, on rank 0."""
+    try:
+        yield
+    except ShardwiseError as e:
+        e.every_rank = True  # type: ignore[attr-defined]
+        raise

@@ -115,3 +115,20 @@ def test_numpy_is_a_dependency():
     from importlib.metadata import requires
 
     assert any(r.split(";")[0].strip() == "numpy" for r in requires("shardwise") or [])
+
+
+@pytest.mark.parametrize("verb", [[], ["demo"], ["inspect"], ["consolidate"], ["verify"], ["diff"],
+                                  ["validate"]])
+def test_help_shows_no_restructuredtext_markup(verb, capsys):
+    with pytest.raises(SystemExit):
+        main([*verb, "--help"])
+    out = capsys.readouterr().out
+    assert "usage: shardwise" in out and "``" not in out, out
+
+
+def test_tqdm_is_a_dependency():
+    # the progress bar is tqdm's: an optional extra left it off the installs that wanted it
+    import tomllib
+
+    project = tomllib.loads((SRC.parent / "pyproject.toml").read_text())["project"]
+    assert any(re.match(r"tqdm\b", r) for r in project["dependencies"]), project["dependencies"]

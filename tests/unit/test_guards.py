@@ -276,7 +276,7 @@ def test_pickle_weights_refused(name, mesh, tmp_path, monkeypatch):
     monkeypatch.setattr(reader, "read_region", lambda *a, **k: pytest.fail("read a region"))
     (tmp_path / name).write_bytes(b"\x80\x04not really a pickle")
     for path in (tmp_path / name, tmp_path):
-        with pytest.raises(CheckpointError, match=r"pickles.*never unpickles.*save_file"):
+        with pytest.raises(CheckpointError, match=r"a pickle.*never unpickles.*save_file"):
             sw.load(meta_model(), path, plan=tiny_plan(), mesh=mesh)
 
 

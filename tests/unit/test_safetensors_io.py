@@ -546,7 +546,7 @@ def sharded_with_index(folder: Path, weight_map: dict) -> Path:
     ({"a": "/abs/evil.safetensors"}, "outside"),
     ({"a": "model-00009-of-00009.safetensors"}, "does not exist"),
     ({"a": "model-00001-of-00002.safetensors", "c": "model-00002-of-00002.safetensors"}, "'c'"),
-    ({"a": "pytorch_model.bin"}, "never unpickles"),
+    ({"a": "pytorch_model.bin"}, "not safetensors"),
 ])
 def test_bad_index_is_refused_naming_the_index(tmp_path, weight_map, fault):
     save_file({"a": torch.ones(2)}, tmp_path / "evil.safetensors")

@@ -86,6 +86,7 @@ def test_verify_reports_structure_without_checksums_and_faults(tmp_path, capsys)
     save_file({"a": torch.ones(3)}, tmp_path / "plain.safetensors")
     report = sw.verify(tmp_path / "plain.safetensors")
     assert report.ok and report.checksummed == 0 and "no checksums" in report.notes[0]
+    assert not report.verified and report.outcome == "UNVERIFIED"
 
     model = Mixed()
     sw.save(model, tmp_path / "ckpt")
@@ -201,3 +202,52 @@ def test_diff_of_shapes_and_of_row_slabs_through_chunks(tmp_path):
     sw.save(nn.Linear(64, 40), tmp_path / "c")
     (d,) = sw.diff(tmp_path / "a", tmp_path / "c").differ[:1]
     assert d.shape_a == (48, 64) and d.shape_b == (40, 64) and d.max_abs_diff is None
+
+
+def test_verify_of_a_folder_shardwise_did_not_write_is_unverified_not_ok(tmp_path, capsys):
+    """Issue #32: no checksum recorded, so the outcome says so (text, JSON, exit status 3)."""
+    folder = tmp_path / "foreign"
+    folder.mkdir()
+    save_file({"a": torch.ones(4, 4), "b": torch.zeros(3)}, folder / "model.safetensors")
+    assert main(["verify", str(folder)]) == 3
+    out = capsys.readouterr().out
+    assert out.startswith(f"UNVERIFIED {folder}: safetensors, 2 tensors in 2 chunks, 0 checksummed"), out
+    assert "not written by shardwise" in out and "OK" not in out.split(":")[0]
+    assert main(["verify", str(folder), "--json"]) == 3
+    data = json.loads(capsys.readouterr().out)
+    assert (data["outcome"], data["verified"], data["ok"], data["chunks"]) == ("UNVERIFIED", False, True, 2)
+    sw.save(Mixed(), tmp_path / "ours")                  # the same command on a shardwise save
+    assert main(["verify", str(tmp_path / "ours")]) == 0
+    assert capsys.readouterr().out.startswith("OK ")
+
+
+def test_verify_of_a_missing_path_names_no_format(tmp_path, capsys):
+    assert main(["verify", str(tmp_path / "nothing")]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith(f"FAILED {tmp_path / 'nothing'}: unknown,"), out
+
+
+def test_diff_with_a_cast_or_a_tolerance(tmp_path, capsys):
+    """Issue #32: a bfloat16 save against its float32 source; byte for byte stays the default."""
+    torch.manual_seed(0)
+    source = {"w": torch.randn(300, 7), "b": torch.randn(5), "ids": torch.arange(4)}
+    save_file(source, tmp_path / "fp32.safetensors")
+    save_file({k: v.bfloat16() if v.is_floating_point() else v for k, v in source.items()},
+              tmp_path / "bf16.safetensors")
+    a, b = tmp_path / "bf16.safetensors", tmp_path / "fp32.safetensors"
+    exact = sw.diff(a, b)
+    assert not exact.equivalent and sorted(d.name for d in exact.differ) == ["b", "w"] and exact.same == 1
+    cast = sw.diff(a, b, dtype="bfloat16", slab_bytes=1024)      # in slabs of a few rows
+    assert cast.equivalent and not cast.identical and sorted(cast.close) == ["b", "w"], cast
+    assert sw.diff(a, b, atol=1e-2, rtol=1e-2).equivalent
+    tight = sw.diff(a, b, atol=1e-6)
+    assert not tight.equivalent and sorted(d.name for d in tight.differ) == ["b", "w"]
+    assert main(["diff", str(a), str(b), "--atol", "1e-2", "--rtol", "1e-2"]) == 0
+    out = capsys.readouterr().out
+    assert "differs" not in out and out.startswith("EQUIVALENT: 1 identical, 2 within tolerance, 0 differ")
+    assert main(["diff", str(a), str(b), "--dtype", "bfloat16", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["equivalent"] and not data["identical"] and data["tolerance"]["dtype"] == "bfloat16"
+    assert main(["diff", str(a), str(b)]) == 1                 # the default: byte for byte
+    assert main(["diff", str(a), str(b), "--atol", "-1"]) == 2
+    assert "atol must be a finite number >= 0" in capsys.readouterr().err

@@ -15,6 +15,7 @@ import importlib
 import threading
 from collections.abc import Callable
 
+from shardwise.backends import excepthook
 from shardwise.backends.base import MESH_AXES, Backend, torchrun_env
 from shardwise.errors import BackendError, UnknownBackendError, UsageError
 
@@ -136,6 +137,7 @@ def init_backend(name: str = "auto", *, timeout=None) -> Backend:
             return _active
         backend = get_backend_class(wanted)(timeout=timeout)
         backend.start()
+        excepthook.install()  # a guard's error, raised alike on every rank, reported once
         _active = backend
         return backend
 

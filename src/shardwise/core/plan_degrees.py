@@ -61,18 +61,20 @@ def check_degrees(tensors: list, counts: list, keys: dict, degrees: dict[str, in
     The error lists the degrees that pass every check: these, and ``others(degrees)``, the
     plan's remaining degree-dependent checks (raising ``PlanError`` when they fail)."""
     for axis in ("tp", "ep"):
-        error, cause = _error_at(tensors, counts, keys, axis, degrees[axis])
+        error = _error_at(tensors, counts, keys, axis, degrees[axis])
         if error is not None:
             ok = _passing(tensors, counts, keys, degrees, axis, others)
+            # from None: this message says all the cause did, and the cause's own hint (the
+            # divisors of one dim) would contradict the list of degrees that pass every check
             raise ShardingError(f"{error}. Degrees that pass every check of this plan: "
-                                f"{', '.join(map(str, ok))}") from cause
+                                f"{', '.join(map(str, ok))}") from None
 
 
 def _passing(tensors, counts, keys, degrees: dict[str, int], axis: str, others) -> list[int]:
     ok = []
     for d in dividing_degrees([(shape, spec) for shape, spec, _, _ in tensors if spec.axis == axis]):
         if d > 1:
-            if _error_at(tensors, counts, keys, axis, d)[0] is not None:
+            if _error_at(tensors, counts, keys, axis, d) is not None:
                 continue
             try:
                 others({**degrees, axis: d})
@@ -82,20 +84,20 @@ def _passing(tensors, counts, keys, degrees: dict[str, int], axis: str, others) 
     return ok
 
 
-def _error_at(tensors, counts, keys, axis: str, degree: int) -> tuple[str | None, Exception | None]:
+def _error_at(tensors, counts, keys, axis: str, degree: int) -> str | None:
     for shape, spec, name, key in tensors:
         if spec.axis != axis:
             continue
         try:
             check_shardable(shape, spec, degree)
-        except ShardingError as e:
+        except ShardingError:
             # Not the spec's own hint (the divisors of this one dim): the list of degrees
             # that pass every check follows.
             sizes = block_sizes(shape, spec)
             blocks = f" (packed blocks of sizes {list(sizes)})" if spec.packed else ""
             return (f"plan key {key!r}, tensor {name!r} of shape {shape}: dim {spec.dim} of size "
-                    f"{shape[spec.dim]}{blocks} cannot be split over degree {degree}"), e
-    return (_heads_error(counts, keys, degree) if axis == "tp" else None), None
+                    f"{shape[spec.dim]}{blocks} cannot be split over degree {degree}")
+    return _heads_error(counts, keys, degree) if axis == "tp" else None
 
 
 __all__ = ["check_degrees", "head_counts"]

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from shardwise._progress import Progress
-from shardwise.errors import PlanError
+from shardwise.errors import PlanError, on_every_rank
 from shardwise.io.formats import open_source
 from shardwise.io.guards import check_mesh, check_model, check_options
 from shardwise.io.pipeline import (
@@ -64,8 +64,8 @@ def load(model: nn.Module, path: str | os.PathLike, *, plan, mesh, dtype: torch.
     floating-point tensors after slicing (``None`` keeps the file's dtypes). ``strict``
     raises on missing keys; a shape that disagrees with the model always raises.
     ``num_threads`` read in parallel (default ``min(8, cpus / ranks on this host)``);
-    ``progress`` shows a bar on rank 0 (default: when stderr is a terminal and tqdm is
-    installed). ``holding`` is ``"dtensor"`` or ``"local"`` (default: the backend's).
+    ``progress`` shows a tqdm bar on rank 0 (default: when stderr is a terminal).
+    ``holding`` is ``"dtensor"`` or ``"local"`` (default: the backend's).
     Unknown keyword options raise ``TypeError``; ``device_map`` and other placement
     options of ``from_pretrained`` raise ``UnsupportedModelError`` (they cannot stream).
 
@@ -85,17 +85,18 @@ def load(model: nn.Module, path: str | os.PathLike, *, plan, mesh, dtype: torch.
     LoadResult(tensors=291, bytes_read=4021813248, seconds=1.912, missing=0, unexpected=0)
     """
     start = time.perf_counter()
-    check_options(_where="load", **options)
-    check_model(model, action="load")
-    check_mesh(mesh)
-    if get_shard_state(model) is not None:
-        raise PlanError("model is already parallelised; build a fresh (meta) model to load into")
-    if dtype is not None and not isinstance(dtype, torch.dtype):
-        raise TypeError(f"dtype must be a torch.dtype or None, got {dtype!r}")
-    dims = decode_mesh(mesh, holding)  # the API boundary: the mesh decoded once, passed down
-    specs = resolve_for_mesh(model, plan, dims, ep_plan)
-    check_wiring(model, specs, dims.holding)
-    check_quantized_load(specs, dims.holding, dequantize)
+    with on_every_rank():  # the same inputs on every rank, before any read or collective
+        check_options(_where="load", **options)
+        check_model(model, action="load")
+        check_mesh(mesh)
+        if get_shard_state(model) is not None:
+            raise PlanError("model is already parallelised; build a fresh (meta) model to load into")
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype or None, got {dtype!r}")
+        dims = decode_mesh(mesh, holding)  # the API boundary: the mesh decoded once, passed down
+        specs = resolve_for_mesh(model, plan, dims, ep_plan)
+        check_wiring(model, specs, dims.holding)
+        check_quantized_load(specs, dims.holding, dequantize)
 
     source = open_source(path, dequantize=dequantize)
     check_quantized_source(source, specs, mesh)

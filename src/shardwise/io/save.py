@@ -88,8 +88,8 @@ def save(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str
     measured); other ranks only send their shards and never hold a full tensor. Writing in
     parallel, no rank holds more than a copy of one box of its own shard (8 MiB more to
     read the checksums back).
-    ``progress`` shows a bar on rank 0 (default: when stderr is a terminal; tqdm if
-    installed). ``distributed=True`` writes a torch distributed checkpoint instead, every
+    ``progress`` shows a tqdm bar on rank 0 (default: when stderr is a terminal).
+    ``distributed=True`` writes a torch distributed checkpoint instead, every
     rank its own part (``shardwise.io.formats.dcp.checkpoint.save_dcp``; ``max_shard_size``,
     ``filename_prefix``, ``layout`` and ``parallel_write`` do not apply and are refused); with
     ``async_save=True`` too it returns a handle whose ``wait()`` every rank calls. With

@@ -14,6 +14,12 @@ or scales differ from the other side's (an FP8 checkpoint against its dequantize
 FP8 checkpoints quantized with other scales) is compared in dequantized units (float32, as a
 dequantized load computes them), and its scales, where the other side has none, are part of it
 rather than "only in A". Identical FP8 checkpoints still compare byte for byte.
+
+Byte for byte is the default. ``dtype=`` casts both sides' floating-point values to it before
+comparing (a bfloat16 save against its float32 source), ``atol=`` / ``rtol=`` accept values
+within ``|a - b| <= atol + rtol * |b|`` (``torch.isclose``, NaN equal to NaN): such a tensor is
+``close``, not ``differ``, and the report is ``equivalent`` rather than ``identical``. Either way
+the tensors are read in the same bounded slabs.
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ from pathlib import Path
 import torch
 
 from shardwise.core.spec import Region
-from shardwise.errors import CheckpointError
+from shardwise.errors import CheckpointError, UsageError
+from shardwise.io.check.against import as_dtype
 from shardwise.io.check.inspect import print_safely
 from shardwise.io.check.quant import Dequantizing, fp8_pairs
 from shardwise.io.formats import open_source
@@ -42,7 +49,8 @@ class TensorDiff:
     value is the same (False whenever the dtype or shape differs); ``max_abs_diff`` is over
     values compared as float64 (None when the shapes differ; nan when a NaN is on one side
     only). ``dequantized``: the values compared are an FP8 side's dequantized ones (its
-    values times their block's scale), so ``max_abs_diff`` is in dequantized units."""
+    values times their block's scale), so ``max_abs_diff`` is in dequantized units.
+    ``within``: every value is within the diff's tolerance (after its cast)."""
 
     name: str
     dtype_a: str
@@ -52,13 +60,16 @@ class TensorDiff:
     equal: bool
     max_abs_diff: float | None
     dequantized: bool = False
+    within: bool = False
 
 
 @dataclass
 class DiffReport:
     """What :func:`diff` found: names only in ``a`` or only in ``b``, the tensors that differ,
     and how many are identical (same dtype, shape and bytes). ``scales_a`` / ``scales_b``: FP8
-    scales of one side only, compared as part of their weight's dequantized values."""
+    scales of one side only, compared as part of their weight's dequantized values. With a
+    tolerance or a cast (``tolerance``), ``close`` names the tensors whose bytes differ but whose
+    values agree within it; ``equivalent`` is then whether nothing else differs."""
 
     a: str
     b: str
@@ -68,22 +79,33 @@ class DiffReport:
     same: int = 0
     scales_a: list[str] = field(default_factory=list)
     scales_b: list[str] = field(default_factory=list)
+    close: list[str] = field(default_factory=list)
+    tolerance: dict | None = None  # {"atol", "rtol", "dtype"} when the diff had one
 
     @property
     def identical(self) -> bool:
+        return not (self.only_a or self.only_b or self.differ or self.close)
+
+    @property
+    def equivalent(self) -> bool:
         return not (self.only_a or self.only_b or self.differ)
 
     def summary(self) -> str:
-        """One line: identical or not, with the counts."""
-        counts = (f"{self.same} identical, {len(self.differ)} differ, {len(self.only_a)} only in A, "
+        """One line: identical, equivalent (within the tolerance) or different, with the counts."""
+        within = f"{len(self.close)} within tolerance, " if self.tolerance is not None else ""
+        counts = (f"{self.same} identical, {within}{len(self.differ)} differ, {len(self.only_a)} only in A, "
                   f"{len(self.only_b)} only in B")
         dequantized = sum(d.dequantized for d in self.differ)
         if dequantized:
             counts += f" ({dequantized} FP8 weight(s) compared dequantized)"
-        return f"{'IDENTICAL' if self.identical else 'DIFFERENT'}: {counts}"
+        if self.tolerance is not None:
+            counts += " (" + ", ".join(f"{k}={v}" for k, v in self.tolerance.items() if v is not None) + ")"
+        verdict = "IDENTICAL" if self.identical else "EQUIVALENT" if self.equivalent else "DIFFERENT"
+        return f"{verdict}: {counts}"
 
     def to_dict(self) -> dict:
-        out = {**asdict(self), "identical": self.identical, "summary": self.summary()}
+        out = {**asdict(self), "identical": self.identical, "equivalent": self.equivalent,
+               "summary": self.summary()}
         for d in out["differ"]:  # JSON has no NaN
             if d["max_abs_diff"] is not None and math.isnan(d["max_abs_diff"]):
                 d["max_abs_diff"] = "nan"
@@ -117,7 +139,28 @@ class _Side:
         self.source.close()
 
 
-def _compare(name: str, a, b, slab_bytes: int) -> TensorDiff | None:
+@dataclass(frozen=True)
+class _Tolerance:
+    atol: float
+    rtol: float
+    dtype: torch.dtype | None
+
+    def values(self, t: torch.Tensor) -> torch.Tensor:
+        if self.dtype is not None and t.is_floating_point():
+            t = t.to(self.dtype)
+        return _as_float64(t)
+
+
+def _tolerance(atol, rtol, dtype) -> _Tolerance | None:
+    if atol is None and rtol is None and dtype is None:
+        return None
+    for name, v in (("atol", atol), ("rtol", rtol)):
+        if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+            raise UsageError(f"{name} must be a finite number >= 0, got {v!r}")
+    return _Tolerance(float(atol or 0.0), float(rtol or 0.0), as_dtype(dtype))
+
+
+def _compare(name: str, a, b, slab_bytes: int, tol: _Tolerance | None = None) -> TensorDiff | None:
     (dtype_a, shape_a), (dtype_b, shape_b) = a.tensors[name], b.tensors[name]
     dtypes = (str(dtype_a).removeprefix("torch."), str(dtype_b).removeprefix("torch."))
     if shape_a != shape_b:
@@ -125,7 +168,7 @@ def _compare(name: str, a, b, slab_bytes: int) -> TensorDiff | None:
     rows = shape_a[0] if shape_a else 1
     row_bytes = max(1, math.prod(shape_a[1:]) * max(dtype_a.itemsize, dtype_b.itemsize))
     step = max(1, slab_bytes // row_bytes)
-    same_bytes, equal, worst = dtype_a == dtype_b, True, 0.0
+    same_bytes, equal, worst, within = dtype_a == dtype_b, True, 0.0, tol is not None
     for lo in range(0, rows, step):
         hi = min(rows, lo + step)
         x, y = a.rows(name, lo, hi), b.rows(name, lo, hi)
@@ -137,9 +180,12 @@ def _compare(name: str, a, b, slab_bytes: int) -> TensorDiff | None:
             delta = torch.where(both_nan, torch.zeros((), dtype=xd.dtype), (xd - yd).abs())
             equal = equal and bool(torch.equal(xd[~both_nan], yd[~both_nan]))
             worst = max(worst, float(delta.max()), key=lambda v: (math.isnan(v), v))
+            if within and tol is not None:
+                within = bool(torch.isclose(tol.values(x), tol.values(y), rtol=tol.rtol, atol=tol.atol,
+                                            equal_nan=True).all())
     if same_bytes:
         return None
-    return TensorDiff(name, *dtypes, shape_a, shape_b, equal and dtype_a == dtype_b, worst)
+    return TensorDiff(name, *dtypes, shape_a, shape_b, equal and dtype_a == dtype_b, worst, within=within)
 
 
 def _compare_quantized(name: str, a, b, pairs, sides: tuple[Dequantizing, Dequantizing], found: dict,
@@ -168,16 +214,27 @@ def _as_float64(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float64)
 
 
-def diff(a: str | os.PathLike, b: str | os.PathLike, *, slab_bytes: int = _SLAB_BYTES) -> DiffReport:
+def diff(a: str | os.PathLike, b: str | os.PathLike, *, atol: float | None = None,
+         rtol: float | None = None, dtype: torch.dtype | str | None = None,
+         slab_bytes: int = _SLAB_BYTES) -> DiffReport:
     """Compare the checkpoints ``a`` and ``b`` (any mix of safetensors and DCP, any degree, hub
     or module names) tensor by tensor: names on one side only, dtype and shape differences, exact equality
     (same bytes) and the largest absolute difference. Reads at most ``slab_bytes`` of each
     side at a time. Raises ``CheckpointError`` if either checkpoint cannot be read.
 
+    Byte for byte unless ``atol``, ``rtol`` or ``dtype`` is given: then a tensor whose values,
+    cast to ``dtype`` (floating-point ones; ``"bfloat16"`` or ``torch.bfloat16``) and compared
+    as ``torch.isclose(a, b, rtol, atol)`` (0 where not given), all agree is in ``close``;
+    ``report.equivalent`` says that nothing else differs. FP8 weights compared dequantized
+    keep their exact comparison.
+
     >>> report = sw.diff("out/full", "out/dcp")           # doctest: +SKIP
     >>> report.identical, report.summary()               # doctest: +SKIP
     (True, 'IDENTICAL: 291 identical, 0 differ, 0 only in A, 0 only in B')
+    >>> sw.diff("bf16/", "fp32/", dtype="bfloat16").equivalent   # doctest: +SKIP
+    True
     """
+    tol = _tolerance(atol, rtol, dtype)
     left = _Side(open_source(Path(a)))
     try:
         right = _Side(open_source(Path(b)))
@@ -185,6 +242,9 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, *, slab_bytes: int = _SLAB_
         left.close()
         raise
     report = DiffReport(str(a), str(b))
+    if tol is not None:
+        report.tolerance = {"atol": tol.atol, "rtol": tol.rtol,
+                            "dtype": None if tol.dtype is None else str(tol.dtype).removeprefix("torch.")}
     try:
         left.use_module_names(set(right.tensors) - set(left.tensors))
         right.use_module_names(set(left.tensors) - set(right.tensors))
@@ -196,7 +256,7 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, *, slab_bytes: int = _SLAB_
         report.only_a = [n for n in left.tensors if n not in right.tensors and n not in report.scales_a]
         report.only_b = [n for n in right.tensors if n not in left.tensors and n not in report.scales_b]
         common = [n for n in left.tensors if n in right.tensors]
-        found = {n: _compare(n, left, right, slab_bytes) for n in common if n not in pairs[0]
+        found = {n: _compare(n, left, right, slab_bytes, tol) for n in common if n not in pairs[0]
                  and n not in pairs[1]}
         sides = Dequantizing(left, pairs[0], left.root), Dequantizing(right, pairs[1], right.root)
         for name in common:
@@ -206,6 +266,8 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, *, slab_bytes: int = _SLAB_
             result = found[name]
             if result is None:
                 report.same += 1
+            elif result.within:
+                report.close.append(name)
             else:
                 report.differ.append(result)
     finally:
@@ -214,18 +276,20 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, *, slab_bytes: int = _SLAB_
     return report
 
 
-def main_diff(a: str, b: str, *, as_json: bool = False) -> int:
-    """``shardwise diff A B [--json]``: 0 when identical, 1 when they differ, 2 when one cannot be read."""
+def main_diff(a: str, b: str, *, as_json: bool = False, atol: float | None = None,
+              rtol: float | None = None, dtype: str | None = None) -> int:
+    """``shardwise diff A B [--atol X] [--rtol Y] [--dtype D] [--json]``: 0 when identical (or,
+    with a tolerance, equivalent), 1 when they differ, 2 when one cannot be read."""
     import sys
 
     try:
-        report = diff(a, b)
-    except CheckpointError as e:
+        report = diff(a, b, atol=atol, rtol=rtol, dtype=dtype)
+    except (CheckpointError, UsageError) as e:
         print_safely(f"shardwise diff: {e}", file=sys.stderr)
         return 2
     if as_json:
         print_safely(report.to_json())
-        return 0 if report.identical else 1
+        return 0 if report.equivalent else 1
     for name in report.only_a:
         print_safely(f"  only in A: {name}")
     for name in report.only_b:
@@ -242,7 +306,7 @@ def main_diff(a: str, b: str, *, as_json: bool = False) -> int:
             what.append(f"max abs diff {d.max_abs_diff:.6g}" + (" (dequantized)" if d.dequantized else ""))
         print_safely(f"  differs: {d.name}: {', '.join(what)}")
     print_safely(report.summary())
-    return 0 if report.identical else 1
+    return 0 if report.equivalent else 1
 
 
 __all__ = ["DiffReport", "TensorDiff", "diff", "main_diff"]

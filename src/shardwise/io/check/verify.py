@@ -13,8 +13,14 @@ in checkpoints from before it) and compared.
   dtype and shape the metadata lists. Its ``.metadata`` is a pickle: verify it only if you
   trust its source, as for loading it.
 
-A checkpoint not written by shardwise has no checksums: its structure is checked and the
-report says so.
+A checkpoint not written by shardwise has no checksums: its structure is checked, and the
+outcome is ``UNVERIFIED`` (exit status 3), not ``OK``: nothing vouches for its values.
+
+One vocabulary in every report: ``kind`` is the format's name (``safetensors``, ``sharded
+safetensors``, ``dcp``; ``unknown`` where there is no checkpoint to name); ``tensors`` counts the
+checkpoint's tensors, ``chunks`` the stored pieces they are in (a safetensors tensor is one
+chunk; a DCP tensor one per saving rank), ``checksummed`` the chunks whose bytes matched a
+checksum.
 
 A quantized checkpoint (``io.check.quant``): every FP8 weight has its ``weight_scale_inv`` of
 shape ``ceil(dims / weight_block_size)`` (the block from the ``config.json`` beside it), every
@@ -47,12 +53,16 @@ from shardwise.io.source import Stored
 class VerifyReport:
     """What :func:`verify` found. ``ok`` when there are no ``problems`` (structural faults,
     each naming the file and tensor) and no ``mismatched`` tensors (bytes that differ from
-    their recorded checksum; for DCP ``"name@offsets"`` names the chunk). ``notes`` are not
-    faults (such as: no checksums recorded)."""
+    their recorded checksum; for DCP ``"name@offsets"`` names the chunk). ``verified`` when it
+    is ok and every chunk was checked against a checksum as well: ``outcome`` is ``"OK"``
+    then, ``"UNVERIFIED"`` when only the structure could be checked (a checkpoint shardwise
+    did not write), ``"FAILED"`` when not ok. ``notes`` are not faults (such as: no checksums
+    recorded)."""
 
     path: str
     kind: str = "unknown"
     tensors: int = 0
+    chunks: int = 0
     checksummed: int = 0
     bytes_read: int = 0
     problems: list[str] = field(default_factory=list)
@@ -64,25 +74,36 @@ class VerifyReport:
     def ok(self) -> bool:
         return not self.problems and not self.mismatched
 
+    @property
+    def verified(self) -> bool:
+        return self.ok and self.chunks > 0 and self.checksummed == self.chunks
+
+    @property
+    def outcome(self) -> str:
+        return "FAILED" if not self.ok else "OK" if self.verified else "UNVERIFIED"
+
     def summary(self) -> str:
-        """One line: the verdict and the counts."""
-        unit = "tensors" if self.kind == "safetensors" else "chunks"
-        counts = (f"{self.tensors} tensors, {self.checksummed} {unit} checksummed, "
+        """One line: the outcome and the counts."""
+        counts = (f"{self.tensors} tensors in {self.chunks} chunks, {self.checksummed} checksummed, "
                   f"{self.bytes_read} bytes read")
         if self.against is not None:
             counts += f"; {self.against.summary()}"
-        if self.ok:
+        if self.outcome == "OK":
             return f"OK {self.path}: {self.kind}, {counts}"
+        if self.outcome == "UNVERIFIED":
+            why = self.notes[0] if self.notes else "no checksum covers every chunk"
+            return f"UNVERIFIED {self.path}: {self.kind}, {counts}: {why}"
         faults = []
         if self.mismatched:
-            faults.append(f"{len(self.mismatched)} {unit} differ from their checksum "
+            faults.append(f"{len(self.mismatched)} chunks differ from their checksum "
                           f"({', '.join(self.mismatched[:5])}{', ...' if len(self.mismatched) > 5 else ''})")
         if self.problems:
             faults.append(f"{len(self.problems)} problem(s)")
         return f"FAILED {self.path}: {self.kind}, {'; '.join(faults)}; {counts}"
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "ok": self.ok, "summary": self.summary()}
+        return {**asdict(self), "ok": self.ok, "verified": self.verified, "outcome": self.outcome,
+                "summary": self.summary()}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, ensure_ascii=True)
@@ -104,7 +125,7 @@ def verify(path: str | os.PathLike, *, against=None, dtype=None, layout: str = "
 
     >>> report = sw.verify("out/full")                     # doctest: +SKIP
     >>> report.ok, report.summary()                        # doctest: +SKIP
-    (True, 'OK out/full: safetensors, 291 tensors, 291 tensors checksummed, 4021813248 bytes read')
+    (True, 'OK out/full: safetensors, 291 tensors in 291 chunks, 291 checksummed, 4021813248 bytes read')
     >>> sw.verify("out/full", against="ckpt/").against.missing      # doctest: +SKIP
     []
     """
@@ -114,6 +135,8 @@ def verify(path: str | os.PathLike, *, against=None, dtype=None, layout: str = "
     report = VerifyReport(str(path))
     found = None
     try:
+        if "://" not in str(path) and not os.path.exists(path):
+            raise CheckpointError(f"{path}: no such checkpoint file or folder")
         plugin = format_of(path)  # the kind is known even where opening then fails
         report.kind = _KINDS.get(plugin.NAME, plugin.NAME)
         source = plugin.open_source(path)  # headers, index, chunk tiling: raises on the first fault
@@ -203,6 +226,7 @@ def _verify_source(source: Stored, report: VerifyReport) -> dict[str, tuple[str,
         report.checksummed += want is not None
         if want is not None and got != want:
             report.mismatched.append(blob.tensor if blob.key is None else f"{blob.tensor}@{blob.key}")
+    report.chunks = blobs
     _missing_sums(sums, chunk_sums, found, seen, source.root, report)
     if sums and report.checksummed < blobs:
         report.notes.append(f"{blobs - report.checksummed} tensor(s) have no recorded checksum")
@@ -226,7 +250,8 @@ def _missing_sums(sums: dict, chunk_sums: dict, found: dict, seen: set, root: Pa
 def main_verify(path: str, *, as_json: bool = False, against: str | None = None, dtype: str | None = None,
                 layout: str = "auto") -> int:
     """``shardwise verify PATH [--against MODEL] [--json]``: the faults, then one summary line;
-    0 when ok, 1 when not, 2 when the model to compare with cannot be built."""
+    0 when OK, 1 when FAILED, 3 when UNVERIFIED (no fault, but not every chunk has a checksum),
+    2 when the model to compare with cannot be built."""
     import sys
 
     try:
@@ -242,7 +267,10 @@ def main_verify(path: str, *, as_json: bool = False, against: str | None = None,
         for line in report.notes:
             print_safely(f"  note: {line}", file=sys.stderr)
         print_safely(report.summary())
-    return 0 if report.ok else 1
+    return {"OK": 0, "FAILED": 1}.get(report.outcome, UNVERIFIED_STATUS)
 
 
-__all__ = ["VerifyReport", "main_verify", "verify"]
+UNVERIFIED_STATUS = 3
+
+
+__all__ = ["UNVERIFIED_STATUS", "VerifyReport", "main_verify", "verify"]

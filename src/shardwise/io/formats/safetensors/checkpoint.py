@@ -22,15 +22,31 @@ _PICKLE_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle"}
 
 def _pickle_error(path: Path, *, index: Path | None = None) -> CheckpointError:
     where = f"{index}: weight_map names {path.name}" if index else str(path)
+    kind = _non_safetensors_kind(path)
+    if kind is None:  # not a format torch.load reads: its recipe would not help
+        return CheckpointError(f"{where}: not safetensors, the only format shardwise reads; convert "
+                               "it to .safetensors with the tool that wrote it")
     return CheckpointError(
-        f"{where}: {path.suffix} weights are pickles; shardwise reads only safetensors and never "
-        "unpickles (loading a pickle can run arbitrary code). Convert once, from a source you trust: "
-        f"sd = torch.load({path.name!r}, map_location='cpu', weights_only=True); "
-        "safetensors.torch.save_file({k: v.clone(memory_format=torch.contiguous_format) for k, v in "
-        "sd.items()}, 'model.safetensors')  (the copies matter: tied weights share memory, which "
-        "save_file refuses). Or, with the model built: model.load_state_dict(sd); "
-        "safetensors.torch.save_model(model, 'model.safetensors')  (writes each tied weight once)"
+        f"{where}: {kind}, not safetensors (shardwise never unpickles); if you trust its source, "
+        f"convert it once: sd = torch.load({path.name!r}, weights_only=True); safetensors.torch."
+        "save_file({k: v.clone(memory_format=torch.contiguous_format) for k, v in sd.items()}, "
+        "'model.safetensors')"
     )
+
+
+def _non_safetensors_kind(path: Path) -> str | None:
+    """What the first bytes of ``path`` say it is: torch.save's zip or a bare pickle (both what
+    ``torch.load`` reads), or None (unknown, or unreadable)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        return "a pickle by its name" if path.suffix in (".pkl", ".pickle") else None
+    if head.startswith(b"PK\x03\x04"):
+        return "a torch.save archive (holding a pickle)"
+    if head[:1] == b"\x80":
+        return "a pickle"
+    return None
 
 
 # --- folders and indexes --------------------------------------------------------------------
