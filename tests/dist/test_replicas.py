@@ -111,6 +111,7 @@ def _run_nodes(ckpt: Path, out: Path, mode: str, timeout: float = 240.0) -> list
 
 
 @pytest.mark.slow
+@pytest.mark.long  # two simulated nodes of two ranks, twice: tox -e stress runs it, tox -e gloo does not
 def test_two_nodes_read_the_checkpoint_once(ckpt, tmp_path):
     total = _total(_canonical())
     with torch.no_grad():
