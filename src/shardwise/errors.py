@@ -79,3 +79,8 @@ class StorageError(ShardwiseError, OSError):
 
 class UnsupportedModelError(ShardwiseError, ValueError):
     """A model shardwise refuses to load or save (quantized, offloaded, PEFT-injected)."""
+
+
+class TransferError(ShardwiseError, RuntimeError):
+    """A model whose weights a transfer plan is updating, or failed to update: its forward is
+    refused until a later ``plan.run()`` succeeds."""
