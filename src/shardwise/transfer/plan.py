@@ -270,7 +270,8 @@ def make_plan(src: Mapping[str, Holding], dst: Mapping[str, Holding], *, world_s
     nodes = tuple(nodes) if nodes is not None else (0,) * world_size
     if len(nodes) != world_size:
         raise PlanError(f"nodes names {len(nodes)} ranks, the world has {world_size}")
-    local = tuple(m for m in moves if m.local)
+    # local copies are cut like sends: a cast copy of a strided box may stage it whole
+    local = tuple(part for m in moves if m.local for part in split_move(m, bucket_bytes))
     buckets = pack_buckets([m for m in moves if not m.local], bucket_bytes)
     dst_bytes = sum(math.prod(p.shape) * h.itemsize for h in dst.values() for p in h.parts)
     dtypes = {name: h.dtype for name, h in dst.items()}

@@ -165,22 +165,28 @@ class TransferPlan:
         with torch.no_grad():
             for m in self._local:
                 _view(dst[m.dst], m.dst_offsets, m.sizes).copy_(_view(src[m.src], m.src_offsets, m.sizes))
+            # one arena for the run, carved into every bucket's buffers in turn: at most one
+            # bucket of memory, its pages faulted in once (not once per bucket)
+            need = max((sum(m.nbytes for v in (*s.values(), *r.values()) for m in v)
+                        for s, r in self._buckets), default=0)
+            some = next(iter({**src, **dst}.values()), None)
+            arena = torch.empty(need, dtype=torch.uint8, device=some.device if some is not None else None)
             for i, (sends, recvs) in enumerate(self._buckets):
-                self._exchange(i, sends, recvs, src, dst)
+                self._exchange(i, sends, recvs, src, dst, arena)
 
     def _exchange(self, index: int, sends: dict[int, list[Move]], recvs: dict[int, list[Move]],
-                  src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor]) -> None:
+                  src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor], arena: torch.Tensor) -> None:
         """One bucket: one flat buffer per peer each way, sent and received as one batch."""
-        ops, inbox = [], {}
+        ops, inbox, pos = [], {}, 0
         for peer, moves in sends.items():
-            device = src[moves[0].src].device
-            buf = torch.empty(sum(m.nbytes for m in moves), dtype=torch.uint8, device=device)
+            size = sum(m.nbytes for m in moves)
+            buf, pos = arena[pos: pos + size], pos + size
             for m, seg in _segments(moves, buf, self.plan.dtypes):
                 seg.copy_(_view(src[m.src], m.src_offsets, m.sizes))  # the cast after slicing
             ops.append(dist.P2POp(dist.isend, buf, peer))
         for peer, moves in recvs.items():
-            inbox[peer] = torch.empty(sum(m.nbytes for m in moves), dtype=torch.uint8,
-                                      device=dst[moves[0].dst].device)
+            size = sum(m.nbytes for m in moves)
+            inbox[peer], pos = arena[pos: pos + size], pos + size
             ops.append(dist.P2POp(dist.irecv, inbox[peer], peer))
         if not ops:
             return
