@@ -48,7 +48,8 @@ def tensors() -> dict[str, tuple[tuple[int, ...], ShardSpec]]:
             continue
         out |= {f"{p}.mlp.gate.weight": ((EXPERTS, HIDDEN), rep),
                 f"{p}.mlp.gate.e_score_correction_bias": ((EXPERTS,), rep),
-                f"{p}.mlp.experts.gate_up_proj": ((EXPERTS, 2 * MOE_INTER, HIDDEN), ShardSpec(dim=1, blocks=(1, 1))),
+                f"{p}.mlp.experts.gate_up_proj": ((EXPERTS, 2 * MOE_INTER, HIDDEN),
+                                                  ShardSpec(dim=1, blocks=(1, 1))),
                 f"{p}.mlp.experts.down_proj": ((EXPERTS, HIDDEN, MOE_INTER), ShardSpec(dim=2)),
                 f"{p}.mlp.shared_experts.gate_proj.weight": ((MOE_INTER, HIDDEN), col),
                 f"{p}.mlp.shared_experts.up_proj.weight": ((MOE_INTER, HIDDEN), col),
