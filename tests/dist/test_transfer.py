@@ -146,3 +146,45 @@ def test_destination_equals_its_slice_of_the_source(name):
                   f"ratio {got / want if want else 1.0:.2f}")
             assert got == want, (rank, got, want)
     assert any(r[1] for r in results), "no destination rank checked anything"
+
+
+def _failed_run():
+    backend = sw.init_backend("gloo", timeout=4)
+    src = sw.parallelize(make_model(0), tiny_plan(), backend.mesh(tp=2))
+    dst = sw.parallelize(make_model(7), tiny_plan(), backend.mesh(dp_replicate=2))
+    plan = sw.transfer_plan(src, dst, bucket_bytes=1 << 14)
+    ids = tokens()
+    dst(ids)  # before any run: the destination's own weights, not refused
+    assert plan.run() == 1
+    dst(ids)  # after a run that finished everywhere: not refused
+    real, calls = dist.batch_isend_irecv, [0]
+
+    def failing(ops):  # rank 1 fails at its third bucket of the second run, before sending
+        calls[0] += 1
+        if backend.rank == 1 and calls[0] == 3:
+            raise OSError("injected: a send buffer could not be staged")
+        return real(ops)
+
+    dist.batch_isend_irecv = failing
+    try:
+        plan.run()
+        raise AssertionError("the failed run raised nothing")
+    except sw.ShardwiseError as e:
+        first = (type(e).__name__, "injected" in str(e))
+    finally:
+        dist.batch_isend_irecv = real
+    try:
+        dst(ids)
+        refused = False
+    except sw.TransferError:
+        refused = True
+    return first, refused, plan.version
+
+
+def test_a_run_that_fails_on_one_rank_raises_everywhere_and_refuses_the_destination():
+    """The peer that waited for the failed rank times out (4 s here); gloo then closes the
+    connection, so a later run needs a new process group (documented in docs/guide.md)."""
+    results = run_ranks(_failed_run, 2, timeout=120)
+    # the failing rank's error names its own cause; its peer's, the exchange that timed out
+    assert results[1][0] == ("CollectiveError", True) and results[0][0] == ("CollectiveError", False), results
+    assert all(refused and version == 1 for _, refused, version in results), results

@@ -127,6 +127,7 @@ class TransferPlan:
         self.plan, self._src, self._dst, self._backend = plan, src, dst, backend
         self.rank = backend.rank
         self.version = 0
+        self._attempt = 0  # runs started: the tag of their messages
         self._status = _guard(dst) if dst is not None else None
         self._local = [m for m in plan.local if m.dst_rank == self.rank]
         self._buckets = [_mine(b, self.rank) for b in plan.buckets]
@@ -143,6 +144,7 @@ class TransferPlan:
         that died or timed out: ``CollectiveError``), leaving the destination refused."""
         if self._status is not None:
             self._status.state = "updating"
+        self._attempt += 1
         error = comm.capture(self._move)
         try:
             comm.agree(self._backend, error, what="plan.run()")
@@ -154,6 +156,14 @@ class TransferPlan:
         if self._status is not None:
             self._status.state, self._status.version = "ok", self.version
         return self.version
+
+    @property
+    def _tag(self) -> int:
+        # Each run's messages carry its own tag, so that a receive a failed run left posted
+        # cannot take the next run's bytes where the group survived the failure (gloo matches
+        # tags; after a timeout gloo closes the connection and NCCL's communicator is unusable:
+        # a new process group is needed either way).
+        return self._attempt % (1 << 30)
 
     def _tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         def of(model):  # resolved every run: the values now, not the ones at plan time
@@ -183,11 +193,11 @@ class TransferPlan:
             buf, pos = arena[pos: pos + size], pos + size
             for m, seg in _segments(moves, buf, self.plan.dtypes):
                 seg.copy_(_view(src[m.src], m.src_offsets, m.sizes))  # the cast after slicing
-            ops.append(dist.P2POp(dist.isend, buf, peer))
+            ops.append(dist.P2POp(dist.isend, buf, peer, tag=self._tag))
         for peer, moves in recvs.items():
             size = sum(m.nbytes for m in moves)
             inbox[peer], pos = arena[pos: pos + size], pos + size
-            ops.append(dist.P2POp(dist.irecv, inbox[peer], peer))
+            ops.append(dist.P2POp(dist.irecv, inbox[peer], peer, tag=self._tag))
         if not ops:
             return
         what = f"plan.run() bucket {index} ({len(sends)} sends, {len(recvs)} receives on rank {self.rank})"
