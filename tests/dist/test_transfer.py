@@ -188,3 +188,26 @@ def test_a_run_that_fails_on_one_rank_raises_everywhere_and_refuses_the_destinat
     # the failing rank's error names its own cause; its peer's, the exchange that timed out
     assert results[1][0] == ("CollectiveError", True) and results[0][0] == ("CollectiveError", False), results
     assert all(refused and version == 1 for _, refused, version in results), results
+
+
+def _live_and_offline_plans():
+    from shardwise.transfer.offline import MeshLayout, offline_plan
+
+    backend = sw.init_backend("gloo")
+    mesh = backend.mesh(dp_shard=2, tp=2)
+    src = fsdp_blocks(sw.parallelize(make_model(0), tiny_plan(), mesh), mesh)
+    dst = sw.parallelize(make_model(7), tiny_plan(), backend.mesh(tp=4))
+    live = sw.transfer_plan(src, dst, bucket_bytes=4096).plan
+    src_specs, dst_specs = sw.get_shard_state(src).specs, sw.get_shard_state(dst).specs
+    tensors = {n: (tuple(p.shape), src_specs.spec_of(n)) for n, p in src.named_parameters()}
+    offline = offline_plan(tensors, MeshLayout(dp_shard=2, tp=2), MeshLayout(tp=4), src_dtype="F32",
+                           dst_dtype="F32", dst_specs={n: dst_specs.spec_of(n) for n in tensors},
+                           bucket_bytes=4096)
+    return live == offline, live.remote_bytes
+
+
+def test_the_offline_plan_from_degrees_is_the_live_plan():
+    """What offline_plan says a layout pair moves (the 671B figures of docs/benchmarks.md) is
+    what transfer_plan computes from the models' own tensors, move for move."""
+    results = run_ranks(_live_and_offline_plans, 4, timeout=240)
+    assert all(same for same, _ in results) and results[0][1] > 0, results
