@@ -7,14 +7,15 @@ shard specs and mesh degrees. The trainer holds the model in float32 under FSDP2
 (``dp_shard=8, tp=8``: 64 ranks, 8 per node); the inference engine holds it in bfloat16 at
 tp=8 in 8 replicas (``dp_replicate=8, tp=8``), either on the same 64 ranks (a hybrid
 engine) or on 64 other ranks. Writes the ``transfer-671b`` section of docs/benchmarks.md
-(bytes per link kind, the busiest rank, the buckets) and prints each plan's summary.
+(bytes per link kind, the busiest rank, the buckets) and each plan as ``print(plan)`` prints
+it into docs/transfer-671b.md.
 """
 
 from __future__ import annotations
 
 import time
 
-from _common import write_results
+from _common import REPO, machine_info, write_results
 
 from shardwise.core.spec import ShardSpec
 from shardwise.transfer.offline import MeshLayout, offline_plan
@@ -88,6 +89,13 @@ def main() -> None:
             ("max_recv_gb", "max received per rank GB", ".1f"), ("buckets", "buckets"),
             ("plan_s", "plan s", ".1f")]
     print(write_results("transfer-671b", rows, cols, notes, extra={"summaries": summaries}))
+    info = machine_info()
+    if not info["commit"].endswith("-dirty"):
+        blocks = "\n\n".join(f"### Destination: {r['destination']}\n\n```text\n{t}\n```"
+                               for r, t in zip(rows, summaries, strict=True))
+        (REPO / "docs" / "transfer-671b.md").write_text(
+            "# A 671B weight sync, planned offline\n\n" + notes + "\n\n" + blocks
+            + f"\n\n_Written by benchmarks/transfer_671b.py at commit {info['commit']}._\n")
 
 
 def _numel(shape) -> int:
