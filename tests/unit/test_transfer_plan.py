@@ -140,3 +140,13 @@ def test_summary_names_links_pairs_and_buckets():
     links = by_link(plan)
     assert links["inter-node"] == plan.remote_bytes and links["intra-node"] == 0
     assert sum(plan.pairs().values()) == plan.dst_bytes
+
+
+def test_backends_without_point_to_point_say_so():
+    from shardwise.backends.gloo import GlooBackend
+    from shardwise.backends.nccl import NcclBackend
+    from shardwise.backends.neuron import NeuronBackend
+    from shardwise.backends.xla import XlaBackend
+
+    assert GlooBackend.supports_p2p and NcclBackend.supports_p2p
+    assert not XlaBackend.supports_p2p and not NeuronBackend.supports_p2p

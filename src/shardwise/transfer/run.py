@@ -51,6 +51,9 @@ def _describe(model: nn.Module | None) -> dict[str, tuple] | None:
     from shardwise.io.formats.dcp.items import place
 
     state = get_shard_state(model)
+    if state is not None and state.holding.one_process:
+        raise PlanError("transfer_plan moves shards between processes; an xla_spmd model is one "
+                        "process holding global tensors: move its weights with load_state_dict")
     if state is not None and state.specs.ties:
         raise PlanError("transfer_plan does not move quantized weights with their scales yet; "
                         "transfer the model in its dequantized dtype")
@@ -258,7 +261,7 @@ def transfer_plan(src_model: nn.Module | None, dst_model: nn.Module | None, *, n
     backend = world_backend()
     if backend is None:
         raise BackendError("transfer_plan needs a process group: call sw.init_backend() first")
-    if not backend.supports_gather:  # no point to point on this backend (xla, neuron)
+    if not backend.supports_p2p:
         raise BackendError(f"the {backend.name} backend has no point-to-point sends, which "
                            "transfer_plan needs; run the transfer over a gloo or nccl group")
     mine = (_describe(src_model), _describe(dst_model), socket.gethostname())
