@@ -32,6 +32,7 @@ from shardwise.errors import (
     ShardingError,
     ShardwiseError,
     StorageError,
+    TransferError,
     UnknownBackendError,
     UnsupportedModelError,
     UsageError,
@@ -53,6 +54,7 @@ if TYPE_CHECKING:  # what type checkers see for the names below, which load on f
     from shardwise.io.load import LoadResult as LoadResult
     from shardwise.io.load import load as load
     from shardwise.io.save import save as save
+    from shardwise.transfer import transfer_plan as transfer_plan
     from shardwise.validate import validate as validate
 
 # The I/O entry points load on first use: `import shardwise` stays light.
@@ -69,6 +71,7 @@ _LAZY = {
     "from_pretrained": "shardwise.hf.pretrained",
     "empty_model": "shardwise.hf.pretrained",
     "validate": "shardwise.validate",
+    "transfer_plan": "shardwise.transfer",
 }
 # public names bound to a function of another name: ``sw.inspect`` (DESIGN.md's twin of
 # ``shardwise inspect PATH``) is ``inspect_checkpoint``, which keeps working under its own name
@@ -89,8 +92,8 @@ def __getattr__(name: str):
 __all__ = [
     "Backend", "BackendError", "BackendUnavailableError", "CheckpointError", "CollectiveError",
     "MeshError", "NonFiniteError", "PackedColwise", "PackedRowwise", "PlanError", "Region", "ShardSpec",
-    "ShardingError", "ShardwiseError", "StorageError", "UnknownBackendError", "UnsupportedModelError",
-    "UsageError",
+    "ShardingError", "ShardwiseError", "StorageError", "TransferError", "UnknownBackendError",
+    "UnsupportedModelError", "UsageError",
     "__version__", "available_backends", "current_backend", "get_shard_state", "init_backend",
     "parallelize", "register_backend", "resolve_plan", "shutdown_backend",
     *_LAZY, *_ALIASES,

@@ -84,6 +84,11 @@ class UnsupportedModelError(ShardwiseError, ValueError):
     """A model shardwise refuses to load or save (quantized, offloaded, PEFT-injected)."""
 
 
+class TransferError(ShardwiseError, RuntimeError):
+    """A model whose weights a transfer plan is updating, or failed to update: its forward is
+    refused until a later ``plan.run()`` succeeds."""
+
+
 @contextmanager
 def on_every_rank() -> Iterator[None]:
     """Mark a ``ShardwiseError`` raised inside as one that every rank raises alike: checks that

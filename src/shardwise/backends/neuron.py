@@ -106,6 +106,7 @@ class NeuronBackend(Backend):
     device_type = "neuron"
     supports_dtensor = True
     supports_gather = False
+    supports_p2p = False  # not documented for TorchNeuron's group: conservatively off, like gather
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)

@@ -71,6 +71,7 @@ class XlaBackend(Backend):
     device_type = "xla"
     supports_dtensor = False
     supports_gather = False
+    supports_p2p = False  # torch_xla's process group implements no isend / irecv
 
     timeout_limit = TIMEOUT_LIMIT
 
