@@ -4,6 +4,7 @@ README and docs/ use only those."""
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
@@ -97,3 +98,38 @@ def test_docs_code_imports_only_public_modules():
                 found.add((p.name, mod))
     assert found, "the scan found no import at all"
     assert {(f, m) for f, m in found if m not in public} == set()
+
+
+def _shardwise_imports(tree) -> list[tuple[int, str, bool]]:
+    """``(line, module, inside an except ModuleNotFoundError)`` of every shardwise import."""
+    fallback: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ExceptHandler) and isinstance(node.type, ast.Name) \
+                and node.type.id == "ModuleNotFoundError":
+            fallback |= {id(n) for n in ast.walk(node)}
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            mods = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            subs = [f"shardwise.{a.name}" for a in node.names] if node.module == "shardwise" else []
+            mods = [node.module, *subs]
+        else:
+            continue
+        out += [(node.lineno, m, id(node) in fallback) for m in mods if m.split(".")[0] == "shardwise"]
+    return out
+
+
+def test_benchmarks_import_only_shardwise_and_shardwise_testing():
+    public = {"shardwise", "shardwise.testing", "shardwise.errors"}
+    found = {}
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        for line, mod, fallback in _shardwise_imports(ast.parse(path.read_text())):
+            # a fallback for a --base commit from before shardwise.testing is the only exception
+            if mod not in public and not fallback:
+                found[f"{path.name}:{line}"] = mod
+    assert found == {}
+    # the scanner itself: it sees a private import and a fallback
+    probe = ast.parse("from shardwise.io import x\ntry:\n    pass\nexcept ModuleNotFoundError:\n"
+                      "    from shardwise.launch import spawn\n")
+    assert sorted(_shardwise_imports(probe)) == [(1, "shardwise.io", False), (5, "shardwise.launch", True)]
