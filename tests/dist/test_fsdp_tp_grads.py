@@ -15,7 +15,7 @@ import shardwise as sw
 from harness import run_ranks
 from shardwise.parallel import get_shard_state
 from shardwise.validate.checks import expected_local, local_grad
-from shardwise.validate.model import TP_PLAN, batch, build, loss_of
+from shardwise.testing.model import TP_PLAN, batch, build, loss_of
 
 # The TP-only run differs from one process by ~3e-9; the bug by ~5e-3.
 RTOL, ATOL = 1e-5, 1e-7

@@ -69,7 +69,7 @@ def test_a_plain_model_gets_the_plain_answers():
 
 
 def test_the_hugging_face_adapter_is_registered_and_claims_models_by_their_conventions():
-    from shardwise.validate.model import build  # follows transformers' conventions, no transformers class
+    from shardwise.testing.model import build  # follows transformers' conventions, no transformers class
 
     model = build(device="meta")
     assert [a.name for a in core_adapter.adapters()][:1] == ["huggingface"]

@@ -15,8 +15,8 @@ import sys
 
 import shardwise as sw
 from shardwise.parallel import get_shard_state
+from shardwise.testing.model import TP_PLAN, build, canonical
 from shardwise.validate.checks import compare_tensors
-from shardwise.validate.model import TP_PLAN, build, canonical
 
 WRITE_SEED = 1
 

@@ -14,9 +14,9 @@ import torch.distributed as dist
 
 import shardwise as sw
 from shardwise.parallel import get_shard_state
+from shardwise.testing.model import canonical
 from shardwise.validate.checks import Mismatch, compare_tensors
 from shardwise.validate.crossload import WRITE_SEED
-from shardwise.validate.model import canonical
 from shardwise.validate.scenarios import Job, Unsupported, layout_limit, place
 
 # Launcher variables the CPU process must not see: it is a world of one, not a rank of the job.

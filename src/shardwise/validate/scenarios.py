@@ -20,10 +20,10 @@ import torch
 import shardwise as sw
 from shardwise.holding import Holding
 from shardwise.parallel import get_shard_state
+from shardwise.testing.model import EP_PLAN, MAX_NORM, TP_PLAN, Golden, batch, build, loss_of, optimizer_for
 from shardwise.validate import checks
 from shardwise.validate.checks import Deferred, Mismatch, compare, compare_grads, compare_tensors, same_bytes
 from shardwise.validate.layouts import Layout
-from shardwise.validate.model import EP_PLAN, MAX_NORM, TP_PLAN, Golden, batch, build, loss_of, optimizer_for
 
 if TYPE_CHECKING:
     from shardwise.backends.base import Backend
