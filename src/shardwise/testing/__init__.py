@@ -23,12 +23,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
+import shardwise as sw
 from shardwise.core.header import dtype_to_str
 from shardwise.core.plan import ResolvedPlan, resolve_plan
 from shardwise.core.quant import quantize_fp8_blocks
 from shardwise.core.quant_layout import dequantize_local, scale_layout, take_layout
 from shardwise.core.spec import Region, ShardSpec, split
+from shardwise.errors import UsageError
 from shardwise.holding import local_of
+from shardwise.io import info
+from shardwise.io.formats import open_source
 from shardwise.io.safetensors.format import StreamingWriter, index_json, parse_size, plan_files
 from shardwise.launch import RankFailure, free_port, spawn
 from shardwise.memory import PeakMemory, memory_status, reset_high_water_mark
@@ -46,7 +50,7 @@ def shard_state(model: nn.Module) -> ShardState:
     """What ``sw.load`` / ``sw.parallelize`` left on ``model``: its specs, degrees and ranks."""
     state = get_shard_state(model)
     if state is None:
-        raise ValueError(f"{type(model).__name__} was not loaded or parallelized by shardwise")
+        raise UsageError(f"{type(model).__name__} was not loaded or parallelized by shardwise")
     return state
 
 
@@ -77,8 +81,6 @@ def dequantized_shard(weight: torch.Tensor, scale: torch.Tensor, tie, spec: Shar
 def read_all(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint at ``path`` (any format shardwise reads), whole, in one
     process, through the same reader ``sw.load`` and ``sw.consolidate`` use."""
-    from shardwise.io.formats import open_source  # the format registry, imported with its readers
-
     source = open_source(path)
     try:
         return {name: source.read_box(name, Region((0,) * len(shape), tuple(shape)))
@@ -91,8 +93,6 @@ def preload() -> None:
     """Import every module the public verbs import on first use (the DCP reader's
     torch.distributed.checkpoint takes seconds): a timing that starts after this measures the
     call, not the imports."""
-    import shardwise as sw
-
     for name in ("load", "save", "consolidate", "verify", "diff", "inspect", "from_pretrained"):
         getattr(sw, name)
     for module in ("torch.distributed.checkpoint", "shardwise.io.formats.dcp.checkpoint",
@@ -118,7 +118,7 @@ def write_checkpoint(folder: str | os.PathLike, tensors: Iterable[tuple[str, tor
             for name, _, _ in group:
                 got, tensor = next(it)
                 if got != name:
-                    raise ValueError(f"write_checkpoint: tensor {got!r} given where {name!r} comes next")
+                    raise UsageError(f"write_checkpoint: tensor {got!r} given where {name!r} comes next")
                 writer.write(name, tensor)
         files.append(folder / fname)
     total = sum(math.prod(shape) * torch.empty((), dtype=dtype).element_size()
@@ -134,8 +134,6 @@ def write_checkpoint(folder: str | os.PathLike, tensors: Iterable[tuple[str, tor
 def without_checksums() -> Iterator[None]:
     """Saves inside the block record a digest that hashes nothing: for measuring what the
     checksums cost, never for a checkpoint anyone reads (its ``verify`` fails)."""
-    from shardwise.io import info
-
     class _NoDigest:
         def update(self, buf) -> None:
             pass

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardwise.errors import UsageError
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -60,7 +62,7 @@ def config_for(size: str) -> ModelConfig:
     try:
         return SIZES[size]
     except KeyError:
-        raise ValueError(f"unknown model size {size!r}; choose one of {', '.join(SIZES)}") from None
+        raise UsageError(f"unknown model size {size!r}; choose one of {', '.join(SIZES)}") from None
 
 TP_PLAN = {
     "model.embed_tokens": "embedding_rowwise",
