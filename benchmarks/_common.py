@@ -85,7 +85,10 @@ def rss_bytes() -> int:
 
 def _reset_hwm() -> bool:
     """Reset VmHWM to the current RSS (``echo 5 > /proc/self/clear_refs``); True when it worked."""
-    from shardwise.memory import reset_high_water_mark
+    try:
+        from shardwise.testing import reset_high_water_mark
+    except ModuleNotFoundError:  # a --base commit from before shardwise.testing (consolidate.py)
+        from shardwise.memory import reset_high_water_mark  # type: ignore[no-redef]
 
     return reset_high_water_mark()
 
@@ -215,11 +218,11 @@ def real_plan(plan: dict[str, str]) -> dict:
 def shard_specs(config: dict, plan: dict[str, str], degree: int) -> dict[str, sw.ShardSpec]:
     """ShardSpec of every sharded tensor of a :func:`make_checkpoint` model at ``degree``,
     from shardwise's own plan resolution (replicated tensors left out)."""
-    from shardwise.core.plan import resolve_plan
+    from shardwise.testing import plan_specs
 
     with torch.device("meta"):
         model = BenchModel(config["num_layers"], config["hidden"], config["vocab"])
-    resolved = resolve_plan(model, real_plan(plan), degree)
+    resolved = plan_specs(model, real_plan(plan), degree)
     return {name: spec for name, spec in resolved.items() if not spec.replicated}
 
 
@@ -341,42 +344,34 @@ def make_checkpoint(folder, total_bytes: int, file_bytes: int, *, dtype: torch.d
     are generated and streamed to disk one at a time (peak memory ~ one tensor in float32).
     A checkpoint already in ``folder`` with the same config is reused as it is.
     """
-    from shardwise.core.header import dtype_to_str
-    from shardwise.io.safetensors.format import StreamingWriter, index_json, plan_files
+    from shardwise.testing import write_checkpoint
 
     folder = Path(folder)
     item = torch.empty((), dtype=dtype).element_size()
     hidden = max(64, int(math.sqrt(total_bytes / item / (16 * layers + 8))) // 64 * 64)
-    cfg = {"num_layers": layers, "hidden": hidden, "vocab": 8 * hidden, "dtype": dtype_to_str(dtype),
-           "seed": seed, "file_bytes": int(file_bytes)}
+    cfg = {"num_layers": layers, "hidden": hidden, "vocab": 8 * hidden,
+           "dtype": str(dtype).removeprefix("torch."), "seed": seed, "file_bytes": int(file_bytes)}
     tensors = bench_tensors(layers, hidden, 8 * hidden)
-    specs = [(n, cfg["dtype"], s) for n, s in tensors]
-    file_plan = plan_files(specs, file_bytes)
-    files = [folder / fname for fname, _ in file_plan]
     total = sum(math.prod(s) for _, s in tensors) * item
-    result = BenchCheckpoint(folder, files, tensors, dict(PLAN), cfg, total)
 
     index = _index_path(folder)
     if index.is_file():
         try:
             old = read_bench_config(folder)
+            files = sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
         except (KeyError, ValueError) as e:
             raise ValueError(f"{folder} holds a checkpoint index that make_checkpoint did not write; "
                              "pass an empty or new folder") from e
         if old == cfg and all(f.is_file() for f in files):
+            result = BenchCheckpoint(folder, files, tensors, dict(PLAN), cfg, total)
             result.reused = True
             return result
         index.unlink()
-    folder.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
-    for (_, group), path in zip(file_plan, files, strict=True):
-        with StreamingWriter(path, group) as writer:
-            for name, _, shape in group:
-                writer.write(name, (torch.randn(shape, generator=gen) * 0.02).to(dtype))
-    tmp = index.with_name(index.name + ".partial")
-    tmp.write_text(json.dumps(index_json(file_plan, total, {"bench_config": cfg}), indent=1))
-    os.replace(tmp, index)
-    return result
+    generated = ((n, (torch.randn(shape, generator=gen) * 0.02).to(dtype)) for n, shape in tensors)
+    files = write_checkpoint(folder, generated, {n: (shape, dtype) for n, shape in tensors},
+                             max_shard_size=file_bytes, metadata={"bench_config": cfg})
+    return BenchCheckpoint(folder, files, tensors, dict(PLAN), cfg, total)
 
 
 # --- results ---------------------------------------------------------------------------------

@@ -61,11 +61,17 @@ def _stamped(folder: Path, config: dict) -> bool:
     return stamp.is_file() and json.loads(stamp.read_text()) == config
 
 
-def _finish(kind: str, folder: Path, library: str, description: str) -> PeerModel:
-    from shardwise.io.safetensors.format import read_header
+def _stored_bytes(path: Path) -> int:
+    """Bytes of the tensors a safetensors file holds, from its header (the format's own spec:
+    an 8-byte little-endian header length, then JSON with each tensor's data offsets)."""
+    with open(path, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    return sum(e["data_offsets"][1] - e["data_offsets"][0] for k, e in header.items() if k != "__metadata__")
 
+
+def _finish(kind: str, folder: Path, library: str, description: str) -> PeerModel:
     files = sorted(folder.glob("*.safetensors"))
-    total = sum(sum(e.nbytes for e in read_header(f).entries.values()) for f in files)
+    total = sum(_stored_bytes(f) for f in files)
     return PeerModel(kind, folder, files, total, library, description)
 
 

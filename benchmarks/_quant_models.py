@@ -5,7 +5,7 @@ embeddings, norms and ``lm_head`` bf16; ``quantization_config`` in ``config.json
 transformers' own ``save_pretrained`` from its FP8 quantizer's ``FP8Linear`` modules.
 
 Each weight is generated, quantized and dropped one at a time (peak ~ one float32 weight), so
-the full bf16 model never exists. The quantization is ``shardwise.core.quant.quantize_fp8_blocks``
+the full bf16 model never exists. The quantization is ``shardwise.testing.quantize_fp8_blocks``
 (equal to transformers' ``Fp8Quantize`` bit for bit where that applies; tests/hf/test_fp8.py).
 A folder already holding the same configuration is reused.
 """
@@ -47,7 +47,7 @@ def fp8_checkpoint(folder: Path, *, layers: int = 14, seed: int = 0) -> QuantChe
     from transformers import FineGrainedFP8Config, Qwen3Config, Qwen3ForCausalLM
     from transformers.quantizers import AutoHfQuantizer
 
-    from shardwise.core.quant import quantize_fp8_blocks
+    from shardwise.testing import quantize_fp8_blocks
 
     folder = Path(folder)
     config = {**qwen3_config(layers), "seed": seed, "block": list(BLOCK)}

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from shardwise.launch import free_port
+from shardwise.testing import free_port
 
 
 def torchrun_nodes(script: list[str], out: Path, *, timeout: float, nodes: int = 2,

@@ -91,9 +91,13 @@ def _check(v: Variant, folder: str, out: str, mesh, rank: int) -> dict:
     import torch
 
     import shardwise as sw
-    from shardwise.core.quant_layout import dequantize_local, scale_layout, take_layout
-    from shardwise.core.spec import split
-    from shardwise.parallel import get_shard_state, local_of
+    from shardwise.testing import (
+        dequantized_shard,
+        expected_scale_shard,
+        expected_shard,
+        local_shard,
+        shard_state,
+    )
 
     def same(a, b):
         return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
@@ -102,30 +106,29 @@ def _check(v: Variant, folder: str, out: str, mesh, rank: int) -> dict:
     held, full = _references(v, folder)
     cls, result = _model_class(v), {}
     model = sw.from_pretrained(cls, folder, mesh=mesh, dtype=torch.bfloat16, dequantize=True)
-    specs = get_shard_state(model).specs
+    specs = shard_state(model).specs
     for name, t in model.state_dict().items():
         spec = specs.spec_of(name)
         n = specs.degrees[spec.axis]
-        local = local_of(t)
-        if not same(local, split(full[name].to(local.dtype), spec, n, rank if n > 1 else 0)):
+        local = local_shard(t)
+        if not same(local, expected_shard(full[name].to(local.dtype), spec, n, rank if n > 1 else 0)):
             return {"dequantized": f"wrong: {name}"}
     result["dequantized"] = "pass"
     kept = sw.from_pretrained(cls, folder, mesh=mesh, holding="local")
-    specs, state = get_shard_state(kept).specs, kept.state_dict()
+    specs, state = shard_state(kept).specs, kept.state_dict()
     if not specs.ties:
         return {**result, "kept": "wrong: no quantized pair held"}
     for scale_name, tie in specs.ties.items():
         spec = specs[tie.weight]
         n = specs.degrees[spec.axis]
         r = rank if n > 1 else 0
-        weight, scale = local_of(state[tie.weight]), local_of(state[scale_name])
-        layout = scale_layout(tie, spec, n, r)
-        if not (same(weight, split(held[tie.weight], spec, n, r))
-                and same(scale, take_layout(held[scale_name], layout, tuple(scale.shape)))):
+        weight, scale = local_shard(state[tie.weight]), local_shard(state[scale_name])
+        if not (same(weight, expected_shard(held[tie.weight], spec, n, r))
+                and same(scale, expected_scale_shard(held[scale_name], tie, spec, n, r, tuple(scale.shape)))):
             return {**result, "kept": f"wrong: {tie.weight} (stored bytes)"}
         if tie.scheme == "fp8_block" and not same(
-                dequantize_local(weight, scale, tie, spec, n, r, torch.bfloat16),
-                split(full[tie.weight], spec, n, r)):
+                dequantized_shard(weight, scale, tie, spec, n, r, torch.bfloat16),
+                expected_shard(full[tie.weight], spec, n, r)):
             return {**result, "kept": f"wrong: {tie.weight} (dequantized pair)"}
     result["kept"] = f"pass ({len(specs.ties)} pairs)"
     sw.save(kept, out, max_shard_size=_module(v).SHARD_SIZE)
@@ -170,7 +173,7 @@ def _index_core(folder: Path) -> tuple:
 
 def quant_stage(work: Path, *, layouts=LAYOUTS, timeout: int = 900, log=print) -> list[dict]:
     """Build every variant, run every layout, and return one row per (variant, layout)."""
-    from shardwise.launch import spawn
+    from shardwise.testing import spawn
 
     folders = {v.name: str(build(v, work / "quant" / v.name)) for v in VARIANTS}
     rows = []

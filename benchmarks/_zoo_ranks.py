@@ -210,7 +210,7 @@ class RankPool:
         self.restarts = 0
 
     def start(self) -> None:
-        from shardwise.launch import free_port
+        from shardwise.testing import free_port
 
         self.results = self.ctx.Queue()
         self.tasks = [self.ctx.Queue() for _ in range(self.tp)]

@@ -54,12 +54,11 @@ def save_round_trip(case, model, data, compare) -> dict:
     from _zoo_models import first_line, import_name, run_forward
 
     import shardwise as sw
-    from shardwise.errors import CheckpointError
 
     out = Path(case.folder + "-swsave")
     try:
         sw.save(model, out, overwrite=True)
-    except CheckpointError as e:
+    except sw.CheckpointError as e:
         return {"status": "refused", "detail": "save: " + first_line(e)}
     except Exception as e:  # noqa: BLE001 - every failure is a row of the report
         return {"status": "error", "detail": "save: " + first_line(e)}

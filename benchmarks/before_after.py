@@ -76,7 +76,10 @@ def _worker(args) -> int:
     os.environ["SHARDWISE_BENCH_SRC"] = args.src
     sys.path.insert(0, args.src)
     sys.path.insert(1, str(Path(__file__).resolve().parent))
-    from shardwise.launch import spawn
+    try:
+        from shardwise.testing import spawn
+    except ModuleNotFoundError:  # a --base commit from before shardwise.testing: its one launcher
+        from shardwise.launch import spawn  # type: ignore[no-redef]
 
     ranks = spawn(rank_workload, args.degree, args=(args.ckpt, args.work, args.degree), timeout=args.timeout)
     slowest = {op: max(r[op] for r in ranks) for op in OPS}
@@ -112,7 +115,7 @@ def main(argv=None) -> int:
 
     from _common import REPO, make_checkpoint, warm_file_cache, write_results
 
-    from shardwise.io.safetensors.format import parse_size
+    from shardwise.testing import parse_size
 
     base = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", args.base], check=True,
                           capture_output=True, text=True).stdout.strip()

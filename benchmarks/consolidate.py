@@ -71,12 +71,14 @@ def _digest(folder: Path) -> str:
 
 def _import_readers() -> None:
     """Import what a consolidation imports on use before the clock starts: importing
-    torch.distributed.checkpoint takes seconds, paid once per process, whatever the size."""
+    torch.distributed.checkpoint takes seconds, paid once per process, whatever the size.
+    Through the public names only, the same under every commit (a base commit may predate
+    shardwise.testing): shardwise's own format plugins (milliseconds) load in the call."""
     import torch.distributed.checkpoint  # noqa: F401
 
-    import shardwise.io.consolidate  # noqa: F401
-    import shardwise.io.formats.dcp.checkpoint  # noqa: F401
-    import shardwise.io.formats.sharded.source  # noqa: F401
+    import shardwise as sw
+
+    sw.consolidate  # noqa: B018 - the lazy attribute imports the consolidation
 
 
 def _cpu_seconds() -> float:
@@ -106,25 +108,19 @@ def _consolidation(work: Path, total: int, fmt: str) -> dict:
 
 
 def _references(work: Path) -> dict:
-    """This checkout's read half (every tensor through ``read_box``) and safetensors'
-    ``save_file`` of the same tensors (the write half)."""
+    """This checkout's read half (every tensor through its reader: ``testing.read_all``) and
+    safetensors' ``save_file`` of the same tensors (the write half)."""
     from _common import warm_file_cache
     from safetensors.torch import save_file
 
-    from shardwise.core.spec import Region
-    from shardwise.io.formats import open_source
+    from shardwise import testing
 
     _import_readers()
     out, tensors = {}, {}
     for fmt in FORMATS:
         warm_file_cache(sorted((work / fmt).iterdir()))
         start, cpu = time.perf_counter(), _cpu_seconds()
-        source = open_source(work / fmt)
-        try:
-            for name, (_, shape) in source.tensors().items():
-                tensors[name] = source.read_box(name, Region((0,) * len(shape), tuple(shape)))
-        finally:
-            source.close()
+        tensors = testing.read_all(work / fmt)
         out[f"read only {fmt}"] = {"seconds": time.perf_counter() - start, "cpu": _cpu_seconds() - cpu}
     path = work / f"save_file-{os.getpid()}.safetensors"
     start, cpu = time.perf_counter(), _cpu_seconds()
@@ -199,8 +195,7 @@ def main(argv=None) -> int:
 
     from _common import GB, REPO, make_checkpoint, write_results
 
-    from shardwise.io.safetensors.format import parse_size
-    from shardwise.launch import spawn
+    from shardwise.testing import parse_size, spawn
 
     base = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", args.base], check=True,
                           capture_output=True, text=True).stdout.strip()

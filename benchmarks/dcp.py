@@ -37,8 +37,7 @@ import torch
 from _common import GB, BenchModel, PeakRSS, make_checkpoint, real_plan, write_results
 
 import shardwise as sw
-from shardwise.io.safetensors.format import parse_size
-from shardwise.launch import spawn
+from shardwise.testing import parse_size, spawn
 
 # --- what each rank runs ----------------------------------------------------------------------
 
@@ -125,7 +124,9 @@ def BenchModel_plan():  # noqa: N802 - the plan the generated checkpoint ships w
 
 
 def reshard_rank(ckpt: str, src: str, shard_embedding: bool) -> dict:
-    import shardwise.io.formats.dcp.checkpoint  # noqa: F401 - imported before the baseline: modules are not the load's memory
+    from shardwise import testing
+
+    testing.preload()  # before the baseline: modules are not the load's memory
 
     backend = sw.init_backend("gloo")
     mesh = backend.mesh(tp=4)
@@ -145,7 +146,9 @@ def consolidation(src: str, hf: str, out: str, total: int, repeats: int) -> dict
     from safetensors import safe_open
     from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files
 
-    import shardwise.io.consolidate  # noqa: F401 - both imported before timing
+    from shardwise import testing
+
+    testing.preload()  # both imported before timing
 
     names = set()
     for f in Path(hf).glob("*.safetensors"):

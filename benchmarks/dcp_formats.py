@@ -42,8 +42,7 @@ from _common import (
 from dcp import _build, _empty_like, _timed
 
 import shardwise as sw
-from shardwise.io.safetensors.format import parse_size
-from shardwise.launch import spawn
+from shardwise.testing import parse_size, spawn
 
 METHODS = ("sw distcp", "sw safetensors", "torch distcp", "torch hf")
 

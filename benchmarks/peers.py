@@ -39,8 +39,7 @@ import _peers_models as pm
 import torch
 from _common import GB, PeakRSS, io_delta, mem_available, proc_io, proc_status, warm_file_cache, write_results
 
-from shardwise.io.safetensors.format import parse_size
-from shardwise.launch import spawn
+from shardwise.testing import parse_size, spawn
 
 METHODS = {"llama": ("shardwise", "transformers", "load-then-shard"),
            "flux2": ("shardwise", "diffusers", "load-then-shard")}
@@ -111,8 +110,9 @@ def rank_run(method: str, kind: str, folder: str, tp: int, tokens: int = 16) -> 
     # Imports are not part of a load: the library's, and shardwise's modules that a load imports
     # on first use (this environment may not cache bytecode, so each would compile here).
     pm.model_class(kind)
-    import shardwise.hf.pretrained  # noqa: F401
-    import shardwise.io.load  # noqa: F401
+    from shardwise import testing
+
+    testing.preload()
     if method == "diffusers":
         _patch_diffusers_for_cpu()
     x = pm.inputs(kind, tokens)

@@ -38,7 +38,7 @@ import _quant_models as qm
 import torch
 from _common import PeakRSS, warm_file_cache, write_results
 
-from shardwise.launch import spawn
+from shardwise.testing import spawn
 
 METHODS = ("shardwise dequantized", "shardwise kept FP8", "transformers dequantized")
 PEER = "transformers dequantized"

@@ -30,7 +30,7 @@ import _peers_models as pm
 from _common import GB, warm_file_cache, write_results
 from _torchrun import torchrun_nodes
 
-from shardwise.io.safetensors.format import parse_size
+from shardwise.testing import parse_size
 
 MODES = {"replicas": "mesh(dp_replicate=2, tp=2)", "plain": "mesh(dp_shard=2, tp=2)"}
 
@@ -45,7 +45,9 @@ def worker(folder: str, out: str, mode: str) -> None:
     backend = sw.init_backend("gloo")
     mesh = backend.mesh(dp_replicate=2, tp=2) if mode == "replicas" else backend.mesh(dp_shard=2, tp=2)
     cls = pm.model_class("llama")
-    import shardwise.io.load  # noqa: F401  (imports are not part of the load)
+    from shardwise import testing
+
+    testing.preload()  # imports are not part of the load
 
     backend.barrier()
     t0 = time.perf_counter()

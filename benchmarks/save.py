@@ -49,8 +49,7 @@ from _common import (
 )
 from safetensors.torch import load_file, save_file
 
-from shardwise.io.safetensors.format import parse_size
-from shardwise.launch import spawn
+from shardwise.testing import parse_size, spawn
 
 WRITES = {"stream": False, "parallel": True}  # --writes: sw.save's parallel_write
 
@@ -93,7 +92,7 @@ def shardwise_rank(ckpt_dir: str, out_dir: str, degree: int, parallel_write: boo
         model = BenchModel.from_checkpoint(ckpt_dir, dtype=torch.bfloat16)
     sw.load(model, ckpt_dir, plan=real_plan(PLAN), mesh=mesh)
     if owned:
-        from shardwise.parallel import local_of
+        from shardwise.testing import local_shard as local_of
 
         with torch.no_grad():  # a copy-on-write mapping: each page becomes the process's own
             for t in model.state_dict(keep_vars=True).values():

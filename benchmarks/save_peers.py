@@ -31,8 +31,7 @@ import _peers_models as pm
 import torch
 from _common import GB, warm_file_cache, write_results
 
-from shardwise.io.safetensors.format import parse_size
-from shardwise.launch import spawn
+from shardwise.testing import parse_size, spawn
 
 METHODS = ("shardwise", "transformers")
 

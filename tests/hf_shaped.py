@@ -1,7 +1,7 @@
 """Small models shaped like transformers' (names, tied head, q_norm, 3-D expert weights),
 with the plans transformers ships for them, for the gloo suite (no transformers needed).
 
-The model is the validation suite's (``shardwise.validate.model``: a Qwen3 / Qwen3-MoE
+The model is the validation suite's (``shardwise.testing.model``: a Qwen3 / Qwen3-MoE
 causal LM) at other sizes: every layer dense SwiGLU, or every layer MoE with fused 3-D
 ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]`` experts, and a head tied to the
 embedding by default.
@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from shardwise.validate.model import EP_PLAN, TP_PLAN, ModelConfig, ValidateLM
+from shardwise.testing.model import EP_PLAN, TP_PLAN, ModelConfig, ToyLM
 
 
-class HFShapedLM(ValidateLM):
+class HFShapedLM(ToyLM):
     def __init__(self, *, vocab=64, hidden=32, heads=4, kv_heads=4, head_dim=8, inter=32, layers=2,
                  num_experts=0, tie=True):
         super().__init__(ModelConfig(vocab=vocab, hidden=hidden, heads=heads, kv_heads=kv_heads,

@@ -76,13 +76,13 @@ def _positive_int(text: str) -> int:
 
 
 def _check_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    from shardwise._demo_model import config_for
     from shardwise.demo import valid_degrees
+    from shardwise.testing.model import config_for
 
     degrees = valid_degrees(args.size)
     if args.tp not in degrees:
-        parser.error(f"argument --tp: {args.tp} does not divide the {config_for(args.size).heads} "
-                     f"attention heads of the {args.size} model; choose one of "
+        parser.error(f"argument --tp: {args.tp} does not divide the {config_for(args.size).kv_heads} "
+                     f"KV heads of the {args.size} model; choose one of "
                      f"{', '.join(map(str, degrees))}")
 
 
@@ -98,7 +98,7 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from shardwise._demo_model import SIZES
+    from shardwise.testing.model import SIZES
 
     # the module's docstring is reStructuredText: argparse would show its ``double backticks``
     parser = argparse.ArgumentParser(prog="shardwise", description=_DESCRIPTION)

@@ -14,40 +14,38 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import json
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from shardwise._demo_model import PLAN, SIZES, build, config_for, demo_tokens
 from shardwise.launch import spawn
+from shardwise.testing import write_checkpoint as _write_files
+from shardwise.testing.model import SIZES, TP_PLAN, build, config_for, tokens
 
 _TOLERANCE = 1e-4
 
 
 def write_checkpoint(model: torch.nn.Module, folder: Path, *, num_files: int = 3) -> list[Path]:
     """Write ``model`` as ``model-0000i-of-0000N.safetensors`` files plus the index; return the files."""
-    from shardwise.core.header import dtype_to_str
-    from shardwise.io.safetensors.format import INDEX_SUFFIX, StreamingWriter, index_json, plan_files
-
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    specs = [(k, dtype_to_str(v.dtype), tuple(v.shape)) for k, v in state.items()]
     total = sum(v.numel() * v.element_size() for v in state.values())
-    file_plan = plan_files(specs, max(1, -(-total // num_files)), prefix="model")
-    folder.mkdir(parents=True, exist_ok=True)
-    for fname, group in file_plan:
-        with StreamingWriter(folder / fname, group) as writer:
-            for name, _, _ in group:
-                writer.write(name, state[name])
-    (folder / f"model{INDEX_SUFFIX}").write_text(json.dumps(index_json(file_plan, total), indent=2))
-    return [folder / fname for fname, _ in file_plan]
+    return _write_files(folder, state.items(), {k: (tuple(v.shape), v.dtype) for k, v in state.items()},
+                        max_shard_size=max(1, -(-total // num_files)))
+
+
+def _model(size: str, *, seed: int | None = 0, device: str | None = None) -> torch.nn.Module:
+    """The toy transformer at ``size``; ``device="meta"`` builds it without memory (for ``sw.load``)."""
+    return build(seed, device=device, config=config_for(size))
+
+
+PLAN = TP_PLAN
 
 
 def valid_degrees(size: str) -> list[int]:
-    """The ``--tp`` values the ``size`` model takes: the divisors of its head count."""
-    heads = config_for(size).heads
+    """The ``--tp`` values the ``size`` model takes: the divisors of its KV head count."""
+    heads = config_for(size).kv_heads
     return [d for d in range(1, heads + 1) if heads % d == 0]
 
 
@@ -76,7 +74,7 @@ def _timed(step, backend):
 
 def _forward_diff(model, size: str, reference: torch.Tensor) -> float:
     with torch.no_grad():
-        return (model(demo_tokens(size)) - reference).abs().max().item()
+        return (model(tokens(config_for(size))) - reference).abs().max().item()
 
 
 def _rank(folder: str, files: list[str], size: str, reference: torch.Tensor, out: str) -> dict:
@@ -89,9 +87,9 @@ def _rank(folder: str, files: list[str], size: str, reference: torch.Tensor, out
     mesh = backend.mesh(tp=backend.world_size)
     row: dict = {"rank": backend.rank}
     # Warm torch's DTensor paths once, untimed, so neither method pays first-call costs.
-    sw.parallelize(build("tiny", seed=0), PLAN, mesh)
+    sw.parallelize(_model("tiny"), PLAN, mesh)
 
-    model = build(size, seed=None, device="meta")
+    model = _model(size, seed=None, device="meta")
     result, peak, seconds, row["rss_method"] = _timed(
         lambda: sw.load(model, folder, plan=PLAN, mesh=mesh, progress=False), backend)
     row["stream"] = (result.bytes_read, peak, seconds)
@@ -105,7 +103,7 @@ def _rank(folder: str, files: list[str], size: str, reference: torch.Tensor, out
 
     # The usual way: every rank loads the whole checkpoint, then shards the model.
     def whole() -> None:
-        model = build(size, seed=None, device="meta")
+        model = _model(size, seed=None, device="meta")
         for f in files:  # copied out of the mmap, as load_state_dict into a real model would
             part = {k: v.clone() for k, v in safetensors.torch.load_file(f).items()}
             model.load_state_dict(part, strict=False, assign=True)
@@ -117,7 +115,7 @@ def _rank(folder: str, files: list[str], size: str, reference: torch.Tensor, out
 
     if backend.world_size % 2 == 0:  # the distributed checkpoint at half the degree
         half = backend.mesh(dp_replicate=2, tp=backend.world_size // 2)
-        model = build(size, seed=None, device="meta")
+        model = _model(size, seed=None, device="meta")
         result, peak, seconds, _ = _timed(
             lambda: sw.load(model, f"{out}/dcp", plan=PLAN, mesh=half, progress=False), backend)
         row["reshard"] = (result.bytes_read, peak, seconds, _forward_diff(model, size, reference))
@@ -175,7 +173,7 @@ def _same_tensors(saved: Path, size: str) -> bool:
     """Whether the gather save holds exactly the demo model's tensors."""
     import safetensors.torch
 
-    want = build(size).state_dict()
+    want = _model(size).state_dict()
     got = {}
     for f in sorted(saved.glob("*.safetensors")):
         got.update(safetensors.torch.load_file(str(f)))
@@ -199,15 +197,15 @@ def run_demo(*, tp: int = 4, size: str = "small", keep: str | None = None) -> in
     if size not in SIZES:
         raise ValueError(f"unknown demo size {size!r}; choose one of {', '.join(SIZES)}")
     if not isinstance(tp, int) or tp not in valid_degrees(size):
-        raise ValueError(f"--tp must divide the {config_for(size).heads} attention heads of the {size} "
+        raise ValueError(f"--tp must divide the {config_for(size).kv_heads} KV heads of the {size} "
                          f"model: one of {', '.join(map(str, valid_degrees(size)))}; got {tp!r}")
     with tempfile.TemporaryDirectory(prefix="shardwise-demo-") as tmp:
         folder = Path(keep) if keep else Path(tmp) / "ckpt"
         out = Path(keep).with_name(Path(keep).name + "-saved") if keep else Path(tmp) / "saved"
-        model = build(size)
+        model = _model(size)
         params = sum(p.numel() for p in model.parameters())
         with torch.no_grad():
-            reference = model(demo_tokens(size))
+            reference = model(tokens(config_for(size)))
         files = write_checkpoint(model, folder)
         del model
         total = sum(f.stat().st_size for f in files)

@@ -11,7 +11,7 @@ import shardwise as sw
 from harness import run_ranks
 from models import fsdp_blocks, make_model, tiny_plan, tokens
 from shardwise.core.spec import split
-from shardwise.parallel import local_of
+from shardwise.parallel import get_shard_state, local_of
 
 MAX_NORM = 0.05
 CASES = [  # (mesh axes on 4 ranks, holding, fsdp, gradients from a backward pass)
@@ -33,7 +33,7 @@ def _set_grads(model, ref_grads):
     (core's split, then torch.chunk for FSDP2's dp shards)."""
     from torch.distributed.tensor import DTensor
 
-    state = sw.get_shard_state(model)
+    state = get_shard_state(model)
     for name, p in model.named_parameters():
         local = split(ref_grads[name], state.specs[name], state.degree, state.tp_rank)
         if type(p).__name__ == "DTensor":
@@ -73,7 +73,7 @@ def _clip_everywhere(norm_type: float):
                                    MAX_NORM, norm_type)
         torch.testing.assert_close(again, torch.tensor(MAX_NORM), rtol=1e-4, atol=0)
         if not fsdp:  # the clipped shard is the clipped one-process gradient's part
-            state = sw.get_shard_state(model)
+            state = get_shard_state(model)
             name = "single.0.proj_in.weight"
             p = dict(model.named_parameters())[name]
             expected = split(ref_grads[name], state.specs[name], state.degree, state.tp_rank)

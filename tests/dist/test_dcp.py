@@ -11,10 +11,11 @@ import torch.distributed.checkpoint as dcp
 import shardwise as sw
 from harness import run_ranks
 from models import fsdp_blocks, make_model, tiny_plan, tokens
+from shardwise.core.plan import resolve_plan
 from shardwise.core.spec import split
 from shardwise.errors import CheckpointError
 from shardwise.io.formats.dcp.metadata import read_metadata
-from shardwise.parallel import local_of
+from shardwise.parallel import get_shard_state, local_of
 
 # name -> mesh axes on 4 ranks; dp_replicate holds identical copies (written once)
 LAYOUTS = {
@@ -49,7 +50,7 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _check_shards(model, ref, mesh, layout: str, dtype=None):
     """Every local tensor is exactly its part of the canonical tensor (independent of the
     DCP code: core's split, then torch.chunk for FSDP2's dp shards)."""
-    state = sw.get_shard_state(model)
+    state = get_shard_state(model)
     dp = mesh["dp_shard"] if "dp_shard" in (mesh.mesh_dim_names or ()) else None
     tensors = model.state_dict(keep_vars=True)
     for name, spec in state.specs.items():
@@ -97,7 +98,7 @@ def _matrix(root: str, holding: str):
 def test_reshard_matrix_is_byte_exact(tmp_path, holding):
     assert run_ranks(_matrix, 4, str(tmp_path), holding, timeout=240) == [True] * 4
     ref = _model().state_dict()
-    specs = sw.resolve_plan(_model(), tiny_plan(), 2)
+    specs = resolve_plan(_model(), tiny_plan(), 2)
     for layout in LAYOUTS:
         folder = tmp_path / layout
         # plain DCP, one process, no shardwise code: full canonical tensors
@@ -183,7 +184,7 @@ def _optimizer_reshard(root: str, backend):
     grads = make_model(seed=5).state_dict()
     model = make_model()
     sw.parallelize(model, tiny_plan(), backend.mesh(tp=4), holding="local")
-    state = sw.get_shard_state(model)
+    state = get_shard_state(model)
     for name, p in model.named_parameters():
         p.grad = split(grads[name], state.specs[name], 4, state.tp_rank)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.8, 0.9))

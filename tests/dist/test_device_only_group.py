@@ -20,6 +20,7 @@ from fakes import device as fake_device
 from harness import run_ranks
 from models import TinyTransformer, make_model, tiny_plan, tokens
 from shardwise.core.spec import split
+from shardwise.parallel import get_shard_state
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +67,7 @@ def _replicas(lib: str, path: str):
         model = TinyTransformer()
     result = sw.load(model, path, plan=tiny_plan(), mesh=mesh, progress=False)
     canonical = make_model().state_dict()
-    state = sw.get_shard_state(model)
+    state = get_shard_state(model)
     for name, spec in state.specs.items():
         got = local_of(model.state_dict()[name])
         want = (canonical[name] if spec.replicated

@@ -12,6 +12,7 @@ from torch import nn
 import shardwise as sw
 from harness import run_ranks
 from shardwise.core.spec import split
+from shardwise.parallel import get_shard_state
 
 
 class NormedEmbedding(nn.Embedding):
@@ -59,7 +60,7 @@ def _normed(holding: str, style: str) -> bool:
     got = _forward(model, _ids())
     torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-5)
     got.square().sum().backward()
-    state = sw.get_shard_state(model)
+    state = get_shard_state(model)
     spec = state.specs["embed.weight"]
     want_grad = split(reference["embed"].weight.grad, spec, *state.coords(spec))
     torch.testing.assert_close(_local(model["embed"].weight.grad), want_grad, rtol=1e-4, atol=1e-5)
@@ -82,7 +83,7 @@ def _own_lookup(holding: str) -> str:
     ids = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(5))  # in every shard's range
     try:
         _forward(model, ids)
-    except sw.UnsupportedModelError as e:
+    except sw.errors.UnsupportedModelError as e:
         return str(e)
     return "no error"
 

@@ -13,8 +13,9 @@ import torch
 
 import shardwise as sw
 from harness import run_ranks
+from shardwise.parallel import get_shard_state
 from shardwise.validate.checks import expected_local, local_grad
-from shardwise.validate.model import TP_PLAN, batch, build, loss_of
+from shardwise.testing.model import TP_PLAN, batch, build, loss_of
 
 # The TP-only run differs from one process by ~3e-9; the bug by ~5e-3.
 RTOL, ATOL = 1e-5, 1e-7
@@ -31,7 +32,7 @@ def _reference(rows: slice, steps: int) -> dict[str, torch.Tensor]:
 def _compare(model, want: dict[str, torch.Tensor]) -> list[str]:
     """Every parameter's gradient against this rank's part of the one-process gradient (its tp
     shard, then its FSDP2 chunk); the names of those that differ, with their largest difference."""
-    state = sw.get_shard_state(model)
+    state = get_shard_state(model)
     bad, seen = [], set()
     for name, p in model.named_parameters():
         seen.add(name)

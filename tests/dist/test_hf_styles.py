@@ -10,9 +10,10 @@ import torch
 import shardwise as sw
 from harness import run_ranks
 from hf_shaped import make_lm
+from shardwise.core.plan import resolve_plan
 from shardwise.core.spec import split
 from shardwise.errors import CheckpointError, ShardingError
-from shardwise.parallel import install, local_of
+from shardwise.parallel import get_shard_state, install, local_of
 
 SHAPES = {"dense": {}, "moe": {"num_experts": 4}}
 
@@ -53,7 +54,7 @@ def _parallelize(degree: int, holding: str, shape: str, tie: bool):
     assert got.shape == want.shape
     torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-5)
     _loss(got).backward()
-    _check_grads(model, reference, sw.get_shard_state(model))
+    _check_grads(model, reference, get_shard_state(model))
     return True
 
 
@@ -71,7 +72,7 @@ def _expert_parallel(axes: dict, holding: str):
     _loss(want).backward()
     model = make_lm(num_experts=4)
     sw.parallelize(model, "auto", backend.mesh(**axes), holding=holding)
-    state = sw.get_shard_state(model)
+    state = get_shard_state(model)
     assert state.specs["model.layers.0.mlp.experts.gate_up_proj"] == sw.ShardSpec(dim=0, axis="ep")
     assert local_of(model.model.layers[0].mlp.experts.down_proj).shape[0] == 4 // axes["ep"]
     got = model(_ids())
@@ -128,7 +129,7 @@ def test_load_tied_model_with_its_own_plan(tmp_path, holding, shape):
 def _broken_install(holding: str):
     backend = sw.init_backend("gloo")
     model = make_lm()
-    specs = sw.resolve_plan(model, "auto", 2)
+    specs = resolve_plan(model, "auto", 2)
     full = model.state_dict()
 
     def local_tensor(name, spec):  # a wrong shard for one tensor, as a buggy loader would give

@@ -26,7 +26,7 @@ from shardwise.core.spec import shard_regions, split
 from shardwise.errors import CheckpointError
 from shardwise.io.safetensors.format import StreamingWriter, index_json, plan_files
 from shardwise.io.source import Reads
-from shardwise.parallel import local_of
+from shardwise.parallel import get_shard_state, local_of
 
 
 def _canonical(dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -84,7 +84,7 @@ def _load_and_check(path, degree, dp, holding, file_dtype, load_dtype, embedding
         model = TinyTransformer()
     result = sw.load(model, path, plan=plan, mesh=mesh, dtype=load_dtype, holding=holding,
                      num_threads=num_threads, progress=False)
-    state = sw.get_shard_state(model)
+    state = get_shard_state(model)
     assert (state.degree, state.holding) == (degree, holding)
 
     # every local shard is the split of the canonical tensor, byte for byte, in the load dtype

@@ -14,6 +14,7 @@ from harness import run_ranks
 from models import make_model, tiny_plan, tokens
 from shardwise.holding import Holding, is_dtensor
 from shardwise.mesh import decode_mesh
+from shardwise.parallel import get_shard_state
 
 # (mesh axes, expected (tp degree, tp rank), (ep degree, ep rank)) at world size 4, rank r;
 # axes outer to inner, so tp is the fastest-moving coordinate
@@ -60,7 +61,7 @@ def _state_after_parallelize(holding: str):
     backend = sw.init_backend("gloo")
     model = make_model()
     sw.parallelize(model, tiny_plan(), backend.mesh(tp=2), holding=holding)
-    state = sw.get_shard_state(model)
+    state = get_shard_state(model)
     assert state.holding is Holding(holding) and state.holding == holding
     assert (state.degree, state.tp_rank, state.ep_degree) == (2, backend.rank, 1)
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -25,6 +25,7 @@ from fakes import device as fake_device
 from harness import run_ranks
 from models import TinyTransformer, make_model, tiny_plan, tokens
 from shardwise.core.spec import split
+from shardwise.parallel import get_shard_state
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +77,7 @@ def _init_and_place(sysfs: str, ckpt: str, lib: str):
         assert t.device == device, name
         assert torch.equal(t.cpu(), canonical[name]), name
     assert result.tensors == len(canonical)
-    return type(sw.get_shard_state(model).mesh).__name__
+    return type(get_shard_state(model).mesh).__name__
 
 
 def _two_ranks(sysfs: str, ckpt: str, out: str, lib: str):
@@ -93,7 +94,7 @@ def _two_ranks(sysfs: str, ckpt: str, out: str, lib: str):
         mesh = backend.mesh(**axes)
         model = _fresh()
         sw.load(model, ckpt, plan=tiny_plan(), mesh=mesh)
-        state = sw.get_shard_state(model)
+        state = get_shard_state(model)
         degree, rank = state.degree, state.tp_rank
         for name, spec in state.specs.items():
             want = canonical[name] if spec.replicated else split(canonical[name], spec, degree, rank)

@@ -23,6 +23,7 @@ from fakes import device as fake_device
 from harness import run_ranks
 from models import TinyTransformer, make_model, tiny_plan, tokens
 from shardwise.core.spec import split
+from shardwise.parallel import get_shard_state
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +66,7 @@ def _load_forward_save(sysfs: str, lib: str, ckpt: str, out: str):
     for axes in ({"tp": 2}, {"dp_shard": 2, "tp": 1}, {"dp_replicate": 2, "tp": 1}):
         model = _fresh()
         result = sw.load(model, ckpt, plan=tiny_plan(), mesh=backend.mesh(**axes), progress=False)
-        state = sw.get_shard_state(model)
+        state = get_shard_state(model)
         for name, spec in state.specs.items():
             got = local_of(model.state_dict()[name])
             want = canonical[name] if spec.replicated else split(canonical[name], spec, state.degree,

@@ -7,6 +7,7 @@ import shardwise as sw
 from harness import run_ranks
 from models import make_model, tiny_plan, tokens
 from shardwise.core.spec import split
+from shardwise.parallel import get_shard_state
 
 
 def _loss(out: torch.Tensor) -> torch.Tensor:
@@ -32,7 +33,7 @@ def _forward_and_grads(degree: int, holding: str, embedding: str):
 
     model = make_model()
     sw.parallelize(model, plan, backend.mesh(tp=degree), holding=holding)
-    state = sw.get_shard_state(model)
+    state = get_shard_state(model)
     assert (state.degree, state.holding) == (degree, holding)
     # parameters really are sharded: a packed local shard is 1/degree of the canonical rows
     w = model.single[0].proj_in.weight

@@ -22,7 +22,7 @@ from harness import run_ranks
 from models import TinyTransformer, make_model, tiny_plan, tokens
 from shardwise.core.spec import split
 from shardwise.errors import CheckpointError
-from shardwise.parallel import local_of
+from shardwise.parallel import get_shard_state, local_of
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCH))
@@ -53,7 +53,7 @@ def _load_replicas(path: str, holding: str, dtype):
     with torch.device("meta"):
         model = TinyTransformer()
     result = sw.load(model, path, plan=tiny_plan(), mesh=mesh, holding=holding, dtype=dtype, progress=False)
-    state, tensors = sw.get_shard_state(model), model.state_dict()
+    state, tensors = get_shard_state(model), model.state_dict()
     canonical = _canonical()
     tp_rank = mesh["tp"].get_local_rank()
     for name, spec in state.specs.items():  # every shard is the split of the file's tensor

@@ -124,7 +124,7 @@ def _round_trip(tmp: Path, degree: int) -> bool:
         mesh3 = backend.mesh(dp_shard=2, tp=2)
         model = _parallel_model(original, mesh3, "dtensor")
         fully_shard(model, mesh=mesh3["dp_shard"])
-        with pytest.raises(sw.UnsupportedModelError, match="distributed=True"):
+        with pytest.raises(sw.errors.UnsupportedModelError, match="distributed=True"):
             sw.save(model, tmp / "fsdp")
     return True
 
@@ -342,7 +342,7 @@ def test_quantized_tensor_parallel_model_is_refused_before_any_collective(tmp_pa
     import shardwise.io.save as save_module
 
     monkeypatch.setattr(save_module, "world_backend", lambda: _NoCollectives())
-    with pytest.raises(sw.UnsupportedModelError, match="layers.0.attn.q.weight"):
+    with pytest.raises(sw.errors.UnsupportedModelError, match="layers.0.attn.q.weight"):
         sw.save(model, tmp_path / "q")
     assert list(tmp_path.iterdir()) == []
 

@@ -80,7 +80,7 @@ def _adopt(lib: str, runtime_sees_job: bool):
     dist.all_reduce(ones)  # what every collective of a load and a forward does over this group
     try:
         backend = sw.init_backend("xla")
-    except sw.BackendError as e:
+    except sw.errors.BackendError as e:
         return ones.item(), str(e), dist.is_initialized()
     return ones.item(), f"adopted: world {backend.world_size}", dist.is_initialized()
 

@@ -16,6 +16,8 @@ import math
 import pytest
 import torch
 
+from shardwise.parallel import get_shard_state
+
 pytestmark = [
     pytest.mark.nccl,
     pytest.mark.skipif(not torch.cuda.is_available(),
@@ -84,7 +86,7 @@ def _ranks(ckpt: str, out: str):
             return TinyTransformer()
 
     def check_shards(model):
-        state = sw.get_shard_state(model)
+        state = get_shard_state(model)
         for name, spec in state.specs.items():
             want = canonical[name] if spec.replicated else split(canonical[name], spec, state.degree,
                                                                  state.tp_rank)

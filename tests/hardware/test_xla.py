@@ -245,7 +245,7 @@ def case_spmd(tmp: str) -> None:
 
     canonical, ckpt, reference = _setup(tmp)
     xr.use_spmd()
-    with pytest.raises(sw.BackendError, match="xla_spmd"):
+    with pytest.raises(sw.errors.BackendError, match="xla_spmd"):
         sw.init_backend("xla")  # SPMD is on: the one-process-per-device backend refuses
     backend = sw.init_backend("auto")
     assert (backend.name, backend.holding, backend.world_size) == ("xla_spmd", "spmd", 1)
@@ -296,7 +296,7 @@ def case_spmd(tmp: str) -> None:
     # a chunk of the wrong dtype is refused before torch_xla sees it
     tp_mesh = backend.mesh(tp=n)
     bad = {p: torch.zeros(2, 3, dtype=torch.float64 if p == 1 else torch.float32) for p in range(n)}
-    with pytest.raises(sw.ShardingError, match="chunk 1"):
+    with pytest.raises(sw.errors.ShardingError, match="chunk 1"):
         tp_mesh.from_chunks(bad, (2 * n, 3), 0, torch.float32, name="w")
     sw.shutdown_backend()
 

@@ -25,6 +25,8 @@ import os
 import sys
 from pathlib import Path
 
+from shardwise.parallel import get_shard_state
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: models
 
 import safetensors.torch as st  # noqa: E402
@@ -50,7 +52,7 @@ def _fresh() -> TinyTransformer:
 
 
 def _check_shards(model, canonical) -> None:
-    state = sw.get_shard_state(model)
+    state = get_shard_state(model)
     for name, spec in state.specs.items():
         want = (canonical[name] if spec.replicated
                 else split(canonical[name], spec, state.degree, state.tp_rank))

@@ -7,6 +7,8 @@ import json
 
 import pytest
 
+from shardwise.parallel import get_shard_state
+
 pytest.importorskip("transformers")
 pytest.importorskip("diffusers")
 
@@ -25,7 +27,7 @@ def _roundtrip(kind: str, ckpt: str, out: str) -> dict:
     backend = sw.init_backend("gloo")
     mesh = backend.mesh(tp=backend.world_size)
     model = sw.from_pretrained(model_class(kind), ckpt, mesh=mesh)
-    state = sw.get_shard_state(model)
+    state = get_shard_state(model)
     first = forward(model, kind)
     sw.save(model, out, max_shard_size=SHARD_SIZE)
     again = sw.from_pretrained(model_class(kind), out, mesh=mesh)
@@ -71,7 +73,7 @@ def test_dtype_builds_and_casts(tmp_path):
 def _load_with_plan(ckpt: str, plan) -> tuple[int, int]:
     backend = sw.init_backend("gloo")
     model = sw.from_pretrained(model_class("llama"), ckpt, mesh=backend.mesh(tp=1), plan=plan)
-    specs = sw.get_shard_state(model).specs
+    specs = get_shard_state(model).specs
     return len(specs), sum(not s.replicated for s in specs.values())
 
 

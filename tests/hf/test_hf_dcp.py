@@ -5,6 +5,8 @@ transformers read it at another layout. Real spawned gloo ranks, tiny models."""
 
 import pytest
 
+from shardwise.parallel import get_shard_state
+
 pytest.importorskip("transformers")
 
 from pathlib import Path  # noqa: E402
@@ -62,7 +64,7 @@ def _sw_load(folder, mesh, holding="dtensor"):
 
 def _check_local(model, ref: dict):
     """Every local tensor is exactly its part of the reference tensor (core's split)."""
-    state = sw.get_shard_state(model)
+    state = get_shard_state(model)
     tensors = model.state_dict(keep_vars=True)
     for name, spec in state.specs.items():
         want = split(ref[name], spec, state.degree, state.tp_rank)

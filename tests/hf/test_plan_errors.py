@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from shardwise.core.plan import resolve_plan
+from shardwise.parallel import get_shard_state
+
 pytest.importorskip("transformers")
 
 import torch  # noqa: E402
@@ -30,7 +33,7 @@ def _llama():
 
 def test_readme_key_on_llama_names_the_module_it_meant():
     with pytest.raises(sw.PlanError) as e:
-        sw.resolve_plan(_llama(), README_KEY, 2)
+        resolve_plan(_llama(), README_KEY, 2)
     msg = str(e.value)
     assert "none of the plan's 1 keys" in msg and "LlamaForCausalLM" in msg
     assert "'model.layers.*.self_attn.q_proj'" in msg
@@ -39,12 +42,12 @@ def test_readme_key_on_llama_names_the_module_it_meant():
 def test_flux_plan_on_llama_is_refused():
     plan = _flux_plan()
     with pytest.raises(sw.PlanError, match=f"none of the plan's {len(plan)} keys"):
-        sw.resolve_plan(_llama(), plan, 2)
+        resolve_plan(_llama(), plan, 2)
 
 
 def test_q_proj_alone_names_q_proj_and_o_proj():
     with pytest.raises(sw.PlanError) as e:
-        sw.resolve_plan(_llama(), Q_ONLY, 2)
+        resolve_plan(_llama(), Q_ONLY, 2)
     msg = str(e.value)
     assert "'model.layers.0.self_attn.q_proj'" in msg and "'model.layers.0.self_attn.o_proj'" in msg
     assert "'model.layers.*.self_attn.o_proj': 'rowwise'" in msg
@@ -52,15 +55,16 @@ def test_q_proj_alone_names_q_proj_and_o_proj():
 
 def test_degree_suggestion_excludes_degrees_the_kv_heads_refuse():
     # every tensor of Llama's own plan splits at 1, 2, 4, 8, 16, 32, but 2 kv heads allow 1, 2 only
-    with pytest.raises(sw.ShardingError) as e:
-        sw.resolve_plan(_llama(), "auto", 3)
+    with pytest.raises(sw.errors.ShardingError) as e:
+        resolve_plan(_llama(), "auto", 3)
     assert str(e.value).endswith("Degrees that pass every check of this plan: 1, 2")
-    with pytest.raises(sw.ShardingError, match="num_key_value_heads = 2.*every check of this plan: 1, 2$"):
-        sw.resolve_plan(_llama(), "auto", 4)
+    with pytest.raises(sw.errors.ShardingError,
+                       match="num_key_value_heads = 2.*every check of this plan: 1, 2$"):
+        resolve_plan(_llama(), "auto", 4)
 
 
 def test_own_plan_still_resolves():
-    specs = sw.resolve_plan(_llama(), "auto", 2)
+    specs = resolve_plan(_llama(), "auto", 2)
     assert specs["model.layers.0.self_attn.q_proj.weight"] == sw.ShardSpec(dim=0)
     assert specs["model.layers.1.self_attn.o_proj.weight"] == sw.ShardSpec(dim=1)
 
@@ -74,7 +78,7 @@ def _load_each(ckpt: str, plans: dict) -> dict:
             model = model_class("llama")(KINDS["llama"][2]())
         try:
             sw.load(model, ckpt, plan=plan, mesh=mesh)
-            specs = sw.get_shard_state(model).specs
+            specs = get_shard_state(model).specs
             out[name] = f"loaded; sharded: {sum(not s.replicated for s in specs.values())}"
         except sw.PlanError as e:
             out[name] = f"PlanError: {e}"

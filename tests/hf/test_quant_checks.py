@@ -62,10 +62,9 @@ def test_inspect_shows_scheme_and_block_per_tensor(fp8, capsys):
 
 
 def test_sw_inspect_is_the_python_twin_of_the_cli(fp8):
-    """``sw.inspect`` (DESIGN.md's name) describes the checkpoint as ``inspect_checkpoint`` does,
-    which keeps working under both its names."""
-    assert sw.inspect is sw.inspect_checkpoint is inspect_checkpoint
-    assert "inspect" in sw.__all__ and "inspect_checkpoint" in sw.__all__
+    """``sw.inspect`` (DESIGN.md's name) is the one public name of ``inspect_checkpoint``."""
+    assert sw.inspect is inspect_checkpoint
+    assert "inspect" in sw.__all__ and not hasattr(sw, "inspect_checkpoint")
     report = sw.inspect(fp8)
     assert report.quant[UP] == "fp8_block 128x128" and report.quant[UP + "_scale_inv"].endswith("scales")
     assert report.quant == inspect_checkpoint(fp8).quant and report.tensors == inspect_checkpoint(fp8).tensors

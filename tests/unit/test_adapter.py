@@ -13,6 +13,7 @@ from torch import nn
 import shardwise as sw
 from shardwise.core import adapter as core_adapter
 from shardwise.core.adapter import ModelAdapter, adapter_for, register_adapter
+from shardwise.core.plan import resolve_plan
 from shardwise.errors import UnsupportedModelError, UsageError
 
 SRC = Path(sw.__file__).parent
@@ -64,20 +65,20 @@ def test_a_plain_model_gets_the_plain_answers():
     assert plain.name == "torch" and plain.base_prefix(nn.Linear(2, 2)) == ""
     assert plain.shipped_plan(nn.Linear(2, 2), "tp") == {} and plain.save_layout(nn.Linear(2, 2), {}) is None
     with pytest.raises(sw.PlanError, match="ships no tensor-parallel plan"):
-        sw.resolve_plan(nn.Linear(2, 2), "auto", 2)
+        resolve_plan(nn.Linear(2, 2), "auto", 2)
 
 
 def test_the_hugging_face_adapter_is_registered_and_claims_models_by_their_conventions():
-    from shardwise.validate.model import build  # follows transformers' conventions, no transformers class
+    from shardwise.testing.model import build  # follows transformers' conventions, no transformers class
 
     model = build(device="meta")
     assert [a.name for a in core_adapter.adapters()][:1] == ["huggingface"]
     assert adapter_for(model).name == "huggingface" and adapter_for(model).base_prefix(model) == "model"
-    assert dict(sw.resolve_plan(model, "auto", 2)) == dict(sw.resolve_plan(model, dict(model.tp_plan), 2))
+    assert dict(resolve_plan(model, "auto", 2)) == dict(resolve_plan(model, dict(model.tp_plan), 2))
 
 
 def test_a_registered_adapter_answers_for_plan_auto(mylib):
-    specs = sw.resolve_plan(Net(), "auto", 2)
+    specs = resolve_plan(Net(), "auto", 2)
     assert specs["up.weight"] == sw.ShardSpec(dim=0) and specs["down.weight"] == sw.ShardSpec(dim=1)
     assert adapter_for(Net()) is mylib
 

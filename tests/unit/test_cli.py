@@ -35,7 +35,7 @@ def test_version(capsys):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--tp", "3"], r"--tp: 3 does not divide the 8 attention heads of the small model; "
+    (["--tp", "3"], r"--tp: 3 does not divide the 8 KV heads of the small model; "
                     r"choose one of 1, 2, 4, 8"),
     (["--tp", "0"], r"--tp: 0 is not a positive number of ranks"),
     (["--tp", "two"], r"--tp: 'two' is not a whole number"),

@@ -12,7 +12,7 @@ import pytest
 import shardwise as sw
 from fakes import NEURON_NATIVE, NEURON_PLACEHOLDER, NEURON_XLA, XLA
 from shardwise import backends
-from shardwise.backends import neuron
+from shardwise.backends import current_backend, neuron
 
 _FAKED = ("torch_neuronx", "torch_xla")
 
@@ -76,11 +76,11 @@ def test_no_neuroncore_means_not_available_and_a_clear_start_error(neuron_host, 
     name = "neuron" if native else "neuron_xla"
     assert neuron.neuron_core_count() == 0
     assert not backends.get_backend_class(name).is_available()
-    with pytest.raises(sw.BackendError) as e:
+    with pytest.raises(sw.errors.BackendError) as e:
         sw.init_backend(name)
     assert "no NeuronCore" in str(e.value) and "gloo" in str(e.value) and repr(name) in str(e.value)
-    assert not isinstance(e.value, sw.BackendUnavailableError)
-    assert sw.current_backend() is None
+    assert not isinstance(e.value, sw.errors.BackendUnavailableError)
+    assert current_backend() is None
     if native:
         assert _imported() == []  # refused before importing TorchNeuron
     # NeuronCores belong to the neuron backends: xla does not claim PJRT_DEVICE=NEURON either
@@ -96,7 +96,7 @@ def test_the_wrong_neuron_backend_names_the_right_one(neuron_host, monkeypatch, 
     monkeypatch.syspath_prepend(XLA)
     monkeypatch.syspath_prepend(installed)
     neuron_host(0, 2)
-    with pytest.raises(sw.BackendUnavailableError) as e:
+    with pytest.raises(sw.errors.BackendUnavailableError) as e:
         sw.init_backend(asked)
     assert names in str(e.value) and "requirements.txt" in str(e.value)
     assert _imported() == []  # decided from the package metadata, nothing imported
@@ -113,7 +113,7 @@ def test_pypi_placeholder_is_backend_unavailable_with_the_install_hint(neuron_ho
     monkeypatch.syspath_prepend(NEURON_PLACEHOLDER)
     neuron_host(0, 2)
     assert not backends.get_backend_class(name).is_available()
-    with pytest.raises(sw.BackendUnavailableError) as e:
+    with pytest.raises(sw.errors.BackendUnavailableError) as e:
         sw.init_backend(name)
     msg = str(e.value)
     assert "torch_neuronx" in msg and "pip.repos.neuron.amazonaws.com" in msg

@@ -6,7 +6,7 @@ from torch import nn
 
 import shardwise as sw
 from models import TinyTransformer, tiny_plan
-from shardwise.core.plan import SUPPORTED_STYLES, normalize_style
+from shardwise.core.plan import SUPPORTED_STYLES, normalize_style, resolve_plan
 
 
 def meta(cls, *args, **kwargs):
@@ -98,7 +98,7 @@ def with_prefix(plan, prefix="model."):
 def test_transformers_plans_resolve(base, degree):
     model = meta(LlamaForCausalLM, qk_norm="q_norm" in str(base))
     plan = {**with_prefix(base), **LM_TP_PLAN, "model.embed_tokens": "embedding_rowwise"}
-    specs = sw.resolve_plan(model, plan, degree)
+    specs = resolve_plan(model, plan, degree)
     assert specs["model.layers.1.self_attn.q_proj.weight"] == sw.ShardSpec(dim=0)
     assert specs["model.layers.1.self_attn.o_proj.weight"] == sw.ShardSpec(dim=1)
     assert specs["model.layers.0.mlp.down_proj.weight"] == sw.ShardSpec(dim=1)
@@ -115,13 +115,13 @@ def test_tied_weights_keep_one_name():
     model = meta(LlamaForCausalLM, tie=True)
     plan = {**with_prefix(LLAMA_BASE_TP_PLAN), "model.embed_tokens": "embedding_rowwise"}
     with pytest.raises(sw.PlanError, match="'lm_head.weight'.*tied"):
-        sw.resolve_plan(model, plan, 2)  # the head shares the sharded embedding but is unplanned
-    specs = sw.resolve_plan(model, {**plan, "lm_head": "colwise_gather_output"}, 2)
+        resolve_plan(model, plan, 2)  # the head shares the sharded embedding but is unplanned
+    specs = resolve_plan(model, {**plan, "lm_head": "colwise_gather_output"}, 2)
     assert specs.aliases == {"lm_head.weight": "model.embed_tokens.weight"}
     assert "lm_head.weight" not in specs
     assert specs["model.embed_tokens.weight"] == sw.ShardSpec(dim=0)
     with pytest.raises(sw.PlanError, match="tied"):  # dim-parallel embedding vs vocab-parallel head
-        sw.resolve_plan(model, {**plan, "model.embed_tokens": "embedding_colwise",
+        resolve_plan(model, {**plan, "model.embed_tokens": "embedding_colwise",
                                 "lm_head": "colwise_gather_output"}, 2)
 
 
@@ -235,7 +235,7 @@ class FluxTransformer(nn.Module):
 @pytest.mark.parametrize("degree", [1, 2, 4])
 def test_diffusers_flux2_plan_resolves(degree):
     model = meta(Flux2Transformer)
-    specs = sw.resolve_plan(model, Flux2Transformer._tp_plan, degree)
+    specs = resolve_plan(model, Flux2Transformer._tp_plan, degree)
     assert specs["single_transformer_blocks.1.attn.to_qkv_mlp_proj.weight"] == sw.ShardSpec(
         dim=0, blocks=(32, 32, 32, 96, 96))
     assert specs["single_transformer_blocks.0.attn.to_out.weight"] == sw.ShardSpec(dim=1, blocks=(32, 96))
@@ -246,7 +246,7 @@ def test_diffusers_flux2_plan_resolves(degree):
 
 
 def test_diffusers_flux_plan_resolves():
-    specs = sw.resolve_plan(meta(FluxTransformer), FluxTransformer._tp_plan, 4)
+    specs = resolve_plan(meta(FluxTransformer), FluxTransformer._tp_plan, 4)
     assert specs["single_transformer_blocks.0.proj_out.weight"] == sw.ShardSpec(dim=1, blocks=(1, 4))
     assert specs["single_transformer_blocks.0.proj_mlp.bias"] == sw.ShardSpec(dim=0)
 
@@ -261,7 +261,7 @@ def test_torch_parallel_styles_are_accepted():
 
 
 def test_tiny_transformer_plan():
-    specs = sw.resolve_plan(meta(TinyTransformer), tiny_plan(), 4)
+    specs = resolve_plan(meta(TinyTransformer), tiny_plan(), 4)
     assert specs["single.0.proj_in.weight"] == sw.ShardSpec(dim=0, blocks=(1, 1, 1, 3, 3))
     assert specs["single.0.proj_out.weight"] == sw.ShardSpec(dim=1, blocks=(1, 3))
     assert specs["fused.0.mlp.gate_up.weight"] == sw.ShardSpec(dim=0, blocks=(1, 1))  # "packed_colwise"
@@ -273,7 +273,7 @@ def test_tiny_transformer_plan():
 def test_unknown_style_lists_supported():
     model = meta(TinyTransformer)
     with pytest.raises(sw.PlanError) as e:
-        sw.resolve_plan(model, {"layers.*.attn.q": "diagonal_parallel"}, 2)
+        resolve_plan(model, {"layers.*.attn.q": "diagonal_parallel"}, 2)
     msg = str(e.value)
     assert "'layers.*.attn.q'" in msg and "diagonal_parallel" in msg
     assert all(s in msg for s in ("colwise", "rowwise", "PackedColwise(blocks)"))
@@ -284,7 +284,7 @@ def test_key_matching_nothing_is_skipped_and_reported():
     # transformers' semantics: a key this configuration lacks is skipped and listed
     attention = {"layers.*.attn.q": "colwise", "layers.*.attn.k": "colwise", "layers.*.attn.v": "colwise",
                  "layers.*.attn.o": "rowwise"}
-    specs = sw.resolve_plan(meta(TinyTransformer), {"layers.*.attn.q_proj": "colwise", "lm_head": "colwise",
+    specs = resolve_plan(meta(TinyTransformer), {"layers.*.attn.q_proj": "colwise", "lm_head": "colwise",
                                                     **attention}, 2)
     assert specs.unused_keys == ("layers.*.attn.q_proj", "lm_head")
     assert specs["layers.0.attn.q.weight"] == sw.ShardSpec(dim=0)
@@ -292,33 +292,33 @@ def test_key_matching_nothing_is_skipped_and_reported():
 
 def test_strict_plan_names_the_key_that_matches_nothing():
     with pytest.raises(sw.PlanError) as e:
-        sw.resolve_plan(meta(TinyTransformer), {"layers.*.attn.q_proj": "colwise"}, 2, strict=True)
+        resolve_plan(meta(TinyTransformer), {"layers.*.attn.q_proj": "colwise"}, 2, strict=True)
     assert "'layers.*.attn.q_proj'" in str(e.value) and "matches no module" in str(e.value)
     with pytest.raises(sw.PlanError, match="'lm_head'.*did you mean 'head"):
-        sw.resolve_plan(meta(TinyTransformer), {"lm_head": "colwise"}, 2, strict=True)
+        resolve_plan(meta(TinyTransformer), {"lm_head": "colwise"}, 2, strict=True)
 
 
 def test_star_stands_for_an_index_and_may_repeat():
     # '*' matches numeric path components only, as many as the key has
     with pytest.raises(sw.PlanError, match=r"'embed\.\*'"):
-        sw.resolve_plan(meta(TinyTransformer), {"embed.*": "colwise"}, 2, strict=True)
+        resolve_plan(meta(TinyTransformer), {"embed.*": "colwise"}, 2, strict=True)
     inner = [nn.ModuleList([nn.Linear(4, 8)]) for _ in range(2)]
     model = meta(nn.ModuleDict, {"outer": nn.ModuleList(inner)})
-    specs = sw.resolve_plan(model, {"outer.*.*": "colwise"}, 2)
+    specs = resolve_plan(model, {"outer.*.*": "colwise"}, 2)
     assert specs["outer.1.0.weight"] == sw.ShardSpec(dim=0) and specs["outer.0.0.bias"] == sw.ShardSpec(dim=0)
 
 
 def test_two_keys_claiming_one_module():
     plan = {"layers.*.attn.q": "colwise", "layers.0.attn.q": "rowwise"}
     with pytest.raises(sw.PlanError) as e:
-        sw.resolve_plan(meta(TinyTransformer), plan, 2)
+        resolve_plan(meta(TinyTransformer), plan, 2)
     assert "'layers.*.attn.q'" in str(e.value) and "'layers.0.attn.q'" in str(e.value)
 
 
 def test_indivisible_dim_names_key_tensor_and_sizes():
     model = meta(TinyTransformer, hidden=36, heads=3, ffn=60)
-    with pytest.raises(sw.ShardingError) as e:
-        sw.resolve_plan(model, {"layers.*.mlp.down": "rowwise", "layers.*.mlp.gate_up": "packed_colwise"}, 8)
+    with pytest.raises(sw.errors.ShardingError) as e:
+        resolve_plan(model, {"layers.*.mlp.down": "rowwise", "layers.*.mlp.gate_up": "packed_colwise"}, 8)
     msg = str(e.value)
     assert "'layers.*.mlp.down'" in msg and "layers.0.mlp.down.weight" in msg and "60" in msg and "8" in msg
 
@@ -326,42 +326,42 @@ def test_indivisible_dim_names_key_tensor_and_sizes():
 def test_each_packed_block_must_divide():
     # blocks [1, 3] of 32 rows are 8 and 24: degree 16 divides 32 but not 8 / 24
     model = meta(nn.ModuleDict, {"fc": nn.Linear(4, 32)})
-    with pytest.raises(sw.ShardingError) as e:
-        sw.resolve_plan(model, {"fc": sw.PackedColwise([1, 3])}, 16)
+    with pytest.raises(sw.errors.ShardingError) as e:
+        resolve_plan(model, {"fc": sw.PackedColwise([1, 3])}, 16)
     assert "'fc'" in str(e.value) and "16" in str(e.value)
 
 
 def test_head_count_must_divide():
     # hidden 48 divides by 4, but 3 heads do not
     model = meta(TinyTransformer, hidden=48, heads=3, ffn=64)
-    with pytest.raises(sw.ShardingError) as e:
-        sw.resolve_plan(model, {"layers.*.attn.q": "colwise", "layers.*.attn.k": "colwise",
+    with pytest.raises(sw.errors.ShardingError) as e:
+        resolve_plan(model, {"layers.*.attn.q": "colwise", "layers.*.attn.k": "colwise",
                                 "layers.*.attn.v": "colwise", "layers.*.attn.o": "rowwise"}, 4)
     assert "num_heads = 3" in str(e.value) and "'layers.*.attn.q'" in str(e.value)
 
 
 def test_config_head_count_must_divide():
     model = meta(LlamaForCausalLM)  # 8 heads, 4 kv heads
-    with pytest.raises(sw.ShardingError, match="num_key_value_heads = 4"):
-        sw.resolve_plan(model, with_prefix(LLAMA_BASE_TP_PLAN), 8)
+    with pytest.raises(sw.errors.ShardingError, match="num_key_value_heads = 4"):
+        resolve_plan(model, with_prefix(LLAMA_BASE_TP_PLAN), 8)
 
 
 def test_sharded_style_on_unsupported_module():
     model = meta(TinyTransformer)
     with pytest.raises(sw.PlanError, match="'norm_out'.*LayerNorm"):
-        sw.resolve_plan(model, {"norm_out": "colwise"}, 2)
+        resolve_plan(model, {"norm_out": "colwise"}, 2)
 
 
 def test_packed_without_blocks_names_the_attribute():
     with pytest.raises(sw.PlanError, match="_tp_packed_col_blocks"):
-        sw.resolve_plan(meta(TinyTransformer), {"head": sw.PackedColwise()}, 2)
+        resolve_plan(meta(TinyTransformer), {"head": sw.PackedColwise()}, 2)
 
 
 def test_bad_degree_and_plan_types():
     with pytest.raises(sw.PlanError):
-        sw.resolve_plan(meta(TinyTransformer), tiny_plan(), 0)
+        resolve_plan(meta(TinyTransformer), tiny_plan(), 0)
     with pytest.raises(sw.PlanError):
-        sw.resolve_plan(meta(TinyTransformer), [("head", "colwise")], 2)
+        resolve_plan(meta(TinyTransformer), [("head", "colwise")], 2)
     with pytest.raises(sw.PlanError):
         sw.PackedColwise([1, 0])
 
@@ -370,16 +370,16 @@ def test_head_count_error_names_the_attention_module():
     # the plan lists lm_head first; the error must point at an attention projection
     model = meta(LlamaForCausalLM)  # 8 heads, 4 kv heads
     plan = {**LM_TP_PLAN, **with_prefix(LLAMA_BASE_TP_PLAN)}
-    with pytest.raises(sw.ShardingError) as e:
-        sw.resolve_plan(model, plan, 8)
+    with pytest.raises(sw.errors.ShardingError) as e:
+        resolve_plan(model, plan, 8)
     assert "self_attn" in str(e.value) and "lm_head" not in str(e.value)
 
 
 def test_indivisible_degree_lists_the_degrees_that_pass_every_check():
     # 36 and 60 rows split at 1, 2, 3, 4, 6, 12, but the 3 heads only at 1 and 3
     model = meta(TinyTransformer, hidden=36, heads=3, ffn=60)
-    with pytest.raises(sw.ShardingError, match=r"plan: 1, 3$"):
-        sw.resolve_plan(model, {"layers.*.mlp.down": "rowwise", "layers.*.mlp.gate_up": "packed_colwise",
+    with pytest.raises(sw.errors.ShardingError, match=r"plan: 1, 3$"):
+        resolve_plan(model, {"layers.*.mlp.down": "rowwise", "layers.*.mlp.gate_up": "packed_colwise",
                                 "layers.*.attn.q": "colwise", "layers.*.attn.k": "colwise",
                                 "layers.*.attn.v": "colwise", "layers.*.attn.o": "rowwise"}, 8)
 
@@ -388,16 +388,16 @@ def test_parameter_keys_and_expert_styles():
     from hf_shaped import HFShapedLM
 
     model = meta(HFShapedLM, num_experts=4)
-    specs = sw.resolve_plan(model, "auto", 2)
+    specs = resolve_plan(model, "auto", 2)
     assert specs["model.layers.0.mlp.experts.gate_up_proj"] == sw.ShardSpec(dim=1, blocks=(1, 1))
     assert specs["model.layers.0.mlp.experts.down_proj"] == sw.ShardSpec(dim=2)
     assert specs.styles["model.layers.0.mlp.experts"].forward == "moe_experts"
     assert specs.local_owners[0] == "model.layers.0.mlp.experts"
-    ep = sw.resolve_plan(model, "auto", 1, ep_degree=2)  # ep rules replace the tp rules of the experts
+    ep = resolve_plan(model, "auto", 1, ep_degree=2)  # ep rules replace the tp rules of the experts
     assert ep["model.layers.1.mlp.experts.down_proj"] == sw.ShardSpec(dim=0, axis="ep")
     assert ep.styles["model.layers.1.mlp.experts"].num_experts == 4
-    with pytest.raises(sw.ShardingError, match="gate_up_proj"):
-        sw.resolve_plan(model, "auto", 1, ep_degree=3)
+    with pytest.raises(sw.errors.ShardingError, match="gate_up_proj"):
+        resolve_plan(model, "auto", 1, ep_degree=3)
 
 
 def test_statistics_over_sharded_features_are_refused():
@@ -410,8 +410,8 @@ def test_statistics_over_sharded_features_are_refused():
 
     model = meta(nn.ModuleDict, {"mlp": SparseMlp()})
     with pytest.raises(sw.PlanError, match="activation-sparsity"):
-        sw.resolve_plan(model, {"mlp.gate_proj": "colwise", "mlp.up_proj": "colwise"}, 2)
-    assert sw.resolve_plan(model, {"mlp.up_proj": "colwise"}, 2)  # gate kept whole: fine
+        resolve_plan(model, {"mlp.gate_proj": "colwise", "mlp.up_proj": "colwise"}, 2)
+    assert resolve_plan(model, {"mlp.up_proj": "colwise"}, 2)  # gate kept whole: fine
 
 
 class _FusedExperts(nn.Module):
@@ -431,18 +431,18 @@ class _FusedExperts(nn.Module):
 def test_a_plain_split_of_fused_gate_up_halves_is_refused():
     model = meta(nn.ModuleDict, {"experts": _FusedExperts()})
     with pytest.raises(sw.PlanError, match="packed_colwise"):
-        sw.resolve_plan(model, {"experts.gate_up_proj": "colwise", "experts.down_proj": "rowwise"}, 2)
+        resolve_plan(model, {"experts.gate_up_proj": "colwise", "experts.down_proj": "rowwise"}, 2)
     packed = {"experts.gate_up_proj": "packed_colwise", "experts.down_proj": "rowwise"}
-    specs = sw.resolve_plan(model, packed, 2)
+    specs = resolve_plan(model, packed, 2)
     assert specs["experts.gate_up_proj"] == sw.ShardSpec(dim=1, blocks=(1, 1))
-    assert sw.resolve_plan(model, {"experts.gate_up_proj": "colwise"}, 1)  # degree 1 splits nothing
+    assert resolve_plan(model, {"experts.gate_up_proj": "colwise"}, 1)  # degree 1 splits nothing
 
 
 def test_base_model_plan_applies_to_a_causal_lm_under_its_prefix():
     # config.base_model_tp_plan's keys name the base model's modules ("layers.*..."): on a
     # *ForCausalLM they match under base_model_prefix ("model.layers.*...")
     model = meta(LlamaForCausalLM)
-    specs = sw.resolve_plan(model, LLAMA_BASE_TP_PLAN, 2)
+    specs = resolve_plan(model, LLAMA_BASE_TP_PLAN, 2)
     assert specs["model.layers.1.self_attn.q_proj.weight"] == sw.ShardSpec(dim=0)
     assert specs["model.layers.0.mlp.down_proj.weight"] == sw.ShardSpec(dim=1)
     assert specs.unused_keys == ()

@@ -9,6 +9,7 @@ from torch import nn
 
 import shardwise as sw
 from models import TinyTransformer, tiny_plan
+from shardwise.core.plan import resolve_plan
 
 
 def check_plan(model, specs):
@@ -29,7 +30,7 @@ ATTENTION = {"layers.*.attn.q": "colwise", "layers.*.attn.k": "colwise", "layers
 # --- a plan none of whose keys matches ---------------------------------------------------
 def test_a_plan_matching_nothing_names_the_closest_module_paths():
     with pytest.raises(sw.PlanError) as e:
-        sw.resolve_plan(meta(TinyTransformer), {"layers.*.attn.q_proj": "colwise",
+        resolve_plan(meta(TinyTransformer), {"layers.*.attn.q_proj": "colwise",
                                                 "layers.*.attn.o_proj": "rowwise"}, 2)
     msg = str(e.value)
     assert "none of the plan's 2 keys" in msg and "TinyTransformer" in msg
@@ -39,19 +40,19 @@ def test_a_plan_matching_nothing_names_the_closest_module_paths():
 
 def test_one_matching_key_keeps_the_others_skipped_and_reported():
     # transformers' leniency: keys absent from this configuration are skipped, not refused
-    specs = sw.resolve_plan(meta(TinyTransformer), {**ATTENTION, "lm_head": "colwise"}, 2)
+    specs = resolve_plan(meta(TinyTransformer), {**ATTENTION, "lm_head": "colwise"}, 2)
     assert specs.unused_keys == ("lm_head",)
 
 
 def test_an_empty_plan_is_a_deliberate_nothing_sharded():
-    specs = sw.resolve_plan(meta(TinyTransformer), {}, 2)
+    specs = resolve_plan(meta(TinyTransformer), {}, 2)
     assert specs and all(s.replicated for s in specs.values())
 
 
 def test_a_plan_matching_nothing_is_refused_at_degree_1_too():
     # the plan is wrong for the model whatever the mesh: a mesh without tp checks it at degree 1
     with pytest.raises(sw.PlanError, match="none of the plan's 1 keys"):
-        sw.resolve_plan(meta(TinyTransformer), {"blocks.*.attn.to_q": "colwise"}, 1)
+        resolve_plan(meta(TinyTransformer), {"blocks.*.attn.to_q": "colwise"}, 1)
 
 
 # --- a split projection and its consumer ------------------------------------------------
@@ -59,7 +60,7 @@ def test_a_plan_matching_nothing_is_refused_at_degree_1_too():
 def test_colwise_without_rowwise_consumer_names_both_modules(degree):
     plan = {k: v for k, v in ATTENTION.items() if not k.endswith(".o")}
     with pytest.raises(sw.PlanError) as e:
-        sw.resolve_plan(meta(TinyTransformer), plan, degree)
+        resolve_plan(meta(TinyTransformer), plan, degree)
     msg = str(e.value)
     assert "'layers.0.attn.q'" in msg and "'layers.0.attn.o'" in msg
     assert "'layers.*.attn.o': 'rowwise'" in msg  # the fix, as a plan entry
@@ -67,7 +68,7 @@ def test_colwise_without_rowwise_consumer_names_both_modules(degree):
 
 def test_rowwise_consumer_of_whole_projections_names_both_modules():
     with pytest.raises(sw.PlanError) as e:
-        sw.resolve_plan(meta(TinyTransformer), {"layers.*.mlp.down": "rowwise"}, 2)
+        resolve_plan(meta(TinyTransformer), {"layers.*.mlp.down": "rowwise"}, 2)
     msg = str(e.value)
     assert "'layers.0.mlp.down'" in msg and "'layers.0.mlp.gate_up'" in msg
 
@@ -75,14 +76,14 @@ def test_rowwise_consumer_of_whole_projections_names_both_modules():
 def test_consumer_fed_a_split_input_must_not_split_it_again():
     plan = {**ATTENTION, "layers.*.attn.o": "rowwise_split_input"}
     with pytest.raises(sw.PlanError, match="'layers.0.attn.o'"):
-        sw.resolve_plan(meta(TinyTransformer), plan, 2)
+        resolve_plan(meta(TinyTransformer), plan, 2)
 
 
 def test_consistent_plans_and_degree_1_are_accepted():
-    assert sw.resolve_plan(meta(TinyTransformer), tiny_plan(), 2)
-    assert sw.resolve_plan(meta(TinyTransformer), {"layers.*.attn.q": "colwise"}, 1)  # nothing split
+    assert resolve_plan(meta(TinyTransformer), tiny_plan(), 2)
+    assert resolve_plan(meta(TinyTransformer), {"layers.*.attn.q": "colwise"}, 1)  # nothing split
     # a gathered output is whole again: its consumer takes it as it is
-    assert sw.resolve_plan(meta(TinyTransformer), {"layers.*.attn.q": "colwise_gather_output"}, 2)
+    assert resolve_plan(meta(TinyTransformer), {"layers.*.attn.q": "colwise_gather_output"}, 2)
 
 
 class _DiffusersAttention(nn.Module):
@@ -103,11 +104,11 @@ def test_diffusers_names_pair_through_the_output_module_list():
     plan = {f"blocks.*.{n}": "colwise" for n in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj",
                                                    "add_v_proj")}
     with pytest.raises(sw.PlanError, match=r"'blocks\.0\.to_out\.0'"):
-        sw.resolve_plan(model, plan, 2)
+        resolve_plan(model, plan, 2)
     with pytest.raises(sw.PlanError, match=r"'blocks\.0\.add_q_proj'.*'blocks\.0\.to_add_out'"):
-        sw.resolve_plan(model, {**plan, "blocks.*.to_out.0": "rowwise"}, 2)
+        resolve_plan(model, {**plan, "blocks.*.to_out.0": "rowwise"}, 2)
     paired = {**plan, "blocks.*.to_out.0": "rowwise", "blocks.*.to_add_out": "rowwise"}
-    assert sw.resolve_plan(model, paired, 2)
+    assert resolve_plan(model, paired, 2)
 
 
 # --- head counts a forward reads whole ----------------------------------------------------
@@ -149,9 +150,9 @@ HEADS_PLAN = {"a.q": "colwise", "a.k": "colwise", "a.v": "colwise", "a.o": "roww
 
 def test_a_forward_that_reshapes_with_its_head_count_is_refused():
     model = meta(nn.ModuleDict, {"a": _HeadsAttention()})
-    check_plan(model, sw.resolve_plan(model, HEADS_PLAN, 1))  # degree 1: every rank has every head
+    check_plan(model, resolve_plan(model, HEADS_PLAN, 1))  # degree 1: every rank has every head
     with pytest.raises(sw.PlanError) as e:
-        check_plan(model, sw.resolve_plan(model, HEADS_PLAN, 2))
+        check_plan(model, resolve_plan(model, HEADS_PLAN, 2))
     msg = str(e.value)
     assert "'a'" in msg and "self.num_heads" in msg and "'a.q'" in msg and "_HeadsAttention.forward" in msg
 
@@ -163,12 +164,12 @@ def test_a_processor_that_reshapes_with_the_head_count_is_refused():
             "a.to_add_out": "rowwise"}
     # heads = attn.heads, then view(b, -1, heads, ...)
     with pytest.raises(sw.PlanError, match=r"_Processor\.__call__ .*view\(b, -1, heads, "):
-        check_plan(model, sw.resolve_plan(model, plan, 2))
+        check_plan(model, resolve_plan(model, plan, 2))
 
 
 def test_a_forward_that_infers_its_heads_passes():
     model = meta(TinyTransformer)  # view(b, t, -1, head_dim)
-    check_plan(model, sw.resolve_plan(model, tiny_plan(), 2))
+    check_plan(model, resolve_plan(model, tiny_plan(), 2))
 
 
 # --- degree suggestions -------------------------------------------------------------------
@@ -186,10 +187,10 @@ GQA_PLAN = {"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "o_pr
 
 def test_degree_suggestions_pass_the_head_count_checks():
     # the tensors split at 1, 2, 4, 8, 16 (16 kv rows), but 2 kv heads leave only 1 and 2
-    with pytest.raises(sw.ShardingError) as e:
-        sw.resolve_plan(meta(_GQA), GQA_PLAN, 3)
+    with pytest.raises(sw.errors.ShardingError) as e:
+        resolve_plan(meta(_GQA), GQA_PLAN, 3)
     assert str(e.value).endswith("Degrees that pass every check of this plan: 1, 2")
-    with pytest.raises(sw.ShardingError) as e:
-        sw.resolve_plan(meta(_GQA), GQA_PLAN, 4)
+    with pytest.raises(sw.errors.ShardingError) as e:
+        resolve_plan(meta(_GQA), GQA_PLAN, 4)
     assert "num_key_value_heads = 2" in str(e.value)
     assert str(e.value).endswith("Degrees that pass every check of this plan: 1, 2")

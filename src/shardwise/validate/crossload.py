@@ -14,8 +14,9 @@ import json
 import sys
 
 import shardwise as sw
+from shardwise.parallel import get_shard_state
+from shardwise.testing.model import TP_PLAN, build, canonical
 from shardwise.validate.checks import compare_tensors
-from shardwise.validate.model import TP_PLAN, build, canonical
 
 WRITE_SEED = 1
 
@@ -24,7 +25,7 @@ def _read(path: str) -> str:
     backend = sw.init_backend("gloo")
     model = build(device="meta")
     sw.load(model, path, plan=TP_PLAN, mesh=backend.mesh(tp=1), progress=False)
-    compare_tensors(model.state_dict().items(), canonical(), sw.get_shard_state(model),
+    compare_tensors(model.state_dict().items(), canonical(), get_shard_state(model),
                     "read on CPU/gloo:", exact=True)
     return "ok"
 

@@ -13,9 +13,10 @@ import torch
 import torch.distributed as dist
 
 import shardwise as sw
+from shardwise.parallel import get_shard_state
+from shardwise.testing.model import canonical
 from shardwise.validate.checks import Mismatch, compare_tensors
 from shardwise.validate.crossload import WRITE_SEED
-from shardwise.validate.model import canonical
 from shardwise.validate.scenarios import Job, Unsupported, layout_limit, place
 
 # Launcher variables the CPU process must not see: it is a world of one, not a rank of the job.
@@ -66,7 +67,7 @@ def crossload(job: Job) -> dict:
     if not got.get("written"):
         raise Mismatch(f"the CPU/gloo process could not write its checkpoint: {got.get('written_error')}")
     model, _ = place(job, layout, mesh, got["written"])
-    compare_tensors(model.state_dict().items(), canonical(WRITE_SEED), sw.get_shard_state(model),
+    compare_tensors(model.state_dict().items(), canonical(WRITE_SEED), get_shard_state(model),
                     f"CPU/gloo checkpoint loaded at {layout.name}:", exact=True)
     return {"layout": layout.name}
 

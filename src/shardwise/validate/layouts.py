@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardwise.validate.model import CONFIG, MAX_TP
+from shardwise.testing.model import CONFIG, MAX_TP
 
 
 @dataclass(frozen=True)

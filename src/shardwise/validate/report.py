@@ -17,7 +17,7 @@ import torch
 
 from shardwise._version import __version__
 from shardwise.errors import UsageError
-from shardwise.validate.model import CONFIG
+from shardwise.testing.model import CONFIG
 
 PASS, FAIL, UNSUPPORTED = "PASS", "FAIL", "UNSUPPORTED"
 STATUSES = (PASS, FAIL, UNSUPPORTED)

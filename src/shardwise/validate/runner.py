@@ -22,9 +22,9 @@ import torch.distributed as dist
 
 import shardwise as sw
 from shardwise.errors import UsageError
+from shardwise.testing.model import canonical, golden
 from shardwise.validate import job_scenarios
 from shardwise.validate.layouts import layouts_for
-from shardwise.validate.model import canonical, golden
 from shardwise.validate.report import FAIL, PASS, UNSUPPORTED, Report, Result, markdown, run_header, table
 from shardwise.validate.scenarios import SCENARIOS, Job, Run, Unsupported, layout_limit
 from shardwise.validate.world import check_world, mesh_world

@@ -19,10 +19,11 @@ import torch
 
 import shardwise as sw
 from shardwise.holding import Holding
+from shardwise.parallel import get_shard_state
+from shardwise.testing.model import EP_PLAN, MAX_NORM, TP_PLAN, Golden, batch, build, loss_of, optimizer_for
 from shardwise.validate import checks
 from shardwise.validate.checks import Deferred, Mismatch, compare, compare_grads, compare_tensors, same_bytes
 from shardwise.validate.layouts import Layout
-from shardwise.validate.model import EP_PLAN, MAX_NORM, TP_PLAN, Golden, batch, build, loss_of, optimizer_for
 
 if TYPE_CHECKING:
     from shardwise.backends.base import Backend
@@ -98,7 +99,7 @@ def _loaded(run: Run) -> torch.nn.Module:
 
 
 def _state(model):
-    return sw.get_shard_state(model)
+    return get_shard_state(model)
 
 
 def _to_device(job: Job, *tensors):
@@ -160,7 +161,7 @@ def gather_save(job: Job, run: Run) -> dict:
     out = run.folder / "gather"
     try:
         sw.save(_loaded(run), out, progress=False)
-    except sw.UnsupportedModelError as e:
+    except sw.errors.UnsupportedModelError as e:
         if not run.layout.has("dp_shard"):
             raise
         # shardwise refuses on purpose (on every backend) and names the way that works,

@@ -30,13 +30,12 @@ class DeviceOnlyBackend(Backend):
 
 def install(lib: str) -> None:
     """The fake device as ``"fakedev"``, its device-only group as ``fake_nccl``, and this backend."""
-    import shardwise as sw
     from shardwise import backends
 
     device.use_privateuse1(DEVICE, lib)
     groups.register_device_group(NAME, DEVICE)
     if NAME not in backends._registry:
-        sw.register_backend(NAME, DeviceOnlyBackend)
+        backends.register_backend(NAME, DeviceOnlyBackend)
 
 
 __all__ = ["DEVICE", "NAME", "DeviceOnlyBackend", "install"]

@@ -1,4 +1,5 @@
-"""The model every backend validates on, built in code (no download, no transformers).
+"""The one toy transformer: the model every backend validates on, the one ``shardwise demo``
+streams (at the sizes of :data:`SIZES`), built in code (no download, no transformers).
 
 Shaped like a Qwen3-MoE causal LM, small, and divisible at every degree the suite runs:
 16 attention heads and 8 KV heads (grouped-query attention; head_dim 4), ``q_norm`` /
@@ -22,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardwise.errors import UsageError
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -43,6 +46,23 @@ class ModelConfig:
 
 CONFIG = ModelConfig()
 MAX_TP = CONFIG.kv_heads  # each rank must own whole KV heads
+
+# The demo's sizes: the validation suite's model ("tiny") and two larger ones, whose KV heads
+# and widths divide by 1, 2, 4 and 8 as the tiny one's do.
+SIZES = {
+    "tiny": CONFIG,                                                                  # ~0.5 MB fp32
+    "small": ModelConfig(vocab=8192, hidden=512, head_dim=32, inter=1024, expert_inter=128,
+                         moe_layers=(False, True, False, True)),                     # ~80 MB fp32
+    "medium": ModelConfig(vocab=16384, hidden=1024, head_dim=64, inter=2816, expert_inter=256,
+                          moe_layers=(False, True) * 4),                              # ~0.6 GB fp32
+}
+
+
+def config_for(size: str) -> ModelConfig:
+    try:
+        return SIZES[size]
+    except KeyError:
+        raise UsageError(f"unknown model size {size!r}; choose one of {', '.join(SIZES)}") from None
 
 TP_PLAN = {
     "model.embed_tokens": "embedding_rowwise",
@@ -164,7 +184,7 @@ class Body(nn.Module):
         return self.norm(x)
 
 
-class ValidateLM(nn.Module):
+class ToyLM(nn.Module):
     base_model_prefix = "model"
 
     def __init__(self, cfg: ModelConfig = CONFIG):
@@ -187,14 +207,17 @@ class ValidateLM(nn.Module):
         return self.lm_head(self.model(ids))
 
 
-def build(seed: int = 0, *, device: str | torch.device | None = None) -> ValidateLM:
-    """The model with weights from ``seed`` (``device="meta"``: no memory, for ``sw.load``).
-    Norm weights are moved off 1 so that a misplaced one shows."""
+def build(seed: int | None = 0, *, device: str | torch.device | None = None,
+          config: ModelConfig = CONFIG) -> ToyLM:
+    """The model with weights from ``seed`` (``device="meta"``: no memory, for ``sw.load``;
+    ``seed=None``: torch's current random state). Norm weights are moved off 1 so that a
+    misplaced one shows."""
     if str(device) == "meta":
         with torch.device("meta"):
-            return ValidateLM()
-    torch.manual_seed(seed)
-    model = ValidateLM()
+            return ToyLM(config)
+    if seed is not None:
+        torch.manual_seed(seed)
+    model = ToyLM(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -205,6 +228,12 @@ def build(seed: int = 0, *, device: str | torch.device | None = None) -> Validat
 def canonical(seed: int = 0) -> dict[str, torch.Tensor]:
     """The model's tensors as an ordinary checkpoint holds them."""
     return {k: v.detach().contiguous() for k, v in build(seed).state_dict().items()}
+
+
+def tokens(config: ModelConfig = CONFIG, *, batch: int = 2, length: int = 16) -> torch.Tensor:
+    """Token ids for a forward check (the same on every rank)."""
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, config.vocab, (batch, length), generator=g)
 
 
 def batch(step: int, *, size: int = 4, length: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
