@@ -32,7 +32,7 @@ import time
 import torch
 from _common import PLAN, BenchModel, PeakRSS, write_results
 
-from shardwise.io.safetensors.format import parse_size
+from shardwise.testing import expected_shard, local_shard, parse_size, shard_state, spawn
 
 BENCH_PLAN = {k: ("colwise" if v == "packed_colwise" else v) for k, v in PLAN.items()}
 HIDDEN, VOCAB = 1024, 32000
@@ -62,29 +62,23 @@ def _timed(backend, fn):
 
 
 def _snapshot(dst) -> dict[str, torch.Tensor]:
-    from shardwise.parallel import local_of
-
-    return {n: local_of(p).detach().clone() for n, p in dst.named_parameters()}
+    return {n: local_shard(p).detach().clone() for n, p in dst.named_parameters()}
 
 
 def _full_then_slice(src, dst):
-    from shardwise.core.spec import split
-    from shardwise.parallel import get_shard_state, local_of
-
-    state = get_shard_state(dst)
+    state = shard_state(dst)
     params = dict(dst.named_parameters())
     with torch.no_grad():
         for name, p in src.named_parameters():
             full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
             spec = state.specs[name]
-            part = full if spec.replicated else split(full, spec, *state.coords(spec))
-            local_of(params[name]).copy_(part)
+            part = full if spec.replicated else expected_shard(full, spec, *state.coords(spec))
+            local_shard(params[name]).copy_(part)
 
 
-def _dcp(src, num_layers, folder):
+def _dcp(backend, src, num_layers, folder):
     import shardwise as sw
 
-    backend = sw.current_backend()
     sw.save(src, folder, distributed=True)
     with torch.device("meta"):
         model = BenchModel(num_layers, HIDDEN, VOCAB)
@@ -118,7 +112,7 @@ def worker(size: int, repeat: int, bucket: int, shm: str) -> dict:
         rows["full_tensor + slice"].append((s, peak))
         same["full_tensor + slice"] &= all(torch.equal(want[n], t) for n, t in _snapshot(dst).items())
         folder = f"{shm}/dcp{i}"
-        loaded, s, peak = _timed(backend, functools.partial(_dcp, src, num_layers, folder))
+        loaded, s, peak = _timed(backend, functools.partial(_dcp, backend, src, num_layers, folder))
         rows["DCP save + sw.load"].append((s, peak))
         same["DCP save + sw.load"] &= all(torch.equal(want[n], t) for n, t in _snapshot(loaded).items())
         del loaded
@@ -131,8 +125,6 @@ def worker(size: int, repeat: int, bucket: int, shm: str) -> dict:
 
 
 def main() -> None:
-    from shardwise.launch import spawn
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size", default="1GB", help="float32 source model bytes")
     ap.add_argument("--repeat", type=int, default=2)

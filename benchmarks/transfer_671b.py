@@ -17,18 +17,17 @@ import time
 
 from _common import REPO, machine_info, write_results
 
-from shardwise.core.spec import ShardSpec
-from shardwise.transfer.offline import MeshLayout, offline_plan
-from shardwise.transfer.plan import by_link, rank_loads
+import shardwise as sw
+from shardwise.transfer import MeshLayout, by_link, offline_plan, rank_loads
 
 HIDDEN, VOCAB, LAYERS, DENSE, EXPERTS = 7168, 129280, 61, 3, 256
 HEADS, Q_LORA, KV_LORA, NOPE, ROPE, V_DIM = 128, 1536, 512, 128, 64, 128
 INTER, MOE_INTER = 18432, 2048
 
 
-def tensors() -> dict[str, tuple[tuple[int, ...], ShardSpec]]:
+def tensors() -> dict[str, tuple[tuple[int, ...], sw.ShardSpec]]:
     """DeepSeek-V3's parameters (experts stacked, as transformers holds them) with a TP plan."""
-    rep, col, row = ShardSpec(), ShardSpec(dim=0), ShardSpec(dim=1)
+    rep, col, row = sw.ShardSpec(), sw.ShardSpec(dim=0), sw.ShardSpec(dim=1)
     out = {"model.embed_tokens.weight": ((VOCAB, HIDDEN), col), "model.norm.weight": ((HIDDEN,), rep),
            "lm_head.weight": ((VOCAB, HIDDEN), col)}
     for i in range(LAYERS):
@@ -50,8 +49,8 @@ def tensors() -> dict[str, tuple[tuple[int, ...], ShardSpec]]:
         out |= {f"{p}.mlp.gate.weight": ((EXPERTS, HIDDEN), rep),
                 f"{p}.mlp.gate.e_score_correction_bias": ((EXPERTS,), rep),
                 f"{p}.mlp.experts.gate_up_proj": ((EXPERTS, 2 * MOE_INTER, HIDDEN),
-                                                  ShardSpec(dim=1, blocks=(1, 1))),
-                f"{p}.mlp.experts.down_proj": ((EXPERTS, HIDDEN, MOE_INTER), ShardSpec(dim=2)),
+                                                  sw.ShardSpec(dim=1, blocks=(1, 1))),
+                f"{p}.mlp.experts.down_proj": ((EXPERTS, HIDDEN, MOE_INTER), sw.ShardSpec(dim=2)),
                 f"{p}.mlp.shared_experts.gate_proj.weight": ((MOE_INTER, HIDDEN), col),
                 f"{p}.mlp.shared_experts.up_proj.weight": ((MOE_INTER, HIDDEN), col),
                 f"{p}.mlp.shared_experts.down_proj.weight": ((HIDDEN, MOE_INTER), row)}

@@ -56,7 +56,7 @@ def _trial(death: str, victim: int):
         try:
             dst(torch.zeros(1, 24))
             refused = False
-        except sw.TransferError:
+        except sw.errors.TransferError:
             refused = True
         return {"error": type(e).__name__, "seconds": seconds, "version": plan.version, "refused": refused}
     return {"error": None, "version": plan.version}

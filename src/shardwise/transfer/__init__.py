@@ -3,7 +3,7 @@
 it) and computable offline from degrees (``offline.py``)."""
 
 from shardwise.transfer.offline import MeshLayout, offline_plan
-from shardwise.transfer.plan import Plan
+from shardwise.transfer.plan import Plan, by_link, rank_loads
 from shardwise.transfer.run import TransferPlan, transfer_plan
 
-__all__ = ["MeshLayout", "Plan", "TransferPlan", "offline_plan", "transfer_plan"]
+__all__ = ["MeshLayout", "Plan", "TransferPlan", "by_link", "offline_plan", "rank_loads", "transfer_plan"]

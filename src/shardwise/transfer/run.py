@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from shardwise.backends.base import Backend
 
 _STATUS_ATTR = "_shardwise_transfer"
-NameMap = Mapping[str, "str | tuple[str, Region] | Sequence[Piece]"]
+NameMap = Mapping[str, "str | tuple[str, Region | tuple[Sequence[int], Sequence[int]]] | Sequence[Piece]"]
 
 
 def _describe(model: nn.Module | None) -> dict[str, tuple] | None:
@@ -86,14 +86,21 @@ def _pieces(names: NameMap | None, src: Mapping[str, Holding]) -> dict[str, tupl
                 raise PlanError(f"names maps {dst!r} to {how!r}, which the source model does not have")
             zeros = (0,) * len(src[how].shape)
             out[dst] = (Piece(how, Region(zeros, src[how].shape), zeros),)
-        elif isinstance(how, tuple) and len(how) == 2 and isinstance(how[1], Region):
-            out[dst] = (Piece(how[0], how[1], (0,) * len(how[1].sizes)),)
+        elif isinstance(how, tuple) and len(how) == 2 and isinstance(how[0], str) and _is_box(how[1]):
+            box = how[1] if isinstance(how[1], Region) else Region(*map(tuple, how[1]))
+            out[dst] = (Piece(how[0], box, (0,) * len(box.sizes)),)
         elif all(isinstance(p, Piece) for p in how):
             out[dst] = tuple(how)
         else:
-            raise UsageError(f"names[{dst!r}] must be a source name, (source name, Region) or a "
+            raise UsageError(f"names[{dst!r}] must be a source name, (source name, (offsets, sizes)) or a "
                              f"sequence of Piece, got {how!r}")
     return out
+
+
+def _is_box(box) -> bool:
+    return isinstance(box, Region) or (
+        isinstance(box, tuple) and len(box) == 2
+        and all(isinstance(v, (tuple, list)) and all(isinstance(i, int) for i in v) for v in box))
 
 
 class _Status:
@@ -249,7 +256,7 @@ def transfer_plan(src_model: nn.Module | None, dst_model: nn.Module | None, *, n
 
     Every rank of the world calls it, passing the models it holds a part of (None for one it
     does not: a trainer rank has no inference model). ``names`` maps a destination parameter
-    to its source: a source name, ``(source name, Region)`` (a box of it: q out of a fused
+    to its source: a source name, ``(source name, (offsets, sizes))`` (a box of it: q out of a fused
     qkv) or a sequence of ``Piece`` (several boxes assembled); unmapped names are the same
     on both sides. Values are cast to each destination parameter's dtype, after slicing.
     Remote moves go in buckets where no rank sends plus receives more than ``bucket_bytes``.
