@@ -58,7 +58,10 @@ def _held(model, full):
 
 def _source_of(name, full, names):
     how = names.get(name, name)
-    return full[how] if isinstance(how, str) else full[how[0]][how[1].slices()]
+    if isinstance(how, str):
+        return full[how]
+    box = how[1] if isinstance(how[1], Region) else Region(*how[1])
+    return full[how[0]][box.slices()]
 
 
 def _transfer(case: dict):

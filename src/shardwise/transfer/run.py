@@ -90,7 +90,7 @@ def _pieces(names: NameMap | None, src: Mapping[str, Holding]) -> dict[str, tupl
             box = how[1] if isinstance(how[1], Region) else Region(*map(tuple, how[1]))
             out[dst] = (Piece(how[0], box, (0,) * len(box.sizes)),)
         elif all(isinstance(p, Piece) for p in how):
-            out[dst] = tuple(how)
+            out[dst] = tuple(p for p in how if isinstance(p, Piece))
         else:
             raise UsageError(f"names[{dst!r}] must be a source name, (source name, (offsets, sizes)) or a "
                              f"sequence of Piece, got {how!r}")
