@@ -85,25 +85,26 @@ def _both_ways(tmp: Path, degree: int) -> bool:
 def _failing_rank(tmp: Path) -> dict:
     """Rank 1 fails in the middle of its writes; then rank 1 cannot see rank 0's folder."""
     import shardwise.io.parallel_save as ps
+    from shardwise.io.storage.local import LocalWriter
 
     backend = sw.init_backend("gloo")
     model = sw.parallelize(make_model(1), tiny_plan(), backend.mesh(tp=2))
     out = {}
-    write, calls = ps._pwrite_all, [0]
+    write, calls = LocalWriter.pwrite, [0]
 
-    def full_disk(fd, buf, pos):
+    def full_disk(self, buf, pos):
         calls[0] += 1
         if calls[0] == 5 and backend.rank == 1:
             raise OSError(errno.ENOSPC, "No space left on device (simulated)")
-        return write(fd, buf, pos)
+        return write(self, buf, pos)
 
-    ps._pwrite_all = full_disk
+    LocalWriter.pwrite = full_disk  # type: ignore[method-assign]
     try:
         sw.save(model, tmp / "ckpt", overwrite=True, max_shard_size=SMALL, parallel_write=True)
     except Exception as e:
         out["disk_full"] = type(e).__name__
     finally:
-        ps._pwrite_all = write
+        LocalWriter.pwrite = write  # type: ignore[method-assign]
     backend.barrier(timeout=20)  # nobody is left in a collective
 
     real, used = ps.write_parallel, [0]
@@ -132,21 +133,21 @@ def _failing_rank(tmp: Path) -> dict:
 
 def _killed(tmp: Path, victim: int) -> None:
     """Rank ``victim`` dies among its writes (rank 0 by SIGKILL, others by _exit)."""
-    import shardwise.io.parallel_save as ps
+    from shardwise.io.storage.local import LocalWriter
 
     backend = sw.init_backend("gloo")
     model = sw.parallelize(make_model(1), tiny_plan(), backend.mesh(tp=2))
-    write, calls = ps._pwrite_all, [0]
+    write, calls = LocalWriter.pwrite, [0]
 
-    def dying(fd, buf, pos):
+    def dying(self, buf, pos):
         calls[0] += 1
         if calls[0] == 4 and backend.rank == victim:
             if victim == 0:
                 os.kill(os.getpid(), signal.SIGKILL)
             os._exit(1)
-        return write(fd, buf, pos)
+        return write(self, buf, pos)
 
-    ps._pwrite_all = dying
+    LocalWriter.pwrite = dying  # type: ignore[method-assign]
     sw.save(model, tmp / "ckpt", overwrite=True, max_shard_size=SMALL, parallel_write=True)
 
 

@@ -278,7 +278,7 @@ def test_world_of_one_is_a_plain_streaming_saver(tmp_path):
 
 
 def test_without_atomic_exchange_an_interrupted_swap_is_repaired(tmp_path, monkeypatch):
-    import shardwise.io.target as target_module
+    import shardwise.io.storage.transaction as target_module
 
     monkeypatch.setattr(target_module, "_renameat2_fn", lambda: None)  # as on macOS
     original, other = _original(tmp_path), _original(tmp_path, seed=1)

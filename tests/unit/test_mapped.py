@@ -18,10 +18,10 @@ import torch
 from shardwise.core.header import TensorEntry
 from shardwise.core.spec import Region, ShardSpec, split
 from shardwise.errors import CheckpointError
-from shardwise.io.files import open_regular
 from shardwise.io.formats.safetensors.checkpoint import resolve_checkpoint
 from shardwise.io.formats.safetensors.mapped import contiguous_span, copy_mapped
 from shardwise.io.formats.safetensors.reader import RegionReader, cpu_views, plan_reads
+from shardwise.io.storage.local import LOCAL
 
 TENSORS = {
     "rows": (torch.arange(96.0).reshape(24, 4), ShardSpec(dim=0)),
@@ -168,7 +168,7 @@ def test_a_file_shortened_after_its_header_was_read_is_an_error(tmp_path, spec):
 def test_copy_mapped_any_destination_strides(ckpt):
     path = next(iter(ckpt.headers))
     header = ckpt.headers[path]
-    fd = open_regular(path)
+    fd = LOCAL.open(path)
     try:
         canonical = TENSORS["cube"][0]
         region = Region((1, 2, 1), (3, 5, 2))
@@ -177,7 +177,7 @@ def test_copy_mapped_any_destination_strides(ckpt):
         assert n == 3 * 5 * 2 * 4
         assert torch.equal(dest, canonical[1:4, 2:7, 1:3])
     finally:
-        os.close(fd)
+        fd.close()
 
 
 @pytest.mark.parametrize("shape,offsets,sizes,span", [

@@ -13,6 +13,7 @@ import os
 import re
 import sys
 import tempfile
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -33,7 +34,6 @@ from shardwise.core.header import (
     str_to_dtype,
 )
 from shardwise.errors import CheckpointError
-from shardwise.io.files import Writeback
 from shardwise.io.formats.safetensors.checkpoint import Checkpoint, resolve_checkpoint
 from shardwise.io.safetensors.format import (
     StreamingWriter,
@@ -44,6 +44,7 @@ from shardwise.io.safetensors.format import (
     read_region,
     read_tensor,
 )
+from shardwise.io.storage.local import LOCAL, Writeback
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
           torch.int16, torch.int8, torch.uint8, torch.bool]
@@ -197,12 +198,12 @@ def test_read_region_matches_safetensors_slicing(box, dtype, seed):
         header = read_header(path)
         entry = header.entries["t"]
         out = torch.full(sizes, 1, dtype=dtype)
-        fd = os.open(path, os.O_RDONLY)
+        fd = LOCAL.open(path)
         try:
             nbytes = read_region(fd, header, entry, offsets, sizes, out)
             whole = read_tensor(fd, header, entry)
         finally:
-            os.close(fd)
+            fd.close()
     box_slices = tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))
     assert same(out, loaded[box_slices])
     assert nbytes == math.prod(sizes) * tensor.element_size()
@@ -224,9 +225,9 @@ def test_read_region_reads_only_the_box(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "preadv", counting_preadv)
     local = torch.empty(64, 2 * 32, dtype=torch.bfloat16).view(2, 64, 32)  # two regions, one buffer
-    with open(path, "rb") as f:
-        read_region(f.fileno(), header, entry, (0, 32), (64, 32), local[1])
-        read_region(f.fileno(), header, entry, (0, 0), (64, 32), local[0])
+    with closing(LOCAL.open(path)) as f:
+        read_region(f, header, entry, (0, 32), (64, 32), local[1])
+        read_region(f, header, entry, (0, 0), (64, 32), local[0])
     assert same(local[1], tensor[:, 32:64]) and same(local[0], tensor[:, :32])
     assert sum(n for _, n in reads) == 2 * 64 * 32 * 2
     lo, hi = header.data_start + entry.start, header.data_start + entry.end
@@ -238,13 +239,13 @@ def test_read_region_refuses_bad_out(tmp_path):
     save_file({"w": torch.zeros(4, 6)}, path)
     header = read_header(path)
     entry = header.entries["w"]
-    with open(path, "rb") as f:
+    with closing(LOCAL.open(path)) as f:
         for out in (torch.empty(4, 6).t(), torch.empty(4, 3, dtype=torch.float16), torch.empty(2, 3)):
             with pytest.raises(ValueError):
-                read_region(f.fileno(), header, entry, (0, 0), (4, 3), out)
+                read_region(f, header, entry, (0, 0), (4, 3), out)
         other = TensorEntry("v", "F32", (4, 6), 0, 96)
         with pytest.raises(ValueError):
-            read_region(f.fileno(), header, other, (0, 0), (4, 6), torch.empty(4, 6))
+            read_region(f, header, other, (0, 0), (4, 6), torch.empty(4, 6))
 
 
 def test_read_region_on_file_truncated_after_header_read(tmp_path):
@@ -252,8 +253,8 @@ def test_read_region_on_file_truncated_after_header_read(tmp_path):
     save_file({"w": torch.ones(8, 8)}, path)
     header = read_header(path)
     os.truncate(path, path.stat().st_size - 20)
-    with open(path, "rb") as f, raises_naming(path, "'w'", "truncated"):
-        read_tensor(f.fileno(), header, header.entries["w"])
+    with closing(LOCAL.open(path)) as f, raises_naming(path, "'w'", "truncated"):
+        read_tensor(f, header, header.entries["w"])
 
 
 # --- malformed files -------------------------------------------------------------------------
@@ -505,8 +506,8 @@ def load_all(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
     result = {}
     for name in ckpt.names:
         path, entry = ckpt.entry(name)
-        with open(path, "rb") as f:
-            result[name] = read_tensor(f.fileno(), ckpt.headers[path], entry)
+        with closing(LOCAL.open(path)) as f:
+            result[name] = read_tensor(f, ckpt.headers[path], entry)
     return result
 
 
@@ -685,7 +686,7 @@ def test_plan_files_and_index_json():
 def test_read_region_completes_short_reads(tmp_path, monkeypatch):
     # The kernel may return fewer bytes than asked (signals, network filesystems): the
     # remainder of every run must still be read, at the right offset.
-    import shardwise.io.files as sio  # where the byte-level reads live
+    import shardwise.io.storage.local as sio  # where the byte-level reads live
 
     t = torch.arange(64 * 48, dtype=torch.float32).reshape(64, 48)
     path = tmp_path / "m.safetensors"
@@ -700,8 +701,8 @@ def test_read_region_completes_short_reads(tmp_path, monkeypatch):
     monkeypatch.setattr(sio, "_pread_some", short)
     header = read_header(path)
     out = torch.empty(64, 12)
-    with open(path, "rb") as f:
-        n = read_region(f.fileno(), header, header.entries["w"], (0, 24), (64, 12), out)
+    with closing(LOCAL.open(path)) as f:
+        n = read_region(f, header, header.entries["w"], (0, 24), (64, 12), out)
     assert n == out.numel() * 4
     assert torch.equal(out, t[:, 24:36])
     assert len(calls) > 64  # every row run needed more than one read
@@ -723,8 +724,8 @@ with StreamingWriter(path, [("w", "BF16", (4, 6))]) as w:
     w.write("w", t)
 h = read_header(path)
 out = torch.empty(4, 3, dtype=torch.bfloat16)
-with open(path, "rb") as f:
-    read_region(f.fileno(), h, h.entries["w"], (0, 3), (4, 3), out)
+from shardwise.io.storage.local import LOCAL
+read_region(LOCAL.open(__import__("pathlib").Path(path)), h, h.entries["w"], (0, 3), (4, 3), out)
 assert torch.equal(out, t[:, 3:]), out
 """
     subprocess.run([sys.executable, "-c", code], check=True)

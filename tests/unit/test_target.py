@@ -8,9 +8,9 @@ import errno
 import pytest
 import torch
 
-import shardwise.io.target as target_module
+import shardwise.io.storage.transaction as target_module
 from shardwise.errors import CheckpointError, ShardwiseError, StorageError, UsageError
-from shardwise.io.files import byte_view
+from shardwise.io.storage import byte_view
 
 
 @pytest.mark.parametrize("atomic", [True, False])

@@ -126,6 +126,11 @@ class ModelAdapter:
         None; ``need``: raise ``CheckpointError`` where they name one this process cannot build."""
         return None
 
+    def quantization_config(self, folder: Path) -> tuple[object, Path] | None:
+        """``(the quantization_config this library's side files in the checkpoint folder
+        record, or None; the file that holds them)``; None when the folder has no such file."""
+        return None
+
     def model_from_config(self, config_file: Path) -> nn.Module | None:
         """The meta-device model a config file of this library describes; None when the file
         is not one of its configs, ``CheckpointError`` when it is but cannot be built here."""
@@ -175,6 +180,16 @@ def folder_model(folder: Path, *, need: bool = False) -> nn.Module | None:
     return None
 
 
+def folder_quantization(folder: Path) -> tuple[object, Path] | None:
+    """What the first adapter whose side files the checkpoint ``folder`` holds says of its
+    quantization (``ModelAdapter.quantization_config``), or None."""
+    for adapter in _ADAPTERS.values():
+        found = adapter.quantization_config(Path(folder))
+        if found is not None:
+            return found
+    return None
+
+
 def config_model(config_file: Path) -> nn.Module | None:
     """The meta-device model the first adapter that reads ``config_file`` builds, or None."""
     for adapter in _ADAPTERS.values():
@@ -189,5 +204,5 @@ def side_file_names() -> tuple[str, ...]:
     return tuple(dict.fromkeys(n for a in _ADAPTERS.values() for n in a.side_files))
 
 
-__all__ = ["ModelAdapter", "adapter_for", "adapters", "config_model", "folder_model", "refuse_unsupported",
-           "register_adapter", "side_file_names"]
+__all__ = ["ModelAdapter", "adapter_for", "adapters", "config_model", "folder_model", "folder_quantization",
+           "refuse_unsupported", "register_adapter", "side_file_names"]

@@ -87,6 +87,9 @@ class HuggingFace(ModelAdapter):
     def model_from_folder(self, folder: Path, *, need: bool = False) -> nn.Module | None:
         return files.model_from_folder(folder, need=need)
 
+    def quantization_config(self, folder: Path) -> tuple[object, Path] | None:
+        return files.quantization_config(folder)
+
     def model_from_config(self, config_file: Path) -> nn.Module | None:
         return files.model_from_config(config_file)
 

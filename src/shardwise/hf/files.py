@@ -105,6 +105,21 @@ def model_from_folder(folder: Path, *, need: bool = False) -> nn.Module | None:
                               f"{e}); consolidate with layout='module'") from e
 
 
+def quantization_config(folder: Path) -> tuple[object, Path] | None:
+    """``(the quantization_config of the folder's config.json or None, that file)``; None when
+    the folder has no config.json. Read through the folder's storage (capped, strict JSON)."""
+    from shardwise.io.storage import read_json, storage_for
+
+    config_file = Path(folder) / "config.json"
+    storage = storage_for(config_file)
+    if storage.stat(config_file) is None:
+        return None
+    try:
+        return read_json(storage, config_file, what="the config").get("quantization_config"), config_file
+    except (OSError, CheckpointError):
+        return None, config_file
+
+
 def model_from_config(config_file: Path) -> nn.Module | None:
     """The meta-device model a transformers (``architectures``) or diffusers (``_class_name``)
     config.json describes; None when it names neither. Raises ``CheckpointError`` when it names
@@ -139,4 +154,4 @@ def model_from_config(config_file: Path) -> nn.Module | None:
 
 
 __all__ = ["DIFFUSERS_PREFIX", "SIDE_FILES", "default_prefix",
-           "library_of", "model_from_config", "model_from_folder", "write_side_files"]
+           "library_of", "model_from_config", "model_from_folder", "quantization_config", "write_side_files"]

@@ -32,7 +32,8 @@ from shardwise.io.safetensors.format import StreamingWriter
 from shardwise.io.safetensors.sink import plan_checkpoint
 from shardwise.io.sink import WritePlan
 from shardwise.io.source import Stored
-from shardwise.io.target import Destination, target_path
+from shardwise.io.storage import Transaction, storage_for
+from shardwise.io.storage.transaction import target_path
 
 
 def consolidation_plan(source: Stored, *, max_shard_size: int | str = "5GB", filename_prefix: str = "model",
@@ -135,12 +136,13 @@ def consolidate(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_siz
         plan = consolidation_plan(source, max_shard_size=max_shard_size, filename_prefix=filename_prefix,
                                   layout=layout)
         return _write_safetensors(_WholeTensors(source, plan.parts), plan,
-                                  Destination(target_path(dst), overwrite), side_files=source.root)
+                                  storage_for(dst).transaction(target_path(dst), overwrite=overwrite),
+                                  side_files=source.root)
     finally:
         source.close()
 
 
-def _write_safetensors(tensor, plan: WritePlan, dest: Destination, *, side_files: Path) -> Path:
+def _write_safetensors(tensor, plan: WritePlan, dest: Transaction, *, side_files: Path) -> Path:
     """Write ``plan``, each tensor from ``tensor(name)``, into ``dest``, with
     ``shardwise.json``, the plan's index and the side files of the folder ``side_files``."""
     # The copies are memory-bound: one thread moves them as fast, while a pool of OpenMP
@@ -154,7 +156,7 @@ def _write_safetensors(tensor, plan: WritePlan, dest: Destination, *, side_files
     torch.set_num_threads(1)
     try:
         dest.prepare()
-        tmp = dest.tmp
+        tmp = dest.folder
         assert tmp is not None  # prepare() made the temporary folder
         checksums: dict[str, str] = {}
         for planned in plan.files:

@@ -29,7 +29,8 @@ import torch
 import xxhash
 
 from shardwise.errors import CheckpointError
-from shardwise.io.files import byte_view, pread_into, read_json_file
+from shardwise.io.storage import ReadHandle, byte_view, read_json, storage_for, write_small
+from shardwise.io.storage.local import check_inside
 
 INFO_FILE = "shardwise.json"
 
@@ -102,14 +103,8 @@ def chunk_key(offsets) -> str:
 
 
 def write_info(folder: Path, info: dict) -> None:
-    """Write ``shardwise.json`` into ``folder`` (aside, fsynced, then renamed)."""
-    tmp = folder / (INFO_FILE + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(info, f, indent=1)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, folder / INFO_FILE)
+    """Write ``shardwise.json`` into ``folder`` (aside, durable, then in place)."""
+    write_small(storage_for(folder), folder / INFO_FILE, (json.dumps(info, indent=1) + "\n").encode())
 
 
 def gather_info(checksums: dict[str, str], specs=None) -> dict:
@@ -124,16 +119,16 @@ def gather_info(checksums: dict[str, str], specs=None) -> dict:
     return info
 
 
-def digest_range(fd: int, start: int, nbytes: int, algorithm: str, *, what: str,
+def digest_range(handle: ReadHandle, start: int, nbytes: int, algorithm: str,
                  piece: int = 16 << 20) -> str:
-    """The ``algorithm`` digest of ``nbytes`` bytes of the file ``fd`` from ``start``, read in
-    pieces of ``piece`` bytes (memory stays one piece); a short file raises ``CheckpointError``
-    naming ``what``."""
+    """The ``algorithm`` digest of ``nbytes`` bytes of the open object ``handle`` from
+    ``start``, read in pieces of ``piece`` bytes (memory stays one piece); a short object
+    raises ``CheckpointError`` naming it."""
     buf = bytearray(min(piece, max(nbytes, 1)))
     digest, done = new_digest(algorithm), 0
     while done < nbytes:
         view = memoryview(buf)[: min(len(buf), nbytes - done)]
-        pread_into(fd, view, start + done, what=what)
+        handle.readinto(view, start + done)
         digest.update(view)
         done += len(view)
     return digest.hexdigest()
@@ -201,7 +196,8 @@ def read_info(folder: str | os.PathLike) -> dict | None:
     path = folder / INFO_FILE
     if not os.path.lexists(path):
         return None
-    info = read_json_file(folder, path, what="the file")
+    check_inside(folder, path, source=path)
+    info = read_json(storage_for(folder), path, what="the file")
     for key, (want, ok) in _FIELDS.items():
         if key in info and not ok(info[key]):
             raise CheckpointError(

@@ -6,8 +6,8 @@ rank 0 creates a token there and every rank reads it back) and, unless asked for
 page cache and disk, and measured there (benchmarks/save.py, tp 2 and 4 on 2 cores) several
 writers of one file were no faster than rank 0 streaming (0.9-1.1x at tp=2, 0.7x at tp=4),
 while across machines each adds its own bandwidth to a shared filesystem. Rank 0 lays every file out up
-front (header written, file truncated to its final size); then each rank writes the regions
-of each stored tensor that it holds straight at their byte offsets with ``pwrite``. Nothing
+front (header written, file at its final size); then each rank writes the regions of each
+stored tensor that it holds straight at their byte offsets (the storage's positional writer). Nothing
 moves between ranks but verdicts and checksums.
 
 The files are the bytes the rank-0 stream writes: the same headers (``layout_header`` of the
@@ -28,7 +28,6 @@ checksums thus describe what landed on disk.
 
 from __future__ import annotations
 
-import os
 import secrets
 import socket
 from pathlib import Path
@@ -39,10 +38,10 @@ from shardwise.core.header import layout_header, region_runs, spec_nbytes
 from shardwise.core.pieces import Piece, piece_reads
 from shardwise.core.spec import Layout, Region, local_layout
 from shardwise.errors import CheckpointError, UsageError
-from shardwise.io.files import Writeback, byte_view, pread_into
 from shardwise.io.gather import StreamSink
 from shardwise.io.info import new_digest
 from shardwise.io.sink import WritePlan
+from shardwise.io.storage import Handles, Storage, byte_view, read_small, storage_for, write_small
 
 PROBE_PREFIX = ".shardwise-probe-"
 # Checksums read the files back this many bytes at a time, into one reused buffer.
@@ -55,8 +54,8 @@ def _sees_token(path: Path, token: str) -> bool:
     """Whether this rank reads ``token`` at ``path`` (tests replace it to simulate a rank on
     another filesystem)."""
     try:
-        return path.read_text() == token
-    except OSError:
+        return read_small(storage_for(path), path, what="the probe") == token.encode()
+    except (OSError, CheckpointError):
         return False
 
 
@@ -81,7 +80,7 @@ def shared_folder(backend, folder: Path | None, *, required: bool, what: str) ->
     if folder is not None:  # rank 0: the token holds random text, so no stale file can pass
         token = secrets.token_hex(16)
         path = folder / f"{PROBE_PREFIX}{token}"
-        if capture(lambda: path.write_text(token)) is None:
+        if capture(lambda: write_small(storage_for(path), path, token.encode())) is None:
             mine = [str(path), token]
     group = coordination_group(backend)
     offered = broadcast_object(mine, 0, group=group, purpose=f"{what}: the shared-folder probe")
@@ -89,7 +88,7 @@ def shared_folder(backend, folder: Path | None, *, required: bool, what: str) ->
     answers = all_gather_object((seen, host_id()), group=group, purpose=f"{what}: the shared-folder probe")
     verdicts = [ok for ok, _ in answers]
     if folder is not None and offered is not None:
-        Path(offered[0]).unlink(missing_ok=True)
+        Path(offered[0]).unlink(missing_ok=True)  # the probe, before the folder is committed
     blind = [r for r, ok in enumerate(verdicts) if not ok]
     if blind and required:
         where = f"rank 0's temporary folder {Path(offered[0]).parent}" if offered else "a token file"
@@ -129,50 +128,43 @@ def _boxes(item, piece: Piece, layout: Layout, shape: tuple[int, ...]):
         yield data, region_runs(shape, itemsize, src.offsets, src.sizes)  # src: in the stored tensor
 
 
-def _pwrite_all(fd: int, buf: memoryview, pos: int) -> None:
-    done = 0
-    while done < len(buf):
-        done += os.pwrite(fd, buf[done:], pos + done)
-
-
-def _write_file(path: Path, group, offsets: dict, base: int, jobs) -> None:
-    """Write this rank's boxes of the tensors of one file (created by rank 0), then fsync.
-    Box by box: one box's copy (when it is not contiguous) and runs are held at a time.
-    ``jobs[name]`` lists ``(item, piece, layout)`` for each model tensor in stored tensor
-    ``name`` (several for a hub-layout tensor fused from several model tensors)."""
-    fd = None
+def _write_file(storage: Storage, path: Path, group, offsets: dict, base: int, jobs) -> None:
+    """Write this rank's boxes of the tensors of one file (created by rank 0), then commit
+    (make them durable). Box by box: one box's copy (when it is not contiguous) and runs are
+    held at a time. ``jobs[name]`` lists ``(item, piece, layout)`` for each model tensor in
+    stored tensor ``name`` (several for a hub-layout tensor fused from several model tensors)."""
+    out = None
     try:
         boxes = ((name, data, runs) for name, _, shape in group for item, piece, layout in jobs[name]
                  if layout is not None for data, runs in _boxes(item, piece, layout, shape))
         for name, data, runs in boxes:
-            if fd is None:  # never O_CREAT: a missing file is an error, not a new file
-                fd = os.open(path, os.O_WRONLY)
-                writeback = Writeback(fd, sequential=False)
+            if out is None:
+                out = storage.create(path, existing=True)
             data = data.detach().resolve_conj().resolve_neg().cpu().contiguous()
             view, pos = byte_view(data), 0
-            # one pwrite per run: a dim-0 split is one run, a dim-1 split one run per row
+            # one write per run: a dim-0 split is one run, a dim-1 split one run per row
             for offset, length in runs:
-                _pwrite_all(fd, view[pos : pos + length], base + offsets[name][0] + offset)
+                out.pwrite(view[pos : pos + length], base + offsets[name][0] + offset)
                 pos += length
-            writeback.wrote(len(view))
             assert pos == len(view), (pos, len(view))
-        if fd is not None:
-            os.fsync(fd)
+        if out is not None:
+            out.commit()
     finally:
-        if fd is not None:
-            os.close(fd)
+        if out is not None:
+            out.abort()
 
 
-def _create_files(folder: Path, layouts) -> None:
+def _create_files(storage: Storage, folder: Path, layouts) -> None:
     """Rank 0: every file with its header, at its final size (the data zero until written)."""
     for fname, prefix, size, _ in layouts:
-        fd = os.open(folder / fname, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        out = storage.create(folder / fname)
         try:
-            _pwrite_all(fd, memoryview(prefix), 0)
-            os.ftruncate(fd, len(prefix) + size)
-            os.fsync(fd)
+            out.write(memoryview(prefix))
+            if size:  # the last byte sets the length; the rest stays a hole until written
+                out.pwrite(memoryview(b"\0"), len(prefix) + size - 1)
+            out.commit()
         finally:
-            os.close(fd)
+            out.abort()
 
 
 # --- checksums of what landed ----------------------------------------------------------------
@@ -193,25 +185,22 @@ def split_by_bytes(sizes: list[tuple[str, int]], world_size: int) -> list[list[s
     return out
 
 
-def _digest(folder: Path, where: dict, names: list[str]) -> dict[str, str]:
+def _digest(storage: Storage, folder: Path, where: dict, names: list[str]) -> dict[str, str]:
     """``{name: checksum}`` of the stored tensors ``names``, read back from their files."""
-    sums, fds = {}, {}
+    sums, handles = {}, Handles(storage)
     buf = bytearray(min(_READ_BLOCK, max([where[n][2] for n in names], default=0)))
     view = memoryview(buf)
     try:
         for name in names:
             fname, pos, nbytes = where[name]
-            if fname not in fds:
-                fds[fname] = os.open(folder / fname, os.O_RDONLY)
             digest = new_digest()
             for lo in range(pos, pos + nbytes, _READ_BLOCK):
                 block = view[: min(_READ_BLOCK, pos + nbytes - lo)]
-                pread_into(fds[fname], block, lo, what=str(folder / fname))
+                handles.get(folder / fname).readinto(block, lo)
                 digest.update(block)
             sums[name] = digest.hexdigest()
     finally:
-        for fd in fds.values():
-            os.close(fd)
+        handles.close()
     return sums
 
 
@@ -227,12 +216,13 @@ def write_parallel(backend, run, state, folder: Path, plan: WritePlan, bar, *, w
     ``ShardState`` (None for a model that was not parallelised).
     """
     rank = backend.rank if backend is not None else 0
+    storage = storage_for(folder)
     layouts, where = [], {}
     for f in plan.files:
         prefix, offsets = layout_header(f.tensors, plan.header)
         layouts.append((f.name, prefix, sum(spec_nbytes(dt, shape) for _, dt, shape in f.tensors), offsets))
         where.update({n: (f.name, len(prefix) + lo, hi - lo) for n, (lo, hi) in offsets.items()})
-    agree(backend, capture(lambda: _create_files(folder, layouts)) if rank == 0 else None, what=what)
+    agree(backend, capture(lambda: _create_files(storage, folder, layouts)) if rank == 0 else None, what=what)
 
     def write_all():
         layout_of = {}  # model tensor -> this rank's regions of it, computed once
@@ -249,7 +239,7 @@ def write_parallel(backend, run, state, folder: Path, plan: WritePlan, bar, *, w
                     if model_name not in layout_of:
                         layout_of[model_name] = _layout(item, state, run.axes, rank)
                     jobs[name].append((item, piece, layout_of[model_name]))
-            _write_file(folder / f.name, f.tensors, offsets, len(prefix), jobs)
+            _write_file(storage, folder / f.name, f.tensors, offsets, len(prefix), jobs)
 
     agree(backend, capture(write_all), what=what)  # every rank has fsynced its writes
     for fname, _, size, _ in layouts:
@@ -258,7 +248,7 @@ def write_parallel(backend, run, state, folder: Path, plan: WritePlan, bar, *, w
     world = backend.world_size if backend is not None else 1
     mine = split_by_bytes([(n, w[2]) for n, w in where.items()], world)[rank]
     sums: dict[str, str] = {}
-    error = capture(lambda: sums.update(_digest(folder, where, mine)))
+    error = capture(lambda: sums.update(_digest(storage, folder, where, mine)))
     agree(backend, error, what=what)
     parts = gather_object(sums, 0, group=coordination_group(backend), purpose=f"{what}: the checksums")
     if parts is None:

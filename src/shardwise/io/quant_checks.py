@@ -11,10 +11,9 @@ for a scale only where every rank's blocks are whole (``tie_aligned``); elsewher
 
 from __future__ import annotations
 
-import json
-
 from torch import nn
 
+from shardwise.core.adapter import folder_quantization
 from shardwise.core.plan import ResolvedPlan
 from shardwise.core.quant_layout import quant_ties, tie_aligned
 from shardwise.errors import CheckpointError, UnsupportedModelError, UsageError
@@ -59,9 +58,10 @@ def check_quantized_source(source, specs: ResolvedPlan, mesh) -> None:
     if source.name == "dcp":
         return  # canonical scales, read at their regions; another block size is another shape
     if source.name == "safetensors":  # the checkpoint's block size is the FP8 modules'
-        config = source.root / "config.json"
+        found = folder_quantization(source.root)
+        config = found[1] if found is not None else source.root
         fp8 = {s: t for s, t in specs.ties.items() if t.scheme == "fp8_block"}
-        block = checkpoint_block(source.root) if fp8 and _has_quantization(config) else None
+        block = checkpoint_block(source.root) if fp8 and found is not None and found[0] is not None else None
         # the checkpoint's block is on the last two dims (experts have a 1 before it)
         wrong = [(s, t.block) for s, t in fp8.items() if block is not None and t.block[-2:] != block]
         if wrong and block is not None:  # (wrong is empty without a block)
@@ -77,13 +77,6 @@ def check_quantized_source(source, specs: ResolvedPlan, mesh) -> None:
             "each rank the scales of the blocks it touches. Load at a degree where every shard holds whole "
             "128-row blocks, or consolidate to safetensors first (sw.consolidate); a distributed save "
             "with format='distcp' (the default) reloads at any degree")
-
-
-def _has_quantization(config) -> bool:
-    try:
-        return json.loads(config.read_text()).get("quantization_config") is not None
-    except (OSError, ValueError, AttributeError):
-        return False
 
 
 def check_quantized_save(model: nn.Module, how: str) -> None:

@@ -39,7 +39,8 @@ from shardwise.io.info import gather_info, write_info
 from shardwise.io.quant_checks import check_quantized_save
 from shardwise.io.save_options import DistributedSave, SafetensorsSave, save_options
 from shardwise.io.sink import StoredTensor
-from shardwise.io.target import Destination, target_path
+from shardwise.io.storage import storage_for
+from shardwise.io.storage.transaction import target_path
 from shardwise.mesh import world_backend
 
 if TYPE_CHECKING:
@@ -186,20 +187,20 @@ def save_safetensors(model: nn.Module, path, options: SafetensorsSave, *, backen
             check_quantized_save(model, "with parallel_write=True")
         parallel = False
     join_collective(backend, "sw.save")  # after the guards and the plan: all pure
-    dest = Destination(target, overwrite) if stream.rank == 0 else None
+    dest = storage_for(target).transaction(target, overwrite=overwrite) if stream.rank == 0 else None
     digest = fingerprint((plan.files, [(i.name, i.spec, i.degree) for i in items], options.parallel_write))
     try:
         agree(backend, capture(dest.prepare) if dest else None, what=what, digest=digest)
-        shared = (parallel_save.shared_folder(backend, dest.tmp if dest else None, what=what,
+        shared = (parallel_save.shared_folder(backend, dest.folder if dest else None, what=what,
                                               required=options.parallel_write is True) if parallel else None)
         sink = stream if shared is None else parallel_save.ParallelSink(
             backend, state, stream.items, what=what, **sink_options)
         with Progress(sum(i.nbytes for i in items), progress, stream.rank == 0, "shardwise save") as bar:
-            checksums = sink.write(plan, shared or (dest.tmp if dest else None), bar)
+            checksums = sink.write(plan, shared or (dest.folder if dest else None), bar)
 
         def commit():
-            write_info(dest.tmp, gather_info(checksums, [s.spec for s in stored]))
-            adapter.write_side_files(model, dest.tmp)  # config.json & co: from_pretrained reads the folder
+            write_info(dest.folder, gather_info(checksums, [s.spec for s in stored]))
+            adapter.write_side_files(model, dest.folder)  # config.json & co: from_pretrained reads the folder
             dest.commit(plan.index)
 
         agree(backend, capture(commit) if dest else None, what=what)

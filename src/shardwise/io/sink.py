@@ -93,7 +93,7 @@ class Sink(Protocol):
     holds the same plan without a collective), then every rank calls :meth:`write` once with
     that plan (collective: a failure on any rank raises on every rank). ``folder`` is the
     save's temporary folder where the rank writes (None on a rank that writes nothing);
-    moving it into place is the caller's (``shardwise.io.target.Destination``).
+    moving it into place is the caller's (``shardwise.io.storage.Transaction``).
     """
 
     def plan(self, items) -> WritePlan:

@@ -18,7 +18,6 @@ dequantized units (``core.quant.dequantize_region``: float32, the same math as a
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from shardwise.core.adapter import folder_quantization
 from shardwise.core.header import dtype_to_str
 from shardwise.core.quant import MXFP4_GROUP, MXFP4_GROUP_BYTES, dequantize_region, scale_region, scale_shape
 from shardwise.core.spec import Region
@@ -55,16 +55,15 @@ class QuantPair:
 
 
 def quantization_config(root: Path) -> dict | None:
-    """The ``quantization_config`` of the ``config.json`` in ``root`` (None if there is none)."""
-    try:
-        qc = json.loads((Path(root) / "config.json").read_text()).get("quantization_config")
-    except (OSError, ValueError, AttributeError):
-        return None
+    """The ``quantization_config`` of the model config beside the checkpoint in ``root`` (the
+    model adapter's: ``core.adapter.folder_quantization``); None if there is none."""
+    found = folder_quantization(Path(root))
+    qc = found[0] if found is not None else None
     return qc if isinstance(qc, dict) else None
 
 
 def has_config(root: Path) -> bool:
-    return (Path(root) / "config.json").is_file()
+    return folder_quantization(Path(root)) is not None
 
 
 def _method(qc: dict | None) -> str | None:

@@ -46,7 +46,8 @@ from shardwise.io.guards import check_model
 from shardwise.io.info import ALGORITHM, chunk_key, write_info
 from shardwise.io.safetensors.format import StreamingWriter
 from shardwise.io.sink import PlannedFile, WritePlan
-from shardwise.io.target import Destination, target_path
+from shardwise.io.storage import storage_for
+from shardwise.io.storage.transaction import target_path
 from shardwise.parallel import get_shard_state
 
 # (tensor name, safetensors dtype, canonical shape, region) of one chunk a rank holds
@@ -211,11 +212,11 @@ def save_sharded_safetensors(model: nn.Module, path, *, backend: Backend | None,
     placed = box["placed"]
     sink = ShardedSafetensorsSink(placed, rank)
     plan = sink.plan(held)
-    dest = Destination(target, overwrite) if rank == 0 else None
+    dest = storage_for(target).transaction(target, overwrite=overwrite) if rank == 0 else None
 
     def prepare():
         dest.prepare()
-        return str(dest.tmp)
+        return str(dest.folder)
 
     try:
         tmp = Path(on_rank0(prepare, f"preparing {what}", backend=backend, share=True))
@@ -225,8 +226,8 @@ def save_sharded_safetensors(model: nn.Module, path, *, backend: Backend | None,
         info.update(storage="safetensors", checksums=_all_checksums(sums, backend))
 
         def commit():
-            write_info(dest.tmp, info)
-            adapter_for(model).write_side_files(model, dest.tmp)  # config.json & co, as every save
+            write_info(dest.folder, info)
+            adapter_for(model).write_side_files(model, dest.folder)  # config.json & co, as every save
             dest.commit(None)
 
         on_rank0(commit, f"moving {what} into place", backend=backend)

@@ -1,7 +1,8 @@
-"""Safetensors files on disk: headers, boxes of tensors, a streaming writer (checkpoint
-folders and indexes are ``shardwise.io.formats.safetensors.checkpoint``).
+"""Safetensors files over a storage: headers, boxes of tensors, a streaming writer (checkpoint
+folders and indexes are ``shardwise.io.formats.safetensors.checkpoint``). The bytes come and
+go through ``shardwise.io.storage``; this module says which.
 
-``read_region`` reads a box with ``pread`` of each contiguous run into the destination
+``read_region`` reads a box as one batch of its contiguous runs into the destination
 tensor's memory (exactly the box's bytes). The loader may instead keep a CPU region as a
 page-cache view or copy a column slice out of a mapping (``shardwise.io.formats.safetensors.mapped``), where
 that measured faster. Nothing here ever unpickles.
@@ -29,8 +30,8 @@ from shardwise.core.header import (
     str_to_dtype,
 )
 from shardwise.errors import CheckpointError, UsageError
-from shardwise.io.files import Writeback, byte_view, fsync_dir, open_regular, pread_into, pread_runs
 from shardwise.io.info import new_digest, record_checksums
+from shardwise.io.storage import ReadHandle, Storage, WriteHandle, byte_view, storage_for
 
 INDEX_SUFFIX = ".safetensors.index.json"
 # The writer hashes and writes a tensor this many bytes at a time (fits the CPU's L2/L3).
@@ -38,35 +39,36 @@ _WRITE_BLOCK = 2 << 20
 
 # --- reading -----------------------------------------------------------------------------
 
-def _read_header_fd(fd: int, source: str) -> FileHeader:
-    size = os.fstat(fd).st_size
+def _read_header(handle: ReadHandle, source: str) -> FileHeader:
+    size = handle.size()
     if size < 8:
         raise CheckpointError(f"{source}: {size} bytes, shorter than the 8-byte header length; truncated")
     prefix = bytearray(8)
-    pread_into(fd, memoryview(prefix), 0, what=source)
+    handle.readinto(memoryview(prefix), 0)
     n = int.from_bytes(prefix, "little")
     check_header_length(n, size, source=source)
     raw = bytearray(n)
-    pread_into(fd, memoryview(raw), 8, what=source)
+    handle.readinto(memoryview(raw), 8)
     return parse_header(bytes(raw), data_size=size - 8 - n, source=source)
 
 
-def read_header(path: str | os.PathLike) -> FileHeader:
-    """The validated header of a safetensors file; reads only the prefix.
+def read_header(path: str | os.PathLike, storage: Storage | None = None) -> FileHeader:
+    """The validated header of a safetensors file (in ``storage``, else the one its path
+    names); reads only the prefix.
 
     >>> read_header("model.safetensors").entries["w"].shape    # doctest: +SKIP
     (4096, 4096)
     """
     path = Path(path)
-    fd = open_regular(path)
+    handle = (storage or storage_for(path)).open(path)
     try:
-        return _read_header_fd(fd, str(path))
+        return _read_header(handle, str(path))
     finally:
-        os.close(fd)
+        handle.close()
 
 
 def read_region(
-    fd: int,
+    handle: ReadHandle,
     file_header: FileHeader,
     entry: TensorEntry,
     region_offsets: Sequence[int],
@@ -81,8 +83,8 @@ def read_region(
     for a non-contiguous destination read into a scratch tensor and ``copy_``.
 
     >>> header = read_header("model.safetensors")                           # doctest: +SKIP
-    >>> with open("model.safetensors", "rb") as f:                           # doctest: +SKIP
-    ...     read_region(f.fileno(), header, header.entries["w"], (0, 8), (4, 8), torch.empty(4, 8))
+    >>> handle = LOCAL.open(Path("model.safetensors"))                      # doctest: +SKIP
+    >>> read_region(handle, header, header.entries["w"], (0, 8), (4, 8), torch.empty(4, 8))  # doctest: +SKIP
     128
     """
     if file_header.entries.get(entry.name) != entry:
@@ -99,14 +101,16 @@ def read_region(
     runs = region_runs(entry.shape, entry.itemsize, region_offsets, sizes)
     if not runs:
         return 0
-    return pread_runs(fd, byte_view(out.detach()), file_header.data_start + entry.start, runs,
-                      what=f"{file_header.source}: tensor {entry.name!r}")
+    try:
+        return handle.read_runs(byte_view(out.detach()), file_header.data_start + entry.start, runs)
+    except CheckpointError as e:
+        raise CheckpointError(f"{file_header.source}: tensor {entry.name!r}: {e}") from e
 
 
-def read_tensor(fd: int, file_header: FileHeader, entry: TensorEntry) -> torch.Tensor:
+def read_tensor(handle: ReadHandle, file_header: FileHeader, entry: TensorEntry) -> torch.Tensor:
     """The whole tensor ``entry`` as a fresh CPU tensor."""
     out = torch.empty(entry.shape, dtype=entry.torch_dtype)
-    read_region(fd, file_header, entry, (0,) * len(entry.shape), entry.shape, out)
+    read_region(handle, file_header, entry, (0,) * len(entry.shape), entry.shape, out)
     return out
 
 
@@ -118,9 +122,10 @@ class StreamingWriter:
 
     safetensors' own writers (``save_file``, ``serialize``) take the whole dict of
     tensors at once; a gather save holds one full tensor at a time, so it lays the
-    header out from the specs up front and streams the data. The file is written
-    aside and renamed into place by :meth:`close`, after an fsync; if the ``with``
-    block raises, or a tensor is missing at close, the partial file is removed.
+    header out from the specs up front and streams the data, through the storage's
+    writer (``storage``, else the one the path names), which makes the file durable and
+    visible only at :meth:`close`; if the ``with`` block raises, or a tensor is missing at
+    close, the partial file is removed.
 
     With ``checksums`` (the default) it computes each tensor's checksum while writing its
     bytes (``shardwise.io.info``): :attr:`checksums` maps each written tensor to it, and a
@@ -132,18 +137,16 @@ class StreamingWriter:
 
     def __init__(
         self, path: str | os.PathLike, specs: Sequence[Spec], metadata: Mapping[str, str] | None = None,
-        *, checksums: bool = True,
+        *, checksums: bool = True, storage: Storage | None = None,
     ):
         self.path = Path(path)
         self.checksums: dict[str, str] = {}
         self._checksums = checksums
         self._specs = [(name, dtype, tuple(shape)) for name, dtype, shape in specs]
         prefix, self._offsets = layout_header(self._specs, metadata)
-        self._tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.partial")
         self._next = 0
         self._pos = 0
-        self._fd: int | None = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
-        self._writeback = Writeback(self._fd, sequential=True)
+        self._out: WriteHandle | None = (storage or storage_for(self.path)).create(self.path)
         try:
             self._write_all(memoryview(prefix))
         except BaseException:
@@ -161,16 +164,13 @@ class StreamingWriter:
             self.abort()
 
     def _write_all(self, buf: memoryview) -> None:
-        assert self._fd is not None  # called only while open (__init__, write() checks)
-        done = 0
-        while done < len(buf):
-            done += os.write(self._fd, buf[done:])
-        self._pos += done
-        self._writeback.wrote(done)
+        assert self._out is not None  # called only while open (__init__, write() checks)
+        self._out.write(buf)
+        self._pos += len(buf)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Append tensor ``name``; it must be the next spec, with its dtype and shape, on CPU."""
-        if self._fd is None:
+        if self._out is None:
             raise CheckpointError(f"{self.path}: the writer is closed; cannot write {name!r}")
         if self._next == len(self._specs):
             raise CheckpointError(
@@ -206,8 +206,8 @@ class StreamingWriter:
         self._next += 1
 
     def close(self) -> None:
-        """Check every tensor was written, fsync, and move the file into place."""
-        if self._fd is None:
+        """Check every tensor was written, then commit the file (durable, then in place)."""
+        if self._out is None:
             return
         if self._next != len(self._specs):
             missing = self._specs[self._next][0]
@@ -216,23 +216,18 @@ class StreamingWriter:
                 f"{self.path}: closed with {len(self._specs) - self._next} of {len(self._specs)} "
                 f"tensors unwritten (first: {missing!r}); the partial file was removed"
             )
+        out, self._out = self._out, None
         try:
-            os.fsync(self._fd)
-            os.close(self._fd)
-            self._fd = None
-            os.replace(self._tmp, self.path)
-        except BaseException:
-            self.abort()
-            raise
-        fsync_dir(self.path.parent)
+            out.commit()
+        finally:
+            out.abort()
         record_checksums(self.checksums)
 
     def abort(self) -> None:
-        """Close and remove the partial file; safe to call more than once."""
-        if self._fd is not None:
-            fd, self._fd = self._fd, None
-            os.close(fd)
-        self._tmp.unlink(missing_ok=True)
+        """Drop the partial file; safe to call more than once."""
+        if self._out is not None:
+            out, self._out = self._out, None
+            out.abort()
 
 
 # --- sharding plan -------------------------------------------------------------------------

@@ -49,7 +49,8 @@ from shardwise.io.guards import check_model
 from shardwise.io.info import INFO_FILE, write_info
 from shardwise.io.source import Finalize, ReadOptions, Reads, Want
 from shardwise.io.spmd_save import SpmdSavePlanner, spmd_placed
-from shardwise.io.target import Destination, target_path
+from shardwise.io.storage import storage_for
+from shardwise.io.storage.transaction import target_path
 from shardwise.parallel import get_shard_state
 
 _ASYNC_GROUP: dict = {}
@@ -118,11 +119,11 @@ def write_checkpoint(path, state_dict: dict, placed: Mapping[str, Placed], info:
     folder beside ``path``, DCP writes into it, and it replaces ``path`` once complete.
     """
     target = target_path(path)
-    dest = Destination(target, overwrite) if comm.rank() == 0 else None
+    dest = storage_for(target).transaction(target, overwrite=overwrite) if comm.rank() == 0 else None
 
     def prepare():
         dest.prepare()
-        return str(dest.tmp)
+        return str(dest.folder)
 
     try:  # a peer that dies before the data is written must not strand rank 0's folder
         tmp = Path(_on_rank0(prepare, f"preparing a distributed save to {target}", backend=backend,
@@ -137,9 +138,9 @@ def write_checkpoint(path, state_dict: dict, placed: Mapping[str, Placed], info:
     what = f"moving the distributed save into {target}"
 
     def commit(checksums):
-        write_info(dest.tmp, {**info, "checksums": checksums})
+        write_info(dest.folder, {**info, "checksums": checksums})
         if side_files is not None:
-            side_files(dest.tmp)
+            side_files(dest.folder)
         dest.commit(None)
 
     def finish():

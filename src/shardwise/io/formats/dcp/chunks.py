@@ -11,7 +11,6 @@ allocation the file cannot back.
 from __future__ import annotations
 
 import io
-import os
 import zlib
 from pathlib import Path
 
@@ -21,8 +20,8 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from shardwise.core.header import region_runs
 from shardwise.errors import CheckpointError
-from shardwise.io.files import byte_view, pread_into
 from shardwise.io.info import new_digest, tensor_checksum
+from shardwise.io.storage import HandleFile, Handles, byte_view, storage_for
 
 
 def read_chunk_into(f, info, offsets, lengths, dest: torch.Tensor, *, dtype: torch.dtype | None = None,
@@ -58,7 +57,7 @@ def read_chunk_into(f, info, offsets, lengths, dest: torch.Tensor, *, dtype: tor
     buf = byte_view(out.detach())
     pos = 0
     for start, length in runs:
-        pread_into(f.fileno(), buf[pos:pos + length], base + start, what=where)
+        f.handle.readinto(buf[pos:pos + length], base + start)
         pos += length
     if pos == meta.numel() * meta.element_size():  # the whole chunk: its zip record's CRC applies
         expected = zip_crc(f, info, meta, base)
@@ -84,7 +83,7 @@ def zip_crc(f, info, meta: torch.Tensor, base: int) -> int | None:
     if meta.storage_offset() != 0 or meta.untyped_storage().nbytes() != nbytes:
         return None
     end = base + nbytes
-    tail = os.pread(f.fileno(), 8, end) if end + 8 <= info.offset + info.length else b""
+    tail = f.pread(8, end) if end + 8 <= info.offset + info.length else b""
     if tail[:4] != b"PK\x07\x08":
         raise CheckpointError(f"{_where(f, info)}: no zip data descriptor after the data (at byte "
                               f"{end}); the file is corrupt")
@@ -142,7 +141,7 @@ def chunk_checksum(f, info, *, dtype: torch.dtype, sizes, algorithm: str, piece:
     digest, done = new_digest(algorithm), 0
     while done < nbytes:
         view = memoryview(buf)[: min(len(buf), nbytes - done)]
-        pread_into(f.fileno(), view, base + done, what=_where(f, info))
+        f.handle.readinto(view, base + done)
         digest.update(view)
         done += len(view)
     expected = zip_crc(f, info, meta, base)
@@ -185,9 +184,6 @@ class MetadataReader(FileSystemReader):
         return self._metadata
 
     def read_data(self, plan, planner):
-        from torch.distributed.checkpoint.planner import LoadItemType
-        from torch.distributed.checkpoint.utils import _create_file_view
-
         infos = {item.storage_index: self.storage_data[item.storage_index] for item in plan.items}
         if any(getattr(i, "transform_descriptors", None) for i in infos.values()):
             self.bytes_read += sum(i.length for i in infos.values())
@@ -195,24 +191,34 @@ class MetadataReader(FileSystemReader):
         by_file: dict[str, list] = {}
         for item in plan.items:
             by_file.setdefault(str(infos[item.storage_index].relative_path), []).append(item)
-        for rel, items in by_file.items():
-            with open(Path(self.path) / rel, "rb") as f:
-                for item in items:
-                    info = infos[item.storage_index]
-                    if item.type == LoadItemType.BYTE_IO:
-                        data = _create_file_view(f, info.offset, info.length).read()
-                        self.bytes_read += len(data)
-                        planner.load_bytes(item, io.BytesIO(data))
-                        continue
-                    target = planner.resolve_tensor(item).detach()
-                    index = item.storage_index
-                    dtype, sizes = self._chunks.get((index.fqn, tuple(index.offset)), (None, None))
-                    self.bytes_read += read_chunk_into(f, info, item.storage_offsets, item.lengths, target,
-                                                       dtype=dtype, sizes=sizes)
-                    planner.commit_tensor(item, target)
+        handles = Handles(storage_for(self.path))
+        try:
+            for rel, items in by_file.items():
+                self._read_file(HandleFile(handles.get(Path(self.path) / rel)), items, infos, planner)
+        finally:
+            handles.close()
         done = torch.futures.Future()
         done.set_result(None)
         return done
+
+    def _read_file(self, f: HandleFile, items, infos, planner) -> None:
+        """Read the plan's ``items`` stored in the one file ``f`` into the planner's tensors."""
+        from torch.distributed.checkpoint.planner import LoadItemType
+        from torch.distributed.checkpoint.utils import _create_file_view
+
+        for item in items:
+            info = infos[item.storage_index]
+            if item.type == LoadItemType.BYTE_IO:
+                data = _create_file_view(f, info.offset, info.length).read()
+                self.bytes_read += len(data)
+                planner.load_bytes(item, io.BytesIO(data))
+                continue
+            target = planner.resolve_tensor(item).detach()
+            index = item.storage_index
+            dtype, sizes = self._chunks.get((index.fqn, tuple(index.offset)), (None, None))
+            self.bytes_read += read_chunk_into(f, info, item.storage_offsets, item.lengths, target,
+                                               dtype=dtype, sizes=sizes)
+            planner.commit_tensor(item, target)
 
 
 __all__ = ["MetadataReader", "chunk_checksum", "load_blob", "open_blob", "read_chunk_into", "zip_crc"]

@@ -9,6 +9,7 @@ finished: "incomplete checkpoint".
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import pickle
@@ -19,10 +20,12 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from shardwise.errors import CheckpointError
-from shardwise.io.files import check_inside
 from shardwise.io.formats.dcp import METADATA_FILE
-from shardwise.io.target import TMP_MARK
+from shardwise.io.storage import read_small, storage_for
+from shardwise.io.storage.local import check_inside
+from shardwise.io.storage.transaction import TMP_MARK
 
+_METADATA_CAP = 1 << 32  # bytes: far above any model's metadata, below what would exhaust memory
 _META_MODULE = "torch.distributed.checkpoint.metadata"
 _ALLOWED = {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
@@ -73,8 +76,8 @@ def read_metadata(path: str | os.PathLike) -> Metadata:
             "save again or load an earlier checkpoint")
     check_inside(path, meta, source=meta)
     try:
-        with open(meta, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
+        raw = read_small(storage_for(path), meta, what="the DCP metadata", cap=_METADATA_CAP)
+        metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
     except CheckpointError as e:
         raise CheckpointError(f"{meta}: {e}") from e
     except Exception as e:

@@ -13,7 +13,6 @@ checkpoint written with storage transforms (DCP's experimental extensions) goes 
 
 from __future__ import annotations
 
-import io
 import math
 import os
 import warnings
@@ -29,6 +28,7 @@ from shardwise.io.formats.dcp.chunks import MetadataReader, chunk_checksum, read
 from shardwise.io.formats.dcp.metadata import read_metadata
 from shardwise.io.info import chunk_key, read_info
 from shardwise.io.source import Blob, Description
+from shardwise.io.storage import HandleFile, Handles, storage_for
 
 
 class DcpStored:
@@ -40,13 +40,10 @@ class DcpStored:
     def __init__(self, path: str | os.PathLike):
         self.root = Path(path)
         self.metadata = read_metadata(path)
-        self._files: dict[str, io.BufferedReader] = {}
+        self._handles = Handles(storage_for(self.root))
 
-    def _file(self, rel: str):
-        f = self._files.get(rel)
-        if f is None:
-            f = self._files[rel] = open(self.root / rel, "rb")  # noqa: SIM115 - closed by close()
-        return f
+    def _file(self, rel: str) -> HandleFile:
+        return HandleFile(self._handles.get(self.root / rel))
 
     def tensors(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         md = self.metadata.state_dict_metadata
@@ -110,9 +107,7 @@ class DcpStored:
                 yield Blob(name, chunk_key(chunk.offsets), nbytes, digest, own=True)
 
     def close(self) -> None:
-        for f in self._files.values():
-            f.close()
-        self._files.clear()
+        self._handles.close()
 
 
 __all__ = ["DcpStored"]

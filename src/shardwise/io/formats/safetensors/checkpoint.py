@@ -14,8 +14,9 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from shardwise.core.header import FileHeader, TensorEntry
 from shardwise.errors import CheckpointError
-from shardwise.io.files import check_inside, read_json_file
 from shardwise.io.safetensors.format import INDEX_SUFFIX, read_header
+from shardwise.io.storage import read_json, storage_for
+from shardwise.io.storage.local import check_inside
 
 _PICKLE_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle"})
 
@@ -109,7 +110,8 @@ def _shard_path(root: Path, fname: str, *, index: Path) -> Path:
 
 def _from_index(index: Path) -> Checkpoint:
     root = index.parent
-    wm = read_json_file(root, index, what="the index").get("weight_map")
+    check_inside(root, index, source=index)
+    wm = read_json(storage_for(root), index, what="the index").get("weight_map")
     if not (isinstance(wm, dict) and wm
             and all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items())):
         raise CheckpointError(

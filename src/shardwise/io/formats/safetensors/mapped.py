@@ -1,4 +1,5 @@
-"""Reading boxes of safetensors tensors through memory maps of the page cache.
+"""Reading boxes of safetensors tensors through memory maps of the page cache (the mappings
+are the storage's: ``ReadHandle.map_whole`` / ``map_range``; a storage without them is read).
 
 Two uses, both chosen per box by the region reader (``shardwise.io.formats.safetensors.reader``):
 
@@ -30,20 +31,13 @@ is alive (``sw.save`` writes aside and renames, which is safe; so is deleting th
 from __future__ import annotations
 
 import math
-import mmap
-import os
-import threading
-from pathlib import Path
 
 import torch
 
 from shardwise.core.header import FileHeader, TensorEntry
 from shardwise.core.spec import Region
 from shardwise.errors import CheckpointError
-
-_GRANULE = mmap.ALLOCATIONGRANULARITY
-# Private (copy-on-write) mappings are POSIX; elsewhere (Windows) every box is read with pread.
-AVAILABLE = hasattr(mmap, "MAP_PRIVATE")
+from shardwise.io.storage import ReadHandle
 
 
 def contiguous_span(entry: TensorEntry, region: Region) -> tuple[int, int] | None:
@@ -67,9 +61,9 @@ def contiguous_span(entry: TensorEntry, region: Region) -> tuple[int, int] | Non
     return start * entry.itemsize, length * entry.itemsize
 
 
-def _check_length(fd: int, header: FileHeader, entry: TensorEntry) -> None:
+def _check_length(handle: ReadHandle, header: FileHeader, entry: TensorEntry) -> None:
     need = header.data_start + entry.end
-    size = os.fstat(fd).st_size
+    size = handle.size()
     if size < need:
         raise CheckpointError(
             f"{header.source}: tensor {entry.name!r} ends at byte {need} but the file now has {size} "
@@ -77,57 +71,32 @@ def _check_length(fd: int, header: FileHeader, entry: TensorEntry) -> None:
             "is complete")
 
 
-class FileViews:
-    """Private whole-file mappings, one per file, made on first use; thread-safe.
-
-    ``view(fd, path, header, entry, region)`` is a tensor over the box's bytes (see the
-    module doc), or ``None`` when the box is not one aligned contiguous run. Each view has a
-    storage of exactly its own bytes (``torch.save`` of it writes those bytes, not the file),
-    which holds the mapping: it is unmapped when the last view of the file is freed.
-    """
-
-    def __init__(self):
-        self._maps: dict[Path, mmap.mmap] = {}
-        self._lock = threading.Lock()
-
-    def _map(self, fd: int, path: Path) -> mmap.mmap:
-        with self._lock:
-            mapping = self._maps.get(path)
-            if mapping is None:
-                # The descriptor whose header was validated, whatever the path names now.
-                # Private and writable: a write to a view copies its page, the file never changes.
-                mapping = self._maps[path] = mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE,
-                                                       prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            return mapping
-
-    def view(self, fd: int, path: Path, header: FileHeader, entry: TensorEntry,
-             region: Region, *, strided: bool = False) -> torch.Tensor | None:
-        """The box as a view (see the module doc), or ``None``: empty, misaligned, no
-        private mappings here, or not one contiguous run unless ``strided``."""
-        if not AVAILABLE or 0 in region.sizes:
-            return None
-        span = contiguous_span(entry, region)
-        if span is None and not strided:
-            return None
-        first, end = _extent(entry, region)
-        offset = header.data_start + entry.start + first * entry.itemsize
-        if offset % entry.itemsize:
-            return None  # a misaligned tensor cannot be viewed in its dtype: read it
-        _check_length(fd, header, entry)
-        mapping = self._map(fd, path)
-        if len(mapping) < offset + (end - first) * entry.itemsize:
-            raise CheckpointError(f"{header.source}: the file is shorter than its header says; truncated?")
-        # Never closed explicitly: the storage keeps the mmap object alive, and closing it
-        # under a live tensor would unmap memory the tensor still points at.
-        flat = torch.frombuffer(mapping, dtype=entry.torch_dtype, count=end - first, offset=offset)
-        if span is not None:
-            return flat.view(region.sizes)
-        return flat.as_strided(region.sizes, _strides(entry.shape))
-
-    def close(self) -> None:
-        """Drop this reader's references; the views keep their mappings alive."""
-        with self._lock:
-            self._maps.clear()
+def view_box(handle: ReadHandle, header: FileHeader, entry: TensorEntry, region: Region, *,
+             strided: bool = False) -> torch.Tensor | None:
+    """The box as a tensor over the handle's whole-file private mapping (see the module doc),
+    or ``None``: empty, misaligned, no mappings in this storage, or not one contiguous run
+    unless ``strided``. Each view has a storage of exactly its own bytes (``torch.save`` of it
+    writes those bytes, not the file), which holds the mapping: it is unmapped when the last
+    view of the file is freed."""
+    if 0 in region.sizes:
+        return None
+    span = contiguous_span(entry, region)
+    if span is None and not strided:
+        return None
+    first, end = _extent(entry, region)
+    offset = header.data_start + entry.start + first * entry.itemsize
+    if offset % entry.itemsize:
+        return None  # a misaligned tensor cannot be viewed in its dtype: read it
+    _check_length(handle, header, entry)
+    mapping = handle.map_whole()
+    if mapping is None:
+        return None
+    if len(mapping) < offset + (end - first) * entry.itemsize:
+        raise CheckpointError(f"{header.source}: the file is shorter than its header says; truncated?")
+    flat = torch.frombuffer(mapping, dtype=entry.torch_dtype, count=end - first, offset=offset)
+    if span is not None:
+        return flat.view(region.sizes)
+    return flat.as_strided(region.sizes, _strides(entry.shape))
 
 
 def _extent(entry: TensorEntry, region: Region) -> tuple[int, int]:
@@ -146,15 +115,16 @@ def _strides(sizes) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def copy_mapped(fd: int, header: FileHeader, entry: TensorEntry, region: Region, dest: torch.Tensor) -> int:
+def copy_mapped(handle: ReadHandle, header: FileHeader, entry: TensorEntry, region: Region,
+                dest: torch.Tensor) -> int:
     """Copy ``region`` of ``entry`` into ``dest`` (any strides, the entry's dtype, the
     region's shape) through a mapping of the rows it spans; returns the bytes copied.
 
-    Returns 0 without copying when the entry's data is misaligned for its dtype or private
-    mappings are not available (the caller then reads with ``pread``).
+    Returns 0 without copying when the entry's data is misaligned for its dtype or the
+    storage has no mappings (the caller then reads the runs).
     """
     shape, item = entry.shape, entry.itemsize
-    if 0 in region.sizes or not shape or not AVAILABLE:
+    if 0 in region.sizes or not shape:
         return 0
     strides = _strides(shape)
     first, end = _extent(entry, region)
@@ -162,21 +132,19 @@ def copy_mapped(fd: int, header: FileHeader, entry: TensorEntry, region: Region,
     lo, hi = base + first * item, base + end * item
     if lo % item:
         return 0
-    _check_length(fd, header, entry)
-    start = lo - lo % _GRANULE
-    mapping = mmap.mmap(fd, hi - start, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE,
-                        offset=start)
-    try:
-        _strided_copy(mapping, lo - start, hi - lo, entry.torch_dtype, region.sizes, strides, dest)
-    finally:
-        mapping.close()  # the tensors over it lived only inside _strided_copy
+    _check_length(handle, header, entry)
+    mapped = handle.map_range(lo, hi - lo)
+    if mapped is None:
+        return 0
+    with mapped as (mapping, offset):
+        _strided_copy(mapping, offset, hi - lo, entry.torch_dtype, region.sizes, strides, dest)
     return math.prod(region.sizes) * item
 
 
-def _strided_copy(mapping: mmap.mmap, offset: int, count: int, dtype: torch.dtype, sizes, strides,
+def _strided_copy(mapping, offset: int, count: int, dtype: torch.dtype, sizes, strides,
                   dest: torch.Tensor) -> None:
     flat = torch.frombuffer(mapping, dtype=torch.uint8, count=count, offset=offset)
     dest.copy_(flat.view(dtype).as_strided(sizes, strides))
 
 
-__all__ = ["FileViews", "contiguous_span", "copy_mapped"]
+__all__ = ["contiguous_span", "copy_mapped", "view_box"]

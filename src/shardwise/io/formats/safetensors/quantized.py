@@ -30,14 +30,15 @@ tensors "missing"): without ``dequantize=True`` it raises.
 from __future__ import annotations
 
 import ctypes
-import json
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from shardwise.core.adapter import folder_quantization
 from shardwise.core.header import TensorEntry
 from shardwise.core.pieces import Composite, piece_reads
 from shardwise.core.quant import MXFP4_GROUP, QuantScheme, scale_shape
@@ -193,8 +194,9 @@ def pair_mxfp4(absent: set[str], shapes: Mapping[str, tuple[int, ...]], declared
             qc = _quantization_config(ckpt.root)
             method = quant_scheme(qc)[0] if qc is not None else "mxfp4"
         if method != "mxfp4":
-            raise CheckpointError(f"{ckpt.root}/config.json: quant_method {method!r}, but {name!r} is stored "
-                                  "as MXFP4 blocks and scales; shardwise reads such a pair as MXFP4 only")
+            raise CheckpointError(f"{ckpt.root}: the model config's quant_method {method!r}, but {name!r} is "
+                                  "stored as MXFP4 blocks and scales; shardwise reads such a pair as MXFP4 "
+                                  "only")
         _check_mxfp4(bfile, name, blocks, scales[1], shapes[name])
         scheme = QuantScheme.mxfp4(ndim=len(shapes[name]))
         out[name] = Dequantized((bfile, blocks), scales, scheme, declared[name], shapes[name],
@@ -221,30 +223,31 @@ def checkpoint_block(root: Path, model_config=None) -> tuple[int, int]:
     """The ``weight_block_size`` of the FP8 checkpoint in ``root`` (its ``config.json``; else the
     model config's ``quantization_config``), checked to be a scheme shardwise supports."""
     where: Path | str
-    qc, where = _quantization_config(root), root / "config.json"
+    qc: Any
+    found = folder_quantization(root)
+    qc, where = found if found is not None else (None, root)
     if qc is None and model_config is not None:
         qc, where = getattr(model_config, "quantization_config", None), "model.config"
     if qc is None:
-        raise CheckpointError(f"{root}: FP8 weights with scales, but no quantization_config (config.json "
-                              "next to the weights, or the model's config) says their weight_block_size; put "
-                              "the checkpoint's config.json beside it")
+        raise CheckpointError(f"{root}: FP8 weights with scales, but no quantization_config (the model "
+                              "config next to the weights, or the model's config) says their "
+                              "weight_block_size; put the checkpoint's model config beside it")
     method, why = quant_scheme(qc)
     if why is not None:
         raise CheckpointError(f"{where}: quantization {method!r}{why}; shardwise reads {SUPPORTED_QUANT}")
     if method != "fp8":
         raise CheckpointError(f"{where}: quant_method {method!r}, but the checkpoint holds FP8 weights with "
-                              "block scales; load a checkpoint whose config.json describes its tensors")
+                              "block scales; load a checkpoint whose model config describes its tensors")
     block = qc.get("weight_block_size") if isinstance(qc, dict) else qc.weight_block_size
     assert block is not None  # quant_scheme accepted it: an fp8 scheme has its weight_block_size
     return int(block[0]), int(block[1])
 
 
 def _quantization_config(root: Path):
-    """The ``quantization_config`` of ``root/config.json`` (None: no file, or none in it)."""
-    try:
-        return json.loads((root / "config.json").read_text()).get("quantization_config")
-    except (OSError, ValueError, AttributeError):
-        return None
+    """The ``quantization_config`` the model adapter finds beside the checkpoint in ``root``
+    (None: no config there, or none in it)."""
+    found = folder_quantization(root)
+    return found[0] if found is not None else None
 
 
 def _malloc_trim():

@@ -2,10 +2,10 @@
 
 Plan, then execute. :func:`plan_reads` is pure: for each tensor it names the file entry, the
 rank's regions (from :func:`shardwise.core.spec.local_layout`) and where each lands in the
-local shard. :class:`RegionReader` then reads those boxes with ``pread`` on a thread pool,
-one shared file descriptor per file (``pread`` takes its own offset, so threads need no
-lock), into a local tensor of the file's dtype, and hands each finished tensor to a
-``finalize`` callback (the dtype cast and the move to the device, after slicing).
+local shard. :class:`RegionReader` then reads those boxes on a thread pool, through one
+shared read handle per file from the storage (a positional read needs no lock), into a
+local tensor of the file's dtype, and hands each finished tensor to a ``finalize`` callback
+(the dtype cast and the move to the device, after slicing).
 
 Memory: a rank holds its local shards and nothing more, except a bounded window of
 not-yet-finalized raw bytes (``window_bytes``) and, for a region whose place in the local
@@ -27,7 +27,6 @@ mapping with one strided copy.
 from __future__ import annotations
 
 import math
-import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -40,10 +39,10 @@ import torch
 from shardwise.core.header import FileHeader, TensorEntry
 from shardwise.core.spec import Layout, Region, ShardSpec, local_layout, local_shape
 from shardwise.errors import UsageError
-from shardwise.io.files import open_regular
-from shardwise.io.formats.safetensors.mapped import FileViews, contiguous_span, copy_mapped
+from shardwise.io.formats.safetensors.mapped import contiguous_span, copy_mapped, view_box
 from shardwise.io.safetensors.format import read_region
 from shardwise.io.staging import loaded_dtype
+from shardwise.io.storage import Handles, Storage, storage_for
 
 PIECE_BYTES = 32 << 20
 WINDOW_BYTES = 256 << 20
@@ -153,7 +152,8 @@ def cpu_views(device: torch.device, dtype: torch.dtype | None) -> Callable[[Read
 
 
 class RegionReader:
-    """Reads :class:`ReadItem`s with a pool of threads; a context manager owning the fds.
+    """Reads :class:`ReadItem`s with a pool of threads; a context manager owning the read
+    handles (of ``storage``, else the one the first file's path names).
 
     >>> with RegionReader(ckpt.headers, num_threads=4) as reader:          # doctest: +SKIP
     ...     tensors = reader.read(items, finalize=lambda item, raw: raw)
@@ -163,7 +163,8 @@ class RegionReader:
     def __init__(self, headers: Mapping[Path, FileHeader], *, num_threads: int,
                  piece_bytes: int = PIECE_BYTES, window_bytes: int = WINDOW_BYTES,
                  on_bytes: Callable[[int], None] | None = None,
-                 viewable: Callable[[ReadItem], bool] | None = None, strided_views: bool = False):
+                 viewable: Callable[[ReadItem], bool] | None = None, strided_views: bool = False,
+                 storage: Storage | None = None):
         if not (isinstance(num_threads, int) and not isinstance(num_threads, bool) and num_threads >= 1):
             raise UsageError(f"num_threads must be a positive int (the reader threads), got {num_threads!r}; "
                              "pass num_threads=None to sw.load for its default")
@@ -179,8 +180,8 @@ class RegionReader:
         # the strided copy out of a mapping runs at ~3.5 GB/s here, a few % of a load.
         self.strided_views = strided_views
         self.bytes_read = 0
-        self._views = FileViews()
-        self._fds: dict[Path, int] = {}
+        first = next(iter(headers), Path("."))
+        self._handles = Handles(storage or storage_for(first))
         self._lock = threading.Lock()
 
     def __enter__(self) -> RegionReader:
@@ -190,17 +191,7 @@ class RegionReader:
         self.close()
 
     def close(self) -> None:
-        self._views.close()
-        fds, self._fds = self._fds, {}
-        for fd in fds.values():
-            os.close(fd)
-
-    def _fd(self, path: Path) -> int:
-        with self._lock:
-            fd = self._fds.get(path)
-            if fd is None:
-                fd = self._fds[path] = open_regular(path)
-            return fd
+        self._handles.close()
 
     def read(self, items: list[ReadItem], *, finalize: Finalize[T]) -> dict[str, T]:
         """``{name: finalize(item, raw local shard)}`` for every item."""
@@ -243,8 +234,8 @@ class RegionReader:
         region = item.layout[0][0]
         if region.numel == 0:
             return None
-        view = self._views.view(self._fd(item.path), item.path, self.headers[item.path], item.entry, region,
-                                strided=self.strided_views)
+        view = view_box(self._handles.get(item.path), self.headers[item.path], item.entry, region,
+                        strided=self.strided_views)
         if view is not None:
             self._count(item.nbytes)
         return view
@@ -261,16 +252,16 @@ class RegionReader:
             raw = job.raw
             assert raw is not None  # freed only by _finish, after the job's last piece
             dest = raw[tuple(slice(o, o + s) for o, s in zip(off, region.sizes, strict=True))]
-            fd, header = self._fd(item.path), self.headers[item.path]
+            handle, header = self._handles.get(item.path), self.headers[item.path]
             n = 0
             if region.sizes and contiguous_span(item.entry, region) is None:
                 # Many short runs (a column slice): one strided copy out of a mapping of the
                 # rows, not one pread per row. 0 = misaligned data, read below instead.
-                n = copy_mapped(fd, header, item.entry, region, dest)
+                n = copy_mapped(handle, header, item.entry, region, dest)
             if n == 0:
                 # pread needs contiguous memory; a packed dim-1 slot is strided, so read aside.
                 out = dest if dest.is_contiguous() else torch.empty(region.sizes, dtype=dest.dtype)
-                n = read_region(fd, header, item.entry, region.offsets, region.sizes, out)
+                n = read_region(handle, header, item.entry, region.offsets, region.sizes, out)
                 if out is not dest:
                     dest.copy_(out)
             self._count(n)

@@ -1,7 +1,7 @@
 """What the offline tools (``consolidate``, ``verify``, ``diff``, ``inspect``) ask of a
 safetensors checkpoint: its tensors, boxes of them, its description and its bytes to
-checksum. :class:`SafetensorsSource` inherits it; every read is a ``pread`` of exactly the
-box's bytes through validated headers.
+checksum. :class:`SafetensorsSource` inherits it; every read is exactly the box's bytes,
+through validated headers and the storage's read handles.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import torch
 from shardwise.core.adapter import adapter_for, folder_model
 from shardwise.core.pieces import Composite, piece_reads
 from shardwise.core.spec import Region
-from shardwise.io.files import open_regular
 from shardwise.io.formats.safetensors.checkpoint import Checkpoint
 from shardwise.io.info import digest_range
 from shardwise.io.safetensors.format import INDEX_SUFFIX, read_region
 from shardwise.io.source import Blob, Description
+from shardwise.io.storage import Handles, storage_for
 
 
 class SafetensorsStored:
@@ -30,18 +30,13 @@ class SafetensorsStored:
 
     def __init__(self, path: str | os.PathLike, ckpt: Checkpoint):
         self.path, self.ckpt = Path(path), ckpt
-        self._fds: dict[Path, int] = {}
+        self._handles = Handles(storage_for(self.path))
         self._shown: dict[str, Composite] = {}  # module name -> hub composite (use_module_names)
         self._hidden: set[str] = set()  # stored keys the composites are built from
 
     @property
     def root(self) -> Path:
         return self.ckpt.root
-
-    def _fd(self, file: Path) -> int:
-        if file not in self._fds:
-            self._fds[file] = open_regular(file)
-        return self._fds[file]
 
     def tensors(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         entries = {n: self.ckpt.entry(n)[1] for n in self.ckpt.names if n not in self._hidden}
@@ -63,7 +58,7 @@ class SafetensorsStored:
             return self._composite_box(comp, box)
         file, entry = self.ckpt.entry(name)
         out = torch.empty(box.sizes, dtype=entry.torch_dtype)
-        read_region(self._fd(file), self.ckpt.headers[file], entry, box.offsets, box.sizes, out)
+        read_region(self._handles.get(file), self.ckpt.headers[file], entry, box.offsets, box.sizes, out)
         return out
 
     def _composite_box(self, comp: Composite, box: Region) -> torch.Tensor:
@@ -71,7 +66,7 @@ class SafetensorsStored:
         for piece, src, off in piece_reads([(box, (0,) * len(box.sizes))], comp.pieces):
             file, entry = comp.stored[piece.key]
             part = torch.empty(src.sizes, dtype=entry.torch_dtype)
-            read_region(self._fd(file), self.ckpt.headers[file], entry, src.offsets, src.sizes, part)
+            read_region(self._handles.get(file), self.ckpt.headers[file], entry, src.offsets, src.sizes, part)
             it = iter(src.sizes)
             sizes = [1 if d in piece.stacked else next(it) for d in range(len(off))]
             out[tuple(slice(o, o + n) for o, n in zip(off, sizes, strict=True))] = part.view(sizes)
@@ -103,14 +98,12 @@ class SafetensorsStored:
 
                 def digest(algorithm: str, file=file, start=header.data_start + entry.start,
                            nbytes=entry.nbytes) -> tuple[str, None]:
-                    return digest_range(self._fd(file), start, nbytes, algorithm, what=str(file)), None
+                    return digest_range(self._handles.get(file), start, nbytes, algorithm), None
 
                 yield Blob(name, None, entry.nbytes, digest)
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        self._handles.close()
 
 
 __all__ = ["SafetensorsStored"]

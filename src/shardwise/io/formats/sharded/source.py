@@ -6,8 +6,8 @@
 Plan, then execute: :func:`plan_chunk_reads` (pure) intersects each region a rank wants with
 the chunks of the tensor and names, for every overlap, the box of the chunk's file entry to
 read and where it lands in the local tensor. The reads go through the loader's
-:class:`~shardwise.io.formats.safetensors.reader.RegionReader` (``pread`` of exactly the box's byte runs, on a
-thread pool, within its memory window). A local tensor that one box fills whole (a rank
+:class:`~shardwise.io.formats.safetensors.reader.RegionReader` (exactly the box's byte runs, on a thread pool,
+within its memory window). A local tensor that one box fills whole (a rank
 loading the layout it saved, or a finer one) is the read buffer itself; one assembled from
 several chunks is copied together once, then handed on.
 """
@@ -17,13 +17,11 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from shardwise.core.spec import Layout, Region, intersect, local_layout
-from shardwise.io.files import open_regular
 from shardwise.io.formats.safetensors.reader import ReadItem, RegionReader
 from shardwise.io.formats.sharded.checkpoint import (
     SHARDING_INFO_KEY,
@@ -35,6 +33,7 @@ from shardwise.io.info import chunk_key, digest_range
 from shardwise.io.pipeline import match_keys
 from shardwise.io.safetensors.format import read_region
 from shardwise.io.source import Blob, Description, Finalize, ReadOptions, Reads, Want
+from shardwise.io.storage import Handles, storage_for
 
 Request = tuple[ShardedTensor, Layout]
 
@@ -153,8 +152,8 @@ class ShardedSource:
     """The :class:`~shardwise.io.source.Source` of a sharded safetensors checkpoint: the
     chunk map is validated on opening, keys and shapes matched before any data is read, and
     each rank reads only the chunk bytes that overlap its regions; no collective runs.
-    ``read_box`` and ``blobs`` (the offline tools) read chunk bytes through their own
-    descriptors, released by ``close``."""
+    ``read_box`` and ``blobs`` (the offline tools) read chunk bytes through the storage's
+    read handles, released by ``close``."""
 
     name = "sharded"
 
@@ -163,7 +162,7 @@ class ShardedSource:
         self.root = self.ckpt.root
         self.bytes_read = 0
         self._sources: dict = {}
-        self._fds: dict[Path, int] = {}
+        self._handles = Handles(storage_for(self.root))
 
     def tensors(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         return {t.name: (t.torch_dtype, t.shape) for t in ordered_tensors(self.ckpt)}
@@ -190,11 +189,6 @@ class ShardedSource:
 
     # --- the offline tools: consolidate, verify, diff, inspect ---
 
-    def _fd(self, file: Path) -> int:
-        if file not in self._fds:
-            self._fds[file] = open_regular(file)
-        return self._fds[file]
-
     def read_box(self, name: str, box: Region) -> torch.Tensor:
         tensor = self.ckpt.tensors[name]
         out = torch.empty(box.sizes, dtype=tensor.torch_dtype)
@@ -202,7 +196,7 @@ class ShardedSource:
             part = out[dest.slices()]
             buf = part if part.is_contiguous() else torch.empty(dest.sizes, dtype=tensor.torch_dtype)
             (src, _), = item.layout
-            read_region(self._fd(item.path), self.ckpt.headers[item.path], item.entry, src.offsets,
+            read_region(self._handles.get(item.path), self.ckpt.headers[item.path], item.entry, src.offsets,
                         src.sizes, buf)
             if buf is not part:
                 part.copy_(buf)
@@ -220,8 +214,8 @@ class ShardedSource:
             for chunk in tensor.chunks:
                 def digest(algorithm: str, chunk=chunk) -> tuple[str, None]:
                     start = self.ckpt.headers[chunk.path].data_start + chunk.entry.start
-                    return digest_range(self._fd(chunk.path), start, chunk.entry.nbytes, algorithm,
-                                        what=str(chunk.path)), None
+                    handle = self._handles.get(chunk.path)
+                    return digest_range(handle, start, chunk.entry.nbytes, algorithm), None
 
                 yield Blob(name, chunk_key(chunk.region.offsets), chunk.entry.nbytes, digest)
 
@@ -229,9 +223,7 @@ class ShardedSource:
         pass  # torch's and transformers' distributed writers store module names
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        self._handles.close()
 
 
 def ordered_tensors(ckpt: ShardedCheckpoint) -> list[ShardedTensor]:

@@ -1,6 +1,7 @@
-"""Where a checkpoint is written: complete or absent, never over the previous one until whole.
+"""The local save transaction: complete or absent, never over the previous one until whole.
 
-Shared by the gather save, the distributed save and consolidation. Files go into a hidden
+The one prepare / commit / discard of every save (the gather save, the distributed saves,
+consolidation), served by ``LocalStorage.transaction``. Files go into a hidden
 folder beside the target, ``.{name}.shardwise-tmp-{host}-{pid}-{token}``, which is moved into
 place with one rename once complete (swapped atomically with a previous checkpoint where
 Linux ``renameat2`` exists). A save killed midway leaves only that hidden folder, which the
@@ -22,7 +23,8 @@ import sys
 from pathlib import Path
 
 from shardwise.errors import CheckpointError, StorageError
-from shardwise.io.files import fsync_dir
+from shardwise.io.storage import write_small
+from shardwise.io.storage.local import LOCAL, fsync_dir
 
 TMP_MARK, OLD_MARK = ".shardwise-tmp-", ".shardwise-old-"
 
@@ -35,28 +37,27 @@ def target_path(path) -> Path:
 
 
 class Destination:
-    """The target folder and the temporary folder beside it; used on rank 0 only."""
+    """The local :class:`~shardwise.io.storage.Transaction`: the target folder and the
+    temporary folder beside it (``folder``); used on rank 0 only."""
 
     def __init__(self, target: Path, overwrite: bool):
         self.target, self.overwrite = target, overwrite
-        self.tmp: Path | None = None
+        self.folder: Path | None = None
 
     def prepare(self) -> None:
         self.target.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale(self.target)
         _check_target(self.target, self.overwrite)
-        self.tmp = self.target.parent / f".{self.target.name}{TMP_MARK}{_owner()}-{secrets.token_hex(4)}"
-        self.tmp.mkdir()
+        self.folder = self.target.parent / f".{self.target.name}{TMP_MARK}{_owner()}-{secrets.token_hex(4)}"
+        self.folder.mkdir()
 
     def commit(self, index: tuple[str, dict] | None) -> None:
         """Write the index ``(file name, content)`` if any, last; then move the folder into place."""
-        tmp = self.tmp
+        tmp = self.folder
         assert tmp is not None  # prepare() made it
         if index is not None:
-            with open(tmp / index[0], "w") as f:
-                f.write(json.dumps(index[1], indent=2, sort_keys=True) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
+            text = json.dumps(index[1], indent=2, sort_keys=True) + "\n"
+            write_small(LOCAL, tmp / index[0], text.encode())
         fsync_dir(tmp)
         target = self.target
         if target.is_dir() and not target.is_symlink() and not any(target.iterdir()):
@@ -69,13 +70,13 @@ class Destination:
             shutil.rmtree(tmp)  # now the previous checkpoint
         else:
             raise _appeared(target)
-        self.tmp = None
+        self.folder = None
         fsync_dir(target.parent)
 
     def discard(self) -> None:
-        if self.tmp is not None:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            self.tmp = None
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder = None
 
 
 # What shardwise writes into a checkpoint folder (safetensors, their index, DCP's files and

@@ -1,0 +1,307 @@
+"""The local filesystem as a :class:`~shardwise.io.storage.Storage`: untrusted files opened
+safely, exact byte ranges read with ``pread``, private ``mmap`` views, files written aside and
+moved into place after an fsync (the save transaction with its ``renameat2`` exchange is
+``shardwise.io.storage.transaction``).
+
+Every failure on an untrusted file is a ``CheckpointError`` naming the file; nothing here
+blocks on a FIFO or reads outside a checkpoint folder.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import mmap
+import os
+import stat
+import sys
+import threading
+from collections.abc import Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+from shardwise.errors import CheckpointError
+
+if hasattr(os, "preadv"):
+    def _pread_some(fd: int, buf: memoryview, pos: int) -> int:
+        return os.preadv(fd, [buf], pos)
+else:  # no preadv (Windows, old macOS): read through bytes in bounded pieces
+    def _pread_some(fd: int, buf: memoryview, pos: int) -> int:
+        data = os.pread(fd, min(len(buf), 1 << 26), pos)
+        buf[: len(data)] = data
+        return len(data)
+
+
+def pread_into(fd: int, buf: memoryview, pos: int, *, what: str) -> None:
+    """Fill ``buf`` from file offset ``pos``; end of file first means the file is truncated."""
+    done = 0
+    while done < len(buf):
+        n = _pread_some(fd, buf[done:], pos + done)
+        if n == 0:
+            raise CheckpointError(
+                f"{what}: the file ends at byte {pos + done}, {len(buf) - done} bytes short of "
+                f"[{pos}, {pos + len(buf)}); the file is truncated"
+            )
+        done += n
+
+
+def pread_runs(fd: int, buf: memoryview, base: int, runs: Sequence[tuple[int, int]], *, what: str) -> int:
+    """Fill ``buf`` with the byte runs ``(offset from base, length)`` of the file, one after
+    another; return the bytes read (``len(buf)``)."""
+    pos = 0
+    # A column slice is one run per row (thousands per tensor), so the loop makes one
+    # syscall per run and takes the retrying path only after a short read.
+    for offset, length in runs:
+        part = buf[pos : pos + length]
+        n = _pread_some(fd, part, base + offset)
+        if n < length:
+            pread_into(fd, part[n:], base + offset + n, what=what)
+        pos += length
+    assert pos == len(buf), (pos, len(buf))
+    return pos
+
+
+def open_regular(path: Path) -> int:
+    """A read-only descriptor of the regular file ``path`` (the caller closes it)."""
+    # O_NONBLOCK so that a FIFO planted in a checkpoint cannot hang open(); it has
+    # no effect on regular files, and anything else is refused right after.
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot open ({e.strerror})") from e
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError(f"{path}: not a regular file")
+    return fd
+
+
+def _hub_blobs(root: Path) -> Path | None:
+    """The ``blobs`` folder of a huggingface_hub cache repo whose snapshot holds ``root``."""
+    for parent in root.parents:
+        if parent.name == "snapshots":
+            blobs = parent.parent / "blobs"
+            return blobs if blobs.is_dir() else None
+    return None
+
+
+def check_inside(root: Path, path: Path, *, source: Path) -> None:
+    """Raise ``CheckpointError`` (naming ``source``) when ``path`` resolves outside ``root``."""
+    # A symlink may not lead out of the folder, except into the blob store of a
+    # huggingface_hub cache, whose snapshots are symlinks into ../../blobs.
+    target, real_root = path.resolve(), root.resolve()
+    if target.is_relative_to(real_root):
+        return
+    blobs = _hub_blobs(real_root)
+    if blobs is not None and target.is_relative_to(blobs.resolve()):
+        return
+    raise CheckpointError(
+        f"{source}: {path.name} is a symlink to {target}, outside the checkpoint folder {root}; "
+        "refusing to read it (copy the file into the folder if you trust it)"
+    )
+
+
+# Dirty bytes a writer lets pile up before it starts the kernel writing them back.
+WRITEBACK_BYTES = 64 << 20
+_SYNC_FILE_RANGE_WRITE = 2  # <fcntl.h>: start writeback of the range's dirty pages, don't wait
+
+
+@functools.cache
+def _sync_file_range():
+    if sys.platform != "linux":
+        return None
+    fn = getattr(ctypes.CDLL(None, use_errno=True), "sync_file_range", None)
+    if fn is not None:
+        fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return fn
+
+
+class Writeback:
+    """Start the kernel writing a file's dirty pages to storage every ``WRITEBACK_BYTES``
+    written, without waiting for them, so that the fsync which makes the file durable waits
+    only for the last stretch instead of the whole file. Measured here on a 1 GB Llama:
+    the final fsync 0.28 s -> 0.02 s, ``sw.save`` at tp=1 0.61 s -> 0.45 s, at tp=2 ~8% faster
+    (at tp=4, four ranks on two cores, no change: the CPU is the limit there).
+
+    ``os`` has no ``sync_file_range``, so it is called through libc, on Linux only; elsewhere
+    this does nothing and the fsync writes everything. It only starts I/O: errors still
+    surface in that fsync, and it changes nothing about what the file holds.
+    """
+
+    def __init__(self, fd: int, *, sequential: bool, every: int = WRITEBACK_BYTES):
+        self.fd, self.sequential = fd, sequential
+        self.every: float = every  # inf once the file is found not to support it
+        self.started = 0  # bytes the kernel was told to start writing (a sequential writer's
+        self._written = 0  # offset: it writes from 0 onwards)
+
+    def wrote(self, nbytes: int) -> None:
+        """``nbytes`` more were written (at the end for a sequential writer, else anywhere)."""
+        self._written += nbytes
+        fn = _sync_file_range()
+        if fn is None or self._written - self.started < self.every:
+            return
+        if self.sequential:
+            done = fn(self.fd, self.started, self._written - self.started, _SYNC_FILE_RANGE_WRITE)
+        else:
+            done = fn(self.fd, 0, 0, _SYNC_FILE_RANGE_WRITE)  # 0, 0: the whole file
+        if done == 0:
+            self.started = self._written
+        else:  # not a file it can do this for (a pipe: ESPIPE): leave it all to the fsync
+            self.every = float("inf")
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make a rename into ``folder`` durable, where the platform can fsync a folder."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# Private (copy-on-write) mappings are POSIX; elsewhere (Windows) every box is read with pread.
+MAPS = hasattr(mmap, "MAP_PRIVATE")
+_GRANULE = mmap.ALLOCATIONGRANULARITY
+
+
+class LocalFile:
+    """A regular file opened for reading: one descriptor that every thread shares (``pread``
+    takes its own offset, so no lock), and at most one whole-file private mapping."""
+
+    def __init__(self, path: Path):
+        self.name, self.fd = str(path), open_regular(path)
+        self._map: mmap.mmap | None = None
+        self._lock = threading.Lock()
+
+    def size(self) -> int:
+        return os.fstat(self.fd).st_size
+
+    def readinto(self, buf: memoryview, pos: int) -> None:
+        pread_into(self.fd, buf, pos, what=self.name)
+
+    def read_runs(self, buf: memoryview, base: int, runs: Sequence[tuple[int, int]]) -> int:
+        return pread_runs(self.fd, buf, base, runs, what=self.name)
+
+    def map_whole(self) -> mmap.mmap | None:
+        # The descriptor whose header was validated, whatever the path names now. Private and
+        # writable: a write to a view copies its page, the file never changes. Never closed
+        # here: the tensors viewing it keep it alive, and closing it under a live tensor would
+        # unmap memory the tensor still points at.
+        if not MAPS:
+            return None
+        with self._lock:
+            if self._map is None:
+                self._map = mmap.mmap(self.fd, 0, flags=mmap.MAP_PRIVATE,
+                                      prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            return self._map
+
+    def map_range(self, start: int, length: int):
+        return _mapped(self.fd, start, length) if MAPS else None
+
+    def close(self) -> None:
+        self._map = None  # the views hold their own references
+        os.close(self.fd)
+
+
+@contextmanager
+def _mapped(fd: int, start: int, length: int):
+    """A private mapping of ``[start, start + length)`` rounded down to the page granule, as
+    ``(mapping, offset of start in it)``; unmapped on leaving, so its pages leave the process."""
+    lo = start - start % _GRANULE
+    mapping = mmap.mmap(fd, start + length - lo, flags=mmap.MAP_PRIVATE,
+                        prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=lo)
+    try:
+        yield mapping, start - lo
+    finally:
+        mapping.close()  # the tensors over it lived only inside the with
+
+
+class LocalWriter:
+    """A file written aside (``.{name}.{pid}.partial``) and renamed into place by ``commit``
+    after an fsync; or, ``existing``, a file that rank 0 created, written in place."""
+
+    def __init__(self, path: Path, *, existing: bool = False):
+        self.path, self._existing = path, existing
+        self._tmp = path if existing else path.with_name(f".{path.name}.{os.getpid()}.partial")
+        # never O_CREAT for an existing one: a missing file is an error, not a new file
+        flags = os.O_WRONLY if existing else os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        self._fd: int | None = os.open(self._tmp, flags, 0o666)
+        self._writeback = Writeback(self._fd, sequential=not existing)
+
+    def write(self, buf: memoryview) -> None:
+        assert self._fd is not None, "write after commit or abort"
+        done = 0
+        while done < len(buf):
+            done += os.write(self._fd, buf[done:])
+        self._writeback.wrote(done)
+
+    def pwrite(self, buf: memoryview, pos: int) -> None:
+        assert self._fd is not None, "write after commit or abort"
+        done = 0
+        while done < len(buf):
+            done += os.pwrite(self._fd, buf[done:], pos + done)
+        self._writeback.wrote(done)
+
+    def truncate(self, size: int) -> None:
+        """Local only: make the file ``size`` bytes long (the parallel write's zero data)."""
+        assert self._fd is not None
+        os.ftruncate(self._fd, size)
+
+    def commit(self) -> None:
+        fd, self._fd = self._fd, None
+        assert fd is not None, "commit after commit or abort"
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if not self._existing:
+            try:
+                os.replace(self._tmp, self.path)
+            except BaseException:
+                self._tmp.unlink(missing_ok=True)
+                raise
+            fsync_dir(self.path.parent)
+
+    def abort(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
+            if not self._existing:
+                self._tmp.unlink(missing_ok=True)
+
+
+class LocalStorage:
+    """The local filesystem (see the module doc); ``LOCAL`` is the one instance."""
+
+    def open(self, location: Path) -> LocalFile:
+        return LocalFile(Path(location))
+
+    def stat(self, location: Path) -> int | None:
+        try:
+            return os.stat(location).st_size
+        except FileNotFoundError:
+            return None
+
+    def list(self, location: Path) -> list[str]:
+        try:
+            return sorted(os.listdir(location))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def create(self, location: Path, *, existing: bool = False) -> LocalWriter:
+        return LocalWriter(Path(location), existing=existing)
+
+    def transaction(self, target: Path, *, overwrite: bool):
+        from shardwise.io.storage.transaction import Destination
+
+        return Destination(Path(target), overwrite)
+
+
+LOCAL = LocalStorage()
+
+__all__ = ["LOCAL", "LocalFile", "LocalStorage", "LocalWriter", "MAPS", "Writeback", "check_inside",
+           "fsync_dir", "open_regular", "pread_into", "pread_runs"]
