@@ -34,6 +34,7 @@ from shardwise.holding import local_of
 from shardwise.io import info
 from shardwise.io.formats import open_source
 from shardwise.io.safetensors.format import StreamingWriter, index_json, parse_size, plan_files
+from shardwise.io.storage import storage_for, write_small
 from shardwise.launch import RankFailure, free_port, spawn
 from shardwise.memory import PeakMemory, memory_status, reset_high_water_mark
 from shardwise.parallel import ShardState, get_shard_state
@@ -124,9 +125,8 @@ def write_checkpoint(folder: str | os.PathLike, tensors: Iterable[tuple[str, tor
     total = sum(math.prod(shape) * torch.empty((), dtype=dtype).element_size()
                 for shape, dtype in shapes.values())
     index = folder / "model.safetensors.index.json"
-    tmp = index.with_name(index.name + ".partial")
-    tmp.write_text(json.dumps(index_json(file_plan, total, metadata), indent=1))
-    os.replace(tmp, index)
+    text = json.dumps(index_json(file_plan, total, metadata), indent=1)
+    write_small(storage_for(index), index, text.encode())
     return files
 
 

@@ -39,9 +39,14 @@ def _non_safetensors_kind(path: Path) -> str | None:
     """What the first bytes of ``path`` say it is: torch.save's zip or a bare pickle (both what
     ``torch.load`` reads), or None (unknown, or unreadable)."""
     try:
-        with open(path, "rb") as f:
-            head = f.read(4)
-    except OSError:
+        handle = storage_for(path).open(path)
+        try:
+            buf = bytearray(min(4, handle.size()))
+            handle.readinto(memoryview(buf), 0)
+            head = bytes(buf)
+        finally:
+            handle.close()
+    except (OSError, CheckpointError):
         return "a pickle by its name" if path.suffix in (".pkl", ".pickle") else None
     if head.startswith(b"PK\x03\x04"):
         return "a torch.save archive (holding a pickle)"
