@@ -1,31 +1,19 @@
-"""Model adapters: what shardwise knows of a model library, behind one small seam.
+"""Model adapters: what a model library (transformers, diffusers) decides that no checkpoint
+says by itself, behind one seam (in the shape of torchtitan's ``StateDictAdapter``).
 
-A model library (transformers, diffusers) decides things no checkpoint says by itself: the
-plan a model ships, the prefix its base-model keys are written under, the key layout its
-checkpoints are published in (per-expert tensors on disk where the module holds one fused
-tensor), the files beside the weights (``config.json``), and what it does to a model that
-shardwise must refuse (device maps, offload hooks, adapters, quantizers). An adapter answers
-those questions for the models it :meth:`~ModelAdapter.claims`; every other model gets the
-answers of :class:`ModelAdapter` itself: a plain torch model, stored under its own names,
-with no plan of its own and no side files. This is the shape of torchtitan's
-``StateDictAdapter``: the loader and the saver ask, the adapter knows.
+A model gets the answers of the first registered adapter that :meth:`~ModelAdapter.claims`
+it, else those of :class:`ModelAdapter` itself (a plain torch model: its own names, no plan,
+no side files). Core holds the seam and the registry only; ``shardwise.hf.adapter`` registers
+itself on ``import shardwise``. Who asks what:
 
-Core keeps only the seam and the registry (no adapter is imported here, and core calls
-only the plan questions); ``shardwise.hf`` is the Hugging Face adapter and registers itself
-when ``import shardwise`` runs. Who asks what:
-
-- ``core.plan`` (plan matching, ``plan="auto"``): :meth:`~ModelAdapter.base_prefix`,
-  :meth:`~ModelAdapter.shipped_plan`;
-- the guards, before any read, write or collective: :meth:`~ModelAdapter.refuse` of EVERY
-  registered adapter, since an accelerate hook or a PEFT layer can sit on any model;
-- a load: :meth:`~ModelAdapter.stored_tensors` (model tensors assembled from stored ones);
-- a save: :meth:`~ModelAdapter.unsaved`, :meth:`~ModelAdapter.save_layout`,
-  :meth:`~ModelAdapter.shared_storages`, :meth:`~ModelAdapter.file_prefix`,
-  :meth:`~ModelAdapter.index_metadata`, :meth:`~ModelAdapter.write_side_files`; ``verify``
-  against a model: :meth:`~ModelAdapter.stored_names`;
-- the offline tools, with no model in hand: :meth:`~ModelAdapter.model_from_folder`,
-  :meth:`~ModelAdapter.model_from_config` and :attr:`~ModelAdapter.side_files`, through
-  :func:`folder_model`, :func:`config_model` and :func:`side_file_names`.
+- plan matching and ``plan="auto"``: ``base_prefix``, ``shipped_plan``;
+- the guards, before any read, write or collective: ``refuse`` of EVERY adapter
+  (:func:`refuse_unsupported`: an accelerate hook or a PEFT layer can sit on any model);
+- a load: ``stored_tensors``; ``verify`` against a model: ``stored_names``, ``unsaved``;
+- a save: ``unsaved``, ``save_layout``, ``shared_storages``, ``file_prefix``,
+  ``index_metadata``, ``write_side_files``;
+- the offline tools, with no model in hand: :func:`folder_model`, :func:`folder_quantization`,
+  :func:`config_model`, :func:`side_file_names`.
 """
 
 from __future__ import annotations
@@ -61,7 +49,6 @@ class ModelAdapter:
         """Whether this adapter speaks for ``model`` (its class hierarchy, no import)."""
         return False
 
-    # -- plans: core.plan --------------------------------------------------------------------
     def base_prefix(self, model: nn.Module) -> str:
         """The path under which a plan key written for the base model also matches ("")."""
         return ""
@@ -71,12 +58,10 @@ class ModelAdapter:
         modules; ``{}`` when it ships none."""
         return {}
 
-    # -- guards: every adapter, every model ----------------------------------------------------
     def refuse(self, model: nn.Module, action: str) -> None:
         """Raise ``UnsupportedModelError`` for what this library did to ``model`` that
         shardwise cannot ``action`` ("load", "save", ...). Pure inspection."""
 
-    # -- stored layouts: load and save ---------------------------------------------------------
     def stored_tensors(self, model: nn.Module, stored: Mapping[str, tuple[Path | None, NamedDtype]],
                        wanted: set[str], shapes: Mapping[str, tuple[int, ...]] | None = None,
                        ) -> tuple[dict[str, Composite], set[str]]:
@@ -105,7 +90,6 @@ class ModelAdapter:
         writes as views of one storage (the index's ``total_size`` counts storages)."""
         return {}
 
-    # -- files -----------------------------------------------------------------------------------
     def file_prefix(self, model: nn.Module) -> str:
         """The weight file prefix the model's library reads."""
         return "model"

@@ -1,25 +1,13 @@
 """``sw.diff`` / ``shardwise diff A B``: two checkpoints compared tensor by tensor.
 
-Any two checkpoints a format plugin opens (``shardwise.io.formats.open_source``: safetensors,
-one file or sharded; sharded safetensors and DCP at any degree), since all hold canonical
-tensors under the model's names, each side a loop over its ``Stored.tensors()`` read through
-``Stored.read_box``; and a transformers
-model's hub layout (``save_pretrained``'s names, per-expert tensors) against its module
-names, through the conversion mapping of the model its ``config.json`` names. Streaming: each tensor is
-read in slabs of whole rows (at most 64 MB from each side at a time), from only the chunks
-that hold them, so memory stays bounded whatever the tensors' sizes.
-
-Quantized checkpoints (FP8 with block scales, ``io.check.quant``): an FP8 weight whose bytes
-or scales differ from the other side's (an FP8 checkpoint against its dequantized save, or two
-FP8 checkpoints quantized with other scales) is compared in dequantized units (float32, as a
-dequantized load computes them), and its scales, where the other side has none, are part of it
-rather than "only in A". Identical FP8 checkpoints still compare byte for byte.
-
-Byte for byte is the default. ``dtype=`` casts both sides' floating-point values to it before
-comparing (a bfloat16 save against its float32 source), ``atol=`` / ``rtol=`` accept values
-within ``|a - b| <= atol + rtol * |b|`` (``torch.isclose``, NaN equal to NaN): such a tensor is
-``close``, not ``differ``, and the report is ``equivalent`` rather than ``identical``. Either way
-the tensors are read in the same bounded slabs.
+Each side is any checkpoint a format reader opens (``io.formats.open_source``), in module or
+hub names (a hub layout is matched to the other side's module names through the model its
+``config.json`` names), read in slabs of whole rows (``Stored.read_box``, at most
+``slab_bytes`` a side at a time). Byte for byte by default; ``dtype=`` casts floating values
+first and ``atol``/``rtol`` accept ``torch.isclose`` values (NaN equal to NaN): such a tensor is
+``close`` and the report ``equivalent`` rather than ``identical``. An FP8 weight whose bytes or
+scales differ from the other side's is compared dequantized (``io.check.quant``), its scales
+counted with it rather than "only in A".
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
-"""``shardwise inspect PATH``: what a checkpoint is, without loading a tensor.
-
-The checkpoint is opened by its format plugin (``shardwise.io.formats.open_source``) and
-described from ``Stored.tensors()`` and ``Stored.describe()``: a safetensors file or folder
-(one file, or sharded with an index) from its validated headers; a sharded safetensors
-checkpoint from its headers' chunk maps; a torch distributed checkpoint from its
-``.metadata`` (unpickled with DCP's classes only); either distributed one with the layout
-shardwise recorded in ``shardwise.json``, when it wrote it.
-A quantized checkpoint's weights and scales are shown with their scheme and block size (the
-``quantization_config`` of its ``config.json``, paired by ``io.check.quant``).
+"""``sw.inspect`` / ``shardwise inspect PATH``: what a checkpoint is, without loading a tensor:
+its format reader's ``Stored.tensors()`` and ``Stored.describe()`` (a distributed checkpoint's
+layout from ``shardwise.json`` where shardwise wrote it), and its quantized weights with their
+scheme and block (``io.check.quant``).
 """
 
 from __future__ import annotations

@@ -1,35 +1,16 @@
 """``sw.verify`` / ``shardwise verify PATH``: is a checkpoint whole and unchanged since it was saved?
 
-No model, no process group, one process, memory bounded by one read buffer (16 MB): every
-tensor's bytes are streamed through the checksum ``sw.save``,
-``sw.consolidate`` or a distributed save recorded in ``shardwise.json`` (XXH3-64; CRC-32
-in checkpoints from before it) and compared.
+One process, no model, memory bounded by one read buffer: the checkpoint's format reader
+validates its structure (headers, index, chunk tiling; a DCP ``.metadata`` is a pickle: verify
+only what you would load), then every blob's bytes are streamed through the checksum recorded
+in ``shardwise.json`` (XXH3-64; CRC-32 in older checkpoints; a DCP chunk without one through
+its zip record's CRC-32). Quantized weights are checked against their scales (``io.check.quant``);
+``against=`` checks names, shapes and dtypes against a model (``io.check.against``).
 
-- safetensors (a file, a folder, an index): every header is validated (offsets, dtypes,
-  sizes, the data section tiled exactly), the index names only files inside the folder and
-  no tensor twice, and every tensor a shard file holds is in the index.
-- a distributed checkpoint (DCP): every data file is present and long enough, the chunks
-  tile every tensor exactly with sizes the files can hold, and every chunk's blob has the
-  dtype and shape the metadata lists. Its ``.metadata`` is a pickle: verify it only if you
-  trust its source, as for loading it.
-
-A checkpoint not written by shardwise has no checksums: its structure is checked, and the
-outcome is ``UNVERIFIED`` (exit status 3), not ``OK``: nothing vouches for its values.
-
-One vocabulary in every report: ``kind`` is the format's name (``safetensors``, ``sharded
-safetensors``, ``dcp``; ``unknown`` where there is no checkpoint to name); ``tensors`` counts the
-checkpoint's tensors, ``chunks`` the stored pieces they are in (a safetensors tensor is one
-chunk; a DCP tensor one per saving rank), ``checksummed`` the chunks whose bytes matched a
-checksum.
-
-A quantized checkpoint (``io.check.quant``): every FP8 weight has its ``weight_scale_inv`` of
-shape ``ceil(dims / weight_block_size)`` (the block from the ``config.json`` beside it), every
-scale its FP8 weight, every MXFP4 ``*_blocks`` its ``*_scales``; each fault is a problem.
-
-``against=MODEL`` (a model, its folder or its config.json) also checks every tensor's name,
-shape and, where defined, dtype against what that model holds in the checkpoint's layout
-(``shardwise.io.check.against``): the check a checkpoint whose own headers and checksums
-agree, but which holds a tensor of the wrong shape, fails.
+The outcome is ``OK`` (every chunk checksummed and matching), ``UNVERIFIED`` (structure only: a
+checkpoint shardwise did not write; exit status 3) or ``FAILED``. ``kind`` is the format's
+name, ``tensors`` counts tensors, ``chunks`` the stored pieces they are in, ``checksummed`` the
+chunks whose bytes matched a checksum.
 """
 
 from __future__ import annotations
