@@ -27,8 +27,8 @@ if TYPE_CHECKING:  # what type checkers see for the names below, which load on f
     from shardwise.clip import clip_grad_norm_ as clip_grad_norm_
     from shardwise.hf.pretrained import empty_model as empty_model
     from shardwise.hf.pretrained import from_pretrained as from_pretrained
+    from shardwise.io.check import inspect_checkpoint as inspect
     from shardwise.io.check.diff import diff as diff
-    from shardwise.io.check.inspect import inspect_checkpoint as inspect
     from shardwise.io.check.verify import verify as verify
     from shardwise.io.consolidate import consolidate as consolidate
     from shardwise.io.formats.dcp.optim import load_optimizer as load_optimizer
@@ -48,7 +48,7 @@ _LAZY = {
     "save_optimizer": ("shardwise.io.formats.dcp.optim", "save_optimizer"),
     "load_optimizer": ("shardwise.io.formats.dcp.optim", "load_optimizer"),
     "clip_grad_norm_": ("shardwise.clip", "clip_grad_norm_"),
-    "inspect": ("shardwise.io.check.inspect", "inspect_checkpoint"),
+    "inspect": ("shardwise.io.check", "inspect_checkpoint"),
     "verify": ("shardwise.io.check.verify", "verify"),
     "diff": ("shardwise.io.check.diff", "diff"),
     "from_pretrained": ("shardwise.hf.pretrained", "from_pretrained"),

@@ -100,24 +100,16 @@ def spawn(fn: Callable[..., Any], world_size: int, *, args: tuple = (), kwargs: 
     failures: dict[int, str] = {}
     deadline = time.monotonic() + timeout
     try:
-        while len(results) + len(failures) < world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
+        while len(results) + len(failures) < world_size and (remaining := deadline - time.monotonic()) > 0:
             try:
                 rank, ok, payload = queue.get(timeout=min(remaining, 0.5))
+                (results if ok else failures)[rank] = payload
             except Exception:  # queue.Empty: check for ranks that died without a report
                 for rank, p in enumerate(procs):
-                    if (p.exitcode not in (None, 0) and rank not in results
-                            and rank not in failures):
+                    if p.exitcode not in (None, 0) and rank not in results and rank not in failures:
                         failures[rank] = f"process died with exit code {p.exitcode} (killed or crashed)"
-                if failures:
-                    # Give the others a moment to report their own error, then stop them.
-                    _drain(queue, results, failures, grace=2.0, expected=world_size)
-                    break
-                continue
-            (results if ok else failures)[rank] = payload
             if failures:
+                # Give the others a moment to report their own error, then stop them.
                 _drain(queue, results, failures, grace=2.0, expected=world_size)
                 break
     finally:

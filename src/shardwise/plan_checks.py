@@ -20,13 +20,13 @@ import torch
 from torch import nn
 
 from shardwise.core.plan import ResolvedPlan
+from shardwise.core.plan_rules import HEAD_ATTRS
 from shardwise.core.quant_layout import scale_local_shape
 from shardwise.core.spec import local_shape
 from shardwise.errors import PlanError, ShardingError
 from shardwise.holding import Holding, is_dtensor, local_of
 
-_HEAD_ATTRS = frozenset(("num_heads", "heads", "num_attention_heads", "num_key_value_heads",
-                         "num_kv_heads", "n_heads", "n_kv_heads", "n_head"))
+_HEAD_ATTRS = frozenset((*HEAD_ATTRS, "n_head"))  # plus n_head, GPT-2 config's name
 _SHAPING = frozenset(("view", "reshape", "unflatten", "rearrange"))
 
 

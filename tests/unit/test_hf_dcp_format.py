@@ -85,7 +85,7 @@ def test_reads_only_overlapping_chunk_bytes(tmp_path):
 
 def test_consolidate_and_inspect(tmp_path):
     import shardwise as sw
-    from shardwise.io.check.inspect import format_report, inspect_checkpoint
+    from shardwise.io.check import format_report, inspect_checkpoint
 
     folder = _folder(tmp_path / "ckpt")
     out = sw.consolidate(folder, tmp_path / "merged")  # dispatched on the headers

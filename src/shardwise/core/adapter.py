@@ -19,9 +19,9 @@ itself on ``import shardwise``. Who asks what:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from torch import nn
 
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from shardwise.core.header import NamedDtype
     from shardwise.core.pieces import Composite, StoredPart
 
+T = TypeVar("T")
 # {model tensor or stored key: (global shape, safetensors dtype)}
 Shapes = Mapping[str, tuple[tuple[int, ...], str]]
 
@@ -154,33 +155,26 @@ def refuse_unsupported(model: nn.Module, action: str) -> None:
         adapter.refuse(model, action)
 
 
+def _first(answer: Callable[[ModelAdapter], T | None]) -> T | None:
+    """The first registered adapter's ``answer(adapter)`` that is not None, else None."""
+    return next((found for a in _ADAPTERS.values() if (found := answer(a)) is not None), None)
+
+
 def folder_model(folder: Path, *, need: bool = False) -> nn.Module | None:
-    """The meta-device model the first adapter that knows ``folder`` builds from it, or None
-    (``ModelAdapter.model_from_folder``)."""
-    for adapter in _ADAPTERS.values():
-        model = adapter.model_from_folder(Path(folder), need=need)
-        if model is not None:
-            return model
-    return None
+    """The meta-device model the first adapter that knows ``folder`` builds from it
+    (``ModelAdapter.model_from_folder``), or None."""
+    return _first(lambda a: a.model_from_folder(Path(folder), need=need))
 
 
 def folder_quantization(folder: Path) -> tuple[object, Path] | None:
-    """What the first adapter whose side files the checkpoint ``folder`` holds says of its
-    quantization (``ModelAdapter.quantization_config``), or None."""
-    for adapter in _ADAPTERS.values():
-        found = adapter.quantization_config(Path(folder))
-        if found is not None:
-            return found
-    return None
+    """What the first adapter whose side files ``folder`` holds says of its quantization
+    (``ModelAdapter.quantization_config``), or None."""
+    return _first(lambda a: a.quantization_config(Path(folder)))
 
 
 def config_model(config_file: Path) -> nn.Module | None:
     """The meta-device model the first adapter that reads ``config_file`` builds, or None."""
-    for adapter in _ADAPTERS.values():
-        model = adapter.model_from_config(Path(config_file))
-        if model is not None:
-            return model
-    return None
+    return _first(lambda a: a.model_from_config(Path(config_file)))
 
 
 def side_file_names() -> tuple[str, ...]:

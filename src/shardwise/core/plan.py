@@ -24,7 +24,7 @@ from shardwise.core.plan_rules import (
     match_plan,
 )
 from shardwise.core.quant_layout import QuantTie, is_tied_scale, tie_scales
-from shardwise.core.spec import ShardSpec
+from shardwise.core.spec import ShardSpec, check_degree
 from shardwise.core.styles import (
     DEFAULT_PACKED,
     SUPPORTED_STYLES,
@@ -205,14 +205,12 @@ def resolve_plan(model: nn.Module, plan, degree: int, *, strict: bool = False, e
     >>> specs["layers.0.mlp.up.weight"]                                         # doctest: +SKIP
     ShardSpec(dim=0, blocks=(1,))
     """
-    if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
-        raise PlanError(f"degree must be a positive int, got {degree!r}")
+    check_degree(degree)
     if isinstance(plan, str) and plan == "auto":
         plan = plan_from_model(model)
     module_claims, param_claims, unused = match_plan(model, plan, strict=strict)
     check_some_key_matches(model, plan, unused)
-    if not isinstance(ep_degree, int) or isinstance(ep_degree, bool) or ep_degree < 1:
-        raise PlanError(f"ep_degree must be a positive int, got {ep_degree!r}")
+    check_degree(ep_degree, names=("ep_degree", "rank"))
     if ep_degree > 1:
         module_claims, param_claims, ep_unused = _with_ep_plan(model, ep_plan, module_claims,
                                                                param_claims, strict)

@@ -245,7 +245,7 @@ def _sibling_key(key: str, path: str, sibling: str) -> str:
 
 # -- degrees --------------------------------------------------------------------------------
 
-_HEAD_ATTRS = ("num_heads", "heads", "num_attention_heads", "num_key_value_heads",
+HEAD_ATTRS = ("num_heads", "heads", "num_attention_heads", "num_key_value_heads",
                "num_kv_heads", "n_heads", "n_kv_heads")
 _ATTENTION = re.compile(r"attn|attention|q_proj|k_proj|v_proj|qkv|to_q|to_k|to_v")
 
@@ -265,7 +265,7 @@ def head_counts(model: nn.Module, sharded: list[str]) -> list[tuple[str, str, in
         near = [p for p in sharded if name in ("", "config") or p.startswith(name + ".")]
         if not near:
             continue
-        for attr in _HEAD_ATTRS:
+        for attr in HEAD_ATTRS:
             try:
                 value = getattr(owner, attr, None)
             except Exception:  # noqa: BLE001 - a per-layer config attribute refuses a global read
@@ -330,5 +330,5 @@ def _error_at(tensors, counts, keys, axis: str, degree: int) -> str | None:
     return _heads_error(counts, keys, degree) if axis == "tp" else None
 
 
-__all__ = ["FAMILIES", "base_prefix", "check_degrees", "check_pairs", "check_some_key_matches",
-           "closest_paths", "head_counts", "match_plan"]
+__all__ = ["FAMILIES", "HEAD_ATTRS", "base_prefix", "check_degrees", "check_pairs",
+           "check_some_key_matches", "closest_paths", "head_counts", "match_plan"]

@@ -22,8 +22,8 @@ import torch
 
 from shardwise.core.spec import Region
 from shardwise.errors import CheckpointError, UsageError
+from shardwise.io.check import print_safely
 from shardwise.io.check.against import as_dtype
-from shardwise.io.check.inspect import print_safely
 from shardwise.io.check.quant import Dequantizing, fp8_pairs
 from shardwise.io.formats import open_source
 from shardwise.io.source import Stored
@@ -150,9 +150,8 @@ def _tolerance(atol, rtol, dtype) -> _Tolerance | None:
 
 def _compare(name: str, a, b, slab_bytes: int, tol: _Tolerance | None = None) -> TensorDiff | None:
     (dtype_a, shape_a), (dtype_b, shape_b) = a.tensors[name], b.tensors[name]
-    dtypes = (str(dtype_a).removeprefix("torch."), str(dtype_b).removeprefix("torch."))
     if shape_a != shape_b:
-        return TensorDiff(name, *dtypes, shape_a, shape_b, False, None)
+        return _differ(name, a, b, False, None)
     rows = shape_a[0] if shape_a else 1
     row_bytes = max(1, math.prod(shape_a[1:]) * max(dtype_a.itemsize, dtype_b.itemsize))
     step = max(1, slab_bytes // row_bytes)
@@ -173,7 +172,7 @@ def _compare(name: str, a, b, slab_bytes: int, tol: _Tolerance | None = None) ->
                                             equal_nan=True).all())
     if same_bytes:
         return None
-    return TensorDiff(name, *dtypes, shape_a, shape_b, equal and dtype_a == dtype_b, worst, within=within)
+    return _differ(name, a, b, equal and dtype_a == dtype_b, worst, within=within)
 
 
 def _compare_quantized(name: str, a, b, pairs, sides: tuple[Dequantizing, Dequantizing], found: dict,
@@ -187,13 +186,17 @@ def _compare_quantized(name: str, a, b, pairs, sides: tuple[Dequantizing, Dequan
             raw = _compare(name, a, b, slab_bytes)
             if raw is None:
                 return None
-    (dtype_a, shape_a), (dtype_b, shape_b) = a.tensors[name], b.tensors[name]
-    dtypes = (str(dtype_a).removeprefix("torch."), str(dtype_b).removeprefix("torch."))
-    if shape_a != shape_b:
-        return TensorDiff(name, *dtypes, shape_a, shape_b, False, None)
+    if a.tensors[name][1] != b.tensors[name][1]:
+        return _differ(name, a, b, False, None)
     values = _compare(name, *sides, slab_bytes)
     worst = 0.0 if values is None else values.max_abs_diff
-    return TensorDiff(name, *dtypes, shape_a, shape_b, worst == 0.0, worst, dequantized=True)
+    return _differ(name, a, b, worst == 0.0, worst, dequantized=True)
+
+
+def _differ(name: str, a, b, equal: bool, worst: float | None, **kw) -> TensorDiff:
+    (dtype_a, shape_a), (dtype_b, shape_b) = a.tensors[name], b.tensors[name]
+    return TensorDiff(name, str(dtype_a).removeprefix("torch."), str(dtype_b).removeprefix("torch."),
+                      shape_a, shape_b, equal, worst, **kw)
 
 
 def _as_float64(t: torch.Tensor) -> torch.Tensor:

@@ -22,8 +22,8 @@ from pathlib import Path
 
 from shardwise.core.header import dtype_to_str
 from shardwise.errors import CheckpointError, ShardwiseError, UsageError
+from shardwise.io.check import print_safely
 from shardwise.io.check.against import AgainstReport, check_against, expectations
-from shardwise.io.check.inspect import print_safely
 from shardwise.io.check.quant import has_config, quant_pairs, quantization_config
 from shardwise.io.formats import format_of
 from shardwise.io.info import INFO_FILE, read_info, recorded_checksums
