@@ -22,7 +22,7 @@ from shardwise.backends import shutdown_backend
 from shardwise.errors import ShardwiseError, UsageError
 
 # Ranks fork from a server that already imported torch: a rank starts in well under a
-# second instead of paying torch's import on each spawn (2 cores here).
+# second instead of paying torch's import on each spawn.
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor.parallel",
             "shardwise"]
 

@@ -95,7 +95,7 @@ def install(model: nn.Module, specs: ResolvedPlan, dims: MeshDims, *,
     callers below the API such as tests). ``local_tensor`` returns this rank's local shard
     (already on the right device and dtype). No collective runs here: DTensors are built
     from local shards. Afterwards every tensor is checked against what the model declared
-    (:func:`shardwise.installed.check_installed`): ``dtype`` is the dtype every
+    (:func:`shardwise.plan_checks.check_installed`): ``dtype`` is the dtype every
     floating-point tensor must have (``None``: any floating dtype).
     """
     if not isinstance(dims, MeshDims):

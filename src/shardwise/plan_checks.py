@@ -141,12 +141,11 @@ def _reads_heads(node: ast.AST, holders: frozenset[str]) -> bool:
 def check_installed(model: nn.Module, specs: ResolvedPlan, declared: dict, *, holding: Holding,
                     dtype: torch.dtype | None, coords: dict | None = None) -> None:
     """Raise ``ShardingError`` naming the tensor unless every tensor of ``model`` has its
-    declared global shape, a local shard of the spec's size, the dtype policy (floating
-    tensors stay floating, and are ``dtype`` when given; others keep their declared dtype;
-    quantized weights and their scales keep theirs) and every tie of the plan still shares
-    one tensor. A quantized weight's scales are held as their tie says (``coords``: this
-    rank's ``MeshDims.axis_coords``). Cheap: shapes and identities only.
-    """
+    ``declared`` global shape, a local shard of the spec's size (a quantized weight's scales:
+    as their tie says, ``coords`` being this rank's ``MeshDims.axis_coords``), the dtype policy
+    (floating tensors stay floating, and are ``dtype`` when given; others, and quantized
+    weights and their scales, keep their declared dtype) and every tie still shares one
+    tensor. Shapes and identities only."""
     state = model.state_dict(keep_vars=True)
     for name, spec in specs.items():
         shape, declared_dtype = declared[name]
@@ -154,13 +153,11 @@ def check_installed(model: nn.Module, specs: ResolvedPlan, declared: dict, *, ho
         held_dtensor = is_dtensor(t)
         local = tuple(local_of(t).shape)
         if holding.one_process:  # a global tensor, placed over the devices
-            want_local = shape
+            local, want_local = tuple(t.shape), shape
         elif name in specs.ties and coords is not None:  # an FP8 weight's scales, split along
             want_local = scale_local_shape(specs.ties[name], spec, *coords[spec.axis])
         else:
             want_local = local_shape(shape, spec, specs.degrees[spec.axis])
-        if holding.one_process:
-            local = tuple(t.shape)
         if (held_dtensor and tuple(t.shape) != shape) or local != want_local:
             held = f"a DTensor of global shape {tuple(t.shape)}" if held_dtensor else "a tensor"
             raise ShardingError(
