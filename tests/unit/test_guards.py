@@ -50,7 +50,7 @@ def traps(monkeypatch, mesh):
 
     from shardwise.io.formats.safetensors import reader
     from shardwise.io.formats.safetensors import source as safetensors_source
-    from shardwise.io.safetensors import format as safetensors_io
+    from shardwise.io.formats.safetensors import files as safetensors_io
 
     attempted: list[str] = []
 

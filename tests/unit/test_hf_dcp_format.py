@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 import shardwise as sw
 from shardwise.core.spec import Region, ShardSpec, local_layout
 from shardwise.errors import CheckpointError
-from shardwise.io.dcp.sharded_write import assign_chunks, num_files, rank_files
+from shardwise.io.formats.sharded.write import assign_chunks, num_files, rank_files
 from shardwise.io.formats.sharded.checkpoint import is_sharded_safetensors, read_sharded, sharding_metadata
 from shardwise.io.formats.sharded.source import ShardedReader, plan_chunk_reads
 

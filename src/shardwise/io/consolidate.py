@@ -28,8 +28,8 @@ from shardwise.core.spec import Region
 from shardwise.errors import CheckpointError
 from shardwise.io.formats import open_source
 from shardwise.io.info import gather_info, read_info, user_metadata, write_info
-from shardwise.io.safetensors.format import StreamingWriter
-from shardwise.io.safetensors.sink import plan_checkpoint
+from shardwise.io.formats.safetensors.files import StreamingWriter
+from shardwise.io.formats.safetensors.write import plan_checkpoint
 from shardwise.io.sink import WritePlan
 from shardwise.io.source import Stored
 from shardwise.io.storage import Transaction, storage_for

@@ -33,8 +33,8 @@ from shardwise.errors import CheckpointError, UnsupportedModelError
 from shardwise.holding import Holding, is_dtensor
 from shardwise.io.info import collect_checksums
 from shardwise.io.quant_save import gather_scales_to_rank0
-from shardwise.io.safetensors.format import StreamingWriter
-from shardwise.io.safetensors.sink import SafetensorsSink
+from shardwise.io.formats.safetensors.files import StreamingWriter
+from shardwise.io.formats.safetensors.write import SafetensorsSink
 from shardwise.io.sink import WritePlan
 from shardwise.parallel import ShardState, get_shard_state, local_of
 

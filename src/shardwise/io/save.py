@@ -32,7 +32,7 @@ from shardwise.core.adapter import adapter_for
 from shardwise.errors import CheckpointError, CollectiveError
 from shardwise.io import parallel_save
 from shardwise.io.check.against import Expectation, compare, expected_tensors
-from shardwise.io.formats.safetensors.headers import header_metadata, save_file_order
+from shardwise.io.formats.safetensors.files import header_metadata, save_file_order
 from shardwise.io.gather import StreamSink, collect_items
 from shardwise.io.guards import check_model
 from shardwise.io.info import gather_info, write_info
@@ -96,7 +96,7 @@ def save(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str
     ``async_save=True`` too it returns a handle whose ``wait()`` every rank calls. With
     ``format="safetensors"`` the distributed save writes rank-local safetensors files instead
     (torch's ``HuggingFaceStorageWriter(save_distributed=True)`` format, which transformers and
-    torch read; no pickle; ``shardwise.io.dcp.sharded_write``; no ``async_save``). The gather
+    torch read; no pickle; ``shardwise.io.formats.sharded.write``; no ``async_save``). The gather
     save returns None.
 
     FP8 models (transformers' ``FP8Linear`` modules, kept quantized by ``sw.load``): the fp8
@@ -145,7 +145,7 @@ def save_distributed(model: nn.Module, path, options: DistributedSave, *, backen
     join_collective(backend, "sw.save")
     if options.format == "safetensors":
         # deferred: keeps torch.distributed.checkpoint (~1.7 s, via dcp.coord) off the gather save
-        from shardwise.io.dcp.sharded_write import save_sharded_safetensors
+        from shardwise.io.formats.sharded.write import save_sharded_safetensors
 
         save_sharded_safetensors(model, path, backend=backend, overwrite=overwrite, metadata=metadata,
                                  progress=progress)

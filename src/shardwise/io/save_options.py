@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardwise.errors import CheckpointError, UsageError
-from shardwise.io.safetensors.format import parse_size
+from shardwise.io.formats.safetensors.files import parse_size
 
 FORMATS = ("distcp", "safetensors")
 LAYOUTS = ("hub", "module")

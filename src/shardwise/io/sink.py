@@ -4,9 +4,9 @@ index), then writes it.
 
 Plan, then execute: ``plan`` is pure and gives the same answer on every rank, so the ranks
 agree on the files without exchanging them; ``write`` does the I/O and the collectives. The
-implementations: ``shardwise.io.safetensors.sink`` (the plan-files / sort / index recipe of
+implementations: ``shardwise.io.formats.safetensors.write`` (the plan-files / sort / index recipe of
 every ordinary safetensors checkpoint, and its rank-0 stream, with the parallel write in
-``shardwise.io.parallel_save``) and ``shardwise.io.dcp.sharded_write`` (rank-local sharded
+``shardwise.io.parallel_save``) and ``shardwise.io.formats.sharded.write`` (rank-local sharded
 safetensors files). torch's own DCP writer (``distributed=True``, ``format="distcp"``) keeps
 its ``StorageWriter`` protocol and its planner.
 """

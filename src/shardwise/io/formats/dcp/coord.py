@@ -1,5 +1,5 @@
 """What the distributed saves share (DCP, ``shardwise.io.formats.dcp.checkpoint``, and rank-local safetensors,
-``shardwise.io.dcp.sharded_write``): what a model holds (:func:`model_placed`), the
+``shardwise.io.formats.sharded.write``): what a model holds (:func:`model_placed`), the
 ``shardwise.json`` record (:func:`checkpoint_info`), running a step on rank 0 with every rank
 agreeing on its outcome (:func:`on_rank0`); and the coordination around
 torch.distributed.checkpoint: its failures as ShardwiseErrors, and the chunk checksums of a

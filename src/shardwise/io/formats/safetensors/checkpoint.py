@@ -14,7 +14,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from shardwise.core.header import FileHeader, TensorEntry
 from shardwise.errors import CheckpointError
-from shardwise.io.safetensors.format import INDEX_SUFFIX, read_header
+from shardwise.io.formats.safetensors.files import INDEX_SUFFIX, read_header
 from shardwise.io.storage import read_json, storage_for
 from shardwise.io.storage.local import check_inside
 

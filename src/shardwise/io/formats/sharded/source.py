@@ -31,7 +31,7 @@ from shardwise.io.formats.sharded.checkpoint import (
 )
 from shardwise.io.info import chunk_key, digest_range
 from shardwise.io.pipeline import match_keys
-from shardwise.io.safetensors.format import read_region
+from shardwise.io.formats.safetensors.files import read_region
 from shardwise.io.source import Blob, Description, Finalize, ReadOptions, Reads, Want
 from shardwise.io.storage import Handles, storage_for
 

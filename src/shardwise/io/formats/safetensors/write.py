@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from shardwise.core.header import spec_nbytes
-from shardwise.io.formats.safetensors.headers import header_metadata, save_file_order
-from shardwise.io.safetensors.format import INDEX_SUFFIX, index_json, plan_files
+from shardwise.io.formats.safetensors.files import header_metadata, save_file_order
+from shardwise.io.formats.safetensors.files import INDEX_SUFFIX, index_json, plan_files
 from shardwise.io.sink import PlannedFile, Spec, StoredTensor, WritePlan
 
 

@@ -40,11 +40,11 @@ from shardwise.core.spec import Region
 from shardwise.errors import CheckpointError
 from shardwise.holding import Holding
 from shardwise.io.formats.dcp.coord import checkpoint_info, model_placed, on_rank0
-from shardwise.io.formats.safetensors.headers import header_metadata, save_file_order
+from shardwise.io.formats.safetensors.files import header_metadata, save_file_order
 from shardwise.io.formats.sharded.checkpoint import check_tiling, sharding_metadata
 from shardwise.io.guards import check_model
 from shardwise.io.info import ALGORITHM, chunk_key, write_info
-from shardwise.io.safetensors.format import StreamingWriter
+from shardwise.io.formats.safetensors.files import StreamingWriter
 from shardwise.io.sink import PlannedFile, WritePlan
 from shardwise.io.storage import storage_for
 from shardwise.io.storage.transaction import target_path
