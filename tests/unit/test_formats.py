@@ -131,7 +131,7 @@ class RawSource:
 
 def _raw_plugin() -> types.ModuleType:
     plugin = types.ModuleType("raw_format_plugin")
-    plugin.NAME, plugin.DEQUANTIZES = "raw", False
+    plugin.NAME, plugin.CAPABILITIES = "raw", formats.Capabilities(label="raw")  # read only: no writer
     plugin.claims = lambda path: (Path(path) / "raw.json").is_file()
     plugin.open_source = lambda path, **options: RawSource(path)
     return plugin
