@@ -28,7 +28,8 @@ def test_distributed_save_refuses_gather_save_options(tmp_path, option):
 
 @pytest.mark.parametrize("fmt", ["dcp", "distcp", "sharded"])
 def test_a_distributed_format_without_distributed_is_refused(tmp_path, fmt):
-    with pytest.raises(sw.UsageError, match=f"format='{fmt}' writes a distributed checkpoint.*distributed=True"):
+    match = f"format='{fmt}' writes a distributed checkpoint.*distributed=True"
+    with pytest.raises(sw.UsageError, match=match):
         sw.save(nn.Linear(4, 4), tmp_path / "out", format=fmt)
     assert not (tmp_path / "out").exists()
 

@@ -17,8 +17,8 @@ A checkpoint not written by shardwise has no checksums: its structure is checked
 outcome is ``UNVERIFIED`` (exit status 3), not ``OK``: nothing vouches for its values.
 
 One vocabulary in every report: ``kind`` is the format's label (its ``Capabilities.label``:
-``safetensors``, ``sharded safetensors``, ``dcp``; ``unknown`` where there is no checkpoint to name); ``tensors`` counts the
-checkpoint's tensors, ``chunks`` the stored pieces they are in (a safetensors tensor is one
+``safetensors``, ``sharded safetensors``, ``dcp``; ``unknown`` where there is no checkpoint to
+name); ``tensors`` counts the checkpoint's tensors, ``chunks`` the stored pieces they are in (a safetensors tensor is one
 chunk; a DCP tensor one per saving rank), ``checksummed`` the chunks whose bytes matched a
 checksum.
 
