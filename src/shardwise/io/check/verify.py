@@ -18,9 +18,9 @@ outcome is ``UNVERIFIED`` (exit status 3), not ``OK``: nothing vouches for its v
 
 One vocabulary in every report: ``kind`` is the format's label (its ``Capabilities.label``:
 ``safetensors``, ``sharded safetensors``, ``dcp``; ``unknown`` where there is no checkpoint to
-name); ``tensors`` counts the checkpoint's tensors, ``chunks`` the stored pieces they are in (a safetensors tensor is one
-chunk; a DCP tensor one per saving rank), ``checksummed`` the chunks whose bytes matched a
-checksum.
+name); ``tensors`` counts the checkpoint's tensors, ``chunks`` the stored pieces they are in (a
+safetensors tensor is one chunk; a DCP tensor one per saving rank), ``checksummed`` the chunks
+whose bytes matched a checksum.
 
 A quantized checkpoint (``io.check.quant``): every FP8 weight has its ``weight_scale_inv`` of
 shape ``ceil(dims / weight_block_size)`` (the block from the ``config.json`` beside it), every

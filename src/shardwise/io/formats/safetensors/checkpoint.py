@@ -60,7 +60,7 @@ def _non_safetensors_kind(path: Path) -> str | None:
 @dataclass
 class Checkpoint:
     """A resolved safetensors checkpoint: which file holds each tensor, and every header (the
-    ``KeyedCheckpoint`` the loader's key matching reads, ``shardwise.io.pipeline.match_keys``)."""
+    ``KeyedCheckpoint`` that ``shardwise.io.formats.safetensors.keys.match_keys`` reads)."""
 
     root: Path
     files: list[Path]

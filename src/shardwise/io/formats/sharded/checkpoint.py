@@ -66,7 +66,7 @@ class ShardedTensor(NamedDtype):
 class ShardedCheckpoint:
     """A validated sharded checkpoint. ``names``/``entry``/``root`` answer like
     :class:`shardwise.io.formats.safetensors.checkpoint.Checkpoint`: both are the
-    ``KeyedCheckpoint`` the loader's key matching reads (``shardwise.io.pipeline.match_keys``)."""
+    ``KeyedCheckpoint`` that ``shardwise.io.formats.safetensors.keys.match_keys`` reads."""
 
     root: Path
     files: list[Path]
