@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 import shardwise as sw
-from shardwise.io.save_options import DistributedSave, SafetensorsSave, save_options
+from shardwise.io.save import DistributedSave, SafetensorsSave, save_options
 
 
 @pytest.mark.parametrize("option", [{"max_shard_size": "1GB"}, {"filename_prefix": "shard"},
