@@ -150,7 +150,8 @@ def consolidate(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_siz
         # arena returned and faulted in again memory that one thread reuses (sharded safetensors:
         # 1.2-1.5x the time, 2.5x the peak).
         torch.set_num_threads(1)
-        with Saving(dst, overwrite=overwrite, backend=None, what=f"sw.consolidate to {dst}") as saving:
+        with Saving(dst, overwrite=overwrite, backend=None, what=f"sw.consolidate to {dst}",
+                    collective=False) as saving:
             checksums: dict[str, str] = {}
             for planned in plan.files:
                 out = writer.open_file(saving.folder / planned.name, planned.tensors, plan.header)

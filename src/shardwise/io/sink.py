@@ -172,13 +172,14 @@ class Saving:
     files and the index, and moves the folder into place; every rank learns the outcome);
     :meth:`discard` (or leaving the ``with``) on every path: rank 0 removes what is left, a
     no-op after a commit. ``digest``: every rank's fingerprint of what it saves (they must
-    agree)."""
+    agree). ``collective=False`` (``sw.consolidate``: one process, whatever group it is in):
+    this process does every step, with no collective."""
 
     def __init__(self, location, *, overwrite: bool, backend: Backend | None, what: str,
-                 digest: bytes = b"\0" * 8):
-        self.backend, self.what = backend, what
+                 digest: bytes = b"\0" * 8, collective: bool = True):
+        self.backend, self.what, self.collective = backend, what, collective
         self.target = target_path(location)
-        self.rank0 = comm.rank() == 0
+        self.rank0 = not collective or comm.rank() == 0
         self._dest = (storage_for(self.target).transaction(self.target, overwrite=overwrite)
                       if self.rank0 else None)
 
@@ -188,7 +189,7 @@ class Saving:
 
         try:
             self.folder = Path(on_rank0(prepare, f"preparing {what}", backend=backend, share=True,
-                                        digest=digest))
+                                        digest=digest) if collective else prepare())
         except BaseException:
             self.discard()
             raise
@@ -204,7 +205,10 @@ class Saving:
                 side_files(self.folder)
             self._dest.commit(index)
 
-        on_rank0(commit, f"moving {self.what} into place", backend=self.backend)
+        if self.collective:
+            on_rank0(commit, f"moving {self.what} into place", backend=self.backend)
+        else:
+            commit()
 
     def discard(self) -> None:
         if self._dest is not None:

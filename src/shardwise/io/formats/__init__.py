@@ -37,7 +37,8 @@ class Capabilities:
     block scales into plain model tensors per rank; ``distributed``: every rank writes its own
     part (else rank 0 writes what is gathered to it); ``async_save``: its writer can return
     before the data is written; ``optimizer``: holds optimizer state; ``quantized``: its writer
-    writes FP8 weights and each scale once; ``parallel_write``: its gathered files can be laid
+    writes FP8 weights and each scale once; ``scale_regions``: its reader reads each FP8 scale
+    at its own region, so shard boundaries may cut scale blocks; ``parallel_write``: its gathered files can be laid
     out up front and written by every rank at their offsets; ``label``: what reports call it;
     ``names``: the names its checkpoints most often hold (``"hub"`` or ``"module"``);
     ``own_checksums``: what the format itself stores to check its bytes against, or None.
@@ -51,6 +52,7 @@ class Capabilities:
     async_save: bool = False
     optimizer: bool = False
     quantized: bool = True
+    scale_regions: bool = False
     parallel_write: bool = False
     label: str = ""
     names: str = "module"

@@ -17,7 +17,8 @@ import os
 from shardwise.io.formats import Capabilities
 
 NAME = "safetensors"
-CAPABILITIES = Capabilities(dequantizes=True, parallel_write=True, label="safetensors", names="hub")
+CAPABILITIES = Capabilities(dequantizes=True, scale_regions=True, parallel_write=True, label="safetensors",
+                            names="hub")
 
 
 def claims(path: str | os.PathLike) -> bool:
@@ -28,7 +29,8 @@ def claims(path: str | os.PathLike) -> bool:
 def open_source(path: str | os.PathLike, **options):
     """The :class:`~shardwise.io.formats.safetensors.source.SafetensorsSource` of ``path``
     (``dequantize=True``: FP8 weights with block scales into plain model tensors)."""
-    # deferred: a cycle (io.pipeline imports .checkpoint, so this __init__; source imports io.pipeline)
+    # deferred: every module of this package (files, from the save side) runs this __init__ first;
+    # the reader's imports (quantized, mapped, the key matching) load when a checkpoint is opened
     from shardwise.io.formats.safetensors.source import SafetensorsSource
 
     return SafetensorsSource(path, **options)
