@@ -38,8 +38,9 @@ class Capabilities:
     part (else rank 0 writes what is gathered to it); ``async_save``: its writer can return
     before the data is written; ``optimizer``: holds optimizer state; ``quantized``: its writer
     writes FP8 weights and each scale once; ``scale_regions``: its reader reads each FP8 scale
-    at its own region, so shard boundaries may cut scale blocks; ``parallel_write``: its gathered files can be laid
-    out up front and written by every rank at their offsets; ``label``: what reports call it;
+    at its own region, so shard boundaries may cut scale blocks; ``parallel_write``: its
+    gathered files can be laid out up front and written by every rank at their offsets;
+    ``label``: what reports call it;
     ``names``: the names its checkpoints most often hold (``"hub"`` or ``"module"``);
     ``own_checksums``: what the format itself stores to check its bytes against, or None.
 
