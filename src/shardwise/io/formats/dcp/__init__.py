@@ -20,7 +20,8 @@ from shardwise.io.formats import Capabilities
 NAME = "dcp"
 # FP8 weights load as stored (quantized), never dequantized per rank
 CAPABILITIES = Capabilities(distributed=True, async_save=True, optimizer=True, scale_regions=True,
-                            label="dcp", own_checksums="each chunk is checked against the CRC-32 of its zip record")
+                            label="dcp",
+                            own_checksums="each chunk is checked against the CRC-32 of its zip record")
 METADATA_FILE = ".metadata"  # torch DCP writes it last: its absence means an incomplete save
 
 
