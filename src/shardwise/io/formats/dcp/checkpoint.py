@@ -8,9 +8,8 @@ tensors once. So it loads at any degree, and plain ``torch.distributed.checkpoin
 data records the plan, mesh, degree, dtypes and versions (informational) and the checksum (XXH3-64) of
 every chunk, computed as it is written (``HashingWriter``), which ``sw.verify`` checks.
 
-A save is written into a temporary folder beside the target and moved into place once every
-rank is done, exactly like the gather save (``shardwise.io.save``), so an interrupted save
-never leaves a ``.metadata`` at the target. The path must be on a filesystem every rank sees.
+A save is one ``shardwise.io.sink.Saving``, as every save: an interrupted one never leaves a
+``.metadata`` at the target. The path must be on a filesystem every rank sees.
 
 DCP's ``.metadata`` is a pickle: shardwise unpickles it with an allow-list of DCP's own
 classes, but loading a DCP checkpoint still trusts its source.
