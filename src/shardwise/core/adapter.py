@@ -42,6 +42,7 @@ from shardwise.errors import UsageError
 if TYPE_CHECKING:
     from shardwise.core.header import NamedDtype
     from shardwise.core.pieces import Composite, StoredPart
+    from shardwise.io.storage import Location
 
 # {model tensor or stored key: (global shape, safetensors dtype)}
 Shapes = Mapping[str, tuple[tuple[int, ...], str]]
@@ -77,7 +78,7 @@ class ModelAdapter:
         shardwise cannot ``action`` ("load", "save", ...). Pure inspection."""
 
     # -- stored layouts: load and save ---------------------------------------------------------
-    def stored_tensors(self, model: nn.Module, stored: Mapping[str, tuple[Path | None, NamedDtype]],
+    def stored_tensors(self, model: nn.Module, stored: Mapping[str, tuple[Location | None, NamedDtype]],
                        wanted: set[str], shapes: Mapping[str, tuple[int, ...]] | None = None,
                        ) -> tuple[dict[str, Composite], set[str]]:
         """``({model tensor: Composite}, stored keys used)`` for the tensors of ``wanted`` that
@@ -117,16 +118,16 @@ class ModelAdapter:
         params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
         return {"total_parameters": sum(math.prod(s) for n, s in shapes.items() if n in params)}
 
-    def write_side_files(self, model: nn.Module, folder: Path) -> list[str]:
+    def write_side_files(self, model: nn.Module, folder: Location) -> list[str]:
         """Write the files the library reads beside the weights into ``folder``; their names."""
         return []
 
-    def model_from_folder(self, folder: Path, *, need: bool = False) -> nn.Module | None:
+    def model_from_folder(self, folder: Location, *, need: bool = False) -> nn.Module | None:
         """The meta-device model whose stored layout a checkpoint folder's side files name, or
         None; ``need``: raise ``CheckpointError`` where they name one this process cannot build."""
         return None
 
-    def quantization_config(self, folder: Path) -> tuple[object, Path] | None:
+    def quantization_config(self, folder: Location) -> tuple[object, Location] | None:
         """``(the quantization_config this library's side files in the checkpoint folder
         record, or None; the file that holds them)``; None when the folder has no such file."""
         return None
@@ -170,21 +171,21 @@ def refuse_unsupported(model: nn.Module, action: str) -> None:
         adapter.refuse(model, action)
 
 
-def folder_model(folder: Path, *, need: bool = False) -> nn.Module | None:
+def folder_model(folder: Location, *, need: bool = False) -> nn.Module | None:
     """The meta-device model the first adapter that knows ``folder`` builds from it, or None
     (``ModelAdapter.model_from_folder``)."""
     for adapter in _ADAPTERS.values():
-        model = adapter.model_from_folder(Path(folder), need=need)
+        model = adapter.model_from_folder(folder, need=need)
         if model is not None:
             return model
     return None
 
 
-def folder_quantization(folder: Path) -> tuple[object, Path] | None:
+def folder_quantization(folder: Location) -> tuple[object, Location] | None:
     """What the first adapter whose side files the checkpoint ``folder`` holds says of its
     quantization (``ModelAdapter.quantization_config``), or None."""
     for adapter in _ADAPTERS.values():
-        found = adapter.quantization_config(Path(folder))
+        found = adapter.quantization_config(folder)
         if found is not None:
             return found
     return None

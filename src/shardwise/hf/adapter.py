@@ -28,6 +28,7 @@ from shardwise.core.adapter import ModelAdapter, Shapes, register_adapter
 from shardwise.core.header import NamedDtype, dtype_to_str, str_to_dtype
 from shardwise.core.pieces import Composite, StoredPart
 from shardwise.hf import files, guards, hub_layout, hub_save, model_checks, plans
+from shardwise.io.storage import Location
 
 assert model_checks  # imported for its registrations with core.plan
 
@@ -50,7 +51,7 @@ class HuggingFace(ModelAdapter):
     def refuse(self, model: nn.Module, action: str) -> None:
         guards.refuse(model, action)
 
-    def stored_tensors(self, model: nn.Module, stored: Mapping[str, tuple[Path | None, NamedDtype]],
+    def stored_tensors(self, model: nn.Module, stored: Mapping[str, tuple[Location | None, NamedDtype]],
                        wanted: set[str], shapes: Mapping[str, tuple[int, ...]] | None = None,
                        ) -> tuple[dict[str, Composite], set[str]]:
         return hub_layout.hub_tensors(model, stored, wanted, None if shapes is None else dict(shapes))
@@ -81,13 +82,13 @@ class HuggingFace(ModelAdapter):
         # a diffusers index has no total_parameters
         return {} if files.library_of(model) == "diffusers" else super().index_metadata(model, shapes)
 
-    def write_side_files(self, model: nn.Module, folder: Path) -> list[str]:
+    def write_side_files(self, model: nn.Module, folder: Location) -> list[str]:
         return files.write_side_files(model, folder)
 
-    def model_from_folder(self, folder: Path, *, need: bool = False) -> nn.Module | None:
+    def model_from_folder(self, folder: Location, *, need: bool = False) -> nn.Module | None:
         return files.model_from_folder(folder, need=need)
 
-    def quantization_config(self, folder: Path) -> tuple[object, Path] | None:
+    def quantization_config(self, folder: Location) -> tuple[object, Location] | None:
         return files.quantization_config(folder)
 
     def model_from_config(self, config_file: Path) -> nn.Module | None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from torch import nn
@@ -33,6 +32,8 @@ from shardwise.errors import CheckpointError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
+
+    from shardwise.io.storage import Location
 
 
 @dataclass
@@ -190,7 +191,7 @@ def _split_targets(conv, key: str, name: str, entry: NamedDtype, shapes: dict, w
     return out
 
 
-def hub_tensors(model: nn.Module, stored: Mapping[str, tuple[Path | None, NamedDtype]],
+def hub_tensors(model: nn.Module, stored: Mapping[str, tuple[Location | None, NamedDtype]],
                 wanted: set[str], shapes: dict[str, tuple[int, ...]] | None = None,
                 ) -> tuple[dict[str, Composite], set[str]]:
     """``({model tensor: Composite}, stored keys used)`` for the tensors of ``wanted`` that a

@@ -17,7 +17,6 @@ boxes of every model tensor tile that tensor exactly.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -31,6 +30,8 @@ from shardwise.hf.hub_layout import hub_tensors, is_transformers_model
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
+
+    from shardwise.io.storage import Location
 
 _MODULE = "save with layout='module' (the model's own tensor names) instead"
 
@@ -70,7 +71,7 @@ def hub_save_layout(model: nn.Module,
     reverted = revert(model, meta)
     if reverted is None or list(reverted) == list(meta):
         return None
-    stored: dict[str, tuple[Path | None, TensorEntry]] = {}  # no file: a layout only
+    stored: dict[str, tuple[Location | None, TensorEntry]] = {}  # no file: a layout only
     for key, t in reverted.items():
         nbytes = math.prod(t.shape) * t.dtype.itemsize
         stored[key] = (None, TensorEntry(key, dtype_to_str(t.dtype), tuple(t.shape), 0, nbytes))

@@ -14,7 +14,6 @@ into place like ``sw.save``.
 from __future__ import annotations
 
 import os
-import shutil
 from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
@@ -32,7 +31,7 @@ from shardwise.io.safetensors.format import StreamingWriter
 from shardwise.io.safetensors.sink import plan_checkpoint
 from shardwise.io.sink import WritePlan
 from shardwise.io.source import Stored
-from shardwise.io.storage import Transaction, storage_for
+from shardwise.io.storage import Location, Transaction, locate, read_small, split_scheme, write_small
 from shardwise.io.storage.transaction import target_path
 
 
@@ -59,7 +58,7 @@ def consolidation_plan(source: Stored, *, max_shard_size: int | str = "5GB", fil
                            parts=parts)
 
 
-def _hub_parts(src: Path, specs: list, layout: str) -> tuple[dict, dict]:
+def _hub_parts(src: Location, specs: list, layout: str) -> tuple[dict, dict]:
     if layout not in ("hub", "module"):
         raise CheckpointError(f"layout must be 'hub' or 'module', got {layout!r}")
     model = folder_model(src, need=True) if layout == "hub" else None
@@ -71,14 +70,20 @@ def _hub_parts(src: Path, specs: list, layout: str) -> tuple[dict, dict]:
     return {p.key: p for p in parts}, adapter.shared_storages(parts, sizes)
 
 
-def _copy_side_files(src: Path, dst: Path) -> list[str]:
+def _copy_side_files(src: Location, dst: Location) -> list[str]:
     """Copy the side files (``core.adapter.side_file_names``: a Hugging Face model's
-    ``config.json`` & co) that ``src`` holds into ``dst``; their names."""
+    ``config.json`` & co) that ``src`` holds, not through a link out of it, into ``dst``;
+    their names."""
     copied = []
     for name in side_file_names():
-        if (src / name).is_file() and not (src / name).is_symlink():
-            shutil.copyfile(src / name, dst / name)
-            copied.append(name)
+        if (src / name).stat() is None:
+            continue
+        try:
+            src.storage.check_inside(src, src / name, source=src)
+        except CheckpointError:
+            continue
+        write_small(dst / name, read_small(src / name, what="a side file"))
+        copied.append(name)
     return copied
 
 
@@ -115,9 +120,13 @@ class _WholeTensors:
 
 
 def consolidate(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_size: int | str = "5GB",
-                filename_prefix: str = "model", overwrite: bool = False, layout: str = "hub") -> Path:
+                filename_prefix: str = "model", overwrite: bool = False, layout: str = "hub",
+                storage_options: dict | None = None, dst_storage_options: dict | None = None) -> Path | str:
     """Write the distributed checkpoint ``src`` (torch DCP, or sharded safetensors) as a
-    safetensors checkpoint in the folder ``dst``; one process, no process group. Returns ``dst``.
+    safetensors checkpoint in the folder ``dst``; one process, no process group. Returns ``dst``
+    (absolute, a ``Path`` when local, else its URL). ``storage_options`` go to the storage of
+    ``src``, ``dst_storage_options`` to that of ``dst`` (default: ``storage_options``); a local path
+    takes none.
 
     ``max_shard_size`` and ``filename_prefix`` split and name the files as ``sw.save`` does
     (``{prefix}.safetensors``, or ``{prefix}-0000i-of-0000N.safetensors`` plus an index).
@@ -129,20 +138,25 @@ def consolidate(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_siz
 
     >>> sw.consolidate("out/dcp", "out/merged", max_shard_size="2GB")   # doctest: +SKIP
     """
-    source = open_source(src)
+    if storage_options and split_scheme(src)[0] is None and split_scheme(dst)[0] is None:
+        locate(src, storage_options)  # the UsageError: options for two local paths
+    src_at = locate(src, storage_options if split_scheme(src)[0] else None)
+    dst_options = storage_options if dst_storage_options is None else dst_storage_options
+    target = target_path(locate(dst, dst_options if split_scheme(dst)[0] else None))
+    source = open_source(src_at)
     try:
         if source.name == "safetensors":
-            _refuse_plain_safetensors(Path(src))
+            _refuse_plain_safetensors(src_at)
         plan = consolidation_plan(source, max_shard_size=max_shard_size, filename_prefix=filename_prefix,
                                   layout=layout)
-        return _write_safetensors(_WholeTensors(source, plan.parts), plan,
-                                  storage_for(dst).transaction(target_path(dst), overwrite=overwrite),
-                                  side_files=source.root)
+        _write_safetensors(_WholeTensors(source, plan.parts), plan,
+                           target.storage.transaction(target, overwrite=overwrite), side_files=source.root)
     finally:
         source.close()
+    return target.local_path("the result") if target.scheme is None else str(target)
 
 
-def _write_safetensors(tensor, plan: WritePlan, dest: Transaction, *, side_files: Path) -> Path:
+def _write_safetensors(tensor, plan: WritePlan, dest: Transaction, *, side_files: Location) -> None:
     """Write ``plan``, each tensor from ``tensor(name)``, into ``dest``, with
     ``shardwise.json``, the plan's index and the side files of the folder ``side_files``."""
     # The copies are memory-bound: one thread moves them as fast, while a pool of OpenMP
@@ -170,13 +184,11 @@ def _write_safetensors(tensor, plan: WritePlan, dest: Transaction, *, side_files
     finally:
         torch.set_num_threads(threads)
         dest.discard()
-    return dest.target
 
 
-def _refuse_plain_safetensors(src: Path) -> None:
+def _refuse_plain_safetensors(src: Location) -> None:
     """An ordinary safetensors checkpoint (no DCP ``.metadata``) has nothing to consolidate."""
-    files = [src] if src.suffix == ".safetensors" and src.is_file() else (
-        sorted(src.glob("*.safetensors")) if src.is_dir() else [])
+    files = [src] if src.suffix == ".safetensors" and src.stat() is not None else src.glob("*.safetensors")
     if files:
         raise CheckpointError(
             f"{src} is already a safetensors checkpoint ({len(files)} .safetensors file(s), no DCP "

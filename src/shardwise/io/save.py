@@ -39,7 +39,7 @@ from shardwise.io.info import gather_info, write_info
 from shardwise.io.quant_checks import check_quantized_save
 from shardwise.io.save_options import DistributedSave, SafetensorsSave, save_options
 from shardwise.io.sink import StoredTensor
-from shardwise.io.storage import storage_for
+from shardwise.io.storage import Location, locate
 from shardwise.io.storage.transaction import target_path
 from shardwise.mesh import world_backend
 
@@ -50,7 +50,7 @@ def save(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str
          filename_prefix: str | None = None, metadata: Mapping[str, str] | None = None,
          overwrite: bool = False, progress: bool | None = None, distributed: bool = False,
          async_save: bool = False, format: str = "distcp", layout: str = "hub",
-         parallel_write: bool | None = None) -> AsyncSave | None:
+         parallel_write: bool | None = None, storage_options: dict | None = None) -> AsyncSave | None:
     """Write ``model`` to the folder ``path`` as an ordinary safetensors checkpoint.
 
     Collective: every rank calls it (a rank that waits over a minute for the others raises,
@@ -118,6 +118,9 @@ def save(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str
     sits at a path a loader would look at, its files appear only once fsynced, and a
     several-file checkpoint gets its index last.
 
+    ``path`` is a local folder or a URL of a registered storage (``scheme://...``; its factory
+    gets ``storage_options``).
+
     >>> sw.save(model, "out/full", max_shard_size="2GB")                    # doctest: +SKIP
     >>> sw.load(model2, "out/full", plan=plan, mesh=backend.mesh(tp=2))     # doctest: +SKIP
     """
@@ -125,15 +128,16 @@ def save(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str
                            filename_prefix=filename_prefix, layout=layout, parallel_write=parallel_write,
                            format=format, async_save=async_save)
     backend = world_backend()  # the API boundary: the backend of every collective of the save
+    target = target_path(locate(path, storage_options))  # and the location, decoded once
     if isinstance(options, DistributedSave):
-        return save_distributed(model, path, options, backend=backend, metadata=metadata,
+        return save_distributed(model, target, options, backend=backend, metadata=metadata,
                                 overwrite=overwrite, progress=progress)
-    save_safetensors(model, path, options, backend=backend, metadata=metadata, overwrite=overwrite,
+    save_safetensors(model, target, options, backend=backend, metadata=metadata, overwrite=overwrite,
                      progress=progress)
     return None
 
 
-def save_distributed(model: nn.Module, path, options: DistributedSave, *, backend: Backend | None,
+def save_distributed(model: nn.Module, path: Location, options: DistributedSave, *, backend: Backend | None,
                      metadata, overwrite: bool, progress: bool | None) -> AsyncSave | None:
     """``sw.save(..., distributed=True)`` with its decoded ``options``: the guards, every rank
     meets, then the format's writer (torch DCP, or rank-local sharded safetensors); ``backend``
@@ -157,14 +161,13 @@ def save_distributed(model: nn.Module, path, options: DistributedSave, *, backen
                     progress=progress, async_save=options.async_save)
 
 
-def save_safetensors(model: nn.Module, path, options: SafetensorsSave, *, backend: Backend | None,
+def save_safetensors(model: nn.Module, target: Location, options: SafetensorsSave, *, backend: Backend | None,
                      metadata, overwrite: bool, progress: bool | None) -> None:
     """``sw.save(..., distributed=False)`` with its decoded ``options``: plan every file (pure,
     the same on every rank), meet, then write through the rank-0 stream or, where every rank
     sees the folder, the parallel write; move the folder into place when every rank is done.
     ``backend`` (``shardwise.mesh.world_backend``) runs the collectives."""
     check_model(model, action="save")
-    target = target_path(path)
     adapter = adapter_for(model)  # its library's file prefix, index metadata, layout, side files
     prefix = options.filename_prefix or adapter.file_prefix(model)
     items, state = collect_items(model)
@@ -181,13 +184,13 @@ def save_safetensors(model: nn.Module, path, options: SafetensorsSave, *, backen
                                          {i.name: i.local.element_size() for i in items}))
     stream = StreamSink(backend, state, {i.name: i for i in items}, what=what, **sink_options)
     plan = stream.plan(stored)
-    parallel = parallel_save.wanted(options.parallel_write, backend)
+    parallel = parallel_save.wanted(options.parallel_write, backend, target)
     if any(i.tie is not None for i in items):  # the parallel write splits every tensor evenly
         if options.parallel_write:
             check_quantized_save(model, "with parallel_write=True")
         parallel = False
     join_collective(backend, "sw.save")  # after the guards and the plan: all pure
-    dest = storage_for(target).transaction(target, overwrite=overwrite) if stream.rank == 0 else None
+    dest = target.storage.transaction(target, overwrite=overwrite) if stream.rank == 0 else None
     digest = fingerprint((plan.files, [(i.name, i.spec, i.degree) for i in items], options.parallel_write))
     try:
         agree(backend, capture(dest.prepare) if dest else None, what=what, digest=digest)

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from shardwise.core.pieces import StoredPart
+    from shardwise.io.storage import Location
 
 # (tensor name, safetensors dtype, shape) of one tensor of a file, as its header lists it
 Spec = tuple[str, str, tuple[int, ...]]
@@ -101,7 +101,7 @@ class Sink(Protocol):
         written when they cannot be written."""
         ...
 
-    def write(self, plan: WritePlan, folder: Path | None, bar) -> dict:
+    def write(self, plan: WritePlan, folder: Location | None, bar) -> dict:
         """Write ``plan``'s files into ``folder``; return the checksums of what was written
         (as ``shardwise.json`` records them)."""
         ...

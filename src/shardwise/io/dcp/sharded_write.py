@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from pathlib import Path
+from dataclasses import replace
 
 from torch import nn
 
@@ -46,7 +46,7 @@ from shardwise.io.guards import check_model
 from shardwise.io.info import ALGORITHM, chunk_key, write_info
 from shardwise.io.safetensors.format import StreamingWriter
 from shardwise.io.sink import PlannedFile, WritePlan
-from shardwise.io.storage import storage_for
+from shardwise.io.storage import Location
 from shardwise.io.storage.transaction import target_path
 from shardwise.parallel import get_shard_state
 
@@ -127,7 +127,7 @@ def num_files(assigned: Sequence[Sequence[Held]]) -> int:
     return most
 
 
-def write_file(path: Path, planned: PlannedFile, placed: Mapping) -> dict[str, dict[str, str]]:
+def write_file(path: Location, planned: PlannedFile, placed: Mapping) -> dict[str, dict[str, str]]:
     """Stream one rank-local file: header (with the sharding metadata), then each chunk.
     Returns each chunk's checksum, ``{tensor: {chunk key: checksum}}`` (``shardwise.io.info``)."""
     where = dict(zip((name for name, _, _ in planned.tensors), planned.offsets, strict=True))
@@ -161,7 +161,7 @@ class ShardedSafetensorsSink:
                 files.append(PlannedFile(fname, specs, rank, tuple(region.offsets for *_, region in ordered)))
         return WritePlan(tuple(files))
 
-    def write(self, plan: WritePlan, folder: Path | None, bar=None) -> dict[str, dict[str, str]]:
+    def write(self, plan: WritePlan, folder: Location | None, bar=None) -> dict[str, dict[str, str]]:
         sums: dict[str, dict[str, str]] = {}
         for planned in plan.files_of(self.rank):
             assert folder is not None  # every rank is given the shared folder (save_sharded_safetensors)
@@ -181,8 +181,9 @@ def _all_checksums(sums: dict[str, dict[str, str]], backend: Backend | None) -> 
     return {"algorithm": ALGORITHM, "chunks": chunks}
 
 
-def save_sharded_safetensors(model: nn.Module, path, *, backend: Backend | None, overwrite: bool = False,
-                             metadata: Mapping[str, str] | None = None, progress: bool | None = None) -> None:
+def save_sharded_safetensors(model: nn.Module, path: Location, *, backend: Backend | None,
+                             overwrite: bool = False, metadata: Mapping[str, str] | None = None,
+                             progress: bool | None = None) -> None:
     """Write ``model`` at ``path`` as a sharded safetensors checkpoint (torch's
     ``HuggingFaceStorageWriter(save_distributed=True)`` format); every rank calls it and
     writes its own chunks, nothing is gathered. ``metadata`` goes into ``shardwise.json``
@@ -212,14 +213,14 @@ def save_sharded_safetensors(model: nn.Module, path, *, backend: Backend | None,
     placed = box["placed"]
     sink = ShardedSafetensorsSink(placed, rank)
     plan = sink.plan(held)
-    dest = storage_for(target).transaction(target, overwrite=overwrite) if rank == 0 else None
+    dest = target.storage.transaction(target, overwrite=overwrite) if rank == 0 else None
 
     def prepare():
         dest.prepare()
-        return str(dest.folder)
+        return dest.folder.path
 
-    try:
-        tmp = Path(on_rank0(prepare, f"preparing {what}", backend=backend, share=True))
+    try:  # each rank its own location of rank 0's folder, in its own storage
+        tmp = replace(target, path=on_rank0(prepare, f"preparing {what}", backend=backend, share=True))
         sums: dict[str, dict[str, str]] = {}
         agree(backend, capture(lambda: sums.update(sink.write(plan, tmp))), what=what)
         info = checkpoint_info(model, placed, kind="model", metadata=metadata)

@@ -24,7 +24,6 @@ Adding a format is one new folder and one line here. A format ``zarr`` would be
 from __future__ import annotations
 
 import importlib
-import os
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -32,6 +31,7 @@ from shardwise.errors import UsageError
 
 if TYPE_CHECKING:
     from shardwise.io.source import OpenedSource
+    from shardwise.io.storage import Location
 
 # name -> plugin package, in the order they are asked whether a path is theirs
 FORMATS: dict[str, str] = {
@@ -69,7 +69,7 @@ def get_format(name: str) -> ModuleType:
     return importlib.import_module(module)
 
 
-def format_of(path: str | os.PathLike) -> ModuleType:
+def format_of(path: Location) -> ModuleType:
     """The plugin of the first format, in :data:`FORMATS` order, that claims ``path``."""
     for name in FORMATS:
         plugin = get_format(name)
@@ -78,13 +78,13 @@ def format_of(path: str | os.PathLike) -> ModuleType:
     raise UsageError(f"{path}: no checkpoint format claims it; known formats: {', '.join(FORMATS)}")
 
 
-def open_source(path: str | os.PathLike, *, dequantize: bool = False) -> OpenedSource:
+def open_source(path: Location, *, dequantize: bool = False) -> OpenedSource:
     """The :class:`~shardwise.io.source.OpenedSource` of the checkpoint at ``path``, its format
     detected once (:func:`format_of`). ``dequantize``: FP8 weights with block scales into
     plain model tensors, for the formats that can (ordinary safetensors); asking it of
     another raises ``UsageError``.
 
-    >>> source = open_source("out/dcp")                                    # doctest: +SKIP
+    >>> source = open_source(locate("out/dcp"))                                    # doctest: +SKIP
     >>> source.name, len(source.tensors())                                 # doctest: +SKIP
     ('dcp', 291)
     """

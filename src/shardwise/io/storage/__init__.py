@@ -19,6 +19,7 @@ calls ``transaction(target)`` and ``prepare()``; the ranks that write call
 
 from __future__ import annotations
 
+import builtins
 import ctypes
 import fnmatch
 import io
@@ -94,9 +95,10 @@ class Location:
     def exists(self) -> bool:
         return self.stat() is not None or self.is_folder()
 
-    def glob(self, pattern: str) -> list[Location]:
+    def glob(self, pattern: str) -> builtins.list[Location]:
         """The objects directly under this folder whose names match ``pattern``, sorted."""
-        return [self / n for n in self.list() if fnmatch.fnmatchcase(n, pattern) and (self / n).stat() is not None]
+        return [self / n for n in self.list()
+                if fnmatch.fnmatchcase(n, pattern) and (self / n).stat() is not None]
 
     def create(self, *, existing: bool = False) -> WriteHandle:
         return self.storage.create(self, existing=existing)
@@ -115,7 +117,7 @@ def locate(where: str | os.PathLike | Location, storage_options: dict | None = N
     if scheme is None:
         if storage_options:
             raise UsageError(f"{os.fspath(where)!r} is a local path: storage_options={storage_options!r} are "
-                             f"for a URL location ({', '.join(f'{s}://' for s in sorted(_SCHEMES)) or 'none registered'})")
+                             f"for a URL location (registered schemes: {sorted(_SCHEMES)})")
         from shardwise.io.storage.local import LOCAL
 
         return Location(LOCAL, Path(rest))

@@ -68,10 +68,10 @@ class LocationFS(FileSystemBase):
         finally:
             out.abort()
 
-    def concat_path(self, path, suffix: str) -> Location:
+    def concat_path(self, path, suffix: str) -> Location:  # type: ignore[override]
         return _location(path) / suffix
 
-    def init_path(self, path) -> Location:
+    def init_path(self, path) -> Location:  # type: ignore[override]
         return _location(path)
 
     def mkdir(self, path) -> None:
@@ -81,10 +81,10 @@ class LocationFS(FileSystemBase):
         return _location(path).exists()
 
     def rename(self, path, new_path) -> None:
-        raise AssertionError("LocationWriter writes .metadata in place; nothing renames")
+        raise NotImplementedError("LocationWriter writes .metadata in place; nothing renames")
 
     def rm_file(self, path) -> None:
-        raise AssertionError("a save writes into a fresh staging folder; nothing is removed")
+        raise NotImplementedError("a save writes into a fresh staging folder; nothing is removed")
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:
@@ -101,8 +101,8 @@ class LocationWriter(FileSystemWriter):
 
     def __init__(self, location: Location, **kwargs):
         super().__init__(str(location), sync_files=False, **kwargs)
-        self.fs = LocationFS()
-        self.path = location
+        self.fs = LocationFS()  # type: ignore[assignment]
+        self.path = location  # type: ignore[assignment]
 
     @property
     def checkpoint_id(self):
@@ -129,8 +129,8 @@ class LocationReader(FileSystemReader):
 
     def __init__(self, location: Location):
         super().__init__(str(location))
-        self.fs = LocationFS()
-        self.path = location
+        self.fs = LocationFS()  # type: ignore[assignment]
+        self.path = location  # type: ignore[assignment]
 
     @property
     def checkpoint_id(self):

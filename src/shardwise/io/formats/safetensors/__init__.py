@@ -11,18 +11,21 @@ with one that holds no safetensors checkpoint.
 
 from __future__ import annotations
 
-import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shardwise.io.storage import Location
 
 NAME = "safetensors"
 DEQUANTIZES = True
 
 
-def claims(path: str | os.PathLike) -> bool:
+def claims(path: Location) -> bool:
     """Every path: the registry asks this plugin last."""
     return True
 
 
-def open_source(path: str | os.PathLike, **options):
+def open_source(path: Location, **options):
     """The :class:`~shardwise.io.formats.safetensors.source.SafetensorsSource` of ``path``
     (``dequantize=True``: FP8 weights with block scales into plain model tensors)."""
     # deferred: a cycle (io.pipeline imports .checkpoint, so this __init__; source imports io.pipeline)
