@@ -18,6 +18,7 @@ most 100 MB, strict JSON, every field it has of the type it should be.
 from __future__ import annotations
 
 import json
+import os
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -27,7 +28,7 @@ import torch
 import xxhash
 
 from shardwise.errors import CheckpointError
-from shardwise.io.storage import Location, ReadHandle, byte_view, read_json, write_small
+from shardwise.io.storage import Location, ReadHandle, byte_view, locate, read_json, write_small
 
 INFO_FILE = "shardwise.json"
 
@@ -182,13 +183,14 @@ _FIELDS = {
 }
 
 
-def read_info(folder: Location) -> dict | None:
+def read_info(folder: Location | str | os.PathLike) -> dict | None:
     """The validated ``shardwise.json`` of the checkpoint folder ``folder``; None when absent.
 
     Raises :class:`CheckpointError` naming the file and the fault when it is not a regular
     file inside the folder, is over 100 MB, is not a JSON object, or has a field of the
     wrong type. (It never blocks: a FIFO is refused, not opened for reading.)
     """
+    folder = locate(folder)  # a str or path: the tools' and tests' door
     path = folder / INFO_FILE
     if not path.exists() and path.name not in folder.list():  # a dangling link is refused below
         return None

@@ -45,8 +45,8 @@ from shardwise.parallel import check_wiring, get_shard_state, resolve_for_mesh
 
 
 def load(model: nn.Module, path: str | os.PathLike | Location, *, plan, mesh,
-         dtype: torch.dtype | None = None, strict: bool = True, num_threads: int | None = None, progress: bool | None = None,
-         holding: str | None = None, ep_plan=None, dequantize: bool = False,
+         dtype: torch.dtype | None = None, strict: bool = True, num_threads: int | None = None,
+         progress: bool | None = None, holding: str | None = None, ep_plan=None, dequantize: bool = False,
          storage_options: dict | None = None, **options) -> LoadResult:
     """Fill ``model`` (usually built on the meta device) from the checkpoint at ``path``,
     sharded by ``plan`` over the tp axis of ``mesh``; every rank of the mesh calls it. A

@@ -24,14 +24,15 @@ Adding a format is one new folder and one line here. A format ``zarr`` would be
 from __future__ import annotations
 
 import importlib
+import os
 from types import ModuleType
 from typing import TYPE_CHECKING
 
 from shardwise.errors import UsageError
+from shardwise.io.storage import Location, locate
 
 if TYPE_CHECKING:
     from shardwise.io.source import OpenedSource
-    from shardwise.io.storage import Location
 
 # name -> plugin package, in the order they are asked whether a path is theirs
 FORMATS: dict[str, str] = {
@@ -78,7 +79,7 @@ def format_of(path: Location) -> ModuleType:
     raise UsageError(f"{path}: no checkpoint format claims it; known formats: {', '.join(FORMATS)}")
 
 
-def open_source(path: Location, *, dequantize: bool = False) -> OpenedSource:
+def open_source(path: Location | str | os.PathLike, *, dequantize: bool = False) -> OpenedSource:
     """The :class:`~shardwise.io.source.OpenedSource` of the checkpoint at ``path``, its format
     detected once (:func:`format_of`). ``dequantize``: FP8 weights with block scales into
     plain model tensors, for the formats that can (ordinary safetensors); asking it of
@@ -88,6 +89,7 @@ def open_source(path: Location, *, dequantize: bool = False) -> OpenedSource:
     >>> source.name, len(source.tensors())                                 # doctest: +SKIP
     ('dcp', 291)
     """
+    path = locate(path)  # a str or path: the tools' and tests' door (sw.* pass Locations)
     plugin = format_of(path)
     if dequantize and not plugin.DEQUANTIZES:
         raise UsageError(f"{path}: dequantize=True reads FP8 safetensors checkpoints (weights with their "

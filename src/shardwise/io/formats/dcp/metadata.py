@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import math
+import os
 import pickle
 from collections.abc import Mapping
 
@@ -19,7 +20,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 
 from shardwise.errors import CheckpointError
 from shardwise.io.formats.dcp import METADATA_FILE
-from shardwise.io.storage import Location, read_small
+from shardwise.io.storage import Location, locate, read_small
 from shardwise.io.storage.transaction import TMP_MARK
 
 _METADATA_CAP = 1 << 32  # bytes: far above any model's metadata, below what would exhaust memory
@@ -52,7 +53,7 @@ class _MetadataUnpickler(pickle.Unpickler):
             "or was tampered with)")
 
 
-def read_metadata(path: Location) -> Metadata:
+def read_metadata(path: Location | str | os.PathLike) -> Metadata:
     """The DCP ``Metadata`` of the checkpoint folder ``path``, after checking it is complete.
 
     Raises ``CheckpointError`` ("incomplete checkpoint") when ``.metadata`` is missing or
@@ -60,6 +61,7 @@ def read_metadata(path: Location) -> Metadata:
     and when a file is a symlink out of the folder or the chunks do not tile a tensor
     exactly (:func:`check_chunks`).
     """
+    path = locate(path)  # a str or path: the tools' and tests' door
     if not path.is_folder():
         raise CheckpointError(f"{path}: no such checkpoint folder")
     meta = path / METADATA_FILE

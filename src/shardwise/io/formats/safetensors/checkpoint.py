@@ -8,13 +8,14 @@ unpickles.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import PurePosixPath, PureWindowsPath
 
 from shardwise.core.header import FileHeader, TensorEntry
 from shardwise.errors import CheckpointError
 from shardwise.io.safetensors.format import INDEX_SUFFIX, read_header
-from shardwise.io.storage import Location, read_json
+from shardwise.io.storage import Location, locate, read_json
 
 _PICKLE_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle"})
 
@@ -166,7 +167,7 @@ def _resolve_dir(root: Location) -> Checkpoint:
     raise CheckpointError(f"{root}: no .safetensors file or *{INDEX_SUFFIX} in this folder")
 
 
-def resolve_checkpoint(path: Location) -> Checkpoint:
+def resolve_checkpoint(path: Location | str | os.PathLike) -> Checkpoint:
     """Find and validate the safetensors checkpoint at ``path``: a ``.safetensors`` file,
     an ``*.safetensors.index.json``, or a folder holding one index or one file.
 
@@ -176,6 +177,7 @@ def resolve_checkpoint(path: Location) -> Checkpoint:
     >>> ckpt.entry("blocks.0.attn.to_q.weight")                 # doctest: +SKIP
     (Location('ckpt/model-00001-of-00002.safetensors'), TensorEntry(...))
     """
+    path = locate(path)  # a str or path: the tools' and tests' door
     try:
         return _resolve(path)
     except OSError as e:  # a name too long, a permission, an I/O error: name the file

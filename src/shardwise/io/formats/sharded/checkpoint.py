@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NoReturn, TypeGuard
@@ -28,7 +29,7 @@ from shardwise.core.spec import Region, intersect
 from shardwise.errors import CheckpointError
 from shardwise.io.info import INFO_FILE, read_info
 from shardwise.io.safetensors.format import INDEX_SUFFIX, read_header
-from shardwise.io.storage import Location
+from shardwise.io.storage import Location, locate
 
 SHARDING_INFO_KEY = "DCP_SHARDING_INFO"
 VERSION_KEY = "DCP_VERSION"
@@ -98,7 +99,7 @@ def _data_files(root: Location) -> list[Location]:
     return files
 
 
-def is_sharded_safetensors(root: Location) -> bool:
+def is_sharded_safetensors(root: Location | str | os.PathLike) -> bool:
     """True when ``root`` is a folder of safetensors files whose headers carry
     ``DCP_SHARDING_INFO`` and no ``*.safetensors.index.json`` (an index names an ordinary
     checkpoint, such as torch's consolidation written into the same folder).
@@ -108,6 +109,7 @@ def is_sharded_safetensors(root: Location) -> bool:
     >>> is_sharded_safetensors(locate("out/hf_dcp"))            # doctest: +SKIP
     True
     """
+    root = locate(root)  # a str or path: the tools' and tests' door
     if not root.is_folder() or root.glob("*" + INDEX_SUFFIX):
         return False
     return any(SHARDING_INFO_KEY in read_header(p).metadata for p in _data_files(root))
@@ -252,13 +254,14 @@ def _check_recorded(root: Location, tensors: Mapping[str, ShardedTensor], info: 
                 f"make {got.shape}; a rank's file is missing: copy the complete folder, or save again")
 
 
-def read_sharded(root: Location) -> ShardedCheckpoint:
+def read_sharded(root: Location | str | os.PathLike) -> ShardedCheckpoint:
     """The validated chunk map of the sharded checkpoint folder ``root``; reads headers only.
 
     >>> ckpt = read_sharded(locate("out/hf_dcp"))                                  # doctest: +SKIP
     >>> [c.region for c in ckpt.tensors["lm_head.weight"].chunks]           # doctest: +SKIP
     [Region(offsets=(0, 0), sizes=(32, 32)), Region(offsets=(32, 0), sizes=(32, 32))]
     """
+    root = locate(root)  # a str or path: the tools' and tests' door
     if not root.is_folder():
         raise CheckpointError(f"{root}: no such checkpoint folder")
     files = _data_files(root)
