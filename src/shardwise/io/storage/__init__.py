@@ -70,9 +70,6 @@ class Location:
     def parent(self) -> Location:
         return replace(self, path=self.path.parent)
 
-    def with_name(self, name: str) -> Location:
-        return replace(self, path=self.path.with_name(name))
-
     def local_path(self, why: str) -> Path:
         """The local path, for the callers that need one (``why``); ``UsageError`` elsewhere."""
         if self.scheme is not None:
