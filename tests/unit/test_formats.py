@@ -6,7 +6,6 @@ import json
 import subprocess
 import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from shardwise.io.check import inspect_checkpoint
 from shardwise.io.formats.sharded.checkpoint import sharding_metadata
 from shardwise.io.info import digest_hex
 from shardwise.io.source import Blob, Description
+from shardwise.io.storage import read_small
 
 TENSORS = {"w": torch.arange(12, dtype=torch.float32).reshape(4, 3),
            "b": torch.tensor([1, 2, 3], dtype=torch.int64)}
@@ -99,15 +99,15 @@ class RawSource:
     name = "raw"
 
     def __init__(self, path):
-        self.root, self.bytes_read = Path(path), 0
-        self.listing = json.loads((self.root / "raw.json").read_text())
+        self.root, self.bytes_read = path, 0  # a Location: read through its storage
+        self.listing = json.loads(read_small(self.root / "raw.json", what="the listing"))
 
     def tensors(self):
         return {n: (str_to_dtype(t["dtype"]), tuple(t["shape"])) for n, t in self.listing.items()}
 
     def _whole(self, name):
         dtype, shape = self.tensors()[name]
-        data = bytearray((self.root / f"{name}.bin").read_bytes())
+        data = bytearray(read_small(self.root / f"{name}.bin", what="a tensor"))
         return torch.frombuffer(data, dtype=dtype).reshape(shape)
 
     def read_box(self, name, box):
@@ -118,7 +118,7 @@ class RawSource:
 
     def blobs(self):
         for name in self.listing:
-            data = (self.root / f"{name}.bin").read_bytes()
+            data = read_small(self.root / f"{name}.bin", what="a tensor")
             yield Blob(name, None, len(data),
                        lambda algorithm, data=data: (digest_hex(data, algorithm), None))
 
@@ -132,7 +132,7 @@ class RawSource:
 def _raw_plugin() -> types.ModuleType:
     plugin = types.ModuleType("raw_format_plugin")
     plugin.NAME, plugin.CAPABILITIES = "raw", formats.Capabilities(label="raw")  # read only: no writer
-    plugin.claims = lambda path: (Path(path) / "raw.json").is_file()
+    plugin.claims = lambda path: (path / "raw.json").stat() is not None
     plugin.open_source = lambda path, **options: RawSource(path)
     return plugin
 

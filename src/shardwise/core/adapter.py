@@ -30,6 +30,7 @@ from shardwise.errors import UsageError
 if TYPE_CHECKING:
     from shardwise.core.header import NamedDtype
     from shardwise.core.pieces import Composite, StoredPart
+    from shardwise.io.storage import Location
 
 T = TypeVar("T")
 # {model tensor or stored key: (global shape, safetensors dtype)}
@@ -63,7 +64,8 @@ class ModelAdapter:
         """Raise ``UnsupportedModelError`` for what this library did to ``model`` that
         shardwise cannot ``action`` ("load", "save", ...). Pure inspection."""
 
-    def stored_tensors(self, model: nn.Module, stored: Mapping[str, tuple[Path | None, NamedDtype]],
+
+    def stored_tensors(self, model: nn.Module, stored: Mapping[str, tuple[Location | None, NamedDtype]],
                        wanted: set[str], shapes: Mapping[str, tuple[int, ...]] | None = None,
                        ) -> tuple[dict[str, Composite], set[str]]:
         """``({model tensor: Composite}, stored keys used)`` for the tensors of ``wanted`` that
@@ -102,16 +104,16 @@ class ModelAdapter:
         params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
         return {"total_parameters": sum(math.prod(s) for n, s in shapes.items() if n in params)}
 
-    def write_side_files(self, model: nn.Module, folder: Path) -> list[str]:
+    def write_side_files(self, model: nn.Module, folder: Location) -> list[str]:
         """Write the files the library reads beside the weights into ``folder``; their names."""
         return []
 
-    def model_from_folder(self, folder: Path, *, need: bool = False) -> nn.Module | None:
+    def model_from_folder(self, folder: Location, *, need: bool = False) -> nn.Module | None:
         """The meta-device model whose stored layout a checkpoint folder's side files name, or
         None; ``need``: raise ``CheckpointError`` where they name one this process cannot build."""
         return None
 
-    def quantization_config(self, folder: Path) -> tuple[object, Path] | None:
+    def quantization_config(self, folder: Location) -> tuple[object, Location] | None:
         """``(the quantization_config this library's side files in the checkpoint folder
         record, or None; the file that holds them)``; None when the folder has no such file."""
         return None
@@ -160,16 +162,16 @@ def _first(answer: Callable[[ModelAdapter], T | None]) -> T | None:
     return next((found for a in _ADAPTERS.values() if (found := answer(a)) is not None), None)
 
 
-def folder_model(folder: Path, *, need: bool = False) -> nn.Module | None:
+def folder_model(folder: Location, *, need: bool = False) -> nn.Module | None:
     """The meta-device model the first adapter that knows ``folder`` builds from it
     (``ModelAdapter.model_from_folder``), or None."""
-    return _first(lambda a: a.model_from_folder(Path(folder), need=need))
+    return _first(lambda a: a.model_from_folder(folder, need=need))
 
 
-def folder_quantization(folder: Path) -> tuple[object, Path] | None:
+def folder_quantization(folder: Location) -> tuple[object, Location] | None:
     """What the first adapter whose side files ``folder`` holds says of its quantization
     (``ModelAdapter.quantization_config``), or None."""
-    return _first(lambda a: a.quantization_config(Path(folder)))
+    return _first(lambda a: a.quantization_config(folder))
 
 
 def config_model(config_file: Path) -> nn.Module | None:

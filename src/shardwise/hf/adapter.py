@@ -24,6 +24,7 @@ from shardwise.core.quant_layout import quant_pairs
 from shardwise.errors import PlanError
 from shardwise.hf import files, hub_layout
 from shardwise.io.guards import SUPPORTED_QUANT, quant_scheme, refusal
+from shardwise.io.storage import Location
 
 # -- plans ------------------------------------------------------------------------------------
 # transformers: the class's ``_tp_plan``, the config's ``base_model_tp_plan`` (keys written for
@@ -78,7 +79,7 @@ class HuggingFace(ModelAdapter):
         _check_placement(model, action)
         _check_peft(model, action)
 
-    def stored_tensors(self, model: nn.Module, stored: Mapping[str, tuple[Path | None, NamedDtype]],
+    def stored_tensors(self, model: nn.Module, stored: Mapping[str, tuple[Location | None, NamedDtype]],
                        wanted: set[str], shapes: Mapping[str, tuple[int, ...]] | None = None,
                        ) -> tuple[dict[str, Composite], set[str]]:
         return hub_layout.hub_tensors(model, stored, wanted, None if shapes is None else dict(shapes))
@@ -109,13 +110,13 @@ class HuggingFace(ModelAdapter):
         # a diffusers index has no total_parameters
         return {} if files.library_of(model) == "diffusers" else super().index_metadata(model, shapes)
 
-    def write_side_files(self, model: nn.Module, folder: Path) -> list[str]:
+    def write_side_files(self, model: nn.Module, folder: Location) -> list[str]:
         return files.write_side_files(model, folder)
 
-    def model_from_folder(self, folder: Path, *, need: bool = False) -> nn.Module | None:
+    def model_from_folder(self, folder: Location, *, need: bool = False) -> nn.Module | None:
         return files.model_from_folder(folder, need=need)
 
-    def quantization_config(self, folder: Path) -> tuple[object, Path] | None:
+    def quantization_config(self, folder: Location) -> tuple[object, Location] | None:
         return files.quantization_config(folder)
 
     def model_from_config(self, config_file: Path) -> nn.Module | None:

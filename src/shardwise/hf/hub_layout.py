@@ -17,7 +17,6 @@ import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -30,6 +29,8 @@ from shardwise.errors import CheckpointError, ShardingError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
+
+    from shardwise.io.storage import Location
 
 
 @dataclass
@@ -187,7 +188,7 @@ def _split_targets(conv, key: str, name: str, entry: NamedDtype, shapes: dict, w
     return out
 
 
-def hub_tensors(model: nn.Module, stored: Mapping[str, tuple[Path | None, NamedDtype]],
+def hub_tensors(model: nn.Module, stored: Mapping[str, tuple[Location | None, NamedDtype]],
                 wanted: set[str], shapes: dict[str, tuple[int, ...]] | None = None,
                 ) -> tuple[dict[str, Composite], set[str]]:
     """``({model tensor: Composite}, stored keys used)`` for the tensors of ``wanted`` that a
@@ -278,7 +279,7 @@ def hub_save_layout(model: nn.Module,
     reverted = revert(model, meta)
     if reverted is None or list(reverted) == list(meta):
         return None
-    stored: dict[str, tuple[Path | None, TensorEntry]] = {}  # no file: a layout only
+    stored: dict[str, tuple[Location | None, TensorEntry]] = {}  # no file: a layout only
     for key, t in reverted.items():
         nbytes = math.prod(t.shape) * t.dtype.itemsize
         stored[key] = (None, TensorEntry(key, dtype_to_str(t.dtype), tuple(t.shape), 0, nbytes))

@@ -17,7 +17,6 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -34,6 +33,7 @@ from shardwise.holding import Holding, is_dtensor
 from shardwise.io.info import collect_checksums
 from shardwise.io.quant_save import gather_scales_to_rank0
 from shardwise.io.sink import FileSink, OpenFile, WritePlan
+from shardwise.io.storage import Location
 from shardwise.parallel import ShardState, get_shard_state, local_of
 
 # Bytes gathered per collective, all ranks together (see num_chunks).
@@ -231,7 +231,7 @@ class FileGatherer:
                              for _ in range(max(i.degree for i in gathered))]
         return self._receive[:item.degree]
 
-    def write_file(self, path: Path | None, group, bar) -> Exception | None:
+    def write_file(self, path: Location | None, group, bar) -> Exception | None:
         """Gather and write one file's tensors; return rank 0's first failure (then keep joining
         the gathers, so that no peer waits), None elsewhere. With ``self.parts`` (a hub
         layout) a name may be a box of a model tensor: that tensor is gathered once, when
@@ -323,7 +323,7 @@ class StreamSink:
         return FileGatherer(self.backend, self.state, self.items, plan.header, plan.parts,
                             open_file=self.sink.open_file)
 
-    def write(self, plan: WritePlan, folder: Path | None, bar) -> dict[str, str]:
+    def write(self, plan: WritePlan, folder: Location | None, bar) -> dict[str, str]:
         """Collective over the world: every rank joins the gathers of every file in order;
         rank 0 (``folder`` its temporary folder, None elsewhere) writes them. Returns
         ``{stored tensor: checksum}`` on rank 0, computed as it writes (empty elsewhere)."""

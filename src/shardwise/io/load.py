@@ -34,6 +34,7 @@ from shardwise.io.guards import check_mesh, check_model, check_options
 from shardwise.io.place import placement
 from shardwise.io.quant_checks import check_quantized_load, check_quantized_source, drop_quantization_config
 from shardwise.io.source import ReadOptions
+from shardwise.io.storage import Location, locate
 from shardwise.mesh import decode_mesh
 from shardwise.parallel import check_wiring, get_shard_state, resolve_for_mesh
 
@@ -62,9 +63,10 @@ class LoadResult:
                 f"unexpected={len(self.unexpected_keys)})")
 
 
-def load(model: nn.Module, path: str | os.PathLike, *, plan, mesh, dtype: torch.dtype | None = None,
-         strict: bool = True, num_threads: int | None = None, progress: bool | None = None,
-         holding: str | None = None, ep_plan=None, dequantize: bool = False, **options) -> LoadResult:
+def load(model: nn.Module, path: str | os.PathLike | Location, *, plan, mesh,
+         dtype: torch.dtype | None = None, strict: bool = True, num_threads: int | None = None,
+         progress: bool | None = None, holding: str | None = None, ep_plan=None, dequantize: bool = False,
+         storage_options: dict | None = None, **options) -> LoadResult:
     """Fill ``model`` (usually built on the meta device) from the checkpoint at ``path``,
     sharded by ``plan`` over the tp axis of ``mesh``; every rank of the mesh calls it. A
     mesh without a tp axis (``backend.mesh(dp_shard=4)``) holds the model whole, ready for
@@ -79,7 +81,8 @@ def load(model: nn.Module, path: str | os.PathLike, *, plan, mesh, dtype: torch.
     split over it by ``ep_plan`` (default: the model's own ``base_model_ep_plan``), and a
     rank reads only its own experts' bytes.
     ``path`` is a ``.safetensors`` file, a ``*.safetensors.index.json`` (any prefix), a
-    folder holding one of them, or a torch DCP folder (with ``.metadata``). ``dtype`` casts
+    folder holding one of them, or a torch DCP folder (with ``.metadata``); local, or a URL of a
+    registered storage (``scheme://...``, its factory given ``storage_options``). ``dtype`` casts
     floating-point tensors after slicing (``None`` keeps the file's dtypes). ``strict``
     raises on missing keys; a shape that disagrees with the model always raises.
     ``num_threads`` read in parallel (default ``min(8, cpus / ranks on this host)``);
@@ -116,8 +119,9 @@ def load(model: nn.Module, path: str | os.PathLike, *, plan, mesh, dtype: torch.
         specs = resolve_for_mesh(model, plan, dims, ep_plan)
         check_wiring(model, specs, dims.holding)
         check_quantized_load(specs, dims.holding, dequantize)
+        where = locate(path, storage_options)  # the location, decoded once
 
-    source = open_source(path, dequantize=dequantize)
+    source = open_source(where, dequantize=dequantize)
     check_quantized_source(source, specs, mesh)
     missing, unexpected = source.match(model, specs, strict=strict)
     check_nothing_left_on_meta(model, specs, missing)

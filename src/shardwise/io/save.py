@@ -33,6 +33,7 @@ from shardwise.io.guards import check_model
 from shardwise.io.info import gather_info
 from shardwise.io.quant_checks import check_quantized_save
 from shardwise.io.sink import Saving, StoredTensor
+from shardwise.io.storage import Location, locate
 from shardwise.io.storage.transaction import target_path
 from shardwise.mesh import world_backend
 
@@ -135,7 +136,7 @@ def save(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str
          filename_prefix: str | None = None, metadata: Mapping[str, str] | None = None,
          overwrite: bool = False, progress: bool | None = None, distributed: bool = False,
          async_save: bool = False, format: str | None = None, layout: str = "hub",
-         parallel_write: bool | None = None) -> AsyncSave | None:
+         parallel_write: bool | None = None, storage_options: dict | None = None) -> AsyncSave | None:
     """Write ``model`` to the folder ``path`` as an ordinary safetensors checkpoint.
 
     Collective: every rank calls it (a rank that waits over a minute for the others raises,
@@ -205,6 +206,9 @@ def save(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str
     sits at a path a loader would look at, its files appear only once fsynced, and a
     several-file checkpoint gets its index last.
 
+    ``path`` is a local folder or a URL of a registered storage (``scheme://...``; its factory
+    gets ``storage_options``).
+
     >>> sw.save(model, "out/full", max_shard_size="2GB")                    # doctest: +SKIP
     >>> sw.load(model2, "out/full", plan=plan, mesh=backend.mesh(tp=2))     # doctest: +SKIP
     """
@@ -212,27 +216,27 @@ def save(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str
                            filename_prefix=filename_prefix, layout=layout, parallel_write=parallel_write,
                            format=format, async_save=async_save)
     backend = world_backend()  # the API boundary: the backend of every collective of the save
+    target = target_path(locate(path, storage_options))  # and the location, decoded once
     check_model(model, action="save")
     plugin = get_format(options.format)
     if not plugin.CAPABILITIES.quantized:
         check_quantized_save(model, f"as {plugin.CAPABILITIES.label} (format={format!r})")
     if isinstance(options, DistributedSave):
         join_collective(backend, "sw.save")
-        return plugin.save(model, path, backend=backend, overwrite=overwrite, metadata=metadata,
+        return plugin.save(model, target, backend=backend, overwrite=overwrite, metadata=metadata,
                            progress=progress, async_save=options.async_save)
-    save_gathered(model, path, options, plugin, backend=backend, metadata=metadata, overwrite=overwrite,
+    save_gathered(model, target, options, plugin, backend=backend, metadata=metadata, overwrite=overwrite,
                   progress=progress)
     return None
 
 
-def save_gathered(model: nn.Module, path, options: SafetensorsSave, plugin, *, backend: Backend | None,
-                  metadata, overwrite: bool, progress: bool | None) -> None:
+def save_gathered(model: nn.Module, target: Location, options: SafetensorsSave, plugin, *,
+                  backend: Backend | None, metadata, overwrite: bool, progress: bool | None) -> None:
     """``sw.save(..., distributed=False)`` with its decoded ``options`` and its gathered
     format's ``plugin``: plan every file (pure, the same on every rank), meet, then write
     through the rank-0 stream or, where every rank sees the folder and the format can, the
     parallel write; move the folder into place when every rank is done. ``backend``
     (``shardwise.mesh.world_backend``) runs the collectives."""
-    target = target_path(path)
     adapter = adapter_for(model)  # its library's file prefix, index metadata, layout, side files
     prefix = options.filename_prefix or adapter.file_prefix(model)
     items, state = collect_items(model)
@@ -249,7 +253,8 @@ def save_gathered(model: nn.Module, path, options: SafetensorsSave, plugin, *, b
                                          {i.name: i.local.element_size() for i in items}))
     stream = StreamSink(backend, state, {i.name: i for i in items}, what=what, sink=writer)
     plan = stream.plan(stored)
-    parallel = plugin.CAPABILITIES.parallel_write and parallel_save.wanted(options.parallel_write, backend)
+    parallel = (plugin.CAPABILITIES.parallel_write
+                and parallel_save.wanted(options.parallel_write, backend, target))
     if options.parallel_write and not plugin.CAPABILITIES.parallel_write:
         raise UsageError(f"parallel_write=True: the {plugin.NAME} format is written by rank 0 only; "
                          "pass parallel_write=None")

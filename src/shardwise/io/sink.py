@@ -14,15 +14,14 @@ its ``StorageWriter`` protocol and its planner.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 import shardwise.comm as comm
 from shardwise.backends import coordination_group
 from shardwise.comm import agree, capture
 from shardwise.io.info import write_info
-from shardwise.io.storage import storage_for
+from shardwise.io.storage import Location
 from shardwise.io.storage.transaction import target_path
 
 if TYPE_CHECKING:
@@ -111,7 +110,7 @@ class Sink(Protocol):
         written when they cannot be written."""
         ...
 
-    def write(self, plan: WritePlan, folder: Path | None, bar) -> dict:
+    def write(self, plan: WritePlan, folder: Location | None, bar) -> dict:
         """Write ``plan``'s files into ``folder``; return the checksums of what was written
         (as ``shardwise.json`` records them)."""
         ...
@@ -133,7 +132,7 @@ class FileWriter(Protocol):
 
 
 # (location of the new file, its tensors in order, the plan's header metadata) -> its writer
-OpenFile = Callable[[Path, Sequence[Spec], Mapping[str, str]], FileWriter]
+OpenFile = Callable[[Location, Sequence[Spec], Mapping[str, str]], FileWriter]
 
 
 class FileSink(Protocol):
@@ -144,7 +143,8 @@ class FileSink(Protocol):
 
     def plan(self, stored: Sequence[StoredTensor]) -> WritePlan: ...
 
-    def open_file(self, location: Path, tensors: Sequence[Spec], header: Mapping[str, str]) -> FileWriter: ...
+    def open_file(self, location: Location, tensors: Sequence[Spec],
+                  header: Mapping[str, str]) -> FileWriter: ...
 
 
 def on_rank0(fn: Callable[[], object], what: str, *, backend: Backend | None, share: bool = False,
@@ -175,26 +175,27 @@ class Saving:
     agree). ``collective=False`` (``sw.consolidate``: one process, whatever group it is in):
     this process does every step, with no collective."""
 
-    def __init__(self, location, *, overwrite: bool, backend: Backend | None, what: str,
+    def __init__(self, location: Location, *, overwrite: bool, backend: Backend | None, what: str,
                  digest: bytes = b"\0" * 8, collective: bool = True):
         self.backend, self.what, self.collective = backend, what, collective
         self.target = target_path(location)
         self.rank0 = not collective or comm.rank() == 0
-        self._dest = (storage_for(self.target).transaction(self.target, overwrite=overwrite)
+        self._dest = (self.target.storage.transaction(self.target, overwrite=overwrite)
                       if self.rank0 else None)
 
-        def prepare():
+        def prepare():  # its path: each rank rebuilds the location over its own storage
             self._dest.prepare()
-            return str(self._dest.folder)
+            return self._dest.folder.path
 
         try:
-            self.folder = Path(on_rank0(prepare, f"preparing {what}", backend=backend, share=True,
-                                        digest=digest) if collective else prepare())
+            self.folder = replace(self.target, path=on_rank0(prepare, f"preparing {what}", backend=backend,
+                                                             share=True, digest=digest)
+                                  if collective else prepare())
         except BaseException:
             self.discard()
             raise
 
-    def commit(self, *, info: dict | None = None, side_files: Callable[[Path], object] | None = None,
+    def commit(self, *, info: dict | None = None, side_files: Callable[[Location], object] | None = None,
                index: tuple[str, dict] | None = None) -> None:
         """Collective: rank 0 completes the folder (``info`` as ``shardwise.json``,
         ``side_files(folder)``, the ``index`` last) and moves it into place."""

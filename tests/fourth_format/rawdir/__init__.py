@@ -10,7 +10,6 @@ save's transaction writes the index last). Registered with one line:
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import torch
 
@@ -21,7 +20,7 @@ from shardwise.io.formats import Capabilities
 from shardwise.io.info import digest_hex, digest_range, record_checksums
 from shardwise.io.sink import PlannedFile, WritePlan
 from shardwise.io.source import Blob, Description, Reads
-from shardwise.io.storage import Handles, byte_view, read_json, storage_for
+from shardwise.io.storage import Handles, byte_view, locate, read_json
 
 NAME = "rawdir"
 CAPABILITIES = Capabilities(label="rawdir")
@@ -29,9 +28,8 @@ INDEX = "rawdir.json"
 
 
 def claims(path) -> bool:
-    path = Path(path)
     try:
-        return storage_for(path).stat(path / INDEX) is not None
+        return (locate(path) / INDEX).stat() is not None
     except NotADirectoryError:  # a file: not a rawdir folder
         return False
 
@@ -51,13 +49,12 @@ class RawDirSource:
     name = NAME
 
     def __init__(self, path):
-        self.root, self.bytes_read = Path(path), 0
-        self._storage = storage_for(self.root)
-        listing = read_json(self._storage, self.root / INDEX, what="a rawdir index")
+        self.root, self.bytes_read = locate(path), 0
+        listing = read_json(self.root / INDEX, what="a rawdir index")
         if listing.get("format") != NAME:
             raise CheckpointError(f"{self.root / INDEX}: not a rawdir index")
         self._tensors = listing["tensors"]
-        self._handles = Handles(self._storage)
+        self._handles = Handles()
 
     def tensors(self):
         return {n: (str_to_dtype(t["dtype"]), tuple(t["shape"])) for n, t in self._tensors.items()}
@@ -137,7 +134,7 @@ class RawDirSink:
         return WritePlan(files, {}, (INDEX, index), {s.name: s.part for s in stored if s.part is not None})
 
     def open_file(self, location, tensors, header):
-        return RawFile(storage_for(location).create(location))
+        return RawFile(location.create())
 
 
 class RawFile:

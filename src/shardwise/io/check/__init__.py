@@ -11,12 +11,12 @@ import os
 import re
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from shardwise.core.header import dtype_to_str, spec_nbytes
 from shardwise.errors import CheckpointError
 from shardwise.io.check.quant import describe_quantization, quant_pairs, quantization_config
 from shardwise.io.formats import open_source
+from shardwise.io.storage import Location, locate
 
 
 @dataclass
@@ -26,7 +26,7 @@ class Report:
     gives each quantized weight and its scales their scheme and block (``fp8_block 128x128``,
     ``... scales``); ``quantization`` is the line about the checkpoint's quantization."""
 
-    path: Path
+    path: Location
     kind: str
     files: list[str]
     tensors: list[tuple[str, str, tuple[int, ...], int | None]]
@@ -41,23 +41,24 @@ class Report:
         return sum(spec_nbytes(dtype, shape) for _, dtype, shape, _ in self.tensors)
 
 
-def inspect_checkpoint(path: str | os.PathLike) -> Report:
-    """Describe the checkpoint at ``path`` (safetensors file, folder, index, or DCP folder).
+def inspect_checkpoint(path: str | os.PathLike, *, storage_options: dict | None = None) -> Report:
+    """Describe the checkpoint at ``path`` (safetensors file, folder, index, or DCP folder;
+    ``storage_options`` go to the storage of a URL).
 
     >>> inspect_checkpoint("out/dcp").kind                  # doctest: +SKIP
     'torch distributed checkpoint (DCP)'
     """
-    path = Path(path)
+    where = locate(path, storage_options)
     try:
-        report = _inspect(path)
-        _quantization(report, path if path.is_dir() else path.parent)
+        report = _inspect(where)
+        _quantization(report, where if where.is_folder() else where.parent)
         return report
     except OSError as e:  # a name too long, a permission, an I/O error
-        raise CheckpointError(f"{path}: cannot read the checkpoint: {e.filename or path}: "
+        raise CheckpointError(f"{where}: cannot read the checkpoint: {e.filename or where}: "
                               f"{e.strerror or e}") from e
 
 
-def _inspect(path: Path) -> Report:
+def _inspect(path: Location) -> Report:
     source = open_source(path)
     try:
         desc = source.describe()
@@ -69,7 +70,7 @@ def _inspect(path: Path) -> Report:
                   layout=None if desc.layout is None else dict(desc.layout))
 
 
-def _quantization(report: Report, root: Path) -> None:
+def _quantization(report: Report, root: Location) -> None:
     qc = quantization_config(root)
     pairs, _ = quant_pairs({n: (d, s) for n, d, s, _ in report.tensors}, qc)
     for pair in pairs.values():
@@ -168,12 +169,12 @@ def print_safely(text: str, file=None) -> None:
         print(text.encode(encoding, "backslashreplace").decode(encoding), file=file)
 
 
-def main_inspect(path: str) -> int:
+def main_inspect(path: str, *, storage_options: dict | None = None) -> int:
     """``shardwise inspect PATH``: print the report; a bad checkpoint is an error message."""
     import sys
 
     try:
-        print_safely(format_report(inspect_checkpoint(path)))
+        print_safely(format_report(inspect_checkpoint(path, storage_options=storage_options)))
     except CheckpointError as e:
         print_safely(f"shardwise inspect: {e}", file=sys.stderr)
         return 1

@@ -16,7 +16,6 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -27,6 +26,7 @@ from shardwise.io.check.against import as_dtype
 from shardwise.io.check.quant import Dequantizing, fp8_pairs
 from shardwise.io.formats import open_source
 from shardwise.io.source import Stored
+from shardwise.io.storage import locate, split_scheme
 
 _SLAB_BYTES = 64 << 20
 
@@ -207,7 +207,7 @@ def _as_float64(t: torch.Tensor) -> torch.Tensor:
 
 def diff(a: str | os.PathLike, b: str | os.PathLike, *, atol: float | None = None,
          rtol: float | None = None, dtype: torch.dtype | str | None = None,
-         slab_bytes: int = _SLAB_BYTES) -> DiffReport:
+         slab_bytes: int = _SLAB_BYTES, storage_options: dict | None = None) -> DiffReport:
     """Compare the checkpoints ``a`` and ``b`` (any mix of safetensors and DCP, any degree, hub
     or module names) tensor by tensor: names on one side only, dtype and shape differences, exact equality
     (same bytes) and the largest absolute difference. Reads at most ``slab_bytes`` of each
@@ -217,7 +217,7 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, *, atol: float | None = Non
     cast to ``dtype`` (floating-point ones; ``"bfloat16"`` or ``torch.bfloat16``) and compared
     as ``torch.isclose(a, b, rtol, atol)`` (0 where not given), all agree is in ``close``;
     ``report.equivalent`` says that nothing else differs. FP8 weights compared dequantized
-    keep their exact comparison.
+    keep their exact comparison. ``storage_options`` go to the storage of each URL side.
 
     >>> report = sw.diff("out/full", "out/dcp")           # doctest: +SKIP
     >>> report.identical, report.summary()               # doctest: +SKIP
@@ -226,9 +226,10 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, *, atol: float | None = Non
     True
     """
     tol = _tolerance(atol, rtol, dtype)
-    left = _Side(open_source(Path(a)))
+    a_at, b_at = (locate(x, storage_options if split_scheme(x)[0] else None) for x in (a, b))
+    left = _Side(open_source(a_at))
     try:
-        right = _Side(open_source(Path(b)))
+        right = _Side(open_source(b_at))
     except BaseException:
         left.close()
         raise
@@ -268,13 +269,14 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, *, atol: float | None = Non
 
 
 def main_diff(a: str, b: str, *, as_json: bool = False, atol: float | None = None,
-              rtol: float | None = None, dtype: str | None = None) -> int:
+              rtol: float | None = None, dtype: str | None = None,
+              storage_options: dict | None = None) -> int:
     """``shardwise diff A B [--atol X] [--rtol Y] [--dtype D] [--json]``: 0 when identical (or,
     with a tolerance, equivalent), 1 when they differ, 2 when one cannot be read."""
     import sys
 
     try:
-        report = diff(a, b, atol=atol, rtol=rtol, dtype=dtype)
+        report = diff(a, b, atol=atol, rtol=rtol, dtype=dtype, storage_options=storage_options)
     except (CheckpointError, UsageError) as e:
         print_safely(f"shardwise diff: {e}", file=sys.stderr)
         return 2

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from shardwise.core.header import dtype_to_str
 from shardwise.errors import CheckpointError, ShardwiseError, UsageError
@@ -28,6 +27,7 @@ from shardwise.io.check.quant import has_config, quant_pairs, quantization_confi
 from shardwise.io.formats import capabilities, format_of
 from shardwise.io.info import INFO_FILE, read_info, recorded_checksums
 from shardwise.io.source import Stored
+from shardwise.io.storage import Location, locate
 
 
 @dataclass
@@ -90,7 +90,8 @@ class VerifyReport:
         return json.dumps(self.to_dict(), indent=1, ensure_ascii=True)
 
 
-def verify(path: str | os.PathLike, *, against=None, dtype=None, layout: str = "auto") -> VerifyReport:
+def verify(path: str | os.PathLike, *, against=None, dtype=None, layout: str = "auto",
+           storage_options: dict | None = None) -> VerifyReport:
     """Check the checkpoint at ``path`` (safetensors file, index or folder, or DCP folder)
     without loading it: its structure, and every tensor against its recorded checksum.
 
@@ -103,6 +104,7 @@ def verify(path: str | os.PathLike, *, against=None, dtype=None, layout: str = "
 
     Never raises for a bad checkpoint: the faults are in the returned report. A bad
     ``against`` (no config, a class the library lacks) raises before anything is read.
+    ``storage_options`` go to the storage of a URL ``path`` (``against`` is local).
 
     >>> report = sw.verify("out/full")                     # doctest: +SKIP
     >>> report.ok, report.summary()                        # doctest: +SKIP
@@ -113,15 +115,16 @@ def verify(path: str | os.PathLike, *, against=None, dtype=None, layout: str = "
     if against is None and (dtype is not None or layout != "auto"):
         raise UsageError("dtype and layout say how to compare with a model: pass against= too")
     candidates = expectations(against, dtype=dtype) if against is not None else None
-    report = VerifyReport(str(path))
+    where = locate(path, storage_options)
+    report = VerifyReport(str(path))  # the user's spelling
     found, prefer = None, "module"
     try:
-        if "://" not in str(path) and not os.path.exists(path):
+        if not where.exists():
             raise CheckpointError(f"{path}: no such checkpoint file or folder")
-        plugin = format_of(path)  # the kind is known even where opening then fails
+        plugin = format_of(where)  # the kind is known even where opening then fails
         report.kind = plugin.CAPABILITIES.label or plugin.NAME
         prefer = plugin.CAPABILITIES.names  # the names its checkpoints most often hold
-        source = plugin.open_source(path)  # headers, index, chunk tiling: raises on the first fault
+        source = plugin.open_source(where)  # headers, index, chunk tiling: raises on the first fault
         try:
             found = _verify_source(source, report)
         finally:
@@ -131,7 +134,7 @@ def verify(path: str | os.PathLike, *, against=None, dtype=None, layout: str = "
     except OSError as e:
         report.problems.append(f"{path}: cannot read the checkpoint: {e}")
     if found is not None:
-        _check_quantized(Path(path), found, report)
+        _check_quantized(where, found, report)
     if candidates is not None and found is not None:
         report.against = check_against(found, candidates, layout=layout, prefer=prefer)
         report.problems += report.against.problems()
@@ -140,7 +143,7 @@ def verify(path: str | os.PathLike, *, against=None, dtype=None, layout: str = "
     return report
 
 
-def _recorded(folder: Path, report: VerifyReport, found: dict[str, tuple[str, tuple]], *,
+def _recorded(folder: Location, report: VerifyReport, found: dict[str, tuple[str, tuple]], *,
               otherwise: str = "the structure was checked, the values cannot be"):
     """The checksums recorded beside the checkpoint; and a problem for every tensor whose dtype
     or shape (``found``: {name: (safetensors dtype, shape)}) differs from what was saved."""
@@ -156,9 +159,9 @@ def _recorded(folder: Path, report: VerifyReport, found: dict[str, tuple[str, tu
     return recorded_checksums(info)
 
 
-def _check_quantized(path: Path, found: dict[str, tuple[str, tuple]], report: VerifyReport) -> None:
+def _check_quantized(path: Location, found: dict[str, tuple[str, tuple]], report: VerifyReport) -> None:
     """Every quantized weight has its scales, of the shape its block size needs."""
-    root = path if path.is_dir() else path.parent
+    root = path if path.is_folder() else path.parent
     qc = quantization_config(root)
     pairs, problems = quant_pairs(found, qc)
     report.problems += problems
@@ -211,7 +214,7 @@ def _verify_source(source: Stored, report: VerifyReport) -> dict[str, tuple[str,
     return found
 
 
-def _missing_sums(sums: dict, chunk_sums: dict, found: dict, seen: set, root: Path,
+def _missing_sums(sums: dict, chunk_sums: dict, found: dict, seen: set, root: Location,
                   report: VerifyReport) -> None:
     gone = [n for n in sums if n not in found]
     if gone:
@@ -224,14 +227,14 @@ def _missing_sums(sums: dict, chunk_sums: dict, found: dict, seen: set, root: Pa
 
 
 def main_verify(path: str, *, as_json: bool = False, against: str | None = None, dtype: str | None = None,
-                layout: str = "auto") -> int:
+                layout: str = "auto", storage_options: dict | None = None) -> int:
     """``shardwise verify PATH [--against MODEL] [--json]``: the faults, then one summary line;
     0 when OK, 1 when FAILED, 3 when UNVERIFIED (no fault, but not every chunk has a checksum),
     2 when the model to compare with cannot be built."""
     import sys
 
     try:
-        report = verify(path, against=against, dtype=dtype, layout=layout)
+        report = verify(path, against=against, dtype=dtype, layout=layout, storage_options=storage_options)
     except ShardwiseError as e:
         print_safely(f"shardwise verify: --against {against}: {e}", file=sys.stderr)
         return 2

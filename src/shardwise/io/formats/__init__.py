@@ -26,6 +26,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 from shardwise.errors import UsageError
+from shardwise.io.storage import Location, locate
 
 if TYPE_CHECKING:
     from shardwise.io.source import OpenedSource
@@ -107,7 +108,7 @@ def capabilities(name: str) -> Capabilities:
     return get_format(name).CAPABILITIES
 
 
-def format_of(path: str | os.PathLike) -> ModuleType:
+def format_of(path: Location) -> ModuleType:
     """The plugin of the first format, in :data:`FORMATS` order, that claims ``path``."""
     for name in FORMATS:
         plugin = get_format(name)
@@ -116,16 +117,17 @@ def format_of(path: str | os.PathLike) -> ModuleType:
     raise UsageError(f"{path}: no checkpoint format claims it; known formats: {', '.join(FORMATS)}")
 
 
-def open_source(path: str | os.PathLike, *, dequantize: bool = False) -> OpenedSource:
+def open_source(path: Location | str | os.PathLike, *, dequantize: bool = False) -> OpenedSource:
     """The :class:`~shardwise.io.source.OpenedSource` of the checkpoint at ``path``, its format
     detected once (:func:`format_of`). ``dequantize``: FP8 weights with block scales into
     plain model tensors, for the formats that can (``Capabilities.dequantizes``); asking it of
     another raises ``UsageError``.
 
-    >>> source = open_source("out/dcp")                                    # doctest: +SKIP
+    >>> source = open_source(locate("out/dcp"))                                    # doctest: +SKIP
     >>> source.name, len(source.tensors())                                 # doctest: +SKIP
     ('dcp', 291)
     """
+    path = locate(path)  # a str or path: the tools' and tests' door (sw.* pass Locations)
     plugin = format_of(path)
     if dequantize and not plugin.CAPABILITIES.dequantizes:
         raise UsageError(f"{path}: dequantize=True reads FP8 safetensors checkpoints (weights with their "

@@ -11,11 +11,13 @@ is opened.
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 from shardwise.errors import CheckpointError
 from shardwise.io.formats import Capabilities
+
+if TYPE_CHECKING:
+    from shardwise.io.storage import Location
 
 NAME = "dcp"
 # FP8 weights load as stored (quantized), never dequantized per rank
@@ -25,15 +27,14 @@ CAPABILITIES = Capabilities(distributed=True, async_save=True, optimizer=True, s
 METADATA_FILE = ".metadata"  # torch DCP writes it last: its absence means an incomplete save
 
 
-def claims(path: str | os.PathLike) -> bool:
+def claims(path: Location) -> bool:
     """Whether ``path`` is a folder that looks like a torch distributed checkpoint, from file
     names only: it has ``.metadata`` or ``*.distcp`` files (maybe incomplete, which its
     reader then reports)."""
-    path = Path(path)
-    return path.is_dir() and ((path / METADATA_FILE).is_file() or any(path.glob("*.distcp")))
+    return path.is_folder() and ((path / METADATA_FILE).stat() is not None or bool(path.glob("*.distcp")))
 
 
-def open_source(path: str | os.PathLike, **options):
+def open_source(path: Location, **options):
     """The :class:`~shardwise.io.formats.dcp.checkpoint.DcpSource` of ``path``."""
     try:  # deferred: keeps torch.distributed.checkpoint (~1.7 s) off inspect/verify/diff of other formats
         from shardwise.io.formats.dcp.checkpoint import DcpSource

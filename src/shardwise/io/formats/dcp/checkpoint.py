@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import cast
 
 import torch
@@ -44,6 +43,7 @@ from shardwise.io.info import INFO_FILE
 from shardwise.io.sink import Saving
 from shardwise.io.source import Finalize, ReadOptions, Reads, Want
 from shardwise.io.spmd_save import SpmdSavePlanner, spmd_placed
+from shardwise.io.storage import Location
 from shardwise.io.storage.transaction import target_path
 from shardwise.parallel import get_shard_state
 
@@ -98,10 +98,10 @@ class AsyncSave:
         self._finish()
 
 
-def write_checkpoint(path, state_dict: dict, placed: Mapping[str, Placed], info: dict, *,
+def write_checkpoint(path: Location, state_dict: dict, placed: Mapping[str, Placed], info: dict, *,
                      backend: Backend | None, overwrite: bool = False, async_save: bool = False,
                      planner: CanonicalSavePlanner | None = None,
-                     side_files: Callable[[Path], object] | None = None) -> AsyncSave | None:
+                     side_files: Callable[[Location], object] | None = None) -> AsyncSave | None:
     """Save ``state_dict`` (local tensors for the ``placed`` keys, plain values otherwise)
     as a canonical DCP checkpoint at ``path``; every rank calls it. With ``async_save`` the
     data is staged (copied) before returning and the returned handle's ``wait`` completes it.
@@ -145,7 +145,7 @@ def write_checkpoint(path, state_dict: dict, placed: Mapping[str, Placed], info:
     return None
 
 
-def save_dcp(model: nn.Module, path, *, backend: Backend | None, overwrite: bool = False,
+def save_dcp(model: nn.Module, path: Location, *, backend: Backend | None, overwrite: bool = False,
              async_save: bool = False, metadata: Mapping | None = None,
              progress: bool | None = None) -> AsyncSave | None:
     """Write ``model`` as a canonical DCP checkpoint at ``path``; every rank calls it, each
@@ -178,7 +178,7 @@ def save_dcp(model: nn.Module, path, *, backend: Backend | None, overwrite: bool
 
 # --- reading ------------------------------------------------------------------------------
 
-def read_checkpoint(path, metadata, state_dict: dict, placed: Mapping[str, Placed], *,
+def read_checkpoint(path: Location, metadata, state_dict: dict, placed: Mapping[str, Placed], *,
                     backend: Backend | None) -> int:
     """Fill ``state_dict`` (the ``placed`` local tensors in place; other values replaced)
     from the checkpoint; every rank calls it. Returns the bytes this rank read."""
@@ -200,7 +200,7 @@ class DcpSource(DcpStored):
     ``.metadata`` is a pickle (unpickled with an allow-list): trust its source.
     """
 
-    def __init__(self, path):
+    def __init__(self, path: Location):
         super().__init__(path)  # the metadata, checked: raises for an incomplete checkpoint
         self.bytes_read = 0
         self._key: dict[str, str] = {}  # model name -> checkpoint key

@@ -12,7 +12,10 @@ with one that holds no safetensors checkpoint.
 
 from __future__ import annotations
 
-import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shardwise.io.storage import Location
 
 from shardwise.io.formats import Capabilities
 
@@ -21,12 +24,12 @@ CAPABILITIES = Capabilities(dequantizes=True, scale_regions=True, parallel_write
                             names="hub")
 
 
-def claims(path: str | os.PathLike) -> bool:
+def claims(path: Location) -> bool:
     """Every path: the registry asks this plugin last."""
     return True
 
 
-def open_source(path: str | os.PathLike, **options):
+def open_source(path: Location, **options):
     """The :class:`~shardwise.io.formats.safetensors.source.SafetensorsSource` of ``path``
     (``dequantize=True``: FP8 weights with block scales into plain model tensors)."""
     # deferred: every module of this package (files, from the save side) runs this __init__ first;

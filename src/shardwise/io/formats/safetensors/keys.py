@@ -6,7 +6,6 @@ pairings (``quantized``) are decided here, once, before any data is read.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -17,6 +16,7 @@ from shardwise.core.pieces import Composite
 from shardwise.core.plan import ResolvedPlan
 from shardwise.errors import CheckpointError
 from shardwise.io.formats.safetensors.quantized import pair_mxfp4, pair_quantized
+from shardwise.io.storage import Location
 
 if TYPE_CHECKING:
     from shardwise.core.header import NamedDtype
@@ -31,7 +31,7 @@ class KeyedCheckpoint(Protocol):
     ``ShardedCheckpoint`` (``io.formats.sharded.checkpoint``). Read only, before any data is."""
 
     @property
-    def root(self) -> Path:
+    def root(self) -> Location:
         """The checkpoint's folder: errors name it, and its ``config.json`` says how FP8 and
         MXFP4 tensors are quantized."""
         ...
@@ -41,7 +41,7 @@ class KeyedCheckpoint(Protocol):
         """Every stored tensor's name."""
         ...
 
-    def entry(self, name: str) -> tuple[Path, NamedDtype]:
+    def entry(self, name: str) -> tuple[Location, NamedDtype]:
         """Where tensor ``name`` lives (its file, or the folder of a sharded one) and its
         stored dtype and global shape; ``CheckpointError`` for a name it does not hold."""
         ...
@@ -74,7 +74,7 @@ def match_keys(model: nn.Module, specs: ResolvedPlan, ckpt: KeyedCheckpoint, *, 
     # A tensor the checkpoint stores in its hub layout (renamed, or split per expert).
     hub, used = (adapter_for(model).stored_tensors(model, {k: ckpt.entry(k) for k in ckpt.names}, absent)
                  if absent else ({}, set()))
-    sources: dict[str, tuple[Path, NamedDtype] | Composite | Dequantized] = {}
+    sources: dict[str, tuple[Location, NamedDtype] | Composite | Dequantized] = {}
     missing, found_as = [], {}
     for name, candidates in names_of.items():
         found = next((c for c in candidates if c in stored), None)

@@ -8,11 +8,14 @@ validated chunk map; ``source``: the reads; ``write``: the writer. No pickle any
 
 from __future__ import annotations
 
-import os
+from typing import TYPE_CHECKING
 
 from shardwise.io.formats import Capabilities
 from shardwise.io.formats.sharded.checkpoint import is_sharded_safetensors
 from shardwise.io.formats.sharded.source import ShardedSource
+
+if TYPE_CHECKING:
+    from shardwise.io.storage import Location
 
 NAME = "sharded"
 # FP8 weights load as stored (quantized), never dequantized per rank; its files split every
@@ -20,14 +23,14 @@ NAME = "sharded"
 CAPABILITIES = Capabilities(distributed=True, quantized=False, label="sharded safetensors")
 
 
-def claims(path: str | os.PathLike) -> bool:
+def claims(path: Location) -> bool:
     """Whether ``path`` is a folder of safetensors files whose headers carry
     ``DCP_SHARDING_INFO`` (and no index); reads the files' headers, and a corrupt header
     raises ``CheckpointError`` naming the file."""
     return is_sharded_safetensors(path)
 
 
-def open_source(path: str | os.PathLike, **options):
+def open_source(path: Location, **options):
     """The :class:`~shardwise.io.formats.sharded.source.ShardedSource` of ``path``."""
     return ShardedSource(path, **options)
 

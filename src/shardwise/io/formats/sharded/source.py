@@ -14,7 +14,6 @@ several chunks is copied together once, then handed on.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
 
@@ -33,7 +32,7 @@ from shardwise.io.formats.sharded.checkpoint import (
 )
 from shardwise.io.info import chunk_key, digest_range
 from shardwise.io.source import Blob, Description, Finalize, ReadOptions, Reads, Want
-from shardwise.io.storage import Handles, storage_for
+from shardwise.io.storage import Handles, Location
 
 Request = tuple[ShardedTensor, Layout]
 
@@ -157,12 +156,12 @@ class ShardedSource:
 
     name = "sharded"
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: Location):
         self.ckpt = read_sharded(path)
         self.root = self.ckpt.root
         self.bytes_read = 0
         self._sources: dict = {}
-        self._handles = Handles(storage_for(self.root))
+        self._handles = Handles()
 
     def tensors(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         return {t.name: (t.torch_dtype, t.shape) for t in ordered_tensors(self.ckpt)}

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 
 from torch import nn
 
@@ -44,6 +43,7 @@ from shardwise.io.formats.safetensors.files import StreamingWriter, header_metad
 from shardwise.io.formats.sharded.checkpoint import check_tiling, sharding_metadata
 from shardwise.io.info import ALGORITHM, chunk_key
 from shardwise.io.sink import PlannedFile, Saving, WritePlan
+from shardwise.io.storage import Location
 from shardwise.io.storage.transaction import target_path
 from shardwise.parallel import get_shard_state
 
@@ -124,7 +124,7 @@ def num_files(assigned: Sequence[Sequence[Held]]) -> int:
     return most
 
 
-def write_file(path: Path, planned: PlannedFile, placed: Mapping) -> dict[str, dict[str, str]]:
+def write_file(path: Location, planned: PlannedFile, placed: Mapping) -> dict[str, dict[str, str]]:
     """Stream one rank-local file: header (with the sharding metadata), then each chunk.
     Returns each chunk's checksum, ``{tensor: {chunk key: checksum}}`` (``shardwise.io.info``)."""
     where = dict(zip((name for name, _, _ in planned.tensors), planned.offsets, strict=True))
@@ -158,7 +158,7 @@ class ShardedSafetensorsSink:
                 files.append(PlannedFile(fname, specs, rank, tuple(region.offsets for *_, region in ordered)))
         return WritePlan(tuple(files))
 
-    def write(self, plan: WritePlan, folder: Path | None, bar=None) -> dict[str, dict[str, str]]:
+    def write(self, plan: WritePlan, folder: Location | None, bar=None) -> dict[str, dict[str, str]]:
         sums: dict[str, dict[str, str]] = {}
         for planned in plan.files_of(self.rank):
             assert folder is not None  # every rank is given the shared folder (save_sharded_safetensors)
@@ -178,8 +178,9 @@ def _all_checksums(sums: dict[str, dict[str, str]], backend: Backend | None) -> 
     return {"algorithm": ALGORITHM, "chunks": chunks}
 
 
-def save_sharded_safetensors(model: nn.Module, path, *, backend: Backend | None, overwrite: bool = False,
-                             metadata: Mapping[str, str] | None = None, progress: bool | None = None) -> None:
+def save_sharded_safetensors(model: nn.Module, path: Location, *, backend: Backend | None,
+                             overwrite: bool = False, metadata: Mapping[str, str] | None = None,
+                             progress: bool | None = None) -> None:
     """Write ``model`` at ``path`` as a sharded safetensors checkpoint (torch's
     ``HuggingFaceStorageWriter(save_distributed=True)`` format); every rank calls it (after
     ``sw.save``'s guards) and writes its own chunks, nothing is gathered. ``metadata`` goes
