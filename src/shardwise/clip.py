@@ -19,7 +19,7 @@ from torch import nn
 
 import shardwise.comm as comm
 from shardwise.errors import NonFiniteError
-from shardwise.holding import Holding, is_dtensor
+from shardwise.holding import is_dtensor
 from shardwise.mesh import world_backend
 from shardwise.parallel import get_shard_state
 
@@ -48,7 +48,7 @@ def _grads(model_or_params) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
         # a tp shard the mesh does not show: a plain local shard, or FSDP over "local" holding
         hidden_tp = 1
         if (state is not None and spec is not None and not spec.replicated
-                and state.holding is Holding.LOCAL):
+                and state.holding.plain_shards):
             hidden_tp = state.coords(spec)[0]
         if is_dtensor(g):
             dg = g

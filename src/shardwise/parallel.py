@@ -1,19 +1,11 @@
 """Put local shards into a model and make its forward correct under tensor parallelism.
 
-Three holdings (:class:`shardwise.holding.Holding`) come from the same ``ShardSpec``s:
-
-- ``"dtensor"`` (gloo, nccl): parameters become DTensors on the tp axis of the mesh
-  and torch's ``ColwiseParallel`` / ``RowwiseParallel`` convert activations. A packed
-  shard is a DTensor with ``Shard(dim)`` whose local tensor holds this rank's part of
-  every block; its canonical layout is known from the spec, never from the placement.
-- ``"local"`` (xla, neuron): parameters are plain local tensors and the forward of each
-  planned module is replaced by one that does its collectives itself (autograd-aware).
-- ``"spmd"`` (xla_spmd): one process drives every device; a parameter stays one global
-  tensor placed over the tp axis of an ``SpmdMesh`` (``backends/xla_spmd.py``) and the
-  forward is the model's own: the XLA partitioner inserts the collectives.
-
 ``install`` is the one place that writes shards into a model: ``parallelize`` feeds it
-slices of the model's own tensors, the loaders feed it slices read from disk.
+slices of the model's own tensors, the loaders feed it slices read from disk; the holding
+(:class:`shardwise.holding.Holding`) then wires the forward: :func:`wire_dtensor` (DTensor
+parameters, torch's styles or explicit collectives on their local shards) or
+:func:`wire_local_shards` (plain local shards whose forwards do their own collectives).
+A packed shard's canonical layout is known from its spec, never from a placement.
 """
 
 from __future__ import annotations
@@ -34,12 +26,11 @@ from shardwise.installed import check_installed
 from shardwise.local_tp import run_on_local_params, wire_embedding_subclass, wire_forward, wire_local
 from shardwise.mesh import MeshDims, decode_mesh
 from shardwise.plan_checks import check_plan
-from shardwise.quant_tp import guard_cut_experts, local_part, quantized_module, scale_is_local, wire_quantized
+from shardwise.quant_tp import guard_cut_experts, quantized_module, scale_is_local, wire_quantized
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from shardwise.backends.xla_spmd import SpmdMesh
 
 _STATE_ATTR = "_shardwise_state"
 
@@ -101,7 +92,7 @@ def install(model: nn.Module, specs: ResolvedPlan, dims: MeshDims, *,
     """
     if not isinstance(dims, MeshDims):
         dims = decode_mesh(dims, holding)
-        check_wiring(model, specs, dims.holding)
+        dims.holding.check_wiring(model, specs)
     for axis, degree in (("tp", dims.degree), ("ep", dims.ep_degree)):
         if specs.degrees[axis] != degree:
             raise PlanError(f"plan was resolved for {axis} degree {specs.degrees[axis]} but the mesh "
@@ -114,20 +105,17 @@ def install(model: nn.Module, specs: ResolvedPlan, dims: MeshDims, *,
         kept_prefix, _, kept_leaf = kept.rpartition(".")
         setattr(model.get_submodule(prefix), leaf, getattr(model.get_submodule(kept_prefix), kept_leaf))
     state = ShardState.of(dims, specs)
-    if dims.holding.wires_forward:  # spmd: the model's own forward is correct, the partitioner
-        _wire(model, specs, state)   # adds the collectives
+    dims.holding.wire(model, specs, state)
     check_installed(model, specs, declared, holding=dims.holding, dtype=dtype, coords=dims.axis_coords)
     model.__dict__[_STATE_ATTR] = state
     return state
 
 
-def check_wiring(model: nn.Module, specs: ResolvedPlan, holding: Holding) -> None:
-    """Raise ``PlanError`` for a sharded nn.Linear subclass with a forward of its own under
-    ``"local"`` holding: its forward is replaced by the local-shard one, which would silently
+def check_local_wiring(model: nn.Module, specs: ResolvedPlan) -> None:
+    """``Holding.LOCAL.check_wiring``: raise ``PlanError`` for a sharded nn.Linear subclass with
+    a forward of its own: its forward is replaced by the local-shard one, which would silently
     skip whatever the subclass adds. (An nn.Embedding subclass keeps its forward in both
     holdings: ``wire_embedding_subclass``.)"""
-    if holding is not Holding.LOCAL:
-        return
     for path, style in specs.styles.items():
         module = model.get_submodule(path)
         if (style.forward == "linear" and not isinstance(module, nn.Embedding)
@@ -142,32 +130,51 @@ def _own_embedding_forward(module: nn.Module) -> TypeGuard[nn.Embedding]:
     return isinstance(module, nn.Embedding) and type(module).forward is not nn.Embedding.forward
 
 
-def _wire(model: nn.Module, specs: ResolvedPlan, state: ShardState) -> None:
-    # DTensor holding: {id(local Parameter): (that Parameter, its DTensor Parameter)} while
-    # wiring, so a tied weight seen from a second module becomes the same DTensor Parameter.
+def wire_dtensor(model: nn.Module, specs: ResolvedPlan, state: ShardState) -> None:
+    """``Holding.DTENSOR.wire``: every sharded parameter a DTensor on its axis mesh."""
+    # {id(local Parameter): (that Parameter, its DTensor Parameter)} while wiring, so a tied
+    # weight seen from a second module becomes the same DTensor Parameter.
     converted: dict = {}
-    dtensor = state.holding is Holding.DTENSOR
-    # Owners of parameters sharded by a parameter key first: their local-shard wrapper is
-    # innermost, below any style wrapper (moe_experts) of the same module.
-    for path in specs.local_owners:
-        module = model.get_submodule(path)
-        if dtensor:
-            _dtensor_params(module, path, state, converted, sharded_only=True)
-            run_on_local_params(module)
-    for path, style in specs.styles.items():
-        module = model.get_submodule(path)
-        if style.forward == "linear" and quantized_module(specs, path) is not None:
-            if dtensor:
-                _dtensor_params(module, path, state, converted)
-            wire_quantized(module, path, style, state)  # its own FP8 kernel, on local shards
-        elif style.forward != "linear":
-            wire_forward(module, style, state)
-        elif dtensor:
-            _wire_dtensor(module, path, style, state, converted)
-        elif _own_embedding_forward(module):
+
+    def owner(module: nn.Module, path: str) -> None:
+        _dtensor_params(module, path, state, converted, sharded_only=True)
+        run_on_local_params(module)
+
+    _wire(model, specs, state, owner=owner,
+          quantized=lambda module, path: _dtensor_params(module, path, state, converted),
+          linear=lambda module, path, style: _wire_dtensor(module, path, style, state, converted))
+
+
+def wire_local_shards(model: nn.Module, specs: ResolvedPlan, state: ShardState) -> None:
+    """``Holding.LOCAL.wire``: plain local shards, each planned forward doing its collectives."""
+    def linear(module: nn.Module, path: str, style: Style) -> None:
+        if _own_embedding_forward(module):
             wire_embedding_subclass(module, style, state)
         else:
             wire_local(module, style, state)
+
+    _wire(model, specs, state, owner=lambda module, path: None, quantized=lambda module, path: None,
+          linear=linear)
+
+
+def _wire(model: nn.Module, specs: ResolvedPlan, state: ShardState, *,
+          owner: Callable[[nn.Module, str], None], quantized: Callable[[nn.Module, str], None],
+          linear: Callable[[nn.Module, str, Style], None]) -> None:
+    """The wiring order of both holdings; ``owner``, ``quantized`` and ``linear`` are the
+    holding's steps for a parameter key's owner, an FP8 module and a plain linear style."""
+    # Owners of parameters sharded by a parameter key first: their local-shard wrapper is
+    # innermost, below any style wrapper (moe_experts) of the same module.
+    for path in specs.local_owners:
+        owner(model.get_submodule(path), path)
+    for path, style in specs.styles.items():
+        module = model.get_submodule(path)
+        if style.forward == "linear" and quantized_module(specs, path) is not None:
+            quantized(module, path)
+            wire_quantized(module, path, style, state)  # its own FP8 kernel, on local shards
+        elif style.forward != "linear":
+            wire_forward(module, style, state)
+        else:
+            linear(module, path, style)
     guard_cut_experts(model, specs)  # FP8 experts whose shards cut blocks: their kernels would be wrong
 
 
@@ -193,23 +200,12 @@ def parallelize(model: nn.Module, plan, mesh, *, holding: str | None = None, ep_
     if meta:
         raise PlanError(f"parallelize needs a materialised model, but {meta[0]!r} is on the meta "
                         "device; use sw.load(model, path, plan=..., mesh=...) to fill a meta model")
-    check_wiring(model, specs, dims.holding)
-    if dims.holding.one_process:
-        spmd_mesh = cast("SpmdMesh", dims.tp_mesh)  # a one-process holding's mesh
-        install(model, specs, dims,
-                local_tensor=lambda name, spec: spmd_mesh.distribute(full[name], spec.dim))
-        return model
-    coords = dims.axis_coords
+    dims.holding.check_wiring(model, specs)
     # the mesh's device type, not dims.device: a model parallelised over a CPU (gloo) mesh
     # keeps its tensors where they are
     device = torch.device(mesh.device_type) if mesh.device_type != "cpu" else None
-
-    def local_tensor(name: str, spec: ShardSpec) -> torch.Tensor:
-        t = full[name].detach()
-        local = t if spec.replicated else local_part(t, name, spec, specs, coords[spec.axis])
-        return local.to(device) if device is not None and local.device != device else local
-
-    install(model, specs, dims, local_tensor=local_tensor)
+    install(model, specs, dims,
+            local_tensor=lambda name, spec: dims.holding.shard(full[name], name, spec, specs, dims, device))
     return model
 
 

@@ -36,11 +36,10 @@ from shardwise.io.pipeline import (
     move_non_persistent,
     reader_threads,
 )
-from shardwise.io.place import placement
 from shardwise.io.quant_checks import check_quantized_load, check_quantized_source, drop_quantization_config
 from shardwise.io.source import ReadOptions
 from shardwise.mesh import decode_mesh
-from shardwise.parallel import check_wiring, get_shard_state, resolve_for_mesh
+from shardwise.parallel import get_shard_state, resolve_for_mesh
 
 
 def load(model: nn.Module, path: str | os.PathLike, *, plan, mesh, dtype: torch.dtype | None = None,
@@ -95,19 +94,18 @@ def load(model: nn.Module, path: str | os.PathLike, *, plan, mesh, dtype: torch.
             raise TypeError(f"dtype must be a torch.dtype or None, got {dtype!r}")
         dims = decode_mesh(mesh, holding)  # the API boundary: the mesh decoded once, passed down
         specs = resolve_for_mesh(model, plan, dims, ep_plan)
-        check_wiring(model, specs, dims.holding)
+        dims.holding.check_wiring(model, specs)
         check_quantized_load(specs, dims.holding, dequantize)
 
     source = open_source(path, dequantize=dequantize)
     check_quantized_source(source, specs, mesh)
     missing, unexpected = source.match(model, specs, strict=strict)
     check_nothing_left_on_meta(model, specs, missing)
-    place = placement(model, specs, dims, dtype)
+    place = dims.holding.placement(model, specs, dims, dtype)
     names = [n for n in specs if n not in missing]
     reads = source.plan(place.wants(names))
-    # dp replicas share their reads only where each process holds its own shards
     how = ReadOptions(dtype, place.device, reader_threads(num_threads),
-                      mesh=None if dims.holding.one_process else mesh, window=place.window,
+                      replicas=dims if dims.shares_reads else None, window=place.window,
                       backend=dims.comm_backend)
     with Progress(reads.nbytes, progress, is_rank0(), "shardwise load") as bar:
         tensors = source.read(reads, finalize=place.finalize, options=how, on_bytes=bar)

@@ -18,7 +18,7 @@ broadcast), then the broadcasts run in the same order on every rank (asynchronou
 tensors are finalized as they arrive). ``bytes_read`` of the load counts storage reads only.
 
 Where the tensors travel: on the device the group's collectives take (``comm.device_for`` with
-the load's backend, decoded with its mesh: ``MeshDims.comm_backend``): the
+the decoded mesh's ``MeshDims.comm_backend``): the
 CPU over gloo; the backend's device over a device-only group (NCCL takes CUDA tensors only,
 torch_xla's group XLA tensors only). There the bytes are staged on the device for the
 broadcast, and a receiver brings them back to the host before finalizing, so that every
@@ -33,17 +33,9 @@ import torch
 import torch.distributed as dist
 
 import shardwise.comm as comm
-from shardwise.backends import Backend
 from shardwise.errors import CheckpointError
 from shardwise.io.formats.safetensors.reader import Finalize, ReadItem, RegionReader
-
-
-def replica_axis(mesh):
-    """The ``dp_replicate`` axis of ``mesh`` when it has more than one replica, else ``None``."""
-    names = getattr(mesh, "mesh_dim_names", None) or ()
-    if "dp_replicate" not in names or mesh["dp_replicate"].size() < 2:
-        return None
-    return mesh["dp_replicate"]
+from shardwise.mesh import MeshDims
 
 
 def assign_owners(groups: Sequence[str], members: dict[str, Sequence[int]],
@@ -72,19 +64,18 @@ def assign_owners(groups: Sequence[str], members: dict[str, Sequence[int]],
     return owners
 
 
-def read_once(reader: RegionReader, items: list[ReadItem], *, finalize: Finalize, mesh,
-              backend: Backend | None, whole: set[str],
-              on_bytes: Callable[[int], None] | None = None) -> dict:
+def read_once(reader: RegionReader, items: list[ReadItem], *, finalize: Finalize, dims: MeshDims,
+              whole: set[str], on_bytes: Callable[[int], None] | None = None) -> dict:
     """``{name: finalize(item, raw)}`` for every item, each read from storage by one replica.
 
-    ``whole``: names of the items every rank of ``mesh`` reads in full, identically and in the
-    same order (replicated tensors). Collective over ``mesh``: every rank calls it with its own
-    items (the same list, in the same order, on ranks that share their tp and ep coordinates).
-    Each collective waits as long as ``backend``'s timeout allows (the load's decoded
-    ``MeshDims.comm_backend``).
+    ``dims``: the load's decoded mesh, with ``dims.shares_reads``. ``whole``: names of the
+    items every rank of the mesh reads in full, identically and in the same order (replicated
+    tensors). Collective over the mesh: every rank calls it with its own items (the same list,
+    in the same order, on ranks that share their tp and ep coordinates). Each collective waits
+    as long as ``dims.comm_backend``'s timeout allows.
     """
-    dp_group = replica_axis(mesh).get_group()
-    spans_world = mesh.size() == dist.get_world_size()
+    assert dims.shares_reads and dims.dp_replicate_group is not None  # the caller's condition
+    dp_group, spans_world, backend = dims.dp_replicate_group, dims.spans_world, dims.comm_backend
     groups = {}  # "all" first: see assign_owners
     if spans_world:
         groups["all"] = (dist.group.WORLD, list(range(dist.get_world_size())))
@@ -141,4 +132,4 @@ def _exchange(items, owners, groups, raw, finalize, on_bytes, backend) -> dict:
     return results
 
 
-__all__ = ["assign_owners", "read_once", "replica_axis"]
+__all__ = ["assign_owners", "read_once"]
