@@ -10,26 +10,29 @@ A packed shard's canonical layout is known from its spec, never from a placement
 
 from __future__ import annotations
 
+import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, TypeGuard, cast
 
 import torch
 from torch import nn
 
+import shardwise.comm as comm
 from shardwise.core.plan import ResolvedPlan, Style, resolve_plan, without_tp
 from shardwise.core.spec import ShardSpec, split
-from shardwise.errors import PlanError
+from shardwise.errors import NonFiniteError, PlanError
 from shardwise.holding import Holding, is_dtensor, local_of  # noqa: F401 - local_of: re-exported
 from shardwise.installed import check_installed
 from shardwise.local_tp import run_on_local_params, wire_embedding_subclass, wire_forward, wire_local
-from shardwise.mesh import MeshDims, decode_mesh
+from shardwise.mesh import MeshDims, decode_mesh, world_backend
 from shardwise.plan_checks import check_plan
 from shardwise.quant_tp import guard_cut_experts, quantized_module, scale_is_local, wire_quantized
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
 
 
 _STATE_ATTR = "_shardwise_state"
@@ -79,20 +82,16 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
 
 def install(model: nn.Module, specs: ResolvedPlan, dims: MeshDims, *,
             local_tensor: Callable[[str, ShardSpec], torch.Tensor],
-            dtype: torch.dtype | None = None, holding: str | Holding | None = None) -> ShardState:
-    """Replace every tensor of ``model`` by ``local_tensor(name, spec)`` and wire the forward.
+            dtype: torch.dtype | None = None) -> ShardState:
+    """Replace every tensor of ``model`` by ``local_tensor(name, spec)`` (this rank's local
+    shard, on its device and dtype) and wire the forward with ``dims.holding``.
 
-    Called on every rank of the mesh, with the same ``specs`` and ``dims`` (the mesh decoded
-    by :func:`shardwise.mesh.decode_mesh`; a raw mesh is decoded here with ``holding``, for
-    callers below the API such as tests). ``local_tensor`` returns this rank's local shard
-    (already on the right device and dtype). No collective runs here: DTensors are built
-    from local shards. Afterwards every tensor is checked against what the model declared
-    (:func:`shardwise.installed.check_installed`): ``dtype`` is the dtype every
-    floating-point tensor must have (``None``: any floating dtype).
+    Called on every rank of the mesh, with the same ``specs`` and ``dims``, after
+    ``dims.holding.check_wiring``. No collective runs here: DTensors are built from local
+    shards. Afterwards every tensor is checked against what the model declared
+    (:func:`shardwise.installed.check_installed`; ``dtype``: that of every floating tensor,
+    ``None``: any floating dtype).
     """
-    if not isinstance(dims, MeshDims):
-        dims = decode_mesh(dims, holding)
-        dims.holding.check_wiring(model, specs)
     for axis, degree in (("tp", dims.degree), ("ep", dims.ep_degree)):
         if specs.degrees[axis] != degree:
             raise PlanError(f"plan was resolved for {axis} degree {specs.degrees[axis]} but the mesh "
@@ -297,3 +296,87 @@ def _split_input_hook(style: Style, state: ShardState):
         return (split(x, spec, state.degree, state.tp_rank),) + tuple(args[1:])
 
     return hook
+# -- clip_grad_norm_: the true global norm over every mesh a gradient is split on ----------
+# torch's clip_grad_norm_ stacks per-tensor norms, which fails (or counts replicated tensors
+# once per rank) for DTensors on different meshes or plain local shards. Here every rank sums
+# |g|^p over its local gradients, each divided by the number of ranks holding an identical
+# copy, and one all-reduce over the world gives the one-process norm.
+def _grads(model_or_params) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    """``(local grad to scale, local grad to measure, copies)`` for every parameter with a
+    gradient; ``copies`` is how many ranks hold the same elements."""
+    world = comm.world_size()
+    if isinstance(model_or_params, nn.Module):
+        state = get_shard_state(model_or_params)
+        named = list(model_or_params.named_parameters())
+    else:
+        state = None
+        if isinstance(model_or_params, torch.Tensor):
+            model_or_params = [model_or_params]
+        named = [("", p) for p in model_or_params]
+    out = []
+    for name, p in named:
+        g = p.grad
+        if g is None:
+            continue
+        spec = state.specs.get(name) if state is not None else None
+        # a tp shard the mesh does not show: a plain local shard, or FSDP over "local" holding
+        hidden_tp = 1
+        if (state is not None and spec is not None and not spec.replicated
+                and state.holding.plain_shards):
+            hidden_tp = state.coords(spec)[0]
+        if is_dtensor(g):
+            dg = g
+            mesh = dg.device_mesh
+            if {"tp", "ep"} & set(mesh.mesh_dim_names or ()):
+                hidden_tp = 1
+            if any(pl.is_partial() for pl in dg.placements):
+                from torch.distributed.tensor import Replicate
+
+                with comm.guarded("redistribute", group=mesh, purpose=f"the gradient of {name!r}"):
+                    dg = dg.redistribute(placements=[Replicate() if pl.is_partial() else pl
+                                                     for pl in dg.placements])
+            shards = math.prod(mesh.size(i) for i, pl in enumerate(dg.placements) if not pl.is_replicate())
+            out.append((cast("DTensor", p.grad).to_local(), dg.to_local(), world // (shards * hidden_tp)))
+        else:
+            out.append((g, g, world // hidden_tp))
+    return out
+
+
+def clip_grad_norm_(model_or_params: nn.Module | Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
+                    norm_type: float = 2.0, *, error_if_nonfinite: bool = False) -> torch.Tensor:
+    """Scale the gradients in place so that their global ``norm_type`` norm is at most
+    ``max_norm``; return that norm (before clipping), the same on every rank.
+
+    Pass the model (needed for ``"local"`` holding, whose plain local shards do not say
+    they are shards) or its parameters (DTensors describe themselves; plain tensors are
+    taken as replicated). Every rank calls it: it runs one all-reduce over the world.
+    Parameters outside a mesh must be identical on every rank.
+
+    >>> total = sw.clip_grad_norm_(model, 1.0)   # doctest: +SKIP
+    """
+    norm_type = float(norm_type)
+    backend = world_backend()  # the API boundary: the backend of the all-reduce below
+    grads = _grads(model_or_params)
+    device = grads[0][1].device if grads else torch.device("cpu")
+    if norm_type == math.inf:
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for _, local, _ in grads:
+            if local.numel():
+                total = torch.maximum(total, local.detach().abs().max().double())
+        comm.all_reduce(total, "max", backend=backend, purpose="clip_grad_norm_")
+    else:
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for _, local, copies in grads:
+            norm = torch.linalg.vector_norm(local.detach(), norm_type, dtype=torch.float64)
+            total += norm ** norm_type / copies
+        comm.all_reduce(total, backend=backend, purpose="clip_grad_norm_")
+        total = total ** (1.0 / norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise NonFiniteError(f"the total norm of order {norm_type} of the gradients is {total.item()}; "
+                           "pass error_if_nonfinite=False to clip anyway")
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for target, _, _ in grads:
+        target.mul_(coef.to(target.dtype))
+    return total.to(torch.float32)
+
+
