@@ -1,24 +1,15 @@
-"""The three holdings' implementations (:class:`DTensorHolding`, :class:`LocalHolding`,
-:class:`SpmdHolding`), which ``shardwise.holding.Holding`` forwards to: how ``parallelize``
-shards and wires a model, the last step of ``sw.load`` (:class:`InstallPlacement`,
-:class:`SpmdPlacement`), and what a rank hands a gather save and a DCP save.
+"""The three holdings' implementations, which ``shardwise.holding.Holding`` forwards to
+(:class:`DTensorHolding`, :class:`LocalHolding`, :class:`SpmdHolding`): how ``parallelize``
+shards and wires a model, the last step of ``sw.load`` (a placement: ``device`` and ``window``
+for ``ReadOptions``, ``wants(names)``, the ``finalize`` a source calls per read tensor on its
+reader threads, ``install(model, tensors, missing)``), what a rank hands a gather save and a
+DCP save.
 
-A placement has ``device`` and ``window`` (for :class:`~shardwise.io.source.ReadOptions`),
-``wants(names)``, the ``finalize`` a source calls per read local tensor (on reader threads),
-and ``install(model, tensors, missing)``, which wires the model as ``parallelize`` does.
-
-Under torch_xla SPMD (one process drives every device) each tensor is built on the devices
-from the chunks they hold, read off disk (:meth:`SpmdMesh.from_chunks`): with the tp axis of
-degree ``d``, the device at tp position ``p`` holds the canonical chunk ``p`` of the tensor's
-shard dim (``ShardSpec(dim)`` at degree ``d``, whatever the packing: SPMD keeps tensors global,
-see ``backends/xla_spmd.py``), so a chunk is read once however many devices replicate it and no
-full tensor is assembled on the host. The chunks are ordinary :class:`~shardwise.io.source.Want`
-s, so every format's source reads them; DCP a batch of about ``WINDOW_BYTES`` at a time. An
-optimizer's state tensors load through a DCP read into host chunks (:func:`host_placed`) that
-go onto the devices split like their parameter (:func:`chunks_to_devices`). A DCP save writes
-each of this process's distinct shards as one chunk at its canonical offsets
-(:func:`spmd_placed`, :func:`global_placed`, :class:`SpmdSavePlanner`); the gather save needs
-nothing (a global tensor's ``.cpu()`` is the canonical tensor).
+Under torch_xla SPMD (one process drives every device) the device at tp position ``p`` holds
+the canonical chunk ``p`` of a tensor's shard dim, whatever the packing (``backends/xla_spmd``):
+a load reads each chunk once, as an ordinary ``Want``, and builds the tensor on the devices
+(``SpmdMesh.from_chunks``) without assembling it on the host; a DCP save writes each of this
+process's distinct shards as one chunk at its canonical offsets.
 """
 
 from __future__ import annotations

@@ -1,28 +1,16 @@
-"""Replicas read once: on a mesh with a ``dp_replicate`` axis, each region is read from storage
-by one replica and sent to the others over the process group.
+"""Replicas read once: on a mesh with ``dp_replicate > 1`` (``MeshDims.shares_reads``) each
+region is read from storage by one replica and broadcast to the others, instead of every
+replica reading the whole checkpoint from a shared file system.
 
-Ranks that differ only in their ``dp_replicate`` coordinate hold the same local shards, so
-instead of every replica reading the whole checkpoint (``replicas x checkpoint`` bytes from a
-shared file system) the reads are split between them: :func:`assign_owners` (pure) gives each
-read to one rank of its group, balancing bytes; every rank then reads only what it owns
-(views of the page cache, strided copies or ``pread``, as any load) and the owners broadcast
-within the group. Two kinds of group:
-
-- a tensor sharded over the tp (or ep) axis: its ``dp_replicate`` group (same tp/ep coordinate);
-- a tensor every rank holds whole (a replicated spec): the whole mesh when it spans the world,
-  so that across the job it is read once, not once per tp rank.
-
-Order: first every rank reads what it owns, then one ``all_reduce`` tells every rank whether
-any read failed (so a bad file raises on every rank instead of leaving the others waiting in a
-broadcast), then the broadcasts run in the same order on every rank (asynchronous; received
-tensors are finalized as they arrive). ``bytes_read`` of the load counts storage reads only.
-
-Where the tensors travel: on the device the group's collectives take (``comm.device_for`` with
-the decoded mesh's ``MeshDims.comm_backend``): the
-CPU over gloo; the backend's device over a device-only group (NCCL takes CUDA tensors only,
-torch_xla's group XLA tensors only). There the bytes are staged on the device for the
-broadcast, and a receiver brings them back to the host before finalizing, so that every
-finalize (the cast, assembling a hub layout, dequantizing) gets what a storage read gives.
+:func:`assign_owners` (pure) gives each read to one rank of its group, balancing bytes. The
+group of a tensor sharded over tp (or ep) is its ``dp_replicate`` group; that of a replicated
+tensor is the whole mesh when it spans the world, so that it is read once per job. Order:
+every rank reads what it owns, one ``all_reduce`` tells every rank whether any read failed
+(a bad file raises everywhere instead of leaving peers in a broadcast), then the broadcasts
+run in the same order on every rank, each finalized as it arrives. The bytes travel on the
+device the group's collectives take (``comm.device_for``: the CPU over gloo, the backend's
+device over a device-only group) and come back to the host before the finalize, so that it
+gets what a storage read gives. ``bytes_read`` counts storage reads only.
 """
 
 from __future__ import annotations
