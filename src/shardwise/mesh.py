@@ -94,12 +94,10 @@ class MeshDims:
 
 
 def decode_mesh(mesh: AxisMesh, holding: str | Holding | None = None) -> MeshDims:
-    """``mesh`` (an ``AxisMesh``: a DeviceMesh, a ``GroupMesh`` of xla or neuron_xla, or the
-    ``SpmdMesh`` of ``xla_spmd``) decoded into :class:`MeshDims`; ``holding`` ``None`` is the
-    active backend's (``"dtensor"`` without one).
-
-    Raises ``UsageError`` for an unknown holding, and ``PlanError`` for a mesh whose tp axis
-    cannot be found (:func:`tp_axis`) or whose kind disagrees with the holding
+    """``mesh`` (a DeviceMesh, a ``GroupMesh`` of xla or neuron_xla, the ``SpmdMesh`` of
+    ``xla_spmd``) decoded into :class:`MeshDims`; ``holding`` None is the active backend's
+    (``"dtensor"`` without one). Raises ``UsageError`` for an unknown holding, ``PlanError`` for
+    a mesh without a findable tp axis (:func:`tp_axis`) or of the wrong kind for the holding
     (:func:`check_spmd`). Collective-free: reads sizes and local ranks only.
     """
     backend = current_backend()
@@ -132,11 +130,9 @@ def decode_mesh(mesh: AxisMesh, holding: str | Holding | None = None) -> MeshDim
 
 
 def world_backend() -> Backend | None:
-    """The backend whose collectives shardwise runs (the ``backend=`` of ``shardwise.comm``):
-    the one ``sw.init_backend`` started, else an ``AdoptedBackend`` over a process group that
-    shardwise did not start, and None in a process without a process group. Called once by a
-    public entry point that runs collectives without decoding a mesh; below it, the answer is
-    passed down.
+    """The ``backend=`` of ``shardwise.comm``'s collectives: the one ``sw.init_backend`` started,
+    else an ``AdoptedBackend`` over a process group shardwise did not start, None without one.
+    Called once by a public entry point that decodes no mesh.
 
     >>> world_backend() is None   # one process, no process group
     True
@@ -145,8 +141,7 @@ def world_backend() -> Backend | None:
 
 
 def _in_world(started: Backend | None) -> Backend | None:
-    """``started`` (the backend ``init_backend`` started, or None) as the backend of the
-    world's collectives."""
+    """``started`` (``init_backend``'s, or None) as the backend of the world's collectives."""
     if not comm.is_distributed():
         return None
     return started or comm.AdoptedBackend()
