@@ -22,7 +22,6 @@ from shardwise.hf import adapter as _hf_adapter  # noqa: F401 - registers the Hu
 from shardwise.parallel import parallelize
 
 if TYPE_CHECKING:  # what type checkers see for the names below, which load on first use
-    from shardwise.clip import clip_grad_norm_ as clip_grad_norm_
     from shardwise.hf.pretrained import empty_model as empty_model
     from shardwise.hf.pretrained import from_pretrained as from_pretrained
     from shardwise.io.check import inspect_checkpoint as inspect
@@ -33,6 +32,7 @@ if TYPE_CHECKING:  # what type checkers see for the names below, which load on f
     from shardwise.io.formats.dcp.optim import save_optimizer as save_optimizer
     from shardwise.io.load import load as load
     from shardwise.io.save import save as save
+    from shardwise.parallel import clip_grad_norm_ as clip_grad_norm_
     from shardwise.transfer import transfer_plan as transfer_plan
     from shardwise.validate import validate as validate
 
@@ -43,7 +43,7 @@ _LAZY = {
     "consolidate": ("shardwise.io.consolidate", "consolidate"),
     "save_optimizer": ("shardwise.io.formats.dcp.optim", "save_optimizer"),
     "load_optimizer": ("shardwise.io.formats.dcp.optim", "load_optimizer"),
-    "clip_grad_norm_": ("shardwise.clip", "clip_grad_norm_"),
+    "clip_grad_norm_": ("shardwise.parallel", "clip_grad_norm_"),
     "inspect": ("shardwise.io.check", "inspect_checkpoint"),
     "verify": ("shardwise.io.check.verify", "verify"),
     "diff": ("shardwise.io.check.diff", "diff"),

@@ -1,27 +1,14 @@
-"""Every collective shardwise runs, bounded and named: one place that gives each call the
-backend's timeout and turns its failure into a ``CollectiveError`` naming the operation, its
-group size, this rank and the fix.
+"""Every collective shardwise runs, bounded and named: each call gets the backend's timeout
+(``backend=``, resolved once by a public entry point: ``mesh.world_backend`` or
+``MeshDims.comm_backend``; None: no process group, a world of one) and its failure becomes a
+``CollectiveError`` naming the operation, its group size, this rank and the fix.
 
-Three kinds of call, by what torch lets a caller bound:
-
-- tensor collectives of a load, a save or a clip (:func:`all_reduce`, :func:`broadcast`):
-  issued with ``async_op=True`` and waited for by the backend they are given (``backend=``),
-  within its timeout;
-- the forward and backward collectives of local holding (:func:`all_reduce_inline`,
-  :func:`all_gather_inline`, in ``shardwise.local_tp``): plain synchronous calls inside a
-  try/except, so a training step pays nothing more than torch's own call; bounded by the
-  process group's timeout;
-- object collectives (pickled values: a path, chunk lists, checksums): torch has no
-  asynchronous form of them, so they are bounded by the process group's timeout.
-
-The cross-rank verdict (:func:`agree`) lives here too: every rank reports its own failure at
-the same point and every rank raises if any rank failed, so that no rank is left waiting in a
-collective that a failed peer will never reach. Without a process group (one process) each
-call is that of a world of one.
-
-No function here looks the backend up: a public entry point resolves it once
-(``shardwise.mesh.world_backend``, or the decoded mesh's ``MeshDims.comm_backend``) and passes
-it down, None meaning no process group.
+Tensor collectives of a load, save or clip (:func:`all_reduce`, :func:`broadcast`) are issued
+asynchronously and waited for within the backend's timeout; local holding's forward and
+backward ones (:func:`all_reduce_inline`, :func:`all_gather_inline`) and the object
+collectives are synchronous, bounded by the process group's timeout. :func:`agree` is the
+cross-rank verdict: every rank reports its failure at the same point and every rank raises if
+any failed, so that none is left waiting in a collective a failed peer never reaches.
 """
 
 from __future__ import annotations

@@ -1,70 +1,126 @@
-"""How a shard is held in a model, and how to tell a DTensor from a plain tensor.
+"""How a parallelised model holds its shards: one strategy object per way, and the one test
+for a DTensor (:func:`is_dtensor`, :func:`local_of`) that every module uses.
 
-:class:`Holding` names the three ways (``parallelize`` and ``sw.load`` accept them as the
-strings ``"dtensor"``, ``"local"`` and ``"spmd"``); :func:`is_dtensor` and :func:`local_of`
-are the one test for a DTensor that every module uses.
+The public ``holding=`` keyword (``"dtensor"``, ``"local"``, ``"spmd"``) is decoded once into a
+:class:`Holding` (:meth:`Holding.parse`, at ``shardwise.mesh.decode_mesh``); below that, code
+asks the strategy to act (wire a forward, place a load, collect for a save) instead of
+branching on which one it is.
 """
 
 from __future__ import annotations
 
-import enum
+import importlib
 import sys
-from typing import TYPE_CHECKING, TypeGuard
+from typing import TYPE_CHECKING, Any, ClassVar, TypeGuard
 
 import torch
 
 from shardwise.errors import UsageError
 
 if TYPE_CHECKING:
+    from torch import nn
     from torch.distributed.tensor import DTensor
 
+    from shardwise.core.plan import ResolvedPlan
+    from shardwise.core.spec import ShardSpec
 
-class Holding(str, enum.Enum):
-    """How a parallelised model holds its shards.
+    # defined above this module (mesh, parallel, io): loosely typed here, so that the imports
+    # only go downward
+    MeshDims = Any
+    Placed = Any
+    Placement = Any
+    ShardState = Any
 
-    - ``DTENSOR`` (gloo, nccl, native TorchNeuron): each parameter is a DTensor over its mesh
-      axis, its local tensor this rank's shard;
-    - ``LOCAL`` (xla, neuron_xla): each parameter is a plain local shard and the forward of
-      each planned module does its collectives itself;
-    - ``SPMD`` (xla_spmd): one process drives every device; each parameter stays one global
-      tensor placed over the devices and the XLA partitioner inserts the collectives.
 
-    A ``str`` subclass, so ``Holding.LOCAL == "local"`` stays true for callers that compare
-    against the strings of the public ``holding=`` keyword.
+class Holding:
+    """One way of holding shards: what it declares (``one_process``, ``plain_shards``) and its
+    behaviour, forwarded to its implementation in ``shardwise.io.place`` (imported on first
+    use by name, as a backend is: the implementations sit above the pipelines they serve, this
+    seam below them). Built once per kind (``Holding.DTENSOR``, ``Holding.LOCAL``,
+    ``Holding.SPMD``, compared by identity). Every method is called on every rank with the same
+    arguments, in the order of the pipeline that calls it.
 
     >>> Holding.parse("local")
-    <Holding.LOCAL: 'local'>
-    >>> Holding.parse("local") == "local"
-    True
+    Holding.LOCAL
+    >>> str(Holding.parse("spmd")), Holding.parse("spmd").one_process
+    ('spmd', True)
     """
 
-    DTENSOR = "dtensor"
-    LOCAL = "local"
-    SPMD = "spmd"
+    DTENSOR: ClassVar[Holding]
+    LOCAL: ClassVar[Holding]
+    SPMD: ClassVar[Holding]
 
-    @classmethod
-    def parse(cls, value: str | Holding) -> Holding:
-        """``value`` as a ``Holding``; a string that names none raises ``UsageError``."""
-        try:
-            return cls(value)
-        except ValueError:
-            names = tuple(h.value for h in cls)
-            raise UsageError(f"holding must be one of {names} or None (the backend's), "
-                             f"got {value!r}") from None
+    def __init__(self, name: str, implementation: str, *, one_process: bool = False,
+                 plain_shards: bool = False):
+        self.name = name  # the public keyword's value
+        self.one_process = one_process  # one process drives every device: tensors are global
+        self.plain_shards = plain_shards  # plain local shards: no tensor says it is sharded
+        self._path = implementation  # "module:Class"
+        self._impl: Any = None
+
+    @staticmethod
+    def parse(value: str | Holding) -> Holding:
+        """``value`` (a public keyword's string, or a ``Holding``) as its ``Holding``; a string
+        that names none raises ``UsageError``."""
+        if isinstance(value, Holding):
+            return value
+        for h in _ALL:
+            if value == h.name:
+                return h
+        raise UsageError(f"holding must be one of {tuple(h.name for h in _ALL)} or None (the "
+                         f"backend's), got {value!r}")
 
     def __str__(self) -> str:
-        return self.value
+        return self.name
 
-    @property
-    def one_process(self) -> bool:
-        """True when one process drives every device (its tensors are global, not shards)."""
-        return self is Holding.SPMD
+    def __repr__(self) -> str:
+        return f"Holding.{self.name.upper()}"
 
-    @property
-    def wires_forward(self) -> bool:
-        """True when shardwise wires the forward of planned modules (not under SPMD, where the
-        model's own forward is correct and the partitioner adds the collectives)."""
-        return self is not Holding.SPMD
+    def _implementation(self) -> Any:
+        if self._impl is None:
+            module, cls = self._path.split(":")
+            self._impl = getattr(importlib.import_module(module), cls)()
+        return self._impl
+
+    # -- parallelize and load: putting shards into a model ---------------------------------
+    def check_wiring(self, model: nn.Module, specs: ResolvedPlan) -> None:
+        """Raise ``PlanError``, before any read, for a planned module this holding cannot wire."""
+        self._implementation().check_wiring(model, specs)
+
+    def shard(self, full: torch.Tensor, name: str, spec: ShardSpec, specs: ResolvedPlan,
+              dims: MeshDims, device: torch.device | None) -> torch.Tensor:
+        """What ``parallelize`` installs for ``full``, a model's whole tensor: this rank's
+        local shard, moved to ``device`` (None: where it is)."""
+        return self._implementation().shard(full, name, spec, specs, dims, device)
+
+    def wire(self, model: nn.Module, specs: ResolvedPlan, state: ShardState) -> None:
+        """Make the forward of the planned modules correct on the installed shards (called
+        once, by ``parallel.install``, after every tensor is in place)."""
+        self._implementation().wire(model, specs, state)
+
+    def placement(self, model: nn.Module, specs: ResolvedPlan, dims: MeshDims,
+                  dtype: torch.dtype | None) -> Placement:
+        """The last step of ``sw.load``: this rank's wants, the finalize of each read, the
+        install."""
+        return self._implementation().placement(model, specs, dims, dtype)
+
+    # -- save: what a rank holds of each tensor ----------------------------------------------
+    def gather_coords(self, state: ShardState, spec: ShardSpec) -> tuple[int, int]:
+        """``(degree, rank)`` of the shard of a ``spec`` tensor that this rank hands the gather
+        save (degree 1: the tensor is whole here, nothing to gather)."""
+        return self._implementation().gather_coords(state, spec)
+
+    def dcp_placed(self, model: nn.Module, state: ShardState) -> tuple[dict[str, Placed], Any]:
+        """``({name: Placed}, save planner or None)``: the tensors of a DCP save of ``model``
+        (parallelised as ``state``) and the planner that resolves their chunks (None: the
+        canonical one)."""
+        return self._implementation().dcp_placed(model, state)
+
+
+Holding.DTENSOR = Holding("dtensor", "shardwise.io.place:DTensorHolding")
+Holding.LOCAL = Holding("local", "shardwise.io.place:LocalHolding", plain_shards=True)
+Holding.SPMD = Holding("spmd", "shardwise.io.place:SpmdHolding", one_process=True)
+_ALL = (Holding.DTENSOR, Holding.LOCAL, Holding.SPMD)
 
 
 def is_dtensor(tensor: object) -> TypeGuard[DTensor]:

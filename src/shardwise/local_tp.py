@@ -1,16 +1,10 @@
-"""Local holding: plain local shards, and module forwards that do their own collectives.
-
-Used where DTensor does not run (xla, neuron). The collectives are autograd functions
-with Megatron-style conjugate pairs, so training gives the one-device gradients:
-
-- ``copy_to``: identity forward, all-reduce backward (a replicated input feeding a
-  colwise matmul: every rank holds a partial gradient of it);
-- ``reduce_from``: all-reduce forward, identity backward (a rowwise matmul's partial sums);
-- ``gather_from``: all-gather on the last dim forward, keep the local slice backward;
-- ``split_to``: keep the local slice (of every packed block) forward, all-gather backward.
-
-``torch.distributed.nn.functional`` is not used: its all-reduce also all-reduces in
-backward, which doubles the gradient of every shard at degree 2.
+"""Local holding: plain local shards, and module forwards that do their own collectives
+(xla, neuron, where DTensor does not run). The collectives are autograd functions in
+Megatron's conjugate pairs, so training gives the one-device gradients: ``_CopyTo`` (identity
+forward, all-reduce backward), ``_ReduceFrom`` (all-reduce forward, identity backward),
+``_GatherFrom`` (all-gather on the last dim forward, local slice backward), ``_SplitTo`` (local
+slice of every packed block forward, all-gather backward). Not ``torch.distributed.nn``: its
+all-reduce also all-reduces in backward, doubling every shard's gradient at degree 2.
 """
 
 from __future__ import annotations

@@ -2,17 +2,12 @@
 
 A public entry that takes a mesh (``sw.load``, ``sw.parallelize``, and through them
 ``sw.from_pretrained``) calls :func:`decode_mesh` once; everything below gets the frozen
-:class:`MeshDims` it returns (the tp and ep axes with their degrees, ranks and process
-groups, the holding, the device, the backend and the one its collectives wait in) and never
-looks at the raw mesh's axis names, the holding string or the process-global backend again.
-The ``ShardState`` a parallelised model keeps is this value plus the resolved plan
-(``shardwise.parallel``), so a save, a clip or an optimizer save reads the same decoding.
-A public entry that runs collectives without a mesh (``sw.save``, ``sw.save_optimizer``,
-``sw.clip_grad_norm_``) resolves their backend once with :func:`world_backend` and passes it
-down. These two functions are the only readers of ``current_backend()``: nothing below the
-public API looks the backend up.
-
-Region math (``shardwise.core``) takes the plain ints of :meth:`MeshDims.coords`.
+:class:`MeshDims` (every axis, the holding strategy, the device, the backends) and never
+looks at the raw mesh's axis names, the holding string or the process-global backend again;
+a parallelised model keeps it as its ``ShardState`` (``shardwise.parallel``). A public entry
+that runs collectives without a mesh (``sw.save``, ``sw.save_optimizer``,
+``sw.clip_grad_norm_``) resolves their backend once with :func:`world_backend`. These two
+functions are the only readers of ``current_backend()``.
 """
 
 from __future__ import annotations
@@ -37,13 +32,14 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, kw_only=True)
 class MeshDims:
-    """A mesh as shardwise uses it: the tp and ep axes (``None`` where the mesh has none:
-    degree 1, rank 0), their process groups, how shards are held, and this process's
-    device and backend. Built by :func:`decode_mesh`; ranks are 0 under ``Holding.SPMD``,
-    where one process holds every position.
+    """A mesh as shardwise uses it, every axis decoded (``None`` / degree 1 / rank 0 where the
+    mesh has none): tp and ep with their sub-meshes and process groups, dp_replicate with its
+    group (the replicas that share their reads, ``shardwise.io.replicas``), dp_shard, how
+    shards are held, and this process's device and backends. Built by :func:`decode_mesh`;
+    ranks are 0 under SPMD holding, where one process holds every position.
 
-    >>> MeshDims(mesh=None, degree=2, tp_rank=1, holding="local")
-    MeshDims(degree=2, tp_rank=1, holding=local, ep_degree=1, ep_rank=0, device=cpu)
+    >>> MeshDims(mesh=None, degree=2, tp_rank=1, holding="local", dp_replicate=2)
+    MeshDims(degree=2, tp_rank=1, holding=local, ep_degree=1, ep_rank=0, dp=(2, 1), device=cpu)
     """
 
     mesh: AxisMesh | None = field(repr=False)   # the mesh passed in (may be 2-D)
@@ -56,6 +52,12 @@ class MeshDims:
     ep_degree: int = 1
     ep_rank: int = 0
     ep_group: ProcessGroup | None = field(repr=False, default=None)
+    dp_replicate: int = 1              # replicas of the whole model
+    dp_replicate_rank: int = 0
+    dp_replicate_group: ProcessGroup | None = field(repr=False, default=None)
+    dp_shard: int = 1                  # FSDP shards (fully_shard over the loaded model)
+    dp_shard_rank: int = 0
+    spans_world: bool = False          # the mesh holds every rank of the process group
     device: torch.device = torch.device("cpu")
     backend: Backend | None = field(repr=False, default=None)  # the Backend that made the mesh, if any
     # the backend shardwise.comm's collectives wait in (world_backend()): `backend`, an adopted
@@ -63,13 +65,13 @@ class MeshDims:
     comm_backend: Backend | None = field(repr=False, default=None)
 
     def __post_init__(self):
-        # the public keyword takes strings; the value holds the enum
+        # the public keyword takes strings; the value holds the strategy
         object.__setattr__(self, "holding", Holding.parse(self.holding))
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(degree={self.degree}, tp_rank={self.tp_rank}, "
                 f"holding={self.holding}, ep_degree={self.ep_degree}, ep_rank={self.ep_rank}, "
-                f"device={self.device})")
+                f"dp=({self.dp_replicate}, {self.dp_shard}), device={self.device})")
 
     def coords(self, spec: ShardSpec) -> tuple[int, int]:
         """``(degree, rank)`` of this rank on the mesh axis ``spec`` shards over."""
@@ -84,43 +86,53 @@ class MeshDims:
         """``{"tp": (degree, rank), "ep": (degree, rank)}``: :meth:`coords` per axis name."""
         return {"tp": (self.degree, self.tp_rank), "ep": (self.ep_degree, self.ep_rank)}
 
+    @property
+    def shares_reads(self) -> bool:
+        """True when dp replicas split a load's reads (``shardwise.io.replicas``): more than one
+        replica, each process holding its own shards (not under SPMD holding)."""
+        return self.dp_replicate > 1 and not self.holding.one_process
+
 
 def decode_mesh(mesh: AxisMesh, holding: str | Holding | None = None) -> MeshDims:
-    """``mesh`` (an ``AxisMesh``: a DeviceMesh, a ``GroupMesh`` of xla or neuron_xla, or the
-    ``SpmdMesh`` of ``xla_spmd``) decoded into :class:`MeshDims`; ``holding`` ``None`` is the
-    active backend's (``"dtensor"`` without one).
-
-    Raises ``UsageError`` for an unknown holding, and ``PlanError`` for a mesh whose tp axis
-    cannot be found (:func:`tp_axis`) or whose kind disagrees with the holding
+    """``mesh`` (a DeviceMesh, a ``GroupMesh`` of xla or neuron_xla, the ``SpmdMesh`` of
+    ``xla_spmd``) decoded into :class:`MeshDims`; ``holding`` None is the active backend's
+    (``"dtensor"`` without one). Raises ``UsageError`` for an unknown holding, ``PlanError`` for
+    a mesh without a findable tp axis (:func:`tp_axis`) or of the wrong kind for the holding
     (:func:`check_spmd`). Collective-free: reads sizes and local ranks only.
     """
     backend = current_backend()
     if holding is None:
         holding = backend.holding if backend is not None else Holding.DTENSOR
     holding = Holding.parse(holding)
-    tp_mesh = tp_axis(mesh)  # None: no tp axis, nothing tensor parallel (degree 1)
-    check_spmd(mesh if tp_mesh is None else tp_mesh, holding)
-    ep_mesh = ep_axis(mesh)
+    spmd = is_spmd_mesh(mesh)
+    check_spmd(spmd, holding)
+    tp_mesh = tp_axis(mesh, spmd=spmd)  # None: no tp axis, nothing tensor parallel (degree 1)
+    names = getattr(mesh, "mesh_dim_names", None) or ()
 
-    def on(axis: AxisMesh | None) -> tuple[int, int, ProcessGroup | None]:  # (degree, rank, group)
+    def on(name: str) -> tuple[AxisMesh | None, int, int, ProcessGroup | None]:  # (axis, degree, rank, group)
+        axis = tp_mesh if name == "tp" else mesh[name] if name in names else None
         if axis is None:
-            return 1, 0, None
-        return axis.size(), 0 if holding.one_process else axis.get_local_rank(), axis.get_group()
+            return None, 1, 0, None
+        return axis, axis.size(), 0 if holding.one_process else axis.get_local_rank(), axis.get_group()
 
-    degree, tp_rank, group = on(tp_mesh)
-    ep_degree, ep_rank, ep_group = on(ep_mesh)
+    _, degree, tp_rank, group = on("tp")
+    ep_mesh, ep_degree, ep_rank, ep_group = on("ep")
+    _, dp_replicate, dp_replicate_rank, dp_replicate_group = on("dp_replicate")
+    _, dp_shard, dp_shard_rank, _ = on("dp_shard")
     device = torch.device(backend.device) if backend is not None else torch.device(mesh.device_type)
+    spans_world = comm.is_distributed() and not spmd and int(mesh.size()) == comm.world_size()
     return MeshDims(mesh=mesh, tp_mesh=tp_mesh, degree=degree, tp_rank=tp_rank, holding=holding,
                     group=group, ep_mesh=ep_mesh, ep_degree=ep_degree, ep_rank=ep_rank,
-                    ep_group=ep_group, device=device, backend=backend, comm_backend=_in_world(backend))
+                    ep_group=ep_group, dp_replicate=dp_replicate, dp_replicate_rank=dp_replicate_rank,
+                    dp_replicate_group=dp_replicate_group, dp_shard=dp_shard, dp_shard_rank=dp_shard_rank,
+                    spans_world=spans_world, device=device, backend=backend,
+                    comm_backend=_in_world(backend))
 
 
 def world_backend() -> Backend | None:
-    """The backend whose collectives shardwise runs (the ``backend=`` of ``shardwise.comm``):
-    the one ``sw.init_backend`` started, else an ``AdoptedBackend`` over a process group that
-    shardwise did not start, and None in a process without a process group. Called once by a
-    public entry point that runs collectives without decoding a mesh; below it, the answer is
-    passed down.
+    """The ``backend=`` of ``shardwise.comm``'s collectives: the one ``sw.init_backend`` started,
+    else an ``AdoptedBackend`` over a process group shardwise did not start, None without one.
+    Called once by a public entry point that decodes no mesh.
 
     >>> world_backend() is None   # one process, no process group
     True
@@ -129,18 +141,23 @@ def world_backend() -> Backend | None:
 
 
 def _in_world(started: Backend | None) -> Backend | None:
-    """``started`` (the backend ``init_backend`` started, or None) as the backend of the
-    world's collectives."""
+    """``started`` (``init_backend``'s, or None) as the backend of the world's collectives."""
     if not comm.is_distributed():
         return None
     return started or comm.AdoptedBackend()
 
 
-def tp_axis(mesh: AxisMesh) -> AxisMesh | None:
-    """The tp axis of ``mesh``: ``mesh["tp"]`` when named, an unnamed 1-D mesh itself, and
-    ``None`` when the mesh names its axes and none is "tp" (``backend.mesh(dp_shard=4)``,
-    ``backend.mesh(ep=2)``): nothing is tensor parallel there, so the model is held whole
-    (ready for ``fully_shard``) instead of the TP plan splitting it over a data axis."""
+def is_spmd_mesh(mesh: AxisMesh) -> bool:
+    """True for the mesh of ``sw.init_backend("xla_spmd")``: one process drives every device."""
+    return bool(getattr(mesh, "spmd", False))
+
+
+def tp_axis(mesh: AxisMesh, *, spmd: bool) -> AxisMesh | None:
+    """The tp axis of ``mesh`` (``spmd``: :func:`is_spmd_mesh`): ``mesh["tp"]`` when named, an
+    unnamed 1-D mesh itself, and ``None`` when the mesh names its axes and none is "tp"
+    (``backend.mesh(dp_shard=4)``, ``backend.mesh(ep=2)``): nothing is tensor parallel there, so
+    the model is held whole (ready for ``fully_shard``) instead of the TP plan splitting it
+    over a data axis."""
     names = getattr(mesh, "mesh_dim_names", None) or ()
     if "tp" in names:
         return mesh["tp"] if len(names) > 1 else mesh
@@ -149,27 +166,21 @@ def tp_axis(mesh: AxisMesh) -> AxisMesh | None:
     if not names:
         raise PlanError(f"a {mesh.ndim}-D mesh without axis names has no 'tp' axis; build it with "
                         "backend.mesh(tp=...)")
-    if getattr(mesh, "spmd", False):  # one global tensor per parameter needs an axis to place it on
+    if spmd:  # one global tensor per parameter needs an axis to place it on
         raise PlanError(f"the xla_spmd mesh with axes {names} has no 'tp' axis; add tp=1 to hold the "
                         "model whole: backend.mesh(..., tp=1)")
     return None
 
 
-def ep_axis(mesh: AxisMesh) -> AxisMesh | None:
-    """The ep axis of ``mesh`` (expert parallel), or ``None`` when it has none."""
-    names = getattr(mesh, "mesh_dim_names", None) or ()
-    return mesh["ep"] if "ep" in names else None
-
-
-def check_spmd(tp_mesh: AxisMesh, holding: Holding) -> None:
-    """Raise ``PlanError`` unless ``holding`` is SPMD exactly when the mesh is an SPMD mesh."""
-    is_spmd = bool(getattr(tp_mesh, "spmd", False))
-    if is_spmd and not holding.one_process:
-        raise PlanError(f"holding {holding.value!r} needs one process per device, but this mesh is an "
+def check_spmd(spmd: bool, holding: Holding) -> None:
+    """Raise ``PlanError`` unless ``holding`` is one-process exactly when the mesh is an SPMD
+    mesh (``spmd``: :func:`is_spmd_mesh`)."""
+    if spmd and not holding.one_process:
+        raise PlanError(f"holding {holding.name!r} needs one process per device, but this mesh is an "
                         "SPMD mesh (one process drives every device); use holding='spmd' or leave it unset")
-    if holding.one_process and not is_spmd:
+    if holding.one_process and not spmd:
         raise PlanError("holding 'spmd' needs the mesh of sw.init_backend('xla_spmd') (one process "
                         "driving every device); with one process per device use 'dtensor' or 'local'")
 
 
-__all__ = ["MeshDims", "check_spmd", "decode_mesh", "ep_axis", "tp_axis", "world_backend"]
+__all__ = ["MeshDims", "check_spmd", "decode_mesh", "is_spmd_mesh", "tp_axis", "world_backend"]

@@ -1,44 +1,38 @@
 """Put local shards into a model and make its forward correct under tensor parallelism.
 
-Three holdings (:class:`shardwise.holding.Holding`) come from the same ``ShardSpec``s:
-
-- ``"dtensor"`` (gloo, nccl): parameters become DTensors on the tp axis of the mesh
-  and torch's ``ColwiseParallel`` / ``RowwiseParallel`` convert activations. A packed
-  shard is a DTensor with ``Shard(dim)`` whose local tensor holds this rank's part of
-  every block; its canonical layout is known from the spec, never from the placement.
-- ``"local"`` (xla, neuron): parameters are plain local tensors and the forward of each
-  planned module is replaced by one that does its collectives itself (autograd-aware).
-- ``"spmd"`` (xla_spmd): one process drives every device; a parameter stays one global
-  tensor placed over the tp axis of an ``SpmdMesh`` (``backends/xla_spmd.py``) and the
-  forward is the model's own: the XLA partitioner inserts the collectives.
-
 ``install`` is the one place that writes shards into a model: ``parallelize`` feeds it
-slices of the model's own tensors, the loaders feed it slices read from disk.
+slices of the model's own tensors, the loaders feed it slices read from disk; the holding
+(:class:`shardwise.holding.Holding`) then wires the forward: :func:`wire_dtensor` (DTensor
+parameters, torch's styles or explicit collectives on their local shards) or
+:func:`wire_local_shards` (plain local shards whose forwards do their own collectives).
+A packed shard's canonical layout is known from its spec, never from a placement.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, TypeGuard, cast
 
 import torch
 from torch import nn
 
+import shardwise.comm as comm
 from shardwise.core.plan import ResolvedPlan, Style, resolve_plan, without_tp
 from shardwise.core.spec import ShardSpec, split
-from shardwise.errors import PlanError
+from shardwise.errors import NonFiniteError, PlanError
 from shardwise.holding import Holding, is_dtensor, local_of  # noqa: F401 - local_of: re-exported
 from shardwise.local_tp import run_on_local_params, wire_embedding_subclass, wire_forward, wire_local
-from shardwise.mesh import MeshDims, decode_mesh
+from shardwise.mesh import MeshDims, decode_mesh, world_backend
 from shardwise.plan_checks import check_installed, check_plan
-from shardwise.quant_tp import guard_cut_experts, local_part, quantized_module, scale_is_local, wire_quantized
+from shardwise.quant_tp import guard_cut_experts, quantized_module, scale_is_local, wire_quantized
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
 
-    from shardwise.backends.xla_spmd import SpmdMesh
 
 _STATE_ATTR = "_shardwise_state"
 
@@ -87,20 +81,16 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
 
 def install(model: nn.Module, specs: ResolvedPlan, dims: MeshDims, *,
             local_tensor: Callable[[str, ShardSpec], torch.Tensor],
-            dtype: torch.dtype | None = None, holding: str | Holding | None = None) -> ShardState:
-    """Replace every tensor of ``model`` by ``local_tensor(name, spec)`` and wire the forward.
+            dtype: torch.dtype | None = None) -> ShardState:
+    """Replace every tensor of ``model`` by ``local_tensor(name, spec)`` (this rank's local
+    shard, on its device and dtype) and wire the forward with ``dims.holding``.
 
-    Called on every rank of the mesh, with the same ``specs`` and ``dims`` (the mesh decoded
-    by :func:`shardwise.mesh.decode_mesh`; a raw mesh is decoded here with ``holding``, for
-    callers below the API such as tests). ``local_tensor`` returns this rank's local shard
-    (already on the right device and dtype). No collective runs here: DTensors are built
-    from local shards. Afterwards every tensor is checked against what the model declared
-    (:func:`shardwise.plan_checks.check_installed`): ``dtype`` is the dtype every
-    floating-point tensor must have (``None``: any floating dtype).
+    Called on every rank of the mesh, with the same ``specs`` and ``dims``, after
+    ``dims.holding.check_wiring``. No collective runs here: DTensors are built from local
+    shards. Afterwards every tensor is checked against what the model declared
+    (:func:`shardwise.plan_checks.check_installed`; ``dtype``: that of every floating tensor,
+    ``None``: any floating dtype).
     """
-    if not isinstance(dims, MeshDims):
-        dims = decode_mesh(dims, holding)
-        check_wiring(model, specs, dims.holding)
     for axis, degree in (("tp", dims.degree), ("ep", dims.ep_degree)):
         if specs.degrees[axis] != degree:
             raise PlanError(f"plan was resolved for {axis} degree {specs.degrees[axis]} but the mesh "
@@ -113,20 +103,17 @@ def install(model: nn.Module, specs: ResolvedPlan, dims: MeshDims, *,
         kept_prefix, _, kept_leaf = kept.rpartition(".")
         setattr(model.get_submodule(prefix), leaf, getattr(model.get_submodule(kept_prefix), kept_leaf))
     state = ShardState.of(dims, specs)
-    if dims.holding.wires_forward:  # spmd: the model's own forward is correct, the partitioner
-        _wire(model, specs, state)   # adds the collectives
+    dims.holding.wire(model, specs, state)
     check_installed(model, specs, declared, holding=dims.holding, dtype=dtype, coords=dims.axis_coords)
     model.__dict__[_STATE_ATTR] = state
     return state
 
 
-def check_wiring(model: nn.Module, specs: ResolvedPlan, holding: Holding) -> None:
-    """Raise ``PlanError`` for a sharded nn.Linear subclass with a forward of its own under
-    ``"local"`` holding: its forward is replaced by the local-shard one, which would silently
+def check_local_wiring(model: nn.Module, specs: ResolvedPlan) -> None:
+    """``Holding.LOCAL.check_wiring``: raise ``PlanError`` for a sharded nn.Linear subclass with
+    a forward of its own: its forward is replaced by the local-shard one, which would silently
     skip whatever the subclass adds. (An nn.Embedding subclass keeps its forward in both
     holdings: ``wire_embedding_subclass``.)"""
-    if holding is not Holding.LOCAL:
-        return
     for path, style in specs.styles.items():
         module = model.get_submodule(path)
         if (style.forward == "linear" and not isinstance(module, nn.Embedding)
@@ -141,32 +128,51 @@ def _own_embedding_forward(module: nn.Module) -> TypeGuard[nn.Embedding]:
     return isinstance(module, nn.Embedding) and type(module).forward is not nn.Embedding.forward
 
 
-def _wire(model: nn.Module, specs: ResolvedPlan, state: ShardState) -> None:
-    # DTensor holding: {id(local Parameter): (that Parameter, its DTensor Parameter)} while
-    # wiring, so a tied weight seen from a second module becomes the same DTensor Parameter.
+def wire_dtensor(model: nn.Module, specs: ResolvedPlan, state: ShardState) -> None:
+    """``Holding.DTENSOR.wire``: every sharded parameter a DTensor on its axis mesh."""
+    # {id(local Parameter): (that Parameter, its DTensor Parameter)} while wiring, so a tied
+    # weight seen from a second module becomes the same DTensor Parameter.
     converted: dict = {}
-    dtensor = state.holding is Holding.DTENSOR
-    # Owners of parameters sharded by a parameter key first: their local-shard wrapper is
-    # innermost, below any style wrapper (moe_experts) of the same module.
-    for path in specs.local_owners:
-        module = model.get_submodule(path)
-        if dtensor:
-            _dtensor_params(module, path, state, converted, sharded_only=True)
-            run_on_local_params(module)
-    for path, style in specs.styles.items():
-        module = model.get_submodule(path)
-        if style.forward == "linear" and quantized_module(specs, path) is not None:
-            if dtensor:
-                _dtensor_params(module, path, state, converted)
-            wire_quantized(module, path, style, state)  # its own FP8 kernel, on local shards
-        elif style.forward != "linear":
-            wire_forward(module, style, state)
-        elif dtensor:
-            _wire_dtensor(module, path, style, state, converted)
-        elif _own_embedding_forward(module):
+
+    def owner(module: nn.Module, path: str) -> None:
+        _dtensor_params(module, path, state, converted, sharded_only=True)
+        run_on_local_params(module)
+
+    _wire(model, specs, state, owner=owner,
+          quantized=lambda module, path: _dtensor_params(module, path, state, converted),
+          linear=lambda module, path, style: _wire_dtensor(module, path, style, state, converted))
+
+
+def wire_local_shards(model: nn.Module, specs: ResolvedPlan, state: ShardState) -> None:
+    """``Holding.LOCAL.wire``: plain local shards, each planned forward doing its collectives."""
+    def linear(module: nn.Module, path: str, style: Style) -> None:
+        if _own_embedding_forward(module):
             wire_embedding_subclass(module, style, state)
         else:
             wire_local(module, style, state)
+
+    _wire(model, specs, state, owner=lambda module, path: None, quantized=lambda module, path: None,
+          linear=linear)
+
+
+def _wire(model: nn.Module, specs: ResolvedPlan, state: ShardState, *,
+          owner: Callable[[nn.Module, str], None], quantized: Callable[[nn.Module, str], None],
+          linear: Callable[[nn.Module, str, Style], None]) -> None:
+    """The wiring order of both holdings; ``owner``, ``quantized`` and ``linear`` are the
+    holding's steps for a parameter key's owner, an FP8 module and a plain linear style."""
+    # Owners of parameters sharded by a parameter key first: their local-shard wrapper is
+    # innermost, below any style wrapper (moe_experts) of the same module.
+    for path in specs.local_owners:
+        owner(model.get_submodule(path), path)
+    for path, style in specs.styles.items():
+        module = model.get_submodule(path)
+        if style.forward == "linear" and quantized_module(specs, path) is not None:
+            quantized(module, path)
+            wire_quantized(module, path, style, state)  # its own FP8 kernel, on local shards
+        elif style.forward != "linear":
+            wire_forward(module, style, state)
+        else:
+            linear(module, path, style)
     guard_cut_experts(model, specs)  # FP8 experts whose shards cut blocks: their kernels would be wrong
 
 
@@ -192,23 +198,12 @@ def parallelize(model: nn.Module, plan, mesh, *, holding: str | None = None, ep_
     if meta:
         raise PlanError(f"parallelize needs a materialised model, but {meta[0]!r} is on the meta "
                         "device; use sw.load(model, path, plan=..., mesh=...) to fill a meta model")
-    check_wiring(model, specs, dims.holding)
-    if dims.holding.one_process:
-        spmd_mesh = cast("SpmdMesh", dims.tp_mesh)  # a one-process holding's mesh
-        install(model, specs, dims,
-                local_tensor=lambda name, spec: spmd_mesh.distribute(full[name], spec.dim))
-        return model
-    coords = dims.axis_coords
+    dims.holding.check_wiring(model, specs)
     # the mesh's device type, not dims.device: a model parallelised over a CPU (gloo) mesh
     # keeps its tensors where they are
     device = torch.device(mesh.device_type) if mesh.device_type != "cpu" else None
-
-    def local_tensor(name: str, spec: ShardSpec) -> torch.Tensor:
-        t = full[name].detach()
-        local = t if spec.replicated else local_part(t, name, spec, specs, coords[spec.axis])
-        return local.to(device) if device is not None and local.device != device else local
-
-    install(model, specs, dims, local_tensor=local_tensor)
+    install(model, specs, dims,
+            local_tensor=lambda name, spec: dims.holding.shard(full[name], name, spec, specs, dims, device))
     return model
 
 
@@ -300,3 +295,87 @@ def _split_input_hook(style: Style, state: ShardState):
         return (split(x, spec, state.degree, state.tp_rank),) + tuple(args[1:])
 
     return hook
+# -- clip_grad_norm_: the true global norm over every mesh a gradient is split on ----------
+# torch's clip_grad_norm_ stacks per-tensor norms, which fails (or counts replicated tensors
+# once per rank) for DTensors on different meshes or plain local shards. Here every rank sums
+# |g|^p over its local gradients, each divided by the number of ranks holding an identical
+# copy, and one all-reduce over the world gives the one-process norm.
+def _grads(model_or_params) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    """``(local grad to scale, local grad to measure, copies)`` for every parameter with a
+    gradient; ``copies`` is how many ranks hold the same elements."""
+    world = comm.world_size()
+    if isinstance(model_or_params, nn.Module):
+        state = get_shard_state(model_or_params)
+        named = list(model_or_params.named_parameters())
+    else:
+        state = None
+        if isinstance(model_or_params, torch.Tensor):
+            model_or_params = [model_or_params]
+        named = [("", p) for p in model_or_params]
+    out = []
+    for name, p in named:
+        g = p.grad
+        if g is None:
+            continue
+        spec = state.specs.get(name) if state is not None else None
+        # a tp shard the mesh does not show: a plain local shard, or FSDP over "local" holding
+        hidden_tp = 1
+        if (state is not None and spec is not None and not spec.replicated
+                and state.holding.plain_shards):
+            hidden_tp = state.coords(spec)[0]
+        if is_dtensor(g):
+            dg = g
+            mesh = dg.device_mesh
+            if {"tp", "ep"} & set(mesh.mesh_dim_names or ()):
+                hidden_tp = 1
+            if any(pl.is_partial() for pl in dg.placements):
+                from torch.distributed.tensor import Replicate
+
+                with comm.guarded("redistribute", group=mesh, purpose=f"the gradient of {name!r}"):
+                    dg = dg.redistribute(placements=[Replicate() if pl.is_partial() else pl
+                                                     for pl in dg.placements])
+            shards = math.prod(mesh.size(i) for i, pl in enumerate(dg.placements) if not pl.is_replicate())
+            out.append((cast("DTensor", p.grad).to_local(), dg.to_local(), world // (shards * hidden_tp)))
+        else:
+            out.append((g, g, world // hidden_tp))
+    return out
+
+
+def clip_grad_norm_(model_or_params: nn.Module | Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
+                    norm_type: float = 2.0, *, error_if_nonfinite: bool = False) -> torch.Tensor:
+    """Scale the gradients in place so that their global ``norm_type`` norm is at most
+    ``max_norm``; return that norm (before clipping), the same on every rank.
+
+    Pass the model (needed for ``"local"`` holding, whose plain local shards do not say
+    they are shards) or its parameters (DTensors describe themselves; plain tensors are
+    taken as replicated). Every rank calls it: it runs one all-reduce over the world.
+    Parameters outside a mesh must be identical on every rank.
+
+    >>> total = sw.clip_grad_norm_(model, 1.0)   # doctest: +SKIP
+    """
+    norm_type = float(norm_type)
+    backend = world_backend()  # the API boundary: the backend of the all-reduce below
+    grads = _grads(model_or_params)
+    device = grads[0][1].device if grads else torch.device("cpu")
+    if norm_type == math.inf:
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for _, local, _ in grads:
+            if local.numel():
+                total = torch.maximum(total, local.detach().abs().max().double())
+        comm.all_reduce(total, "max", backend=backend, purpose="clip_grad_norm_")
+    else:
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for _, local, copies in grads:
+            norm = torch.linalg.vector_norm(local.detach(), norm_type, dtype=torch.float64)
+            total += norm ** norm_type / copies
+        comm.all_reduce(total, backend=backend, purpose="clip_grad_norm_")
+        total = total ** (1.0 / norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise NonFiniteError(f"the total norm of order {norm_type} of the gradients is {total.item()}; "
+                           "pass error_if_nonfinite=False to clip anyway")
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for target, _, _ in grads:
+        target.mul_(coef.to(target.dtype))
+    return total.to(torch.float32)
+
+

@@ -13,6 +13,7 @@ from hf_shaped import make_lm
 from shardwise.core.plan import resolve_plan
 from shardwise.core.spec import split
 from shardwise.errors import CheckpointError, ShardingError
+from shardwise.mesh import decode_mesh
 from shardwise.parallel import get_shard_state, install, local_of
 
 SHAPES = {"dense": {}, "moe": {"num_experts": 4}}
@@ -137,7 +138,7 @@ def _broken_install(holding: str):
         return t[:-1] if name == "model.layers.0.self_attn.q_proj.weight" else t
 
     with pytest.raises(ShardingError, match="'model.layers.0.self_attn.q_proj.weight'"):
-        install(model, specs, backend.mesh(tp=2), holding=holding, local_tensor=local_tensor)
+        install(model, specs, decode_mesh(backend.mesh(tp=2), holding), local_tensor=local_tensor)
     return True
 
 

@@ -86,7 +86,7 @@ def _load_and_check(path, degree, dp, holding, file_dtype, load_dtype, embedding
     result = sw.load(model, path, plan=plan, mesh=mesh, dtype=load_dtype, holding=holding,
                      num_threads=num_threads, progress=False)
     state = get_shard_state(model)
-    assert (state.degree, state.holding) == (degree, holding)
+    assert (state.degree, str(state.holding)) == (degree, holding)
 
     # every local shard is the split of the canonical tensor, byte for byte, in the load dtype
     tensors = model.state_dict()
@@ -266,7 +266,8 @@ def _errors(folder):
         sw.load(meta_model(), dcp_dir, plan=tiny_plan(), mesh=mesh, dtype=torch.bfloat16)
     path, (specs, strict), wants, options = calls
     assert path == locate(dcp_dir) and specs["head.weight"] == sw.ShardSpec(dim=0) and strict is True
-    assert options.mesh is mesh and options.dtype == torch.bfloat16
+    # a tp-only mesh: no dp replicas to share the reads with (tests/dist/test_replicas.py has them)
+    assert options.replicas is None and options.dtype == torch.bfloat16
     # holding "dtensor": this rank's own part of each tensor, on its tp coordinates
     assert wants["head.weight"].spec == sw.ShardSpec(dim=0) and wants["head.weight"].degree == mesh.size()
 

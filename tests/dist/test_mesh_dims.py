@@ -16,25 +16,34 @@ from shardwise.holding import Holding, is_dtensor
 from shardwise.mesh import decode_mesh
 from shardwise.parallel import get_shard_state
 
-# (mesh axes, expected (tp degree, tp rank), (ep degree, ep rank)) at world size 4, rank r;
-# axes outer to inner, so tp is the fastest-moving coordinate
+# (mesh axes, expected (tp degree, tp rank), (ep degree, ep rank), (dp_replicate degree, rank,
+# dp_shard degree, rank)) at world size 4, rank r; axes outer to inner, so tp is the
+# fastest-moving coordinate
 LAYOUTS = [
-    ({"tp": 4}, lambda r: (4, r), lambda r: (1, 0)),
-    ({"dp_shard": 2, "tp": 2}, lambda r: (2, r % 2), lambda r: (1, 0)),
-    ({"ep": 2, "tp": 2}, lambda r: (2, r % 2), lambda r: (2, r // 2)),
-    ({"ep": 4}, lambda r: (1, 0), lambda r: (4, r)),  # backend.mesh adds tp=1
-    ({"dp_shard": 4}, lambda r: (1, 0), lambda r: (1, 0)),
+    ({"tp": 4}, lambda r: (4, r), lambda r: (1, 0), lambda r: (1, 0, 1, 0)),
+    ({"dp_shard": 2, "tp": 2}, lambda r: (2, r % 2), lambda r: (1, 0), lambda r: (1, 0, 2, r // 2)),
+    ({"dp_replicate": 2, "tp": 2}, lambda r: (2, r % 2), lambda r: (1, 0), lambda r: (2, r // 2, 1, 0)),
+    ({"ep": 2, "tp": 2}, lambda r: (2, r % 2), lambda r: (2, r // 2), lambda r: (1, 0, 1, 0)),
+    ({"ep": 4}, lambda r: (1, 0), lambda r: (4, r), lambda r: (1, 0, 1, 0)),  # backend.mesh adds tp=1
+    ({"dp_shard": 4}, lambda r: (1, 0), lambda r: (1, 0), lambda r: (1, 0, 4, r)),
+    ({"dp_replicate": 2, "dp_shard": 2}, lambda r: (1, 0), lambda r: (1, 0), lambda r: (2, r // 2, 2, r % 2)),
 ]
 
 
 def _decode_every_layout():
     backend = sw.init_backend("gloo")
     r = backend.rank
-    for axes, tp, ep in LAYOUTS:
+    for axes, tp, ep, dp in LAYOUTS:
         mesh = backend.mesh(**axes)
         dims = decode_mesh(mesh)
         assert (dims.degree, dims.tp_rank) == tp(r), (axes, dims)
         assert (dims.ep_degree, dims.ep_rank) == ep(r), (axes, dims)
+        assert (dims.dp_replicate, dims.dp_replicate_rank, dims.dp_shard, dims.dp_shard_rank) == dp(r), (axes, dims)
+        assert dims.spans_world and dims.shares_reads == (dims.dp_replicate > 1)
+        if dims.dp_replicate > 1:  # the replicas' group: the ranks with this rank's other coordinates
+            assert dist.get_world_size(dims.dp_replicate_group) == dims.dp_replicate
+        else:
+            assert dims.dp_replicate_group is None
         assert dims.holding is Holding.DTENSOR and dims.device == torch.device("cpu")
         assert dims.backend is backend and dims.mesh is mesh
         if "tp" in mesh.mesh_dim_names:  # (an ep mesh gets tp=1) the axis's group has its ranks
@@ -62,7 +71,7 @@ def _state_after_parallelize(holding: str):
     model = make_model()
     sw.parallelize(model, tiny_plan(), backend.mesh(tp=2), holding=holding)
     state = get_shard_state(model)
-    assert state.holding is Holding(holding) and state.holding == holding
+    assert state.holding is Holding.parse(holding) and str(state.holding) == holding
     assert (state.degree, state.tp_rank, state.ep_degree) == (2, backend.rank, 1)
     with pytest.raises(dataclasses.FrozenInstanceError):
         state.ep_degree = 2

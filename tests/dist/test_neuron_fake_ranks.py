@@ -25,6 +25,7 @@ from fakes import device as fake_device
 from harness import run_ranks
 from models import TinyTransformer, make_model, tiny_plan, tokens
 from shardwise.core.spec import split
+from shardwise.holding import Holding
 from shardwise.parallel import get_shard_state
 
 
@@ -64,7 +65,7 @@ def _init_and_place(sysfs: str, ckpt: str, lib: str):
     import torch_xla
 
     backend = sw.init_backend("auto")
-    assert backend.name == "neuron_xla" and backend.holding == "local" and torch_xla.FAKE
+    assert backend.name == "neuron_xla" and backend.holding is Holding.LOCAL and torch_xla.FAKE
     calls = torch_xla.device_calls
     device = backend.device
     assert torch_xla.device_calls == calls + 1 and device.type == "xla"  # from torch_xla.device()

@@ -58,7 +58,7 @@ def _load_forward_save(sysfs: str, lib: str, ckpt: str, out: str):
 
     _trainium(sysfs, lib)
     backend = sw.init_backend("auto")
-    assert (backend.name, backend.holding, backend.world_size) == ("neuron", "dtensor", 2)
+    assert (backend.name, str(backend.holding), backend.world_size) == ("neuron", "dtensor", 2)
     assert backend.device == torch.device("neuron", 0)  # the fake shows each process its one NeuronCore
     canonical = make_model().state_dict()
     reference = make_model()(tokens())

@@ -7,6 +7,7 @@ import shardwise as sw
 from harness import run_ranks
 from models import make_model, tiny_plan, tokens
 from shardwise.core.spec import split
+from shardwise.holding import Holding
 from shardwise.parallel import get_shard_state
 
 
@@ -34,7 +35,7 @@ def _forward_and_grads(degree: int, holding: str, embedding: str):
     model = make_model()
     sw.parallelize(model, plan, backend.mesh(tp=degree), holding=holding)
     state = get_shard_state(model)
-    assert (state.degree, state.holding) == (degree, holding)
+    assert (state.degree, state.holding) == (degree, Holding.parse(holding))
     # parameters really are sharded: a packed local shard is 1/degree of the canonical rows
     w = model.single[0].proj_in.weight
     assert (type(w).__name__ == "DTensor") == (holding == "dtensor")

@@ -192,7 +192,7 @@ def case_one_device(tmp: str) -> None:
 
     canonical, ckpt, reference = _setup(tmp)
     backend = sw.init_backend("xla")
-    assert (backend.name, backend.world_size, backend.holding) == ("xla", 1, "local")
+    assert (backend.name, backend.world_size, str(backend.holding)) == ("xla", 1, "local")
     assert backend.device.type == "xla" and backend.coordination_group is not None
     mesh = backend.mesh(tp=1)
     assert type(mesh).__name__ == "GroupMesh"
@@ -248,7 +248,7 @@ def case_spmd(tmp: str) -> None:
     with pytest.raises(sw.errors.BackendError, match="xla_spmd"):
         sw.init_backend("xla")  # SPMD is on: the one-process-per-device backend refuses
     backend = sw.init_backend("auto")
-    assert (backend.name, backend.holding, backend.world_size) == ("xla_spmd", "spmd", 1)
+    assert (backend.name, str(backend.holding), backend.world_size) == ("xla_spmd", "spmd", 1)
     n = int(xr.global_runtime_device_count())
     assert n >= 2 and n % 2 == 0, f"the SPMD case needs an even number of devices, got {n}"
 

@@ -9,6 +9,7 @@ import torch
 import shardwise as sw
 from shardwise import backends
 from shardwise.backends.gloo import GlooBackend
+from shardwise.holding import Holding
 
 
 @pytest.fixture
@@ -78,7 +79,7 @@ def test_world_of_one_without_launcher(clean_backend, monkeypatch):
     assert (b.name, b.dist_backend, b.device_type) == ("gloo", "gloo", "cpu")
     assert (b.rank, b.world_size, b.local_rank) == (0, 1, 0)
     assert b.device == torch.device("cpu")
-    assert b.supports_dtensor and b.supports_gather and b.holding == "dtensor"
+    assert b.supports_dtensor and b.supports_gather and b.holding is Holding.DTENSOR
     t = torch.tensor([3.0])
     assert b.all_reduce(t).item() == 3.0
     mesh = b.mesh(tp=1)

@@ -158,13 +158,13 @@ class Backend:
         """This process's distinct shards of the global ``tensor`` on the host, keyed by their
         canonical offsets. Only a backend whose holding is SPMD has global tensors."""
         raise BackendError(f"backend {self.name!r} holds shards as local tensors (holding "
-                           f"{self.holding.value!r}): it has no global tensor to take shards of")
+                           f"{self.holding.name!r}): it has no global tensor to take shards of")
 
     def local_regions(self, tensor: torch.Tensor) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
         """``(offsets, sizes)`` of this process's distinct shards of the global ``tensor``, sorted,
         without copying. Only a backend whose holding is SPMD has global tensors."""
         raise BackendError(f"backend {self.name!r} holds shards as local tensors (holding "
-                           f"{self.holding.value!r}): it has no global tensor to list regions of")
+                           f"{self.holding.name!r}): it has no global tensor to list regions of")
 
     def _device(self) -> torch.device:
         return torch.device("cpu")

@@ -29,7 +29,7 @@ from shardwise.core.plan import resolve_plan
 from shardwise.core.quant_layout import QuantTie
 from shardwise.core.spec import Region, ShardSpec, chunk_layout, global_shape, local_layout
 from shardwise.errors import CheckpointError, UnsupportedModelError
-from shardwise.holding import Holding, is_dtensor
+from shardwise.holding import is_dtensor
 from shardwise.io.info import collect_checksums
 from shardwise.io.quant_save import gather_scales_to_rank0
 from shardwise.io.sink import FileSink, OpenFile, WritePlan
@@ -150,8 +150,6 @@ def collect_items(model: nn.Module) -> tuple[list[SaveItem], ShardState | None]:
     """One item per tensor to write (tied weights once), with its canonical dtype and shape."""
     state = get_shard_state(model)
     specs = state.specs if state is not None else resolve_plan(model, {}, 1)
-    # An spmd tensor is global (one process holds every shard): nothing to gather.
-    spmd = state is None or state.holding is Holding.SPMD
     tensors = model.state_dict(keep_vars=True)
     items = []
     for name, spec in specs.items():
@@ -164,7 +162,7 @@ def collect_items(model: nn.Module) -> tuple[list[SaveItem], ShardState | None]:
         if local.is_meta:
             raise CheckpointError(f"tensor {name!r} is on the meta device, so it has no values to "
                                   "save; load or materialise the model first")
-        degree, rank = (1, 0) if spmd or state is None else state.coords(spec)
+        degree, rank = state.holding.gather_coords(state, spec) if state is not None else (1, 0)
         gathered = degree > 1 and not spec.replicated
         tie = specs.ties.get(name) if gathered else None
         shape = global_shape(local.shape, spec, degree) if gathered and tie is None else tuple(local.shape)

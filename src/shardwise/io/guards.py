@@ -164,11 +164,13 @@ def check_mesh(mesh) -> None:
     """
     import torch.distributed as dist
 
+    from shardwise.mesh import is_spmd_mesh
+
     if mesh is None:
         raise MeshError("mesh is required; build one with sw.init_backend(...).mesh(tp=N)")
     if not dist.is_available() or not dist.is_initialized():
         raise MeshError("no process group is running; call sw.init_backend(...) before building the mesh")
-    if getattr(mesh, "spmd", False):  # an SPMD mesh counts devices, all driven by this process
+    if is_spmd_mesh(mesh):  # an SPMD mesh counts devices, all driven by this process
         return
     size = int(mesh.size())
     world = dist.get_world_size()

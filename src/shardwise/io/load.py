@@ -31,12 +31,11 @@ from shardwise.errors import CheckpointError, PlanError, on_every_rank
 from shardwise.io.formats import open_source
 from shardwise.io.formats.safetensors.keys import check_dtype, listing, match_keys
 from shardwise.io.guards import check_mesh, check_model, check_options
-from shardwise.io.place import placement
 from shardwise.io.quant_checks import check_quantized_load, check_quantized_source, drop_quantization_config
 from shardwise.io.source import ReadOptions
 from shardwise.io.storage import Location, locate
 from shardwise.mesh import decode_mesh
-from shardwise.parallel import check_wiring, get_shard_state, resolve_for_mesh
+from shardwise.parallel import get_shard_state, resolve_for_mesh
 
 
 @dataclass(frozen=True)
@@ -117,7 +116,7 @@ def load(model: nn.Module, path: str | os.PathLike | Location, *, plan, mesh,
             raise TypeError(f"dtype must be a torch.dtype or None, got {dtype!r}")
         dims = decode_mesh(mesh, holding)  # the API boundary: the mesh decoded once, passed down
         specs = resolve_for_mesh(model, plan, dims, ep_plan)
-        check_wiring(model, specs, dims.holding)
+        dims.holding.check_wiring(model, specs)
         check_quantized_load(specs, dims.holding, dequantize)
         where = locate(path, storage_options)  # the location, decoded once
 
@@ -125,12 +124,11 @@ def load(model: nn.Module, path: str | os.PathLike | Location, *, plan, mesh,
     check_quantized_source(source, specs, mesh)
     missing, unexpected = source.match(model, specs, strict=strict)
     check_nothing_left_on_meta(model, specs, missing)
-    place = placement(model, specs, dims, dtype)
+    place = dims.holding.placement(model, specs, dims, dtype)
     names = [n for n in specs if n not in missing]
     reads = source.plan(place.wants(names))
-    # dp replicas share their reads only where each process holds its own shards
     how = ReadOptions(dtype, place.device, reader_threads(num_threads),
-                      mesh=None if dims.holding.one_process else mesh, window=place.window,
+                      replicas=dims if dims.shares_reads else None, window=place.window,
                       backend=dims.comm_backend)
     with Progress(reads.nbytes, progress, is_rank0(), "shardwise load") as bar:
         tensors = source.read(reads, finalize=place.finalize, options=how, on_bytes=bar)

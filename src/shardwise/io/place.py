@@ -1,23 +1,104 @@
-"""The last step of ``sw.load``: what each rank wants read, and placing what was read, per
-holding. ``"dtensor"`` and ``"local"`` (one process per device) are :class:`InstallPlacement`;
-``"spmd"`` (one process driving every device) is :class:`~shardwise.io.spmd.SpmdPlacement`.
+"""The three holdings' implementations, which ``shardwise.holding.Holding`` forwards to
+(:class:`DTensorHolding`, :class:`LocalHolding`, :class:`SpmdHolding`): how ``parallelize``
+shards and wires a model, the last step of ``sw.load`` (a placement: ``device`` and ``window``
+for ``ReadOptions``, ``wants(names)``, the ``finalize`` a source calls per read tensor on its
+reader threads, ``install(model, tensors, missing)``), what a rank hands a gather save and a
+DCP save.
 
-A placement has ``device`` and ``window`` (for :class:`~shardwise.io.source.ReadOptions`),
-``wants(names)``, the ``finalize`` a source calls per read local tensor (on reader threads),
-and ``install(model, tensors, missing)``, which wires the model as ``parallelize`` does.
+Under torch_xla SPMD (one process drives every device) the device at tp position ``p`` holds
+the canonical chunk ``p`` of a tensor's shard dim, whatever the packing (``backends/xla_spmd``):
+a load reads each chunk once, as an ordinary ``Want``, and builds the tensor on the devices
+(``SpmdMesh.from_chunks``) without assembling it on the host; a DCP save writes each of this
+process's distinct shards as one chunk at its canonical offsets.
 """
 
 from __future__ import annotations
+
+import threading
+import typing
 
 import torch
 from torch import nn
 
 from shardwise.core.plan import ResolvedPlan
+from shardwise.core.spec import Region, ShardSpec, shard_regions
+from shardwise.io.formats.dcp.coord import model_placed
+from shardwise.io.formats.dcp.items import CanonicalSavePlanner, Placed
+from shardwise.io.formats.safetensors.reader import WINDOW_BYTES
 from shardwise.io.source import Want
-from shardwise.io.spmd import SpmdPlacement
-from shardwise.io.staging import finalizer
+from shardwise.io.staging import cast, finalizer
 from shardwise.mesh import MeshDims
-from shardwise.parallel import install, local_part
+from shardwise.parallel import (
+    ShardState,
+    check_local_wiring,
+    get_shard_state,
+    install,
+    wire_dtensor,
+    wire_local_shards,
+)
+from shardwise.quant_tp import local_part
+
+if typing.TYPE_CHECKING:
+    from shardwise.backends.xla_spmd import SpmdMesh
+
+
+class DTensorHolding:
+    """Each parameter a DTensor over its mesh axis (gloo, nccl, native TorchNeuron); the
+    base of the holdings with one process per device."""
+
+    def check_wiring(self, model: nn.Module, specs: ResolvedPlan) -> None:
+        pass  # torch's styles and the explicit-collective forwards take every planned module
+
+    def shard(self, full: torch.Tensor, name: str, spec: ShardSpec, specs: ResolvedPlan,
+              dims: MeshDims, device: torch.device | None) -> torch.Tensor:
+        t = full.detach()
+        local = t if spec.replicated else local_part(t, name, spec, specs, dims.coords(spec))
+        return local.to(device) if device is not None and local.device != device else local
+
+    def wire(self, model: nn.Module, specs: ResolvedPlan, state: ShardState) -> None:
+        wire_dtensor(model, specs, state)
+
+    def placement(self, model: nn.Module, specs: ResolvedPlan, dims: MeshDims, dtype: torch.dtype | None):
+        return InstallPlacement(specs, dims, dtype)
+
+    def gather_coords(self, state: ShardState, spec: ShardSpec) -> tuple[int, int]:
+        return state.coords(spec)
+
+    def dcp_placed(self, model: nn.Module, state: ShardState) -> tuple[dict[str, Placed], None]:
+        return model_placed(model), None
+
+
+class LocalHolding(DTensorHolding):
+    """Each parameter a plain local shard; the forward of each planned module does its own
+    collectives (xla, neuron_xla)."""
+
+    def check_wiring(self, model: nn.Module, specs: ResolvedPlan) -> None:
+        check_local_wiring(model, specs)
+
+    def wire(self, model: nn.Module, specs: ResolvedPlan, state: ShardState) -> None:
+        wire_local_shards(model, specs, state)
+
+
+class SpmdHolding(DTensorHolding):
+    """One process drives every device (xla_spmd): each parameter stays one global tensor
+    placed over the devices, and the model's own forward is correct (the XLA partitioner
+    inserts the collectives)."""
+
+    def shard(self, full, name, spec, specs, dims, device):
+        return typing.cast("SpmdMesh", dims.tp_mesh).distribute(full, spec.dim)
+
+    def wire(self, model, specs, state):
+        pass  # the model's own forward: the partitioner adds the collectives
+
+    def placement(self, model, specs, dims, dtype):
+        return SpmdPlacement(model, specs, dims, dtype)
+
+    def gather_coords(self, state, spec):
+        return 1, 0  # a global tensor: .cpu() is the canonical tensor, nothing to gather
+
+    def dcp_placed(self, model, state):
+        placed = spmd_placed(model)
+        return placed, SpmdSavePlanner(placed, state.backend)
 
 
 class InstallPlacement:
@@ -54,11 +135,152 @@ class InstallPlacement:
         install(model, self.specs, self.dims, local_tensor=local_tensor, dtype=self.dtype)
 
 
-def placement(model: nn.Module, specs: ResolvedPlan, dims: MeshDims, dtype: torch.dtype | None):
-    """The placement of ``dims.holding``."""
-    if dims.holding.one_process:
-        return SpmdPlacement(model, specs, dims, dtype)
-    return InstallPlacement(specs, dims, dtype)
+class SpmdPlacement:
+    """The wants of one process's devices (one per canonical chunk they hold), and the
+    finalize that builds each tensor on the devices once its chunks are read."""
+
+    device = None  # chunks stay on the host until from_chunks sends them
+    window = WINDOW_BYTES
+
+    def __init__(self, model: nn.Module, specs: ResolvedPlan, dims: MeshDims, dtype: torch.dtype | None):
+        # typing.cast: staging's cast() converts dtypes; the SPMD holding's mesh (backends/xla_spmd)
+        self.tp_mesh = typing.cast("SpmdMesh", dims.tp_mesh)
+        self.specs, self.dtype = specs, dtype
+        self._dims = dims
+        self._shapes = {n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items()}
+        self._keys: dict[str, tuple[str, int]] = {}
+        self._needed: dict[str, int] = {}
+        self._pending: dict[str, dict[int, torch.Tensor]] = {}
+        self._built: dict[str, torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    def wants(self, names: list[str]) -> dict[str, Want]:
+        """A replicated tensor is one whole-tensor chunk at position 0."""
+        degree, positions = self.tp_mesh.size(), self.tp_mesh.positions()
+        out = {}
+        for name in names:
+            spec = self.specs[name]
+            for p in [0] if spec.replicated else positions:
+                key = f"{name}@{p}"
+                self._keys[key] = (name, p)
+                out[key] = (Want(name, ShardSpec(), 1, 0) if spec.replicated
+                            else Want(name, ShardSpec(dim=spec.dim), degree, p))
+            self._needed[name] = 1 if spec.replicated else len(positions)
+        return out
+
+    def finalize(self, key: str, raw: torch.Tensor) -> None:
+        name, position = self._keys[key]
+        raw = cast(raw, self.dtype)
+        with self._lock:  # one transfer at a time; the reads go on meanwhile
+            parts = self._pending.setdefault(name, {})
+            parts[position] = raw
+            if len(parts) < self._needed[name]:
+                return
+            del self._pending[name]
+            self._built[name] = self.tp_mesh.from_chunks(parts, self._shapes[name], self.specs[name].dim,
+                                                         raw.dtype, name=name)
+
+    def install(self, model: nn.Module, tensors: dict, missing: list[str]) -> None:
+        own = model.state_dict(keep_vars=True) if missing else {}
+
+        def local_tensor(name, spec):
+            if name in self._built:
+                return self._built.pop(name)
+            # strict=False: the model's own value
+            return self.tp_mesh.distribute(cast(own[name].detach().cpu(), self.dtype), spec.dim)
+
+        install(model, self.specs, self._dims, local_tensor=local_tensor)
 
 
-__all__ = ["InstallPlacement", "placement"]
+def _chunk_regions(shape, spec: ShardSpec, axis_mesh) -> dict[int, Region]:
+    """{tp position: its canonical chunk along ``spec.dim``} for this process's devices."""
+    chunk, degree = ShardSpec(dim=spec.dim), axis_mesh.size()
+    return {p: shard_regions(shape, chunk, degree, p)[0] for p in axis_mesh.positions()}
+
+
+def _whole(spec: ShardSpec, shape, axis_mesh) -> bool:
+    return spec.replicated or not shape or axis_mesh is None
+
+
+def host_placed(tensor: torch.Tensor, spec: ShardSpec, axis_mesh) -> Placed:
+    """A host buffer for a DCP read of a global SPMD tensor shaped like ``tensor``, laid out
+    as its canonical tensor: its regions are the canonical chunks along ``spec.dim`` that this
+    process's devices hold on ``axis_mesh`` (the whole tensor when ``spec`` is replicated,
+    ``tensor`` is a scalar or there is no such axis). Only those regions are read."""
+    shape = tuple(tensor.shape)
+    buf = torch.empty(shape, dtype=tensor.dtype)
+    if _whole(spec, shape, axis_mesh):
+        return Placed(buf, shape, [(Region((0,) * len(shape), shape), (0,) * len(shape))])
+    return Placed(buf, shape, [(r, r.offsets) for r in _chunk_regions(shape, spec, axis_mesh).values()])
+
+
+def chunks_to_devices(placed: Placed, spec: ShardSpec, axis_mesh, device, *, name: str) -> torch.Tensor:
+    """The global tensor on the devices from ``placed`` (a :func:`host_placed` read): tiled
+    over ``axis_mesh`` along ``spec.dim`` like a parameter of that spec, else replicated
+    (a plain copy to ``device`` without an axis, or for a scalar or a host ``device``)."""
+    buf = placed.local
+    if axis_mesh is None or not buf.ndim or torch.device(device).type != "xla":
+        return buf.to(device)
+    if _whole(spec, buf.shape, axis_mesh):
+        return axis_mesh.from_chunks({0: buf}, buf.shape, None, buf.dtype, name=name)
+    chunks = {p: buf[r.slices()].contiguous() for p, r in _chunk_regions(buf.shape, spec, axis_mesh).items()}
+    return axis_mesh.from_chunks(chunks, buf.shape, spec.dim, buf.dtype, name=name)
+
+
+def spmd_placed(model: nn.Module) -> dict[str, Placed]:
+    """``{name: Placed}`` for a DCP save of an SPMD model: ``local`` is the global tensor
+    (so local offsets are canonical offsets) and the layout lists this process's distinct
+    shards (``Backend.local_regions`` of the backend the model was loaded on). DCP drops the
+    copies other processes also write."""
+    state = get_shard_state(model)
+    assert state is not None and state.backend is not None  # an SPMD model, its mesh made by xla_spmd
+    tensors = model.state_dict(keep_vars=True)
+    state.backend.settle([tensors[name].detach() for name in state.specs])  # after a step: one program
+    return {name: global_placed(tensors[name], state.backend, whole=spec.replicated)
+            for name, spec in state.specs.items()}
+
+
+def global_placed(tensor: torch.Tensor, backend, *, whole: bool = False) -> Placed:
+    """A global SPMD tensor as a :class:`Placed`: ``local`` is the tensor itself (local offsets
+    are canonical offsets) and the layout lists this process's distinct shards as the tensor
+    is actually sharded (``backend.local_regions``; ``whole``: one region, the whole tensor). A
+    host tensor is whole."""
+    t = tensor.detach()
+    if whole or t.ndim == 0 or t.device.type != "xla":
+        boxes = [((0,) * t.ndim, tuple(t.shape))]
+    else:
+        boxes = backend.local_regions(t)
+    return Placed(t, tuple(t.shape), [(Region(o, s), tuple(o)) for o, s in boxes])
+
+
+class SpmdSavePlanner(CanonicalSavePlanner):
+    """The canonical save planner, resolving each shard of an SPMD tensor from the tensor's
+    local shards on the host (fetched once per tensor, dropped as they are written) rather
+    than by slicing the global tensor, which would compile one XLA program per slice.
+    ``backend``: the one holding the tensors (``ShardState.backend``)."""
+
+    def __init__(self, placed, backend):
+        super().__init__(placed)
+        self._backend = backend
+        self._shards: dict[str, dict[tuple[int, ...], torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def resolve_data(self, write_item):
+        fqn = write_item.index.fqn
+        p = self._placed.get(fqn)
+        if p is None or p.local.device.type != "xla":
+            return super().resolve_data(write_item)
+        if len(p.layout) == 1 and p.layout[0][0].sizes == p.shape:  # whole (replicated): one copy
+            return self.state_dict[fqn].cpu()
+        with self._lock:
+            if fqn not in self._shards:
+                self._shards[fqn] = self._backend.local_shards(self.state_dict[fqn])
+            shards = self._shards[fqn]
+            data = shards.pop(tuple(write_item.index.offset))
+            if not shards:
+                del self._shards[fqn]
+        return data
+
+
+__all__ = ["DTensorHolding", "InstallPlacement", "LocalHolding", "SpmdHolding", "SpmdPlacement",
+           "SpmdSavePlanner", "chunks_to_devices", "global_placed", "host_placed", "spmd_placed"]

@@ -1,28 +1,16 @@
-"""Replicas read once: on a mesh with a ``dp_replicate`` axis, each region is read from storage
-by one replica and sent to the others over the process group.
+"""Replicas read once: on a mesh with ``dp_replicate > 1`` (``MeshDims.shares_reads``) each
+region is read from storage by one replica and broadcast to the others, instead of every
+replica reading the whole checkpoint from a shared file system.
 
-Ranks that differ only in their ``dp_replicate`` coordinate hold the same local shards, so
-instead of every replica reading the whole checkpoint (``replicas x checkpoint`` bytes from a
-shared file system) the reads are split between them: :func:`assign_owners` (pure) gives each
-read to one rank of its group, balancing bytes; every rank then reads only what it owns
-(views of the page cache, strided copies or ``pread``, as any load) and the owners broadcast
-within the group. Two kinds of group:
-
-- a tensor sharded over the tp (or ep) axis: its ``dp_replicate`` group (same tp/ep coordinate);
-- a tensor every rank holds whole (a replicated spec): the whole mesh when it spans the world,
-  so that across the job it is read once, not once per tp rank.
-
-Order: first every rank reads what it owns, then one ``all_reduce`` tells every rank whether
-any read failed (so a bad file raises on every rank instead of leaving the others waiting in a
-broadcast), then the broadcasts run in the same order on every rank (asynchronous; received
-tensors are finalized as they arrive). ``bytes_read`` of the load counts storage reads only.
-
-Where the tensors travel: on the device the group's collectives take (``comm.device_for`` with
-the load's backend, decoded with its mesh: ``MeshDims.comm_backend``): the
-CPU over gloo; the backend's device over a device-only group (NCCL takes CUDA tensors only,
-torch_xla's group XLA tensors only). There the bytes are staged on the device for the
-broadcast, and a receiver brings them back to the host before finalizing, so that every
-finalize (the cast, assembling a hub layout, dequantizing) gets what a storage read gives.
+:func:`assign_owners` (pure) gives each read to one rank of its group, balancing bytes. The
+group of a tensor sharded over tp (or ep) is its ``dp_replicate`` group; that of a replicated
+tensor is the whole mesh when it spans the world, so that it is read once per job. Order:
+every rank reads what it owns, one ``all_reduce`` tells every rank whether any read failed
+(a bad file raises everywhere instead of leaving peers in a broadcast), then the broadcasts
+run in the same order on every rank, each finalized as it arrives. The bytes travel on the
+device the group's collectives take (``comm.device_for``: the CPU over gloo, the backend's
+device over a device-only group) and come back to the host before the finalize, so that it
+gets what a storage read gives. ``bytes_read`` counts storage reads only.
 """
 
 from __future__ import annotations
@@ -33,17 +21,9 @@ import torch
 import torch.distributed as dist
 
 import shardwise.comm as comm
-from shardwise.backends import Backend
 from shardwise.errors import CheckpointError
 from shardwise.io.formats.safetensors.reader import Finalize, ReadItem, RegionReader
-
-
-def replica_axis(mesh):
-    """The ``dp_replicate`` axis of ``mesh`` when it has more than one replica, else ``None``."""
-    names = getattr(mesh, "mesh_dim_names", None) or ()
-    if "dp_replicate" not in names or mesh["dp_replicate"].size() < 2:
-        return None
-    return mesh["dp_replicate"]
+from shardwise.mesh import MeshDims
 
 
 def assign_owners(groups: Sequence[str], members: dict[str, Sequence[int]],
@@ -72,19 +52,18 @@ def assign_owners(groups: Sequence[str], members: dict[str, Sequence[int]],
     return owners
 
 
-def read_once(reader: RegionReader, items: list[ReadItem], *, finalize: Finalize, mesh,
-              backend: Backend | None, whole: set[str],
-              on_bytes: Callable[[int], None] | None = None) -> dict:
+def read_once(reader: RegionReader, items: list[ReadItem], *, finalize: Finalize, dims: MeshDims,
+              whole: set[str], on_bytes: Callable[[int], None] | None = None) -> dict:
     """``{name: finalize(item, raw)}`` for every item, each read from storage by one replica.
 
-    ``whole``: names of the items every rank of ``mesh`` reads in full, identically and in the
-    same order (replicated tensors). Collective over ``mesh``: every rank calls it with its own
-    items (the same list, in the same order, on ranks that share their tp and ep coordinates).
-    Each collective waits as long as ``backend``'s timeout allows (the load's decoded
-    ``MeshDims.comm_backend``).
+    ``dims``: the load's decoded mesh, with ``dims.shares_reads``. ``whole``: names of the
+    items every rank of the mesh reads in full, identically and in the same order (replicated
+    tensors). Collective over the mesh: every rank calls it with its own items (the same list,
+    in the same order, on ranks that share their tp and ep coordinates). Each collective waits
+    as long as ``dims.comm_backend``'s timeout allows.
     """
-    dp_group = replica_axis(mesh).get_group()
-    spans_world = mesh.size() == dist.get_world_size()
+    assert dims.shares_reads and dims.dp_replicate_group is not None  # the caller's condition
+    dp_group, spans_world, backend = dims.dp_replicate_group, dims.spans_world, dims.comm_backend
     groups = {}  # "all" first: see assign_owners
     if spans_world:
         groups["all"] = (dist.group.WORLD, list(range(dist.get_world_size())))
@@ -141,4 +120,4 @@ def _exchange(items, owners, groups, raw, finalize, on_bytes, backend) -> dict:
     return results
 
 
-__all__ = ["assign_owners", "read_once", "replica_axis"]
+__all__ = ["assign_owners", "read_once"]

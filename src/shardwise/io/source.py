@@ -27,6 +27,7 @@ from shardwise.io.storage import Location
 
 if TYPE_CHECKING:
     from shardwise.backends import Backend
+    from shardwise.mesh import MeshDims
 
 # (request key, raw local tensor) -> what the load keeps (None: the placement kept it itself)
 Finalize = Callable[[str, torch.Tensor], Any]
@@ -51,14 +52,15 @@ class Want:
 class ReadOptions:
     """How a source reads: floating tensors cast to ``dtype`` (``staging.loaded_dtype``);
     ``device`` where the finalized tensors go (None: the host, the placement moves them);
-    ``mesh``: set where dp replicas may share their reads (``io.replicas``), ``backend`` the
-    one their collectives wait in (the decoded mesh's ``comm_backend``); ``window``: bytes per
-    batch for a format that reads in collective batches (DCP), None for one batch."""
+    ``replicas``: the decoded mesh where dp replicas share their reads (``MeshDims.shares_reads``,
+    ``io.replicas``), else None; ``backend`` the one collectives wait in (the decoded mesh's
+    ``comm_backend``); ``window``: bytes per batch for a format that reads in collective
+    batches (DCP), None for one batch."""
 
     dtype: torch.dtype | None
     device: torch.device | None
     num_threads: int
-    mesh: Any = None
+    replicas: MeshDims | None = None
     window: int | None = None
     backend: Backend | None = None
 

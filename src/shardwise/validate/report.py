@@ -69,7 +69,7 @@ def run_header(backend, *, world: int, processes: int) -> dict:
         commit, dirty = os.environ["SHARDWISE_COMMIT"], None
     return {
         "schema": SCHEMA, "suite": "shardwise validate", "backend": backend.name, "world_size": world,
-        "processes": processes, "device": str(backend.device), "holding": backend.holding,
+        "processes": processes, "device": str(backend.device), "holding": backend.holding.name,
         "torch": torch.__version__, "shardwise": __version__, "python": platform.python_version(),
         "commit": commit, "dirty": dirty,
         "date": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),

@@ -32,7 +32,6 @@ from shardwise.backends import Backend, coordination_group
 from shardwise.core.adapter import adapter_for
 from shardwise.core.plan import ResolvedPlan
 from shardwise.errors import CheckpointError
-from shardwise.holding import Holding
 from shardwise.io.formats.dcp.chunks import MetadataReader
 from shardwise.io.formats.dcp.coord import checkpoint_info, dcp_error, gather_checksums, model_placed
 from shardwise.io.formats.dcp.items import CanonicalLoadPlanner, CanonicalSavePlanner, HashingWriter, Placed
@@ -42,7 +41,6 @@ from shardwise.io.formats.dcp.stored import DcpStored
 from shardwise.io.info import INFO_FILE
 from shardwise.io.sink import Saving
 from shardwise.io.source import Finalize, ReadOptions, Reads, Want
-from shardwise.io.spmd_save import SpmdSavePlanner, spmd_placed
 from shardwise.io.storage import Location
 from shardwise.io.storage.transaction import target_path
 from shardwise.parallel import get_shard_state
@@ -160,12 +158,8 @@ def save_dcp(model: nn.Module, path: Location, *, backend: Backend | None, overw
     >>> handle.wait()                                                   # doctest: +SKIP
     """
     state = get_shard_state(model)
-    planner = None
-    if state is not None and state.holding is Holding.SPMD:  # global tensors: this process's shards
-        placed = spmd_placed(model)
-        planner = SpmdSavePlanner(placed, state.backend)
-    else:
-        placed = model_placed(model)
+    placed, planner = ((model_placed(model), None) if state is None
+                       else state.holding.dcp_placed(model, state))
     info = checkpoint_info(model, placed, kind="model", metadata=metadata)
     state_dict = {n: p.local for n, p in placed.items()}
     # A Hugging Face model's config beside the data: consolidate rebuilds the hub layout and

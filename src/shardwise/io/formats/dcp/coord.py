@@ -76,7 +76,7 @@ def checkpoint_info(model: nn.Module, placed: Mapping[str, Placed], *, kind: str
         "mesh": None if mesh is None else {"axes": list(mesh.mesh_dim_names or ()),
                                            "shape": list(mesh.mesh.shape)},
         "degree": state.degree if state is not None else 1,
-        "holding": state.holding.value if state is not None else None,
+        "holding": state.holding.name if state is not None else None,
         "sharded_axes": sharded_axes,
         "plan": plan_summary(state.specs) if state is not None else {},
         "tensors": {n: {"dtype": dtype_to_str(p.local.dtype), "shape": list(p.shape)}

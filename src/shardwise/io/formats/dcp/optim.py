@@ -11,7 +11,7 @@ once.
 Under torch_xla SPMD (holding ``"spmd"``) a state tensor is global, like its parameter: it
 is saved as the shards this process's devices hold, through the SPMD save planner, and
 loaded into host chunks (a window of bytes at a time) that go onto the devices split like
-the parameter (``shardwise.io.spmd`` / ``spmd_save``).
+the parameter (``shardwise.io.place``).
 """
 
 from __future__ import annotations
@@ -31,8 +31,7 @@ from shardwise.io.formats.dcp.checkpoint import AsyncSave, checkpoint_info, read
 from shardwise.io.formats.dcp.items import Placed, place
 from shardwise.io.formats.dcp.metadata import check_tensors, read_metadata
 from shardwise.io.formats.safetensors.reader import WINDOW_BYTES
-from shardwise.io.spmd import chunks_to_devices, host_placed
-from shardwise.io.spmd_save import SpmdSavePlanner, global_placed
+from shardwise.io.place import SpmdSavePlanner, chunks_to_devices, global_placed, host_placed
 from shardwise.io.storage import locate
 from shardwise.mesh import world_backend
 from shardwise.parallel import get_shard_state
@@ -91,7 +90,7 @@ def _placed(model: nn.Module, osd: Mapping) -> dict[str, Placed]:
 
 def _spmd(model: nn.Module) -> bool:
     state = get_shard_state(model)
-    return state is not None and state.holding == "spmd"
+    return state is not None and state.holding.one_process
 
 
 def _spmd_spec(model: nn.Module, key: str, value: torch.Tensor) -> tuple[ShardSpec, object]:
@@ -145,7 +144,7 @@ def save_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: str
     osd = _get_flat(model, optimizer)
     planner = None
     state = get_shard_state(model)
-    if state is not None and state.holding == "spmd":  # global tensors: this process's shards
+    if state is not None and state.holding.one_process:  # global tensors: this process's shards
         backend = state.backend
         assert backend is not None  # an SPMD mesh is made by its backend (xla_spmd)
         backend.settle(list(osd.values()))  # one program for every pending state, not one each

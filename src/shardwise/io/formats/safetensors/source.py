@@ -26,7 +26,7 @@ from shardwise.io.formats.safetensors.keys import match_keys
 from shardwise.io.formats.safetensors.quantized import Dequantized, Dequantizer
 from shardwise.io.formats.safetensors.reader import ReadItem, RegionReader, cpu_views, plan_reads
 from shardwise.io.formats.safetensors.stored import SafetensorsStored
-from shardwise.io.replicas import read_once, replica_axis
+from shardwise.io.replicas import read_once
 from shardwise.io.source import Finalize, ReadOptions, Reads, Want
 from shardwise.io.storage import Location
 
@@ -71,11 +71,11 @@ class SafetensorsSource(SafetensorsStored):
                 return assembler.take(item, raw, finalize)
 
             try:
-                if options.mesh is None or replica_axis(options.mesh) is None:
+                if options.replicas is None:
                     tensors = reader.read(items, finalize=take)
                 else:  # dp replicas: each region is read by one of them and sent to the others
-                    tensors = read_once(reader, items, finalize=take, mesh=options.mesh,
-                                        backend=options.backend, whole=whole, on_bytes=on_bytes)
+                    tensors = read_once(reader, items, finalize=take, dims=options.replicas,
+                                        whole=whole, on_bytes=on_bytes)
             finally:
                 self.bytes_read += reader.bytes_read
         out = {k: t for k, t in tensors.items() if k not in assembler.parts and k not in dequantizer.parts}
