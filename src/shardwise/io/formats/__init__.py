@@ -108,8 +108,9 @@ def capabilities(name: str) -> Capabilities:
     return get_format(name).CAPABILITIES
 
 
-def format_of(path: Location) -> ModuleType:
+def format_of(path: Location | str | os.PathLike) -> ModuleType:
     """The plugin of the first format, in :data:`FORMATS` order, that claims ``path``."""
+    path = locate(path)  # a str or path: the tools' and tests' door (sw.* pass Locations)
     for name in FORMATS:
         plugin = get_format(name)
         if plugin.claims(path):
