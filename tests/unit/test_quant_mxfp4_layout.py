@@ -17,9 +17,10 @@ from torch import nn
 
 from shardwise.core.plan import resolve_plan
 from shardwise.core.quant import QuantScheme, mxfp4_dequantize_region
-from shardwise.core.quant_dequant import dequant_reads, dequantize_shard
 from shardwise.core.quant_layout import (
     QuantTie,
+    dequant_reads,
+    dequantize_shard,
     quant_pairs,
     scale_layout,
     scale_local_shape,

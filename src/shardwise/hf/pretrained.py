@@ -20,7 +20,7 @@ from torch import nn
 from shardwise.errors import CheckpointError, UnsupportedModelError
 from shardwise.io.guards import check_mesh, quant_scheme
 from shardwise.io.load import load
-from shardwise.io.quant_checks import drop_quantization_config
+from shardwise.quant import drop_quantization_config
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -37,10 +37,10 @@ from shardwise.io.pipeline import (
     reader_threads,
 )
 from shardwise.io.place import placement
-from shardwise.io.quant_checks import check_quantized_load, check_quantized_source, drop_quantization_config
 from shardwise.io.source import ReadOptions
 from shardwise.mesh import decode_mesh
 from shardwise.parallel import check_wiring, get_shard_state, resolve_for_mesh
+from shardwise.quant import check_quantized_load, check_quantized_source, drop_quantization_config
 
 
 def load(model: nn.Module, path: str | os.PathLike, *, plan, mesh, dtype: torch.dtype | None = None,

@@ -36,12 +36,12 @@ from shardwise.io.formats.safetensors.headers import header_metadata, save_file_
 from shardwise.io.gather import StreamSink, collect_items
 from shardwise.io.guards import check_model
 from shardwise.io.info import gather_info, write_info
-from shardwise.io.quant_checks import check_quantized_save
 from shardwise.io.save_options import DistributedSave, SafetensorsSave, save_options
 from shardwise.io.sink import StoredTensor
 from shardwise.io.storage import storage_for
 from shardwise.io.storage.transaction import target_path
 from shardwise.mesh import world_backend
+from shardwise.quant import check_quantized_save
 
 if TYPE_CHECKING:
     from shardwise.io.formats.dcp.checkpoint import AsyncSave

@@ -36,9 +36,9 @@ from shardwise.core.spec import Region
 from shardwise.errors import CheckpointError, UsageError
 from shardwise.io.check.against import as_dtype
 from shardwise.io.check.inspect import print_safely
-from shardwise.io.check.quant import Dequantizing, fp8_pairs
 from shardwise.io.formats import open_source
 from shardwise.io.source import Stored
+from shardwise.quant import Dequantizing, fp8_pairs
 
 _SLAB_BYTES = 64 << 20
 

@@ -40,13 +40,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from shardwise.core.header import dtype_to_str
+from shardwise.core.quant import read_quantization
 from shardwise.errors import CheckpointError, ShardwiseError, UsageError
 from shardwise.io.check.against import AgainstReport, check_against, expectations
 from shardwise.io.check.inspect import print_safely
-from shardwise.io.check.quant import has_config, quant_pairs, quantization_config
 from shardwise.io.formats import format_of
 from shardwise.io.info import INFO_FILE, read_info, recorded_checksums
 from shardwise.io.source import Stored
+from shardwise.quant import stored_pairs
 
 
 @dataclass
@@ -179,12 +180,12 @@ def _recorded(folder: Path, report: VerifyReport, found: dict[str, tuple[str, tu
 def _check_quantized(path: Path, found: dict[str, tuple[str, tuple]], report: VerifyReport) -> None:
     """Every quantized weight has its scales, of the shape its block size needs."""
     root = path if path.is_dir() else path.parent
-    qc = quantization_config(root)
-    pairs, problems = quant_pairs(found, qc)
+    qc = read_quantization(root)
+    pairs, problems = stored_pairs(found, qc)
     report.problems += problems
     unknown = [p.values for p in pairs.values() if p.block is None]
-    if unknown and has_config(root):
-        report.problems.append(f"{root / 'config.json'}: no quantization_config with a weight_block_size, "
+    if unknown and qc.has_file:
+        report.problems.append(f"{qc.where}: no quantization_config with a weight_block_size, "
                                f"but {unknown[0]!r} (and {len(unknown) - 1} more) is FP8 with block scales; "
                                "a loader would read it as unquantized: write the checkpoint's "
                                "quantization_config into config.json")

@@ -18,6 +18,7 @@ from shardwise.errors import CheckpointError
 
 NAME = "dcp"
 DEQUANTIZES = False  # FP8 weights load as stored (quantized), never dequantized per rank
+TIED_SCALES = True  # each rank reads its regions of a quantized weight's scales
 METADATA_FILE = ".metadata"  # torch DCP writes it last: its absence means an incomplete save
 
 

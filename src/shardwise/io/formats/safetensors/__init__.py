@@ -15,6 +15,7 @@ import os
 
 NAME = "safetensors"
 DEQUANTIZES = True
+TIED_SCALES = True  # each rank reads its regions of a quantized weight's scales
 
 
 def claims(path: str | os.PathLike) -> bool:

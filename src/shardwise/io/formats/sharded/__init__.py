@@ -15,6 +15,7 @@ from shardwise.io.formats.sharded.source import ShardedSource
 
 NAME = "sharded"
 DEQUANTIZES = False  # FP8 weights load as stored (quantized), never dequantized per rank
+TIED_SCALES = False  # tensors split evenly: no scales of blocks a boundary cuts
 
 
 def claims(path: str | os.PathLike) -> bool:
