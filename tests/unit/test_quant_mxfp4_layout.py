@@ -1,4 +1,4 @@
-"""MXFP4 through the tie machinery (shardwise.core.quant_layout / quant_dequant), pure.
+"""MXFP4 through the tie machinery (shardwise.core.quant_layout), pure.
 
 Dequantized on load, every rank's shard of an MXFP4 weight (held transposed, as gpt-oss holds
 its experts) equals the same slice of the full dequantization bit for bit, whatever the

@@ -9,7 +9,7 @@ names, through the conversion mapping of the model its ``config.json`` names. St
 read in slabs of whole rows (at most 64 MB from each side at a time), from only the chunks
 that hold them, so memory stays bounded whatever the tensors' sizes.
 
-Quantized checkpoints (FP8 with block scales, ``io.check.quant``): an FP8 weight whose bytes
+Quantized checkpoints (FP8 with block scales, ``shardwise.quant``): an FP8 weight whose bytes
 or scales differ from the other side's (an FP8 checkpoint against its dequantized save, or two
 FP8 checkpoints quantized with other scales) is compared in dequantized units (float32, as a
 dequantized load computes them), and its scales, where the other side has none, are part of it

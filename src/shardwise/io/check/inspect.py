@@ -7,7 +7,7 @@ checkpoint from its headers' chunk maps; a torch distributed checkpoint from its
 ``.metadata`` (unpickled with DCP's classes only); either distributed one with the layout
 shardwise recorded in ``shardwise.json``, when it wrote it.
 A quantized checkpoint's weights and scales are shown with their scheme and block size (the
-``quantization_config`` of its ``config.json``, paired by ``io.check.quant``).
+``quantization_config`` of its ``config.json``, paired by ``shardwise.quant``).
 """
 
 from __future__ import annotations

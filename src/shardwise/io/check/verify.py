@@ -22,7 +22,7 @@ checkpoint's tensors, ``chunks`` the stored pieces they are in (a safetensors te
 chunk; a DCP tensor one per saving rank), ``checksummed`` the chunks whose bytes matched a
 checksum.
 
-A quantized checkpoint (``io.check.quant``): every FP8 weight has its ``weight_scale_inv`` of
+A quantized checkpoint (``shardwise.quant``): every FP8 weight has its ``weight_scale_inv`` of
 shape ``ceil(dims / weight_block_size)`` (the block from the ``config.json`` beside it), every
 scale its FP8 weight, every MXFP4 ``*_blocks`` its ``*_scales``; each fault is a problem.
 
