@@ -42,10 +42,9 @@ from shardwise.io.source import Finalize, Want
 class Dequantized:
     """A model tensor of ``shape`` stored block-quantized, loaded dequantized: the stored
     ``weight`` (FP8 values or MXFP4 blocks) and ``scale``, each a ``(file, entry)`` or a
-    :class:`Composite` of stored tensors in the model tensor's coordinates (FP8 experts stored
-    per expert, their scales per expert or fused), the ``scheme`` (name and block on the
-    logical weight), the model's ``declared`` dtype, and whether the model tensor is the
-    stored weight ``transposed`` (gpt-oss's experts)."""
+    :class:`Composite` in the model tensor's coordinates (FP8 experts stored per expert), its
+    ``scheme``, the model's ``declared`` dtype, and whether the model tensor is the stored
+    weight ``transposed`` (gpt-oss's experts)."""
 
     weight: tuple[Path, TensorEntry] | Composite
     scale: tuple[Path, TensorEntry] | Composite
@@ -216,16 +215,12 @@ _MALLOC_TRIM = _malloc_trim()
 
 
 class Dequantizer:
-    """The reads of :class:`Dequantized` tensors and their dequantization.
-
-    ``items`` are the reads of each wanted local tensor's two parts, the stored values (fp8, or
-    MXFP4 blocks) and the scales, at the boxes its regions touch
-    (``core.quant_layout.dequant_reads``): one :class:`ReadItem` for a part stored as one
-    tensor, one per overlap with a stored tensor for a :class:`Composite` part
-    (``core.pieces.piece_reads``), copied into place as it arrives. When both parts are
-    complete :meth:`take` dequantizes the shard (``core.quant_layout.dequantize_shard``:
-    float32 in chunks, cast once into ``dtype``, else the model's declared dtype), drops the
-    raw parts and finalizes the result. Peak per tensor: its quantized shards plus the output."""
+    """The reads of :class:`Dequantized` tensors and their dequantization. ``items`` read each
+    wanted local tensor's two parts (values, scales) at the boxes its regions touch
+    (``core.quant_layout.dequant_reads``): one :class:`ReadItem` for a stored tensor, one per
+    overlap for a :class:`Composite` part, copied into place as it arrives. When both parts are
+    complete :meth:`take` dequantizes the shard into ``dtype`` (else the declared dtype), drops
+    the raw parts and finalizes it. Peak per tensor: its quantized shards plus the output."""
 
     def __init__(self, tensors: Mapping[str, tuple[Dequantized, Want]]):
         self.items: list[ReadItem] = []
