@@ -27,7 +27,7 @@ from shardwise.holding import Holding, is_dtensor, local_of  # noqa: F401 - loca
 from shardwise.local_tp import run_on_local_params, wire_embedding_subclass, wire_forward, wire_local
 from shardwise.mesh import MeshDims, decode_mesh, world_backend
 from shardwise.plan_checks import check_installed, check_plan
-from shardwise.quant_tp import guard_cut_experts, quantized_module, scale_is_local, wire_quantized
+from shardwise.quant import guard_cut_experts, quantized_module, scale_is_local, wire_quantized
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -225,7 +225,7 @@ def _dtensor_params(module: nn.Module, prefix: str, state: ShardState, converted
         done = converted.get(id(p))
         spec = state.specs.spec_of(f"{prefix}.{pname}" if prefix else pname)
         if (sharded_only and spec.replicated) or scale_is_local(state.specs, f"{prefix}.{pname}"):
-            continue  # a scale whose blocks shard boundaries cut: held local (shardwise.quant_tp)
+            continue  # a scale whose blocks shard boundaries cut: held local (shardwise.quant)
         if done is None:  # the first module of a tied weight converts it; the others reuse it
             placement = Replicate() if spec.dim is None else Shard(spec.dim)  # None: replicated
             mesh = cast("DeviceMesh", state.axis_mesh(spec))  # a DTensor holding's meshes are torch's

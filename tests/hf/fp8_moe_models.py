@@ -28,9 +28,8 @@ import torch
 from safetensors.torch import save_file
 
 from hf.fp8_models import BLOCK, FP8, stored_tensors
-from shardwise.core.quant import dequantize_region, quantize_fp8_blocks
+from shardwise.core.quant import dequantize_region, quantize_fp8_blocks, scale_key
 from shardwise.core.spec import Region
-from shardwise.io.formats.safetensors.quantized import scale_key
 
 SHARD_SIZE = "300KB"
 EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv)$")

@@ -1,4 +1,4 @@
-"""MXFP4 through the tie machinery (shardwise.core.quant_layout / quant_dequant), pure.
+"""MXFP4 through the tie machinery (shardwise.core.quant_layout), pure.
 
 Dequantized on load, every rank's shard of an MXFP4 weight (held transposed, as gpt-oss holds
 its experts) equals the same slice of the full dequantization bit for bit, whatever the
@@ -17,9 +17,10 @@ from torch import nn
 
 from shardwise.core.plan import resolve_plan
 from shardwise.core.quant import QuantScheme, mxfp4_dequantize_region
-from shardwise.core.quant_dequant import dequant_reads, dequantize_shard
 from shardwise.core.quant_layout import (
     QuantTie,
+    dequant_reads,
+    dequantize_shard,
     quant_pairs,
     scale_layout,
     scale_local_shape,

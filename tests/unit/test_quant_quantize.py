@@ -1,5 +1,5 @@
 """FP8 block quantization (shardwise.core.quant.quantize_fp8_blocks), against its inverse, and
-the scales of experts stored per expert (shardwise.core.quant_dequant.scale_pieces).
+the scales of experts stored per expert (shardwise.core.quant_layout.scale_pieces).
 
 What the hub stores and what :func:`dequantize_region` reads back: any shape (leading expert
 dims, partial last blocks), any block. transformers' ``Fp8Quantize`` bit for bit is checked in
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from shardwise.core.pieces import Piece, check_tiling
 from shardwise.core.quant import dequantize_region, quantize_fp8_blocks, scale_shape
-from shardwise.core.quant_dequant import scale_pieces
+from shardwise.core.quant_layout import scale_pieces
 from shardwise.core.spec import Region
 from shardwise.errors import PlanError
 

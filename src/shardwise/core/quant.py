@@ -1,54 +1,146 @@
-"""Block-quantized tensors as tied regions: a weight and its scales (pure, like ``core/spec.py``).
-
-A block-quantized weight is stored as a group of tensors: its quantized values and one scale
-per block. Region math runs on the *logical* weight, one value per element (for MXFP4, the
-unpacked values in the stored orientation ``(..., rows, K)``; gpt-oss's experts module holds
-the transpose ``(E, K, rows)``, so swap the last two dims of a module region first). A region
-of the logical weight names the boxes of the stored tensors a rank reads: the scale region
-covers every block the weight region touches, so a shard boundary inside a block (576 rows
-over 8 ranks in 128-row blocks: 72 rows each) gives both neighbouring ranks that block's scale.
-
-Dequantization computes in float32 and casts once (``(q.float() * scale).to(dtype)``; MXFP4:
-``ldexp(value, byte - 127)``; both as transformers does), element by element, so a rank's
-dequantized shard equals the same slice of the full dequantization bit for bit.
+"""Block-quantized tensors (pure): the one naming rule, the one reading of a
+``quantization_config``, the one pairing of values and scales, and the region math on the
+*logical* weight (one value per element; MXFP4: unpacked ``(..., rows, K)``). Dequantization
+computes in float32 and casts once, so a rank's shard equals the same slice of the whole bit for bit.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from shardwise.core.adapter import folder_quantization
 from shardwise.core.spec import Region, Shape
-from shardwise.errors import PlanError, ShardingError
+from shardwise.errors import CheckpointError, PlanError, ShardingError
 
 Block = tuple[int | None, ...]
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 MXFP4_GROUP = 32  # e2m1 values per e8m0 scale
 MXFP4_GROUP_BYTES = MXFP4_GROUP // 2  # two values per byte: the low nibble first
+MXFP4_SUFFIXES = ("_blocks", "_scales")  # transformers' serialized names of an MXFP4 parameter
+FP8_SCALE = "_scale_inv"  # x.weight -> x.weight_scale_inv (DeepSeek-V3, transformers' FP8Linear)
 E8M0_BIAS = 127
 SCHEMES = ("fp8_block", "mxfp4")
+SUPPORTED_QUANT = ("FP8 with block scales (quant_method 'fp8', weight_block_size [128, 128] and others: "
+                   "transformers' FP8Linear) and MXFP4 (quant_method 'mxfp4': gpt-oss's experts as "
+                   "x_blocks / x_scales, one e8m0 scale per 32 e2m1 values)")
+FLOAT8 = frozenset(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                                                 "float8_e5m2fnuz") if hasattr(torch, n))
+
+
+def scale_key(name: str) -> str:
+    """The name of the scales of the FP8 tensor ``name``, stored or held (the one FP8 naming
+    rule: ``mlp.down_proj.weight_scale_inv``, ``experts.gate_up_proj_scale_inv``)."""
+    return name + FP8_SCALE
+
+
+def pair_of(name: str, dtype: torch.dtype, names: Container[str]) -> tuple[str, str] | None:
+    """``(scales name, scheme)`` when the tensor ``name`` of ``dtype`` is the values of a
+    block-quantized pair among ``names`` (the one pairing rule, for stored and held tensors
+    alike): float8 values next to :func:`scale_key`; MXFP4 ``x_blocks`` next to ``x_scales``
+    (by name: callers check their dtypes and shapes). None for any other tensor."""
+    if dtype in FLOAT8:
+        return (scale_key(name), "fp8_block") if scale_key(name) in names else None
+    base = name.removesuffix(MXFP4_SUFFIXES[0])
+    if base != name and base + MXFP4_SUFFIXES[1] in names:
+        return base + MXFP4_SUFFIXES[1], "mxfp4"
+    return None
+
+
+def _config_get(qc, name: str):
+    return qc.get(name) if isinstance(qc, dict) else getattr(qc, name, None)
+
+
+def as_block(value) -> tuple[int, int] | None:
+    """``value`` as a 2-D block size (two positive ints, a list or tuple), else None."""
+    if isinstance(value, (list, tuple)) and len(value) == 2 and all(
+            isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in value):
+        return int(value[0]), int(value[1])
+    return None
+
+
+def quant_scheme(qc) -> tuple[str | None, str | None]:
+    """``(quant_method, None)`` for a ``quantization_config`` (a dict, a transformers config
+    object, or bitsandbytes' flag string) shardwise supports: FP8 with block scales
+    (``"fp8"``, a ``weight_block_size`` of two ints, float scales, dynamic activations, FP8
+    experts) or ``"mxfp4"``; ``(quant_method, why not)`` for any other ("" : another scheme)."""
+    if isinstance(qc, str):  # bitsandbytes' flags on the model
+        return qc, ""
+    method = _config_get(qc, "quant_method")
+    method = str(getattr(method, "value", method)) if method is not None else None
+    if method == "mxfp4":  # fixed layout: 32 values a scale (its dequantize flag is a load option)
+        return method, None
+    if method != "fp8":
+        return method, ""
+    block = _config_get(qc, "weight_block_size")
+    if as_block(block) is None:
+        return method, f"; weight_block_size is {block!r}: per-tensor FP8 scales are not supported yet"
+    for name, ok in (("scale_fmt", ("float", None)), ("activation_scheme", ("dynamic", None)),
+                     ("expert_dtype", ("fp8", None))):
+        if _config_get(qc, name) not in ok:
+            return method, f"; its {name} is {_config_get(qc, name)!r} (supported: {ok[0]!r})"
+    return method, None
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """A checkpoint's ``quantization_config`` (:func:`read_quantization`): ``config`` (a dict or
+    a transformers config object; None: nothing says it), found in ``where`` (its model config
+    file, ``"model.config"``, or the checkpoint); ``has_file``: the checkpoint has a model config."""
+
+    config: object
+    where: object
+    has_file: bool
+
+    @property
+    def method(self) -> str | None:
+        return None if self.config is None else quant_scheme(self.config)[0]
+
+    @property
+    def block(self) -> tuple[int, int] | None:
+        """The FP8 ``weight_block_size``; None for another method or a malformed block."""
+        return as_block(_config_get(self.config, "weight_block_size")) if self.method == "fp8" else None
+
+    def fp8_block(self) -> tuple[int, int]:
+        """The block of an FP8 checkpoint's scales; ``CheckpointError`` where no supported FP8
+        config says it."""
+        if self.config is None:
+            raise CheckpointError(f"{self.where}: FP8 weights with scales, but no quantization_config (the "
+                                  "model config next to the weights, or the model's config) says their "
+                                  "weight_block_size; put the checkpoint's model config beside it")
+        method, why = quant_scheme(self.config)
+        if why is not None:
+            raise CheckpointError(f"{self.where}: quantization {method!r}{why}; shardwise reads "
+                                  f"{SUPPORTED_QUANT}")
+        if method != "fp8" or self.block is None:
+            raise CheckpointError(f"{self.where}: quant_method {method!r}, but the checkpoint holds FP8 "
+                                  "weights with block scales; load a checkpoint whose model config "
+                                  "describes its tensors")
+        return self.block
+
+
+def read_quantization(folder, model_config=None) -> QuantConfig:
+    """The one reading of a checkpoint's ``quantization_config``: what the model adapter finds
+    beside it in ``folder`` (``core.adapter.folder_quantization``: the Hugging Face adapter reads
+    its config.json), else ``model_config.quantization_config``."""
+    found = folder_quantization(folder)
+    if found is not None and found[0] is not None:
+        return QuantConfig(found[0], found[1], True)
+    qc = getattr(model_config, "quantization_config", None)
+    where = "model.config" if qc is not None else found[1] if found is not None else folder
+    return QuantConfig(qc, where, found is not None)
 
 
 @dataclass(frozen=True)
 class QuantScheme:
     """How a weight is block-quantized: the scheme's ``name`` and its ``block`` shape, one entry
     per dim of the logical weight (1: a scale per element on that dim; ``None``: the scale
-    tensor lacks that dim, one scale across it).
-
-    ``"fp8_block"``: ``float8_e4m3fn`` values, float32 ``weight_scale_inv`` per block (DeepSeek-V3:
-    128x128). ``"mxfp4"``: ``uint8`` ``*_blocks`` of shape ``(..., K/32, 16)`` with two e2m1 values
-    a byte, ``uint8`` e8m0 ``*_scales`` of shape ``(..., K/32)``; block ``(1, ..., 1, 32)``.
-
-    >>> QuantScheme.fp8_block((128, 128), ndim=3)
-    QuantScheme(name='fp8_block', block=(1, 128, 128))
-    >>> QuantScheme.mxfp4(ndim=3).stored_shapes((4, 64, 96))
-    ((4, 64, 3, 16), (4, 64, 3))
-    >>> QuantScheme.fp8_block().stored_keys("mlp.down_proj.weight")
-    ('mlp.down_proj.weight', 'mlp.down_proj.weight_scale_inv')
-    """
+    tensor lacks that dim). ``"fp8_block"``: ``float8_e4m3fn`` values, float32
+    ``weight_scale_inv`` per block. ``"mxfp4"``: ``uint8`` ``*_blocks`` ``(..., K/32, 16)``, two
+    e2m1 values a byte, ``uint8`` e8m0 ``*_scales`` ``(..., K/32)``; block ``(1, ..., 1, 32)``."""
 
     name: str
     block: Block
@@ -84,14 +176,15 @@ class QuantScheme:
             return scales + (MXFP4_GROUP_BYTES,), scales
         return tuple(int(s) for s in shape), scales
 
+    def stored_regions(self, region: Region) -> tuple[Region, Region]:
+        """The (values, scales) regions of the stored tensors holding ``region`` of the logical weight."""
+        return mxfp4_regions(region) if self.name == "mxfp4" else (region, scale_region(region, self.block))
+
     def stored_keys(self, name: str) -> tuple[str, str]:
-        """Checkpoint keys of the (values, scales) tensors of the parameter ``name``, as the hub
-        writes them (transformers' ``Fp8Quantize`` and gpt-oss's ``*_blocks``/``*_scales``)."""
+        """Checkpoint keys of the (values, scales) of the parameter ``name``, as the hub writes them."""
         if self.name == "mxfp4":
-            return f"{name}_blocks", f"{name}_scales"
-        if name.endswith(".weight"):
-            return name, name[: -len("weight")] + "weight_scale_inv"
-        return name, f"{name}_scale_inv"
+            return name + MXFP4_SUFFIXES[0], name + MXFP4_SUFFIXES[1]
+        return name, scale_key(name)
 
 
 def _mxfp4_block(ndim: int) -> Block:
@@ -112,26 +205,16 @@ def _check_ndim(region: Region, block: Block) -> None:
 
 
 def scale_shape(shape: Shape, block: Block) -> tuple[int, ...]:
-    """Shape of the scale tensor of a weight of ``shape``: ``ceil(size / b)`` per dim the scale has.
-
-    >>> scale_shape((576, 7168), (128, 128))
-    (5, 56)
-    >>> scale_shape((4, 300), (None, 128))
-    (3,)
-    """
+    """Shape of the scale tensor of a weight of ``shape``: ``ceil(size / b)`` per dim the scale
+    has (``scale_shape((576, 7168), (128, 128))`` is ``(5, 56)``)."""
     return scale_region(Region((0,) * len(shape), tuple(int(s) for s in shape)), block).sizes
 
 
 def scale_region(weight_region: Region, block: Block) -> Region:
     """The region of the scale tensor holding the scale of every block ``weight_region`` touches:
     on each dim, ``[floor(a / b), ceil(end / b))`` for the weight's ``[a, end)``; a dim whose block
-    is ``None`` is absent from the scale region. An empty weight dim gives an empty scale dim.
-
-    >>> scale_region(Region((72, 0), (72, 256)), (128, 128))  # rank 1 of 576 rows at tp=8
-    Region(offsets=(0, 0), sizes=(2, 2))
-    >>> scale_region(Region((2, 0, 40), (1, 8, 24)), (None, 1, 32))
-    Region(offsets=(0, 1), sizes=(8, 1))
-    """
+    is ``None`` is absent from the scale region. An empty weight dim gives an empty scale dim
+    (rows 72..144 in 128-row blocks: scale rows 0 and 1)."""
     _check_ndim(weight_region, block)
     offsets, sizes = [], []
     for a, n, b in zip(weight_region.offsets, weight_region.sizes, block, strict=True):
@@ -144,12 +227,7 @@ def scale_region(weight_region: Region, block: Block) -> Region:
 
 def offsets_in_block(weight_region: Region, block: Block) -> tuple[int | None, ...]:
     """Where ``weight_region`` starts inside its first block, per dim (``None`` where the scale
-    lacks the dim): element ``i`` of the region on a dim takes scale ``(off + i) // b`` of the
-    scale region.
-
-    >>> offsets_in_block(Region((216, 130), (72, 10)), (128, 128))
-    (88, 2)
-    """
+    lacks the dim)."""
     _check_ndim(weight_region, block)
     return tuple(None if b is None else a % b for a, b in zip(weight_region.offsets, block, strict=True))
 
@@ -157,13 +235,7 @@ def offsets_in_block(weight_region: Region, block: Block) -> tuple[int | None, .
 def is_block_aligned(shape: Shape, weight_region: Region, block: Block) -> bool:
     """Whether every boundary of ``weight_region`` is a block boundary or the tensor's edge, and
     the region is whole on every dim the scale lacks: then the scale regions of regions that tile
-    the weight tile the scale tensor (no rank shares a block's scale).
-
-    >>> is_block_aligned((576, 256), Region((72, 0), (72, 256)), (128, 128))
-    False
-    >>> is_block_aligned((576, 256), Region((512, 0), (64, 256)), (128, 128))
-    True
-    """
+    the weight tile the scale tensor (no rank shares a block's scale)."""
     _check_ndim(weight_region, block)
     return all(
         (a == 0 and n == size) if b is None else (a % b == 0 and ((a + n) % b == 0 or a + n == size))
@@ -172,13 +244,8 @@ def is_block_aligned(shape: Shape, weight_region: Region, block: Block) -> bool:
 
 
 def decode_scale(scale: torch.Tensor) -> torch.Tensor:
-    """Scales as float32: ``uint8`` is e8m0 (``2 ** (byte - 127)``, as MXFP4/MXFP8 store them; byte
-    255, NaN in the OCP spec, gives 2 ** 128 = inf, like transformers' ``Fp8Dequantize``), any float
-    dtype is converted exactly.
-
-    >>> decode_scale(torch.tensor([127, 128, 120], dtype=torch.uint8))
-    tensor([1.0000, 2.0000, 0.0078])
-    """
+    """Scales as float32: ``uint8`` is e8m0 (``2 ** (byte - 127)``; byte 255 gives inf, like
+    transformers' ``Fp8Dequantize``), any float dtype is converted exactly."""
     if scale.dtype == torch.uint8:
         return torch.exp2(scale.to(torch.int32) - E8M0_BIAS)
     if not scale.dtype.is_floating_point:
@@ -188,11 +255,7 @@ def decode_scale(scale: torch.Tensor) -> torch.Tensor:
 
 def expand_scale(scale: torch.Tensor, weight_region: Region, block: Block) -> torch.Tensor:
     """The scale of each element of ``weight_region``, shaped like it, from ``scale`` read at
-    :func:`scale_region` (any dtype; dims the scale lacks are broadcast views).
-
-    >>> expand_scale(torch.tensor([1.0, 2.0]), Region((2,), (4,)), (3,))
-    tensor([1., 2., 2., 2.])
-    """
+    :func:`scale_region` (dims the scale lacks are broadcast views)."""
     _check_scale(scale, weight_region, block)
     out = scale
     for d, (a, n, b) in enumerate(zip(weight_region.offsets, weight_region.sizes, block, strict=True)):
@@ -212,7 +275,6 @@ def _check_scale(scale: torch.Tensor, weight_region: Region, block: Block) -> No
 
 
 def _check_pair(q: torch.Tensor, scale: torch.Tensor, weight_region: Region, block: Block) -> None:
-    """The guard of both FP8 dequantizations: values read at the region, scales at its scale region."""
     if tuple(q.shape) != weight_region.sizes:
         raise PlanError(f"quantized values of shape {tuple(q.shape)} do not fit weight region "
                         f"{weight_region}; read the weight at the region itself")
@@ -222,23 +284,12 @@ def _check_pair(q: torch.Tensor, scale: torch.Tensor, weight_region: Region, blo
 def quantize_fp8_blocks(weight: torch.Tensor, block: tuple[int, int] = (128, 128)
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(float8_e4m3fn values, float32 scales)`` of ``weight`` ``(..., rows, cols)``, one scale
-    per ``block`` of the last two dims (leading dims, experts, get one per entry), as the hub's
-    FP8 checkpoints store them (``weight_scale_inv``): a block's scale is ``1 / (448 / amax)``
-    (1 for an all-zero block) and its values ``clamp(w * 448 / amax, +-448)`` rounded to e4m3,
-    computed in float32 as transformers' ``Fp8Quantize`` does (bit for bit where its rules
-    apply), partial last blocks included (zero padding changes no amax). The inverse of
-    :func:`dequantize_region` up to e4m3 rounding.
-
-    >>> q, s = quantize_fp8_blocks(torch.tensor([[1.0, -2.0, 0.0], [4.0, 0.0, 0.0]]), (1, 2))
-    >>> q.float(), s
-    (tensor([[ 224., -448.,    0.],
-            [ 448.,    0.,    0.]]), tensor([[0.0045, 1.0000],
-            [0.0089, 1.0000]]))
-    """
-    if weight.dim() < 2 or len(block) != 2 or None in block:
+    per ``block`` of the last two dims, as transformers' ``Fp8Quantize`` computes them (float32:
+    scale ``amax / 448``, 1 for an all-zero block; values ``clamp(w * 448 / amax, +-448)``),
+    partial last blocks included. The inverse of :func:`dequantize_region` up to e4m3 rounding."""
+    if weight.dim() < 2 or as_block(block) is None:
         raise PlanError(f"quantize_fp8_blocks takes a weight (..., rows, cols) and a block of 2 positive "
                         f"ints, got shape {tuple(weight.shape)} and block {tuple(block)}")
-    _check_block(tuple(block))
     fp8_max = torch.finfo(torch.float8_e4m3fn).max
     *lead, rows, cols = weight.shape
     bm, bn = block
@@ -256,17 +307,9 @@ def quantize_fp8_blocks(weight: torch.Tensor, block: tuple[int, int] = (128, 128
 
 def dequantize_region(q: torch.Tensor, scale: torch.Tensor, weight_region: Region, block: Block,
                       dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """``weight_region`` of the dequantized weight, from its values ``q`` (the weight read at the
-    region) and ``scale`` (the scales read at :func:`scale_region`): ``q.float() * scale`` in
-    float32, cast once to ``dtype``. Equal bit for bit to the same slice of the full
-    dequantization, boundaries inside a block and a partial last block included.
-
-    >>> q = torch.ones(3, 2, dtype=torch.float8_e4m3fn)
-    >>> dequantize_region(q, torch.tensor([[2.0], [3.0]]), Region((1, 0), (3, 2)), (2, 2), torch.float32)
-    tensor([[2., 2.],
-            [3., 3.],
-            [3., 3.]])
-    """
+    """``weight_region`` of the dequantized weight from its values ``q`` (read at the region) and
+    ``scale`` (read at :func:`scale_region`): ``q.float() * scale`` in float32, cast once to
+    ``dtype``; equal bit for bit to the same slice of the full dequantization."""
     _check_pair(q, scale, weight_region, block)
     return (q.float() * expand_scale(decode_scale(scale), weight_region, block)).to(dtype)
 
@@ -274,17 +317,8 @@ def dequantize_region(q: torch.Tensor, scale: torch.Tensor, weight_region: Regio
 def dequantize_region_into(q: torch.Tensor, scale: torch.Tensor, weight_region: Region, block: Block,
                            out: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
     """:func:`dequantize_region` in float32 into ``out`` (float32, shaped like ``weight_region``),
-    using ``scratch`` (the same) for the expanded scale: no temporary the size of the region is
-    allocated, so a caller that reuses both buffers across chunks keeps the heap flat. Equal bit
-    for bit to ``dequantize_region(..., torch.float32)``; returns ``out``.
-
-    >>> q = torch.ones(3, 2, dtype=torch.float8_e4m3fn)
-    >>> dequantize_region_into(q, torch.tensor([[2.0], [3.0]]), Region((1, 0), (3, 2)), (2, 2),
-    ...                        torch.empty(3, 2), torch.empty(3, 2))
-    tensor([[2., 2.],
-            [3., 3.],
-            [3., 3.]])
-    """
+    expanding the scale into ``scratch`` (the same): a caller reusing both across chunks
+    allocates no region-sized temporary. Returns ``out``."""
     _check_pair(q, scale, weight_region, block)
     out.copy_(q)
     s = decode_scale(scale)
@@ -305,19 +339,9 @@ def dequantize_region_into(q: torch.Tensor, scale: torch.Tensor, weight_region: 
 
 def mxfp4_regions(weight_region: Region, *, exact: bool = False) -> tuple[Region, Region]:
     """The (``*_blocks``, ``*_scales``) regions holding ``weight_region`` of an MXFP4 weight's
-    logical values ``(..., rows, K)``.
-
-    With ``exact=False`` (to dequantize) any column boundary is handled: the regions cover every
-    32-group the weight region touches, and :func:`mxfp4_dequantize_region` cuts the columns out.
-    With ``exact=True`` (to keep a shard quantized) the regions must hold exactly the weight
-    region: a column boundary that is not a multiple of 32 (inside a group, or inside a byte)
-    raises ``ShardingError``, since such a shard has no packed form of its own.
-
-    >>> mxfp4_regions(Region((0, 8, 360), (2, 4, 360)))  # gpt-oss K=2880 at tp=8: inside a group
-    (Region(offsets=(0, 8, 11, 0), sizes=(2, 4, 12, 16)), Region(offsets=(0, 8, 11), sizes=(2, 4, 12)))
-    >>> mxfp4_regions(Region((0, 64), (4, 32)), exact=True)
-    (Region(offsets=(0, 2, 0), sizes=(4, 1, 16)), Region(offsets=(0, 2), sizes=(4, 1)))
-    """
+    logical values ``(..., rows, K)``: every 32-group it touches (``exact=False``, to
+    dequantize), or exactly it (``exact=True``, a shard kept packed: a column boundary that is
+    not a multiple of 32 raises ``ShardingError``)."""
     ndim = len(weight_region.sizes)
     if ndim < 2:
         raise PlanError(f"an MXFP4 weight has at least 2 dims (rows, K), got region {weight_region}")
@@ -337,11 +361,7 @@ def mxfp4_regions(weight_region: Region, *, exact: bool = False) -> tuple[Region
 
 def unpack_e2m1(blocks: torch.Tensor) -> torch.Tensor:
     """Float32 values of packed MXFP4 ``blocks`` ``(..., G, 16)``, shape ``(..., G * 32)``: value
-    ``2j`` is the low nibble of byte ``j``, value ``2j + 1`` the high one (transformers' order).
-
-    >>> unpack_e2m1(torch.tensor([[0x21, 0xF7]], dtype=torch.uint8))
-    tensor([ 0.5000,  1.0000,  6.0000, -6.0000])
-    """
+    ``2j`` is the low nibble of byte ``j``, ``2j + 1`` the high one (transformers' order)."""
     if blocks.dtype != torch.uint8:
         raise PlanError(f"MXFP4 blocks must be uint8, got {blocks.dtype}")
     lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=blocks.device)
@@ -351,19 +371,10 @@ def unpack_e2m1(blocks: torch.Tensor) -> torch.Tensor:
 
 def mxfp4_dequantize_region(blocks: torch.Tensor, scales: torch.Tensor, weight_region: Region,
                             dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """``weight_region`` of an MXFP4 weight's dequantized logical values ``(..., rows, K)``, from
-    ``blocks`` and ``scales`` read at :func:`mxfp4_regions` (``exact=False``): any boundary, equal
-    bit for bit to the same slice of the full dequantization (transformers'
-    ``convert_moe_packed_tensors``, before its transpose to ``(E, K, rows)``). Values are scaled
-    in float32 with ``ldexp(value, byte - 127)`` as transformers does, then cast once; a scale
-    byte of 255 (NaN in the OCP MX spec) thus gives ``value * 2 ** 128``: 0 stays 0, 0.5 gives
-    2 ** 127, larger values inf.
-
-    >>> blocks = torch.full((1, 2, 16), 0x22, dtype=torch.uint8)  # every value 1.0
-    >>> scales = torch.tensor([[127, 128]], dtype=torch.uint8)    # x1, then x2
-    >>> mxfp4_dequantize_region(blocks, scales, Region((0, 30), (1, 4)), torch.float32)
-    tensor([[1., 1., 2., 2.]])
-    """
+    """``weight_region`` of an MXFP4 weight's dequantized logical values ``(..., rows, K)`` from
+    ``blocks`` and ``scales`` read at :func:`mxfp4_regions`: ``ldexp(value, byte - 127)`` in
+    float32 as transformers' ``convert_moe_packed_tensors`` (byte 255 gives ``value * 2 **
+    128``), cast once; equal bit for bit to the same slice of the full dequantization."""
     want_blocks, want_scales = mxfp4_regions(weight_region)
     if tuple(blocks.shape) != want_blocks.sizes or tuple(scales.shape) != want_scales.sizes:
         raise PlanError(f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not fit "
@@ -379,19 +390,9 @@ def mxfp4_dequantize_region(blocks: torch.Tensor, scales: torch.Tensor, weight_r
 
 
 __all__ = [
-    "E2M1_VALUES",
-    "MXFP4_GROUP",
-    "QuantScheme",
-    "decode_scale",
-    "dequantize_region",
-    "dequantize_region_into",
-    "expand_scale",
-    "is_block_aligned",
-    "mxfp4_dequantize_region",
-    "mxfp4_regions",
-    "offsets_in_block",
-    "quantize_fp8_blocks",
-    "scale_region",
-    "scale_shape",
-    "unpack_e2m1",
+    "E2M1_VALUES", "FLOAT8", "FP8_SCALE", "MXFP4_GROUP", "MXFP4_GROUP_BYTES", "MXFP4_SUFFIXES", "QuantConfig",
+    "QuantScheme", "SUPPORTED_QUANT", "read_quantization",
+    "as_block", "decode_scale", "dequantize_region", "dequantize_region_into", "expand_scale",
+    "is_block_aligned", "mxfp4_dequantize_region", "mxfp4_regions", "offsets_in_block", "pair_of",
+    "quant_scheme", "quantize_fp8_blocks", "scale_key", "scale_region", "scale_shape", "unpack_e2m1",
 ]

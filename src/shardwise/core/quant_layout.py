@@ -1,52 +1,39 @@
-"""Where a block-quantized weight's scales live on each rank (pure, like ``core/spec.py``).
-
-A module holding a block-quantized weight (transformers' ``FP8Linear``: a ``float8_e4m3fn``
-``weight`` and a float32 ``weight_scale_inv`` with one scale per ``(bh, bw)`` block) is
-sharded by its weight's spec; its scale tensor follows as region math (a :class:`QuantTie`):
-for each region of its weight shard a rank holds the scale region covering it
-(:func:`shardwise.core.quant.scale_region`), concatenated along the shard dim in the same
-order (:func:`scale_layout`). Where every region starts on a block boundary and ends on one or
-at the tensor's edge, that is exactly the scale split by the weight's spec, an ordinary shard
-(:func:`tie_aligned`): it can be a DTensor, and an FP8 kernel reads the pair as it is. Where a
-boundary cuts a block (576 rows over 8 ranks in 128-row blocks), both neighbouring ranks hold
-that block's scale, local scales differ in size between ranks, and a gather takes each scale
-once, from the rank holding the block's first row (:func:`scale_owned_layout`).
-
-MXFP4 (gpt-oss experts) is the same tie on its packed tensor: a module holding
-``x_blocks`` uint8 ``(..., rows, K/32, 16)`` and ``x_scales`` uint8 ``(..., rows, K/32)`` ties them
-with block ``(1, ..., 1, None)``: one scale per 16 bytes (32 values), none across the bytes. A
-kept MXFP4 shard must hold whole 32-groups (a packed shard with part of a group has no form of
-its own), so such ties are always aligned, and a plan that cuts a group is refused
-(:func:`tie_scales`). Loading dequantized, a rank reads the stored regions of its shard of the
-logical weight and dequantizes them (``core.quant_dequant``), for either scheme and any
-boundary, groups and blocks cut included.
+"""Where a block-quantized weight's scales live on each rank, and what a rank reads to
+dequantize its shard (pure). A quantized weight is sharded by its spec; its scales follow as
+region math (a :class:`QuantTie`): a rank holds the scale of every block its weight shard
+touches (:func:`scale_layout`), so where a boundary cuts a block both neighbours hold its scale
+and a gather takes it once (:func:`scale_owned_layout`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
+from shardwise.core.pieces import Piece
 from shardwise.core.quant import (
     MXFP4_GROUP,
     MXFP4_GROUP_BYTES,
+    MXFP4_SUFFIXES,
     SCHEMES,
     QuantScheme,
+    as_block,
+    dequantize_region_into,
     is_block_aligned,
+    mxfp4_dequantize_region,
     mxfp4_regions,
+    pair_of,
+    scale_key,
     scale_region,
     scale_shape,
 )
-from shardwise.core.quant_dequant import DEQUANT_CHUNK, dequantize_shard
-from shardwise.core.spec import Layout, Region, ShardSpec, check_shardable, local_layout
+from shardwise.core.spec import Layout, Region, ShardSpec, check_shardable, local_layout, local_shape
 from shardwise.errors import PlanError, ShardingError
 
-FP8_SCALE_SUFFIX = "weight_scale_inv"
-MXFP4_SUFFIXES = ("_blocks", "_scales")  # transformers' serialized names of an MXFP4 parameter
-_FLOAT8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
-                                              "float8_e5m2fnuz") if hasattr(torch, n))
+FP8_SCALE_SUFFIX = scale_key("weight")  # an FP8 linear's weight_scale_inv
 
 
 @dataclass(frozen=True)
@@ -54,13 +41,7 @@ class QuantTie:
     """The scale tensor of a block-quantized weight: the model tensor ``weight`` of global
     ``weight_shape``, one scale per ``block`` (per weight dim a positive int, or ``None``
     where the scale tensor lacks the dim), in ``scheme`` (``"fp8_block"``: the fp8 weight;
-    ``"mxfp4"``: the packed ``x_blocks``, block ``(1, ..., 1, None)``).
-
-    >>> QuantTie("mlp.down_proj.weight", (256, 576), (128, 128)).scale_shape
-    (2, 5)
-    >>> QuantTie("experts.down_proj_blocks", (4, 64, 3, 16), (1, 1, 1, None), "mxfp4").scale_shape
-    (4, 64, 3)
-    """
+    ``"mxfp4"``: the packed ``x_blocks``, block ``(1, ..., 1, None)``)."""
 
     weight: str
     weight_shape: tuple[int, ...]
@@ -83,8 +64,8 @@ class QuantTie:
         return scale_shape(self.weight_shape, self.block)
 
     def scale_dim(self, dim: int) -> int:
-        """The dim of the scale tensor that weight dim ``dim`` becomes (dims whose block is
-        ``None`` are absent from it); ``PlanError`` for such a dim."""
+        """The dim of the scale tensor that weight dim ``dim`` becomes; ``PlanError`` for a dim
+        the scale tensor lacks (block ``None``)."""
         if self.block[dim] is None:
             raise PlanError(f"{self.weight!r}: its scale tensor has no dim for weight dim {dim} (block "
                             f"{self.block}), so a shard of that dim has no scales of its own")
@@ -93,12 +74,8 @@ class QuantTie:
 
 def scale_layout(tie: QuantTie, spec: ShardSpec, degree: int, rank: int) -> Layout:
     """The scale regions rank ``rank`` of ``degree`` holds for its shard of ``tie.weight``
-    (split by ``spec``), each with its offset in the rank's local scale tensor.
-
-    >>> tie = QuantTie("w", (576, 256), (128, 128))
-    >>> scale_layout(tie, ShardSpec(dim=0), 8, 1)  # rows 72..144 touch blocks 0 and 1
-    [(Region(offsets=(0, 0), sizes=(2, 2)), (0, 0))]
-    """
+    (split by ``spec``), each with its offset in the rank's local scale tensor (rank 1 of 576
+    rows at tp=8 in 128-row blocks: rows 72..144, scale rows 0 and 1)."""
     out, pos = [], 0
     for region, _ in local_layout(tie.weight_shape, spec, degree, rank):
         scales = scale_region(region, tie.block)
@@ -112,12 +89,7 @@ def scale_layout(tie: QuantTie, spec: ShardSpec, degree: int, rank: int) -> Layo
 
 
 def scale_local_shape(tie: QuantTie, spec: ShardSpec, degree: int, rank: int) -> tuple[int, ...]:
-    """Shape of rank ``rank``'s local scale tensor (ranks may differ where blocks are cut).
-
-    >>> tie = QuantTie("w", (576, 256), (128, 128))
-    >>> [scale_local_shape(tie, ShardSpec(dim=0), 8, r)[0] for r in range(8)]
-    [1, 2, 1, 2, 1, 2, 1, 2]
-    """
+    """Shape of rank ``rank``'s local scale tensor (ranks may differ where blocks are cut)."""
     layout = scale_layout(tie, spec, degree, rank)
     if spec.dim is None:  # replicated
         return layout[0][0].sizes
@@ -130,14 +102,7 @@ def scale_owned_layout(tie: QuantTie, spec: ShardSpec, degree: int, rank: int) -
     """The scale regions rank ``rank`` contributes when the scale tensor is gathered: of the
     blocks it holds, those whose first element along the shard dim lies in its weight shard,
     each with its offset in the rank's local scale tensor. Over all ranks they tile the scale
-    tensor exactly once (a replicated scale: rank 0 holds it all).
-
-    >>> tie = QuantTie("w", (576, 256), (128, 128))
-    >>> scale_owned_layout(tie, ShardSpec(dim=0), 8, 1)  # rows 72..144: block 1 starts at 128
-    [(Region(offsets=(1, 0), sizes=(1, 2)), (1, 0))]
-    >>> scale_owned_layout(tie, ShardSpec(dim=0), 8, 2)  # rows 144..216: no block starts there
-    []
-    """
+    tensor exactly once (a replicated scale: rank 0 holds it all)."""
     held = scale_layout(tie, spec, degree, rank)
     if spec.dim is None:  # replicated
         return held if rank == 0 else []
@@ -160,13 +125,7 @@ def scale_owned_layout(tie: QuantTie, spec: ShardSpec, degree: int, rank: int) -
 def tie_aligned(tie: QuantTie, spec: ShardSpec, degree: int) -> bool:
     """Whether every rank's scales are the scale tensor split by ``spec`` and every weight
     region starts on a block boundary and ends on one or at the tensor's edge: then each rank's
-    (weight, scale) pair is an ordinary shard (a DTensor, what an FP8 kernel reads as is).
-
-    >>> tie_aligned(QuantTie("w", (512, 256), (128, 128)), ShardSpec(dim=0), 4)
-    True
-    >>> tie_aligned(QuantTie("w", (576, 256), (128, 128)), ShardSpec(dim=0), 2)
-    False
-    """
+    (weight, scale) pair is an ordinary shard (a DTensor, what an FP8 kernel reads as is)."""
     if spec.dim is None or degree == 1:  # replicated, or one rank
         return True
     if tie.block[spec.dim] is None:  # a split of a dim the scales lack: every shard cuts blocks
@@ -186,87 +145,46 @@ def tie_aligned(tie: QuantTie, spec: ShardSpec, degree: int) -> bool:
 
 
 def take_layout(tensor: torch.Tensor, layout: Layout, shape: tuple[int, ...]) -> torch.Tensor:
-    """A new tensor of ``shape`` holding each region of ``layout`` of the canonical ``tensor``
-    at its offset (a rank's local scale, from the whole scale tensor)."""
+    """A new tensor of ``shape`` holding each region of ``layout`` of ``tensor`` at its offset."""
     out = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
     for region, off in layout:
         out[Region(off, region.sizes).slices()] = tensor[region.slices()]
     return out
 
 
-def dequantize_local(q: torch.Tensor, scale: torch.Tensor, tie: QuantTie, spec: ShardSpec, degree: int,
-                     rank: int, dtype: torch.dtype, *, chunk_elements: int = DEQUANT_CHUNK) -> torch.Tensor:
-    """:func:`dequantize_shard` of an FP8 ``tie``'s local pair: ``q`` its weight split by
-    ``spec``, ``scale`` held as :func:`scale_layout` says.
-
-    >>> tie = QuantTie("w", (3, 2), (2, 2))               # 3 rows in blocks of 2: scales 2, 3
-    >>> dequantize_local(torch.ones(3, 2, dtype=torch.float8_e4m3fn), torch.tensor([[2.0], [3.0]]),
-    ...                  tie, ShardSpec(dim=0), 1, 0, torch.float32, chunk_elements=1)
-    tensor([[2., 2.],
-            [2., 2.],
-            [3., 3.]])
-    """
-    if tie.scheme != "fp8_block":
-        raise PlanError(f"dequantize_local takes an FP8 tie, got {tie.scheme!r}; use dequantize_shard")
-    return dequantize_shard(q, scale, QuantScheme("fp8_block", tie.block), tie.weight_shape, spec, degree,
-                            rank, dtype, chunk_elements=chunk_elements)
+def quant_pairs(module: nn.Module) -> list[tuple[str, str, tuple[int | None, ...], str]]:
+    """``(values, scales, block, scheme)`` of each pair of ``module``'s own parameters
+    (``core.quant.pair_of``): an FP8 linear's 2-D ``weight`` (``FP8Linear``, block
+    ``block_size``), each 3-D FP8 expert projection (``FP8Experts``, block ``(1, *block_size)``),
+    each uint8 MXFP4 ``x_blocks`` ``(..., K/32, 16)``, block ``(1, ..., 1, None)``. Attributes only."""
+    held = {n: p for n, p in module._parameters.items() if p is not None}
+    block = as_block(getattr(module, "block_size", None))
+    out: list[tuple[str, str, tuple[int | None, ...], str]] = []
+    for name, values in held.items():
+        found = pair_of(name, values.dtype, held)
+        if found is None:
+            continue
+        scales = held[found[0]]
+        if found[1] == "fp8_block" and block is not None and values.dim() == scales.dim():
+            if values.dim() == 2 and name == "weight":
+                out.append((name, found[0], block, "fp8_block"))
+            elif values.dim() == 3:
+                out.append((name, found[0], (1, *block), "fp8_block"))
+        elif (found[1] == "mxfp4" and values.dtype == torch.uint8 and scales.dtype == torch.uint8
+              and values.dim() >= 3 and values.shape[-1] == MXFP4_GROUP_BYTES):
+            out.append((name, found[0], (1,) * (values.dim() - 1) + (None,), "mxfp4"))
+    return out
 
 
 def fp8_block_of(module: nn.Module) -> tuple[int, int] | None:
-    """The block shape of a block-scaled FP8 linear module (transformers' ``FP8Linear`` with a
-    ``block_size``: a 2-D float8 ``weight`` next to a 2-D ``weight_scale_inv``), None for any
-    other module. Reads attributes only (meta modules too)."""
-    weight = module._parameters.get("weight")
-    scale = module._parameters.get(FP8_SCALE_SUFFIX)
-    block = getattr(module, "block_size", None)
-    if weight is None or scale is None or weight.dtype not in _FLOAT8:
-        return None
-    if weight.dim() != 2 or scale.dim() != 2:
-        return None
-    if not isinstance(block, (tuple, list)) or len(block) != 2 or not all(
-            isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block):
-        return None
-    return int(block[0]), int(block[1])
+    """The block shape of a block-scaled FP8 linear module (:func:`quant_pairs`), None for any other."""
+    linear = any(scheme == "fp8_block" and len(b) == 2 for _, _, b, scheme in quant_pairs(module))
+    return as_block(getattr(module, "block_size", None)) if linear else None
 
 
-def fp8_expert_pairs(module: nn.Module) -> list[tuple[str, str, tuple[int, int, int]]]:
-    """``(values, scales, block)`` of each FP8 expert projection of a block-scaled experts
-    module (transformers' ``FP8Experts``: ``x`` float8 ``(E, rows, K)`` next to ``x_scale_inv``
-    ``(E, ceil(rows / bh), ceil(K / bw))`` and a 2-entry ``block_size``), block ``(1, bh, bw)``:
-    one scale per block of each expert. Attributes only (meta modules too)."""
-    block = getattr(module, "block_size", None)
-    if not isinstance(block, (tuple, list)) or len(block) != 2 or not all(
-            isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block):
-        return []
-    params, out = module._parameters, []
-    for name, values in params.items():
-        scales = params.get(name + "_scale_inv")
-        if (values is not None and scales is not None and values.dtype in _FLOAT8 and values.dim() == 3
-                and scales.dim() == 3):
-            out.append((name, name + "_scale_inv", (1, int(block[0]), int(block[1]))))
-    return out
-
-
-def quant_pairs(module: nn.Module) -> list[tuple[str, str, tuple[int | None, ...], str]]:
-    """``(values, scales, block, scheme)`` of each block-quantized pair of ``module``'s own
-    parameters: an FP8 linear's ``weight`` and ``weight_scale_inv`` (:func:`fp8_block_of`), an
-    FP8 experts module's projections (:func:`fp8_expert_pairs`), and every MXFP4 pair
-    ``x_blocks`` (uint8, ``(..., K/32, 16)``) / ``x_scales`` (uint8), as transformers names them
-    (its quantizers' ``serialized_names``). Attributes only."""
-    out: list[tuple[str, str, tuple[int | None, ...], str]] = []
-    block = fp8_block_of(module)
-    if block is not None:
-        out.append(("weight", FP8_SCALE_SUFFIX, block, "fp8_block"))
-    out += [(values, scales, b, "fp8_block") for values, scales, b in fp8_expert_pairs(module)]
-    params = module._parameters
-    for name, blocks in params.items():
-        base = name.removesuffix(MXFP4_SUFFIXES[0])
-        scales = params.get(base + MXFP4_SUFFIXES[1]) if base != name else None
-        if (blocks is None or scales is None or blocks.dtype != torch.uint8 or scales.dtype != torch.uint8
-                or blocks.dim() < 3 or blocks.shape[-1] != MXFP4_GROUP_BYTES):
-            continue
-        out.append((name, base + MXFP4_SUFFIXES[1], (1,) * (blocks.dim() - 1) + (None,), "mxfp4"))
-    return out
+def fp8_expert_pairs(module: nn.Module) -> list[tuple[str, str, tuple[int | None, ...]]]:
+    """``(values, scales, block)`` of each FP8 expert projection of ``module`` (:func:`quant_pairs`)."""
+    return [(v, s, b) for v, s, b, scheme in quant_pairs(module) if scheme == "fp8_block" and len(b) == 3]
 
 
 def is_tied_scale(model: nn.Module, name: str) -> bool:
@@ -276,9 +194,8 @@ def is_tied_scale(model: nn.Module, name: str) -> bool:
 
 
 def quant_ties(model: nn.Module) -> dict[str, QuantTie]:
-    """``{scale tensor name: QuantTie}`` for every block-quantized pair of ``model``
-    (:func:`quant_pairs`). Raises ``PlanError`` for a scale whose shape does not fit its
-    weight and block."""
+    """``{scale tensor name: QuantTie}`` for every pair of ``model`` (:func:`quant_pairs`);
+    ``PlanError`` for a scale whose shape does not fit its weight and block."""
     ties = {}
     for path, module in model.named_modules():
         prefix = f"{path}." if path else ""
@@ -296,11 +213,9 @@ def quant_ties(model: nn.Module) -> dict[str, QuantTie]:
 def tie_scales(model: nn.Module, specs: dict, styles: dict, keys: dict,
                degrees: dict[str, int] | None = None) -> dict[str, QuantTie]:
     """``{scale: QuantTie}`` of ``model`` (:func:`quant_ties`), each scale given its weight's spec
-    in ``specs`` (a plan key naming the scale itself, as transformers' quantizer adds them, is
-    overridden: the scale follows its weight as region math). A sharded FP8 linear must be
-    planned by a module key: its forward is wired as one (``shardwise.quant_tp``); FP8 experts
-    are planned by their parameters' keys, as their unquantized twins. A sharded
-    MXFP4 weight must keep every 32-group whole on every rank at its axis's degree in
+    in ``specs`` (overriding a plan key naming the scale itself). A sharded FP8 linear must be
+    planned by a module key (its forward is wired as one); FP8 experts by their parameters'
+    keys. A sharded MXFP4 weight must keep every 32-group whole at its axis's degree in
     ``degrees`` (``ShardingError`` naming the degrees that do)."""
     ties = quant_ties(model)
     for scale, tie in ties.items():
@@ -318,8 +233,8 @@ def tie_scales(model: nn.Module, specs: dict, styles: dict, keys: dict,
 
 
 def _cut_group(tie: QuantTie, spec: ShardSpec, degree: int) -> ShardingError | None:
-    """The error of the first region of an MXFP4 ``x_blocks`` shard that is not whole 32-groups
-    (``core.quant.mxfp4_regions(exact=True)`` on its logical columns), None if there is none."""
+    """The error of the first region of an MXFP4 ``x_blocks`` shard that is not whole 32-groups,
+    None if there is none."""
     for rank in range(degree):
         for region, _ in local_layout(tie.weight_shape, spec, degree, rank):
             g, b = region.offsets[-2:]
@@ -352,9 +267,134 @@ def _check_whole_groups(tie: QuantTie, spec: ShardSpec, degree: int, key: str | 
                         f"{spec.dim} over {spec.axis}={degree}: {error} ({hint})") from error
 
 
+DEQUANT_CHUNK = 1 << 22  # weight elements dequantized at once: 16 MiB of float32 temporaries
+# The workspace's floor (float32 elements): above glibc's largest dynamic mmap threshold (32 MiB),
+# so it is always mmapped and freeing it never raises the threshold.
+_WORK_FLOOR = (32 << 20) // 4 + 4096
+
+
+def _swap(region: Region) -> Region:
+    """``region`` with its last two dims swapped (gpt-oss's experts hold the transpose)."""
+    o, n = region.offsets, region.sizes
+    return Region(o[:-2] + (o[-1], o[-2]), n[:-2] + (n[-1], n[-2]))
+
+
+def _stack(boxes: list[Region], dim: int | None) -> tuple[Layout, tuple[int, ...]]:
+    """``boxes`` concatenated along ``dim`` into one local buffer (``None``: one box, replicated)."""
+    if dim is None:
+        return [(boxes[0], (0,) * len(boxes[0].sizes))], boxes[0].sizes
+    layout, pos = [], 0
+    for box in boxes:
+        layout.append((box, tuple(pos if d == dim else 0 for d in range(len(box.sizes)))))
+        pos += box.sizes[dim]
+    return layout, tuple(pos if d == dim else n for d, n in enumerate(boxes[0].sizes))
+
+
+def dequant_reads(scheme: QuantScheme, shape: tuple[int, ...], spec: ShardSpec, degree: int, rank: int, *,
+                  transposed: bool = False) -> tuple[tuple[Layout, tuple], tuple[Layout, tuple]]:
+    """What rank ``rank`` reads to dequantize its shard of a model tensor of ``shape`` split by
+    ``spec``, stored quantized in ``scheme`` (``transposed``: the stored logical weight is the
+    model tensor with its last two dims swapped, gpt-oss's MXFP4 experts): ``((values layout,
+    local shape), (scales layout, local shape))``, the boxes of the stored tensors its regions
+    touch, stacked along the shard dim in region order. A boundary inside a block or a group
+    gives both neighbouring ranks that block's box."""
+    if len(scheme.block) != len(shape):
+        raise PlanError(f"{scheme} does not fit a weight of {len(shape)} dims {tuple(shape)}")
+    values, scales = [], []
+    for region, _ in local_layout(shape, spec, degree, rank):
+        v, s = scheme.stored_regions(_swap(region) if transposed else region)
+        values.append(v)
+        scales.append(s)
+    dim = None if spec.replicated else spec.dim
+    if dim is not None and transposed and dim >= len(shape) - 2:
+        dim = 2 * len(shape) - 3 - dim
+    if dim is not None and scheme.block[dim] is None:
+        raise PlanError(f"{scheme}: the scales lack dim {dim}, which the spec {spec} splits")
+    scale_dim = None if dim is None else dim - sum(b is None for b in scheme.block[:dim])
+    return _stack(values, dim), _stack(scales, scale_dim)
+
+
+def dequantize_shard(values: torch.Tensor, scales: torch.Tensor, scheme: QuantScheme, shape: tuple[int, ...],
+                     spec: ShardSpec, degree: int, rank: int, dtype: torch.dtype, *, transposed: bool = False,
+                     chunk_elements: int = DEQUANT_CHUNK) -> torch.Tensor:
+    """Rank ``rank``'s dequantized shard (in ``dtype``) of a model tensor of ``shape`` split by
+    ``spec``, from ``values`` and ``scales`` read as :func:`dequant_reads` says: float32 then
+    cast once, equal to the same slice of the full dequantization bit for bit. Regions go in
+    dim-0 chunks of about ``chunk_elements``; FP8 chunks share one float32 workspace."""
+    out = torch.empty(local_shape(shape, spec, degree), dtype=dtype, device=values.device)
+    (held_v, _), (held_s, _) = dequant_reads(scheme, shape, spec, degree, rank, transposed=transposed)
+    regions = list(local_layout(shape, spec, degree, rank))
+    steps = [max(1, chunk_elements // max(1, r.numel // r.sizes[0])) if r.numel else 0 for r, _ in regions]
+    # one float32 workspace (values, then scales) for all FP8 chunks: glibc would keep freed temporaries
+    cap = max((min(st, r.sizes[0]) * (r.numel // r.sizes[0])
+               for st, (r, _) in zip(steps, regions, strict=True) if st), default=0)
+    work = (torch.empty(max(2 * cap, _WORK_FLOOR), dtype=torch.float32, device=values.device)
+            if cap and scheme.name != "mxfp4" else None)
+    for step, (region, off), (vbox, voff), (sbox, soff) in zip(steps, regions, held_v, held_s, strict=True):
+        if region.numel == 0:
+            continue
+        rows = region.sizes[0]
+        for lo in range(0, rows, step):
+            n = min(step, rows - lo)
+            part = Region((region.offsets[0] + lo,) + region.offsets[1:], (n,) + region.sizes[1:])
+            local = Region((off[0] + lo,) + tuple(off[1:]), part.sizes)
+            logical = _swap(part) if transposed else part
+            need_v, need_s = scheme.stored_regions(logical)
+            v, s = values[_within(need_v, vbox, voff).slices()], scales[_within(need_s, sbox, soff).slices()]
+            if scheme.name == "mxfp4":
+                piece = mxfp4_dequantize_region(v, s, logical, dtype)
+            else:
+                assert work is not None  # FP8 with a non-empty region: cap > 0
+                k = part.numel
+                piece = dequantize_region_into(v, s, logical, scheme.block, work[:k].view(logical.sizes),
+                                               work[cap:cap + k].view(logical.sizes))
+            out[local.slices()].copy_(piece.transpose(-1, -2) if transposed else piece)  # cast once
+    return out
+
+
+def scale_pieces(pieces: Sequence[Piece], block: tuple[int | None, ...], key_of: Callable[[str], str]
+                 ) -> tuple[Piece, ...]:
+    """The pieces of a block-quantized tensor's scales, from the ``pieces`` of its values (an
+    experts tensor stored per expert, each stored weight with its own scales ``key_of(key)``),
+    each landing where its blocks lie in the assembled tensor. Every piece must start on a
+    block boundary of the assembled tensor and of its stored tensor, else ``PlanError``. Dims
+    the stored tensors lack (``stacked``) have block 1 in ``block``."""
+    out = []
+    for piece in pieces:
+        kept = [d for d in range(len(piece.offsets)) if d not in piece.stacked]
+        kept_block: dict[int, int] = {}  # block of each kept dim (checked not None below)
+        for i, d in enumerate(kept):
+            # on block boundaries of both tensors, a piece keeps its blocks whole
+            b = block[d]
+            if b is None or piece.offsets[d] % b or piece.source.offsets[i] % b:
+                raise PlanError(f"{piece.key!r} lands at {piece.offsets} of the assembled tensor, which "
+                                f"cuts its {b}-wide blocks on dim {d}: its scales do not tile the assembled "
+                                "scales")
+            kept_block[d] = b
+        scales = scale_region(piece.source, tuple(kept_block[d] for d in kept))
+        offsets = tuple(o if d in piece.stacked else o // kept_block[d] for d, o in enumerate(piece.offsets))
+        out.append(Piece(key_of(piece.key), scales, offsets, piece.stacked))
+    return tuple(out)
+
+
+def _within(need: Region, box: Region, at: tuple[int, ...]) -> Region:
+    """Where ``need`` (inside ``box``) sits in a local buffer holding ``box`` at offset ``at``."""
+    return Region(tuple(o + a - b for o, a, b in zip(at, need.offsets, box.offsets, strict=True)), need.sizes)
+
+
+def dequantize_local(q: torch.Tensor, scale: torch.Tensor, tie: QuantTie, spec: ShardSpec, degree: int,
+                     rank: int, dtype: torch.dtype, *, chunk_elements: int = DEQUANT_CHUNK) -> torch.Tensor:
+    """:func:`dequantize_shard` of an FP8 ``tie``'s local pair: ``q`` its weight split by
+    ``spec``, ``scale`` held as :func:`scale_layout` says."""
+    if tie.scheme != "fp8_block":
+        raise PlanError(f"dequantize_local takes an FP8 tie, got {tie.scheme!r}; use dequantize_shard")
+    return dequantize_shard(q, scale, QuantScheme("fp8_block", tie.block), tie.weight_shape, spec, degree,
+                            rank, dtype, chunk_elements=chunk_elements)
+
+
 __all__ = [
-    "DEQUANT_CHUNK", "FP8_SCALE_SUFFIX", "MXFP4_SUFFIXES", "QuantTie", "dequantize_local", "fp8_block_of",
-    "fp8_expert_pairs",
-    "is_tied_scale", "quant_pairs", "quant_ties", "scale_layout", "scale_local_shape", "scale_owned_layout",
-    "take_layout", "tie_aligned", "tie_scales",
+    "DEQUANT_CHUNK", "FP8_SCALE_SUFFIX", "MXFP4_SUFFIXES", "QuantTie", "dequant_reads", "dequantize_local",
+    "dequantize_shard", "fp8_block_of", "fp8_expert_pairs", "is_tied_scale", "quant_pairs", "quant_ties",
+    "scale_layout", "scale_local_shape", "scale_owned_layout", "scale_pieces", "take_layout", "tie_aligned",
+    "tie_scales",
 ]

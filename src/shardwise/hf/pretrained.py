@@ -21,8 +21,8 @@ from shardwise.errors import CheckpointError, UnsupportedModelError
 from shardwise.hf.files import config_folder
 from shardwise.io.guards import check_mesh, quant_scheme
 from shardwise.io.load import load
-from shardwise.io.quant_checks import drop_quantization_config
 from shardwise.io.storage import Location, locate
+from shardwise.quant import drop_quantization_config
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

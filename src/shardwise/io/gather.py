@@ -31,10 +31,10 @@ from shardwise.core.spec import Region, ShardSpec, chunk_layout, global_shape, l
 from shardwise.errors import CheckpointError, UnsupportedModelError
 from shardwise.holding import is_dtensor
 from shardwise.io.info import collect_checksums
-from shardwise.io.quant_save import gather_scales_to_rank0
 from shardwise.io.sink import FileSink, OpenFile, WritePlan
 from shardwise.io.storage import Location
 from shardwise.parallel import ShardState, get_shard_state, local_of
+from shardwise.quant import gather_scales_to_rank0
 
 # Bytes gathered per collective, all ranks together (see num_chunks).
 _CHUNK_BYTES = 64 << 20
@@ -270,7 +270,7 @@ class FileGatherer:
     def _full(self, item: SaveItem, writer) -> torch.Tensor | None:
         """The canonical tensor on rank 0 (None elsewhere); every rank of its group joins."""
         pg, gathers = self.axes.get(item.spec.axis, (None, False))
-        if item.gathered and gathers and item.tie is not None:  # each scale once (io.quant_save)
+        if item.gathered and gathers and item.tie is not None:  # each scale once (shardwise.quant)
             return gather_scales_to_rank0(self.backend, item.local, item.tie, item.spec, item.degree,
                                           item.rank, pg, keep=writer is not None)
         if item.gathered and gathers:  # after a failure too: peers must not wait

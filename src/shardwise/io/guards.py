@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from shardwise.core.adapter import refuse_unsupported
+from shardwise.core.quant import SUPPORTED_QUANT, quant_scheme  # noqa: F401 - quant_scheme: re-exported
 from shardwise.core.quant_layout import fp8_block_of, fp8_expert_pairs, quant_pairs
 from shardwise.errors import MeshError, UnsupportedModelError
 
@@ -24,9 +25,6 @@ _PLAIN_TENSOR_TYPES = ("Tensor", "Parameter", "DTensor", "Buffer")
 _BNB_PARAM_TYPES = ("Params4bit", "Int8Params")
 _QUANT_MODULE_TYPES = ("Linear4bit", "Linear8bitLt", "LinearNF4", "Float8Linear", "QuantizedLinear")
 _QUANT_TENSOR_MARKS = ("Float8", "AffineQuantized", "NF4", "Int4", "Int8", "Quantized", "Fp8")
-SUPPORTED_QUANT = ("FP8 with block scales (quant_method 'fp8', weight_block_size [128, 128] and others: "
-                   "transformers' FP8Linear) and MXFP4 (quant_method 'mxfp4': gpt-oss's experts as "
-                   "x_blocks / x_scales, one e8m0 scale per 32 e2m1 values)")
 _FLOAT8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
                                               "float8_e5m2fnuz") if hasattr(torch, n))
 
@@ -49,34 +47,6 @@ def check_model(model: nn.Module, *, action: str) -> None:
         raise TypeError(f"{action}: model must be a torch.nn.Module, got {type(model).__name__}")
     refuse_unsupported(model, action)  # what a library did to it: the Hugging Face adapter's guards
     _check_quantized_tensors(model, action)
-
-
-def quant_scheme(qc) -> tuple[str | None, str | None]:
-    """``(quant_method, None)`` for a quantization config shardwise supports (FP8 with block
-    scales: ``quant_method`` ``"fp8"``, a ``weight_block_size`` of two ints, float32 scales,
-    dynamic activations, no FP4 experts; MXFP4: ``quant_method`` ``"mxfp4"``, gpt-oss's
-    experts); ``(quant_method, why not)`` for any other."""
-    if isinstance(qc, str):  # bitsandbytes' flags on the model
-        return qc, ""
-
-    def get(name):
-        return qc.get(name) if isinstance(qc, dict) else getattr(qc, name, None)
-
-    method = get("quant_method")
-    method = str(getattr(method, "value", method)) if method is not None else None
-    if method == "mxfp4":  # fixed layout: 32 values a scale (its dequantize flag is a load option)
-        return method, None
-    if method != "fp8":
-        return method, ""
-    block = get("weight_block_size")
-    if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(
-            isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
-        return method, f"; weight_block_size is {block!r}: per-tensor FP8 scales are not supported yet"
-    for name, ok in (("scale_fmt", ("float", None)), ("activation_scheme", ("dynamic", None)),
-                     ("expert_dtype", ("fp8", None))):
-        if get(name) not in ok:
-            return method, f"; its {name} is {get(name)!r} (supported: {ok[0]!r})"
-    return method, None
 
 
 def _check_quantized_tensors(model: nn.Module, action: str) -> None:

@@ -31,11 +31,11 @@ from shardwise.errors import CheckpointError, PlanError, on_every_rank
 from shardwise.io.formats import open_source
 from shardwise.io.formats.safetensors.keys import check_dtype, listing, match_keys
 from shardwise.io.guards import check_mesh, check_model, check_options
-from shardwise.io.quant_checks import check_quantized_load, check_quantized_source, drop_quantization_config
 from shardwise.io.source import ReadOptions
 from shardwise.io.storage import Location, locate
 from shardwise.mesh import decode_mesh
 from shardwise.parallel import get_shard_state, resolve_for_mesh
+from shardwise.quant import check_quantized_load, check_quantized_source, drop_quantization_config
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from shardwise.parallel import (
     wire_dtensor,
     wire_local_shards,
 )
-from shardwise.quant_tp import local_part
+from shardwise.quant import local_part
 
 if typing.TYPE_CHECKING:
     from shardwise.backends.xla_spmd import SpmdMesh

@@ -31,11 +31,11 @@ from shardwise.io.formats.safetensors.files import parse_size
 from shardwise.io.gather import StreamSink, collect_items
 from shardwise.io.guards import check_model
 from shardwise.io.info import gather_info
-from shardwise.io.quant_checks import check_quantized_save
 from shardwise.io.sink import Saving, StoredTensor
 from shardwise.io.storage import Location, locate
 from shardwise.io.storage.transaction import target_path
 from shardwise.mesh import world_backend
+from shardwise.quant import check_quantized_save
 
 if TYPE_CHECKING:
     from shardwise.io.formats.dcp.checkpoint import AsyncSave

@@ -13,10 +13,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from shardwise.core.header import dtype_to_str, spec_nbytes
+from shardwise.core.quant import read_quantization
 from shardwise.errors import CheckpointError
-from shardwise.io.check.quant import describe_quantization, quant_pairs, quantization_config
 from shardwise.io.formats import open_source
 from shardwise.io.storage import Location, locate
+from shardwise.quant import describe_quantization, stored_pairs
 
 
 @dataclass
@@ -71,8 +72,8 @@ def _inspect(path: Location) -> Report:
 
 
 def _quantization(report: Report, root: Location) -> None:
-    qc = quantization_config(root)
-    pairs, _ = quant_pairs({n: (d, s) for n, d, s, _ in report.tensors}, qc)
+    qc = read_quantization(root)
+    pairs, _ = stored_pairs({n: (d, s) for n, d, s, _ in report.tensors}, qc)
     for pair in pairs.values():
         report.quant[pair.values] = pair.describe()
         report.quant[pair.scales] = f"{pair.describe()} scales"

@@ -6,7 +6,7 @@ hub names (a hub layout is matched to the other side's module names through the 
 ``slab_bytes`` a side at a time). Byte for byte by default; ``dtype=`` casts floating values
 first and ``atol``/``rtol`` accept ``torch.isclose`` values (NaN equal to NaN): such a tensor is
 ``close`` and the report ``equivalent`` rather than ``identical``. An FP8 weight whose bytes or
-scales differ from the other side's is compared dequantized (``io.check.quant``), its scales
+scales differ from the other side's is compared dequantized (``shardwise.quant``), its scales
 counted with it rather than "only in A".
 """
 
@@ -23,10 +23,10 @@ from shardwise.core.spec import Region
 from shardwise.errors import CheckpointError, UsageError
 from shardwise.io.check import print_safely
 from shardwise.io.check.against import as_dtype
-from shardwise.io.check.quant import Dequantizing, fp8_pairs
 from shardwise.io.formats import open_source
 from shardwise.io.source import Stored
 from shardwise.io.storage import locate, split_scheme
+from shardwise.quant import Dequantizing, fp8_pairs
 
 _SLAB_BYTES = 64 << 20
 

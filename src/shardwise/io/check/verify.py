@@ -4,7 +4,7 @@ One process, no model, memory bounded by one read buffer: the checkpoint's forma
 validates its structure (headers, index, chunk tiling; a DCP ``.metadata`` is a pickle: verify
 only what you would load), then every blob's bytes are streamed through the checksum recorded
 in ``shardwise.json`` (XXH3-64; CRC-32 in older checkpoints; a DCP chunk without one through
-its zip record's CRC-32). Quantized weights are checked against their scales (``io.check.quant``);
+its zip record's CRC-32). Quantized weights are checked against their scales (``shardwise.quant``);
 ``against=`` checks names, shapes and dtypes against a model (``io.check.against``).
 
 The outcome is ``OK`` (every chunk checksummed and matching), ``UNVERIFIED`` (structure only: a
@@ -20,14 +20,15 @@ import os
 from dataclasses import asdict, dataclass, field
 
 from shardwise.core.header import dtype_to_str
+from shardwise.core.quant import read_quantization
 from shardwise.errors import CheckpointError, ShardwiseError, UsageError
 from shardwise.io.check import print_safely
 from shardwise.io.check.against import AgainstReport, check_against, expectations
-from shardwise.io.check.quant import has_config, quant_pairs, quantization_config
 from shardwise.io.formats import capabilities, format_of
 from shardwise.io.info import INFO_FILE, read_info, recorded_checksums
 from shardwise.io.source import Stored
 from shardwise.io.storage import Location, locate
+from shardwise.quant import stored_pairs
 
 
 @dataclass
@@ -162,12 +163,12 @@ def _recorded(folder: Location, report: VerifyReport, found: dict[str, tuple[str
 def _check_quantized(path: Location, found: dict[str, tuple[str, tuple]], report: VerifyReport) -> None:
     """Every quantized weight has its scales, of the shape its block size needs."""
     root = path if path.is_folder() else path.parent
-    qc = quantization_config(root)
-    pairs, problems = quant_pairs(found, qc)
+    qc = read_quantization(root)
+    pairs, problems = stored_pairs(found, qc)
     report.problems += problems
     unknown = [p.values for p in pairs.values() if p.block is None]
-    if unknown and has_config(root):
-        report.problems.append(f"{root / 'config.json'}: no quantization_config with a weight_block_size, "
+    if unknown and qc.has_file:
+        report.problems.append(f"{qc.where}: no quantization_config with a weight_block_size, "
                                f"but {unknown[0]!r} (and {len(unknown) - 1} more) is FP8 with block scales; "
                                "a loader would read it as unquantized: write the checkpoint's "
                                "quantization_config into config.json")

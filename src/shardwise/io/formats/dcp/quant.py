@@ -1,13 +1,8 @@
-"""Block-quantized weights in distributed checkpoints: the scales follow their weight.
-
-A quantized module's weight is an ordinary tensor (split by its spec), its scales a tied tensor
-(``core.quant_layout``): a rank holds the scale of every block its weight shard touches, so
-where a shard boundary cuts a block, neighbouring ranks hold the same scale. A distributed save
-writes each scale once, from the rank owning its block (``scale_owned_layout``, as the gather
-save does), at its canonical offsets: the checkpoint holds the canonical scale tensor, loads at
-any degree and consolidates to the safetensors the hub ships. A load reads each rank's scale
-regions (``scale_layout``; DCP's overlap math reads a block two ranks share twice, once each)
-and keeps the stored dtypes of the weights and scales, whatever ``sw.load``'s ``dtype``.
+"""Block-quantized weights in distributed checkpoints: the scales follow their weight
+(``core.quant_layout``). A save writes each scale once, from the rank owning its block
+(``scale_owned_layout``), at its canonical offsets, so the checkpoint loads at any degree and
+consolidates to the hub's safetensors; a load reads each rank's scale regions (``scale_layout``)
+and keeps the stored dtypes of weights and scales, whatever ``sw.load``'s ``dtype``.
 """
 
 from __future__ import annotations
@@ -16,6 +11,7 @@ from collections.abc import Mapping
 
 import torch
 
+from shardwise.core.quant import FLOAT8, pair_of
 from shardwise.core.quant_layout import (
     QuantTie,
     scale_layout,
@@ -29,9 +25,6 @@ from shardwise.holding import is_dtensor
 from shardwise.io.formats.dcp.items import Placed, place
 from shardwise.io.source import Want
 from shardwise.io.staging import loaded_dtype
-
-FLOAT8 = frozenset(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
-                                                 "float8_e5m2fnuz") if hasattr(torch, n))
 
 
 def scale_placed(tensor: torch.Tensor, tie: QuantTie, spec: ShardSpec, degree: int, rank: int, *,
@@ -68,17 +61,16 @@ def read_dtype(stored: torch.dtype, want: Want, dtype: torch.dtype | None) -> to
 
 def check_fp8_match(root, stored: Mapping, keys: Mapping[str, str],
                     declared: Mapping[str, torch.dtype]) -> None:
-    """Refuse a model tensor stored FP8 next to its block scales that the model declares in
-    another dtype: a cast would ignore the scales (DCP loads are not dequantized)."""
+    """Refuse a model tensor stored FP8 next to its block scales (``core.quant.pair_of``) that the
+    model declares in another dtype: a cast would ignore the scales (DCP loads are not dequantized)."""
     for name, key in keys.items():
-        md = stored.get(key)
-        dtype = getattr(getattr(md, "properties", None), "dtype", None)
-        scale = key[: -len("weight")] + "weight_scale_inv" if key.endswith(".weight") else None
-        if dtype in FLOAT8 and declared[name] not in FLOAT8 and scale in stored:
+        dtype = getattr(getattr(stored.get(key), "properties", None), "dtype", None)
+        paired = pair_of(key, dtype, stored) if dtype is not None and dtype in FLOAT8 else None
+        if paired is not None and declared[name] not in FLOAT8:
             raise CheckpointError(
-                f"{root}: {key!r} is stored as {dtype} with block scales {scale!r}, but the model declares "
-                f"{declared[name]}; a distributed checkpoint loads into the quantized model it was saved "
-                "from (its FP8 modules: sw.from_pretrained builds them). To get it dequantized, "
+                f"{root}: {key!r} is stored as {dtype} with block scales {paired[0]!r}, but the model "
+                f"declares {declared[name]}; a distributed checkpoint loads into the quantized model it was "
+                "saved from (its FP8 modules: sw.from_pretrained builds them). To get it dequantized, "
                 "sw.consolidate it to safetensors and load that with dequantize=True")
 
 

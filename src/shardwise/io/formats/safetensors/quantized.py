@@ -1,30 +1,14 @@
 """Block-quantized checkpoints read per rank: a weight and its scales as one tied read.
 
-FP8: a checkpoint stores ``x.weight`` as ``float8_e4m3fn`` next to ``x.weight_scale_inv``
-(float32, one scale per block of ``weight_block_size`` in its ``config.json``). MXFP4
-(gpt-oss): ``x_blocks`` uint8 ``(..., rows, K/32, 16)`` next to ``x_scales`` uint8 ``(..., rows,
-K/32)`` for the module's parameter ``x``, which holds the transpose ``(..., K, rows)`` dequantized.
-Two ways to read them:
-
-- kept quantized (the model holds ``FP8Linear`` modules, or MXFP4 expert modules holding
-  ``x_blocks`` / ``x_scales``): the values are an ordinary tensor and the scales a model tensor
-  of their own, read at :func:`core.quant_layout.scale_layout` (``SafetensorsSource.plan``
-  does it, from the ``Want``'s tie);
-- ``dequantize=True`` (the model holds plain ``nn.Linear`` / gpt-oss's plain experts): the model
-  tensor is a :class:`Dequantized` source, and :class:`Dequantizer` reads the rank's value
-  and scale regions (``core.quant_dequant.dequant_reads``), then dequantizes only that shard
-  into the loaded dtype.
-
-Why a tied pair of reads finished by one callback, like the hub layout's ``Assembler``, and
-not a composite of pieces: the pieces machinery copies boxes of stored tensors into place,
-while here the stored tensors are combined element by element (values times their block's
-scale), and the scale's region is not a box of the weight's but a function of it
-(``scale_region``). The reader stays what it is (it reads boxes); the pairing and the math
-live here and in ``core``.
-
-:func:`pair_quantized` and :func:`pair_mxfp4` run in the key matching of every safetensors
-source, so a quantized checkpoint never fills a plain model by a bare cast (nor leaves its
-tensors "missing"): without ``dequantize=True`` it raises.
+Kept quantized (the model holds FP8 or MXFP4 modules), the values are an ordinary tensor and
+the scales a model tensor of their own, read at ``core.quant_layout.scale_layout``
+(``SafetensorsSource.plan``). With ``dequantize=True`` (a plain model) the model tensor is a
+:class:`Dequantized` source: :class:`Dequantizer` reads the rank's value and scale regions
+(``core.quant_layout.dequant_reads``) and dequantizes only that shard into the loaded dtype.
+The stored tensors combine element by element, so this is a pair of reads finished by one
+callback, not a composite of pieces. :func:`pair_quantized` and :func:`pair_mxfp4` run in the
+key matching of every safetensors source, so a quantized checkpoint never fills a plain model
+by a bare cast: without ``dequantize=True`` it raises.
 """
 
 from __future__ import annotations
@@ -33,33 +17,34 @@ import ctypes
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from shardwise.core.adapter import folder_quantization
 from shardwise.core.header import TensorEntry
 from shardwise.core.pieces import Composite, piece_reads
-from shardwise.core.quant import MXFP4_GROUP, QuantScheme, scale_shape
-from shardwise.core.quant_dequant import dequant_reads, dequantize_shard, scale_pieces
+from shardwise.core.quant import (
+    FLOAT8,
+    MXFP4_GROUP,
+    QuantScheme,
+    pair_of,
+    read_quantization,
+    scale_key,
+    scale_shape,
+)
+from shardwise.core.quant_layout import dequant_reads, dequantize_shard, scale_pieces
 from shardwise.errors import CheckpointError, PlanError
 from shardwise.io.formats.safetensors.reader import ReadItem
-from shardwise.io.guards import SUPPORTED_QUANT, quant_scheme
 from shardwise.io.source import Finalize, Want
 from shardwise.io.storage import Location
-
-FLOAT8 = frozenset(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
-                                                 "float8_e5m2fnuz") if hasattr(torch, n))
 
 
 @dataclass(frozen=True)
 class Dequantized:
     """A model tensor of ``shape`` stored block-quantized, loaded dequantized: the stored
     ``weight`` (FP8 values or MXFP4 blocks) and ``scale``, each a ``(file, entry)`` or a
-    :class:`Composite` of stored tensors in the model tensor's coordinates (FP8 experts stored
-    per expert, their scales per expert or fused), the ``scheme`` (name and block on the
-    logical weight), the model's ``declared`` dtype, and whether the model tensor is the
-    stored weight ``transposed`` (gpt-oss's experts)."""
+    :class:`Composite` in the model tensor's coordinates (FP8 experts stored per expert), its
+    ``scheme``, the model's ``declared`` dtype, and whether the model tensor is the stored
+    weight ``transposed`` (gpt-oss's experts)."""
 
     weight: tuple[Location, TensorEntry] | Composite
     scale: tuple[Location, TensorEntry] | Composite
@@ -67,11 +52,6 @@ class Dequantized:
     declared: torch.dtype
     shape: tuple[int, ...]
     transposed: bool = False
-
-
-def scale_key(name: str) -> str:
-    """The key of the scales of the stored weight ``name`` (DeepSeek-V3 and transformers)."""
-    return name[: -len("weight")] + "weight_scale_inv" if name.endswith(".weight") else f"{name}_scale_inv"
 
 
 def pair_quantized(sources: dict, found: Mapping[str, str], declared: Mapping[str, torch.dtype], ckpt, *,
@@ -88,27 +68,28 @@ def pair_quantized(sources: dict, found: Mapping[str, str], declared: Mapping[st
     for name, source in sources.items():
         if isinstance(source, Composite):
             if source.entry.torch_dtype in FLOAT8:
-                block = block or checkpoint_block(ckpt.root, model_config)
+                block = block or read_quantization(ckpt.root, model_config).fp8_block()
                 used |= _pair_composite(sources, name, source, declared[name], ckpt, block, dequantize)
             continue
         file, entry = source
-        stored_fp8, declared_fp8 = entry.torch_dtype in FLOAT8, declared[name] in FLOAT8
+        declared_fp8 = declared[name] in FLOAT8
         if (declared_fp8 or name in quantized) and entry.torch_dtype != declared[name]:
             raise CheckpointError(f"{file}: {name!r} is stored as {entry.torch_dtype} but the model holds it "
                                   f"as {declared[name]} (FP8 weights and their scales are kept as stored); "
                                   "shardwise does not quantize or convert them on load: load the FP8 "
                                   "checkpoint of this model, or build the model unquantized and pass "
                                   "dequantize=True")
-        key = scale_key(found[name])
-        if not stored_fp8 or declared_fp8 or key not in stored:
+        paired = pair_of(found[name], entry.torch_dtype, stored)
+        if paired is None or paired[1] != "fp8_block" or declared_fp8:
             continue
+        key = paired[0]
         if not dequantize:
             raise CheckpointError(
                 f"{file}: {found[name]!r} is stored as {entry.torch_dtype} with block scales {key!r} (an FP8 "
                 f"checkpoint) but the model declares {declared[name]}; pass dequantize=True to load it "
                 "dequantized into the model's dtype, or build the model with its FP8 modules "
                 "(sw.from_pretrained does, unless dequantize=True)")
-        block = block or checkpoint_block(ckpt.root, model_config)
+        block = block or read_quantization(ckpt.root, model_config).fp8_block()
         scale = ckpt.entry(key)
         want = scale_shape(entry.shape, block)
         if scale[1].shape != want:
@@ -191,8 +172,8 @@ def pair_mxfp4(absent: set[str], shapes: Mapping[str, tuple[int, ...]], declared
                 "model's dtype, or build the model with MXFP4 expert modules holding the blocks and scales "
                 "as they are stored (sw.from_pretrained does, unless dequantize=True)")
         if method is None:
-            qc = _quantization_config(ckpt.root)
-            method = quant_scheme(qc)[0] if qc is not None else "mxfp4"
+            qc = read_quantization(ckpt.root)
+            method = qc.method if qc.config is not None else "mxfp4"
         if method != "mxfp4":
             raise CheckpointError(f"{ckpt.root}: the model config's quant_method {method!r}, but {name!r} is "
                                   "stored as MXFP4 blocks and scales; shardwise reads such a pair as MXFP4 "
@@ -219,37 +200,6 @@ def _check_mxfp4(file, name: str, blocks: TensorEntry, scales: TensorEntry, shap
             "model's configuration")
 
 
-def checkpoint_block(root: Location, model_config=None) -> tuple[int, int]:
-    """The ``weight_block_size`` of the FP8 checkpoint in ``root`` (its ``config.json``; else the
-    model config's ``quantization_config``), checked to be a scheme shardwise supports."""
-    where: Location | str
-    qc: Any
-    found = folder_quantization(root)
-    qc, where = found if found is not None else (None, root)
-    if qc is None and model_config is not None:
-        qc, where = getattr(model_config, "quantization_config", None), "model.config"
-    if qc is None:
-        raise CheckpointError(f"{root}: FP8 weights with scales, but no quantization_config (the model "
-                              "config next to the weights, or the model's config) says their "
-                              "weight_block_size; put the checkpoint's model config beside it")
-    method, why = quant_scheme(qc)
-    if why is not None:
-        raise CheckpointError(f"{where}: quantization {method!r}{why}; shardwise reads {SUPPORTED_QUANT}")
-    if method != "fp8":
-        raise CheckpointError(f"{where}: quant_method {method!r}, but the checkpoint holds FP8 weights with "
-                              "block scales; load a checkpoint whose model config describes its tensors")
-    block = qc.get("weight_block_size") if isinstance(qc, dict) else qc.weight_block_size
-    assert block is not None  # quant_scheme accepted it: an fp8 scheme has its weight_block_size
-    return int(block[0]), int(block[1])
-
-
-def _quantization_config(root: Location):
-    """The ``quantization_config`` the model adapter finds beside the checkpoint in ``root``
-    (None: no config there, or none in it)."""
-    found = folder_quantization(root)
-    return found[0] if found is not None else None
-
-
 def _malloc_trim():
     """glibc's ``malloc_trim`` (hands the heap's free pages back), or ``None`` off glibc."""
     try:
@@ -265,16 +215,12 @@ _MALLOC_TRIM = _malloc_trim()
 
 
 class Dequantizer:
-    """The reads of :class:`Dequantized` tensors and their dequantization.
-
-    ``items`` are the reads of each wanted local tensor's two parts, the stored values (fp8, or
-    MXFP4 blocks) and the scales, at the boxes its regions touch
-    (``core.quant_dequant.dequant_reads``): one :class:`ReadItem` for a part stored as one
-    tensor, one per overlap with a stored tensor for a :class:`Composite` part
-    (``core.pieces.piece_reads``), copied into place as it arrives. When both parts are
-    complete :meth:`take` dequantizes the shard (``core.quant_dequant.dequantize_shard``:
-    float32 in chunks, cast once into ``dtype``, else the model's declared dtype), drops the
-    raw parts and finalizes the result. Peak per tensor: its quantized shards plus the output."""
+    """The reads of :class:`Dequantized` tensors and their dequantization. ``items`` read each
+    wanted local tensor's two parts (values, scales) at the boxes its regions touch
+    (``core.quant_layout.dequant_reads``): one :class:`ReadItem` for a stored tensor, one per
+    overlap for a :class:`Composite` part, copied into place as it arrives. When both parts are
+    complete :meth:`take` dequantizes the shard into ``dtype`` (else the declared dtype), drops
+    the raw parts and finalizes it. Peak per tensor: its quantized shards plus the output."""
 
     def __init__(self, tensors: Mapping[str, tuple[Dequantized, Want]]):
         self.items: list[ReadItem] = []
@@ -351,5 +297,4 @@ def _part_items(name: str, source, layout, shape) -> list[tuple[ReadItem, tuple[
     return out
 
 
-__all__ = ["Dequantized", "Dequantizer", "FLOAT8", "checkpoint_block", "pair_mxfp4", "pair_quantized",
-           "scale_key"]
+__all__ = ["Dequantized", "Dequantizer", "pair_mxfp4", "pair_quantized"]
