@@ -39,6 +39,8 @@ class ModelConfig:
     top_k: int = 2
     moe_layers: tuple[bool, ...] = (False, True)  # per layer: an MoE layer (True) or dense SwiGLU
     tie: bool = False  # lm_head tied to the embedding
+    qk_norm: bool = True  # q_norm / k_norm on the head dim (Qwen3); False: Llama-like
+    fused_gate_up: bool = False  # the dense SwiGLU as one packed gate_up_proj (Phi-3), not gate|up
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -87,6 +89,21 @@ EP_PLAN = {
 }
 
 
+def tp_plan(config: ModelConfig = CONFIG) -> dict:
+    """:data:`TP_PLAN` for the modules a toy of ``config`` has: no q/k norms without
+    ``qk_norm``, no experts without an MoE layer, the packed dense ``gate_up_proj`` in place of
+    ``gate_proj`` / ``up_proj`` with ``fused_gate_up``."""
+    absent: tuple[str, ...] = ()
+    if not config.qk_norm:
+        absent += (".q_norm", ".k_norm")
+    if not any(config.moe_layers):
+        absent += (".experts", ".experts.gate_up_proj", ".experts.down_proj")
+    if config.fused_gate_up:
+        absent += (".mlp.gate_proj", ".mlp.up_proj")
+    plan = {k: v for k, v in TP_PLAN.items() if not k.endswith(absent)}
+    return {**plan, "model.layers.*.mlp.gate_up_proj": "packed_colwise"} if config.fused_gate_up else plan
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -96,8 +113,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=False)
-        self.q_norm = nn.RMSNorm(cfg.head_dim)
-        self.k_norm = nn.RMSNorm(cfg.head_dim)
+        norm = nn.RMSNorm if cfg.qk_norm else nn.Identity
+        self.q_norm, self.k_norm = norm(cfg.head_dim), norm(cfg.head_dim)
 
     def forward(self, x):
         b, t, _ = x.shape
@@ -110,14 +127,22 @@ class Attention(nn.Module):
 
 
 class Mlp(nn.Module):
-    def __init__(self, hidden: int, inter: int):
+    def __init__(self, hidden: int, inter: int, fused: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        if fused:  # packed [gate; up]: a colwise shard holds its part of each
+            self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
+        else:
+            self.gate_proj = nn.Linear(hidden, inter, bias=False)
+            self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.fused = fused
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.fused:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Experts(nn.Module):
@@ -163,7 +188,7 @@ class Layer(nn.Module):
         self.input_layernorm = nn.RMSNorm(cfg.hidden)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden)
-        self.mlp = MoE(cfg) if moe else Mlp(cfg.hidden, cfg.inter)
+        self.mlp = MoE(cfg) if moe else Mlp(cfg.hidden, cfg.inter, cfg.fused_gate_up)
 
     def forward(self, x):
         x = x + self.self_attn(self.input_layernorm(x))
@@ -197,7 +222,7 @@ class ToyLM(nn.Module):
 
     @property
     def tp_plan(self) -> dict:  # as a transformers causal LM exposes it, for plan="auto"
-        return dict(TP_PLAN)
+        return tp_plan(self.config)
 
     @property
     def ep_plan(self) -> dict:
