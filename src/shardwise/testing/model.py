@@ -1,18 +1,12 @@
-"""The one toy transformer: the model every backend validates on, the one ``shardwise demo``
-streams (at the sizes of :data:`SIZES`), built in code (no download, no transformers).
+"""The one toy transformer, built in code: what every backend validates on, what ``shardwise
+demo`` streams (:data:`SIZES`), and the benchmarks' model (a Llama-like :class:`ModelConfig`).
 
-Shaped like a Qwen3-MoE causal LM, small, and divisible at every degree the suite runs:
-16 attention heads and 8 KV heads (grouped-query attention; head_dim 4), ``q_norm`` /
-``k_norm`` on the head dim, one dense SwiGLU layer and one MoE layer of 16 experts held as
-fused 3-D parameters (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``) with a top-2
-router, an untied head. The plans are the ones transformers ships for Qwen3-MoE
-(``base_model_tp_plan``, ``base_model_ep_plan``), so the suite exercises plain, packed,
-parameter-key, replicated-with-gradient-all-reduce, MoE and expert-parallel styles.
-
-Tensor parallel degrees must divide the 8 KV heads (1, 2, 4, 8); expert parallel degrees the
-16 experts (up to 16). Every size is a multiple of 16, so each sharded dim divides.
-
-:func:`golden` is the one-process CPU run every layout is compared with.
+By default shaped like a small Qwen3-MoE causal LM: 16 heads over 8 KV heads (head_dim 4),
+``q_norm`` / ``k_norm``, one dense SwiGLU layer and one MoE layer of 16 fused experts
+(``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``, top-2 router), an untied head; the
+plans are transformers' for Qwen3-MoE (``base_model_tp_plan``, ``base_model_ep_plan``). tp
+degrees divide the 8 KV heads, ep degrees the 16 experts. :func:`golden` is the one-process
+CPU run every layout is compared with.
 """
 
 from __future__ import annotations
