@@ -216,15 +216,15 @@ def _toy():
 
 def bench_config(num_layers: int, hidden: int, vocab: int):
     """The toy of ``shardwise.testing.model`` shaped like a Llama stack: 8 heads (no GQA, no
-    q/k norms), a packed gate_up [8h, h], down [h, 4h], a tied head. ``hidden`` must divide by
+    q/k norms), a packed gate_up [8h, h], down [h, 4h], an untied head. ``hidden`` must divide by
     8 * 8 (degrees 1, 2, 4, 8 split whole heads)."""
     return _toy().ModelConfig(vocab=vocab, hidden=hidden, heads=8, kv_heads=8, head_dim=hidden // 8,
-                       inter=4 * hidden, moe_layers=(False,) * num_layers, tie=True, qk_norm=False,
+                       inter=4 * hidden, moe_layers=(False,) * num_layers, tie=False, qk_norm=False,
                        fused_gate_up=True)
 
 
 def bench_plan() -> dict[str, str]:
-    """The toy's plan for its layers (embedding and tied head replicated). "packed_colwise"
+    """The toy's plan for its layers (embedding and head replicated). "packed_colwise"
     stands for gate|up blocks of ratio [1, 1]: see :func:`real_plan`."""
     return {k: v for k, v in _toy().tp_plan(bench_config(1, 64, 64)).items() if ".layers." in k}
 
@@ -268,7 +268,7 @@ def shard_specs(config: dict, plan: dict[str, str], degree: int) -> dict[str, sw
 
 
 def bench_tensors(num_layers: int, hidden: int, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of every tensor of :func:`bench_model`, in checkpoint order (the tied head once)."""
+    """(name, shape) of every tensor of :func:`bench_model`, in checkpoint order."""
     with torch.device("meta"):
         model = bench_model(num_layers, hidden, vocab)
     return [(name, tuple(p.shape)) for name, p in model.named_parameters()]
@@ -300,7 +300,7 @@ def make_checkpoint(folder, total_bytes: int, file_bytes: int, *, dtype: torch.d
     """Write (or reuse) a sharded safetensors checkpoint of a Llama-like stack near ``total_bytes``.
 
     The tensors of :func:`bench_model`: per layer q/k/v/o [h, h], packed gate_up [8h, h],
-    down [h, 4h], two norms [h]; an embedding [8h, h] (the head tied to it) and a final norm.
+    down [h, 4h], two norms [h]; an embedding and a head [8h, h], a final norm.
     ``h`` is the largest multiple of 64 that keeps the total under ``total_bytes``, so every
     split over 1, 2, 4 or 8 ranks is even. Tensors are generated and streamed to disk one at a
     time (peak memory ~ one tensor in float32). A checkpoint already in ``folder`` with the same
@@ -310,7 +310,7 @@ def make_checkpoint(folder, total_bytes: int, file_bytes: int, *, dtype: torch.d
 
     folder = Path(folder)
     item = torch.empty((), dtype=dtype).element_size()
-    hidden = max(64, int(math.sqrt(total_bytes / item / (16 * layers + 8))) // 64 * 64)
+    hidden = max(64, int(math.sqrt(total_bytes / item / (16 * layers + 16))) // 64 * 64)
     cfg = {"num_layers": layers, "hidden": hidden, "vocab": 8 * hidden,
            "dtype": str(dtype).removeprefix("torch."), "seed": seed, "file_bytes": int(file_bytes)}
     tensors = bench_tensors(layers, hidden, 8 * hidden)

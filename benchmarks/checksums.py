@@ -29,7 +29,7 @@ from _common import bench_model, bench_plan, markdown_table, publish_reliability
 
 def cost_model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return bench_model(8, 1024, 16384)  # 0.52 GB of float32
+    return bench_model(8, 1024, 16384)  # 0.67 GB of float32
 
 
 def save_rank(root: str, kind: str, rounds: int) -> dict[bool, list[float]]:

@@ -128,9 +128,9 @@ def reshard_rank(ckpt: str, src: str, shard_embedding: bool) -> dict:
         model = checkpoint_model(ckpt, dtype=torch.bfloat16)
     plan = real_plan(bench_plan())
     if shard_embedding:  # the canonical checkpoint loads under another plan as well
-        plan["embed"] = "embedding_rowwise"
+        plan["model.embed_tokens"] = "embedding_rowwise"
     seconds, peak = _timed(lambda: sw.load(model, src, plan=plan, mesh=mesh))
-    local = sum(getattr(p, "_local_tensor", p).nbytes for p in model.state_dict().values())
+    local = sum(getattr(p, "_local_tensor", p).nbytes for p in model.parameters())
     return {"seconds": seconds, "peak": peak.bytes, "local": local, "rss_method": peak.method}
 
 

@@ -40,7 +40,7 @@ HIDDEN, VOCAB = 1024, 32000
 
 def _layers(size: int) -> int:
     per_layer = 16 * HIDDEN * HIDDEN * 4  # q, k, v, o + gate_up (8h x h) + down, float32
-    return max(1, (size - VOCAB * HIDDEN * 4) // per_layer)
+    return max(1, (size - 2 * VOCAB * HIDDEN * 4) // per_layer)  # embedding and head
 
 
 def _fsdp(model, mesh):
@@ -147,7 +147,7 @@ def main() -> None:
                       "peak_mib": peak / 2**20, "bucket_mib": bucket / 2**20,
                       "same": "yes" if all(r["same"][method] for r in ranks) else "NO"})
     layers = ranks[0]["layers"]
-    total = (VOCAB * HIDDEN + layers * 16 * HIDDEN * HIDDEN) * 4 + (2 * layers + 1) * HIDDEN * 4
+    total = (2 * VOCAB * HIDDEN + layers * 16 * HIDDEN * HIDDEN) * 4 + (2 * layers + 1) * HIDDEN * 4
     plan_s = max(r["plan_s"] for r in ranks)
     notes = (f"The bench-model toy, hidden {HIDDEN}, {layers} layers, vocab {VOCAB}: {total / 1e9:.3f} GB in "
              "float32 under FSDP2 x TP (mesh(dp_shard=2, tp=2)) into bfloat16 at mesh(tp=4), colocated "

@@ -33,7 +33,7 @@ TIMEOUT = 10.0  # seconds: the collectives' timeout in every trial
 
 def trial_model(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return bench_model(4, 384, 4096)  # ~40 MB of float32: a save takes long enough to be hit
+    return bench_model(4, 384, 4096)  # ~50 MB of float32: a save takes long enough to be hit
 
 
 def _files(folder: Path) -> dict[str, str] | None:
