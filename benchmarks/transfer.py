@@ -46,7 +46,7 @@ def _layers(size: int) -> int:
 def _fsdp(model, mesh):
     from torch.distributed.fsdp import fully_shard
 
-    for block in model.layers:
+    for block in model.model.layers:
         fully_shard(block, mesh=mesh["dp_shard"])
     return fully_shard(model, mesh=mesh["dp_shard"])
 
