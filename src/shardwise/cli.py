@@ -14,9 +14,9 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from shardwise.io.check.inspect import main_inspect
+    from shardwise.io.check import main_inspect
 
-    return main_inspect(args.path)
+    return main_inspect(args.path, storage_options=args.storage_options)
 
 
 def _consolidate(args: argparse.Namespace) -> int:
@@ -25,17 +25,19 @@ def _consolidate(args: argparse.Namespace) -> int:
     from shardwise.errors import ShardwiseError
     from shardwise.io.consolidate import consolidate
     from shardwise.io.formats.safetensors.checkpoint import resolve_checkpoint
+    from shardwise.io.storage import locate, split_scheme
 
     start = time.perf_counter()
     try:
         out = consolidate(args.src, args.dst, max_shard_size=args.max_shard_size,
-                          filename_prefix=args.prefix, overwrite=args.overwrite)
+                          filename_prefix=args.prefix, overwrite=args.overwrite,
+                          storage_options=args.storage_options)
     except ShardwiseError as e:
         # The library's refusals name its keyword; on the command line the fix is the flag.
         print(f"shardwise consolidate: {str(e).replace('overwrite=True', '--overwrite')}", file=sys.stderr)
         return 1
     seconds = time.perf_counter() - start
-    ckpt = resolve_checkpoint(out)
+    ckpt = resolve_checkpoint(locate(out, args.storage_options if split_scheme(out)[0] else None))
     print(f"wrote {out}: {len(ckpt.names)} tensors, {ckpt.total_size:,} bytes in {len(ckpt.files)} "
           f"file(s), {seconds:.1f} s")
     return 0
@@ -45,7 +47,7 @@ def _verify(args: argparse.Namespace) -> int:
     from shardwise.io.check.verify import main_verify
 
     return main_verify(args.path, as_json=args.json, against=args.against, dtype=args.dtype,
-                       layout=args.layout)
+                       layout=args.layout, storage_options=args.storage_options)
 
 
 def _check_verify(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -56,7 +58,8 @@ def _check_verify(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 def _diff(args: argparse.Namespace) -> int:
     from shardwise.io.check.diff import main_diff
 
-    return main_diff(args.a, args.b, as_json=args.json, atol=args.atol, rtol=args.rtol, dtype=args.dtype)
+    return main_diff(args.a, args.b, as_json=args.json, atol=args.atol, rtol=args.rtol, dtype=args.dtype,
+                     storage_options=args.storage_options)
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -73,6 +76,19 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not a positive number of ranks")
     return value
+
+
+def _storage_option(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.isidentifier():
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    return key, value
+
+
+def _add_storage_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--storage-option", dest="storage_options", type=_storage_option, action="append",
+                        default=None, metavar="KEY=VALUE",
+                        help="an option of the storage a URL location (scheme://...) names (repeatable)")
 
 
 def _check_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -113,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_demo, check=_check_demo, subparser=demo)
     inspect = sub.add_parser("inspect", help="describe a checkpoint: format, tensors, dtypes, size, layout")
     inspect.add_argument("path", help="a .safetensors file, an index, or a checkpoint folder (DCP too)")
+    _add_storage_options(inspect)
     inspect.set_defaults(func=_inspect)
     merge = sub.add_parser("consolidate", help="turn a distributed checkpoint into safetensors (one process)")
     merge.add_argument("src", help="the distributed (DCP) checkpoint folder")
@@ -121,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--prefix", default="model", help="file name prefix (default: model)")
     merge.add_argument("--overwrite", action="store_true",
                        help="replace DST once the new one is complete")
+    _add_storage_options(merge)
     merge.set_defaults(func=_consolidate)
     check = sub.add_parser("verify", help="check a checkpoint's structure and every tensor's checksum "
                                           "(exit 0 OK, 1 FAILED, 3 UNVERIFIED: no fault "
@@ -138,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --against: the key layout to expect: hub (what save_pretrained "
                             "writes), module (the model's own names) or auto (default: the one the "
                             "checkpoint matches)")
+    _add_storage_options(check)
     check.set_defaults(func=_verify, check=_check_verify, subparser=check)
     compare = sub.add_parser("diff", help="compare two checkpoints tensor by tensor, any layouts "
                                           "(exit 0 when identical or within --atol/--rtol, 1 when not, "
@@ -152,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--dtype", default=None, metavar="DTYPE",
                          help="cast floating-point values of both sides to DTYPE (bfloat16, BF16, ...) "
                               "before comparing: a bfloat16 save against its float32 source")
+    _add_storage_options(compare)
     compare.set_defaults(func=_diff)
     from shardwise.validate import add_arguments
 
@@ -166,6 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "storage_options", None) is not None:
+        args.storage_options = dict(args.storage_options)
     check = getattr(args, "check", None)
     if check is not None:
         check(args, args.subparser)

@@ -25,8 +25,9 @@ from torch import nn
 import shardwise as sw
 from harness import RankFailure, run_ranks
 from models import TinyTransformer, make_model, tiny_plan
+from shardwise.io.storage import locate
 from shardwise.io.formats.safetensors.checkpoint import resolve_checkpoint
-from shardwise.io.safetensors.format import StreamingWriter
+from shardwise.io.formats.safetensors.files import StreamingWriter
 
 HOLDINGS = ("dtensor", "local")
 SMALL = "20KB"  # the tiny model is 160 KB: several files
@@ -248,7 +249,7 @@ def test_rank_killed_mid_save(tmp_path, victim):
         stale = _leftovers(tmp_path)  # rank 0 died: its temporary folder is still there...
         assert len(stale) == 1 and stale[0].startswith(".ckpt.shardwise-tmp-")
         assert not any(p.name.endswith(".index.json") for p in (tmp_path / stale[0]).iterdir())
-        assert resolve_checkpoint(target).root == target  # ...and is not what a loader finds
+        assert resolve_checkpoint(target).root == locate(target)  # ...and is not what a loader finds
     else:  # rank 0 saw its peer die, removed its temporary folder and raised
         assert not target.exists()
         assert _leftovers(tmp_path) == []

@@ -15,6 +15,7 @@ from shardwise.core import adapter as core_adapter
 from shardwise.core.adapter import ModelAdapter, adapter_for, register_adapter
 from shardwise.core.plan import resolve_plan
 from shardwise.errors import UnsupportedModelError, UsageError
+from shardwise.io.storage import write_small
 
 SRC = Path(sw.__file__).parent
 
@@ -49,7 +50,7 @@ class MyLib(ModelAdapter):
         return "weights"
 
     def write_side_files(self, model, folder):
-        (Path(folder) / "mylib.json").write_text(json.dumps({"class": type(model).__name__}))
+        write_small(folder / "mylib.json", json.dumps({"class": type(model).__name__}).encode())
         return ["mylib.json"]
 
 

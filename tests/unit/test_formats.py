@@ -6,7 +6,6 @@ import json
 import subprocess
 import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,10 +15,11 @@ import shardwise as sw
 from shardwise.core.header import dtype_to_str, str_to_dtype
 from shardwise.errors import CheckpointError, UsageError
 from shardwise.io import formats
-from shardwise.io.check.inspect import inspect_checkpoint
+from shardwise.io.check import inspect_checkpoint
 from shardwise.io.formats.sharded.checkpoint import sharding_metadata
 from shardwise.io.info import digest_hex
 from shardwise.io.source import Blob, Description
+from shardwise.io.storage import read_small
 
 TENSORS = {"w": torch.arange(12, dtype=torch.float32).reshape(4, 3),
            "b": torch.tensor([1, 2, 3], dtype=torch.int64)}
@@ -99,15 +99,15 @@ class RawSource:
     name = "raw"
 
     def __init__(self, path):
-        self.root, self.bytes_read = Path(path), 0
-        self.listing = json.loads((self.root / "raw.json").read_text())
+        self.root, self.bytes_read = path, 0  # a Location: read through its storage
+        self.listing = json.loads(read_small(self.root / "raw.json", what="the listing"))
 
     def tensors(self):
         return {n: (str_to_dtype(t["dtype"]), tuple(t["shape"])) for n, t in self.listing.items()}
 
     def _whole(self, name):
         dtype, shape = self.tensors()[name]
-        data = bytearray((self.root / f"{name}.bin").read_bytes())
+        data = bytearray(read_small(self.root / f"{name}.bin", what="a tensor"))
         return torch.frombuffer(data, dtype=dtype).reshape(shape)
 
     def read_box(self, name, box):
@@ -118,7 +118,7 @@ class RawSource:
 
     def blobs(self):
         for name in self.listing:
-            data = (self.root / f"{name}.bin").read_bytes()
+            data = read_small(self.root / f"{name}.bin", what="a tensor")
             yield Blob(name, None, len(data),
                        lambda algorithm, data=data: (digest_hex(data, algorithm), None))
 
@@ -131,8 +131,8 @@ class RawSource:
 
 def _raw_plugin() -> types.ModuleType:
     plugin = types.ModuleType("raw_format_plugin")
-    plugin.NAME, plugin.DEQUANTIZES = "raw", False
-    plugin.claims = lambda path: (Path(path) / "raw.json").is_file()
+    plugin.NAME, plugin.CAPABILITIES = "raw", formats.Capabilities(label="raw")  # read only: no writer
+    plugin.claims = lambda path: (path / "raw.json").stat() is not None
     plugin.open_source = lambda path, **options: RawSource(path)
     return plugin
 
@@ -163,3 +163,21 @@ def test_a_new_format_is_one_plugin_and_one_line(tmp_path, registry, monkeypatch
     (raw / "w.bin").write_bytes(torch.zeros(4, 3).numpy().tobytes())
     changed = sw.diff(raw, merged)
     assert [d.name for d in changed.differ] == ["w"] and changed.same == 1
+
+
+def test_save_asks_the_registry_for_the_writer(tmp_path, registry, monkeypatch):
+    """One vocabulary: sw.save's spellings map to the registry's names in one place, and a
+    read-only format (no writer) or a format of the other kind is refused before anything
+    is written."""
+    assert formats.save_format(None, distributed=False).NAME == "safetensors"
+    assert formats.save_format(None, distributed=True).NAME == "dcp"
+    assert formats.save_format("distcp", distributed=True).NAME == "dcp"
+    assert formats.save_format("safetensors", distributed=True).NAME == "sharded"
+    assert formats.capabilities("dcp").async_save and not formats.capabilities("sharded").async_save
+    monkeypatch.setitem(sys.modules, "raw_format_plugin", _raw_plugin())
+    formats.register_format("raw", "raw_format_plugin")
+    with pytest.raises(UsageError, match="the raw format is read only.*writable formats: dcp, sharded"):
+        sw.save(torch.nn.Linear(3, 4), tmp_path / "out", format="raw")
+    with pytest.raises(UsageError, match="format='dcp' writes a distributed checkpoint"):
+        formats.save_format("dcp", distributed=False)
+    assert not (tmp_path / "out").exists()

@@ -21,7 +21,7 @@ from shardwise.errors import CheckpointError
 from shardwise.io.formats.safetensors.checkpoint import resolve_checkpoint
 from shardwise.io.formats.safetensors.mapped import contiguous_span, copy_mapped
 from shardwise.io.formats.safetensors.reader import RegionReader, cpu_views, plan_reads
-from shardwise.io.storage.local import LOCAL
+from shardwise.io.storage import locate
 
 TENSORS = {
     "rows": (torch.arange(96.0).reshape(24, 4), ShardSpec(dim=0)),
@@ -79,7 +79,7 @@ def test_views_and_strided_copies_equal_split(ckpt, degree, views):
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/self/maps")
 def test_a_contiguous_region_is_a_private_view_of_the_file(ckpt):
-    path = next(iter(ckpt.headers))
+    path = next(iter(ckpt.headers)).path  # the local file
     before = path.read_bytes()
     got, _, _ = _read(ckpt, 2, 1, cpu_views(torch.device("cpu"), None))
     # one run on disk, no cast: a view of the file; a column slice and a packed shard: copies
@@ -101,7 +101,7 @@ def test_a_contiguous_region_is_a_private_view_of_the_file(ckpt):
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/self/maps")
 def test_a_column_slice_is_a_strided_view_of_the_file(ckpt):
-    path = next(iter(ckpt.headers))
+    path = next(iter(ckpt.headers)).path  # the local file
     before = path.read_bytes()
     got, _, _ = _read(ckpt, 2, 1, cpu_views(torch.device("cpu"), None), strided_views=True)
     cols, cube = got["cols"], got["cube"]
@@ -145,7 +145,7 @@ def test_misaligned_data_is_read_with_pread(tmp_path):
     tensor = torch.arange(48.0).reshape(6, 8)
     _misaligned_file(path, tensor)
     ckpt = resolve_checkpoint(path)
-    assert (ckpt.headers[path].data_start) % 4 == 2
+    assert (ckpt.headers[locate(path)].data_start) % 4 == 2
     for spec in (ShardSpec(dim=0), ShardSpec(dim=1)):
         items = plan_reads({"w": ckpt.entry("w")}, {"w": spec}, 2, 1)
         with RegionReader(ckpt.headers, num_threads=1, viewable=cpu_views(torch.device("cpu"), None)) as r:
@@ -166,9 +166,9 @@ def test_a_file_shortened_after_its_header_was_read_is_an_error(tmp_path, spec):
 
 
 def test_copy_mapped_any_destination_strides(ckpt):
-    path = next(iter(ckpt.headers))
-    header = ckpt.headers[path]
-    fd = LOCAL.open(path)
+    path = next(iter(ckpt.headers)).path  # the local file
+    header = ckpt.headers[locate(path)]
+    fd = locate(path).open()
     try:
         canonical = TENSORS["cube"][0]
         region = Region((1, 2, 1), (3, 5, 2))

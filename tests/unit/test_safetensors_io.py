@@ -35,7 +35,7 @@ from shardwise.core.header import (
 )
 from shardwise.errors import CheckpointError
 from shardwise.io.formats.safetensors.checkpoint import Checkpoint, resolve_checkpoint
-from shardwise.io.safetensors.format import (
+from shardwise.io.formats.safetensors.files import (
     StreamingWriter,
     index_json,
     parse_size,
@@ -44,7 +44,8 @@ from shardwise.io.safetensors.format import (
     read_region,
     read_tensor,
 )
-from shardwise.io.storage.local import LOCAL, Writeback
+from shardwise.io.storage import locate
+from shardwise.io.storage.local import Writeback
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
           torch.int16, torch.int8, torch.uint8, torch.bool]
@@ -198,7 +199,7 @@ def test_read_region_matches_safetensors_slicing(box, dtype, seed):
         header = read_header(path)
         entry = header.entries["t"]
         out = torch.full(sizes, 1, dtype=dtype)
-        fd = LOCAL.open(path)
+        fd = locate(path).open()
         try:
             nbytes = read_region(fd, header, entry, offsets, sizes, out)
             whole = read_tensor(fd, header, entry)
@@ -225,7 +226,7 @@ def test_read_region_reads_only_the_box(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "preadv", counting_preadv)
     local = torch.empty(64, 2 * 32, dtype=torch.bfloat16).view(2, 64, 32)  # two regions, one buffer
-    with closing(LOCAL.open(path)) as f:
+    with closing(locate(path).open()) as f:
         read_region(f, header, entry, (0, 32), (64, 32), local[1])
         read_region(f, header, entry, (0, 0), (64, 32), local[0])
     assert same(local[1], tensor[:, 32:64]) and same(local[0], tensor[:, :32])
@@ -239,7 +240,7 @@ def test_read_region_refuses_bad_out(tmp_path):
     save_file({"w": torch.zeros(4, 6)}, path)
     header = read_header(path)
     entry = header.entries["w"]
-    with closing(LOCAL.open(path)) as f:
+    with closing(locate(path).open()) as f:
         for out in (torch.empty(4, 6).t(), torch.empty(4, 3, dtype=torch.float16), torch.empty(2, 3)):
             with pytest.raises(ValueError):
                 read_region(f, header, entry, (0, 0), (4, 3), out)
@@ -253,7 +254,7 @@ def test_read_region_on_file_truncated_after_header_read(tmp_path):
     save_file({"w": torch.ones(8, 8)}, path)
     header = read_header(path)
     os.truncate(path, path.stat().st_size - 20)
-    with closing(LOCAL.open(path)) as f, raises_naming(path, "'w'", "truncated"):
+    with closing(locate(path).open()) as f, raises_naming(path, "'w'", "truncated"):
         read_tensor(f, header, header.entries["w"])
 
 
@@ -506,7 +507,7 @@ def load_all(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
     result = {}
     for name in ckpt.names:
         path, entry = ckpt.entry(name)
-        with closing(LOCAL.open(path)) as f:
+        with closing(locate(path).open()) as f:
             result[name] = read_tensor(f, ckpt.headers[path], entry)
     return result
 
@@ -520,7 +521,7 @@ def test_resolve_sharded_single_and_index_paths(tmp_path):
     index = folder / "diffusion_pytorch_model.safetensors.index.json"
     for where in (folder, index):
         ckpt = resolve_checkpoint(where)
-        assert ckpt.root == folder and len(ckpt.files) == 3
+        assert ckpt.root == locate(folder) and len(ckpt.files) == 3
         assert ckpt.names == list(tensors) and ckpt.total_size == 5 * 256
         assert all(same(load_all(ckpt)[k], v) for k, v in tensors.items())
     with pytest.raises(CheckpointError, match="no tensor 'nope'"):
@@ -529,7 +530,7 @@ def test_resolve_sharded_single_and_index_paths(tmp_path):
     write_sharded(single, tensors, "1GB")
     for where in (single, single / "model.safetensors"):
         ckpt = resolve_checkpoint(where)
-        assert ckpt.files == [single / "model.safetensors"]
+        assert ckpt.files == [locate(single / "model.safetensors")]
         assert all(same(load_all(ckpt)[k], v) for k, v in tensors.items())
 
 
@@ -701,7 +702,7 @@ def test_read_region_completes_short_reads(tmp_path, monkeypatch):
     monkeypatch.setattr(sio, "_pread_some", short)
     header = read_header(path)
     out = torch.empty(64, 12)
-    with closing(LOCAL.open(path)) as f:
+    with closing(locate(path).open()) as f:
         n = read_region(f, header, header.entries["w"], (0, 24), (64, 12), out)
     assert n == out.numel() * 4
     assert torch.equal(out, t[:, 24:36])
@@ -717,15 +718,15 @@ def test_reading_and_writing_need_no_numpy(tmp_path):
 import sys
 sys.modules["numpy"] = None  # any import of numpy now fails
 import torch
-from shardwise.io.safetensors.format import StreamingWriter, read_header, read_region
+from shardwise.io.formats.safetensors.files import StreamingWriter, read_header, read_region
 t = torch.arange(24, dtype=torch.bfloat16).reshape(4, 6)
 path = {str(tmp_path / "m.safetensors")!r}
 with StreamingWriter(path, [("w", "BF16", (4, 6))]) as w:
     w.write("w", t)
 h = read_header(path)
 out = torch.empty(4, 3, dtype=torch.bfloat16)
-from shardwise.io.storage.local import LOCAL
-read_region(LOCAL.open(__import__("pathlib").Path(path)), h, h.entries["w"], (0, 3), (4, 3), out)
+from shardwise.io.storage import locate
+read_region(locate(path).open(), h, h.entries["w"], (0, 3), (4, 3), out)
 assert torch.equal(out, t[:, 3:]), out
 """
     subprocess.run([sys.executable, "-c", code], check=True)

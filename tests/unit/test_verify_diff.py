@@ -17,6 +17,7 @@ from shardwise.cli import main
 from shardwise.io.formats.dcp.chunks import open_blob
 from shardwise.io.formats.dcp.metadata import read_metadata
 from shardwise.io.formats.safetensors.checkpoint import resolve_checkpoint
+from shardwise.io.storage import locate
 
 
 class Mixed(nn.Module):
@@ -31,6 +32,7 @@ class Mixed(nn.Module):
 
 
 def _flip(path, offset: int) -> None:
+    path = locate(path).local_path("the test's byte flip")
     data = bytearray(path.read_bytes())
     data[offset] ^= 0x01
     path.write_bytes(bytes(data))

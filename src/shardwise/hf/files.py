@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import copy
 import json
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -20,6 +23,7 @@ import torch
 from torch import nn
 
 from shardwise.errors import CheckpointError
+from shardwise.io.storage import Location, locate, read_json, read_small, write_small
 
 if TYPE_CHECKING:
     from diffusers.configuration_utils import ConfigMixin
@@ -46,9 +50,19 @@ def default_prefix(model: nn.Module) -> str:
     return DIFFUSERS_PREFIX if library_of(model) == "diffusers" else "model"
 
 
-def write_side_files(model: nn.Module, folder: Path) -> list[str]:
+def write_side_files(model: nn.Module, folder: Location) -> list[str]:
     """Write the model's config files into ``folder`` as its ``save_pretrained`` would; return
     their names ([] for a model of neither library, or without a config)."""
+    # The libraries write configs to a local folder only: they are written into a temporary
+    # one and copied through the storage.
+    with tempfile.TemporaryDirectory() as tmp:
+        names = _save_configs(model, Path(tmp))
+        for name in names:
+            write_small(folder / name, read_small(locate(tmp) / name, what="a config"))
+    return names
+
+
+def _save_configs(model: nn.Module, folder: Path) -> list[str]:
     library = library_of(model)
     if library == "transformers" and getattr(model, "config", None) is not None:
         hf_model = cast("PreTrainedModel", model)
@@ -70,17 +84,34 @@ def write_side_files(model: nn.Module, folder: Path) -> list[str]:
     return []
 
 
-def model_from_folder(folder: Path, *, need: bool = False) -> nn.Module | None:
+@contextmanager
+def config_folder(folder: Location) -> Iterator[Path]:
+    """A local folder holding ``folder``'s config files (:data:`SIDE_FILES`), for the
+    libraries' ``from_pretrained`` of a config (they read local files only): the folder
+    itself, else a temporary copy of them."""
+    if folder.scheme is None:
+        yield folder.local_path("a library's config reader")
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in SIDE_FILES:
+            if (folder / name).stat() is not None:
+                write_small(locate(tmp) / name, read_small(folder / name, what="a config"))
+        yield Path(tmp)
+
+
+def model_from_folder(folder: Location, *, need: bool = False) -> nn.Module | None:
     """A meta-device transformers model built from ``folder/config.json`` (its
     ``architectures``), to name a checkpoint's hub layout without the model in hand; None
     when the folder has no transformers config or transformers cannot build it here. With
     ``need`` (a consolidation, which must know the layout), a config that names a
     transformers model while transformers is not installed raises ``CheckpointError``."""
-    config_file = Path(folder) / "config.json"
+    config_file = folder / "config.json"
     try:
-        config = json.loads(config_file.read_text())
+        if config_file.stat() is None:
+            return None
+        config = read_json(config_file, what="the config")
         arch = (config.get("architectures") or [None])[0]
-    except (OSError, ValueError, AttributeError):
+    except (OSError, CheckpointError, AttributeError):
         return None
     if not isinstance(arch, str):
         return None
@@ -97,7 +128,8 @@ def model_from_folder(folder: Path, *, need: bool = False) -> nn.Module | None:
     if cls is None:
         return None
     try:
-        config_obj = transformers.AutoConfig.from_pretrained(folder)
+        with config_folder(folder) as local:
+            config_obj = transformers.AutoConfig.from_pretrained(local)
         with torch.device("meta"):
             return cls._from_config(config_obj)
     except Exception as e:  # noqa: BLE001 - transformers raises anything for a config it cannot build
@@ -105,25 +137,23 @@ def model_from_folder(folder: Path, *, need: bool = False) -> nn.Module | None:
                               f"{e}); consolidate with layout='module'") from e
 
 
-def quantization_config(folder: Path) -> tuple[object, Path] | None:
+def quantization_config(folder: Location) -> tuple[object, Location] | None:
     """``(the quantization_config of the folder's config.json or None, that file)``; None when
     the folder has no config.json. Read through the folder's storage (capped, strict JSON)."""
-    from shardwise.io.storage import read_json, storage_for
-
-    config_file = Path(folder) / "config.json"
-    storage = storage_for(config_file)
-    if storage.stat(config_file) is None:
+    config_file = folder / "config.json"
+    if config_file.stat() is None:
         return None
     try:
-        return read_json(storage, config_file, what="the config").get("quantization_config"), config_file
+        return read_json(config_file, what="the config").get("quantization_config"), config_file
     except (OSError, CheckpointError):
         return None, config_file
 
 
 def model_from_config(config_file: Path) -> nn.Module | None:
     """The meta-device model a transformers (``architectures``) or diffusers (``_class_name``)
-    config.json describes; None when it names neither. Raises ``CheckpointError`` when it names
-    one that cannot be built here (library missing, class unknown, config refused)."""
+    local config.json (``verify``'s ``against=``) describes; None when it names neither.
+    Raises ``CheckpointError`` when it names one that cannot be built here (library missing,
+    class unknown, config refused)."""
     try:
         config = json.loads(Path(config_file).read_text())
     except (OSError, ValueError) as e:
@@ -153,5 +183,5 @@ def model_from_config(config_file: Path) -> nn.Module | None:
                               f"({type(e).__name__}: {e})") from e
 
 
-__all__ = ["DIFFUSERS_PREFIX", "SIDE_FILES", "default_prefix",
+__all__ = ["DIFFUSERS_PREFIX", "SIDE_FILES", "config_folder", "default_prefix",
            "library_of", "model_from_config", "model_from_folder", "quantization_config", "write_side_files"]

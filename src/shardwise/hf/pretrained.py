@@ -18,9 +18,11 @@ import torch
 from torch import nn
 
 from shardwise.errors import CheckpointError, UnsupportedModelError
+from shardwise.hf.files import config_folder
 from shardwise.io.guards import check_mesh, quant_scheme
 from shardwise.io.load import load
 from shardwise.io.quant_checks import drop_quantization_config
+from shardwise.io.storage import Location, locate
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -194,14 +196,13 @@ def _build_diffusers(cls, folder: Path) -> nn.Module:
     return cls.from_config(cls.load_config(folder))
 
 
-def _checkpoint_folder(path) -> Path:
-    folder = Path(os.fspath(path))
-    if not folder.is_dir():
+def _checkpoint_folder(folder: Location) -> Location:
+    if not folder.is_folder():
         raise CheckpointError(
             f"{folder}: not a local folder; sw.from_pretrained reads a checkpoint folder on this "
             "machine (config.json and safetensors). For a hub model, download it first: "
             "huggingface_hub.snapshot_download(repo_id) returns the folder to pass")
-    if not (folder / "config.json").is_file():
+    if (folder / "config.json").stat() is None:
         raise CheckpointError(
             f"{folder}: no config.json, so the model cannot be built from this folder; pass the "
             "folder save_pretrained (or sw.save of a Hugging Face model) wrote, e.g. "
@@ -210,7 +211,8 @@ def _checkpoint_folder(path) -> Path:
 
 
 def from_pretrained(cls, path: str | os.PathLike, *, mesh, dtype: torch.dtype | None = None,
-                    plan="auto", dequantize: bool = False, **load_options) -> nn.Module:
+                    plan="auto", dequantize: bool = False, storage_options: dict | None = None,
+                    **load_options) -> nn.Module:
     """A transformers or diffusers model read from the folder ``path``, sharded over ``mesh``.
 
     ``cls`` is a transformers model class or Auto class (``AutoModelForCausalLM``) or a
@@ -234,6 +236,7 @@ def from_pretrained(cls, path: str | os.PathLike, *, mesh, dtype: torch.dtype | 
     its own shards into ``dtype``, and the config loses its ``quantization_config``, as
     transformers' ``FineGrainedFP8Config(dequantize=True)`` / ``Mxfp4Config(dequantize=True)`` do.
 
+    ``path`` may be a URL of a registered storage, its factory given ``storage_options``.
     Returns the model in eval mode, with the ``sw.load`` result as ``model.result``.
 
     >>> from transformers import AutoModelForCausalLM                                # doctest: +SKIP
@@ -243,12 +246,12 @@ def from_pretrained(cls, path: str | os.PathLike, *, mesh, dtype: torch.dtype | 
     """
     library = _library(cls)
     check_mesh(mesh)  # before anything is read or built
-    folder = _checkpoint_folder(path)
+    folder = _checkpoint_folder(locate(path, storage_options))
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype or None, got {dtype!r}")
-    with _default_dtype(dtype), empty_model():
-        model = (_build_transformers(cls, folder, dtype) if library == "transformers"
-                 else _build_diffusers(cls, folder))
+    with _default_dtype(dtype), empty_model(), config_folder(folder) as configs:
+        model = (_build_transformers(cls, configs, dtype) if library == "transformers"
+                 else _build_diffusers(cls, configs))
         if library == "transformers":
             _quantized_modules(model, dequantize)
     result = load(model, folder, plan=plan, mesh=mesh, dtype=dtype, dequantize=dequantize, **load_options)

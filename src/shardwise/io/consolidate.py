@@ -14,7 +14,6 @@ into place like ``sw.save``.
 from __future__ import annotations
 
 import os
-import shutil
 from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,22 +25,27 @@ from shardwise.core.header import dtype_to_str, str_to_dtype
 from shardwise.core.pieces import StoredPart
 from shardwise.core.spec import Region
 from shardwise.errors import CheckpointError
-from shardwise.io.formats import open_source
-from shardwise.io.info import gather_info, read_info, user_metadata, write_info
-from shardwise.io.safetensors.format import StreamingWriter
-from shardwise.io.safetensors.sink import plan_checkpoint
-from shardwise.io.sink import WritePlan
+from shardwise.io.formats import get_format, open_source, save_format
+from shardwise.io.info import gather_info, read_info, user_metadata
+from shardwise.io.sink import FileSink, Saving, StoredTensor, WritePlan
 from shardwise.io.source import Stored
-from shardwise.io.storage import Transaction, storage_for
-from shardwise.io.storage.transaction import target_path
+from shardwise.io.storage import Location, locate, read_small, split_scheme, write_small
 
 
 def consolidation_plan(source: Stored, *, max_shard_size: int | str = "5GB", filename_prefix: str = "model",
                        layout: str = "hub") -> WritePlan:
     """The ``WritePlan`` for consolidating ``source``: the one ``sw.save`` makes for the same
-    tensors (``plan_checkpoint``), in the hub layout (``plan.parts``: ``{stored name:
+    tensors (the gathered format's writer), in the hub layout (``plan.parts``: ``{stored name:
     StoredPart}``) when the source's folder holds a transformers model's config.json and
     ``layout="hub"``, else in the module's own names."""
+    return _consolidation(source, max_shard_size=max_shard_size, filename_prefix=filename_prefix,
+                          layout=layout)[1]
+
+
+def _consolidation(source: Stored, *, max_shard_size: int | str, filename_prefix: str,
+                   layout: str) -> tuple[FileSink, WritePlan]:
+    """The writer of ``sw.save``'s default gathered format, configured as ``sw.save`` would
+    for these tensors, and its plan of them."""
     src = source.root
     values = source.describe().values
     if values:
@@ -51,15 +55,16 @@ def consolidation_plan(source: Stored, *, max_shard_size: int | str = "5GB", fil
     if not specs:
         raise CheckpointError(f"{src}: the checkpoint holds no tensors")
     parts, storages = _hub_parts(src, specs, layout)
-    if parts:
-        specs = [(p.key, p.dtype, p.shape) for p in parts.values()]
+    stored = ([StoredTensor(p.key, p.dtype, p.shape, p) for p in parts.values()] if parts
+              else [StoredTensor(*spec) for spec in specs])
     recorded = dict((read_info(src) or {}).get("index_metadata") or {})  # total_parameters
-    return plan_checkpoint(specs, max_shard_size=max_shard_size, prefix=filename_prefix,
-                           metadata=user_metadata(src), index_metadata=recorded, storages=storages,
-                           parts=parts)
+    writer = save_format(None, distributed=False).writer(
+        max_shard_size=max_shard_size, prefix=filename_prefix, metadata=user_metadata(src),
+        index_metadata=recorded, storages=storages)
+    return writer, writer.plan(stored)
 
 
-def _hub_parts(src: Path, specs: list, layout: str) -> tuple[dict, dict]:
+def _hub_parts(src: Location, specs: list, layout: str) -> tuple[dict, dict]:
     if layout not in ("hub", "module"):
         raise CheckpointError(f"layout must be 'hub' or 'module', got {layout!r}")
     model = folder_model(src, need=True) if layout == "hub" else None
@@ -71,14 +76,20 @@ def _hub_parts(src: Path, specs: list, layout: str) -> tuple[dict, dict]:
     return {p.key: p for p in parts}, adapter.shared_storages(parts, sizes)
 
 
-def _copy_side_files(src: Path, dst: Path) -> list[str]:
+def _copy_side_files(src: Location, dst: Location) -> list[str]:
     """Copy the side files (``core.adapter.side_file_names``: a Hugging Face model's
-    ``config.json`` & co) that ``src`` holds into ``dst``; their names."""
+    ``config.json`` & co) that ``src`` holds, not through a link out of it, into ``dst``;
+    their names."""
     copied = []
     for name in side_file_names():
-        if (src / name).is_file() and not (src / name).is_symlink():
-            shutil.copyfile(src / name, dst / name)
-            copied.append(name)
+        if (src / name).stat() is None:
+            continue
+        try:
+            src.storage.check_inside(src, src / name, source=src)
+        except CheckpointError:
+            continue
+        write_small(dst / name, read_small(src / name, what="a side file"))
+        copied.append(name)
     return copied
 
 
@@ -115,9 +126,13 @@ class _WholeTensors:
 
 
 def consolidate(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_size: int | str = "5GB",
-                filename_prefix: str = "model", overwrite: bool = False, layout: str = "hub") -> Path:
+                filename_prefix: str = "model", overwrite: bool = False, layout: str = "hub",
+                storage_options: dict | None = None, dst_storage_options: dict | None = None) -> Path | str:
     """Write the distributed checkpoint ``src`` (torch DCP, or sharded safetensors) as a
-    safetensors checkpoint in the folder ``dst``; one process, no process group. Returns ``dst``.
+    safetensors checkpoint in the folder ``dst``; one process, no process group. Returns ``dst``
+    (absolute, a ``Path`` when local, else its URL). ``storage_options`` go to the storage of
+    ``src``, ``dst_storage_options`` to that of ``dst`` (default: ``storage_options``); a local path
+    takes none.
 
     ``max_shard_size`` and ``filename_prefix`` split and name the files as ``sw.save`` does
     (``{prefix}.safetensors``, or ``{prefix}-0000i-of-0000N.safetensors`` plus an index).
@@ -129,54 +144,51 @@ def consolidate(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_siz
 
     >>> sw.consolidate("out/dcp", "out/merged", max_shard_size="2GB")   # doctest: +SKIP
     """
-    source = open_source(src)
+    if storage_options and split_scheme(src)[0] is None and split_scheme(dst)[0] is None:
+        locate(src, storage_options)  # the UsageError: options for two local paths
+    src_at = locate(src, storage_options if split_scheme(src)[0] else None)
+    dst_options = storage_options if dst_storage_options is None else dst_storage_options
+    dst_at = locate(dst, dst_options if split_scheme(dst)[0] else None)
+    threads = torch.get_num_threads()
+    source = open_source(src_at)
     try:
-        if source.name == "safetensors":
-            _refuse_plain_safetensors(Path(src))
-        plan = consolidation_plan(source, max_shard_size=max_shard_size, filename_prefix=filename_prefix,
-                                  layout=layout)
-        return _write_safetensors(_WholeTensors(source, plan.parts), plan,
-                                  storage_for(dst).transaction(target_path(dst), overwrite=overwrite),
-                                  side_files=source.root)
+        if get_format(source.name) is save_format(None, distributed=False):
+            _refuse_plain_safetensors(src_at)
+        writer, plan = _consolidation(source, max_shard_size=max_shard_size, filename_prefix=filename_prefix,
+                                      layout=layout)
+        tensor = _WholeTensors(source, plan.parts)
+        # The copies are memory-bound: one thread moves them as fast, while a pool of OpenMP
+        # threads waiting on each other was up to 10x slower on a busy machine. Reading the next
+        # tensor on a second thread while this one is written did not pay either (measured,
+        # docs/benchmarks.md "consolidate"): writing the tensors alone (save_file + fsync) took
+        # 0.9-1.4x a whole consolidation, the disk being the limit, and the reader thread's malloc
+        # arena returned and faulted in again memory that one thread reuses (sharded safetensors:
+        # 1.2-1.5x the time, 2.5x the peak).
+        torch.set_num_threads(1)
+        with Saving(dst_at, overwrite=overwrite, backend=None, what=f"sw.consolidate to {dst_at}",
+                    collective=False) as saving:
+            checksums: dict[str, str] = {}
+            for planned in plan.files:
+                out = writer.open_file(saving.folder / planned.name, planned.tensors, plan.header)
+                try:
+                    for name, _, _ in planned.tensors:
+                        out.write(name, tensor(name))
+                    out.close()
+                finally:
+                    out.abort()  # a no-op after close
+                checksums.update(out.checksums)
+            saving.commit(info=gather_info(checksums, plan.tensors),
+                          side_files=lambda folder: _copy_side_files(source.root, folder), index=plan.index)
+        target = saving.target
+        return target.local_path("the result") if target.scheme is None else str(target)
     finally:
+        torch.set_num_threads(threads)
         source.close()
 
 
-def _write_safetensors(tensor, plan: WritePlan, dest: Transaction, *, side_files: Path) -> Path:
-    """Write ``plan``, each tensor from ``tensor(name)``, into ``dest``, with
-    ``shardwise.json``, the plan's index and the side files of the folder ``side_files``."""
-    # The copies are memory-bound: one thread moves them as fast, while a pool of OpenMP
-    # threads waiting on each other was up to 10x slower on a busy machine. Reading the next
-    # tensor on a second thread while this one is written did not pay either (measured,
-    # docs/benchmarks.md "consolidate"): writing the tensors alone (save_file + fsync) took
-    # 0.9-1.4x a whole consolidation, the disk being the limit, and the reader thread's malloc
-    # arena returned and faulted in again memory that one thread reuses (sharded safetensors:
-    # 1.2-1.5x the time, 2.5x the peak).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        dest.prepare()
-        tmp = dest.folder
-        assert tmp is not None  # prepare() made the temporary folder
-        checksums: dict[str, str] = {}
-        for planned in plan.files:
-            with StreamingWriter(tmp / planned.name, planned.tensors, metadata=plan.header) as writer:
-                for name, _, _ in planned.tensors:
-                    writer.write(name, tensor(name))
-            checksums.update(writer.checksums)
-        write_info(tmp, gather_info(checksums, [s for f in plan.files for s in f.tensors]))
-        _copy_side_files(side_files, tmp)
-        dest.commit(plan.index)
-    finally:
-        torch.set_num_threads(threads)
-        dest.discard()
-    return dest.target
-
-
-def _refuse_plain_safetensors(src: Path) -> None:
+def _refuse_plain_safetensors(src: Location) -> None:
     """An ordinary safetensors checkpoint (no DCP ``.metadata``) has nothing to consolidate."""
-    files = [src] if src.suffix == ".safetensors" and src.is_file() else (
-        sorted(src.glob("*.safetensors")) if src.is_dir() else [])
+    files = [src] if src.suffix == ".safetensors" and src.stat() is not None else src.glob("*.safetensors")
     if files:
         raise CheckpointError(
             f"{src} is already a safetensors checkpoint ({len(files)} .safetensors file(s), no DCP "

@@ -23,14 +23,12 @@ import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from pathlib import Path
 
 import torch
 import xxhash
 
 from shardwise.errors import CheckpointError
-from shardwise.io.storage import ReadHandle, byte_view, read_json, storage_for, write_small
-from shardwise.io.storage.local import check_inside
+from shardwise.io.storage import Location, ReadHandle, byte_view, locate, read_json, write_small
 
 INFO_FILE = "shardwise.json"
 
@@ -102,9 +100,9 @@ def chunk_key(offsets) -> str:
     return ",".join(str(int(o)) for o in offsets)
 
 
-def write_info(folder: Path, info: dict) -> None:
+def write_info(folder: Location, info: dict) -> None:
     """Write ``shardwise.json`` into ``folder`` (aside, durable, then in place)."""
-    write_small(storage_for(folder), folder / INFO_FILE, (json.dumps(info, indent=1) + "\n").encode())
+    write_small(folder / INFO_FILE, (json.dumps(info, indent=1) + "\n").encode())
 
 
 def gather_info(checksums: dict[str, str], specs=None) -> dict:
@@ -185,19 +183,19 @@ _FIELDS = {
 }
 
 
-def read_info(folder: str | os.PathLike) -> dict | None:
+def read_info(folder: Location | str | os.PathLike) -> dict | None:
     """The validated ``shardwise.json`` of the checkpoint folder ``folder``; None when absent.
 
     Raises :class:`CheckpointError` naming the file and the fault when it is not a regular
     file inside the folder, is over 100 MB, is not a JSON object, or has a field of the
     wrong type. (It never blocks: a FIFO is refused, not opened for reading.)
     """
-    folder = Path(folder)
+    folder = locate(folder)  # a str or path: the tools' and tests' door
     path = folder / INFO_FILE
-    if not os.path.lexists(path):
+    if not path.exists() and path.name not in folder.list():  # a dangling link is refused below
         return None
-    check_inside(folder, path, source=path)
-    info = read_json(storage_for(folder), path, what="the file")
+    folder.storage.check_inside(folder, path, source=path)
+    info = read_json(path, what="the file")
     for key, (want, ok) in _FIELDS.items():
         if key in info and not ok(info[key]):
             raise CheckpointError(
@@ -206,7 +204,7 @@ def read_info(folder: str | os.PathLike) -> dict | None:
     return info
 
 
-def user_metadata(folder: str | os.PathLike) -> dict[str, str]:
+def user_metadata(folder: Location) -> dict[str, str]:
     """The ``metadata`` a distributed save recorded in ``folder``'s ``shardwise.json`` (so a
     consolidation's headers match a gather save given the same metadata); {} for a
     checkpoint shardwise did not write. An invalid ``shardwise.json`` is a ``CheckpointError``."""

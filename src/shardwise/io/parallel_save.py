@@ -41,7 +41,7 @@ from shardwise.errors import CheckpointError, UsageError
 from shardwise.io.gather import StreamSink
 from shardwise.io.info import new_digest
 from shardwise.io.sink import WritePlan
-from shardwise.io.storage import Handles, Storage, byte_view, read_small, storage_for, write_small
+from shardwise.io.storage import Handles, Location, byte_view, locate, read_small, write_small
 
 PROBE_PREFIX = ".shardwise-probe-"
 # Checksums read the files back this many bytes at a time, into one reused buffer.
@@ -50,11 +50,11 @@ _READ_BLOCK = 8 << 20
 
 # --- is the temporary folder shared? --------------------------------------------------------
 
-def _sees_token(path: Path, token: str) -> bool:
+def _sees_token(path: Location, token: str) -> bool:
     """Whether this rank reads ``token`` at ``path`` (tests replace it to simulate a rank on
     another filesystem)."""
     try:
-        return read_small(storage_for(path), path, what="the probe") == token.encode()
+        return read_small(path, what="the probe") == token.encode()
     except (OSError, CheckpointError):
         return False
 
@@ -68,10 +68,11 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def shared_folder(backend, folder: Path | None, *, required: bool, what: str) -> Path | None:
+def shared_folder(backend, folder: Location | None, *, required: bool, what: str) -> Location | None:
     """Rank 0's temporary ``folder`` (None on other ranks) on every rank, when every rank
     sees it and (unless ``required``) the ranks are on more than one machine; else None on
-    every rank. Collective over the world.
+    every rank. Collective over the world. Local folders only (``wanted``): the probe is
+    named by its local path on every rank, and removed as a local file.
 
     A rank that cannot read rank 0's token (another machine's local disk) makes the verdict
     "not shared" for all. With ``required`` (``parallel_write=True``) that raises
@@ -80,11 +81,11 @@ def shared_folder(backend, folder: Path | None, *, required: bool, what: str) ->
     if folder is not None:  # rank 0: the token holds random text, so no stale file can pass
         token = secrets.token_hex(16)
         path = folder / f"{PROBE_PREFIX}{token}"
-        if capture(lambda: write_small(storage_for(path), path, token.encode())) is None:
+        if capture(lambda: write_small(path, token.encode())) is None:
             mine = [str(path), token]
     group = coordination_group(backend)
     offered = broadcast_object(mine, 0, group=group, purpose=f"{what}: the shared-folder probe")
-    seen = offered is not None and _sees_token(Path(offered[0]), offered[1])
+    seen = offered is not None and _sees_token(locate(offered[0]), offered[1])
     answers = all_gather_object((seen, host_id()), group=group, purpose=f"{what}: the shared-folder probe")
     verdicts = [ok for ok, _ in answers]
     if folder is not None and offered is not None:
@@ -98,7 +99,7 @@ def shared_folder(backend, folder: Path | None, *, required: bool, what: str) ->
             "to the rank-0 stream) or save to a shared filesystem")
     if blind or offered is None or (not required and len({h for _, h in answers}) == 1):
         return None
-    return Path(offered[0]).parent
+    return locate(offered[0]).parent
 
 
 # --- the plan: which bytes this rank writes where --------------------------------------------
@@ -128,7 +129,7 @@ def _boxes(item, piece: Piece, layout: Layout, shape: tuple[int, ...]):
         yield data, region_runs(shape, itemsize, src.offsets, src.sizes)  # src: in the stored tensor
 
 
-def _write_file(storage: Storage, path: Path, group, offsets: dict, base: int, jobs) -> None:
+def _write_file(path: Location, group, offsets: dict, base: int, jobs) -> None:
     """Write this rank's boxes of the tensors of one file (created by rank 0), then commit
     (make them durable). Box by box: one box's copy (when it is not contiguous) and runs are
     held at a time. ``jobs[name]`` lists ``(item, piece, layout)`` for each model tensor in
@@ -139,7 +140,7 @@ def _write_file(storage: Storage, path: Path, group, offsets: dict, base: int, j
                  if layout is not None for data, runs in _boxes(item, piece, layout, shape))
         for name, data, runs in boxes:
             if out is None:
-                out = storage.create(path, existing=True)
+                out = path.create(existing=True)
             data = data.detach().resolve_conj().resolve_neg().cpu().contiguous()
             view, pos = byte_view(data), 0
             # one write per run: a dim-0 split is one run, a dim-1 split one run per row
@@ -154,10 +155,10 @@ def _write_file(storage: Storage, path: Path, group, offsets: dict, base: int, j
             out.abort()
 
 
-def _create_files(storage: Storage, folder: Path, layouts) -> None:
+def _create_files(folder: Location, layouts) -> None:
     """Rank 0: every file with its header, at its final size (the data zero until written)."""
     for fname, prefix, size, _ in layouts:
-        out = storage.create(folder / fname)
+        out = (folder / fname).create()
         try:
             out.write(memoryview(prefix))
             if size:  # the last byte sets the length; the rest stays a hole until written
@@ -185,9 +186,9 @@ def split_by_bytes(sizes: list[tuple[str, int]], world_size: int) -> list[list[s
     return out
 
 
-def _digest(storage: Storage, folder: Path, where: dict, names: list[str]) -> dict[str, str]:
+def _digest(folder: Location, where: dict, names: list[str]) -> dict[str, str]:
     """``{name: checksum}`` of the stored tensors ``names``, read back from their files."""
-    sums, handles = {}, Handles(storage)
+    sums, handles = {}, Handles()
     buf = bytearray(min(_READ_BLOCK, max([where[n][2] for n in names], default=0)))
     view = memoryview(buf)
     try:
@@ -206,7 +207,8 @@ def _digest(storage: Storage, folder: Path, where: dict, names: list[str]) -> di
 
 # --- the save ---------------------------------------------------------------------------------
 
-def write_parallel(backend, run, state, folder: Path, plan: WritePlan, bar, *, what: str) -> dict[str, str]:
+def write_parallel(backend, run, state, folder: Location, plan: WritePlan, bar, *,
+                   what: str) -> dict[str, str]:
     """Write every file of ``plan`` into ``folder`` (rank 0's temporary folder, seen by
     every rank) and return ``{stored tensor: checksum}`` on rank 0 (empty elsewhere).
     Collective: every rank calls it once; a failure on any rank raises on every rank
@@ -216,13 +218,12 @@ def write_parallel(backend, run, state, folder: Path, plan: WritePlan, bar, *, w
     ``ShardState`` (None for a model that was not parallelised).
     """
     rank = backend.rank if backend is not None else 0
-    storage = storage_for(folder)
     layouts, where = [], {}
     for f in plan.files:
         prefix, offsets = layout_header(f.tensors, plan.header)
         layouts.append((f.name, prefix, sum(spec_nbytes(dt, shape) for _, dt, shape in f.tensors), offsets))
         where.update({n: (f.name, len(prefix) + lo, hi - lo) for n, (lo, hi) in offsets.items()})
-    agree(backend, capture(lambda: _create_files(storage, folder, layouts)) if rank == 0 else None, what=what)
+    agree(backend, capture(lambda: _create_files(folder, layouts)) if rank == 0 else None, what=what)
 
     def write_all():
         layout_of = {}  # model tensor -> this rank's regions of it, computed once
@@ -239,7 +240,7 @@ def write_parallel(backend, run, state, folder: Path, plan: WritePlan, bar, *, w
                     if model_name not in layout_of:
                         layout_of[model_name] = _layout(item, state, run.axes, rank)
                     jobs[name].append((item, piece, layout_of[model_name]))
-            _write_file(storage, folder / f.name, f.tensors, offsets, len(prefix), jobs)
+            _write_file(folder / f.name, f.tensors, offsets, len(prefix), jobs)
 
     agree(backend, capture(write_all), what=what)  # every rank has fsynced its writes
     for fname, _, size, _ in layouts:
@@ -248,7 +249,7 @@ def write_parallel(backend, run, state, folder: Path, plan: WritePlan, bar, *, w
     world = backend.world_size if backend is not None else 1
     mine = split_by_bytes([(n, w[2]) for n, w in where.items()], world)[rank]
     sums: dict[str, str] = {}
-    error = capture(lambda: sums.update(_digest(storage, folder, where, mine)))
+    error = capture(lambda: sums.update(_digest(folder, where, mine)))
     agree(backend, error, what=what)
     parts = gather_object(sums, 0, group=coordination_group(backend), purpose=f"{what}: the checksums")
     if parts is None:
@@ -259,9 +260,16 @@ def write_parallel(backend, run, state, folder: Path, plan: WritePlan, bar, *, w
 
 
 
-def wanted(parallel_write: bool | None, backend) -> bool:
+def wanted(parallel_write: bool | None, backend, target: Location) -> bool:
     """Whether to try the parallel path: ``True`` always, ``None`` when there is more than one
-    rank (one writer gains nothing over the stream, which hashes as it writes)."""
+    rank (one writer gains nothing over the stream, which hashes as it writes); never for a
+    ``target`` off the local filesystem (every rank writes into files rank 0 created, which an
+    object store cannot do: ``parallel_write=True`` there is a ``UsageError``)."""
+    if target.scheme is not None:
+        if parallel_write is True:
+            raise UsageError(f"{target}: parallel_write=True writes regions of shared local files in place; "
+                             "pass parallel_write=None or False for this storage")
+        return False
     if parallel_write is None:
         return backend is not None and backend.world_size > 1
     if not isinstance(parallel_write, bool):
@@ -274,7 +282,7 @@ class ParallelSink(StreamSink):
     rank at its regions' offsets (:func:`write_parallel`). ``folder`` in :meth:`write` is
     rank 0's temporary folder on every rank (:func:`shared_folder`)."""
 
-    def write(self, plan: WritePlan, folder: Path | None, bar) -> dict[str, str]:
+    def write(self, plan: WritePlan, folder: Location | None, bar) -> dict[str, str]:
         assert folder is not None, "the parallel write needs the shared folder on every rank"
         run = self.gatherer(plan)
         return write_parallel(self.backend, run, self.state, folder, plan, bar, what=self.what)

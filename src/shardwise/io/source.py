@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -24,6 +23,7 @@ from torch import nn
 from shardwise.core.plan import ResolvedPlan
 from shardwise.core.quant_layout import QuantTie
 from shardwise.core.spec import Region, ShardSpec
+from shardwise.io.storage import Location
 
 if TYPE_CHECKING:
     from shardwise.backends import Backend
@@ -114,7 +114,7 @@ class Stored(Protocol):
     ``config.json`` and side files); ``name`` is the registry's name of the format."""
 
     name: str
-    root: Path
+    root: Location
 
     def tensors(self) -> Mapping[str, tuple[torch.dtype, tuple[int, ...]]]:
         """Every stored tensor: name -> (dtype, global shape), in the order a consolidation
@@ -151,7 +151,7 @@ class Source(Protocol):
     replicas). ``bytes_read`` counts tensor bytes this rank read."""
 
     name: str
-    root: Path
+    root: Location
     bytes_read: int
 
     def match(self, model: nn.Module, specs: ResolvedPlan, *, strict: bool) -> tuple[list[str], list[str]]:

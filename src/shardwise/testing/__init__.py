@@ -33,10 +33,9 @@ from shardwise.errors import UsageError
 from shardwise.holding import local_of
 from shardwise.io import info
 from shardwise.io.formats import open_source
-from shardwise.io.safetensors.format import StreamingWriter, index_json, parse_size, plan_files
-from shardwise.io.storage import storage_for, write_small
-from shardwise.launch import RankFailure, free_port, spawn
-from shardwise.memory import PeakMemory, memory_status, reset_high_water_mark
+from shardwise.io.formats.safetensors.files import StreamingWriter, index_json, parse_size, plan_files
+from shardwise.io.storage import locate, write_small
+from shardwise.launch import PeakMemory, RankFailure, free_port, memory_status, reset_high_water_mark, spawn
 from shardwise.parallel import ShardState, get_shard_state
 
 
@@ -82,7 +81,7 @@ def dequantized_shard(weight: torch.Tensor, scale: torch.Tensor, tie, spec: Shar
 def read_all(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint at ``path`` (any format shardwise reads), whole, in one
     process, through the same reader ``sw.load`` and ``sw.consolidate`` use."""
-    source = open_source(path)
+    source = open_source(locate(path))
     try:
         return {name: source.read_box(name, Region((0,) * len(shape), tuple(shape)))
                 for name, (_, shape) in source.tensors().items()}
@@ -126,7 +125,7 @@ def write_checkpoint(folder: str | os.PathLike, tensors: Iterable[tuple[str, tor
                 for shape, dtype in shapes.values())
     index = folder / "model.safetensors.index.json"
     text = json.dumps(index_json(file_plan, total, metadata), indent=1)
-    write_small(storage_for(index), index, text.encode())
+    write_small(locate(index), text.encode())
     return files
 
 

@@ -34,7 +34,7 @@ from shardwise.validate.checks import Deferred, Mismatch, compare, compare_grads
 
 if TYPE_CHECKING:
     from shardwise.backends.base import Backend
-    from shardwise.io.pipeline import LoadResult
+    from shardwise.io.load import LoadResult
 
 
 # -- layouts: four kinds, each at most once per world: tp, dp_shard x tp (FSDP2 over the TP

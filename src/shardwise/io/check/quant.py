@@ -21,7 +21,6 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -30,6 +29,7 @@ from shardwise.core.header import dtype_to_str
 from shardwise.core.quant import MXFP4_GROUP, MXFP4_GROUP_BYTES, dequantize_region, scale_region, scale_shape
 from shardwise.core.spec import Region
 from shardwise.errors import CheckpointError
+from shardwise.io.storage import Location
 
 FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
 FP8_SCALE = "_scale_inv"  # x.weight -> x.weight_scale_inv (DeepSeek-V3, transformers' FP8Linear)
@@ -54,16 +54,16 @@ class QuantPair:
         return f"{self.scheme} {block}"
 
 
-def quantization_config(root: Path) -> dict | None:
+def quantization_config(root: Location) -> dict | None:
     """The ``quantization_config`` of the model config beside the checkpoint in ``root`` (the
     model adapter's: ``core.adapter.folder_quantization``); None if there is none."""
-    found = folder_quantization(Path(root))
+    found = folder_quantization(root)
     qc = found[0] if found is not None else None
     return qc if isinstance(qc, dict) else None
 
 
-def has_config(root: Path) -> bool:
-    return folder_quantization(Path(root)) is not None
+def has_config(root: Location) -> bool:
+    return folder_quantization(root) is not None
 
 
 def _method(qc: dict | None) -> str | None:

@@ -1,35 +1,16 @@
 """``sw.verify`` / ``shardwise verify PATH``: is a checkpoint whole and unchanged since it was saved?
 
-No model, no process group, one process, memory bounded by one read buffer (16 MB): every
-tensor's bytes are streamed through the checksum ``sw.save``,
-``sw.consolidate`` or a distributed save recorded in ``shardwise.json`` (XXH3-64; CRC-32
-in checkpoints from before it) and compared.
+One process, no model, memory bounded by one read buffer: the checkpoint's format reader
+validates its structure (headers, index, chunk tiling; a DCP ``.metadata`` is a pickle: verify
+only what you would load), then every blob's bytes are streamed through the checksum recorded
+in ``shardwise.json`` (XXH3-64; CRC-32 in older checkpoints; a DCP chunk without one through
+its zip record's CRC-32). Quantized weights are checked against their scales (``io.check.quant``);
+``against=`` checks names, shapes and dtypes against a model (``io.check.against``).
 
-- safetensors (a file, a folder, an index): every header is validated (offsets, dtypes,
-  sizes, the data section tiled exactly), the index names only files inside the folder and
-  no tensor twice, and every tensor a shard file holds is in the index.
-- a distributed checkpoint (DCP): every data file is present and long enough, the chunks
-  tile every tensor exactly with sizes the files can hold, and every chunk's blob has the
-  dtype and shape the metadata lists. Its ``.metadata`` is a pickle: verify it only if you
-  trust its source, as for loading it.
-
-A checkpoint not written by shardwise has no checksums: its structure is checked, and the
-outcome is ``UNVERIFIED`` (exit status 3), not ``OK``: nothing vouches for its values.
-
-One vocabulary in every report: ``kind`` is the format's name (``safetensors``, ``sharded
-safetensors``, ``dcp``; ``unknown`` where there is no checkpoint to name); ``tensors`` counts the
-checkpoint's tensors, ``chunks`` the stored pieces they are in (a safetensors tensor is one
-chunk; a DCP tensor one per saving rank), ``checksummed`` the chunks whose bytes matched a
-checksum.
-
-A quantized checkpoint (``io.check.quant``): every FP8 weight has its ``weight_scale_inv`` of
-shape ``ceil(dims / weight_block_size)`` (the block from the ``config.json`` beside it), every
-scale its FP8 weight, every MXFP4 ``*_blocks`` its ``*_scales``; each fault is a problem.
-
-``against=MODEL`` (a model, its folder or its config.json) also checks every tensor's name,
-shape and, where defined, dtype against what that model holds in the checkpoint's layout
-(``shardwise.io.check.against``): the check a checkpoint whose own headers and checksums
-agree, but which holds a tensor of the wrong shape, fails.
+The outcome is ``OK`` (every chunk checksummed and matching), ``UNVERIFIED`` (structure only: a
+checkpoint shardwise did not write; exit status 3) or ``FAILED``. ``kind`` is the format's
+label (its ``Capabilities.label``), ``tensors`` counts tensors, ``chunks`` the stored pieces
+they are in, ``checksummed`` the chunks whose bytes matched a checksum.
 """
 
 from __future__ import annotations
@@ -37,16 +18,16 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from shardwise.core.header import dtype_to_str
 from shardwise.errors import CheckpointError, ShardwiseError, UsageError
+from shardwise.io.check import print_safely
 from shardwise.io.check.against import AgainstReport, check_against, expectations
-from shardwise.io.check.inspect import print_safely
 from shardwise.io.check.quant import has_config, quant_pairs, quantization_config
-from shardwise.io.formats import format_of
+from shardwise.io.formats import capabilities, format_of
 from shardwise.io.info import INFO_FILE, read_info, recorded_checksums
 from shardwise.io.source import Stored
+from shardwise.io.storage import Location, locate
 
 
 @dataclass
@@ -109,7 +90,8 @@ class VerifyReport:
         return json.dumps(self.to_dict(), indent=1, ensure_ascii=True)
 
 
-def verify(path: str | os.PathLike, *, against=None, dtype=None, layout: str = "auto") -> VerifyReport:
+def verify(path: str | os.PathLike, *, against=None, dtype=None, layout: str = "auto",
+           storage_options: dict | None = None) -> VerifyReport:
     """Check the checkpoint at ``path`` (safetensors file, index or folder, or DCP folder)
     without loading it: its structure, and every tensor against its recorded checksum.
 
@@ -122,6 +104,7 @@ def verify(path: str | os.PathLike, *, against=None, dtype=None, layout: str = "
 
     Never raises for a bad checkpoint: the faults are in the returned report. A bad
     ``against`` (no config, a class the library lacks) raises before anything is read.
+    ``storage_options`` go to the storage of a URL ``path`` (``against`` is local).
 
     >>> report = sw.verify("out/full")                     # doctest: +SKIP
     >>> report.ok, report.summary()                        # doctest: +SKIP
@@ -132,14 +115,16 @@ def verify(path: str | os.PathLike, *, against=None, dtype=None, layout: str = "
     if against is None and (dtype is not None or layout != "auto"):
         raise UsageError("dtype and layout say how to compare with a model: pass against= too")
     candidates = expectations(against, dtype=dtype) if against is not None else None
-    report = VerifyReport(str(path))
-    found = None
+    where = locate(path, storage_options)
+    report = VerifyReport(str(path))  # the user's spelling
+    found, prefer = None, "module"
     try:
-        if "://" not in str(path) and not os.path.exists(path):
+        if not where.exists():
             raise CheckpointError(f"{path}: no such checkpoint file or folder")
-        plugin = format_of(path)  # the kind is known even where opening then fails
-        report.kind = _KINDS.get(plugin.NAME, plugin.NAME)
-        source = plugin.open_source(path)  # headers, index, chunk tiling: raises on the first fault
+        plugin = format_of(where)  # the kind is known even where opening then fails
+        report.kind = plugin.CAPABILITIES.label or plugin.NAME
+        prefer = plugin.CAPABILITIES.names  # the names its checkpoints most often hold
+        source = plugin.open_source(where)  # headers, index, chunk tiling: raises on the first fault
         try:
             found = _verify_source(source, report)
         finally:
@@ -149,10 +134,8 @@ def verify(path: str | os.PathLike, *, against=None, dtype=None, layout: str = "
     except OSError as e:
         report.problems.append(f"{path}: cannot read the checkpoint: {e}")
     if found is not None:
-        _check_quantized(Path(path), found, report)
+        _check_quantized(where, found, report)
     if candidates is not None and found is not None:
-        # rank-local and DCP checkpoints hold the module's names; safetensors most often the hub's
-        prefer = "hub" if report.kind == "safetensors" else "module"
         report.against = check_against(found, candidates, layout=layout, prefer=prefer)
         report.problems += report.against.problems()
     elif candidates is not None:
@@ -160,7 +143,7 @@ def verify(path: str | os.PathLike, *, against=None, dtype=None, layout: str = "
     return report
 
 
-def _recorded(folder: Path, report: VerifyReport, found: dict[str, tuple[str, tuple]], *,
+def _recorded(folder: Location, report: VerifyReport, found: dict[str, tuple[str, tuple]], *,
               otherwise: str = "the structure was checked, the values cannot be"):
     """The checksums recorded beside the checkpoint; and a problem for every tensor whose dtype
     or shape (``found``: {name: (safetensors dtype, shape)}) differs from what was saved."""
@@ -176,9 +159,9 @@ def _recorded(folder: Path, report: VerifyReport, found: dict[str, tuple[str, tu
     return recorded_checksums(info)
 
 
-def _check_quantized(path: Path, found: dict[str, tuple[str, tuple]], report: VerifyReport) -> None:
+def _check_quantized(path: Location, found: dict[str, tuple[str, tuple]], report: VerifyReport) -> None:
     """Every quantized weight has its scales, of the shape its block size needs."""
-    root = path if path.is_dir() else path.parent
+    root = path if path.is_folder() else path.parent
     qc = quantization_config(root)
     pairs, problems = quant_pairs(found, qc)
     report.problems += problems
@@ -193,10 +176,6 @@ def _check_quantized(path: Path, found: dict[str, tuple[str, tuple]], report: Ve
                             "the scales' shapes were not checked against a block size")
 
 
-_KINDS = {"sharded": "sharded safetensors"}  # the report's name of a format, where it differs
-_UNRECORDED = {"dcp": "each chunk is checked against the CRC-32 of its zip record"}
-
-
 def _verify_source(source: Stored, report: VerifyReport) -> dict[str, tuple[str, tuple]]:
     """Every blob of ``source`` (a whole tensor, or a chunk) against the checksum recorded for
     it in ``shardwise.json``, else against the format's own (DCP's zip CRC-32) where it keeps
@@ -204,8 +183,8 @@ def _verify_source(source: Stored, report: VerifyReport) -> dict[str, tuple[str,
     (safetensors dtype, shape)}`` of the stored tensors."""
     found = {n: (dtype_to_str(d), tuple(s)) for n, (d, s) in source.tensors().items()}
     report.problems += source.describe().problems
-    algorithm, sums, chunk_sums = _recorded(source.root, report, found, otherwise=_UNRECORDED.get(
-        source.name, "the structure was checked, the values cannot be"))
+    algorithm, sums, chunk_sums = _recorded(source.root, report, found, otherwise=capabilities(
+        source.name).own_checksums or "the structure was checked, the values cannot be")
     report.tensors = len(found)
     seen: set[tuple[str, str | None]] = set()
     blobs = 0
@@ -235,7 +214,7 @@ def _verify_source(source: Stored, report: VerifyReport) -> dict[str, tuple[str,
     return found
 
 
-def _missing_sums(sums: dict, chunk_sums: dict, found: dict, seen: set, root: Path,
+def _missing_sums(sums: dict, chunk_sums: dict, found: dict, seen: set, root: Location,
                   report: VerifyReport) -> None:
     gone = [n for n in sums if n not in found]
     if gone:
@@ -248,14 +227,14 @@ def _missing_sums(sums: dict, chunk_sums: dict, found: dict, seen: set, root: Pa
 
 
 def main_verify(path: str, *, as_json: bool = False, against: str | None = None, dtype: str | None = None,
-                layout: str = "auto") -> int:
+                layout: str = "auto", storage_options: dict | None = None) -> int:
     """``shardwise verify PATH [--against MODEL] [--json]``: the faults, then one summary line;
     0 when OK, 1 when FAILED, 3 when UNVERIFIED (no fault, but not every chunk has a checksum),
     2 when the model to compare with cannot be built."""
     import sys
 
     try:
-        report = verify(path, against=against, dtype=dtype, layout=layout)
+        report = verify(path, against=against, dtype=dtype, layout=layout, storage_options=storage_options)
     except ShardwiseError as e:
         print_safely(f"shardwise verify: --against {against}: {e}", file=sys.stderr)
         return 2

@@ -1,34 +1,132 @@
-"""The one place that touches checkpoint bytes: a small ``Storage`` protocol, the scheme
-registry that picks one from a location, and the one cache of open read handles.
+"""The one place that touches checkpoint bytes: a :class:`Location` decoded once at the door,
+the small ``Storage`` protocol behind it, the scheme registry, the one cache of read handles.
 
-In the spirit of torch DCP's ``FileSystemBase`` (open / rename / mkdir over any file system)
-and ``StorageReader`` / ``StorageWriter``: a format says *which* bytes (headers, boxes, chunk
-offsets), a storage says how to get and put them. The local filesystem
-(``shardwise.io.storage.local``: pread, private mmap views, fsync, ``renameat2`` commit) is
-the first implementation; an object store is one more, registered by its URL scheme.
+In the spirit of torch DCP's ``FileSystemBase`` and ``StorageReader`` / ``StorageWriter``: a
+format says *which* bytes (headers, boxes, chunk offsets), a storage says how to get and put
+them. The local filesystem (``shardwise.io.storage.local``: pread, private mmap views, fsync,
+``renameat2`` commit) is the first implementation; an object store is one more, registered
+by its URL scheme with :func:`register_storage`.
 
-Call order of a read: ``storage_for(location)`` once at the public entry point, then
-``open`` (or a :class:`Handles` cache of them) per file, ``readinto`` / ``read_runs`` from any
-thread, ``close``. Of a save: rank 0 calls ``transaction(target)`` and ``prepare()``, writers
-on the ranks that write call ``create(folder/name)`` and ``commit()`` each file, then rank 0
-calls the transaction's ``commit(index)``; on any failure rank 0 calls ``discard()``.
+Call order. Every public entry point calls :func:`locate` ONCE on the user's
+``str | os.PathLike`` (with its ``storage_options``) and passes the :class:`Location` down;
+nothing below it builds a ``Path`` from a checkpoint location. A read (every rank, on its
+own): ``open`` (or a :class:`Handles` cache) per object, ``readinto`` / ``read_runs`` from
+any thread, ``close``; ``stat`` / ``list`` / ``is_folder`` to find the files. A save: rank 0
+calls ``transaction(target)`` and ``prepare()``; the ranks that write call
+``create(folder / name)`` and ``commit()`` each object; then rank 0 calls the transaction's
+``commit(index)``; on any failure rank 0 calls ``discard()``.
 """
 
 from __future__ import annotations
 
+import builtins
 import ctypes
+import fnmatch
 import io
 import os
 import threading
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from pathlib import Path
+from dataclasses import dataclass, replace
+from pathlib import Path, PurePath, PurePosixPath
 from typing import Protocol
 
 import torch
 
 from shardwise.core.header import MAX_HEADER_SIZE, parse_json_object
 from shardwise.errors import CheckpointError, UsageError
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where a checkpoint (a folder or prefix) or one of its objects is: the ``storage``
+    that serves it, the ``path`` inside that storage (a ``Path`` for the local files, a
+    ``PurePosixPath`` key otherwise) and the URL ``scheme`` the user spelt (None: local).
+    ``str()`` is the user's spelling (``mem://bucket/ckpt/model.safetensors``), for messages.
+    Made by :func:`locate`; its methods below are the only way to the storage."""
+
+    storage: Storage
+    path: PurePath
+    scheme: str | None = None
+
+    def __str__(self) -> str:
+        return str(self.path) if self.scheme is None else f"{self.scheme}://{self.path.as_posix()}"
+
+    def __repr__(self) -> str:
+        return f"Location({str(self)!r})"
+
+    def __truediv__(self, name: str) -> Location:
+        return replace(self, path=self.path / name)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def suffix(self) -> str:
+        return self.path.suffix
+
+    @property
+    def parent(self) -> Location:
+        return replace(self, path=self.path.parent)
+
+    def local_path(self, why: str) -> Path:
+        """The local path, for the callers that need one (``why``); ``UsageError`` elsewhere."""
+        if self.scheme is not None:
+            raise UsageError(f"{self}: {why} needs a local path; copy the checkpoint to a local folder first")
+        return Path(self.path)
+
+    # --- the storage calls -----------------------------------------------------------
+    def open(self) -> ReadHandle:
+        return self.storage.open(self)
+
+    def stat(self) -> int | None:
+        return self.storage.stat(self)
+
+    def list(self) -> list[str]:
+        return self.storage.list(self)
+
+    def is_folder(self) -> bool:
+        return self.storage.is_folder(self)
+
+    def exists(self) -> bool:
+        return self.stat() is not None or self.is_folder()
+
+    def glob(self, pattern: str) -> builtins.list[Location]:
+        """The objects directly under this folder whose names match ``pattern``, sorted."""
+        return [self / n for n in self.list()
+                if fnmatch.fnmatchcase(n, pattern) and (self / n).stat() is not None]
+
+    def create(self, *, existing: bool = False) -> WriteHandle:
+        return self.storage.create(self, existing=existing)
+
+    def write_bytes(self, data: bytes) -> None:
+        """Write this small object whole (:func:`write_small`): what an adapter's
+        ``write_side_files`` uses for a side file."""
+        write_small(self, data)
+
+
+def locate(where: str | os.PathLike | Location, storage_options: dict | None = None) -> Location:
+    """The :class:`Location` of the user's ``where``: ``{scheme}://...`` is served by the
+    storage registered for ``scheme`` (built by ``factory(**storage_options)``), anything
+    else by the local files. A :class:`Location` passes through. Called once per public
+    entry point, on every rank."""
+    if isinstance(where, Location):
+        if storage_options:
+            raise UsageError(f"{where}: storage_options go with a str or path location, not a Location")
+        return where
+    scheme, rest = split_scheme(where)
+    if scheme is None:
+        if storage_options:
+            raise UsageError(f"{os.fspath(where)!r} is a local path: storage_options={storage_options!r} are "
+                             f"for a URL location (registered schemes: {sorted(_SCHEMES)})")
+        from shardwise.io.storage.local import LOCAL
+
+        return Location(LOCAL, Path(rest))
+    if scheme not in _SCHEMES:
+        raise UsageError(f"{os.fspath(where)!r}: no storage for the scheme {scheme!r}; registered: "
+                         f"{sorted(_SCHEMES)} (register_storage(scheme, factory) adds one)")
+    return Location(_SCHEMES[scheme](**(storage_options or {})), PurePosixPath(rest), scheme)
 
 
 class ReadHandle(Protocol):
@@ -75,47 +173,60 @@ class WriteHandle(Protocol):
 
 class Transaction(Protocol):
     """One save: complete or absent, never over the previous checkpoint until whole.
-    Rank 0 alone holds it: ``prepare()`` before any rank writes, ``commit(index)`` once every
-    rank has committed its files, ``discard()`` always (a no-op after a commit)."""
+    Rank 0 alone holds it: ``prepare()`` before any rank writes, then every writing rank
+    creates its objects under ``folder``; ``commit(index)`` once every rank has committed
+    them; ``discard()`` always (a no-op after a commit)."""
 
-    target: Path  # where the checkpoint goes
-    folder: Path | None  # where the writers put the files, between prepare and commit
+    target: Location  # where the checkpoint goes
+    folder: Location | None  # where the writers put the objects, between prepare and commit
 
     def prepare(self) -> None: ...
 
     def commit(self, index: tuple[str, dict] | None) -> None:
-        """Write the index ``(file name, content)``, if any, last; then move the save into place."""
+        """Write the index ``(object name, content)``, if any, last; then publish the save
+        at ``target`` (replacing a previous checkpoint there only now)."""
 
     def discard(self) -> None: ...
 
 
 class Storage(Protocol):
-    """Where checkpoints live. Every rank gets the same one from :func:`storage_for`; which
-    rank calls what is the caller's (a load: every rank ``open``s what it reads; a save: see
-    the module doc)."""
+    """Where checkpoints live; every method takes a :class:`Location` of this storage (its
+    ``path`` the key, its ``str()`` what errors call it). Each rank gets its own instance
+    from :func:`locate`; instances on different ranks see the same objects. Which rank calls
+    what is the caller's: a load has every rank ``open`` / ``stat`` / ``list`` what it
+    reads; a save is the module doc's order."""
 
-    def open(self, location: Path) -> ReadHandle:
+    def open(self, location: Location) -> ReadHandle:
         """The object at ``location`` for reading; a ``CheckpointError`` naming it when it is
         absent or not a plain object (a FIFO, a folder)."""
 
-    def stat(self, location: Path) -> int | None:
-        """The size of the object at ``location``; None when there is none."""
+    def stat(self, location: Location) -> int | None:
+        """The size of the object at ``location``; None when there is no object (a folder
+        is no object)."""
 
-    def list(self, location: Path) -> list[str]:
-        """The names directly under the folder (prefix) ``location``, sorted; [] when none."""
+    def list(self, location: Location) -> list[str]:
+        """The names directly under the folder (prefix) ``location``, objects and folders,
+        sorted; [] when none."""
 
-    def create(self, location: Path, *, existing: bool = False) -> WriteHandle:
+    def is_folder(self, location: Location) -> bool:
+        """Whether ``location`` is a folder (an object store: a prefix with objects under it)."""
+
+    def check_inside(self, root: Location, location: Location, *, source: Location) -> None:
+        """Raise ``CheckpointError`` (naming ``source``) when ``location`` leads outside the
+        checkpoint folder ``root`` (a local symlink); a storage without links does nothing."""
+
+    def create(self, location: Location, *, existing: bool = False) -> WriteHandle:
         """A writer of a new object at ``location`` (``existing``: one that rank 0 created,
         each rank writing its own regions into it)."""
 
-    def transaction(self, target: Path, *, overwrite: bool) -> Transaction:
-        """The save transaction that puts a new checkpoint at ``target``."""
+    def transaction(self, target: Location, *, overwrite: bool) -> Transaction:
+        """The save transaction that puts a new checkpoint at ``target`` (rank 0 only)."""
 
 
-def read_small(storage: Storage, location: Path, *, what: str, cap: int = MAX_HEADER_SIZE) -> bytes:
+def read_small(location: Location, *, what: str, cap: int = MAX_HEADER_SIZE) -> bytes:
     """The whole of a small object (an index, a header, ``shardwise.json``) of at most
     ``cap`` bytes; ``what`` names it in the ``CheckpointError`` for any fault."""
-    handle = storage.open(location)
+    handle = location.open()
     try:
         size = handle.size()
         if size > cap:
@@ -127,14 +238,14 @@ def read_small(storage: Storage, location: Path, *, what: str, cap: int = MAX_HE
     return bytes(raw)
 
 
-def read_json(storage: Storage, location: Path, *, what: str) -> dict:
+def read_json(location: Location, *, what: str) -> dict:
     """The JSON object in the small object ``location`` (strict, capped; see :func:`read_small`)."""
-    return parse_json_object(read_small(storage, location, what=what), source=str(location), what=what)
+    return parse_json_object(read_small(location, what=what), source=str(location), what=what)
 
 
-def write_small(storage: Storage, location: Path, data: bytes) -> None:
+def write_small(location: Location, data: bytes) -> None:
     """Write the small object ``location`` whole (aside, durable, then in place)."""
-    writer = storage.create(location)
+    writer = location.create()
     try:
         writer.write(memoryview(data))
         writer.commit()
@@ -146,16 +257,15 @@ class Handles:
     """The one cache of open read handles (a reader's, an offline tool's): ``get`` opens each
     location once, from any thread; ``close`` closes them all."""
 
-    def __init__(self, storage: Storage):
-        self.storage = storage
-        self._open: dict[Path, ReadHandle] = {}
+    def __init__(self):
+        self._open: dict[Location, ReadHandle] = {}
         self._lock = threading.Lock()
 
-    def get(self, location: Path) -> ReadHandle:
+    def get(self, location: Location) -> ReadHandle:
         with self._lock:
             handle = self._open.get(location)
             if handle is None:
-                handle = self._open[location] = self.storage.open(location)
+                handle = self._open[location] = location.open()
             return handle
 
     def close(self) -> None:
@@ -208,8 +318,8 @@ _SCHEMES: dict[str, Callable[..., Storage]] = {}
 
 
 def register_storage(scheme: str, factory: Callable[..., Storage]) -> None:
-    """Serve locations ``{scheme}://...`` by ``factory(**storage_options)``; a scheme
-    registered twice is an error."""
+    """Serve locations ``{scheme}://...`` by ``factory(**storage_options)`` (called by
+    :func:`locate` on every rank); a scheme registered twice is an error."""
     if not scheme.isidentifier() or scheme in _SCHEMES:
         raise UsageError(f"storage scheme {scheme!r} is {'taken' if scheme in _SCHEMES else 'not a name'}; "
                          f"registered: {sorted(_SCHEMES)}")
@@ -227,19 +337,6 @@ def split_scheme(location: str | os.PathLike) -> tuple[str | None, str]:
     return (scheme, rest) if sep and scheme.isidentifier() else (None, text)
 
 
-def storage_for(location: str | os.PathLike, storage_options: dict | None = None) -> Storage:
-    """The storage that serves ``location``: a registered scheme's, else the local files."""
-    scheme, _ = split_scheme(location)
-    if scheme is None:
-        from shardwise.io.storage.local import LOCAL
-
-        return LOCAL
-    if scheme not in _SCHEMES:
-        raise UsageError(f"{os.fspath(location)!r}: no storage for the scheme {scheme!r}; registered: "
-                         f"{sorted(_SCHEMES)} (register_storage(scheme, factory) adds one)")
-    return _SCHEMES[scheme](**(storage_options or {}))
-
-
 def byte_view(t: torch.Tensor) -> memoryview:
     """A writable memoryview of the bytes of a contiguous CPU tensor, aliasing its memory.
 
@@ -255,6 +352,6 @@ def byte_view(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
-__all__ = ["HandleFile", "Handles", "ReadHandle", "Storage", "Transaction", "WriteHandle", "byte_view",
-           "read_json", "read_small", "register_storage", "split_scheme", "storage_for", "unregister_storage",
-           "write_small"]
+__all__ = ["HandleFile", "Handles", "Location", "ReadHandle", "Storage", "Transaction", "WriteHandle",
+           "byte_view", "locate", "read_json", "read_small", "register_storage", "split_scheme",
+           "unregister_storage", "write_small"]

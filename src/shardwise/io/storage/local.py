@@ -19,8 +19,12 @@ import threading
 from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from shardwise.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from shardwise.io.storage import Location
 
 if hasattr(os, "preadv"):
     def _pread_some(fd: int, buf: memoryview, pos: int) -> int:
@@ -84,7 +88,7 @@ def _hub_blobs(root: Path) -> Path | None:
     return None
 
 
-def check_inside(root: Path, path: Path, *, source: Path) -> None:
+def check_inside(root: Path, path: Path, *, source: object) -> None:
     """Raise ``CheckpointError`` (naming ``source``) when ``path`` resolves outside ``root``."""
     # A symlink may not lead out of the folder, except into the blob store of a
     # huggingface_hub cache, whose snapshots are symlinks into ../../blobs.
@@ -275,30 +279,38 @@ class LocalWriter:
 
 
 class LocalStorage:
-    """The local filesystem (see the module doc); ``LOCAL`` is the one instance."""
+    """The local filesystem (see the module doc); ``LOCAL`` is the one instance. Its
+    locations' ``path`` is a ``Path``."""
 
-    def open(self, location: Path) -> LocalFile:
-        return LocalFile(Path(location))
+    def open(self, location: Location) -> LocalFile:
+        return LocalFile(Path(location.path))
 
-    def stat(self, location: Path) -> int | None:
+    def stat(self, location: Location) -> int | None:
         try:
-            return os.stat(location).st_size
-        except FileNotFoundError:
+            st = os.stat(location.path)
+        except (FileNotFoundError, NotADirectoryError):
             return None
+        return st.st_size if stat.S_ISREG(st.st_mode) else None
 
-    def list(self, location: Path) -> list[str]:
+    def list(self, location: Location) -> list[str]:
         try:
-            return sorted(os.listdir(location))
+            return sorted(os.listdir(location.path))
         except (FileNotFoundError, NotADirectoryError):
             return []
 
-    def create(self, location: Path, *, existing: bool = False) -> LocalWriter:
-        return LocalWriter(Path(location), existing=existing)
+    def is_folder(self, location: Location) -> bool:
+        return os.path.isdir(location.path)
 
-    def transaction(self, target: Path, *, overwrite: bool):
+    def check_inside(self, root: Location, location: Location, *, source: Location) -> None:
+        check_inside(Path(root.path), Path(location.path), source=source)
+
+    def create(self, location: Location, *, existing: bool = False) -> LocalWriter:
+        return LocalWriter(Path(location.path), existing=existing)
+
+    def transaction(self, target: Location, *, overwrite: bool):
         from shardwise.io.storage.transaction import Destination
 
-        return Destination(Path(target), overwrite)
+        return Destination(target, overwrite)
 
 
 LOCAL = LocalStorage()

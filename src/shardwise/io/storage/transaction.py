@@ -20,46 +20,49 @@ import secrets
 import shutil
 import socket
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from shardwise.errors import CheckpointError, StorageError
-from shardwise.io.storage import write_small
-from shardwise.io.storage.local import LOCAL, fsync_dir
+from shardwise.io.storage import Location, write_small
+from shardwise.io.storage.local import fsync_dir
 
 TMP_MARK, OLD_MARK = ".shardwise-tmp-", ".shardwise-old-"
 
 
-def target_path(path) -> Path:
-    target = Path(os.path.abspath(os.fspath(path)))
-    if target.name in ("", ".", ".."):
-        raise CheckpointError(f"path {os.fspath(path)!r} must name a folder to create, not the root")
-    return target
+def target_path(location: Location) -> Location:
+    """The save target ``location``, a local one made absolute; ``CheckpointError`` for a root."""
+    if location.scheme is None:
+        location = replace(location, path=Path(os.path.abspath(location.path)))
+    if location.name in ("", ".", ".."):
+        raise CheckpointError(f"path {str(location)!r} must name a folder to create, not the root")
+    return location
 
 
 class Destination:
     """The local :class:`~shardwise.io.storage.Transaction`: the target folder and the
     temporary folder beside it (``folder``); used on rank 0 only."""
 
-    def __init__(self, target: Path, overwrite: bool):
+    def __init__(self, target: Location, overwrite: bool):
         self.target, self.overwrite = target, overwrite
-        self.folder: Path | None = None
+        self.folder: Location | None = None
 
     def prepare(self) -> None:
-        self.target.parent.mkdir(parents=True, exist_ok=True)
-        _remove_stale(self.target)
-        _check_target(self.target, self.overwrite)
-        self.folder = self.target.parent / f".{self.target.name}{TMP_MARK}{_owner()}-{secrets.token_hex(4)}"
-        self.folder.mkdir()
+        target = Path(self.target.path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale(target)
+        _check_target(target, self.overwrite)
+        self.folder = self.target.parent / f".{target.name}{TMP_MARK}{_owner()}-{secrets.token_hex(4)}"
+        os.mkdir(self.folder.path)
 
     def commit(self, index: tuple[str, dict] | None) -> None:
         """Write the index ``(file name, content)`` if any, last; then move the folder into place."""
-        tmp = self.folder
-        assert tmp is not None  # prepare() made it
+        assert self.folder is not None  # prepare() made it
         if index is not None:
             text = json.dumps(index[1], indent=2, sort_keys=True) + "\n"
-            write_small(LOCAL, tmp / index[0], text.encode())
+            write_small(self.folder / index[0], text.encode())
+        tmp, target = Path(self.folder.path), Path(self.target.path)
         fsync_dir(tmp)
-        target = self.target
         if target.is_dir() and not target.is_symlink() and not any(target.iterdir()):
             target.rmdir()  # an empty folder holds nothing to keep
         if not target.exists() and not target.is_symlink():
@@ -75,7 +78,7 @@ class Destination:
 
     def discard(self) -> None:
         if self.folder is not None:
-            shutil.rmtree(self.folder, ignore_errors=True)
+            shutil.rmtree(self.folder.path, ignore_errors=True)
             self.folder = None
 
 

@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import io
 import zlib
-from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from shardwise.core.header import region_runs
 from shardwise.errors import CheckpointError
 from shardwise.io.info import new_digest, tensor_checksum
-from shardwise.io.storage import HandleFile, Handles, byte_view, storage_for
+from shardwise.io.storage import HandleFile, Handles, Location, byte_view
+from shardwise.io.storage.torchfs import LocationReader
 
 
 def read_chunk_into(f, info, offsets, lengths, dest: torch.Tensor, *, dtype: torch.dtype | None = None,
@@ -164,15 +163,15 @@ def _check_blob(where: str, meta, info, dtype, sizes) -> None:
                               "is corrupt")
 
 
-class MetadataReader(FileSystemReader):
-    """A ``FileSystemReader`` that serves metadata already read (and checked) by
-    :func:`read_metadata` instead of unpickling ``.metadata`` again, and that reads only
-    the bytes each rank needs (:func:`read_chunk_into`) straight into its tensors.
-    ``bytes_read`` counts them. Storage transforms (DCP's experimental extensions) go
-    through DCP's own reader.
+class MetadataReader(LocationReader):
+    """torch's ``FileSystemReader`` over the storage (``LocationReader``) that serves the
+    metadata already read (and checked) by :func:`read_metadata` instead of unpickling
+    ``.metadata`` again, and that reads only the bytes each rank needs
+    (:func:`read_chunk_into`) straight into its tensors. ``bytes_read`` counts them. Storage
+    transforms (DCP's experimental extensions) go through DCP's own reader.
     """
 
-    def __init__(self, path: str | Path, metadata: Metadata):
+    def __init__(self, path: Location, metadata: Metadata):
         super().__init__(path)
         self._metadata = metadata
         self.bytes_read = 0
@@ -191,10 +190,10 @@ class MetadataReader(FileSystemReader):
         by_file: dict[str, list] = {}
         for item in plan.items:
             by_file.setdefault(str(infos[item.storage_index].relative_path), []).append(item)
-        handles = Handles(storage_for(self.path))
+        handles = Handles()
         try:
             for rel, items in by_file.items():
-                self._read_file(HandleFile(handles.get(Path(self.path) / rel)), items, infos, planner)
+                self._read_file(HandleFile(handles.get(self.path / rel)), items, infos, planner)
         finally:
             handles.close()
         done = torch.futures.Future()

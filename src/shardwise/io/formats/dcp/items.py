@@ -23,7 +23,6 @@ import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     MetadataIndex,
@@ -41,6 +40,7 @@ from shardwise.core.spec import Layout, Region, ShardSpec, chunk_layout, global_
 from shardwise.errors import CheckpointError
 from shardwise.holding import is_dtensor
 from shardwise.io.info import chunk_key, tensor_checksum
+from shardwise.io.storage.torchfs import LocationWriter
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import Shard
@@ -280,9 +280,10 @@ class _HashingPlanner:
         return data
 
 
-class HashingWriter(FileSystemWriter):
-    """DCP's file writer that also records the checksum of every chunk it writes
-    (``shardwise.io.info``), computed as the planner hands the chunk over to be written.
+class HashingWriter(LocationWriter):
+    """DCP's file writer over the storage (``LocationWriter``) that also records the checksum
+    of every chunk it writes (``shardwise.io.info``), computed as the planner hands the chunk
+    over to be written.
 
     :attr:`checksums` (``{tensor name: {chunk_key(offsets): checksum}}``) is complete once
     ``write_data`` has returned.

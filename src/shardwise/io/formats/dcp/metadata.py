@@ -14,15 +14,13 @@ import math
 import os
 import pickle
 from collections.abc import Mapping
-from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from shardwise.errors import CheckpointError
 from shardwise.io.formats.dcp import METADATA_FILE
-from shardwise.io.storage import read_small, storage_for
-from shardwise.io.storage.local import check_inside
+from shardwise.io.storage import Location, locate, read_small
 from shardwise.io.storage.transaction import TMP_MARK
 
 _METADATA_CAP = 1 << 32  # bytes: far above any model's metadata, below what would exhaust memory
@@ -55,7 +53,7 @@ class _MetadataUnpickler(pickle.Unpickler):
             "or was tampered with)")
 
 
-def read_metadata(path: str | os.PathLike) -> Metadata:
+def read_metadata(path: Location | str | os.PathLike) -> Metadata:
     """The DCP ``Metadata`` of the checkpoint folder ``path``, after checking it is complete.
 
     Raises ``CheckpointError`` ("incomplete checkpoint") when ``.metadata`` is missing or
@@ -63,20 +61,20 @@ def read_metadata(path: str | os.PathLike) -> Metadata:
     and when a file is a symlink out of the folder or the chunks do not tile a tensor
     exactly (:func:`check_chunks`).
     """
-    path = Path(path)
-    if not path.is_dir():
+    path = locate(path)  # a str or path: the tools' and tests' door
+    if not path.is_folder():
         raise CheckpointError(f"{path}: no such checkpoint folder")
     meta = path / METADATA_FILE
-    if not meta.is_file():
-        partial = sorted(p.name for p in path.parent.glob(f".{path.name}{TMP_MARK}*"))
+    if meta.stat() is None:
+        partial = [n for n in path.parent.list() if n.startswith(f".{path.name}{TMP_MARK}")]
         hint = f" ({partial[0]} beside it is an unfinished save)" if partial else ""
         raise CheckpointError(
             f"{path}: incomplete checkpoint: no {METADATA_FILE}{hint}. A DCP save writes it last, "
             "so the save that wrote this folder never finished (or this is not a DCP checkpoint); "
             "save again or load an earlier checkpoint")
-    check_inside(path, meta, source=meta)
+    path.storage.check_inside(path, meta, source=meta)
     try:
-        raw = read_small(storage_for(path), meta, what="the DCP metadata", cap=_METADATA_CAP)
+        raw = read_small(meta, what="the DCP metadata", cap=_METADATA_CAP)
         metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
     except CheckpointError as e:
         raise CheckpointError(f"{meta}: {e}") from e
@@ -97,7 +95,7 @@ def read_metadata(path: str | os.PathLike) -> Metadata:
     return metadata
 
 
-def _check_files(path: Path, metadata: Metadata) -> None:
+def _check_files(path: Location, metadata: Metadata) -> None:
     need: dict[str, int] = {}
     for info in metadata.storage_data.values():
         rel = str(info.relative_path)
@@ -111,16 +109,16 @@ def _check_files(path: Path, metadata: Metadata) -> None:
     for rel, size in sorted(need.items()):
         f = path / rel
         try:
-            regular = f.is_file()
+            have = f.stat()
         except OSError as e:  # a name over the OS's length limit
             raise CheckpointError(f"{path}: the metadata names data file {rel!r:.200}, which cannot "
                                   f"be looked up ({e.strerror})") from None
-        if not regular:
+        if have is None:
             bad.append(f"{rel} is missing")
             continue
-        check_inside(path, f, source=path / METADATA_FILE)
-        if f.stat().st_size < size:
-            bad.append(f"{rel} has {f.stat().st_size} bytes, fewer than the {size} listed")
+        path.storage.check_inside(path, f, source=path / METADATA_FILE)
+        if have < size:
+            bad.append(f"{rel} has {have} bytes, fewer than the {size} listed")
     if bad:
         raise CheckpointError(f"{path}: incomplete checkpoint: {'; '.join(bad[:5])}"
                               f"{' ...' if len(bad) > 5 else ''}; save again or load an earlier checkpoint")
@@ -130,7 +128,7 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def check_chunks(path: Path, metadata: Metadata) -> None:
+def check_chunks(path: Location, metadata: Metadata) -> None:
     """Every tensor of the checkpoint is tiled exactly once by its chunks, before any read.
 
     Each chunk lies inside its tensor, has a stored blob at least as large as its bytes

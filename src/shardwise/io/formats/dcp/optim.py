@@ -33,6 +33,7 @@ from shardwise.io.formats.dcp.metadata import check_tensors, read_metadata
 from shardwise.io.formats.safetensors.reader import WINDOW_BYTES
 from shardwise.io.spmd import chunks_to_devices, host_placed
 from shardwise.io.spmd_save import SpmdSavePlanner, global_placed
+from shardwise.io.storage import locate
 from shardwise.mesh import world_backend
 from shardwise.parallel import get_shard_state
 
@@ -133,10 +134,11 @@ def _gradients_aside(optimizer: torch.optim.Optimizer):
 
 
 def save_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: str | os.PathLike, *,
-                   overwrite: bool = False, async_save: bool = False) -> AsyncSave | None:
+                   overwrite: bool = False, async_save: bool = False,
+                   storage_options: dict | None = None) -> AsyncSave | None:
     """Save ``optimizer``'s state and hyperparameters, keyed by ``model``'s parameter names,
     as a canonical DCP checkpoint at ``path``; every rank calls it. It reloads under any
-    layout with :func:`load_optimizer`. ``async_save`` works as in ``sw.save``.
+    layout with :func:`load_optimizer`. ``async_save`` and ``storage_options`` work as in ``sw.save``.
 
     >>> sw.save_optimizer(model, optimizer, "out/optim")   # doctest: +SKIP
     """
@@ -154,12 +156,12 @@ def save_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: str
     info = checkpoint_info(model, placed, kind="optimizer",
                            metadata={"optimizer": type(optimizer).__name__})
     state_dict = {k: placed[k].local if k in placed else v for k, v in osd.items()}
-    return write_checkpoint(path, state_dict, placed, info, backend=world_backend(), overwrite=overwrite,
-                            async_save=async_save, planner=planner)
+    return write_checkpoint(locate(path, storage_options), state_dict, placed, info, backend=world_backend(),
+                            overwrite=overwrite, async_save=async_save, planner=planner)
 
 
 def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: str | os.PathLike, *,
-                   strict: bool = True) -> None:
+                   strict: bool = True, storage_options: dict | None = None) -> None:
     """Load the optimizer checkpoint at ``path`` into ``optimizer`` (built over ``model``'s
     parameters in their current layout), resharded like the model; every rank calls it.
     States, step counts and hyperparameters are restored. ``strict`` refuses checkpoint
@@ -171,7 +173,8 @@ def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: str
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     backend = world_backend()  # the API boundary: the backend of the collectives below
-    metadata = read_metadata(path)
+    where = locate(path, storage_options)
+    metadata = read_metadata(where)
     # Builds the state (a zero step) when the optimizer has not stepped yet, so there are
     # tensors of the right local shapes to read into.
     with _gradients_aside(optimizer):
@@ -183,22 +186,22 @@ def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: str
         placed = {k: host_placed(tensors[k], spec, axis) for k, (spec, axis) in splits.items()}
     else:
         placed = _placed(model, osd)
-    missing, _ = check_tensors(path, metadata, {k: p.shape for k, p in placed.items()}, strict=False)
+    missing, _ = check_tensors(where, metadata, {k: p.shape for k, p in placed.items()}, strict=False)
     stored = metadata.state_dict_metadata
     missing += [k for k in osd if k not in placed and k not in stored]
     if missing:
-        raise CheckpointError(f"{path}: {len(missing)} optimizer entries missing from the checkpoint: "
+        raise CheckpointError(f"{where}: {len(missing)} optimizer entries missing from the checkpoint: "
                               f"{', '.join(missing[:10])}; load the optimizer checkpoint of this model "
                               "and optimizer")
     extra = [k for k in stored if k not in osd]
     if extra and strict:
-        raise CheckpointError(f"{path}: {len(extra)} checkpoint entries have no place in this optimizer: "
+        raise CheckpointError(f"{where}: {len(extra)} checkpoint entries have no place in this optimizer: "
                               f"{', '.join(extra[:10])}; pass strict=False to ignore them")
     if spmd:
-        _read_to_devices(path, metadata, osd, placed, splits, backend)
+        _read_to_devices(where, metadata, osd, placed, splits, backend)
     else:
         state_dict = {k: placed[k].local if k in placed else v for k, v in osd.items()}
-        read_checkpoint(path, metadata, state_dict, placed, backend=backend)
+        read_checkpoint(where, metadata, state_dict, placed, backend=backend)
         for k, v in state_dict.items():
             if k not in placed:
                 osd[k] = v

@@ -14,10 +14,8 @@ checkpoint written with storage transforms (DCP's experimental extensions) goes 
 from __future__ import annotations
 
 import math
-import os
 import warnings
 from collections.abc import Iterator
-from pathlib import Path
 from typing import cast
 
 import torch
@@ -28,7 +26,7 @@ from shardwise.io.formats.dcp.chunks import MetadataReader, chunk_checksum, read
 from shardwise.io.formats.dcp.metadata import read_metadata
 from shardwise.io.info import chunk_key, read_info
 from shardwise.io.source import Blob, Description
-from shardwise.io.storage import HandleFile, Handles, storage_for
+from shardwise.io.storage import HandleFile, Handles, Location
 
 
 class DcpStored:
@@ -37,10 +35,10 @@ class DcpStored:
 
     name = "dcp"
 
-    def __init__(self, path: str | os.PathLike):
-        self.root = Path(path)
+    def __init__(self, path: Location):
+        self.root = path
         self.metadata = read_metadata(path)
-        self._handles = Handles(storage_for(self.root))
+        self._handles = Handles()
 
     def _file(self, rel: str) -> HandleFile:
         return HandleFile(self._handles.get(self.root / rel))

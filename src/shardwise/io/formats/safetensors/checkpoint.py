@@ -10,18 +10,17 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath, PureWindowsPath
+from pathlib import PurePosixPath, PureWindowsPath
 
 from shardwise.core.header import FileHeader, TensorEntry
 from shardwise.errors import CheckpointError
-from shardwise.io.safetensors.format import INDEX_SUFFIX, read_header
-from shardwise.io.storage import read_json, storage_for
-from shardwise.io.storage.local import check_inside
+from shardwise.io.formats.safetensors.files import INDEX_SUFFIX, read_header
+from shardwise.io.storage import Location, locate, read_json
 
 _PICKLE_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle"})
 
 
-def _pickle_error(path: Path, *, index: Path | None = None) -> CheckpointError:
+def _pickle_error(path: Location, *, index: Location | None = None) -> CheckpointError:
     where = f"{index}: weight_map names {path.name}" if index else str(path)
     kind = _non_safetensors_kind(path)
     if kind is None:  # not a format torch.load reads: its recipe would not help
@@ -35,11 +34,11 @@ def _pickle_error(path: Path, *, index: Path | None = None) -> CheckpointError:
     )
 
 
-def _non_safetensors_kind(path: Path) -> str | None:
+def _non_safetensors_kind(path: Location) -> str | None:
     """What the first bytes of ``path`` say it is: torch.save's zip or a bare pickle (both what
     ``torch.load`` reads), or None (unknown, or unreadable)."""
     try:
-        handle = storage_for(path).open(path)
+        handle = path.open()
         try:
             buf = bytearray(min(4, handle.size()))
             handle.readinto(memoryview(buf), 0)
@@ -60,14 +59,14 @@ def _non_safetensors_kind(path: Path) -> str | None:
 @dataclass
 class Checkpoint:
     """A resolved safetensors checkpoint: which file holds each tensor, and every header (the
-    ``KeyedCheckpoint`` the loader's key matching reads, ``shardwise.io.pipeline.match_keys``)."""
+    ``KeyedCheckpoint`` that ``shardwise.io.formats.safetensors.keys.match_keys`` reads)."""
 
-    root: Path
-    files: list[Path]
-    weight_map: dict[str, Path]
-    headers: dict[Path, FileHeader]
+    root: Location
+    files: list[Location]
+    weight_map: dict[str, Location]
+    headers: dict[Location, FileHeader]
 
-    def entry(self, name: str) -> tuple[Path, TensorEntry]:
+    def entry(self, name: str) -> tuple[Location, TensorEntry]:
         """The file holding tensor ``name`` and its header entry."""
         try:
             path = self.weight_map[name]
@@ -87,7 +86,7 @@ class Checkpoint:
         return sum(self.headers[p].entries[n].nbytes for n, p in self.weight_map.items())
 
 
-def _shard_path(root: Path, fname: str, *, index: Path) -> Path:
+def _shard_path(root: Location, fname: str, *, index: Location) -> Location:
     pure = PurePosixPath(fname)
     if (not fname or "\\" in fname or "\0" in fname or pure.is_absolute()
             or PureWindowsPath(fname).anchor or ".." in pure.parts):
@@ -95,13 +94,13 @@ def _shard_path(root: Path, fname: str, *, index: Path) -> Path:
             f"{index}: weight_map names the file {fname!r}, which is not a relative name inside "
             f"{root}; refusing to read outside the checkpoint folder"
         )
-    path = root / pure
+    path = root / fname
     if pure.suffix in _PICKLE_SUFFIXES:
         raise _pickle_error(path, index=index)
     if not fname.endswith(".safetensors"):
         raise CheckpointError(f"{index}: weight_map names {fname!r}, which is not a .safetensors file")
     try:
-        regular = path.is_file()  # raises, not False, for a name over the OS's length limit
+        regular = path.stat() is not None  # raises, not None, for a name over the OS's length limit
     except OSError as e:
         raise CheckpointError(f"{index}: weight_map names the file {fname!r:.200}, which cannot be "
                               f"looked up ({e.strerror}); the index is corrupt") from None
@@ -109,14 +108,14 @@ def _shard_path(root: Path, fname: str, *, index: Path) -> Path:
         raise CheckpointError(
             f"{index}: weight_map names {fname!r}, but {path} does not exist or is not a regular file"
         )
-    check_inside(root, path, source=index)
+    root.storage.check_inside(root, path, source=index)
     return path
 
 
-def _from_index(index: Path) -> Checkpoint:
+def _from_index(index: Location) -> Checkpoint:
     root = index.parent
-    check_inside(root, index, source=index)
-    wm = read_json(storage_for(root), index, what="the index").get("weight_map")
+    root.storage.check_inside(root, index, source=index)
+    wm = read_json(index, what="the index").get("weight_map")
     if not (isinstance(wm, dict) and wm
             and all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items())):
         raise CheckpointError(
@@ -124,7 +123,7 @@ def _from_index(index: Path) -> Checkpoint:
         )
     files = {fname: _shard_path(root, fname, index=index) for fname in dict.fromkeys(wm.values())}
     headers = {path: read_header(path) for path in files.values()}
-    owner: dict[str, Path] = {}
+    owner: dict[str, Location] = {}
     for path, header in headers.items():
         for name in header.entries:
             if name in owner:
@@ -139,20 +138,20 @@ def _from_index(index: Path) -> Checkpoint:
     return Checkpoint(root, list(files.values()), weight_map, headers)
 
 
-def _single(path: Path) -> Checkpoint:
+def _single(path: Location) -> Checkpoint:
     header = read_header(path)
     return Checkpoint(path.parent, [path], {name: path for name in header.entries}, {path: header})
 
 
-def _resolve_dir(root: Path) -> Checkpoint:
-    indexes = sorted(p for p in root.glob("*" + INDEX_SUFFIX) if p.is_file())
+def _resolve_dir(root: Location) -> Checkpoint:
+    indexes = root.glob("*" + INDEX_SUFFIX)
     if len(indexes) > 1:
         raise CheckpointError(
             f"{root}: several index files ({', '.join(p.name for p in indexes)}); pass the one to load"
         )
     if indexes:
         return _from_index(indexes[0])
-    files = sorted(p for p in root.glob("*.safetensors") if p.is_file())
+    files = root.glob("*.safetensors")
     if len(files) > 1:
         raise CheckpointError(
             f"{root}: {len(files)} .safetensors files ({', '.join(p.name for p in files[:4])}"
@@ -160,25 +159,25 @@ def _resolve_dir(root: Path) -> Checkpoint:
             f"*{INDEX_SUFFIX}; pass one file, or add an index naming which file holds each tensor"
         )
     if files:
-        check_inside(root, files[0], source=root)
+        root.storage.check_inside(root, files[0], source=root)
         return _single(files[0])
-    pickles = sorted(p for p in root.iterdir() if p.suffix in _PICKLE_SUFFIXES and p.is_file())
+    pickles = [p for p in root.glob("*") if p.suffix in _PICKLE_SUFFIXES]
     if pickles:
         raise _pickle_error(pickles[0])
     raise CheckpointError(f"{root}: no .safetensors file or *{INDEX_SUFFIX} in this folder")
 
 
-def resolve_checkpoint(path: str | os.PathLike) -> Checkpoint:
+def resolve_checkpoint(path: Location | str | os.PathLike) -> Checkpoint:
     """Find and validate the safetensors checkpoint at ``path``: a ``.safetensors`` file,
     an ``*.safetensors.index.json``, or a folder holding one index or one file.
 
     Every header (and the index) is validated before anything is read.
 
-    >>> ckpt = resolve_checkpoint("ckpt/")                     # doctest: +SKIP
+    >>> ckpt = resolve_checkpoint(locate("ckpt/"))             # doctest: +SKIP
     >>> ckpt.entry("blocks.0.attn.to_q.weight")                 # doctest: +SKIP
-    (PosixPath('ckpt/model-00001-of-00002.safetensors'), TensorEntry(...))
+    (Location('ckpt/model-00001-of-00002.safetensors'), TensorEntry(...))
     """
-    path = Path(path)
+    path = locate(path)  # a str or path: the tools' and tests' door
     try:
         return _resolve(path)
     except OSError as e:  # a name too long, a permission, an I/O error: name the file
@@ -186,10 +185,10 @@ def resolve_checkpoint(path: str | os.PathLike) -> Checkpoint:
         raise CheckpointError(f"{path}: cannot read the checkpoint: {where}: {e.strerror or e}") from e
 
 
-def _resolve(path: Path) -> Checkpoint:
+def _resolve(path: Location) -> Checkpoint:
     if not path.exists():
         raise CheckpointError(f"{path}: no such checkpoint file or folder")
-    if path.is_dir():
+    if path.is_folder():
         return _resolve_dir(path)
     if path.name.endswith(INDEX_SUFFIX):
         return _from_index(path)

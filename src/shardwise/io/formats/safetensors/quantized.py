@@ -33,7 +33,6 @@ import ctypes
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,6 +46,7 @@ from shardwise.errors import CheckpointError, PlanError
 from shardwise.io.formats.safetensors.reader import ReadItem
 from shardwise.io.guards import SUPPORTED_QUANT, quant_scheme
 from shardwise.io.source import Finalize, Want
+from shardwise.io.storage import Location
 
 FLOAT8 = frozenset(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
                                                  "float8_e5m2fnuz") if hasattr(torch, n))
@@ -61,8 +61,8 @@ class Dequantized:
     logical weight), the model's ``declared`` dtype, and whether the model tensor is the
     stored weight ``transposed`` (gpt-oss's experts)."""
 
-    weight: tuple[Path, TensorEntry] | Composite
-    scale: tuple[Path, TensorEntry] | Composite
+    weight: tuple[Location, TensorEntry] | Composite
+    scale: tuple[Location, TensorEntry] | Composite
     scheme: QuantScheme
     declared: torch.dtype
     shape: tuple[int, ...]
@@ -219,10 +219,10 @@ def _check_mxfp4(file, name: str, blocks: TensorEntry, scales: TensorEntry, shap
             "model's configuration")
 
 
-def checkpoint_block(root: Path, model_config=None) -> tuple[int, int]:
+def checkpoint_block(root: Location, model_config=None) -> tuple[int, int]:
     """The ``weight_block_size`` of the FP8 checkpoint in ``root`` (its ``config.json``; else the
     model config's ``quantization_config``), checked to be a scheme shardwise supports."""
-    where: Path | str
+    where: Location | str
     qc: Any
     found = folder_quantization(root)
     qc, where = found if found is not None else (None, root)
@@ -243,7 +243,7 @@ def checkpoint_block(root: Path, model_config=None) -> tuple[int, int]:
     return int(block[0]), int(block[1])
 
 
-def _quantization_config(root: Path):
+def _quantization_config(root: Location):
     """The ``quantization_config`` the model adapter finds beside the checkpoint in ``root``
     (None: no config there, or none in it)."""
     found = folder_quantization(root)

@@ -31,7 +31,6 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -39,10 +38,10 @@ import torch
 from shardwise.core.header import FileHeader, TensorEntry
 from shardwise.core.spec import Layout, Region, ShardSpec, local_layout, local_shape
 from shardwise.errors import UsageError
+from shardwise.io.formats.safetensors.files import read_region
 from shardwise.io.formats.safetensors.mapped import contiguous_span, copy_mapped, view_box
-from shardwise.io.safetensors.format import read_region
 from shardwise.io.staging import loaded_dtype
-from shardwise.io.storage import Handles, Storage, storage_for
+from shardwise.io.storage import Handles, Location
 
 PIECE_BYTES = 32 << 20
 WINDOW_BYTES = 256 << 20
@@ -53,7 +52,7 @@ class ReadItem:
     """One tensor to read: the file and entry it comes from, and this rank's layout in it."""
 
     name: str
-    path: Path
+    path: Location
     entry: TensorEntry
     layout: Layout
     local_shape: tuple[int, ...]
@@ -64,7 +63,7 @@ class ReadItem:
         return math.prod(self.local_shape) * self.entry.itemsize
 
 
-def plan_reads(sources: Mapping[str, tuple[Path, TensorEntry]], specs: Mapping[str, ShardSpec],
+def plan_reads(sources: Mapping[str, tuple[Location, TensorEntry]], specs: Mapping[str, ShardSpec],
                degree: int, rank: int) -> list[ReadItem]:
     """The reads that give rank ``rank`` of ``degree`` its local shard of every tensor in
     ``sources`` (``{name: (file, entry)}``), sharded as ``specs[name]``. Pure."""
@@ -153,18 +152,17 @@ def cpu_views(device: torch.device, dtype: torch.dtype | None) -> Callable[[Read
 
 class RegionReader:
     """Reads :class:`ReadItem`s with a pool of threads; a context manager owning the read
-    handles (of ``storage``, else the one the first file's path names).
+    read handles (of the headers' locations, through their storages).
 
     >>> with RegionReader(ckpt.headers, num_threads=4) as reader:          # doctest: +SKIP
     ...     tensors = reader.read(items, finalize=lambda item, raw: raw)
     >>> reader.bytes_read                                                   # doctest: +SKIP
     """
 
-    def __init__(self, headers: Mapping[Path, FileHeader], *, num_threads: int,
+    def __init__(self, headers: Mapping[Location, FileHeader], *, num_threads: int,
                  piece_bytes: int = PIECE_BYTES, window_bytes: int = WINDOW_BYTES,
                  on_bytes: Callable[[int], None] | None = None,
-                 viewable: Callable[[ReadItem], bool] | None = None, strided_views: bool = False,
-                 storage: Storage | None = None):
+                 viewable: Callable[[ReadItem], bool] | None = None, strided_views: bool = False):
         if not (isinstance(num_threads, int) and not isinstance(num_threads, bool) and num_threads >= 1):
             raise UsageError(f"num_threads must be a positive int (the reader threads), got {num_threads!r}; "
                              "pass num_threads=None to sw.load for its default")
@@ -180,8 +178,7 @@ class RegionReader:
         # the strided copy out of a mapping runs at ~3.5 GB/s here, a few % of a load.
         self.strided_views = strided_views
         self.bytes_read = 0
-        first = next(iter(headers), Path("."))
-        self._handles = Handles(storage or storage_for(first))
+        self._handles = Handles()
         self._lock = threading.Lock()
 
     def __enter__(self) -> RegionReader:

@@ -11,7 +11,6 @@ except that dp replicas (``io.replicas``) read each region once and send it to t
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Mapping
 
@@ -23,18 +22,19 @@ from shardwise.core.plan import ResolvedPlan
 from shardwise.core.quant_layout import scale_layout, scale_local_shape
 from shardwise.core.spec import local_layout, local_shape
 from shardwise.io.formats.safetensors.checkpoint import resolve_checkpoint
+from shardwise.io.formats.safetensors.keys import match_keys
 from shardwise.io.formats.safetensors.quantized import Dequantized, Dequantizer
 from shardwise.io.formats.safetensors.reader import ReadItem, RegionReader, cpu_views, plan_reads
 from shardwise.io.formats.safetensors.stored import SafetensorsStored
-from shardwise.io.pipeline import match_keys
 from shardwise.io.replicas import read_once, replica_axis
 from shardwise.io.source import Finalize, ReadOptions, Reads, Want
+from shardwise.io.storage import Location
 
 
 class SafetensorsSource(SafetensorsStored):
     """A safetensors checkpoint (a file, a folder, an index) read region by region."""
 
-    def __init__(self, path: str | os.PathLike, *, dequantize: bool = False):
+    def __init__(self, path: Location, *, dequantize: bool = False):
         super().__init__(path, resolve_checkpoint(path))
         self.dequantize = dequantize  # FP8 tensors with block scales into plain model tensors
         self.bytes_read = 0

@@ -6,9 +6,7 @@ through validated headers and the storage's read handles.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 
@@ -16,10 +14,10 @@ from shardwise.core.adapter import adapter_for, folder_model
 from shardwise.core.pieces import Composite, piece_reads
 from shardwise.core.spec import Region
 from shardwise.io.formats.safetensors.checkpoint import Checkpoint
+from shardwise.io.formats.safetensors.files import INDEX_SUFFIX, read_region
 from shardwise.io.info import digest_range
-from shardwise.io.safetensors.format import INDEX_SUFFIX, read_region
 from shardwise.io.source import Blob, Description
-from shardwise.io.storage import Handles, storage_for
+from shardwise.io.storage import Handles, Location
 
 
 class SafetensorsStored:
@@ -28,14 +26,14 @@ class SafetensorsStored:
 
     name = "safetensors"
 
-    def __init__(self, path: str | os.PathLike, ckpt: Checkpoint):
-        self.path, self.ckpt = Path(path), ckpt
-        self._handles = Handles(storage_for(self.path))
+    def __init__(self, path: Location, ckpt: Checkpoint):
+        self.path, self.ckpt = path, ckpt
+        self._handles = Handles()
         self._shown: dict[str, Composite] = {}  # module name -> hub composite (use_module_names)
         self._hidden: set[str] = set()  # stored keys the composites are built from
 
     @property
-    def root(self) -> Path:
+    def root(self) -> Location:
         return self.ckpt.root
 
     def tensors(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
@@ -75,7 +73,7 @@ class SafetensorsStored:
     def describe(self) -> Description:
         ckpt = self.ckpt
         sharded = (len(ckpt.files) > 1 or self.path.name.endswith(".json")
-                   or any(ckpt.root.glob("*" + INDEX_SUFFIX)))
+                   or bool(ckpt.root.glob("*" + INDEX_SUFFIX)))
         listed = set(ckpt.weight_map)
         problems = []
         for file, header in ckpt.headers.items():
@@ -88,7 +86,7 @@ class SafetensorsStored:
                            tuple(f.name for f in ckpt.files), metadata, problems=tuple(problems))
 
     def blobs(self) -> Iterator[Blob]:
-        by_file: dict[Path, list[str]] = {}
+        by_file: dict[Location, list[str]] = {}
         for name, file in self.ckpt.weight_map.items():
             by_file.setdefault(file, []).append(name)
         for file, names in by_file.items():

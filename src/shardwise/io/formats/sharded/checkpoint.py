@@ -22,15 +22,14 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import NoReturn, TypeGuard
 
 from shardwise.core.header import FileHeader, NamedDtype, TensorEntry, parse_json_object
 from shardwise.core.spec import Region, intersect
 from shardwise.errors import CheckpointError
+from shardwise.io.formats.safetensors.files import INDEX_SUFFIX, read_header
 from shardwise.io.info import INFO_FILE, read_info
-from shardwise.io.safetensors.format import INDEX_SUFFIX, read_header
-from shardwise.io.storage.local import check_inside
+from shardwise.io.storage import Location, locate
 
 SHARDING_INFO_KEY = "DCP_SHARDING_INFO"
 VERSION_KEY = "DCP_VERSION"
@@ -43,7 +42,7 @@ class Chunk:
     """One stored piece of a tensor: the file entry holding it and the box of the global
     tensor it fills (``region.sizes == entry.shape``)."""
 
-    path: Path
+    path: Location
     entry: TensorEntry
     region: Region
 
@@ -66,11 +65,11 @@ class ShardedTensor(NamedDtype):
 class ShardedCheckpoint:
     """A validated sharded checkpoint. ``names``/``entry``/``root`` answer like
     :class:`shardwise.io.formats.safetensors.checkpoint.Checkpoint`: both are the
-    ``KeyedCheckpoint`` the loader's key matching reads (``shardwise.io.pipeline.match_keys``)."""
+    ``KeyedCheckpoint`` that ``shardwise.io.formats.safetensors.keys.match_keys`` reads."""
 
-    root: Path
-    files: list[Path]
-    headers: dict[Path, FileHeader]
+    root: Location
+    files: list[Location]
+    headers: dict[Location, FileHeader]
     tensors: dict[str, ShardedTensor]
     info: dict | None = None  # shardwise.json, when the folder has one
 
@@ -78,7 +77,7 @@ class ShardedCheckpoint:
     def names(self) -> list[str]:
         return list(self.tensors)
 
-    def entry(self, name: str) -> tuple[Path, ShardedTensor]:
+    def entry(self, name: str) -> tuple[Location, ShardedTensor]:
         try:
             return self.root, self.tensors[name]
         except KeyError:
@@ -93,25 +92,25 @@ class ShardedCheckpoint:
 
 # --- detection -----------------------------------------------------------------------------
 
-def _data_files(root: Path) -> list[Path]:
-    files = sorted(p for p in root.glob("*.safetensors") if p.is_file())
+def _data_files(root: Location) -> list[Location]:
+    files = root.glob("*.safetensors")
     for p in files:
-        check_inside(root, p, source=root)
+        root.storage.check_inside(root, p, source=root)
     return files
 
 
-def is_sharded_safetensors(path: str | os.PathLike) -> bool:
-    """True when ``path`` is a folder of safetensors files whose headers carry
+def is_sharded_safetensors(root: Location | str | os.PathLike) -> bool:
+    """True when ``root`` is a folder of safetensors files whose headers carry
     ``DCP_SHARDING_INFO`` and no ``*.safetensors.index.json`` (an index names an ordinary
     checkpoint, such as torch's consolidation written into the same folder).
 
     Reads only headers; a corrupt header raises ``CheckpointError`` naming the file.
 
-    >>> is_sharded_safetensors("out/hf_dcp")                    # doctest: +SKIP
+    >>> is_sharded_safetensors(locate("out/hf_dcp"))            # doctest: +SKIP
     True
     """
-    root = Path(path)
-    if not root.is_dir() or any(root.glob("*" + INDEX_SUFFIX)):
+    root = locate(root)  # a str or path: the tools' and tests' door
+    if not root.is_folder() or root.glob("*" + INDEX_SUFFIX):
         return False
     return any(SHARDING_INFO_KEY in read_header(p).metadata for p in _data_files(root))
 
@@ -123,7 +122,7 @@ def _is_offsets(value: object, ndim: int) -> TypeGuard[list[int]]:
             and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value))
 
 
-def file_offsets(path: Path, header: FileHeader) -> dict[str, tuple[int, ...]]:
+def file_offsets(path: Location, header: FileHeader) -> dict[str, tuple[int, ...]]:
     """``{tensor: saved offsets}`` of one file, checked against its entries. Pure."""
     meta = header.metadata
     if SHARDING_INFO_KEY not in meta:
@@ -156,7 +155,7 @@ def file_offsets(path: Path, header: FileHeader) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def chunk_map(headers: Mapping[Path, FileHeader]) -> dict[str, ShardedTensor]:
+def chunk_map(headers: Mapping[Location, FileHeader]) -> dict[str, ShardedTensor]:
     """Every tensor's global shape and chunks, from the files' headers; pure, no data read.
 
     Raises ``CheckpointError`` naming the file and tensor for: a file without sharding
@@ -238,7 +237,7 @@ def _overlap_error(name: str, a: tuple[str, Region], b: tuple[str, Region]) -> N
 
 # --- a folder ---------------------------------------------------------------------------------
 
-def _check_recorded(root: Path, tensors: Mapping[str, ShardedTensor], info: dict | None) -> None:
+def _check_recorded(root: Location, tensors: Mapping[str, ShardedTensor], info: dict | None) -> None:
     """The shapes shardwise recorded at save time must be the ones the chunks make: a missing
     last chunk, or a whole missing file, shows up here and nowhere else."""
     recorded = (info or {}).get("tensors")
@@ -255,15 +254,15 @@ def _check_recorded(root: Path, tensors: Mapping[str, ShardedTensor], info: dict
                 f"make {got.shape}; a rank's file is missing: copy the complete folder, or save again")
 
 
-def read_sharded(path: str | os.PathLike) -> ShardedCheckpoint:
-    """The validated chunk map of the sharded checkpoint folder ``path``; reads headers only.
+def read_sharded(root: Location | str | os.PathLike) -> ShardedCheckpoint:
+    """The validated chunk map of the sharded checkpoint folder ``root``; reads headers only.
 
-    >>> ckpt = read_sharded("out/hf_dcp")                                  # doctest: +SKIP
+    >>> ckpt = read_sharded(locate("out/hf_dcp"))                                  # doctest: +SKIP
     >>> [c.region for c in ckpt.tensors["lm_head.weight"].chunks]           # doctest: +SKIP
     [Region(offsets=(0, 0), sizes=(32, 32)), Region(offsets=(32, 0), sizes=(32, 32))]
     """
-    root = Path(path)
-    if not root.is_dir():
+    root = locate(root)  # a str or path: the tools' and tests' door
+    if not root.is_folder():
         raise CheckpointError(f"{root}: no such checkpoint folder")
     files = _data_files(root)
     if not files:

@@ -14,7 +14,6 @@ several chunks is copied together once, then handed on.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
 
@@ -22,6 +21,8 @@ import torch
 from torch import nn
 
 from shardwise.core.spec import Layout, Region, intersect, local_layout
+from shardwise.io.formats.safetensors.files import read_region
+from shardwise.io.formats.safetensors.keys import match_keys
 from shardwise.io.formats.safetensors.reader import ReadItem, RegionReader
 from shardwise.io.formats.sharded.checkpoint import (
     SHARDING_INFO_KEY,
@@ -30,10 +31,8 @@ from shardwise.io.formats.sharded.checkpoint import (
     read_sharded,
 )
 from shardwise.io.info import chunk_key, digest_range
-from shardwise.io.pipeline import match_keys
-from shardwise.io.safetensors.format import read_region
 from shardwise.io.source import Blob, Description, Finalize, ReadOptions, Reads, Want
-from shardwise.io.storage import Handles, storage_for
+from shardwise.io.storage import Handles, Location
 
 Request = tuple[ShardedTensor, Layout]
 
@@ -157,12 +156,12 @@ class ShardedSource:
 
     name = "sharded"
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: Location):
         self.ckpt = read_sharded(path)
         self.root = self.ckpt.root
         self.bytes_read = 0
         self._sources: dict = {}
-        self._handles = Handles(storage_for(self.root))
+        self._handles = Handles()
 
     def tensors(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         return {t.name: (t.torch_dtype, t.shape) for t in ordered_tensors(self.ckpt)}

@@ -14,7 +14,6 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
-from pathlib import Path
 
 import torch
 
@@ -31,7 +30,7 @@ from shardwise.core.header import (
 )
 from shardwise.errors import CheckpointError, UsageError
 from shardwise.io.info import new_digest, record_checksums
-from shardwise.io.storage import ReadHandle, Storage, WriteHandle, byte_view, storage_for
+from shardwise.io.storage import Location, ReadHandle, WriteHandle, byte_view, locate
 
 INDEX_SUFFIX = ".safetensors.index.json"
 # The writer hashes and writes a tensor this many bytes at a time (fits the CPU's L2/L3).
@@ -52,15 +51,15 @@ def _read_header(handle: ReadHandle, source: str) -> FileHeader:
     return parse_header(bytes(raw), data_size=size - 8 - n, source=source)
 
 
-def read_header(path: str | os.PathLike, storage: Storage | None = None) -> FileHeader:
-    """The validated header of a safetensors file (in ``storage``, else the one its path
-    names); reads only the prefix.
+def read_header(path: Location | str | os.PathLike) -> FileHeader:
+    """The validated header of the safetensors file ``path`` (a str or path: :func:`locate`'s);
+    reads only the prefix.
 
     >>> read_header("model.safetensors").entries["w"].shape    # doctest: +SKIP
     (4096, 4096)
     """
-    path = Path(path)
-    handle = (storage or storage_for(path)).open(path)
+    path = locate(path)
+    handle = path.open()
     try:
         return _read_header(handle, str(path))
     finally:
@@ -83,7 +82,7 @@ def read_region(
     for a non-contiguous destination read into a scratch tensor and ``copy_``.
 
     >>> header = read_header("model.safetensors")                           # doctest: +SKIP
-    >>> handle = LOCAL.open(Path("model.safetensors"))                      # doctest: +SKIP
+    >>> handle = locate("model.safetensors").open()                         # doctest: +SKIP
     >>> read_region(handle, header, header.entries["w"], (0, 8), (4, 8), torch.empty(4, 8))  # doctest: +SKIP
     128
     """
@@ -123,9 +122,9 @@ class StreamingWriter:
     safetensors' own writers (``save_file``, ``serialize``) take the whole dict of
     tensors at once; a gather save holds one full tensor at a time, so it lays the
     header out from the specs up front and streams the data, through the storage's
-    writer (``storage``, else the one the path names), which makes the file durable and
-    visible only at :meth:`close`; if the ``with`` block raises, or a tensor is missing at
-    close, the partial file is removed.
+    writer (``path`` a :class:`Location`, or a str or path: :func:`locate`'s), which makes
+    the file durable and visible only at :meth:`close`; if the ``with`` block raises, or a
+    tensor is missing at close, the partial file is removed.
 
     With ``checksums`` (the default) it computes each tensor's checksum while writing its
     bytes (``shardwise.io.info``): :attr:`checksums` maps each written tensor to it, and a
@@ -136,17 +135,17 @@ class StreamingWriter:
     """
 
     def __init__(
-        self, path: str | os.PathLike, specs: Sequence[Spec], metadata: Mapping[str, str] | None = None,
-        *, checksums: bool = True, storage: Storage | None = None,
+        self, path: Location | str | os.PathLike, specs: Sequence[Spec],
+        metadata: Mapping[str, str] | None = None, *, checksums: bool = True,
     ):
-        self.path = Path(path)
+        self.path = locate(path)
         self.checksums: dict[str, str] = {}
         self._checksums = checksums
         self._specs = [(name, dtype, tuple(shape)) for name, dtype, shape in specs]
         prefix, self._offsets = layout_header(self._specs, metadata)
         self._next = 0
         self._pos = 0
-        self._out: WriteHandle | None = (storage or storage_for(self.path)).create(self.path)
+        self._out: WriteHandle | None = self.path.create()
         try:
             self._write_all(memoryview(prefix))
         except BaseException:
@@ -326,7 +325,34 @@ def index_json(
     return {"metadata": meta, "weight_map": weight_map}
 
 
+# --- what every safetensors file shardwise writes has in its header, and its order ---
+# safetensors' serializer orders a file's tensors by dtype (its enum order, descending),
+# then by name; we follow it so that a one-file save of a model is byte-identical to
+# save_file(state_dict, metadata={"format": "pt"}).
+_SAVE_FILE_DTYPES = ("U64", "I64", "F64", "C64", "F32", "U32", "I32", "BF16", "F16", "U16",
+                     "I16", "F8_E4M3", "F8_E5M2", "I8", "U8", "BOOL")
+
+
+def header_metadata(metadata) -> dict[str, str]:
+    """The ``__metadata__`` of every header: ``{"format": "pt"}`` and the user's ``metadata``
+    (strings to strings, else ``CheckpointError``)."""
+    metadata = dict(metadata or {})
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise CheckpointError(f"metadata must map strings to strings, got {metadata!r:.200}")
+    if metadata.get("format", "pt") != "pt":
+        raise CheckpointError(f"metadata['format'] is {metadata['format']!r}; a torch safetensors "
+                              "checkpoint says 'pt' there, which loaders check; drop the key")
+    return {"format": "pt", **metadata}
+
+
+def save_file_order(spec) -> tuple[int, str]:
+    """The sort key of a ``(name, dtype, shape)`` within one file: ``save_file``'s order."""
+    name, dtype, _ = spec
+    rank = _SAVE_FILE_DTYPES.index(dtype) if dtype in _SAVE_FILE_DTYPES else len(_SAVE_FILE_DTYPES)
+    return rank, name
+
+
 __all__ = [
-    "INDEX_SUFFIX", "StreamingWriter", "index_json", "parse_size", "plan_files",
-    "read_header", "read_region", "read_tensor",
+    "INDEX_SUFFIX", "StreamingWriter", "header_metadata", "index_json", "parse_size", "plan_files",
+    "read_header", "read_region", "read_tensor", "save_file_order",
 ]
