@@ -9,6 +9,8 @@ on ``sys.path`` (no PYTHONPATH needed). Sizes are decimal (1 GB = 10**9).
 from __future__ import annotations
 
 import datetime
+import functools
+import importlib.util
 import json
 import math
 import os
@@ -195,16 +197,36 @@ def warm_file_cache(paths, chunk: int = 64 << 20) -> int:
 
 # --- the generated checkpoint and its model ----------------------------------------------------
 
-# Module path -> style, one "*" for the layer index. "packed_colwise" stands for gate|up
-# blocks of ratio [1, 1]: a loader call site builds sw.PackedColwise([1, 1]) from it.
-PLAN: dict[str, str] = {
-    "layers.*.attn.q_proj": "colwise",
-    "layers.*.attn.k_proj": "colwise",
-    "layers.*.attn.v_proj": "colwise",
-    "layers.*.attn.o_proj": "rowwise",
-    "layers.*.mlp.gate_up": "packed_colwise",
-    "layers.*.mlp.down": "rowwise",
-}
+@functools.cache
+def _toy():
+    """This checkout's ``shardwise.testing.model``, also where SHARDWISE_BENCH_SRC measures
+    another commit's shardwise (before_after.py, consolidate.py): both commits then load the
+    same model, and a base commit older than the toy's options still runs."""
+    if SRC == REPO / "src":
+        from shardwise.testing import model
+
+        return model
+    spec = importlib.util.spec_from_file_location("_bench_toy", REPO / "src/shardwise/testing/model.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def bench_config(num_layers: int, hidden: int, vocab: int):
+    """The toy of ``shardwise.testing.model`` shaped like a Llama stack: 8 heads (no GQA, no
+    q/k norms), a packed gate_up [8h, h], down [h, 4h], an untied head. ``hidden`` must divide by
+    8 * 8 (degrees 1, 2, 4, 8 split whole heads)."""
+    return _toy().ModelConfig(vocab=vocab, hidden=hidden, heads=8, kv_heads=8, head_dim=hidden // 8,
+                       inter=4 * hidden, moe_layers=(False,) * num_layers, tie=False, qk_norm=False,
+                       fused_gate_up=True)
+
+
+def bench_plan() -> dict[str, str]:
+    """The toy's plan for its layers (embedding and head replicated). "packed_colwise"
+    stands for gate|up blocks of ratio [1, 1]: see :func:`real_plan`."""
+    return {k: v for k, v in _toy().tp_plan(bench_config(1, 64, 64)).items() if ".layers." in k}
 
 
 def real_plan(plan: dict[str, str]) -> dict:
@@ -215,102 +237,41 @@ def real_plan(plan: dict[str, str]) -> dict:
     return {k: sw.PackedColwise([1, 1]) if v == "packed_colwise" else v for k, v in plan.items()}
 
 
+def bench_model(num_layers: int, hidden: int, vocab: int, *, dtype: torch.dtype | None = None) -> nn.Module:
+    """The model :func:`make_checkpoint` writes (build it under ``torch.device("meta")`` for
+    ``sw.load``).
+
+    >>> with torch.device("meta"):
+    ...     m = bench_model(2, 64, 512)
+    >>> m.model.layers[1].mlp.gate_up_proj.weight.shape
+    torch.Size([512, 64])
+    """
+    model = _toy().ToyLM(bench_config(num_layers, hidden, vocab))
+    return model.to(dtype) if dtype is not None else model
+
+
+def checkpoint_model(path, *, dtype: torch.dtype | None = None) -> nn.Module:
+    """:func:`bench_model` as described by the ``bench_config`` of a :func:`make_checkpoint` index."""
+    cfg = read_bench_config(path)
+    return bench_model(cfg["num_layers"], cfg["hidden"], cfg["vocab"], dtype=dtype)
+
+
 def shard_specs(config: dict, plan: dict[str, str], degree: int) -> dict[str, sw.ShardSpec]:
     """ShardSpec of every sharded tensor of a :func:`make_checkpoint` model at ``degree``,
     from shardwise's own plan resolution (replicated tensors left out)."""
     from shardwise.testing import plan_specs
 
     with torch.device("meta"):
-        model = BenchModel(config["num_layers"], config["hidden"], config["vocab"])
+        model = bench_model(config["num_layers"], config["hidden"], config["vocab"])
     resolved = plan_specs(model, real_plan(plan), degree)
     return {name: spec for name, spec in resolved.items() if not spec.replicated}
 
 
-class _Attention(nn.Module):
-    def __init__(self, hidden: int, num_heads: int, **kw):
-        super().__init__()
-        self.num_heads, self.head_dim = num_heads, hidden // num_heads  # the plan checks num_heads
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
-            nn.Linear(hidden, hidden, bias=False, **kw) for _ in range(4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-
-        def heads(y):  # local heads: a colwise shard holds num_heads / degree of them
-            return y.view(b, t, -1, self.head_dim).transpose(1, 2)
-
-        q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
-        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
-
-
-class _MLP(nn.Module):
-    def __init__(self, hidden: int, **kw):
-        super().__init__()
-        self.gate_up = nn.Linear(hidden, 8 * hidden, bias=False, **kw)   # packed [gate; up]
-        self.down = nn.Linear(4 * hidden, hidden, bias=False, **kw)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(nn.functional.silu(gate) * up)
-
-
-class _Block(nn.Module):
-    def __init__(self, hidden: int, num_heads: int, **kw):
-        super().__init__()
-        self.attn_norm = nn.RMSNorm(hidden, **kw)
-        self.attn = _Attention(hidden, num_heads, **kw)
-        self.mlp_norm = nn.RMSNorm(hidden, **kw)
-        self.mlp = _MLP(hidden, **kw)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
-        return x + self.mlp(self.mlp_norm(x))
-
-
-class BenchModel(nn.Module):
-    """The model :func:`make_checkpoint` writes: the same parameter names and shapes.
-
-    ``hidden`` must divide by ``num_heads`` (8), so degrees 1, 2, 4, 8 split whole heads.
-
-    >>> with torch.device("meta"):
-    ...     m = BenchModel(2, 64, 512)
-    >>> m.layers[1].mlp.gate_up.weight.shape
-    torch.Size([512, 64])
-    """
-
-    def __init__(self, num_layers: int, hidden: int, vocab: int, *, num_heads: int = 8,
-                 dtype: torch.dtype | None = None):
-        super().__init__()
-        kw = {"dtype": dtype}
-        self.embed = nn.Embedding(vocab, hidden, **kw)
-        self.layers = nn.ModuleList(_Block(hidden, num_heads, **kw) for _ in range(num_layers))
-        self.norm = nn.RMSNorm(hidden, **kw)
-
-    @classmethod
-    def from_checkpoint(cls, path, *, dtype: torch.dtype | None = None) -> BenchModel:
-        """Build the model described by the ``bench_config`` of a :func:`make_checkpoint` index."""
-        cfg = read_bench_config(path)
-        return cls(cfg["num_layers"], cfg["hidden"], cfg["vocab"], dtype=dtype)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed(ids)
-        for layer in self.layers:
-            x = layer(x)
-        return self.norm(x) @ self.embed.weight.T   # tied output head
-
-
 def bench_tensors(num_layers: int, hidden: int, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of every tensor of :class:`BenchModel`, in checkpoint order."""
-    h = hidden
-    out = [("embed.weight", (vocab, h))]
-    for i in range(num_layers):
-        p = f"layers.{i}"
-        out += [(f"{p}.attn_norm.weight", (h,))]
-        out += [(f"{p}.attn.{n}_proj.weight", (h, h)) for n in "qkvo"]
-        out += [(f"{p}.mlp_norm.weight", (h,)), (f"{p}.mlp.gate_up.weight", (8 * h, h)),
-                (f"{p}.mlp.down.weight", (h, 4 * h))]
-    return out + [("norm.weight", (h,))]
+    """(name, shape) of every tensor of :func:`bench_model`, in checkpoint order."""
+    with torch.device("meta"):
+        model = bench_model(num_layers, hidden, vocab)
+    return [(name, tuple(p.shape)) for name, p in model.named_parameters()]
 
 
 @dataclass
@@ -338,17 +299,18 @@ def make_checkpoint(folder, total_bytes: int, file_bytes: int, *, dtype: torch.d
                     layers: int = 8, seed: int = 0) -> BenchCheckpoint:
     """Write (or reuse) a sharded safetensors checkpoint of a Llama-like stack near ``total_bytes``.
 
-    Per layer: q/k/v/o [h, h], packed gate_up [8h, h], down [h, 4h], two norms [h]; plus
-    an embedding [8h, h] and a final norm. ``h`` is the largest multiple of 64 that keeps the
-    total under ``total_bytes``, so every split over 1, 2, 4 or 8 ranks is even. Tensors
-    are generated and streamed to disk one at a time (peak memory ~ one tensor in float32).
-    A checkpoint already in ``folder`` with the same config is reused as it is.
+    The tensors of :func:`bench_model`: per layer q/k/v/o [h, h], packed gate_up [8h, h],
+    down [h, 4h], two norms [h]; an embedding and a head [8h, h], a final norm.
+    ``h`` is the largest multiple of 64 that keeps the total under ``total_bytes``, so every
+    split over 1, 2, 4 or 8 ranks is even. Tensors are generated and streamed to disk one at a
+    time (peak memory ~ one tensor in float32). A checkpoint already in ``folder`` with the same
+    config is reused as it is.
     """
     from shardwise.testing import write_checkpoint
 
     folder = Path(folder)
     item = torch.empty((), dtype=dtype).element_size()
-    hidden = max(64, int(math.sqrt(total_bytes / item / (16 * layers + 8))) // 64 * 64)
+    hidden = max(64, int(math.sqrt(total_bytes / item / (16 * layers + 16))) // 64 * 64)
     cfg = {"num_layers": layers, "hidden": hidden, "vocab": 8 * hidden,
            "dtype": str(dtype).removeprefix("torch."), "seed": seed, "file_bytes": int(file_bytes)}
     tensors = bench_tensors(layers, hidden, 8 * hidden)
@@ -363,7 +325,7 @@ def make_checkpoint(folder, total_bytes: int, file_bytes: int, *, dtype: torch.d
             raise ValueError(f"{folder} holds a checkpoint index that make_checkpoint did not write; "
                              "pass an empty or new folder") from e
         if old == cfg and all(f.is_file() for f in files):
-            result = BenchCheckpoint(folder, files, tensors, dict(PLAN), cfg, total)
+            result = BenchCheckpoint(folder, files, tensors, bench_plan(), cfg, total)
             result.reused = True
             return result
         index.unlink()
@@ -371,7 +333,7 @@ def make_checkpoint(folder, total_bytes: int, file_bytes: int, *, dtype: torch.d
     generated = ((n, (torch.randn(shape, generator=gen) * 0.02).to(dtype)) for n, shape in tensors)
     files = write_checkpoint(folder, generated, {n: (shape, dtype) for n, shape in tensors},
                              max_shard_size=file_bytes, metadata={"bench_config": cfg})
-    return BenchCheckpoint(folder, files, tensors, dict(PLAN), cfg, total)
+    return BenchCheckpoint(folder, files, tensors, bench_plan(), cfg, total)
 
 
 # --- results ---------------------------------------------------------------------------------

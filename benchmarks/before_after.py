@@ -7,7 +7,7 @@ in a temporary git worktree and, round after round, runs the same workload under
 commit's shardwise and under this checkout's, the two alternating which goes first (on a
 shared machine the load drifts; interleaving spreads the drift over both). The workload, on
 ``--degree`` spawned gloo ranks over a bfloat16 checkpoint of about ``--size``
-(``BenchModel``, several files and an index, page cache warm):
+(``bench_model``, several files and an index, page cache warm):
 
 - ``load``: ``sw.load`` of the safetensors checkpoint into a meta model at tp=degree;
 - ``gather save``: ``sw.save`` of the loaded model (an ordinary safetensors checkpoint);
@@ -40,12 +40,12 @@ OPS = ("load", "gather save", "dcp save", "dcp load", "consolidate")
 def rank_workload(ckpt: str, work: str, degree: int) -> dict[str, float]:
     """This rank's seconds per operation (a module-level function: spawned ranks import it)."""
     import torch
-    from _common import PLAN, BenchModel, real_plan
+    from _common import bench_plan, checkpoint_model, real_plan
 
     import shardwise as sw
 
     backend = sw.init_backend("gloo")
-    mesh, plan = backend.mesh(tp=degree), real_plan(PLAN)
+    mesh, plan = backend.mesh(tp=degree), real_plan(bench_plan())
     seconds: dict[str, float] = {}
 
     def timed(op: str, fn, *, everyone: bool = True):
@@ -57,7 +57,7 @@ def rank_workload(ckpt: str, work: str, degree: int) -> dict[str, float]:
 
     def fresh(path):
         with torch.device("meta"):
-            model = BenchModel.from_checkpoint(ckpt)
+            model = checkpoint_model(ckpt)
         sw.load(model, path, plan=plan, mesh=mesh, progress=False)
         return model
 

@@ -24,12 +24,12 @@ import time
 from pathlib import Path
 
 import torch
-from _common import PLAN, BenchModel, markdown_table, publish_reliability, real_plan
+from _common import bench_model, bench_plan, markdown_table, publish_reliability, real_plan
 
 
-def cost_model() -> BenchModel:
+def cost_model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return BenchModel(8, 1024, 16384)  # 0.52 GB of float32
+    return bench_model(8, 1024, 16384)  # 0.67 GB of float32
 
 
 def save_rank(root: str, kind: str, rounds: int) -> dict[bool, list[float]]:
@@ -39,7 +39,7 @@ def save_rank(root: str, kind: str, rounds: int) -> dict[bool, list[float]]:
 
     backend = sw.init_backend("gloo")
     model = cost_model()
-    sw.parallelize(model, real_plan(PLAN), backend.mesh(tp=backend.world_size))
+    sw.parallelize(model, real_plan(bench_plan()), backend.mesh(tp=backend.world_size))
     times: dict[bool, list[float]] = {False: [], True: []}
     for r in range(rounds):
         for checksums in (False, True) if r % 2 == 0 else (True, False):

@@ -3,7 +3,7 @@ sharded safetensors checkpoint, under two commits, interleaved, in the same run.
 
     python3 benchmarks/consolidate.py --base 2bc4d24 --size 512MB --degree 2 --rounds 5
 
-Setup, untimed: a generated bfloat16 checkpoint of about ``--size`` (``BenchModel``) is loaded
+Setup, untimed: a generated bfloat16 checkpoint of about ``--size`` (``bench_model``) is loaded
 on ``--degree`` spawned gloo ranks at tp=degree and saved twice, ``sw.save(distributed=True)``
 (DCP, ``.distcp`` files) and ``sw.save(distributed=True, format="safetensors")`` (rank-local
 safetensors with ``DCP_SHARDING_INFO``). Then, round after round, a fresh process per commit
@@ -46,14 +46,14 @@ FORMATS = ("dcp", "sharded")
 def save_rank(ckpt: str, work: str, degree: int) -> None:
     """Write both distributed checkpoints of the model at ``ckpt`` (spawned ranks import it)."""
     import torch
-    from _common import PLAN, BenchModel, real_plan
+    from _common import bench_plan, checkpoint_model, real_plan
 
     import shardwise as sw
 
     backend = sw.init_backend("gloo")
     with torch.device("meta"):
-        model = BenchModel.from_checkpoint(ckpt)
-    sw.load(model, ckpt, plan=real_plan(PLAN), mesh=backend.mesh(tp=degree), progress=False)
+        model = checkpoint_model(ckpt)
+    sw.load(model, ckpt, plan=real_plan(bench_plan()), mesh=backend.mesh(tp=degree), progress=False)
     sw.save(model, f"{work}/dcp", distributed=True)
     sw.save(model, f"{work}/sharded", distributed=True, format="safetensors")
     backend.barrier()
@@ -230,7 +230,8 @@ def main(argv=None) -> int:
             ("same", "output byte-equal to base")]
     command = (f"python3 benchmarks/consolidate.py --base {base} --size {args.size} --degree {args.degree} "
                f"--rounds {args.rounds}")
-    notes = (f"`{command}`: a {ckpt.total_bytes / GB:.2f} GB bfloat16 BenchModel saved by {args.degree} gloo "
+    notes = (f"`{command}`: a {ckpt.total_bytes / GB:.2f} GB bfloat16 bench_model saved by {args.degree} "
+             "gloo "
              "ranks at tp as DCP (`sw.save(distributed=True)`) and as sharded safetensors "
              "(`format=\"safetensors\"`), consolidated into one file by one process, page cache of the "
              f"source warm; the base commit {base} and this one interleaved, {args.rounds} rounds, median "

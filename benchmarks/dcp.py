@@ -18,8 +18,8 @@ Rows:
   checkpoint bytes / seconds, best of ``--repeats``; page cache warm for both.
   Target: shardwise at least as fast.
 
-The model is ``_common.BenchModel`` (bfloat16, packed gate|up), built from a generated
-safetensors checkpoint with ``sw.load``.
+The model is ``_common.bench_model`` (the toy of ``shardwise.testing.model``; bfloat16, packed
+gate|up), built from a generated safetensors checkpoint with ``sw.load``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 import torch
-from _common import GB, BenchModel, PeakRSS, make_checkpoint, real_plan, write_results
+from _common import GB, PeakRSS, bench_plan, checkpoint_model, make_checkpoint, real_plan, write_results
 
 import shardwise as sw
 from shardwise.testing import parse_size, spawn
@@ -56,7 +56,7 @@ def _timed(fn) -> tuple[float, PeakRSS]:
 
 def _build(ckpt: str, plan, mesh):
     with torch.device("meta"):
-        model = BenchModel.from_checkpoint(ckpt, dtype=torch.bfloat16)
+        model = checkpoint_model(ckpt, dtype=torch.bfloat16)
     sw.load(model, ckpt, plan=plan, mesh=mesh)
     return model
 
@@ -81,7 +81,7 @@ def degree_rank(ckpt: str, work: str, degree: int, repeats: int, hf: bool) -> di
 
     backend = sw.init_backend("gloo")
     mesh = backend.mesh(tp=degree)
-    plan = real_plan(BenchModel_plan())
+    plan = real_plan(bench_plan())
     model = _build(ckpt, plan, mesh)
     rows = {"save_sw": [], "save_dcp": [], "load_sw": [], "load_dcp": [],
             "peak_save_sw": 0, "peak_save_dcp": 0, "peak_load_sw": 0, "peak_load_dcp": 0}
@@ -97,7 +97,7 @@ def degree_rank(ckpt: str, work: str, degree: int, repeats: int, hf: bool) -> di
         for method in (("dcp", "sw") if i % 2 == 0 else ("sw", "dcp")):
             if method == "sw":
                 with torch.device("meta"):
-                    fresh = BenchModel.from_checkpoint(ckpt, dtype=torch.bfloat16)
+                    fresh = checkpoint_model(ckpt, dtype=torch.bfloat16)
                 s, p = _timed(lambda f=fresh, d=sw_dir: sw.load(f, d, plan=plan, mesh=mesh))
                 del fresh
             else:
@@ -117,12 +117,6 @@ def degree_rank(ckpt: str, work: str, degree: int, repeats: int, hf: bool) -> di
     return rows
 
 
-def BenchModel_plan():  # noqa: N802 - the plan the generated checkpoint ships with
-    from _common import PLAN
-
-    return dict(PLAN)
-
-
 def reshard_rank(ckpt: str, src: str, shard_embedding: bool) -> dict:
     from shardwise import testing
 
@@ -131,12 +125,12 @@ def reshard_rank(ckpt: str, src: str, shard_embedding: bool) -> dict:
     backend = sw.init_backend("gloo")
     mesh = backend.mesh(tp=4)
     with torch.device("meta"):
-        model = BenchModel.from_checkpoint(ckpt, dtype=torch.bfloat16)
-    plan = real_plan(BenchModel_plan())
+        model = checkpoint_model(ckpt, dtype=torch.bfloat16)
+    plan = real_plan(bench_plan())
     if shard_embedding:  # the canonical checkpoint loads under another plan as well
-        plan["embed"] = "embedding_rowwise"
+        plan["model.embed_tokens"] = "embedding_rowwise"
     seconds, peak = _timed(lambda: sw.load(model, src, plan=plan, mesh=mesh))
-    local = sum(getattr(p, "_local_tensor", p).nbytes for p in model.state_dict().values())
+    local = sum(getattr(p, "_local_tensor", p).nbytes for p in model.parameters())
     return {"seconds": seconds, "peak": peak.bytes, "local": local, "rss_method": peak.method}
 
 
@@ -229,7 +223,7 @@ def main(argv=None) -> None:
         degrees = " ".join(map(str, args.degrees))
         command = f"python3 benchmarks/dcp.py --size {args.size} --degrees {degrees} --repeats {args.repeats}"
         notes = (f"`{command}`: "
-                 f"a {total / GB:.2f} GB bfloat16 BenchModel (packed gate|up), "
+                 f"a {total / GB:.2f} GB bfloat16 bench-model toy (packed gate|up), "
                  "gloo ranks on this machine's cores, page cache warm, files fsynced by both writers. "
                  "save/load: slowest rank, median of the repeats, ratio = shardwise / plain DCP (target "
                  "<= 1.10); load includes allocating the shards (both) and installing them (shardwise). "

@@ -13,8 +13,9 @@
 
 Seconds are the slowest rank's, barrier to barrier, median of the repeats; the methods rotate
 their order each repeat; page cache warm (each load reads what was just written). Ratios are
-to ``torch distcp``. The model is ``_common.BenchModel`` (bfloat16, packed gate|up). Prints a
-markdown table and saves ``benchmarks/results/dcp_formats.json`` (``_common.results_dir``).
+to ``torch distcp``. The model is ``_common.bench_model`` (the toy of ``shardwise.testing.model``;
+bfloat16, packed gate|up). Prints a markdown table and saves
+``benchmarks/results/dcp_formats.json`` (``_common.results_dir``).
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from pathlib import Path
 import torch
 from _common import (
     GB,
-    PLAN,
-    BenchModel,
+    bench_plan,
+    checkpoint_model,
     machine_info,
     make_checkpoint,
     markdown_table,
@@ -67,7 +68,7 @@ def _load(method: str, model, folder: str, ckpt: str, plan, mesh) -> None:
 
     if method.startswith("sw"):
         with torch.device("meta"):
-            fresh = BenchModel.from_checkpoint(ckpt, dtype=torch.bfloat16)
+            fresh = checkpoint_model(ckpt, dtype=torch.bfloat16)
         # both formats go through sw.load's one pipeline (its source is detected from the files)
         return _timed(lambda: sw.load(fresh, folder, plan=plan, mesh=mesh))
     # the destination tensors are allocated inside the timing, as shardwise's loads allocate theirs
@@ -82,7 +83,7 @@ def formats_rank(ckpt: str, work: str, degree: int, repeats: int) -> dict:
 
     backend = sw.init_backend("gloo")
     mesh = backend.mesh(tp=degree)
-    plan = real_plan(dict(PLAN))
+    plan = real_plan(bench_plan())
     model = _build(ckpt, plan, mesh)
     out = {f"{op} {m}": [] for op in ("save", "load") for m in METHODS}
     for i in range(repeats):
@@ -130,7 +131,7 @@ def main(argv=None) -> None:
         columns = [("case", "case"), ("method", "method"), ("seconds", "s", ".3f"),
                    ("ratio", "x torch distcp", ".2f"), ("gbs", "GB/s", ".2f")]
         table = markdown_table(rows, columns)
-        print(f"{total / GB:.2f} GB bfloat16 BenchModel, tp={args.degree}, median of {args.repeats}; "
+        print(f"{total / GB:.2f} GB bfloat16 bench-model toy, tp={args.degree}, median of {args.repeats}; "
               f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores\n\n{table}")
         out_dir = results_dir()
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -39,8 +39,8 @@ from pathlib import Path
 import torch
 from _common import (
     GB,
-    BenchModel,
     PeakRSS,
+    checkpoint_model,
     drop_file_cache,
     io_delta,
     make_checkpoint,
@@ -117,7 +117,7 @@ def baseline_b_rank(files: list[str], specs: dict, degree: int) -> dict:
 # --- shardwise hook: the streaming loader plugs in here ---------------------------------------
 
 def shardwise_rank(ckpt_dir: str, plan: dict[str, str], degree: int) -> dict:
-    """``sw.load`` on one rank of a tp=``degree`` gloo mesh, into a meta-device BenchModel.
+    """``sw.load`` on one rank of a tp=``degree`` gloo mesh, into a meta-device bench_model.
 
     On a CPU, sw.load keeps a region that is contiguous on disk and needs no cast as a view
     of the page cache (zero copy): its pages come in when first touched. So that the peak RSS
@@ -129,7 +129,7 @@ def shardwise_rank(ckpt_dir: str, plan: dict[str, str], degree: int) -> dict:
     backend = sw.init_backend("gloo")
     mesh = backend.mesh(tp=degree)
     with torch.device("meta"):
-        model = BenchModel.from_checkpoint(ckpt_dir, dtype=torch.bfloat16)
+        model = checkpoint_model(ckpt_dir, dtype=torch.bfloat16)
     with PeakRSS() as peak:
         file_rss, io0, t0, cpu0 = proc_status().get("RssFile", 0), proc_io(), time.perf_counter(), os.times()
         result = sw.load(model, ckpt_dir, plan=real_plan(plan), mesh=mesh)

@@ -10,7 +10,7 @@ Rows, all writing the same bytes (one file: the checkpoint stays under max_shard
   save_file does not fsync; the "+ fsync" row adds the time to make the file durable,
   which sw.save always does (it fsyncs, then renames into place).
 - shardwise sw.save at tp=N: N spawned gloo ranks, each holding its shard (``sw.load`` of
-  the checkpoint into a meta-device BenchModel), then ``sw.save`` of the model, as the
+  the checkpoint into a meta-device bench_model), then ``sw.save`` of the model, as the
   rank-0 stream (``parallel_write=False``: one tensor at a time gathered to rank 0, which
   writes) and in parallel (``parallel_write=True``: rank 0 lays the file out, every rank
   writes its own regions at their offsets, the checksums are read back from the file).
@@ -39,9 +39,9 @@ from pathlib import Path
 import torch
 from _common import (
     GB,
-    PLAN,
-    BenchModel,
     PeakRSS,
+    bench_plan,
+    checkpoint_model,
     make_checkpoint,
     mem_available,
     real_plan,
@@ -89,8 +89,8 @@ def shardwise_rank(ckpt_dir: str, out_dir: str, degree: int, parallel_write: boo
     backend = sw.init_backend("gloo")
     mesh = backend.mesh(tp=degree)
     with torch.device("meta"):
-        model = BenchModel.from_checkpoint(ckpt_dir, dtype=torch.bfloat16)
-    sw.load(model, ckpt_dir, plan=real_plan(PLAN), mesh=mesh)
+        model = checkpoint_model(ckpt_dir, dtype=torch.bfloat16)
+    sw.load(model, ckpt_dir, plan=real_plan(bench_plan()), mesh=mesh)
     if owned:
         from shardwise.testing import local_shard as local_of
 

@@ -30,23 +30,23 @@ import tempfile
 import time
 
 import torch
-from _common import PLAN, BenchModel, PeakRSS, write_results
+from _common import PeakRSS, bench_model, bench_plan, write_results
 
 from shardwise.testing import expected_shard, local_shard, parse_size, shard_state, spawn
 
-BENCH_PLAN = {k: ("colwise" if v == "packed_colwise" else v) for k, v in PLAN.items()}
+BENCH_PLAN = {k: ("colwise" if v == "packed_colwise" else v) for k, v in bench_plan().items()}
 HIDDEN, VOCAB = 1024, 32000
 
 
 def _layers(size: int) -> int:
     per_layer = 16 * HIDDEN * HIDDEN * 4  # q, k, v, o + gate_up (8h x h) + down, float32
-    return max(1, (size - VOCAB * HIDDEN * 4) // per_layer)
+    return max(1, (size - 2 * VOCAB * HIDDEN * 4) // per_layer)  # embedding and head
 
 
 def _fsdp(model, mesh):
     from torch.distributed.fsdp import fully_shard
 
-    for block in model.layers:
+    for block in model.model.layers:
         fully_shard(block, mesh=mesh["dp_shard"])
     return fully_shard(model, mesh=mesh["dp_shard"])
 
@@ -81,7 +81,7 @@ def _dcp(backend, src, num_layers, folder):
 
     sw.save(src, folder, distributed=True)
     with torch.device("meta"):
-        model = BenchModel(num_layers, HIDDEN, VOCAB)
+        model = bench_model(num_layers, HIDDEN, VOCAB)
     sw.load(model, folder, plan=BENCH_PLAN, mesh=backend.mesh(tp=4), dtype=torch.bfloat16, progress=False)
     return model
 
@@ -93,10 +93,10 @@ def worker(size: int, repeat: int, bucket: int, shm: str) -> dict:
     backend = sw.init_backend("gloo")
     num_layers = _layers(size)
     torch.manual_seed(0)
-    src = _fsdp(sw.parallelize(BenchModel(num_layers, HIDDEN, VOCAB), BENCH_PLAN,
+    src = _fsdp(sw.parallelize(bench_model(num_layers, HIDDEN, VOCAB), BENCH_PLAN,
                                backend.mesh(dp_shard=2, tp=2)), backend.mesh(dp_shard=2, tp=2))
     with torch.device("meta"):
-        dst = BenchModel(num_layers, HIDDEN, VOCAB, dtype=torch.bfloat16)
+        dst = bench_model(num_layers, HIDDEN, VOCAB, dtype=torch.bfloat16)
     dst = sw.parallelize(dst.to_empty(device="cpu"), BENCH_PLAN, backend.mesh(tp=4))
     with torch.no_grad():  # fault the destination's pages in: they are not the transfer's memory
         for p in dst.parameters():
@@ -147,9 +147,9 @@ def main() -> None:
                       "peak_mib": peak / 2**20, "bucket_mib": bucket / 2**20,
                       "same": "yes" if all(r["same"][method] for r in ranks) else "NO"})
     layers = ranks[0]["layers"]
-    total = (VOCAB * HIDDEN + layers * 16 * HIDDEN * HIDDEN) * 4 + (2 * layers + 1) * HIDDEN * 4
+    total = (2 * VOCAB * HIDDEN + layers * 16 * HIDDEN * HIDDEN) * 4 + (2 * layers + 1) * HIDDEN * 4
     plan_s = max(r["plan_s"] for r in ranks)
-    notes = (f"BenchModel, hidden {HIDDEN}, {layers} layers, vocab {VOCAB}: {total / 1e9:.3f} GB in "
+    notes = (f"The bench-model toy, hidden {HIDDEN}, {layers} layers, vocab {VOCAB}: {total / 1e9:.3f} GB in "
              "float32 under FSDP2 x TP (mesh(dp_shard=2, tp=2)) into bfloat16 at mesh(tp=4), colocated "
              f"on 4 gloo ranks of this machine; sw.transfer_plan took {plan_s:.2f} s "
              f"once; each rank sends {max(r['sent'] for r in ranks) / 2**20:.1f} MiB per run. Seconds: the "

@@ -63,7 +63,7 @@ def _diff(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from shardwise.validate.command import run
+    from shardwise.validate import run
 
     return run(args)
 
@@ -173,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "before comparing: a bfloat16 save against its float32 source")
     _add_storage_options(compare)
     compare.set_defaults(func=_diff)
-    from shardwise.validate.command import add_arguments
+    from shardwise.validate import add_arguments
 
     suite = sub.add_parser("validate", help="the hardware validation suite: every scenario at every layout "
                                             "the world allows (exit 0 when none fails); run it under the "

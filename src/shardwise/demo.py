@@ -1,13 +1,8 @@
-"""``shardwise demo``: stream, save and reshard a sharded checkpoint on local gloo ranks.
-
-The parent builds a small transformer, writes it as a sharded checkpoint (several files and
-an index) and computes the one-process forward. ``tp`` ranks then each stream their slice
-with ``sw.load`` into a meta model and check the forward; for comparison they also do what
-users do today: load the whole checkpoint with ``safetensors.torch.load_file`` and shard it.
-Then they gather the model back into one safetensors checkpoint (``sw.save``), write a
-distributed checkpoint (every rank its own part) and load that at half the degree
-(``tp`` -> ``tp / 2``, two replicas), checking the forward again. The tables show, per rank,
-bytes read, peak memory above the rank's level before each step, and seconds.
+"""``shardwise demo``: stream, save and reshard a sharded checkpoint of the toy model on local
+gloo ranks. Each of ``tp`` ranks streams its slice with ``sw.load`` (and, for comparison, loads
+the whole checkpoint and shards it, as users do today) and checks the forward against one
+process; then a gather save, a distributed save, and a load of it at ``tp / 2`` (two
+replicas). The tables show per rank bytes read, peak memory above its level, and seconds.
 """
 
 from __future__ import annotations

@@ -94,7 +94,7 @@ def on_every_rank() -> Iterator[None]:
     """Mark a ``ShardwiseError`` raised inside as one that every rank raises alike: checks that
     run before any collective, on inputs that are the same on every rank (the options, the
     mesh's shape, the model and the plan). The hook ``init_backend`` installs
-    (``shardwise.backends.excepthook``) then reports it once, on rank 0."""
+    (``shardwise.backends.install_excepthook``) then reports it once, on rank 0."""
     try:
         yield
     except ShardwiseError as e:

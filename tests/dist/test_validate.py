@@ -14,7 +14,6 @@ import pytest
 
 import shardwise as sw
 from harness import run_ranks
-from shardwise.validate.layouts import layouts_for
 from shardwise.validate.report import (
     FAIL,
     PASS,
@@ -24,7 +23,7 @@ from shardwise.validate.report import (
     markdown,
     replace_generated,
 )
-from shardwise.validate.scenarios import SCENARIOS
+from shardwise.validate.scenarios import SCENARIOS, layouts_for
 
 JOB_SCENARIOS = ("world", "crossload", "collective_timeout")
 # Known shardwise bugs the suite finds, by world: {(scenario, layout): the bug}. None now; the
@@ -102,7 +101,7 @@ def _lying_world(folder: str):
     torchrun) while the launcher says WORLD_SIZE=2."""
     import torch.distributed as dist
 
-    from shardwise.validate.command import main
+    from shardwise.validate import main
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     path = f"{folder}/rank{os.environ['RANK']}.json"
@@ -160,7 +159,7 @@ def test_a_failing_scenario_is_reported_and_a_broken_collective_stops(tmp_path):
 
 
 def test_report_renders_markdown_from_json(tmp_path, capsys):
-    from shardwise.validate.command import main
+    from shardwise.validate import main
 
     run = {"schema": 1, "backend": "gloo", "world_size": 2, "processes": 2, "device": "cpu",
            "holding": "dtensor", "torch": "2.x", "shardwise": "0", "commit": None, "date": "2026-01-01",

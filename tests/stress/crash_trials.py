@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import torch
-from _common import PLAN, BenchModel, real_plan
+from _common import bench_model, bench_plan, real_plan
 from dying_ranks import Ranks, die, run_with_deaths
 
 # gather: the rank-0 stream; parallel: every rank writes its own regions (sw.save parallel_write)
@@ -31,9 +31,9 @@ VICTIMS = ("rank 0", "rank 1", "both")
 TIMEOUT = 10.0  # seconds: the collectives' timeout in every trial
 
 
-def trial_model(seed: int = 0) -> BenchModel:
+def trial_model(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return BenchModel(4, 384, 4096)  # ~40 MB of float32: a save takes long enough to be hit
+    return bench_model(4, 384, 4096)  # ~50 MB of float32: a save takes long enough to be hit
 
 
 def _files(folder: Path) -> dict[str, str] | None:
@@ -53,7 +53,7 @@ def save_rank(root: str, kind: str, seed: int, ready: str | None) -> str:
 
     backend = sw.init_backend("gloo", timeout=TIMEOUT)
     model = trial_model(seed)
-    sw.parallelize(model, real_plan(PLAN), backend.mesh(tp=2))
+    sw.parallelize(model, real_plan(bench_plan()), backend.mesh(tp=2))
     backend.barrier()
     if ready and backend.rank == 0:
         Path(ready).touch()
@@ -255,13 +255,13 @@ def death_rank(root: str, op: str, death: str, victim: int, point: str) -> tuple
     try:
         if op.endswith("save"):
             model = trial_model(0)
-            sw.parallelize(model, real_plan(PLAN), mesh)
+            sw.parallelize(model, real_plan(bench_plan()), mesh)
             _save(model, f"{root}/out", op.split()[0])
         else:
             with torch.device("meta"):
                 model = trial_model(0)
             src = f"{root}/{'dcp' if op.startswith('dcp') else 'gather'}"
-            sw.load(model, src, plan=real_plan(PLAN), mesh=mesh, progress=False)
+            sw.load(model, src, plan=real_plan(bench_plan()), mesh=mesh, progress=False)
     except sw.ShardwiseError as e:
         return type(e).__name__, time.monotonic() - start
     return "completed", time.monotonic() - start
@@ -272,7 +272,7 @@ def _save_sources(root: str) -> bool:
 
     backend = sw.init_backend("gloo")
     model = trial_model(0)
-    sw.parallelize(model, real_plan(PLAN), backend.mesh(tp=2))
+    sw.parallelize(model, real_plan(bench_plan()), backend.mesh(tp=2))
     sw.save(model, f"{root}/gather")
     sw.save(model, f"{root}/dcp", distributed=True)
     return True

@@ -35,15 +35,15 @@ import time
 from pathlib import Path
 
 import torch
-from _common import PLAN, BenchModel, real_plan
+from _common import bench_model, bench_plan, real_plan
 
 OUTCOMES = ("ok", "clean", "other", "wrong", "memory", "hang", "crash", "outside")
 _ADDRESS_SPACE = 4 << 30
 
 
-def seed_model() -> BenchModel:
+def seed_model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return BenchModel(2, 32, 64)
+    return bench_model(2, 32, 64)
 
 
 def _save_dcp_rank(folder: str) -> bool:
@@ -51,7 +51,7 @@ def _save_dcp_rank(folder: str) -> bool:
 
     backend = sw.init_backend("gloo")
     model = seed_model()
-    sw.parallelize(model, real_plan(PLAN), backend.mesh(tp=2))
+    sw.parallelize(model, real_plan(bench_plan()), backend.mesh(tp=2))
     sw.save(model, folder, distributed=True)
     return True
 
@@ -147,8 +147,8 @@ def _ops(folder: Path, kind: str, case: Path, state: dict):
 
     def load():
         with torch.device("meta"):
-            model = BenchModel(2, 32, 64)
-        sw.load(model, folder, plan=real_plan(PLAN), mesh=state["mesh"], progress=False)
+            model = bench_model(2, 32, 64)
+        sw.load(model, folder, plan=real_plan(bench_plan()), mesh=state["mesh"], progress=False)
         got = {n: local_of(t).detach() for n, t in model.state_dict().items()}
         state["changed"] = any(not _same(t, state["original"].get(n)) for n, t in got.items())
         return _check_values(got, _reference(folder, kind, state["original"]), state["original"])

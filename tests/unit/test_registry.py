@@ -139,7 +139,7 @@ def test_builtin_backends_are_imported_by_name_on_first_use():
     code = ("import sys, shardwise as sw; from shardwise import backends; "
             "names = backends.available_backends(); "
             "loaded = sorted(m for m in sys.modules if m.startswith('shardwise.backends.')); "
-            "assert loaded == ['shardwise.backends.base', 'shardwise.backends.excepthook'], loaded; "
+            "assert loaded == ['shardwise.backends.base'], loaded; "
             "assert backends.get_backend_class('nccl').__name__ == 'NcclBackend'; "
             "assert 'shardwise.backends.nccl' in sys.modules; "
             "assert 'shardwise.backends.xla' not in sys.modules; "

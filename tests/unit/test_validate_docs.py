@@ -55,6 +55,6 @@ def test_a_partial_run_is_refused(tmp_path):
     with pytest.raises(UsageError, match="--only"):
         runs_table([run])
     (tmp_path / "partial.json").write_text(json.dumps(run))
-    from shardwise.validate.command import main
+    from shardwise.validate import main
 
     assert main(["--report", str(tmp_path / "partial.json"), "--summary"]) == 2

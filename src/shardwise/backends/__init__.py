@@ -12,12 +12,19 @@ them), and each imports its hardware package only when its backend is used.
 from __future__ import annotations
 
 import importlib
+import json
+import os
+import sys
 import threading
+import time
+import traceback
 from collections.abc import Callable
+from datetime import timedelta
 
-from shardwise.backends import excepthook
+import torch.distributed as dist
+
 from shardwise.backends.base import MESH_AXES, Backend, torchrun_env
-from shardwise.errors import BackendError, UnknownBackendError, UsageError
+from shardwise.errors import BackendError, ShardwiseError, UnknownBackendError, UsageError
 
 ENTRY_POINT_GROUP = "shardwise.backends"
 # "auto" asks these, in order, whether they are available; gloo always is.
@@ -137,7 +144,7 @@ def init_backend(name: str = "auto", *, timeout=None) -> Backend:
             return _active
         backend = get_backend_class(wanted)(timeout=timeout)
         backend.start()
-        excepthook.install()  # a guard's error, raised alike on every rank, reported once
+        install_excepthook()  # a guard's error, raised alike on every rank, reported once
         _active = backend
         return backend
 
@@ -163,8 +170,110 @@ def shutdown_backend() -> None:
         _active = None
 
 
+# -- one report of an error every rank raised alike ------------------------------------------
+WAIT_SECONDS = 60.0
+_KEY = "shardwise/every_rank_error"
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_installed = False
+
+
+def install_excepthook() -> None:
+    """Set a ``sys.excepthook`` on top of the current one (once per process): an error marked by
+    ``shardwise.errors.on_every_rank`` (a guard's, raised alike on every rank before any
+    collective) is reported once, by :func:`report_once`; any other goes to the previous hook."""
+    global _installed
+    if _installed:
+        return
+    previous = sys.excepthook
+
+    def hook(kind, error, tb):
+        if not (isinstance(error, ShardwiseError) and getattr(error, "every_rank", False)
+                and dist.is_initialized() and dist.get_world_size() > 1):
+            previous(kind, error, tb)
+            return
+        try:
+            report_once(error, tb)
+        except Exception:  # noqa: BLE001 - a broken report must not hide the error itself
+            previous(kind, error, tb)
+
+    sys.excepthook = hook
+    _installed = True
+
+
+def _where(tb) -> str:
+    """The innermost frame outside the shardwise package: the user's call."""
+    frames = [f for f in traceback.extract_tb(tb) if not os.path.abspath(f.filename).startswith(_PACKAGE)]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f"  at {f.filename}, line {f.lineno}: {(f.line or '').strip()}"
+
+
+def report_once(error: ShardwiseError, tb) -> None:
+    """Print ``error`` once for the whole world: rank 0 prints it and puts it in the store; a
+    rank whose own message equals it stays quiet, any other (or one that hears nothing within
+    ``WAIT_SECONDS``) prints its own, prefixed with its rank. Under torchrun every rank also
+    writes the error file torchrun reads (as ``@record`` does)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    message = f"{type(error).__name__}: {error}"
+    lines = [message, f"  (from a check all {world} ranks run alike, before any collective: "
+                      "reported once, by rank 0)", _where(tb)]
+    text = "\n".join(line for line in lines if line)
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 0:
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+        _error_file(message, text)
+        store.set(_KEY, message)
+        # a launcher stops the other ranks once rank 0 exits: first let each one decide (and
+        # print its own report if its error differs)
+        _rank0_said(store, key=_KEY + "/all read")
+        return
+    same = _rank0_said(store) == message
+    if same:
+        _error_file(message, f"the same {type(error).__name__} as rank 0 (reported there)")
+    else:
+        sys.stderr.write("\n".join(f"[rank{rank}]: {line}" for line in [message, _where(tb)] if line)
+                         + "\n")
+        sys.stderr.flush()
+        _error_file(message, message)
+    try:
+        if store.add(_KEY + "/read", 1) == world - 1:
+            store.set(_KEY + "/all read", "1")
+    except Exception:  # noqa: BLE001 - rank 0 then waits its bounded time
+        pass
+    if same and os.environ.get("TORCHELASTIC_RUN_ID"):
+        # torchrun stops this rank once rank 0 has exited: rank 0 is then the first failure
+        # of its summary, with its exit status, not a rank stopped before it finished
+        _rank0_said(store, key=_KEY + "/never set")
+
+
+def _rank0_said(store, key: str = _KEY) -> str | None:
+    try:
+        store.wait([key], timedelta(seconds=WAIT_SECONDS))
+        return store.get(key).decode()
+    except Exception:  # noqa: BLE001 - no word from rank 0: this rank reports for itself
+        return None
+
+
+def _error_file(message: str, shown: str) -> None:
+    # torchrun's summary shows ``py_callstack`` of each failed rank; its first failure is the
+    # earliest timestamp, rank 0's (the others write theirs after reading rank 0's message)
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": message,
+                        "extraInfo": {"py_callstack": shown, "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        pass  # torchrun then shows its own line; the report above is on stderr already
+
+
 __all__ = [
     "AUTO_ORDER", "BUILTINS", "Backend", "ENTRY_POINT_GROUP", "MESH_AXES", "available_backends",
-    "coordination_group", "current_backend", "get_backend_class", "init_backend", "register_backend",
+    "coordination_group", "current_backend", "get_backend_class", "init_backend", "install_excepthook",
+    "register_backend",
     "resolve_auto", "shutdown_backend", "torchrun_env",
 ]

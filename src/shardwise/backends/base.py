@@ -204,7 +204,7 @@ class Backend:
         to the world size: else the group's collectives are no-ops for what shardwise sends (an
         adopted ``env://`` "xla" group on PJRT CPU, a group of another device) and every load and
         forward would be silently wrong. Whether the world is the launcher's is the validation
-        suite's first check (``shardwise.validate.world``), which reports it."""
+        suite's first check (``shardwise.validate.checks.check_world``)."""
         if self.world_size == 1:
             return
         how = "adopted" if not self._owns_group else "started"

@@ -1,11 +1,6 @@
-"""What shardwise reads of a mesh (:class:`AxisMesh`), and a named-axis mesh of process-group
-ranks for backends where torch's DeviceMesh cannot be built (:class:`GroupMesh`).
-
-torch's ``init_device_mesh`` needs a device handle for the device type, which torch_xla does
-not register ("DeviceMesh process groups not initialized!"), so the xla and neuron backends
-use a GroupMesh instead. It is not a DeviceMesh (DTensor cannot run on it, which is why those
-backends hold local shards) and implements what shardwise reads off a mesh, the
-:class:`AxisMesh` protocol, plus ``get_coordinate()``.
+"""What shardwise reads of a mesh (:class:`AxisMesh`), and :class:`GroupMesh`, a named-axis mesh
+of process-group ranks for the backends where torch's DeviceMesh cannot be built (torch_xla
+registers no device handle): not a DeviceMesh, so those backends hold local shards.
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
-"""AWS Trainium through TorchNeuron, the native PyTorch backend of torch-neuronx 2.13 and 2.14
-(public beta in Neuron SDK 2.33, Trn2/Trn3): device ``"neuron"`` (PrivateUse1), process group backend
-``"neuron"``, DTensor and FSDP2 as on CUDA. So this backend is the nccl one with another device:
-one process per NeuronCore under torchrun, shards held as DTensors, torch's DeviceMesh. The
-torch_xla-based torch-neuronx of earlier SDKs (Trn1/Inf2) is ``neuron_xla``.
+"""AWS Trainium through TorchNeuron, the native backend of torch-neuronx 2.10 and later: device
+``"neuron"`` (PrivateUse1), process group ``"neuron"``, DTensor and FSDP2, torch's DeviceMesh,
+one process per NeuronCore under torchrun: the nccl backend with another device. The
+torch_xla-based torch-neuronx (torch 2.9 and earlier) is ``neuron_xla``.
 
-Detection never imports torch_neuronx nor starts the Neuron runtime: NeuronCores are counted from
-the Neuron driver's sysfs tree (``/sys/devices/virtual/neuron_device/neuron*/core_count``) and the
-installed torch-neuronx's version is read from its package metadata. Its first two numbers are
-torch's version: 2.9 was the last torch_xla-based one (AWS: "PyTorch 2.9 is the last version using
-PyTorch/XLA"), every later one is native.
-
-Written from TorchNeuron's documented model; it has not run on Neuron hardware (docs/backends.md).
-Not documented, so handled conservatively: which NeuronCore a process gets (``LOCAL_RANK`` when
-the process sees several, else its only one) and whether the group implements a gather to one
-rank (``supports_gather = False``: the gather save all-gathers).
+Detection never imports torch_neuronx nor starts the runtime: NeuronCores from the driver's
+sysfs (``/sys/devices/virtual/neuron_device/neuron*/core_count``), the version from package
+metadata. Not run on Neuron hardware (docs/backends.md); undocumented, so conservative: the
+NeuronCore of a process is ``LOCAL_RANK`` when it sees several, and no gather to one rank
+(``supports_gather = False``).
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
-"""AWS Trainium/Inferentia through the torch_xla-based torch-neuronx (torch 2.9 and earlier; Neuron
-SDK 2.31 and earlier: Trn1/Inf2 users on those SDKs). The native TorchNeuron is ``neuron.py``.
-
-That torch-neuronx's documented model (its training developer guide): each NeuronCore is an XLA
-device (``torch_xla.device()``), one process per NeuronCore launched by ``torchrun``, joined by
-``init_process_group("xla")``; importing torch_neuronx registers the Neuron PJRT plugin
-(``PJRT_DEVICE=NEURON``). So everything but detection and the messages is the xla backend:
-local shards with forward hooks, a gloo side group for DCP, shard-on-host-then-move loads, and
-collective timeouts that cannot be honoured (``timeout_limit``).
-
-Detection never starts the Neuron runtime (that would claim the NeuronCores before torch_xla's
-rendezvous hands each process its own): NeuronCores are counted from the Neuron driver's sysfs
-tree (``neuron.neuron_core_count``), and the installed torch-neuronx's version is read from its
-package metadata, so that a native TorchNeuron (which has no torch_xla) is never imported here.
-torch_neuronx is imported only inside functions.
+"""AWS Trainium/Inferentia through the torch_xla-based torch-neuronx (torch 2.9 and earlier,
+Trn1/Inf2); the native TorchNeuron is ``neuron.py``. Each NeuronCore is an XLA device, one
+process per NeuronCore under torchrun, ``init_process_group("xla")``: everything but detection
+and the messages is the xla backend. Detection never starts the Neuron runtime (it would claim
+the NeuronCores before torch_xla's rendezvous) and never imports a native TorchNeuron.
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
-"""TPU (and other PJRT devices) through torch_xla, one process per device: TPU pods launched
-with torchrun or torch_xla's launcher, and the torch_xla-based torch-neuronx (``neuron_xla.py``
-builds on this).
+"""TPU (and other PJRT devices) through torch_xla, one process per device (torchrun or torch_xla's
+launcher); ``neuron_xla`` builds on it. One process driving several devices is ``xla_spmd``.
 
-- Process group: torch_xla's ``xla`` backend. It only moves XLA tensors, so the backend
-  also opens a gloo group over the same ranks (``coordination_group``) for what runs on
-  CPU objects: DCP's planning and object collectives.
-- Mesh: a :class:`~shardwise.backends.group_mesh.GroupMesh`, because torch's DeviceMesh
-  cannot be built for the ``xla`` device type; sub-groups come from torch_xla's
-  ``new_xla_process_group`` (a plain ``new_group`` would not tell XLA its replica groups).
-- Holding: local shards with forward hooks doing the collectives (DTensor does not run on
-  XLA); the gather save all-gathers (``supports_gather = False``).
-- Timeouts: not honoured (``timeout_limit`` says why); ``init_backend("xla", timeout=...)``
-  warns that the value bounds nothing but the start.
-
-One process driving several devices (SPMD) is the separate backend ``xla_spmd``
-(``xla_spmd.py``). torch_xla is imported only inside functions, so ``import shardwise``
-never needs it.
+- Process group ``xla`` (XLA tensors only), plus a gloo group over the same ranks
+  (``coordination_group``) for CPU objects: DCP's planning, object collectives.
+- Mesh: a :class:`~shardwise.backends.group_mesh.GroupMesh` (torch's DeviceMesh cannot be
+  built for ``xla``); sub-groups from ``new_xla_process_group`` (XLA's replica groups).
+- Holding: local shards with forward hooks (no DTensor on XLA); the gather save all-gathers.
+- Timeouts are not honoured (``timeout_limit``); ``timeout=`` bounds only the start.
 """
 
 from __future__ import annotations

@@ -1,23 +1,17 @@
 """torch_xla SPMD: one process drives every device of the mesh (a TPU VM's chips, or
 ``CPU_NUM_DEVICES`` PJRT CPU devices).
 
-Its own backend name, ``"xla_spmd"``, rather than a mode that ``"xla"`` switches into:
+- SPMD is process-global and must be on before the first XLA tensor: ``init_backend("xla_spmd")``
+  turns it on first thing; with SPMD on, ``"xla"`` refuses and names this backend.
+- The mesh counts devices, not processes (``backend.mesh(tp=4)`` in one process); the gloo
+  process group only coordinates hosts (DCP).
+- Holding ``"spmd"``: a parameter is one global (canonical) tensor, tiled over tp along its
+  shard dim (tp position ``p`` holds canonical chunk ``p``; for a packed spec not the
+  rank-local packed layout, since SPMD semantics are global) and replicated over the other
+  axes. The XLA partitioner inserts the collectives: no forward hooks.
 
-- SPMD is process-global and must be on before the first XLA tensor exists, so
-  ``init_backend("xla_spmd")`` turns it on (``xr.use_spmd()``) first thing; with SPMD on,
-  ``"xla"`` refuses to start and names this backend, and ``"auto"`` picks it.
-- The mesh counts devices, not processes: ``backend.mesh(tp=4)`` in one process. The
-  process group is gloo and only coordinates hosts (DCP; a world of one on one host).
-- Holding ``"spmd"``: a parameter stays one global (canonical) tensor, tiled over the tp
-  axis along its shard dim (device at tp position ``p`` holds canonical chunk ``p``) and
-  replicated over the other axes. For a packed spec that chunk is not the rank-local
-  packed layout of the other backends, and need not be: SPMD semantics are global, so
-  the model's own forward is correct as written and the XLA partitioner inserts the
-  collectives. shardwise wires no forward hooks here.
-
-Only the chunks are ever on the host: :meth:`SpmdMesh.from_chunks` builds a parameter on the
-devices from one CPU tensor per tp position (``_global_tensor_from_cpu_shards``). Multi-host
-SPMD (several processes, each with its own devices) follows the same code but has not run.
+Only chunks are ever on the host (:meth:`SpmdMesh.from_chunks`). Multi-host SPMD follows the
+same code but has not run.
 """
 
 from __future__ import annotations

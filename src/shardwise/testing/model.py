@@ -1,18 +1,12 @@
-"""The one toy transformer: the model every backend validates on, the one ``shardwise demo``
-streams (at the sizes of :data:`SIZES`), built in code (no download, no transformers).
+"""The one toy transformer, built in code: what every backend validates on, what ``shardwise
+demo`` streams (:data:`SIZES`), and the benchmarks' model (a Llama-like :class:`ModelConfig`).
 
-Shaped like a Qwen3-MoE causal LM, small, and divisible at every degree the suite runs:
-16 attention heads and 8 KV heads (grouped-query attention; head_dim 4), ``q_norm`` /
-``k_norm`` on the head dim, one dense SwiGLU layer and one MoE layer of 16 experts held as
-fused 3-D parameters (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``) with a top-2
-router, an untied head. The plans are the ones transformers ships for Qwen3-MoE
-(``base_model_tp_plan``, ``base_model_ep_plan``), so the suite exercises plain, packed,
-parameter-key, replicated-with-gradient-all-reduce, MoE and expert-parallel styles.
-
-Tensor parallel degrees must divide the 8 KV heads (1, 2, 4, 8); expert parallel degrees the
-16 experts (up to 16). Every size is a multiple of 16, so each sharded dim divides.
-
-:func:`golden` is the one-process CPU run every layout is compared with.
+By default shaped like a small Qwen3-MoE causal LM: 16 heads over 8 KV heads (head_dim 4),
+``q_norm`` / ``k_norm``, one dense SwiGLU layer and one MoE layer of 16 fused experts
+(``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``, top-2 router), an untied head; the
+plans are transformers' for Qwen3-MoE (``base_model_tp_plan``, ``base_model_ep_plan``). tp
+degrees divide the 8 KV heads, ep degrees the 16 experts. :func:`golden` is the one-process
+CPU run every layout is compared with.
 """
 
 from __future__ import annotations
@@ -39,6 +33,8 @@ class ModelConfig:
     top_k: int = 2
     moe_layers: tuple[bool, ...] = (False, True)  # per layer: an MoE layer (True) or dense SwiGLU
     tie: bool = False  # lm_head tied to the embedding
+    qk_norm: bool = True  # q_norm / k_norm on the head dim (Qwen3); False: Llama-like
+    fused_gate_up: bool = False  # the dense SwiGLU as one packed gate_up_proj (Phi-3), not gate|up
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -87,6 +83,21 @@ EP_PLAN = {
 }
 
 
+def tp_plan(config: ModelConfig = CONFIG) -> dict:
+    """:data:`TP_PLAN` for the modules a toy of ``config`` has: no q/k norms without
+    ``qk_norm``, no experts without an MoE layer, the packed dense ``gate_up_proj`` in place of
+    ``gate_proj`` / ``up_proj`` with ``fused_gate_up``."""
+    absent: tuple[str, ...] = ()
+    if not config.qk_norm:
+        absent += (".q_norm", ".k_norm")
+    if not any(config.moe_layers):
+        absent += (".experts", ".experts.gate_up_proj", ".experts.down_proj")
+    if config.fused_gate_up:
+        absent += (".mlp.gate_proj", ".mlp.up_proj")
+    plan = {k: v for k, v in TP_PLAN.items() if not k.endswith(absent)}
+    return {**plan, "model.layers.*.mlp.gate_up_proj": "packed_colwise"} if config.fused_gate_up else plan
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -96,8 +107,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=False)
-        self.q_norm = nn.RMSNorm(cfg.head_dim)
-        self.k_norm = nn.RMSNorm(cfg.head_dim)
+        norm = nn.RMSNorm if cfg.qk_norm else nn.Identity
+        self.q_norm, self.k_norm = norm(cfg.head_dim), norm(cfg.head_dim)
 
     def forward(self, x):
         b, t, _ = x.shape
@@ -110,14 +121,22 @@ class Attention(nn.Module):
 
 
 class Mlp(nn.Module):
-    def __init__(self, hidden: int, inter: int):
+    def __init__(self, hidden: int, inter: int, fused: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        if fused:  # packed [gate; up]: a colwise shard holds its part of each
+            self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
+        else:
+            self.gate_proj = nn.Linear(hidden, inter, bias=False)
+            self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.fused = fused
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.fused:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Experts(nn.Module):
@@ -163,7 +182,7 @@ class Layer(nn.Module):
         self.input_layernorm = nn.RMSNorm(cfg.hidden)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden)
-        self.mlp = MoE(cfg) if moe else Mlp(cfg.hidden, cfg.inter)
+        self.mlp = MoE(cfg) if moe else Mlp(cfg.hidden, cfg.inter, cfg.fused_gate_up)
 
     def forward(self, x):
         x = x + self.self_attn(self.input_layernorm(x))
@@ -197,7 +216,7 @@ class ToyLM(nn.Module):
 
     @property
     def tp_plan(self) -> dict:  # as a transformers causal LM exposes it, for plan="auto"
-        return dict(TP_PLAN)
+        return tp_plan(self.config)
 
     @property
     def ep_plan(self) -> dict:

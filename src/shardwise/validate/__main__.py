@@ -2,6 +2,6 @@
 
 import sys
 
-from shardwise.validate.command import main
+from shardwise.validate import main
 
 sys.exit(main())

@@ -1,16 +1,15 @@
-"""Comparing what a rank holds with the one-process truth, in every holding.
-
-A rank's local tensor is compared with its part of the canonical tensor: core's region math
-(``split``: the same function every load and save path uses, pure and covered by its property
-tests), then FSDP2's dim-0 chunk on a ``dp_shard`` axis. Under SPMD a parameter is one global
-tensor, so it is compared whole. Any mismatch raises :class:`Mismatch` naming the tensor.
+"""The suite's checks: the world is what the launcher says, and what a rank holds equals its
+part of the one-process truth (core's ``split``, then FSDP2's dim-0 chunk on ``dp_shard``;
+under SPMD a parameter is compared whole). A mismatch raises :class:`Mismatch` naming the tensor.
 """
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, cast
 
 import torch
+import torch.distributed as dist
 
 from shardwise.backends.xla import settle
 from shardwise.core.spec import split
@@ -23,6 +22,7 @@ if TYPE_CHECKING:
 # reductions, all-reduced partial sums): ~1e-6 relative here; 1e-4 leaves room for device
 # kernels (SDPA, matmul) that differ from CPU's, and is still 100x below a misplaced shard.
 RTOL, ATOL = 1e-4, 1e-5
+PASS, FAIL, UNSUPPORTED = "PASS", "FAIL", "UNSUPPORTED"
 
 
 class Mismatch(AssertionError):
@@ -140,5 +140,60 @@ def compare_grads(model, truth: dict[str, torch.Tensor], state, what: str) -> fl
     return worst
 
 
-__all__ = ["ATOL", "RTOL", "Deferred", "Mismatch", "compare", "compare_grads", "compare_tensors",
-           "expected_local", "local_grad", "local_of", "same_bytes", "settle"]
+# -- the world check: three counts agree (the backend's, WORLD_SIZE when a launcher set it, the
+# runtime's own: torch.distributed's group, torch_xla's world or under SPMD its process count),
+# then all-reduces of ones and of the ranks give the world's sums. A world of one process per
+# process (torch_xla on PJRT CPU under torchrun) can never pass the suite.
+def runtime_world(backend) -> int:
+    """The number of processes the runtime itself says this job has."""
+    if backend.name in ("xla", "neuron_xla"):
+        import torch_xla.runtime as xr
+
+        return int(xr.world_size())
+    if backend.holding is Holding.SPMD:
+        import torch_xla.runtime as xr
+
+        return int(xr.process_count())
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def mesh_world(backend) -> int:
+    """The number of devices a mesh spans: processes, or under SPMD the XLA devices."""
+    if backend.holding is Holding.SPMD:
+        import torch_xla.runtime as xr
+
+        return int(xr.global_runtime_device_count())
+    return backend.world_size
+
+
+def check_world(backend) -> tuple[str, str, dict]:
+    """``(status, reason, details)`` of the world check on this rank; every rank calls it."""
+    launcher = os.environ.get("WORLD_SIZE")
+    counts = {"backend": backend.world_size, "runtime": runtime_world(backend),
+              "launcher": int(launcher) if launcher else None, "rank": backend.rank}
+    wrong = []
+    if counts["runtime"] != counts["backend"]:
+        wrong.append(f"the runtime counts {counts['runtime']} processes but backend "
+                     f"{backend.name!r} has a world of {counts['backend']}")
+    if launcher and int(launcher) != counts["backend"]:
+        wrong.append(f"the launcher started WORLD_SIZE={launcher} processes but backend {backend.name!r} "
+                     f"has a world of {counts['backend']}: each process is in a world of its own, so "
+                     "collectives reach no other rank")
+    n = backend.world_size
+    ones = backend.all_reduce(torch.ones(1, device=backend.device)).item()
+    ranks = backend.all_reduce(torch.tensor([float(backend.rank)], device=backend.device)).item()
+    counts.update(all_reduce_ones=ones, all_reduce_ranks=ranks, mesh_devices=mesh_world(backend))
+    if ones != n:
+        wrong.append(f"an all_reduce of ones over the world of {n} gave {ones:g}: the collective does "
+                     "not reach every rank")
+    elif ranks != n * (n - 1) / 2:
+        wrong.append(f"an all_reduce of the ranks gave {ranks:g}, not {n * (n - 1) // 2}: ranks are "
+                     "duplicated or missing")
+    if wrong:
+        return FAIL, "; ".join(wrong), counts
+    return PASS, "", counts
+
+
+__all__ = ["ATOL", "FAIL", "PASS", "RTOL", "UNSUPPORTED", "Deferred", "Mismatch", "check_world", "compare",
+           "compare_grads", "compare_tensors", "expected_local", "local_grad", "local_of", "mesh_world",
+           "runtime_world", "same_bytes", "settle"]

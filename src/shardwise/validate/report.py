@@ -18,8 +18,8 @@ import torch
 from shardwise._version import __version__
 from shardwise.errors import UsageError
 from shardwise.testing.model import CONFIG
+from shardwise.validate.checks import FAIL, PASS, UNSUPPORTED
 
-PASS, FAIL, UNSUPPORTED = "PASS", "FAIL", "UNSUPPORTED"
 STATUSES = (PASS, FAIL, UNSUPPORTED)
 JOB = "job"  # the column of scenarios that run once for the whole job
 SCHEMA = 1

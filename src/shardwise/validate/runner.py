@@ -1,10 +1,9 @@
-"""Running the suite on every rank: the world check, then each layout's scenarios, then the
-job's; one verdict per scenario agreed by every rank; the report kept up to date on disk.
+"""The suite on every rank: the world check, each layout's scenarios, then the job's; one
+verdict per scenario agreed by every rank, the JSON report rewritten after each.
 
-A scenario that raises is a FAIL with the error's first line and the suite goes on. A
-collective that breaks (a ``CollectiveError``, a torch distributed error, or the agreement
-itself failing) stops it: the ranks can no longer be trusted to meet, so the report says where
-it stopped, and the JSON written so far stays.
+A scenario that raises is a FAIL (its error's first line) and the suite goes on; a broken
+collective (``CollectiveError``, a torch distributed error, a failed agreement) stops it,
+and the report says where.
 """
 
 from __future__ import annotations
@@ -23,16 +22,14 @@ import torch.distributed as dist
 import shardwise as sw
 from shardwise.errors import UsageError
 from shardwise.testing.model import canonical, golden
-from shardwise.validate import job_scenarios
-from shardwise.validate.layouts import layouts_for
-from shardwise.validate.report import FAIL, PASS, UNSUPPORTED, Report, Result, markdown, run_header, table
-from shardwise.validate.scenarios import SCENARIOS, Job, Run, Unsupported, layout_limit
-from shardwise.validate.world import check_world, mesh_world
+from shardwise.validate.checks import FAIL, PASS, UNSUPPORTED, check_world, mesh_world
+from shardwise.validate.job import collective_timeout, crossload
+from shardwise.validate.report import Report, Result, markdown, run_header, table
+from shardwise.validate.scenarios import SCENARIOS, Job, Run, Unsupported, layout_limit, layouts_for
 
 Outcome = tuple[str, str, dict, bool]  # one rank's (status, reason, details, breaks the group)
 
-JOB_SCENARIOS = (("crossload", job_scenarios.crossload),
-                 ("collective_timeout", job_scenarios.collective_timeout))
+JOB_SCENARIOS = (("crossload", crossload), ("collective_timeout", collective_timeout))
 
 
 class Stop(Exception):

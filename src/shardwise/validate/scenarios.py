@@ -1,11 +1,8 @@
-"""The scenarios run at every layout, in order, on one model per layout.
+"""The layouts a world allows and the scenarios run at each, in order, on one model per layout.
 
-Each is ``fn(job, run) -> details`` on every rank: it raises ``Unsupported`` (with the
-reason) where the backend cannot run it, anything else to fail; its ``details`` (numbers,
-per rank) are gathered, and a ``judge`` may then decide on the whole job's figures (bytes
-read over the job). ``needs`` names the scenarios of the same layout whose state it builds
-on (the loaded model, its gradients). Public API only (``sw.load``, ``sw.save``, ...), plus
-the comparisons of :mod:`shardwise.validate.checks`.
+A scenario is ``fn(job, run) -> details`` on every rank: ``Unsupported`` (with the reason) where
+the backend cannot run it, any other exception fails it. ``judge`` decides on every rank's
+``details`` (bytes read over the job); ``needs`` names the scenarios of the same layout it builds on.
 """
 
 from __future__ import annotations
@@ -20,14 +17,87 @@ import torch
 import shardwise as sw
 from shardwise.holding import Holding
 from shardwise.parallel import get_shard_state
-from shardwise.testing.model import EP_PLAN, MAX_NORM, TP_PLAN, Golden, batch, build, loss_of, optimizer_for
+from shardwise.testing.model import (
+    CONFIG,
+    EP_PLAN,
+    MAX_NORM,
+    MAX_TP,
+    TP_PLAN,
+    Golden,
+    batch,
+    build,
+    loss_of,
+    optimizer_for,
+)
 from shardwise.validate import checks
 from shardwise.validate.checks import Deferred, Mismatch, compare, compare_grads, compare_tensors, same_bytes
-from shardwise.validate.layouts import Layout
 
 if TYPE_CHECKING:
     from shardwise.backends.base import Backend
     from shardwise.io.load import LoadResult
+
+
+# -- layouts: four kinds, each at most once per world: tp, dp_shard x tp (FSDP2 over the TP
+# shards), dp_replicate x tp, ep x tp; a tp degree divides the KV heads, an ep degree the experts.
+@dataclass(frozen=True)
+class Layout:
+    """One mesh request: ``axes`` as ``backend.mesh(**axes)`` takes them, outer to inner."""
+
+    axes: tuple[tuple[str, int], ...]
+
+    @property
+    def name(self) -> str:
+        return "_".join(f"{a}{n}" for a, n in self.axes)
+
+    @property
+    def mesh_axes(self) -> dict[str, int]:
+        return dict(self.axes)
+
+    @property
+    def world(self) -> int:
+        n = 1
+        for _, size in self.axes:
+            n *= size
+        return n
+
+    def has(self, axis: str) -> bool:
+        return self.mesh_axes.get(axis, 1) > 1
+
+    def __repr__(self) -> str:
+        return f"Layout({self.name})"
+
+
+def _layout(**axes: int) -> Layout:
+    order = ("dp_replicate", "dp_shard", "ep", "tp")
+    return Layout(tuple((a, axes[a]) for a in order if a in axes))
+
+
+def _tp_fits(tp: int, max_tp: int) -> bool:
+    return max_tp % tp == 0
+
+
+def layouts_for(world: int, *, max_tp: int = MAX_TP, num_experts: int = CONFIG.num_experts) -> list[Layout]:
+    """Every layout kind that ``world`` devices allow, in the order they run. The two-axis
+    layouts take the largest tp below ``world`` dividing the world and ``max_tp``, the rest of
+    the world for the outer axis; 16 devices and 8 KV heads have no pure ``tp`` layout.
+
+    >>> [l.name for l in layouts_for(4)]
+    ['tp4', 'dp_shard2_tp2', 'dp_replicate2_tp2', 'ep2_tp2', 'ep4_tp1']
+    """
+    out = []
+    if _tp_fits(world, max_tp):
+        out.append(_layout(tp=world))
+    if world == 1:
+        return out
+    tp = max(t for t in range(1, world) if world % t == 0 and _tp_fits(t, max_tp))
+    outer = world // tp
+    out.append(_layout(dp_shard=outer, tp=tp))
+    out.append(_layout(dp_replicate=outer, tp=tp))
+    if num_experts % outer == 0:
+        out.append(_layout(ep=outer, tp=tp))
+    if tp > 1 and num_experts % world == 0:  # pure expert parallel
+        out.append(_layout(ep=world, tp=1))
+    return out
 
 
 class Unsupported(Exception):
@@ -287,4 +357,5 @@ SCENARIOS = (
     Scenario("optimizer_reshard", optimizer_reshard, needs=("clip_grad_norm",)),
 )
 
-__all__ = ["SCENARIOS", "Job", "Run", "Scenario", "Unsupported", "layout_limit", "place"]
+__all__ = ["SCENARIOS", "Job", "Layout", "Run", "Scenario", "Unsupported", "layout_limit", "layouts_for",
+           "place"]

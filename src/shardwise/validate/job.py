@@ -1,8 +1,15 @@
-"""The scenarios that run once for the whole job: checkpoints cross-loaded between this
-backend and a one-process CPU/gloo run, and a collective timeout that fires."""
+"""The scenarios that run once for the whole job: checkpoints cross-loaded between this backend
+and a one-process CPU/gloo run, and a collective timeout that fires.
+
+The CPU side runs as its own process with no launcher environment (a world of one on gloo):
+``python -m shardwise.validate.job --read DCP --write OUT`` loads the job's distributed
+checkpoint (byte-equal to the source or an error), writes one of the seed-1 model, and prints
+one JSON line ``{"read": "ok" | None, "written": path | None, "<key>_error": ...}``.
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -14,11 +21,11 @@ import torch.distributed as dist
 
 import shardwise as sw
 from shardwise.parallel import get_shard_state
-from shardwise.testing.model import canonical
+from shardwise.testing.model import TP_PLAN, build, canonical
 from shardwise.validate.checks import Mismatch, compare_tensors
-from shardwise.validate.crossload import WRITE_SEED
 from shardwise.validate.scenarios import Job, Unsupported, layout_limit, place
 
+WRITE_SEED = 1
 # Launcher variables the CPU process must not see: it is a world of one, not a rank of the job.
 _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                  "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
@@ -26,10 +33,41 @@ TIMEOUT_S = 2.0      # the collective timeout the timeout scenario sets
 LATE_FACTOR = 3      # the late rank joins after this many timeouts: never a hang
 
 
+def _cpu_read(path: str) -> str:
+    backend = sw.init_backend("gloo")
+    model = build(device="meta")
+    sw.load(model, path, plan=TP_PLAN, mesh=backend.mesh(tp=1), progress=False)
+    compare_tensors(model.state_dict().items(), canonical(), get_shard_state(model),
+                    "read on CPU/gloo:", exact=True)
+    return "ok"
+
+
+def _cpu_write(path: str) -> str:
+    sw.init_backend("gloo")
+    sw.save(build(WRITE_SEED), path, distributed=True)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The CPU process (see the module's docstring)."""
+    parser = argparse.ArgumentParser(prog="python -m shardwise.validate.job")
+    parser.add_argument("--read", required=True)
+    parser.add_argument("--write", required=True)
+    args = parser.parse_args(argv)
+    out: dict = {"read": None, "written": None}
+    for key, step, path in (("read", _cpu_read, args.read), ("written", _cpu_write, args.write)):
+        try:
+            out[key] = step(path)
+        except Exception as e:  # reported to the job, which fails the scenario with it
+            out[f"{key}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    print(json.dumps(out))
+    return 0
+
+
 def _cpu_process(read: str, write: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV}
     env["CUDA_VISIBLE_DEVICES"] = ""  # CPU only, whatever this host has
-    proc = subprocess.run([sys.executable, "-m", "shardwise.validate.crossload", "--read", read,
+    proc = subprocess.run([sys.executable, "-m", "shardwise.validate.job", "--read", read,
                            "--write", write], capture_output=True, text=True, env=env, timeout=600,
                           check=False)
     lines = proc.stdout.strip().splitlines()
@@ -109,4 +147,8 @@ def collective_timeout(job: Job) -> dict:
     return details
 
 
-__all__ = ["collective_timeout", "crossload"]
+__all__ = ["collective_timeout", "crossload", "main"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
