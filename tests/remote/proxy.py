@@ -13,8 +13,9 @@ connection) and replace what the server said by a fault the test queued with :me
 
 ``host="upstream"`` sends the server's own Host header (fake-gcs-server routes its XML API by
 host); the S3 gateway gets the client's (it is signed). ``gcs_put=True`` marks a PUT as the
-signed upload that fake-gcs-server takes over its XML API (it has no other XML PUT), and gives
-its answer the ETag header the XML API sends.
+signed upload that fake-gcs-server takes over its XML API (it has no other XML PUT), turns an
+XML-API copy (a PUT with ``x-goog-copy-source``, which it lacks) into its JSON API's ``copyTo``,
+and gives their answers the ETag header the XML API sends.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
-from urllib.parse import urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 _HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-connection"}
 
@@ -48,6 +49,13 @@ class _Fault:
     path: str | None
     times: int
     seconds: float
+
+
+def _json_copy(source: str, target: str) -> str:
+    """The JSON-API ``copyTo`` path of an XML-API copy of ``/bucket/source`` to ``target``."""
+    src_bucket, _, src = unquote(source).lstrip("/").partition("/")
+    dst_bucket, _, dst = unquote(target.partition("?")[0]).lstrip("/").partition("/")
+    return f"/storage/v1/b/{src_bucket}/o/{quote(src, safe='')}/copyTo/b/{dst_bucket}/o/{quote(dst, safe='')}"
 
 
 class Proxy:
@@ -79,7 +87,7 @@ class Proxy:
     def fault(self, kind: str, *, method: str | None = None, path: str | None = None, times: int = 1,
               seconds: float = 0.0) -> None:
         """Queue ``times`` faults of ``kind`` for the next requests matching ``method`` and
-        (a substring of) ``path``."""
+        (a substring of) ``path``, decoded."""
         assert kind in ("503", "reset", "truncate", "short", "delay"), kind
         with self._lock:
             self._faults.append(_Fault(kind, method, path, times, seconds))
@@ -101,7 +109,7 @@ class Proxy:
 
     def count(self, method: str, path: str = "") -> int:
         with self._lock:
-            return sum(1 for r in self.requests if r.method == method and path in r.path)
+            return sum(1 for r in self.requests if r.method == method and path in unquote(r.path))
 
     def close(self) -> None:
         self._server.shutdown()
@@ -110,6 +118,7 @@ class Proxy:
     # --- the proxy ---------------------------------------------------------------------------
 
     def _take(self, method: str, path: str) -> _Fault | None:
+        path = unquote(path)  # GCS's XML API encodes "/", "-" and "."
         with self._lock:
             for f in self._faults:
                 if (f.method is None or f.method == method) and (f.path is None or f.path in path):
@@ -171,7 +180,9 @@ class Proxy:
                          + str(len(payload)).encode() + b"\r\n\r\n" + payload)
             self._record(cid, method, target, 503, len(payload), kind, lower)
             return True
-        if self.gcs_put and method == "PUT" and "uploadId=" not in target:
+        if self.gcs_put and method == "PUT" and "x-goog-copy-source" in lower:
+            method, target = "POST", _json_copy(lower["x-goog-copy-source"], target)
+        elif self.gcs_put and method == "PUT" and "uploadId=" not in target:
             target += ("&" if "?" in target else "?") + "X-Goog-Algorithm=GOOG4-RSA-SHA256"
         out = [(k, v) for k, v in headers if k.lower() not in _HOP and k.lower() != "content-length"]
         if self.host_mode == "upstream":
@@ -190,7 +201,7 @@ class Proxy:
         head = [f"HTTP/1.1 {status} {response.reason}"]
         head += [f"{k}: {v}" for k, v in response.getheaders() if k.lower() not in _HOP
                  and k.lower() != "content-length"]
-        if self.gcs_put and method == "PUT" and response.getheader("etag") is None and status == 200:
+        if self.gcs_put and method in ("PUT", "POST") and response.getheader("etag") is None and status == 200:
             import json  # the signed upload answers the object's JSON, where the XML API has an ETag
 
             head.append(f'ETag: "{json.loads(data).get("etag", "")}"')

@@ -136,4 +136,4 @@ def test_the_scheme_registry_serves_urls_from_the_environment(remote, monkeypatc
     storage = storage_for(remote.url("e"))
     assert storage is storage_for(remote.url("f"))  # one storage (and its clients) per configuration
     write_small(storage, remote.url("e/one"), b"1")
-    assert storage.list(remote.url("e")) == ["one"] and storage.stat(f"{remote.bucket}/e/one") == 1
+    assert storage.list(remote.url("e")) == ["one"] and storage.stat(remote.loc("e/one")) == 1

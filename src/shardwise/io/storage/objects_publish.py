@@ -107,13 +107,19 @@ class Publish:
         from obstore.exceptions import NotFoundError
 
         store = self.storage.store(self.bucket)
+        gone = (NotFoundError, FileNotFoundError)
         for i in range(0, len(keys), 1000):
             batch = keys[i:i + 1000]
             try:
                 self.storage.call(lambda b=batch: obstore.delete(store, b), f"deleting {len(batch)} "
-                                  f"objects under {self._url(self.key)}", fatal=(NotFoundError, FileNotFoundError))
-            except (NotFoundError, FileNotFoundError):
-                pass  # gone already: what a delete asks for
+                                  f"objects under {self._url(self.key)}", fatal=gone)
+            except gone:  # one was gone already (what a delete asks for): the rest one by one
+                for key in batch:
+                    try:
+                        self.storage.call(lambda k=key: obstore.delete(store, k), f"deleting "
+                                          f"{self._url(key)}", fatal=gone)
+                    except gone:
+                        pass
 
     def prepare(self) -> None:
         journal = publishing(self.storage, self.bucket, self.key)
