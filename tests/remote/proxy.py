@@ -65,6 +65,7 @@ class Proxy:
         self.host_mode, self.gcs_put = host, gcs_put
         self.requests: list[Record] = []
         self.received: dict[int, int] = {}
+        self.taken: list[str] = []  # the faults thrown, in order
         self._faults: list[_Fault] = []
         self._lock = threading.Lock()
         proxy = self
@@ -95,6 +96,7 @@ class Proxy:
     def clear(self) -> None:
         with self._lock:
             self._faults.clear()
+            self.taken.clear()
             self.requests.clear()
             self.received.clear()
 
@@ -123,6 +125,7 @@ class Proxy:
             for f in self._faults:
                 if (f.method is None or f.method == method) and (f.path is None or f.path in path):
                     f.times -= 1
+                    self.taken.append(f.kind)
                     if f.times == 0:
                         self._faults.remove(f)
                     return f
