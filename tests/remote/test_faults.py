@@ -10,8 +10,8 @@ import os
 import threading
 
 import pytest
-
 from servers import ACCESS_KEY, SECRET_KEY
+
 from shardwise.errors import CheckpointError
 from shardwise.io.storage import write_small
 

@@ -129,9 +129,10 @@ def test_positional_writes_are_refused(remote):
 
 def test_the_scheme_registry_serves_urls_from_the_environment(remote, monkeypatch):
     if remote.scheme == "s3":
-        for k, v in {"AWS_ENDPOINT_URL": remote.proxy.endpoint, "AWS_ACCESS_KEY_ID": remote.options["access_key_id"],
-                     "AWS_SECRET_ACCESS_KEY": remote.options["secret_access_key"], "AWS_REGION": "us-east-1",
-                     "AWS_ALLOW_HTTP": "true"}.items():
+        for k, v in {"AWS_ENDPOINT_URL": remote.proxy.endpoint,
+                     "AWS_ACCESS_KEY_ID": remote.options["access_key_id"],
+                     "AWS_SECRET_ACCESS_KEY": remote.options["secret_access_key"],
+                     "AWS_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true"}.items():
             monkeypatch.setenv(k, v)
     storage = storage_for(remote.url("e"))
     assert storage is storage_for(remote.url("f"))  # one storage (and its clients) per configuration

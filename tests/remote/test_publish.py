@@ -10,7 +10,7 @@ import pytest
 
 from shardwise.errors import CheckpointError
 from shardwise.io.storage import write_small
-from shardwise.io.storage.objects_publish import PUBLISH_MARK
+from shardwise.io.storage.objects_write import PUBLISH_MARK
 
 INDEX = "model.safetensors.index.json"
 

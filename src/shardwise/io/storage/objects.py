@@ -17,7 +17,7 @@ at most ``part_size`` bytes that read at most 1/20 more than asked, ``concurrenc
 No mapped views: ``map_whole`` / ``map_range`` are None. Writes: buffered, one PUT for a small
 object, a multipart upload (aborted on failure or ``abort``) for a large one; visible only at
 ``commit``. Positional writes into an existing object are refused (an object store has none).
-The save transaction is ``shardwise.io.storage.objects_publish``. Credentials never appear in
+The writer and the save transaction are ``shardwise.io.storage.objects_write``. Credentials never appear in
 an error: every message is scrubbed of the configured secrets.
 """
 
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import random
 import re
 import threading
@@ -33,9 +32,11 @@ import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from shardwise.errors import CheckpointError, UsageError
 
+PUBLISH_MARK = ".shardwise-publish.json"  # the journal of a publish (objects_write.Publish)
 PART_SIZE = 8 << 20     # bytes per ranged GET and per multipart part
 MIN_PART = 5 << 20      # S3's smallest part of a multipart upload (but the last)
 CONCURRENCY = 16        # requests in flight per storage
@@ -93,15 +94,18 @@ class ObjectStorage:
         try:
             from obstore.store import GCSStore, S3Store
         except ImportError as e:
-            raise UsageError(f"{self.scheme}:// locations need obstore: pip install 'shardwise[remote]'") from e
+            raise UsageError(f"{self.scheme}:// locations need obstore: "
+                             "pip install 'shardwise[remote]'") from e
         from datetime import timedelta
 
-        config = dict(self._options)
-        client = {k: config.pop(k) for k in list(config) if k in _CLIENT_KEYS}
+        # obstore's TypedDicts, built from the user's mapping: checked by obstore, not by mypy
+        config: Any = dict(self._options)
+        client: Any = {k: config.pop(k) for k in list(config) if k in _CLIENT_KEYS}
         client.setdefault("timeout", timedelta(seconds=self.timeout))
         client.setdefault("connect_timeout", timedelta(seconds=min(10.0, self.timeout)))
-        retry = {"max_retries": 4, "retry_timeout": timedelta(seconds=4 * self.timeout),
-                 "backoff": {"init_backoff": timedelta(milliseconds=50), "max_backoff": timedelta(seconds=2)}}
+        retry: Any = {"max_retries": 4, "retry_timeout": timedelta(seconds=4 * self.timeout),
+                      "backoff": {"init_backoff": timedelta(milliseconds=50),
+                                  "max_backoff": timedelta(seconds=2)}}
         allow_http = os.environ.get("AWS_ALLOW_HTTP" if self.scheme == "s3" else "GOOGLE_ALLOW_HTTP")
         if allow_http is not None:  # a client option, which obstore reads from no variable
             client.setdefault("allow_http", allow_http.strip().lower() in ("1", "true", "yes"))
@@ -119,7 +123,8 @@ class ObjectStorage:
                 client.setdefault("allow_http", emulator.startswith("http://"))
             return GCSStore(bucket, config=config, client_options=client, retry_config=retry)
         except Exception as e:  # a bad option, missing credentials
-            raise UsageError(f"{self.url(bucket, '')}: cannot configure the client: {self.scrub(e)}") from None
+            raise UsageError(f"{self.url(bucket, '')}: cannot configure the client: "
+                             f"{self.scrub(e)}") from None
 
     def scrub(self, error) -> str:
         """The first line of ``error``'s text with every configured secret blanked."""
@@ -131,8 +136,6 @@ class ObjectStorage:
     # --- the Storage protocol ----------------------------------------------------------------
 
     def open(self, location: Path) -> ObjectFile:
-        from shardwise.io.storage.objects_publish import redirect
-
         bucket, key = redirect(self, *split_location(location))
         meta = self.head(bucket, key)
         if meta is None:
@@ -140,14 +143,10 @@ class ObjectStorage:
         return ObjectFile(self, bucket, key, meta["size"], meta.get("e_tag"))
 
     def stat(self, location: Path) -> int | None:
-        from shardwise.io.storage.objects_publish import redirect
-
         meta = self.head(*redirect(self, *split_location(location)))
         return None if meta is None else int(meta["size"])
 
     def list(self, location: Path) -> list[str]:
-        from shardwise.io.storage.objects_publish import publishing
-
         bucket, key = split_location(location)
         pending = publishing(self, bucket, key)
         if pending is not None:  # a publish under way or interrupted: the new checkpoint, whole
@@ -161,16 +160,18 @@ class ObjectStorage:
         names += [p[len(prefix):].rstrip("/") for p in found["common_prefixes"]]
         return sorted(n for n in names if n)
 
-    def create(self, location: Path, *, existing: bool = False) -> ObjectWriter:
+    def create(self, location: Path, *, existing: bool = False):
         bucket, key = split_location(location)
         if existing:
             raise UsageError(f"{self.url(bucket, key)}: an object store cannot write into an existing "
                              "object (the parallel write, parallel_write=True); pass parallel_write=None "
                              "or False: rank 0 streams the file")
+        from shardwise.io.storage.objects_write import ObjectWriter
+
         return ObjectWriter(self, bucket, key)
 
     def transaction(self, target: Path, *, overwrite: bool):
-        from shardwise.io.storage.objects_publish import Publish
+        from shardwise.io.storage.objects_write import Publish
 
         return Publish(self, target, overwrite)
 
@@ -192,8 +193,13 @@ class ObjectStorage:
         """``request()``, retried with jittered exponential backoff on every fault but those that
         cannot pass by waiting (absent, denied, misconfigured, or ``fatal``); then one
         ``CheckpointError`` naming ``what`` and the last fault."""
-        from obstore.exceptions import (InvalidPathError, NotFoundError, PermissionDeniedError,
-                                        UnauthenticatedError, UnknownConfigurationKeyError)
+        from obstore.exceptions import (
+            InvalidPathError,
+            NotFoundError,
+            PermissionDeniedError,
+            UnauthenticatedError,
+            UnknownConfigurationKeyError,
+        )
 
         final = (InvalidPathError, NotFoundError, FileNotFoundError, PermissionDeniedError,
                  UnauthenticatedError, UnknownConfigurationKeyError, CheckpointError, UsageError)
@@ -214,7 +220,8 @@ class ObjectStorage:
                 last = e
             if attempt < self.retries:
                 time.sleep(min(2.0, 0.05 * 2 ** attempt) * (0.5 + random.random()))
-        raise CheckpointError(f"{what}: failed {self.retries + 1} times, the last: {self.scrub(last)}") from None
+        raise CheckpointError(f"{what}: failed {self.retries + 1} times, the last: "
+                              f"{self.scrub(last)}") from None
 
 
 _FINAL_STATUS = re.compile(r"status code: (400|401|403|404|405|411|412|416)\b|builder error")
@@ -225,10 +232,43 @@ _CLIENT_KEYS = {"allow_http", "allow_invalid_certificates", "connect_timeout", "
 
 def _secrets(options: dict) -> list[str]:
     """The credential values an error could carry: from the options and the environment."""
-    found = [v for k, v in options.items() if isinstance(v, str) and any(s in k.lower() for s in _SECRET_KEYS)]
+    found = [v for k, v in options.items()
+             if isinstance(v, str) and any(s in k.lower() for s in _SECRET_KEYS)]
     found += [v for k, v in os.environ.items() if k.startswith(("AWS_", "GOOGLE_"))
               and any(s in k.lower() for s in _SECRET_KEYS) and v and not v.startswith("/")]
     return sorted({s for s in found if len(s) >= 4}, key=len, reverse=True)
+
+
+PUBLISH_MARK = ".shardwise-publish.json"
+def beside(key: str, mark: str) -> str:
+    parent, _, name = key.rpartition("/")
+    return f"{parent}/.{name}{mark}" if parent else f".{name}{mark}"
+
+
+def publishing(storage: ObjectStorage, bucket: str, key: str) -> dict | None:
+    """The journal of a publish to the prefix ``key`` under way or interrupted, else None."""
+    import obstore
+
+    if not key or storage.head(bucket, beside(key, PUBLISH_MARK)) is None:
+        return None
+    raw = storage.call(lambda: bytes(obstore.get(storage.store(bucket), beside(key, PUBLISH_MARK)).bytes()),
+                       f"GET {storage.url(bucket, beside(key, PUBLISH_MARK))}")
+    try:
+        journal = json.loads(raw)
+        assert isinstance(journal["staging"], str) and isinstance(journal["files"], list)
+    except (ValueError, KeyError, TypeError, AssertionError) as e:
+        raise CheckpointError(f"{storage.url(bucket, beside(key, PUBLISH_MARK))}: not a publish journal "
+                              f"({e}); delete it if no save is running") from None
+    return journal
+
+
+def redirect(storage: ObjectStorage, bucket: str, key: str) -> tuple[str, str]:
+    """Where ``bucket/key`` is read: in the staging prefix while its folder is being published."""
+    folder, _, name = key.rpartition("/")
+    journal = publishing(storage, bucket, folder) if folder else None
+    if journal is None or name not in journal["files"]:
+        return bucket, key
+    return bucket, f"{journal['staging']}/{name}"
 
 
 class _Short(Exception):
@@ -336,109 +376,6 @@ def coalesce(runs: Sequence[tuple[int, int]], part_size: int) -> Iterator[tuple[
         yield start, end, parts
 
 
-class ObjectWriter:
-    """A new object: buffered; one PUT at ``commit`` when it stays under a part (``part_size``, at
-    least ``MIN_PART``), else a
-    multipart upload streaming in the background from the first full part, completed at
-    ``commit`` (the object appears whole then) and aborted on any failure or ``abort``."""
-
-    _END, _ABORT = object(), object()
-
-    def __init__(self, storage: ObjectStorage, bucket: str, key: str):
-        self.storage, self.bucket, self.key = storage, bucket, key
-        self.name = storage.url(bucket, key)
-        self._pending: list[bytes] = []
-        self._pending_bytes = 0
-        self._queue: queue.Queue | None = None
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self._done = False
-
-    def write(self, buf: memoryview) -> None:
-        assert not self._done, "write after commit or abort"
-        self._pending.append(bytes(buf))
-        self._pending_bytes += len(buf)
-        if self._pending_bytes >= self.storage.upload_part:
-            self._flush()
-
-    def pwrite(self, buf: memoryview, pos: int) -> None:
-        raise UsageError(f"{self.name}: an object store cannot write at an offset (pwrite); objects are "
-                         "written front to back")
-
-    def _flush(self) -> None:
-        if self._thread is None:
-            self._queue = queue.Queue(maxsize=max(2, self.storage.concurrency // 2))
-            self._thread = threading.Thread(target=self._upload, name="shardwise-upload", daemon=True)
-            self._thread.start()
-        assert self._queue is not None
-        chunk, self._pending, self._pending_bytes = b"".join(self._pending), [], 0
-        self._put(chunk)
-
-    def _put(self, item) -> None:
-        assert self._queue is not None and self._thread is not None
-        while self._thread.is_alive():  # an upload that failed takes nothing more
-            try:
-                self._queue.put(item, timeout=0.5)
-                return
-            except queue.Full:
-                continue
-        if item is not self._ABORT:
-            self._raise()
-
-    def _chunks(self) -> Iterator[bytes]:
-        assert self._queue is not None
-        while True:
-            item = self._queue.get()
-            if item is self._END:
-                return
-            if item is self._ABORT:
-                raise _Aborted("aborted")  # makes obstore abort the multipart upload
-            yield item
-
-    def _upload(self) -> None:
-        import obstore
-
-        try:
-            obstore.put(self.storage.store(self.bucket), self.key, self._chunks(), use_multipart=True,
-                        chunk_size=self.storage.upload_part, max_concurrency=self.storage.concurrency)
-        except BaseException as e:
-            self._error = e
-
-    def _raise(self) -> None:
-        raise CheckpointError(f"uploading {self.name}: {self.storage.scrub(self._error)}") from None
-
-    def commit(self) -> None:
-        import obstore
-
-        assert not self._done, "commit after commit or abort"
-        self._done = True
-        if self._thread is None:
-            data = b"".join(self._pending)
-            self._pending = []
-            self.storage.call(lambda: obstore.put(self.storage.store(self.bucket), self.key, data,
-                                                  use_multipart=False), f"PUT {self.name}")
-            return
-        if self._pending:
-            self._put(b"".join(self._pending))
-            self._pending = []
-        self._put(self._END)
-        self._thread.join()
-        if self._error is not None:
-            self._raise()
-
-    def abort(self) -> None:
-        if self._done and self._thread is None:
-            return
-        self._done, self._pending = True, []
-        if self._thread is not None and self._thread.is_alive():
-            self._put(self._ABORT)
-            self._thread.join()
-
-
-class _Aborted(Exception):
-    pass
-
-
 _CACHE: dict[tuple, ObjectStorage] = {}
 _CACHE_LOCK = threading.Lock()
 
@@ -457,4 +394,5 @@ def factory(scheme: str):
     return make
 
 
-__all__ = ["ObjectFile", "ObjectStorage", "ObjectWriter", "coalesce", "factory", "split_location"]
+__all__ = ["PUBLISH_MARK", "ObjectFile", "ObjectStorage", "coalesce", "factory", "publishing", "redirect",
+           "split_location"]

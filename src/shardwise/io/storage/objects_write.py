@@ -1,4 +1,5 @@
-"""The save transaction on an object store: complete or absent, and the previous checkpoint at
+"""Writing to an object store: :class:`ObjectWriter` (one new object, visible at its commit)
+and the save transaction, complete or absent, and the previous checkpoint at
 the prefix readable until the new one is whole, although a store can rename nothing atomically.
 
 Call order (rank 0; see ``shardwise.io.storage``): ``prepare()`` finishes or clears what an
@@ -29,50 +30,125 @@ prefix is taken as stale.
 from __future__ import annotations
 
 import json
+import queue
 import re
 import secrets
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
-from shardwise.errors import CheckpointError
-from shardwise.io.storage.objects import ObjectStorage, split_location
+from shardwise.errors import CheckpointError, UsageError
+from shardwise.io.storage.objects import PUBLISH_MARK, ObjectStorage, beside, publishing, split_location
 from shardwise.io.storage.transaction import TMP_MARK, _owner
 
-PUBLISH_MARK = ".shardwise-publish.json"
 # The files a checkpoint prefix may hold for overwrite=True to replace it (as the local
 # transaction's rule): nothing else is deleted.
 _CHECKPOINT_FILE = re.compile(r".*\.safetensors|.*\.safetensors\.index\.json|\.metadata|.*\.distcp"
                               r"|shardwise\.json|config\.json|generation_config\.json")
 
 
-def _beside(key: str, mark: str) -> str:
-    parent, _, name = key.rpartition("/")
-    return f"{parent}/.{name}{mark}" if parent else f".{name}{mark}"
+class ObjectWriter:
+    """A new object: buffered; one PUT at ``commit`` when it stays under a part (``part_size``, at
+    least ``MIN_PART``), else a
+    multipart upload streaming in the background from the first full part, completed at
+    ``commit`` (the object appears whole then) and aborted on any failure or ``abort``."""
+
+    _END, _ABORT = object(), object()
+
+    def __init__(self, storage: ObjectStorage, bucket: str, key: str):
+        self.storage, self.bucket, self.key = storage, bucket, key
+        self.name = storage.url(bucket, key)
+        self._pending: list[bytes] = []
+        self._pending_bytes = 0
+        self._queue: queue.Queue | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._done = False
+
+    def write(self, buf: memoryview) -> None:
+        assert not self._done, "write after commit or abort"
+        self._pending.append(bytes(buf))
+        self._pending_bytes += len(buf)
+        if self._pending_bytes >= self.storage.upload_part:
+            self._flush()
+
+    def pwrite(self, buf: memoryview, pos: int) -> None:
+        raise UsageError(f"{self.name}: an object store cannot write at an offset (pwrite); objects are "
+                         "written front to back")
+
+    def _flush(self) -> None:
+        if self._thread is None:
+            self._queue = queue.Queue(maxsize=max(2, self.storage.concurrency // 2))
+            self._thread = threading.Thread(target=self._upload, name="shardwise-upload", daemon=True)
+            self._thread.start()
+        assert self._queue is not None
+        chunk, self._pending, self._pending_bytes = b"".join(self._pending), [], 0
+        self._put(chunk)
+
+    def _put(self, item) -> None:
+        assert self._queue is not None and self._thread is not None
+        while self._thread.is_alive():  # an upload that failed takes nothing more
+            try:
+                self._queue.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                continue
+        if item is not self._ABORT:
+            self._raise()
+
+    def _chunks(self) -> Iterator[bytes]:
+        assert self._queue is not None
+        while True:
+            item = self._queue.get()
+            if item is self._END:
+                return
+            if item is self._ABORT:
+                raise _Aborted("aborted")  # makes obstore abort the multipart upload
+            yield item
+
+    def _upload(self) -> None:
+        import obstore
+
+        try:
+            obstore.put(self.storage.store(self.bucket), self.key, self._chunks(), use_multipart=True,
+                        chunk_size=self.storage.upload_part, max_concurrency=self.storage.concurrency)
+        except BaseException as e:
+            self._error = e
+
+    def _raise(self) -> None:
+        raise CheckpointError(f"uploading {self.name}: {self.storage.scrub(self._error)}") from None
+
+    def commit(self) -> None:
+        import obstore
+
+        assert not self._done, "commit after commit or abort"
+        self._done = True
+        if self._thread is None:
+            data = b"".join(self._pending)
+            self._pending = []
+            self.storage.call(lambda: obstore.put(self.storage.store(self.bucket), self.key, data,
+                                                  use_multipart=False), f"PUT {self.name}")
+            return
+        if self._pending:
+            self._put(b"".join(self._pending))
+            self._pending = []
+        self._put(self._END)
+        self._thread.join()
+        if self._error is not None:
+            self._raise()
+
+    def abort(self) -> None:
+        if self._done and self._thread is None:
+            return
+        self._done, self._pending = True, []
+        if self._thread is not None and self._thread.is_alive():
+            self._put(self._ABORT)
+            self._thread.join()
 
 
-def publishing(storage: ObjectStorage, bucket: str, key: str) -> dict | None:
-    """The journal of a publish to the prefix ``key`` under way or interrupted, else None."""
-    import obstore
+class _Aborted(Exception):
+    pass
 
-    if not key or storage.head(bucket, _beside(key, PUBLISH_MARK)) is None:
-        return None
-    raw = storage.call(lambda: bytes(obstore.get(storage.store(bucket), _beside(key, PUBLISH_MARK)).bytes()),
-                       f"GET {storage.url(bucket, _beside(key, PUBLISH_MARK))}")
-    try:
-        journal = json.loads(raw)
-        assert isinstance(journal["staging"], str) and isinstance(journal["files"], list)
-    except (ValueError, KeyError, TypeError, AssertionError) as e:
-        raise CheckpointError(f"{storage.url(bucket, _beside(key, PUBLISH_MARK))}: not a publish journal "
-                              f"({e}); delete it if no save is running") from None
-    return journal
-
-
-def redirect(storage: ObjectStorage, bucket: str, key: str) -> tuple[str, str]:
-    """Where ``bucket/key`` is read: in the staging prefix while its folder is being published."""
-    folder, _, name = key.rpartition("/")
-    journal = publishing(storage, bucket, folder) if folder else None
-    if journal is None or name not in journal["files"]:
-        return bucket, key
-    return bucket, f"{journal['staging']}/{name}"
 
 
 class Publish:
@@ -136,7 +212,7 @@ class Publish:
             raise CheckpointError(
                 f"overwrite=True replaces the whole prefix {self._url(self.key)}, but it also holds "
                 f"{foreign[0]!r}, which is not a checkpoint file; move that out first, or save elsewhere")
-        self._staging = _beside(self.key, f"{TMP_MARK}{_owner()}-{secrets.token_hex(4)}")
+        self._staging = beside(self.key, f"{TMP_MARK}{_owner()}-{secrets.token_hex(4)}")
         self.folder = Path(self.bucket, self._staging)
 
     def _remove_stale(self) -> None:
@@ -164,7 +240,7 @@ class Publish:
         last = [index[0]] if index is not None and index[0] in files else []
         journal = {"staging": self._staging, "files": [f for f in files if f not in last] + last,
                    "host_pid": _owner()}
-        journal_key = _beside(self.key, PUBLISH_MARK)
+        journal_key = beside(self.key, PUBLISH_MARK)
         self.storage.call(lambda: obstore.put(store, journal_key, json.dumps(journal).encode(),
                                               use_multipart=False), f"PUT {self._url(journal_key)}")
         self._staging, self.folder = None, None  # from here on the journal owns the staging prefix
@@ -184,7 +260,7 @@ class Publish:
                               f"{self._url(dst)}")
         old = [f"{self.key}/{n}" for n in self._objects(self.key) if n not in files]
         self._delete(old)
-        self._delete([_beside(self.key, PUBLISH_MARK)])
+        self._delete([beside(self.key, PUBLISH_MARK)])
         self._delete([f"{staging}/{n}" for n in self._objects(staging)])
 
     def discard(self) -> None:
@@ -193,4 +269,4 @@ class Publish:
             self._delete([f"{staging}/{n}" for n in self._objects(staging)])
 
 
-__all__ = ["PUBLISH_MARK", "Publish", "publishing", "redirect"]
+__all__ = ["ObjectWriter", "Publish"]
