@@ -66,6 +66,7 @@ class Proxy:
         self.requests: list[Record] = []
         self.received: dict[int, int] = {}
         self.taken: list[str] = []  # the faults thrown, in order
+        self._open = 0  # client connections being served
         self._faults: list[_Fault] = []
         self._lock = threading.Lock()
         proxy = self
@@ -113,6 +114,18 @@ class Proxy:
         with self._lock:
             return sum(1 for r in self.requests if r.method == method and path in unquote(r.path))
 
+    def settle(self, timeout: float = 60.0) -> None:
+        """Wait until every client connection has ended: a killed client's requests that had
+        reached the proxy are then answered by the server, as a real one would (their
+        bodies had arrived)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if self._open == 0:
+                    return
+            time.sleep(0.01)
+        raise AssertionError(f"{self._open} connections still open after {timeout} s")
+
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
@@ -135,6 +148,8 @@ class Proxy:
         reader = conn.makefile("rb")
         upstream = http.client.HTTPConnection(*self.upstream, timeout=120)
         cid = id(conn)
+        with self._lock:
+            self._open += 1
         try:
             while True:
                 line = reader.readline()
@@ -157,6 +172,8 @@ class Proxy:
                 conn.close()
             except OSError:
                 pass
+            with self._lock:
+                self._open -= 1
 
     @staticmethod
     def _body(reader, headers: dict) -> bytes:

@@ -215,15 +215,28 @@ class Publish:
         self._staging = beside(self.key, f"{TMP_MARK}{_owner()}-{secrets.token_hex(4)}")
         self.folder = Path(self.bucket, self._staging)
 
+    def _clear(self, prefix: str) -> None:
+        """Delete every object under ``prefix/``, listing again until none is left (SeaweedFS
+        was seen to keep one object of a batch delete; bounded: three rounds)."""
+        for _ in range(3):
+            keys = [f"{prefix}/{n}" for n in self._objects(prefix)]
+            if not keys:
+                return
+            self._delete(keys)
+
     def _remove_stale(self) -> None:
+        """Delete the staging prefixes of earlier saves to the target (obstore lists by whole
+        path segments, so the parent is listed and its hidden prefixes picked by name)."""
         import obstore
 
         parent, _, name = self.key.rpartition("/")
-        head = f"{parent}/.{name}{TMP_MARK}" if parent else f".{name}{TMP_MARK}"
+        head = f".{name}{TMP_MARK}"
         store = self.storage.store(self.bucket)
-        stale = self.storage.call(lambda: [o["path"] for b in obstore.list(store, prefix=head) for o in b],
-                                  f"listing {self._url(head)}")
-        self._delete(stale)
+        found = self.storage.call(lambda: obstore.list_with_delimiter(store, prefix=parent or None),
+                                  f"listing {self._url(parent + '/')}")
+        for prefix in found["common_prefixes"]:
+            if prefix.rstrip("/").rpartition("/")[2].startswith(head):
+                self._clear(prefix.rstrip("/"))
 
     def commit(self, index: tuple[str, dict] | None) -> None:
         """Write the index if any, last; then publish the staged checkpoint (the module doc)."""
@@ -261,12 +274,12 @@ class Publish:
         old = [f"{self.key}/{n}" for n in self._objects(self.key) if n not in files]
         self._delete(old)
         self._delete([beside(self.key, PUBLISH_MARK)])
-        self._delete([f"{staging}/{n}" for n in self._objects(staging)])
+        self._clear(staging)
 
     def discard(self) -> None:
         if self._staging is not None:
             staging, self._staging, self.folder = self._staging, None, None
-            self._delete([f"{staging}/{n}" for n in self._objects(staging)])
+            self._clear(staging)
 
 
 __all__ = ["ObjectWriter", "Publish"]
