@@ -4,10 +4,8 @@
 >>> backend = sw.init_backend("gloo")                      # doctest: +SKIP
 >>> sw.load(model, "ckpt/", plan=plan, mesh=backend.mesh(tp=4))  # doctest: +SKIP
 
-The public names are ``__all__``. Every error is in :mod:`shardwise.errors` (``sw.errors``);
-the base class and the ones callers catch most are also here. :mod:`shardwise.testing`
-(imported on use) holds the toy transformer and the helpers the tests, the validation suite
-and the benchmarks share.
+The public names are ``__all__`` (the I/O entry points import on first use); every error is
+in :mod:`shardwise.errors`, the base class and the ones callers catch most also here.
 """
 
 from __future__ import annotations
@@ -27,8 +25,8 @@ if TYPE_CHECKING:  # what type checkers see for the names below, which load on f
     from shardwise.clip import clip_grad_norm_ as clip_grad_norm_
     from shardwise.hf.pretrained import empty_model as empty_model
     from shardwise.hf.pretrained import from_pretrained as from_pretrained
+    from shardwise.io.check import inspect_checkpoint as inspect
     from shardwise.io.check.diff import diff as diff
-    from shardwise.io.check.inspect import inspect_checkpoint as inspect
     from shardwise.io.check.verify import verify as verify
     from shardwise.io.consolidate import consolidate as consolidate
     from shardwise.io.formats.dcp.optim import load_optimizer as load_optimizer
@@ -38,9 +36,7 @@ if TYPE_CHECKING:  # what type checkers see for the names below, which load on f
     from shardwise.transfer import transfer_plan as transfer_plan
     from shardwise.validate import validate as validate
 
-# The I/O entry points load on first use: `import shardwise` stays light.
-# public name -> (module, attribute): ``sw.inspect`` (DESIGN.md's twin of ``shardwise inspect
-# PATH``) is the module's ``inspect_checkpoint``
+# public name -> (module, attribute), imported on first use so that `import shardwise` stays light
 _LAZY = {
     "load": ("shardwise.io.load", "load"),
     "save": ("shardwise.io.save", "save"),
@@ -48,7 +44,7 @@ _LAZY = {
     "save_optimizer": ("shardwise.io.formats.dcp.optim", "save_optimizer"),
     "load_optimizer": ("shardwise.io.formats.dcp.optim", "load_optimizer"),
     "clip_grad_norm_": ("shardwise.clip", "clip_grad_norm_"),
-    "inspect": ("shardwise.io.check.inspect", "inspect_checkpoint"),
+    "inspect": ("shardwise.io.check", "inspect_checkpoint"),
     "verify": ("shardwise.io.check.verify", "verify"),
     "diff": ("shardwise.io.check.diff", "diff"),
     "from_pretrained": ("shardwise.hf.pretrained", "from_pretrained"),

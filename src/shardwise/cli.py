@@ -14,7 +14,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from shardwise.io.check.inspect import main_inspect
+    from shardwise.io.check import main_inspect
 
     return main_inspect(args.path)
 

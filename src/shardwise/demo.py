@@ -60,7 +60,7 @@ def _release_freed_memory() -> None:
 
 def _timed(step, backend):
     """``(result, peak bytes, seconds, method)`` of ``step()``, the ranks starting together."""
-    from shardwise.memory import PeakMemory
+    from shardwise.launch import PeakMemory
 
     gc.collect()
     _release_freed_memory()

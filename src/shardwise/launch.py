@@ -1,14 +1,10 @@
-"""Run a function on N local ranks (processes), for the demo, benchmarks and tests.
+"""Local ranks and their memory, for the demo, benchmarks and tests.
 
-``spawn(fn, world_size)`` starts one process per rank with the torchrun environment
-set (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), calls ``fn(*args)`` in
-each, and returns every rank's result in rank order. If any rank raises, the others
-are stopped and ``RankFailure`` carries each failing rank's traceback; if the ranks do
-not all finish within ``timeout`` seconds (a hung collective), every rank is killed and
-``RankFailure`` says which ones were still running.
-
-torchrun does the same for scripts; this exists so a Python function (a test body, a
-benchmark case) can run on several ranks without a script per case.
+``spawn(fn, world_size)`` runs a module-level function on N local processes with the
+torchrun environment set (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and returns
+every rank's result in rank order; a rank that raises, dies or outlives ``timeout`` stops the
+others and raises ``RankFailure`` with each rank's report. ``PeakMemory`` measures the peak
+resident memory of a phase of this process (Linux ``/proc``; 0 elsewhere).
 """
 
 from __future__ import annotations
@@ -16,6 +12,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -25,7 +22,7 @@ from shardwise.backends import shutdown_backend
 from shardwise.errors import ShardwiseError, UsageError
 
 # Ranks fork from a server that already imported torch: a rank starts in well under a
-# second instead of paying torch's import on each spawn (2 cores here).
+# second instead of paying torch's import on each spawn.
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor.parallel",
             "shardwise"]
 
@@ -103,24 +100,16 @@ def spawn(fn: Callable[..., Any], world_size: int, *, args: tuple = (), kwargs: 
     failures: dict[int, str] = {}
     deadline = time.monotonic() + timeout
     try:
-        while len(results) + len(failures) < world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
+        while len(results) + len(failures) < world_size and (remaining := deadline - time.monotonic()) > 0:
             try:
                 rank, ok, payload = queue.get(timeout=min(remaining, 0.5))
+                (results if ok else failures)[rank] = payload
             except Exception:  # queue.Empty: check for ranks that died without a report
                 for rank, p in enumerate(procs):
-                    if (p.exitcode not in (None, 0) and rank not in results
-                            and rank not in failures):
+                    if p.exitcode not in (None, 0) and rank not in results and rank not in failures:
                         failures[rank] = f"process died with exit code {p.exitcode} (killed or crashed)"
-                if failures:
-                    # Give the others a moment to report their own error, then stop them.
-                    _drain(queue, results, failures, grace=2.0, expected=world_size)
-                    break
-                continue
-            (results if ok else failures)[rank] = payload
             if failures:
+                # Give the others a moment to report their own error, then stop them.
                 _drain(queue, results, failures, grace=2.0, expected=world_size)
                 break
     finally:
@@ -147,3 +136,85 @@ def _drain(queue, results, failures, *, grace: float, expected: int) -> None:
         except Exception:  # queue.Empty
             return
         (results if ok else failures)[rank] = payload
+
+
+# -- memory ---------------------------------------------------------------------------------
+
+def memory_status() -> dict[str, int]:
+    """``VmRSS`` / ``VmHWM`` of this process in bytes; empty where /proc is missing."""
+    out: dict[str, int] = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(("VmRSS:", "VmHWM:")):
+                    key, value = line.split(":", 1)
+                    out[key] = int(value.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def reset_high_water_mark() -> bool:
+    """Reset the kernel's high-water mark ``VmHWM`` to the current RSS (writing ``5`` to
+    ``/proc/self/clear_refs``, Linux >= 4.0); False where that is not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    st = memory_status()
+    # RSS counters are batched per CPU; tolerate a little slack between the two fields.
+    return "VmHWM" in st and st["VmHWM"] <= st.get("VmRSS", 0) + (1 << 20)
+
+
+class PeakMemory:
+    """``with PeakMemory() as peak: ...`` then ``peak.bytes``: the highest RSS reached inside
+    the block minus the RSS at entry (this process, all threads). ``method``: ``"VmHWM"``
+    (exact, after :func:`reset_high_water_mark`), ``"sampled"`` (``VmRSS`` every
+    ``interval`` s: a lower bound) or ``"none"`` (no /proc).
+
+    >>> with PeakMemory() as peak:
+    ...     block = bytearray(50 << 20)
+    >>> peak.bytes >= 50 << 20 or peak.method == "none"
+    True
+    """
+
+    def __init__(self, interval: float = 0.002):
+        self.interval = interval
+        self.baseline = 0
+        self.bytes = 0
+        self.method = "none"
+        self._max = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _sample(self) -> None:
+        self._max = max(self._max, memory_status().get("VmRSS", 0))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def __enter__(self) -> PeakMemory:
+        exact = reset_high_water_mark()
+        self.baseline = self._max = memory_status().get("VmRSS", 0)
+        if exact:
+            self.method = "VmHWM"
+        elif self.baseline:
+            self.method = "sampled"
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="shardwise-rss", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+        self._sample()
+        peak = memory_status().get("VmHWM", 0) if self.method == "VmHWM" else 0
+        self.bytes = max(0, max(peak, self._max) - self.baseline)
+
+
+__all__ = ["PeakMemory", "RankFailure", "free_port", "memory_status", "reset_high_water_mark", "spawn"]

@@ -30,10 +30,9 @@ from shardwise.core.plan import ResolvedPlan, Style, resolve_plan, without_tp
 from shardwise.core.spec import ShardSpec, split
 from shardwise.errors import PlanError
 from shardwise.holding import Holding, is_dtensor, local_of  # noqa: F401 - local_of: re-exported
-from shardwise.installed import check_installed
 from shardwise.local_tp import run_on_local_params, wire_embedding_subclass, wire_forward, wire_local
 from shardwise.mesh import MeshDims, decode_mesh
-from shardwise.plan_checks import check_plan
+from shardwise.plan_checks import check_installed, check_plan
 from shardwise.quant_tp import guard_cut_experts, local_part, quantized_module, scale_is_local, wire_quantized
 
 if TYPE_CHECKING:
@@ -96,7 +95,7 @@ def install(model: nn.Module, specs: ResolvedPlan, dims: MeshDims, *,
     callers below the API such as tests). ``local_tensor`` returns this rank's local shard
     (already on the right device and dtype). No collective runs here: DTensors are built
     from local shards. Afterwards every tensor is checked against what the model declared
-    (:func:`shardwise.installed.check_installed`): ``dtype`` is the dtype every
+    (:func:`shardwise.plan_checks.check_installed`): ``dtype`` is the dtype every
     floating-point tensor must have (``None``: any floating dtype).
     """
     if not isinstance(dims, MeshDims):

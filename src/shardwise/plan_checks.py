@@ -1,18 +1,12 @@
-"""Plan checks that read a model's code: a forward that shapes split activations by its head count.
+"""The checks around a parallelize or load that need more than core: :func:`check_plan`
+before (it reads the model's forward source) and :func:`check_installed` after (every tensor
+is what the model declared).
 
 Under tensor parallelism a colwise projection gives each rank ``num_heads / degree`` heads,
-but the attention module keeps its attributes: ``self.num_heads`` (diffusers' ``attn.heads``)
-is still the global count. A forward that writes ``q.view(b, t, -1, head_dim)`` infers the
-local count and is right; one that writes ``q.view(b, t, self.num_heads, -1)`` (or
-``unflatten(-1, (attn.heads, -1))``, ``reshape(b, -1, attn.heads * head_dim)``) fails inside
-torch, or worse, gives every rank all heads of a narrower width and a wrong output without
-an error. This module finds such uses in the source of the module that owns a split
-projection (its ``forward``, its diffusers ``processor``, and the methods they call on it)
-and refuses the plan, naming both modules. It reads source code, so it lives above core.
-
-The checks of known model families that ``resolve_plan`` runs at every degree it tries
-(Gemma-3n's activation sparsity, a fused gate/up tensor cut into halves) are the Hugging Face
-adapter's: ``shardwise.hf.model_checks``.
+but the module keeps its global ``self.num_heads`` (diffusers' ``attn.heads``): a forward that
+shapes with it (``q.view(b, t, self.num_heads, -1)``, ``unflatten(-1, (attn.heads, -1))``)
+fails inside torch, or gives a wrong output without an error. :func:`check_plan` finds such
+uses in the module's ``forward``, its diffusers ``processor`` and the methods they call on it.
 """
 
 from __future__ import annotations
@@ -22,20 +16,24 @@ import functools
 import inspect
 import textwrap
 
+import torch
 from torch import nn
 
 from shardwise.core.plan import ResolvedPlan
-from shardwise.errors import PlanError
+from shardwise.core.plan_rules import HEAD_ATTRS
+from shardwise.core.quant_layout import scale_local_shape
+from shardwise.core.spec import local_shape
+from shardwise.errors import PlanError, ShardingError
+from shardwise.holding import Holding, is_dtensor, local_of
 
-_HEAD_ATTRS = frozenset(("num_heads", "heads", "num_attention_heads", "num_key_value_heads",
-                         "num_kv_heads", "n_heads", "n_kv_heads", "n_head"))
+_HEAD_ATTRS = frozenset((*HEAD_ATTRS, "n_head"))  # plus n_head, GPT-2 config's name
 _SHAPING = frozenset(("view", "reshape", "unflatten", "rearrange"))
 
 
 def check_plan(model: nn.Module, specs: ResolvedPlan) -> None:
     """Raise ``PlanError`` when a module whose projection the plan splits colwise shapes
-    activations with its global head count (see the module docstring). Degree 1 splits
-    nothing. Call it with the plan resolved for the model, before any byte is read."""
+    activations with its global head count. Call it with the resolved plan, before any byte
+    is read."""
     if specs.degree == 1:
         return
     owners: dict[str, str] = {}  # owning module -> the first split projection under it
@@ -140,4 +138,43 @@ def _reads_heads(node: ast.AST, holders: frozenset[str]) -> bool:
     return isinstance(base, ast.Name) and base.id in holders
 
 
-__all__ = ["check_plan"]
+def check_installed(model: nn.Module, specs: ResolvedPlan, declared: dict, *, holding: Holding,
+                    dtype: torch.dtype | None, coords: dict | None = None) -> None:
+    """Raise ``ShardingError`` naming the tensor unless every tensor of ``model`` has its
+    ``declared`` global shape, a local shard of the spec's size (a quantized weight's scales:
+    as their tie says, ``coords`` being this rank's ``MeshDims.axis_coords``), the dtype policy
+    (floating tensors stay floating, and are ``dtype`` when given; others, and quantized
+    weights and their scales, keep their declared dtype) and every tie still shares one
+    tensor. Shapes and identities only."""
+    state = model.state_dict(keep_vars=True)
+    for name, spec in specs.items():
+        shape, declared_dtype = declared[name]
+        t = state[name]
+        held_dtensor = is_dtensor(t)
+        local = tuple(local_of(t).shape)
+        if holding.one_process:  # a global tensor, placed over the devices
+            local, want_local = tuple(t.shape), shape
+        elif name in specs.ties and coords is not None:  # an FP8 weight's scales, split along
+            want_local = scale_local_shape(specs.ties[name], spec, *coords[spec.axis])
+        else:
+            want_local = local_shape(shape, spec, specs.degrees[spec.axis])
+        if (held_dtensor and tuple(t.shape) != shape) or local != want_local:
+            held = f"a DTensor of global shape {tuple(t.shape)}" if held_dtensor else "a tensor"
+            raise ShardingError(
+                f"{name!r}: after sharding it is {held} with local shape {local}, but the model "
+                f"declares {shape} sharded as {spec} (local {want_local}); this is a shardwise bug, "
+                "please report it with the plan")
+        cast = dtype if name not in specs.quantized else None
+        if declared_dtype.is_floating_point != t.dtype.is_floating_point or (
+                not t.dtype.is_floating_point and t.dtype != declared_dtype) or (
+                name in specs.quantized and t.dtype != declared_dtype) or (
+                cast is not None and t.dtype.is_floating_point and t.dtype != cast):
+            want = cast if cast is not None and declared_dtype.is_floating_point else declared_dtype
+            raise ShardingError(f"{name!r} is {t.dtype} after sharding but must be {want}")
+    for alias, kept in specs.aliases.items():
+        if state.get(alias) is not state.get(kept):
+            raise ShardingError(f"{alias!r} and {kept!r} are tied in the model but no longer share one "
+                                "tensor after sharding; this is a shardwise bug, please report it")
+
+
+__all__ = ["check_installed", "check_plan"]

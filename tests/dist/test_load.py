@@ -24,7 +24,7 @@ from models import TinyTransformer, make_model, tiny_plan, tokens
 from shardwise.core.header import dtype_to_str
 from shardwise.core.spec import shard_regions, split
 from shardwise.errors import CheckpointError
-from shardwise.io.safetensors.format import StreamingWriter, index_json, plan_files
+from shardwise.io.formats.safetensors.files import StreamingWriter, index_json, plan_files
 from shardwise.io.source import Reads
 from shardwise.parallel import get_shard_state, local_of
 

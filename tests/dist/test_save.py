@@ -26,7 +26,7 @@ import shardwise as sw
 from harness import RankFailure, run_ranks
 from models import TinyTransformer, make_model, tiny_plan
 from shardwise.io.formats.safetensors.checkpoint import resolve_checkpoint
-from shardwise.io.safetensors.format import StreamingWriter
+from shardwise.io.formats.safetensors.files import StreamingWriter
 
 HOLDINGS = ("dtensor", "local")
 SMALL = "20KB"  # the tiny model is 160 KB: several files

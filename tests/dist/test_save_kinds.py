@@ -26,13 +26,17 @@ APPLICABLE = {
     "distcp": {"distributed": True},
     "distcp-async": {"distributed": True, "async_save": True},
     "sharded": {"distributed": True, "format": "safetensors"},
+    "sharded-by-name": {"distributed": True, "format": "sharded"},
+    "dcp-by-name": {"distributed": True, "format": "dcp"},
+    "safetensors-by-name": {"format": "safetensors"},
 }
 INAPPLICABLE = [
     {"distributed": True, "max_shard_size": SMALL}, {"distributed": True, "filename_prefix": "m"},
     {"distributed": True, "layout": "module"}, {"distributed": True, "parallel_write": False},
     {"distributed": True, "format": "safetensors", "parallel_write": True},
     {"distributed": True, "format": "safetensors", "async_save": True},
-    {"async_save": True}, {"format": "safetensors"}, {"format": "safetensors", "layout": "module"},
+    {"async_save": True}, {"format": "dcp"}, {"format": "sharded", "layout": "module"},
+    {"distributed": True, "format": "nope"},
 ]
 
 

@@ -22,7 +22,7 @@ import shardwise as sw  # noqa: E402
 from harness import run_ranks  # noqa: E402
 from hf import fp8_models as F  # noqa: E402
 from shardwise.errors import CheckpointError, UnsupportedModelError  # noqa: E402
-from shardwise.io.check.inspect import inspect_checkpoint  # noqa: E402
+from shardwise.io.check import inspect_checkpoint  # noqa: E402
 
 SAVES = [("tp2", "dtensor"), ("tp4", "local")]
 

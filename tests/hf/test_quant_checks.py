@@ -20,7 +20,7 @@ import shardwise as sw  # noqa: E402
 from hf import fp8_models as F  # noqa: E402
 from shardwise.cli import main  # noqa: E402
 from shardwise.errors import CheckpointError  # noqa: E402
-from shardwise.io.check.inspect import inspect_checkpoint  # noqa: E402
+from shardwise.io.check import inspect_checkpoint  # noqa: E402
 
 UP = "model.layers.0.mlp.up_proj.weight"  # llama576: (576, 384), scales (5, 3)
 DOWN = "model.layers.0.mlp.down_proj.weight"

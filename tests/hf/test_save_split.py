@@ -10,7 +10,7 @@ from huggingface_hub import split_torch_state_dict_into_shards  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from shardwise.io.safetensors.format import plan_files  # noqa: E402
+from shardwise.io.formats.safetensors.files import plan_files  # noqa: E402
 
 
 @settings(max_examples=200, deadline=None)

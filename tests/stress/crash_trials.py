@@ -214,8 +214,7 @@ def _hook(op: str, point: str) -> tuple[object, str, int]:
     """Where the victim dies: (owner, attribute, on which call)."""
     import torch.distributed.checkpoint as dcp
 
-    from shardwise.io import gather, save
-    from shardwise.io.formats.dcp import checkpoint as sw_dcp
+    from shardwise.io import gather, sink
     from shardwise.io.formats.dcp.chunks import MetadataReader
     from shardwise.io.formats.dcp.items import HashingWriter
     from shardwise.io.formats.safetensors import reader
@@ -223,11 +222,11 @@ def _hook(op: str, point: str) -> tuple[object, str, int]:
     from shardwise.io.storage.local import LocalWriter
 
     return {
-        ("gather save", "early"): (save, "agree", 1),
+        ("gather save", "early"): (sink, "on_rank0", 1),
         ("gather save", "middle"): (gather, "gather_to_rank0", 3),
-        ("parallel save", "early"): (save, "agree", 1),
+        ("parallel save", "early"): (sink, "on_rank0", 1),
         ("parallel save", "middle"): (LocalWriter, "pwrite", 3),
-        ("dcp save", "early"): (sw_dcp, "_on_rank0", 1),
+        ("dcp save", "early"): (sink, "on_rank0", 1),
         ("dcp save", "middle"): (HashingWriter, "write_data", 1),
         ("dcp load", "early"): (dcp, "load", 1),
         ("dcp load", "middle"): (MetadataReader, "read_data", 1),

@@ -16,7 +16,7 @@ from torch import nn
 
 import shardwise as sw
 from shardwise.cli import main
-from shardwise.io.check.inspect import compact_plan
+from shardwise.io.check import compact_plan
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import (
 
 import shardwise as sw
 from shardwise.errors import CheckpointError
-from shardwise.io.check.inspect import inspect_checkpoint
+from shardwise.io.check import inspect_checkpoint
 from shardwise.io.formats.dcp.metadata import check_chunks, read_metadata
 
 

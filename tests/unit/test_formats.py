@@ -16,7 +16,7 @@ import shardwise as sw
 from shardwise.core.header import dtype_to_str, str_to_dtype
 from shardwise.errors import CheckpointError, UsageError
 from shardwise.io import formats
-from shardwise.io.check.inspect import inspect_checkpoint
+from shardwise.io.check import inspect_checkpoint
 from shardwise.io.formats.sharded.checkpoint import sharding_metadata
 from shardwise.io.info import digest_hex
 from shardwise.io.source import Blob, Description
@@ -131,7 +131,7 @@ class RawSource:
 
 def _raw_plugin() -> types.ModuleType:
     plugin = types.ModuleType("raw_format_plugin")
-    plugin.NAME, plugin.DEQUANTIZES = "raw", False
+    plugin.NAME, plugin.CAPABILITIES = "raw", formats.Capabilities(label="raw")  # read only: no writer
     plugin.claims = lambda path: (Path(path) / "raw.json").is_file()
     plugin.open_source = lambda path, **options: RawSource(path)
     return plugin
@@ -163,3 +163,21 @@ def test_a_new_format_is_one_plugin_and_one_line(tmp_path, registry, monkeypatch
     (raw / "w.bin").write_bytes(torch.zeros(4, 3).numpy().tobytes())
     changed = sw.diff(raw, merged)
     assert [d.name for d in changed.differ] == ["w"] and changed.same == 1
+
+
+def test_save_asks_the_registry_for_the_writer(tmp_path, registry, monkeypatch):
+    """One vocabulary: sw.save's spellings map to the registry's names in one place, and a
+    read-only format (no writer) or a format of the other kind is refused before anything
+    is written."""
+    assert formats.save_format(None, distributed=False).NAME == "safetensors"
+    assert formats.save_format(None, distributed=True).NAME == "dcp"
+    assert formats.save_format("distcp", distributed=True).NAME == "dcp"
+    assert formats.save_format("safetensors", distributed=True).NAME == "sharded"
+    assert formats.capabilities("dcp").async_save and not formats.capabilities("sharded").async_save
+    monkeypatch.setitem(sys.modules, "raw_format_plugin", _raw_plugin())
+    formats.register_format("raw", "raw_format_plugin")
+    with pytest.raises(UsageError, match="the raw format is read only.*writable formats: dcp, sharded"):
+        sw.save(torch.nn.Linear(3, 4), tmp_path / "out", format="raw")
+    with pytest.raises(UsageError, match="format='dcp' writes a distributed checkpoint"):
+        formats.save_format("dcp", distributed=False)
+    assert not (tmp_path / "out").exists()

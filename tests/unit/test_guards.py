@@ -48,9 +48,9 @@ def traps(monkeypatch, mesh):
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
+    from shardwise.io.formats.safetensors import files as safetensors_io
     from shardwise.io.formats.safetensors import reader
     from shardwise.io.formats.safetensors import source as safetensors_source
-    from shardwise.io.safetensors import format as safetensors_io
 
     attempted: list[str] = []
 

@@ -12,9 +12,9 @@ from safetensors.torch import save_file
 import shardwise as sw
 from shardwise.core.spec import Region, ShardSpec, local_layout
 from shardwise.errors import CheckpointError
-from shardwise.io.dcp.sharded_write import assign_chunks, num_files, rank_files
 from shardwise.io.formats.sharded.checkpoint import is_sharded_safetensors, read_sharded, sharding_metadata
 from shardwise.io.formats.sharded.source import ShardedReader, plan_chunk_reads
+from shardwise.io.formats.sharded.write import assign_chunks, num_files, rank_files
 
 W = torch.arange(32, dtype=torch.float32).reshape(8, 4)   # rows split 2 | 3 | 3 over three files
 B = torch.tensor([1.5, -2.0, 3.0, 4.0], dtype=torch.bfloat16)  # replicated, in file 1 only
@@ -85,7 +85,7 @@ def test_reads_only_overlapping_chunk_bytes(tmp_path):
 
 def test_consolidate_and_inspect(tmp_path):
     import shardwise as sw
-    from shardwise.io.check.inspect import format_report, inspect_checkpoint
+    from shardwise.io.check import format_report, inspect_checkpoint
 
     folder = _folder(tmp_path / "ckpt")
     out = sw.consolidate(folder, tmp_path / "merged")  # dispatched on the headers
@@ -208,7 +208,7 @@ def test_single_process_save_round_trip(tmp_path):
     with ShardedReader(ckpt, num_threads=1) as reader:
         for name, t in model.state_dict().items():
             assert torch.equal(reader.tensor(name), t) and reader.tensor(name).dtype == t.dtype, name
-    with pytest.raises(ValueError, match="format must be 'distcp' or 'safetensors'"):
+    with pytest.raises(ValueError, match="no checkpoint format named 'npz'; known formats: dcp, sharded"):
         sw.save(model, tmp_path / "other", distributed=True, format="npz")
     with pytest.raises(ValueError, match="async_save=True is not supported with format='safetensors'"):
         sw.save(model, tmp_path / "other", distributed=True, format="safetensors", async_save=True)

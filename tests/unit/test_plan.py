@@ -450,11 +450,11 @@ def test_base_model_plan_applies_to_a_causal_lm_under_its_prefix():
 
 def test_core_runs_the_model_checks_registered_above_it_without_reading_source():
     # core/plan.py stays pure: the source-reading and model-family checks are registered
-    # from shardwise.hf.model_checks (registered by `import shardwise`) and called through the hook
+    # from shardwise.hf.adapter (registered by `import shardwise`) and called through the hook
     import inspect as _inspect
 
     import shardwise.core.plan as core_plan
-    from shardwise.hf.model_checks import check_fused_halves, check_statistics_over_shards
+    from shardwise.hf.adapter import check_fused_halves, check_statistics_over_shards
 
     assert core_plan._MODEL_CHECKS[:2] == [check_statistics_over_shards, check_fused_halves]
     source = _inspect.getsource(core_plan)

@@ -35,7 +35,7 @@ from shardwise.core.header import (
 )
 from shardwise.errors import CheckpointError
 from shardwise.io.formats.safetensors.checkpoint import Checkpoint, resolve_checkpoint
-from shardwise.io.safetensors.format import (
+from shardwise.io.formats.safetensors.files import (
     StreamingWriter,
     index_json,
     parse_size,
@@ -717,7 +717,7 @@ def test_reading_and_writing_need_no_numpy(tmp_path):
 import sys
 sys.modules["numpy"] = None  # any import of numpy now fails
 import torch
-from shardwise.io.safetensors.format import StreamingWriter, read_header, read_region
+from shardwise.io.formats.safetensors.files import StreamingWriter, read_header, read_region
 t = torch.arange(24, dtype=torch.bfloat16).reshape(4, 6)
 path = {str(tmp_path / "m.safetensors")!r}
 with StreamingWriter(path, [("w", "BF16", (4, 6))]) as w:

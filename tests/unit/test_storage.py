@@ -18,8 +18,8 @@ import torch
 
 from shardwise.core.spec import ShardSpec, split
 from shardwise.errors import CheckpointError, UsageError
+from shardwise.io.formats.safetensors.files import StreamingWriter, read_header
 from shardwise.io.formats.safetensors.reader import RegionReader, plan_reads
-from shardwise.io.safetensors.format import StreamingWriter, read_header
 from shardwise.io.storage import (
     HandleFile,
     Handles,

@@ -9,10 +9,9 @@ import pytest
 
 from shardwise.core.spec import Region, ShardSpec, local_layout
 from shardwise.errors import CheckpointError
-from shardwise.io.dcp.sharded_write import ShardedSafetensorsSink
-from shardwise.io.formats.safetensors.headers import save_file_order
-from shardwise.io.safetensors.format import plan_files
-from shardwise.io.safetensors.sink import SafetensorsSink, plan_checkpoint
+from shardwise.io.formats.safetensors.files import plan_files, save_file_order
+from shardwise.io.formats.safetensors.write import SafetensorsSink, plan_checkpoint
+from shardwise.io.formats.sharded.write import ShardedSafetensorsSink
 from shardwise.io.sink import PlannedFile, StoredTensor, WritePlan
 
 SPECS = [("z.weight", "BF16", (10, 10)), ("a.weight", "F32", (10, 10)), ("m.bias", "F32", (10,)),

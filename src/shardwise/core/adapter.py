@@ -1,39 +1,27 @@
-"""Model adapters: what shardwise knows of a model library, behind one small seam.
+"""Model adapters: what a model library (transformers, diffusers) decides that no checkpoint
+says by itself, behind one seam (in the shape of torchtitan's ``StateDictAdapter``).
 
-A model library (transformers, diffusers) decides things no checkpoint says by itself: the
-plan a model ships, the prefix its base-model keys are written under, the key layout its
-checkpoints are published in (per-expert tensors on disk where the module holds one fused
-tensor), the files beside the weights (``config.json``), and what it does to a model that
-shardwise must refuse (device maps, offload hooks, adapters, quantizers). An adapter answers
-those questions for the models it :meth:`~ModelAdapter.claims`; every other model gets the
-answers of :class:`ModelAdapter` itself: a plain torch model, stored under its own names,
-with no plan of its own and no side files. This is the shape of torchtitan's
-``StateDictAdapter``: the loader and the saver ask, the adapter knows.
+A model gets the answers of the first registered adapter that :meth:`~ModelAdapter.claims`
+it, else those of :class:`ModelAdapter` itself (a plain torch model: its own names, no plan,
+no side files). Core holds the seam and the registry only; ``shardwise.hf.adapter`` registers
+itself on ``import shardwise``. Who asks what:
 
-Core keeps only the seam and the registry (no adapter is imported here, and core calls
-only the plan questions); ``shardwise.hf`` is the Hugging Face adapter and registers itself
-when ``import shardwise`` runs. Who asks what:
-
-- ``core.plan`` (plan matching, ``plan="auto"``): :meth:`~ModelAdapter.base_prefix`,
-  :meth:`~ModelAdapter.shipped_plan`;
-- the guards, before any read, write or collective: :meth:`~ModelAdapter.refuse` of EVERY
-  registered adapter, since an accelerate hook or a PEFT layer can sit on any model;
-- a load: :meth:`~ModelAdapter.stored_tensors` (model tensors assembled from stored ones);
-- a save: :meth:`~ModelAdapter.unsaved`, :meth:`~ModelAdapter.save_layout`,
-  :meth:`~ModelAdapter.shared_storages`, :meth:`~ModelAdapter.file_prefix`,
-  :meth:`~ModelAdapter.index_metadata`, :meth:`~ModelAdapter.write_side_files`; ``verify``
-  against a model: :meth:`~ModelAdapter.stored_names`;
-- the offline tools, with no model in hand: :meth:`~ModelAdapter.model_from_folder`,
-  :meth:`~ModelAdapter.model_from_config` and :attr:`~ModelAdapter.side_files`, through
-  :func:`folder_model`, :func:`config_model` and :func:`side_file_names`.
+- plan matching and ``plan="auto"``: ``base_prefix``, ``shipped_plan``;
+- the guards, before any read, write or collective: ``refuse`` of EVERY adapter
+  (:func:`refuse_unsupported`: an accelerate hook or a PEFT layer can sit on any model);
+- a load: ``stored_tensors``; ``verify`` against a model: ``stored_names``, ``unsaved``;
+- a save: ``unsaved``, ``save_layout``, ``shared_storages``, ``file_prefix``,
+  ``index_metadata``, ``write_side_files``;
+- the offline tools, with no model in hand: :func:`folder_model`, :func:`folder_quantization`,
+  :func:`config_model`, :func:`side_file_names`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from torch import nn
 
@@ -43,6 +31,7 @@ if TYPE_CHECKING:
     from shardwise.core.header import NamedDtype
     from shardwise.core.pieces import Composite, StoredPart
 
+T = TypeVar("T")
 # {model tensor or stored key: (global shape, safetensors dtype)}
 Shapes = Mapping[str, tuple[tuple[int, ...], str]]
 
@@ -61,7 +50,6 @@ class ModelAdapter:
         """Whether this adapter speaks for ``model`` (its class hierarchy, no import)."""
         return False
 
-    # -- plans: core.plan --------------------------------------------------------------------
     def base_prefix(self, model: nn.Module) -> str:
         """The path under which a plan key written for the base model also matches ("")."""
         return ""
@@ -71,12 +59,10 @@ class ModelAdapter:
         modules; ``{}`` when it ships none."""
         return {}
 
-    # -- guards: every adapter, every model ----------------------------------------------------
     def refuse(self, model: nn.Module, action: str) -> None:
         """Raise ``UnsupportedModelError`` for what this library did to ``model`` that
         shardwise cannot ``action`` ("load", "save", ...). Pure inspection."""
 
-    # -- stored layouts: load and save ---------------------------------------------------------
     def stored_tensors(self, model: nn.Module, stored: Mapping[str, tuple[Path | None, NamedDtype]],
                        wanted: set[str], shapes: Mapping[str, tuple[int, ...]] | None = None,
                        ) -> tuple[dict[str, Composite], set[str]]:
@@ -105,7 +91,6 @@ class ModelAdapter:
         writes as views of one storage (the index's ``total_size`` counts storages)."""
         return {}
 
-    # -- files -----------------------------------------------------------------------------------
     def file_prefix(self, model: nn.Module) -> str:
         """The weight file prefix the model's library reads."""
         return "model"
@@ -170,33 +155,26 @@ def refuse_unsupported(model: nn.Module, action: str) -> None:
         adapter.refuse(model, action)
 
 
+def _first(answer: Callable[[ModelAdapter], T | None]) -> T | None:
+    """The first registered adapter's ``answer(adapter)`` that is not None, else None."""
+    return next((found for a in _ADAPTERS.values() if (found := answer(a)) is not None), None)
+
+
 def folder_model(folder: Path, *, need: bool = False) -> nn.Module | None:
-    """The meta-device model the first adapter that knows ``folder`` builds from it, or None
-    (``ModelAdapter.model_from_folder``)."""
-    for adapter in _ADAPTERS.values():
-        model = adapter.model_from_folder(Path(folder), need=need)
-        if model is not None:
-            return model
-    return None
+    """The meta-device model the first adapter that knows ``folder`` builds from it
+    (``ModelAdapter.model_from_folder``), or None."""
+    return _first(lambda a: a.model_from_folder(Path(folder), need=need))
 
 
 def folder_quantization(folder: Path) -> tuple[object, Path] | None:
-    """What the first adapter whose side files the checkpoint ``folder`` holds says of its
-    quantization (``ModelAdapter.quantization_config``), or None."""
-    for adapter in _ADAPTERS.values():
-        found = adapter.quantization_config(Path(folder))
-        if found is not None:
-            return found
-    return None
+    """What the first adapter whose side files ``folder`` holds says of its quantization
+    (``ModelAdapter.quantization_config``), or None."""
+    return _first(lambda a: a.quantization_config(Path(folder)))
 
 
 def config_model(config_file: Path) -> nn.Module | None:
     """The meta-device model the first adapter that reads ``config_file`` builds, or None."""
-    for adapter in _ADAPTERS.values():
-        model = adapter.model_from_config(Path(config_file))
-        if model is not None:
-            return model
-    return None
+    return _first(lambda a: a.model_from_config(Path(config_file)))
 
 
 def side_file_names() -> tuple[str, ...]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shardwise.core.spec import is_int
 from shardwise.errors import CheckpointError, UsageError
 
 # The reference reader refuses headers above 100 MB; so do we, before allocating.
@@ -55,10 +56,6 @@ def str_to_dtype(name: str) -> torch.dtype:
         raise CheckpointError(
             f"unknown safetensors dtype {name!r}; known: {sorted(_STR_TO_DTYPE)}"
         ) from None
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def spec_nbytes(dtype: str, shape: Sequence[int]) -> int:
@@ -180,9 +177,9 @@ def _parse_entry(name: str, info: object, *, data_size: int, source: str) -> Ten
     dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
     if not isinstance(dtype, str) or dtype not in _STR_TO_DTYPE:
         raise CheckpointError(f"{where}: unknown dtype {dtype!r}; known: {sorted(_STR_TO_DTYPE)}")
-    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+    if not isinstance(shape, list) or not all(is_int(d) and d >= 0 for d in shape):
         raise CheckpointError(f"{where}: shape {shape!r} must be a list of non-negative ints")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)):
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(is_int(o) for o in offsets)):
         raise CheckpointError(f"{where}: data_offsets {offsets!r} must be two ints [start, end]")
     start, end = offsets
     if not 0 <= start <= end <= data_size:
@@ -272,7 +269,7 @@ def layout_header(
     for name, dtype, shape in specs:
         if not isinstance(name, str) or name == "__metadata__" or name in offsets:
             raise CheckpointError(f"tensor name {name!r} is reserved, repeated or not a string")
-        if not all(_is_int(d) and d >= 0 for d in shape):
+        if not all(is_int(d) and d >= 0 for d in shape):
             raise CheckpointError(f"tensor {name!r}: shape {shape!r} must be non-negative ints")
         nbytes = spec_nbytes(dtype, shape)
         offsets[name] = (pos, pos + nbytes)

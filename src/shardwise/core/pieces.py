@@ -1,7 +1,5 @@
-"""Pieces: one canonical tensor assembled from several stored tensors, and which boxes of
-them a rank reads (hub key layouts: per-expert tensors stacked into one fused parameter, a
-fused stored tensor split into several; distributed checkpoints' chunks). Pure, like
-``core/spec.py``: shapes and offsets are plain ints.
+"""Pieces: a canonical tensor assembled from boxes of stored tensors (hub key layouts,
+distributed checkpoints' chunks), and which boxes of them a rank reads. Pure: plain ints.
 """
 
 from __future__ import annotations
@@ -19,14 +17,10 @@ from shardwise.errors import ShardingError
 
 @dataclass(frozen=True)
 class Piece:
-    """Where a box of a stored tensor sits in a canonical tensor assembled from several
-    stored tensors (a hub layout: per-expert tensors stacked and concatenated into one
-    fused parameter; a distributed checkpoint's chunks).
-
-    ``key`` names the stored tensor; ``source`` is the box of it that is used; ``offsets``
-    is where that box starts in the canonical tensor; ``stacked`` are canonical dims the
-    stored tensor lacks (size 1 in the canonical box: an expert's index).
-    """
+    """Where a box of a stored tensor sits in a canonical tensor: ``key`` names the stored
+    tensor, ``source`` is the box of it used, ``offsets`` where that box starts in the
+    canonical tensor, ``stacked`` the canonical dims the stored tensor lacks (size 1 in the
+    canonical box: an expert's index)."""
 
     key: str
     source: Region
@@ -65,11 +59,6 @@ class StoredPart:
     shape: tuple[int, ...]
     dtype: str
     fragments: tuple[tuple[str, Piece], ...]
-
-    @property
-    def model_names(self) -> tuple[str, ...]:
-        """The model tensors this stored tensor is made of, each once, in fragment order."""
-        return tuple(dict.fromkeys(name for name, _ in self.fragments))
 
     @property
     def whole(self) -> bool:

@@ -1,23 +1,10 @@
 """Plans: from ``{module or parameter path: style}`` to one ``ShardSpec`` per tensor.
 
-Keys are matched the way transformers and diffusers match them: a key names a module or
-a parameter, each ``*`` stands for one numeric path component (the index of a
-``ModuleList`` or ``Sequential`` item), and a key written for the base model
-(``config.base_model_tp_plan``) also matches under the model's ``base_model_prefix``.
-A key that matches nothing in this configuration (a projection some layers lack, a
-``q_proj`` that only exists without ``q_lora_rank``) is skipped and reported in
-``ResolvedPlan.unused_keys``; ``strict=True`` makes it an error, for hand-written plans.
-A plan none of whose keys matches anything is an error (``core/plan_keys.py``).
-Styles are normalised in ``core/styles.py``. Everything is validated here, on a meta
-model, before any process group is touched. Pure: no torch.distributed, no file I/O.
-
-Every check a plan gets before anything runs is called from ``resolve_plan``, so that the
-refusals are found from one place: the pairing of split projections in
-``core/plan_pairs.py``, the degree checks (tensor sizes, head counts) in
-``core/plan_degrees.py``, the rest here, then the checks registered with
-:func:`register_model_check`: those that read a model's forward source or know a model
-family live above core (``shardwise/hf/model_checks.py``) and core
-calls them without knowing them.
+:func:`resolve_plan` is the one place a plan is validated, on a meta model, before any
+process group is touched: styles (``core.styles``), key matching, pairing and degrees
+(``core.plan_rules``), the rest here, then the checks registered with
+:func:`register_model_check` (those that read a model's forward source or know a model
+family live above core, in ``shardwise.hf.adapter``). Pure: no torch.distributed, no file I/O.
 """
 
 from __future__ import annotations
@@ -29,11 +16,15 @@ from typing import Any
 from torch import nn
 
 from shardwise.core.adapter import adapter_for
-from shardwise.core.plan_degrees import check_degrees, head_counts
-from shardwise.core.plan_keys import check_some_key_matches, match_plan
-from shardwise.core.plan_pairs import check_pairs
+from shardwise.core.plan_rules import (
+    check_degrees,
+    check_pairs,
+    check_some_key_matches,
+    head_counts,
+    match_plan,
+)
 from shardwise.core.quant_layout import QuantTie, is_tied_scale, tie_scales
-from shardwise.core.spec import ShardSpec
+from shardwise.core.spec import ShardSpec, check_degree
 from shardwise.core.styles import (
     DEFAULT_PACKED,
     SUPPORTED_STYLES,
@@ -45,19 +36,17 @@ from shardwise.core.styles import (
 )
 from shardwise.errors import PlanError
 
-# Checks of a plan against what a model's code does with the tensors it splits (a forward
-# that takes statistics over split features, or cuts a fused tensor into halves), run by
-# resolve_plan with the degrees. They read source or know model families, so they live
-# above core (``shardwise.hf.model_checks``) and are registered here, where core calls them
-# without knowing them. ``owned``: {id(parameter): (its ShardSpec, its name, the plan key
-# that claimed it)}; ``degrees``: {"tp": ..., "ep": ...}; a check raises ``PlanError``.
+# A check of a plan against what a model's code does with the tensors it splits, run by
+# resolve_plan at every degree it tries: ``check(model, owned, degrees)`` with ``owned``
+# {id(parameter): (its ShardSpec, its name, the plan key that claimed it)} and ``degrees``
+# {"tp": ..., "ep": ...}; it raises ``PlanError``.
 ModelCheck = Callable[[nn.Module, Mapping[int, tuple[ShardSpec, str, str]], Mapping[str, int]], None]
 _MODEL_CHECKS: list[ModelCheck] = []
 
 
 def register_model_check(check: ModelCheck) -> ModelCheck:
-    """Have :func:`resolve_plan` run ``check(model, owned, degrees)`` (see ``ModelCheck``) on
-    every plan, after its own checks; registering a check twice runs it once."""
+    """Have :func:`resolve_plan` run ``check`` (a ``ModelCheck``) on every plan, after its own
+    checks; registering a check twice runs it once."""
     if check not in _MODEL_CHECKS:
         _MODEL_CHECKS.append(check)
     return check
@@ -216,14 +205,12 @@ def resolve_plan(model: nn.Module, plan, degree: int, *, strict: bool = False, e
     >>> specs["layers.0.mlp.up.weight"]                                         # doctest: +SKIP
     ShardSpec(dim=0, blocks=(1,))
     """
-    if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
-        raise PlanError(f"degree must be a positive int, got {degree!r}")
+    check_degree(degree)
     if isinstance(plan, str) and plan == "auto":
         plan = plan_from_model(model)
     module_claims, param_claims, unused = match_plan(model, plan, strict=strict)
     check_some_key_matches(model, plan, unused)
-    if not isinstance(ep_degree, int) or isinstance(ep_degree, bool) or ep_degree < 1:
-        raise PlanError(f"ep_degree must be a positive int, got {ep_degree!r}")
+    check_degree(ep_degree, names=("ep_degree", "rank"))
     if ep_degree > 1:
         module_claims, param_claims, ep_unused = _with_ep_plan(model, ep_plan, module_claims,
                                                                param_claims, strict)

@@ -21,7 +21,8 @@ SHARD_AXES = ("tp", "ep")
 Layout = list[tuple["Region", tuple[int, ...]]]
 
 
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
+    """An int that is not a bool."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -41,7 +42,7 @@ class Region:
         object.__setattr__(self, "sizes", tuple(self.sizes))
         if len(self.offsets) != len(self.sizes):
             raise PlanError(f"Region offsets {self.offsets} and sizes {self.sizes} differ in length")
-        if not all(_is_int(v) and v >= 0 for v in self.offsets + self.sizes):
+        if not all(is_int(v) and v >= 0 for v in self.offsets + self.sizes):
             raise PlanError(f"Region offsets {self.offsets} and sizes {self.sizes} must be non-negative ints")
 
     def slices(self) -> tuple[slice, ...]:
@@ -77,12 +78,12 @@ class ShardSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "blocks", tuple(self.blocks))
-        if self.dim is not None and not (_is_int(self.dim) and self.dim >= 0):
+        if self.dim is not None and not (is_int(self.dim) and self.dim >= 0):
             raise PlanError(
                 f"ShardSpec.dim must be None or a non-negative int, got {self.dim!r}; "
                 "normalise a negative dim with the tensor's ndim first"
             )
-        if not self.blocks or not all(_is_int(b) and b > 0 for b in self.blocks):
+        if not self.blocks or not all(is_int(b) and b > 0 for b in self.blocks):
             raise PlanError(f"ShardSpec.blocks must be positive ints, got {self.blocks!r}")
         if self.dim is None and self.blocks != (1,):
             raise PlanError(f"ShardSpec.blocks={self.blocks} needs a shard dim; pass dim= or drop blocks")
@@ -107,14 +108,15 @@ class ShardSpec:
 
 
 def _check_dim(shape: Shape, dim: int, what: str) -> None:
-    if not (_is_int(dim) and 0 <= dim < len(shape)):
+    if not (is_int(dim) and 0 <= dim < len(shape)):
         raise PlanError(f"{what} dim {dim} is out of range for a tensor of shape {tuple(shape)}")
 
 
-def _check_degree(degree: int, rank: int | None = None, names=("degree", "rank")) -> None:
-    if not (_is_int(degree) and degree >= 1):
+def check_degree(degree: int, rank: int | None = None, names=("degree", "rank")) -> None:
+    """Raise ``PlanError`` unless ``degree`` is a positive int and ``rank`` (if given) in range."""
+    if not (is_int(degree) and degree >= 1):
         raise PlanError(f"{names[0]} must be a positive int, got {degree!r}")
-    if rank is not None and not (_is_int(rank) and 0 <= rank < degree):
+    if rank is not None and not (is_int(rank) and 0 <= rank < degree):
         raise PlanError(f"{names[1]} must be an int in [0, {degree}), got {rank!r}")
 
 
@@ -153,7 +155,7 @@ def check_shardable(shape: Shape, spec: ShardSpec, degree: int) -> None:
 
     >>> check_shardable((8, 4), ShardSpec(dim=0, blocks=(1, 1)), 2)  # blocks of 4 rows: fine
     """
-    _check_degree(degree)
+    check_degree(degree)
     if spec.dim is None:  # replicated
         return
     sizes = block_sizes(shape, spec)
@@ -205,7 +207,7 @@ def global_shape(local: Shape, spec: ShardSpec, degree: int) -> tuple[int, ...]:
     out = tuple(int(s) for s in local)
     if spec.dim is None:  # replicated
         return out
-    _check_degree(degree)
+    check_degree(degree)
     _check_dim(out, spec.dim, "local shape")
     out = out[: spec.dim] + (out[spec.dim] * degree,) + out[spec.dim + 1 :]
     check_shardable(out, spec, degree)
@@ -221,7 +223,7 @@ def shard_regions(shape: Shape, spec: ShardSpec, degree: int, rank: int) -> list
     >>> shard_regions((8, 4), ShardSpec(dim=0, blocks=(1, 1)), 2, 0)
     [Region(offsets=(0, 0), sizes=(2, 4)), Region(offsets=(4, 0), sizes=(2, 4))]
     """
-    _check_degree(degree, rank)
+    check_degree(degree, rank)
     check_shardable(shape, spec, degree)
     shape = tuple(int(s) for s in shape)
     if spec.dim is None:  # replicated
@@ -283,7 +285,7 @@ def assemble(shards: Sequence[torch.Tensor], spec: ShardSpec, degree: int) -> to
     >>> torch.equal(assemble([split(t, spec, 2, r) for r in range(2)], spec, 2), t)
     True
     """
-    _check_degree(degree)
+    check_degree(degree)
     if len(shards) != degree:
         raise PlanError(f"assemble needs one shard per rank ({degree}), got {len(shards)}")
     first = shards[0]
@@ -319,7 +321,7 @@ def chunk_layout(layout: Layout, shape_local: Shape, dim: int, num_chunks: int, 
     [(Region(offsets=(4, 0), sizes=(2, 4)), (0, 0))]
     """
     _check_dim(shape_local, dim, "chunk")
-    _check_degree(num_chunks, index, names=("num_chunks", "index"))
+    check_degree(num_chunks, index, names=("num_chunks", "index"))
     step = -(-shape_local[dim] // num_chunks)
     lo = min(index * step, shape_local[dim])
     hi = min(lo + step, shape_local[dim])

@@ -1,12 +1,8 @@
-"""Plan styles: every value a plan may hold, normalised to one ``Style``.
-
-A style says two things: how the tensors it covers are split (``kind``: ``"colwise"``,
-``"rowwise"`` or ``"replicate"``, with packed ``blocks``), and what the forward of the
-module it names must do around the module's own code (``forward``). Strings are the
-names transformers registers in its style registry and diffusers writes in ``_tp_plan``;
-``PackedColwise`` / ``PackedRowwise`` are ours (diffusers' marker classes of the same role
-are read by name), and torch's ``ColwiseParallel`` / ``RowwiseParallel`` are accepted.
-Pure: no torch.distributed. docs/plans.md has the table with each style's collectives.
+"""Plan styles: every value a plan may hold, normalised to one ``Style``: how the tensors it
+covers are split (``kind``, packed ``blocks``) and what the planned module's forward does
+around its own code (``forward``). Strings are transformers' style names and diffusers'
+``_tp_plan`` values; torch's ``ColwiseParallel`` / ``RowwiseParallel`` and diffusers' packed
+marker classes are read by name. Pure. docs/plans.md has each style's collectives.
 """
 
 from __future__ import annotations
@@ -61,23 +57,6 @@ def check_blocks(blocks, what: str) -> tuple[int, ...]:
     return out
 
 
-# What a planned module's forward does besides its own code (local_tp.py implements each):
-FORWARDS = {
-    "linear": "nn.Linear / nn.Embedding split by kind (input, output and reduction as the kind needs)",
-    "none": "nothing: the module runs as it is",
-    "grad_allreduce": "forward unchanged; parameter gradients are all-reduced over the tp axis",
-    "local_params": "the module's forward runs on the local shards of its sharded parameters",
-    "reduce_output": "the module's output (partial sums) is all-reduced",
-    "moe_experts": "inputs enter as replicated (gradients all-reduced), each rank runs its part of "
-                   "every expert on local shards, outputs are all-reduced",
-    "divide_input": "the input is divided by the degree (an identity expert beside moe_experts)",
-    "mla_kv_a": "the rotary part of the output gets its gradient all-reduced (DeepSeek MLA)",
-    "ep_experts": "expert parallel, all-reduce implementation: every rank of the ep axis runs its own "
-                  "experts on the batch they share (routes to other ranks' experts masked), outputs "
-                  "are all-reduced over the ep axis",
-}
-
-
 @dataclass(frozen=True)
 class Style:
     """A normalised plan entry.
@@ -88,9 +67,16 @@ class Style:
     all-gathers a colwise output back to full size; ``split_input`` takes a replicated
     input and splits it locally before a rowwise matmul; ``embedding`` marks the
     embedding styles (a parameter key then splits dim 0 for rowwise, dim 1 for colwise).
-    ``forward`` is a key of ``FORWARDS``; ``rope_dim`` is the rotary width ``mla_kv_a`` needs
-    and ``num_experts`` the global expert count ``ep_experts`` needs. ``axis`` is the mesh
-    axis the style shards over (``"ep"``: experts split on dim 0).
+    ``axis`` is the mesh axis it shards over (``"ep"``: experts split on dim 0).
+
+    ``forward`` is what the module's forward does besides its own code (``local_tp``
+    implements each): ``linear`` (split by kind), ``none``, ``grad_allreduce`` (parameter
+    gradients all-reduced over tp), ``local_params`` (runs on the local shards of its
+    parameters), ``reduce_output`` (output all-reduced), ``moe_experts`` (each rank runs its
+    part of every expert, outputs all-reduced), ``divide_input`` (input divided by the
+    degree: an identity expert), ``mla_kv_a`` (the rotary part's gradient all-reduced; its
+    width is ``rope_dim``), ``ep_experts`` (each ep rank runs its own ``num_experts`` share on
+    the batch they share, outputs all-reduced over ep).
     """
 
     kind: str
@@ -191,6 +177,6 @@ def _from_torch_style(style, cls: str) -> Style:
 
 
 __all__ = [
-    "DEFAULT_PACKED", "FORWARDS", "PackedColwise", "PackedRowwise", "SUPPORTED_STYLES", "Style",
+    "DEFAULT_PACKED", "PackedColwise", "PackedRowwise", "SUPPORTED_STYLES", "Style",
     "check_blocks", "normalize_style",
 ]

@@ -1,9 +1,6 @@
 """Hugging Face models: the front door (``sw.from_pretrained``, ``sw.empty_model``, in
-``hf.pretrained``) and the one adapter that holds what shardwise knows of transformers and
-diffusers (``hf.adapter``: plans, key layouts, side files, guards, known-model checks).
-
-``import shardwise`` imports ``hf.adapter`` to register it; the front door, which reaches
-``sw.load``, is imported on first use of its names.
+``hf.pretrained``, imported on first use: it reaches the whole load path) and the adapter
+(``hf.adapter``, which ``import shardwise`` imports to register it).
 """
 
 from __future__ import annotations
@@ -20,9 +17,7 @@ _FRONT_DOOR = ("empty_model", "from_pretrained", "mxfp4_experts")
 
 def __getattr__(name: str):
     if name in _FRONT_DOOR:
-        # Deferred for import time: the front door imports the whole load path (io.load and
-        # its formats, ~1.6 s of CPU measured), which `import shardwise` (it imports hf.adapter)
-        # must not pay.
+        # deferred: the load path costs ~1.6 s of CPU, which `import shardwise` must not pay
         from shardwise.hf import pretrained
 
         return getattr(pretrained, name)

@@ -1,23 +1,15 @@
-"""The Hugging Face adapter: everything shardwise knows of transformers and diffusers models,
-answered through ``core.adapter.ModelAdapter`` and registered when ``import shardwise`` runs.
-
-Where each answer comes from:
-
-- plans and the base-model prefix: ``hf.plans`` (attributes only, so a model that follows
-  the conventions without the libraries' classes gets them too);
-- the hub key layout, read (``hf.hub_layout``: transformers' conversion mapping as region
-  maps) and written back (``hf.hub_save``: its revert, checked against the read);
-- the side files and the models built from a folder: ``hf.files``;
-- the guards against quantizers, accelerate, diffusers' offload and peft: ``hf.guards``;
-- the known-model checks that ``resolve_plan`` runs: ``hf.model_checks`` (registered with
-  ``core.plan`` on import).
-
-Light to import: transformers and diffusers are imported only inside the calls that need
-them, and only for a model or folder of theirs.
+"""The Hugging Face adapter (``core.adapter.ModelAdapter``) for transformers and diffusers
+models, registered when ``import shardwise`` runs: shipped plans, the hub key layout
+(``hf.hub_layout``), side files (``hf.files``), guards, and the known-model checks
+``resolve_plan`` runs (registered with ``core.plan`` on import). Plans and guards read
+attributes and class names only; transformers and diffusers are imported inside the calls
+that need them, for a model or folder of theirs.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -27,9 +19,42 @@ from torch import nn
 from shardwise.core.adapter import ModelAdapter, Shapes, register_adapter
 from shardwise.core.header import NamedDtype, dtype_to_str, str_to_dtype
 from shardwise.core.pieces import Composite, StoredPart
-from shardwise.hf import files, guards, hub_layout, hub_save, model_checks, plans
+from shardwise.core.plan import register_model_check
+from shardwise.core.quant_layout import quant_pairs
+from shardwise.errors import PlanError
+from shardwise.hf import files, hub_layout
+from shardwise.io.guards import SUPPORTED_QUANT, quant_scheme, refusal
 
-assert model_checks  # imported for its registrations with core.plan
+# -- plans ------------------------------------------------------------------------------------
+# transformers: the class's ``_tp_plan``, the config's ``base_model_tp_plan`` (keys written for
+# the base model) and the merged ``model.tp_plan`` of a loaded model; ep likewise. diffusers:
+# ``_tp_plan``. Read by attribute, so a model following the conventions without the libraries'
+# classes (the validation suite's) gets the same answers.
+_SHIPPED = {"tp": (("tp_plan", "_tp_plan"), "base_model_tp_plan"),
+            "ep": (("ep_plan",), "base_model_ep_plan")}
+
+
+def base_prefix(model: nn.Module) -> str:
+    """``model.base_model_prefix`` when it names a submodule other than the model, else ""."""
+    prefix = getattr(model, "base_model_prefix", "")
+    inner = getattr(model, prefix, None) if isinstance(prefix, str) and prefix else None
+    return prefix if isinstance(inner, nn.Module) and inner is not model else ""
+
+
+def shipped_plan(model: nn.Module, axis: str) -> dict:
+    """The first non-empty plan among the model's attributes for ``axis`` ("tp": ``tp_plan``,
+    ``_tp_plan``; "ep": ``ep_plan``), else its config's ``base_model_{axis}_plan`` with each
+    key under the base-model prefix; ``{}`` when none."""
+    attrs, config_attr = _SHIPPED[axis]
+    for attr in attrs:
+        plan = getattr(model, attr, None)
+        if isinstance(plan, Mapping) and plan:
+            return dict(plan)
+    base = getattr(getattr(model, "config", None), config_attr, None)
+    if isinstance(base, Mapping) and base:
+        prefix = base_prefix(model)
+        return {f"{prefix}.{k}" if prefix else k: v for k, v in base.items()}
+    return {}
 
 
 class HuggingFace(ModelAdapter):
@@ -39,16 +64,19 @@ class HuggingFace(ModelAdapter):
     side_files = files.SIDE_FILES
 
     def claims(self, model: nn.Module) -> bool:
-        return files.library_of(model) is not None or plans.speaks_plans(model)
+        return (files.library_of(model) is not None or bool(base_prefix(model))
+                or any(shipped_plan(model, axis) for axis in _SHIPPED))
 
     def base_prefix(self, model: nn.Module) -> str:
-        return plans.base_prefix(model)
+        return base_prefix(model)
 
     def shipped_plan(self, model: nn.Module, axis: str) -> dict:
-        return plans.shipped_plan(model, axis)
+        return shipped_plan(model, axis)
 
     def refuse(self, model: nn.Module, action: str) -> None:
-        guards.refuse(model, action)
+        _check_quantization_config(model, action)
+        _check_placement(model, action)
+        _check_peft(model, action)
 
     def stored_tensors(self, model: nn.Module, stored: Mapping[str, tuple[Path | None, NamedDtype]],
                        wanted: set[str], shapes: Mapping[str, tuple[int, ...]] | None = None,
@@ -56,7 +84,7 @@ class HuggingFace(ModelAdapter):
         return hub_layout.hub_tensors(model, stored, wanted, None if shapes is None else dict(shapes))
 
     def save_layout(self, model: nn.Module, tensors: Shapes) -> list[StoredPart] | None:
-        return hub_save.hub_save_layout(model, dict(tensors))
+        return hub_layout.hub_save_layout(model, dict(tensors))
 
     def unsaved(self, model: nn.Module) -> frozenset[str]:
         return frozenset(getattr(model, "_keys_to_ignore_on_save", None) or ())  # as save_pretrained
@@ -66,13 +94,13 @@ class HuggingFace(ModelAdapter):
             return dict(tensors)
         meta = {n: torch.empty(shape, dtype=str_to_dtype(dt), device="meta")
                 for n, (shape, dt) in tensors.items()}
-        reverted = hub_save.revert(model, meta, "use layout='module'")
+        reverted = hub_layout.revert(model, meta, "use layout='module'")
         if reverted is None:  # transformers is not installed: the module's names
             return dict(tensors)
         return {k: (tuple(t.shape), dtype_to_str(t.dtype)) for k, t in reverted.items()}
 
     def shared_storages(self, parts: list[StoredPart], itemsize: Mapping[str, int]) -> dict:
-        return hub_save.shared_storages(parts, dict(itemsize))
+        return hub_layout.shared_storages(parts, dict(itemsize))
 
     def file_prefix(self, model: nn.Module) -> str:
         return files.default_prefix(model)
@@ -94,6 +122,138 @@ class HuggingFace(ModelAdapter):
         return files.model_from_config(config_file)
 
 
+# -- guards: run for every model (accelerate can place any module, peft wrap any one) ---------
+_GROUP_OFFLOAD_HOOKS = ("group_offloading", "lazy_prefetch_group_offloading")
+
+
+def _check_quantization_config(model: nn.Module, action: str) -> None:
+    config = getattr(model, "config", None)
+    found = [(f"model.config.{a}" if owner is config else f"model.{a}", getattr(owner, a))
+             for owner in (config, model) if owner is not None
+             for a in ("quantization_config", "hf_quantizer")
+             if getattr(owner, a, None) not in (None, {})]
+    found += [(f"model.{a}", "bitsandbytes") for a in ("is_loaded_in_4bit", "is_loaded_in_8bit")
+              if getattr(model, a, False) is True]
+    for where, value in found:
+        method, why = quant_scheme(getattr(value, "quantization_config", value))
+        if why is None:
+            continue
+        scheme = f" with {method!r}" if method else ""
+        raise refusal(action, f"it is quantized{scheme} ({where} is set){why}",
+                      f"shardwise reads and writes unquantized weights and {SUPPORTED_QUANT} only; load "
+                      "the original (unquantized) model, shard it with shardwise, then quantize each shard")
+    configured = [quant_scheme(v)[0] for w, v in found if w.startswith("model.config.")]
+    if action == "save" and configured and not any(quant_pairs(m) for m in model.modules()):
+        method = configured[0]
+        raise refusal(action, f"model.config.quantization_config says {method} but no module holds "
+                      f"{str(method).upper()} weights (a dequantized model?), so its config.json would "
+                      "describe weights it does not hold",
+                      "delete model.config.quantization_config before saving (sw.load(..., dequantize=True) "
+                      "does), or save the model with its quantized modules")
+
+
+def _check_placement(model: nn.Module, action: str) -> None:
+    if getattr(model, "hf_device_map", None) is not None:
+        raise refusal(action, "it was placed by accelerate (model.hf_device_map is set)",
+                      "build the model without device_map= (on the meta device: "
+                      "`with torch.device('meta'):`) and let shardwise place each shard on its rank")
+    for path, module in model.named_modules():
+        where = path or "<root>"
+        if getattr(module, "_hf_hook", None) is not None:
+            hook = type(module._hf_hook).__name__
+            raise refusal(action, f"module {where!r} carries an accelerate hook ({hook}: device placement "
+                          "or CPU/disk offload)",
+                          "remove it first (accelerate.hooks.remove_hook_from_module(model, recurse=True)) "
+                          "or build the model without device_map/offloading")
+        registry = getattr(module, "_diffusers_hook", None)
+        if registry is not None:
+            hit = next((n for n in _hook_names(registry) if n in _GROUP_OFFLOAD_HOOKS), None)
+            if hit is not None:
+                raise refusal(action, f"module {where!r} is group-offloaded by diffusers (hook {hit!r})",
+                              "turn group offloading off (do not call enable_group_offload / "
+                              "apply_group_offloading before shardwise); tensor parallelism already "
+                              "divides the memory")
+
+
+def _hook_names(registry) -> list[str]:
+    hooks = getattr(registry, "hooks", None)
+    if isinstance(hooks, dict):
+        return [str(n) for n in hooks]
+    get_hook = getattr(registry, "get_hook", None)
+    if callable(get_hook):
+        return [n for n in _GROUP_OFFLOAD_HOOKS if get_hook(n) is not None]
+    return []
+
+
+def _check_peft(model: nn.Module, action: str) -> None:
+    fix = ("merge the adapters first (peft: model = model.merge_and_unload(); diffusers: "
+           "fuse_lora() then unload_lora_weights()), or load the base model without adapters")
+    for path, module in model.named_modules():
+        where = path or "<root>"
+        if getattr(module, "peft_config", None) or getattr(module, "_hf_peft_config_loaded", False) is True:
+            raise refusal(action, f"PEFT adapters are attached (peft_config on {where!r})", fix)
+        cls = type(module).__name__
+        if cls.startswith("Lora") or cls.startswith("PeftModel"):
+            raise refusal(action, f"module {where!r} is a PEFT layer ({cls})", fix)
+        if hasattr(module, "lora_A") or hasattr(module, "lora_B"):
+            raise refusal(action, f"module {where!r} has LoRA layers injected (lora_A/lora_B, class {cls})",
+                          fix)
+
+
+# -- known-model checks: ``resolve_plan`` runs them at every degree it tries (see ModelCheck) --
+@register_model_check
+def check_statistics_over_shards(model: nn.Module, owned: Mapping, degrees: Mapping[str, int]) -> None:
+    """Refuse a plan that splits the features a module takes statistics over (Gemma-3n's
+    activation sparsity: a top-k over ``gate_proj``'s features): each rank would see its part."""
+    for path, module in model.named_modules():
+        sparsity = getattr(module, "activation_sparsity", 0.0)
+        gate = getattr(module, "gate_proj", None)
+        if not (isinstance(sparsity, float) and sparsity > 0 and isinstance(gate, nn.Linear)):
+            continue
+        entry = owned.get(id(gate.weight))
+        if entry is not None and not entry[0].replicated and degrees[entry[0].axis] > 1:
+            raise PlanError(
+                f"plan key {entry[2]!r} shards {entry[1]!r}, but {path!r} takes activation-sparsity "
+                f"statistics (sparsity {sparsity}) over all of its intermediate features: every rank "
+                "would see only its part and the output would be wrong. Keep this layer's MLP whole "
+                "(drop its gate_proj/up_proj/down_proj keys) or set activation_sparsity_pattern to 0")
+
+
+@register_model_check
+def check_fused_halves(model: nn.Module, owned: Mapping, degrees: Mapping[str, int]) -> None:
+    """Refuse a plain colwise split of a fused ``gate_up_proj`` whose forward cuts it into gate
+    and up halves (``.chunk(2``, Inkling's experts): a rank would hold whole halves."""
+    for module in model.modules():
+        param = module._parameters.get("gate_up_proj")
+        if param is None:
+            continue
+        entry = owned.get(id(param))
+        if entry is None:
+            continue
+        spec = entry[0]
+        if (spec.replicated or degrees[spec.axis] == 1 or len(spec.blocks) != 1
+                or spec.dim != param.dim() - 2 or ".chunk(2" not in _forward_source(_class_of(module))):
+            continue
+        raise PlanError(
+            f"plan key {entry[2]!r} splits {entry[1]!r} plainly along its fused gate/up dim, but "
+            f"{type(module).__name__}.forward cuts that dim into gate and up halves, so each rank "
+            "would get whole halves instead of part of each and the output would be wrong; use "
+            "'packed_colwise' for it (each half split alike)")
+
+
+def _class_of(module: nn.Module) -> type:
+    # typed `type` for the cache key: mypy does not take a type[Module] as Hashable
+    return type(module)
+
+
+@functools.cache  # one read per class, not per layer of a deep MoE
+def _forward_source(cls: type[nn.Module]) -> str:
+    try:
+        return inspect.getsource(cls.forward)
+    except (OSError, TypeError):  # no source (built in, compiled): nothing to check
+        return ""
+
+
 ADAPTER = register_adapter(HuggingFace())
 
-__all__ = ["ADAPTER", "HuggingFace"]
+__all__ = ["ADAPTER", "HuggingFace", "check_fused_halves", "check_statistics_over_shards"]

@@ -1,35 +1,32 @@
-"""Checkpoints in their hub key layout, read through region math.
+"""Checkpoints in their hub key layout, as region maps, both directions.
 
-transformers' ``save_pretrained`` writes the layout a model was published in, not the one
-its modules hold: a Mixtral checkpoint stores ``...block_sparse_moe.experts.3.w1.weight``
-per expert where the module holds one fused ``mlp.experts.gate_up_proj``. transformers
-converts on load (``conversion_mapping.py``: renamings, and converters whose operations
-stack and concatenate). Here those conversions become geometry instead of copies: a model
-tensor is a list of :class:`~shardwise.core.spec.Piece`\\ s (which stored tensor lands at
-which offset), and a rank reads only the boxes of the stored tensors its regions overlap.
-
-The mapping is read from the installed transformers (its own rename and match functions),
-never copied. Operations that are not region maps (transposes, dequantisation, ...) are
-refused with the converter's name before any byte is read.
-
-The save direction (model tensors back to stored tensors) is ``hub_save.py``; it reuses this
-module's region map, so both directions share one reading of the conversions.
+transformers' ``save_pretrained`` writes the layout a model was published in (per-expert
+``...experts.3.w1.weight``; one fused ``gate_up_proj.weight`` for several modules), and converts
+on load (``conversion_mapping.py``). Here a conversion is geometry, not copies: a model tensor is
+a :class:`~shardwise.core.pieces.Composite` of :class:`~shardwise.core.pieces.Piece`\\ s and a rank
+reads only the boxes its regions overlap (:func:`hub_tensors`); a save writes each stored tensor
+as a :class:`~shardwise.core.pieces.StoredPart` placed by that same map (:func:`hub_save_layout`),
+checked against transformers' own revert, so a save never writes what the load would not read
+back in place. The mapping comes from the installed transformers; an operation that is not a
+region map is refused with the converter's name before any byte moves.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+import torch
 from torch import nn
 
-from shardwise.core.header import NamedDtype
-from shardwise.core.pieces import Composite, Piece
+from shardwise.core.header import NamedDtype, TensorEntry, dtype_to_str, str_to_dtype
+from shardwise.core.pieces import Composite, Piece, StoredPart, check_tiling
 from shardwise.core.spec import Region
-from shardwise.errors import CheckpointError
+from shardwise.errors import CheckpointError, ShardingError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -247,4 +244,112 @@ def hub_tensors(model: nn.Module, stored: Mapping[str, tuple[Path | None, NamedD
     return out, used
 
 
-__all__ = ["hub_tensors", "is_transformers_model"]
+# -- the save direction ------------------------------------------------------------------
+_MODULE = "save with layout='module' (the model's own tensor names) instead"
+
+
+def revert(model: nn.Module, meta: dict[str, torch.Tensor],
+           fix: str = _MODULE) -> dict[str, torch.Tensor] | None:
+    """transformers' ``revert_weight_conversion`` of a transformers ``model``'s meta tensors
+    ``meta``: ``{stored key: meta tensor}`` as ``save_pretrained`` writes them; None where
+    transformers is not installed. ``CheckpointError`` (ending with ``fix``) when it cannot."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return None
+    try:
+        return revert_weight_conversion(cast("PreTrainedModel", model), dict(meta))
+    except Exception as e:  # noqa: BLE001 - transformers raises anything for a layout it cannot revert
+        raise CheckpointError(f"transformers cannot revert {type(model).__name__}'s weight conversions "
+                              f"({type(e).__name__}: {e}); {fix}") from e
+
+
+def hub_save_layout(model: nn.Module,
+                    tensors: dict[str, tuple[tuple[int, ...], str]]) -> list[StoredPart] | None:
+    """The stored tensors ``save_pretrained`` would write for ``tensors`` (``{model tensor:
+    (global shape, safetensors dtype)}``), in its order; ``None`` when the model has no
+    conversion to revert. Named by transformers' revert on meta tensors, placed by
+    :func:`hub_tensors`; ``CheckpointError`` naming the tensor when a conversion is not a
+    region map or the two directions disagree (shape, dtype, tiling)."""
+    if not is_transformers_model(model):
+        return None
+    meta = {n: torch.empty(shape, dtype=str_to_dtype(dt), device="meta")
+            for n, (shape, dt) in tensors.items()}
+    reverted = revert(model, meta)
+    if reverted is None or list(reverted) == list(meta):
+        return None
+    stored: dict[str, tuple[Path | None, TensorEntry]] = {}  # no file: a layout only
+    for key, t in reverted.items():
+        nbytes = math.prod(t.shape) * t.dtype.itemsize
+        stored[key] = (None, TensorEntry(key, dtype_to_str(t.dtype), tuple(t.shape), 0, nbytes))
+    shapes = {n: tuple(shape) for n, (shape, _) in tensors.items()}
+    try:
+        built, _ = hub_tensors(model, stored, set(tensors), shapes)
+    except CheckpointError as e:
+        raise CheckpointError(f"sw.save cannot write {type(model).__name__} in its hub layout: {e}; "
+                              f"{_MODULE}") from e
+    composites: dict[str, Composite | None] = dict(built)  # None: a tensor under its own name
+    fragments: dict[str, list[tuple[str, Piece]]] = {}
+    for name, comp in built.items():
+        if comp.shape != shapes[name]:
+            raise CheckpointError(f"{name!r}: the hub layout reassembles to {comp.shape}, not "
+                                  f"{shapes[name]}; {_MODULE}")
+        _tiles(comp.shape, comp.pieces, f"model tensor {name!r} in the hub layout")
+        for piece in comp.pieces:
+            fragments.setdefault(piece.key, []).append((name, piece))
+    for key, t in reverted.items():
+        # A key that the load direction renames to no model tensor while it names one itself
+        # (DeepSeek-V4's ".norm." -> ".kv_norm." also matches model.norm.weight): the load
+        # reads it under its own name, so the save writes it so too.
+        if key not in fragments and key in tensors and key not in composites \
+                and shapes[key] == tuple(t.shape):
+            zeros = (0,) * len(t.shape)
+            fragments[key] = [(key, Piece(key, Region(zeros, shapes[key]), zeros))]
+            composites[key] = None
+    unplaced = [k for k in reverted if k not in fragments]
+    if unplaced:
+        raise CheckpointError(f"the hub layout's {unplaced[:3]} map to no model tensor; {_MODULE}")
+    missing = set(tensors) - set(composites)
+    if missing:
+        raise CheckpointError(f"model tensors {sorted(missing)[:3]} have no place in the hub layout; "
+                              f"{_MODULE}")
+    return [_part(key, stored[key][1], fragments[key], tensors) for key in reverted]
+
+
+def _part(key: str, entry: TensorEntry, frags: list[tuple[str, Piece]], tensors: dict) -> StoredPart:
+    """The stored tensor ``key`` (transformers' revert gave it ``entry``'s shape and dtype),
+    checked: its boxes tile it, and every model tensor in it has its dtype."""
+    boxes = [Piece(name, p.source, p.source.offsets) for name, p in frags]
+    _tiles(entry.shape, boxes, f"stored tensor {key!r} of the hub layout")
+    dtypes = {tensors[name][1] for name, _ in frags}
+    if dtypes != {entry.dtype}:
+        raise CheckpointError(f"stored tensor {key!r} of the hub layout is {entry.dtype} but is made of "
+                              f"model tensors of dtype {sorted(dtypes)}; {_MODULE}")
+    return StoredPart(key, tuple(entry.shape), entry.dtype, tuple(frags))
+
+
+def _tiles(shape: tuple[int, ...], pieces, what: str) -> None:
+    try:
+        check_tiling(shape, pieces, what)
+    except ShardingError as e:
+        raise CheckpointError(f"{e}; {_MODULE}") from e
+
+
+def shared_storages(parts: list[StoredPart], itemsize: dict[str, int]) -> dict[str, tuple[object, int]]:
+    """``{stored name: (storage id, storage bytes)}`` for the parts ``save_pretrained``'s state
+    dict holds as views of one storage (a reverted stack of experts, ``SplitModulelist``: same
+    model tensor, same place off the stacked dims); ``itemsize`` per model tensor."""
+    groups: dict[object, list[tuple[StoredPart, str, Piece]]] = {}
+    for p in parts:
+        if len(p.fragments) == 1 and p.fragments[0][1].stacked:
+            name, piece = p.fragments[0]
+            off = tuple(o for d, o in enumerate(piece.offsets) if d not in piece.stacked)
+            groups.setdefault((name, off), []).append((p, name, piece))
+    out = {}
+    for sid, members in groups.items():
+        nbytes = sum(math.prod(piece.source.sizes) for _, _, piece in members) * itemsize[members[0][1]]
+        out.update({p.key: (sid, nbytes) for p, _, _ in members})
+    return out
+
+
+__all__ = ["hub_save_layout", "hub_tensors", "is_transformers_model", "revert", "shared_storages"]

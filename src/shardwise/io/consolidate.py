@@ -26,22 +26,26 @@ from shardwise.core.header import dtype_to_str, str_to_dtype
 from shardwise.core.pieces import StoredPart
 from shardwise.core.spec import Region
 from shardwise.errors import CheckpointError
-from shardwise.io.formats import open_source
-from shardwise.io.info import gather_info, read_info, user_metadata, write_info
-from shardwise.io.safetensors.format import StreamingWriter
-from shardwise.io.safetensors.sink import plan_checkpoint
-from shardwise.io.sink import WritePlan
+from shardwise.io.formats import get_format, open_source, save_format
+from shardwise.io.info import gather_info, read_info, user_metadata
+from shardwise.io.sink import FileSink, Saving, StoredTensor, WritePlan
 from shardwise.io.source import Stored
-from shardwise.io.storage import Transaction, storage_for
-from shardwise.io.storage.transaction import target_path
 
 
 def consolidation_plan(source: Stored, *, max_shard_size: int | str = "5GB", filename_prefix: str = "model",
                        layout: str = "hub") -> WritePlan:
     """The ``WritePlan`` for consolidating ``source``: the one ``sw.save`` makes for the same
-    tensors (``plan_checkpoint``), in the hub layout (``plan.parts``: ``{stored name:
+    tensors (the gathered format's writer), in the hub layout (``plan.parts``: ``{stored name:
     StoredPart}``) when the source's folder holds a transformers model's config.json and
     ``layout="hub"``, else in the module's own names."""
+    return _consolidation(source, max_shard_size=max_shard_size, filename_prefix=filename_prefix,
+                          layout=layout)[1]
+
+
+def _consolidation(source: Stored, *, max_shard_size: int | str, filename_prefix: str,
+                   layout: str) -> tuple[FileSink, WritePlan]:
+    """The writer of ``sw.save``'s default gathered format, configured as ``sw.save`` would
+    for these tensors, and its plan of them."""
     src = source.root
     values = source.describe().values
     if values:
@@ -51,12 +55,13 @@ def consolidation_plan(source: Stored, *, max_shard_size: int | str = "5GB", fil
     if not specs:
         raise CheckpointError(f"{src}: the checkpoint holds no tensors")
     parts, storages = _hub_parts(src, specs, layout)
-    if parts:
-        specs = [(p.key, p.dtype, p.shape) for p in parts.values()]
+    stored = ([StoredTensor(p.key, p.dtype, p.shape, p) for p in parts.values()] if parts
+              else [StoredTensor(*spec) for spec in specs])
     recorded = dict((read_info(src) or {}).get("index_metadata") or {})  # total_parameters
-    return plan_checkpoint(specs, max_shard_size=max_shard_size, prefix=filename_prefix,
-                           metadata=user_metadata(src), index_metadata=recorded, storages=storages,
-                           parts=parts)
+    writer = save_format(None, distributed=False).writer(
+        max_shard_size=max_shard_size, prefix=filename_prefix, metadata=user_metadata(src),
+        index_metadata=recorded, storages=storages)
+    return writer, writer.plan(stored)
 
 
 def _hub_parts(src: Path, specs: list, layout: str) -> tuple[dict, dict]:
@@ -129,48 +134,40 @@ def consolidate(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_siz
 
     >>> sw.consolidate("out/dcp", "out/merged", max_shard_size="2GB")   # doctest: +SKIP
     """
+    threads = torch.get_num_threads()
     source = open_source(src)
     try:
-        if source.name == "safetensors":
+        if get_format(source.name) is save_format(None, distributed=False):
             _refuse_plain_safetensors(Path(src))
-        plan = consolidation_plan(source, max_shard_size=max_shard_size, filename_prefix=filename_prefix,
-                                  layout=layout)
-        return _write_safetensors(_WholeTensors(source, plan.parts), plan,
-                                  storage_for(dst).transaction(target_path(dst), overwrite=overwrite),
-                                  side_files=source.root)
-    finally:
-        source.close()
-
-
-def _write_safetensors(tensor, plan: WritePlan, dest: Transaction, *, side_files: Path) -> Path:
-    """Write ``plan``, each tensor from ``tensor(name)``, into ``dest``, with
-    ``shardwise.json``, the plan's index and the side files of the folder ``side_files``."""
-    # The copies are memory-bound: one thread moves them as fast, while a pool of OpenMP
-    # threads waiting on each other was up to 10x slower on a busy machine. Reading the next
-    # tensor on a second thread while this one is written did not pay either (measured,
-    # docs/benchmarks.md "consolidate"): writing the tensors alone (save_file + fsync) took
-    # 0.9-1.4x a whole consolidation, the disk being the limit, and the reader thread's malloc
-    # arena returned and faulted in again memory that one thread reuses (sharded safetensors:
-    # 1.2-1.5x the time, 2.5x the peak).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        dest.prepare()
-        tmp = dest.folder
-        assert tmp is not None  # prepare() made the temporary folder
-        checksums: dict[str, str] = {}
-        for planned in plan.files:
-            with StreamingWriter(tmp / planned.name, planned.tensors, metadata=plan.header) as writer:
-                for name, _, _ in planned.tensors:
-                    writer.write(name, tensor(name))
-            checksums.update(writer.checksums)
-        write_info(tmp, gather_info(checksums, [s for f in plan.files for s in f.tensors]))
-        _copy_side_files(side_files, tmp)
-        dest.commit(plan.index)
+        writer, plan = _consolidation(source, max_shard_size=max_shard_size, filename_prefix=filename_prefix,
+                                      layout=layout)
+        tensor = _WholeTensors(source, plan.parts)
+        # The copies are memory-bound: one thread moves them as fast, while a pool of OpenMP
+        # threads waiting on each other was up to 10x slower on a busy machine. Reading the next
+        # tensor on a second thread while this one is written did not pay either (measured,
+        # docs/benchmarks.md "consolidate"): writing the tensors alone (save_file + fsync) took
+        # 0.9-1.4x a whole consolidation, the disk being the limit, and the reader thread's malloc
+        # arena returned and faulted in again memory that one thread reuses (sharded safetensors:
+        # 1.2-1.5x the time, 2.5x the peak).
+        torch.set_num_threads(1)
+        with Saving(dst, overwrite=overwrite, backend=None, what=f"sw.consolidate to {dst}",
+                    collective=False) as saving:
+            checksums: dict[str, str] = {}
+            for planned in plan.files:
+                out = writer.open_file(saving.folder / planned.name, planned.tensors, plan.header)
+                try:
+                    for name, _, _ in planned.tensors:
+                        out.write(name, tensor(name))
+                    out.close()
+                finally:
+                    out.abort()  # a no-op after close
+                checksums.update(out.checksums)
+            saving.commit(info=gather_info(checksums, plan.tensors),
+                          side_files=lambda folder: _copy_side_files(source.root, folder), index=plan.index)
+        return saving.target
     finally:
         torch.set_num_threads(threads)
-        dest.discard()
-    return dest.target
+        source.close()
 
 
 def _refuse_plain_safetensors(src: Path) -> None:

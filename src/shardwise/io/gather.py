@@ -33,9 +33,7 @@ from shardwise.errors import CheckpointError, UnsupportedModelError
 from shardwise.holding import Holding, is_dtensor
 from shardwise.io.info import collect_checksums
 from shardwise.io.quant_save import gather_scales_to_rank0
-from shardwise.io.safetensors.format import StreamingWriter
-from shardwise.io.safetensors.sink import SafetensorsSink
-from shardwise.io.sink import WritePlan
+from shardwise.io.sink import FileSink, OpenFile, WritePlan
 from shardwise.parallel import ShardState, get_shard_state, local_of
 
 # Bytes gathered per collective, all ranks together (see num_chunks).
@@ -199,8 +197,8 @@ class FileGatherer:
     Every rank calls :meth:`write_file` for every file, in the same order."""
 
     def __init__(self, backend, state: ShardState | None, items: dict[str, SaveItem], meta: Mapping[str, str],
-                 parts: Mapping[str, StoredPart] | None = None):
-        self.backend, self.items, self.meta = backend, items, dict(meta)
+                 parts: Mapping[str, StoredPart] | None = None, *, open_file: OpenFile):
+        self.backend, self.items, self.meta, self.open_file = backend, items, dict(meta), open_file
         self.parts = dict(parts or {})  # stored name -> StoredPart, for a hub-layout save
         self.rank = backend.rank if backend is not None else 0
         # Per mesh axis (tp, ep): its group, and whether this rank's group is the one holding
@@ -242,7 +240,7 @@ class FileGatherer:
         if self.rank == 0:
             try:
                 assert path is not None  # rank 0 is given its file's path (StreamSink.write)
-                writer = StreamingWriter(path, group, self.meta)
+                writer = self.open_file(path, group, self.meta)
             except Exception as e:
                 error = e
         try:
@@ -309,19 +307,21 @@ def _chunk_bytes(item: SaveItem, degree: int) -> int:
     return -(-rows // k) * (local.numel() // rows if rows else 0) * local.element_size()
 
 
-class StreamSink(SafetensorsSink):
+class StreamSink:
     """The rank-0 stream (``sw.save``'s default): every tensor is gathered to rank 0, which
-    writes the files one after another. ``items`` are the model's tensors with this rank's
-    shards (:func:`collect_items`), ``state`` its ``ShardState``."""
+    writes the files one after another, in the gathered format of ``sink`` (its ``plan`` and
+    ``open_file``). ``items`` are the model's tensors with this rank's shards
+    (:func:`collect_items`), ``state`` its ``ShardState``."""
 
     def __init__(self, backend, state: ShardState | None, items: Mapping[str, SaveItem], *, what: str,
-                 **options):
-        super().__init__(**options)
-        self.backend, self.state, self.items, self.what = backend, state, dict(items), what
+                 sink: FileSink):
+        self.backend, self.state, self.items, self.what, self.sink = backend, state, dict(items), what, sink
         self.rank = backend.rank if backend is not None else 0
+        self.plan = sink.plan
 
     def gatherer(self, plan: WritePlan) -> FileGatherer:
-        return FileGatherer(self.backend, self.state, self.items, plan.header, plan.parts)
+        return FileGatherer(self.backend, self.state, self.items, plan.header, plan.parts,
+                            open_file=self.sink.open_file)
 
     def write(self, plan: WritePlan, folder: Path | None, bar) -> dict[str, str]:
         """Collective over the world: every rank joins the gathers of every file in order;

@@ -6,7 +6,7 @@ collective runs, so a refused model fails the same way on every rank, at once, w
 leaving a peer waiting in a collective. Optional packages (bitsandbytes, torchao) are
 recognised by attribute and class names, never imported. What a model library did to the
 model (a quantizer's config, accelerate's placement, diffusers' offload hooks, peft's
-layers) is refused by its adapter's guards (``shardwise.hf.guards``), which
+layers) is refused by its adapter's guards (``shardwise.hf.adapter``), which
 :func:`check_model` runs through ``core.adapter.refuse_unsupported``.
 """
 

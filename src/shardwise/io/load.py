@@ -9,8 +9,8 @@ rule and the host-to-device copy of ``shardwise.io.staging``) -> place per holdi
 
 A format is a :class:`~shardwise.io.source.Source`: ordinary safetensors and hub layouts
 (``shardwise.io.formats.safetensors``), rank-local sharded safetensors
-(``shardwise.io.formats.sharded``), torch DCP (``shardwise.io.formats.dcp``). What the steps share
-(key matching, the meta checks, ``LoadResult``) is ``shardwise.io.pipeline``. Every rank
+(``shardwise.io.formats.sharded``), torch DCP (``shardwise.io.formats.dcp``); the keyed formats match names in
+``shardwise.io.formats.safetensors.keys``. Every rank
 plans and reads on its own; the only collectives are DCP's own and the dp replicas' sharing
 of reads (``shardwise.io.replicas``).
 """
@@ -19,28 +19,47 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from shardwise._progress import Progress
-from shardwise.errors import PlanError, on_every_rank
+from shardwise.core.plan import ResolvedPlan
+from shardwise.errors import CheckpointError, PlanError, on_every_rank
 from shardwise.io.formats import open_source
+from shardwise.io.formats.safetensors.keys import check_dtype, listing, match_keys
 from shardwise.io.guards import check_mesh, check_model, check_options
-from shardwise.io.pipeline import (
-    LoadResult,
-    check_dtype,
-    check_nothing_left_on_meta,
-    is_rank0,
-    match_keys,
-    move_non_persistent,
-    reader_threads,
-)
 from shardwise.io.place import placement
 from shardwise.io.quant_checks import check_quantized_load, check_quantized_source, drop_quantization_config
 from shardwise.io.source import ReadOptions
 from shardwise.mesh import decode_mesh
 from shardwise.parallel import check_wiring, get_shard_state, resolve_for_mesh
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """What one rank's ``sw.load`` did.
+
+    ``missing_keys``: model tensors the checkpoint lacks (non-strict loads only);
+    ``unexpected_keys``: checkpoint tensors the model has no place for; ``bytes_read``:
+    tensor bytes this rank read from disk; ``seconds``: wall time of the call on this rank;
+    ``tensors``: how many tensors were read; ``unused_plan_keys``: plan keys that matched
+    nothing in this model (skipped, as transformers skips them).
+    """
+
+    missing_keys: tuple[str, ...]
+    unexpected_keys: tuple[str, ...]
+    bytes_read: int
+    seconds: float
+    tensors: int
+    unused_plan_keys: tuple[str, ...] = ()
+
+    def __repr__(self) -> str:
+        return (f"LoadResult(tensors={self.tensors}, bytes_read={self.bytes_read}, "
+                f"seconds={self.seconds:.3f}, missing={len(self.missing_keys)}, "
+                f"unexpected={len(self.unexpected_keys)})")
 
 
 def load(model: nn.Module, path: str | os.PathLike, *, plan, mesh, dtype: torch.dtype | None = None,
@@ -117,6 +136,57 @@ def load(model: nn.Module, path: str | os.PathLike, *, plan, mesh, dtype: torch.
         drop_quantization_config(model)
     return LoadResult(tuple(missing), tuple(unexpected), source.bytes_read,
                       time.perf_counter() - start, len(names), specs.unused_keys)
+
+
+def check_nothing_left_on_meta(model: nn.Module, specs: ResolvedPlan, missing: list[str]) -> None:
+    """Raise before reading if the load would leave a tensor on the meta device."""
+    state = model.state_dict(keep_vars=True)
+    empty = [n for n in missing if state[n].is_meta]
+    if empty:
+        raise CheckpointError(
+            f"{len(empty)} tensor(s) missing from the checkpoint have no value in the model (meta "
+            f"device): {listing(empty)}; load a checkpoint that has them, or build the model with "
+            "these tensors materialised"
+        )
+    for name, buf in model.named_buffers():
+        if name not in state and buf.is_meta:
+            raise CheckpointError(
+                f"non-persistent buffer {name!r} is on the meta device; checkpoints never store "
+                "non-persistent buffers, so loading cannot fill it. Build the model inside "
+                "`with sw.empty_model():` (parameters on meta, buffers real) instead of "
+                "`with torch.device('meta'):`, or use sw.from_pretrained for Hugging Face models"
+            )
+
+
+def move_non_persistent(model: nn.Module, device: torch.device) -> None:
+    for module in model.modules():
+        for name in module._non_persistent_buffers_set:
+            buf = module._buffers.get(name)
+            if buf is not None and buf.device != device:
+                module._buffers[name] = buf.to(device)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:  # a tensor outside the state dict (a custom state_dict hook hides it)
+        raise CheckpointError(
+            f"after loading, {listing(left)} are still on the meta device: the model's state_dict "
+            "does not list them, so no checkpoint can fill them; materialise them before sw.load"
+        )
+
+
+
+def reader_threads(asked: int | None) -> int:
+    """The reader threads of a load: ``asked``, else ``min(8, cpus / ranks on this host)``."""
+    if asked is not None:
+        return asked
+    # The ranks on this host share its cores (torchrun and sw.launch set LOCAL_WORLD_SIZE).
+    try:
+        local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local_ranks = 1
+    return max(1, min(8, (os.cpu_count() or 1) // local_ranks))
+
+
+def is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 __all__ = [

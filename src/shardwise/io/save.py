@@ -1,25 +1,19 @@
-"""``sw.save``: gather a tensor-parallel model into an ordinary safetensors checkpoint, or write
-a distributed checkpoint.
+"""``sw.save``: options -> plan -> transaction -> writer, for every format the registry writes.
 
-The keyword arguments are decoded first into one frozen options value per kind of save
-(``shardwise.io.save_options``: ``SafetensorsSave`` or ``DistributedSave``); an argument of
-the other kind is refused there. The gather save: every rank calls it; rank 0 writes. Names,
-dtypes and canonical shapes come from the shard specs, so every rank plans the files (the
-safetensors sink's ``WritePlan``) before any tensor moves; then the stream sink gathers one
-tensor at a time to rank 0, which puts it back in its canonical layout (packed blocks in
-their unsharded order), writes and frees it (or the parallel sink has every rank write its
-own regions). Replicated tensors are written from rank 0's copy.
-
-What an interrupted save leaves (see :func:`save` for the full statement): the files go into a
-temporary folder beside the target, ``.{name}.shardwise-tmp-{host}-{pid}-{token}``, which
-is moved into place with one rename once it is complete, so the target is always either
-absent, the previous checkpoint, or the new one whole.
+:func:`save_options` decodes the keyword arguments once into ``SafetensorsSave`` (a gathered
+format) or ``DistributedSave`` (every rank writes its own part), the format named by the
+registry; an argument of the other kind is refused there. The gather save: every rank plans
+the files from the shard specs (pure, the same everywhere) before any tensor moves; the stream
+gathers one tensor at a time to rank 0, which writes it in its canonical layout (or, where the
+format can and the folder is shared, every rank writes its own regions). Each save is one
+``shardwise.io.sink.Saving``: complete or absent.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,29 +21,120 @@ from torch import nn
 
 from shardwise._progress import Progress
 from shardwise.backends import Backend
-from shardwise.comm import agree, capture, fingerprint
+from shardwise.comm import fingerprint
 from shardwise.core.adapter import adapter_for
-from shardwise.errors import CheckpointError, CollectiveError
+from shardwise.errors import CheckpointError, CollectiveError, UsageError
 from shardwise.io import parallel_save
 from shardwise.io.check.against import Expectation, compare, expected_tensors
-from shardwise.io.formats.safetensors.headers import header_metadata, save_file_order
+from shardwise.io.formats import get_format, save_format
+from shardwise.io.formats.safetensors.files import parse_size
 from shardwise.io.gather import StreamSink, collect_items
 from shardwise.io.guards import check_model
-from shardwise.io.info import gather_info, write_info
+from shardwise.io.info import gather_info
 from shardwise.io.quant_checks import check_quantized_save
-from shardwise.io.save_options import DistributedSave, SafetensorsSave, save_options
-from shardwise.io.sink import StoredTensor
-from shardwise.io.storage import storage_for
+from shardwise.io.sink import Saving, StoredTensor
 from shardwise.io.storage.transaction import target_path
 from shardwise.mesh import world_backend
 
 if TYPE_CHECKING:
     from shardwise.io.formats.dcp.checkpoint import AsyncSave
 
+# --- sw.save's keyword arguments, decoded once at the door: one frozen options value per kind of
+# save; an argument that does not apply to the kind asked for is refused, naming it ---
+
+LAYOUTS = ("hub", "module")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SafetensorsSave:
+    """The gather save's options (``sw.save(..., distributed=False)``): files of at most
+    ``max_shard_size`` named ``{filename_prefix}...`` (None or "": the model's default prefix),
+    the ``layout`` (``"hub"`` or ``"module"``), ``parallel_write`` (True, False or None) and the
+    gathered ``format`` (a registry name) whose writer rank 0 runs.
+
+    >>> SafetensorsSave(max_shard_size="2GB", layout="module").format
+    'safetensors'
+    """
+
+    max_shard_size: int | str = "5GB"
+    filename_prefix: str | None = None
+    layout: str = "hub"
+    parallel_write: bool | None = None
+    format: str = "safetensors"
+
+    def __post_init__(self):
+        parse_size(self.max_shard_size)  # CheckpointError naming the size and the units
+        prefix = self.filename_prefix
+        # "" means the default, as None does (sw.save always read it so)
+        if prefix is not None and (not isinstance(prefix, str) or "/" in prefix or "\\" in prefix):
+            raise CheckpointError(f"filename_prefix {prefix!r} must be a plain file name (no folder)")
+        if self.layout not in LAYOUTS:
+            raise CheckpointError(f"layout must be 'hub' or 'module', got {self.layout!r}")
+        if self.parallel_write is not None and not isinstance(self.parallel_write, bool):
+            raise UsageError(f"parallel_write must be True, False or None, got {self.parallel_write!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistributedSave:
+    """The distributed save's options (``sw.save(..., distributed=True)``): the ``format`` (a
+    registry name: ``"dcp"``, torch's DCP files; ``"sharded"``, rank-local safetensors files)
+    and ``async_save`` (for a format whose ``Capabilities.async_save``).
+
+    >>> DistributedSave(format="sharded")
+    DistributedSave(format='sharded', async_save=False)
+    """
+
+    format: str = "dcp"
+    async_save: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.async_save, bool):
+            raise UsageError(f"async_save must be True or False, got {self.async_save!r}")
+
+
+# sw.save's defaults of the options that apply to one kind of save only: a value other than
+# its default, given to the other kind, is refused (the default itself changes nothing).
+_GATHER_DEFAULTS = {f: getattr(SafetensorsSave(), f) for f in
+                    ("max_shard_size", "filename_prefix", "layout", "parallel_write")}
+
+
+def save_options(*, distributed: bool, format: str | None = None, async_save: bool = False,
+                 **kwargs) -> SafetensorsSave | DistributedSave:
+    """The options value of ``sw.save(..., distributed=distributed, format=format, **kwargs)``,
+    where ``kwargs`` are the gather save's options (those of :class:`SafetensorsSave`) and
+    ``format`` is decoded by the registry (``shardwise.io.formats.save_format``: its names,
+    and sw.save's documented spellings). Raises ``UsageError`` for an option of the other kind
+    of save (naming it and the kind), or the options' own error for a bad value.
+
+    >>> save_options(distributed=True, format="safetensors", max_shard_size="5GB")
+    DistributedSave(format='sharded', async_save=False)
+    """
+    unknown = set(kwargs) - set(_GATHER_DEFAULTS)
+    assert not unknown, f"not a save option: {sorted(unknown)}"
+    if not isinstance(distributed, bool):
+        raise UsageError(f"distributed must be True or False, got {distributed!r}")
+    gather = {k: kwargs.get(k, d) for k, d in _GATHER_DEFAULTS.items()}
+    if async_save and not distributed:
+        raise UsageError("async_save=True writes a distributed checkpoint; pass distributed=True too")
+    plugin = save_format(format, distributed=distributed)
+    if not distributed:
+        return SafetensorsSave(**gather, format=plugin.NAME)
+    ignored = [f"{k}={v!r}" for k, v in gather.items() if v != _GATHER_DEFAULTS[k]]
+    if ignored:
+        raise UsageError(f"{', '.join(ignored)}: not for a distributed save (every rank writes its "
+                         "own part, in the module's names); drop it, or save with distributed=False "
+                         "and sw.consolidate the distributed checkpoint")
+    if async_save is True and not plugin.CAPABILITIES.async_save:
+        raise UsageError(f"async_save=True is not supported with format={format!r}; use format='dcp' "
+                         "(the default) for an async distributed save")
+    return DistributedSave(format=plugin.NAME, async_save=async_save)
+
+
+
 def save(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
          filename_prefix: str | None = None, metadata: Mapping[str, str] | None = None,
          overwrite: bool = False, progress: bool | None = None, distributed: bool = False,
-         async_save: bool = False, format: str = "distcp", layout: str = "hub",
+         async_save: bool = False, format: str | None = None, layout: str = "hub",
          parallel_write: bool | None = None) -> AsyncSave | None:
     """Write ``model`` to the folder ``path`` as an ordinary safetensors checkpoint.
 
@@ -90,14 +175,16 @@ def save(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str
     parallel, no rank holds more than a copy of one box of its own shard (8 MiB more to
     read the checksums back).
     ``progress`` shows a tqdm bar on rank 0 (default: when stderr is a terminal).
-    ``distributed=True`` writes a torch distributed checkpoint instead, every
-    rank its own part (``shardwise.io.formats.dcp.checkpoint.save_dcp``; ``max_shard_size``,
-    ``filename_prefix``, ``layout`` and ``parallel_write`` do not apply and are refused); with
-    ``async_save=True`` too it returns a handle whose ``wait()`` every rank calls. With
-    ``format="safetensors"`` the distributed save writes rank-local safetensors files instead
-    (torch's ``HuggingFaceStorageWriter(save_distributed=True)`` format, which transformers and
-    torch read; no pickle; ``shardwise.io.dcp.sharded_write``; no ``async_save``). The gather
-    save returns None.
+    ``format`` names the format the registry writes (``shardwise.io.formats``; None: the
+    default of the kind of save). ``distributed=True`` writes a distributed checkpoint
+    instead, every rank its own part: torch DCP (``format="dcp"``, the default, also spelled
+    ``"distcp"``); ``max_shard_size``, ``filename_prefix``, ``layout`` and ``parallel_write``
+    do not apply and are refused; with ``async_save=True`` too it returns a handle whose
+    ``wait()`` every rank calls. ``format="sharded"`` (also spelled ``"safetensors"`` with
+    ``distributed=True``) writes rank-local safetensors files instead (torch's
+    ``HuggingFaceStorageWriter(save_distributed=True)`` format, which transformers and torch
+    read; no pickle; no ``async_save``). A format registered with a gathered writer is written
+    as the gather save writes safetensors (``format=NAME``). The gather save returns None.
 
     FP8 models (transformers' ``FP8Linear`` modules, kept quantized by ``sw.load``): the fp8
     weights and float32 ``weight_scale_inv`` scales are written as stored, each scale once
@@ -125,45 +212,26 @@ def save(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str
                            filename_prefix=filename_prefix, layout=layout, parallel_write=parallel_write,
                            format=format, async_save=async_save)
     backend = world_backend()  # the API boundary: the backend of every collective of the save
+    check_model(model, action="save")
+    plugin = get_format(options.format)
+    if not plugin.CAPABILITIES.quantized:
+        check_quantized_save(model, f"as {plugin.CAPABILITIES.label} (format={format!r})")
     if isinstance(options, DistributedSave):
-        return save_distributed(model, path, options, backend=backend, metadata=metadata,
-                                overwrite=overwrite, progress=progress)
-    save_safetensors(model, path, options, backend=backend, metadata=metadata, overwrite=overwrite,
-                     progress=progress)
+        join_collective(backend, "sw.save")
+        return plugin.save(model, path, backend=backend, overwrite=overwrite, metadata=metadata,
+                           progress=progress, async_save=options.async_save)
+    save_gathered(model, path, options, plugin, backend=backend, metadata=metadata, overwrite=overwrite,
+                  progress=progress)
     return None
 
 
-def save_distributed(model: nn.Module, path, options: DistributedSave, *, backend: Backend | None,
-                     metadata, overwrite: bool, progress: bool | None) -> AsyncSave | None:
-    """``sw.save(..., distributed=True)`` with its decoded ``options``: the guards, every rank
-    meets, then the format's writer (torch DCP, or rank-local sharded safetensors); ``backend``
-    (``shardwise.mesh.world_backend``) runs their collectives."""
-    check_model(model, action="save")
-    # a DCP save writes each FP8 scale once (io.formats.dcp.quant); rank-local safetensors cannot
-    if options.format == "safetensors":
-        check_quantized_save(model, "as rank-local safetensors (format='safetensors')")
-    join_collective(backend, "sw.save")
-    if options.format == "safetensors":
-        # deferred: keeps torch.distributed.checkpoint (~1.7 s, via dcp.coord) off the gather save
-        from shardwise.io.dcp.sharded_write import save_sharded_safetensors
-
-        save_sharded_safetensors(model, path, backend=backend, overwrite=overwrite, metadata=metadata,
-                                 progress=progress)
-        return None
-    # deferred: keeps torch.distributed.checkpoint (~1.7 s) off the gather save (sw.save's default)
-    from shardwise.io.formats.dcp.checkpoint import save_dcp
-
-    return save_dcp(model, path, backend=backend, overwrite=overwrite, metadata=metadata,
-                    progress=progress, async_save=options.async_save)
-
-
-def save_safetensors(model: nn.Module, path, options: SafetensorsSave, *, backend: Backend | None,
-                     metadata, overwrite: bool, progress: bool | None) -> None:
-    """``sw.save(..., distributed=False)`` with its decoded ``options``: plan every file (pure,
-    the same on every rank), meet, then write through the rank-0 stream or, where every rank
-    sees the folder, the parallel write; move the folder into place when every rank is done.
-    ``backend`` (``shardwise.mesh.world_backend``) runs the collectives."""
-    check_model(model, action="save")
+def save_gathered(model: nn.Module, path, options: SafetensorsSave, plugin, *, backend: Backend | None,
+                  metadata, overwrite: bool, progress: bool | None) -> None:
+    """``sw.save(..., distributed=False)`` with its decoded ``options`` and its gathered
+    format's ``plugin``: plan every file (pure, the same on every rank), meet, then write
+    through the rank-0 stream or, where every rank sees the folder and the format can, the
+    parallel write; move the folder into place when every rank is done. ``backend``
+    (``shardwise.mesh.world_backend``) runs the collectives."""
     target = target_path(path)
     adapter = adapter_for(model)  # its library's file prefix, index metadata, layout, side files
     prefix = options.filename_prefix or adapter.file_prefix(model)
@@ -174,39 +242,35 @@ def save_safetensors(model: nn.Module, path, options: SafetensorsSave, *, backen
     stored = stored_tensors(model, items, options.layout)
     check_stored(model, items, stored, options.layout)
     what = f"sw.save to {target}"
-    sink_options = dict(
+    writer = plugin.writer(
         max_shard_size=options.max_shard_size, prefix=prefix, metadata=metadata,
         index_metadata=adapter.index_metadata(model, {i.name: i.shape for i in items}),  # total_parameters
         storages=adapter.shared_storages([s.part for s in stored if s.part is not None],
                                          {i.name: i.local.element_size() for i in items}))
-    stream = StreamSink(backend, state, {i.name: i for i in items}, what=what, **sink_options)
+    stream = StreamSink(backend, state, {i.name: i for i in items}, what=what, sink=writer)
     plan = stream.plan(stored)
-    parallel = parallel_save.wanted(options.parallel_write, backend)
+    parallel = plugin.CAPABILITIES.parallel_write and parallel_save.wanted(options.parallel_write, backend)
+    if options.parallel_write and not plugin.CAPABILITIES.parallel_write:
+        raise UsageError(f"parallel_write=True: the {plugin.NAME} format is written by rank 0 only; "
+                         "pass parallel_write=None")
     if any(i.tie is not None for i in items):  # the parallel write splits every tensor evenly
         if options.parallel_write:
             check_quantized_save(model, "with parallel_write=True")
         parallel = False
     join_collective(backend, "sw.save")  # after the guards and the plan: all pure
-    dest = storage_for(target).transaction(target, overwrite=overwrite) if stream.rank == 0 else None
     digest = fingerprint((plan.files, [(i.name, i.spec, i.degree) for i in items], options.parallel_write))
-    try:
-        agree(backend, capture(dest.prepare) if dest else None, what=what, digest=digest)
-        shared = (parallel_save.shared_folder(backend, dest.folder if dest else None, what=what,
+    with Saving(target, overwrite=overwrite, backend=backend, what=what, digest=digest) as saving:
+        folder = saving.folder if saving.rank0 else None
+        shared = (parallel_save.shared_folder(backend, folder, what=what,
                                               required=options.parallel_write is True) if parallel else None)
         sink = stream if shared is None else parallel_save.ParallelSink(
-            backend, state, stream.items, what=what, **sink_options)
+            backend, state, stream.items, what=what, sink=writer)
         with Progress(sum(i.nbytes for i in items), progress, stream.rank == 0, "shardwise save") as bar:
-            checksums = sink.write(plan, shared or (dest.folder if dest else None), bar)
-
-        def commit():
-            write_info(dest.folder, gather_info(checksums, [s.spec for s in stored]))
-            adapter.write_side_files(model, dest.folder)  # config.json & co: from_pretrained reads the folder
-            dest.commit(plan.index)
-
-        agree(backend, capture(commit) if dest else None, what=what)
-    finally:
-        if dest is not None:
-            dest.discard()
+            checksums = sink.write(plan, shared or folder, bar)
+        info = gather_info(checksums, [s.spec for s in stored]) if saving.rank0 else None
+        # config.json & co beside the data: from_pretrained reads the folder
+        saving.commit(info=info, side_files=lambda folder: adapter.write_side_files(model, folder),
+                      index=plan.index)
 
 
 # How long the first rank to enter a save waits for the others before saying that the call
@@ -270,4 +334,4 @@ def stored_tensors(model: nn.Module, items, layout: str) -> list[StoredTensor]:
     return [StoredTensor(p.key, p.dtype, p.shape, p) for p in parts]
 
 
-__all__ = ["header_metadata", "save", "save_file_order"]
+__all__ = ["DistributedSave", "SafetensorsSave", "save", "save_options"]

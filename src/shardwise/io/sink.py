@@ -4,21 +4,31 @@ index), then writes it.
 
 Plan, then execute: ``plan`` is pure and gives the same answer on every rank, so the ranks
 agree on the files without exchanging them; ``write`` does the I/O and the collectives. The
-implementations: ``shardwise.io.safetensors.sink`` (the plan-files / sort / index recipe of
+implementations: ``shardwise.io.formats.safetensors.write`` (the plan-files / sort / index recipe of
 every ordinary safetensors checkpoint, and its rank-0 stream, with the parallel write in
-``shardwise.io.parallel_save``) and ``shardwise.io.dcp.sharded_write`` (rank-local sharded
+``shardwise.io.parallel_save``) and ``shardwise.io.formats.sharded.write`` (rank-local sharded
 safetensors files). torch's own DCP writer (``distributed=True``, ``format="distcp"``) keeps
 its ``StorageWriter`` protocol and its planner.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+import shardwise.comm as comm
+from shardwise.backends import coordination_group
+from shardwise.comm import agree, capture
+from shardwise.io.info import write_info
+from shardwise.io.storage import storage_for
+from shardwise.io.storage.transaction import target_path
+
 if TYPE_CHECKING:
+    import torch
+
+    from shardwise.backends import Backend
     from shardwise.core.pieces import StoredPart
 
 # (tensor name, safetensors dtype, shape) of one tensor of a file, as its header lists it
@@ -107,4 +117,109 @@ class Sink(Protocol):
         ...
 
 
-__all__ = ["PlannedFile", "Sink", "Spec", "StoredTensor", "WritePlan"]
+class FileWriter(Protocol):
+    """One file being written, in the order of its plan: :meth:`write` each tensor, then
+    :meth:`close` (durable; reports :attr:`checksums` to an enclosing
+    ``shardwise.io.info.collect_checksums()``), or :meth:`abort` on a failure (a no-op after
+    ``close``)."""
+
+    checksums: dict[str, str]  # tensor -> checksum of its bytes as written
+
+    def write(self, name: str, tensor: torch.Tensor) -> None: ...
+
+    def close(self) -> None: ...
+
+    def abort(self) -> None: ...
+
+
+# (location of the new file, its tensors in order, the plan's header metadata) -> its writer
+OpenFile = Callable[[Path, Sequence[Spec], Mapping[str, str]], FileWriter]
+
+
+class FileSink(Protocol):
+    """A gathered format's writer, configured once (``plugin.writer(**options)``): :meth:`plan`
+    is pure and the same on every rank; then one process opens each planned file with
+    :meth:`open_file` and writes its tensors whole, in order; the plan's ``index`` is written
+    last by the save's transaction."""
+
+    def plan(self, stored: Sequence[StoredTensor]) -> WritePlan: ...
+
+    def open_file(self, location: Path, tensors: Sequence[Spec], header: Mapping[str, str]) -> FileWriter: ...
+
+
+def on_rank0(fn: Callable[[], object], what: str, *, backend: Backend | None, share: bool = False,
+             digest: bytes = b"\0" * 8):
+    """The one "rank 0 does it, every rank learns the outcome": run ``fn`` on global rank 0;
+    every rank raises if it failed (``shardwise.comm.agree`` over ``backend``, ``digest`` its
+    check that every rank saves the same thing) and, with ``share``, gets its result.
+    Collective: every rank calls it at the same point."""
+    result = [None]
+
+    def run():
+        result[0] = fn()
+
+    agree(backend, capture(run) if comm.rank() == 0 else None, what=what, digest=digest)
+    if share:
+        result[0] = comm.broadcast_object(result[0], src=0, group=coordination_group(backend), purpose=what)
+    return result[0]
+
+
+class Saving:
+    """The one transaction of every save (``sw.save`` of every format, ``sw.consolidate``),
+    over the target's storage. Call order, on every rank: construct (rank 0 opens and prepares
+    the temporary folder beside ``location``; every rank gets :attr:`folder` or the failure),
+    write into :attr:`folder`, then :meth:`commit` (rank 0 writes ``shardwise.json``, the side
+    files and the index, and moves the folder into place; every rank learns the outcome);
+    :meth:`discard` (or leaving the ``with``) on every path: rank 0 removes what is left, a
+    no-op after a commit. ``digest``: every rank's fingerprint of what it saves (they must
+    agree). ``collective=False`` (``sw.consolidate``: one process, whatever group it is in):
+    this process does every step, with no collective."""
+
+    def __init__(self, location, *, overwrite: bool, backend: Backend | None, what: str,
+                 digest: bytes = b"\0" * 8, collective: bool = True):
+        self.backend, self.what, self.collective = backend, what, collective
+        self.target = target_path(location)
+        self.rank0 = not collective or comm.rank() == 0
+        self._dest = (storage_for(self.target).transaction(self.target, overwrite=overwrite)
+                      if self.rank0 else None)
+
+        def prepare():
+            self._dest.prepare()
+            return str(self._dest.folder)
+
+        try:
+            self.folder = Path(on_rank0(prepare, f"preparing {what}", backend=backend, share=True,
+                                        digest=digest) if collective else prepare())
+        except BaseException:
+            self.discard()
+            raise
+
+    def commit(self, *, info: dict | None = None, side_files: Callable[[Path], object] | None = None,
+               index: tuple[str, dict] | None = None) -> None:
+        """Collective: rank 0 completes the folder (``info`` as ``shardwise.json``,
+        ``side_files(folder)``, the ``index`` last) and moves it into place."""
+        def commit():
+            if info is not None:
+                write_info(self.folder, info)
+            if side_files is not None:
+                side_files(self.folder)
+            self._dest.commit(index)
+
+        if self.collective:
+            on_rank0(commit, f"moving {self.what} into place", backend=self.backend)
+        else:
+            commit()
+
+    def discard(self) -> None:
+        if self._dest is not None:
+            self._dest.discard()
+
+    def __enter__(self) -> Saving:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.discard()
+
+
+__all__ = ["FileSink", "FileWriter", "OpenFile", "PlannedFile", "Saving", "Sink", "Spec", "StoredTensor",
+           "WritePlan", "on_rank0"]

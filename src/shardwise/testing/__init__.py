@@ -33,10 +33,9 @@ from shardwise.errors import UsageError
 from shardwise.holding import local_of
 from shardwise.io import info
 from shardwise.io.formats import open_source
-from shardwise.io.safetensors.format import StreamingWriter, index_json, parse_size, plan_files
+from shardwise.io.formats.safetensors.files import StreamingWriter, index_json, parse_size, plan_files
 from shardwise.io.storage import storage_for, write_small
-from shardwise.launch import RankFailure, free_port, spawn
-from shardwise.memory import PeakMemory, memory_status, reset_high_water_mark
+from shardwise.launch import PeakMemory, RankFailure, free_port, memory_status, reset_high_water_mark, spawn
 from shardwise.parallel import ShardState, get_shard_state
 
 

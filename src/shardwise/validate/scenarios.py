@@ -27,7 +27,7 @@ from shardwise.validate.layouts import Layout
 
 if TYPE_CHECKING:
     from shardwise.backends.base import Backend
-    from shardwise.io.pipeline import LoadResult
+    from shardwise.io.load import LoadResult
 
 
 class Unsupported(Exception):

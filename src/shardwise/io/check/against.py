@@ -1,30 +1,20 @@
-"""What a checkpoint of a model must hold, and ``sw.verify(path, against=...)``'s check of it.
+"""What a checkpoint of a model must hold (:func:`expected_tensors`, from meta tensors only),
+and ``sw.verify(path, against=...)``'s check of it (:func:`check_against`).
 
-:func:`expected_tensors` names every tensor a checkpoint of a model holds, with its shape
-and dtype, without touching data (meta tensors only):
+``layout="module"``: the model's state dict without non-persistent buffers, each tied tensor
+once under the name ``sw.save`` keeps, with its global shape. ``layout="hub"``: the keys
+``save_pretrained`` writes (the model adapter's ``stored_names`` less its ``unsaved``); any
+model without a conversion has its module layout there too.
 
-- ``layout="module"``: the model's state dict, without non-persistent buffers, each tied
-  tensor once under the name ``sw.save`` keeps (the first in state-dict order, as the plan
-  resolver and ``io.gather.collect_items`` keep it), with its global shape (a DTensor's
-  own; a local shard's from its shard spec and degree, as ``collect_items`` computes it).
-- ``layout="hub"``: for a transformers model, the keys ``save_pretrained`` writes:
-  transformers' own ``revert_weight_conversion`` run on those meta tensors (per-expert
-  tensors, fused ``gqkv_proj`` / ``gate_up_proj`` tensors, original names), and its
-  ``_keys_to_ignore_on_save`` dropped: the model adapter's answers (``core.adapter``:
-  ``stored_names``, ``unsaved``). Any other model's hub layout is its module layout.
-
-Dtypes: a checkpoint's dtype is defined per tensor only by a model in hand (or by the
-``dtype`` the caller gives, which applies to floating-point tensors as ``model.to(dtype)``
-does). A config's ``dtype`` is not: checkpoints keep some tensors in float32 (norms,
-router weights), integer buffers, quantisation scales. So ``verify`` against a folder or a
-config compares names and shapes, and dtypes only when ``dtype`` is given; against a
-module it compares dtypes too (the ones it holds, or ``dtype``).
+Dtypes are defined per tensor only by a model in hand or by a ``dtype`` the caller gives
+(applied to floating tensors, as ``model.to(dtype)``): a config's ``dtype`` is not (checkpoints
+keep norms or router weights in float32, integer buffers, scales). So against a folder or a
+config only names and shapes are compared unless ``dtype`` is given.
 """
 
 from __future__ import annotations
 
 import os
-import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -40,9 +30,6 @@ from shardwise.errors import CheckpointError, UsageError
 from shardwise.holding import Holding, is_dtensor
 from shardwise.parallel import get_shard_state
 
-if typing.TYPE_CHECKING:
-    pass
-
 Expected = dict[str, tuple[tuple[int, ...], str]]
 LAYOUTS = ("hub", "module")
 
@@ -51,14 +38,12 @@ def expected_tensors(source: nn.Module | str | os.PathLike, *, layout: str = "hu
                      dtype: torch.dtype | str | None = None,
                      tensors: Mapping[str, tuple[tuple[int, ...], str]] | None = None) -> Expected:
     """``{stored key: (shape, safetensors dtype)}`` that a checkpoint of ``source`` holds in
-    ``layout`` ("hub" or "module"; see the module docstring), in the order the layout lists
-    them. ``source`` is a model (on meta, real, DTensors or local shards: global shapes), a
-    model folder holding ``config.json``, or that file (transformers: its
-    ``architectures``; diffusers: its ``_class_name``; built on meta). ``tensors``
-    (``{model tensor name: (global shape, dtype)}``, ties already once, as ``sw.save``
-    collects them) stands for the model's own tensors; ``dtype`` casts the floating-point
-    ones. Raises ``UsageError`` for a bad argument, ``CheckpointError`` when the model cannot
-    be built or transformers cannot revert its conversions.
+    ``layout`` ("hub" or "module"), in the layout's order. ``source``: a model (meta, real,
+    DTensors or local shards: global shapes), a model folder or its ``config.json`` (built on
+    meta); ``tensors`` (``{model tensor: (global shape, dtype)}``, ties once, as ``sw.save``
+    collects them) stands for the model's own; ``dtype`` casts the floating ones. Raises
+    ``UsageError`` for a bad argument, ``CheckpointError`` when the model cannot be built or
+    its conversions reverted.
 
     >>> expected_tensors("hrm/")["model.H_module.layers.0.attn.gqkv_proj.weight"]  # doctest: +SKIP
     ((256, 64), 'F32')
@@ -70,8 +55,6 @@ def expected_tensors(source: nn.Module | str | os.PathLike, *, layout: str = "hu
     held, aliases = model_tensors(model) if tensors is None else (_checked(tensors), {})
     return stored_layout(model, cast(held, dtype), aliases, layout)[0]
 
-
-# --- the model ---------------------------------------------------------------------------------
 
 def resolve_model(source: nn.Module | str | os.PathLike) -> tuple[nn.Module, str]:
     """``(model, what to call it in a message)``: ``source`` itself, or the meta model its
@@ -86,24 +69,17 @@ def resolve_model(source: nn.Module | str | os.PathLike) -> tuple[nn.Module, str
     if not config_file.is_file():
         raise UsageError(f"{path}: no config.json there; pass the model folder (config.json beside "
                          "the weights), its config.json, or the model itself")
-    model = model_from_config(config_file)
-    return model, f"{type(model).__name__} from {config_file}"
-
-
-def model_from_config(config_file: Path) -> nn.Module:
-    """The meta-device model a config.json describes (a model adapter's: transformers'
-    ``architectures``, diffusers' ``_class_name``)."""
     model = config_model(config_file)
     if model is None:
         raise CheckpointError(f"{config_file}: names no model class (no 'architectures' for transformers, "
                               "no '_class_name' for diffusers); pass the model itself")
-    return model
+    return model, f"{type(model).__name__} from {config_file}"
 
 
 def model_tensors(model: nn.Module) -> tuple[Expected, dict[str, str]]:
     """``({tensor name: (global shape, dtype)}, {tied alias: name kept})`` of ``model``'s
-    state dict: what ``collect_items`` would collect, read from shapes only (it refuses a
-    meta model, which has no values to save, so its rule is restated here)."""
+    state dict: what ``collect_items`` would collect, from shapes only (``collect_items``
+    refuses a meta model, so its rule is restated here)."""
     state = get_shard_state(model)
     specs = state.specs if state is not None else resolve_plan(model, {}, 1)
     spmd = state is None or state.holding is Holding.SPMD
@@ -163,9 +139,8 @@ def cast(tensors: Expected, dtype: torch.dtype | str | None) -> Expected:
 
 def stored_layout(model: nn.Module, tensors: Expected, aliases: Mapping[str, str],
                   layout: str) -> tuple[Expected, dict[str, str]]:
-    """``(tensors, aliases)`` under their stored names in ``layout``: for the hub layout of a
-    transformers model, as ``save_pretrained`` writes them (transformers' own revert, run
-    on meta tensors); a tied alias keeps its place only where it reverts to one key."""
+    """``(tensors, aliases)`` under their stored names in ``layout``; a tied alias keeps its
+    place in the hub layout only where it reverts to one key."""
     if layout not in LAYOUTS:
         raise UsageError(f"layout must be 'hub' or 'module', got {layout!r}")
     if layout == "module":
@@ -184,8 +159,6 @@ def stored_layout(model: nn.Module, tensors: Expected, aliases: Mapping[str, str
     return stored, stored_aliases
 
 
-# --- the check -----------------------------------------------------------------------------------
-
 @dataclass(frozen=True)
 class Expectation:
     """What one layout of a model holds: ``tensors`` (``{stored key: (shape, dtype)}``),
@@ -201,7 +174,7 @@ class Expectation:
 
 def expectations(source, *, dtype: torch.dtype | str | None = None) -> list[Expectation]:
     """The hub and the module layout of ``source`` (one, when they are the same); dtypes are
-    defined for a model in hand or when ``dtype`` is given (see the module docstring)."""
+    compared for a model in hand or when ``dtype`` is given."""
     dtype = as_dtype(dtype)
     model, what = resolve_model(source)
     held, aliases = model_tensors(model)

@@ -1,25 +1,13 @@
 """``sw.diff`` / ``shardwise diff A B``: two checkpoints compared tensor by tensor.
 
-Any two checkpoints a format plugin opens (``shardwise.io.formats.open_source``: safetensors,
-one file or sharded; sharded safetensors and DCP at any degree), since all hold canonical
-tensors under the model's names, each side a loop over its ``Stored.tensors()`` read through
-``Stored.read_box``; and a transformers
-model's hub layout (``save_pretrained``'s names, per-expert tensors) against its module
-names, through the conversion mapping of the model its ``config.json`` names. Streaming: each tensor is
-read in slabs of whole rows (at most 64 MB from each side at a time), from only the chunks
-that hold them, so memory stays bounded whatever the tensors' sizes.
-
-Quantized checkpoints (FP8 with block scales, ``io.check.quant``): an FP8 weight whose bytes
-or scales differ from the other side's (an FP8 checkpoint against its dequantized save, or two
-FP8 checkpoints quantized with other scales) is compared in dequantized units (float32, as a
-dequantized load computes them), and its scales, where the other side has none, are part of it
-rather than "only in A". Identical FP8 checkpoints still compare byte for byte.
-
-Byte for byte is the default. ``dtype=`` casts both sides' floating-point values to it before
-comparing (a bfloat16 save against its float32 source), ``atol=`` / ``rtol=`` accept values
-within ``|a - b| <= atol + rtol * |b|`` (``torch.isclose``, NaN equal to NaN): such a tensor is
-``close``, not ``differ``, and the report is ``equivalent`` rather than ``identical``. Either way
-the tensors are read in the same bounded slabs.
+Each side is any checkpoint a format reader opens (``io.formats.open_source``), in module or
+hub names (a hub layout is matched to the other side's module names through the model its
+``config.json`` names), read in slabs of whole rows (``Stored.read_box``, at most
+``slab_bytes`` a side at a time). Byte for byte by default; ``dtype=`` casts floating values
+first and ``atol``/``rtol`` accept ``torch.isclose`` values (NaN equal to NaN): such a tensor is
+``close`` and the report ``equivalent`` rather than ``identical``. An FP8 weight whose bytes or
+scales differ from the other side's is compared dequantized (``io.check.quant``), its scales
+counted with it rather than "only in A".
 """
 
 from __future__ import annotations
@@ -34,8 +22,8 @@ import torch
 
 from shardwise.core.spec import Region
 from shardwise.errors import CheckpointError, UsageError
+from shardwise.io.check import print_safely
 from shardwise.io.check.against import as_dtype
-from shardwise.io.check.inspect import print_safely
 from shardwise.io.check.quant import Dequantizing, fp8_pairs
 from shardwise.io.formats import open_source
 from shardwise.io.source import Stored
@@ -162,9 +150,8 @@ def _tolerance(atol, rtol, dtype) -> _Tolerance | None:
 
 def _compare(name: str, a, b, slab_bytes: int, tol: _Tolerance | None = None) -> TensorDiff | None:
     (dtype_a, shape_a), (dtype_b, shape_b) = a.tensors[name], b.tensors[name]
-    dtypes = (str(dtype_a).removeprefix("torch."), str(dtype_b).removeprefix("torch."))
     if shape_a != shape_b:
-        return TensorDiff(name, *dtypes, shape_a, shape_b, False, None)
+        return _differ(name, a, b, False, None)
     rows = shape_a[0] if shape_a else 1
     row_bytes = max(1, math.prod(shape_a[1:]) * max(dtype_a.itemsize, dtype_b.itemsize))
     step = max(1, slab_bytes // row_bytes)
@@ -185,7 +172,7 @@ def _compare(name: str, a, b, slab_bytes: int, tol: _Tolerance | None = None) ->
                                             equal_nan=True).all())
     if same_bytes:
         return None
-    return TensorDiff(name, *dtypes, shape_a, shape_b, equal and dtype_a == dtype_b, worst, within=within)
+    return _differ(name, a, b, equal and dtype_a == dtype_b, worst, within=within)
 
 
 def _compare_quantized(name: str, a, b, pairs, sides: tuple[Dequantizing, Dequantizing], found: dict,
@@ -199,13 +186,17 @@ def _compare_quantized(name: str, a, b, pairs, sides: tuple[Dequantizing, Dequan
             raw = _compare(name, a, b, slab_bytes)
             if raw is None:
                 return None
-    (dtype_a, shape_a), (dtype_b, shape_b) = a.tensors[name], b.tensors[name]
-    dtypes = (str(dtype_a).removeprefix("torch."), str(dtype_b).removeprefix("torch."))
-    if shape_a != shape_b:
-        return TensorDiff(name, *dtypes, shape_a, shape_b, False, None)
+    if a.tensors[name][1] != b.tensors[name][1]:
+        return _differ(name, a, b, False, None)
     values = _compare(name, *sides, slab_bytes)
     worst = 0.0 if values is None else values.max_abs_diff
-    return TensorDiff(name, *dtypes, shape_a, shape_b, worst == 0.0, worst, dequantized=True)
+    return _differ(name, a, b, worst == 0.0, worst, dequantized=True)
+
+
+def _differ(name: str, a, b, equal: bool, worst: float | None, **kw) -> TensorDiff:
+    (dtype_a, shape_a), (dtype_b, shape_b) = a.tensors[name], b.tensors[name]
+    return TensorDiff(name, str(dtype_a).removeprefix("torch."), str(dtype_b).removeprefix("torch."),
+                      shape_a, shape_b, equal, worst, **kw)
 
 
 def _as_float64(t: torch.Tensor) -> torch.Tensor:

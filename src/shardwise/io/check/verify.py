@@ -1,35 +1,16 @@
 """``sw.verify`` / ``shardwise verify PATH``: is a checkpoint whole and unchanged since it was saved?
 
-No model, no process group, one process, memory bounded by one read buffer (16 MB): every
-tensor's bytes are streamed through the checksum ``sw.save``,
-``sw.consolidate`` or a distributed save recorded in ``shardwise.json`` (XXH3-64; CRC-32
-in checkpoints from before it) and compared.
+One process, no model, memory bounded by one read buffer: the checkpoint's format reader
+validates its structure (headers, index, chunk tiling; a DCP ``.metadata`` is a pickle: verify
+only what you would load), then every blob's bytes are streamed through the checksum recorded
+in ``shardwise.json`` (XXH3-64; CRC-32 in older checkpoints; a DCP chunk without one through
+its zip record's CRC-32). Quantized weights are checked against their scales (``io.check.quant``);
+``against=`` checks names, shapes and dtypes against a model (``io.check.against``).
 
-- safetensors (a file, a folder, an index): every header is validated (offsets, dtypes,
-  sizes, the data section tiled exactly), the index names only files inside the folder and
-  no tensor twice, and every tensor a shard file holds is in the index.
-- a distributed checkpoint (DCP): every data file is present and long enough, the chunks
-  tile every tensor exactly with sizes the files can hold, and every chunk's blob has the
-  dtype and shape the metadata lists. Its ``.metadata`` is a pickle: verify it only if you
-  trust its source, as for loading it.
-
-A checkpoint not written by shardwise has no checksums: its structure is checked, and the
-outcome is ``UNVERIFIED`` (exit status 3), not ``OK``: nothing vouches for its values.
-
-One vocabulary in every report: ``kind`` is the format's name (``safetensors``, ``sharded
-safetensors``, ``dcp``; ``unknown`` where there is no checkpoint to name); ``tensors`` counts the
-checkpoint's tensors, ``chunks`` the stored pieces they are in (a safetensors tensor is one
-chunk; a DCP tensor one per saving rank), ``checksummed`` the chunks whose bytes matched a
-checksum.
-
-A quantized checkpoint (``io.check.quant``): every FP8 weight has its ``weight_scale_inv`` of
-shape ``ceil(dims / weight_block_size)`` (the block from the ``config.json`` beside it), every
-scale its FP8 weight, every MXFP4 ``*_blocks`` its ``*_scales``; each fault is a problem.
-
-``against=MODEL`` (a model, its folder or its config.json) also checks every tensor's name,
-shape and, where defined, dtype against what that model holds in the checkpoint's layout
-(``shardwise.io.check.against``): the check a checkpoint whose own headers and checksums
-agree, but which holds a tensor of the wrong shape, fails.
+The outcome is ``OK`` (every chunk checksummed and matching), ``UNVERIFIED`` (structure only: a
+checkpoint shardwise did not write; exit status 3) or ``FAILED``. ``kind`` is the format's
+label (its ``Capabilities.label``), ``tensors`` counts tensors, ``chunks`` the stored pieces
+they are in, ``checksummed`` the chunks whose bytes matched a checksum.
 """
 
 from __future__ import annotations
@@ -41,10 +22,10 @@ from pathlib import Path
 
 from shardwise.core.header import dtype_to_str
 from shardwise.errors import CheckpointError, ShardwiseError, UsageError
+from shardwise.io.check import print_safely
 from shardwise.io.check.against import AgainstReport, check_against, expectations
-from shardwise.io.check.inspect import print_safely
 from shardwise.io.check.quant import has_config, quant_pairs, quantization_config
-from shardwise.io.formats import format_of
+from shardwise.io.formats import capabilities, format_of
 from shardwise.io.info import INFO_FILE, read_info, recorded_checksums
 from shardwise.io.source import Stored
 
@@ -133,12 +114,13 @@ def verify(path: str | os.PathLike, *, against=None, dtype=None, layout: str = "
         raise UsageError("dtype and layout say how to compare with a model: pass against= too")
     candidates = expectations(against, dtype=dtype) if against is not None else None
     report = VerifyReport(str(path))
-    found = None
+    found, prefer = None, "module"
     try:
         if "://" not in str(path) and not os.path.exists(path):
             raise CheckpointError(f"{path}: no such checkpoint file or folder")
         plugin = format_of(path)  # the kind is known even where opening then fails
-        report.kind = _KINDS.get(plugin.NAME, plugin.NAME)
+        report.kind = plugin.CAPABILITIES.label or plugin.NAME
+        prefer = plugin.CAPABILITIES.names  # the names its checkpoints most often hold
         source = plugin.open_source(path)  # headers, index, chunk tiling: raises on the first fault
         try:
             found = _verify_source(source, report)
@@ -151,8 +133,6 @@ def verify(path: str | os.PathLike, *, against=None, dtype=None, layout: str = "
     if found is not None:
         _check_quantized(Path(path), found, report)
     if candidates is not None and found is not None:
-        # rank-local and DCP checkpoints hold the module's names; safetensors most often the hub's
-        prefer = "hub" if report.kind == "safetensors" else "module"
         report.against = check_against(found, candidates, layout=layout, prefer=prefer)
         report.problems += report.against.problems()
     elif candidates is not None:
@@ -193,10 +173,6 @@ def _check_quantized(path: Path, found: dict[str, tuple[str, tuple]], report: Ve
                             "the scales' shapes were not checked against a block size")
 
 
-_KINDS = {"sharded": "sharded safetensors"}  # the report's name of a format, where it differs
-_UNRECORDED = {"dcp": "each chunk is checked against the CRC-32 of its zip record"}
-
-
 def _verify_source(source: Stored, report: VerifyReport) -> dict[str, tuple[str, tuple]]:
     """Every blob of ``source`` (a whole tensor, or a chunk) against the checksum recorded for
     it in ``shardwise.json``, else against the format's own (DCP's zip CRC-32) where it keeps
@@ -204,8 +180,8 @@ def _verify_source(source: Stored, report: VerifyReport) -> dict[str, tuple[str,
     (safetensors dtype, shape)}`` of the stored tensors."""
     found = {n: (dtype_to_str(d), tuple(s)) for n, (d, s) in source.tensors().items()}
     report.problems += source.describe().problems
-    algorithm, sums, chunk_sums = _recorded(source.root, report, found, otherwise=_UNRECORDED.get(
-        source.name, "the structure was checked, the values cannot be"))
+    algorithm, sums, chunk_sums = _recorded(source.root, report, found, otherwise=capabilities(
+        source.name).own_checksums or "the structure was checked, the values cannot be")
     report.tensors = len(found)
     seen: set[tuple[str, str | None]] = set()
     blobs = 0

@@ -1,30 +1,27 @@
-"""Checkpoint formats as plugins, and the one registry that knows their order.
+"""Checkpoint formats as plugins: the one registry, its one vocabulary of names, and what each
+format can do (:class:`Capabilities`), which the pipelines ask instead of a format's name.
 
-Each format is a package under ``shardwise.io.formats`` whose ``__init__`` offers ``NAME``,
-``DEQUANTIZES`` (whether it can read FP8 weights into plain model tensors), ``claims(path)``
-("is this mine?") and ``open_source(path, **options)`` (its
-:class:`~shardwise.io.source.OpenedSource`). The registry imports each plugin it asks, so a
-format whose reader is slow to import imports it only in ``open_source`` (DCP:
-torch.distributed.checkpoint, ~1.7 s).
-:func:`open_source` is how ``sw.load``, ``sw.consolidate``, ``sw.verify``, ``sw.diff`` and
-``shardwise inspect`` open a checkpoint: the first format, in :data:`FORMATS` order, that
-claims the path.
+A format is a package whose ``__init__`` offers ``NAME``, ``CAPABILITIES``, ``claims(path)``
+("is this mine?"), ``open_source(path, **options)`` (its reader, an
+:class:`~shardwise.io.source.OpenedSource`) and its writer, by ``CAPABILITIES.distributed``:
+a gathered format's ``writer(**options)`` (a :class:`~shardwise.io.sink.FileSink`: plan the
+files, open each; ``sw.save`` gathers the tensors to rank 0 and ``sw.consolidate`` reads them
+from any reader), a distributed one's ``save(model, path, **options)`` (every rank writes its
+own part). A plugin without a writer is read only. The registry imports each plugin it asks,
+so a plugin whose reader or writer is slow to import (DCP: torch.distributed.checkpoint,
+~1.7 s) imports it inside those functions.
 
-The order matters: a DCP folder is told by its file names alone (``.metadata``, ``*.distcp``),
-so it is asked first; sharded safetensors (headers carrying ``DCP_SHARDING_INFO``) next;
-ordinary safetensors claims whatever is left, and its reader names what is wrong with a path
-that holds no checkpoint.
-
-Adding a format is one new folder and one line here. A format ``zarr`` would be
-``shardwise/io/formats/zarr/__init__.py`` (``NAME = "zarr"``, ``DEQUANTIZES``, ``claims``,
-``open_source``) and the line ``"zarr": "shardwise.io.formats.zarr",`` placed in
-:data:`FORMATS` before the formats that would also claim its paths.
+Order matters for reading: a DCP folder is told by its file names alone, so it is asked
+first; sharded safetensors (headers carrying ``DCP_SHARDING_INFO``) next; ordinary safetensors
+claims whatever is left, and its reader names what is wrong with a path that holds no
+checkpoint. Adding a format is one folder and one :func:`register_format` line.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -33,11 +30,47 @@ from shardwise.errors import UsageError
 if TYPE_CHECKING:
     from shardwise.io.source import OpenedSource
 
+
+@dataclass(frozen=True, kw_only=True)
+class Capabilities:
+    """What a format can do, declared by its plugin. ``dequantizes``: reads FP8 weights with
+    block scales into plain model tensors per rank; ``distributed``: every rank writes its own
+    part (else rank 0 writes what is gathered to it); ``async_save``: its writer can return
+    before the data is written; ``optimizer``: holds optimizer state; ``quantized``: its writer
+    writes FP8 weights and each scale once; ``scale_regions``: its reader reads each FP8 scale
+    at its own region, so shard boundaries may cut scale blocks; ``parallel_write``: its
+    gathered files can be laid out up front and written by every rank at their offsets;
+    ``label``: what reports call it;
+    ``names``: the names its checkpoints most often hold (``"hub"`` or ``"module"``);
+    ``own_checksums``: what the format itself stores to check its bytes against, or None.
+
+    >>> Capabilities(distributed=True).async_save
+    False
+    """
+
+    dequantizes: bool = False
+    distributed: bool = False
+    async_save: bool = False
+    optimizer: bool = False
+    quantized: bool = True
+    scale_regions: bool = False
+    parallel_write: bool = False
+    label: str = ""
+    names: str = "module"
+    own_checksums: str | None = None
+
+
 # name -> plugin package, in the order they are asked whether a path is theirs
 FORMATS: dict[str, str] = {
     "dcp": "shardwise.io.formats.dcp",
     "sharded": "shardwise.io.formats.sharded",
     "safetensors": "shardwise.io.formats.safetensors",
+}
+
+# sw.save's documented spellings: (format=, distributed=) -> the registry's name
+SAVE_SPELLINGS: dict[tuple[str | None, bool], str] = {
+    (None, False): "safetensors", (None, True): "dcp",
+    ("distcp", True): "dcp", ("distcp", False): "dcp", ("safetensors", True): "sharded",
 }
 
 
@@ -69,6 +102,11 @@ def get_format(name: str) -> ModuleType:
     return importlib.import_module(module)
 
 
+def capabilities(name: str) -> Capabilities:
+    """What the format ``name`` (a ``Source``'s ``name``) can do."""
+    return get_format(name).CAPABILITIES
+
+
 def format_of(path: str | os.PathLike) -> ModuleType:
     """The plugin of the first format, in :data:`FORMATS` order, that claims ``path``."""
     for name in FORMATS:
@@ -81,7 +119,7 @@ def format_of(path: str | os.PathLike) -> ModuleType:
 def open_source(path: str | os.PathLike, *, dequantize: bool = False) -> OpenedSource:
     """The :class:`~shardwise.io.source.OpenedSource` of the checkpoint at ``path``, its format
     detected once (:func:`format_of`). ``dequantize``: FP8 weights with block scales into
-    plain model tensors, for the formats that can (ordinary safetensors); asking it of
+    plain model tensors, for the formats that can (``Capabilities.dequantizes``); asking it of
     another raises ``UsageError``.
 
     >>> source = open_source("out/dcp")                                    # doctest: +SKIP
@@ -89,11 +127,39 @@ def open_source(path: str | os.PathLike, *, dequantize: bool = False) -> OpenedS
     ('dcp', 291)
     """
     plugin = format_of(path)
-    if dequantize and not plugin.DEQUANTIZES:
+    if dequantize and not plugin.CAPABILITIES.dequantizes:
         raise UsageError(f"{path}: dequantize=True reads FP8 safetensors checkpoints (weights with their "
-                         "block scales); this is a distributed checkpoint: load it into the quantized "
+                         f"block scales); this is a {plugin.NAME} checkpoint: load it into the quantized "
                          "model it was saved from")
     return plugin.open_source(path, dequantize=True) if dequantize else plugin.open_source(path)
 
 
-__all__ = ["FORMATS", "format_of", "get_format", "open_source", "register_format"]
+def save_format(format: str | None, *, distributed: bool) -> ModuleType:
+    """The plugin that writes ``sw.save(..., format=format, distributed=distributed)``:
+    ``format`` is a registry name or one of :data:`SAVE_SPELLINGS` (None: the default of the
+    kind of save). Raises ``UsageError`` for an unknown name, a read-only format, or a
+    format of the other kind (naming the fix)."""
+    name = SAVE_SPELLINGS.get((format, distributed), format)
+    if not isinstance(name, str):
+        raise UsageError(f"format must be the name of a checkpoint format, got {format!r}")
+    plugin = get_format(name)
+    writes = "save" if plugin.CAPABILITIES.distributed else "writer"
+    if not hasattr(plugin, writes):
+        raise UsageError(f"format={format!r}: the {name} format is read only (it has no writer); "
+                         f"writable formats: {', '.join(n for n in FORMATS if _writes(n))}")
+    if plugin.CAPABILITIES.distributed and not distributed:
+        raise UsageError(f"format={format!r} writes a distributed checkpoint (every rank its own part); "
+                         "pass distributed=True too")
+    if distributed and not plugin.CAPABILITIES.distributed:
+        raise UsageError(f"format={format!r} is written by rank 0 from the gathered tensors; drop "
+                         "distributed=True, or pick a distributed format (dcp, sharded)")
+    return plugin
+
+
+def _writes(name: str) -> bool:
+    plugin = get_format(name)
+    return hasattr(plugin, "save" if plugin.CAPABILITIES.distributed else "writer")
+
+
+__all__ = ["FORMATS", "SAVE_SPELLINGS", "Capabilities", "capabilities", "format_of", "get_format",
+           "open_source", "register_format", "save_format"]

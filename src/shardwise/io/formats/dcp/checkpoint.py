@@ -8,9 +8,8 @@ tensors once. So it loads at any degree, and plain ``torch.distributed.checkpoin
 data records the plan, mesh, degree, dtypes and versions (informational) and the checksum (XXH3-64) of
 every chunk, computed as it is written (``HashingWriter``), which ``sw.verify`` checks.
 
-A save is written into a temporary folder beside the target and moved into place once every
-rank is done, exactly like the gather save (``shardwise.io.save``), so an interrupted save
-never leaves a ``.metadata`` at the target. The path must be on a filesystem every rank sees.
+A save is one ``shardwise.io.sink.Saving``, as every save: an interrupted one never leaves a
+``.metadata`` at the target. The path must be on a filesystem every rank sees.
 
 DCP's ``.metadata`` is a pickle: shardwise unpickles it with an allow-list of DCP's own
 classes, but loading a DCP checkpoint still trusts its source.
@@ -30,7 +29,6 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: name it
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-import shardwise.comm as comm
 from shardwise.backends import Backend, coordination_group
 from shardwise.core.adapter import adapter_for
 from shardwise.core.plan import ResolvedPlan
@@ -38,18 +36,14 @@ from shardwise.errors import CheckpointError
 from shardwise.holding import Holding
 from shardwise.io.formats.dcp.chunks import MetadataReader
 from shardwise.io.formats.dcp.coord import checkpoint_info, dcp_error, gather_checksums, model_placed
-from shardwise.io.formats.dcp.coord import (
-    on_rank0 as _on_rank0,  # a module global: benchmarks/_trials.py hooks it
-)
 from shardwise.io.formats.dcp.items import CanonicalLoadPlanner, CanonicalSavePlanner, HashingWriter, Placed
 from shardwise.io.formats.dcp.metadata import check_tensors
 from shardwise.io.formats.dcp.quant import check_fp8_match, read_dtype, want_layout
 from shardwise.io.formats.dcp.stored import DcpStored
-from shardwise.io.guards import check_model
-from shardwise.io.info import INFO_FILE, write_info
+from shardwise.io.info import INFO_FILE
+from shardwise.io.sink import Saving
 from shardwise.io.source import Finalize, ReadOptions, Reads, Want
 from shardwise.io.spmd_save import SpmdSavePlanner, spmd_placed
-from shardwise.io.storage import storage_for
 from shardwise.io.storage.transaction import target_path
 from shardwise.parallel import get_shard_state
 
@@ -115,46 +109,25 @@ def write_checkpoint(path, state_dict: dict, placed: Mapping[str, Placed], info:
     ``side_files(folder)`` writes files beside the data on rank 0 (a model's config.json).
     ``backend`` (``shardwise.mesh.world_backend``) runs the verdicts on rank 0's steps.
 
-    Crash safety is the gather save's (``shardwise.io.save``): rank 0 prepares a temporary
-    folder beside ``path``, DCP writes into it, and it replaces ``path`` once complete.
+    Crash safety is every save's (``shardwise.io.sink.Saving``): DCP writes into the
+    temporary folder, which replaces ``path`` once complete.
     """
-    target = target_path(path)
-    dest = storage_for(target).transaction(target, overwrite=overwrite) if comm.rank() == 0 else None
-
-    def prepare():
-        dest.prepare()
-        return str(dest.folder)
-
-    try:  # a peer that dies before the data is written must not strand rank 0's folder
-        tmp = Path(_on_rank0(prepare, f"preparing a distributed save to {target}", backend=backend,
-                             share=True))
-    except BaseException:
-        if dest is not None:
-            dest.discard()
-        raise
+    saving = Saving(path, overwrite=overwrite, backend=backend,
+                    what=f"a distributed save to {target_path(path)}")
     planner = planner or CanonicalSavePlanner(placed)
-    writer = HashingWriter(tmp)
+    writer = HashingWriter(saving.folder)
     no_dist = not dist.is_initialized()
-    what = f"moving the distributed save into {target}"
-
-    def commit(checksums):
-        write_info(dest.folder, {**info, "checksums": checksums})
-        if side_files is not None:
-            side_files(dest.folder)
-        dest.commit(None)
 
     def finish():
-        try:
-            checksums = gather_checksums(writer, what, backend)
-            _on_rank0(lambda: commit(checksums), what, backend=backend)
-        finally:
-            if dest is not None:
-                dest.discard()
+        with saving:
+            checksums = gather_checksums(writer, f"moving {saving.what} into place", backend)
+            saving.commit(info={**info, "checksums": checksums} if saving.rank0 else None,
+                          side_files=side_files)
 
     def fail(e: BaseException):
-        if dest is not None:
-            dest.discard()
-        raise CheckpointError(f"{target}: the distributed save failed; the target is unchanged: {e}") from e
+        saving.discard()
+        raise CheckpointError(f"{saving.target}: the distributed save failed; the target is "
+                              f"unchanged: {e}") from e
 
     if async_save:
         try:
@@ -186,7 +159,6 @@ def save_dcp(model: nn.Module, path, *, backend: Backend | None, overwrite: bool
     >>> handle = sw.save(model, "out/dcp", distributed=True, async_save=True)  # doctest: +SKIP
     >>> handle.wait()                                                   # doctest: +SKIP
     """
-    check_model(model, action="save")
     state = get_shard_state(model)
     planner = None
     if state is not None and state.holding is Holding.SPMD:  # global tensors: this process's shards

@@ -1,7 +1,6 @@
 """What the distributed saves share (DCP, ``shardwise.io.formats.dcp.checkpoint``, and rank-local safetensors,
-``shardwise.io.dcp.sharded_write``): what a model holds (:func:`model_placed`), the
-``shardwise.json`` record (:func:`checkpoint_info`), running a step on rank 0 with every rank
-agreeing on its outcome (:func:`on_rank0`); and the coordination around
+``shardwise.io.formats.sharded.write``): what a model holds (:func:`model_placed`), the
+``shardwise.json`` record (:func:`checkpoint_info`); and the coordination around
 torch.distributed.checkpoint: its failures as ShardwiseErrors, and the chunk checksums of a
 distributed save gathered to rank 0.
 
@@ -13,7 +12,7 @@ and every rank's fault (shardwise's own collectives get theirs from ``shardwise.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,7 +22,6 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 import shardwise.comm as comm
 from shardwise._version import __version__
 from shardwise.backends import Backend, coordination_group
-from shardwise.comm import agree, capture
 from shardwise.core.adapter import adapter_for
 from shardwise.core.header import dtype_to_str
 from shardwise.core.plan import plan_summary
@@ -91,20 +89,6 @@ def checkpoint_info(model: nn.Module, placed: Mapping[str, Placed], *, kind: str
     }
 
 
-def on_rank0(fn: Callable[[], object], what: str, *, backend: Backend | None, share: bool = False):
-    """Run ``fn`` on rank 0; every rank raises if it failed (:func:`~shardwise.comm.agree` over
-    ``backend``) and, with ``share``, gets its result."""
-    result = [None]
-
-    def run():
-        result[0] = fn()
-
-    agree(backend, capture(run) if comm.rank() == 0 else None, what=what)
-    if share:
-        result[0] = comm.broadcast_object(result[0], src=0, group=coordination_group(backend), purpose=what)
-    return result[0]
-
-
 # --- coordination around torch.distributed.checkpoint --------------------------------------
 
 
@@ -142,4 +126,4 @@ def dcp_error(path, e: BaseException, what: str) -> ShardwiseError:
                            f"or died ({type(e).__name__}: {e})")
 
 
-__all__ = ["INFO_FORMAT", "checkpoint_info", "dcp_error", "gather_checksums", "model_placed", "on_rank0"]
+__all__ = ["INFO_FORMAT", "checkpoint_info", "dcp_error", "gather_checksums", "model_placed"]

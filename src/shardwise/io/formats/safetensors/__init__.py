@@ -3,7 +3,8 @@ or an index (``*.safetensors.index.json``, any prefix) and its files; tensors in
 names or in a transformers hub layout; FP8 block-scaled and MXFP4 weights kept quantized or
 dequantized per rank. ``checkpoint``: folders and indexes, validated; ``reader`` and
 ``mapped``: region reads; ``quantized``: tied weight/scale reads; ``source``: the Source;
-``stored``: the offline reads; ``headers``: what shardwise's writers put in headers.
+``stored``: the offline reads; ``files``: safetensors files over a storage (headers, boxes,
+the streaming writer); ``write``: the checkpoint's plan (files, order, index), its writer.
 
 It is the registry's last resort: it claims every path, and its reader names what is wrong
 with one that holds no safetensors checkpoint.
@@ -13,8 +14,11 @@ from __future__ import annotations
 
 import os
 
+from shardwise.io.formats import Capabilities
+
 NAME = "safetensors"
-DEQUANTIZES = True
+CAPABILITIES = Capabilities(dequantizes=True, scale_regions=True, parallel_write=True, label="safetensors",
+                            names="hub")
 
 
 def claims(path: str | os.PathLike) -> bool:
@@ -25,10 +29,19 @@ def claims(path: str | os.PathLike) -> bool:
 def open_source(path: str | os.PathLike, **options):
     """The :class:`~shardwise.io.formats.safetensors.source.SafetensorsSource` of ``path``
     (``dequantize=True``: FP8 weights with block scales into plain model tensors)."""
-    # deferred: a cycle (io.pipeline imports .checkpoint, so this __init__; source imports io.pipeline)
+    # deferred: every module of this package (files, from the save side) runs this __init__ first;
+    # the reader's imports (quantized, mapped, the key matching) load when a checkpoint is opened
     from shardwise.io.formats.safetensors.source import SafetensorsSource
 
     return SafetensorsSource(path, **options)
 
 
-__all__ = ["DEQUANTIZES", "NAME", "claims", "open_source"]
+def writer(**options):
+    """The :class:`~shardwise.io.formats.safetensors.write.SafetensorsSink` (a ``FileSink``)
+    configured by ``options`` (``max_shard_size``, ``prefix``, ``metadata``, ...)."""
+    from shardwise.io.formats.safetensors.write import SafetensorsSink
+
+    return SafetensorsSink(**options)
+
+
+__all__ = ["CAPABILITIES", "NAME", "claims", "open_source", "writer"]

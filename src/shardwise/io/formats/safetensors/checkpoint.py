@@ -14,7 +14,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from shardwise.core.header import FileHeader, TensorEntry
 from shardwise.errors import CheckpointError
-from shardwise.io.safetensors.format import INDEX_SUFFIX, read_header
+from shardwise.io.formats.safetensors.files import INDEX_SUFFIX, read_header
 from shardwise.io.storage import read_json, storage_for
 from shardwise.io.storage.local import check_inside
 
@@ -60,7 +60,7 @@ def _non_safetensors_kind(path: Path) -> str | None:
 @dataclass
 class Checkpoint:
     """A resolved safetensors checkpoint: which file holds each tensor, and every header (the
-    ``KeyedCheckpoint`` the loader's key matching reads, ``shardwise.io.pipeline.match_keys``)."""
+    ``KeyedCheckpoint`` that ``shardwise.io.formats.safetensors.keys.match_keys`` reads)."""
 
     root: Path
     files: list[Path]

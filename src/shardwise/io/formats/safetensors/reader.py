@@ -39,8 +39,8 @@ import torch
 from shardwise.core.header import FileHeader, TensorEntry
 from shardwise.core.spec import Layout, Region, ShardSpec, local_layout, local_shape
 from shardwise.errors import UsageError
+from shardwise.io.formats.safetensors.files import read_region
 from shardwise.io.formats.safetensors.mapped import contiguous_span, copy_mapped, view_box
-from shardwise.io.safetensors.format import read_region
 from shardwise.io.staging import loaded_dtype
 from shardwise.io.storage import Handles, Storage, storage_for
 

@@ -23,10 +23,10 @@ from shardwise.core.plan import ResolvedPlan
 from shardwise.core.quant_layout import scale_layout, scale_local_shape
 from shardwise.core.spec import local_layout, local_shape
 from shardwise.io.formats.safetensors.checkpoint import resolve_checkpoint
+from shardwise.io.formats.safetensors.keys import match_keys
 from shardwise.io.formats.safetensors.quantized import Dequantized, Dequantizer
 from shardwise.io.formats.safetensors.reader import ReadItem, RegionReader, cpu_views, plan_reads
 from shardwise.io.formats.safetensors.stored import SafetensorsStored
-from shardwise.io.pipeline import match_keys
 from shardwise.io.replicas import read_once, replica_axis
 from shardwise.io.source import Finalize, ReadOptions, Reads, Want
 

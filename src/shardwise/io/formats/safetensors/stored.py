@@ -16,8 +16,8 @@ from shardwise.core.adapter import adapter_for, folder_model
 from shardwise.core.pieces import Composite, piece_reads
 from shardwise.core.spec import Region
 from shardwise.io.formats.safetensors.checkpoint import Checkpoint
+from shardwise.io.formats.safetensors.files import INDEX_SUFFIX, read_region
 from shardwise.io.info import digest_range
-from shardwise.io.safetensors.format import INDEX_SUFFIX, read_region
 from shardwise.io.source import Blob, Description
 from shardwise.io.storage import Handles, storage_for
 

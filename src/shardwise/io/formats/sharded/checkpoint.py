@@ -28,8 +28,8 @@ from typing import NoReturn, TypeGuard
 from shardwise.core.header import FileHeader, NamedDtype, TensorEntry, parse_json_object
 from shardwise.core.spec import Region, intersect
 from shardwise.errors import CheckpointError
+from shardwise.io.formats.safetensors.files import INDEX_SUFFIX, read_header
 from shardwise.io.info import INFO_FILE, read_info
-from shardwise.io.safetensors.format import INDEX_SUFFIX, read_header
 from shardwise.io.storage.local import check_inside
 
 SHARDING_INFO_KEY = "DCP_SHARDING_INFO"
@@ -66,7 +66,7 @@ class ShardedTensor(NamedDtype):
 class ShardedCheckpoint:
     """A validated sharded checkpoint. ``names``/``entry``/``root`` answer like
     :class:`shardwise.io.formats.safetensors.checkpoint.Checkpoint`: both are the
-    ``KeyedCheckpoint`` the loader's key matching reads (``shardwise.io.pipeline.match_keys``)."""
+    ``KeyedCheckpoint`` that ``shardwise.io.formats.safetensors.keys.match_keys`` reads."""
 
     root: Path
     files: list[Path]

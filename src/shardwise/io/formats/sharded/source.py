@@ -22,6 +22,8 @@ import torch
 from torch import nn
 
 from shardwise.core.spec import Layout, Region, intersect, local_layout
+from shardwise.io.formats.safetensors.files import read_region
+from shardwise.io.formats.safetensors.keys import match_keys
 from shardwise.io.formats.safetensors.reader import ReadItem, RegionReader
 from shardwise.io.formats.sharded.checkpoint import (
     SHARDING_INFO_KEY,
@@ -30,8 +32,6 @@ from shardwise.io.formats.sharded.checkpoint import (
     read_sharded,
 )
 from shardwise.io.info import chunk_key, digest_range
-from shardwise.io.pipeline import match_keys
-from shardwise.io.safetensors.format import read_region
 from shardwise.io.source import Blob, Description, Finalize, ReadOptions, Reads, Want
 from shardwise.io.storage import Handles, storage_for
 

@@ -1,24 +1,15 @@
-"""What every ``sw.load`` path shares, whatever the format it reads (safetensors files,
-torch DCP, rank-local sharded safetensors) and however the shards are held: the result type,
-matching a checkpoint's keys, shapes and dtypes to the model before any data is read, the
-checks that nothing is left on the meta device, and the device and thread count of a load.
-
-The sources (``shardwise.io.formats``: safetensors, sharded, dcp) and the pipeline
-(``shardwise.io.load``) import it; it imports only the safetensors plugin's ``checkpoint`` and
-``quantized`` modules (key matching pairs FP8 and MXFP4 weights with their scales) and the hub
-layout. The device of a load is the decoded mesh's
-(``shardwise.mesh.MeshDims.device``). The cast rule is :func:`shardwise.io.staging.loaded_dtype`.
+"""Which stored tensor fills which model tensor, for the formats that store tensors under their
+names (ordinary safetensors, ``Checkpoint``; sharded safetensors, ``ShardedCheckpoint``): the
+``match`` step of their sources. Tied names, the hub layout (``Composite``) and the FP8 / MXFP4
+pairings (``quantized``) are decided here, once, before any data is read.
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from shardwise.core.adapter import adapter_for
@@ -32,30 +23,6 @@ if TYPE_CHECKING:
     from shardwise.io.formats.safetensors.quantized import Dequantized
 
 _SHOW = 20  # names listed in an error before "... and N more"
-
-
-@dataclass(frozen=True)
-class LoadResult:
-    """What one rank's ``sw.load`` did.
-
-    ``missing_keys``: model tensors the checkpoint lacks (non-strict loads only);
-    ``unexpected_keys``: checkpoint tensors the model has no place for; ``bytes_read``:
-    tensor bytes this rank read from disk; ``seconds``: wall time of the call on this rank;
-    ``tensors``: how many tensors were read; ``unused_plan_keys``: plan keys that matched
-    nothing in this model (skipped, as transformers skips them).
-    """
-
-    missing_keys: tuple[str, ...]
-    unexpected_keys: tuple[str, ...]
-    bytes_read: int
-    seconds: float
-    tensors: int
-    unused_plan_keys: tuple[str, ...] = ()
-
-    def __repr__(self) -> str:
-        return (f"LoadResult(tensors={self.tensors}, bytes_read={self.bytes_read}, "
-                f"seconds={self.seconds:.3f}, missing={len(self.missing_keys)}, "
-                f"unexpected={len(self.unexpected_keys)})")
 
 
 class KeyedCheckpoint(Protocol):
@@ -149,7 +116,6 @@ def match_keys(model: nn.Module, specs: ResolvedPlan, ckpt: KeyedCheckpoint, *, 
     return sources, missing, unexpected
 
 
-
 def check_dtype(name: str, stored: torch.dtype, declared: torch.dtype, *, where) -> None:
     """Raise ``CheckpointError`` unless a tensor stored as ``stored`` can fill a model tensor
     declared ``declared``: floating point to floating point (cast after slicing), anything
@@ -163,63 +129,9 @@ def check_dtype(name: str, stored: torch.dtype, declared: torch.dtype, *, where)
     )
 
 
-def check_nothing_left_on_meta(model: nn.Module, specs: ResolvedPlan, missing: list[str]) -> None:
-    """Raise before reading if the load would leave a tensor on the meta device."""
-    state = model.state_dict(keep_vars=True)
-    empty = [n for n in missing if state[n].is_meta]
-    if empty:
-        raise CheckpointError(
-            f"{len(empty)} tensor(s) missing from the checkpoint have no value in the model (meta "
-            f"device): {listing(empty)}; load a checkpoint that has them, or build the model with "
-            "these tensors materialised"
-        )
-    for name, buf in model.named_buffers():
-        if name not in state and buf.is_meta:
-            raise CheckpointError(
-                f"non-persistent buffer {name!r} is on the meta device; checkpoints never store "
-                "non-persistent buffers, so loading cannot fill it. Build the model inside "
-                "`with sw.empty_model():` (parameters on meta, buffers real) instead of "
-                "`with torch.device('meta'):`, or use sw.from_pretrained for Hugging Face models"
-            )
-
-
-def move_non_persistent(model: nn.Module, device: torch.device) -> None:
-    for module in model.modules():
-        for name in module._non_persistent_buffers_set:
-            buf = module._buffers.get(name)
-            if buf is not None and buf.device != device:
-                module._buffers[name] = buf.to(device)
-    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if left:  # a tensor outside the state dict (a custom state_dict hook hides it)
-        raise CheckpointError(
-            f"after loading, {listing(left)} are still on the meta device: the model's state_dict "
-            "does not list them, so no checkpoint can fill them; materialise them before sw.load"
-        )
-
-
-
-def reader_threads(asked: int | None) -> int:
-    """The reader threads of a load: ``asked``, else ``min(8, cpus / ranks on this host)``."""
-    if asked is not None:
-        return asked
-    # The ranks on this host share its cores (torchrun and sw.launch set LOCAL_WORLD_SIZE).
-    try:
-        local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        local_ranks = 1
-    return max(1, min(8, (os.cpu_count() or 1) // local_ranks))
-
-
 def listing(names: list[str]) -> str:
     shown = ", ".join(names[:_SHOW])
     return shown + (f", ... and {len(names) - _SHOW} more" if len(names) > _SHOW else "")
 
 
-def is_rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
-__all__ = [
-    "KeyedCheckpoint", "LoadResult", "check_dtype", "check_nothing_left_on_meta", "is_rank0", "listing",
-    "match_keys", "move_non_persistent", "reader_threads",
-]
+__all__ = ["KeyedCheckpoint", "check_dtype", "listing", "match_keys"]

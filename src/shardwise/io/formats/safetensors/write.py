@@ -7,10 +7,17 @@ so that the same tensors give the same files, byte for byte, whichever wrote the
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from shardwise.core.header import spec_nbytes
-from shardwise.io.formats.safetensors.headers import header_metadata, save_file_order
-from shardwise.io.safetensors.format import INDEX_SUFFIX, index_json, plan_files
+from shardwise.io.formats.safetensors.files import (
+    INDEX_SUFFIX,
+    StreamingWriter,
+    header_metadata,
+    index_json,
+    plan_files,
+    save_file_order,
+)
 from shardwise.io.sink import PlannedFile, Spec, StoredTensor, WritePlan
 
 
@@ -44,9 +51,9 @@ def plan_checkpoint(tensors: Sequence[Spec], *, max_shard_size: int | str, prefi
 
 
 class SafetensorsSink:
-    """The planning half of an ordinary safetensors checkpoint's sink, configured once; the
-    writers (``shardwise.io.gather.StreamSink``, ``shardwise.io.parallel_save.ParallelSink``)
-    add ``write``. ``plan(stored)`` takes ``StoredTensor``\\ s and is the same on every rank."""
+    """The ordinary safetensors checkpoint's writer (a ``shardwise.io.sink.FileSink``),
+    configured once: ``plan(stored)`` takes ``StoredTensor``\\ s and is the same on every
+    rank; ``open_file`` streams one planned file (``StreamingWriter``)."""
 
     def __init__(self, *, max_shard_size: int | str, prefix: str, metadata: Mapping[str, str] | None,
                  index_metadata: Mapping | None = None,
@@ -60,6 +67,10 @@ class SafetensorsSink:
                                metadata=self.metadata, index_metadata=self.index_metadata,
                                storages=self.storages,
                                parts={s.name: s.part for s in stored if s.part is not None})
+
+    def open_file(self, location: Path, tensors: Sequence[Spec],
+                  header: Mapping[str, str]) -> StreamingWriter:
+        return StreamingWriter(location, tensors, header)
 
 
 __all__ = ["SafetensorsSink", "plan_checkpoint"]

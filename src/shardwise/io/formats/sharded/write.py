@@ -39,14 +39,11 @@ from shardwise.core.header import dtype_to_str, spec_nbytes
 from shardwise.core.spec import Region
 from shardwise.errors import CheckpointError
 from shardwise.holding import Holding
-from shardwise.io.formats.dcp.coord import checkpoint_info, model_placed, on_rank0
-from shardwise.io.formats.safetensors.headers import header_metadata, save_file_order
+from shardwise.io.formats.dcp.coord import checkpoint_info, model_placed
+from shardwise.io.formats.safetensors.files import StreamingWriter, header_metadata, save_file_order
 from shardwise.io.formats.sharded.checkpoint import check_tiling, sharding_metadata
-from shardwise.io.guards import check_model
-from shardwise.io.info import ALGORITHM, chunk_key, write_info
-from shardwise.io.safetensors.format import StreamingWriter
-from shardwise.io.sink import PlannedFile, WritePlan
-from shardwise.io.storage import storage_for
+from shardwise.io.info import ALGORITHM, chunk_key
+from shardwise.io.sink import PlannedFile, Saving, WritePlan
 from shardwise.io.storage.transaction import target_path
 from shardwise.parallel import get_shard_state
 
@@ -184,56 +181,35 @@ def _all_checksums(sums: dict[str, dict[str, str]], backend: Backend | None) -> 
 def save_sharded_safetensors(model: nn.Module, path, *, backend: Backend | None, overwrite: bool = False,
                              metadata: Mapping[str, str] | None = None, progress: bool | None = None) -> None:
     """Write ``model`` at ``path`` as a sharded safetensors checkpoint (torch's
-    ``HuggingFaceStorageWriter(save_distributed=True)`` format); every rank calls it and
-    writes its own chunks, nothing is gathered. ``metadata`` goes into ``shardwise.json``
-    (and, through ``sw.consolidate``, into the safetensors headers). ``progress`` is
-    accepted for ``sw.save``'s signature. Complete or absent: written aside, moved into
-    place when every rank is done; ``path`` must be on a filesystem every rank sees.
+    ``HuggingFaceStorageWriter(save_distributed=True)`` format); every rank calls it (after
+    ``sw.save``'s guards) and writes its own chunks, nothing is gathered. ``metadata`` goes
+    into ``shardwise.json`` (and, through ``sw.consolidate``, into the safetensors headers).
+    ``progress`` is accepted for ``sw.save``'s signature. Complete or absent (one ``Saving``);
+    ``path`` must be on a filesystem every rank sees.
 
-    >>> sw.save(model, "out/hf_dcp", distributed=True, format="safetensors")   # doctest: +SKIP
+    >>> sw.save(model, "out/hf_dcp", distributed=True, format="sharded")   # doctest: +SKIP
     """
-    check_model(model, action="save")
     header_metadata(metadata)  # str -> str, or a CheckpointError before anything is written
     state = get_shard_state(model)
     if state is not None and state.holding is Holding.SPMD:
         raise CheckpointError("a sharded safetensors save needs one process per device; under "
-                              "holding 'spmd' save with format='distcp' (the default)")
+                              "holding 'spmd' save with format='dcp' (the default)")
     target = target_path(path)
-    what = f"sw.save(distributed=True, format='safetensors') to {target}"
-    rank = comm.rank()
+    what = f"sw.save(distributed=True, format='sharded') to {target}"
     box: dict = {}
-
-    def plan_own():
-        box["placed"] = model_placed(model)
-        box["held"] = held_chunks(box["placed"])
-
-    agree(backend, capture(plan_own), what=what)  # no rank may miss the gather below
-    held = comm.all_gather_object(box["held"], group=coordination_group(backend), purpose=what)
+    # no rank may miss the gather below
+    agree(backend, capture(lambda: box.update(placed=model_placed(model))), what=what)
     placed = box["placed"]
-    sink = ShardedSafetensorsSink(placed, rank)
+    held = comm.all_gather_object(held_chunks(placed), group=coordination_group(backend), purpose=what)
+    sink = ShardedSafetensorsSink(placed, comm.rank())
     plan = sink.plan(held)
-    dest = storage_for(target).transaction(target, overwrite=overwrite) if rank == 0 else None
-
-    def prepare():
-        dest.prepare()
-        return str(dest.folder)
-
-    try:
-        tmp = Path(on_rank0(prepare, f"preparing {what}", backend=backend, share=True))
+    with Saving(target, overwrite=overwrite, backend=backend, what=what) as saving:
         sums: dict[str, dict[str, str]] = {}
-        agree(backend, capture(lambda: sums.update(sink.write(plan, tmp))), what=what)
+        agree(backend, capture(lambda: sums.update(sink.write(plan, saving.folder))), what=what)
         info = checkpoint_info(model, placed, kind="model", metadata=metadata)
         info.update(storage="safetensors", checksums=_all_checksums(sums, backend))
-
-        def commit():
-            write_info(dest.folder, info)
-            adapter_for(model).write_side_files(model, dest.folder)  # config.json & co, as every save
-            dest.commit(None)
-
-        on_rank0(commit, f"moving {what} into place", backend=backend)
-    finally:
-        if dest is not None:
-            dest.discard()
+        files = adapter_for(model).write_side_files  # config.json & co, as every save
+        saving.commit(info=info, side_files=lambda folder: files(model, folder))
 
 
 __all__ = ["ShardedSafetensorsSink", "assign_chunks", "file_name", "held_chunks", "num_files", "rank_files",
