@@ -337,6 +337,18 @@ def split_scheme(location: str | os.PathLike) -> tuple[str | None, str]:
     return (scheme, rest) if sep and scheme.isidentifier() else (None, text)
 
 
+def _object_store(scheme: str) -> Callable[..., Storage]:
+    def make(**storage_options) -> Storage:  # obstore is imported on the first request, not here
+        from shardwise.io.storage.objects import factory
+
+        return factory(scheme)(**storage_options)
+    return make
+
+
+for _scheme in ("s3", "gs"):
+    register_storage(_scheme, _object_store(_scheme))
+
+
 def byte_view(t: torch.Tensor) -> memoryview:
     """A writable memoryview of the bytes of a contiguous CPU tensor, aliasing its memory.
 

