@@ -2,13 +2,9 @@
 and S3-compatible stores) and ``gs://bucket/prefix``, through obstore (Rust ``object_store``:
 concurrent ranged GETs and multipart uploads without the GIL; docs/guide.md says why).
 
-A location is ``bucket/key`` (the URL without its scheme; ``s3://bucket/key`` is taken too).
-Configured as the ecosystem does: the ``AWS_*`` variables (``AWS_ENDPOINT_URL``,
-``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``, ``AWS_ALLOW_HTTP``, ...),
-the ``GOOGLE_*`` ones (``GOOGLE_SERVICE_ACCOUNT``, ``GOOGLE_APPLICATION_CREDENTIALS``, ...) or
-``STORAGE_EMULATOR_HOST`` for a GCS emulator; or ``storage_options=`` (the factory's keyword
-arguments: obstore's config keys such as ``endpoint``, ``access_key_id``, ``region``,
-``allow_http``, plus ``part_size``, ``concurrency``, ``retries``, ``timeout``).
+A location is a Location whose path is ``bucket/key`` (or ``bucket/key`` as a str). Configured
+by the ``AWS_*`` / ``GOOGLE_*`` variables, ``STORAGE_EMULATOR_HOST``, or ``storage_options=``
+(obstore's config keys, plus ``part_size``, ``concurrency``, ``retries``, ``timeout``).
 
 Reads: every GET is ranged, checked against the object's length and ETag from ``open``'s HEAD
 (an object replaced while being read is an error, never a mix), retried with bounded backoff
@@ -17,8 +13,8 @@ at most ``part_size`` bytes that read at most 1/20 more than asked, ``concurrenc
 No mapped views: ``map_whole`` / ``map_range`` are None. Writes: buffered, one PUT for a small
 object, a multipart upload (aborted on failure or ``abort``) for a large one; visible only at
 ``commit``. Positional writes into an existing object are refused (an object store has none).
-The writer and the save transaction are ``shardwise.io.storage.objects_write``. Credentials never appear in
-an error: every message is scrubbed of the configured secrets.
+The writer and the save transaction: ``shardwise.io.storage.objects_write``. No error shows a
+configured secret.
 """
 
 from __future__ import annotations
