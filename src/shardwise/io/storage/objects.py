@@ -13,8 +13,7 @@ at most ``part_size`` bytes that read at most 1/20 more than asked, ``concurrenc
 No mapped views: ``map_whole`` / ``map_range`` are None. Writes: buffered, one PUT for a small
 object, a multipart upload (aborted on failure or ``abort``) for a large one; visible only at
 ``commit``. Positional writes into an existing object are refused (an object store has none).
-The writer and the save transaction: ``shardwise.io.storage.objects_write``. No error shows a
-configured secret.
+The writer and the save transaction: ``objects_write``. No error shows a configured secret.
 """
 
 from __future__ import annotations
