@@ -10,10 +10,10 @@ import os
 import threading
 
 import pytest
+from located import write_small
 from servers import ACCESS_KEY, SECRET_KEY
 
 from shardwise.errors import CheckpointError
-from shardwise.io.storage import write_small
 
 HANG = 300.0  # seconds after which a call counts as hung (far past every bounded retry)
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 import os
 
 import pytest
+from located import read_small, write_small
 
 from shardwise.errors import CheckpointError, UsageError
-from shardwise.io.storage import read_small, storage_for, write_small
+from shardwise.io.storage import locate
 
 
 def _put(storage, loc: str, data: bytes) -> None:
@@ -134,7 +135,7 @@ def test_the_scheme_registry_serves_urls_from_the_environment(remote, monkeypatc
                      "AWS_SECRET_ACCESS_KEY": remote.options["secret_access_key"],
                      "AWS_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true"}.items():
             monkeypatch.setenv(k, v)
-    storage = storage_for(remote.url("e"))
-    assert storage is storage_for(remote.url("f"))  # one storage (and its clients) per configuration
+    storage = locate(remote.url("e")).storage
+    assert storage is locate(remote.url("f")).storage  # one storage (and its clients) per configuration
     write_small(storage, remote.url("e/one"), b"1")
     assert storage.list(remote.url("e")) == ["one"] and storage.stat(remote.loc("e/one")) == 1

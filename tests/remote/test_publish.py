@@ -7,9 +7,9 @@ import json
 import os
 
 import pytest
+from located import write_small
 
 from shardwise.errors import CheckpointError
-from shardwise.io.storage import write_small
 from shardwise.io.storage.objects_write import PUBLISH_MARK
 
 INDEX = "model.safetensors.index.json"

@@ -5,21 +5,20 @@ row, coalesced where the gaps allow, never more than 1.05x the share."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-from shardwise.io.safetensors.format import StreamingWriter, read_header
+from located import at
 
 from shardwise.core.spec import ShardSpec, split
+from shardwise.io.formats.safetensors.files import StreamingWriter, read_header
 from shardwise.io.formats.safetensors.reader import RegionReader, plan_reads
 
 TENSORS = {"rows": torch.randn(512, 256), "cols": torch.randn(256, 512), "bias": torch.randn(512)}
 
 
-def _write(storage, path: Path) -> None:
+def _write(path) -> None:
     specs = [(n, "F32", tuple(t.shape)) for n, t in TENSORS.items()]
-    with StreamingWriter(path, specs, storage=storage) as writer:
+    with StreamingWriter(path, specs) as writer:
         for name, t in TENSORS.items():
             writer.write(name, t)
 
@@ -28,16 +27,16 @@ def _write(storage, path: Path) -> None:
 @pytest.mark.parametrize("dim", [0, 1])
 def test_each_rank_fetches_only_its_slice(remote, degree, dim):
     storage = remote.storage()
-    path = Path(remote.loc("ckpt/model.safetensors"))
-    _write(storage, path)
-    header = read_header(path, storage=storage)
+    path = at(storage, remote.loc("ckpt/model.safetensors"))
+    _write(path)
+    header = read_header(path)
     plan = {"rows": ShardSpec(dim=dim), "cols": ShardSpec(dim=dim), "bias": ShardSpec(dim=0)}
     share = sum(t.numel() * 4 for t in TENSORS.values()) // degree
     requests = []
     for rank in range(degree):
         remote.proxy.clear()
         items = plan_reads({n: (path, header.entries[n]) for n in TENSORS}, plan, degree, rank)
-        with RegionReader({path: header}, num_threads=4, storage=storage) as reader:
+        with RegionReader({path: header}, num_threads=4) as reader:
             got = reader.read(items, finalize=lambda item, raw: raw)
         for name, t in TENSORS.items():
             assert torch.equal(got[name], split(t, plan[name], degree, rank)), (name, rank)
