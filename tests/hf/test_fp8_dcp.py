@@ -40,7 +40,8 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _check_held(model, stored: dict, what: str) -> None:
     """Every local tensor is this rank's part of the stored tensor: the FP8 weights and their
     scales bytes and dtype as stored, whatever the load's dtype (float32), the rest cast to it."""
-    from shardwise.parallel import get_shard_state, local_of, local_part
+    from shardwise.parallel import get_shard_state, local_of
+    from shardwise.quant import local_part
 
     state = get_shard_state(model)
     held = model.state_dict()
