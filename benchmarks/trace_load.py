@@ -28,7 +28,10 @@ from safetensors.torch import save_file
 from torch import nn
 
 import shardwise as sw
-from shardwise import testing
+try:
+    from shardwise.testing import spawn
+except ImportError:  # a --base commit older than shardwise.testing (the 040407b)
+    from shardwise.launch import spawn  # type: ignore[no-redef]
 
 PLAN = {"blocks.*.q": "colwise", "blocks.*.o": "rowwise", "blocks.*.up": "colwise",
         "blocks.*.down": "rowwise", "head": "colwise"}
@@ -137,7 +140,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         write_checkpoint(Path(tmp))
-        result = testing.spawn(rank_trace, args.degree, args=(tmp, args.degree))[0]
+        result = spawn(rank_trace, args.degree, args=(tmp, args.degree))[0]
     print(f"sw.load at tp={args.degree}, rank 0: {result['modules']} modules, {result['functions']} "
           f"functions, {result['calls']} calls, {result['layer_switches']} layer switches")
     print("calls by layer:", ", ".join(f"{k} {v}" for k, v in sorted(result["calls_by_layer"].items())))
