@@ -28,9 +28,10 @@ from safetensors.torch import save_file
 from torch import nn
 
 import shardwise as sw
+
 try:
     from shardwise.testing import spawn
-except ImportError:  # a --base commit older than shardwise.testing (the 040407b)
+except ModuleNotFoundError:  # a --base commit older than shardwise.testing (the 040407b)
     from shardwise.launch import spawn  # type: ignore[no-redef]
 
 PLAN = {"blocks.*.q": "colwise", "blocks.*.o": "rowwise", "blocks.*.up": "colwise",
