@@ -129,7 +129,7 @@ def load(model: nn.Module, path: str | os.PathLike | Location, *, plan, mesh,
     reads = source.plan(place.wants(names))
     how = ReadOptions(dtype, place.device, reader_threads(num_threads),
                       replicas=dims if dims.shares_reads else None, window=place.window,
-                      backend=dims.comm_backend)
+                      backend=dims.comm_backend, mesh=dims)
     with Progress(reads.nbytes, progress, is_rank0(), "shardwise load") as bar:
         tensors = source.read(reads, finalize=place.finalize, options=how, on_bytes=bar)
     place.install(model, tensors, missing)
