@@ -119,3 +119,35 @@ def _data_bytes(proxy, starts: dict[str, int]) -> int:
             first = int(r.headers["range"].removeprefix("bytes=").split("-")[0])
             out += r.sent if first >= starts[name] else 0
     return out
+
+
+def _load_failing(url: str, options: list[dict]) -> str:
+    backend = sw.init_backend("gloo")
+    with torch.device("meta"):
+        model = make_model()
+    try:
+        sw.load(model, f"{url}/one", plan=tiny_plan(), mesh=backend.mesh(tp=2),
+                storage_options=options[backend.rank])
+    except sw.errors.ShardwiseError as e:
+        return f"{type(e).__name__}: {e}"
+    return "loaded"
+
+
+def test_a_read_that_fails_on_one_rank_raises_on_every_rank(s3, tmp_path):
+    """Rank 1's every GET of the file's data is throttled until its retries run out: rank 1 raises
+    its error, rank 0 one naming rank 1's; neither waits in the exchange."""
+    url = s3.url().rstrip("/")
+    sw.save(make_model(), f"{url}/one", storage_options=s3.options)  # one file: both ranks read it
+    sw.save(make_model(), tmp_path / "one")
+    local = tmp_path / "one" / "model.safetensors"
+    start = 8 + int.from_bytes(local.read_bytes()[:8], "little")
+    proxies = [Proxy(s3.server.endpoint) for _ in range(2)]
+    try:
+        proxies[1].fault("503", method="GET", path="model.safetensors", times=10_000, start=start)
+        options = [{**s3.options, "endpoint": p.endpoint} for p in proxies]
+        messages = spawn(_load_failing, 2, args=(url, options), timeout=240)
+    finally:
+        for p in proxies:
+            p.close()
+    assert "model.safetensors" in messages[1] and "503" in messages[1], messages
+    assert messages[0].startswith("CheckpointError") and "rank(s) [1]" in messages[0], messages
