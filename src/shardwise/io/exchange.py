@@ -195,11 +195,13 @@ def plan_exchange(needs: Sequence[Sequence[Need]], tensors: Mapping[Key, TensorE
 
 def exchanges(storage, dims: MeshDims | None) -> bool:
     """Whether a load from ``storage`` over ``dims`` reads once per job (:func:`read_exchanged`):
-    the storage asks for it (``fetch_once``) and the mesh spans a process group of more than one
-    rank (a mesh over part of the job reads as a local load does: its peers outside the mesh
-    would not take part in the exchange)."""
+    the storage asks for it (``fetch_once``), the mesh spans a process group of more than one
+    rank and its backend has an ``all_to_all``. Otherwise each rank reads its own regions, as
+    from local files (a mesh over part of the job: its peers outside would not take part)."""
+    backend = dims.comm_backend if dims is not None else None
     return (bool(getattr(storage, "fetch_once", False)) and dims is not None and dims.spans_world
-            and not dims.holding.one_process and dims.comm_backend is not None and comm.world_size() > 1)
+            and not dims.holding.one_process and backend is not None and backend.supports_all_to_all
+            and comm.world_size() > 1)
 
 
 def read_exchanged(reader: RegionReader, items: list[ReadItem], *, finalize: Finalize, dims: MeshDims,
