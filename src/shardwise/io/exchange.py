@@ -127,7 +127,7 @@ def _slabs(pool: Sequence[Key], tensors: Mapping[Key, TensorEntry], num_chunks: 
         row = 0
         while row < rows:
             k = min(num_chunks - 1, (base + row * step) * num_chunks // total)
-            end = -(-(k + 1) * total // num_chunks)  # the chunk's end, rounded up to a row below
+            end = -(-(k + 1) * total // num_chunks)  # chunk k's end: its slab stops at the next row
             stop = rows if k == num_chunks - 1 else min(rows, -(-(end - base) // step))
             rest = entry.shape[1:]
             region = Region((row,) + (0,) * len(rest), (stop - row,) + tuple(rest)) if entry.shape \
