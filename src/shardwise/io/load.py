@@ -11,8 +11,9 @@ A format is a :class:`~shardwise.io.source.Source`: ordinary safetensors and hub
 (``shardwise.io.formats.safetensors``), rank-local sharded safetensors
 (``shardwise.io.formats.sharded``), torch DCP (``shardwise.io.formats.dcp``); the keyed formats match names in
 ``shardwise.io.formats.safetensors.keys``. Every rank
-plans and reads on its own; the only collectives are DCP's own and the dp replicas' sharing
-of reads (``shardwise.io.replicas``).
+plans and reads on its own; the only collectives are DCP's own, the dp replicas' sharing
+of reads (``shardwise.io.replicas``) and the exchange of a storage read once per job
+(``shardwise.io.exchange``).
 """
 
 from __future__ import annotations

@@ -152,7 +152,8 @@ class Stored(Protocol):
 class Source(Protocol):
     """What ``sw.load`` asks of a checkpoint: every rank calls, in order, ``match`` once, ``plan``
     once, ``read`` once (``read`` may run collectives: DCP always, safetensors with dp
-    replicas). ``bytes_read`` counts tensor bytes this rank read."""
+    replicas or over a storage read once per job). ``bytes_read`` counts tensor bytes this rank
+    read from storage."""
 
     name: str
     root: Location
