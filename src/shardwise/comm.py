@@ -157,6 +157,20 @@ def broadcast(tensor: torch.Tensor, src: int, *, backend: Backend | None, group=
     return pending
 
 
+def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor, output_sizes: list[int],
+                      input_sizes: list[int], *, backend: Backend | None, group=None,
+                      purpose: str = "") -> torch.Tensor:
+    """Send ``input_sizes[r]`` elements of ``tensor`` (in order) to each group rank ``r`` and
+    receive ``output_sizes[r]`` from each into ``output``; every rank of the group calls it,
+    ``backend`` waits for it (None: no process group, ``tensor`` is copied into ``output``)."""
+    if backend is None:
+        return output.copy_(tensor)
+    _start("all_to_all_single", group, purpose,
+           lambda: dist.all_to_all_single(output, tensor, output_sizes, input_sizes, group=group,
+                                          async_op=True), backend).wait()
+    return output
+
+
 def all_reduce_inline(tensor: torch.Tensor, *, group=None) -> torch.Tensor:
     """Sum ``tensor`` in place over ``group``: a plain synchronous call for local holding's
     forward and backward (every training step), bounded by the process group's timeout;
@@ -283,6 +297,7 @@ def agree(backend: Backend | None, error: BaseException | None, *, what: str,
 
 __all__ = [
     "AdoptedBackend", "Pending", "agree", "all_gather_inline", "all_gather_object", "all_reduce",
+    "all_to_all_single",
     "all_reduce_inline", "broadcast", "broadcast_object", "capture", "device_for", "fingerprint",
     "gather_object", "guarded", "is_distributed", "rank", "world_size",
 ]

@@ -49,6 +49,7 @@ class _Fault:
     path: str | None
     times: int
     seconds: float
+    start: int | None = None
 
 
 def _json_copy(source: str, target: str) -> str:
@@ -87,12 +88,13 @@ class Proxy:
     # --- what the tests use ------------------------------------------------------------------
 
     def fault(self, kind: str, *, method: str | None = None, path: str | None = None, times: int = 1,
-              seconds: float = 0.0) -> None:
+              seconds: float = 0.0, start: int | None = None) -> None:
         """Queue ``times`` faults of ``kind`` for the next requests matching ``method`` and
-        (a substring of) ``path``, decoded."""
+        (a substring of) ``path``, decoded; with ``start``, only ranged requests from that byte
+        on (a file's data, not its header)."""
         assert kind in ("503", "reset", "truncate", "short", "delay"), kind
         with self._lock:
-            self._faults.append(_Fault(kind, method, path, times, seconds))
+            self._faults.append(_Fault(kind, method, path, times, seconds, start))
 
     def clear(self) -> None:
         with self._lock:
@@ -132,10 +134,13 @@ class Proxy:
 
     # --- the proxy ---------------------------------------------------------------------------
 
-    def _take(self, method: str, path: str) -> _Fault | None:
+    def _take(self, method: str, path: str, headers: dict) -> _Fault | None:
         path = unquote(path)  # GCS's XML API encodes "/", "-" and "."
+        first = headers.get("range", "").removeprefix("bytes=").split("-")[0]
         with self._lock:
             for f in self._faults:
+                if f.start is not None and not (first.isdigit() and int(first) >= f.start):
+                    continue
                 if (f.method is None or f.method == method) and (f.path is None or f.path in path):
                     f.times -= 1
                     self.taken.append(f.kind)
@@ -189,7 +194,7 @@ class Proxy:
 
     def _answer(self, conn, upstream, cid, method, target, headers, lower, body) -> bool:
         """Forward one request and answer it; False when the connection is to be dropped."""
-        fault = self._take(method, target)
+        fault = self._take(method, target, lower)
         kind = fault.kind if fault else None
         if kind == "delay":
             time.sleep(fault.seconds)

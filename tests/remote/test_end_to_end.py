@@ -63,7 +63,7 @@ def test_the_public_verbs_over_an_object_store(remote, tmp_path):
     remote.proxy.clear()
     env = {k: os.environ[k] for k in ("STORAGE_EMULATOR_HOST",) if k in os.environ}
     read = spawn(_load_at_tp2, 2, args=(url, str(tmp_path), options), env=env, timeout=240)
-    # the ranks fetched what they read (their shares; the replicated norms twice), the headers
+    # the ranks fetched what they read (their shares, each byte once: io.exchange), the headers
     # and the DCP save's own reads at most on top: never a whole file per rank
     fetched = remote.proxy.sent("GET")
     assert sum(read) <= fetched <= 1.05 * sum(read) + 2 * (file_bytes - sum(read) / 2) + 64_000

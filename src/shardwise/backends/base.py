@@ -125,6 +125,7 @@ class Backend:
     supports_dtensor: ClassVar[bool] = True   # shards held as DTensors (else local + hooks)
     supports_gather: ClassVar[bool] = True    # a gather to one rank (else all-gather only)
     supports_p2p: ClassVar[bool] = True       # isend / irecv between two ranks (transfer_plan)
+    supports_all_to_all: ClassVar[bool] = True  # all_to_all_single with splits (io.exchange)
     # Why a collective's timeout cannot be honoured here, or None when it is (the validation
     # suite reports its timeout scenario UNSUPPORTED with this reason).
     timeout_limit: ClassVar[str | None] = None

@@ -101,6 +101,7 @@ class NeuronBackend(Backend):
     supports_dtensor = True
     supports_gather = False
     supports_p2p = False  # not documented for TorchNeuron's group: conservatively off, like gather
+    supports_all_to_all = False  # as p2p
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)

@@ -63,6 +63,7 @@ class XlaBackend(Backend):
     supports_dtensor = False
     supports_gather = False
     supports_p2p = False  # torch_xla's process group implements no isend / irecv
+    supports_all_to_all = False  # nor an all_to_all with uneven splits
 
     timeout_limit = TIMEOUT_LIMIT
 

@@ -11,8 +11,9 @@ A format is a :class:`~shardwise.io.source.Source`: ordinary safetensors and hub
 (``shardwise.io.formats.safetensors``), rank-local sharded safetensors
 (``shardwise.io.formats.sharded``), torch DCP (``shardwise.io.formats.dcp``); the keyed formats match names in
 ``shardwise.io.formats.safetensors.keys``. Every rank
-plans and reads on its own; the only collectives are DCP's own and the dp replicas' sharing
-of reads (``shardwise.io.replicas``).
+plans and reads on its own; the only collectives are DCP's own, the dp replicas' sharing
+of reads (``shardwise.io.replicas``) and the exchange of a storage read once per job
+(``shardwise.io.exchange``).
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ def load(model: nn.Module, path: str | os.PathLike | Location, *, plan, mesh,
     reads = source.plan(place.wants(names))
     how = ReadOptions(dtype, place.device, reader_threads(num_threads),
                       replicas=dims if dims.shares_reads else None, window=place.window,
-                      backend=dims.comm_backend)
+                      backend=dims.comm_backend, mesh=dims)
     with Progress(reads.nbytes, progress, is_rank0(), "shardwise load") as bar:
         tensors = source.read(reads, finalize=place.finalize, options=how, on_bytes=bar)
     place.install(model, tensors, missing)

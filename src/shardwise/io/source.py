@@ -55,7 +55,8 @@ class ReadOptions:
     ``replicas``: the decoded mesh where dp replicas share their reads (``MeshDims.shares_reads``,
     ``io.replicas``), else None; ``backend`` the one collectives wait in (the decoded mesh's
     ``comm_backend``); ``window``: bytes per batch for a format that reads in collective
-    batches (DCP), None for one batch."""
+    batches (DCP), None for one batch; ``mesh`` the decoded mesh, for a source over a storage
+    that reads once per job (``io.exchange.exchanges``)."""
 
     dtype: torch.dtype | None
     device: torch.device | None
@@ -63,6 +64,7 @@ class ReadOptions:
     replicas: MeshDims | None = None
     window: int | None = None
     backend: Backend | None = None
+    mesh: MeshDims | None = None
 
 
 @dataclass(frozen=True)
@@ -150,7 +152,8 @@ class Stored(Protocol):
 class Source(Protocol):
     """What ``sw.load`` asks of a checkpoint: every rank calls, in order, ``match`` once, ``plan``
     once, ``read`` once (``read`` may run collectives: DCP always, safetensors with dp
-    replicas). ``bytes_read`` counts tensor bytes this rank read."""
+    replicas or over a storage read once per job). ``bytes_read`` counts tensor bytes this rank
+    read from storage."""
 
     name: str
     root: Location

@@ -194,7 +194,10 @@ class Storage(Protocol):
     ``path`` the key, its ``str()`` what errors call it). Each rank gets its own instance
     from :func:`locate`; instances on different ranks see the same objects. Which rank calls
     what is the caller's: a load has every rank ``open`` / ``stat`` / ``list`` what it
-    reads; a save is the module doc's order."""
+    reads; a save is the module doc's order. A storage where each request costs a round trip
+    declares ``fetch_once = True``: a load over a process group then reads each byte once per
+    job, in whole ranges, and the ranks exchange the rest (``shardwise.io.exchange``); absent
+    or False, every rank reads its own regions."""
 
     def open(self, location: Location) -> ReadHandle:
         """The object at ``location`` for reading; a ``CheckpointError`` naming it when it is

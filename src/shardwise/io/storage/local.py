@@ -282,6 +282,8 @@ class LocalStorage:
     """The local filesystem (see the module doc); ``LOCAL`` is the one instance. Its
     locations' ``path`` is a ``Path``."""
 
+    fetch_once = False  # pread and mapped views: each rank reads its own runs (io.exchange)
+
     def open(self, location: Location) -> LocalFile:
         return LocalFile(Path(location.path))
 

@@ -59,6 +59,7 @@ class ObjectStorage:
     bucket, made on first use. Every method may be called from any thread."""
 
     positional_writes = False  # pwrite / create(existing=True) are refused: see create()
+    fetch_once = True  # a request costs a round trip: a job's load reads each byte once (io.exchange)
 
     def __init__(self, scheme: str, **options):
         if scheme not in ("s3", "gs"):
@@ -241,7 +242,6 @@ def _secrets(options: dict) -> list[str]:
     return sorted({s for s in found if len(s) >= 4}, key=len, reverse=True)
 
 
-PUBLISH_MARK = ".shardwise-publish.json"
 def beside(key: str, mark: str) -> str:
     parent, _, name = key.rpartition("/")
     return f"{parent}/.{name}{mark}" if parent else f".{name}{mark}"

@@ -6,7 +6,8 @@ per rank (``io.formats.safetensors.quantized``).
 
 Every rank reads only the bytes of its own regions of each tensor (the whole tensor when it
 is replicated) through :class:`~shardwise.io.formats.safetensors.reader.RegionReader`; no collective runs,
-except that dp replicas (``io.replicas``) read each region once and send it to the others.
+except that dp replicas (``io.replicas``) read each region once and send it to the others, and
+that over an object store the job reads each byte once and the ranks exchange (``io.exchange``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from shardwise.core.pieces import Composite, piece_reads
 from shardwise.core.plan import ResolvedPlan
 from shardwise.core.quant_layout import scale_layout, scale_local_shape
 from shardwise.core.spec import local_layout, local_shape
+from shardwise.io.exchange import exchanges, read_exchanged
 from shardwise.io.formats.safetensors.checkpoint import resolve_checkpoint
 from shardwise.io.formats.safetensors.keys import match_keys
 from shardwise.io.formats.safetensors.quantized import Dequantized, Dequantizer
@@ -63,15 +65,19 @@ class SafetensorsSource(SafetensorsStored):
         items, assembler, dequantizer, whole = reads.detail
         dequantizer.dtype = options.dtype
         viewable = cpu_views(options.device, options.dtype) if options.device is not None else None
-        with RegionReader(self.ckpt.headers, num_threads=options.num_threads, on_bytes=on_bytes,
-                          viewable=viewable) as reader:
+        # a storage that reads once per job: the ranks fetch slabs and exchange (io.exchange)
+        job = options.mesh if exchanges(self.root.storage, options.mesh) else None
+        with RegionReader(self.ckpt.headers, num_threads=options.num_threads, viewable=viewable,
+                          on_bytes=on_bytes if job is None else None) as reader:
             def take(item, raw):
                 if item.name in dequantizer.parts:
                     return dequantizer.take(item, raw, finalize)
                 return assembler.take(item, raw, finalize)
 
             try:
-                if options.replicas is None:
+                if job is not None:
+                    tensors = read_exchanged(reader, items, finalize=take, dims=job, on_bytes=on_bytes)
+                elif options.replicas is None:
                     tensors = reader.read(items, finalize=take)
                 else:  # dp replicas: each region is read by one of them and sent to the others
                     tensors = read_once(reader, items, finalize=take, dims=options.replicas,
