@@ -23,13 +23,14 @@ a save before anything is written. No error shows a configured secret.
 
 from __future__ import annotations
 
+import builtins
 import json
 import os
 import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 from shardwise.errors import CheckpointError, UsageError
 from shardwise.io.storage import Location
@@ -120,7 +121,7 @@ class FsspecStorage:
         meta = self.head("", key)
         if meta is None:
             raise CheckpointError(f"{self.url('', key)}: no such object")
-        return FsspecFile(self, "", key, meta["size"], None)
+        return FsspecFile(self, key, meta["size"])
 
     def stat(self, location) -> int | None:
         meta = self.head("", self._redirect(self._key(location)))
@@ -165,7 +166,7 @@ class FsspecStorage:
     def _redirect(self, key: str) -> str:
         return key if self.read_only else redirect(self, "", key)[1]
 
-    def _entries(self, key: str) -> list[tuple[str, str]]:
+    def _entries(self, key: str) -> builtins.list[tuple[str, str]]:
         """``(name, type)`` of what is directly under the folder ``key``; [] for none."""
         path = self.path(key)
         try:
@@ -242,17 +243,20 @@ class FsspecFile(ObjectFile):
     """One object opened for reading at the length its ``info`` gave: ``objects.ObjectFile``'s
     coalesced, concurrent, checked reads, each range fetched through fsspec."""
 
-    storage: FsspecStorage
+    def __init__(self, storage: FsspecStorage, key: str, size: int):
+        # ObjectFile's reads use only the storage's part_size, pool and url; fetch is this one
+        super().__init__(cast(Any, storage), "", key, size, None)
+        self.source = storage
 
     def fetch(self, start: int, end: int):
         def request():
-            data = self.storage.read_range(self.key, start, end, self._size)
+            data = self.source.read_range(self.key, start, end, self._size)
             if len(data) != end - start:
                 raise _Short(f"{len(data)} bytes for the {end - start}-byte range (the object changed "
                              "under the reader, or the server ignored the Range)")
             return data
 
-        return self.storage.call(request, f"reading {self.name} bytes [{start}, {end})")
+        return self.source.call(request, f"reading {self.name} bytes [{start}, {end})")
 
 
 class FsspecWriter:
