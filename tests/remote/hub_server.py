@@ -102,8 +102,11 @@ def _handler(hub: HubServer):
 
         def _repo(self, repo: str, revision: str) -> Path | None:
             """The folder of ``repo`` at ``revision``, or None having answered the 404 / 401."""
-            if hub.token is not None and self.headers.get("Authorization") != f"Bearer {hub.token}":
-                self._reply(401, b"unauthorized", {"X-Error-Message": "Invalid username or password."})
+            given = self.headers.get("Authorization")
+            if hub.token is not None and given != f"Bearer {hub.token}":
+                # the hub's answers: a wrong token, or none for a private repo (taken as absent)
+                wrong = {"X-Error-Message": "Invalid credentials in Authorization header"}
+                self._reply(401, b"unauthorized", wrong if given else {"X-Error-Code": "RepoNotFound"})
                 return None
             if repo not in hub.repos:
                 self._missing("RepoNotFound")

@@ -70,10 +70,14 @@ def _commit(repo_id: str, revision: str, token: str | bool | None) -> str:
         raise CheckpointError(f"{repo_id!r}: no local folder of that name, and no model repo {repo_id!r} on "
                               f"{where} that this token can see; check the id, or pass token= (or set "
                               "HF_TOKEN) for a private or gated repo") from None
-    except Exception as e:  # offline mode, a connection refused, a 5xx: the hub cannot answer
-        raise CheckpointError(f"{repo_id!r} (a hub repo id, revision {revision!r}): {where} did not answer: "
-                              f"{type(e).__name__}: {_scrub(e, token)}; with HF_HUB_OFFLINE set, pass "
-                              "the downloaded folder instead") from None
+    except Exception as e:  # a token refused; offline mode, a connection refused, a 5xx
+        status = getattr(getattr(e, "response", None), "status_code", None)
+        if status in (401, 403):
+            raise CheckpointError(f"{where} refused access to the hub repo {repo_id!r} (HTTP {status}): "
+                                  "pass token= (or set HF_TOKEN) with read access to it") from None
+        raise CheckpointError(f"{repo_id!r}: no local folder of that name, and as a hub repo id (revision "
+                              f"{revision!r}) {where} could not serve it: {type(e).__name__}: "
+                              f"{_scrub(e, token)}; offline, pass the downloaded folder instead") from None
     if not info.sha:
         raise CheckpointError(f"{where} gave no commit for {repo_id!r} at {revision!r}")
     return info.sha
