@@ -235,3 +235,19 @@ def test_a_memory_save_is_complete_or_absent():
     save(b"3", stop=False)
     assert read()["a.safetensors"] == b"3" * 100 and json.loads(read()[index])["weight_map"]
     assert not [p for p in memory.find("/txn") if "shardwise-" in p]
+
+
+def test_a_memory_object_cut_under_its_reader_is_an_error_not_short_data():
+    """Every body is checked for its length: an object replaced by a shorter one after it was
+    opened is retried, then a CheckpointError naming it; never a short read."""
+    import fsspec
+
+    memory = fsspec.filesystem("memory")
+    memory.pipe_file("/cut/blob.bin", bytes(range(256)) * 8)
+    handle = locate("memory://cut/blob.bin", {"retries": 1}).open()
+    buf = bytearray(1024)
+    assert handle.read_runs(memoryview(buf), 1024, [(0, 512), (512, 512)]) == 1024
+    assert bytes(buf) == (bytes(range(256)) * 8)[1024:]
+    memory.pipe_file("/cut/blob.bin", b"short")
+    with pytest.raises(CheckpointError, match=r"memory://cut/blob.bin bytes \[1024, 2048\).*failed 2 times"):
+        handle.read_runs(memoryview(buf), 1024, [(0, 512), (512, 512)])

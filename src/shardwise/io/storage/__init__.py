@@ -194,7 +194,8 @@ class Storage(Protocol):
     ``path`` the key, its ``str()`` what errors call it). Each rank gets its own instance
     from :func:`locate`; instances on different ranks see the same objects. Which rank calls
     what is the caller's: a load has every rank ``open`` / ``stat`` / ``list`` what it
-    reads; a save is the module doc's order."""
+    reads; a save is the module doc's order. A storage that cannot hold a save declares
+    ``read_only``, a str saying why (``transaction.target_path`` refuses a save with it)."""
 
     def open(self, location: Location) -> ReadHandle:
         """The object at ``location`` for reading; a ``CheckpointError`` naming it when it is
