@@ -14,16 +14,13 @@ import sys
 import pytest
 
 pytest.importorskip("fsspec", reason="fsspec URLs need fsspec (tox -e remote installs it)")
-# found, not imported: the ranks unpickle this module before they set HF_ENDPOINT, and
-# huggingface_hub (which transformers imports) reads it once, at its import
-if importlib.util.find_spec("transformers") is None:
-    pytest.skip("hub loads need transformers (tox -e remote installs it)", allow_module_level=True)
 
 import torch  # noqa: E402
 from hub_server import HubServer  # noqa: E402
 
 import shardwise as sw  # noqa: E402
 from shardwise.errors import CheckpointError, UsageError  # noqa: E402
+from shardwise.hf.repo import is_repo_id  # noqa: E402
 from shardwise.io.storage import locate  # noqa: E402
 from shardwise.testing import spawn  # noqa: E402
 
@@ -41,6 +38,16 @@ def _save_tiny(folder) -> None:
     LlamaForCausalLM(config).save_pretrained(folder, max_shard_size="60KB")
 
 
+def test_a_repo_id_is_org_slash_name_where_no_local_path_has_that_name(tmp_path, monkeypatch):
+    assert is_repo_id("org/tiny") and is_repo_id("Org-1/tiny_v2.5")
+    for other in ("tiny", "org/tiny/extra", "./org/tiny", "/org/tiny", "org//tiny", "hf://org/tiny",
+                  "org--x/tiny", "org/ti..ny", "org/-tiny"):
+        assert not is_repo_id(other), other
+    (tmp_path / "org" / "tiny").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    assert not is_repo_id("org/tiny")  # a local folder of that name wins, as in transformers
+
+
 def _header_bytes(path) -> int:
     with open(path, "rb") as f:
         return 8 + struct.unpack("<Q", f.read(8))[0]
@@ -48,6 +55,10 @@ def _header_bytes(path) -> int:
 
 @pytest.fixture
 def hub(tmp_path):
+    # found, not imported: the ranks unpickle this module before they set HF_ENDPOINT, and
+    # huggingface_hub (which transformers imports) reads it once, at its import
+    if importlib.util.find_spec("transformers") is None:
+        pytest.skip("hub loads need transformers (tox -e remote installs it)")
     from models import make_model
 
     _save_tiny(tmp_path / "tiny")
