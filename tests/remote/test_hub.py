@@ -201,7 +201,7 @@ def _memory_verbs(root: str) -> dict:
     stored = {p.rpartition("/")[2]: memory.cat_file(p) for p in memory.find("/sw/src")}
     return {"loaded": loaded, "verified": sw.verify("memory://sw/dcp").ok,
             "identical": sw.diff("memory://sw/dcp", f"{root}/src").identical,
-            "stored": stored, "left": sorted(memory.find("/sw"))}
+            "stored": stored, "left": sorted(memory.find("/sw", withdirs=True))}
 
 
 def test_the_verbs_over_fsspec_memory(tmp_path):
@@ -245,7 +245,21 @@ def test_a_memory_save_is_complete_or_absent():
     assert read() == first
     save(b"3", stop=False)
     assert read()["a.safetensors"] == b"3" * 100 and json.loads(read()[index])["weight_map"]
-    assert not [p for p in memory.find("/txn") if "shardwise-" in p]
+    assert not [p for p in memory.find("/txn", withdirs=True) if "shardwise-" in p]
+
+
+def test_a_file_url_saves_what_a_local_path_saves(tmp_path):
+    """``file://`` through fsspec's local filesystem: the same files, and nothing left beside."""
+    from models import make_model
+
+    model = make_model()
+    sw.save(model, tmp_path / "local", max_shard_size=40_000)
+    for _ in range(2):  # a new checkpoint, then one over it
+        sw.save(model, f"file://{tmp_path}/url", max_shard_size=40_000, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["local", "url"]
+    assert {p.name: p.read_bytes() for p in (tmp_path / "url").iterdir()} == \
+        {p.name: p.read_bytes() for p in (tmp_path / "local").iterdir()}
+    assert sw.verify(f"file://{tmp_path}/url").ok
 
 
 def test_a_memory_object_cut_under_its_reader_is_an_error_not_short_data():

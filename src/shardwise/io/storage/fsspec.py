@@ -163,6 +163,12 @@ class FsspecStorage:
     def path(self, key: str) -> str:
         return f"{self.scheme}://{key}"
 
+    def make_parent(self, key: str) -> None:
+        """Make the folder that will hold ``key`` (local files need one; others make nothing)."""
+        parent = self.path(key.rpartition("/")[0])
+        if key.rpartition("/")[0]:
+            self.call(lambda: self.fs.makedirs(parent, exist_ok=True), f"making the folder {parent}")
+
     def _redirect(self, key: str) -> str:
         return key if self.read_only else redirect(self, "", key)[1]
 
@@ -273,6 +279,7 @@ class FsspecWriter:
         assert not self._done, "write after commit or abort"
         try:
             if self._file is None:
+                self.storage.make_parent(self.key)
                 self._file = self.storage.fs.open(self.name, "wb")
             self._file.write(buf)
         except OSError as e:
@@ -287,6 +294,7 @@ class FsspecWriter:
         self._done = True
         try:
             if self._file is None:  # an empty object
+                self.storage.make_parent(self.key)
                 self.storage.fs.pipe_file(self.name, b"")
             else:
                 self._file.close()
@@ -307,7 +315,7 @@ class FsspecWriter:
 
 class FsspecPublish(Publish):
     """The save transaction over an fsspec filesystem: ``objects_write.Publish``'s steps and
-    journal, its five primitives served by the filesystem."""
+    journal, its five primitives served by the filesystem (and a folder cleared whole)."""
 
     storage: FsspecStorage  # type: ignore[assignment]
 
@@ -340,12 +348,23 @@ class FsspecPublish(Publish):
                 pass
 
     def _put(self, key: str, data: bytes) -> None:
+        self.storage.make_parent(key)
         self.storage.call(lambda: self.storage.fs.pipe_file(self.storage.path(key), data),
                           f"writing {self.storage.path(key)}")
 
     def _copy(self, src: str, dst: str) -> None:
+        self.storage.make_parent(dst)
         self.storage.call(lambda: self.storage.fs.cp_file(self.storage.path(src), self.storage.path(dst)),
                           f"copying {self.storage.path(src)} to {self.storage.path(dst)}")
+
+    def _clear(self, prefix: str) -> None:
+        """Delete the folder ``prefix`` with all under it (a filesystem keeps empty folders)."""
+        path = self.storage.path(prefix)
+        try:
+            self.storage.call(lambda: self.storage.fs.rm(path, recursive=True), f"deleting {path}",
+                              fatal=(FileNotFoundError,))
+        except FileNotFoundError:
+            pass
 
     def _folders(self, parent: str) -> list[str]:
         return [f"{parent}/{name}" if parent else name
