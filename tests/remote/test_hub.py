@@ -170,8 +170,9 @@ def test_an_https_url_of_one_file_loads_and_a_save_there_is_refused(hub, tmp_pat
 
 def test_read_only_and_unknown_schemes_are_clear_errors(monkeypatch):
     model = torch.nn.Linear(2, 2)
-    with pytest.raises(UsageError, match=r"cannot save to hf://.*upload_folder"):
-        sw.save(model, "hf://org/tiny/out")
+    if importlib.util.find_spec("huggingface_hub") is not None:  # fsspec's hf:// is its HfFileSystem
+        with pytest.raises(UsageError, match=r"cannot save to hf://.*upload_folder"):
+            sw.save(model, "hf://org/tiny/out")
     with pytest.raises(UsageError, match=r"no storage for the scheme 'nosuch'.*memory"):
         locate("nosuch://bucket/ckpt")
     monkeypatch.setitem(sys.modules, "fsspec", None)  # as where fsspec is not installed
