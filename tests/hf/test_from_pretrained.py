@@ -95,7 +95,9 @@ def _bad_path(kind: str, path: str) -> str:
 
 
 def test_errors_name_the_cause_and_the_fix(tmp_path):
-    assert "snapshot_download" in run_ranks(_bad_path, 1, "llama", "org/not-a-local-folder")[0]
+    # not a local folder, so a hub repo id: absent from the hub, or the hub unreachable from here
+    assert "no local folder of that name" in run_ranks(_bad_path, 1, "llama", "org/not-a-local-folder")[0]
+    assert "no such folder" in run_ranks(_bad_path, 1, "llama", str(tmp_path / "absent"))[0]
     (tmp_path / "empty").mkdir()
     assert "no config.json" in run_ranks(_bad_path, 1, "llama", str(tmp_path / "empty"))[0]
     from diffusers import DiffusionPipeline

@@ -17,11 +17,13 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
-from shardwise.errors import CheckpointError, UnsupportedModelError
+from shardwise.errors import CheckpointError, UnsupportedModelError, UsageError
 from shardwise.hf.files import config_folder
+from shardwise.hf.repo import hub_location, is_repo_id
 from shardwise.io.guards import check_mesh, quant_scheme
 from shardwise.io.load import load
 from shardwise.io.storage import Location, locate
+from shardwise.mesh import world_backend
 from shardwise.quant import drop_quantization_config
 
 if TYPE_CHECKING:
@@ -199,9 +201,8 @@ def _build_diffusers(cls, folder: Path) -> nn.Module:
 def _checkpoint_folder(folder: Location) -> Location:
     if not folder.is_folder():
         raise CheckpointError(
-            f"{folder}: not a local folder; sw.from_pretrained reads a checkpoint folder on this "
-            "machine (config.json and safetensors). For a hub model, download it first: "
-            "huggingface_hub.snapshot_download(repo_id) returns the folder to pass")
+            f"{folder}: no such folder; sw.from_pretrained reads a checkpoint folder (config.json and "
+            "safetensors), local or at a URL, or a hub repo id 'org/name'")
     if (folder / "config.json").stat() is None:
         raise CheckpointError(
             f"{folder}: no config.json, so the model cannot be built from this folder; pass the "
@@ -211,7 +212,8 @@ def _checkpoint_folder(folder: Location) -> Location:
 
 
 def from_pretrained(cls, path: str | os.PathLike, *, mesh, dtype: torch.dtype | None = None,
-                    plan="auto", dequantize: bool = False, storage_options: dict | None = None,
+                    plan="auto", dequantize: bool = False, revision: str | None = None,
+                    token: str | bool | None = None, storage_options: dict | None = None,
                     **load_options) -> nn.Module:
     """A transformers or diffusers model read from the folder ``path``, sharded over ``mesh``.
 
@@ -236,17 +238,30 @@ def from_pretrained(cls, path: str | os.PathLike, *, mesh, dtype: torch.dtype | 
     its own shards into ``dtype``, and the config loses its ``quantization_config``, as
     transformers' ``FineGrainedFP8Config(dequantize=True)`` / ``Mxfp4Config(dequantize=True)`` do.
 
-    ``path`` may be a URL of a registered storage, its factory given ``storage_options``.
+    ``path`` may be a URL (``s3://``, ``gs://``, any fsspec URL), its storage given
+    ``storage_options``, or a Hugging Face hub repo id ``"org/name"`` (when no local path has
+    that name) at ``revision`` (a branch, tag or commit; default ``"main"``) with ``token`` (else
+    ``HF_TOKEN``), from ``HF_ENDPOINT``: the revision is pinned to one commit on every rank and
+    each rank reads only its own byte ranges of the repo's files (``shardwise.hf.repo``).
     Returns the model in eval mode, with the ``sw.load`` result as ``model.result``.
 
     >>> from transformers import AutoModelForCausalLM                                # doctest: +SKIP
     >>> model = sw.from_pretrained(AutoModelForCausalLM, "ckpt/", mesh=backend.mesh(tp=4))  # doctest: +SKIP
+    >>> model = sw.from_pretrained(AutoModelForCausalLM, "org/name", mesh=mesh)  # doctest: +SKIP
     >>> model.result                                                                 # doctest: +SKIP
     LoadResult(tensors=291, bytes_read=4021813248, seconds=1.912, missing=0, unexpected=0)
     """
     library = _library(cls)
     check_mesh(mesh)  # before anything is read or built
-    folder = _checkpoint_folder(locate(path, storage_options))
+    if is_repo_id(path):
+        where = hub_location(cast(str, path), revision=revision, token=token, storage_options=storage_options,
+                             backend=world_backend())
+    elif revision is not None or token is not None:
+        raise UsageError(f"revision= and token= go with a hub repo id ('org/name'); {os.fspath(path)!r} is "
+                         "a local path or a URL (an hf:// URL names its revision: hf://org/name@rev)")
+    else:
+        where = locate(path, storage_options)
+    folder = _checkpoint_folder(where)
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype or None, got {dtype!r}")
     with _default_dtype(dtype), empty_model(), config_folder(folder) as configs:

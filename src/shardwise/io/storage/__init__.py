@@ -5,7 +5,8 @@ In the spirit of torch DCP's ``FileSystemBase`` and ``StorageReader`` / ``Storag
 format says *which* bytes (headers, boxes, chunk offsets), a storage says how to get and put
 them. The local filesystem (``shardwise.io.storage.local``: pread, private mmap views, fsync,
 ``renameat2`` commit) is the first implementation; an object store is one more, registered
-by its URL scheme with :func:`register_storage`.
+by its URL scheme with :func:`register_storage`; a scheme no storage registers is served by
+fsspec's filesystem of that name (``shardwise.io.storage.fsspec``), where fsspec is installed.
 
 Call order. Every public entry point calls :func:`locate` ONCE on the user's
 ``str | os.PathLike`` (with its ``storage_options``) and passes the :class:`Location` down;
@@ -108,8 +109,9 @@ class Location:
 
 def locate(where: str | os.PathLike | Location, storage_options: dict | None = None) -> Location:
     """The :class:`Location` of the user's ``where``: ``{scheme}://...`` is served by the
-    storage registered for ``scheme`` (built by ``factory(**storage_options)``), anything
-    else by the local files. A :class:`Location` passes through. Called once per public
+    storage registered for ``scheme`` (built by ``factory(**storage_options)``), else by
+    fsspec's filesystem of that scheme (``shardwise.io.storage.fsspec``), anything else by the
+    local files. A :class:`Location` passes through. Called once per public
     entry point, on every rank."""
     if isinstance(where, Location):
         if storage_options:
@@ -123,10 +125,8 @@ def locate(where: str | os.PathLike | Location, storage_options: dict | None = N
         from shardwise.io.storage.local import LOCAL
 
         return Location(LOCAL, Path(rest))
-    if scheme not in _SCHEMES:
-        raise UsageError(f"{os.fspath(where)!r}: no storage for the scheme {scheme!r}; registered: "
-                         f"{sorted(_SCHEMES)} (register_storage(scheme, factory) adds one)")
-    return Location(_SCHEMES[scheme](**(storage_options or {})), PurePosixPath(rest), scheme)
+    factory = _SCHEMES.get(scheme) or _fsspec(scheme)
+    return Location(factory(**(storage_options or {})), PurePosixPath(rest), scheme)
 
 
 class ReadHandle(Protocol):
@@ -197,7 +197,8 @@ class Storage(Protocol):
     reads; a save is the module doc's order. A storage where each request costs a round trip
     declares ``fetch_once = True``: a load over a process group then reads each byte once per
     job, in whole ranges, and the ranks exchange the rest (``shardwise.io.exchange``); absent
-    or False, every rank reads its own regions."""
+    or False, every rank reads its own regions. A storage that cannot hold a save declares
+    ``read_only``, a str saying why (``transaction.target_path`` refuses a save with it)."""
 
     def open(self, location: Location) -> ReadHandle:
         """The object at ``location`` for reading; a ``CheckpointError`` naming it when it is
@@ -346,6 +347,13 @@ def _object_store(scheme: str) -> Callable[..., Storage]:
 
         return factory(scheme)(**storage_options)
     return make
+
+
+def _fsspec(scheme: str) -> Callable[..., Storage]:
+    """The factory of any other scheme: fsspec's filesystem of it (fsspec imported only now)."""
+    from shardwise.io.storage.fsspec import factory
+
+    return factory(scheme)
 
 
 for _scheme in ("s3", "gs"):

@@ -11,9 +11,8 @@ Reads: every GET is ranged, checked against the object's length and ETag from ``
 on throttling, resets, timeouts and short bodies; a batch of runs is coalesced into requests of
 at most ``part_size`` bytes that read at most 1/20 more than asked, ``concurrency`` in flight.
 No mapped views: ``map_whole`` / ``map_range`` are None. Writes: buffered, one PUT for a small
-object, a multipart upload (aborted on failure or ``abort``) for a large one; visible only at
-``commit``. Positional writes into an existing object are refused (an object store has none).
-The writer and the save transaction: ``objects_write``. No error shows a configured secret.
+object, a multipart upload (aborted on failure or ``abort``) for a large one, in
+``objects_write``; visible only at ``commit``; no positional writes. No error shows a secret.
 """
 
 from __future__ import annotations
@@ -37,7 +36,6 @@ MIN_PART = 5 << 20      # S3's smallest part of a multipart upload (but the last
 CONCURRENCY = 16        # requests in flight per storage
 RETRIES = 6             # attempts of one request beyond obstore's own retries
 WASTE = 1 / 20          # a coalesced request reads at most this much more than asked
-_OWN = {"part_size", "concurrency", "retries", "timeout"}
 _SECRET_KEYS = ("secret", "token", "password", "key", "credential", "service_account")
 
 
@@ -180,6 +178,12 @@ class ObjectStorage:
 
     # --- requests, retried -------------------------------------------------------------------
 
+    def get_bytes(self, bucket: str, key: str) -> bytes:
+        import obstore
+
+        return self.call(lambda: bytes(obstore.get(self.store(bucket), key).bytes()),
+                         f"GET {self.url(bucket, key)}")
+
     def head(self, bucket: str, key: str) -> dict | None:
         import obstore
         from obstore.exceptions import NotFoundError
@@ -235,8 +239,7 @@ _CLIENT_KEYS = {"allow_http", "allow_invalid_certificates", "connect_timeout", "
 
 def _secrets(options: dict) -> list[str]:
     """The credential values an error could carry: from the options and the environment."""
-    found = [v for k, v in options.items()
-             if isinstance(v, str) and any(s in k.lower() for s in _SECRET_KEYS)]
+    found = [v for k, v in options.items() if type(v) is str and any(x in k.lower() for x in _SECRET_KEYS)]
     found += [v for k, v in os.environ.items() if k.startswith(("AWS_", "GOOGLE_"))
               and any(s in k.lower() for s in _SECRET_KEYS) and v and not v.startswith("/")]
     return sorted({s for s in found if len(s) >= 4}, key=len, reverse=True)
@@ -247,14 +250,11 @@ def beside(key: str, mark: str) -> str:
     return f"{parent}/.{name}{mark}" if parent else f".{name}{mark}"
 
 
-def publishing(storage: ObjectStorage, bucket: str, key: str) -> dict | None:
-    """The journal of a publish to the prefix ``key`` under way or interrupted, else None."""
-    import obstore
-
+def publishing(storage, bucket: str, key: str) -> dict | None:
+    """The journal of a publish to ``key`` under way or interrupted, else None (any storage's)."""
     if not key or storage.head(bucket, beside(key, PUBLISH_MARK)) is None:
         return None
-    raw = storage.call(lambda: bytes(obstore.get(storage.store(bucket), beside(key, PUBLISH_MARK)).bytes()),
-                       f"GET {storage.url(bucket, beside(key, PUBLISH_MARK))}")
+    raw = storage.get_bytes(bucket, beside(key, PUBLISH_MARK))
     try:
         journal = json.loads(raw)
         assert isinstance(journal["staging"], str) and isinstance(journal["files"], list)
@@ -264,7 +264,7 @@ def publishing(storage: ObjectStorage, bucket: str, key: str) -> dict | None:
     return journal
 
 
-def redirect(storage: ObjectStorage, bucket: str, key: str) -> tuple[str, str]:
+def redirect(storage, bucket: str, key: str) -> tuple[str, str]:
     """Where ``bucket/key`` is read: in the staging prefix while its folder is being published."""
     folder, _, name = key.rpartition("/")
     journal = publishing(storage, bucket, folder) if folder else None

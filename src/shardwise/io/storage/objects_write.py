@@ -154,7 +154,9 @@ class _Aborted(Exception):
 
 
 class Publish:
-    """The object-store :class:`~shardwise.io.storage.Transaction` (see the module doc)."""
+    """The object-store :class:`~shardwise.io.storage.Transaction` (see the module doc). The
+    steps call five primitives of the store (``_objects``, ``_delete``, ``_put``, ``_copy``,
+    ``_folders``): obstore's here; ``fsspec.FsspecPublish`` serves them over an fsspec filesystem."""
 
     def __init__(self, storage: ObjectStorage, target, overwrite: bool):
         self.storage, self.overwrite = storage, overwrite
@@ -169,6 +171,8 @@ class Publish:
     def _url(self, key: str) -> str:
         return self.storage.url(self.bucket, key)
 
+    # --- the store's primitives (obstore here; a subclass serves another store) ------------
+
     def _objects(self, prefix: str) -> dict[str, int]:
         """Every object under ``prefix/`` by its name below it (nested names keep their ``/``)."""
         import obstore
@@ -182,6 +186,7 @@ class Publish:
         return {o["path"][len(prefix) + 1:]: int(o["size"]) for o in found}
 
     def _delete(self, keys: list[str]) -> None:
+        """Delete the objects ``keys``; one already gone is no error."""
         import obstore
         from obstore.exceptions import NotFoundError
 
@@ -199,6 +204,30 @@ class Publish:
                                           f"{self._url(key)}", fatal=gone)
                     except gone:
                         pass
+
+    def _put(self, key: str, data: bytes) -> None:
+        import obstore
+
+        store = self.storage.store(self.bucket)
+        self.storage.call(lambda: obstore.put(store, key, data, use_multipart=False), f"PUT {self._url(key)}")
+
+    def _copy(self, src: str, dst: str) -> None:
+        import obstore
+
+        store = self.storage.store(self.bucket)
+        self.storage.call(lambda: obstore.copy(store, src, dst),
+                          f"copying {self._url(src)} to {self._url(dst)}")
+
+    def _folders(self, parent: str) -> list[str]:
+        """The keys of the prefixes (folders) directly under ``parent`` ("" the bucket's root)."""
+        import obstore
+
+        store = self.storage.store(self.bucket)
+        found = self.storage.call(lambda: obstore.list_with_delimiter(store, prefix=parent or None),
+                                  f"listing {self._url(parent + '/')}")
+        return [p.rstrip("/") for p in found["common_prefixes"]]
+
+    # --- the transaction ------------------------------------------------------------------
 
     def prepare(self) -> None:
         journal = publishing(self.storage, self.bucket, self.key)
@@ -230,52 +259,36 @@ class Publish:
             self._delete(keys)
 
     def _remove_stale(self) -> None:
-        """Delete the staging prefixes of earlier saves to the target (obstore lists by whole
-        path segments, so the parent is listed and its hidden prefixes picked by name)."""
-        import obstore
-
+        """Delete the staging prefixes of earlier saves to the target (picked by name among
+        the parent's prefixes)."""
         parent, _, name = self.key.rpartition("/")
         head = f".{name}{TMP_MARK}"
-        store = self.storage.store(self.bucket)
-        found = self.storage.call(lambda: obstore.list_with_delimiter(store, prefix=parent or None),
-                                  f"listing {self._url(parent + '/')}")
-        for prefix in found["common_prefixes"]:
-            if prefix.rstrip("/").rpartition("/")[2].startswith(head):
-                self._clear(prefix.rstrip("/"))
+        for prefix in self._folders(parent):
+            if prefix.rpartition("/")[2].startswith(head):
+                self._clear(prefix)
 
     def commit(self, index: tuple[str, dict] | None) -> None:
         """Write the index if any, last; then publish the staged checkpoint (the module doc)."""
-        import obstore
-
         assert self._staging is not None, "commit before prepare"
-        store = self.storage.store(self.bucket)
         if index is not None:
             text = json.dumps(index[1], indent=2, sort_keys=True) + "\n"
-            key = f"{self._staging}/{index[0]}"
-            self.storage.call(lambda: obstore.put(store, key, text.encode(), use_multipart=False),
-                              f"PUT {self._url(key)}")
+            self._put(f"{self._staging}/{index[0]}", text.encode())
         files = sorted(self._objects(self._staging))
         last = [index[0]] if index is not None and index[0] in files else []
         journal = {"staging": self._staging, "files": [f for f in files if f not in last] + last,
                    "host_pid": _owner()}
-        journal_key = beside(self.key, PUBLISH_MARK)
-        self.storage.call(lambda: obstore.put(store, journal_key, json.dumps(journal).encode(),
-                                              use_multipart=False), f"PUT {self._url(journal_key)}")
+        self._put(beside(self.key, PUBLISH_MARK), json.dumps(journal).encode())
         self._staging, self.folder = None, None  # from here on the journal owns the staging prefix
         self._publish(journal)
 
     def _publish(self, journal: dict) -> None:
         """Step 3 of the module doc; safe to run again after an interruption (each step is)."""
-        import obstore
-
-        store = self.storage.store(self.bucket)
         staging, files = journal["staging"], journal["files"]
         for name in files:  # the index last: a reader that skips the journal finds it only now
-            src, dst = f"{staging}/{name}", f"{self.key}/{name}"
+            src = f"{staging}/{name}"
             if self.storage.head(self.bucket, src) is None:
                 continue  # copied and cleaned by an earlier, interrupted publish
-            self.storage.call(lambda s=src, d=dst: obstore.copy(store, s, d), f"copying {self._url(src)} to "
-                              f"{self._url(dst)}")
+            self._copy(src, f"{self.key}/{name}")
         old = [f"{self.key}/{n}" for n in self._objects(self.key) if n not in files]
         self._delete(old)
         self._delete([beside(self.key, PUBLISH_MARK)])

@@ -23,7 +23,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from shardwise.errors import CheckpointError, StorageError
+from shardwise.errors import CheckpointError, StorageError, UsageError
 from shardwise.io.storage import Location, write_small
 from shardwise.io.storage.local import fsync_dir
 
@@ -31,7 +31,13 @@ TMP_MARK, OLD_MARK = ".shardwise-tmp-", ".shardwise-old-"
 
 
 def target_path(location: Location) -> Location:
-    """The save target ``location``, a local one made absolute; ``CheckpointError`` for a root."""
+    """The save target ``location``, a local one made absolute; ``CheckpointError`` for a root,
+    ``UsageError`` for a storage that declares itself read-only (its ``read_only``: why),
+    raised on every rank before anything is written."""
+    why = getattr(location.storage, "read_only", None)
+    if why:
+        raise UsageError(f"{location}: cannot save to {location.scheme}:// ({why}); save to a local folder "
+                         "or a writable storage")
     if location.scheme is None:
         location = replace(location, path=Path(os.path.abspath(location.path)))
     if location.name in ("", ".", ".."):

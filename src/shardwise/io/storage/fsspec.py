@@ -1,0 +1,390 @@
+"""Any filesystem fsspec knows (``memory://``, ``hf://``, ``https://``, ``file://``, ...) as a
+:class:`~shardwise.io.storage.Storage`, for the URL schemes no shardwise storage registers:
+:func:`~shardwise.io.storage.locate` falls back here, and fsspec is imported only then.
+
+A location is a Location whose path is the URL without its scheme (``ckpt/out`` for
+``memory://ckpt/out``); fsspec is handed the whole URL. Configured by the filesystem's own
+variables or ``storage_options=`` (its constructor's keyword arguments, plus ``part_size``,
+``concurrency``, ``retries``, as for ``s3://``).
+
+Reads: ranged, never a whole object for a slice: through the filesystem's ``cat_file(path,
+start, end)`` where it has its own (``http``, ``memory``), else through a file opened
+without read-ahead (``hf``'s and the other buffered files); a batch of runs is coalesced and
+issued concurrently as ``objects.ObjectFile`` does (this module's files are ObjectFiles with
+another ``fetch``); every body is checked for its length and retried with bounded backoff.
+No mapped views. A hub location should name a commit (``hf://org/name@<sha>``), so that
+every read sees one version: ``sw.from_pretrained`` pins one.
+
+Writes, where the filesystem writes: objects front to back, a save staged beside the target
+and published by ``objects_write.Publish``'s journal (complete or absent, the same steps)
+over the primitives of :class:`FsspecPublish`. A read-only scheme (:data:`READ_ONLY`) refuses
+a save before anything is written. No error shows a configured secret.
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
+import os
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, cast
+
+from shardwise.errors import CheckpointError, UsageError
+from shardwise.io.storage import Location
+from shardwise.io.storage.objects import CONCURRENCY, PART_SIZE, RETRIES, ObjectFile, publishing, redirect
+from shardwise.io.storage.objects_write import Publish
+
+# Schemes a save refuses, and why: what the filesystem calls a write is no checkpoint save.
+READ_ONLY = {
+    "http": "fsspec's HTTP filesystem has no listing, rename or delete a save can rely on",
+    "https": "fsspec's HTTP filesystem has no listing, rename or delete a save can rely on",
+    "hf": "each object written to the hub would be a commit of its own; save locally and upload "
+          "the folder with huggingface_hub's upload_folder",
+}
+_SECRET_KEYS = ("secret", "token", "password", "key", "credential")
+_TRANSIENT_STATUS = {408, 425, 429, 500, 502, 503, 504}
+
+
+class _Short(Exception):
+    """A body shorter or longer than the range asked for: retried, never used."""
+
+
+def _fsspec():
+    try:
+        import fsspec
+    except ImportError as e:
+        raise UsageError("URL locations other than s3:// and gs:// are read through fsspec, which is "
+                         "not installed: pip install fsspec") from e
+    return fsspec
+
+
+class FsspecStorage:
+    """The storage of one fsspec filesystem (one scheme, one configuration). Keys are paths
+    below the scheme; the ``bucket`` argument of the shared helpers (``objects.publishing``,
+    ``redirect``) is always "". Every method may be called from any thread."""
+
+    positional_writes = False
+
+    def __init__(self, scheme: str, **options):
+        fsspec = _fsspec()
+        self.scheme = scheme
+        self.part_size = int(options.pop("part_size", PART_SIZE))
+        self.concurrency = int(options.pop("concurrency", CONCURRENCY))
+        self.retries = int(options.pop("retries", RETRIES))
+        self.read_only = READ_ONLY.get(scheme)  # None: it writes (see target_path)
+        self._secrets = _secrets(options)
+        try:
+            cls = fsspec.get_filesystem_class(scheme)
+        except ValueError:
+            from shardwise.io.storage import _SCHEMES
+
+            raise UsageError(f"{scheme}://: no storage for the scheme {scheme!r}: shardwise registers "
+                             f"{sorted(_SCHEMES)} and fsspec knows {sorted(fsspec.available_protocols())}"
+                             ) from None
+        except ImportError as e:  # fsspec knows it; its implementation needs a package
+            raise UsageError(f"{scheme}:// locations are read by fsspec, whose {scheme!r} filesystem is "
+                             f"missing a package: {e}") from None
+        try:
+            self.fs = cls(**options)
+        except Exception as e:  # an option the filesystem refuses
+            raise UsageError(f"{scheme}://: cannot configure fsspec's {cls.__name__} with "
+                             f"storage_options {sorted(options)}: {self.scrub(e)}") from None
+        from fsspec.asyn import AsyncFileSystem
+        from fsspec.spec import AbstractFileSystem
+
+        # AbstractFileSystem.cat_file reads through a buffered file whose default cache reads a
+        # whole block ahead; a filesystem with its own (async ones: a ranged request) is exact
+        own = type(self.fs).cat_file is not AbstractFileSystem.cat_file
+        self._cat = own or isinstance(self.fs, AsyncFileSystem)
+        self.pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix=f"shardwise-{scheme}")
+
+    def url(self, bucket: str, key: str) -> str:
+        return f"{self.scheme}://{key}"
+
+    def scrub(self, error) -> str:
+        """The first line of ``error``'s text with every configured secret blanked."""
+        text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
+
+    def _key(self, location) -> str:
+        return location.path.as_posix() if isinstance(location, Location) else str(location)
+
+    # --- the Storage protocol -----------------------------------------------------------
+
+    def open(self, location) -> FsspecFile:
+        key = self._redirect(self._key(location))
+        meta = self.head("", key)
+        if meta is None:
+            raise CheckpointError(f"{self.url('', key)}: no such object")
+        return FsspecFile(self, key, meta["size"])
+
+    def stat(self, location) -> int | None:
+        meta = self.head("", self._redirect(self._key(location)))
+        return None if meta is None else int(meta["size"])
+
+    def list(self, location) -> list[str]:
+        key = self._key(location)
+        pending = None if self.read_only else publishing(self, "", key)
+        if pending is not None:  # a publish under way or interrupted: the new checkpoint, whole
+            return sorted(pending["files"])
+        if self.head("", key) is not None:  # an object, no folder (http's ls would GET it whole)
+            return []
+        return sorted(name for name, _ in self._entries(key))
+
+    def is_folder(self, location) -> bool:
+        return bool(self.list(location))
+
+    def check_inside(self, root, location, *, source) -> None:
+        """Nothing: a URL names its object; there are no links to follow out of the folder."""
+
+    def create(self, location, *, existing: bool = False) -> FsspecWriter:
+        self.check_writable(location)
+        if existing:
+            raise UsageError(f"{location}: fsspec storage writes objects front to back, not into an existing "
+                             "one (parallel_write=True); pass parallel_write=None or False")
+        return FsspecWriter(self, self._key(location))
+
+    def transaction(self, target, *, overwrite: bool) -> FsspecPublish:
+        self.check_writable(target)
+        return FsspecPublish(self, target, overwrite)
+
+    def check_writable(self, location) -> None:
+        if self.read_only:
+            raise UsageError(f"{location}: cannot save to {self.scheme}:// ({self.read_only}); save to a "
+                             "local folder or a writable storage")
+
+    # --- requests, retried --------------------------------------------------------------
+
+    def path(self, key: str) -> str:
+        return f"{self.scheme}://{key}"
+
+    def make_parent(self, key: str) -> None:
+        """Make the folder that will hold ``key`` (local files need one; others make nothing)."""
+        parent = self.path(key.rpartition("/")[0])
+        if key.rpartition("/")[0]:
+            self.call(lambda: self.fs.makedirs(parent, exist_ok=True), f"making the folder {parent}")
+
+    def _redirect(self, key: str) -> str:
+        return key if self.read_only else redirect(self, "", key)[1]
+
+    def _entries(self, key: str) -> builtins.list[tuple[str, str]]:
+        """``(name, type)`` of what is directly under the folder ``key``; [] for none."""
+        path = self.path(key)
+        try:
+            found = self.call(lambda: self.fs.ls(path, detail=True), f"listing {path}",
+                              fatal=(FileNotFoundError, NotADirectoryError))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        inside = self.fs._strip_protocol(path).rstrip("/")
+        return [(str(e["name"]).rstrip("/").rpartition("/")[2], e.get("type", "file")) for e in found
+                if self.fs._strip_protocol(str(e["name"])).rstrip("/") != inside]
+
+    def head(self, bucket: str, key: str) -> dict | None:
+        """``{"size": n}`` of the object ``key``; None when absent or a folder."""
+        path = self.path(key)
+        try:
+            info = self.call(lambda: self.fs.info(path), f"stat {path}", fatal=(FileNotFoundError,))
+        except FileNotFoundError:
+            return None
+        if info.get("type", "file") != "file" or info.get("size") is None:
+            return None
+        return {"size": int(info["size"])}
+
+    def get_bytes(self, bucket: str, key: str) -> bytes:
+        return bytes(self.call(lambda: self.fs.cat_file(self.path(key)), f"reading {self.path(key)}"))
+
+    def read_range(self, key: str, start: int, end: int, size: int) -> bytes:
+        if self._cat:
+            return self.fs.cat_file(self.path(key), start=start, end=end)
+        with self.fs.open(self.path(key), "rb", cache_type="none", size=size) as f:
+            f.seek(start)
+            return f.read(end - start)
+
+    def call(self, request, what: str, *, fatal: tuple = ()):
+        """``request()``, retried with jittered exponential backoff on every fault but those that
+        waiting does not change (absent, denied, refused, a 4xx answer, or ``fatal``); then one
+        ``CheckpointError`` naming ``what`` and the last fault, its secrets blanked."""
+        last: object = None
+        for attempt in range(self.retries + 1):
+            try:
+                return request()
+            except fatal:
+                raise
+            except (CheckpointError, UsageError):
+                raise
+            except _Short as e:
+                last = e
+            except Exception as e:  # a reset, a timeout, a 5xx, ... or a final answer
+                if _final(e):
+                    raise CheckpointError(f"{what}: {type(e).__name__}: {self.scrub(e)}") from None
+                last = e
+            if attempt < self.retries:
+                time.sleep(min(2.0, 0.05 * 2 ** attempt) * (0.5 + random.random()))
+        raise CheckpointError(f"{what}: failed {self.retries + 1} times, the last: "
+                              f"{self.scrub(last)}") from None
+
+
+def _final(error: Exception) -> bool:
+    if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError,
+                          NotImplementedError, ValueError, TypeError)):
+        return True
+    response = getattr(error, "response", None)  # requests / httpx (huggingface_hub's errors)
+    status = getattr(response, "status_code", None) or getattr(error, "status", None)  # aiohttp
+    return isinstance(status, int) and 400 <= status < 500 and status not in _TRANSIENT_STATUS
+
+
+def _secrets(options: dict) -> list[str]:
+    """The credential values an error could carry: from the options and the environment."""
+    found = [v for k, v in options.items() if type(v) is str and any(x in k.lower() for x in _SECRET_KEYS)]
+    found += [v for k, v in os.environ.items() if k in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN") and v]
+    return sorted({s for s in found if len(s) >= 4}, key=len, reverse=True)
+
+
+class FsspecFile(ObjectFile):
+    """One object opened for reading at the length its ``info`` gave: ``objects.ObjectFile``'s
+    coalesced, concurrent, checked reads, each range fetched through fsspec."""
+
+    def __init__(self, storage: FsspecStorage, key: str, size: int):
+        # ObjectFile's reads use only the storage's part_size, pool and url; fetch is this one
+        super().__init__(cast(Any, storage), "", key, size, None)
+        self.source = storage
+
+    def fetch(self, start: int, end: int):
+        def request():
+            data = self.source.read_range(self.key, start, end, self._size)
+            if len(data) != end - start:
+                raise _Short(f"{len(data)} bytes for the {end - start}-byte range (the object changed "
+                             "under the reader, or the server ignored the Range)")
+            return data
+
+        return self.source.call(request, f"reading {self.name} bytes [{start}, {end})")
+
+
+class FsspecWriter:
+    """A new object written front to back through the filesystem's own writer, complete at
+    ``commit`` (its close); ``abort`` drops it. Inside a save it sits in the staging folder,
+    which no load reads."""
+
+    def __init__(self, storage: FsspecStorage, key: str):
+        self.storage, self.key, self.name = storage, key, storage.path(key)
+        self._file: Any = None
+        self._done = False
+
+    def write(self, buf: memoryview) -> None:
+        assert not self._done, "write after commit or abort"
+        try:
+            if self._file is None:
+                self.storage.make_parent(self.key)
+                self._file = self.storage.fs.open(self.name, "wb")
+            self._file.write(buf)
+        except OSError as e:
+            raise CheckpointError(f"writing {self.name}: {self.storage.scrub(e)}") from None
+
+    def pwrite(self, buf: memoryview, pos: int) -> None:
+        raise UsageError(f"{self.name}: fsspec storage cannot write at an offset (pwrite); objects are "
+                         "written front to back")
+
+    def commit(self) -> None:
+        assert not self._done, "commit after commit or abort"
+        self._done = True
+        try:
+            if self._file is None:  # an empty object
+                self.storage.make_parent(self.key)
+                self.storage.fs.pipe_file(self.name, b"")
+            else:
+                self._file.close()
+        except OSError as e:
+            raise CheckpointError(f"writing {self.name}: {self.storage.scrub(e)}") from None
+
+    def abort(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        if self._file is not None:
+            try:
+                self._file.close()
+                self.storage.fs.rm_file(self.name)
+            except OSError:
+                pass  # nothing was made visible, or it is in a staging folder that discard clears
+
+
+class FsspecPublish(Publish):
+    """The save transaction over an fsspec filesystem: ``objects_write.Publish``'s steps and
+    journal, its five primitives served by the filesystem (and a folder cleared whole)."""
+
+    storage: FsspecStorage  # type: ignore[assignment]
+
+    def __init__(self, storage: FsspecStorage, target, overwrite: bool):
+        self.storage, self.overwrite = storage, overwrite
+        self.bucket, self.key = "", storage._key(target).rstrip("/")
+        if not self.key.strip("/"):
+            raise CheckpointError(f"{storage.url('', self.key)}: name a folder to save to, not the root")
+        self.target: Any = target
+        self.folder: Any = None
+        self._staging: str | None = None
+
+    def _objects(self, prefix: str) -> dict[str, int]:
+        path = self.storage.path(prefix)
+        try:
+            found = self.storage.call(lambda: self.storage.fs.find(path, detail=True), f"listing {path}",
+                                      fatal=(FileNotFoundError,))
+        except FileNotFoundError:
+            return {}
+        inside = self.storage.fs._strip_protocol(path).rstrip("/") + "/"
+        return {name[len(inside):]: int(info.get("size") or 0) for name, info in found.items()
+                if name.startswith(inside) and info.get("type", "file") == "file"}
+
+    def _delete(self, keys: list[str]) -> None:
+        for key in keys:
+            try:
+                self.storage.call(lambda k=key: self.storage.fs.rm_file(self.storage.path(k)),
+                                  f"deleting {self.storage.path(key)}", fatal=(FileNotFoundError,))
+            except FileNotFoundError:
+                pass
+
+    def _put(self, key: str, data: bytes) -> None:
+        self.storage.make_parent(key)
+        self.storage.call(lambda: self.storage.fs.pipe_file(self.storage.path(key), data),
+                          f"writing {self.storage.path(key)}")
+
+    def _copy(self, src: str, dst: str) -> None:
+        self.storage.make_parent(dst)
+        self.storage.call(lambda: self.storage.fs.cp_file(self.storage.path(src), self.storage.path(dst)),
+                          f"copying {self.storage.path(src)} to {self.storage.path(dst)}")
+
+    def _clear(self, prefix: str) -> None:
+        """Delete the folder ``prefix`` with all under it (a filesystem keeps empty folders)."""
+        path = self.storage.path(prefix)
+        try:
+            self.storage.call(lambda: self.storage.fs.rm(path, recursive=True), f"deleting {path}",
+                              fatal=(FileNotFoundError,))
+        except FileNotFoundError:
+            pass
+
+    def _folders(self, parent: str) -> list[str]:
+        return [f"{parent}/{name}" if parent else name
+                for name, kind in self.storage._entries(parent) if kind == "directory"]
+
+
+_CACHE: dict[tuple, FsspecStorage] = {}
+_CACHE_LOCK = threading.Lock()
+
+
+def factory(scheme: str):
+    """The storage factory of an fsspec ``scheme``: one storage (its filesystem, its pool) per
+    distinct options."""
+    def make(**options) -> FsspecStorage:
+        key = (scheme, json.dumps(options, sort_keys=True, default=repr))
+        with _CACHE_LOCK:
+            if key not in _CACHE:
+                _CACHE[key] = FsspecStorage(scheme, **options)
+            return _CACHE[key]
+    return make
+
+
+__all__ = ["READ_ONLY", "FsspecFile", "FsspecPublish", "FsspecStorage", "FsspecWriter", "factory"]
