@@ -29,8 +29,12 @@ ceiling: one obstore ``put`` of the same byte count from memory (multipart, same
 concurrency) by rank 0, and by every rank of checkpoint/N bytes at once.
 
 Per rank: seconds (the slowest rank counts), peak RSS above the level before the phase (VmHWM
-reset, as benchmarks/_common.PeakRSS), the rank's share (its local tensors' bytes). Ratios are
-against the baselines measured in the same run, on the same server.
+reset, as benchmarks/_common.PeakRSS), the rank's share (its local tensors' bytes), and the GETs it
+made (shardwise's counted by wrapping ``obstore.get`` in the rank; runai's C++ client is not
+counted). Ratios are against the baselines measured in the same run, on the same server. The
+save table also times one server-side copy of the gathered object: sw.save's publish copies every
+staged object into place (``shardwise.io.storage.objects_write``), so that is part of its time.
+The rank functions are in ``_remote_ranks.py``.
 """
 
 from __future__ import annotations
@@ -42,19 +46,21 @@ import shutil
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from _common import (
-    BENCH_DIR,
-    GB,
-    PeakRSS,
-    bench_model,
-    make_checkpoint,
-    real_plan,
-    write_doc_section,
-    write_results,
+from _common import BENCH_DIR, GB, bench_model, make_checkpoint, real_plan, write_doc_section, write_results
+from _remote_ranks import (
+    BUCKET,
+    CONCURRENCY,
+    PART,
+    PREFIX,
+    download_rank,
+    parts_of,
+    put,
+    raw_rank,
+    runai_rank,
+    shardwise_rank,
 )
 
 from shardwise.testing import expected_shard, parse_size, plan_specs, spawn
@@ -62,193 +68,7 @@ from shardwise.testing import expected_shard, parse_size, plan_specs, spawn
 sys.path.insert(0, str(BENCH_DIR.parent / "tests" / "remote"))
 from servers import find_weed, start_seaweedfs  # noqa: E402  (the tests' server launcher)
 
-BUCKET, PREFIX = "shardwise-bench", "ckpt"
-PART, CONCURRENCY = 8 << 20, 16  # shardwise's defaults for object stores (docs/guide.md)
 MIB = 1 << 20
-
-
-# --- the raw client ---------------------------------------------------------------------------
-
-def _store():
-    from datetime import timedelta
-
-    from obstore.store import S3Store
-
-    # endpoint, keys and region from the AWS_* variables, as shardwise and runai read them
-    return S3Store(BUCKET, client_options={"allow_http": True, "timeout": timedelta(seconds=120)})
-
-
-def _parts(spans, part: int = PART) -> list[tuple[str, int, int]]:
-    """``(key, start, end)`` GETs of at most ``part`` bytes covering ``spans``, neighbours merged."""
-    out: list[tuple[str, int, int]] = []
-    merged: list[list] = []
-    for key, start, end in sorted(spans):
-        if merged and merged[-1][0] == key and merged[-1][2] == start:
-            merged[-1][2] = end
-        else:
-            merged.append([key, start, end])
-    for key, start, end in merged:
-        out += [(key, a, min(a + part, end)) for a in range(start, end, part)]
-    return out
-
-
-def _fetch(parts, sink=None) -> list:
-    """GET every part, ``CONCURRENCY`` in flight; keep the bodies, or hand each to ``sink``."""
-    import obstore
-
-    store = _store()
-
-    def one(job):
-        key, start, end = job
-        body = obstore.get(store, key, options={"range": (start, end)}).bytes()
-        if len(body) != end - start:
-            raise RuntimeError(f"{key} [{start}, {end}): {len(body)} bytes")
-        return sink(job, body) if sink else body
-
-    with ThreadPoolExecutor(CONCURRENCY) as pool:
-        return list(pool.map(one, parts))
-
-
-def _put(key: str, data: bytes) -> None:
-    import obstore
-
-    obstore.put(_store(), key, data, use_multipart=True, chunk_size=PART, max_concurrency=CONCURRENCY)
-
-
-# --- what each rank runs (module level, so spawn can pickle them) ---------------------------
-
-def _start(degree: int, cfg: dict):
-    """The rank's backend, its tp mesh and a meta-device model; every import a load makes done."""
-    import shardwise as sw
-    from shardwise import testing
-
-    backend = sw.init_backend("gloo")
-    testing.preload()
-    with torch.device("meta"):
-        model = bench_model(cfg["num_layers"], cfg["hidden"], cfg["vocab"], dtype=torch.bfloat16)
-    return backend, backend.mesh(tp=degree), model
-
-
-def _nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def _local(model) -> list[torch.Tensor]:
-    from shardwise.testing import local_shard
-
-    left = [n for n, p in model.named_parameters() if p.is_meta]
-    if left:
-        raise RuntimeError(f"{len(left)} parameters left on the meta device, e.g. {left[:3]}")
-    return [local_shard(p.detach()) for p in model.parameters()]
-
-
-def _figures(backend, seconds: float, peak: PeakRSS, share: int, **extra) -> dict:
-    return {"rank": backend.rank, "seconds": seconds, "share": share, **peak.as_dict(), **extra}
-
-
-def raw_rank(parts_by_rank: list, cfg: dict, degree: int) -> dict:
-    backend, _, _ = _start(degree, cfg)
-    parts = parts_by_rank[backend.rank]
-    backend.barrier()
-    with PeakRSS() as peak:
-        t0 = time.perf_counter()
-        bodies = _fetch(parts)
-        seconds = time.perf_counter() - t0
-    return _figures(backend, seconds, peak, sum(len(b) for b in bodies), requests=len(parts))
-
-
-def shardwise_rank(url: str, cfg: dict, plan: dict, degree: int, save: dict | None) -> dict:
-    import shardwise as sw
-
-    backend, mesh, model = _start(degree, cfg)
-    backend.barrier()
-    with PeakRSS() as peak:
-        t0 = time.perf_counter()
-        result = sw.load(model, url, plan=real_plan(plan), mesh=mesh)
-        seconds = time.perf_counter() - t0
-    figures = _figures(backend, seconds, peak, _nbytes(_local(model)), bytes_read=result.bytes_read)
-    if save:
-        figures["saves"] = _saves(backend, model, degree, **save)
-    return figures
-
-
-def _timed(backend, fn) -> dict:
-    backend.barrier()
-    with PeakRSS() as peak:
-        t0 = time.perf_counter()
-        fn()
-        seconds = time.perf_counter() - t0
-    backend.barrier()
-    return {"seconds": seconds, **peak.as_dict()}
-
-
-def _saves(backend, model, degree: int, total: int, tag: str) -> dict:
-    """The save phases on a loaded model: the raw puts, then sw.save gathered and distributed."""
-    import shardwise as sw
-
-    def put(key: str, size: int):  # random bytes, made before the timer
-        data = bytes(torch.empty(size, dtype=torch.uint8).random_().numpy()) if size else b""
-        return lambda: data and _put(key, data)
-
-    rank = backend.rank
-    out = {"raw gather": _timed(backend, put(f"raw/{tag}-gather", total if rank == 0 else 0)),
-           "raw distributed": _timed(backend, put(f"raw/{tag}-dist-{rank}", total // degree))}
-    out["gather"] = _timed(backend, lambda: sw.save(model, f"s3://{BUCKET}/save/{tag}-gather",
-                                                    overwrite=True, progress=False))
-    out["distributed"] = _timed(backend, lambda: sw.save(model, f"s3://{BUCKET}/save/{tag}-dcp",
-                                                         overwrite=True, progress=False, distributed=True))
-    return out
-
-
-def runai_rank(urls: list[str], cfg: dict, specs: dict, degree: int) -> dict:
-    if degree > 1:  # its distributed mode; "auto" enables it on nccl only
-        os.environ["RUNAI_STREAMER_DIST"] = "1"
-    from runai_model_streamer import SafetensorsStreamer
-
-    backend, _, _ = _start(degree, cfg)
-    rank = backend.rank
-    local: dict[str, torch.Tensor] = {}
-    backend.barrier()
-    with PeakRSS() as peak:
-        t0 = time.perf_counter()
-        with SafetensorsStreamer() as streamer:
-            streamer.stream_files(urls, device="cpu", is_distributed=degree > 1)
-            for name, tensor in streamer.get_tensors():
-                spec = specs.get(name)
-                local[name] = tensor if spec is None else expected_shard(tensor, spec, degree, rank)
-                del tensor
-        seconds = time.perf_counter() - t0
-    return _figures(backend, seconds, peak, _nbytes(local.values()), tensors=len(local))
-
-
-def download_rank(files: list[tuple[str, int]], folder: str, cfg: dict, plan: dict, degree: int) -> dict:
-    """Download the rank's files (file i by rank i % N, ranged GETs), then sw.load the folder."""
-    import shardwise as sw
-
-    backend, mesh, model = _start(degree, cfg)
-    rank = backend.rank
-    mine = [(key, size) for i, (key, size) in enumerate(files) if i % degree == rank]
-    backend.barrier()
-    with PeakRSS() as peak:
-        t0 = time.perf_counter()
-        fds = {key: os.open(Path(folder) / Path(key).name, os.O_WRONLY | os.O_CREAT, 0o644)
-               for key, _ in mine}
-        try:
-            _fetch(_parts([(key, 0, size) for key, size in mine]),
-                   sink=lambda job, body: os.pwrite(fds[job[0]], body, job[1]))
-        finally:
-            for fd in fds.values():
-                os.close(fd)
-        backend.barrier()
-        download = time.perf_counter() - t0
-        sw.load(model, folder, plan=real_plan(plan), mesh=mesh)
-        seconds = time.perf_counter() - t0
-        local = _local(model)
-        t1 = time.perf_counter()
-        for t in local:  # one byte of every page of the zero-copy views
-            t.reshape(-1).view(torch.uint8)[::4096].sum()
-        touch = time.perf_counter() - t1
-    return _figures(backend, seconds, peak, _nbytes(local), download_s=download, touch_s=touch)
 
 
 # --- the parent: server, checkpoint, phases ------------------------------------------------
@@ -285,6 +105,8 @@ def _row(method: str, degree: int, ranks: list[dict] | None, note: str = "") -> 
                    rss_x_share=peak / share, agg_gbps=sum(r["share"] for r in ranks)
                    / max(r["seconds"] for r in ranks) / GB,
                    rss_goal="yes" if peak <= 1.1 * share + CONCURRENCY * PART else "NO")
+        if all("requests" in r for r in ranks):
+            row["gets"] = max(r["requests"] for r in ranks)
     return row
 
 
@@ -311,8 +133,8 @@ def _ratios(rows: list[dict]) -> None:
 COLUMNS = [
     ("method", "method"), ("degree", "tp"), ("seconds", "load s"), ("agg_gbps", "GB/s all ranks"),
     ("x_raw", "speed ÷ raw ceiling"), ("x_runai", "speed × runai"), ("x_download", "speed × download"),
-    ("share_mib", "share MiB/rank"), ("rss_mib", "peak RSS MiB/rank"), ("rss_x_share", "peak ÷ share"),
-    ("rss_goal", "≤ 1.1 × share + 128 MiB"), ("note", "note"),
+    ("gets", "GETs/rank"), ("share_mib", "share MiB/rank"), ("rss_mib", "peak RSS MiB/rank"),
+    ("rss_x_share", "peak ÷ share"), ("rss_goal", "≤ 1.1 × share + 128 MiB"), ("note", "note"),
 ]
 SAVE_COLUMNS = [
     ("method", "method"), ("degree", "tp"), ("seconds", "s"), ("gbps", "GB/s"),
@@ -330,6 +152,10 @@ def _save_rows(rows: list[dict], total: int) -> list[dict]:
             peak = max(r["saves"][kind]["peak_rss"] for r in row["ranks"])
             out.append({"method": f"raw put ({kind})", "degree": row["degree"], "seconds": raw,
                         "gbps": total / raw / GB})
+            if kind == "gather":
+                copy = max(r["saves"]["raw copy"]["seconds"] for r in row["ranks"])
+                out.append({"method": "raw server-side copy", "degree": row["degree"], "seconds": copy,
+                            "gbps": total / copy / GB, "note": "what a publish does to every object"})
             out.append({"method": f"sw.save {kind}", "degree": row["degree"], "seconds": ours,
                         "gbps": total / ours / GB, "x_raw": raw / ours, "rss_mib": peak / MIB})
     return out
@@ -349,7 +175,7 @@ def measure(args, log) -> tuple[list[dict], dict, str]:
         files = [*ckpt.files, folder / "model.safetensors.index.json"]
         t0 = time.perf_counter()
         for path in files:
-            _put(f"{PREFIX}/{path.name}", path.read_bytes())
+            put(f"{PREFIX}/{path.name}", path.read_bytes())
         log(f"checkpoint: {ckpt.total_bytes / GB:.3f} GB in {len(ckpt.files)} files, uploaded to "
             f"{server.endpoint} in {time.perf_counter() - t0:.1f} s")
         url, cfg, total = f"s3://{BUCKET}/{PREFIX}", ckpt.config, ckpt.total_bytes
@@ -365,7 +191,7 @@ def measure(args, log) -> tuple[list[dict], dict, str]:
             shapes = dict(meta.named_parameters())
             shares = {k: expected_shard(torch.empty_like(shapes[k]), s, degree, 0).numel() * 2
                       for k, s in specs.items()}
-            parts = [_parts(_rank_spans(headers, shares, degree, r)) for r in range(degree)]
+            parts = [parts_of(_rank_spans(headers, shares, degree, r)) for r in range(degree)]
             save = {"total": total, "tag": f"tp{degree}"} if degree in args.save_degrees else None
             rows.append(_run("raw ceiling", degree, raw_rank, (parts, cfg, degree), timeout, log))
             rows.append(_run("shardwise", degree, shardwise_rank, (url, cfg, ckpt.plan, degree, save),
@@ -387,12 +213,21 @@ def _notes(args, info: dict, rows: list[dict]) -> str:
     cfg = info["config"]
     command = (f"`python3 benchmarks/remote.py --size {args.size} --file-size {args.file_size} --degrees "
                f"{' '.join(map(str, args.degrees))} --save-degrees {' '.join(map(str, args.save_degrees))}`")
+    raw = {r["degree"]: r for r in rows if r["method"] == "raw ceiling" and "gets" in r}
     goals = []
     for row in rows:
         if row["method"] == "shardwise" and "seconds" in row:
-            goals.append(f"tp={row['degree']}: speed {row['x_raw'] or 0:.2f} of the raw ceiling (goal "
-                         f"≥ 0.8), {row['x_runai'] or 0:.2f}× runai (goal ≥ 2 at tp=4), peak "
-                         f"{row['rss_x_share']:.2f}× share ({row['rss_goal']})")
+            ranks, tp = row["ranks"], row["degree"]
+            size = sum(r["request_bytes"] for r in ranks) / sum(r["requests"] for r in ranks)
+            rate = sum(r["requests"] for r in ranks) / row["seconds"]
+            goals.append(f"tp={tp}: speed {row['x_raw'] or 0:.2f} of the raw ceiling (goal ≥ 0.8), "
+                         f"{row['x_runai'] or 0:.2f}× runai (goal ≥ 2 at tp=4), peak "
+                         f"{row['rss_x_share']:.2f}× share ({row['rss_goal']}); {row['gets']} GETs/rank "
+                         f"of {size / 1024:.0f} KiB on average ({rate:.0f} GETs/s all ranks), the raw "
+                         f"ceiling {raw[tp]['gets'] if tp in raw else '?'}")
+        if row["method"] == "runai-model-streamer" and row["degree"] > 1 and row.get("ranks"):
+            on = all(r.get("distributed") for r in row["ranks"])
+            goals.append(f"runai's distributed mode at tp={row['degree']}: {'on' if on else 'OFF'}")
     return (
         f"Checkpoint: {info['total_bytes'] / GB:.3f} GB of {cfg['dtype']} in {info['files']} files, a "
         f"Llama-like stack of {cfg['num_layers']} layers, hidden {cfg['hidden']}, vocab {cfg['vocab']}; "
