@@ -148,10 +148,12 @@ def _save_rows(rows: list[dict], total: int) -> list[dict]:
         if row["method"] != "shardwise" or not row.get("ranks") or "saves" not in row["ranks"][0]:
             continue
         for kind in ("gather", "distributed"):
-            raw, ours = (max(r["saves"][k]["seconds"] for r in row["ranks"]) for k in (f"raw {kind}", kind))
+            runs = [max(r["saves"][f"raw {kind}"][i]["seconds"] for r in row["ranks"]) for i in (0, 1)]
+            raw, ours = min(runs), max(r["saves"][kind]["seconds"] for r in row["ranks"])
             peak = max(r["saves"][kind]["peak_rss"] for r in row["ranks"])
             out.append({"method": f"raw put ({kind})", "degree": row["degree"], "seconds": raw,
-                        "gbps": total / raw / GB})
+                        "gbps": total / raw / GB,
+                        "note": "best of {:.2f} s before, {:.2f} s after".format(*runs)})
             if kind == "gather":
                 copy = max(r["saves"]["raw copy"]["seconds"] for r in row["ranks"])
                 out.append({"method": "raw server-side copy", "degree": row["degree"], "seconds": copy,
@@ -193,7 +195,7 @@ def measure(args, log) -> tuple[list[dict], dict, str]:
                       for k, s in specs.items()}
             parts = [parts_of(_rank_spans(headers, shares, degree, r)) for r in range(degree)]
             save = {"total": total, "tag": f"tp{degree}"} if degree in args.save_degrees else None
-            rows.append(_run("raw ceiling", degree, raw_rank, (parts, cfg, degree), timeout, log))
+            first = _run("raw ceiling", degree, raw_rank, (parts, cfg, degree), timeout, log)
             rows.append(_run("shardwise", degree, shardwise_rank, (url, cfg, ckpt.plan, degree, save),
                              timeout, log))
             rows.append(_run("runai-model-streamer", degree, runai_rank, (urls, cfg, specs, degree),
@@ -203,6 +205,12 @@ def measure(args, log) -> tuple[list[dict], dict, str]:
             rows.append(_run("download + sw.load", degree, download_rank,
                              (listing, str(local), cfg, ckpt.plan, degree), timeout, log))
             shutil.rmtree(local)
+            # the ceiling again, after the others: the faster run counts (the machine is shared)
+            again = _run("raw ceiling", degree, raw_rank, (parts, cfg, degree), timeout, log)
+            runs = [r for r in (first, again) if "seconds" in r] or [first]
+            best = min(runs, key=lambda r: r.get("seconds", 0))
+            best["note"] = "best of " + ", ".join(f"{r['seconds']:.2f} s" for r in runs) + " (before, after)"
+            rows.insert(len(rows) - 3, best)
     finally:
         server.stop()
         shutil.rmtree(work, ignore_errors=True)
