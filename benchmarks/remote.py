@@ -217,32 +217,45 @@ def measure(args, log) -> tuple[list[dict], dict, str]:
     return rows, {"config": cfg, "total_bytes": total, "files": len(ckpt.files)}, server.endpoint
 
 
-def _notes(args, info: dict, rows: list[dict]) -> str:
-    cfg = info["config"]
-    command = (f"`python3 benchmarks/remote.py --size {args.size} --file-size {args.file_size} --degrees "
-               f"{' '.join(map(str, args.degrees))} --save-degrees {' '.join(map(str, args.save_degrees))}`")
+def _with_ranks(payload: dict) -> list[dict]:
+    """A saved run's rows with their per-rank figures put back."""
+    ranks = {(p["method"], p["degree"]): p["ranks"] for p in payload.get("per_rank", [])}
+    return [{**row, "ranks": ranks.get((row["method"], row["degree"]))} for row in payload["rows"]]
+
+
+def _load_notes(payload: dict) -> str:
+    """The notes of the load table, from a run's JSON (``--from-json`` renders them again)."""
+    cfg, rows = payload["config"], _with_ranks(payload)
     raw = {r["degree"]: r for r in rows if r["method"] == "raw ceiling" and "gets" in r}
-    goals = []
+    goals, why = [], []
     for row in rows:
         if row["method"] == "shardwise" and "seconds" in row:
             ranks, tp = row["ranks"], row["degree"]
             size = sum(r["request_bytes"] for r in ranks) / sum(r["requests"] for r in ranks)
             rate = sum(r["requests"] for r in ranks) / row["seconds"]
+            ceiling = raw[tp]["gets"] if tp in raw else None
             goals.append(f"tp={tp}: speed {row['x_raw'] or 0:.2f} of the raw ceiling (goal ≥ 0.8), "
                          f"{row['x_runai'] or 0:.2f}× runai (goal ≥ 2 at tp=4), peak "
                          f"{row['rss_x_share']:.2f}× share ({row['rss_goal']}); {row['gets']} GETs/rank "
                          f"of {size / 1024:.0f} KiB on average ({rate:.0f} GETs/s all ranks), the raw "
-                         f"ceiling {raw[tp]['gets'] if tp in raw else '?'}")
+                         f"ceiling {ceiling or '?'}")
+            if ceiling and row["gets"] > 10 * ceiling:
+                why.append(f"tp={tp}")
         if row["method"] == "runai-model-streamer" and row["degree"] > 1 and row.get("ranks"):
             on = all(r.get("distributed") for r in row["ranks"])
             goals.append(f"runai's distributed mode at tp={row['degree']}: {'on' if on else 'OFF'}")
+    reason = (f" At {', '.join(why)} shardwise made more than 10× the raw ceiling's GETs for the same "
+              "bytes: it reads a rowwise slice as one small ranged GET per row (docs/guide.md), so "
+              "its load is bound by the server's request rate, not by bytes." if why else "")
+    command = payload.get("command", "`python3 benchmarks/remote.py` (its defaults)")
     return (
-        f"Checkpoint: {info['total_bytes'] / GB:.3f} GB of {cfg['dtype']} in {info['files']} files, a "
-        f"Llama-like stack of {cfg['num_layers']} layers, hidden {cfg['hidden']}, vocab {cfg['vocab']}; "
+        f"Checkpoint: {payload['total_bytes'] / GB:.3f} GB of {cfg['dtype']} in {payload['files']} files, "
+        f"a Llama-like stack of {cfg['num_layers']} layers, hidden {cfg['hidden']}, vocab {cfg['vocab']}; "
         "q/k/v colwise, o rowwise, gate_up PackedColwise([1, 1]), down rowwise, embedding, head and "
         "norms replicated; served by one SeaweedFS S3 gateway on 127.0.0.1 (this machine's cores "
         "serve it too: the figures are CPU-bound, not a network's). Ranks are local processes, one "
-        f"spawn per method, one round. Command: {command}. The methods are in this script's "
+        "spawn per method; each method runs once, the raw ceiling twice (before and after the "
+        f"others; the faster counts). Command: {command}. The methods are in the script's "
         "docstring: the raw ceiling fetches each rank's share of every tensor as contiguous 8 MiB "
         "ranged GETs, 16 in flight per rank (shardwise's settings); runai-model-streamer 0.17 "
         "runs with its defaults, in its distributed mode at tp > 1 (every rank receives every "
@@ -250,7 +263,24 @@ def _notes(args, info: dict, rows: list[dict]) -> str:
         "with the raw ceiling's GETs, then loads them from the page cache. Share = the rank's local "
         "tensors (replicated ones whole). The RSS goal allows 1.1 × share plus the fetch buffers "
         "(16 × 8 MiB). Speed ratios divide the other method's seconds by this row's (above 1: this "
-        "row is faster). This run: " + "; ".join(goals) + "."
+        "row is faster). This run: " + "; ".join(goals) + "." + reason
+    )
+
+
+def _save_notes(payload: dict) -> str:
+    """The notes of the save table, from its JSON."""
+    by = {(r["method"], r["degree"]): r["seconds"] for r in payload["rows"] if "seconds" in r}
+    parts = [f"tp={tp}: sw.save gather {s:.2f} s against raw put {by[('raw put (gather)', tp)]:.2f} s "
+             f"+ one server-side copy {by[('raw server-side copy', tp)]:.2f} s"
+             for (method, tp), s in by.items() if method == "sw.save gather"]
+    return (
+        "sw.save of the tp=N model loaded above to s3:// (gathered: rank 0 streams one multipart "
+        "upload per file; distributed: every rank uploads its part as torch DCP), against the raw "
+        f"ceiling: obstore put of the same {payload['total_bytes'] / GB:.3f} GB from memory, multipart "
+        "8 MiB parts, 16 in flight (gather: rank 0 alone; distributed: every rank checkpoint/N at "
+        "once), run before and after the save (the faster counts). sw.save's time includes its "
+        "publish: the files are staged, then copied into place server-side. Goal: speed ≥ 0.8 of "
+        "the raw ceiling. This run: " + "; ".join(parts) + "."
     )
 
 
@@ -269,30 +299,31 @@ def main(argv=None) -> None:
                    "(and remote-save.json beside it)")
     p.add_argument("--timeout", type=float, default=300, help="seconds per spawned phase")
     args = p.parse_args(argv)
-    if args.from_json:
-        for path in (args.from_json, args.from_json.with_name("remote-save.json")):
+    if args.from_json:  # the docs sections again, notes included, from saved runs
+        for path, notes in ((args.from_json, _load_notes),
+                            (args.from_json.with_name("remote-save.json"), _save_notes)):
             if path.is_file():
-                print(write_doc_section(json.loads(path.read_text())))
+                payload = json.loads(path.read_text())
+                print(write_doc_section({**payload, "notes": notes(payload)}))
         return
 
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
 
     rows, info, _ = measure(args, log)
+    info["command"] = (f"`python3 benchmarks/remote.py --size {args.size} --file-size {args.file_size} "
+                       f"--degrees {' '.join(map(str, args.degrees))} --save-degrees "
+                       f"{' '.join(map(str, args.save_degrees))}`")
     _ratios(rows)
+    payload = {**info, "rows": [{k: v for k, v in r.items() if k != "ranks"} for r in rows],
+               "per_rank": [{"method": r["method"], "degree": r["degree"], "ranks": r["ranks"]}
+                            for r in rows]}
+    print(write_results("remote", payload["rows"], COLUMNS, _load_notes(payload),
+                        extra={k: v for k, v in payload.items() if k != "rows"}, out_dir=args.out))
     saves = _save_rows(rows, info["total_bytes"])
-    extra = {**info, "per_rank": [{"method": r["method"], "degree": r["degree"], "ranks": r["ranks"]}
-                                  for r in rows]}
-    print(write_results("remote", [{k: v for k, v in r.items() if k != "ranks"} for r in rows], COLUMNS,
-                        _notes(args, info, rows), extra=extra, out_dir=args.out))
     if saves:
-        notes = (f"sw.save of the tp=N model loaded above to s3:// (gathered: rank 0 streams one multipart "
-                 "upload per file; distributed: every rank uploads its part as torch DCP), against the raw "
-                 f"ceiling: obstore put of the same {info['total_bytes'] / GB:.3f} GB from memory, multipart "
-                 "8 MiB parts, 16 in flight (gather: rank 0 alone; distributed: every rank checkpoint/N at "
-                 "once). sw.save's time includes its publish (server-side copies into place). Goal: speed "
-                 "≥ 0.8 of the raw ceiling.")
-        print(write_results("remote-save", saves, SAVE_COLUMNS, notes, extra=info, out_dir=args.out))
+        print(write_results("remote-save", saves, SAVE_COLUMNS, _save_notes({**info, "rows": saves}),
+                            extra=info, out_dir=args.out))
 
 
 if __name__ == "__main__":
