@@ -418,7 +418,8 @@ def results_dir() -> Path:
     return SCRATCH_DIR if commit.endswith("-dirty") or not commit else OUT_DIR
 
 
-def write_results(name: str, rows: list[dict], columns, notes: str = "", extra: dict | None = None) -> str:
+def write_results(name: str, rows: list[dict], columns, notes: str = "", extra: dict | None = None,
+                  out_dir: Path | None = None) -> str:
     """Save ``benchmarks/results/<name>.json`` (kept in the repository) and replace the
     ``## <name>`` section of ``docs/benchmarks.md`` (other sections kept; the file is
     created if missing). From a dirty tree neither is written: the JSON goes to the
@@ -426,20 +427,28 @@ def write_results(name: str, rows: list[dict], columns, notes: str = "", extra: 
     name a commit that does not hold the code measured.
 
     Returns the markdown table. ``extra`` goes into the JSON only (per-rank details...).
+    ``out_dir`` overrides where the JSON goes (the docs still follow the rule above).
     """
     info = machine_info()
     dirty = info["commit"].endswith("-dirty") or not info["commit"]
-    out_dir = SCRATCH_DIR if dirty else OUT_DIR
+    out_dir = out_dir or (SCRATCH_DIR if dirty else OUT_DIR)
     out_dir.mkdir(parents=True, exist_ok=True)
     payload = {"name": name, "machine": info, "columns": [list(c) for c in columns],
                "rows": rows, "notes": notes, **(extra or {})}
     (out_dir / f"{name}.json").write_text(json.dumps(payload, indent=1, default=str) + "\n")
 
-    table = markdown_table(rows, columns)
     if dirty:
         print(f"[{name}] the work tree is dirty ({info['commit'] or 'no git'}): docs/benchmarks.md not "
               f"updated, JSON in {out_dir}/; commit, then run again to publish", file=sys.stderr)
-        return table
+        return markdown_table(rows, columns)
+    return write_doc_section(payload)
+
+
+def write_doc_section(payload: dict) -> str:
+    """Replace the ``## <name>`` section of docs/benchmarks.md with a saved run (the JSON that
+    :func:`write_results` wrote): its notes, its table and its machine line. Returns the table."""
+    name, info, notes = payload["name"], payload["machine"], payload["notes"]
+    table = markdown_table(payload["rows"], payload["columns"])
     machine = (f"{info['date']}; {info['cores']} cores ({info['cpu']}), "
                f"{info['ram_bytes'] / 2**30:.0f} GiB RAM, Linux {info['kernel']}, THP {info['thp']}; "
                f"torch {info['torch']}, safetensors {info['safetensors']}; commit {info['commit'] or '?'}")
