@@ -32,12 +32,18 @@ from shardwise.backends import Backend, coordination_group
 from shardwise.core.adapter import adapter_for
 from shardwise.core.plan import ResolvedPlan
 from shardwise.errors import CheckpointError
-from shardwise.io.formats.dcp.chunks import MetadataReader
+from shardwise.io.formats.dcp.chunks import DcpStored, MetadataReader
 from shardwise.io.formats.dcp.coord import checkpoint_info, dcp_error, gather_checksums, model_placed
-from shardwise.io.formats.dcp.items import CanonicalLoadPlanner, CanonicalSavePlanner, HashingWriter, Placed
+from shardwise.io.formats.dcp.items import (
+    CanonicalLoadPlanner,
+    CanonicalSavePlanner,
+    HashingWriter,
+    Placed,
+    check_fp8_match,
+    read_dtype,
+    want_layout,
+)
 from shardwise.io.formats.dcp.metadata import check_tensors
-from shardwise.io.formats.dcp.quant import check_fp8_match, read_dtype, want_layout
-from shardwise.io.formats.dcp.stored import DcpStored
 from shardwise.io.info import INFO_FILE
 from shardwise.io.sink import Saving
 from shardwise.io.source import Finalize, ReadOptions, Reads, Want

@@ -27,8 +27,7 @@ from shardwise.core.header import dtype_to_str
 from shardwise.core.plan import plan_summary
 from shardwise.errors import CheckpointError, CollectiveError, ShardwiseError
 from shardwise.holding import is_dtensor
-from shardwise.io.formats.dcp.items import HashingWriter, Placed, place
-from shardwise.io.formats.dcp.quant import scale_placed
+from shardwise.io.formats.dcp.items import HashingWriter, Placed, place, scale_placed
 from shardwise.io.info import ALGORITHM
 from shardwise.parallel import get_shard_state
 
@@ -45,7 +44,7 @@ def model_placed(model: nn.Module) -> dict[str, Placed]:
     state-dict order; a tied tensor appears once, under its first name."""
     state = get_shard_state(model)
     tensors = model.state_dict(keep_vars=True)
-    if state is not None:  # a quantized weight's scales: each block once (io.formats.dcp.quant)
+    if state is not None:  # a quantized weight's scales: each block once (dcp.items.scale_placed)
         ties = state.specs.ties
         return {n: scale_placed(tensors[n], ties[n], spec, *state.coords(spec), name=n) if n in ties
                 else place(tensors[n], spec, *state.coords(spec), name=n) for n, spec in state.specs.items()}
