@@ -38,7 +38,7 @@ BUILTINS = {
     "xla": "shardwise.backends.xla:XlaBackend",
     "xla_spmd": "shardwise.backends.xla_spmd:XlaSpmdBackend",
     "neuron": "shardwise.backends.neuron:NeuronBackend",
-    "neuron_xla": "shardwise.backends.neuron_xla:NeuronXlaBackend",
+    "neuron_xla": "shardwise.backends.neuron:NeuronXlaBackend",
 }
 
 Factory = Callable[..., Backend]

@@ -22,7 +22,7 @@ from torch import nn
 
 from shardwise.core.plan import ResolvedPlan
 from shardwise.core.spec import Region, ShardSpec, shard_regions
-from shardwise.io.formats.dcp.coord import model_placed
+from shardwise.io.formats.dcp.checkpoint import model_placed
 from shardwise.io.formats.dcp.items import CanonicalSavePlanner, Placed
 from shardwise.io.formats.safetensors.reader import WINDOW_BYTES
 from shardwise.io.source import Want

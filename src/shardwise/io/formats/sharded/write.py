@@ -38,7 +38,7 @@ from shardwise.core.header import dtype_to_str, spec_nbytes
 from shardwise.core.spec import Region
 from shardwise.errors import CheckpointError
 from shardwise.holding import Holding
-from shardwise.io.formats.dcp.coord import checkpoint_info, model_placed
+from shardwise.io.formats.dcp.checkpoint import checkpoint_info, model_placed
 from shardwise.io.formats.safetensors.files import StreamingWriter, header_metadata, save_file_order
 from shardwise.io.formats.sharded.checkpoint import check_tiling, sharding_metadata
 from shardwise.io.info import ALGORITHM, chunk_key
