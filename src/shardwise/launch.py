@@ -1,11 +1,5 @@
-"""Local ranks and their memory, for the demo, benchmarks and tests.
-
-``spawn(fn, world_size)`` runs a module-level function on N local processes with the
-torchrun environment set (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and returns
-every rank's result in rank order; a rank that raises, dies or outlives ``timeout`` stops the
-others and raises ``RankFailure`` with each rank's report. ``PeakMemory`` measures the peak
-resident memory of a phase of this process (Linux ``/proc``; 0 elsewhere).
-"""
+"""Local ranks and their memory, for the demo, benchmarks and tests: :func:`spawn` and
+:class:`PeakMemory`."""
 
 from __future__ import annotations
 

@@ -19,21 +19,13 @@ from shardwise.backends.xla import XlaBackend
 from shardwise.errors import BackendError, BackendUnavailableError
 
 NATIVE_FROM = (2, 10)  # torch-neuronx for torch 2.10 and later is TorchNeuron (no torch_xla)
-
-
 _INDEX = "--extra-index-url https://pip.repos.neuron.amazonaws.com"
-
-
 NEURON_HINT = (f"install TorchNeuron from the AWS Neuron package repository (pip install "
                f"-r backends/neuron/requirements.txt {_INDEX}); the package named torch-neuronx on "
                "PyPI is a placeholder")
-
-
 NEURON_XLA_HINT = (f"install the torch_xla-based torch-neuronx from the AWS Neuron package repository "
                    f"(pip install -r backends/neuron_xla/requirements.txt {_INDEX}); the package named "
                    "torch-neuronx on PyPI is a placeholder")
-
-
 # Where the Neuron driver lists its devices; a module attribute so that tests can point it
 # at a fake tree.
 NEURON_SYSFS = Path("/sys/devices/virtual/neuron_device")

@@ -1,19 +1,9 @@
-"""``shardwise.json``: what shardwise records beside a checkpoint, and the tensor checksums.
-
-Every checkpoint shardwise writes carries one: a distributed save records its layout (plan,
-mesh, degree, dtypes; informational) and one checksum per saved chunk; a gather save or a
-consolidation records one checksum per tensor. The checksum is XXH3-64 (the ``xxhash``
-package) of the tensor's bytes in C order, as 16 hex digits, computed inline just before the
-same bytes are written (while they are in the CPU cache). It was chosen by its cost to a
-save: on one core of the test machine it runs at ~20 GB/s from memory and ~60 GB/s from
-cache, against 4 for ``zlib.crc32`` (what shardwise recorded first, still verified), 12 for
-CRC-32C and 0.9 for blake2b; on 2 ranks sharing 2 cores a helper thread cannot hide a
-slower hash, and CRC-32 cost a distributed save 29%. It catches a flipped byte or a torn
-write; it is no defence against tampering.
-
-The file is read like any other checkpoint input: a regular file inside the folder, at
-most 100 MB, strict JSON, every field it has of the type it should be.
-"""
+"""``shardwise.json``: what shardwise records beside every checkpoint it writes (a distributed
+save's layout, informational) and the checksums (one per tensor, or per chunk of a distributed
+save): XXH3-64 of the bytes in C order, computed as they are written (chosen for its speed;
+``zlib.crc32``, recorded first, is still verified). It catches a flipped byte or a torn write,
+not tampering. Read like any untrusted input: a regular file in the folder, at most 100 MB,
+strict JSON, every field of its type."""
 
 from __future__ import annotations
 
@@ -184,12 +174,9 @@ _FIELDS = {
 
 
 def read_info(folder: Location | str | os.PathLike) -> dict | None:
-    """The validated ``shardwise.json`` of the checkpoint folder ``folder``; None when absent.
-
-    Raises :class:`CheckpointError` naming the file and the fault when it is not a regular
-    file inside the folder, is over 100 MB, is not a JSON object, or has a field of the
-    wrong type. (It never blocks: a FIFO is refused, not opened for reading.)
-    """
+    """The validated ``shardwise.json`` of ``folder``; None when absent. Raises ``CheckpointError``
+    naming the fault (not a regular file inside the folder, over 100 MB, not a JSON object, a
+    field of the wrong type); never blocks on a FIFO."""
     folder = locate(folder)  # a str or path: the tools' and tests' door
     path = folder / INFO_FILE
     if not path.exists() and path.name not in folder.list():  # a dangling link is refused below

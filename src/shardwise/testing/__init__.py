@@ -1,14 +1,11 @@
 """What the tests, the benchmarks and the validation suite share, public so that none of them
-reaches into a private module: rank launch, memory figures, the expected shard of a tensor,
-a streaming checkpoint writer. Imported on use (``import shardwise.testing``), never by
-``import shardwise``.
+reaches into a private module. Imported on use, never by ``import shardwise``.
 
 >>> from shardwise import testing
 >>> testing.spawn(lambda: 1, 2)                                    # doctest: +SKIP
 [1, 1]
 >>> testing.parse_size("1GiB")
-1073741824
-"""
+1073741824"""
 
 from __future__ import annotations
 

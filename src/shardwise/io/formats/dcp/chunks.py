@@ -29,23 +29,11 @@ from shardwise.io.storage.torchfs import LocationReader
 
 def read_chunk_into(f, info, offsets, lengths, dest: torch.Tensor, *, dtype: torch.dtype | None = None,
                     sizes=None) -> int:
-    """Copy the box (``offsets``, ``lengths``) of the saved chunk ``info`` (a DCP
-    ``_StorageInfo``: a torch.save blob at ``info.offset`` in the open file ``f``) into
-    ``dest``; return the bytes read from the file.
-
-    DCP's reader unpickles every saved chunk whole into a new tensor and then copies the
-    part it needs: under resharding each rank holds a transient copy of chunks bigger than
-    its share, and the allocator keeps that memory. Here the blob is opened on the meta
-    device (``weights_only``: its layout and where its bytes start, no data read), and only
-    the byte runs of the box are read, straight into ``dest`` when it is contiguous on the
-    CPU in the saved dtype (else through a buffer the size of the box). A chunk stored in a
-    layout other than a plain contiguous one is read whole, as DCP does.
-
-    ``dtype`` and ``sizes``, the chunk's as the metadata lists them, are checked against the
-    blob before a byte of data is read: a blob of another dtype or shape, or one whose
-    storage runs past its stored length, is a ``CheckpointError``, never a cast or an
-    allocation the file cannot back.
-    """
+    """Copy the box (``offsets``, ``lengths``) of the saved chunk ``info`` (a torch.save blob in
+    the open file ``f``) into ``dest``; return the bytes read. Only the box's byte runs are read
+    (straight into ``dest`` when it is contiguous on the CPU in the saved dtype), not the whole
+    chunk as DCP does; a chunk in another layout is read whole. The blob is checked against the
+    metadata's ``dtype`` and ``sizes`` first: a mismatch is a ``CheckpointError``."""
     where = _where(f, info)
     meta, base = open_blob(f, info, dtype=dtype, sizes=sizes)
     if base is None:
@@ -74,14 +62,9 @@ def read_chunk_into(f, info, offsets, lengths, dest: torch.Tensor, *, dtype: tor
 
 
 def zip_crc(f, info, meta: torch.Tensor, base: int) -> int | None:
-    """The CRC-32 that the blob's zip archive records for the chunk's data; None when the
-    chunk is part of a larger storage (the CRC covers the storage, not the chunk).
-
-    torch.save writes every record followed by a data descriptor (``PK\\x07\\x08``, the
-    CRC-32, the sizes; torch.load's own offset arithmetic relies on it), and torch.load
-    checks the CRC when it reads a record whole; :func:`read_chunk_into` reads the bytes
-    itself, so it checks them here. A descriptor that is not where it must be means the
-    blob is corrupt."""
+    """The CRC-32 the blob's zip record holds for the chunk's data (from the data descriptor
+    torch.save writes); None when the chunk is part of a larger storage. A misplaced descriptor
+    means the blob is corrupt."""
     nbytes = meta.numel() * meta.element_size()
     if meta.storage_offset() != 0 or meta.untyped_storage().nbytes() != nbytes:
         return None
@@ -131,10 +114,8 @@ def load_blob(f, info) -> torch.Tensor:
 
 def chunk_checksum(f, info, *, dtype: torch.dtype, sizes, algorithm: str, piece: int = 16 << 20
                    ) -> tuple[str, int, str | None]:
-    """``(checksum by ``algorithm``, bytes read, the zip record's CRC-32 or None)`` of the
-    saved chunk ``info``'s tensor bytes in C order, read in pieces of at most ``piece`` bytes
-    (the chunk is loaded whole, and torch.load checks its CRC, when it is stored in a layout
-    other than a plain contiguous one)."""
+    """``(checksum by algorithm, bytes read, zip CRC-32 or None)`` of the saved chunk's bytes in C
+    order, read in pieces of at most ``piece`` bytes."""
     meta, base = open_blob(f, info, dtype=dtype, sizes=sizes)
     if base is None:
         whole = load_blob(f, info)
@@ -168,12 +149,9 @@ def _check_blob(where: str, meta, info, dtype, sizes) -> None:
 
 
 class MetadataReader(LocationReader):
-    """torch's ``FileSystemReader`` over the storage (``LocationReader``) that serves the
-    metadata already read (and checked) by :func:`read_metadata` instead of unpickling
-    ``.metadata`` again, and that reads only the bytes each rank needs
-    (:func:`read_chunk_into`) straight into its tensors. ``bytes_read`` counts them. Storage
-    transforms (DCP's experimental extensions) go through DCP's own reader.
-    """
+    """torch's ``FileSystemReader`` over the storage, serving the metadata :func:`read_metadata`
+    already checked and reading only each rank's bytes (:func:`read_chunk_into`; ``bytes_read``
+    counts them). Storage transforms go through DCP's own reader."""
 
     def __init__(self, path: Location, metadata: Metadata):
         super().__init__(path)

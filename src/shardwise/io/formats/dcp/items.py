@@ -60,12 +60,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Placed:
-    """This rank's part of one canonical tensor.
-
-    ``local`` is a plain tensor; ``layout`` lists each region of the canonical tensor
-    (``shape``) this rank holds, with its offset inside ``local``. Replicated tensors have
-    one region covering everything.
-    """
+    """This rank's part of one canonical tensor of ``shape``: the plain tensor ``local`` and its
+    ``layout`` (each region it holds, with its offset in ``local``)."""
 
     local: torch.Tensor
     shape: tuple[int, ...]
@@ -89,16 +85,10 @@ def _is_split(p: Placement) -> TypeGuard[Shard]:
 
 
 def place(tensor: torch.Tensor, spec: ShardSpec | None, degree: int, tp_rank: int, *, name: str) -> Placed:
-    """Where ``tensor`` (a parameter, buffer or optimizer state, as the model holds it) sits
-    in its canonical tensor.
-
-    ``spec``, ``degree`` and ``tp_rank`` describe the tp split of a model shardwise
-    parallelised. ``spec=None`` (a model shardwise did not parallelise) reads a plain
-    ``Shard(dim)`` on a DTensor's ``tp`` axis as an unpacked split, and anything else as
-    replicated. A DTensor may also be sharded over other mesh axes (FSDP2's ``fully_shard``
-    over tp): those shards are ``torch.chunk`` parts of the tp-local tensor, applied in mesh
-    order after the tp split, which is how FSDP2 lays them out.
-    """
+    """Where ``tensor`` (parameter, buffer or optimizer state) sits in its canonical tensor, split
+    by ``spec`` over ``degree`` (``spec=None``: a DTensor's ``Shard(dim)`` on ``tp`` as unpacked,
+    anything else replicated); FSDP2 shards over other axes are ``torch.chunk`` parts of the
+    tp-local tensor, in mesh order."""
     local, base_shape = tensor, tuple(tensor.shape)
     chunks: list[tuple[int, int, int]] = []   # (dim, num_chunks, index)
     tp_in_mesh = False
@@ -165,14 +155,9 @@ def _pieces(placed: Mapping[str, Placed]) -> dict[tuple[str, tuple[int, ...]], t
 
 
 class CanonicalSavePlanner(DefaultSavePlanner):
-    """DCP's default save planner, but each :class:`Placed` tensor becomes one write item per
-    region at its canonical offsets. ``placed`` maps a state-dict key to its Placed; the
-    state dict passed to ``dcp.save`` holds the same keys with the local tensors (possibly
-    staged copies, for async saves). Everything else (bytes, plain objects) is DCP's default.
-    The coordinator also orders the checkpoint's metadata like the state dict (DCP would
-    order it by which rank happened to write each tensor first), so consolidation keeps
-    the model's order.
-    """
+    """DCP's default save planner, but each :class:`Placed` tensor (``placed``, by state-dict key)
+    becomes one write item per region at its canonical offsets, and the metadata keeps the
+    state dict's order."""
 
     def __init__(self, placed: Mapping[str, Placed]):
         super().__init__()
@@ -215,13 +200,8 @@ class CanonicalSavePlanner(DefaultSavePlanner):
 
 
 def _exact(view: torch.Tensor) -> torch.Tensor:
-    """``view`` over a storage of exactly its own bytes, sharing memory when it is contiguous.
-
-    DCP's file writer clones every tensor whose storage is larger than itself (so that
-    torch.save writes only its bytes) and keeps what it wrote alive until the file is
-    done: for a region of a larger local tensor (a packed block, an FSDP chunk of padded
-    storage) that was a copy of every such region per file.
-    """
+    """``view`` over a storage of exactly its own bytes, sharing memory when it is contiguous
+    (DCP's writer would clone a view of a larger storage and keep the copy until the file is done)."""
     if not view.is_contiguous() or view.untyped_storage().nbytes() == view.nbytes:
         return view
     start = view.storage_offset() * view.element_size()
@@ -292,13 +272,9 @@ class _HashingPlanner:
 
 
 class HashingWriter(LocationWriter):
-    """DCP's file writer over the storage (``LocationWriter``) that also records the checksum
-    of every chunk it writes (``shardwise.io.info``), computed as the planner hands the chunk
-    over to be written.
-
-    :attr:`checksums` (``{tensor name: {chunk_key(offsets): checksum}}``) is complete once
-    ``write_data`` has returned.
-    """
+    """DCP's file writer over the storage that records each chunk's checksum as it is written:
+    :attr:`checksums` (``{name: {chunk_key(offsets): checksum}}``) is complete once
+    ``write_data`` returns."""
 
     def __init__(self, path, **kwargs):
         super().__init__(path, **kwargs)

@@ -1,11 +1,6 @@
-"""A distributed checkpoint's metadata, read safely and checked for completeness.
-
-DCP's ``.metadata`` is a pickle. It is unpickled here with an allow-list of the classes a
-DCP metadata file holds (so a planted file cannot run code while being read), but a
-checkpoint is still only as trustworthy as its source. A save writes ``.metadata`` last,
-so its absence, or a data file it lists that is missing or short, means the save never
-finished: "incomplete checkpoint".
-"""
+"""A distributed checkpoint's metadata, unpickled with an allow-list of DCP's classes and
+checked for completeness (``.metadata`` is written last: its absence, or a listed data file
+missing or short, means "incomplete checkpoint") before any read."""
 
 from __future__ import annotations
 
@@ -54,13 +49,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_metadata(path: Location | str | os.PathLike) -> Metadata:
-    """The DCP ``Metadata`` of the checkpoint folder ``path``, after checking it is complete.
-
-    Raises ``CheckpointError`` ("incomplete checkpoint") when ``.metadata`` is missing or
-    unreadable, or when a data file it names is missing or shorter than the bytes it lists;
-    and when a file is a symlink out of the folder or the chunks do not tile a tensor
-    exactly (:func:`check_chunks`).
-    """
+    """The DCP ``Metadata`` of the checkpoint folder ``path``. Raises ``CheckpointError`` when it is
+    incomplete, a file is a symlink out of the folder, or the chunks do not tile a tensor."""
     path = locate(path)  # a str or path: the tools' and tests' door
     if not path.is_folder():
         raise CheckpointError(f"{path}: no such checkpoint folder")
@@ -129,13 +119,8 @@ def _is_int(v) -> bool:
 
 
 def check_chunks(path: Location, metadata: Metadata) -> None:
-    """Every tensor of the checkpoint is tiled exactly once by its chunks, before any read.
-
-    Each chunk lies inside its tensor, has a stored blob at least as large as its bytes
-    (so no size in the metadata can ask for more memory than the data files hold), and no
-    two chunks overlap; their volumes add up to the tensor's. Raises ``CheckpointError``
-    naming the tensor and the chunk.
-    """
+    """Raise ``CheckpointError`` (naming tensor and chunk) unless every tensor is tiled exactly once
+    by its chunks, each inside its tensor and backed by a blob at least its size."""
     storage = metadata.storage_data
     for fqn, md in metadata.state_dict_metadata.items():
         if not isinstance(md, TensorStorageMetadata):
@@ -192,12 +177,9 @@ def _check_disjoint(where: str, boxes: list[tuple[tuple[int, ...], tuple[int, ..
 
 def check_tensors(path, metadata: Metadata, wanted: Mapping[str, tuple[int, ...]], *,
                   strict: bool, allowed_extra=()) -> tuple[list[str], list[str]]:
-    """Compare the checkpoint's tensors with ``wanted`` ({key: canonical shape}); return the
-    missing and the unexpected keys.
-
-    Raises ``CheckpointError`` naming the keys for shape or kind mismatches and, with
-    ``strict``, for missing or unexpected keys.
-    """
+    """Compare the checkpoint's tensors with ``wanted`` ({key: canonical shape}); return the missing
+    and unexpected keys. Raises ``CheckpointError`` for a shape or kind mismatch and, with
+    ``strict``, for missing or unexpected keys."""
     md = metadata.state_dict_metadata
     missing = [k for k in wanted if k not in md]
     if missing and strict:

@@ -1,19 +1,9 @@
-"""Distributed checkpoints in safetensors: the format torch's ``HuggingFaceStorageWriter(
-save_distributed=True)`` writes (and so transformers' ``save_pretrained(dir,
-distributed_checkpoint=True)``), and its chunk map, validated before any data is read.
-
-The format: a folder of rank-local safetensors files. Each file's header metadata holds
-``DCP_SHARDING_INFO``, a JSON object ``{tensor: {"saved_offsets": [...]}}`` giving where each
-of its entries sits in the global tensor, and ``DCP_VERSION`` (``"1.0"``). A file holds at
-most one chunk of a tensor; a tensor's chunks are spread over the files. No pickle anywhere,
-so loading such a checkpoint trusts nothing but the validation below.
-
-The format records no global shape: it is the largest ``offset + size`` over a tensor's
-chunks. So the chunks are checked to tile it exactly (every element once, none twice), and
-when the folder has a ``shardwise.json`` (shardwise wrote it) its recorded shapes must agree,
-which also catches a missing last chunk. Detection reads headers, never file names (torch
-names files ``shard-{rank}-model-{i}-of-{n}.safetensors``; nothing here depends on it).
-"""
+"""Distributed checkpoints in safetensors, the format of torch's
+``HuggingFaceStorageWriter(save_distributed=True)``: rank-local files whose headers hold
+``DCP_SHARDING_INFO`` (each entry's ``saved_offsets``) and ``DCP_VERSION``. No pickle. The
+global shape is the largest ``offset + size``, so the chunks are checked to tile each tensor
+exactly (and to agree with ``shardwise.json`` when there is one) before any data is read.
+Detection reads headers, never file names."""
 
 from __future__ import annotations
 
@@ -156,12 +146,9 @@ def file_offsets(path: Location, header: FileHeader) -> dict[str, tuple[int, ...
 
 
 def chunk_map(headers: Mapping[Location, FileHeader]) -> dict[str, ShardedTensor]:
-    """Every tensor's global shape and chunks, from the files' headers; pure, no data read.
-
-    Raises ``CheckpointError`` naming the file and tensor for: a file without sharding
-    info, info that disagrees with the file's entries, chunks of one tensor that differ in
-    dtype or rank, and chunks that do not tile the tensor exactly (see :func:`check_tiling`).
-    """
+    """Every tensor's global shape and chunks, from the headers (pure, no data read). Raises
+    ``CheckpointError`` naming file and tensor for missing or inconsistent sharding info, chunks
+    that differ in dtype or rank, or chunks that do not tile the tensor (:func:`check_tiling`)."""
     chunks: dict[str, list[Chunk]] = {}
     for path, header in headers.items():
         for name, offsets in file_offsets(path, header).items():
