@@ -1,14 +1,9 @@
-"""The backend protocol: one small object per process that owns the process group.
-
-Call order: ``init_backend`` constructs one backend per process and calls ``start()``
-on every rank; ``mesh()`` and the collectives are then called by every rank of the
-group they name (all of them unless a ``group`` is passed); ``shutdown()`` ends it.
-Subclasses set the class attributes and override ``_device()`` and, where their
-hardware needs it, ``start()`` / ``_init_group()`` (how the default group is created) and
-``_make_mesh()`` (what ``mesh()`` returns where torch's DeviceMesh cannot run). A backend
-whose holding is SPMD (one process drives every device) also overrides ``local_shards()`` and
-``local_regions()``, which a distributed save calls on the process that holds the tensors.
-"""
+"""The backend protocol (one object per process that owns the process group), and gloo, the
+reference backend. Call order: ``init_backend`` constructs one backend per process and calls
+``start()`` on every rank; ``mesh()`` and the collectives are then called by every rank of the
+group they name (all unless a ``group`` is passed); ``shutdown()`` ends it. Subclasses set the
+class attributes and override ``_device()`` and, where needed, ``start()``, ``_init_group()``
+and ``_make_mesh()``; an SPMD backend also ``local_shards()`` and ``local_regions()``."""
 
 from __future__ import annotations
 
@@ -24,6 +19,7 @@ from shardwise.holding import Holding
 
 if TYPE_CHECKING:
     from shardwise.backends.group_mesh import AxisMesh
+
 
 # Mesh axes, outer to inner: replicas of the whole model, then FSDP shards, then TP.
 MESH_AXES = ("dp_replicate", "dp_shard", "ep", "tp")
@@ -367,3 +363,13 @@ class Backend:
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(name={self.name!r}, rank={self.rank}, "
                 f"world_size={self.world_size}, device={self.device})")
+
+
+class GlooBackend(Backend):
+    """CPU processes joined by gloo: the reference backend, and the one the tests run."""
+
+    name = "gloo"
+    dist_backend = "gloo"
+    device_type = "cpu"
+    supports_dtensor = True
+    supports_gather = True
