@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from shardwise.launch import spawn
+from shardwise.testing import spawn
 from shardwise.testing import write_checkpoint as _write_files
 from shardwise.testing.model import SIZES, TP_PLAN, build, config_for, tokens
 
@@ -52,7 +52,7 @@ def _release_freed_memory() -> None:
 
 def _timed(step, backend):
     """``(result, peak bytes, seconds, method)`` of ``step()``, the ranks starting together."""
-    from shardwise.launch import PeakMemory
+    from shardwise.testing import PeakMemory
 
     gc.collect()
     _release_freed_memory()

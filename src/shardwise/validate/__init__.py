@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         print("shardwise validate: --nproc starts its own ranks; under a launcher leave it out",
               file=sys.stderr)
         return 2
-    from shardwise.launch import RankFailure, spawn
+    from shardwise.testing import RankFailure, spawn
 
     try:
         codes = spawn(_rank, args.nproc, args=(args,), timeout=3600)
