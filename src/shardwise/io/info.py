@@ -124,7 +124,7 @@ def digest_range(handle: ReadHandle, start: int, nbytes: int, algorithm: str,
 
 # --- reading -------------------------------------------------------------------------------
 
-def _is_int(v) -> bool:
+def is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -149,22 +149,22 @@ def _checksums_ok(v) -> bool:
 # field -> (what it must be, check); a field that is absent is fine.
 _FIELDS = {
     "format": ("a string", lambda v: isinstance(v, str)),
-    "version": ("an int", _is_int),
+    "version": ("an int", is_int),
     "kind": ("a string", lambda v: isinstance(v, str)),
     "shardwise": ("a string", lambda v: isinstance(v, str)),
     "torch": ("a string", lambda v: isinstance(v, str)),
-    "world_size": ("an int", _is_int),
-    "degree": ("an int", _is_int),
+    "world_size": ("an int", is_int),
+    "degree": ("an int", is_int),
     "holding": ("a string or null", lambda v: v is None or isinstance(v, str)),
     "sharded_axes": ("a list of strings",
                      lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)),
     "plan": ("an object of strings", _str_map),
     "metadata": ("an object of strings", _str_map),
     "index_metadata": ("an object of ints and strings", lambda v: isinstance(v, dict) and all(
-        isinstance(x, str) or _is_int(x) for x in v.values())),
+        isinstance(x, str) or is_int(x) for x in v.values())),
     "mesh": ("null or {axes: [str], shape: [int]}", lambda v: v is None or (
         isinstance(v, dict) and isinstance(v.get("axes"), list) and isinstance(v.get("shape"), list)
-        and all(isinstance(a, str) for a in v["axes"]) and all(_is_int(s) for s in v["shape"]))),
+        and all(isinstance(a, str) for a in v["axes"]) and all(is_int(s) for s in v["shape"]))),
     "tensors": ("an object of {dtype, shape}", lambda v: isinstance(v, dict) and all(
         isinstance(t, dict) and isinstance(t.get("dtype"), str) and isinstance(t.get("shape"), list)
         for t in v.values())),
@@ -207,5 +207,5 @@ def recorded_checksums(info: dict | None) -> tuple[str, dict[str, str], dict[str
 
 
 __all__ = ["ALGORITHM", "DIGESTS", "INFO_FILE", "chunk_key", "collect_checksums", "digest_hex",
-           "digest_range", "gather_info", "new_digest", "read_info", "record_checksums", "recorded_checksums",
-           "tensor_checksum", "user_metadata", "write_info"]
+           "digest_range", "gather_info", "is_int", "new_digest", "read_info", "record_checksums",
+           "recorded_checksums", "tensor_checksum", "user_metadata", "write_info"]

@@ -13,8 +13,10 @@ from collections.abc import Mapping
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
+from shardwise.core.spec import Region, overlapping
 from shardwise.errors import CheckpointError
 from shardwise.io.formats.dcp import METADATA_FILE
+from shardwise.io.info import is_int
 from shardwise.io.storage import Location, locate, read_small
 from shardwise.io.storage.transaction import TMP_MARK
 
@@ -91,7 +93,7 @@ def _check_files(path: Location, metadata: Metadata) -> None:
         rel = str(info.relative_path)
         if not rel or "/" in rel or "\\" in rel or "\0" in rel or rel in (".", ".."):
             raise CheckpointError(f"{path}: the metadata names data file {rel!r}, outside the folder")
-        if not (_is_int(info.offset) and _is_int(info.length) and info.offset >= 0 and info.length >= 0):
+        if not (is_int(info.offset) and is_int(info.length) and info.offset >= 0 and info.length >= 0):
             raise CheckpointError(f"{path}: the metadata gives data file {rel!r} the byte range "
                                   f"offset={info.offset!r} length={info.length!r}; the file is corrupt")
         need[rel] = max(need.get(rel, 0), info.offset + info.length)
@@ -114,10 +116,6 @@ def _check_files(path: Location, metadata: Metadata) -> None:
                               f"{' ...' if len(bad) > 5 else ''}; save again or load an earlier checkpoint")
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def check_chunks(path: Location, metadata: Metadata) -> None:
     """Raise ``CheckpointError`` (naming tensor and chunk) unless every tensor is tiled exactly once
     by its chunks, each inside its tensor and backed by a blob at least its size."""
@@ -131,12 +129,12 @@ def check_chunks(path: Location, metadata: Metadata) -> None:
         dtype, size = md.properties.dtype, tuple(md.size)
         if not isinstance(dtype, torch.dtype):
             raise CheckpointError(f"{where}: dtype {dtype!r} is not a torch dtype")
-        if not all(_is_int(d) and d >= 0 for d in size):
+        if not all(is_int(d) and d >= 0 for d in size):
             raise CheckpointError(f"{where}: shape {size!r} must be non-negative ints")
         boxes, volume = [], 0
         for c in md.chunks:
             off, sz = tuple(c.offsets), tuple(c.sizes)
-            if not (len(off) == len(sz) == len(size) and all(_is_int(x) and x >= 0 for x in off + sz)):
+            if not (len(off) == len(sz) == len(size) and all(is_int(x) and x >= 0 for x in off + sz)):
                 raise CheckpointError(f"{where}: chunk offsets {off} / sizes {sz} do not fit shape {size}")
             if any(o + n > d for o, n, d in zip(off, sz, size, strict=True)):
                 raise CheckpointError(f"{where}: chunk at {off} of sizes {sz} reaches outside shape {size}")
@@ -148,31 +146,17 @@ def check_chunks(path: Location, metadata: Metadata) -> None:
                 raise CheckpointError(f"{where}: the chunk at {off} of sizes {sz} needs {nbytes} bytes "
                                       f"but its stored data is {info.length} bytes; the metadata is corrupt")
             volume += math.prod(sz)
-            boxes.append((off, sz))
+            boxes.append(Region(off, sz))
         if volume != math.prod(size):
             raise CheckpointError(f"{where} of shape {size} is not covered by its chunks "
                                   f"({volume} of {math.prod(size)} elements)")
-        _check_disjoint(where, boxes)
-
-
-def _check_disjoint(where: str, boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> None:
-    """Raise if two boxes overlap: a sweep along the dim whose chunk starts differ most, so
-    that row, column and block splits all compare each chunk with its few neighbours only."""
-    boxes = [b for b in boxes if 0 not in b[1]]
-    if len(boxes) < 2 or not boxes[0][0]:
-        if len(boxes) > 1:  # several chunks of a 0-d tensor
+        if not size and len(boxes) > 1:
             raise CheckpointError(f"{where}: a 0-d tensor has {len(boxes)} chunks")
-        return
-    ndim = len(boxes[0][0])
-    d = max(range(ndim), key=lambda i: len({off[i] for off, _ in boxes}))
-    active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
-    for off, sz in sorted(boxes, key=lambda b: b[0][d]):
-        active = [a for a in active if a[0][d] + a[1][d] > off[d]]
-        for aoff, asz in active:
-            if all(ao < o + n and o < ao + an for ao, an, o, n in zip(aoff, asz, off, sz, strict=True)):
-                raise CheckpointError(f"{where}: chunks at {aoff} (sizes {asz}) and {off} (sizes {sz}) "
-                                      "overlap; the metadata is corrupt")
-        active.append((off, sz))
+        pair = overlapping(boxes)
+        if pair is not None:
+            a, b = boxes[pair[0]], boxes[pair[1]]
+            raise CheckpointError(f"{where}: chunks at {a.offsets} (sizes {a.sizes}) and {b.offsets} "
+                                  f"(sizes {b.sizes}) overlap; the metadata is corrupt")
 
 
 def check_tensors(path, metadata: Metadata, wanted: Mapping[str, tuple[int, ...]], *,

@@ -12,10 +12,10 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import NoReturn, TypeGuard
+from typing import TypeGuard
 
 from shardwise.core.header import FileHeader, NamedDtype, TensorEntry, parse_json_object
-from shardwise.core.spec import Region, intersect
+from shardwise.core.spec import Region, overlapping
 from shardwise.errors import CheckpointError
 from shardwise.io.formats.safetensors.files import INDEX_SUFFIX, read_header
 from shardwise.io.info import INFO_FILE, read_info
@@ -184,7 +184,13 @@ def check_tiling(name: str, shape: Sequence[int], pieces: Sequence[tuple[str, Re
         if not inside:
             raise CheckpointError(f"{src}: tensor {name!r}: chunk at offsets {r.offsets} of sizes "
                                   f"{r.sizes} falls outside its shape {shape}")
-    _check_overlap(name, [(s, r) for s, r in pieces if r.numel])
+    pair = overlapping([r for _, r in pieces])
+    if pair is not None:
+        (sa, a), (sb, b) = pieces[pair[0]], pieces[pair[1]]
+        raise CheckpointError(
+            f"{sa if sa == sb else f'{sa} and {sb}'}: tensor {name!r}: chunks at offsets {a.offsets} "
+            f"(sizes {a.sizes}) and {b.offsets} (sizes {b.sizes}) overlap, so which bytes hold the "
+            "tensor is ambiguous; the folder mixes checkpoints or a header is corrupt")
     covered, total = sum(r.numel for _, r in pieces), math.prod(shape)
     if covered != total:
         files = sorted({s for s, _ in pieces})
@@ -192,34 +198,6 @@ def check_tiling(name: str, shape: Sequence[int], pieces: Sequence[tuple[str, Re
             f"tensor {name!r}: its chunks in {', '.join(files[:4])}{' ...' if len(files) > 4 else ''} "
             f"cover {covered} of the {total} elements of its shape {shape}; a chunk (or a whole "
             "rank's file) is missing: copy the complete checkpoint folder, or save again")
-
-
-def _check_overlap(name: str, pieces: list[tuple[str, Region]]) -> None:
-    if len(pieces) < 2:
-        return
-    ndim = len(pieces[0][1].offsets)
-    # Sweep along the dim where chunk starts differ most: only chunks whose span on it
-    # is still open can overlap the next one (a grid of chunks keeps that set small).
-    dim = max(range(ndim), key=lambda d: len({r.offsets[d] for _, r in pieces}), default=None)
-    if dim is None:  # scalars: two chunks of one scalar overlap
-        a, b = pieces[0], pieces[1]
-        _overlap_error(name, a, b)
-    open_: list[tuple[str, Region]] = []
-    for src, r in sorted(pieces, key=lambda p: p[1].offsets[dim]):
-        start = r.offsets[dim]
-        open_ = [(s, a) for s, a in open_ if a.offsets[dim] + a.sizes[dim] > start]
-        for other in open_:
-            if intersect(other[1], r) is not None:
-                _overlap_error(name, other, (src, r))
-        open_.append((src, r))
-
-
-def _overlap_error(name: str, a: tuple[str, Region], b: tuple[str, Region]) -> NoReturn:
-    where = a[0] if a[0] == b[0] else f"{a[0]} and {b[0]}"
-    raise CheckpointError(
-        f"{where}: tensor {name!r}: chunks at offsets {a[1].offsets} (sizes {a[1].sizes}) and "
-        f"{b[1].offsets} (sizes {b[1].sizes}) overlap, so which bytes hold the tensor is "
-        "ambiguous; the folder mixes checkpoints or a header is corrupt")
 
 
 # --- a folder ---------------------------------------------------------------------------------
