@@ -196,11 +196,9 @@ class Backend:
         self._started = True
 
     def _check_world(self) -> None:
-        """A one-element all_reduce of ones over the group (on this backend's device) must sum
-        to the world size: else the group's collectives are no-ops for what shardwise sends (an
-        adopted ``env://`` "xla" group on PJRT CPU, a group of another device) and every load and
-        forward would be silently wrong. Whether the world is the launcher's is the validation
-        suite's first check (``shardwise.validate.checks.check_world``)."""
+        """A one-element all_reduce of ones over the group must sum to the world size; else the group's
+        collectives are no-ops for what shardwise sends (an adopted ``env://`` "xla" group on PJRT
+        CPU) and every load and forward would be silently wrong."""
         if self.world_size == 1:
             return
         how = "adopted" if not self._owns_group else "started"
@@ -308,12 +306,8 @@ class Backend:
     def gather_into(self, tensor: torch.Tensor, out: list[torch.Tensor] | None, dst: int = 0, *,
                     group=None, timeout=None) -> None:
         """Every rank's ``tensor`` written into ``out`` (one tensor per group rank) on global rank
-        ``dst``; ``out`` is ignored elsewhere.
-
-        Unlike ``gather``, nothing is allocated per call: rank ``dst`` receives straight into
-        buffers it reuses, point to point, so a long series of gathers (a save, chunk after
-        chunk) does not fault fresh pages in for every call.
-        """
+        ``dst`` (``out`` is ignored elsewhere), point to point into buffers ``dst`` reuses: nothing
+        is allocated per call."""
         if not self.supports_gather:
             got = self.all_gather(tensor, group=group, timeout=timeout)
             if self.rank == dst:

@@ -127,11 +127,13 @@ def save(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str
     layout, ``"module"`` the module's own names. Rank 0 builds one tensor at a time (peak under 2x
     the largest tensor); ``parallel_write`` (None: probe whether every rank sees the folder, on
     several machines) has every rank write its own regions instead, same bytes. FP8 weights and
-    their scales are written as stored (not by the distributed or parallel writes).
+    their scales are written as stored (the distributed and parallel writes refuse them).
+    ``format=NAME`` writes a registered gathered format the same way.
 
-    ``distributed=True`` has every rank write its own part: ``format="dcp"`` (the default;
-    with ``async_save=True`` it returns a handle whose ``wait()`` every rank calls) or
-    ``"sharded"`` (rank-local safetensors); the gather-only options are refused.
+    ``distributed=True`` has every rank write its own part: ``format="dcp"`` (the default, also
+    ``"distcp"``; with ``async_save=True`` it returns a handle whose ``wait()`` every rank calls)
+    or ``"sharded"`` (also ``"safetensors"``: rank-local safetensors); the gather-only options
+    are refused.
 
     Complete or absent: written into ``.{name}.shardwise-tmp-*`` beside ``path`` and renamed into
     place; an existing folder is an error unless ``overwrite=True``, which refuses a folder holding

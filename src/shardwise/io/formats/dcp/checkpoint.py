@@ -190,16 +190,11 @@ def write_checkpoint(path: Location, state_dict: dict, placed: Mapping[str, Plac
                      backend: Backend | None, overwrite: bool = False, async_save: bool = False,
                      planner: CanonicalSavePlanner | None = None,
                      side_files: Callable[[Location], object] | None = None) -> AsyncSave | None:
-    """Save ``state_dict`` (local tensors for the ``placed`` keys, plain values otherwise)
-    as a canonical DCP checkpoint at ``path``; every rank calls it. With ``async_save`` the
-    data is staged (copied) before returning and the returned handle's ``wait`` completes it.
-    ``planner`` replaces ``CanonicalSavePlanner(placed)`` (SPMD resolves shards its own way).
-    ``side_files(folder)`` writes files beside the data on rank 0 (a model's config.json).
-    ``backend`` (``shardwise.mesh.world_backend``) runs the verdicts on rank 0's steps.
-
-    Crash safety is every save's (``shardwise.io.sink.Saving``): DCP writes into the
-    temporary folder, which replaces ``path`` once complete.
-    """
+    """Save ``state_dict`` (local tensors for the ``placed`` keys, plain values otherwise) as a
+    canonical DCP checkpoint at ``path``, in one ``Saving``; every rank calls it. With
+    ``async_save`` the data is staged before returning and the handle's ``wait`` completes it.
+    ``planner`` replaces ``CanonicalSavePlanner(placed)``; ``side_files(folder)`` writes beside
+    the data on rank 0; ``backend`` runs the verdicts."""
     saving = Saving(path, overwrite=overwrite, backend=backend,
                     what=f"a distributed save to {target_path(path)}")
     planner = planner or CanonicalSavePlanner(placed)
@@ -274,13 +269,10 @@ def read_checkpoint(path: Location, metadata, state_dict: dict, placed: Mapping[
 
 
 class DcpSource(DcpStored):
-    """The :class:`~shardwise.io.source.Source` of a torch DCP checkpoint. Its reads go
-    through torch's own planner and storage reader (:func:`read_checkpoint`): torch owns this
-    format (the pickled ``.metadata``, the chunk files, the collective load plan), so the
-    source only says which regions each rank wants (:class:`Placed`). ``read`` is collective:
-    every rank calls it, with the same ``options.window`` batching. The checkpoint's
-    ``.metadata`` is a pickle (unpickled with an allow-list): trust its source.
-    """
+    """The ``Source`` of a torch DCP checkpoint: reads go through torch's planner and storage reader
+    (:func:`read_checkpoint`), the source saying which regions each rank wants. ``read`` is
+    collective, with the same ``options.window`` on every rank. ``.metadata`` is a pickle
+    (allow-listed): trust its source."""
 
     def __init__(self, path: Location):
         super().__init__(path)  # the metadata, checked: raises for an incomplete checkpoint
