@@ -198,19 +198,7 @@ def _wire_grad_allreduce(module: nn.Module, group) -> None:
     call passes its parameters through ``_CopyTo``, so the reduction is a node of the graph.
     (A hook on the Parameter never fires once FSDP2 swaps the parameters, and a post-accumulate
     hook would reduce accumulated gradients again.)"""
-    inner = module.forward
-
-    def forward(*args, **kwargs):
-        if not torch.is_grad_enabled():
-            return inner(*args, **kwargs)
-        held = {n: p for n, p in module._parameters.items() if p is not None and p.requires_grad}
-        module._parameters.update({n: _CopyTo.apply(p, group) for n, p in held.items()})
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            module._parameters.update(held)
-
-    module.forward = forward
+    _with_params(module, lambda p: p.requires_grad, lambda p: _CopyTo.apply(p, group), grad_only=True)
 
 
 def _wire_ep_experts(module: nn.Module, style: Style, state) -> None:
@@ -241,11 +229,19 @@ def _is_float(a) -> bool:
 def run_on_local_params(module: nn.Module) -> None:
     """DTensor holding: run ``module.forward`` on the local shards of its DTensor parameters (for
     forwards written for plain tensors); ``to_local`` is differentiable."""
+    _with_params(module, is_dtensor, lambda p: p.to_local())
+
+
+def _with_params(module: nn.Module, pick: Callable, swap: Callable, *, grad_only: bool = False) -> None:
+    """Run ``module.forward`` with each of its own parameters ``pick`` selects replaced by
+    ``swap(parameter)`` (``grad_only``: only while autograd records), restored afterwards."""
     inner = module.forward
 
     def forward(*args, **kwargs):
-        held = {n: p for n, p in module._parameters.items() if is_dtensor(p)}
-        module._parameters.update({n: p.to_local() for n, p in held.items()})
+        if grad_only and not torch.is_grad_enabled():
+            return inner(*args, **kwargs)
+        held = {n: p for n, p in module._parameters.items() if p is not None and pick(p)}
+        module._parameters.update({n: swap(p) for n, p in held.items()})
         try:
             return inner(*args, **kwargs)
         finally:
