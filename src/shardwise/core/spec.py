@@ -1,10 +1,6 @@
-"""Shard specs and the region math every load, save and reshard path shares.
-
-Everything here is pure: shapes, degrees and ranks are plain ints, and the only
-tensor operations are local (indexing, ``cat``, copies). A *region* is a box of
-the canonical (unsharded) tensor; a rank's local shard is the concatenation of
-its regions along the shard dim, in the order :func:`shard_regions` returns them.
-"""
+"""Shard specs and the region math every load, save and reshard path shares. Pure: shapes,
+degrees and ranks are plain ints. A *region* is a box of the canonical (unsharded) tensor; a
+rank's local shard is its regions concatenated along the shard dim, in :func:`shard_regions` order."""
 
 from __future__ import annotations
 
