@@ -2,12 +2,12 @@
 
 Any rank's exception fails the test with that rank's traceback; ranks still running
 after ``timeout`` seconds are killed and the test fails, so a hung collective can
-never hang CI. Built on ``shardwise.launch.spawn`` (one way to launch ranks).
+never hang CI. Built on ``shardwise.testing.spawn`` (one way to launch ranks).
 """
 
 from __future__ import annotations
 
-from shardwise.launch import RankFailure, spawn
+from shardwise.testing import RankFailure, spawn
 
 DEFAULT_TIMEOUT = 90.0
 

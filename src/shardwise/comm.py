@@ -1,15 +1,9 @@
-"""Every collective shardwise runs, bounded and named: each call gets the backend's timeout
-(``backend=``, resolved once by a public entry point: ``mesh.world_backend`` or
-``MeshDims.comm_backend``; None: no process group, a world of one) and its failure becomes a
-``CollectiveError`` naming the operation, its group size, this rank and the fix.
-
-Tensor collectives of a load, save or clip (:func:`all_reduce`, :func:`broadcast`) are issued
-asynchronously and waited for within the backend's timeout; local holding's forward and
-backward ones (:func:`all_reduce_inline`, :func:`all_gather_inline`) and the object
-collectives are synchronous, bounded by the process group's timeout. :func:`agree` is the
-cross-rank verdict: every rank reports its failure at the same point and every rank raises if
-any failed, so that none is left waiting in a collective a failed peer never reaches.
-"""
+"""Every collective shardwise runs, bounded and named: each gets the backend's timeout
+(``backend=``, resolved once by a public entry; None: a world of one) and its failure becomes
+a ``CollectiveError`` naming the operation, group size, rank and fix. Load/save tensor
+collectives are async and waited for; local holding's forward/backward ones and the object
+collectives are synchronous. :func:`agree` is the cross-rank verdict: if any rank failed,
+every rank raises at the same point."""
 
 from __future__ import annotations
 

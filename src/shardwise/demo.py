@@ -1,9 +1,6 @@
-"""``shardwise demo``: stream, save and reshard a sharded checkpoint of the toy model on local
-gloo ranks. Each of ``tp`` ranks streams its slice with ``sw.load`` (and, for comparison, loads
-the whole checkpoint and shards it, as users do today) and checks the forward against one
-process; then a gather save, a distributed save, and a load of it at ``tp / 2`` (two
-replicas). The tables show per rank bytes read, peak memory above its level, and seconds.
-"""
+"""``shardwise demo``: on local gloo ranks, stream the toy model's checkpoint with ``sw.load``
+(against loading it whole and sharding), check the forward, then a gather save, a distributed
+save and a load of it at ``tp / 2``; per rank bytes read, peak memory and seconds."""
 
 from __future__ import annotations
 
@@ -15,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from shardwise.launch import spawn
+from shardwise.testing import spawn
 from shardwise.testing import write_checkpoint as _write_files
 from shardwise.testing.model import SIZES, TP_PLAN, build, config_for, tokens
 
@@ -55,7 +52,7 @@ def _release_freed_memory() -> None:
 
 def _timed(step, backend):
     """``(result, peak bytes, seconds, method)`` of ``step()``, the ranks starting together."""
-    from shardwise.launch import PeakMemory
+    from shardwise.testing import PeakMemory
 
     gc.collect()
     _release_freed_memory()

@@ -1,11 +1,6 @@
-"""Errors raised by shardwise.
-
-Every error names what is wrong (the parameter, file or value) and how to fix it.
-Bad input raises a subclass of ``ValueError``; an environment or runtime fault
-raises a subclass of ``RuntimeError`` (of ``OSError`` for a file system fault, with its
-``errno``). All of them also derive from
-``ShardwiseError`` so that callers can catch everything shardwise raises at once.
-"""
+"""Errors raised by shardwise: each names what is wrong and how to fix it. Bad input raises a
+``ValueError`` subclass, an environment or runtime fault a ``RuntimeError`` (``OSError`` for a
+file system fault); all derive from ``ShardwiseError``."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""How a parallelised model holds its shards: one strategy object per way, and the one test
-for a DTensor (:func:`is_dtensor`, :func:`local_of`) that every module uses.
-
-The public ``holding=`` keyword (``"dtensor"``, ``"local"``, ``"spmd"``) is decoded once into a
-:class:`Holding` (:meth:`Holding.parse`, at ``shardwise.mesh.decode_mesh``); below that, code
-asks the strategy to act (wire a forward, place a load, collect for a save) instead of
-branching on which one it is.
-"""
+"""How a parallelised model holds its shards: one strategy object per way (``holding=``, decoded
+once by :meth:`Holding.parse`), asked to act instead of branched on, and the one DTensor test
+(:func:`is_dtensor`, :func:`local_of`)."""
 
 from __future__ import annotations
 

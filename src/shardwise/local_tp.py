@@ -1,11 +1,7 @@
-"""Local holding: plain local shards, and module forwards that do their own collectives
-(xla, neuron, where DTensor does not run). The collectives are autograd functions in
-Megatron's conjugate pairs, so training gives the one-device gradients: ``_CopyTo`` (identity
-forward, all-reduce backward), ``_ReduceFrom`` (all-reduce forward, identity backward),
-``_GatherFrom`` (all-gather on the last dim forward, local slice backward), ``_SplitTo`` (local
-slice of every packed block forward, all-gather backward). Not ``torch.distributed.nn``: its
-all-reduce also all-reduces in backward, doubling every shard's gradient at degree 2.
-"""
+"""Local holding: plain local shards, and module forwards that do their own collectives (xla,
+neuron). The collectives are autograd functions in Megatron's conjugate pairs (``_CopyTo``,
+``_ReduceFrom``, ``_GatherFrom``, ``_SplitTo``), so training gives the one-device gradients
+(``torch.distributed.nn``'s all-reduce would double them)."""
 
 from __future__ import annotations
 
@@ -136,17 +132,10 @@ _WIRED_CLASSES: dict[type, type] = {}
 
 
 def wire_embedding_subclass(module: nn.Embedding, style: Style, state) -> None:
-    """Shard an nn.Embedding subclass whose forward adds to the lookup (a norm, a scale).
-
-    Replacing its forward would skip what it adds; running it on a vocab-sharded output
-    would normalise partial sums (torch's own styles fail there with a bare AssertionError).
-    Instead the instance's class becomes a subclass whose MRO puts :class:`_ShardedLookup`
-    right before nn.Embedding, the way FSDP's ``fully_shard`` swaps a module's class: the
-    ``super().forward(ids)`` in the module's own forward then does the local lookup and its
-    all-reduce (or all-gather), and the rest of its forward sees the whole embedding. A
-    forward that reads ``self.weight`` itself instead of calling ``super().forward`` would
-    index the local shard with global ids: that raises when the forward returns.
-    """
+    """Shard an nn.Embedding subclass whose forward adds to the lookup (a norm, a scale): its class
+    becomes a subclass with :class:`_ShardedLookup` before nn.Embedding in the MRO (as FSDP's
+    ``fully_shard`` swaps classes), so its ``super().forward(ids)`` does the local lookup and the
+    collective. A forward reading ``self.weight`` itself raises when it returns."""
     cls = type(module)
     wired = _WIRED_CLASSES.get(cls)
     if wired is None:
@@ -205,46 +194,17 @@ def wire_forward(module: nn.Module, style: Style, state) -> None:
 
 
 def _wire_grad_allreduce(module: nn.Module, group) -> None:
-    """Sum the gradients of ``module``'s own parameters over the tp axis (a norm applied to
-    each rank's own heads: every rank's gradient covers its heads only).
-
-    Each call hands the module's forward its parameters passed through ``_CopyTo`` (identity
-    forward, all-reduce backward), so the reduction is a node of the autograd graph between
-    whatever parameter the module holds *when it runs* and its use. Not a hook on the
-    Parameter (what transformers' ``ReplicatedWithGradAllReduce`` registers): FSDP2's
-    ``fully_shard`` swaps a module's parameters for its own (sharded between steps, unsharded
-    in forward), so a hook on the Parameter seen here never fires and each tp rank keeps its
-    partial gradient; a hook added lazily in forward would live on FSDP2's internals. And a
-    post-accumulate hook reduces the accumulated ``.grad``, so under gradient accumulation
-    the earlier micro-batches are summed over tp again; here each backward's own
-    contribution is reduced, once. Not a DTensor ``Replicate()`` parameter either: local
-    holding has no DTensor, and the reduction would be left to whoever next redistributes
-    the gradient (FSDP2 does, a plain optimizer or a saved ``.grad`` would see it partial).
-    """
-    inner = module.forward
-
-    def forward(*args, **kwargs):
-        if not torch.is_grad_enabled():
-            return inner(*args, **kwargs)
-        held = {n: p for n, p in module._parameters.items() if p is not None and p.requires_grad}
-        module._parameters.update({n: _CopyTo.apply(p, group) for n, p in held.items()})
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            module._parameters.update(held)
-
-    module.forward = forward
+    """Sum the gradients of ``module``'s own parameters over the tp axis, once per backward: each
+    call passes its parameters through ``_CopyTo``, so the reduction is a node of the graph.
+    (A hook on the Parameter never fires once FSDP2 swaps the parameters, and a post-accumulate
+    hook would reduce accumulated gradients again.)"""
+    _with_params(module, lambda p: p.requires_grad, lambda p: _CopyTo.apply(p, group), grad_only=True)
 
 
 def _wire_ep_experts(module: nn.Module, style: Style, state) -> None:
-    """Expert parallel, all-reduce implementation (the ep group shares one batch).
-
-    Each rank holds experts ``[rank * n, (rank + 1) * n)``; routes to other ranks' experts
-    get the local id ``n`` and weight 0, which transformers' experts skip (its contract:
-    ``num_experts`` is the local count and ``_is_expert_parallel`` is set), and the partial
-    outputs are summed over the ep group. The shared inputs' gradients are partial on
-    every rank, so they are all-reduced in backward.
-    """
+    """Expert parallel, all-reduce implementation (the ep group shares one batch): each rank holds
+    experts ``[rank * n, (rank + 1) * n)``, routes to other ranks' experts get local id ``n`` and
+    weight 0 (transformers skips them), and the partial outputs are summed over the ep group."""
     n, group, rank = style.num_experts // state.ep_degree, state.ep_group, state.ep_rank
     if hasattr(module, "num_experts"):
         module.num_experts = n
@@ -267,17 +227,21 @@ def _is_float(a) -> bool:
 
 
 def run_on_local_params(module: nn.Module) -> None:
-    """DTensor holding: run ``module.forward`` on the local shards of its DTensor parameters.
+    """DTensor holding: run ``module.forward`` on the local shards of its DTensor parameters (for
+    forwards written for plain tensors); ``to_local`` is differentiable."""
+    _with_params(module, is_dtensor, lambda p: p.to_local())
 
-    For modules whose own code reads a parameter sharded by a parameter key (3-D expert
-    weights, attention sinks): their forward is written for plain tensors. ``to_local`` is
-    differentiable, so gradients reach the DTensor parameters.
-    """
+
+def _with_params(module: nn.Module, pick: Callable, swap: Callable, *, grad_only: bool = False) -> None:
+    """Run ``module.forward`` with each of its own parameters ``pick`` selects replaced by
+    ``swap(parameter)`` (``grad_only``: only while autograd records), restored afterwards."""
     inner = module.forward
 
     def forward(*args, **kwargs):
-        held = {n: p for n, p in module._parameters.items() if is_dtensor(p)}
-        module._parameters.update({n: p.to_local() for n, p in held.items()})
+        if grad_only and not torch.is_grad_enabled():
+            return inner(*args, **kwargs)
+        held = {n: p for n, p in module._parameters.items() if p is not None and pick(p)}
+        module._parameters.update({n: swap(p) for n, p in held.items()})
         try:
             return inner(*args, **kwargs)
         finally:

@@ -1,14 +1,7 @@
-"""The mesh, decoded once at the API boundary.
-
-A public entry that takes a mesh (``sw.load``, ``sw.parallelize``, and through them
-``sw.from_pretrained``) calls :func:`decode_mesh` once; everything below gets the frozen
-:class:`MeshDims` (every axis, the holding strategy, the device, the backends) and never
-looks at the raw mesh's axis names, the holding string or the process-global backend again;
-a parallelised model keeps it as its ``ShardState`` (``shardwise.parallel``). A public entry
-that runs collectives without a mesh (``sw.save``, ``sw.save_optimizer``,
-``sw.clip_grad_norm_``) resolves their backend once with :func:`world_backend`. These two
-functions are the only readers of ``current_backend()``.
-"""
+"""The mesh, decoded once at the API boundary: :func:`decode_mesh` gives the frozen
+:class:`MeshDims` everything below uses (a parallelised model keeps it in its ``ShardState``);
+an entry without a mesh resolves its backend once with :func:`world_backend`. These two are
+the only readers of ``current_backend()``."""
 
 from __future__ import annotations
 
@@ -153,11 +146,9 @@ def is_spmd_mesh(mesh: AxisMesh) -> bool:
 
 
 def tp_axis(mesh: AxisMesh, *, spmd: bool) -> AxisMesh | None:
-    """The tp axis of ``mesh`` (``spmd``: :func:`is_spmd_mesh`): ``mesh["tp"]`` when named, an
-    unnamed 1-D mesh itself, and ``None`` when the mesh names its axes and none is "tp"
-    (``backend.mesh(dp_shard=4)``, ``backend.mesh(ep=2)``): nothing is tensor parallel there, so
-    the model is held whole (ready for ``fully_shard``) instead of the TP plan splitting it
-    over a data axis."""
+    """The tp axis of ``mesh``: ``mesh["tp"]`` when named, an unnamed 1-D mesh itself, ``None``
+    when the mesh names its axes and none is "tp" (the model is then held whole, ready for
+    ``fully_shard``)."""
     names = getattr(mesh, "mesh_dim_names", None) or ()
     if "tp" in names:
         return mesh["tp"] if len(names) > 1 else mesh

@@ -1,12 +1,7 @@
 """Put local shards into a model and make its forward correct under tensor parallelism.
-
-``install`` is the one place that writes shards into a model: ``parallelize`` feeds it
-slices of the model's own tensors, the loaders feed it slices read from disk; the holding
-(:class:`shardwise.holding.Holding`) then wires the forward: :func:`wire_dtensor` (DTensor
-parameters, torch's styles or explicit collectives on their local shards) or
-:func:`wire_local_shards` (plain local shards whose forwards do their own collectives).
-A packed shard's canonical layout is known from its spec, never from a placement.
-"""
+:func:`install` is the one place that writes shards into a model (``parallelize`` feeds it
+slices of the model's tensors, the loaders slices read from disk); the holding then wires the
+forward (:func:`wire_dtensor` or :func:`wire_local_shards`)."""
 
 from __future__ import annotations
 
@@ -82,15 +77,9 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
 def install(model: nn.Module, specs: ResolvedPlan, dims: MeshDims, *,
             local_tensor: Callable[[str, ShardSpec], torch.Tensor],
             dtype: torch.dtype | None = None) -> ShardState:
-    """Replace every tensor of ``model`` by ``local_tensor(name, spec)`` (this rank's local
-    shard, on its device and dtype) and wire the forward with ``dims.holding``.
-
-    Called on every rank of the mesh, with the same ``specs`` and ``dims``, after
-    ``dims.holding.check_wiring``. No collective runs here: DTensors are built from local
-    shards. Afterwards every tensor is checked against what the model declared
-    (:func:`shardwise.plan_checks.check_installed`; ``dtype``: that of every floating tensor,
-    ``None``: any floating dtype).
-    """
+    """Replace every tensor of ``model`` by ``local_tensor(name, spec)`` and wire the forward with
+    ``dims.holding``; every rank calls it with the same ``specs`` and ``dims`` (no collective).
+    Afterwards every tensor is checked against ``declared`` (:func:`check_installed`)."""
     for axis, degree in (("tp", dims.degree), ("ep", dims.ep_degree)):
         if specs.degrees[axis] != degree:
             raise PlanError(f"plan was resolved for {axis} degree {specs.degrees[axis]} but the mesh "
@@ -110,10 +99,8 @@ def install(model: nn.Module, specs: ResolvedPlan, dims: MeshDims, *,
 
 
 def check_local_wiring(model: nn.Module, specs: ResolvedPlan) -> None:
-    """``Holding.LOCAL.check_wiring``: raise ``PlanError`` for a sharded nn.Linear subclass with
-    a forward of its own: its forward is replaced by the local-shard one, which would silently
-    skip whatever the subclass adds. (An nn.Embedding subclass keeps its forward in both
-    holdings: ``wire_embedding_subclass``.)"""
+    """``Holding.LOCAL.check_wiring``: raise ``PlanError`` for a sharded nn.Linear subclass with a
+    forward of its own (the local-shard forward would skip what it adds)."""
     for path, style in specs.styles.items():
         module = model.get_submodule(path)
         if (style.forward == "linear" and not isinstance(module, nn.Embedding)

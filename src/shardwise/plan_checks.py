@@ -1,13 +1,7 @@
-"""The checks around a parallelize or load that need more than core: :func:`check_plan`
-before (it reads the model's forward source) and :func:`check_installed` after (every tensor
-is what the model declared).
-
-Under tensor parallelism a colwise projection gives each rank ``num_heads / degree`` heads,
-but the module keeps its global ``self.num_heads`` (diffusers' ``attn.heads``): a forward that
-shapes with it (``q.view(b, t, self.num_heads, -1)``, ``unflatten(-1, (attn.heads, -1))``)
-fails inside torch, or gives a wrong output without an error. :func:`check_plan` finds such
-uses in the module's ``forward``, its diffusers ``processor`` and the methods they call on it.
-"""
+"""The checks around a parallelize or load that need more than core: :func:`check_plan` before
+(a colwise-split module whose forward shapes activations with its global head count, as
+``q.view(b, t, self.num_heads, -1)``, would fail or silently go wrong) and
+:func:`check_installed` after (every tensor is what the model declared)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ import shardwise as sw
 import shardwise.comm as comm
 from harness import run_ranks
 from shardwise.backends import Backend
-from shardwise.backends.gloo import GlooBackend
+from shardwise.backends.base import GlooBackend
 from shardwise.mesh import world_backend
 
 TIMEOUT = 5  # seconds: the backend's, and the process group's

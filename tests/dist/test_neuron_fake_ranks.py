@@ -147,7 +147,7 @@ def _torchrun_script(tmp_path: Path, lib: str, *, neuron_host: bool) -> tuple[in
     import subprocess
 
     from fakes import NEURON_SITE
-    from shardwise.launch import free_port
+    from shardwise.testing import free_port
 
     tests = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items()

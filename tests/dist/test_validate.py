@@ -14,7 +14,7 @@ import pytest
 
 import shardwise as sw
 from harness import run_ranks
-from shardwise.validate.report import (
+from shardwise.validate import (
     FAIL,
     PASS,
     STATUSES,

@@ -139,7 +139,7 @@ def test_xla_states_at_init_that_it_cannot_honour_timeouts(lib):
 def _timeout_scenario(lib: str):
     from types import SimpleNamespace
 
-    from shardwise.validate.job import collective_timeout
+    from shardwise.validate.runner import collective_timeout
     from shardwise.validate.scenarios import Unsupported
 
     _xla_host(lib, runtime_sees_job=True)

@@ -14,7 +14,7 @@ provide (no fixture checkpoint, no predefined names):
 - ``<!-- not run: REASON -->`` on the line before a fence: not run (a fragment, an output
   example); the reason is required. Shell commands belong in non-python blocks.
 - **Launch.** Every ``torchrun --nproc-per-node N`` named in the block or in the paragraph right
-  before its fence runs it on N gloo ranks (``shardwise.launch.spawn``, which sets torchrun's
+  before its fence runs it on N gloo ranks (``shardwise.testing.spawn``, which sets torchrun's
   environment); every ``python NAME.py`` named there runs it as one process without a launcher's
   environment; in the order written, in the same folder (so a command named twice checks that
   the script can be run again). A block that names neither runs as one process.

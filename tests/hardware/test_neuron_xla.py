@@ -19,11 +19,11 @@ import pytest
 
 
 def _why_not() -> str | None:
-    from shardwise.backends import neuron, neuron_xla
+    from shardwise.backends import neuron
     from shardwise.errors import BackendUnavailableError
 
     try:
-        neuron_xla.import_torch_neuronx_xla()
+        neuron.import_torch_neuronx_xla()
     except BackendUnavailableError as e:
         return str(e)
     if neuron.neuron_core_count() == 0:

@@ -129,7 +129,7 @@ def _ended_cleanly(outcome) -> bool:
     if outcome.kind == "ok":
         return True
     last = _last_line(outcome.value) if outcome.kind == "error" else ""
-    return last.startswith("shardwise.errors.") or last.startswith("shardwise.launch.RankFailure")
+    return last.startswith("shardwise.errors.") or last.startswith("shardwise.testing.RankFailure")
 
 
 def _state(target: Path, before: dict | None, reference: Path) -> str:
@@ -280,7 +280,7 @@ def _save_sources(root: str) -> bool:
 
 def run_deaths(work: Path, progress=print, ops=DEATH_OPS, deaths=DEATHS, points=POINTS,
                victims=(0, 1)) -> dict:
-    from shardwise.launch import spawn
+    from shardwise.testing import spawn
 
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)

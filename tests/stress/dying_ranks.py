@@ -1,6 +1,6 @@
 """Ranks that may die: launch N local ranks and report how each one ended.
 
-``shardwise.launch.spawn`` (and the tests' ``run_ranks``) treat any rank's death as the
+``shardwise.testing.spawn`` (and the tests' ``run_ranks``) treat any rank's death as the
 end of the run and stop the others two seconds later; the reliability trials need the
 opposite: a rank is killed, stopped or exits on purpose, and what matters is how the
 *survivors* end and how long they take. :func:`run_with_deaths` waits for every rank (up
@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from shardwise.launch import _context, _rank_main, free_port  # tests may use launch's internals
+from shardwise.testing import _context, _rank_main, free_port  # tests may use launch's internals
 
 
 @dataclass

@@ -61,7 +61,7 @@ def make_seeds(work: Path) -> None:
     from safetensors.torch import save_file
 
     import shardwise as sw
-    from shardwise.launch import spawn
+    from shardwise.testing import spawn
 
     seeds, secret = work / "seeds", work / "secret"
     shutil.rmtree(work, ignore_errors=True)

@@ -8,7 +8,7 @@ import torch
 
 import shardwise as sw
 from shardwise import backends
-from shardwise.backends.gloo import GlooBackend
+from shardwise.backends.base import GlooBackend
 from shardwise.holding import Holding
 
 
@@ -49,7 +49,7 @@ def test_register_and_use_third_party_backend(clean_backend, monkeypatch):
 def test_entry_point_backends_are_registered(monkeypatch):
     import importlib.metadata as md
 
-    ep = md.EntryPoint(name="epgloo", value="shardwise.backends.gloo:GlooBackend",
+    ep = md.EntryPoint(name="epgloo", value="shardwise.backends.base:GlooBackend",
                        group=backends.ENTRY_POINT_GROUP)
     monkeypatch.setattr(md, "entry_points", lambda group=None: [ep] if group == ep.group else [])
     monkeypatch.setattr(backends, "_entry_points_loaded", False)

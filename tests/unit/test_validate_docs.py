@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from shardwise.errors import UsageError
-from shardwise.validate.report import load_runs, replace_generated, runs_table
+from shardwise.validate import load_runs, replace_generated, runs_table
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 REGENERATE = "shardwise validate --report docs/validate/*.json --summary --into docs/backends.md"

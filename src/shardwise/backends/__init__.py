@@ -1,13 +1,7 @@
-"""The backend registry: ``init_backend(name)`` gives every path one device, mesh and
-collective interface, whatever the accelerator.
-
-Built-in names are ``gloo``, ``nccl``, ``xla``, ``xla_spmd``, ``neuron`` (native TorchNeuron) and
-``neuron_xla`` (the torch_xla-based torch-neuronx); third parties add theirs with
-``register_backend`` or through the ``shardwise.backends`` entry-point group (each entry point
-loads to a factory: a callable taking ``timeout=`` and returning a ``Backend``). Every built-in
-module is imported only when its name is first looked up (``import shardwise`` imports none of
-them), and each imports its hardware package only when its backend is used.
-"""
+"""The backend registry: ``init_backend(name)`` gives every path one device, mesh and collective
+interface. Third parties add backends with ``register_backend`` or the ``shardwise.backends``
+entry-point group (a factory taking ``timeout=``, returning a ``Backend``). A built-in module
+is imported when its name is first looked up, its hardware package when it is used."""
 
 from __future__ import annotations
 
@@ -33,12 +27,12 @@ ENTRY_POINT_GROUP = "shardwise.backends"
 AUTO_ORDER = ("neuron", "neuron_xla", "xla_spmd", "xla", "nccl", "gloo")
 # name -> "module:class", imported on first lookup
 BUILTINS = {
-    "gloo": "shardwise.backends.gloo:GlooBackend",
+    "gloo": "shardwise.backends.base:GlooBackend",
     "nccl": "shardwise.backends.nccl:NcclBackend",
     "xla": "shardwise.backends.xla:XlaBackend",
     "xla_spmd": "shardwise.backends.xla_spmd:XlaSpmdBackend",
     "neuron": "shardwise.backends.neuron:NeuronBackend",
-    "neuron_xla": "shardwise.backends.neuron_xla:NeuronXlaBackend",
+    "neuron_xla": "shardwise.backends.neuron:NeuronXlaBackend",
 }
 
 Factory = Callable[..., Backend]
@@ -113,25 +107,15 @@ def resolve_auto() -> str:
 
 
 def init_backend(name: str = "auto", *, timeout=None) -> Backend:
-    """Start the backend ``name`` in this process (idempotent) and return it.
-
-    Reads the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
-    MASTER_PORT); without it, the world is this one process. A second call returns
-    the same backend; a call naming a different backend raises.
-
-    ``timeout`` (seconds, or a ``datetime.timedelta``; default ``None`` = 10 minutes,
-    ``shardwise.backends.base.DEFAULT_TIMEOUT``) bounds how long joining the process group
-    and every collective on it (shardwise's, and torch's in a sharded forward) may wait for
-    the other ranks before failing on that rank (shardwise raises ``CollectiveError``): a
-    peer that died or never came. ``sw.save`` waits at
-    most a minute of it for every rank to enter. Raise it for a slow first start (many
-    nodes), lower it in tests so that a lost rank fails fast.
+    """Start the backend ``name`` in this process (idempotent; a different name raises) and return
+    it. Reads the torchrun environment; without it, the world is this one process. ``timeout``
+    (seconds or a timedelta; default 10 minutes) bounds joining the group and every collective on
+    it; a rank past it raises ``CollectiveError``.
 
     >>> import shardwise as sw
     >>> backend = sw.init_backend("gloo")   # doctest: +SKIP
     >>> backend.world_size                  # doctest: +SKIP
-    1
-    """
+    1"""
     global _active
     with _lock:
         wanted = resolve_auto() if name == "auto" else name

@@ -1,14 +1,9 @@
-"""The backend protocol: one small object per process that owns the process group.
-
-Call order: ``init_backend`` constructs one backend per process and calls ``start()``
-on every rank; ``mesh()`` and the collectives are then called by every rank of the
-group they name (all of them unless a ``group`` is passed); ``shutdown()`` ends it.
-Subclasses set the class attributes and override ``_device()`` and, where their
-hardware needs it, ``start()`` / ``_init_group()`` (how the default group is created) and
-``_make_mesh()`` (what ``mesh()`` returns where torch's DeviceMesh cannot run). A backend
-whose holding is SPMD (one process drives every device) also overrides ``local_shards()`` and
-``local_regions()``, which a distributed save calls on the process that holds the tensors.
-"""
+"""The backend protocol (one object per process that owns the process group), and gloo, the
+reference backend. Call order: ``init_backend`` constructs one backend per process and calls
+``start()`` on every rank; ``mesh()`` and the collectives are then called by every rank of the
+group they name (all unless a ``group`` is passed); ``shutdown()`` ends it. Subclasses set the
+class attributes and override ``_device()`` and, where needed, ``start()``, ``_init_group()``
+and ``_make_mesh()``; an SPMD backend also ``local_shards()`` and ``local_regions()``."""
 
 from __future__ import annotations
 
@@ -24,6 +19,7 @@ from shardwise.holding import Holding
 
 if TYPE_CHECKING:
     from shardwise.backends.group_mesh import AxisMesh
+
 
 # Mesh axes, outer to inner: replicas of the whole model, then FSDP shards, then TP.
 MESH_AXES = ("dp_replicate", "dp_shard", "ep", "tp")
@@ -201,11 +197,9 @@ class Backend:
         self._started = True
 
     def _check_world(self) -> None:
-        """A one-element all_reduce of ones over the group (on this backend's device) must sum
-        to the world size: else the group's collectives are no-ops for what shardwise sends (an
-        adopted ``env://`` "xla" group on PJRT CPU, a group of another device) and every load and
-        forward would be silently wrong. Whether the world is the launcher's is the validation
-        suite's first check (``shardwise.validate.checks.check_world``)."""
+        """A one-element all_reduce of ones over the group must sum to the world size; else the group's
+        collectives are no-ops for what shardwise sends (an adopted ``env://`` "xla" group on PJRT
+        CPU) and every load and forward would be silently wrong."""
         if self.world_size == 1:
             return
         how = "adopted" if not self._owns_group else "started"
@@ -313,12 +307,8 @@ class Backend:
     def gather_into(self, tensor: torch.Tensor, out: list[torch.Tensor] | None, dst: int = 0, *,
                     group=None, timeout=None) -> None:
         """Every rank's ``tensor`` written into ``out`` (one tensor per group rank) on global rank
-        ``dst``; ``out`` is ignored elsewhere.
-
-        Unlike ``gather``, nothing is allocated per call: rank ``dst`` receives straight into
-        buffers it reuses, point to point, so a long series of gathers (a save, chunk after
-        chunk) does not fault fresh pages in for every call.
-        """
+        ``dst`` (``out`` is ignored elsewhere), point to point into buffers ``dst`` reuses: nothing
+        is allocated per call."""
         if not self.supports_gather:
             got = self.all_gather(tensor, group=group, timeout=timeout)
             if self.rank == dst:
@@ -368,3 +358,13 @@ class Backend:
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(name={self.name!r}, rank={self.rank}, "
                 f"world_size={self.world_size}, device={self.device})")
+
+
+class GlooBackend(Backend):
+    """CPU processes joined by gloo: the reference backend, and the one the tests run."""
+
+    name = "gloo"
+    dist_backend = "gloo"
+    device_type = "cpu"
+    supports_dtensor = True
+    supports_gather = True

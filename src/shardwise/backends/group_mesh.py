@@ -65,18 +65,15 @@ class AxisMesh(Protocol):
 
 
 class GroupMesh:
-    """Ranks ``0 .. prod(shape) - 1`` laid out row-major in ``shape``, one process group per axis.
-
-    Building one is collective: every rank of the world calls the constructor with the same
-    names and shape, and it calls ``new_group(ranks)`` once per line of every axis, in the
-    same order on every rank (torch requires every rank to join every ``new_group`` call).
-    An axis line that spans the whole world reuses the default group.
+    """Ranks ``0 .. prod(shape) - 1`` laid out row-major in ``shape``, one process group per axis
+    line. Collective: every rank of the world constructs it with the same names and shape (each
+    ``new_group`` is joined by every rank, in order); a line spanning the world reuses the
+    default group.
 
     >>> mesh = GroupMesh("xla", ("dp_shard", "tp"), (2, 2), rank=3,
     ...                  new_group=dist.new_group)                     # doctest: +SKIP
     >>> mesh["tp"].get_local_rank(), mesh["tp"].mesh.tolist()        # doctest: +SKIP
-    (1, [2, 3])
-    """
+    (1, [2, 3])"""
 
     def __init__(self, device_type: str, names: Sequence[str], shape: Sequence[int], *, rank: int,
                  new_group: NewGroup):

@@ -1,14 +1,9 @@
-"""AWS Trainium through TorchNeuron, the native backend of torch-neuronx 2.10 and later: device
-``"neuron"`` (PrivateUse1), process group ``"neuron"``, DTensor and FSDP2, torch's DeviceMesh,
-one process per NeuronCore under torchrun: the nccl backend with another device. The
-torch_xla-based torch-neuronx (torch 2.9 and earlier) is ``neuron_xla``.
-
-Detection never imports torch_neuronx nor starts the runtime: NeuronCores from the driver's
-sysfs (``/sys/devices/virtual/neuron_device/neuron*/core_count``), the version from package
-metadata. Not run on Neuron hardware (docs/backends.md); undocumented, so conservative: the
-NeuronCore of a process is ``LOCAL_RANK`` when it sees several, and no gather to one rank
-(``supports_gather = False``).
-"""
+"""AWS Trainium/Inferentia: ``neuron``, the native TorchNeuron (torch-neuronx 2.10 and later:
+device ``"neuron"``, DTensor, the nccl backend with another device), and ``neuron_xla``, the
+torch_xla-based torch-neuronx (2.9 and earlier: the xla backend with Neuron detection).
+Detection reads sysfs and package metadata only: it never imports torch_neuronx nor starts
+the Neuron runtime. Not run on Neuron hardware (docs/backends.md): one NeuronCore per
+process (``LOCAL_RANK``), no gather to one rank."""
 
 from __future__ import annotations
 
@@ -20,6 +15,7 @@ from pathlib import Path
 import torch
 
 from shardwise.backends.base import Backend, torchrun_env
+from shardwise.backends.xla import XlaBackend
 from shardwise.errors import BackendError, BackendUnavailableError
 
 NATIVE_FROM = (2, 10)  # torch-neuronx for torch 2.10 and later is TorchNeuron (no torch_xla)
@@ -151,3 +147,44 @@ class NeuronBackend(Backend):
 
     def _device(self) -> torch.device:
         return torch.device(self.device_type, self._index)
+
+
+# The torch_xla-based torch-neuronx: torch 2.9 was the last (backends/neuron_xla/requirements.txt).
+REQUIREMENT = "torch-neuronx<2.10"
+
+
+def import_torch_neuronx_xla():
+    """The torch_xla-based torch_neuronx, or ``BackendUnavailableError`` saying what to install."""
+    version = torch_neuronx_version()
+    if version is not None and is_native(version):
+        raise BackendUnavailableError(
+            f"backend 'neuron_xla' needs the torch_xla-based torch-neuronx ({REQUIREMENT}), but "
+            f"torch-neuronx {'.'.join(map(str, version))} is the native TorchNeuron: use "
+            "sw.init_backend('neuron'), or install backends/neuron_xla/requirements.txt in another "
+            "environment"
+        )
+    return import_torch_neuronx("neuron_xla", hint=NEURON_XLA_HINT)
+
+
+class NeuronXlaBackend(XlaBackend):
+    name = "neuron_xla"
+
+    @classmethod
+    def is_available(cls) -> bool:
+        if neuron_core_count() == 0:
+            return False
+        try:
+            import_torch_neuronx_xla()
+        except BackendUnavailableError:
+            return False
+        return True
+
+    def start(self) -> None:
+        import_torch_neuronx_xla()
+        if neuron_core_count() == 0:
+            raise BackendError(
+                f"backend 'neuron_xla' found no NeuronCore: the Neuron driver lists none under "
+                f"{NEURON_SYSFS}; run on a Trainium/Inferentia instance (trn1, inf2) with the "
+                "Neuron driver installed, or use sw.init_backend('gloo') on CPUs"
+            )
+        super().start()

@@ -1,13 +1,7 @@
-"""TPU (and other PJRT devices) through torch_xla, one process per device (torchrun or torch_xla's
-launcher); ``neuron_xla`` builds on it. One process driving several devices is ``xla_spmd``.
-
-- Process group ``xla`` (XLA tensors only), plus a gloo group over the same ranks
-  (``coordination_group``) for CPU objects: DCP's planning, object collectives.
-- Mesh: a :class:`~shardwise.backends.group_mesh.GroupMesh` (torch's DeviceMesh cannot be
-  built for ``xla``); sub-groups from ``new_xla_process_group`` (XLA's replica groups).
-- Holding: local shards with forward hooks (no DTensor on XLA); the gather save all-gathers.
-- Timeouts are not honoured (``timeout_limit``); ``timeout=`` bounds only the start.
-"""
+"""TPU (and other PJRT devices) through torch_xla, one process per device; ``neuron_xla`` builds
+on it. Process group ``xla`` plus a gloo ``coordination_group`` for CPU objects; the mesh is a
+``GroupMesh`` (torch's DeviceMesh cannot be built for ``xla``); local holding with forward
+hooks; timeouts are not honoured (``timeout=`` bounds only the start)."""
 
 from __future__ import annotations
 
@@ -165,10 +159,7 @@ class XlaBackend(Backend):
 
 def settle(tensors) -> None:
     """When any of ``tensors`` is an XLA tensor, run every pending XLA operation as one program
-    (``torch_xla.sync``, the step boundary of a training loop). Read one at a time (``.cpu()``,
-    its shards), each pending tensor would compile and run a program of its own: after a step,
-    one per parameter and optimizer state (minutes on a CPU). Not a sync of these tensors only:
-    that may donate buffers that other pending tensors still read (after an in-place clip)."""
+    (``torch_xla.sync``), rather than one program per tensor read afterwards."""
     if any(isinstance(t, torch.Tensor) and t.device.type == "xla" for t in tensors):
         import torch_xla
 

@@ -1,18 +1,8 @@
-"""torch_xla SPMD: one process drives every device of the mesh (a TPU VM's chips, or
-``CPU_NUM_DEVICES`` PJRT CPU devices).
-
-- SPMD is process-global and must be on before the first XLA tensor: ``init_backend("xla_spmd")``
-  turns it on first thing; with SPMD on, ``"xla"`` refuses and names this backend.
-- The mesh counts devices, not processes (``backend.mesh(tp=4)`` in one process); the gloo
-  process group only coordinates hosts (DCP).
-- Holding ``"spmd"``: a parameter is one global (canonical) tensor, tiled over tp along its
-  shard dim (tp position ``p`` holds canonical chunk ``p``; for a packed spec not the
-  rank-local packed layout, since SPMD semantics are global) and replicated over the other
-  axes. The XLA partitioner inserts the collectives: no forward hooks.
-
-Only chunks are ever on the host (:meth:`SpmdMesh.from_chunks`). Multi-host SPMD follows the
-same code but has not run.
-"""
+"""torch_xla SPMD: one process drives every device of the mesh. SPMD is turned on first thing
+(``"xla"`` then refuses); the mesh counts devices, not processes; holding ``"spmd"``: a
+parameter is one global tensor tiled over tp (position ``p`` holds canonical chunk ``p``) and
+the XLA partitioner inserts the collectives. Only chunks are ever on the host. Multi-host
+SPMD has not run."""
 
 from __future__ import annotations
 

@@ -1,20 +1,8 @@
-"""Model adapters: what a model library (transformers, diffusers) decides that no checkpoint
-says by itself, behind one seam (in the shape of torchtitan's ``StateDictAdapter``).
-
-A model gets the answers of the first registered adapter that :meth:`~ModelAdapter.claims`
-it, else those of :class:`ModelAdapter` itself (a plain torch model: its own names, no plan,
-no side files). Core holds the seam and the registry only; ``shardwise.hf.adapter`` registers
-itself on ``import shardwise``. Who asks what:
-
-- plan matching and ``plan="auto"``: ``base_prefix``, ``shipped_plan``;
-- the guards, before any read, write or collective: ``refuse`` of EVERY adapter
-  (:func:`refuse_unsupported`: an accelerate hook or a PEFT layer can sit on any model);
-- a load: ``stored_tensors``; ``verify`` against a model: ``stored_names``, ``unsaved``;
-- a save: ``unsaved``, ``save_layout``, ``shared_storages``, ``file_prefix``,
-  ``index_metadata``, ``write_side_files``;
-- the offline tools, with no model in hand: :func:`folder_model`, :func:`folder_quantization`,
-  :func:`config_model`, :func:`side_file_names`.
-"""
+"""Model adapters: what a model library decides that no checkpoint says (names, plans, side
+files, layouts), behind one seam (as torchtitan's ``StateDictAdapter``). A model gets the
+first registered adapter that :meth:`~ModelAdapter.claims` it, else :class:`ModelAdapter` (a
+plain torch model); ``refuse`` is asked of every adapter. ``shardwise.hf.adapter`` registers
+itself on ``import shardwise``."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""The safetensors header: dtype names, parsing and validation, layout, byte runs.
-
-Pure: no file I/O. The on-disk format is an 8-byte little-endian header length
-``N``, ``N`` bytes of JSON (``{name: {"dtype", "shape", "data_offsets": [start,
-end]}, "__metadata__": {str: str}}``, padded with spaces to a multiple of 8), then
-the data. Offsets are relative to the start of the data. A header comes from an
-untrusted file, so :func:`parse_header` checks every field before anything uses it.
-"""
+"""The safetensors header (pure): dtype names, parsing, layout, byte runs. A header comes from an
+untrusted file, so :func:`parse_header` checks every field before anything uses it."""
 
 from __future__ import annotations
 
@@ -197,15 +191,9 @@ def _parse_entry(name: str, info: object, *, data_size: int, source: str) -> Ten
 
 
 def parse_header(raw_json: bytes, *, data_size: int, source: str) -> FileHeader:
-    """Validate the JSON header of a file whose data section is ``data_size`` bytes.
-
-    Raises :class:`CheckpointError` naming ``source``, the tensor and the fault:
-    bad UTF-8/JSON, metadata that is not str -> str, an unknown dtype, a bad shape,
-    offsets outside the data, a byte size other than shape x dtype, or tensors that do
-    not tile the data section exactly (a gap, an overlap, trailing bytes), which is what
-    the format requires: a header length shortened into its padding moves the data
-    section, and only the tiling check tells that from a valid file.
-    """
+    """Validate the JSON header of a file whose data section is ``data_size`` bytes. Raises
+    ``CheckpointError`` naming ``source``, the tensor and the fault (bad JSON, metadata, dtype,
+    shape, offsets, byte size, or tensors that do not tile the data section exactly)."""
     obj = parse_json_object(raw_json, source=source, what="header")
     metadata = obj.pop("__metadata__", None)
     if metadata is None:

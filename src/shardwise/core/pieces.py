@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from shardwise.core.header import TensorEntry
-from shardwise.core.spec import Layout, Region, Shape, intersect
+from shardwise.core.spec import Layout, Region, Shape, intersect, overlapping
 from shardwise.errors import ShardingError
 
 
@@ -120,10 +120,11 @@ def check_tiling(shape: Shape, pieces: Sequence[Piece], what: str) -> None:
     for p, b in zip(pieces, boxes, strict=True):
         if len(b.offsets) != len(shape) or intersect(whole, b) != b:
             raise ShardingError(f"{what}: {p.key!r} lands at {b} outside the tensor of shape {tuple(shape)}")
-    for i, a in enumerate(boxes):
-        for b, q in zip(boxes[i + 1:], pieces[i + 1:], strict=True):
-            if intersect(a, b) is not None:
-                raise ShardingError(f"{what}: {pieces[i].key!r} and {q.key!r} overlap at {intersect(a, b)}")
+    pair = overlapping(boxes)
+    if pair is not None:
+        i, j = sorted(pair)
+        raise ShardingError(f"{what}: {pieces[i].key!r} and {pieces[j].key!r} overlap at "
+                            f"{intersect(boxes[i], boxes[j])}")
     if sum(b.numel for b in boxes) != math.prod(shape):
         raise ShardingError(f"{what}: the stored tensors cover {sum(b.numel for b in boxes)} of "
                             f"{math.prod(shape)} elements of shape {tuple(shape)}")

@@ -1,11 +1,6 @@
 """Plans: from ``{module or parameter path: style}`` to one ``ShardSpec`` per tensor.
-
 :func:`resolve_plan` is the one place a plan is validated, on a meta model, before any
-process group is touched: styles (``core.styles``), key matching, pairing and degrees
-(``core.plan_rules``), the rest here, then the checks registered with
-:func:`register_model_check` (those that read a model's forward source or know a model
-family live above core, in ``shardwise.hf.adapter``). Pure: no torch.distributed, no file I/O.
-"""
+process group is touched. Pure: no torch.distributed, no file I/O."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Shard specs and the region math every load, save and reshard path shares.
-
-Everything here is pure: shapes, degrees and ranks are plain ints, and the only
-tensor operations are local (indexing, ``cat``, copies). A *region* is a box of
-the canonical (unsharded) tensor; a rank's local shard is the concatenation of
-its regions along the shard dim, in the order :func:`shard_regions` returns them.
-"""
+"""Shard specs and the region math every load, save and reshard path shares. Pure: shapes,
+degrees and ranks are plain ints. A *region* is a box of the canonical (unsharded) tensor; a
+rank's local shard is its regions concatenated along the shard dim, in :func:`shard_regions` order."""
 
 from __future__ import annotations
 
@@ -361,3 +357,29 @@ def intersect(a: Region, b: Region) -> Region | None:
     if any(stop <= start for start, stop in zip(starts, stops, strict=True)):
         return None
     return Region(starts, tuple(stop - start for start, stop in zip(starts, stops, strict=True)))
+
+
+def overlapping(regions: Sequence[Region]) -> tuple[int, int] | None:
+    """Indices of two non-empty ``regions`` that overlap, or ``None``: a sweep along the dim
+    whose starts differ most, so each region meets only its open neighbours (row, column and
+    block splits alike). The pair comes in sweep order.
+
+    >>> overlapping([Region((0,), (2,)), Region((2,), (2,)), Region((3,), (1,))])
+    (1, 2)
+    """
+    live = [i for i, r in enumerate(regions) if r.numel]
+    if len(live) < 2:
+        return None
+    ndim = len(regions[live[0]].offsets)
+    if ndim == 0:  # two chunks of one scalar
+        return live[0], live[1]
+    dim = max(range(ndim), key=lambda d: len({regions[i].offsets[d] for i in live}))
+    open_: list[int] = []
+    for i in sorted(live, key=lambda i: regions[i].offsets[dim]):
+        start = regions[i].offsets[dim]
+        open_ = [j for j in open_ if regions[j].offsets[dim] + regions[j].sizes[dim] > start]
+        for j in open_:
+            if intersect(regions[j], regions[i]) is not None:
+                return j, i
+        open_.append(i)
+    return None

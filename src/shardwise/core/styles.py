@@ -1,9 +1,7 @@
-"""Plan styles: every value a plan may hold, normalised to one ``Style``: how the tensors it
-covers are split (``kind``, packed ``blocks``) and what the planned module's forward does
-around its own code (``forward``). Strings are transformers' style names and diffusers'
-``_tp_plan`` values; torch's ``ColwiseParallel`` / ``RowwiseParallel`` and diffusers' packed
-marker classes are read by name. Pure. docs/plans.md has each style's collectives.
-"""
+"""Plan styles: every value a plan may hold (transformers' and diffusers' style names, torch's
+``ColwiseParallel`` / ``RowwiseParallel`` and diffusers' packed markers, read by name)
+normalised to one ``Style``: how its tensors split and what the module's forward does around
+its own code. Pure. docs/plans.md has each style's collectives."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""The Hugging Face adapter (``core.adapter.ModelAdapter``) for transformers and diffusers
-models, registered when ``import shardwise`` runs: shipped plans, the hub key layout
-(``hf.hub_layout``), side files (``hf.files``), guards, and the known-model checks
-``resolve_plan`` runs (registered with ``core.plan`` on import). Plans and guards read
-attributes and class names only; transformers and diffusers are imported inside the calls
-that need them, for a model or folder of theirs.
-"""
+"""The Hugging Face adapter (``core.adapter.ModelAdapter``) for transformers and diffusers models,
+registered on ``import shardwise``: shipped plans, the hub key layout, side files, guards and
+the known-model checks of ``resolve_plan``. It reads attributes and class names only; the
+libraries are imported inside the calls that need them."""
 
 from __future__ import annotations
 

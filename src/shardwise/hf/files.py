@@ -1,13 +1,7 @@
-"""The files besides the weights that make a Hugging Face checkpoint: ``config.json`` and
-``generation_config.json``, written the way ``save_pretrained`` writes them, and read back
-into a meta-device model when a tool has a checkpoint folder and no model in hand.
-
-A save of a transformers or diffusers model writes them next to the safetensors files, so
-that the library's ``from_pretrained`` (and ``sw.from_pretrained``) loads the folder as it
-is. Models are recognised by their class hierarchy and written through their own config
-objects: a library is imported only to build a model from a folder that names one of its
-classes.
-"""
+"""The files besides the weights that make a Hugging Face checkpoint (``config.json``,
+``generation_config.json``), written as ``save_pretrained`` writes them, and read back into a
+meta-device model when a tool has a folder and no model. A library is imported only to build
+a model from a folder that names one of its classes."""
 
 from __future__ import annotations
 

@@ -1,15 +1,8 @@
-"""Checkpoints in their hub key layout, as region maps, both directions.
-
-transformers' ``save_pretrained`` writes the layout a model was published in (per-expert
-``...experts.3.w1.weight``; one fused ``gate_up_proj.weight`` for several modules), and converts
-on load (``conversion_mapping.py``). Here a conversion is geometry, not copies: a model tensor is
-a :class:`~shardwise.core.pieces.Composite` of :class:`~shardwise.core.pieces.Piece`\\ s and a rank
-reads only the boxes its regions overlap (:func:`hub_tensors`); a save writes each stored tensor
-as a :class:`~shardwise.core.pieces.StoredPart` placed by that same map (:func:`hub_save_layout`),
-checked against transformers' own revert, so a save never writes what the load would not read
-back in place. The mapping comes from the installed transformers; an operation that is not a
-region map is refused with the converter's name before any byte moves.
-"""
+"""Checkpoints in their hub key layout (transformers' per-expert or fused tensors), as region
+maps both ways: a model tensor is a ``Composite`` of stored pieces and a rank reads only the
+boxes its regions overlap (:func:`hub_tensors`); a save writes each stored tensor as a
+``StoredPart`` by the same map (:func:`hub_save_layout`), checked against transformers' own
+revert. A conversion that is not a region map is refused, naming the converter."""
 
 from __future__ import annotations
 

@@ -1,15 +1,7 @@
-"""``sw.consolidate``: any checkpoint a format plugin reads (``shardwise.io.formats``: torch
-DCP, sharded safetensors) written as one ordinary safetensors checkpoint, offline, in one
-process, without a process group: read the Source, write safetensors.
-
-The output is byte-identical to ``sw.save`` (the gather save) of the same model: the same
-names in the same order, the same file split and naming, the same headers, index and
-``shardwise.json`` (the checksums of the tensors as written); the side files beside the
-source (``config.json`` & co) are copied. It is streamed: each tensor is read whole from only
-its own stored bytes (``Stored.read_box``), written and freed, so memory stays near one
-tensor. Every dtype works, integer and bool included. The files are written aside and moved
-into place like ``sw.save``.
-"""
+"""``sw.consolidate``: any checkpoint a format plugin reads, written offline as one ordinary
+safetensors checkpoint, byte-identical to ``sw.save``'s of the same model (names, order,
+split, headers, index, ``shardwise.json``; side files copied). Streamed: each tensor is read
+from its own stored bytes, written and freed, so memory stays near one tensor."""
 
 from __future__ import annotations
 
@@ -128,22 +120,15 @@ class _WholeTensors:
 def consolidate(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_size: int | str = "5GB",
                 filename_prefix: str = "model", overwrite: bool = False, layout: str = "hub",
                 storage_options: dict | None = None, dst_storage_options: dict | None = None) -> Path | str:
-    """Write the distributed checkpoint ``src`` (torch DCP, or sharded safetensors) as a
-    safetensors checkpoint in the folder ``dst``; one process, no process group. Returns ``dst``
-    (absolute, a ``Path`` when local, else its URL). ``storage_options`` go to the storage of
-    ``src``, ``dst_storage_options`` to that of ``dst`` (default: ``storage_options``); a local path
-    takes none.
+    """Write the distributed checkpoint ``src`` (DCP or sharded safetensors) as a safetensors
+    checkpoint in the folder ``dst``; one process, no process group. Returns ``dst`` (a ``Path``
+    when local, else its URL). ``storage_options`` go to ``src``'s storage,
+    ``dst_storage_options`` to ``dst``'s (default: the same). ``max_shard_size`` and
+    ``filename_prefix`` as in ``sw.save``; ``dst`` must not exist unless ``overwrite=True``. A
+    transformers checkpoint is written in its hub layout unless ``layout="module"``. A DCP
+    ``.metadata`` is a pickle: consolidate only checkpoints whose source you trust.
 
-    ``max_shard_size`` and ``filename_prefix`` split and name the files as ``sw.save`` does
-    (``{prefix}.safetensors``, or ``{prefix}-0000i-of-0000N.safetensors`` plus an index).
-    ``dst`` must not exist unless ``overwrite=True``. A transformers model's checkpoint (its
-    config.json beside the data) is written in its hub layout, as ``save_pretrained`` and
-    ``sw.save`` write it; ``layout="module"`` keeps the module's own names. The side files
-    beside ``src`` are copied. A DCP ``.metadata`` is a pickle: consolidate only checkpoints
-    whose source you trust.
-
-    >>> sw.consolidate("out/dcp", "out/merged", max_shard_size="2GB")   # doctest: +SKIP
-    """
+    >>> sw.consolidate("out/dcp", "out/merged", max_shard_size="2GB")   # doctest: +SKIP"""
     if storage_options and split_scheme(src)[0] is None and split_scheme(dst)[0] is None:
         locate(src, storage_options)  # the UsageError: options for two local paths
     src_at = locate(src, storage_options if split_scheme(src)[0] else None)

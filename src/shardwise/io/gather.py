@@ -1,14 +1,9 @@
-"""The per-tensor half of the gather save: what each rank holds, the gathers, the verdicts.
-
-:func:`collect_items` lists the tensors to write with their canonical dtypes and shapes
-(from the shard specs, so rank 0 knows every header before a byte arrives).
-:class:`FileGatherer` gathers one tensor at a time to rank 0, which reassembles it and
-streams it into the open file. Which rank calls what: every rank of the tp group that holds
-global rank 0 calls :func:`gather_to_rank0` for every sharded tensor, in the same order;
-every rank of the world calls ``shardwise.comm.agree`` at the same points, so that a failure
-on one rank (a full disk on rank 0) raises on every rank instead of leaving peers in a
-collective. :class:`StreamSink` is this stream as the safetensors ``Sink``.
-"""
+"""The per-tensor half of the gather save. :func:`collect_items` lists the tensors with their
+canonical dtypes and shapes (from the specs: rank 0 knows every header first);
+:class:`FileGatherer` gathers one tensor at a time to rank 0, which streams it into the file.
+Every tp rank of rank 0's group calls :func:`gather_to_rank0` for every sharded tensor in the
+same order, and every rank calls ``comm.agree`` at the same points, so a failure raises
+everywhere. :class:`StreamSink` is this stream as a ``Sink``."""
 
 from __future__ import annotations
 
@@ -42,15 +37,8 @@ _SMALL_BYTES = 1 << 20
 
 
 def num_chunks(nbytes: int, rows: int) -> int:
-    """How many row chunks of the local shards to gather, one after another, for a tensor
-    of ``nbytes`` whose local shards have ``rows`` rows.
-
-    Rank 0 holds the canonical tensor plus one chunk from every rank, twice over during a
-    gloo gather (its flat buffer and the outputs): ``nbytes * (1 + 2 / k)`` for ``k``
-    chunks. Chunks of an eighth of the tensor keep that near 1.25x (up to 1.5x measured,
-    with what the allocator keeps); tensors up to _SMALL_BYTES go in one gather (2x of
-    little), and no gather moves over _CHUNK_BYTES.
-    """
+    """How many row chunks of the local shards (``rows`` rows) to gather in turn for a tensor of
+    ``nbytes``: about an eighth each keeps rank 0's peak near 1.25x the tensor."""
     per_gather = max(1, min(_CHUNK_BYTES, max(_SMALL_BYTES, nbytes // 8)))
     return max(1, min(rows, -(-nbytes // per_gather)))
 
@@ -59,17 +47,9 @@ def gather_to_rank0(backend: Backend, local: torch.Tensor, spec: ShardSpec, degr
                     shape: tuple[int, ...], *, keep: bool = True, buffer: torch.Tensor | None = None,
                     receive: list[torch.Tensor] | None = None) -> torch.Tensor | None:
     """The canonical tensor of ``shape`` on global rank 0 (None elsewhere, or when not ``keep``).
-
-    Every tp rank calls it with its local shard. Row chunks of the shards (chunks of the
-    local dim 0, contiguous in memory) are gathered one at a time and copied into their
-    regions of the canonical tensor, packed blocks in their own order (``chunk_layout``).
-    The chunks travel as raw bytes, so any dtype goes (gloo has no float8 or uint16
-    gather). Shards are equal-sized: the degree divides every block. On rank 0, ``buffer``
-    (contiguous uint8, at least the tensor's bytes) is where the tensor is built and
-    ``receive`` (one uint8 tensor per tp rank, at least a chunk's bytes each) is where the
-    chunks land that are not one contiguous stretch of the canonical tensor (those land in
-    place); both are reused from tensor to tensor, so their pages are touched once.
-    """
+    Every tp rank calls it with its (equal-sized) local shard; row chunks travel as raw bytes (any
+    dtype) and land in their regions (``chunk_layout``). On rank 0 ``buffer`` (uint8, at least
+    the tensor's bytes) and ``receive`` (one uint8 per tp rank, a chunk's bytes) are reused."""
     data = local.detach().contiguous()
     rows = data.shape[0]
     k = num_chunks(math.prod(shape) * data.element_size(), rows)
@@ -230,10 +210,9 @@ class FileGatherer:
         return self._receive[:item.degree]
 
     def write_file(self, path: Location | None, group, bar) -> Exception | None:
-        """Gather and write one file's tensors; return rank 0's first failure (then keep joining
-        the gathers, so that no peer waits), None elsewhere. With ``self.parts`` (a hub
-        layout) a name may be a box of a model tensor: that tensor is gathered once, when
-        its first box is written, and kept on rank 0 until its last."""
+        """Gather and write one file's tensors; return rank 0's first failure (still joining every
+        gather), None elsewhere. In a hub layout a model tensor is gathered once, kept until its
+        last box is written."""
         error, writer = None, None
         if self.rank == 0:
             try:
@@ -306,10 +285,8 @@ def _chunk_bytes(item: SaveItem, degree: int) -> int:
 
 
 class StreamSink:
-    """The rank-0 stream (``sw.save``'s default): every tensor is gathered to rank 0, which
-    writes the files one after another, in the gathered format of ``sink`` (its ``plan`` and
-    ``open_file``). ``items`` are the model's tensors with this rank's shards
-    (:func:`collect_items`), ``state`` its ``ShardState``."""
+    """The rank-0 stream (``sw.save``'s default) in the gathered format of ``sink``: every tensor
+    is gathered to rank 0, which writes the files in turn."""
 
     def __init__(self, backend, state: ShardState | None, items: Mapping[str, SaveItem], *, what: str,
                  sink: FileSink):

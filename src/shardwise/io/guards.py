@@ -1,14 +1,7 @@
-"""Guards: refuse what shardwise cannot load or save, before any read, write or collective.
-
-Each check is pure inspection of Python objects (module classes, attributes, tensor types
-and dtypes, the world size already known to this process): no file is opened and no
-collective runs, so a refused model fails the same way on every rank, at once, without
-leaving a peer waiting in a collective. Optional packages (bitsandbytes, torchao) are
-recognised by attribute and class names, never imported. What a model library did to the
-model (a quantizer's config, accelerate's placement, diffusers' offload hooks, peft's
-layers) is refused by its adapter's guards (``shardwise.hf.adapter``), which
-:func:`check_model` runs through ``core.adapter.refuse_unsupported``.
-"""
+"""Guards: refuse what shardwise cannot load or save, before any read, write or collective. Pure
+inspection of Python objects, so a refused model fails the same way on every rank at once;
+optional packages are recognised by name, never imported; a model library's own refusals are
+its adapter's (``core.adapter.refuse_unsupported``)."""
 
 from __future__ import annotations
 
@@ -35,14 +28,11 @@ def refusal(action: str, cause: str, fix: str) -> UnsupportedModelError:
 
 
 def check_model(model: nn.Module, *, action: str) -> None:
-    """Raise ``UnsupportedModelError`` if ``model`` is refused by a model adapter (quantized by
-    a scheme shardwise does not read, placed or offloaded by accelerate or diffusers, PEFT/LoRA
-    layers), or holds quantized layers or tensor subclasses shardwise does not know;
-    ``action`` ("load", "save", ...) goes into the message. Pure inspection: no file access,
-    no collective.
+    """Raise ``UnsupportedModelError`` if a model adapter refuses ``model`` (quantizer, accelerate
+    placement, offload hooks, PEFT layers) or it holds quantized layers or tensor subclasses
+    shardwise does not know; ``action`` goes into the message. No file access, no collective.
 
-    >>> check_model(torch.nn.Linear(2, 2), action="load")
-    """
+    >>> check_model(torch.nn.Linear(2, 2), action="load")"""
     if not isinstance(model, nn.Module):
         raise TypeError(f"{action}: model must be a torch.nn.Module, got {type(model).__name__}")
     refuse_unsupported(model, action)  # what a library did to it: the Hugging Face adapter's guards

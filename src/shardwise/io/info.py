@@ -1,19 +1,9 @@
-"""``shardwise.json``: what shardwise records beside a checkpoint, and the tensor checksums.
-
-Every checkpoint shardwise writes carries one: a distributed save records its layout (plan,
-mesh, degree, dtypes; informational) and one checksum per saved chunk; a gather save or a
-consolidation records one checksum per tensor. The checksum is XXH3-64 (the ``xxhash``
-package) of the tensor's bytes in C order, as 16 hex digits, computed inline just before the
-same bytes are written (while they are in the CPU cache). It was chosen by its cost to a
-save: on one core of the test machine it runs at ~20 GB/s from memory and ~60 GB/s from
-cache, against 4 for ``zlib.crc32`` (what shardwise recorded first, still verified), 12 for
-CRC-32C and 0.9 for blake2b; on 2 ranks sharing 2 cores a helper thread cannot hide a
-slower hash, and CRC-32 cost a distributed save 29%. It catches a flipped byte or a torn
-write; it is no defence against tampering.
-
-The file is read like any other checkpoint input: a regular file inside the folder, at
-most 100 MB, strict JSON, every field it has of the type it should be.
-"""
+"""``shardwise.json``: what shardwise records beside every checkpoint it writes (a distributed
+save's layout, informational) and the checksums (one per tensor, or per chunk of a distributed
+save): XXH3-64 of the bytes in C order, computed as they are written (chosen for its speed;
+``zlib.crc32``, recorded first, is still verified). It catches a flipped byte or a torn write,
+not tampering. Read like any untrusted input: a regular file in the folder, at most 100 MB,
+strict JSON, every field of its type."""
 
 from __future__ import annotations
 
@@ -134,7 +124,7 @@ def digest_range(handle: ReadHandle, start: int, nbytes: int, algorithm: str,
 
 # --- reading -------------------------------------------------------------------------------
 
-def _is_int(v) -> bool:
+def is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -159,22 +149,22 @@ def _checksums_ok(v) -> bool:
 # field -> (what it must be, check); a field that is absent is fine.
 _FIELDS = {
     "format": ("a string", lambda v: isinstance(v, str)),
-    "version": ("an int", _is_int),
+    "version": ("an int", is_int),
     "kind": ("a string", lambda v: isinstance(v, str)),
     "shardwise": ("a string", lambda v: isinstance(v, str)),
     "torch": ("a string", lambda v: isinstance(v, str)),
-    "world_size": ("an int", _is_int),
-    "degree": ("an int", _is_int),
+    "world_size": ("an int", is_int),
+    "degree": ("an int", is_int),
     "holding": ("a string or null", lambda v: v is None or isinstance(v, str)),
     "sharded_axes": ("a list of strings",
                      lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)),
     "plan": ("an object of strings", _str_map),
     "metadata": ("an object of strings", _str_map),
     "index_metadata": ("an object of ints and strings", lambda v: isinstance(v, dict) and all(
-        isinstance(x, str) or _is_int(x) for x in v.values())),
+        isinstance(x, str) or is_int(x) for x in v.values())),
     "mesh": ("null or {axes: [str], shape: [int]}", lambda v: v is None or (
         isinstance(v, dict) and isinstance(v.get("axes"), list) and isinstance(v.get("shape"), list)
-        and all(isinstance(a, str) for a in v["axes"]) and all(_is_int(s) for s in v["shape"]))),
+        and all(isinstance(a, str) for a in v["axes"]) and all(is_int(s) for s in v["shape"]))),
     "tensors": ("an object of {dtype, shape}", lambda v: isinstance(v, dict) and all(
         isinstance(t, dict) and isinstance(t.get("dtype"), str) and isinstance(t.get("shape"), list)
         for t in v.values())),
@@ -184,12 +174,9 @@ _FIELDS = {
 
 
 def read_info(folder: Location | str | os.PathLike) -> dict | None:
-    """The validated ``shardwise.json`` of the checkpoint folder ``folder``; None when absent.
-
-    Raises :class:`CheckpointError` naming the file and the fault when it is not a regular
-    file inside the folder, is over 100 MB, is not a JSON object, or has a field of the
-    wrong type. (It never blocks: a FIFO is refused, not opened for reading.)
-    """
+    """The validated ``shardwise.json`` of ``folder``; None when absent. Raises ``CheckpointError``
+    naming the fault (not a regular file inside the folder, over 100 MB, not a JSON object, a
+    field of the wrong type); never blocks on a FIFO."""
     folder = locate(folder)  # a str or path: the tools' and tests' door
     path = folder / INFO_FILE
     if not path.exists() and path.name not in folder.list():  # a dangling link is refused below
@@ -220,5 +207,5 @@ def recorded_checksums(info: dict | None) -> tuple[str, dict[str, str], dict[str
 
 
 __all__ = ["ALGORITHM", "DIGESTS", "INFO_FILE", "chunk_key", "collect_checksums", "digest_hex",
-           "digest_range", "gather_info", "new_digest", "read_info", "record_checksums", "recorded_checksums",
-           "tensor_checksum", "user_metadata", "write_info"]
+           "digest_range", "gather_info", "is_int", "new_digest", "read_info", "record_checksums",
+           "recorded_checksums", "tensor_checksum", "user_metadata", "write_info"]

@@ -1,30 +1,8 @@
-"""The gather save without the gather: every rank writes its own regions into the final files.
-
-Used by ``sw.save`` when every rank sees the save's temporary folder (:func:`shared_folder`:
-rank 0 creates a token there and every rank reads it back) and, unless asked for with
-``parallel_write=True``, the ranks span more than one machine: ranks of one machine share its
-page cache and disk, and measured there (benchmarks/save.py, tp 2 and 4 on 2 cores) several
-writers of one file were no faster than rank 0 streaming (0.9-1.1x at tp=2, 0.7x at tp=4),
-while across machines each adds its own bandwidth to a shared filesystem. Rank 0 lays every file out up
-front (header written, file at its final size); then each rank writes the regions of each
-stored tensor that it holds straight at their byte offsets (the storage's positional writer). Nothing
-moves between ranks but verdicts and checksums.
-
-The files are the bytes the rank-0 stream writes: the same headers (``layout_header`` of the
-same file plan and metadata) and each stored tensor's bytes in C order, placed by the region
-math the stream reassembles with (``local_layout`` for a rank's regions of a model tensor,
-``piece_reads`` for the box of it that a hub-layout tensor is).
-
-Who writes what: a tensor sharded over a mesh axis (tp, ep) is written by the ranks of the
-axis group that holds global rank 0, each its own regions (the group the stream gathers
-over; other data-parallel replicas write nothing); anything else (replicated, a model that
-was not parallelised, spmd global tensors) by rank 0 from its own copy, as the stream does.
-
-Checksums: no rank holds a whole tensor, so once every rank has fsynced its files the stored
-tensors are split over the ranks (balanced by bytes), each rank reads its tensors back from
-the files and digests them, and the ``{name: hex}`` dicts are gathered to rank 0. The recorded
-checksums thus describe what landed on disk.
-"""
+"""The gather save without the gather: rank 0 lays every file out (header, final size) and each
+rank writes the regions it holds at their byte offsets; the bytes are the rank-0 stream's.
+A tensor sharded over an axis is written by the axis group of global rank 0, anything else by
+rank 0. Checksums are then read back from the files, split over the ranks by bytes, and
+gathered to rank 0. Used across machines (on one, measured no faster than the stream)."""
 
 from __future__ import annotations
 
@@ -69,14 +47,9 @@ def host_id() -> str:
 
 
 def shared_folder(backend, folder: Location | None, *, required: bool, what: str) -> Location | None:
-    """Rank 0's temporary ``folder`` (None on other ranks) on every rank, when every rank
-    sees it and (unless ``required``) the ranks are on more than one machine; else None on
-    every rank. Collective over the world. Local folders only (``wanted``): the probe is
-    named by its local path on every rank, and removed as a local file.
-
-    A rank that cannot read rank 0's token (another machine's local disk) makes the verdict
-    "not shared" for all. With ``required`` (``parallel_write=True``) that raises
-    ``CheckpointError`` on every rank instead."""
+    """Rank 0's temporary ``folder`` on every rank when every rank sees it (rank 0 writes a token,
+    every rank reads it) and, unless ``required``, the ranks span machines; else None everywhere.
+    Collective. With ``required`` a rank that cannot see it raises ``CheckpointError`` on all."""
     mine = None
     if folder is not None:  # rank 0: the token holds random text, so no stale file can pass
         token = secrets.token_hex(16)
@@ -130,10 +103,8 @@ def _boxes(item, piece: Piece, layout: Layout, shape: tuple[int, ...]):
 
 
 def _write_file(path: Location, group, offsets: dict, base: int, jobs) -> None:
-    """Write this rank's boxes of the tensors of one file (created by rank 0), then commit
-    (make them durable). Box by box: one box's copy (when it is not contiguous) and runs are
-    held at a time. ``jobs[name]`` lists ``(item, piece, layout)`` for each model tensor in
-    stored tensor ``name`` (several for a hub-layout tensor fused from several model tensors)."""
+    """Write this rank's boxes of one file's tensors (file created by rank 0), one box at a time,
+    then commit. ``jobs[name]``: ``(item, piece, layout)`` per model tensor in stored tensor ``name``."""
     out = None
     try:
         boxes = ((name, data, runs) for name, _, shape in group for item, piece, layout in jobs[name]
@@ -209,14 +180,8 @@ def _digest(folder: Location, where: dict, names: list[str]) -> dict[str, str]:
 
 def write_parallel(backend, run, state, folder: Location, plan: WritePlan, bar, *,
                    what: str) -> dict[str, str]:
-    """Write every file of ``plan`` into ``folder`` (rank 0's temporary folder, seen by
-    every rank) and return ``{stored tensor: checksum}`` on rank 0 (empty elsewhere).
-    Collective: every rank calls it once; a failure on any rank raises on every rank
-    (``agree``), after which rank 0 discards the folder as the stream's caller does.
-
-    ``run`` is the save's ``FileGatherer`` (its items and axes); ``state`` the model's
-    ``ShardState`` (None for a model that was not parallelised).
-    """
+    """Write every file of ``plan`` into ``folder`` and return ``{stored tensor: checksum}`` on
+    rank 0 (empty elsewhere). Collective; a failure on any rank raises on every rank."""
     rank = backend.rank if backend is not None else 0
     layouts, where = [], {}
     for f in plan.files:
@@ -261,10 +226,8 @@ def write_parallel(backend, run, state, folder: Location, plan: WritePlan, bar, 
 
 
 def wanted(parallel_write: bool | None, backend, target: Location) -> bool:
-    """Whether to try the parallel path: ``True`` always, ``None`` when there is more than one
-    rank (one writer gains nothing over the stream, which hashes as it writes); never for a
-    ``target`` off the local filesystem (every rank writes into files rank 0 created, which an
-    object store cannot do: ``parallel_write=True`` there is a ``UsageError``)."""
+    """Whether to try the parallel path: ``True`` always, ``None`` with more than one rank; never
+    for a ``target`` off the local filesystem."""
     if target.scheme is not None:
         if parallel_write is True:
             raise UsageError(f"{target}: parallel_write=True writes regions of shared local files in place; "

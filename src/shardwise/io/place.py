@@ -1,16 +1,8 @@
-"""The three holdings' implementations, which ``shardwise.holding.Holding`` forwards to
+"""The three holdings' implementations behind ``shardwise.holding.Holding``
 (:class:`DTensorHolding`, :class:`LocalHolding`, :class:`SpmdHolding`): how ``parallelize``
-shards and wires a model, the last step of ``sw.load`` (a placement: ``device`` and ``window``
-for ``ReadOptions``, ``wants(names)``, the ``finalize`` a source calls per read tensor on its
-reader threads, ``install(model, tensors, missing)``), what a rank hands a gather save and a
-DCP save.
-
-Under torch_xla SPMD (one process drives every device) the device at tp position ``p`` holds
-the canonical chunk ``p`` of a tensor's shard dim, whatever the packing (``backends/xla_spmd``):
-a load reads each chunk once, as an ordinary ``Want``, and builds the tensor on the devices
-(``SpmdMesh.from_chunks``) without assembling it on the host; a DCP save writes each of this
-process's distinct shards as one chunk at its canonical offsets.
-"""
+wires a model, the placement that ends ``sw.load``, and what a rank hands a gather or DCP
+save. Under SPMD the device at tp position ``p`` holds canonical chunk ``p``: a load reads each
+chunk once and builds the tensor on the devices, never whole on the host."""
 
 from __future__ import annotations
 
@@ -22,7 +14,7 @@ from torch import nn
 
 from shardwise.core.plan import ResolvedPlan
 from shardwise.core.spec import Region, ShardSpec, shard_regions
-from shardwise.io.formats.dcp.coord import model_placed
+from shardwise.io.formats.dcp.checkpoint import model_placed
 from shardwise.io.formats.dcp.items import CanonicalSavePlanner, Placed
 from shardwise.io.formats.safetensors.reader import WINDOW_BYTES
 from shardwise.io.source import Want

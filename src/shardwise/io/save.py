@@ -1,13 +1,7 @@
 """``sw.save``: options -> plan -> transaction -> writer, for every format the registry writes.
-
-:func:`save_options` decodes the keyword arguments once into ``SafetensorsSave`` (a gathered
-format) or ``DistributedSave`` (every rank writes its own part), the format named by the
-registry; an argument of the other kind is refused there. The gather save: every rank plans
-the files from the shard specs (pure, the same everywhere) before any tensor moves; the stream
-gathers one tensor at a time to rank 0, which writes it in its canonical layout (or, where the
-format can and the folder is shared, every rank writes its own regions). Each save is one
-``shardwise.io.sink.Saving``: complete or absent.
-"""
+The gather save plans every file on every rank (pure) before a tensor moves, then rank 0
+writes (or every rank its own regions, where the format can and the folder is shared); each
+save is one ``Saving``: complete or absent."""
 
 from __future__ import annotations
 
@@ -40,22 +34,15 @@ from shardwise.quant import check_quantized_save
 if TYPE_CHECKING:
     from shardwise.io.formats.dcp.checkpoint import AsyncSave
 
-# --- sw.save's keyword arguments, decoded once at the door: one frozen options value per kind of
-# save; an argument that does not apply to the kind asked for is refused, naming it ---
-
 LAYOUTS = ("hub", "module")
 
 
 @dataclass(frozen=True, kw_only=True)
 class SafetensorsSave:
-    """The gather save's options (``sw.save(..., distributed=False)``): files of at most
-    ``max_shard_size`` named ``{filename_prefix}...`` (None or "": the model's default prefix),
-    the ``layout`` (``"hub"`` or ``"module"``), ``parallel_write`` (True, False or None) and the
-    gathered ``format`` (a registry name) whose writer rank 0 runs.
+    """The gather save's options (``distributed=False``); ``format`` is the registry name rank 0 writes.
 
     >>> SafetensorsSave(max_shard_size="2GB", layout="module").format
-    'safetensors'
-    """
+    'safetensors'"""
 
     max_shard_size: int | str = "5GB"
     filename_prefix: str | None = None
@@ -77,13 +64,10 @@ class SafetensorsSave:
 
 @dataclass(frozen=True, kw_only=True)
 class DistributedSave:
-    """The distributed save's options (``sw.save(..., distributed=True)``): the ``format`` (a
-    registry name: ``"dcp"``, torch's DCP files; ``"sharded"``, rank-local safetensors files)
-    and ``async_save`` (for a format whose ``Capabilities.async_save``).
+    """The distributed save's options: ``format`` (``"dcp"`` or ``"sharded"``) and ``async_save``.
 
     >>> DistributedSave(format="sharded")
-    DistributedSave(format='sharded', async_save=False)
-    """
+    DistributedSave(format='sharded', async_save=False)"""
 
     format: str = "dcp"
     async_save: bool = False
@@ -101,15 +85,11 @@ _GATHER_DEFAULTS = {f: getattr(SafetensorsSave(), f) for f in
 
 def save_options(*, distributed: bool, format: str | None = None, async_save: bool = False,
                  **kwargs) -> SafetensorsSave | DistributedSave:
-    """The options value of ``sw.save(..., distributed=distributed, format=format, **kwargs)``,
-    where ``kwargs`` are the gather save's options (those of :class:`SafetensorsSave`) and
-    ``format`` is decoded by the registry (``shardwise.io.formats.save_format``: its names,
-    and sw.save's documented spellings). Raises ``UsageError`` for an option of the other kind
-    of save (naming it and the kind), or the options' own error for a bad value.
+    """The options value of ``sw.save(..., distributed=, format=, **kwargs)`` (``kwargs``: the
+    gather options). Raises ``UsageError`` for an option of the other kind of save.
 
     >>> save_options(distributed=True, format="safetensors", max_shard_size="5GB")
-    DistributedSave(format='sharded', async_save=False)
-    """
+    DistributedSave(format='sharded', async_save=False)"""
     unknown = set(kwargs) - set(_GATHER_DEFAULTS)
     assert not unknown, f"not a save option: {sorted(unknown)}"
     if not isinstance(distributed, bool):
@@ -131,87 +111,38 @@ def save_options(*, distributed: bool, format: str | None = None, async_save: bo
     return DistributedSave(format=plugin.NAME, async_save=async_save)
 
 
-
 def save(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
          filename_prefix: str | None = None, metadata: Mapping[str, str] | None = None,
          overwrite: bool = False, progress: bool | None = None, distributed: bool = False,
          async_save: bool = False, format: str | None = None, layout: str = "hub",
          parallel_write: bool | None = None, storage_options: dict | None = None) -> AsyncSave | None:
-    """Write ``model`` to the folder ``path`` as an ordinary safetensors checkpoint.
+    """Write ``model`` to the folder ``path`` (local, or a URL of a registered storage that gets
+    ``storage_options``). Collective: every rank calls it; a rank left waiting over a minute raises.
 
-    Collective: every rank calls it (a rank that waits over a minute for the others raises,
-    saying so), rank 0 writes. The folder holds
-    ``{filename_prefix}.safetensors``, or ``{prefix}-0000i-of-0000N.safetensors`` files of
-    at most ``max_shard_size`` each (split where huggingface_hub's
-    ``split_torch_state_dict_into_shards`` splits) plus ``{prefix}.safetensors.index.json``,
-    whose metadata has ``total_size`` and, unless the model is a diffusers one,
-    ``total_parameters``; the prefix defaults to ``diffusion_pytorch_model`` for a diffusers
-    model, else ``model``. A transformers or diffusers model's ``config.json`` (and
-    ``generation_config.json``) is written too, as its ``save_pretrained`` writes it, so the
-    library's ``from_pretrained`` loads the folder; given the same ``max_shard_size``, the
-    files are byte-identical to ``save_pretrained``'s. Every header
-    has ``{"format": "pt"}`` and ``metadata`` (which also goes into the index). Tensors are
-    canonical (unsharded, packed blocks in their own order) and tied weights are written
-    once, under the name kept by the plan. ``layout="hub"`` (the default) writes a
-    transformers model in the layout ``save_pretrained`` writes (per-expert tensors,
-    original names: transformers' weight conversions reverted, as region maps);
-    ``layout="module"`` writes the module's own names. A model that was not parallelised is written as
-    it is by rank 0 (a world of one, or ranks holding identical copies). ``shardwise.json``
-    beside them records each tensor's checksum (XXH3-64), computed as it is written, which
-    ``sw.verify`` checks.
+    The gather save (the default) writes an ordinary safetensors checkpoint, byte-identical to
+    ``save_pretrained``'s for the same ``max_shard_size``: ``{prefix}.safetensors`` or numbered
+    files plus an index (``prefix`` defaults to the library's), the model's ``config.json``,
+    canonical tensors, tied weights once, ``metadata`` in every header, and ``shardwise.json``
+    with each tensor's checksum (``sw.verify``). ``layout="hub"`` writes transformers' on-disk
+    layout, ``"module"`` the module's own names. Rank 0 builds one tensor at a time (peak under 2x
+    the largest tensor); ``parallel_write`` (None: probe whether every rank sees the folder, on
+    several machines) has every rank write its own regions instead, same bytes. FP8 weights and
+    their scales are written as stored (the distributed and parallel writes refuse them).
+    ``format=NAME`` writes a registered gathered format the same way.
 
-    ``parallel_write``: with ranks on several machines that all see the target's filesystem
-    (None, the default, probes it: rank 0 puts a token in the temporary folder and every rank
-    reads it), nothing is gathered: rank 0 lays every file out and each rank writes its own
-    regions at their offsets (``shardwise.io.parallel_save``); the checksums are then read
-    back from the files. Same bytes, same crash safety. On one machine None streams from
-    rank 0 (several writers sharing one disk and page cache were measured no faster);
-    ``True`` writes in parallel wherever the folder is shared and raises when a rank cannot
-    see it; ``False`` always streams.
+    ``distributed=True`` has every rank write its own part: ``format="dcp"`` (the default, also
+    ``"distcp"``; with ``async_save=True`` it returns a handle whose ``wait()`` every rank calls)
+    or ``"sharded"`` (also ``"safetensors"``: rank-local safetensors); the gather-only options
+    are refused.
 
-    Memory (the rank-0 stream): rank 0 builds one tensor at a time, in one reused buffer,
-    from row chunks of every rank's shard gathered in turn (about an eighth of the tensor
-    each), so its peak above its baseline stays under 2x the largest tensor (1.25-1.5x
-    measured); other ranks only send their shards and never hold a full tensor. Writing in
-    parallel, no rank holds more than a copy of one box of its own shard (8 MiB more to
-    read the checksums back).
-    ``progress`` shows a tqdm bar on rank 0 (default: when stderr is a terminal).
-    ``format`` names the format the registry writes (``shardwise.io.formats``; None: the
-    default of the kind of save). ``distributed=True`` writes a distributed checkpoint
-    instead, every rank its own part: torch DCP (``format="dcp"``, the default, also spelled
-    ``"distcp"``); ``max_shard_size``, ``filename_prefix``, ``layout`` and ``parallel_write``
-    do not apply and are refused; with ``async_save=True`` too it returns a handle whose
-    ``wait()`` every rank calls. ``format="sharded"`` (also spelled ``"safetensors"`` with
-    ``distributed=True``) writes rank-local safetensors files instead (torch's
-    ``HuggingFaceStorageWriter(save_distributed=True)`` format, which transformers and torch
-    read; no pickle; no ``async_save``). A format registered with a gathered writer is written
-    as the gather save writes safetensors (``format=NAME``). The gather save returns None.
-
-    FP8 models (transformers' ``FP8Linear`` modules, kept quantized by ``sw.load``): the fp8
-    weights and float32 ``weight_scale_inv`` scales are written as stored, each scale once
-    (from the rank holding its block's first row), with the config's ``quantization_config``:
-    a checkpoint loaded at any degree saves back byte for byte. The distributed and parallel
-    writes refuse them for now.
-
-    Crash safety: everything is written into ``.{name}.shardwise-tmp-*`` beside ``path``
-    (same filesystem) and renamed into place when complete; a folder already at ``path``
-    is an error unless ``overwrite=True`` (an empty folder counts as absent), and is then
-    exchanged for the new one in one atomic rename (Linux ``renameat2``; elsewhere renamed
-    aside first, a window that the next save repairs) and only then deleted. ``overwrite``
-    refuses a folder holding anything but checkpoint files and their ``config.json`` /
-    ``generation_config.json``, so that it never deletes, say, a tokenizer. If a rank dies
-    or any rank fails: ``path`` is untouched (absent, or the previous checkpoint byte for
-    byte), every surviving rank raises, and rank 0 removes its temporary folder; one left
-    by a killed rank 0 is removed by the next save to ``path``. A temporary folder never
-    sits at a path a loader would look at, its files appear only once fsynced, and a
-    several-file checkpoint gets its index last.
-
-    ``path`` is a local folder or a URL of a registered storage (``scheme://...``; its factory
-    gets ``storage_options``).
+    Complete or absent: written into ``.{name}.shardwise-tmp-*`` beside ``path`` and renamed into
+    place; an existing folder is an error unless ``overwrite=True``, which refuses a folder holding
+    anything but checkpoint files. On any rank's failure ``path`` is untouched and every rank
+    raises. ``progress``: a tqdm bar on rank 0 (default: when stderr is a tty). Returns None
+    unless ``async_save``. Details: docs/guide.md.
 
     >>> sw.save(model, "out/full", max_shard_size="2GB")                    # doctest: +SKIP
-    >>> sw.load(model2, "out/full", plan=plan, mesh=backend.mesh(tp=2))     # doctest: +SKIP
-    """
+    >>> sw.load(model2, "out/full", plan=plan, mesh=backend.mesh(tp=2))     # doctest: +SKIP"""
     options = save_options(distributed=distributed, max_shard_size=max_shard_size,
                            filename_prefix=filename_prefix, layout=layout, parallel_write=parallel_write,
                            format=format, async_save=async_save)
@@ -232,11 +163,8 @@ def save(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str
 
 def save_gathered(model: nn.Module, target: Location, options: SafetensorsSave, plugin, *,
                   backend: Backend | None, metadata, overwrite: bool, progress: bool | None) -> None:
-    """``sw.save(..., distributed=False)`` with its decoded ``options`` and its gathered
-    format's ``plugin``: plan every file (pure, the same on every rank), meet, then write
-    through the rank-0 stream or, where every rank sees the folder and the format can, the
-    parallel write; move the folder into place when every rank is done. ``backend``
-    (``shardwise.mesh.world_backend``) runs the collectives."""
+    """``sw.save(..., distributed=False)`` with its decoded ``options`` and format ``plugin``: plan
+    (pure), meet, write (stream or parallel), commit when every rank is done."""
     adapter = adapter_for(model)  # its library's file prefix, index metadata, layout, side files
     prefix = options.filename_prefix or adapter.file_prefix(model)
     items, state = collect_items(model)
@@ -284,15 +212,12 @@ HANDSHAKE_SECONDS = 60.0
 
 
 def join_collective(backend: Backend | None, what: str) -> None:
-    """Every rank meets here first: a rank that enters ``what`` alone (under ``if rank ==
-    0:``) gets an error naming the mistake within HANDSHAKE_SECONDS, rather than a gloo
-    "Connection closed by peer" or a hang in the middle of the save."""
+    """Every rank meets here first: a rank alone in ``what`` raises within HANDSHAKE_SECONDS, naming
+    the mistake, rather than hanging or failing mid-save."""
     if backend is None or backend.world_size == 1:
         return
     seconds = min(HANDSHAKE_SECONDS, backend.timeout.total_seconds())
-    # A tag rather than a barrier: a peer waiting in another collective of the same shape
-    # (a barrier at its exit) must not pass for a peer entering the save.
-    # uint8, as agree()'s rows: every backend gathers bytes.
+    # A tag, not a barrier: a peer in another collective of the same shape must not pass.
     tag = torch.frombuffer(bytearray(fingerprint(what)), dtype=torch.uint8)
     cause: str | CollectiveError | None = None
     try:
@@ -312,9 +237,8 @@ def join_collective(backend: Backend | None, what: str) -> None:
 
 
 def check_stored(model: nn.Module, items, stored, layout: str) -> None:
-    """The save's invariant, before anything is written: every stored tensor has exactly the
-    name, shape and dtype that a checkpoint of ``model`` holds in ``layout`` (what
-    ``sw.verify(path, against=model)`` checks afterwards), else ``CheckpointError``."""
+    """Raise ``CheckpointError`` before anything is written unless every stored tensor has the name,
+    shape and dtype a checkpoint of ``model`` holds in ``layout``."""
     tensors = {i.name: (tuple(i.shape), i.dtype) for i in items}
     want = Expectation(type(model).__name__, layout, expected_tensors(model, layout=layout, tensors=tensors),
                        {}, True)
@@ -326,10 +250,8 @@ def check_stored(model: nn.Module, items, stored, layout: str) -> None:
 
 
 def stored_tensors(model: nn.Module, items, layout: str) -> list[StoredTensor]:
-    """Every tensor the save writes (name, dtype, shape, StoredPart or None), in order:
-    the model's own tensors (``layout="module"``, or a model without weight conversions), or
-    the hub layout ``save_pretrained`` writes (``layout="hub"``: per-expert tensors, original
-    names), each a box of a model tensor."""
+    """Every tensor the save writes (``StoredTensor``), in order: the model's own (``"module"``) or
+    the hub layout's (``"hub"``), each a box of a model tensor."""
     if layout not in ("hub", "module"):
         raise CheckpointError(f"layout must be 'hub' or 'module', got {layout!r}")
     parts = (adapter_for(model).save_layout(model, {i.name: (i.shape, i.dtype) for i in items})

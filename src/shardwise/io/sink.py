@@ -1,15 +1,6 @@
-"""The write side of every format: a :class:`Sink` turns what is to be written into a frozen
-:class:`WritePlan` (which tensor goes to which file, in which order, which rank writes it, the
-index), then writes it.
-
-Plan, then execute: ``plan`` is pure and gives the same answer on every rank, so the ranks
-agree on the files without exchanging them; ``write`` does the I/O and the collectives. The
-implementations: ``shardwise.io.formats.safetensors.write`` (the plan-files / sort / index recipe of
-every ordinary safetensors checkpoint, and its rank-0 stream, with the parallel write in
-``shardwise.io.parallel_save``) and ``shardwise.io.formats.sharded.write`` (rank-local sharded
-safetensors files). torch's own DCP writer (``distributed=True``, ``format="distcp"``) keeps
-its ``StorageWriter`` protocol and its planner.
-"""
+"""The write side of every format: a :class:`Sink` turns what is to be written into a frozen,
+pure :class:`WritePlan` (files, order, writer rank, index), the same on every rank, then
+writes it; :class:`Saving` is the one transaction of every save."""
 
 from __future__ import annotations
 

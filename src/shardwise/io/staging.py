@@ -1,16 +1,7 @@
-"""Host-to-device copies for the loaders: through reused pinned buffers on CUDA (the nccl
-backend), a plain ``.to(device)`` anywhere else.
-
-A copy from ordinary (pageable) host memory to a GPU blocks the calling thread while the
-driver bounces it through its own pinned buffer. From pinned memory the copy is a DMA that
-runs on the GPU's copy engine while the reader threads go on reading. Pinning memory is
-slow, so a load pins a few buffers once and cycles the tensors through them in pieces: each
-piece is copied into a free buffer on the host, sent with ``non_blocking=True``, and the
-buffer is reused only after the CUDA event recorded behind its copy has passed.
-
-The copies are ordered on the device's current stream, so kernels launched later on that
-stream (the forward) see the data and ``.cpu()`` waits for it; nothing else needs a sync.
-"""
+"""Host-to-device copies for the loaders: on CUDA through a few reused pinned buffers (a DMA on
+the copy engine while the readers go on reading; a buffer is reused once the CUDA event behind
+its copy has passed), a plain ``.to(device)`` anywhere else. The copies are ordered on the
+device's current stream, so later kernels see the data; nothing else needs a sync."""
 
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
 """The one toy transformer, built in code: what every backend validates on, what ``shardwise
-demo`` streams (:data:`SIZES`), and the benchmarks' model (a Llama-like :class:`ModelConfig`).
-
-By default shaped like a small Qwen3-MoE causal LM: 16 heads over 8 KV heads (head_dim 4),
-``q_norm`` / ``k_norm``, one dense SwiGLU layer and one MoE layer of 16 fused experts
-(``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``, top-2 router), an untied head; the
-plans are transformers' for Qwen3-MoE (``base_model_tp_plan``, ``base_model_ep_plan``). tp
-degrees divide the 8 KV heads, ep degrees the 16 experts. :func:`golden` is the one-process
-CPU run every layout is compared with.
-"""
+demo`` streams and the benchmarks' model. By default a small Qwen3-MoE-shaped causal LM (16
+heads over 8 KV heads, q/k norms, one dense and one 16-expert MoE layer, untied head) with
+transformers' Qwen3-MoE plans; :func:`golden` is the one-process CPU reference."""
 
 from __future__ import annotations
 
@@ -140,12 +134,9 @@ class Mlp(nn.Module):
 
 
 class Experts(nn.Module):
-    """Fused expert weights as transformers holds them, called with the router's choice.
-    The loop runs over the experts this rank holds (``gate_up_proj.shape[0]``); a route to
-    another rank's expert arrives as that count and is skipped (transformers' contract).
-    Every token goes through every local expert, weighted by its routing weight (0 where it
-    was not routed): static shapes and no data-dependent branch, so an XLA device compiles
-    one graph (the suite's model is tiny; the extra work does not matter)."""
+    """Fused expert weights as transformers holds them. Loops over this rank's experts (a route to
+    another rank's arrives as that count and is skipped); every token goes through every local
+    expert, weighted 0 where not routed: static shapes, one XLA graph."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

@@ -1,9 +1,6 @@
-"""Checking checkpoints without a model: ``verify`` (whole and unchanged, ``io.check.verify``),
-``diff`` (two checkpoints tensor by tensor, ``io.check.diff``) and, here, ``inspect``: what a
-checkpoint is, without loading a tensor (its format reader's ``Stored.tensors()`` and
-``Stored.describe()``, and its quantized weights with their scheme and block), and
-:func:`print_safely`, which the three commands print through.
-"""
+"""``sw.inspect`` / ``shardwise inspect PATH``: what a checkpoint is, without loading a tensor
+(its reader's tensors and description, quantized weights with scheme and block), and
+:func:`print_safely`, through which inspect, verify and diff print."""
 
 from __future__ import annotations
 

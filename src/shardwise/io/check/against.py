@@ -1,16 +1,7 @@
-"""What a checkpoint of a model must hold (:func:`expected_tensors`, from meta tensors only),
-and ``sw.verify(path, against=...)``'s check of it (:func:`check_against`).
-
-``layout="module"``: the model's state dict without non-persistent buffers, each tied tensor
-once under the name ``sw.save`` keeps, with its global shape. ``layout="hub"``: the keys
-``save_pretrained`` writes (the model adapter's ``stored_names`` less its ``unsaved``); any
-model without a conversion has its module layout there too.
-
-Dtypes are defined per tensor only by a model in hand or by a ``dtype`` the caller gives
-(applied to floating tensors, as ``model.to(dtype)``): a config's ``dtype`` is not (checkpoints
-keep norms or router weights in float32, integer buffers, scales). So against a folder or a
-config only names and shapes are compared unless ``dtype`` is given.
-"""
+"""What a checkpoint of a model must hold (:func:`expected_tensors`, from meta tensors only) and
+``sw.verify(path, against=...)``'s check of it (:func:`check_against`). Dtypes are compared
+only against a model in hand or a given ``dtype`` (a config's ``dtype`` does not define every
+tensor's)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,7 @@
-"""``sw.diff`` / ``shardwise diff A B``: two checkpoints compared tensor by tensor.
-
-Each side is any checkpoint a format reader opens (``io.formats.open_source``), in module or
-hub names (a hub layout is matched to the other side's module names through the model its
-``config.json`` names), read in slabs of whole rows (``Stored.read_box``, at most
-``slab_bytes`` a side at a time). Byte for byte by default; ``dtype=`` casts floating values
-first and ``atol``/``rtol`` accept ``torch.isclose`` values (NaN equal to NaN): such a tensor is
-``close`` and the report ``equivalent`` rather than ``identical``. An FP8 weight whose bytes or
-scales differ from the other side's is compared dequantized (``shardwise.quant``), its scales
-counted with it rather than "only in A".
-"""
+"""``sw.diff`` / ``shardwise diff A B``: two checkpoints of any formats compared tensor by tensor,
+in slabs of whole rows; byte for byte unless a cast or tolerance is given. A hub-layout side is
+matched to module names through its ``config.json``; FP8 weights that differ are compared
+dequantized, with their scales."""
 
 from __future__ import annotations
 

@@ -1,17 +1,6 @@
-"""``sw.verify`` / ``shardwise verify PATH``: is a checkpoint whole and unchanged since it was saved?
-
-One process, no model, memory bounded by one read buffer: the checkpoint's format reader
-validates its structure (headers, index, chunk tiling; a DCP ``.metadata`` is a pickle: verify
-only what you would load), then every blob's bytes are streamed through the checksum recorded
-in ``shardwise.json`` (XXH3-64; CRC-32 in older checkpoints; a DCP chunk without one through
-its zip record's CRC-32). Quantized weights are checked against their scales (``shardwise.quant``);
-``against=`` checks names, shapes and dtypes against a model (``io.check.against``).
-
-The outcome is ``OK`` (every chunk checksummed and matching), ``UNVERIFIED`` (structure only: a
-checkpoint shardwise did not write; exit status 3) or ``FAILED``. ``kind`` is the format's
-label (its ``Capabilities.label``), ``tensors`` counts tensors, ``chunks`` the stored pieces
-they are in, ``checksummed`` the chunks whose bytes matched a checksum.
-"""
+"""``sw.verify`` / ``shardwise verify PATH``: is a checkpoint whole and unchanged since it was
+saved? One process, no model, memory bounded by one read buffer: the format reader checks the
+structure, then every blob is streamed through its recorded checksum (or the format's own)."""
 
 from __future__ import annotations
 
@@ -33,13 +22,9 @@ from shardwise.quant import stored_pairs
 
 @dataclass
 class VerifyReport:
-    """What :func:`verify` found. ``ok`` when there are no ``problems`` (structural faults,
-    each naming the file and tensor) and no ``mismatched`` tensors (bytes that differ from
-    their recorded checksum; for DCP ``"name@offsets"`` names the chunk). ``verified`` when it
-    is ok and every chunk was checked against a checksum as well: ``outcome`` is ``"OK"``
-    then, ``"UNVERIFIED"`` when only the structure could be checked (a checkpoint shardwise
-    did not write), ``"FAILED"`` when not ok. ``notes`` are not faults (such as: no checksums
-    recorded)."""
+    """What :func:`verify` found: ``problems`` (structural faults) and ``mismatched`` tensors make it
+    not ``ok``; ``outcome`` is ``"OK"`` (every chunk checksummed), ``"UNVERIFIED"`` (structure
+    only) or ``"FAILED"``; ``notes`` are not faults."""
 
     path: str
     kind: str = "unknown"

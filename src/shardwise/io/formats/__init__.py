@@ -1,21 +1,11 @@
-"""Checkpoint formats as plugins: the one registry, its one vocabulary of names, and what each
-format can do (:class:`Capabilities`), which the pipelines ask instead of a format's name.
-
-A format is a package whose ``__init__`` offers ``NAME``, ``CAPABILITIES``, ``claims(path)``
-("is this mine?"), ``open_source(path, **options)`` (its reader, an
-:class:`~shardwise.io.source.OpenedSource`) and its writer, by ``CAPABILITIES.distributed``:
-a gathered format's ``writer(**options)`` (a :class:`~shardwise.io.sink.FileSink`: plan the
-files, open each; ``sw.save`` gathers the tensors to rank 0 and ``sw.consolidate`` reads them
-from any reader), a distributed one's ``save(model, path, **options)`` (every rank writes its
-own part). A plugin without a writer is read only. The registry imports each plugin it asks,
-so a plugin whose reader or writer is slow to import (DCP: torch.distributed.checkpoint,
-~1.7 s) imports it inside those functions.
-
-Order matters for reading: a DCP folder is told by its file names alone, so it is asked
-first; sharded safetensors (headers carrying ``DCP_SHARDING_INFO``) next; ordinary safetensors
-claims whatever is left, and its reader names what is wrong with a path that holds no
-checkpoint. Adding a format is one folder and one :func:`register_format` line.
-"""
+"""Checkpoint formats as plugins: the one registry, its vocabulary of names, and what each format
+can do (:class:`Capabilities`), which the pipelines ask instead of a format's name. A format is
+a package whose ``__init__`` offers ``NAME``, ``CAPABILITIES``, ``claims(path)``,
+``open_source(path, **options)`` (an ``OpenedSource``) and, by ``CAPABILITIES.distributed``,
+a gathered ``writer(**options)`` (a ``FileSink``, rank 0 writes) or a distributed
+``save(model, path, **options)`` (every rank writes its part); without either it is read only.
+Slow imports go inside those functions. Reading asks DCP first (file names), then sharded
+safetensors (headers), then ordinary safetensors, the last resort, which names what is wrong."""
 
 from __future__ import annotations
 

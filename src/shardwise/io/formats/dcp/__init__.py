@@ -1,13 +1,9 @@
-"""The torch distributed checkpoint (DCP) format plugin: a folder of ``.distcp`` chunk files
-and a pickled ``.metadata``. torch's DCP stays the engine: loads go through its planner and
-``StorageReader`` (``checkpoint``), saves through its ``StorageWriter``; shardwise adds the
-canonical chunk layout (``items``), the checked metadata (``metadata``), chunk reads
-(``chunks``), optimizer state (``optim``) and the offline reads (``stored``).
-
-This module stays light: the registry imports it to ask about every path, and
-torch.distributed.checkpoint (~1.7 s to import after torch) is imported only when a DCP checkpoint
-is opened.
-"""
+"""The torch distributed checkpoint (DCP) format plugin: ``.distcp`` chunk files and a pickled
+``.metadata``. torch's DCP stays the engine (its planners, reader and writer); shardwise adds
+canonical chunks (``items``), checked metadata (``metadata``), chunk reads and the offline
+reads (``chunks``), the save and load (``checkpoint``) and optimizer state (``optim``). This
+module stays light: torch.distributed.checkpoint (~1.7 s) is imported only when a DCP
+checkpoint is opened or saved."""
 
 from __future__ import annotations
 

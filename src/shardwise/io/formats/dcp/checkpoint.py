@@ -1,25 +1,14 @@
-"""Distributed checkpoints: every rank writes its own regions through
-torch.distributed.checkpoint (DCP); a checkpoint written under one layout loads under any other.
-
-The checkpoint is canonical: tensors keep the model's names and unsharded shapes, a packed
-or FSDP x TP shard is written as several chunks at their canonical offsets, replicated
-tensors once. So it loads at any degree, and plain ``torch.distributed.checkpoint.load``
-(or ``sw.consolidate``) reads it without shardwise's plan. ``shardwise.json`` beside the
-data records the plan, mesh, degree, dtypes and versions (informational) and the checksum (XXH3-64) of
-every chunk, computed as it is written (``HashingWriter``), which ``sw.verify`` checks.
-
-A save is one ``shardwise.io.sink.Saving``, as every save: an interrupted one never leaves a
-``.metadata`` at the target. The path must be on a filesystem every rank sees.
-
-DCP's ``.metadata`` is a pickle: shardwise unpickles it with an allow-list of DCP's own
-classes, but loading a DCP checkpoint still trusts its source.
-"""
+"""Distributed checkpoints through torch DCP: every rank writes its own regions as canonical
+chunks (model names, unsharded shapes, replicated tensors once), so a checkpoint loads at any
+degree and in plain ``torch.distributed.checkpoint``. ``shardwise.json`` records the layout and
+every chunk's checksum. A save is one ``Saving`` (complete or absent) on a folder every rank
+sees. The ``.metadata`` is a pickle (allow-listed classes): trust its source."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -28,22 +17,123 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: name it
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+import shardwise.comm as comm
+from shardwise._version import __version__
 from shardwise.backends import Backend, coordination_group
 from shardwise.core.adapter import adapter_for
-from shardwise.core.plan import ResolvedPlan
-from shardwise.errors import CheckpointError
-from shardwise.io.formats.dcp.chunks import MetadataReader
-from shardwise.io.formats.dcp.coord import checkpoint_info, dcp_error, gather_checksums, model_placed
-from shardwise.io.formats.dcp.items import CanonicalLoadPlanner, CanonicalSavePlanner, HashingWriter, Placed
+from shardwise.core.header import dtype_to_str
+from shardwise.core.plan import ResolvedPlan, plan_summary
+from shardwise.errors import CheckpointError, CollectiveError, ShardwiseError
+from shardwise.holding import is_dtensor
+from shardwise.io.formats.dcp.chunks import DcpStored, MetadataReader
+from shardwise.io.formats.dcp.items import (
+    CanonicalLoadPlanner,
+    CanonicalSavePlanner,
+    HashingWriter,
+    Placed,
+    check_fp8_match,
+    place,
+    read_dtype,
+    scale_placed,
+    want_layout,
+)
 from shardwise.io.formats.dcp.metadata import check_tensors
-from shardwise.io.formats.dcp.quant import check_fp8_match, read_dtype, want_layout
-from shardwise.io.formats.dcp.stored import DcpStored
-from shardwise.io.info import INFO_FILE
+from shardwise.io.info import ALGORITHM, INFO_FILE
 from shardwise.io.sink import Saving
 from shardwise.io.source import Finalize, ReadOptions, Reads, Want
 from shardwise.io.storage import Location
 from shardwise.io.storage.transaction import target_path
 from shardwise.parallel import get_shard_state
+
+if TYPE_CHECKING:
+    from shardwise.backends.group_mesh import AxisMesh
+
+
+INFO_FORMAT = "shardwise-dcp"
+
+
+def model_placed(model: nn.Module) -> dict[str, Placed]:
+    """``{tensor name: Placed}`` for every parameter and persistent buffer of ``model``, in
+    state-dict order; a tied tensor appears once, under its first name."""
+    state = get_shard_state(model)
+    tensors = model.state_dict(keep_vars=True)
+    if state is not None:  # a quantized weight's scales: each block once (dcp.items.scale_placed)
+        ties = state.specs.ties
+        return {n: scale_placed(tensors[n], ties[n], spec, *state.coords(spec), name=n) if n in ties
+                else place(tensors[n], spec, *state.coords(spec), name=n) for n, spec in state.specs.items()}
+    seen: set[int] = set()
+    out = {}
+    for n, t in tensors.items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            out[n] = place(t, None, 1, 0, name=n)
+    return out
+
+
+def checkpoint_info(model: nn.Module, placed: Mapping[str, Placed], *, kind: str,
+                    metadata: Mapping | None = None) -> dict:
+    """The informational ``shardwise.json`` content for a save of ``model``."""
+    state = get_shard_state(model)
+    mesh: AxisMesh | None = state.mesh if state is not None else next(
+        (t.device_mesh for t in model.state_dict(keep_vars=True).values()
+         if is_dtensor(t)), None)
+    sharded_axes = sorted({(t.device_mesh.mesh_dim_names or ("?",) * t.device_mesh.ndim)[i]
+                           for t in model.state_dict(keep_vars=True).values()
+                           if is_dtensor(t)
+                           for i, p in enumerate(t.placements) if p.is_shard()})
+    return {
+        "format": INFO_FORMAT, "version": 1, "kind": kind,
+        "shardwise": __version__, "torch": torch.__version__,
+        "world_size": comm.world_size(),
+        "mesh": None if mesh is None else {"axes": list(mesh.mesh_dim_names or ()),
+                                           "shape": list(mesh.mesh.shape)},
+        "degree": state.degree if state is not None else 1,
+        "holding": state.holding.name if state is not None else None,
+        "sharded_axes": sharded_axes,
+        "plan": plan_summary(state.specs) if state is not None else {},
+        "tensors": {n: {"dtype": dtype_to_str(p.local.dtype), "shape": list(p.shape)}
+                    for n, p in placed.items()},
+        "metadata": dict(metadata or {}),
+        # what sw.save's index metadata would carry (total_parameters), for sw.consolidate
+        "index_metadata": (adapter_for(model).index_metadata(model, {n: tuple(p.shape)
+                                                                     for n, p in placed.items()})
+                           if kind == "model" else {}),
+    }
+
+
+def gather_checksums(writer: HashingWriter, what: str, backend: Backend | None) -> dict:
+    """Every rank's chunk checksums (``shardwise.json``'s "checksums"), merged on rank 0;
+    every rank calls it, after the data is written. Other ranks get an empty record."""
+    everyone = comm.gather_object(writer.checksums, dst=0, group=coordination_group(backend), purpose=what)
+    if everyone is None:  # not rank 0
+        return {}
+    sums: dict = {}
+    for part in everyone:
+        for fqn, chunks in part.items():
+            sums.setdefault(fqn, {}).update(chunks)
+    return {"algorithm": ALGORITHM, "chunks": sums}
+
+
+def dcp_error(path, e: BaseException, what: str) -> ShardwiseError:
+    """A ShardwiseError for a failure that ``dcp.save`` / ``dcp.load`` raised: every rank's
+    message from a ``CheckpointException`` (a CheckpointError when each rank's failure was
+    bad input, such as a corrupt file); a CollectiveError for a collective that failed."""
+    if isinstance(e, ShardwiseError):
+        return e
+    if isinstance(e, CheckpointException):
+        failures = {}
+        for rank, wrapped in e.failures.items():
+            exc = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+            failures[rank] = f"{type(exc).__name__}: {exc}"
+        bad_input = all(isinstance(w[0] if isinstance(w, tuple) else w, ValueError)
+                        for w in e.failures.values())
+        if bad_input:
+            detail = "; ".join(f"rank {r}: {m}" for r, m in sorted(failures.items()))
+            return CheckpointError(f"{path}: {what} failed: {detail}")
+        return CollectiveError(f"{path}: {what} failed on rank(s) {sorted(failures)}", failures)
+    return CollectiveError(f"{path}: {what} failed: a collective failed, so another rank stopped "
+                           f"or died ({type(e).__name__}: {e})")
+
 
 _ASYNC_GROUP: dict = {}
 
@@ -100,16 +190,11 @@ def write_checkpoint(path: Location, state_dict: dict, placed: Mapping[str, Plac
                      backend: Backend | None, overwrite: bool = False, async_save: bool = False,
                      planner: CanonicalSavePlanner | None = None,
                      side_files: Callable[[Location], object] | None = None) -> AsyncSave | None:
-    """Save ``state_dict`` (local tensors for the ``placed`` keys, plain values otherwise)
-    as a canonical DCP checkpoint at ``path``; every rank calls it. With ``async_save`` the
-    data is staged (copied) before returning and the returned handle's ``wait`` completes it.
-    ``planner`` replaces ``CanonicalSavePlanner(placed)`` (SPMD resolves shards its own way).
-    ``side_files(folder)`` writes files beside the data on rank 0 (a model's config.json).
-    ``backend`` (``shardwise.mesh.world_backend``) runs the verdicts on rank 0's steps.
-
-    Crash safety is every save's (``shardwise.io.sink.Saving``): DCP writes into the
-    temporary folder, which replaces ``path`` once complete.
-    """
+    """Save ``state_dict`` (local tensors for the ``placed`` keys, plain values otherwise) as a
+    canonical DCP checkpoint at ``path``, in one ``Saving``; every rank calls it. With
+    ``async_save`` the data is staged before returning and the handle's ``wait`` completes it.
+    ``planner`` replaces ``CanonicalSavePlanner(placed)``; ``side_files(folder)`` writes beside
+    the data on rank 0; ``backend`` runs the verdicts."""
     saving = Saving(path, overwrite=overwrite, backend=backend,
                     what=f"a distributed save to {target_path(path)}")
     planner = planner or CanonicalSavePlanner(placed)
@@ -170,8 +255,6 @@ def save_dcp(model: nn.Module, path: Location, *, backend: Backend | None, overw
                             side_files=lambda folder: files(model, folder))
 
 
-# --- reading ------------------------------------------------------------------------------
-
 def read_checkpoint(path: Location, metadata, state_dict: dict, placed: Mapping[str, Placed], *,
                     backend: Backend | None) -> int:
     """Fill ``state_dict`` (the ``placed`` local tensors in place; other values replaced)
@@ -186,13 +269,10 @@ def read_checkpoint(path: Location, metadata, state_dict: dict, placed: Mapping[
 
 
 class DcpSource(DcpStored):
-    """The :class:`~shardwise.io.source.Source` of a torch DCP checkpoint. Its reads go
-    through torch's own planner and storage reader (:func:`read_checkpoint`): torch owns this
-    format (the pickled ``.metadata``, the chunk files, the collective load plan), so the
-    source only says which regions each rank wants (:class:`Placed`). ``read`` is collective:
-    every rank calls it, with the same ``options.window`` batching. The checkpoint's
-    ``.metadata`` is a pickle (unpickled with an allow-list): trust its source.
-    """
+    """The ``Source`` of a torch DCP checkpoint: reads go through torch's planner and storage reader
+    (:func:`read_checkpoint`), the source saying which regions each rank wants. ``read`` is
+    collective, with the same ``options.window`` on every rank. ``.metadata`` is a pickle
+    (allow-listed): trust its source."""
 
     def __init__(self, path: Location):
         super().__init__(path)  # the metadata, checked: raises for an incomplete checkpoint
@@ -277,5 +357,5 @@ def stored_name(name: str, specs: ResolvedPlan, stored) -> str:
     return next((a for a, kept in specs.aliases.items() if kept == name and a in stored), name)
 
 
-__all__ = ["AsyncSave", "DcpSource", "INFO_FILE", "checkpoint_info", "model_placed",
-           "read_checkpoint", "save_dcp", "write_checkpoint"]
+__all__ = ["AsyncSave", "DcpSource", "INFO_FILE", "INFO_FORMAT", "checkpoint_info", "dcp_error",
+           "gather_checksums", "model_placed", "read_checkpoint", "save_dcp", "write_checkpoint"]

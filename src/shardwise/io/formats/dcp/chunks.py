@@ -1,47 +1,39 @@
-"""Reading the chunks of a distributed checkpoint: only the bytes asked for, each blob
-checked against the metadata before a byte of its data is read.
-
-A DCP data file (``.distcp``) is a run of ``torch.save`` blobs, one per saved chunk; the
-metadata (``shardwise.io.formats.dcp.metadata``) says where each lies. Every blob is opened on the
-meta device first (its dtype, shape and where its bytes start, no data read), so a blob that
-disagrees with the metadata is a ``CheckpointError``, never a cast, a shifted read or an
-allocation the file cannot back.
+"""Reading the chunks of a distributed checkpoint: only the bytes asked for, each blob checked
+against the metadata (dtype, shape, zip CRC-32) before its data is read, so a bad blob is a
+``CheckpointError``, never a cast or a shifted read. :class:`DcpStored` is what the offline tools
+(consolidate, verify, diff, inspect) ask of a DCP checkpoint. The ``.metadata`` is a pickle
+(unpickled with an allow-list): trust its source.
 """
 
 from __future__ import annotations
 
 import io
+import math
+import warnings
 import zlib
+from collections.abc import Iterator
+from typing import cast
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from shardwise.core.header import region_runs
+from shardwise.core.spec import Region, intersect
 from shardwise.errors import CheckpointError
-from shardwise.io.info import new_digest, tensor_checksum
+from shardwise.io.formats.dcp.metadata import read_metadata
+from shardwise.io.info import chunk_key, new_digest, read_info, tensor_checksum
+from shardwise.io.source import Blob, Description
 from shardwise.io.storage import HandleFile, Handles, Location, byte_view
 from shardwise.io.storage.torchfs import LocationReader
 
 
 def read_chunk_into(f, info, offsets, lengths, dest: torch.Tensor, *, dtype: torch.dtype | None = None,
                     sizes=None) -> int:
-    """Copy the box (``offsets``, ``lengths``) of the saved chunk ``info`` (a DCP
-    ``_StorageInfo``: a torch.save blob at ``info.offset`` in the open file ``f``) into
-    ``dest``; return the bytes read from the file.
-
-    DCP's reader unpickles every saved chunk whole into a new tensor and then copies the
-    part it needs: under resharding each rank holds a transient copy of chunks bigger than
-    its share, and the allocator keeps that memory. Here the blob is opened on the meta
-    device (``weights_only``: its layout and where its bytes start, no data read), and only
-    the byte runs of the box are read, straight into ``dest`` when it is contiguous on the
-    CPU in the saved dtype (else through a buffer the size of the box). A chunk stored in a
-    layout other than a plain contiguous one is read whole, as DCP does.
-
-    ``dtype`` and ``sizes``, the chunk's as the metadata lists them, are checked against the
-    blob before a byte of data is read: a blob of another dtype or shape, or one whose
-    storage runs past its stored length, is a ``CheckpointError``, never a cast or an
-    allocation the file cannot back.
-    """
+    """Copy the box (``offsets``, ``lengths``) of the saved chunk ``info`` (a torch.save blob in
+    the open file ``f``) into ``dest``; return the bytes read. Only the box's byte runs are read
+    (straight into ``dest`` when it is contiguous on the CPU in the saved dtype), not the whole
+    chunk as DCP does; a chunk in another layout is read whole. The blob is checked against the
+    metadata's ``dtype`` and ``sizes`` first: a mismatch is a ``CheckpointError``."""
     where = _where(f, info)
     meta, base = open_blob(f, info, dtype=dtype, sizes=sizes)
     if base is None:
@@ -70,14 +62,9 @@ def read_chunk_into(f, info, offsets, lengths, dest: torch.Tensor, *, dtype: tor
 
 
 def zip_crc(f, info, meta: torch.Tensor, base: int) -> int | None:
-    """The CRC-32 that the blob's zip archive records for the chunk's data; None when the
-    chunk is part of a larger storage (the CRC covers the storage, not the chunk).
-
-    torch.save writes every record followed by a data descriptor (``PK\\x07\\x08``, the
-    CRC-32, the sizes; torch.load's own offset arithmetic relies on it), and torch.load
-    checks the CRC when it reads a record whole; :func:`read_chunk_into` reads the bytes
-    itself, so it checks them here. A descriptor that is not where it must be means the
-    blob is corrupt."""
+    """The CRC-32 the blob's zip record holds for the chunk's data (from the data descriptor
+    torch.save writes); None when the chunk is part of a larger storage. A misplaced descriptor
+    means the blob is corrupt."""
     nbytes = meta.numel() * meta.element_size()
     if meta.storage_offset() != 0 or meta.untyped_storage().nbytes() != nbytes:
         return None
@@ -127,10 +114,8 @@ def load_blob(f, info) -> torch.Tensor:
 
 def chunk_checksum(f, info, *, dtype: torch.dtype, sizes, algorithm: str, piece: int = 16 << 20
                    ) -> tuple[str, int, str | None]:
-    """``(checksum by ``algorithm``, bytes read, the zip record's CRC-32 or None)`` of the
-    saved chunk ``info``'s tensor bytes in C order, read in pieces of at most ``piece`` bytes
-    (the chunk is loaded whole, and torch.load checks its CRC, when it is stored in a layout
-    other than a plain contiguous one)."""
+    """``(checksum by algorithm, bytes read, zip CRC-32 or None)`` of the saved chunk's bytes in C
+    order, read in pieces of at most ``piece`` bytes."""
     meta, base = open_blob(f, info, dtype=dtype, sizes=sizes)
     if base is None:
         whole = load_blob(f, info)
@@ -164,12 +149,9 @@ def _check_blob(where: str, meta, info, dtype, sizes) -> None:
 
 
 class MetadataReader(LocationReader):
-    """torch's ``FileSystemReader`` over the storage (``LocationReader``) that serves the
-    metadata already read (and checked) by :func:`read_metadata` instead of unpickling
-    ``.metadata`` again, and that reads only the bytes each rank needs
-    (:func:`read_chunk_into`) straight into its tensors. ``bytes_read`` counts them. Storage
-    transforms (DCP's experimental extensions) go through DCP's own reader.
-    """
+    """torch's ``FileSystemReader`` over the storage, serving the metadata :func:`read_metadata`
+    already checked and reading only each rank's bytes (:func:`read_chunk_into`; ``bytes_read``
+    counts them). Storage transforms go through DCP's own reader."""
 
     def __init__(self, path: Location, metadata: Metadata):
         super().__init__(path)
@@ -220,4 +202,84 @@ class MetadataReader(LocationReader):
             planner.commit_tensor(item, target)
 
 
-__all__ = ["MetadataReader", "chunk_checksum", "load_blob", "open_blob", "read_chunk_into", "zip_crc"]
+class DcpStored:
+    """The offline half of the DCP Source: ``self.metadata`` is the checked metadata of the
+    checkpoint folder ``root`` (an incomplete checkpoint raises on opening)."""
+
+    name = "dcp"
+
+    def __init__(self, path: Location):
+        self.root = path
+        self.metadata = read_metadata(path)
+        self._handles = Handles()
+
+    def _file(self, rel: str) -> HandleFile:
+        return HandleFile(self._handles.get(self.root / rel))
+
+    def tensors(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        md = self.metadata.state_dict_metadata
+        return {k: (m.properties.dtype, tuple(m.size)) for k, m in md.items()
+                if isinstance(m, TensorStorageMetadata)}
+
+    def use_module_names(self, wanted: set[str]) -> None:
+        pass  # a distributed checkpoint stores the module's names
+
+    def read_box(self, name: str, box: Region) -> torch.Tensor:
+        md = cast(TensorStorageMetadata, self.metadata.state_dict_metadata[name])  # one of tensors()
+        dtype = md.properties.dtype
+        infos = [(c, self.metadata.storage_data[MetadataIndex(name, c.offsets)]) for c in md.chunks]
+        if any(getattr(info, "transform_descriptors", None) for _, info in infos):
+            return self._through_dcp_load(name)[box.slices()].clone()
+        out = torch.empty(box.sizes, dtype=dtype)
+        for chunk, info in infos:
+            stored = Region(tuple(chunk.offsets), tuple(chunk.sizes))
+            both = intersect(box, stored)
+            if both is None or both.numel == 0:
+                continue  # read_metadata checked that the chunks tile the tensor
+            dest = out[Region(tuple(b - o for b, o in zip(both.offsets, box.offsets, strict=True)),
+                              both.sizes).slices()]
+            in_chunk = tuple(b - c for b, c in zip(both.offsets, stored.offsets, strict=True))
+            read_chunk_into(self._file(str(info.relative_path)), info, in_chunk, both.sizes, dest,
+                            dtype=dtype, sizes=stored.sizes)
+        return out
+
+    def _through_dcp_load(self, name: str) -> torch.Tensor:
+        import torch.distributed.checkpoint as dcp
+
+        md = cast(TensorStorageMetadata, self.metadata.state_dict_metadata[name])  # one of tensors()
+        out = torch.empty(md.size, dtype=md.properties.dtype)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({name: out}, storage_reader=MetadataReader(self.root, self.metadata), no_dist=True)
+        return out
+
+    def describe(self) -> Description:
+        md = self.metadata.state_dict_metadata
+        values = tuple(n for n, m in md.items() if not isinstance(m, TensorStorageMetadata))
+        files = tuple(sorted({str(info.relative_path) for info in self.metadata.storage_data.values()}))
+        return Description("torch distributed checkpoint (DCP)", files, layout=read_info(self.root),
+                           values=values, chunks={n: len(m.chunks) for n, m in md.items()
+                                                                   if isinstance(m, TensorStorageMetadata)})
+
+    def blobs(self) -> Iterator[Blob]:
+        for name, md in self.metadata.state_dict_metadata.items():
+            if not isinstance(md, TensorStorageMetadata):
+                continue
+            dtype = md.properties.dtype
+            for chunk in md.chunks:
+                info = self.metadata.storage_data[MetadataIndex(name, chunk.offsets)]
+
+                def digest(algorithm: str, info=info, sizes=tuple(chunk.sizes), dtype=dtype):
+                    got, _, zipped = chunk_checksum(self._file(str(info.relative_path)), info, dtype=dtype,
+                                                    sizes=sizes, algorithm=algorithm)
+                    return got, zipped
+
+                nbytes = math.prod(chunk.sizes) * dtype.itemsize
+                yield Blob(name, chunk_key(chunk.offsets), nbytes, digest, own=True)
+
+    def close(self) -> None:
+        self._handles.close()
+
+
+__all__ = ["DcpStored", "MetadataReader", "chunk_checksum", "load_blob", "open_blob", "read_chunk_into",
+           "zip_crc"]

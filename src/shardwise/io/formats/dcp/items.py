@@ -1,14 +1,7 @@
-"""Canonical chunks for torch.distributed.checkpoint (DCP): mechanism shared by the model,
-optimizer and consolidation paths.
-
-A rank's part of a tensor is a :class:`Placed`: its plain local tensor, the canonical
-(unsharded) shape and the layout from ``shardwise.core.spec`` (which box of the canonical
-tensor sits where in the local one). DCP's default planners take a DTensor's placements as
-the truth, which is wrong for packed shards (``Shard(dim)`` over a concatenation of block
-parts) and loses the blocks under FSDP; so the two planners here subclass DCP's defaults
-and only replace how a tensor becomes chunks: one chunk per region, at its canonical
-offsets. DCP still plans, dedups replicated chunks, writes, and on load does the overlap
-resharding between the saved chunks and ours. Nothing is gathered.
+"""Canonical chunks for torch DCP: a rank's part of a tensor (:class:`Placed`) becomes one
+chunk per region at its canonical offsets (DCP's planners, subclassed, would trust a DTensor's
+placements, wrong for packed shards and FSDP x TP). Block-quantized weights: each scale is
+written once, by the rank owning its block, and read back in its stored dtype.
 """
 
 from __future__ import annotations
@@ -36,10 +29,28 @@ from torch.distributed.checkpoint.planner_helpers import (
     create_read_items_for_chunk_list,
 )
 
-from shardwise.core.spec import Layout, Region, ShardSpec, chunk_layout, global_shape, local_layout
+from shardwise.core.quant import FLOAT8, pair_of
+from shardwise.core.quant_layout import (
+    QuantTie,
+    scale_layout,
+    scale_local_shape,
+    scale_owned_layout,
+    tie_aligned,
+)
+from shardwise.core.spec import (
+    Layout,
+    Region,
+    ShardSpec,
+    chunk_layout,
+    global_shape,
+    local_layout,
+    local_shape,
+)
 from shardwise.errors import CheckpointError
 from shardwise.holding import is_dtensor
 from shardwise.io.info import chunk_key, tensor_checksum
+from shardwise.io.source import Want
+from shardwise.io.staging import loaded_dtype
 from shardwise.io.storage.torchfs import LocationWriter
 
 if TYPE_CHECKING:
@@ -49,12 +60,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Placed:
-    """This rank's part of one canonical tensor.
-
-    ``local`` is a plain tensor; ``layout`` lists each region of the canonical tensor
-    (``shape``) this rank holds, with its offset inside ``local``. Replicated tensors have
-    one region covering everything.
-    """
+    """This rank's part of one canonical tensor of ``shape``: the plain tensor ``local`` and its
+    ``layout`` (each region it holds, with its offset in ``local``)."""
 
     local: torch.Tensor
     shape: tuple[int, ...]
@@ -78,16 +85,10 @@ def _is_split(p: Placement) -> TypeGuard[Shard]:
 
 
 def place(tensor: torch.Tensor, spec: ShardSpec | None, degree: int, tp_rank: int, *, name: str) -> Placed:
-    """Where ``tensor`` (a parameter, buffer or optimizer state, as the model holds it) sits
-    in its canonical tensor.
-
-    ``spec``, ``degree`` and ``tp_rank`` describe the tp split of a model shardwise
-    parallelised. ``spec=None`` (a model shardwise did not parallelise) reads a plain
-    ``Shard(dim)`` on a DTensor's ``tp`` axis as an unpacked split, and anything else as
-    replicated. A DTensor may also be sharded over other mesh axes (FSDP2's ``fully_shard``
-    over tp): those shards are ``torch.chunk`` parts of the tp-local tensor, applied in mesh
-    order after the tp split, which is how FSDP2 lays them out.
-    """
+    """Where ``tensor`` (parameter, buffer or optimizer state) sits in its canonical tensor, split
+    by ``spec`` over ``degree`` (``spec=None``: a DTensor's ``Shard(dim)`` on ``tp`` as unpacked,
+    anything else replicated); FSDP2 shards over other axes are ``torch.chunk`` parts of the
+    tp-local tensor, in mesh order."""
     local, base_shape = tensor, tuple(tensor.shape)
     chunks: list[tuple[int, int, int]] = []   # (dim, num_chunks, index)
     tp_in_mesh = False
@@ -154,14 +155,9 @@ def _pieces(placed: Mapping[str, Placed]) -> dict[tuple[str, tuple[int, ...]], t
 
 
 class CanonicalSavePlanner(DefaultSavePlanner):
-    """DCP's default save planner, but each :class:`Placed` tensor becomes one write item per
-    region at its canonical offsets. ``placed`` maps a state-dict key to its Placed; the
-    state dict passed to ``dcp.save`` holds the same keys with the local tensors (possibly
-    staged copies, for async saves). Everything else (bytes, plain objects) is DCP's default.
-    The coordinator also orders the checkpoint's metadata like the state dict (DCP would
-    order it by which rank happened to write each tensor first), so consolidation keeps
-    the model's order.
-    """
+    """DCP's default save planner, but each :class:`Placed` tensor (``placed``, by state-dict key)
+    becomes one write item per region at its canonical offsets, and the metadata keeps the
+    state dict's order."""
 
     def __init__(self, placed: Mapping[str, Placed]):
         super().__init__()
@@ -204,13 +200,8 @@ class CanonicalSavePlanner(DefaultSavePlanner):
 
 
 def _exact(view: torch.Tensor) -> torch.Tensor:
-    """``view`` over a storage of exactly its own bytes, sharing memory when it is contiguous.
-
-    DCP's file writer clones every tensor whose storage is larger than itself (so that
-    torch.save writes only its bytes) and keeps what it wrote alive until the file is
-    done: for a region of a larger local tensor (a packed block, an FSDP chunk of padded
-    storage) that was a copy of every such region per file.
-    """
+    """``view`` over a storage of exactly its own bytes, sharing memory when it is contiguous
+    (DCP's writer would clone a view of a larger storage and keep the copy until the file is done)."""
     if not view.is_contiguous() or view.untyped_storage().nbytes() == view.nbytes:
         return view
     start = view.storage_offset() * view.element_size()
@@ -281,13 +272,9 @@ class _HashingPlanner:
 
 
 class HashingWriter(LocationWriter):
-    """DCP's file writer over the storage (``LocationWriter``) that also records the checksum
-    of every chunk it writes (``shardwise.io.info``), computed as the planner hands the chunk
-    over to be written.
-
-    :attr:`checksums` (``{tensor name: {chunk_key(offsets): checksum}}``) is complete once
-    ``write_data`` has returned.
-    """
+    """DCP's file writer over the storage that records each chunk's checksum as it is written:
+    :attr:`checksums` (``{name: {chunk_key(offsets): checksum}}``) is complete once
+    ``write_data`` returns."""
 
     def __init__(self, path, **kwargs):
         super().__init__(path, **kwargs)
@@ -302,3 +289,53 @@ class HashingWriter(LocationWriter):
 
     def write_data(self, plan, planner):
         return super().write_data(plan, _HashingPlanner(planner, self))
+
+
+def scale_placed(tensor: torch.Tensor, tie: QuantTie, spec: ShardSpec, degree: int, rank: int, *,
+                 name: str) -> Placed:
+    """Where this rank's scales of ``tie`` go in the canonical scale tensor: the blocks it owns.
+    Where every rank's blocks are whole, the scales are split like any tensor (``place``: a
+    DTensor, FSDP over it); else they are a plain local tensor held as ``scale_layout`` says."""
+    if tie_aligned(tie, spec, degree):
+        return place(tensor, spec, degree, rank, name=name)
+    local = tensor.to_local() if is_dtensor(tensor) else tensor
+    want = scale_local_shape(tie, spec, degree, rank)
+    if tuple(local.shape) != want:
+        raise CheckpointError(f"tensor {name!r}: local scales of shape {tuple(local.shape)}, but rank {rank} "
+                              f"of {degree} holding its shard of {tie.weight!r} holds {want}; load the model "
+                              "with sw.load or sw.from_pretrained, which place the scales with their weight")
+    return Placed(local.detach(), tie.scale_shape, scale_owned_layout(tie, spec, degree, rank))
+
+
+def want_layout(shape: tuple[int, ...], want: Want) -> tuple[tuple[int, ...], Layout]:
+    """The local shape and layout of the wanted tensor of canonical ``shape``: split by its
+    spec, or for a scale tensor, the scales of every block its weight shard touches."""
+    at = (want.spec, want.degree, want.rank)
+    if want.tie is None:
+        return local_shape(shape, want.spec, want.degree), local_layout(shape, *at)
+    return scale_local_shape(want.tie, *at), scale_layout(want.tie, *at)
+
+
+def read_dtype(stored: torch.dtype, want: Want, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a wanted tensor is read in: FP8 weights and scales as stored, else ``loaded_dtype``."""
+    if want.tie is not None or stored in FLOAT8:
+        return stored
+    return loaded_dtype(stored, dtype)
+
+
+def check_fp8_match(root, stored: Mapping, keys: Mapping[str, str],
+                    declared: Mapping[str, torch.dtype]) -> None:
+    """Refuse a model tensor stored FP8 next to its block scales (``core.quant.pair_of``) that the
+    model declares in another dtype: a cast would ignore the scales (DCP loads are not dequantized)."""
+    for name, key in keys.items():
+        dtype = getattr(getattr(stored.get(key), "properties", None), "dtype", None)
+        paired = pair_of(key, dtype, stored) if dtype is not None and dtype in FLOAT8 else None
+        if paired is not None and declared[name] not in FLOAT8:
+            raise CheckpointError(
+                f"{root}: {key!r} is stored as {dtype} with block scales {paired[0]!r}, but the model "
+                f"declares {declared[name]}; a distributed checkpoint loads into the quantized model it was "
+                "saved from (its FP8 modules: sw.from_pretrained builds them). To get it dequantized, "
+                "sw.consolidate it to safetensors and load that with dequantize=True")
+
+
+__all__ = ["check_fp8_match", "read_dtype", "scale_placed", "want_layout"]

@@ -1,11 +1,6 @@
-"""A distributed checkpoint's metadata, read safely and checked for completeness.
-
-DCP's ``.metadata`` is a pickle. It is unpickled here with an allow-list of the classes a
-DCP metadata file holds (so a planted file cannot run code while being read), but a
-checkpoint is still only as trustworthy as its source. A save writes ``.metadata`` last,
-so its absence, or a data file it lists that is missing or short, means the save never
-finished: "incomplete checkpoint".
-"""
+"""A distributed checkpoint's metadata, unpickled with an allow-list of DCP's classes and
+checked for completeness (``.metadata`` is written last: its absence, or a listed data file
+missing or short, means "incomplete checkpoint") before any read."""
 
 from __future__ import annotations
 
@@ -18,8 +13,10 @@ from collections.abc import Mapping
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
+from shardwise.core.spec import Region, overlapping
 from shardwise.errors import CheckpointError
 from shardwise.io.formats.dcp import METADATA_FILE
+from shardwise.io.info import is_int
 from shardwise.io.storage import Location, locate, read_small
 from shardwise.io.storage.transaction import TMP_MARK
 
@@ -54,13 +51,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_metadata(path: Location | str | os.PathLike) -> Metadata:
-    """The DCP ``Metadata`` of the checkpoint folder ``path``, after checking it is complete.
-
-    Raises ``CheckpointError`` ("incomplete checkpoint") when ``.metadata`` is missing or
-    unreadable, or when a data file it names is missing or shorter than the bytes it lists;
-    and when a file is a symlink out of the folder or the chunks do not tile a tensor
-    exactly (:func:`check_chunks`).
-    """
+    """The DCP ``Metadata`` of the checkpoint folder ``path``. Raises ``CheckpointError`` when it is
+    incomplete, a file is a symlink out of the folder, or the chunks do not tile a tensor."""
     path = locate(path)  # a str or path: the tools' and tests' door
     if not path.is_folder():
         raise CheckpointError(f"{path}: no such checkpoint folder")
@@ -101,7 +93,7 @@ def _check_files(path: Location, metadata: Metadata) -> None:
         rel = str(info.relative_path)
         if not rel or "/" in rel or "\\" in rel or "\0" in rel or rel in (".", ".."):
             raise CheckpointError(f"{path}: the metadata names data file {rel!r}, outside the folder")
-        if not (_is_int(info.offset) and _is_int(info.length) and info.offset >= 0 and info.length >= 0):
+        if not (is_int(info.offset) and is_int(info.length) and info.offset >= 0 and info.length >= 0):
             raise CheckpointError(f"{path}: the metadata gives data file {rel!r} the byte range "
                                   f"offset={info.offset!r} length={info.length!r}; the file is corrupt")
         need[rel] = max(need.get(rel, 0), info.offset + info.length)
@@ -124,18 +116,9 @@ def _check_files(path: Location, metadata: Metadata) -> None:
                               f"{' ...' if len(bad) > 5 else ''}; save again or load an earlier checkpoint")
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def check_chunks(path: Location, metadata: Metadata) -> None:
-    """Every tensor of the checkpoint is tiled exactly once by its chunks, before any read.
-
-    Each chunk lies inside its tensor, has a stored blob at least as large as its bytes
-    (so no size in the metadata can ask for more memory than the data files hold), and no
-    two chunks overlap; their volumes add up to the tensor's. Raises ``CheckpointError``
-    naming the tensor and the chunk.
-    """
+    """Raise ``CheckpointError`` (naming tensor and chunk) unless every tensor is tiled exactly once
+    by its chunks, each inside its tensor and backed by a blob at least its size."""
     storage = metadata.storage_data
     for fqn, md in metadata.state_dict_metadata.items():
         if not isinstance(md, TensorStorageMetadata):
@@ -146,12 +129,12 @@ def check_chunks(path: Location, metadata: Metadata) -> None:
         dtype, size = md.properties.dtype, tuple(md.size)
         if not isinstance(dtype, torch.dtype):
             raise CheckpointError(f"{where}: dtype {dtype!r} is not a torch dtype")
-        if not all(_is_int(d) and d >= 0 for d in size):
+        if not all(is_int(d) and d >= 0 for d in size):
             raise CheckpointError(f"{where}: shape {size!r} must be non-negative ints")
         boxes, volume = [], 0
         for c in md.chunks:
             off, sz = tuple(c.offsets), tuple(c.sizes)
-            if not (len(off) == len(sz) == len(size) and all(_is_int(x) and x >= 0 for x in off + sz)):
+            if not (len(off) == len(sz) == len(size) and all(is_int(x) and x >= 0 for x in off + sz)):
                 raise CheckpointError(f"{where}: chunk offsets {off} / sizes {sz} do not fit shape {size}")
             if any(o + n > d for o, n, d in zip(off, sz, size, strict=True)):
                 raise CheckpointError(f"{where}: chunk at {off} of sizes {sz} reaches outside shape {size}")
@@ -163,41 +146,24 @@ def check_chunks(path: Location, metadata: Metadata) -> None:
                 raise CheckpointError(f"{where}: the chunk at {off} of sizes {sz} needs {nbytes} bytes "
                                       f"but its stored data is {info.length} bytes; the metadata is corrupt")
             volume += math.prod(sz)
-            boxes.append((off, sz))
+            boxes.append(Region(off, sz))
         if volume != math.prod(size):
             raise CheckpointError(f"{where} of shape {size} is not covered by its chunks "
                                   f"({volume} of {math.prod(size)} elements)")
-        _check_disjoint(where, boxes)
-
-
-def _check_disjoint(where: str, boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> None:
-    """Raise if two boxes overlap: a sweep along the dim whose chunk starts differ most, so
-    that row, column and block splits all compare each chunk with its few neighbours only."""
-    boxes = [b for b in boxes if 0 not in b[1]]
-    if len(boxes) < 2 or not boxes[0][0]:
-        if len(boxes) > 1:  # several chunks of a 0-d tensor
+        if not size and len(boxes) > 1:
             raise CheckpointError(f"{where}: a 0-d tensor has {len(boxes)} chunks")
-        return
-    ndim = len(boxes[0][0])
-    d = max(range(ndim), key=lambda i: len({off[i] for off, _ in boxes}))
-    active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
-    for off, sz in sorted(boxes, key=lambda b: b[0][d]):
-        active = [a for a in active if a[0][d] + a[1][d] > off[d]]
-        for aoff, asz in active:
-            if all(ao < o + n and o < ao + an for ao, an, o, n in zip(aoff, asz, off, sz, strict=True)):
-                raise CheckpointError(f"{where}: chunks at {aoff} (sizes {asz}) and {off} (sizes {sz}) "
-                                      "overlap; the metadata is corrupt")
-        active.append((off, sz))
+        pair = overlapping(boxes)
+        if pair is not None:
+            a, b = boxes[pair[0]], boxes[pair[1]]
+            raise CheckpointError(f"{where}: chunks at {a.offsets} (sizes {a.sizes}) and {b.offsets} "
+                                  f"(sizes {b.sizes}) overlap; the metadata is corrupt")
 
 
 def check_tensors(path, metadata: Metadata, wanted: Mapping[str, tuple[int, ...]], *,
                   strict: bool, allowed_extra=()) -> tuple[list[str], list[str]]:
-    """Compare the checkpoint's tensors with ``wanted`` ({key: canonical shape}); return the
-    missing and the unexpected keys.
-
-    Raises ``CheckpointError`` naming the keys for shape or kind mismatches and, with
-    ``strict``, for missing or unexpected keys.
-    """
+    """Compare the checkpoint's tensors with ``wanted`` ({key: canonical shape}); return the missing
+    and unexpected keys. Raises ``CheckpointError`` for a shape or kind mismatch and, with
+    ``strict``, for missing or unexpected keys."""
     md = metadata.state_dict_metadata
     missing = [k for k in wanted if k not in md]
     if missing and strict:

@@ -1,18 +1,8 @@
-"""Optimizer state as a canonical distributed checkpoint, keyed by parameter names.
-
-torch's ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` with
-``flatten_optimizer_state_dict=True`` already name every state and hyperparameter by its
-parameter (``state.<param>.exp_avg``, ``param_groups.<param>.lr``); shardwise adds only
-what they cannot know: a state tensor shaped like its parameter is split like it (packed
-blocks, plain local shards, FSDP x TP), so it is written as canonical chunks and reshards
-on load exactly like the model. Scalar states (``step``) and hyperparameters are stored
-once.
-
-Under torch_xla SPMD (holding ``"spmd"``) a state tensor is global, like its parameter: it
-is saved as the shards this process's devices hold, through the SPMD save planner, and
-loaded into host chunks (a window of bytes at a time) that go onto the devices split like
-the parameter (``shardwise.io.place``).
-"""
+"""Optimizer state as a canonical distributed checkpoint, keyed by parameter names (torch's
+flattened optimizer state dict): a state tensor shaped like its parameter is split and
+written like it, so it reshards on load like the model; scalars and hyperparameters are
+stored once. Under SPMD a state tensor is global, saved as this process's shards and loaded a
+window of bytes at a time."""
 
 from __future__ import annotations
 
@@ -114,10 +104,8 @@ def _is_sharded(model: nn.Module, pname: str, param: torch.Tensor) -> bool:
 
 @contextlib.contextmanager
 def _gradients_aside(optimizer: torch.optim.Optimizer):
-    """Parameters without gradients inside, their gradients back after. torch builds a fresh
-    optimizer's state (one step at lr 0 on zero gradients) only when no parameter holds a
-    gradient; otherwise the state stays empty and every stored state has no place to go,
-    as after a backward run before resuming."""
+    """Parameters without gradients inside, their gradients back after: torch builds a fresh
+    optimizer's state only when no parameter holds a gradient."""
     if optimizer.state:  # built already: torch leaves it alone
         yield
         return

@@ -1,10 +1,7 @@
-"""The sharded safetensors format plugin: the rank-local safetensors files torch's
-``HuggingFaceStorageWriter(save_distributed=True)`` writes (and so transformers'
-``save_pretrained(..., distributed_checkpoint=True)`` and shardwise's
-``save(..., distributed=True, format="sharded")``, spelled ``format="safetensors"`` too), each
-header's ``DCP_SHARDING_INFO`` saying where its chunks lie. ``checkpoint``: the format and its
-validated chunk map; ``source``: the reads; ``write``: the writer. No pickle anywhere.
-"""
+"""The sharded safetensors format plugin: the rank-local files torch's
+``HuggingFaceStorageWriter(save_distributed=True)`` writes (``format="sharded"``), each header's
+``DCP_SHARDING_INFO`` saying where its chunks lie; ``checkpoint`` validates the chunk map,
+``source`` reads, ``write`` writes. No pickle anywhere."""
 
 from __future__ import annotations
 
@@ -40,7 +37,7 @@ def save(model, path, *, async_save: bool = False, **options):
     (:func:`~shardwise.io.formats.sharded.write.save_sharded_safetensors`); never async
     (``CAPABILITIES.async_save``: sw.save's options refuse it)."""
     assert not async_save, "save_options refuses async_save for a format without Capabilities.async_save"
-    # deferred: keeps torch.distributed.checkpoint (~1.7 s, via dcp.coord) off the gather save
+    # deferred: keeps torch.distributed.checkpoint (~1.7 s, via dcp.checkpoint) off the gather save
     from shardwise.io.formats.sharded.write import save_sharded_safetensors
 
     return save_sharded_safetensors(model, path, **options)

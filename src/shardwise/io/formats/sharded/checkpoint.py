@@ -1,19 +1,9 @@
-"""Distributed checkpoints in safetensors: the format torch's ``HuggingFaceStorageWriter(
-save_distributed=True)`` writes (and so transformers' ``save_pretrained(dir,
-distributed_checkpoint=True)``), and its chunk map, validated before any data is read.
-
-The format: a folder of rank-local safetensors files. Each file's header metadata holds
-``DCP_SHARDING_INFO``, a JSON object ``{tensor: {"saved_offsets": [...]}}`` giving where each
-of its entries sits in the global tensor, and ``DCP_VERSION`` (``"1.0"``). A file holds at
-most one chunk of a tensor; a tensor's chunks are spread over the files. No pickle anywhere,
-so loading such a checkpoint trusts nothing but the validation below.
-
-The format records no global shape: it is the largest ``offset + size`` over a tensor's
-chunks. So the chunks are checked to tile it exactly (every element once, none twice), and
-when the folder has a ``shardwise.json`` (shardwise wrote it) its recorded shapes must agree,
-which also catches a missing last chunk. Detection reads headers, never file names (torch
-names files ``shard-{rank}-model-{i}-of-{n}.safetensors``; nothing here depends on it).
-"""
+"""Distributed checkpoints in safetensors, the format of torch's
+``HuggingFaceStorageWriter(save_distributed=True)``: rank-local files whose headers hold
+``DCP_SHARDING_INFO`` (each entry's ``saved_offsets``) and ``DCP_VERSION``. No pickle. The
+global shape is the largest ``offset + size``, so the chunks are checked to tile each tensor
+exactly (and to agree with ``shardwise.json`` when there is one) before any data is read.
+Detection reads headers, never file names."""
 
 from __future__ import annotations
 
@@ -22,10 +12,10 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import NoReturn, TypeGuard
+from typing import TypeGuard
 
 from shardwise.core.header import FileHeader, NamedDtype, TensorEntry, parse_json_object
-from shardwise.core.spec import Region, intersect
+from shardwise.core.spec import Region, overlapping
 from shardwise.errors import CheckpointError
 from shardwise.io.formats.safetensors.files import INDEX_SUFFIX, read_header
 from shardwise.io.info import INFO_FILE, read_info
@@ -156,12 +146,9 @@ def file_offsets(path: Location, header: FileHeader) -> dict[str, tuple[int, ...
 
 
 def chunk_map(headers: Mapping[Location, FileHeader]) -> dict[str, ShardedTensor]:
-    """Every tensor's global shape and chunks, from the files' headers; pure, no data read.
-
-    Raises ``CheckpointError`` naming the file and tensor for: a file without sharding
-    info, info that disagrees with the file's entries, chunks of one tensor that differ in
-    dtype or rank, and chunks that do not tile the tensor exactly (see :func:`check_tiling`).
-    """
+    """Every tensor's global shape and chunks, from the headers (pure, no data read). Raises
+    ``CheckpointError`` naming file and tensor for missing or inconsistent sharding info, chunks
+    that differ in dtype or rank, or chunks that do not tile the tensor (:func:`check_tiling`)."""
     chunks: dict[str, list[Chunk]] = {}
     for path, header in headers.items():
         for name, offsets in file_offsets(path, header).items():
@@ -197,7 +184,13 @@ def check_tiling(name: str, shape: Sequence[int], pieces: Sequence[tuple[str, Re
         if not inside:
             raise CheckpointError(f"{src}: tensor {name!r}: chunk at offsets {r.offsets} of sizes "
                                   f"{r.sizes} falls outside its shape {shape}")
-    _check_overlap(name, [(s, r) for s, r in pieces if r.numel])
+    pair = overlapping([r for _, r in pieces])
+    if pair is not None:
+        (sa, a), (sb, b) = pieces[pair[0]], pieces[pair[1]]
+        raise CheckpointError(
+            f"{sa if sa == sb else f'{sa} and {sb}'}: tensor {name!r}: chunks at offsets {a.offsets} "
+            f"(sizes {a.sizes}) and {b.offsets} (sizes {b.sizes}) overlap, so which bytes hold the "
+            "tensor is ambiguous; the folder mixes checkpoints or a header is corrupt")
     covered, total = sum(r.numel for _, r in pieces), math.prod(shape)
     if covered != total:
         files = sorted({s for s, _ in pieces})
@@ -205,34 +198,6 @@ def check_tiling(name: str, shape: Sequence[int], pieces: Sequence[tuple[str, Re
             f"tensor {name!r}: its chunks in {', '.join(files[:4])}{' ...' if len(files) > 4 else ''} "
             f"cover {covered} of the {total} elements of its shape {shape}; a chunk (or a whole "
             "rank's file) is missing: copy the complete checkpoint folder, or save again")
-
-
-def _check_overlap(name: str, pieces: list[tuple[str, Region]]) -> None:
-    if len(pieces) < 2:
-        return
-    ndim = len(pieces[0][1].offsets)
-    # Sweep along the dim where chunk starts differ most: only chunks whose span on it
-    # is still open can overlap the next one (a grid of chunks keeps that set small).
-    dim = max(range(ndim), key=lambda d: len({r.offsets[d] for _, r in pieces}), default=None)
-    if dim is None:  # scalars: two chunks of one scalar overlap
-        a, b = pieces[0], pieces[1]
-        _overlap_error(name, a, b)
-    open_: list[tuple[str, Region]] = []
-    for src, r in sorted(pieces, key=lambda p: p[1].offsets[dim]):
-        start = r.offsets[dim]
-        open_ = [(s, a) for s, a in open_ if a.offsets[dim] + a.sizes[dim] > start]
-        for other in open_:
-            if intersect(other[1], r) is not None:
-                _overlap_error(name, other, (src, r))
-        open_.append((src, r))
-
-
-def _overlap_error(name: str, a: tuple[str, Region], b: tuple[str, Region]) -> NoReturn:
-    where = a[0] if a[0] == b[0] else f"{a[0]} and {b[0]}"
-    raise CheckpointError(
-        f"{where}: tensor {name!r}: chunks at offsets {a[1].offsets} (sizes {a[1].sizes}) and "
-        f"{b[1].offsets} (sizes {b[1].sizes}) overlap, so which bytes hold the tensor is "
-        "ambiguous; the folder mixes checkpoints or a header is corrupt")
 
 
 # --- a folder ---------------------------------------------------------------------------------

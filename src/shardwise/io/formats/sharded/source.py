@@ -1,16 +1,7 @@
-"""Reading sharded safetensors checkpoints (``shardwise.io.formats.sharded.checkpoint``): the
-:class:`ShardedSource` of ``sw.load`` at any degree and mesh, and of the offline tools
-(``consolidate``, ``verify``, ``diff``, ``inspect``), which list tensors in
-:func:`ordered_tensors`.
-
-Plan, then execute: :func:`plan_chunk_reads` (pure) intersects each region a rank wants with
-the chunks of the tensor and names, for every overlap, the box of the chunk's file entry to
-read and where it lands in the local tensor. The reads go through the loader's
-:class:`~shardwise.io.formats.safetensors.reader.RegionReader` (exactly the box's byte runs, on a thread pool,
-within its memory window). A local tensor that one box fills whole (a rank
-loading the layout it saved, or a finer one) is the read buffer itself; one assembled from
-several chunks is copied together once, then handed on.
-"""
+"""Reading sharded safetensors checkpoints: :class:`ShardedSource` for ``sw.load`` at any degree
+and for the offline tools. :func:`plan_chunk_reads` (pure) names, for each overlap of a wanted
+region with a chunk, the box of the chunk's entry to read and where it lands; the loader's
+``RegionReader`` reads exactly those byte runs."""
 
 from __future__ import annotations
 
@@ -148,11 +139,9 @@ class ShardedReader:
 
 
 class ShardedSource:
-    """The :class:`~shardwise.io.source.Source` of a sharded safetensors checkpoint: the
-    chunk map is validated on opening, keys and shapes matched before any data is read, and
-    each rank reads only the chunk bytes that overlap its regions; no collective runs.
-    ``read_box`` and ``blobs`` (the offline tools) read chunk bytes through the storage's
-    read handles, released by ``close``."""
+    """The ``Source`` of a sharded safetensors checkpoint: chunk map validated on opening, keys and
+    shapes matched before any read, each rank reading only the chunk bytes overlapping its
+    regions; no collective. ``close`` releases the read handles."""
 
     name = "sharded"
 

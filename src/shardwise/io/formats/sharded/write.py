@@ -1,27 +1,8 @@
-"""Writing sharded safetensors checkpoints (the format of
-``shardwise.io.formats.sharded.checkpoint``): every rank writes its own canonical chunks as
-rank-local safetensors files, nothing is gathered.
-
-A rank's chunks are the regions of its layout (``shardwise.io.formats.dcp.items.place``, whose region
-math is ``shardwise.core.spec``'s): one per plain shard, one per block part of a packed shard,
-several for an FSDP x TP shard. The ranks exchange only the list of regions they hold
-(names, offsets, sizes), and every rank runs the same pure plan on it: a region held by
-several ranks (a replicated tensor) is written once, by the holder with the fewest bytes so
-far, and the regions to be written must tile every tensor exactly before anything is
-written. A file holds at most one chunk of a tensor, so rank ``r``'s ``k``-th chunk of a
-tensor goes to ``shard-{r+1}-model-{k}-of-{K}.safetensors``, the names torch and
-transformers use. Headers carry torch's ``DCP_SHARDING_INFO`` / ``DCP_VERSION`` metadata, so
-torch's ``HuggingFaceStorageReader``, its ``consolidate_safetensors_files`` and transformers'
-``from_pretrained`` read the folder; ``shardwise.json`` records the layout and the shapes,
-and Hugging Face models get their ``config.json``.
-
-:class:`ShardedSafetensorsSink` is this save as a ``Sink`` (``shardwise.io.sink``): its plan
-names every rank's files, each with its writer and its chunks' offsets.
-
-Each file is streamed (header first, then each chunk from the rank's memory); torch's writer
-builds each file whole in memory first. The folder is written aside and moved into place
-when every rank is done, like every shardwise save.
-"""
+"""Writing sharded safetensors checkpoints: every rank writes its own canonical chunks (the
+regions of its layout) as rank-local files named as torch and transformers name them
+(``shard-{r+1}-model-{k}-of-{K}.safetensors``, torch's ``DCP_SHARDING_INFO`` in the headers),
+nothing gathered. The ranks exchange only the regions they hold; a pure plan writes each
+region once and checks that they tile every tensor. Each file is streamed, header first."""
 
 from __future__ import annotations
 
@@ -38,7 +19,7 @@ from shardwise.core.header import dtype_to_str, spec_nbytes
 from shardwise.core.spec import Region
 from shardwise.errors import CheckpointError
 from shardwise.holding import Holding
-from shardwise.io.formats.dcp.coord import checkpoint_info, model_placed
+from shardwise.io.formats.dcp.checkpoint import checkpoint_info, model_placed
 from shardwise.io.formats.safetensors.files import StreamingWriter, header_metadata, save_file_order
 from shardwise.io.formats.sharded.checkpoint import check_tiling, sharding_metadata
 from shardwise.io.info import ALGORITHM, chunk_key
@@ -64,13 +45,9 @@ def held_chunks(placed: Mapping) -> list[Held]:
 
 
 def assign_chunks(held: Sequence[Sequence[Held]]) -> list[list[Held]]:
-    """Which rank writes which chunk, from every rank's :func:`held_chunks` (index = rank).
-
-    A chunk several ranks hold goes to the one with the fewest bytes assigned so far (the
-    lowest rank on a tie). Raises ``CheckpointError`` if the ranks disagree on a tensor's
-    dtype or shape, or if the chunks do not tile a tensor exactly. Pure and deterministic,
-    so every rank computes the same answer without another collective.
-    """
+    """Which rank writes which chunk, from every rank's :func:`held_chunks` (index = rank): a chunk
+    several ranks hold goes to the one with the fewest bytes so far (lowest on a tie). Pure.
+    Raises ``CheckpointError`` if the ranks disagree on a tensor or its chunks do not tile it."""
     tensors: dict[str, tuple[str, tuple[int, ...], int]] = {}
     holders: dict[tuple[str, Region], list[int]] = {}
     for rank, chunks in enumerate(held):
@@ -138,11 +115,9 @@ def write_file(path: Location, planned: PlannedFile, placed: Mapping) -> dict[st
 
 
 class ShardedSafetensorsSink:
-    """The sharded safetensors save as a ``Sink``. :meth:`plan` takes every rank's
-    :func:`held_chunks` (index = rank; the same list on every rank) and gives the files of
-    every rank, each with the rank that writes it and its chunks' offsets; :meth:`write`
-    writes this rank's files from ``placed`` (``{name: Placed}``) and returns its chunk
-    checksums (each rank writes its own files: no collective)."""
+    """The sharded save as a ``Sink``: :meth:`plan` takes every rank's :func:`held_chunks` and names
+    every rank's files; :meth:`write` writes this rank's files from ``placed`` (no collective)
+    and returns its chunk checksums."""
 
     def __init__(self, placed: Mapping, rank: int):
         self.placed, self.rank = placed, rank
@@ -181,15 +156,11 @@ def _all_checksums(sums: dict[str, dict[str, str]], backend: Backend | None) -> 
 def save_sharded_safetensors(model: nn.Module, path: Location, *, backend: Backend | None,
                              overwrite: bool = False, metadata: Mapping[str, str] | None = None,
                              progress: bool | None = None) -> None:
-    """Write ``model`` at ``path`` as a sharded safetensors checkpoint (torch's
-    ``HuggingFaceStorageWriter(save_distributed=True)`` format); every rank calls it (after
-    ``sw.save``'s guards) and writes its own chunks, nothing is gathered. ``metadata`` goes
-    into ``shardwise.json`` (and, through ``sw.consolidate``, into the safetensors headers).
-    ``progress`` is accepted for ``sw.save``'s signature. Complete or absent (one ``Saving``);
+    """Write ``model`` at ``path`` as a sharded safetensors checkpoint; every rank calls it and
+    writes its own chunks. ``metadata`` goes into ``shardwise.json``. Complete or absent;
     ``path`` must be on a filesystem every rank sees.
 
-    >>> sw.save(model, "out/hf_dcp", distributed=True, format="sharded")   # doctest: +SKIP
-    """
+    >>> sw.save(model, "out/hf_dcp", distributed=True, format="sharded")   # doctest: +SKIP"""
     header_metadata(metadata)  # str -> str, or a CheckpointError before anything is written
     state = get_shard_state(model)
     if state is not None and state.holding is Holding.SPMD:
