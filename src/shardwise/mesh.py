@@ -5,7 +5,7 @@ the only readers of ``current_backend()``."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,10 +17,12 @@ from shardwise.errors import PlanError
 from shardwise.holding import Holding
 
 if TYPE_CHECKING:
+    from torch import nn
     from torch.distributed import ProcessGroup
 
     from shardwise.backends.base import Backend
     from shardwise.backends.group_mesh import AxisMesh
+    from shardwise.core.plan import ResolvedPlan
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -174,4 +176,34 @@ def check_spmd(spmd: bool, holding: Holding) -> None:
                         "driving every device); with one process per device use 'dtensor' or 'local'")
 
 
-__all__ = ["MeshDims", "check_spmd", "decode_mesh", "is_spmd_mesh", "tp_axis", "world_backend"]
+
+_STATE_ATTR = "_shardwise_state"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardState(MeshDims):
+    """What shardwise knows about a parallelised model (kept on the model): the decoded mesh
+    it was installed on (:class:`MeshDims`) and the resolved plan. Built whole by
+    ``parallel.install``, never changed afterwards."""
+
+    specs: ResolvedPlan
+
+    @classmethod
+    def of(cls, dims: MeshDims, specs: ResolvedPlan) -> ShardState:
+        return cls(specs=specs, **{f.name: getattr(dims, f.name) for f in fields(MeshDims)})
+
+    __repr__ = MeshDims.__repr__  # the dataclass's own repr would print the whole plan
+
+
+def get_shard_state(model: nn.Module) -> ShardState | None:
+    """The ``ShardState`` that ``parallelize`` / ``load`` recorded on ``model``, or None."""
+    return model.__dict__.get(_STATE_ATTR)
+
+
+def set_shard_state(model: nn.Module, state: ShardState) -> None:
+    """Record ``state`` on ``model`` (``parallel.install`` alone calls it)."""
+    model.__dict__[_STATE_ATTR] = state
+
+
+__all__ = ["MeshDims", "ShardState", "check_spmd", "decode_mesh", "get_shard_state", "is_spmd_mesh",
+           "set_shard_state", "tp_axis", "world_backend"]

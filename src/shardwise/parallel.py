@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, TypeGuard, cast
 
 import torch
@@ -20,36 +19,13 @@ from shardwise.core.spec import ShardSpec, split
 from shardwise.errors import NonFiniteError, PlanError
 from shardwise.holding import Holding, is_dtensor, local_of  # noqa: F401 - local_of: re-exported
 from shardwise.local_tp import run_on_local_params, wire_embedding_subclass, wire_forward, wire_local
-from shardwise.mesh import MeshDims, decode_mesh, world_backend
+from shardwise.mesh import MeshDims, ShardState, decode_mesh, get_shard_state, set_shard_state, world_backend
 from shardwise.plan_checks import check_installed, check_plan
 from shardwise.quant import guard_cut_experts, quantized_module, scale_is_local, wire_quantized
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
-
-
-_STATE_ATTR = "_shardwise_state"
-
-
-@dataclass(frozen=True, kw_only=True)
-class ShardState(MeshDims):
-    """What shardwise knows about a parallelised model (kept on the model): the decoded mesh
-    it was installed on (:class:`~shardwise.mesh.MeshDims`) and the resolved plan. Built
-    whole by :func:`install`, never changed afterwards."""
-
-    specs: ResolvedPlan
-
-    @classmethod
-    def of(cls, dims: MeshDims, specs: ResolvedPlan) -> ShardState:
-        return cls(specs=specs, **{f.name: getattr(dims, f.name) for f in fields(MeshDims)})
-
-    __repr__ = MeshDims.__repr__  # the dataclass's own repr would print the whole plan
-
-
-def get_shard_state(model: nn.Module) -> ShardState | None:
-    """The ``ShardState`` that ``parallelize`` / ``load`` recorded on ``model``, or None."""
-    return model.__dict__.get(_STATE_ATTR)
 
 
 def resolve_for_mesh(model: nn.Module, plan, dims: MeshDims, ep_plan=None) -> ResolvedPlan:
@@ -94,7 +70,7 @@ def install(model: nn.Module, specs: ResolvedPlan, dims: MeshDims, *,
     state = ShardState.of(dims, specs)
     dims.holding.wire(model, specs, state)
     check_installed(model, specs, declared, holding=dims.holding, dtype=dtype, coords=dims.axis_coords)
-    model.__dict__[_STATE_ATTR] = state
+    set_shard_state(model, state)
     return state
 
 

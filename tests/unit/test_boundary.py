@@ -53,3 +53,43 @@ def test_the_backend_of_the_collectives_is_resolved_by_public_entry_points_only(
     callers = _calls("world_backend")
     assert callers, "nothing resolves the backend: sw.save would run its collectives on none"
     assert {fn for _, fn in callers} <= set(sw.__all__), callers
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, at its top or inside a function."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found |= {f"{node.module}.{a.name}" for a in node.names}
+    return found
+
+
+def test_a_format_imports_no_pipeline_and_no_model_library():
+    # a format is a reader/writer pair over a storage: the pipelines call it, never the reverse
+    banned = ("shardwise.io.load", "shardwise.io.save", "shardwise.io.pipeline", "shardwise.parallel",
+              "shardwise.hf")
+    found = {(p.relative_to(SRC).as_posix(), m) for p in sorted((SRC / "io" / "formats").rglob("*.py"))
+             for m in _imports(p) if m.startswith(banned)}
+    assert found == set()
+
+
+def test_only_the_storage_touches_bytes():
+    # validate/ writes its own report (not a checkpoint); everything else goes through io/storage
+    calls = {"pread", "pwrite", "preadv", "pwritev", "replace", "rename", "mmap", "fsync"}
+    found = set()
+    for path in sorted(SRC.rglob("*.py")):
+        where = path.relative_to(SRC).as_posix()
+        if where.startswith(("io/storage/", "validate/")):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), where)):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id in ("os", "mmap") \
+                    and node.func.attr in calls:
+                found.add((where, f"{node.func.value.id}.{node.func.attr}"))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "open":
+                found.add((where, "open"))
+    # not checkpoint bytes: torchrun's error file, and /proc for the memory figures
+    assert found == {("backends/__init__.py", "open"), ("testing/__init__.py", "open")}

@@ -43,7 +43,7 @@ from shardwise.io.sink import Saving
 from shardwise.io.source import Finalize, ReadOptions, Reads, Want
 from shardwise.io.storage import Location
 from shardwise.io.storage.transaction import target_path
-from shardwise.parallel import get_shard_state
+from shardwise.mesh import get_shard_state
 
 if TYPE_CHECKING:
     from shardwise.backends.group_mesh import AxisMesh

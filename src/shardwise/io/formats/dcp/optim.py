@@ -23,8 +23,7 @@ from shardwise.io.formats.dcp.metadata import check_tensors, read_metadata
 from shardwise.io.formats.safetensors.reader import WINDOW_BYTES
 from shardwise.io.place import SpmdSavePlanner, chunks_to_devices, global_placed, host_placed
 from shardwise.io.storage import locate
-from shardwise.mesh import world_backend
-from shardwise.parallel import get_shard_state
+from shardwise.mesh import get_shard_state, world_backend
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.state_dict import OptimizerStateType, ValueType

@@ -26,7 +26,7 @@ from shardwise.io.info import ALGORITHM, chunk_key
 from shardwise.io.sink import PlannedFile, Saving, WritePlan
 from shardwise.io.storage import Location
 from shardwise.io.storage.transaction import target_path
-from shardwise.parallel import get_shard_state
+from shardwise.mesh import get_shard_state
 
 # (tensor name, safetensors dtype, canonical shape, region) of one chunk a rank holds
 Held = tuple[str, str, tuple[int, ...], Region]
