@@ -138,3 +138,33 @@ def test_a_reader_of_an_object_replaced_under_it_fails(remote):
     write_small(storage, loc, b"b" * 5000)
     with pytest.raises(CheckpointError, match="replaced while being read"):
         handle.readinto(memoryview(bytearray(100)), 0)
+
+
+def test_a_save_into_an_empty_prefix_writes_in_place_and_reads_as_empty_until_commit(remote):
+    storage = remote.storage()
+    target = remote.loc("ckpt")
+    files = _version("new")
+    txn = storage.transaction(target, overwrite=False)
+    txn.prepare()
+    for name, data in files.items():
+        write_small(storage, txn.folder / name, data)
+    # in place (no staging prefix, so no copy at commit), and yet no reader sees a checkpoint
+    assert _left(remote) == sorted([*(f"ckpt/{n}" for n in files), f".ckpt{PUBLISH_MARK}"])
+    assert storage.list(target) == []
+    assert storage.stat(f"{target}/{next(iter(files))}") is None
+    with pytest.raises(CheckpointError, match="no such object"):
+        storage.open(f"{target}/{next(iter(files))}")
+    # killed here (no commit, no discard): still nothing to load; the next save clears it first
+    assert storage.list(target) == []
+    newer = _version("newer")
+    _save(storage, target, newer, overwrite=False)
+    assert _read(storage, target)[0] == newer
+    assert _left(remote) == sorted(f"ckpt/{n}" for n in [*newer, INDEX])
+
+
+def test_a_failed_save_into_an_empty_prefix_leaves_it_empty(remote):
+    storage = remote.storage()
+    target = remote.loc("ckpt")
+    with pytest.raises(KeyboardInterrupt):
+        _save(storage, target, _version("new"), overwrite=False, stop="staged")
+    assert _left(remote) == [] and storage.list(target) == []

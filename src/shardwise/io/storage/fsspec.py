@@ -130,8 +130,8 @@ class FsspecStorage:
     def list(self, location) -> list[str]:
         key = self._key(location)
         pending = None if self.read_only else publishing(self, "", key)
-        if pending is not None:  # a publish under way or interrupted: the new checkpoint, whole
-            return sorted(pending["files"])
+        if pending is not None:  # a save under way or interrupted: the new checkpoint, whole, or none
+            return [] if pending.get("direct") else sorted(pending["files"])
         if self.head("", key) is not None:  # an object, no folder (http's ls would GET it whole)
             return []
         return sorted(name for name, _ in self._entries(key))

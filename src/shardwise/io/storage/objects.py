@@ -1,18 +1,14 @@
-"""Object stores as a :class:`~shardwise.io.storage.Storage`: ``s3://bucket/prefix`` (AWS S3
-and S3-compatible stores) and ``gs://bucket/prefix``, through obstore (Rust ``object_store``:
-concurrent ranged GETs and multipart uploads without the GIL; docs/guide.md says why).
+"""Object stores as a :class:`~shardwise.io.storage.Storage`: ``s3://bucket/prefix`` and
+``gs://bucket/prefix`` through obstore (docs/guide.md says why), configured by the ``AWS_*`` /
+``GOOGLE_*`` variables, ``STORAGE_EMULATOR_HOST`` or ``storage_options=`` (obstore's keys, plus
+``part_size``, ``concurrency``, ``retries``, ``timeout``).
 
-A location is a Location whose path is ``bucket/key`` (or ``bucket/key`` as a str). Configured
-by the ``AWS_*`` / ``GOOGLE_*`` variables, ``STORAGE_EMULATOR_HOST``, or ``storage_options=``
-(obstore's config keys, plus ``part_size``, ``concurrency``, ``retries``, ``timeout``).
-
-Reads: every GET is ranged, checked against the object's length and ETag from ``open``'s HEAD
-(an object replaced while being read is an error, never a mix), retried with bounded backoff
-on throttling, resets, timeouts and short bodies; a batch of runs is coalesced into requests of
-at most ``part_size`` bytes that read at most 1/20 more than asked, ``concurrency`` in flight.
-No mapped views: ``map_whole`` / ``map_range`` are None. Writes: buffered, one PUT for a small
-object, a multipart upload (aborted on failure or ``abort``) for a large one, in
-``objects_write``; visible only at ``commit``; no positional writes. No error shows a secret.
+Reads: every GET is ranged, checked against the length and ETag of ``open``'s HEAD (an object
+replaced under a reader is an error, never a mix), retried with bounded backoff on throttling,
+resets, timeouts and short bodies; runs are coalesced into requests of at most ``part_size``
+that read at most 1/20 more than asked, ``concurrency`` in flight; no mapped views. Writes
+(``objects_write``): visible only at ``commit``, multipart uploads aborted on failure, no
+positional writes. No error shows a secret.
 """
 
 from __future__ import annotations
@@ -144,8 +140,8 @@ class ObjectStorage:
     def list(self, location: Path) -> list[str]:
         bucket, key = split_location(location)
         pending = publishing(self, bucket, key)
-        if pending is not None:  # a publish under way or interrupted: the new checkpoint, whole
-            return sorted(pending["files"])
+        if pending is not None:  # a save under way or interrupted: the new checkpoint, whole, or none
+            return [] if pending.get("direct") else sorted(pending["files"])
         import obstore
 
         prefix = f"{key}/" if key else ""
@@ -251,14 +247,16 @@ def beside(key: str, mark: str) -> str:
 
 
 def publishing(storage, bucket: str, key: str) -> dict | None:
-    """The journal of a publish to ``key`` under way or interrupted, else None (any storage's)."""
+    """The journal of a save to ``key`` under way or interrupted, else None (any storage's):
+    a publish of a staged checkpoint, or ``{"direct": True}``, a save into the empty prefix."""
     if not key or storage.head(bucket, beside(key, PUBLISH_MARK)) is None:
         return None
     raw = storage.get_bytes(bucket, beside(key, PUBLISH_MARK))
     try:
         journal = json.loads(raw)
-        assert isinstance(journal["staging"], str) and isinstance(journal["files"], list)
-    except (ValueError, KeyError, TypeError, AssertionError) as e:
+        assert journal.get("direct") is True or (isinstance(journal["staging"], str)
+                                                 and isinstance(journal["files"], list))
+    except (ValueError, KeyError, TypeError, AssertionError, AttributeError) as e:
         raise CheckpointError(f"{storage.url(bucket, beside(key, PUBLISH_MARK))}: not a publish journal "
                               f"({e}); delete it if no save is running") from None
     return journal
@@ -268,6 +266,8 @@ def redirect(storage, bucket: str, key: str) -> tuple[str, str]:
     """Where ``bucket/key`` is read: in the staging prefix while its folder is being published."""
     folder, _, name = key.rpartition("/")
     journal = publishing(storage, bucket, folder) if folder else None
+    if journal is not None and journal.get("direct"):  # empty until commit: a key never written
+        return bucket, f"{beside(folder, PUBLISH_MARK)}/{name}"
     if journal is None or name not in journal["files"]:
         return bucket, key
     return bucket, f"{journal['staging']}/{name}"

@@ -17,6 +17,9 @@ put the files (each object appears whole when its writer commits). ``commit(inde
    the old checkpoint's files that the new one does not have, deletes the journal, then the
    staging prefix.
 
+A save to an empty prefix skips the staging and the copies: the journal ``{"direct": true}`` is
+written first (the prefix reads as empty while it stands), the files straight to their keys,
+the index last, then the journal is deleted; a killed one is cleared by the next ``prepare``.
 A save killed before step 2 leaves a staging prefix that no load reads and the next
 ``prepare`` to that prefix deletes. A save killed during step 3 leaves the journal: loads
 keep reading the new checkpoint from the staging prefix, and the next ``prepare`` to that
@@ -158,6 +161,8 @@ class Publish:
     steps call five primitives of the store (``_objects``, ``_delete``, ``_put``, ``_copy``,
     ``_folders``): obstore's here; ``fsspec.FsspecPublish`` serves them over an fsspec filesystem."""
 
+    _direct = False  # set by prepare when the prefix is empty: no staging prefix, no copies
+
     def __init__(self, storage: ObjectStorage, target, overwrite: bool):
         self.storage, self.overwrite = storage, overwrite
         self.bucket, self.key = split_location(target)
@@ -231,7 +236,10 @@ class Publish:
 
     def prepare(self) -> None:
         journal = publishing(self.storage, self.bucket, self.key)
-        if journal is not None:  # an interrupted publish: its checkpoint is whole, finish it
+        if journal is not None and journal.get("direct"):  # an interrupted save into an empty prefix
+            self._clear(self.key)
+            self._delete([beside(self.key, PUBLISH_MARK)])
+        elif journal is not None:  # an interrupted publish: its checkpoint is whole, finish it
             self._publish(journal)
         self._remove_stale()
         existing = self._objects(self.key)
@@ -244,7 +252,17 @@ class Publish:
             raise CheckpointError(
                 f"overwrite=True replaces the whole prefix {self._url(self.key)}, but it also holds "
                 f"{foreign[0]!r}, which is not a checkpoint file; move that out first, or save elsewhere")
-        self._staging = beside(self.key, f"{TMP_MARK}{_owner()}-{secrets.token_hex(4)}")
+        if not existing:
+            # Nothing to keep readable: the files go straight to their keys, with no copy (a
+            # copy doubles the writes, and S3 copies at most 5 GiB in one request, which
+            # obstore cannot split). The journal, written first, makes shardwise refuse to read
+            # the prefix until commit; the index, written last, is what other tools look for.
+            self._direct = True
+            journal = {"direct": True, "host_pid": _owner()}
+            self._put(beside(self.key, PUBLISH_MARK), json.dumps(journal).encode())
+            self._staging = self.key
+        else:
+            self._staging = beside(self.key, f"{TMP_MARK}{_owner()}-{secrets.token_hex(4)}")
         staging = PurePosixPath(self.bucket, self._staging)
         located = hasattr(self.target, "storage")
         self.folder = replace(self.target, path=staging) if located else Path(staging)
@@ -273,6 +291,10 @@ class Publish:
         if index is not None:
             text = json.dumps(index[1], indent=2, sort_keys=True) + "\n"
             self._put(f"{self._staging}/{index[0]}", text.encode())
+        if self._direct:  # every file is in place: the checkpoint is whole once the journal goes
+            self._staging, self.folder = None, None
+            self._delete([beside(self.key, PUBLISH_MARK)])
+            return
         files = sorted(self._objects(self._staging))
         last = [index[0]] if index is not None and index[0] in files else []
         journal = {"staging": self._staging, "files": [f for f in files if f not in last] + last,
@@ -298,6 +320,8 @@ class Publish:
         if self._staging is not None:
             staging, self._staging, self.folder = self._staging, None, None
             self._clear(staging)
+            if self._direct:  # the prefix was empty: what is there is this save's, now gone
+                self._delete([beside(self.key, PUBLISH_MARK)])
 
 
 __all__ = ["ObjectWriter", "Publish"]
