@@ -248,4 +248,39 @@ class Proxy:
             self.received[cid] = self.received.get(cid, 0) + sent
 
 
-__all__ = ["Proxy", "Record"]
+class RankProxies:
+    """One :class:`Proxy` per rank in front of ``endpoint``, so that each rank's traffic is
+    counted apart; :meth:`options` gives rank ``r`` its own endpoint."""
+
+    def __init__(self, endpoint: str, world: int):
+        self.proxies = [Proxy(endpoint) for _ in range(world)]
+
+    def __enter__(self) -> RankProxies:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for p in self.proxies:
+            p.close()
+
+    def options(self, base: dict) -> list[dict]:
+        return [{**base, "endpoint": p.endpoint} for p in self.proxies]
+
+    def figures(self, starts: dict[str, int]) -> tuple[list[int], list[int], list[int]]:
+        """Per rank: body bytes of every GET, of the GETs of tensor data (at or past
+        ``starts[file]``, where each file's data section begins) and the number of GETs."""
+        fetched = [p.sent("GET") for p in self.proxies]
+        data = [_data_bytes(p, starts) for p in self.proxies]
+        return fetched, data, [p.count("GET") for p in self.proxies]
+
+
+def _data_bytes(proxy: Proxy, starts: dict[str, int]) -> int:
+    out = 0
+    for r in proxy.requests:
+        name = unquote(r.path).split("?")[0].rsplit("/", 1)[-1]
+        if r.method == "GET" and name in starts and r.headers.get("range"):
+            first = int(r.headers["range"].removeprefix("bytes=").split("-")[0])
+            out += r.sent if first >= starts[name] else 0
+    return out
+
+
+__all__ = ["Proxy", "RankProxies", "Record"]

@@ -7,11 +7,10 @@ not by the loader."""
 from __future__ import annotations
 
 from pathlib import Path
-from urllib.parse import unquote
 
 import pytest
 import torch
-from proxy import Proxy
+from proxy import RankProxies
 
 import shardwise as sw
 from shardwise.testing import spawn
@@ -58,17 +57,6 @@ def _logits(url: str, local: str, options: list[dict], tp: int) -> int:
     return remote.result.bytes_read
 
 
-def _data_bytes(proxy: Proxy, starts: dict[str, int]) -> int:
-    """The bytes a proxy's GETs carried from the files' data sections (not their headers)."""
-    out = 0
-    for r in proxy.requests:
-        name = unquote(r.path).split("?")[0].rsplit("/", 1)[-1]
-        if r.method == "GET" and name in starts and r.headers.get("range"):
-            first = int(r.headers["range"].removeprefix("bytes=").split("-")[0])
-            out += r.sent if first >= starts[name] else 0
-    return out
-
-
 @pytest.mark.parametrize("tp", [2, 4])
 def test_from_pretrained_reads_each_byte_once(s3, tmp_path, tp):
     import obstore
@@ -89,16 +77,10 @@ def test_from_pretrained_reads_each_byte_once(s3, tmp_path, tp):
                 shape = handle.get_slice(name).get_shape()
                 tensors, rows = tensors + 1, rows + (shape[0] if len(shape) == 2 else 0)
 
-    proxies = [Proxy(s3.server.endpoint) for _ in range(tp)]
-    try:
-        options = [{**s3.options, "endpoint": p.endpoint} for p in proxies]
-        read = spawn(_logits, tp, args=(s3.url("ckpt"), str(folder), options, tp), timeout=300)
-        fetched = [p.sent("GET") for p in proxies]
-        data = [_data_bytes(p, starts) for p in proxies]
-        gets = [p.count("GET") for p in proxies]
-    finally:
-        for p in proxies:
-            p.close()
+    with RankProxies(s3.server.endpoint, tp) as proxies:
+        read = spawn(_logits, tp, args=(s3.url("ckpt"), str(folder), proxies.options(s3.options), tp),
+                     timeout=300)
+        fetched, data, gets = proxies.figures(starts)
     print(f"tp={tp}: {total} tensor bytes in {len(starts)} files, {tensors} tensors; per rank: fetched "
           f"{fetched}, tensor data {data}, loader's count {read}, GETs {gets}")
     assert sum(data) <= 1.05 * total  # the job fetched each tensor byte once

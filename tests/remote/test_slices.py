@@ -7,12 +7,11 @@ spawned ranks, the job reads each byte once: rowwise slices as slabs of whole ro
 from __future__ import annotations
 
 import math
-from urllib.parse import unquote
 
 import pytest
 import torch
 from located import at
-from proxy import Proxy
+from proxy import RankProxies
 
 import shardwise as sw
 import shardwise.io.exchange as exchange
@@ -91,16 +90,10 @@ def test_a_job_reads_each_byte_once_and_exchanges_the_slices(s3, tmp_path, axes,
     sw.save(model, tmp_path / "src", max_shard_size=40_000)  # the same files, to find their data
     starts = {f.name: 8 + int.from_bytes(f.read_bytes()[:8], "little")
               for f in (tmp_path / "src").glob("*.safetensors")}
-    proxies = [Proxy(s3.server.endpoint) for _ in range(world)]
-    try:
-        options = [{**s3.options, "endpoint": p.endpoint} for p in proxies]
+    with RankProxies(s3.server.endpoint, world) as proxies:
+        options = proxies.options(s3.options)
         assert spawn(_load_shards, world, args=(url, options, axes, window), timeout=240) == [True] * world
-        fetched = [p.sent("GET") for p in proxies]
-        data = [_data_bytes(p, starts) for p in proxies]
-        gets = [p.count("GET") for p in proxies]
-    finally:
-        for p in proxies:
-            p.close()
+        fetched, data, gets = proxies.figures(starts)
     print(f"{axes}: {total} tensor bytes in {len(starts)} files; per rank: fetched {fetched}, of which "
           f"tensor data {data}, GETs {gets}")
     assert sum(data) <= 1.05 * total  # the job read each tensor byte once
@@ -108,17 +101,6 @@ def test_a_job_reads_each_byte_once_and_exchanges_the_slices(s3, tmp_path, axes,
     assert all(f - d <= 32_000 for f, d in zip(fetched, data, strict=True))  # index, headers, listings
     rows = sum(t.shape[0] for t in tensors.values() if t.dim() == 2)
     assert max(gets) <= 2 * len(tensors) + 3 * len(starts) < rows, (gets, rows)
-
-
-def _data_bytes(proxy, starts: dict[str, int]) -> int:
-    """The bytes a proxy's GETs carried from the files' data sections (not their headers)."""
-    out = 0
-    for r in proxy.requests:
-        name = unquote(r.path).split("?")[0].rsplit("/", 1)[-1]
-        if r.method == "GET" and name in starts and r.headers.get("range"):
-            first = int(r.headers["range"].removeprefix("bytes=").split("-")[0])
-            out += r.sent if first >= starts[name] else 0
-    return out
 
 
 def _load_failing(url: str, options: list[dict]) -> str:
@@ -141,13 +123,8 @@ def test_a_read_that_fails_on_one_rank_raises_on_every_rank(s3, tmp_path):
     sw.save(make_model(), tmp_path / "one")
     local = tmp_path / "one" / "model.safetensors"
     start = 8 + int.from_bytes(local.read_bytes()[:8], "little")
-    proxies = [Proxy(s3.server.endpoint) for _ in range(2)]
-    try:
-        proxies[1].fault("503", method="GET", path="model.safetensors", times=10_000, start=start)
-        options = [{**s3.options, "endpoint": p.endpoint} for p in proxies]
-        messages = spawn(_load_failing, 2, args=(url, options), timeout=240)
-    finally:
-        for p in proxies:
-            p.close()
+    with RankProxies(s3.server.endpoint, 2) as proxies:
+        proxies.proxies[1].fault("503", method="GET", path="model.safetensors", times=10_000, start=start)
+        messages = spawn(_load_failing, 2, args=(url, proxies.options(s3.options)), timeout=240)
     assert "model.safetensors" in messages[1] and "503" in messages[1], messages
     assert messages[0].startswith("CheckpointError") and "rank(s) [1]" in messages[0], messages
