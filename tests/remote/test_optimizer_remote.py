@@ -30,13 +30,13 @@ def _state(optimizer) -> dict:
             for k, v in s.items()}
 
 
-def _stepped(model, tp: int, tp_rank: int) -> torch.optim.Optimizer:
-    """Adam after one step of fixed gradients (a seed's model as the canonical gradients)."""
-    grads = make_model(seed=5).state_dict()
+def _stepped(model, tp: int, tp_rank: int, seed: int = 5, lr: float = 0.01) -> torch.optim.Optimizer:
+    """Adam after one step of fixed gradients (``seed``'s model as the canonical gradients)."""
+    grads = make_model(seed=seed).state_dict()
     specs = get_shard_state(model).specs
     for name, p in model.named_parameters():
         p.grad = split(grads[name], specs[name], tp, tp_rank) if name in specs else grads[name].clone()
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.01, betas=(0.8, 0.9))
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr, betas=(0.8, 0.9))
     optimizer.step()
     return optimizer
 
