@@ -1,7 +1,8 @@
 """A load from an object store reads each byte once and exchanges slabs (``io.exchange``), so its
-read is a collective. A rank that fails before it (opening the checkpoint, matching its keys)
-must not leave its peers waiting in the exchange's first collective: every rank raises, the
-failing one its own error, its peers an error carrying that rank's message (not a timeout)."""
+read is a collective, as a DCP checkpoint's read always is. A rank that fails before it (opening
+the checkpoint, matching its keys) must not leave its peers waiting in the read's first
+collective: every rank raises, the failing one its own error, its peers an error carrying that
+rank's message (not the collective's timeout or a closed connection)."""
 
 from __future__ import annotations
 
@@ -34,10 +35,10 @@ def loading(url: str, options: dict, fault: str, bad: str) -> tuple:
                                     storage_options=options).tensors)
 
 
-@pytest.mark.parametrize("fault", ["open", "match"])
-def test_a_rank_failing_before_the_exchange_fails_every_rank(remote, fault):
+@pytest.mark.parametrize(("distributed", "fault"), [(False, "open"), (False, "match"), (True, "open")])
+def test_a_rank_failing_before_the_read_fails_every_rank(remote, distributed, fault):
     url = remote.url("src").rstrip("/")
-    sw.save(make_model(), url, storage_options=remote.options)
+    sw.save(make_model(), url, distributed=distributed, storage_options=remote.options)
     bad = Proxy(remote.server.endpoint, host=remote.proxy.host_mode, gcs_put=remote.proxy.gcs_put)
     bad.fault("503", times=1_000_000)
     env = {k: os.environ[k] for k in ("STORAGE_EMULATOR_HOST",) if k in os.environ}

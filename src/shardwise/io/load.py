@@ -123,8 +123,9 @@ def load(model: nn.Module, path: str | os.PathLike | Location, *, plan, mesh,
         check_quantized_load(specs, dims.holding, dequantize)
         where = locate(path, storage_options)  # the location, decoded once
 
-    # Over a storage read once per job the read is a collective (io.exchange): a rank that fails
-    # before it tells its peers here, or they would wait in its first collective until the timeout.
+    # Over a storage read once per job the read is a collective (io.exchange; a DCP read always
+    # is): a rank that fails before it tells its peers here, or they would wait in the read's
+    # first collective until the timeout.
     collective = exchanges(where.storage, dims)
     try:
         source = open_source(where, dequantize=dequantize)
