@@ -145,6 +145,8 @@ def _killed_save(remote, kind: str, url: str, seed: int, after: int, victim: str
         if victim == "all":
             os.killpg(saver.pid, signal.SIGKILL)
         else:
+            while not (pids / "rank1").exists() and saver.poll() is None:
+                time.sleep(0.01)  # it writes its pid on joining the group, before any request
             os.kill(int((pids / "rank1").read_text()), signal.SIGKILL)
     except ProcessLookupError:  # it had ended: the save finished, which the assert below reports
         pass
