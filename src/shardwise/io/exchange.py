@@ -16,7 +16,8 @@ each rank the boxes of its needs that its peers fetched (:func:`shardwise.core.s
 then per round fetches its slab, agrees with every rank that no read failed (``comm.agree``:
 a failed read raises on every rank, carrying its message, before any exchange), and exchanges.
 Each local tensor is finalized once its last box arrives, with what a storage read gives: a
-host tensor of the stored dtype and the local shape.
+host tensor of the stored dtype and the local shape. A rank that fails before it (opening the
+checkpoint, matching keys) has told its peers already: ``sw.load`` agrees on those steps first.
 """
 
 from __future__ import annotations

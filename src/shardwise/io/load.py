@@ -27,8 +27,10 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise._progress import Progress
+from shardwise.comm import agree
 from shardwise.core.plan import ResolvedPlan
 from shardwise.errors import CheckpointError, PlanError, on_every_rank
+from shardwise.io.exchange import exchanges
 from shardwise.io.formats import open_source
 from shardwise.io.formats.safetensors.keys import check_dtype, listing, match_keys
 from shardwise.io.guards import check_mesh, check_model, check_options
@@ -121,13 +123,24 @@ def load(model: nn.Module, path: str | os.PathLike | Location, *, plan, mesh,
         check_quantized_load(specs, dims.holding, dequantize)
         where = locate(path, storage_options)  # the location, decoded once
 
-    source = open_source(where, dequantize=dequantize)
-    check_quantized_source(source, specs, mesh)
-    missing, unexpected = source.match(model, specs, strict=strict)
-    check_nothing_left_on_meta(model, specs, missing)
-    place = dims.holding.placement(model, specs, dims, dtype)
-    names = [n for n in specs if n not in missing]
-    reads = source.plan(place.wants(names))
+    # Over a storage read once per job the read is a collective (io.exchange; a DCP read always
+    # is): a rank that fails before it tells its peers here, or they would wait in the read's
+    # first collective until the timeout.
+    collective = exchanges(where.storage, dims)
+    try:
+        source = open_source(where, dequantize=dequantize)
+        check_quantized_source(source, specs, mesh)
+        missing, unexpected = source.match(model, specs, strict=strict)
+        check_nothing_left_on_meta(model, specs, missing)
+        place = dims.holding.placement(model, specs, dims, dtype)
+        names = [n for n in specs if n not in missing]
+        reads = source.plan(place.wants(names))
+    except Exception as e:
+        if collective:
+            agree(dims.comm_backend, e, what=f"opening {where}")
+        raise
+    if collective:
+        agree(dims.comm_backend, None, what=f"opening {where}")
     how = ReadOptions(dtype, place.device, reader_threads(num_threads),
                       replicas=dims if dims.shares_reads else None, window=place.window,
                       backend=dims.comm_backend, mesh=dims)
