@@ -22,6 +22,7 @@ from shardwise.core.quant import (
     QuantScheme,
     as_block,
     dequantize_region_into,
+    is_block,
     is_block_aligned,
     mxfp4_dequantize_region,
     mxfp4_regions,
@@ -51,8 +52,7 @@ class QuantTie:
     def __post_init__(self) -> None:
         object.__setattr__(self, "weight_shape", tuple(int(s) for s in self.weight_shape))
         object.__setattr__(self, "block", tuple(self.block))
-        if len(self.block) != len(self.weight_shape) or not all(
-                b is None or (isinstance(b, int) and not isinstance(b, bool) and b > 0) for b in self.block):
+        if len(self.block) != len(self.weight_shape) or not is_block(self.block):
             raise PlanError(f"QuantTie of {self.weight!r}: block {self.block} must hold one positive int "
                             f"(or None) per dim of the weight's shape {self.weight_shape}")
         if self.scheme not in SCHEMES:
