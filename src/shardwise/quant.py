@@ -20,6 +20,7 @@ from shardwise.core.plan import ResolvedPlan, Style
 from shardwise.core.quant_layout import (
     FP8_SCALE_SUFFIX,
     QuantTie,
+    fitting_degrees,
     quant_pairs,
     scale_layout,
     scale_local_shape,
@@ -28,7 +29,7 @@ from shardwise.core.quant_layout import (
     tie_aligned,
 )
 from shardwise.core.spec import Region, ShardSpec, split
-from shardwise.errors import CheckpointError, ShardingError, UnsupportedModelError, UsageError
+from shardwise.errors import CheckpointError, UnsupportedModelError, UsageError
 from shardwise.holding import Holding, is_dtensor
 from shardwise.io.formats import get_format
 from shardwise.local_tp import _CopyTo, _GatherFrom, _ReduceFrom, _SplitTo
@@ -193,13 +194,7 @@ def guard_cut_experts(model: nn.Module, specs: ResolvedPlan) -> None:
 
 def _cut_error(path: str, tie: QuantTie, spec: ShardSpec, degree: int) -> UnsupportedModelError:
     assert spec.dim is not None  # a cut block needs a split (tie_aligned is True when replicated)
-    whole = []
-    for d in range(2, 65):
-        try:
-            if tie_aligned(tie, spec, d):
-                whole.append(d)
-        except ShardingError:  # the weight does not split over d
-            pass
+    whole = fitting_degrees(tie.weight_shape, spec, lambda d: tie_aligned(tie, spec, d))
     hint = (f"degrees where every shard holds whole blocks: {', '.join(map(str, whole))}" if whole
             else "no degree > 1 gives every shard whole blocks of this weight")
     return UnsupportedModelError(
