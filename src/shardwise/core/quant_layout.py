@@ -27,14 +27,11 @@ from shardwise.core.quant import (
     mxfp4_dequantize_region,
     mxfp4_regions,
     pair_of,
-    scale_key,
     scale_region,
     scale_shape,
 )
 from shardwise.core.spec import Layout, Region, ShardSpec, check_shardable, local_layout, local_shape
 from shardwise.errors import PlanError, ShardingError
-
-FP8_SCALE_SUFFIX = scale_key("weight")  # an FP8 linear's weight_scale_inv
 
 
 @dataclass(frozen=True)
@@ -379,7 +376,7 @@ def dequantize_local(q: torch.Tensor, scale: torch.Tensor, tie: QuantTie, spec: 
 
 
 __all__ = [
-    "DEQUANT_CHUNK", "FP8_SCALE_SUFFIX", "MXFP4_SUFFIXES", "QuantTie", "dequant_reads", "dequantize_local",
+    "DEQUANT_CHUNK", "MXFP4_SUFFIXES", "QuantTie", "dequant_reads", "dequantize_local",
     "dequantize_shard", "fitting_degrees", "is_tied_scale", "quant_pairs", "quant_ties",
     "scale_layout", "scale_local_shape", "scale_owned_layout", "scale_pieces", "take_layout", "tie_aligned",
     "tie_scales",
