@@ -18,8 +18,8 @@ from shardwise.core import quant as cq
 from shardwise.core.header import dtype_to_str, str_to_dtype
 from shardwise.core.plan import ResolvedPlan, Style
 from shardwise.core.quant_layout import (
-    FP8_SCALE_SUFFIX,
     QuantTie,
+    fitting_degrees,
     quant_pairs,
     scale_layout,
     scale_local_shape,
@@ -28,17 +28,12 @@ from shardwise.core.quant_layout import (
     tie_aligned,
 )
 from shardwise.core.spec import Region, ShardSpec, split
-from shardwise.errors import CheckpointError, ShardingError, UnsupportedModelError, UsageError
+from shardwise.errors import CheckpointError, UnsupportedModelError, UsageError
 from shardwise.holding import Holding, is_dtensor
 from shardwise.io.formats import get_format
 from shardwise.local_tp import _CopyTo, _GatherFrom, _ReduceFrom, _SplitTo
 
 # ---- guards of loads and saves: before any tensor is read, written or gathered
-
-
-def cut_scales(specs: ResolvedPlan) -> list[str]:
-    """The scale tensors of ``specs`` whose blocks some shard boundary cuts (not an even split)."""
-    return [scale for scale in specs.ties if scale_is_local(specs, scale)]
 
 
 def check_quantized_load(specs: ResolvedPlan, holding: Holding, dequantize: bool) -> None:
@@ -73,7 +68,7 @@ def check_quantized_source(source, specs: ResolvedPlan, mesh) -> None:
             raise CheckpointError(f"{qc.where}: weight_block_size {list(block)}, but the model's FP8 module "
                                   f"of {wrong[0][0]!r} has block_size {list(wrong[0][1][-2:])}; build the "
                                   "model from this checkpoint's config")
-    cut = [] if can.scale_regions else cut_scales(specs)
+    cut = [] if can.scale_regions else [scale for scale in specs.ties if scale_is_local(specs, scale)]
     if cut:
         raise CheckpointError(
             f"{type(source).__name__}: {cut[0]!r} (and {len(cut) - 1} more) are FP8 scales whose blocks "
@@ -125,7 +120,7 @@ def local_part(tensor: torch.Tensor, name: str, spec: ShardSpec, specs: Resolved
 
 def quantized_module(specs: ResolvedPlan, path: str) -> QuantTie | None:
     """The tie of the FP8 module at ``path``, None for any other module."""
-    return specs.ties.get(f"{path}.{FP8_SCALE_SUFFIX}" if path else FP8_SCALE_SUFFIX)
+    return specs.ties.get(cq.scale_key(f"{path}.weight" if path else "weight"))
 
 
 def scale_is_local(specs: ResolvedPlan, name: str) -> bool:
@@ -193,13 +188,7 @@ def guard_cut_experts(model: nn.Module, specs: ResolvedPlan) -> None:
 
 def _cut_error(path: str, tie: QuantTie, spec: ShardSpec, degree: int) -> UnsupportedModelError:
     assert spec.dim is not None  # a cut block needs a split (tie_aligned is True when replicated)
-    whole = []
-    for d in range(2, 65):
-        try:
-            if tie_aligned(tie, spec, d):
-                whole.append(d)
-        except ShardingError:  # the weight does not split over d
-            pass
+    whole = fitting_degrees(tie.weight_shape, spec, lambda d: tie_aligned(tie, spec, d))
     hint = (f"degrees where every shard holds whole blocks: {', '.join(map(str, whole))}" if whole
             else "no degree > 1 gives every shard whole blocks of this weight")
     return UnsupportedModelError(
@@ -394,7 +383,7 @@ def fp8_pairs(side, root) -> dict[str, QuantPair]:
 
 __all__ = [
     "Dequantizing", "QuantPair", "check_quantized_load", "check_quantized_save", "check_quantized_source",
-    "cut_scales", "describe_quantization", "drop_quantization_config", "fp8_pairs", "gather_scales_to_rank0",
+    "describe_quantization", "drop_quantization_config", "fp8_pairs", "gather_scales_to_rank0",
     "guard_cut_experts", "local_part", "quantized_module", "scale_is_local",
     "stored_pairs", "wire_quantized",
 ]

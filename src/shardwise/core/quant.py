@@ -54,10 +54,14 @@ def _config_get(qc, name: str):
     return qc.get(name) if isinstance(qc, dict) else getattr(qc, name, None)
 
 
+def is_block(block) -> bool:
+    """Whether every entry of ``block`` is a positive int or None (a dim the scale lacks)."""
+    return all(b is None or (isinstance(b, int) and not isinstance(b, bool) and b > 0) for b in block)
+
+
 def as_block(value) -> tuple[int, int] | None:
     """``value`` as a 2-D block size (two positive ints, a list or tuple), else None."""
-    if isinstance(value, (list, tuple)) and len(value) == 2 and all(
-            isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in value):
+    if isinstance(value, (list, tuple)) and len(value) == 2 and None not in value and is_block(value):
         return int(value[0]), int(value[1])
     return None
 
@@ -192,7 +196,7 @@ def _mxfp4_block(ndim: int) -> Block:
 
 
 def _check_block(block: Block) -> None:
-    if not all(b is None or (isinstance(b, int) and not isinstance(b, bool) and b > 0) for b in block):
+    if not is_block(block):
         raise PlanError(f"a quantization block must hold positive ints or None, got {block!r}")
 
 
@@ -253,17 +257,23 @@ def decode_scale(scale: torch.Tensor) -> torch.Tensor:
     return scale.float()
 
 
-def expand_scale(scale: torch.Tensor, weight_region: Region, block: Block) -> torch.Tensor:
+def expand_scale(scale: torch.Tensor, weight_region: Region, block: Block,
+                 scratch: torch.Tensor | None = None) -> torch.Tensor:
     """The scale of each element of ``weight_region``, shaped like it, from ``scale`` read at
-    :func:`scale_region` (dims the scale lacks are broadcast views)."""
+    :func:`scale_region` (dims the scale lacks are broadcast views). ``scratch`` (shaped like the
+    region) receives the one full-size expansion, if there is one, instead of a new tensor."""
     _check_scale(scale, weight_region, block)
     out = scale
-    for d, (a, n, b) in enumerate(zip(weight_region.offsets, weight_region.sizes, block, strict=True)):
+    steps = list(enumerate(zip(weight_region.offsets, weight_region.sizes, block, strict=True)))
+    last = max((d for d, (_, _, b) in steps if b is not None and b > 1), default=None)
+    for d, (a, n, b) in steps:
         if b is None:
             out = out.unsqueeze(d)
         elif b > 1:
             index = torch.arange(a, a + n, device=scale.device) // b - a // b
-            out = out.index_select(d, index)
+            shape = out.shape[:d] + (n,) + out.shape[d + 1:]
+            into = scratch if scratch is not None and d == last and shape == scratch.shape else None
+            out = torch.index_select(out, d, index, out=into)
     return out.expand(weight_region.sizes)
 
 
@@ -320,21 +330,7 @@ def dequantize_region_into(q: torch.Tensor, scale: torch.Tensor, weight_region: 
     expanding the scale into ``scratch`` (the same): a caller reusing both across chunks
     allocates no region-sized temporary. Returns ``out``."""
     _check_pair(q, scale, weight_region, block)
-    out.copy_(q)
-    s = decode_scale(scale)
-    steps = list(enumerate(zip(weight_region.offsets, weight_region.sizes, block, strict=True)))
-    last = max((d for d, (_, _, b) in steps if b is not None and b > 1), default=None)
-    for d, (a, n, b) in steps:
-        if b is None:
-            s = s.unsqueeze(d)
-        elif b > 1:
-            index = torch.arange(a, a + n, device=s.device) // b - a // b
-            shape = s.shape[:d] + (n,) + s.shape[d + 1:]
-            if d == last and tuple(shape) == tuple(out.shape):  # the full-size expansion: into scratch
-                s = torch.index_select(s, d, index, out=scratch)
-            else:
-                s = s.index_select(d, index)
-    return out.mul_(s.expand(weight_region.sizes))
+    return out.copy_(q).mul_(expand_scale(decode_scale(scale), weight_region, block, scratch))
 
 
 def mxfp4_regions(weight_region: Region, *, exact: bool = False) -> tuple[Region, Region]:
@@ -393,6 +389,6 @@ __all__ = [
     "E2M1_VALUES", "FLOAT8", "FP8_SCALE", "MXFP4_GROUP", "MXFP4_GROUP_BYTES", "MXFP4_SUFFIXES", "QuantConfig",
     "QuantScheme", "SUPPORTED_QUANT", "read_quantization",
     "as_block", "decode_scale", "dequantize_region", "dequantize_region_into", "expand_scale",
-    "is_block_aligned", "mxfp4_dequantize_region", "mxfp4_regions", "offsets_in_block", "pair_of",
+    "is_block", "is_block_aligned", "mxfp4_dequantize_region", "mxfp4_regions", "offsets_in_block", "pair_of",
     "quant_scheme", "quantize_fp8_blocks", "scale_key", "scale_region", "scale_shape", "unpack_e2m1",
 ]

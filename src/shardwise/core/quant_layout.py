@@ -22,18 +22,16 @@ from shardwise.core.quant import (
     QuantScheme,
     as_block,
     dequantize_region_into,
+    is_block,
     is_block_aligned,
     mxfp4_dequantize_region,
     mxfp4_regions,
     pair_of,
-    scale_key,
     scale_region,
     scale_shape,
 )
 from shardwise.core.spec import Layout, Region, ShardSpec, check_shardable, local_layout, local_shape
 from shardwise.errors import PlanError, ShardingError
-
-FP8_SCALE_SUFFIX = scale_key("weight")  # an FP8 linear's weight_scale_inv
 
 
 @dataclass(frozen=True)
@@ -51,8 +49,7 @@ class QuantTie:
     def __post_init__(self) -> None:
         object.__setattr__(self, "weight_shape", tuple(int(s) for s in self.weight_shape))
         object.__setattr__(self, "block", tuple(self.block))
-        if len(self.block) != len(self.weight_shape) or not all(
-                b is None or (isinstance(b, int) and not isinstance(b, bool) and b > 0) for b in self.block):
+        if len(self.block) != len(self.weight_shape) or not is_block(self.block):
             raise PlanError(f"QuantTie of {self.weight!r}: block {self.block} must hold one positive int "
                             f"(or None) per dim of the weight's shape {self.weight_shape}")
         if self.scheme not in SCHEMES:
@@ -63,39 +60,31 @@ class QuantTie:
     def scale_shape(self) -> tuple[int, ...]:
         return scale_shape(self.weight_shape, self.block)
 
-    def scale_dim(self, dim: int) -> int:
-        """The dim of the scale tensor that weight dim ``dim`` becomes; ``PlanError`` for a dim
-        the scale tensor lacks (block ``None``)."""
-        if self.block[dim] is None:
-            raise PlanError(f"{self.weight!r}: its scale tensor has no dim for weight dim {dim} (block "
-                            f"{self.block}), so a shard of that dim has no scales of its own")
-        return dim - sum(b is None for b in self.block[:dim])
+
+def _scale_dim(block: tuple[int | None, ...], dim: int, what: str) -> int:
+    """The dim of the scale tensor that weight dim ``dim`` becomes; ``PlanError`` (naming
+    ``what``) for a dim the scale tensor lacks (block ``None``)."""
+    if block[dim] is None:
+        raise PlanError(f"{what}: its scale tensor has no dim for weight dim {dim} (block {block}), so a "
+                        "shard of that dim has no scales of its own")
+    return dim - sum(b is None for b in block[:dim])
+
+
+def _held_scales(tie: QuantTie, spec: ShardSpec, degree: int, rank: int) -> tuple[Layout, tuple[int, ...]]:
+    boxes = [scale_region(r, tie.block) for r, _ in local_layout(tie.weight_shape, spec, degree, rank)]
+    return _stack(boxes, None if spec.dim is None else _scale_dim(tie.block, spec.dim, repr(tie.weight)))
 
 
 def scale_layout(tie: QuantTie, spec: ShardSpec, degree: int, rank: int) -> Layout:
     """The scale regions rank ``rank`` of ``degree`` holds for its shard of ``tie.weight``
     (split by ``spec``), each with its offset in the rank's local scale tensor (rank 1 of 576
     rows at tp=8 in 128-row blocks: rows 72..144, scale rows 0 and 1)."""
-    out, pos = [], 0
-    for region, _ in local_layout(tie.weight_shape, spec, degree, rank):
-        scales = scale_region(region, tie.block)
-        off = [0] * len(scales.sizes)
-        if spec.dim is not None:  # not replicated
-            d = tie.scale_dim(spec.dim)
-            off[d] = pos
-            pos += scales.sizes[d]
-        out.append((scales, tuple(off)))
-    return out
+    return _held_scales(tie, spec, degree, rank)[0]
 
 
 def scale_local_shape(tie: QuantTie, spec: ShardSpec, degree: int, rank: int) -> tuple[int, ...]:
     """Shape of rank ``rank``'s local scale tensor (ranks may differ where blocks are cut)."""
-    layout = scale_layout(tie, spec, degree, rank)
-    if spec.dim is None:  # replicated
-        return layout[0][0].sizes
-    shape, d = list(tie.scale_shape), tie.scale_dim(spec.dim)
-    shape[d] = sum(region.sizes[d] for region, _ in layout)
-    return tuple(shape)
+    return _held_scales(tie, spec, degree, rank)[1]
 
 
 def scale_owned_layout(tie: QuantTie, spec: ShardSpec, degree: int, rank: int) -> Layout:
@@ -106,7 +95,7 @@ def scale_owned_layout(tie: QuantTie, spec: ShardSpec, degree: int, rank: int) -
     held = scale_layout(tie, spec, degree, rank)
     if spec.dim is None:  # replicated
         return held if rank == 0 else []
-    d, b, sd = spec.dim, tie.block[spec.dim], tie.scale_dim(spec.dim)
+    d, b, sd = spec.dim, tie.block[spec.dim], _scale_dim(tie.block, spec.dim, repr(tie.weight))
     out = []
     weight = local_layout(tie.weight_shape, spec, degree, rank)
     for (region, _), (scales, off) in zip(weight, held, strict=True):
@@ -130,7 +119,7 @@ def tie_aligned(tie: QuantTie, spec: ShardSpec, degree: int) -> bool:
         return True
     if tie.block[spec.dim] is None:  # a split of a dim the scales lack: every shard cuts blocks
         return False
-    on_scales = replace(spec, dim=tie.scale_dim(spec.dim))
+    on_scales = replace(spec, dim=_scale_dim(tie.block, spec.dim, repr(tie.weight)))
     try:
         check_shardable(tie.scale_shape, on_scales, degree)
     except ShardingError:
@@ -142,6 +131,20 @@ def tie_aligned(tie: QuantTie, spec: ShardSpec, degree: int) -> bool:
         if scale_layout(tie, spec, degree, rank) != local_layout(tie.scale_shape, on_scales, degree, rank):
             return False
     return True
+
+
+def fitting_degrees(shape: tuple[int, ...], spec: ShardSpec, fits: Callable[[int], bool]) -> list[int]:
+    """The degrees from 2 to 64 that split ``shape`` by ``spec`` and that ``fits`` accepts (for
+    the hint of an error naming the degrees that would do)."""
+    out = []
+    for d in range(2, 65):
+        try:
+            check_shardable(shape, spec, d)
+            if fits(d):
+                out.append(d)
+        except ShardingError:
+            pass
+    return out
 
 
 def take_layout(tensor: torch.Tensor, layout: Layout, shape: tuple[int, ...]) -> torch.Tensor:
@@ -174,17 +177,6 @@ def quant_pairs(module: nn.Module) -> list[tuple[str, str, tuple[int | None, ...
               and values.dim() >= 3 and values.shape[-1] == MXFP4_GROUP_BYTES):
             out.append((name, found[0], (1,) * (values.dim() - 1) + (None,), "mxfp4"))
     return out
-
-
-def fp8_block_of(module: nn.Module) -> tuple[int, int] | None:
-    """The block shape of a block-scaled FP8 linear module (:func:`quant_pairs`), None for any other."""
-    linear = any(scheme == "fp8_block" and len(b) == 2 for _, _, b, scheme in quant_pairs(module))
-    return as_block(getattr(module, "block_size", None)) if linear else None
-
-
-def fp8_expert_pairs(module: nn.Module) -> list[tuple[str, str, tuple[int | None, ...]]]:
-    """``(values, scales, block)`` of each FP8 expert projection of ``module`` (:func:`quant_pairs`)."""
-    return [(v, s, b) for v, s, b, scheme in quant_pairs(module) if scheme == "fp8_block" and len(b) == 3]
 
 
 def is_tied_scale(model: nn.Module, name: str) -> bool:
@@ -253,14 +245,7 @@ def _check_whole_groups(tie: QuantTie, spec: ShardSpec, degree: int, key: str | 
     error = _cut_group(tie, spec, degree)
     if error is None:
         return
-    whole = []
-    for d in range(2, 65):
-        try:
-            check_shardable(tie.weight_shape, spec, d)
-        except ShardingError:
-            continue
-        if _cut_group(tie, spec, d) is None:
-            whole.append(d)
+    whole = fitting_degrees(tie.weight_shape, spec, lambda d: _cut_group(tie, spec, d) is None)
     hint = (f"degrees that keep every group whole: {', '.join(map(str, whole))}" if whole else
             f"no degree > 1 does on dim {spec.dim}; shard dim 0 (the experts: the ep plan), or keep it whole")
     raise ShardingError(f"plan key {key!r} splits the MXFP4 blocks {tie.weight!r} {tie.weight_shape} on dim "
@@ -308,9 +293,7 @@ def dequant_reads(scheme: QuantScheme, shape: tuple[int, ...], spec: ShardSpec, 
     dim = None if spec.replicated else spec.dim
     if dim is not None and transposed and dim >= len(shape) - 2:
         dim = 2 * len(shape) - 3 - dim
-    if dim is not None and scheme.block[dim] is None:
-        raise PlanError(f"{scheme}: the scales lack dim {dim}, which the spec {spec} splits")
-    scale_dim = None if dim is None else dim - sum(b is None for b in scheme.block[:dim])
+    scale_dim = None if dim is None else _scale_dim(scheme.block, dim, f"{scheme} split by {spec}")
     return _stack(values, dim), _stack(scales, scale_dim)
 
 
@@ -393,8 +376,8 @@ def dequantize_local(q: torch.Tensor, scale: torch.Tensor, tie: QuantTie, spec: 
 
 
 __all__ = [
-    "DEQUANT_CHUNK", "FP8_SCALE_SUFFIX", "MXFP4_SUFFIXES", "QuantTie", "dequant_reads", "dequantize_local",
-    "dequantize_shard", "fp8_block_of", "fp8_expert_pairs", "is_tied_scale", "quant_pairs", "quant_ties",
+    "DEQUANT_CHUNK", "MXFP4_SUFFIXES", "QuantTie", "dequant_reads", "dequantize_local",
+    "dequantize_shard", "fitting_degrees", "is_tied_scale", "quant_pairs", "quant_ties",
     "scale_layout", "scale_local_shape", "scale_owned_layout", "scale_pieces", "take_layout", "tie_aligned",
     "tie_scales",
 ]

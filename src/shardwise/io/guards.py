@@ -10,7 +10,7 @@ from torch import nn
 
 from shardwise.core.adapter import refuse_unsupported
 from shardwise.core.quant import SUPPORTED_QUANT, quant_scheme  # noqa: F401 - quant_scheme: re-exported
-from shardwise.core.quant_layout import fp8_block_of, fp8_expert_pairs, quant_pairs
+from shardwise.core.quant_layout import quant_pairs
 from shardwise.errors import MeshError, UnsupportedModelError
 
 # Tensor types a checkpoint path handles as is; anything else wraps its data.
@@ -44,13 +44,9 @@ def _check_quantized_tensors(model: nn.Module, action: str) -> None:
            "without quantization (no torchao quantize_, no bitsandbytes layers), load it, then quantize")
     for path, module in model.named_modules():
         cls = type(module).__name__
-        if fp8_block_of(module) is not None:
-            _check_fp8_linear(path, module, action)
-            continue
-        if fp8_expert_pairs(module):
-            _check_fp8_experts(path, module, action)
-            continue
-        if quant_pairs(module):  # MXFP4: uint8 blocks and scales, as stored
+        pairs = quant_pairs(module)
+        if pairs:  # FP8 (a linear, or experts) or MXFP4 (uint8 blocks and scales, as stored)
+            _check_fp8(path, module, pairs, action)
             continue
         if cls in _QUANT_MODULE_TYPES:
             raise refusal(action, f"module {path or '<root>'!r} is a quantized layer ({cls})", fix)
@@ -83,32 +79,23 @@ def _check_quantized_tensors(model: nn.Module, action: str) -> None:
                               f"{scales[0]!r} (quantized weights)", fix)
 
 
-def _check_fp8_linear(path: str, module: nn.Module, action: str) -> None:
-    """An FP8 block-scaled linear (``core.quant_layout.fp8_block_of``) as shardwise holds it:
-    float8_e4m3fn values, float32 scales, no static activation scale."""
-    weight, scale = module.weight, module.weight_scale_inv
-    static = getattr(module, "activation_scale", None) is not None
-    problem = (f"its weight is {weight.dtype}" if weight.dtype != torch.float8_e4m3fn
-               else f"its weight_scale_inv is {scale.dtype} (ue8m0 scales?)" if scale.dtype != torch.float32
-               else "it has a static activation_scale" if static else None)
-    if problem is not None:
-        raise refusal(action, f"FP8 module {path!r} ({type(module).__name__}): {problem}",
-                      f"shardwise supports {SUPPORTED_QUANT} with float8_e4m3fn weights, float32 scales and "
-                      "dynamic activations; dequantize this checkpoint first")
-
-
-def _check_fp8_experts(path: str, module: nn.Module, action: str) -> None:
-    """FP8 experts (``core.quant_layout.fp8_expert_pairs``) as shardwise holds them: every
-    projection float8_e4m3fn with float32 scales, dynamic activations."""
-    for values, scales, _ in fp8_expert_pairs(module):
-        v, s = module._parameters[values], module._parameters[scales]
-        assert v is not None and s is not None  # fp8_expert_pairs lists present parameters only
+def _check_fp8(path: str, module: nn.Module, pairs: list, action: str) -> None:
+    """The FP8 ``pairs`` of ``module`` (``core.quant_layout.quant_pairs``: a block-scaled linear,
+    or experts) as shardwise holds them: float8_e4m3fn values, float32 scales, dynamic activations."""
+    for values, scales, block, scheme in pairs:
+        if scheme != "fp8_block":
+            continue
+        v, s, linear = module._parameters[values], module._parameters[scales], len(block) == 2
+        assert v is not None and s is not None  # quant_pairs lists present parameters only
+        static = (getattr(module, "activation_scale", None) is not None if linear
+                  else getattr(module, "activation_scheme", "dynamic") != "dynamic")
         problem = (f"its {values} is {v.dtype}" if v.dtype != torch.float8_e4m3fn
                    else f"its {scales} is {s.dtype} (ue8m0 scales?)" if s.dtype != torch.float32
-                   else "it has static activation scales" if getattr(module, "activation_scheme", "dynamic")
-                   != "dynamic" else None)
+                   else ("it has a static activation_scale" if linear else "it has static activation scales")
+                   if static else None)
         if problem is not None:
-            raise refusal(action, f"FP8 experts {path!r} ({type(module).__name__}): {problem}",
+            raise refusal(action, f"{'FP8 module' if linear else 'FP8 experts'} {path!r} "
+                          f"({type(module).__name__}): {problem}",
                           f"shardwise supports {SUPPORTED_QUANT} with float8_e4m3fn weights, float32 scales "
                           "and dynamic activations; dequantize this checkpoint first")
 

@@ -188,11 +188,13 @@ def pair_mxfp4(absent: set[str], shapes: Mapping[str, tuple[int, ...]], declared
 
 def _check_mxfp4(file, name: str, blocks: TensorEntry, scales: TensorEntry, shape: tuple[int, ...]) -> None:
     """Refuse an MXFP4 pair that is not uint8 ``(..., rows, G, 16)`` / ``(..., rows, G)`` of the
-    transpose of the model's ``shape``."""
-    want = tuple(shape[:-2]) + (shape[-1], shape[-2] // MXFP4_GROUP) if len(shape) >= 2 else None
-    if (want is None or blocks.torch_dtype != torch.uint8 or scales.torch_dtype != torch.uint8
-            or shape[-2] % MXFP4_GROUP or tuple(blocks.shape) != want + (MXFP4_GROUP // 2,)
-            or tuple(scales.shape) != want):
+    transpose of the model's ``shape`` (``QuantScheme.stored_shapes``)."""
+    try:
+        want = QuantScheme.mxfp4(ndim=len(shape)).stored_shapes(tuple(shape[:-2]) + (shape[-1], shape[-2]))
+    except PlanError:  # fewer than 2 dims, or rows not a multiple of MXFP4_GROUP
+        want = None
+    if (want != (tuple(blocks.shape), tuple(scales.shape)) or blocks.torch_dtype != torch.uint8
+            or scales.torch_dtype != torch.uint8):
         raise CheckpointError(
             f"{file}: MXFP4 {name!r} is stored as {blocks.torch_dtype} {tuple(blocks.shape)} with scales "
             f"{scales.torch_dtype} {tuple(scales.shape)}, which does not fit the model's {tuple(shape)} "
