@@ -34,6 +34,7 @@ from shardwise.io.formats.safetensors.keys import check_dtype, listing, match_ke
 from shardwise.io.guards import check_mesh, check_model, check_options
 from shardwise.io.source import ReadOptions
 from shardwise.io.storage import Location, locate
+from shardwise.io.storage.lookups import one_look
 from shardwise.mesh import decode_mesh
 from shardwise.parallel import get_shard_state, resolve_for_mesh
 from shardwise.quant import check_quantized_load, check_quantized_source, drop_quantization_config
@@ -121,18 +122,19 @@ def load(model: nn.Module, path: str | os.PathLike | Location, *, plan, mesh,
         check_quantized_load(specs, dims.holding, dequantize)
         where = locate(path, storage_options)  # the location, decoded once
 
-    source = open_source(where, dequantize=dequantize)
-    check_quantized_source(source, specs, mesh)
-    missing, unexpected = source.match(model, specs, strict=strict)
-    check_nothing_left_on_meta(model, specs, missing)
-    place = dims.holding.placement(model, specs, dims, dtype)
-    names = [n for n in specs if n not in missing]
-    reads = source.plan(place.wants(names))
-    how = ReadOptions(dtype, place.device, reader_threads(num_threads),
-                      replicas=dims if dims.shares_reads else None, window=place.window,
-                      backend=dims.comm_backend, mesh=dims)
-    with Progress(reads.nbytes, progress, is_rank0(), "shardwise load") as bar:
-        tensors = source.read(reads, finalize=place.finalize, options=how, on_bytes=bar)
+    with one_look():  # an object store's listings, HEADs and journal asked once in this load
+        source = open_source(where, dequantize=dequantize)
+        check_quantized_source(source, specs, mesh)
+        missing, unexpected = source.match(model, specs, strict=strict)
+        check_nothing_left_on_meta(model, specs, missing)
+        place = dims.holding.placement(model, specs, dims, dtype)
+        names = [n for n in specs if n not in missing]
+        reads = source.plan(place.wants(names))
+        how = ReadOptions(dtype, place.device, reader_threads(num_threads),
+                          replicas=dims if dims.shares_reads else None, window=place.window,
+                          backend=dims.comm_backend, mesh=dims)
+        with Progress(reads.nbytes, progress, is_rank0(), "shardwise load") as bar:
+            tensors = source.read(reads, finalize=place.finalize, options=how, on_bytes=bar)
     place.install(model, tensors, missing)
     move_non_persistent(model, dims.device)
     if dequantize:

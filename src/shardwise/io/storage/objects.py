@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.errors import CheckpointError, UsageError
+from shardwise.io.storage.lookups import listed, publishing, redirect, remembered
 
-PUBLISH_MARK = ".shardwise-publish.json"  # the journal of a publish (objects_write.Publish)
 PART_SIZE = 8 << 20     # bytes per ranged GET and per multipart part
 MIN_PART = 5 << 20      # S3's smallest part of a multipart upload (but the last)
 CONCURRENCY = 16        # requests in flight per storage
@@ -146,14 +146,19 @@ class ObjectStorage:
         pending = publishing(self, bucket, key)
         if pending is not None:  # a publish under way or interrupted: the new checkpoint, whole
             return sorted(pending["files"])
+        prefix = f"{key}/" if key else ""
+        return sorted(remembered((self, "list", bucket, prefix), lambda: self._list(bucket, prefix)))
+
+    def _list(self, bucket: str, prefix: str) -> dict[str, dict | None]:
+        """``{name: its HEAD's metadata (an object) or None (a folder)}`` directly under ``prefix``."""
         import obstore
 
-        prefix = f"{key}/" if key else ""
         found = self.call(lambda: obstore.list_with_delimiter(self.store(bucket), prefix=prefix or None),
                           f"listing {self.url(bucket, prefix)}")
-        names = [o["path"][len(prefix):] for o in found["objects"]]
-        names += [p[len(prefix):].rstrip("/") for p in found["common_prefixes"]]
-        return sorted(n for n in names if n)
+        names: dict[str, dict | None] = {o["path"][len(prefix):]: o for o in found["objects"]}
+        for folder in found["common_prefixes"]:
+            names.setdefault(folder[len(prefix):].rstrip("/"), None)
+        return {n: meta for n, meta in names.items() if n}
 
     def is_folder(self, location) -> bool:
         return bool(self.list(location))  # a prefix with objects under it
@@ -185,11 +190,22 @@ class ObjectStorage:
                          f"GET {self.url(bucket, key)}")
 
     def head(self, bucket: str, key: str) -> dict | None:
+        """The object's metadata (size, ETag), None when absent; inside ``lookups.one_look``
+        answered by a listing of its prefix made in the same scope, when there is one."""
+        if not key:
+            return None
+        parent, _, name = key.rpartition("/")
+        listing = listed((self, "list", bucket, f"{parent}/" if parent else ""))
+        if listing is not None and name not in listing:
+            return None
+        if listing is not None and (listing[name] or {}).get("e_tag"):  # the ETag check needs one
+            return listing[name]
+        return remembered((self, "head", bucket, key), lambda: self._head(bucket, key))
+
+    def _head(self, bucket: str, key: str) -> dict | None:
         import obstore
         from obstore.exceptions import NotFoundError
 
-        if not key:
-            return None
         try:
             return self.call(lambda: obstore.head(self.store(bucket), key), f"HEAD {self.url(bucket, key)}",
                              fatal=(NotFoundError, FileNotFoundError))
@@ -243,34 +259,6 @@ def _secrets(options: dict) -> list[str]:
     found += [v for k, v in os.environ.items() if k.startswith(("AWS_", "GOOGLE_"))
               and any(s in k.lower() for s in _SECRET_KEYS) and v and not v.startswith("/")]
     return sorted({s for s in found if len(s) >= 4}, key=len, reverse=True)
-
-
-def beside(key: str, mark: str) -> str:
-    parent, _, name = key.rpartition("/")
-    return f"{parent}/.{name}{mark}" if parent else f".{name}{mark}"
-
-
-def publishing(storage, bucket: str, key: str) -> dict | None:
-    """The journal of a publish to ``key`` under way or interrupted, else None (any storage's)."""
-    if not key or storage.head(bucket, beside(key, PUBLISH_MARK)) is None:
-        return None
-    raw = storage.get_bytes(bucket, beside(key, PUBLISH_MARK))
-    try:
-        journal = json.loads(raw)
-        assert isinstance(journal["staging"], str) and isinstance(journal["files"], list)
-    except (ValueError, KeyError, TypeError, AssertionError) as e:
-        raise CheckpointError(f"{storage.url(bucket, beside(key, PUBLISH_MARK))}: not a publish journal "
-                              f"({e}); delete it if no save is running") from None
-    return journal
-
-
-def redirect(storage, bucket: str, key: str) -> tuple[str, str]:
-    """Where ``bucket/key`` is read: in the staging prefix while its folder is being published."""
-    folder, _, name = key.rpartition("/")
-    journal = publishing(storage, bucket, folder) if folder else None
-    if journal is None or name not in journal["files"]:
-        return bucket, key
-    return bucket, f"{journal['staging']}/{name}"
 
 
 class _Short(Exception):
@@ -396,5 +384,4 @@ def factory(scheme: str):
     return make
 
 
-__all__ = ["PUBLISH_MARK", "ObjectFile", "ObjectStorage", "coalesce", "factory", "publishing", "redirect",
-           "split_location"]
+__all__ = ["ObjectFile", "ObjectStorage", "coalesce", "factory", "split_location"]
