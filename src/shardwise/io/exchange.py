@@ -380,9 +380,10 @@ def _exchange(rnd: Round, fetched: list[torch.Tensor], items: list[ReadItem], la
         else:
             n = move.box.numel * items[move.item].entry.itemsize
             at = starts[move.peer]
-            data = _as_bytes(recv, at, n, dtype, move.box.sizes)
-            if data is None:  # misaligned: a copy that is
-                data = recv[at:at + n].clone().view(dtype).view(move.box.sizes)
+            aligned = _as_bytes(recv, at, n, dtype, move.box.sizes)
+            if aligned is None:  # misaligned: a copy that is
+                aligned = recv[at:at + n].clone().view(dtype).view(move.box.sizes)
+            data = aligned
             starts[move.peer] += n
         landing.put(move, data)
 
