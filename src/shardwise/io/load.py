@@ -86,7 +86,8 @@ def load(model: nn.Module, path: str | os.PathLike | Location, *, plan, mesh,
     registered storage (``scheme://...``, its factory given ``storage_options``). ``dtype`` casts
     floating-point tensors after slicing (``None`` keeps the file's dtypes). ``strict``
     raises on missing keys; a shape that disagrees with the model always raises.
-    ``num_threads`` read in parallel (default ``min(8, cpus / ranks on this host)``);
+    ``num_threads`` read in parallel (default ``min(8, cpus / ranks on this host)``, or an object
+    store's requests in flight, its ``concurrency``);
     ``progress`` shows a tqdm bar on rank 0 (default: when stderr is a terminal).
     ``holding`` is ``"dtensor"`` or ``"local"`` (default: the backend's).
     Unknown keyword options raise ``TypeError``; ``device_map`` and other placement
@@ -130,7 +131,7 @@ def load(model: nn.Module, path: str | os.PathLike | Location, *, plan, mesh,
         place = dims.holding.placement(model, specs, dims, dtype)
         names = [n for n in specs if n not in missing]
         reads = source.plan(place.wants(names))
-        how = ReadOptions(dtype, place.device, reader_threads(num_threads),
+        how = ReadOptions(dtype, place.device, reader_threads(num_threads, where.storage),
                           replicas=dims if dims.shares_reads else None, window=place.window,
                           backend=dims.comm_backend, mesh=dims)
         with Progress(reads.nbytes, progress, is_rank0(), "shardwise load") as bar:
@@ -178,10 +179,15 @@ def move_non_persistent(model: nn.Module, device: torch.device) -> None:
 
 
 
-def reader_threads(asked: int | None) -> int:
-    """The reader threads of a load: ``asked``, else ``min(8, cpus / ranks on this host)``."""
+def reader_threads(asked: int | None, storage=None) -> int:
+    """The reader threads of a load: ``asked``, else the requests in flight that ``storage``
+    declares (``concurrency``: an object store, whose reads wait on the network, not on cores),
+    else ``min(8, cpus / ranks on this host)``."""
     if asked is not None:
         return asked
+    in_flight = getattr(storage, "concurrency", None)
+    if isinstance(in_flight, int) and in_flight > 0:
+        return in_flight
     # The ranks on this host share its cores (torchrun and sw.launch set LOCAL_WORLD_SIZE).
     try:
         local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
