@@ -255,7 +255,7 @@ class FsspecFile(ObjectFile):
         super().__init__(cast(Any, storage), "", key, size, None)
         self.source = storage
 
-    def fetch(self, start: int, end: int):
+    def fetch(self, start: int, end: int, land) -> None:
         def request():
             data = self.source.read_range(self.key, start, end, self._size)
             if len(data) != end - start:
@@ -263,7 +263,7 @@ class FsspecFile(ObjectFile):
                              "under the reader, or the server ignored the Range)")
             return data
 
-        return self.source.call(request, f"reading {self.name} bytes [{start}, {end})")
+        land(0, memoryview(self.source.call(request, f"reading {self.name} bytes [{start}, {end})")))
 
 
 class FsspecWriter:

@@ -36,6 +36,7 @@ MIN_PART = 5 << 20      # S3's smallest part of a multipart upload (but the last
 CONCURRENCY = 16        # requests in flight per storage
 RETRIES = 6             # attempts of one request beyond obstore's own retries
 WASTE = 1 / 20          # a coalesced request reads at most this much more than asked
+CHUNK = 1 << 20         # a body is landed in chunks of at least this many bytes as it arrives
 _SECRET_KEYS = ("secret", "token", "password", "key", "credential", "service_account")
 
 
@@ -276,8 +277,10 @@ class ObjectFile:
     def size(self) -> int:
         return self._size  # an object does not change length in place; a GET sees a replacement
 
-    def fetch(self, start: int, end: int):
-        """The bytes ``[start, end)`` of the object, whole and of the opened version."""
+    def fetch(self, start: int, end: int, land) -> None:
+        """Hand the bytes ``[start, end)`` of the object, of the opened version, to ``land(offset
+        in the range, chunk)`` as they arrive: no whole body is held (16 in flight x 8 MiB would
+        be 128 MiB). A failed attempt is retried from the start, landing every byte again."""
         import obstore
 
         def request():
@@ -286,12 +289,14 @@ class ObjectFile:
             if self._etag and etag and etag.strip('"') != self._etag.strip('"'):
                 raise CheckpointError(f"{self.name}: the object was replaced while being read (ETag "
                                       f"{self._etag} when opened, {etag} now); load it again")
-            data = result.bytes()
-            if len(data) != end - start:
-                raise _Short(f"{len(data)} bytes in the body of a {end - start}-byte range")
-            return data
+            got = 0
+            for chunk in result.stream(min_chunk_size=CHUNK):
+                land(got, memoryview(chunk))
+                got += len(chunk)
+            if got != end - start:
+                raise _Short(f"{got} bytes in the body of a {end - start}-byte range")
 
-        return self.storage.call(request, f"GET {self.name} bytes [{start}, {end})")
+        self.storage.call(request, f"GET {self.name} bytes [{start}, {end})")
 
     def _check(self, start: int, end: int) -> None:
         if start < 0 or end > self._size:
@@ -321,9 +326,14 @@ class ObjectFile:
         """Fetch each ``(start, end, [(buf offset, offset in the body, length)])``, many at once."""
         def one(request):
             start, end, placed = request
-            body = memoryview(self.fetch(start, end))
-            for at, inner, n in placed:
-                buf[at:at + n] = body[inner:inner + n]
+
+            def land(offset: int, chunk: memoryview) -> None:  # the parts of buf the chunk covers
+                for at, inner, n in placed:
+                    lo, hi = max(inner, offset), min(inner + n, offset + len(chunk))
+                    if lo < hi:
+                        buf[at + lo - inner:at + hi - inner] = chunk[lo - offset:hi - offset]
+
+            self.fetch(start, end, land)
 
         if len(requests) == 1:
             one(requests[0])
