@@ -55,6 +55,19 @@ def test_a_read_fault_is_retried(remote, kind):
     assert remote.proxy.taken == [kind, kind]
 
 
+@pytest.mark.parametrize("kind", ["truncate", "short"])
+def test_a_body_cut_after_its_first_chunks_landed_is_read_again_whole(remote, kind):
+    """A range of several landing chunks (objects.CHUNK) in one request: the cut attempt has
+    landed its first half in the buffer; the retry lands every byte again, the buffer is whole."""
+    storage = remote.storage(part_size=8 << 20)
+    data = os.urandom(3 << 20)
+    write_small(storage, remote.loc("f/big"), data)
+    remote.proxy.clear()
+    remote.proxy.fault(kind, method="GET", path="f/big", times=1)
+    assert _bounded(lambda: _read(storage, remote.loc("f/big"), 5, len(data) - 5)) == data[5:]
+    assert remote.proxy.taken == [kind] and remote.proxy.count("GET", "f/big") == 2
+
+
 @pytest.mark.parametrize("kind", ["503", "reset", "short"])
 def test_a_read_fault_that_persists_is_one_clear_error(remote, kind):
     storage = remote.storage()
@@ -66,9 +79,8 @@ def test_a_read_fault_that_persists_is_one_clear_error(remote, kind):
         _bounded(lambda: handle.readinto(memoryview(buf), 0))
     message = str(e.value)
     assert remote.url("f/blob").split("://")[1] in message and "failed 4 times" in message, message
-    if kind == "short":
+    if kind == "short":  # noticed at the body's end; what it landed in buf is never used: the read raised
         assert "25000 bytes in the body of a 50000-byte range" in message
-    assert buf == bytearray(50_000) or kind != "short"  # the short body was never copied in
 
 
 def test_a_read_past_the_timeout_that_persists_ends(remote):

@@ -6,10 +6,11 @@ from __future__ import annotations
 import os
 
 import pytest
-from located import read_small, write_small
+from located import at, read_small, write_small
 
 from shardwise.errors import CheckpointError, UsageError
 from shardwise.io.storage import locate
+from shardwise.io.storage.lookups import one_look
 
 
 def _put(storage, loc: str, data: bytes) -> None:
@@ -116,6 +117,40 @@ def test_list_stat_and_small_objects(remote):
     with pytest.raises(CheckpointError, match="no such object"):
         storage.open(remote.loc("ckpt/none"))
     assert read_small(storage, remote.loc("ckpt/b.json"), what="it") == b"{}"
+
+
+def test_inside_one_look_the_store_is_asked_each_question_once(remote):
+    storage, names = remote.storage(), ["a.bin", "b.bin", "c.bin"]
+    for name in names:
+        _put(storage, remote.loc(f"ckpt/{name}"), name.encode() * 100)
+    folder = at(storage, remote.loc("ckpt"))
+
+    def look() -> int:  # what a load asks: the listing, each object's size, then opens
+        remote.proxy.clear()
+        for _ in range(2):
+            assert folder.list() == names and folder.is_folder()
+            assert [(folder / n).stat() for n in names] == [500] * 3
+            assert [(folder / n).open().size() for n in names] == [500] * 3
+        return len(remote.proxy.requests)
+
+    assert look() >= 2 * 4 * len(names)  # unscoped: a journal HEAD and a HEAD per open and stat
+    with one_look():
+        assert look() == 2  # the journal beside the folder (absent) and one listing with the sizes
+
+
+def test_an_object_replaced_after_the_look_fails_its_read(remote):
+    storage = remote.storage()
+    _put(storage, remote.loc("r/x.bin"), b"1" * 1000)
+    folder = at(storage, remote.loc("r"))
+    with one_look():
+        assert folder.list() == ["x.bin"]
+        _put(storage, remote.loc("r/x.bin"), b"2" * 1000)
+        handle = (folder / "x.bin").open()  # its length and ETag from the listing: the old ones
+        with pytest.raises(CheckpointError, match="replaced while being read"):
+            handle.readinto(memoryview(bytearray(10)), 0)
+    buf = bytearray(10)
+    (folder / "x.bin").open().readinto(memoryview(buf), 0)  # a new look: the new object
+    assert bytes(buf) == b"2" * 10
 
 
 def test_positional_writes_are_refused(remote):

@@ -4,6 +4,7 @@ layout, read with pieces and a window far smaller than the tensors, equals ``spl
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import safetensors.torch as st
@@ -74,3 +75,17 @@ def test_a_truncated_file_raises_without_hanging(tmp_path):
 def test_num_threads_is_checked(ckpt):
     with pytest.raises(ValueError, match="num_threads must be a positive int"):
         RegionReader(ckpt.headers, num_threads=0)
+
+
+def test_a_load_from_an_object_store_reads_with_its_requests_in_flight(monkeypatch):
+    """Reader threads default to an object store's concurrency (its reads wait on the network),
+    to cores elsewhere; an explicit num_threads wins."""
+    from shardwise.io.load import reader_threads
+    from shardwise.io.storage import locate
+    from shardwise.io.storage.objects import ObjectStorage
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    cores = max(1, min(8, os.cpu_count() or 1))
+    assert reader_threads(None, ObjectStorage("s3", concurrency=24)) == 24
+    assert reader_threads(None, locate("ckpt").storage) == cores
+    assert reader_threads(3, ObjectStorage("s3")) == 3

@@ -14,16 +14,23 @@ each rank the boxes of its needs that its peers fetched (:func:`shardwise.core.s
 
 :func:`read_exchanged` runs it: every rank gathers the needs, plans, reads its direct tensors,
 then per round fetches its slab, agrees with every rank that no read failed (``comm.agree``:
-a failed read raises on every rank, carrying its message, before any exchange), and exchanges.
-Each local tensor is finalized once its last box arrives, with what a storage read gives: a
-host tensor of the stored dtype and the local shape. A rank that fails before it (opening the
-checkpoint, matching keys) has told its peers already: ``sw.load`` agrees on those steps first.
+a failed read raises on every rank, carrying its message, before any exchange), and exchanges,
+the next round's slab fetched meanwhile. Each local tensor is finalized once its last box
+arrives, with what a storage read gives: a host tensor of the stored dtype and the local shape.
+A rank that fails before it (opening the checkpoint, matching keys) has told its peers already:
+``sw.load`` agrees on those steps first.
+
+Memory: the job's round is ``ROUND_BYTES``, a rank's slab ``ROUND_BYTES / world``; a rank holds
+its slab and the next one, a send buffer of at most what its slab sends to the ``world - 1``
+others, and a receive buffer of at most their slabs: about ``2 * ROUND_BYTES`` (the send and
+receive buffers are allocated once, at the largest round, and reused) beyond the local tensors.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +44,7 @@ from shardwise.io.formats.safetensors.mapped import contiguous_span
 from shardwise.io.formats.safetensors.reader import Finalize, ReadItem, RegionReader
 from shardwise.mesh import MeshDims
 
-ROUND_BYTES = 256 << 20  # a rank's slab per round: what it holds between its fetch and the exchange
+ROUND_BYTES = 64 << 20  # the job's slabs per round: a rank's round buffers stay near twice this
 Key = tuple[str, str]  # a stored tensor: (file, tensor name)
 
 
@@ -219,8 +226,8 @@ def read_exchanged(reader: RegionReader, items: list[ReadItem], *, finalize: Fin
     mine = [Need(i, (str(it.path), it.entry.name), tuple(it.layout)) for i, it in enumerate(items)]
     needs = comm.all_gather_object(mine, purpose="the regions every rank reads from the object store")
     tensors = _tensors(needs, files)
-    me = dist.get_rank()
-    plan = plan_exchange(needs, tensors, me, window=window or ROUND_BYTES)
+    me, world = dist.get_rank(), dist.get_world_size()
+    plan = plan_exchange(needs, tensors, me, window=max(1, (window or ROUND_BYTES) // world))
     results: dict = {}
 
     def take(item: ReadItem, raw: torch.Tensor):
@@ -234,16 +241,26 @@ def read_exchanged(reader: RegionReader, items: list[ReadItem], *, finalize: Fin
     except Exception as e:  # told to every rank by agree() below, then raised here
         error = e
     landing = _Landing(items, take, results)
-    for number, rnd in enumerate(plan.rounds or (None,)):
-        fetched: list[torch.Tensor] = []
-        if error is None and rnd is not None:
-            try:
-                fetched = _fetch(reader, files, tensors, rnd.fetch)
-            except Exception as e:  # as above
-                error = e
-        comm.agree(backend, error, what="reading the checkpoint from the object store")
-        if rnd is not None:
-            _exchange(rnd, fetched, items, landing, backend, number)
+    buffers = _Buffers(plan.rounds, items, me, world, comm.device_for(None, backend=backend))
+    rounds = plan.rounds or (None,)
+    with ThreadPoolExecutor(1, thread_name_prefix="shardwise-slab") as ahead:
+        def start(number: int) -> Future | None:
+            rnd = rounds[number] if number < len(rounds) else None
+            return None if error is not None or rnd is None else \
+                ahead.submit(_fetch, reader, files, tensors, rnd.fetch)
+
+        pending = start(0)
+        for number, rnd in enumerate(rounds):
+            fetched: list[torch.Tensor] = []
+            if pending is not None:
+                try:
+                    fetched = pending.result()
+                except Exception as e:  # as above
+                    error = e
+            pending = start(number + 1)  # the next slab comes while this one is exchanged
+            comm.agree(backend, error, what="reading the checkpoint from the object store")
+            if rnd is not None:
+                _exchange(rnd, fetched, items, landing, backend, number, buffers)
     landing.check()
     return results
 
@@ -299,27 +316,65 @@ class _Landing:
         assert not missing and not self.raw, (missing, list(self.raw))  # the plan covers every need
 
 
-def _exchange(rnd: Round, fetched: list[torch.Tensor], items: list[ReadItem], landing: _Landing,
-              backend, number: int) -> None:
-    """One round's all_to_all: each send packed as bytes in plan order, each receive unpacked."""
-    world, me = dist.get_world_size(), dist.get_rank()
-    parts: list[list[torch.Tensor]] = [[] for _ in range(world)]
+class _Buffers:
+    """The send and receive buffers of every round: sized once for the largest, then reused
+    (a fresh pair per round would be allocated and faulted in again each time)."""
+
+    def __init__(self, rounds: Sequence[Round], items: list[ReadItem], me: int, world: int,
+                 device: torch.device):
+        self.sizes = [_sizes(rnd, items, me, world) for rnd in rounds]
+        self._send = torch.empty(max((sum(s) for s, _ in self.sizes), default=0), dtype=torch.uint8)
+        self._recv = torch.empty(max((sum(r) for _, r in self.sizes), default=0), dtype=torch.uint8,
+                                 device=device)
+
+    def send(self, n: int) -> torch.Tensor:
+        return self._send[:n]
+
+    def recv(self, n: int) -> torch.Tensor:
+        return self._recv[:n]
+
+
+def _sizes(rnd: Round, items: list[ReadItem], me: int, world: int) -> tuple[list[int], list[int]]:
+    """The bytes ``rnd`` sends to and receives from each rank (none to or from itself)."""
+    send, recv = [0] * world, [0] * world
     for move in rnd.sends:
-        box = fetched[move.piece][_box_in(rnd.fetch[move.piece], move.box)]
-        parts[move.peer].append(box.reshape(-1).view(torch.uint8))
-    send_sizes = [sum(p.numel() for p in ps) for ps in parts]
-    recv_sizes = [0] * world
+        send[move.peer] += move.box.numel * items[move.item].entry.itemsize
     for move in rnd.receives:
         if move.peer != me:
-            recv_sizes[move.peer] += move.box.numel * items[move.item].entry.itemsize
-    device = comm.device_for(None, backend=backend)
-    flat = [p for ps in parts for p in ps]
-    send = (torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8)).to(device)
-    recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
-    comm.all_to_all_single(recv, send, recv_sizes, send_sizes, backend=backend,
+            recv[move.peer] += move.box.numel * items[move.item].entry.itemsize
+    return send, recv
+
+
+def _as_bytes(buf: torch.Tensor, at: int, n: int, dtype: torch.dtype, shape) -> torch.Tensor | None:
+    """``buf[at:at + n]`` (uint8) seen as a ``dtype`` tensor of ``shape``, None where ``at`` is
+    not aligned for ``dtype`` (a view cannot start mid-element)."""
+    if at % torch.empty((), dtype=dtype).element_size():
+        return None
+    return buf[at:at + n].view(dtype).view(shape)
+
+
+def _exchange(rnd: Round, fetched: list[torch.Tensor], items: list[ReadItem], landing: _Landing,
+              backend, number: int, buffers: _Buffers) -> None:
+    """One round's all_to_all: each box copied once into the send buffer in plan order, each
+    received box copied once from the receive buffer into its local tensor."""
+    me = dist.get_rank()
+    send_sizes, recv_sizes = buffers.sizes[number]
+    send = buffers.send(sum(send_sizes))
+    at = 0
+    for move in rnd.sends:
+        box = fetched[move.piece][_box_in(rnd.fetch[move.piece], move.box)]
+        n = box.numel() * box.element_size()
+        view = _as_bytes(send, at, n, box.dtype, box.shape)
+        if view is not None:
+            view.copy_(box)
+        else:
+            send[at:at + n].copy_(box.contiguous().reshape(-1).view(torch.uint8))
+        at += n
+    recv = buffers.recv(sum(recv_sizes))
+    comm.all_to_all_single(recv, send.to(recv.device), recv_sizes, send_sizes, backend=backend,
                            purpose=f"round {number} of the exchange of the checkpoint's slabs")
     recv = recv.cpu()
-    starts = [sum(recv_sizes[:r]) for r in range(world)]
+    starts = [sum(recv_sizes[:r]) for r in range(len(recv_sizes))]
     for move in rnd.receives:
         dtype = items[move.item].entry.torch_dtype
         if move.peer == me:
@@ -327,7 +382,10 @@ def _exchange(rnd: Round, fetched: list[torch.Tensor], items: list[ReadItem], la
         else:
             n = move.box.numel * items[move.item].entry.itemsize
             at = starts[move.peer]
-            data = recv[at:at + n].clone().view(dtype).view(move.box.sizes)  # clone: aligned for dtype
+            aligned = _as_bytes(recv, at, n, dtype, move.box.sizes)
+            if aligned is None:  # misaligned: a copy that is
+                aligned = recv[at:at + n].clone().view(dtype).view(move.box.sizes)
+            data = aligned
             starts[move.peer] += n
         landing.put(move, data)
 

@@ -36,6 +36,7 @@ from shardwise.io.formats.safetensors.keys import check_dtype, listing, match_ke
 from shardwise.io.guards import check_mesh, check_model, check_options
 from shardwise.io.source import ReadOptions
 from shardwise.io.storage import Location, locate
+from shardwise.io.storage.lookups import one_look
 from shardwise.mesh import decode_mesh
 from shardwise.parallel import get_shard_state, resolve_for_mesh
 from shardwise.quant import check_quantized_load, check_quantized_source, drop_quantization_config
@@ -87,7 +88,8 @@ def load(model: nn.Module, path: str | os.PathLike | Location, *, plan, mesh,
     registered storage (``scheme://...``, its factory given ``storage_options``). ``dtype`` casts
     floating-point tensors after slicing (``None`` keeps the file's dtypes). ``strict``
     raises on missing keys; a shape that disagrees with the model always raises.
-    ``num_threads`` read in parallel (default ``min(8, cpus / ranks on this host)``);
+    ``num_threads`` read in parallel (default ``min(8, cpus / ranks on this host)``, or an object
+    store's requests in flight, its ``concurrency``);
     ``progress`` shows a tqdm bar on rank 0 (default: when stderr is a terminal).
     ``holding`` is ``"dtensor"`` or ``"local"`` (default: the backend's).
     Unknown keyword options raise ``TypeError``; ``device_map`` and other placement
@@ -127,25 +129,26 @@ def load(model: nn.Module, path: str | os.PathLike | Location, *, plan, mesh,
     # is): a rank that fails before it tells its peers here, or they would wait in the read's
     # first collective until the timeout.
     collective = exchanges(where.storage, dims)
-    try:
-        source = open_source(where, dequantize=dequantize)
-        check_quantized_source(source, specs, mesh)
-        missing, unexpected = source.match(model, specs, strict=strict)
-        check_nothing_left_on_meta(model, specs, missing)
-        place = dims.holding.placement(model, specs, dims, dtype)
-        names = [n for n in specs if n not in missing]
-        reads = source.plan(place.wants(names))
-    except Exception as e:
+    with one_look():  # an object store's listings, HEADs and journal asked once in this load
+        try:
+            source = open_source(where, dequantize=dequantize)
+            check_quantized_source(source, specs, mesh)
+            missing, unexpected = source.match(model, specs, strict=strict)
+            check_nothing_left_on_meta(model, specs, missing)
+            place = dims.holding.placement(model, specs, dims, dtype)
+            names = [n for n in specs if n not in missing]
+            reads = source.plan(place.wants(names))
+        except Exception as e:
+            if collective:
+                agree(dims.comm_backend, e, what=f"opening {where}")
+            raise
         if collective:
-            agree(dims.comm_backend, e, what=f"opening {where}")
-        raise
-    if collective:
-        agree(dims.comm_backend, None, what=f"opening {where}")
-    how = ReadOptions(dtype, place.device, reader_threads(num_threads),
-                      replicas=dims if dims.shares_reads else None, window=place.window,
-                      backend=dims.comm_backend, mesh=dims)
-    with Progress(reads.nbytes, progress, is_rank0(), "shardwise load") as bar:
-        tensors = source.read(reads, finalize=place.finalize, options=how, on_bytes=bar)
+            agree(dims.comm_backend, None, what=f"opening {where}")
+        how = ReadOptions(dtype, place.device, reader_threads(num_threads, where.storage),
+                          replicas=dims if dims.shares_reads else None, window=place.window,
+                          backend=dims.comm_backend, mesh=dims)
+        with Progress(reads.nbytes, progress, is_rank0(), "shardwise load") as bar:
+            tensors = source.read(reads, finalize=place.finalize, options=how, on_bytes=bar)
     place.install(model, tensors, missing)
     move_non_persistent(model, dims.device)
     if dequantize:
@@ -189,10 +192,15 @@ def move_non_persistent(model: nn.Module, device: torch.device) -> None:
 
 
 
-def reader_threads(asked: int | None) -> int:
-    """The reader threads of a load: ``asked``, else ``min(8, cpus / ranks on this host)``."""
+def reader_threads(asked: int | None, storage=None) -> int:
+    """The reader threads of a load: ``asked``, else the requests in flight that ``storage``
+    declares (``concurrency``: an object store, whose reads wait on the network, not on cores),
+    else ``min(8, cpus / ranks on this host)``."""
     if asked is not None:
         return asked
+    in_flight = getattr(storage, "concurrency", None)
+    if isinstance(in_flight, int) and in_flight > 0:
+        return in_flight
     # The ranks on this host share its cores (torchrun and sw.launch set LOCAL_WORLD_SIZE).
     try:
         local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))

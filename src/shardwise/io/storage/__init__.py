@@ -197,7 +197,9 @@ class Storage(Protocol):
     reads; a save is the module doc's order. A storage where each request costs a round trip
     declares ``fetch_once = True``: a load over a process group then reads each byte once per
     job, in whole ranges, and the ranks exchange the rest (``shardwise.io.exchange``); absent
-    or False, every rank reads its own regions. A storage that cannot hold a save declares
+    or False, every rank reads its own regions. One whose reads wait on the network declares
+    ``concurrency``, the requests it keeps in flight: a load's reader threads default to it. A
+    storage that cannot hold a save declares
     ``read_only``, a str saying why (``transaction.target_path`` refuses a save with it)."""
 
     def open(self, location: Location) -> ReadHandle:

@@ -34,7 +34,8 @@ from typing import Any, cast
 
 from shardwise.errors import CheckpointError, UsageError
 from shardwise.io.storage import Location
-from shardwise.io.storage.objects import CONCURRENCY, PART_SIZE, RETRIES, ObjectFile, publishing, redirect
+from shardwise.io.storage.lookups import publishing, redirect
+from shardwise.io.storage.objects import CONCURRENCY, PART_SIZE, RETRIES, ObjectFile
 from shardwise.io.storage.objects_write import Publish
 
 # Schemes a save refuses, and why: what the filesystem calls a write is no checkpoint save.
@@ -63,7 +64,7 @@ def _fsspec():
 
 class FsspecStorage:
     """The storage of one fsspec filesystem (one scheme, one configuration). Keys are paths
-    below the scheme; the ``bucket`` argument of the shared helpers (``objects.publishing``,
+    below the scheme; the ``bucket`` argument of the shared helpers (``lookups.publishing``,
     ``redirect``) is always "". Every method may be called from any thread."""
 
     positional_writes = False
@@ -254,7 +255,7 @@ class FsspecFile(ObjectFile):
         super().__init__(cast(Any, storage), "", key, size, None)
         self.source = storage
 
-    def fetch(self, start: int, end: int):
+    def fetch(self, start: int, end: int, land) -> None:
         def request():
             data = self.source.read_range(self.key, start, end, self._size)
             if len(data) != end - start:
@@ -262,7 +263,7 @@ class FsspecFile(ObjectFile):
                              "under the reader, or the server ignored the Range)")
             return data
 
-        return self.source.call(request, f"reading {self.name} bytes [{start}, {end})")
+        land(0, memoryview(self.source.call(request, f"reading {self.name} bytes [{start}, {end})")))
 
 
 class FsspecWriter:

@@ -25,13 +25,14 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.errors import CheckpointError, UsageError
+from shardwise.io.storage.lookups import listed, publishing, redirect, remembered
 
-PUBLISH_MARK = ".shardwise-publish.json"  # the journal of a publish (objects_write.Publish)
 PART_SIZE = 8 << 20     # bytes per ranged GET and per multipart part
 MIN_PART = 5 << 20      # S3's smallest part of a multipart upload (but the last)
 CONCURRENCY = 16        # requests in flight per storage
 RETRIES = 6             # attempts of one request beyond obstore's own retries
 WASTE = 1 / 20          # a coalesced request reads at most this much more than asked
+CHUNK = 1 << 20         # a body is landed in chunks of at least this many bytes as it arrives
 _SECRET_KEYS = ("secret", "token", "password", "key", "credential", "service_account")
 
 
@@ -142,14 +143,19 @@ class ObjectStorage:
         pending = publishing(self, bucket, key)
         if pending is not None:  # a save under way or interrupted: the new checkpoint, whole, or none
             return [] if pending.get("direct") else sorted(pending["files"])
+        prefix = f"{key}/" if key else ""
+        return sorted(remembered((self, "list", bucket, prefix), lambda: self._list(bucket, prefix)))
+
+    def _list(self, bucket: str, prefix: str) -> dict[str, dict | None]:
+        """``{name: its HEAD's metadata (an object) or None (a folder)}`` directly under ``prefix``."""
         import obstore
 
-        prefix = f"{key}/" if key else ""
         found = self.call(lambda: obstore.list_with_delimiter(self.store(bucket), prefix=prefix or None),
                           f"listing {self.url(bucket, prefix)}")
-        names = [o["path"][len(prefix):] for o in found["objects"]]
-        names += [p[len(prefix):].rstrip("/") for p in found["common_prefixes"]]
-        return sorted(n for n in names if n)
+        names: dict[str, dict | None] = {o["path"][len(prefix):]: o for o in found["objects"]}
+        for folder in found["common_prefixes"]:
+            names.setdefault(folder[len(prefix):].rstrip("/"), None)
+        return {n: meta for n, meta in names.items() if n}
 
     def is_folder(self, location) -> bool:
         return bool(self.list(location))  # a prefix with objects under it
@@ -181,11 +187,22 @@ class ObjectStorage:
                          f"GET {self.url(bucket, key)}")
 
     def head(self, bucket: str, key: str) -> dict | None:
+        """The object's metadata (size, ETag), None when absent; inside ``lookups.one_look``
+        answered by a listing of its prefix made in the same scope, when there is one."""
+        if not key:
+            return None
+        parent, _, name = key.rpartition("/")
+        listing = listed((self, "list", bucket, f"{parent}/" if parent else ""))
+        if listing is not None and name not in listing:
+            return None
+        if listing is not None and (listing[name] or {}).get("e_tag"):  # the ETag check needs one
+            return listing[name]
+        return remembered((self, "head", bucket, key), lambda: self._head(bucket, key))
+
+    def _head(self, bucket: str, key: str) -> dict | None:
         import obstore
         from obstore.exceptions import NotFoundError
 
-        if not key:
-            return None
         try:
             return self.call(lambda: obstore.head(self.store(bucket), key), f"HEAD {self.url(bucket, key)}",
                              fatal=(NotFoundError, FileNotFoundError))
@@ -241,38 +258,6 @@ def _secrets(options: dict) -> list[str]:
     return sorted({s for s in found if len(s) >= 4}, key=len, reverse=True)
 
 
-def beside(key: str, mark: str) -> str:
-    parent, _, name = key.rpartition("/")
-    return f"{parent}/.{name}{mark}" if parent else f".{name}{mark}"
-
-
-def publishing(storage, bucket: str, key: str) -> dict | None:
-    """The journal of a save to ``key`` under way or interrupted, else None (any storage's):
-    a publish of a staged checkpoint, or ``{"direct": True}``, a save into the empty prefix."""
-    if not key or storage.head(bucket, beside(key, PUBLISH_MARK)) is None:
-        return None
-    raw = storage.get_bytes(bucket, beside(key, PUBLISH_MARK))
-    try:
-        journal = json.loads(raw)
-        assert journal.get("direct") is True or (isinstance(journal["staging"], str)
-                                                 and isinstance(journal["files"], list))
-    except (ValueError, KeyError, TypeError, AssertionError, AttributeError) as e:
-        raise CheckpointError(f"{storage.url(bucket, beside(key, PUBLISH_MARK))}: not a publish journal "
-                              f"({e}); delete it if no save is running") from None
-    return journal
-
-
-def redirect(storage, bucket: str, key: str) -> tuple[str, str]:
-    """Where ``bucket/key`` is read: in the staging prefix while its folder is being published."""
-    folder, _, name = key.rpartition("/")
-    journal = publishing(storage, bucket, folder) if folder else None
-    if journal is not None and journal.get("direct"):  # empty until commit: a key never written
-        return bucket, f"{beside(folder, PUBLISH_MARK)}/{name}"
-    if journal is None or name not in journal["files"]:
-        return bucket, key
-    return bucket, f"{journal['staging']}/{name}"
-
-
 class _Short(Exception):
     """A body shorter or longer than the range asked for: retried, never used."""
 
@@ -288,8 +273,10 @@ class ObjectFile:
     def size(self) -> int:
         return self._size  # an object does not change length in place; a GET sees a replacement
 
-    def fetch(self, start: int, end: int):
-        """The bytes ``[start, end)`` of the object, whole and of the opened version."""
+    def fetch(self, start: int, end: int, land) -> None:
+        """Hand the bytes ``[start, end)`` of the object, of the opened version, to ``land(offset
+        in the range, chunk)`` as they arrive: no whole body is held (16 in flight x 8 MiB would
+        be 128 MiB). A failed attempt is retried from the start, landing every byte again."""
         import obstore
 
         def request():
@@ -298,12 +285,14 @@ class ObjectFile:
             if self._etag and etag and etag.strip('"') != self._etag.strip('"'):
                 raise CheckpointError(f"{self.name}: the object was replaced while being read (ETag "
                                       f"{self._etag} when opened, {etag} now); load it again")
-            data = result.bytes()
-            if len(data) != end - start:
-                raise _Short(f"{len(data)} bytes in the body of a {end - start}-byte range")
-            return data
+            got = 0
+            for chunk in result.stream(min_chunk_size=CHUNK):
+                land(got, memoryview(chunk))
+                got += len(chunk)
+            if got != end - start:
+                raise _Short(f"{got} bytes in the body of a {end - start}-byte range")
 
-        return self.storage.call(request, f"GET {self.name} bytes [{start}, {end})")
+        self.storage.call(request, f"GET {self.name} bytes [{start}, {end})")
 
     def _check(self, start: int, end: int) -> None:
         if start < 0 or end > self._size:
@@ -333,9 +322,14 @@ class ObjectFile:
         """Fetch each ``(start, end, [(buf offset, offset in the body, length)])``, many at once."""
         def one(request):
             start, end, placed = request
-            body = memoryview(self.fetch(start, end))
-            for at, inner, n in placed:
-                buf[at:at + n] = body[inner:inner + n]
+
+            def land(offset: int, chunk: memoryview) -> None:  # the parts of buf the chunk covers
+                for at, inner, n in placed:
+                    lo, hi = max(inner, offset), min(inner + n, offset + len(chunk))
+                    if lo < hi:
+                        buf[at + lo - inner:at + hi - inner] = chunk[lo - offset:hi - offset]
+
+            self.fetch(start, end, land)
 
         if len(requests) == 1:
             one(requests[0])
@@ -396,5 +390,4 @@ def factory(scheme: str):
     return make
 
 
-__all__ = ["PUBLISH_MARK", "ObjectFile", "ObjectStorage", "coalesce", "factory", "publishing", "redirect",
-           "split_location"]
+__all__ = ["ObjectFile", "ObjectStorage", "coalesce", "factory", "split_location"]

@@ -43,7 +43,8 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from shardwise.errors import CheckpointError, UsageError
-from shardwise.io.storage.objects import PUBLISH_MARK, ObjectStorage, beside, publishing, split_location
+from shardwise.io.storage.lookups import PUBLISH_MARK, beside, publishing
+from shardwise.io.storage.objects import ObjectStorage, split_location
 from shardwise.io.storage.transaction import TMP_MARK, _owner
 
 # The files a checkpoint prefix may hold for overwrite=True to replace it (as the local

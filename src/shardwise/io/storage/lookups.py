@@ -1,0 +1,101 @@
+"""What a read of an object store asks before its data: where an object is read (the publish
+journal's redirect) and what is there (listings, sizes, ETags), shared by ``objects`` and
+``fsspec``; and :func:`one_look`, the scope in which a load asks each of them once.
+
+A store answers each question with a round trip. Unscoped, every ``open`` / ``stat`` / ``list``
+asks again: a load of a 4-file checkpoint made ~13 listings and ~40 HEADs (the journal beside
+the checkpoint once per object). Inside ``one_look()`` a storage keeps each answer (a HEAD, a
+listing with its objects' sizes and ETags, a journal) until the scope ends, so a load asks each
+once. That is safe because the data GETs still check the ETag each object had when it was
+looked up: an object replaced after the look fails its read, never mixes; a publish under way
+when the load looks is followed for the whole load. The memo is this thread's (a contextvar);
+pool threads ask the store themselves.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+from shardwise.errors import CheckpointError
+
+PUBLISH_MARK = ".shardwise-publish.json"  # the journal of a publish (objects_write.Publish)
+
+_MEMO: ContextVar[dict | None] = ContextVar("shardwise_storage_memo", default=None)
+
+
+@contextmanager
+def one_look() -> Iterator[None]:
+    """Within the block, each storage question of this thread is asked of the store once
+    (nested blocks share the outer one's answers). Every rank's load runs in one.
+
+    >>> with one_look():                                  # doctest: +SKIP
+    ...     source = open_source(locate("s3://bucket/ckpt"))
+    """
+    if _MEMO.get() is not None:
+        yield
+        return
+    token = _MEMO.set({})
+    try:
+        yield
+    finally:
+        _MEMO.reset(token)
+
+
+def remembered(key: tuple, ask: Callable):
+    """``ask()``, or inside :func:`one_look` its answer for ``key`` from the first time."""
+    memo = _MEMO.get()
+    if memo is None:
+        return ask()
+    if key not in memo:
+        memo[key] = ask()
+    return memo[key]
+
+
+def listed(key: tuple):
+    """What :func:`remembered` holds for ``key`` inside :func:`one_look`, else None."""
+    memo = _MEMO.get()
+    return None if memo is None else memo.get(key)
+
+
+def beside(key: str, mark: str) -> str:
+    parent, _, name = key.rpartition("/")
+    return f"{parent}/.{name}{mark}" if parent else f".{name}{mark}"
+
+
+def publishing(storage, bucket: str, key: str) -> dict | None:
+    """The journal of a save to ``key`` under way or interrupted, else None (any storage's):
+    a publish of a staged checkpoint, or ``{"direct": True}``, a save into the empty prefix."""
+    if not key:
+        return None
+    return remembered((storage, "journal", bucket, key), lambda: _journal(storage, bucket, key))
+
+
+def _journal(storage, bucket: str, key: str) -> dict | None:
+    if storage.head(bucket, beside(key, PUBLISH_MARK)) is None:
+        return None
+    raw = storage.get_bytes(bucket, beside(key, PUBLISH_MARK))
+    try:
+        journal = json.loads(raw)
+        assert journal.get("direct") is True or (isinstance(journal["staging"], str)
+                                                 and isinstance(journal["files"], list))
+    except (ValueError, KeyError, TypeError, AssertionError, AttributeError) as e:
+        raise CheckpointError(f"{storage.url(bucket, beside(key, PUBLISH_MARK))}: not a publish journal "
+                              f"({e}); delete it if no save is running") from None
+    return journal
+
+
+def redirect(storage, bucket: str, key: str) -> tuple[str, str]:
+    """Where ``bucket/key`` is read: in the staging prefix while its folder is being published."""
+    folder, _, name = key.rpartition("/")
+    journal = publishing(storage, bucket, folder) if folder else None
+    if journal is not None and journal.get("direct"):  # empty until commit: a key never written
+        return bucket, f"{beside(folder, PUBLISH_MARK)}/{name}"
+    if journal is None or name not in journal["files"]:
+        return bucket, key
+    return bucket, f"{journal['staging']}/{name}"
+
+
+__all__ = ["PUBLISH_MARK", "beside", "listed", "one_look", "publishing", "redirect", "remembered"]
