@@ -25,7 +25,7 @@ from test_publish import _left
 
 import shardwise as sw
 from models import make_model, tiny_plan
-from shardwise.io.storage.objects import PUBLISH_MARK
+from shardwise.io.storage.lookups import PUBLISH_MARK
 from shardwise.parallel import get_shard_state, local_of
 from shardwise.testing import spawn
 
