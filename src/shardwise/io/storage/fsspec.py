@@ -26,16 +26,14 @@ from __future__ import annotations
 import builtins
 import json
 import os
-import random
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
 from shardwise.errors import CheckpointError, UsageError
 from shardwise.io.storage import Location
 from shardwise.io.storage.lookups import publishing, redirect
-from shardwise.io.storage.objects import CONCURRENCY, PART_SIZE, RETRIES, ObjectFile
+from shardwise.io.storage.objects import CONCURRENCY, PART_SIZE, RETRIES, ObjectFile, retried
 from shardwise.io.storage.objects_write import Publish
 
 # Schemes a save refuses, and why: what the filesystem calls a write is no checkpoint save.
@@ -207,27 +205,10 @@ class FsspecStorage:
             return f.read(end - start)
 
     def call(self, request, what: str, *, fatal: tuple = ()):
-        """``request()``, retried with jittered exponential backoff on every fault but those that
-        waiting does not change (absent, denied, refused, a 4xx answer, or ``fatal``); then one
-        ``CheckpointError`` naming ``what`` and the last fault, its secrets blanked."""
-        last: object = None
-        for attempt in range(self.retries + 1):
-            try:
-                return request()
-            except fatal:
-                raise
-            except (CheckpointError, UsageError):
-                raise
-            except _Short as e:
-                last = e
-            except Exception as e:  # a reset, a timeout, a 5xx, ... or a final answer
-                if _final(e):
-                    raise CheckpointError(f"{what}: {type(e).__name__}: {self.scrub(e)}") from None
-                last = e
-            if attempt < self.retries:
-                time.sleep(min(2.0, 0.05 * 2 ** attempt) * (0.5 + random.random()))
-        raise CheckpointError(f"{what}: failed {self.retries + 1} times, the last: "
-                              f"{self.scrub(last)}") from None
+        """``objects.retried`` ``request()``: final are the faults that waiting does not change
+        (absent, denied, refused, a 4xx answer), and ``fatal``."""
+        return retried(request, what, retries=self.retries, scrub=self.scrub, is_final=_final, fatal=fatal,
+                       name_final=True)
 
 
 def _final(error: Exception) -> bool:

@@ -210,9 +210,7 @@ class ObjectStorage:
             return None
 
     def call(self, request, what: str, *, fatal: tuple = ()):
-        """``request()``, retried with jittered exponential backoff on every fault but those that
-        cannot pass by waiting (absent, denied, misconfigured, or ``fatal``); then one
-        ``CheckpointError`` naming ``what`` and the last fault."""
+        """:func:`retried` ``request()``; final: absent, denied, misconfigured, a 4xx answer, ``fatal``."""
         from obstore.exceptions import (
             InvalidPathError,
             NotFoundError,
@@ -222,26 +220,35 @@ class ObjectStorage:
         )
 
         final = (InvalidPathError, NotFoundError, FileNotFoundError, PermissionDeniedError,
-                 UnauthenticatedError, UnknownConfigurationKeyError, CheckpointError, UsageError)
-        for attempt in range(self.retries + 1):
-            try:
-                return request()
-            except fatal:
-                raise
-            except final as e:
-                if isinstance(e, CheckpointError | UsageError):
-                    raise
-                raise CheckpointError(f"{what}: {self.scrub(e)}") from None
-            except _Short as e:
-                last: object = e
-            except Exception as e:  # obstore's GenericError: connection resets, timeouts, 5xx, ...
-                if _FINAL_STATUS.search(str(e)):  # ... or an answer that waiting does not change
-                    raise CheckpointError(f"{what}: {self.scrub(e)}") from None
-                last = e
-            if attempt < self.retries:
-                time.sleep(min(2.0, 0.05 * 2 ** attempt) * (0.5 + random.random()))
-        raise CheckpointError(f"{what}: failed {self.retries + 1} times, the last: "
-                              f"{self.scrub(last)}") from None
+                 UnauthenticatedError, UnknownConfigurationKeyError)
+        return retried(request, what, retries=self.retries, scrub=self.scrub, fatal=fatal,
+                       is_final=lambda e: isinstance(e, final) or bool(_FINAL_STATUS.search(str(e))))
+
+
+def retried(request, what: str, *, retries: int, scrub, is_final, fatal: tuple = (),
+            name_final: bool = False):
+    """``request()``, retried with jittered backoff (``retries`` more times) on every fault but
+    ``fatal`` and shardwise's errors (raised as they are) and those ``is_final`` (one
+    ``CheckpointError`` naming ``what``, and the fault's type where ``name_final``); then one
+    ``CheckpointError`` naming ``what`` and the last fault, ``scrub``bed."""
+    last: object = None
+    for attempt in range(retries + 1):
+        try:
+            return request()
+        except fatal:
+            raise
+        except (CheckpointError, UsageError):
+            raise
+        except _Short as e:
+            last = e
+        except Exception as e:  # a reset, a timeout, a 5xx, ... or an answer that waiting does not change
+            if is_final(e):
+                kind = f"{type(e).__name__}: " if name_final else ""
+                raise CheckpointError(f"{what}: {kind}{scrub(e)}") from None
+            last = e
+        if attempt < retries:
+            time.sleep(min(2.0, 0.05 * 2 ** attempt) * (0.5 + random.random()))
+    raise CheckpointError(f"{what}: failed {retries + 1} times, the last: {scrub(last)}") from None
 
 
 _FINAL_STATUS = re.compile(r"status code: (400|401|403|404|405|411|412|416)\b|builder error")
@@ -390,4 +397,4 @@ def factory(scheme: str):
     return make
 
 
-__all__ = ["ObjectFile", "ObjectStorage", "coalesce", "factory", "split_location"]
+__all__ = ["ObjectFile", "ObjectStorage", "coalesce", "factory", "retried", "split_location"]
