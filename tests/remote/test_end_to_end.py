@@ -58,6 +58,14 @@ def test_the_public_verbs_over_an_object_store(remote, tmp_path):
     sw.save(make_model(), tmp_path / "src")  # the source checkpoint on disk, and in the store
     sw.save(make_model(), f"{url}/src", storage_options=options)
     assert sw.diff(f"{url}/src", tmp_path / "src", storage_options=options).identical
+    storage = remote.storage()  # the gather save in the store is the local one, file for file, byte for byte
+    local = {p.name: p.read_bytes() for p in sorted((tmp_path / "src").iterdir())}
+    assert storage.list(remote.loc("src")) == sorted(local)
+    for name, data in local.items():
+        handle = storage.open(remote.loc(f"src/{name}"))
+        got = bytearray(handle.size())
+        handle.readinto(memoryview(got), 0)
+        assert bytes(got) == data, name
     file_bytes = sum(p.stat().st_size for p in (tmp_path / "src").iterdir() if p.suffix == ".safetensors")
 
     remote.proxy.clear()
