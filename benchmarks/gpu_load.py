@@ -46,7 +46,8 @@ _OPTIONAL = {"runai-model-streamer": "runai_model_streamer", "fastsafetensors": 
 
 
 def _llama_config(total_bytes: int) -> dict:
-    """The widest Llama of at most ``total_bytes`` of bf16 with 8 layers or more (heads of 128)."""
+    """The widest Llama of at most ``total_bytes`` of bf16 with 8 layers or more: heads of 128, a
+    multiple of the 8 kv heads."""
     vocab, kv = 32000, 8 * 128
 
     def inter(h):
@@ -55,7 +56,7 @@ def _llama_config(total_bytes: int) -> dict:
     def nbytes(h, layers):
         return 2 * (2 * vocab * h + layers * (2 * h * h + 2 * h * kv + 3 * h * inter(h)))
 
-    h = max([1024] + [h for h in range(1024, 16384, 512) if nbytes(h, 8) <= total_bytes])
+    h = max([1024] + [h for h in range(1024, 16384, 1024) if nbytes(h, 8) <= total_bytes])
     layers = 8
     while nbytes(h, layers + 1) <= total_bytes:
         layers += 1

@@ -21,16 +21,16 @@ python3 -c 'import torch, transformers, safetensors; print("torch", torch.__vers
 status=0
 
 echo "== 1. shardwise validate --backend nccl ($gpus rank(s))"
-timeout 150 torchrun --standalone --nproc-per-node "$gpus" -m shardwise.validate --backend nccl \
+timeout 90 torchrun --standalone --nproc-per-node "$gpus" -m shardwise.validate --backend nccl \
     --json "$out/validate-nccl.json" --markdown "$out/validate-nccl.md" >"$out/validate.log" 2>&1 || status=1
 tail -40 "$out/validate.log"
 
 echo "== 2. backends/nccl/validate.sh"
-timeout 170 bash backends/nccl/validate.sh >"$out/nccl-suite.log" 2>&1 || status=1
+timeout 100 bash backends/nccl/validate.sh >"$out/nccl-suite.log" 2>&1 || status=1
 tail -40 "$out/nccl-suite.log"
 
 echo "== 3. benchmarks/gpu_load.py --size $size"
-(cd benchmarks && timeout 280 python3 gpu_load.py --size "$size" --repeat 3 --out "$out") \
+(cd benchmarks && timeout 330 python3 gpu_load.py --size "$size" --repeat 3 --out "$out") \
     >"$out/gpu-load.log" 2>&1 || status=1
 tail -30 "$out/gpu-load.log"
 echo "== exit $status"

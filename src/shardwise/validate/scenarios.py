@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from torch.distributed.tensor.experimental import implicit_replication
 
 import shardwise as sw
 from shardwise.holding import Holding
@@ -305,7 +306,8 @@ def optimizer_reshard(job: Job, run: Run) -> dict:
     model, backend, later = _loaded(run), job.backend, Deferred()
     out: dict[str, object] = {}
     optimizer = optimizer_for(model.parameters())
-    optimizer.step()
+    with implicit_replication():  # replicated parameters are plain beside DTensors (docs/guide.md)
+        optimizer.step()
     with later:
         out["step1_max_diff"] = compare_tensors(model.named_parameters(), job.golden.after_step,
                                                 _state(model), "after a step,")
@@ -329,7 +331,8 @@ def optimizer_reshard(job: Job, run: Run) -> dict:
     ids, targets = _to_device(job, *batch(1))
     loss_of(resumed(ids), targets).backward()
     sw.clip_grad_norm_(resumed, MAX_NORM)
-    optimizer.step()
+    with implicit_replication():  # replicated parameters are plain beside DTensors (docs/guide.md)
+        optimizer.step()
     with later:
         out["step2_max_diff"] = compare_tensors(resumed.named_parameters(), job.golden.after_two_steps, state,
                                                 f"after the second step at {target.name},")
