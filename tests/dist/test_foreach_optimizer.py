@@ -63,3 +63,35 @@ def test_foreach_under_implicit_replication_equals_the_loop(checkpoint):
     for name in loop:
         assert not torch.equal(torch.from_numpy(loop[name]), start[name]), f"{name} did not move"
         assert torch.equal(torch.from_numpy(loop[name]), torch.from_numpy(fused[name])), name
+
+
+def _save_and_resume(folder: str, optim_folder: str) -> list[str]:
+    """Step, save the optimizer, load it into a fresh foreach optimizer: torch initialises the
+    fresh one's state by stepping it, which is where the H200 run failed inside load_optimizer."""
+    backend = sw.init_backend("gloo")
+    with torch.device("meta"):
+        model = build(None)
+    sw.load(model, folder, plan=tp_plan(), mesh=backend.mesh(tp=2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    ids, targets = batch(0)
+    loss_of(model(ids), targets).backward()
+    with implicit_replication():
+        optimizer.step()
+    sw.save_optimizer(model, optimizer, optim_folder)
+    fresh = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    sw.load_optimizer(model, fresh, optim_folder)
+    wrong = []
+    for name, p in model.named_parameters():
+        for key in ("exp_avg", "exp_avg_sq"):
+            a, b = optimizer.state[p][key], fresh.state[p][key]
+            a, b = (t.full_tensor() if hasattr(t, "full_tensor") else t for t in (a, b))
+            if not torch.equal(a, b):
+                wrong.append(f"{name}.{key}")
+        if float(fresh.state[p]["step"]) != 1.0:
+            wrong.append(f"{name}.step")
+    return wrong
+
+
+def test_load_optimizer_into_a_fresh_foreach_optimizer(checkpoint, tmp_path):
+    wrong = run_ranks(_save_and_resume, 2, checkpoint, str(tmp_path / "optim"))
+    assert wrong == [[], []], wrong

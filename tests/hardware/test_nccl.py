@@ -60,7 +60,8 @@ def test_pinned_staging_is_byte_exact():
     for src, dst in zip(tensors * 3, moved, strict=True):
         assert dst.device == device and dst.dtype == src.dtype and dst.shape == src.shape
         back = dst.cpu()
-        assert torch.equal(back.reshape(-1).view(torch.uint8), src.reshape(-1).view(torch.uint8))  # 0-dim too
+        assert torch.equal(back.contiguous().reshape(-1).view(torch.uint8),  # 0-dim and strided too
+                           src.contiguous().reshape(-1).view(torch.uint8))
     assert stage._made <= 2
     _say(f"pinned staging: {len(moved)} tensors through 2 buffers of 1000 B, byte-exact")
 

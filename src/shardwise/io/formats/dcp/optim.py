@@ -41,8 +41,14 @@ def _get_flat(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, V
     """torch's ``get_optimizer_state_dict`` under :func:`_options`: one value per key (torch
     types its result as the nested form, ``{"state": ..., "param_groups": ...}``)."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    from torch.distributed.tensor.experimental import implicit_replication
 
-    return cast("dict[str, ValueType]", get_optimizer_state_dict(model, optimizer, options=_options()))
+    # torch initialises a fresh optimizer's state by stepping it with zero gradients: with foreach
+    # (a device's default) over DTensor shards beside plain replicated parameters that step
+    # refuses the mix unless the plain ones count as replicated (found on an H200)
+    with implicit_replication():
+        osd = get_optimizer_state_dict(model, optimizer, options=_options())
+    return cast("dict[str, ValueType]", osd)
 
 
 def _param_of(key: str) -> str | None:
@@ -157,6 +163,7 @@ def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: str
     >>> sw.load_optimizer(model, optimizer, "out/optim")            # doctest: +SKIP
     """
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+    from torch.distributed.tensor.experimental import implicit_replication
 
     backend = world_backend()  # the API boundary: the backend of the collectives below
     where = locate(path, storage_options)
@@ -192,7 +199,8 @@ def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: str
             if k not in placed:
                 osd[k] = v
     # flattened, as _options says (torch types the argument as the nested form)
-    set_optimizer_state_dict(model, optimizer, cast("OptimizerStateType", osd), options=_options())
+    with implicit_replication():  # as in _get_flat
+        set_optimizer_state_dict(model, optimizer, cast("OptimizerStateType", osd), options=_options())
 
 
 def _read_to_devices(path, metadata, osd: dict, placed: dict[str, Placed], splits: dict,
