@@ -166,6 +166,15 @@ def _checksum(model) -> dict[str, int]:
     return out
 
 
+def _preimport(method: str) -> None:
+    import accelerate  # noqa: F401
+    import safetensors.torch  # noqa: F401
+    import transformers.models.llama.modeling_llama  # noqa: F401
+
+    if method in _OPTIONAL:
+        __import__(_OPTIONAL[method])
+
+
 def one(method: str, folder: Path, device_name: str, out: Path) -> None:
     """Run in a fresh process: one load, its figures and checks written to ``out`` as JSON."""
     backend = None
@@ -187,6 +196,7 @@ def one(method: str, folder: Path, device_name: str, out: Path) -> None:
         }.items():
             os.environ.setdefault(k, v)
         backend = sw.init_backend("nccl" if device_name == "cuda" else "gloo")
+    _preimport(method)  # imports are not load time: the first H200 run counted them, for every method
     if device_name == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     with PeakRSS() as peak:
