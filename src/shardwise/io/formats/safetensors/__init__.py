@@ -40,9 +40,9 @@ def open_source(path: Location, **options):
 
 
 def writer(**options):
-    """The :class:`~shardwise.io.formats.safetensors.write.SafetensorsSink` (a ``FileSink``)
+    """The :class:`~shardwise.io.formats.safetensors.files.SafetensorsSink` (a ``FileSink``)
     configured by ``options`` (``max_shard_size``, ``prefix``, ``metadata``, ...)."""
-    from shardwise.io.formats.safetensors.write import SafetensorsSink
+    from shardwise.io.formats.safetensors.files import SafetensorsSink
 
     return SafetensorsSink(**options)
 
