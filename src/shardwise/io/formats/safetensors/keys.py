@@ -28,7 +28,7 @@ _SHOW = 20  # names listed in an error before "... and N more"
 class KeyedCheckpoint(Protocol):
     """What :func:`match_keys` reads of a checkpoint whose tensors are stored under their
     names: the safetensors ``Checkpoint`` (``io.formats.safetensors.checkpoint``) and the
-    ``ShardedCheckpoint`` (``io.formats.sharded.checkpoint``). Read only, before any data is."""
+    ``ShardedCheckpoint`` (``io.formats.sharded.source``). Read only, before any data is."""
 
     @property
     def root(self) -> Location:

@@ -1,15 +1,14 @@
 """The sharded safetensors format plugin: the rank-local files torch's
 ``HuggingFaceStorageWriter(save_distributed=True)`` writes (``format="sharded"``), each header's
-``DCP_SHARDING_INFO`` saying where its chunks lie; ``checkpoint`` validates the chunk map,
-``source`` reads, ``write`` writes. No pickle anywhere."""
+``DCP_SHARDING_INFO`` saying where its chunks lie; ``source`` validates the chunk map and
+reads, ``write`` writes. No pickle anywhere."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from shardwise.io.formats import Capabilities
-from shardwise.io.formats.sharded.checkpoint import is_sharded_safetensors
-from shardwise.io.formats.sharded.source import ShardedSource
+from shardwise.io.formats.sharded.source import ShardedSource, is_sharded_safetensors
 
 if TYPE_CHECKING:
     from shardwise.io.storage import Location

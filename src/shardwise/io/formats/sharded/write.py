@@ -21,7 +21,7 @@ from shardwise.errors import CheckpointError
 from shardwise.holding import Holding
 from shardwise.io.formats.dcp.checkpoint import checkpoint_info, model_placed
 from shardwise.io.formats.safetensors.files import StreamingWriter, header_metadata, save_file_order
-from shardwise.io.formats.sharded.checkpoint import check_tiling, sharding_metadata
+from shardwise.io.formats.sharded.source import check_tiling, sharding_metadata
 from shardwise.io.info import ALGORITHM, chunk_key
 from shardwise.io.sink import PlannedFile, Saving, WritePlan
 from shardwise.io.storage import Location
