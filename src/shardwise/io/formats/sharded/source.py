@@ -94,10 +94,6 @@ class ShardedCheckpoint:
                 f"{self.root}: the checkpoint has no tensor {name!r} ({len(self.tensors)} tensors)"
             ) from None
 
-    @property
-    def total_size(self) -> int:
-        return sum(t.nbytes for t in self.tensors.values())
-
 
 # --- detection -----------------------------------------------------------------------------
 
@@ -164,9 +160,9 @@ def file_offsets(path: Location, header: FileHeader) -> dict[str, tuple[int, ...
 
 
 def chunk_map(headers: Mapping[Location, FileHeader]) -> dict[str, ShardedTensor]:
-    """Every tensor's global shape and chunks, from the headers (pure, no data read). Raises
-    ``CheckpointError`` naming file and tensor for missing or inconsistent sharding info, chunks
-    that differ in dtype or rank, or chunks that do not tile the tensor (:func:`check_tiling`)."""
+    """Every tensor's global shape and chunks, from the headers (pure). Raises ``CheckpointError``
+    naming file and tensor for bad sharding info or chunks that differ in dtype or rank or do
+    not tile the tensor."""
     chunks: dict[str, list[Chunk]] = {}
     for path, header in headers.items():
         for name, offsets in file_offsets(path, header).items():
@@ -190,8 +186,7 @@ def chunk_map(headers: Mapping[Location, FileHeader]) -> dict[str, ShardedTensor
 
 def check_tiling(name: str, shape: Sequence[int], pieces: Sequence[tuple[str, Region]]) -> None:
     """Raise ``CheckpointError`` unless the regions of ``pieces`` (``(source, region)``) tile
-    the tensor of ``shape`` exactly: each inside it, no two overlapping, their volumes
-    summing to its volume. Pure; shared by the reader and the writer.
+    the tensor of ``shape`` exactly. Pure; shared by the reader and the writer.
 
     >>> check_tiling("w", (4, 2), [("a", Region((0, 0), (2, 2))), ("b", Region((2, 0), (2, 2)))])
     """
@@ -267,9 +262,6 @@ def sharding_metadata(offsets: Mapping[str, Sequence[int]]) -> dict[str, str]:
 
 # --- reading ----------------------------------------------------------------------------------
 
-Request = tuple[ShardedTensor, Layout]
-
-
 def local_extent(layout: Layout) -> tuple[int, ...]:
     """The local tensor's shape: the layout's regions tile it exactly."""
     ndim = len(layout[0][0].sizes)
@@ -277,8 +269,7 @@ def local_extent(layout: Layout) -> tuple[int, ...]:
 
 
 class ShardedReader:
-    """Local tensors of a :class:`ShardedCheckpoint`, read box by box; a context manager
-    owning the reader's file descriptors.
+    """Local tensors of a :class:`ShardedCheckpoint`, read box by box; a context manager.
 
     >>> with ShardedReader(read_sharded("out/hf_dcp"), num_threads=4) as reader:   # doctest: +SKIP
     ...     local = reader.read({"w": (ckpt.tensors["w"], layout)}, finalize=lambda k, t: t)["w"]
@@ -302,7 +293,8 @@ class ShardedReader:
     def bytes_read(self) -> int:
         return self._reader.bytes_read
 
-    def read(self, requests: Mapping[str, Request], *, finalize: Finalize) -> dict[str, torch.Tensor]:
+    def read(self, requests: Mapping[str, tuple[ShardedTensor, Layout]], *,
+             finalize: Finalize) -> dict[str, torch.Tensor]:
         """``{key: finalize(key, local tensor)}`` for ``requests`` (``{key: (tensor, layout)}``).
         ``finalize`` runs on the reader's threads, once per key, as each tensor completes."""
         assembly = Assembly()
@@ -330,9 +322,8 @@ class ShardedReader:
 
 
 class ShardedSource:
-    """The ``Source`` of a sharded safetensors checkpoint: chunk map validated on opening, keys and
-    shapes matched before any read, each rank reading only the chunk bytes overlapping its
-    regions; no collective. ``close`` releases the read handles."""
+    """The ``Source`` of a sharded safetensors checkpoint: chunk map validated on opening, keys
+    and shapes matched before any read; no collective."""
 
     name = "sharded"
 
@@ -344,7 +335,12 @@ class ShardedSource:
         self._handles = Handles()
 
     def tensors(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        return {t.name: (t.torch_dtype, t.shape) for t in ordered_tensors(self.ckpt)}
+        # the model's order when shardwise recorded it (consolidation then splits files like
+        # sw.save), else by name: the format itself keeps no order
+        recorded = (self.ckpt.info or {}).get("tensors")
+        names = recorded if isinstance(recorded, dict) and set(recorded) == set(self.ckpt.tensors) else None
+        tensors = [self.ckpt.tensors[n] for n in (names or sorted(self.ckpt.tensors))]
+        return {t.name: (t.torch_dtype, t.shape) for t in tensors}
 
     def match(self, model: nn.Module, specs, *, strict: bool) -> tuple[list[str], list[str]]:
         self._sources, missing, unexpected = match_keys(model, specs, self.ckpt, strict=strict)
@@ -395,17 +391,8 @@ class ShardedSource:
         self._handles.close()
 
 
-def ordered_tensors(ckpt: ShardedCheckpoint) -> list[ShardedTensor]:
-    """The model's order when shardwise recorded it (so consolidation splits files like
-    ``sw.save``), else by name: the format itself keeps no order."""
-    recorded = (ckpt.info or {}).get("tensors")
-    if isinstance(recorded, dict) and set(recorded) == set(ckpt.tensors):
-        return [ckpt.tensors[n] for n in recorded]
-    return [ckpt.tensors[n] for n in sorted(ckpt.tensors)]
-
-
 __all__ = [
     "Chunk", "OFFSETS_KEY", "SHARDING_INFO_KEY", "ShardedCheckpoint", "ShardedReader", "ShardedSource",
     "ShardedTensor", "VERSION", "VERSION_KEY", "check_tiling", "chunk_map", "file_offsets",
-    "is_sharded_safetensors", "local_extent", "ordered_tensors", "read_sharded", "sharding_metadata",
+    "is_sharded_safetensors", "local_extent", "read_sharded", "sharding_metadata",
 ]
