@@ -133,11 +133,10 @@ def read_composite_box(handles: Handles, headers: Mapping[Location, FileHeader],
 
 
 def _pieces(item: ReadItem, piece_bytes: int) -> Iterator[tuple[Region, tuple[int, ...]]]:
-    """Each region of ``item`` cut along dim 0 into boxes whose rows span at most
-    ``piece_bytes`` of the file (at least one row), with the box's offset in the local tensor.
-
-    A row counts whole even where the box takes part of it: a column slice is copied out of
-    a mapping of the rows it spans, and that mapping's pages are what a piece holds."""
+    """Each region of ``item`` cut along dim 0 into boxes whose rows span at most ``piece_bytes``
+    of the file (at least one row), with the box's offset in the local tensor. A row counts
+    whole even where the box takes part of it: a column slice is copied out of a mapping of
+    the rows it spans."""
     for region, off in item.layout:
         if region.numel == 0:
             continue
@@ -160,11 +159,9 @@ class _Window:
         self._cond = threading.Condition()
 
     def acquire(self, n: int, held: int = 0) -> None:
-        """Take ``n`` bytes for the next piece of an item that holds ``held`` bytes already.
-
-        Waits only while earlier items hold bytes: all their pieces are queued, so their
-        bytes come back. An item alone may go over the budget (a tensor above the window).
-        """
+        """Take ``n`` bytes for the next piece of an item that holds ``held`` bytes already;
+        waits only while earlier items (all queued, so their bytes come back) hold bytes. An
+        item alone may go over the budget."""
         with self._cond:
             while self.used > held and self.used + n > self.limit and not self.failed:
                 self._cond.wait()
