@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -79,7 +79,7 @@ class Assembly:
     :meth:`take` copies a read box into place and returns ``(key, tensor)`` once its last box
     is in, else None. A tensor with no reads is in :attr:`empty` at once."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.items: list[ReadItem] = []
         self.parts: dict[str, tuple[Any, tuple[slice, ...] | None]] = {}  # item name -> (key, where)
         self.empty: dict[Any, torch.Tensor] = {}
@@ -87,7 +87,7 @@ class Assembly:
         self._lock = threading.Lock()
 
     def add(self, key, shape: tuple[int, ...], dtype: torch.dtype,
-            reads: list[tuple[ReadItem, tuple[slice, ...] | None]]) -> None:
+            reads: Sequence[tuple[ReadItem, tuple[slice, ...] | None]]) -> None:
         if not reads:
             self.empty[key] = torch.empty(shape, dtype=dtype)
             return

@@ -21,8 +21,7 @@ CAPABILITIES = Capabilities(distributed=True, quantized=False, label="sharded sa
 
 def claims(path: Location) -> bool:
     """Whether ``path`` is a folder of safetensors files whose headers carry
-    ``DCP_SHARDING_INFO`` (and no index); reads the files' headers, and a corrupt header
-    raises ``CheckpointError`` naming the file."""
+    ``DCP_SHARDING_INFO`` (``source.is_sharded_safetensors``)."""
     return is_sharded_safetensors(path)
 
 
