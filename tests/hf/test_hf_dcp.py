@@ -22,7 +22,7 @@ import shardwise as sw  # noqa: E402
 from harness import run_ranks  # noqa: E402
 from shardwise.core.plan import plan_from_model  # noqa: E402
 from shardwise.core.spec import split  # noqa: E402
-from shardwise.io.formats.sharded.checkpoint import is_sharded_safetensors, read_sharded  # noqa: E402
+from shardwise.io.formats.sharded.source import is_sharded_safetensors, read_sharded  # noqa: E402
 from shardwise.parallel import local_of  # noqa: E402
 
 KIND = "llama"  # hf_models.forward's input ids (vocab 96)

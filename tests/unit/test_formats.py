@@ -16,7 +16,7 @@ from shardwise.core.header import dtype_to_str, str_to_dtype
 from shardwise.errors import CheckpointError, UsageError
 from shardwise.io import formats
 from shardwise.io.check import inspect_checkpoint
-from shardwise.io.formats.sharded.checkpoint import sharding_metadata
+from shardwise.io.formats.sharded.source import sharding_metadata
 from shardwise.io.info import digest_hex
 from shardwise.io.source import Blob, Description
 from shardwise.io.storage import read_small

@@ -12,8 +12,13 @@ from safetensors.torch import save_file
 import shardwise as sw
 from shardwise.core.spec import Region, ShardSpec, local_layout
 from shardwise.errors import CheckpointError
-from shardwise.io.formats.sharded.checkpoint import is_sharded_safetensors, read_sharded, sharding_metadata
-from shardwise.io.formats.sharded.source import ShardedReader, plan_chunk_reads
+from shardwise.io.formats.safetensors.reader import piece_items
+from shardwise.io.formats.sharded.source import (
+    ShardedReader,
+    is_sharded_safetensors,
+    read_sharded,
+    sharding_metadata,
+)
 from shardwise.io.formats.sharded.write import assign_chunks, num_files, rank_files
 
 W = torch.arange(32, dtype=torch.float32).reshape(8, 4)   # rows split 2 | 3 | 3 over three files
@@ -79,7 +84,7 @@ def test_reads_only_overlapping_chunk_bytes(tmp_path):
         got = reader.read({"c": (ckpt.tensors["c"], layout)}, finalize=lambda k, t: t)["c"]
         assert torch.equal(got, C[:, 2:5])
         assert torch.equal(reader.tensor("b"), B) and reader.tensor("b").dtype == torch.bfloat16
-    reads = plan_chunk_reads(ckpt.tensors["w"], [(Region((0, 0), (2, 4)), (0, 0))])
+    reads = piece_items("w", ckpt.tensors["w"].composite, [(Region((0, 0), (2, 4)), (0, 0))])
     assert [i.path.name for i, _ in reads] == ["shard-00001-model-00001-of-00001.safetensors"]
 
 

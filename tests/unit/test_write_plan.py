@@ -9,8 +9,12 @@ import pytest
 
 from shardwise.core.spec import Region, ShardSpec, local_layout
 from shardwise.errors import CheckpointError
-from shardwise.io.formats.safetensors.files import plan_files, save_file_order
-from shardwise.io.formats.safetensors.write import SafetensorsSink, plan_checkpoint
+from shardwise.io.formats.safetensors.files import (
+    SafetensorsSink,
+    plan_checkpoint,
+    plan_files,
+    save_file_order,
+)
 from shardwise.io.formats.sharded.write import ShardedSafetensorsSink
 from shardwise.io.sink import PlannedFile, StoredTensor, WritePlan
 

@@ -1,11 +1,9 @@
-"""Checkpoint formats as plugins: the one registry, its vocabulary of names, and what each format
-can do (:class:`Capabilities`), which the pipelines ask instead of a format's name. A format is
-a package whose ``__init__`` offers ``NAME``, ``CAPABILITIES``, ``claims(path)``,
-``open_source(path, **options)`` (an ``OpenedSource``) and, by ``CAPABILITIES.distributed``,
-a gathered ``writer(**options)`` (a ``FileSink``, rank 0 writes) or a distributed
-``save(model, path, **options)`` (every rank writes its part); without either it is read only.
-Slow imports go inside those functions. Reading asks DCP first (file names), then sharded
-safetensors (headers), then ordinary safetensors, the last resort, which names what is wrong."""
+"""Checkpoint formats as plugins: the one registry, its names, and what each format can do
+(:class:`Capabilities`, which the pipelines ask instead of a name). A format is a package
+offering ``NAME``, ``CAPABILITIES``, ``claims(path)``, ``open_source(path, **options)`` and, by
+``CAPABILITIES.distributed``, a gathered ``writer(**options)`` (a ``FileSink``) or a distributed
+``save(model, path, **options)``; without either it is read only. Slow imports go inside those
+functions. Reading asks DCP, then sharded safetensors, then safetensors, the last resort."""
 
 from __future__ import annotations
 
@@ -26,14 +24,12 @@ if TYPE_CHECKING:
 class Capabilities:
     """What a format can do, declared by its plugin. ``dequantizes``: reads FP8 weights with
     block scales into plain model tensors per rank; ``distributed``: every rank writes its own
-    part (else rank 0 writes what is gathered to it); ``async_save``: its writer can return
-    before the data is written; ``optimizer``: holds optimizer state; ``quantized``: its writer
-    writes FP8 weights and each scale once; ``scale_regions``: its reader reads each FP8 scale
-    at its own region, so shard boundaries may cut scale blocks; ``parallel_write``: its
-    gathered files can be laid out up front and written by every rank at their offsets;
-    ``label``: what reports call it;
-    ``names``: the names its checkpoints most often hold (``"hub"`` or ``"module"``);
-    ``own_checksums``: what the format itself stores to check its bytes against, or None.
+    part (else rank 0 writes what is gathered); ``async_save``: its save can return before the
+    data is written; ``optimizer``: holds optimizer state; ``quantized``: writes FP8 weights and
+    each scale once; ``scale_regions``: reads each FP8 scale at its own region (shard boundaries
+    may cut scale blocks); ``parallel_write``: its gathered files can be laid out up front and
+    written by every rank; ``label``: what reports call it; ``names``: the names its checkpoints
+    mostly hold (``"hub"`` or ``"module"``); ``own_checksums``: what it stores to check its bytes.
 
     >>> Capabilities(distributed=True).async_save
     False
@@ -109,10 +105,9 @@ def format_of(path: Location | str | os.PathLike) -> ModuleType:
 
 
 def open_source(path: Location | str | os.PathLike, *, dequantize: bool = False) -> OpenedSource:
-    """The :class:`~shardwise.io.source.OpenedSource` of the checkpoint at ``path``, its format
-    detected once (:func:`format_of`). ``dequantize``: FP8 weights with block scales into
-    plain model tensors, for the formats that can (``Capabilities.dequantizes``); asking it of
-    another raises ``UsageError``.
+    """The ``OpenedSource`` of the checkpoint at ``path``, its format detected once.
+    ``dequantize``: FP8 weights with block scales into plain model tensors, for the formats that
+    can (``Capabilities.dequantizes``); asking it of another raises ``UsageError``.
 
     >>> source = open_source(locate("out/dcp"))                                    # doctest: +SKIP
     >>> source.name, len(source.tensors())                                 # doctest: +SKIP
@@ -138,8 +133,10 @@ def save_format(format: str | None, *, distributed: bool) -> ModuleType:
     plugin = get_format(name)
     writes = "save" if plugin.CAPABILITIES.distributed else "writer"
     if not hasattr(plugin, writes):
+        writable = [n for n, p in ((n, get_format(n)) for n in FORMATS)
+                    if hasattr(p, "save" if p.CAPABILITIES.distributed else "writer")]
         raise UsageError(f"format={format!r}: the {name} format is read only (it has no writer); "
-                         f"writable formats: {', '.join(n for n in FORMATS if _writes(n))}")
+                         f"writable formats: {', '.join(writable)}")
     if plugin.CAPABILITIES.distributed and not distributed:
         raise UsageError(f"format={format!r} writes a distributed checkpoint (every rank its own part); "
                          "pass distributed=True too")
@@ -147,11 +144,6 @@ def save_format(format: str | None, *, distributed: bool) -> ModuleType:
         raise UsageError(f"format={format!r} is written by rank 0 from the gathered tensors; drop "
                          "distributed=True, or pick a distributed format (dcp, sharded)")
     return plugin
-
-
-def _writes(name: str) -> bool:
-    plugin = get_format(name)
-    return hasattr(plugin, "save" if plugin.CAPABILITIES.distributed else "writer")
 
 
 __all__ = ["FORMATS", "SAVE_SPELLINGS", "Capabilities", "capabilities", "format_of", "get_format",

@@ -1,9 +1,7 @@
 """The torch distributed checkpoint (DCP) format plugin: ``.distcp`` chunk files and a pickled
-``.metadata``. torch's DCP stays the engine (its planners, reader and writer); shardwise adds
-canonical chunks (``items``), checked metadata (``metadata``), chunk reads and the offline
-reads (``chunks``), the save and load (``checkpoint``) and optimizer state (``optim``). This
-module stays light: torch.distributed.checkpoint (~1.7 s) is imported only when a DCP
-checkpoint is opened or saved."""
+``.metadata``, through torch's DCP planners, reader and writer: canonical chunks (``items``),
+checked metadata (``metadata``), chunk reads (``chunks``), save and load (``checkpoint``),
+optimizer state (``optim``). torch.distributed.checkpoint (~1.7 s) is imported only on use."""
 
 from __future__ import annotations
 
@@ -24,9 +22,8 @@ METADATA_FILE = ".metadata"  # torch DCP writes it last: its absence means an in
 
 
 def claims(path: Location) -> bool:
-    """Whether ``path`` is a folder that looks like a torch distributed checkpoint, from file
-    names only: it has ``.metadata`` or ``*.distcp`` files (maybe incomplete, which its
-    reader then reports)."""
+    """Whether ``path`` is a folder holding ``.metadata`` or ``*.distcp`` files (file names only;
+    an incomplete checkpoint is reported by its reader)."""
     return path.is_folder() and ((path / METADATA_FILE).stat() is not None or bool(path.glob("*.distcp")))
 
 
@@ -43,8 +40,7 @@ def open_source(path: Location, **options):
 
 
 def save(model, path, **options):
-    """Every rank writes its own regions of ``model`` through torch DCP
-    (:func:`~shardwise.io.formats.dcp.checkpoint.save_dcp`); with ``async_save`` a handle."""
+    """Every rank writes its own regions of ``model`` (``checkpoint.save_dcp``)."""
     # deferred: keeps torch.distributed.checkpoint (~1.7 s) off the gather save (sw.save's default)
     from shardwise.io.formats.dcp.checkpoint import save_dcp
 

@@ -1,8 +1,7 @@
 """Distributed checkpoints through torch DCP: every rank writes its own regions as canonical
-chunks (model names, unsharded shapes, replicated tensors once), so a checkpoint loads at any
-degree and in plain ``torch.distributed.checkpoint``. ``shardwise.json`` records the layout and
-every chunk's checksum. A save is one ``Saving`` (complete or absent) on a folder every rank
-sees. The ``.metadata`` is a pickle (allow-listed classes): trust its source."""
+chunks, so a checkpoint loads at any degree and in plain ``torch.distributed.checkpoint``;
+``shardwise.json`` records the layout and every chunk's checksum. A save is one ``Saving``
+(complete or absent). The ``.metadata`` is a pickle (allow-listed classes): trust its source."""
 
 from __future__ import annotations
 
@@ -38,7 +37,7 @@ from shardwise.io.formats.dcp.items import (
     want_layout,
 )
 from shardwise.io.formats.dcp.metadata import check_tensors
-from shardwise.io.info import ALGORITHM, INFO_FILE
+from shardwise.io.info import ALGORITHM
 from shardwise.io.sink import Saving
 from shardwise.io.source import Finalize, ReadOptions, Reads, Want
 from shardwise.io.storage import Location
@@ -101,10 +100,11 @@ def checkpoint_info(model: nn.Module, placed: Mapping[str, Placed], *, kind: str
     }
 
 
-def gather_checksums(writer: HashingWriter, what: str, backend: Backend | None) -> dict:
-    """Every rank's chunk checksums (``shardwise.json``'s "checksums"), merged on rank 0;
-    every rank calls it, after the data is written. Other ranks get an empty record."""
-    everyone = comm.gather_object(writer.checksums, dst=0, group=coordination_group(backend), purpose=what)
+def gather_checksums(checksums: dict[str, dict[str, str]], what: str, backend: Backend | None) -> dict:
+    """Every rank's chunk checksums (``{name: {chunk key: checksum}}``, each chunk written by one
+    rank) merged on rank 0 as ``shardwise.json``'s "checksums"; every rank calls it, after the
+    data is written. Other ranks get an empty record."""
+    everyone = comm.gather_object(checksums, dst=0, group=coordination_group(backend), purpose=what)
     if everyone is None:  # not rank 0
         return {}
     sums: dict = {}
@@ -192,9 +192,8 @@ def write_checkpoint(path: Location, state_dict: dict, placed: Mapping[str, Plac
                      side_files: Callable[[Location], object] | None = None) -> AsyncSave | None:
     """Save ``state_dict`` (local tensors for the ``placed`` keys, plain values otherwise) as a
     canonical DCP checkpoint at ``path``, in one ``Saving``; every rank calls it. With
-    ``async_save`` the data is staged before returning and the handle's ``wait`` completes it.
-    ``planner`` replaces ``CanonicalSavePlanner(placed)``; ``side_files(folder)`` writes beside
-    the data on rank 0; ``backend`` runs the verdicts."""
+    ``async_save`` the handle's ``wait`` completes it. ``planner`` replaces
+    ``CanonicalSavePlanner(placed)``; ``side_files(folder)`` writes beside the data on rank 0."""
     saving = Saving(path, overwrite=overwrite, backend=backend,
                     what=f"a distributed save to {target_path(path)}")
     planner = planner or CanonicalSavePlanner(placed)
@@ -203,7 +202,7 @@ def write_checkpoint(path: Location, state_dict: dict, placed: Mapping[str, Plac
 
     def finish():
         with saving:
-            checksums = gather_checksums(writer, f"moving {saving.what} into place", backend)
+            checksums = gather_checksums(writer.checksums, f"moving {saving.what} into place", backend)
             saving.commit(info={**info, "checksums": checksums} if saving.rank0 else None,
                           side_files=side_files)
 
@@ -231,12 +230,11 @@ def write_checkpoint(path: Location, state_dict: dict, placed: Mapping[str, Plac
 def save_dcp(model: nn.Module, path: Location, *, backend: Backend | None, overwrite: bool = False,
              async_save: bool = False, metadata: Mapping | None = None,
              progress: bool | None = None) -> AsyncSave | None:
-    """Write ``model`` as a canonical DCP checkpoint at ``path``; every rank calls it, each
-    writing only its own regions (nothing is gathered). ``metadata`` goes into
-    ``shardwise.json`` (and, through ``sw.consolidate``, into the safetensors headers).
-    With ``async_save=True`` it returns once the shards are copied aside; call ``.wait()``
-    on the returned handle (on every rank) to complete it. ``progress`` is accepted for
-    ``sw.save``'s signature; DCP reports none.
+    """Write ``model`` as a canonical DCP checkpoint at ``path``; every rank calls it and writes
+    only its own regions. ``metadata`` goes into ``shardwise.json`` (and, through
+    ``sw.consolidate``, into the safetensors headers). With ``async_save=True`` it returns once
+    the shards are copied aside: call ``.wait()`` on the handle, on every rank. ``progress`` is
+    accepted for ``sw.save``'s signature; DCP reports none.
 
     >>> sw.save(model, "out/dcp", distributed=True)                    # doctest: +SKIP
     >>> handle = sw.save(model, "out/dcp", distributed=True, async_save=True)  # doctest: +SKIP
@@ -269,10 +267,9 @@ def read_checkpoint(path: Location, metadata, state_dict: dict, placed: Mapping[
 
 
 class DcpSource(DcpStored):
-    """The ``Source`` of a torch DCP checkpoint: reads go through torch's planner and storage reader
-    (:func:`read_checkpoint`), the source saying which regions each rank wants. ``read`` is
-    collective, with the same ``options.window`` on every rank. ``.metadata`` is a pickle
-    (allow-listed): trust its source."""
+    """The ``Source`` of a torch DCP checkpoint, read through torch's planner and storage reader
+    (:func:`read_checkpoint`). ``read`` is collective, with the same ``options.window`` on every
+    rank."""
 
     def __init__(self, path: Location):
         super().__init__(path)  # the metadata, checked: raises for an incomplete checkpoint
@@ -283,7 +280,9 @@ class DcpSource(DcpStored):
     def match(self, model: nn.Module, specs: ResolvedPlan, *, strict: bool) -> tuple[list[str], list[str]]:
         own = model.state_dict(keep_vars=True)
         stored = self.metadata.state_dict_metadata
-        self._key = {n: stored_name(n, specs, stored) for n in specs}
+        # a tensor may be stored under a tied alias of its name
+        self._key = {n: n if n in stored else next(
+            (a for a, kept in specs.aliases.items() if kept == n and a in stored), n) for n in specs}
         check_fp8_match(self.root, stored, self._key, {n: own[n].dtype for n in specs})
         wanted = {self._key[n]: tuple(own[n].shape) for n in specs}
         missing, unexpected = check_tensors(self.root, self.metadata, wanted, strict=strict,
@@ -350,12 +349,5 @@ def _side_by_side(shape, group: list, dtype: torch.dtype, device):
     return Placed(buf, shape, layout), parts
 
 
-def stored_name(name: str, specs: ResolvedPlan, stored) -> str:
-    """The checkpoint key of model tensor ``name``: itself, or a tied alias of it."""
-    if name in stored:
-        return name
-    return next((a for a, kept in specs.aliases.items() if kept == name and a in stored), name)
-
-
-__all__ = ["AsyncSave", "DcpSource", "INFO_FILE", "INFO_FORMAT", "checkpoint_info", "dcp_error",
+__all__ = ["AsyncSave", "DcpSource", "INFO_FORMAT", "checkpoint_info", "dcp_error",
            "gather_checksums", "model_placed", "read_checkpoint", "save_dcp", "write_checkpoint"]

@@ -1,8 +1,7 @@
 """Reading the chunks of a distributed checkpoint: only the bytes asked for, each blob checked
 against the metadata (dtype, shape, zip CRC-32) before its data is read, so a bad blob is a
-``CheckpointError``, never a cast or a shifted read. :class:`DcpStored` is what the offline tools
-(consolidate, verify, diff, inspect) ask of a DCP checkpoint. The ``.metadata`` is a pickle
-(unpickled with an allow-list): trust its source.
+``CheckpointError``, never a cast or a shifted read. :class:`DcpStored` is what the offline
+tools (consolidate, verify, diff, inspect) ask of a DCP checkpoint.
 """
 
 from __future__ import annotations
@@ -30,14 +29,13 @@ from shardwise.io.storage.torchfs import LocationReader
 def read_chunk_into(f, info, offsets, lengths, dest: torch.Tensor, *, dtype: torch.dtype | None = None,
                     sizes=None) -> int:
     """Copy the box (``offsets``, ``lengths``) of the saved chunk ``info`` (a torch.save blob in
-    the open file ``f``) into ``dest``; return the bytes read. Only the box's byte runs are read
-    (straight into ``dest`` when it is contiguous on the CPU in the saved dtype), not the whole
-    chunk as DCP does; a chunk in another layout is read whole. The blob is checked against the
-    metadata's ``dtype`` and ``sizes`` first: a mismatch is a ``CheckpointError``."""
+    the open file ``f``) into ``dest``; return the bytes read. Only the box's byte runs are read,
+    not the whole chunk as DCP does (a chunk in another layout is read whole), after the blob is
+    checked against the metadata's ``dtype`` and ``sizes`` (``CheckpointError``)."""
     where = _where(f, info)
     meta, base = open_blob(f, info, dtype=dtype, sizes=sizes)
     if base is None:
-        whole = load_blob(f, info)
+        whole = _load(f, info, "cpu")
         dest.copy_(whole[tuple(slice(o, o + n) for o, n in zip(offsets, lengths, strict=True))])
         return info.length
     if tuple(dest.shape) != tuple(lengths):
@@ -83,16 +81,9 @@ def _where(f, info) -> str:
 def open_blob(f, info, *, dtype: torch.dtype | None = None, sizes=None) -> tuple[torch.Tensor, int | None]:
     """The saved chunk ``info`` in the open file ``f`` as a meta tensor (no data read), checked
     against the ``dtype`` and ``sizes`` the metadata lists; and the file offset where its
-    bytes lie in C order, or None when it is stored otherwise (then :func:`load_blob`)."""
-    from torch.distributed.checkpoint.utils import _create_file_view
-
+    bytes lie in C order, or None when it is stored otherwise (then it is read whole)."""
     where = _where(f, info)
-    try:
-        # torch types its own _create_file_view IOBase; it is a binary file view, as torch.load takes
-        meta = torch.load(_create_file_view(f, info.offset, info.length),  # type: ignore[arg-type]
-                          map_location="meta", weights_only=True)
-    except Exception as e:
-        raise CheckpointError(f"{where} cannot be read ({e})") from e
+    meta = _load(f, info, "meta")
     _check_blob(where, meta, info, dtype, sizes)
     record = getattr(meta.untyped_storage(), "_checkpoint_offset", None)
     if record is None or not meta.is_contiguous():
@@ -100,14 +91,14 @@ def open_blob(f, info, *, dtype: torch.dtype | None = None, sizes=None) -> tuple
     return meta, info.offset + record + meta.storage_offset() * meta.element_size()
 
 
-def load_blob(f, info) -> torch.Tensor:
-    """The saved chunk ``info`` read whole (``weights_only``); :func:`open_blob` has checked it."""
+def _load(f, info, map_location: str):
+    """``torch.load`` (``weights_only``) of the saved chunk ``info`` in the open file ``f``."""
     from torch.distributed.checkpoint.utils import _create_file_view
 
     try:
         # torch types its own _create_file_view IOBase; it is a binary file view, as torch.load takes
         return torch.load(_create_file_view(f, info.offset, info.length),  # type: ignore[arg-type]
-                          map_location="cpu", weights_only=True)
+                          map_location=map_location, weights_only=True)
     except Exception as e:
         raise CheckpointError(f"{_where(f, info)} cannot be read ({e})") from e
 
@@ -118,7 +109,7 @@ def chunk_checksum(f, info, *, dtype: torch.dtype, sizes, algorithm: str, piece:
     order, read in pieces of at most ``piece`` bytes."""
     meta, base = open_blob(f, info, dtype=dtype, sizes=sizes)
     if base is None:
-        whole = load_blob(f, info)
+        whole = _load(f, info, "cpu")
         return tensor_checksum(whole, algorithm), whole.numel() * whole.element_size(), None
     nbytes = meta.numel() * meta.element_size()
     buf = bytearray(min(piece, nbytes))
@@ -281,5 +272,5 @@ class DcpStored:
         self._handles.close()
 
 
-__all__ = ["DcpStored", "MetadataReader", "chunk_checksum", "load_blob", "open_blob", "read_chunk_into",
+__all__ = ["DcpStored", "MetadataReader", "chunk_checksum", "open_blob", "read_chunk_into",
            "zip_crc"]

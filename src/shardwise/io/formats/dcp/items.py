@@ -132,7 +132,9 @@ def place(tensor: torch.Tensor, spec: ShardSpec | None, degree: int, tp_rank: in
     # a plain local shard (tp not in the DTensor's mesh): the canonical shape is degree x along dim
     shape = tuple(base_shape) if tp_in_mesh else global_shape(base_shape, spec, degree)
     layout = local_layout(shape, spec, degree, tp_rank)
-    have = list(layout_shape(shape, spec, degree))
+    have = list(shape)
+    if spec.dim is not None:  # not spec.replicated
+        have[spec.dim] //= degree
     for dim, num, index in chunks:
         layout = chunk_layout(layout, tuple(have), dim, num, index)
         have[dim] = _chunk_size(have[dim], num, index)
@@ -142,22 +144,14 @@ def place(tensor: torch.Tensor, spec: ShardSpec | None, degree: int, tp_rank: in
     return Placed(local, shape, layout)
 
 
-def layout_shape(shape, spec: ShardSpec, degree: int) -> tuple[int, ...]:
-    out = list(shape)
-    if spec.dim is not None:  # not spec.replicated
-        out[spec.dim] //= degree
-    return tuple(out)
-
-
 def _pieces(placed: Mapping[str, Placed]) -> dict[tuple[str, tuple[int, ...]], tuple]:
     return {(fqn, tuple(r.offsets)): (off, r.sizes)
             for fqn, p in placed.items() for r, off in p.layout}
 
 
 class CanonicalSavePlanner(DefaultSavePlanner):
-    """DCP's default save planner, but each :class:`Placed` tensor (``placed``, by state-dict key)
-    becomes one write item per region at its canonical offsets, and the metadata keeps the
-    state dict's order."""
+    """DCP's default save planner, but each :class:`Placed` tensor (by state-dict key) becomes one
+    write item per region at its canonical offsets; the metadata keeps the state dict's order."""
 
     def __init__(self, placed: Mapping[str, Placed]):
         super().__init__()
@@ -210,10 +204,9 @@ def _exact(view: torch.Tensor) -> torch.Tensor:
 
 
 class CanonicalLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, but each :class:`Placed` tensor asks for its own regions;
-    DCP's overlap math turns them into reads of whatever chunks the checkpoint holds.
-    Non-tensor values are unpickled with ``weights_only=True``: optimizer hyperparameters
-    need nothing more, and it refuses code."""
+    """DCP's default load planner, but each :class:`Placed` tensor asks for its own regions (DCP's
+    overlap math reads them from whatever chunks the checkpoint holds). Non-tensor values are
+    unpickled with ``weights_only=True``, which refuses code."""
 
     def __init__(self, placed: Mapping[str, Placed]):
         super().__init__()
@@ -253,8 +246,7 @@ class CanonicalLoadPlanner(DefaultLoadPlanner):
 
 
 class _HashingPlanner:
-    """A save planner seen through :class:`HashingWriter`: ``resolve_data`` also starts the
-    checksum of each tensor it hands to the writer. Everything else is the planner's own."""
+    """A save planner whose ``resolve_data`` also hashes each tensor it hands to the writer."""
 
     def __init__(self, planner, writer: HashingWriter):
         self._planner, self._writer = planner, writer
@@ -294,8 +286,8 @@ class HashingWriter(LocationWriter):
 def scale_placed(tensor: torch.Tensor, tie: QuantTie, spec: ShardSpec, degree: int, rank: int, *,
                  name: str) -> Placed:
     """Where this rank's scales of ``tie`` go in the canonical scale tensor: the blocks it owns.
-    Where every rank's blocks are whole, the scales are split like any tensor (``place``: a
-    DTensor, FSDP over it); else they are a plain local tensor held as ``scale_layout`` says."""
+    Where every rank's blocks are whole they are split like any tensor (``place``); else they are
+    a plain local tensor held as ``scale_layout`` says."""
     if tie_aligned(tie, spec, degree):
         return place(tensor, spec, degree, rank, name=name)
     local = tensor.to_local() if is_dtensor(tensor) else tensor

@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from shardwise.core.spec import Region, overlapping
 from shardwise.errors import CheckpointError
 from shardwise.io.formats.dcp import METADATA_FILE
+from shardwise.io.formats.safetensors.keys import listing
 from shardwise.io.info import is_int
 from shardwise.io.storage import Location, locate, read_small
 from shardwise.io.storage.transaction import TMP_MARK
@@ -168,7 +169,7 @@ def check_tensors(path, metadata: Metadata, wanted: Mapping[str, tuple[int, ...]
     missing = [k for k in wanted if k not in md]
     if missing and strict:
         raise CheckpointError(f"{path}: {len(missing)} tensor(s) missing from the checkpoint: "
-                              f"{_listing([repr(k) for k in missing])}; load the checkpoint that "
+                              f"{listing([repr(k) for k in missing])}; load the checkpoint that "
                               "matches this model, or pass strict=False to keep the model's values")
     wrong = []
     for k, shape in wanted.items():
@@ -181,15 +182,11 @@ def check_tensors(path, metadata: Metadata, wanted: Mapping[str, tuple[int, ...]
             wrong.append(f"{k!r} is {tuple(m.size)} in the checkpoint but {tuple(shape)} in the model")
     if wrong:
         raise CheckpointError(f"{path}: {len(wrong)} tensor(s) do not match the model: "
-                              f"{_listing(wrong)}; load a checkpoint of this model's configuration")
+                              f"{listing(wrong)}; load a checkpoint of this model's configuration")
     allowed = set(allowed_extra)
     extra = [k for k in md if k not in wanted and k not in allowed]
     if extra and strict:
         raise CheckpointError(f"{path}: {len(extra)} checkpoint tensor(s) have no place in the model: "
-                              f"{_listing([repr(k) for k in extra])}; pass strict=False to ignore them")
+                              f"{listing([repr(k) for k in extra])}; pass strict=False to ignore them")
     return missing, extra
 
-
-def _listing(names, show: int = 20) -> str:
-    shown = ", ".join(names[:show])
-    return shown + (f", ... and {len(names) - show} more" if len(names) > show else "")

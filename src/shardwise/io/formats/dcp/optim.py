@@ -1,8 +1,7 @@
 """Optimizer state as a canonical distributed checkpoint, keyed by parameter names (torch's
-flattened optimizer state dict): a state tensor shaped like its parameter is split and
-written like it, so it reshards on load like the model; scalars and hyperparameters are
-stored once. Under SPMD a state tensor is global, saved as this process's shards and loaded a
-window of bytes at a time."""
+flattened optimizer state dict): a state tensor shaped like its parameter is split like it, so
+it reshards on load like the model; scalars and hyperparameters are stored once. Under SPMD a
+state tensor is global, saved as this process's shards and loaded a window at a time."""
 
 from __future__ import annotations
 
@@ -38,8 +37,7 @@ def _options():
 
 
 def _get_flat(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, ValueType]:
-    """torch's ``get_optimizer_state_dict`` under :func:`_options`: one value per key (torch
-    types its result as the nested form, ``{"state": ..., "param_groups": ...}``)."""
+    """torch's flattened optimizer state dict (torch types its result as the nested form)."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
     from torch.distributed.tensor.experimental import implicit_replication
 
@@ -83,11 +81,6 @@ def _placed(model: nn.Module, osd: Mapping) -> dict[str, Placed]:
     return out
 
 
-def _spmd(model: nn.Module) -> bool:
-    state = get_shard_state(model)
-    return state is not None and state.holding.one_process
-
-
 def _spmd_spec(model: nn.Module, key: str, value: torch.Tensor) -> tuple[ShardSpec, object]:
     """The spec and axis mesh a global state tensor is split by: its parameter's when shaped
     like it, else replicated."""
@@ -128,9 +121,9 @@ def _gradients_aside(optimizer: torch.optim.Optimizer):
 def save_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: str | os.PathLike, *,
                    overwrite: bool = False, async_save: bool = False,
                    storage_options: dict | None = None) -> AsyncSave | None:
-    """Save ``optimizer``'s state and hyperparameters, keyed by ``model``'s parameter names,
-    as a canonical DCP checkpoint at ``path``; every rank calls it. It reloads under any
-    layout with :func:`load_optimizer`. ``async_save`` and ``storage_options`` work as in ``sw.save``.
+    """Save ``optimizer``'s state and hyperparameters, keyed by ``model``'s parameter names, as a
+    canonical DCP checkpoint at ``path`` that reloads under any layout; every rank calls it.
+    ``async_save`` and ``storage_options`` work as in ``sw.save``.
 
     >>> sw.save_optimizer(model, optimizer, "out/optim")   # doctest: +SKIP
     """
@@ -155,9 +148,9 @@ def save_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: str
 def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: str | os.PathLike, *,
                    strict: bool = True, storage_options: dict | None = None) -> None:
     """Load the optimizer checkpoint at ``path`` into ``optimizer`` (built over ``model``'s
-    parameters in their current layout), resharded like the model; every rank calls it.
-    States, step counts and hyperparameters are restored. ``strict`` refuses checkpoint
-    entries this optimizer has no place for. The ``.metadata`` is a pickle: trust its source.
+    parameters in their current layout), resharded like the model, with step counts and
+    hyperparameters; every rank calls it. ``strict`` refuses checkpoint entries this optimizer
+    has no place for. The ``.metadata`` is a pickle: trust its source.
 
     >>> optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)   # doctest: +SKIP
     >>> sw.load_optimizer(model, optimizer, "out/optim")            # doctest: +SKIP
@@ -172,7 +165,8 @@ def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: str
     # tensors of the right local shapes to read into.
     with _gradients_aside(optimizer):
         osd = _get_flat(model, optimizer)
-    spmd = _spmd(model)
+    state = get_shard_state(model)
+    spmd = state is not None and state.holding.one_process
     if spmd:
         tensors = {k: v for k, v in osd.items() if isinstance(v, torch.Tensor)}
         splits = {k: _spmd_spec(model, k, v) for k, v in tensors.items()}
@@ -205,9 +199,9 @@ def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: str
 
 def _read_to_devices(path, metadata, osd: dict, placed: dict[str, Placed], splits: dict,
                      backend) -> None:
-    """Read the SPMD state tensors into their host buffers about ``WINDOW_BYTES`` at a time
-    (one collective DCP read per window; the plain values with the first), each window put
-    onto the devices (``osd`` updated) before the next is read, so the host holds one window."""
+    """Read the SPMD state tensors into their host buffers about ``WINDOW_BYTES`` at a time (one
+    collective DCP read per window, the plain values with the first), each window put onto the
+    devices (``osd`` updated) before the next is read."""
     plain = [k for k in osd if k not in placed]
     windows, size = [plain], 0
     for k, p in placed.items():

@@ -1,9 +1,7 @@
-"""Checkpoint folders: which safetensors file holds each tensor, validated before use.
-
-A ``.safetensors`` file, a folder holding one, a sharded folder with its
-``*.safetensors.index.json`` (any prefix), or the index itself. Index file names must stay
-inside the folder; pickled weights are refused with how to convert them. Nothing here ever
-unpickles.
+"""Checkpoint folders: which safetensors file holds each tensor, validated before use: a
+``.safetensors`` file, a folder holding one, a folder with its ``*.safetensors.index.json`` (any
+prefix), or the index itself. Index file names must stay inside the folder; pickled weights are
+refused with how to convert them. Nothing here ever unpickles.
 """
 
 from __future__ import annotations
@@ -168,10 +166,9 @@ def _resolve_dir(root: Location) -> Checkpoint:
 
 
 def resolve_checkpoint(path: Location | str | os.PathLike) -> Checkpoint:
-    """Find and validate the safetensors checkpoint at ``path``: a ``.safetensors`` file,
-    an ``*.safetensors.index.json``, or a folder holding one index or one file.
-
-    Every header (and the index) is validated before anything is read.
+    """Find and validate the safetensors checkpoint at ``path``: a ``.safetensors`` file, an
+    ``*.safetensors.index.json``, or a folder holding one of them. Every header (and the index)
+    is validated before anything is read.
 
     >>> ckpt = resolve_checkpoint(locate("ckpt/"))             # doctest: +SKIP
     >>> ckpt.entry("blocks.0.attn.to_q.weight")                 # doctest: +SKIP
@@ -179,26 +176,20 @@ def resolve_checkpoint(path: Location | str | os.PathLike) -> Checkpoint:
     """
     path = locate(path)  # a str or path: the tools' and tests' door
     try:
-        return _resolve(path)
+        if not path.exists():
+            raise CheckpointError(f"{path}: no such checkpoint file or folder")
+        if path.is_folder():
+            return _resolve_dir(path)
+        if path.name.endswith(INDEX_SUFFIX):
+            return _from_index(path)
+        if path.suffix == ".safetensors":
+            return _single(path)
     except OSError as e:  # a name too long, a permission, an I/O error: name the file
         where = e.filename if e.filename is not None else path
         raise CheckpointError(f"{path}: cannot read the checkpoint: {where}: {e.strerror or e}") from e
-
-
-def _resolve(path: Location) -> Checkpoint:
-    if not path.exists():
-        raise CheckpointError(f"{path}: no such checkpoint file or folder")
-    if path.is_folder():
-        return _resolve_dir(path)
-    if path.name.endswith(INDEX_SUFFIX):
-        return _from_index(path)
-    if path.suffix == ".safetensors":
-        return _single(path)
     if path.suffix in _PICKLE_SUFFIXES:
         raise _pickle_error(path)
-    raise CheckpointError(
-        f"{path}: not a .safetensors file, a *{INDEX_SUFFIX} or a folder holding them"
-    )
+    raise CheckpointError(f"{path}: not a .safetensors file, a *{INDEX_SUFFIX} or a folder holding them")
 
 
 __all__ = ["Checkpoint", "resolve_checkpoint"]

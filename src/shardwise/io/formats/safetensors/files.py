@@ -1,11 +1,7 @@
-"""Safetensors files over a storage: headers, boxes of tensors, a streaming writer (checkpoint
-folders and indexes are ``shardwise.io.formats.safetensors.checkpoint``). The bytes come and
-go through ``shardwise.io.storage``; this module says which.
-
-``read_region`` reads a box as one batch of its contiguous runs into the destination
-tensor's memory (exactly the box's bytes). The loader may instead keep a CPU region as a
-page-cache view or copy a column slice out of a mapping (``shardwise.io.formats.safetensors.mapped``), where
-that measured faster. Nothing here ever unpickles.
+"""Safetensors files over a storage: validated headers, reads of boxes, the streaming writer,
+and the plan of a checkpoint (which tensor goes to which file, in which order, the index),
+one recipe for every writer so the same tensors give the same files byte for byte. The bytes
+go through ``shardwise.io.storage``; nothing here ever unpickles.
 """
 
 from __future__ import annotations
@@ -30,6 +26,7 @@ from shardwise.core.header import (
 )
 from shardwise.errors import CheckpointError, UsageError
 from shardwise.io.info import new_digest, record_checksums
+from shardwise.io.sink import PlannedFile, StoredTensor, WritePlan
 from shardwise.io.storage import Location, ReadHandle, WriteHandle, byte_view, locate
 
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -37,19 +34,6 @@ INDEX_SUFFIX = ".safetensors.index.json"
 _WRITE_BLOCK = 2 << 20
 
 # --- reading -----------------------------------------------------------------------------
-
-def _read_header(handle: ReadHandle, source: str) -> FileHeader:
-    size = handle.size()
-    if size < 8:
-        raise CheckpointError(f"{source}: {size} bytes, shorter than the 8-byte header length; truncated")
-    prefix = bytearray(8)
-    handle.readinto(memoryview(prefix), 0)
-    n = int.from_bytes(prefix, "little")
-    check_header_length(n, size, source=source)
-    raw = bytearray(n)
-    handle.readinto(memoryview(raw), 8)
-    return parse_header(bytes(raw), data_size=size - 8 - n, source=source)
-
 
 def read_header(path: Location | str | os.PathLike) -> FileHeader:
     """The validated header of the safetensors file ``path`` (a str or path: :func:`locate`'s);
@@ -59,9 +43,19 @@ def read_header(path: Location | str | os.PathLike) -> FileHeader:
     (4096, 4096)
     """
     path = locate(path)
+    source = str(path)
     handle = path.open()
     try:
-        return _read_header(handle, str(path))
+        size = handle.size()
+        if size < 8:
+            raise CheckpointError(f"{source}: {size} bytes, shorter than the 8-byte header length; truncated")
+        prefix = bytearray(8)
+        handle.readinto(memoryview(prefix), 0)
+        n = int.from_bytes(prefix, "little")
+        check_header_length(n, size, source=source)
+        raw = bytearray(n)
+        handle.readinto(memoryview(raw), 8)
+        return parse_header(bytes(raw), data_size=size - 8 - n, source=source)
     finally:
         handle.close()
 
@@ -74,12 +68,9 @@ def read_region(
     region_sizes: Sequence[int],
     out: torch.Tensor,
 ) -> int:
-    """Read exactly the bytes of one box of ``entry`` into ``out``; return the bytes read.
-
-    ``out`` must be a *contiguous* CPU tensor of the entry's dtype with shape
-    ``region_sizes``. It may be a view into a larger buffer if that view is
-    contiguous (``local[a:b]`` of a contiguous ``local``, not ``local.narrow(1, ...)``);
-    for a non-contiguous destination read into a scratch tensor and ``copy_``.
+    """Read exactly the bytes of one box of ``entry`` into ``out``, a contiguous CPU tensor
+    (a view is fine if contiguous) of the entry's dtype and shape ``region_sizes``; return the
+    bytes read. Raises ``UsageError`` for another ``out``.
 
     >>> header = read_header("model.safetensors")                           # doctest: +SKIP
     >>> handle = locate("model.safetensors").open()                         # doctest: +SKIP
@@ -116,19 +107,12 @@ def read_tensor(handle: ReadHandle, file_header: FileHeader, entry: TensorEntry)
 # --- writing -------------------------------------------------------------------------------
 
 class StreamingWriter:
-    """Write one safetensors file tensor by tensor: the header first, then each
-    tensor's bytes straight from its memory, in the order of ``specs``.
-
-    safetensors' own writers (``save_file``, ``serialize``) take the whole dict of
-    tensors at once; a gather save holds one full tensor at a time, so it lays the
-    header out from the specs up front and streams the data, through the storage's
-    writer (``path`` a :class:`Location`, or a str or path: :func:`locate`'s), which makes
-    the file durable and visible only at :meth:`close`; if the ``with`` block raises, or a
-    tensor is missing at close, the partial file is removed.
-
-    With ``checksums`` (the default) it computes each tensor's checksum while writing its
-    bytes (``shardwise.io.info``): :attr:`checksums` maps each written tensor to it, and a
-    completed file reports them to an enclosing ``collect_checksums()`` block.
+    """Write one safetensors file tensor by tensor, in the order of ``specs``: the header
+    first, then each tensor's bytes. By hand because safetensors' writers need the whole dict
+    at once, and a gather save holds one full tensor at a time. The storage's writer makes the
+    file visible only at :meth:`close`; a raising ``with`` block or a tensor missing at close
+    removes it. ``checksums``: :attr:`checksums` maps each written tensor to its checksum,
+    reported to an enclosing ``collect_checksums()`` block when the file is complete.
 
     >>> with StreamingWriter("out/model.safetensors", [("w", "F32", (2, 2))]) as w:  # doctest: +SKIP
     ...     w.write("w", torch.ones(2, 2))
@@ -262,16 +246,11 @@ def plan_files(
     specs: Sequence[Spec], max_shard_size: int | str, prefix: str = "model",
     storages: Mapping[str, tuple[object, int]] | None = None,
 ) -> list[tuple[str, list[Spec]]]:
-    """Group tensors, in order, into files of at most ``max_shard_size`` bytes each, split
-    where huggingface_hub's ``split_torch_state_dict_into_shards`` (so ``save_pretrained``)
-    splits: a tensor above the limit gets a file of its own, placed when it is met, while
-    the file being filled goes on. One file is ``{prefix}.safetensors``; several are
-    ``{prefix}-00001-of-0000N.safetensors`` like transformers names them.
-
-    ``storages`` (``{name: (storage id, storage bytes)}``) says which tensors share one
-    storage in the state dict ``save_pretrained`` would split (per-expert views of one
-    fused tensor): as there, the first of them counts the whole storage and the others
-    join its file, after the split.
+    """Group tensors, in order, into files of at most ``max_shard_size`` bytes, split where
+    huggingface_hub's ``split_torch_state_dict_into_shards`` (so ``save_pretrained``) splits: a
+    tensor above the limit gets a file of its own while the file being filled goes on. Files
+    are named as transformers names them. ``storages`` (``{name: (storage id, bytes)}``): tensors
+    sharing one storage count it once, at the first, and the others join its file.
 
     >>> [(f, [s[0] for s in g]) for f, g in plan_files([("a", "F32", (4,)), ("b", "F32", (4,))], 16)]
     [('model-00001-of-00002.safetensors', ['a']), ('model-00002-of-00002.safetensors', ['b'])]
@@ -325,10 +304,8 @@ def index_json(
     return {"metadata": meta, "weight_map": weight_map}
 
 
-# --- what every safetensors file shardwise writes has in its header, and its order ---
-# safetensors' serializer orders a file's tensors by dtype (its enum order, descending),
-# then by name; we follow it so that a one-file save of a model is byte-identical to
-# save_file(state_dict, metadata={"format": "pt"}).
+# safetensors' serializer orders a file's tensors by dtype (its enum order, descending), then
+# by name: following it, a one-file save is byte-identical to save_file(sd, metadata={"format": "pt"}).
 _SAVE_FILE_DTYPES = ("U64", "I64", "F64", "C64", "F32", "U32", "I32", "BF16", "F16", "U16",
                      "I16", "F8_E4M3", "F8_E5M2", "I8", "U8", "BOOL")
 
@@ -352,7 +329,56 @@ def save_file_order(spec) -> tuple[int, str]:
     return rank, name
 
 
+def plan_checkpoint(tensors: Sequence[Spec], *, max_shard_size: int | str, prefix: str,
+                    metadata: Mapping[str, str] | None = None, index_metadata: Mapping | None = None,
+                    storages: Mapping[str, tuple[object, int]] | None = None,
+                    parts: Mapping | None = None) -> WritePlan:
+    """The plan of a safetensors checkpoint of ``tensors`` (``(name, dtype, shape)``, in the
+    model's order): files as :func:`plan_files` splits them, each in ``save_file``'s order,
+    every header's metadata ``{"format": "pt", **metadata}``, and for several files an index
+    with ``total_size``, ``metadata`` and ``index_metadata``. ``parts`` (the hub layout's
+    ``{stored name: StoredPart}``) travels with the plan. Pure; raises ``CheckpointError`` for a
+    bad size, prefix or metadata.
+
+    >>> plan = plan_checkpoint([("b", "F16", (2,)), ("a", "F32", (2,))], max_shard_size="1GB", prefix="m")
+    >>> [(f.name, [name for name, _, _ in f.tensors]) for f in plan.files], plan.index
+    ([('m.safetensors', ['a', 'b'])], None)
+    """
+    header = header_metadata(metadata)
+    files = tuple(PlannedFile(fname, tuple(sorted(group, key=save_file_order)))
+                  for fname, group in plan_files(tensors, max_shard_size, prefix, storages))
+    index = None
+    if len(files) > 1:
+        total = sum(spec_nbytes(dtype, shape) for _, dtype, shape in tensors)
+        content = index_json([(f.name, f.tensors) for f in files], total,
+                             {**dict(metadata or {}), **dict(index_metadata or {})})
+        index = (prefix + INDEX_SUFFIX, content)
+    return WritePlan(files, header, index, dict(parts or {}))
+
+
+class SafetensorsSink:
+    """The ordinary safetensors checkpoint's writer (a ``shardwise.io.sink.FileSink``):
+    ``plan(stored)`` is the same on every rank; ``open_file`` streams one planned file."""
+
+    def __init__(self, *, max_shard_size: int | str, prefix: str, metadata: Mapping[str, str] | None,
+                 index_metadata: Mapping | None = None,
+                 storages: Mapping[str, tuple[object, int]] | None = None):
+        self.max_shard_size, self.prefix = max_shard_size, prefix
+        self.metadata, self.index_metadata, self.storages = metadata, index_metadata, storages
+
+    def plan(self, stored: Sequence[StoredTensor]) -> WritePlan:
+        return plan_checkpoint([s.spec for s in stored],
+                               max_shard_size=self.max_shard_size, prefix=self.prefix,
+                               metadata=self.metadata, index_metadata=self.index_metadata,
+                               storages=self.storages,
+                               parts={s.name: s.part for s in stored if s.part is not None})
+
+    def open_file(self, location: Location, tensors: Sequence[Spec],
+                  header: Mapping[str, str]) -> StreamingWriter:
+        return StreamingWriter(location, tensors, header)
+
+
 __all__ = [
-    "INDEX_SUFFIX", "StreamingWriter", "header_metadata", "index_json", "parse_size", "plan_files",
-    "read_header", "read_region", "read_tensor", "save_file_order",
+    "INDEX_SUFFIX", "SafetensorsSink", "StreamingWriter", "header_metadata", "index_json", "parse_size",
+    "plan_checkpoint", "plan_files", "read_header", "read_region", "read_tensor", "save_file_order",
 ]

@@ -1,7 +1,6 @@
 """Which stored tensor fills which model tensor, for the formats that store tensors under their
-names (ordinary safetensors, ``Checkpoint``; sharded safetensors, ``ShardedCheckpoint``): the
-``match`` step of their sources. Tied names, the hub layout (``Composite``) and the FP8 / MXFP4
-pairings (``quantized``) are decided here, once, before any data is read.
+names (safetensors, sharded safetensors): the ``match`` step of their sources. Tied names, the
+hub layout and the FP8 / MXFP4 pairings are decided here, once, before any data is read.
 """
 
 from __future__ import annotations
@@ -26,37 +25,26 @@ _SHOW = 20  # names listed in an error before "... and N more"
 
 
 class KeyedCheckpoint(Protocol):
-    """What :func:`match_keys` reads of a checkpoint whose tensors are stored under their
-    names: the safetensors ``Checkpoint`` (``io.formats.safetensors.checkpoint``) and the
-    ``ShardedCheckpoint`` (``io.formats.sharded.checkpoint``). Read only, before any data is."""
+    """What :func:`match_keys` reads of a checkpoint whose tensors are stored under their names
+    (``Checkpoint``, ``ShardedCheckpoint``): ``root`` (errors name it; its ``config.json`` says
+    how tensors are quantized), every stored tensor's ``names``, and ``entry(name)``: where it
+    lives and its stored dtype and global shape (``CheckpointError`` for a name it lacks)."""
 
     @property
-    def root(self) -> Location:
-        """The checkpoint's folder: errors name it, and its ``config.json`` says how FP8 and
-        MXFP4 tensors are quantized."""
-        ...
+    def root(self) -> Location: ...
 
     @property
-    def names(self) -> list[str]:
-        """Every stored tensor's name."""
-        ...
+    def names(self) -> list[str]: ...
 
-    def entry(self, name: str) -> tuple[Location, NamedDtype]:
-        """Where tensor ``name`` lives (its file, or the folder of a sharded one) and its
-        stored dtype and global shape; ``CheckpointError`` for a name it does not hold."""
-        ...
+    def entry(self, name: str) -> tuple[Location, NamedDtype]: ...
 
 
 def match_keys(model: nn.Module, specs: ResolvedPlan, ckpt: KeyedCheckpoint, *, strict: bool,
                dequantize: bool = False):
     """``({name: (file, entry), Composite or Dequantized}, missing, unexpected)`` for the model
-    tensors in ``specs``.
-
-    A tied tensor may be stored under any of its names; a tensor stored in its hub layout
-    (transformers' conversion mapping) is a ``Composite`` of stored tensors; one stored FP8
-    with block scales into a model tensor of another dtype, or stored as MXFP4 blocks and
-    scales, is ``Dequantized`` when ``dequantize``, else refused
-    (``io.formats.safetensors.quantized.pair_quantized`` / ``pair_mxfp4``). Raises
+    tensors in ``specs``. A tied tensor may be stored under any of its names; one stored in its
+    hub layout is a ``Composite``; one stored FP8 with block scales into another dtype, or as
+    MXFP4 blocks and scales, is ``Dequantized`` when ``dequantize``, else refused. Raises
     ``CheckpointError`` for a shape that disagrees with the model and, when ``strict``, for
     missing keys.
     """

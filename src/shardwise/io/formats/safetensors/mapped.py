@@ -1,31 +1,18 @@
-"""Reading boxes of safetensors tensors through memory maps of the page cache (the mappings
-are the storage's: ``ReadHandle.map_whole`` / ``map_range``; a storage without them is read).
+"""Boxes of safetensors tensors through memory maps of the page cache (the storage's
+``ReadHandle.map_whole`` / ``map_range``; a storage without them is read instead). Two uses,
+chosen per box by the region reader:
 
-Two uses, both chosen per box by the region reader (``shardwise.io.formats.safetensors.reader``):
+- **Views** (zero copy): a box already in the model's dtype, for a CPU model, becomes a tensor
+  over a private (copy-on-write) mapping of the file, as ``safe_open`` does: a write to it copies
+  just that page, the file never changes, and the mapping lives as long as a tensor views it. A
+  column slice may be a strided view too (``strided=True``): its storage spans its first to last
+  element, other ranks' columns included (``torch.save`` of it writes that span).
+- **Strided copies**: a column slice not viewed is copied out of a short-lived mapping of the
+  rows it spans with one ``copy_``, not one ``pread`` per row.
 
-- **Views** (zero copy): a box already in the dtype the model wants, for a CPU model,
-  becomes a tensor over a private (copy-on-write) mapping of the file: no copy and no
-  fresh memory at load time; the page-cache pages are mapped in as the model first
-  touches them (what ``safetensors.safe_open`` and transformers' loader do). A write to
-  the tensor (an optimizer step) copies just that page into the process; the file never
-  changes. The mapping lives as long as any tensor viewing it (each view's storage holds
-  it), and it keeps the file's inode alive. A box that is one contiguous run is a
-  contiguous tensor whose storage is exactly its bytes. A box of many runs (a column
-  slice, one run per row) may also be a view when the caller asks (``strided=True``): a
-  strided tensor (the file's row strides) whose storage spans its first to its last
-  element, other ranks' columns included, so ``torch.save`` of it writes that whole span
-  and the process maps every page the rows touch (its RSS counts them; they are page
-  cache, shared with the other ranks, not memory of its own). Matmuls take such a
-  weight as it is (BLAS leading dimensions), with no copy per forward.
-- **Strided copies**: a box of many short runs that is not viewed is copied out of a
-  mapping of the rows it spans with one strided ``copy_`` instead of one ``pread`` per
-  row; the mapping is dropped right after, so its pages leave the process.
-
-Every mapped byte lies inside the entry's validated extent, and the file is checked to be
-at least that long just before mapping (a file shortened since its header was read is a
-``CheckpointError``, as with ``pread``). A file truncated *while* mapped makes the kernel
-raise SIGBUS on access: do not rewrite a checkpoint in place while a model loaded from it
-is alive (``sw.save`` writes aside and renames, which is safe; so is deleting the file).
+Every mapped byte lies inside the entry's validated extent, and the file is checked to be long
+enough just before mapping. A file truncated *while* mapped raises SIGBUS on access: never
+rewrite a checkpoint in place while a model loaded from it lives (``sw.save`` writes aside).
 """
 
 from __future__ import annotations
@@ -73,11 +60,9 @@ def _check_length(handle: ReadHandle, header: FileHeader, entry: TensorEntry) ->
 
 def view_box(handle: ReadHandle, header: FileHeader, entry: TensorEntry, region: Region, *,
              strided: bool = False) -> torch.Tensor | None:
-    """The box as a tensor over the handle's whole-file private mapping (see the module doc),
-    or ``None``: empty, misaligned, no mappings in this storage, or not one contiguous run
-    unless ``strided``. Each view has a storage of exactly its own bytes (``torch.save`` of it
-    writes those bytes, not the file), which holds the mapping: it is unmapped when the last
-    view of the file is freed."""
+    """The box as a tensor over the handle's whole-file private mapping, or ``None``: empty,
+    misaligned, no mappings in this storage, or not one contiguous run unless ``strided``. The
+    mapping is unmapped when the last view of the file is freed."""
     if 0 in region.sizes:
         return None
     span = contiguous_span(entry, region)
@@ -117,12 +102,9 @@ def _strides(sizes) -> tuple[int, ...]:
 
 def copy_mapped(handle: ReadHandle, header: FileHeader, entry: TensorEntry, region: Region,
                 dest: torch.Tensor) -> int:
-    """Copy ``region`` of ``entry`` into ``dest`` (any strides, the entry's dtype, the
-    region's shape) through a mapping of the rows it spans; returns the bytes copied.
-
-    Returns 0 without copying when the entry's data is misaligned for its dtype or the
-    storage has no mappings (the caller then reads the runs).
-    """
+    """Copy ``region`` of ``entry`` into ``dest`` (any strides, the entry's dtype, the region's
+    shape) through a mapping of the rows it spans; returns the bytes copied, or 0 without
+    copying when the data is misaligned for its dtype or the storage has no mappings."""
     shape, item = entry.shape, entry.itemsize
     if 0 in region.sizes or not shape:
         return 0
@@ -137,14 +119,9 @@ def copy_mapped(handle: ReadHandle, header: FileHeader, entry: TensorEntry, regi
     if mapped is None:
         return 0
     with mapped as (mapping, offset):
-        _strided_copy(mapping, offset, hi - lo, entry.torch_dtype, region.sizes, strides, dest)
+        flat = torch.frombuffer(mapping, dtype=torch.uint8, count=hi - lo, offset=offset)
+        dest.copy_(flat.view(entry.torch_dtype).as_strided(region.sizes, strides))
     return math.prod(region.sizes) * item
-
-
-def _strided_copy(mapping, offset: int, count: int, dtype: torch.dtype, sizes, strides,
-                  dest: torch.Tensor) -> None:
-    flat = torch.frombuffer(mapping, dtype=torch.uint8, count=count, offset=offset)
-    dest.copy_(flat.view(dtype).as_strided(sizes, strides))
 
 
 __all__ = ["contiguous_span", "copy_mapped", "view_box"]

@@ -1,14 +1,10 @@
 """Block-quantized checkpoints read per rank: a weight and its scales as one tied read.
 
-Kept quantized (the model holds FP8 or MXFP4 modules), the values are an ordinary tensor and
-the scales a model tensor of their own, read at ``core.quant_layout.scale_layout``
-(``SafetensorsSource.plan``). With ``dequantize=True`` (a plain model) the model tensor is a
-:class:`Dequantized` source: :class:`Dequantizer` reads the rank's value and scale regions
-(``core.quant_layout.dequant_reads``) and dequantizes only that shard into the loaded dtype.
-The stored tensors combine element by element, so this is a pair of reads finished by one
-callback, not a composite of pieces. :func:`pair_quantized` and :func:`pair_mxfp4` run in the
-key matching of every safetensors source, so a quantized checkpoint never fills a plain model
-by a bare cast: without ``dequantize=True`` it raises.
+Kept quantized, the scales are a model tensor of their own, read at ``scale_layout``
+(``SafetensorsSource.plan``). With ``dequantize=True`` the model tensor is a :class:`Dequantized`
+source: :class:`Dequantizer` reads the rank's value and scale boxes and dequantizes only its
+shard. :func:`pair_quantized` and :func:`pair_mxfp4` run in every safetensors key matching, so
+a quantized checkpoint never fills a plain model by a bare cast: without ``dequantize`` it raises.
 """
 
 from __future__ import annotations
@@ -21,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from shardwise.core.header import TensorEntry
-from shardwise.core.pieces import Composite, piece_reads
+from shardwise.core.pieces import Composite
 from shardwise.core.quant import (
     FLOAT8,
     MXFP4_GROUP,
@@ -33,7 +29,7 @@ from shardwise.core.quant import (
 )
 from shardwise.core.quant_layout import dequant_reads, dequantize_shard, scale_pieces
 from shardwise.errors import CheckpointError, PlanError
-from shardwise.io.formats.safetensors.reader import ReadItem
+from shardwise.io.formats.safetensors.reader import Assembly, ReadItem, piece_items
 from shardwise.io.source import Finalize, Want
 from shardwise.io.storage import Location
 
@@ -217,86 +213,64 @@ _MALLOC_TRIM = _malloc_trim()
 
 
 class Dequantizer:
-    """The reads of :class:`Dequantized` tensors and their dequantization. ``items`` read each
-    wanted local tensor's two parts (values, scales) at the boxes its regions touch
-    (``core.quant_layout.dequant_reads``): one :class:`ReadItem` for a stored tensor, one per
-    overlap for a :class:`Composite` part, copied into place as it arrives. When both parts are
-    complete :meth:`take` dequantizes the shard into ``dtype`` (else the declared dtype), drops
-    the raw parts and finalizes it. Peak per tensor: its quantized shards plus the output."""
+    """The reads of :class:`Dequantized` tensors and their dequantization. ``assembly`` reads
+    each wanted local tensor's values and scales at the boxes its regions touch
+    (``dequant_reads``); when both are in, :meth:`take` dequantizes the shard into ``dtype``
+    (else the declared dtype), drops the raw parts and finalizes it. Peak per tensor: its
+    quantized shards plus the output."""
 
     def __init__(self, tensors: Mapping[str, tuple[Dequantized, Want]]):
-        self.items: list[ReadItem] = []
-        self.parts: dict[str, tuple[str, int, tuple[slice, ...] | None]] = {}  # item -> (key, part, where)
+        self.assembly = Assembly()  # keys (model key, 0 for the values or 1 for the scales)
         self.done: dict = {}
         self.dtype: torch.dtype | None = None  # set by the source before reading: sw.load's dtype
         self._what: dict[str, tuple[Dequantized, Want]] = {}
-        self._raw: dict[str, list] = {}  # key -> [values, scales, reads left, (shape, dtype) per part]
+        self._ready: dict[str, list] = {}  # key -> [values, scales], each None until read
         self._lock = threading.Lock()
         for key, (d, want) in tensors.items():
             reads = dequant_reads(d.scheme, d.shape, want.spec, want.degree, want.rank,
                                   transposed=d.transposed)
-            left, held = 0, []
             for part, (layout, shape) in enumerate(reads):
-                source = (d.weight, d.scale)[part]
-                for item, where in _part_items(f"{key}#{('values', 'scales')[part]}", source, layout, shape):
-                    self.items.append(item)
-                    self.parts[item.name] = (key, part, where)
-                    left += 1
-                dtype = source.entry.torch_dtype if isinstance(source, Composite) else source[1].torch_dtype
-                held.append((shape, dtype))
-            if not left:
+                source, name = (d.weight, d.scale)[part], f"{key}#{('values', 'scales')[part]}"
+                if isinstance(source, Composite):
+                    self.assembly.add((key, part), shape, source.entry.torch_dtype,
+                                      piece_items(name, source, layout))
+                else:
+                    self.assembly.add((key, part), shape, source[1].torch_dtype,
+                                      [(ReadItem(name, source[0], source[1], layout, shape), None)])
+            if all((key, part) in self.assembly.empty for part in (0, 1)):
                 raise CheckpointError(f"{key}: this rank's shard of a quantized tensor is empty; load at a "
                                       "lower degree")
             self._what[key] = (d, want)
-            self._raw[key] = [None, None, left, held]
+            self._ready[key] = [self.assembly.empty.pop((key, part), None) for part in (0, 1)]
+
+    @property
+    def parts(self) -> dict:
+        """The reads' names: ``name in parts`` for the items this dequantizer takes."""
+        return self.assembly.parts
 
     def take(self, item: ReadItem, raw: torch.Tensor, finalize: Finalize):
-        key, part, where = self.parts[item.name]
+        got = self.assembly.take(item, raw)
+        if got is None:
+            return None
+        (key, part), buf = got
         with self._lock:
-            pair = self._raw[key]
-            if where is None:
-                pair[part] = raw
-            else:
-                if pair[part] is None:
-                    pair[part] = torch.empty(pair[3][part][0], dtype=pair[3][part][1])
-                buf = pair[part]
-        if where is not None:
-            buf[where].copy_(raw.view(buf[where].shape))
-        with self._lock:
-            pair[2] -= 1
-            ready = pair[2] == 0
-            if ready:
-                del self._raw[key]
-        if ready:
-            d, want = self._what[key]
-            values, scales = (p if p is not None else torch.empty(s, dtype=t)
-                              for p, (s, t) in zip(pair[:2], pair[3], strict=True))
-            pair.clear()
-            out = dequantize_shard(values, scales, d.scheme, d.shape, want.spec, want.degree, want.rank,
-                                   self.dtype or d.declared, transposed=d.transposed)
-            del values, scales
-            if _MALLOC_TRIM is not None:
-                # The raw shards just freed sit between kept outputs in glibc's heap, which keeps
-                # such holes (about 400 MiB a rank over a 1 GB FP8 load): hand their pages back.
-                _MALLOC_TRIM(0)
-            self.done[key] = finalize(key, out)
+            pair = self._ready[key]
+            pair[part] = buf
+            if pair[1 - part] is None:
+                return None
+            del self._ready[key]
+        d, want = self._what[key]
+        values, scales = pair
+        pair.clear()
+        out = dequantize_shard(values, scales, d.scheme, d.shape, want.spec, want.degree, want.rank,
+                               self.dtype or d.declared, transposed=d.transposed)
+        del values, scales
+        if _MALLOC_TRIM is not None:
+            # The raw shards just freed sit between kept outputs in glibc's heap, which keeps
+            # such holes (about 400 MiB a rank over a 1 GB FP8 load): hand their pages back.
+            _MALLOC_TRIM(0)
+        self.done[key] = finalize(key, out)
         return None
-
-
-def _part_items(name: str, source, layout, shape) -> list[tuple[ReadItem, tuple[slice, ...] | None]]:
-    """The reads of one part of a dequantized tensor held as ``layout`` in a local buffer of
-    ``shape``: the part itself (``where`` None) for a stored tensor, else one read per overlap of
-    the layout with a piece of the :class:`Composite` and where it goes in the buffer."""
-    if not isinstance(source, Composite):
-        return [(ReadItem(name, source[0], source[1], layout, shape), None)]
-    out: list[tuple[ReadItem, tuple[slice, ...] | None]] = []
-    for i, (piece, src, off) in enumerate(piece_reads(layout, source.pieces)):
-        path, entry = source.stored[piece.key]
-        it = iter(src.sizes)
-        box = [1 if d in piece.stacked else next(it) for d in range(len(off))]
-        item = ReadItem(f"{name}{i}", path, entry, [(src, (0,) * len(src.sizes))], src.sizes)
-        out.append((item, tuple(slice(o, o + n) for o, n in zip(off, box, strict=True))))
-    return out
 
 
 __all__ = ["Dequantized", "Dequantizer", "pair_mxfp4", "pair_quantized"]

@@ -1,34 +1,19 @@
 """The threaded region reader: each rank's local shards, read straight from safetensors files.
 
-Plan, then execute. :func:`plan_reads` is pure: for each tensor it names the file entry, the
-rank's regions (from :func:`shardwise.core.spec.local_layout`) and where each lands in the
-local shard. :class:`RegionReader` then reads those boxes on a thread pool, through one
-shared read handle per file from the storage (a positional read needs no lock), into a
-local tensor of the file's dtype, and hands each finished tensor to a ``finalize`` callback
-(the dtype cast and the move to the device, after slicing).
-
-Memory: a rank holds its local shards and nothing more, except a bounded window of
-not-yet-finalized raw bytes (``window_bytes``) and, for a region whose place in the local
-tensor is not contiguous (a packed shard split along dim 1), one scratch piece per thread.
-Large regions are cut into dim-0 pieces of at most ``piece_bytes`` so that one big tensor
-also spreads over the threads. The window is taken piece by piece as pieces are queued: a
-raw tensor is allocated whole at its first piece, but its pages become resident only as
-pieces are read into them, and the next tensor's pieces queue up while the last pieces of
-the previous one are still being read, so no thread waits at a tensor boundary.
-
-Two cases skip the copy through ``pread`` (``shardwise.io.formats.safetensors.mapped``): a
-tensor of one region
-may become a view of the page cache when the caller allows it (``viewable``: a CPU model
-that keeps the file's dtype), strided when the region is a column slice (``strided_views``);
-a box of many short runs that is not viewed (a column slice) is copied out of a short-lived
-mapping with one strided copy.
+:func:`plan_reads` (pure) names each tensor's file entry, the rank's regions and where each
+lands in the local shard; :class:`RegionReader` reads those boxes on a thread pool through one
+shared read handle per file, cut into dim-0 pieces of at most ``piece_bytes``, with at most
+``window_bytes`` of raw bytes not yet finalized. A one-region box may instead become a view of
+the page cache, and a column slice is copied out of a mapping (``mapped``). A tensor made of
+boxes of several stored tensors (:class:`~shardwise.core.pieces.Composite`: a hub layout, a
+sharded checkpoint's chunks) is read as :func:`piece_items` and put together by :class:`Assembly`.
 """
 
 from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -36,6 +21,7 @@ from typing import Any, TypeVar
 import torch
 
 from shardwise.core.header import FileHeader, TensorEntry
+from shardwise.core.pieces import Composite, Piece, piece_reads
 from shardwise.core.spec import Layout, Region, ShardSpec, local_layout, local_shape
 from shardwise.errors import UsageError
 from shardwise.io.formats.safetensors.files import read_region
@@ -75,12 +61,82 @@ def plan_reads(sources: Mapping[str, tuple[Location, TensorEntry]], specs: Mappi
     return items
 
 
-def _pieces(item: ReadItem, piece_bytes: int) -> Iterator[tuple[Region, tuple[int, ...]]]:
-    """Each region of ``item`` cut along dim 0 into boxes whose rows span at most
-    ``piece_bytes`` of the file (at least one row), with the box's offset in the local tensor.
+def piece_items(name: str, comp: Composite, layout: Layout) -> list[tuple[ReadItem, tuple[slice, ...]]]:
+    """The reads giving the local tensor of ``layout`` of the tensor ``comp`` assembles: one
+    :class:`ReadItem` (``name#i``) per overlap of a region with a piece, and where its box lands
+    in the local tensor. Only the pieces a region overlaps are read. Pure."""
+    out = []
+    for i, (piece, src, off) in enumerate(piece_reads(layout, comp.pieces)):
+        path, entry = comp.stored[piece.key]
+        item = ReadItem(f"{name}#{i}", path, entry, [(src, (0,) * len(src.sizes))], src.sizes)
+        out.append((item, Piece(piece.key, src, off, piece.stacked).box().slices()))
+    return out
 
-    A row counts whole even where the box takes part of it: a column slice is copied out of
-    a mapping of the rows it spans, and that mapping's pages are what a piece holds."""
+
+class Assembly:
+    """Local tensors put together from several reads, thread-safe. :meth:`add` names the reads
+    of one tensor and where each box lands in it (``None``: the read is the whole tensor);
+    :meth:`take` copies a read box into place and returns ``(key, tensor)`` once its last box
+    is in, else None. A tensor with no reads is in :attr:`empty` at once."""
+
+    def __init__(self) -> None:
+        self.items: list[ReadItem] = []
+        self.parts: dict[str, tuple[Any, tuple[slice, ...] | None]] = {}  # item name -> (key, where)
+        self.empty: dict[Any, torch.Tensor] = {}
+        self._pending: dict[Any, list] = {}  # key -> [buffer or None, reads left, shape, dtype]
+        self._lock = threading.Lock()
+
+    def add(self, key, shape: tuple[int, ...], dtype: torch.dtype,
+            reads: Sequence[tuple[ReadItem, tuple[slice, ...] | None]]) -> None:
+        if not reads:
+            self.empty[key] = torch.empty(shape, dtype=dtype)
+            return
+        self._pending[key] = [None, len(reads), shape, dtype]
+        for item, where in reads:
+            self.items.append(item)
+            self.parts[item.name] = (key, where)
+
+    def take(self, item: ReadItem, raw: torch.Tensor) -> tuple[Any, torch.Tensor] | None:
+        key, where = self.parts[item.name]
+        with self._lock:
+            state = self._pending[key]
+            if where is None:
+                state[0] = raw
+            elif state[0] is None:
+                state[0] = torch.empty(state[2], dtype=state[3])
+            buf = state[0]
+        if where is not None:
+            buf[where].copy_(raw.view(buf[where].shape))  # boxes are disjoint: no lock needed
+        with self._lock:
+            state[1] -= 1
+            if state[1]:
+                return None
+            del self._pending[key]
+        return key, buf
+
+
+def read_composite_box(handles: Handles, headers: Mapping[Location, FileHeader], comp: Composite,
+                       box: Region) -> torch.Tensor:
+    """The ``box`` of the tensor ``comp`` assembles, read from the pieces it overlaps (straight
+    into place where that is contiguous and of the piece's dtype)."""
+    out = torch.empty(box.sizes, dtype=comp.entry.torch_dtype)
+    for item, where in piece_items("box", comp, [(box, (0,) * len(box.sizes))]):
+        dest = out[where]
+        dtype = item.entry.torch_dtype
+        direct = dest.is_contiguous() and dest.dtype == dtype
+        buf = dest.view(item.local_shape) if direct else torch.empty(item.local_shape, dtype=dtype)
+        (src, _), = item.layout
+        read_region(handles.get(item.path), headers[item.path], item.entry, src.offsets, src.sizes, buf)
+        if not direct:
+            dest.copy_(buf.view(dest.shape))
+    return out
+
+
+def _pieces(item: ReadItem, piece_bytes: int) -> Iterator[tuple[Region, tuple[int, ...]]]:
+    """Each region of ``item`` cut along dim 0 into boxes whose rows span at most ``piece_bytes``
+    of the file (at least one row), with the box's offset in the local tensor. A row counts
+    whole even where the box takes part of it: a column slice is copied out of a mapping of
+    the rows it spans."""
     for region, off in item.layout:
         if region.numel == 0:
             continue
@@ -103,11 +159,9 @@ class _Window:
         self._cond = threading.Condition()
 
     def acquire(self, n: int, held: int = 0) -> None:
-        """Take ``n`` bytes for the next piece of an item that holds ``held`` bytes already.
-
-        Waits only while earlier items hold bytes: all their pieces are queued, so their
-        bytes come back. An item alone may go over the budget (a tensor above the window).
-        """
+        """Take ``n`` bytes for the next piece of an item that holds ``held`` bytes already;
+        waits only while earlier items (all queued, so their bytes come back) hold bytes. An
+        item alone may go over the budget."""
         with self._cond:
             while self.used > held and self.used + n > self.limit and not self.failed:
                 self._cond.wait()
@@ -152,7 +206,7 @@ def cpu_views(device: torch.device, dtype: torch.dtype | None) -> Callable[[Read
 
 class RegionReader:
     """Reads :class:`ReadItem`s with a pool of threads; a context manager owning the read
-    read handles (of the headers' locations, through their storages).
+    handles (of the headers' locations, through their storages).
 
     >>> with RegionReader(ckpt.headers, num_threads=4) as reader:          # doctest: +SKIP
     ...     tensors = reader.read(items, finalize=lambda item, raw: raw)
@@ -279,4 +333,5 @@ class RegionReader:
         window.release(job.item.nbytes)
 
 
-__all__ = ["PIECE_BYTES", "ReadItem", "RegionReader", "WINDOW_BYTES", "cpu_views", "plan_reads"]
+__all__ = ["Assembly", "PIECE_BYTES", "ReadItem", "RegionReader", "WINDOW_BYTES", "cpu_views", "piece_items",
+           "plan_reads", "read_composite_box"]

@@ -1,46 +1,62 @@
-"""The :class:`~shardwise.io.source.Source` of ordinary safetensors checkpoints: one file, or
-an index and its files, tensors in the model's names or in a hub layout (transformers'
-conversion mapping: one model tensor assembled from several stored tensors), FP8 weights
-with block scales kept quantized (the scales split along with their weights) or dequantized
-per rank (``io.formats.safetensors.quantized``).
-
-Every rank reads only the bytes of its own regions of each tensor (the whole tensor when it
-is replicated) through :class:`~shardwise.io.formats.safetensors.reader.RegionReader`; no collective runs,
-except that dp replicas (``io.replicas``) read each region once and send it to the others, and
+"""The :class:`~shardwise.io.source.Source` of ordinary safetensors checkpoints: one file, or an
+index and its files; tensors in the model's names or in a hub layout (a ``Composite`` of stored
+tensors); FP8 weights with block scales kept quantized or dequantized per rank (``quantized``).
+Every rank reads only the bytes of its own regions (the whole tensor when replicated), with no
+collective, except that dp replicas read each region once and share it (``io.replicas``) and
 that over an object store the job reads each byte once and the ranks exchange (``io.exchange``).
+The offline tools (consolidate, verify, diff, inspect) read boxes, descriptions and checksums.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 from torch import nn
 
-from shardwise.core.pieces import Composite, piece_reads
+from shardwise.core.adapter import adapter_for, folder_model
+from shardwise.core.pieces import Composite
 from shardwise.core.plan import ResolvedPlan
 from shardwise.core.quant_layout import scale_layout, scale_local_shape
-from shardwise.core.spec import local_layout, local_shape
+from shardwise.core.spec import Region, local_layout, local_shape
 from shardwise.io.exchange import exchanges, read_exchanged
 from shardwise.io.formats.safetensors.checkpoint import resolve_checkpoint
+from shardwise.io.formats.safetensors.files import INDEX_SUFFIX, read_region
 from shardwise.io.formats.safetensors.keys import match_keys
 from shardwise.io.formats.safetensors.quantized import Dequantized, Dequantizer
-from shardwise.io.formats.safetensors.reader import ReadItem, RegionReader, cpu_views, plan_reads
-from shardwise.io.formats.safetensors.stored import SafetensorsStored
+from shardwise.io.formats.safetensors.reader import (
+    Assembly,
+    ReadItem,
+    RegionReader,
+    cpu_views,
+    piece_items,
+    plan_reads,
+    read_composite_box,
+)
+from shardwise.io.info import digest_range
 from shardwise.io.replicas import read_once
-from shardwise.io.source import Finalize, ReadOptions, Reads, Want
-from shardwise.io.storage import Location
+from shardwise.io.source import Blob, Description, Finalize, ReadOptions, Reads, Want
+from shardwise.io.storage import Handles, Location
 
 
-class SafetensorsSource(SafetensorsStored):
-    """A safetensors checkpoint (a file, a folder, an index) read region by region."""
+class SafetensorsSource:
+    """A safetensors checkpoint (a file, a folder, an index) read region by region;
+    ``dequantize``: FP8 tensors with block scales into plain model tensors."""
+
+    name = "safetensors"
 
     def __init__(self, path: Location, *, dequantize: bool = False):
-        super().__init__(path, resolve_checkpoint(path))
-        self.dequantize = dequantize  # FP8 tensors with block scales into plain model tensors
+        self.path, self.ckpt = path, resolve_checkpoint(path)
+        self.dequantize = dequantize
         self.bytes_read = 0
         self._sources: dict = {}  # model name -> (file, entry), Composite or Dequantized, from match
+        self._handles = Handles()
+        self._shown: dict[str, Composite] = {}  # module name -> hub composite (use_module_names)
+        self._hidden: set[str] = set()  # stored keys the composites are built from
+
+    @property
+    def root(self) -> Location:
+        return self.ckpt.root
 
     def match(self, model: nn.Module, specs: ResolvedPlan, *, strict: bool) -> tuple[list[str], list[str]]:
         self._sources, missing, unexpected = match_keys(model, specs, self.ckpt, strict=strict,
@@ -48,31 +64,43 @@ class SafetensorsSource(SafetensorsStored):
         return missing, unexpected
 
     def plan(self, wants: Mapping[str, Want]) -> Reads:
-        plain = {k: w for k, w in wants.items() if isinstance(self._sources[w.name], tuple)}
-        items = [_scale_read(key, self._sources[w.name], w) for key, w in plain.items() if w.tie is not None]
-        items += [item for key, w in plain.items() if w.tie is None for item in plan_reads(
-            {key: self._sources[w.name]}, {key: w.spec}, w.degree, w.rank)]
-        assembler = Assembler({k: (self._sources[w.name], w) for k, w in wants.items()
-                               if isinstance(self._sources[w.name], Composite)})
-        dequantizer = Dequantizer({k: (self._sources[w.name], w) for k, w in wants.items()
-                                   if isinstance(self._sources[w.name], Dequantized)})
-        items += assembler.items + dequantizer.items
-        whole = {k for k, w in plain.items() if w.spec.replicated}
-        return Reads(wants, sum(i.nbytes for i in items), (items, assembler, dequantizer, whole))
+        scales, plain, assembly, dequantized = [], [], Assembly(), {}
+        for key, w in wants.items():
+            source = self._sources[w.name]
+            if isinstance(source, Dequantized):
+                dequantized[key] = (source, w)
+            elif isinstance(source, Composite):
+                assembly.add(key, local_shape(source.shape, w.spec, w.degree), source.entry.torch_dtype,
+                             piece_items(key, source, local_layout(source.shape, w.spec, w.degree, w.rank)))
+            elif w.tie is not None:
+                scales.append(_scale_read(key, source, w))
+            else:
+                plain += plan_reads({key: source}, {key: w.spec}, w.degree, w.rank)
+        dequantizer = Dequantizer(dequantized)
+        items = scales + plain + assembly.items + dequantizer.assembly.items
+        whole = {k for k, w in wants.items()
+                 if isinstance(self._sources[w.name], tuple) and w.spec.replicated}
+        return Reads(wants, sum(i.nbytes for i in items), (items, assembly, dequantizer, whole))
 
     def read(self, reads: Reads, *, finalize: Finalize, options: ReadOptions,
              on_bytes: Callable[[int], None] | None = None) -> dict:
-        items, assembler, dequantizer, whole = reads.detail
+        items, assembly, dequantizer, whole = reads.detail
         dequantizer.dtype = options.dtype
         viewable = cpu_views(options.device, options.dtype) if options.device is not None else None
         # a storage that reads once per job: the ranks fetch slabs and exchange (io.exchange)
         job = options.mesh if exchanges(self.root.storage, options.mesh) else None
+        assembled: dict = {}
         with RegionReader(self.ckpt.headers, num_threads=options.num_threads, viewable=viewable,
                           on_bytes=on_bytes if job is None else None) as reader:
             def take(item, raw):
                 if item.name in dequantizer.parts:
                     return dequantizer.take(item, raw, finalize)
-                return assembler.take(item, raw, finalize)
+                if item.name not in assembly.parts:
+                    return finalize(item.name, raw)
+                got = assembly.take(item, raw)
+                if got is not None:
+                    assembled[got[0]] = finalize(*got)
+                return None
 
             try:
                 if job is not None:
@@ -84,9 +112,67 @@ class SafetensorsSource(SafetensorsStored):
                                         whole=whole, on_bytes=on_bytes)
             finally:
                 self.bytes_read += reader.bytes_read
-        out = {k: t for k, t in tensors.items() if k not in assembler.parts and k not in dequantizer.parts}
-        out |= {k: finalize(k, t) for k, t in assembler.empty.items()}
-        return out | assembler.done | dequantizer.done
+        out = {k: t for k, t in tensors.items() if k not in assembly.parts and k not in dequantizer.parts}
+        out |= {k: finalize(k, t) for k, t in assembly.empty.items()}
+        return out | assembled | dequantizer.done
+
+    # --- the offline tools: consolidate, verify, diff, inspect ---
+
+    def tensors(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        entries = {n: self.ckpt.entry(n)[1] for n in self.ckpt.names if n not in self._hidden}
+        shown = {n: (e.torch_dtype, e.shape) for n, e in entries.items()}
+        return shown | {n: (c.entry.torch_dtype, c.shape) for n, c in self._shown.items()}
+
+    def use_module_names(self, wanted: set[str]) -> None:
+        model = folder_model(self.ckpt.root) if wanted else None
+        if model is None:  # no transformers model named by config.json, or no transformers
+            return
+        stored = {k: self.ckpt.entry(k) for k in self.ckpt.names}
+        composites, used = adapter_for(model).stored_tensors(model, stored, wanted)
+        self._shown.update(composites)
+        self._hidden.update(used)
+
+    def read_box(self, name: str, box: Region) -> torch.Tensor:
+        comp = self._shown.get(name)
+        if comp is not None:
+            return read_composite_box(self._handles, self.ckpt.headers, comp, box)
+        file, entry = self.ckpt.entry(name)
+        out = torch.empty(box.sizes, dtype=entry.torch_dtype)
+        read_region(self._handles.get(file), self.ckpt.headers[file], entry, box.offsets, box.sizes, out)
+        return out
+
+    def describe(self) -> Description:
+        ckpt = self.ckpt
+        sharded = (len(ckpt.files) > 1 or self.path.name.endswith(".json")
+                   or bool(ckpt.root.glob("*" + INDEX_SUFFIX)))
+        listed = set(ckpt.weight_map)
+        problems = []
+        for file, header in ckpt.headers.items():
+            unlisted = [n for n in header.entries if n not in listed]
+            if unlisted:
+                problems.append(f"{file}: holds {len(unlisted)} tensor(s) the index does not list "
+                                f"({', '.join(map(repr, unlisted[:5]))}); the index is stale")
+        metadata = dict(ckpt.headers[ckpt.files[0]].metadata) if ckpt.files else {}
+        return Description("safetensors, sharded" if sharded else "safetensors, one file",
+                           tuple(f.name for f in ckpt.files), metadata, problems=tuple(problems))
+
+    def blobs(self) -> Iterator[Blob]:
+        by_file: dict[Location, list[str]] = {}
+        for name, file in self.ckpt.weight_map.items():
+            by_file.setdefault(file, []).append(name)
+        for file, names in by_file.items():
+            header = self.ckpt.headers[file]
+            for name in sorted(names, key=lambda n: header.entries[n].start):  # in file order
+                entry = header.entries[name]
+
+                def digest(algorithm: str, file=file, start=header.data_start + entry.start,
+                           nbytes=entry.nbytes) -> tuple[str, None]:
+                    return digest_range(self._handles.get(file), start, nbytes, algorithm), None
+
+                yield Blob(name, None, entry.nbytes, digest)
+
+    def close(self) -> None:
+        self._handles.close()
 
 
 def _scale_read(key: str, source, want: Want) -> ReadItem:
@@ -98,53 +184,4 @@ def _scale_read(key: str, source, want: Want) -> ReadItem:
                     scale_local_shape(tie, want.spec, want.degree, want.rank))
 
 
-class Assembler:
-    """Reads of tensors made of several stored tensors (hub layouts), and their assembly.
-
-    ``items`` are one :class:`ReadItem` per overlap of a wanted local tensor's regions with a
-    stored tensor (:func:`shardwise.core.pieces.piece_reads`); :meth:`take` copies each read
-    box into its place in the local tensor and finalizes it when its last box arrives.
-    """
-
-    def __init__(self, composites: Mapping[str, tuple[Composite, Want]]):
-        self.items: list[ReadItem] = []
-        self.done: dict = {}
-        self.empty: dict[str, torch.Tensor] = {}  # keys of empty tensors: nothing to read
-        self.parts: set[str] = set()  # names of the items that are boxes of a composite
-        self._place: dict[str, tuple[str, tuple[slice, ...]]] = {}
-        self._pending: dict[str, list] = {}  # key -> [buffer or None, reads left, shape, dtype]
-        self._lock = threading.Lock()
-        for key, (comp, want) in composites.items():
-            shape = local_shape(comp.shape, want.spec, want.degree)
-            reads = piece_reads(local_layout(comp.shape, want.spec, want.degree, want.rank), comp.pieces)
-            self._pending[key] = [None, len(reads), shape, comp.entry.torch_dtype]
-            if not reads:
-                self.empty[key] = torch.empty(shape, dtype=comp.entry.torch_dtype)
-            for i, (piece, src, off) in enumerate(reads):
-                path, entry = comp.stored[piece.key]
-                it = iter(src.sizes)
-                box = [1 if d in piece.stacked else next(it) for d in range(len(off))]
-                item = ReadItem(f"{key}#{i}", path, entry, [(src, (0,) * len(src.sizes))], src.sizes)
-                self.items.append(item)
-                self.parts.add(item.name)
-                self._place[item.name] = (key, tuple(slice(o, o + n) for o, n in zip(off, box, strict=True)))
-
-    def take(self, item: ReadItem, raw: torch.Tensor, finalize: Finalize):
-        if item.name not in self._place:
-            return finalize(item.name, raw)
-        key, where = self._place.pop(item.name)
-        with self._lock:
-            state = self._pending[key]
-            if state[0] is None:
-                state[0] = torch.empty(state[2], dtype=state[3])
-            buf = state[0]
-        buf[where].copy_(raw.view(buf[where].shape))
-        with self._lock:
-            state[1] -= 1
-            last = state[1] == 0
-        if last:
-            self.done[key] = finalize(key, self._pending.pop(key)[0])
-        return None
-
-
-__all__ = ["Assembler", "SafetensorsSource"]
+__all__ = ["SafetensorsSource"]

@@ -1,15 +1,14 @@
 """The sharded safetensors format plugin: the rank-local files torch's
 ``HuggingFaceStorageWriter(save_distributed=True)`` writes (``format="sharded"``), each header's
-``DCP_SHARDING_INFO`` saying where its chunks lie; ``checkpoint`` validates the chunk map,
-``source`` reads, ``write`` writes. No pickle anywhere."""
+``DCP_SHARDING_INFO`` saying where its chunks lie; ``source`` validates the chunk map and
+reads, ``write`` writes. No pickle anywhere."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from shardwise.io.formats import Capabilities
-from shardwise.io.formats.sharded.checkpoint import is_sharded_safetensors
-from shardwise.io.formats.sharded.source import ShardedSource
+from shardwise.io.formats.sharded.source import ShardedSource, is_sharded_safetensors
 
 if TYPE_CHECKING:
     from shardwise.io.storage import Location
@@ -22,8 +21,7 @@ CAPABILITIES = Capabilities(distributed=True, quantized=False, label="sharded sa
 
 def claims(path: Location) -> bool:
     """Whether ``path`` is a folder of safetensors files whose headers carry
-    ``DCP_SHARDING_INFO`` (and no index); reads the files' headers, and a corrupt header
-    raises ``CheckpointError`` naming the file."""
+    ``DCP_SHARDING_INFO`` (``source.is_sharded_safetensors``)."""
     return is_sharded_safetensors(path)
 
 

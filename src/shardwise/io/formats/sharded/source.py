@@ -1,32 +1,266 @@
-"""Reading sharded safetensors checkpoints: :class:`ShardedSource` for ``sw.load`` at any degree
-and for the offline tools. :func:`plan_chunk_reads` (pure) names, for each overlap of a wanted
-region with a chunk, the box of the chunk's entry to read and where it lands; the loader's
-``RegionReader`` reads exactly those byte runs."""
+"""Sharded safetensors checkpoints, the format of torch's
+``HuggingFaceStorageWriter(save_distributed=True)``: rank-local files whose headers hold
+``DCP_SHARDING_INFO`` (each entry's ``saved_offsets``) and ``DCP_VERSION``. No pickle. A tensor's
+global shape is the largest ``offset + size``, so its chunks are checked to tile it exactly (and
+to agree with ``shardwise.json`` when there is one) before any data is read. Detection reads
+headers, never file names. :class:`ShardedSource` reads at any degree, each rank only the chunk
+bytes its regions overlap (a tensor is a ``Composite`` of its chunks)."""
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterator, Mapping
+import json
+import math
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TypeGuard
 
 import torch
 from torch import nn
 
-from shardwise.core.spec import Layout, Region, intersect, local_layout
-from shardwise.io.formats.safetensors.files import read_region
+from shardwise.core.header import FileHeader, NamedDtype, TensorEntry, parse_json_object
+from shardwise.core.pieces import Composite, Piece
+from shardwise.core.spec import Layout, Region, local_layout, overlapping
+from shardwise.errors import CheckpointError
+from shardwise.io.formats.safetensors.files import INDEX_SUFFIX, read_header
 from shardwise.io.formats.safetensors.keys import match_keys
-from shardwise.io.formats.safetensors.reader import ReadItem, RegionReader
-from shardwise.io.formats.sharded.checkpoint import (
-    SHARDING_INFO_KEY,
-    ShardedCheckpoint,
-    ShardedTensor,
-    read_sharded,
+from shardwise.io.formats.safetensors.reader import (
+    Assembly,
+    ReadItem,
+    RegionReader,
+    piece_items,
+    read_composite_box,
 )
-from shardwise.io.info import chunk_key, digest_range
+from shardwise.io.info import INFO_FILE, chunk_key, digest_range, read_info
 from shardwise.io.source import Blob, Description, Finalize, ReadOptions, Reads, Want
-from shardwise.io.storage import Handles, Location
+from shardwise.io.storage import Handles, Location, locate
 
-Request = tuple[ShardedTensor, Layout]
+SHARDING_INFO_KEY = "DCP_SHARDING_INFO"
+VERSION_KEY = "DCP_VERSION"
+VERSION = "1.0"          # torch writes str(HF_DCP_VERSION) == "1.0"
+OFFSETS_KEY = "saved_offsets"
 
+
+@dataclass(frozen=True)
+class Chunk:
+    """One stored piece of a tensor: the file entry holding it and the box of the global
+    tensor it fills (``region.sizes == entry.shape``)."""
+
+    path: Location
+    entry: TensorEntry
+    region: Region
+
+
+@dataclass(frozen=True)
+class ShardedTensor(NamedDtype):
+    """A tensor of a sharded checkpoint: safetensors dtype name, global shape, its chunks."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: tuple[Chunk, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+    @property
+    def composite(self) -> Composite:
+        """The tensor as the pieces its chunks are (one chunk of a tensor per file)."""
+        pieces = tuple(Piece(str(c.path), Region((0,) * len(c.entry.shape), c.entry.shape), c.region.offsets)
+                       for c in self.chunks)
+        return Composite(self.shape, pieces, {str(c.path): (c.path, c.entry) for c in self.chunks})
+
+
+@dataclass
+class ShardedCheckpoint:
+    """A validated sharded checkpoint: the ``KeyedCheckpoint`` that ``match_keys`` reads."""
+
+    root: Location
+    files: list[Location]
+    headers: dict[Location, FileHeader]
+    tensors: dict[str, ShardedTensor]
+    info: dict | None = None  # shardwise.json, when the folder has one
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def entry(self, name: str) -> tuple[Location, ShardedTensor]:
+        try:
+            return self.root, self.tensors[name]
+        except KeyError:
+            raise CheckpointError(
+                f"{self.root}: the checkpoint has no tensor {name!r} ({len(self.tensors)} tensors)"
+            ) from None
+
+
+# --- detection -----------------------------------------------------------------------------
+
+def _data_files(root: Location) -> list[Location]:
+    files = root.glob("*.safetensors")
+    for p in files:
+        root.storage.check_inside(root, p, source=root)
+    return files
+
+
+def is_sharded_safetensors(root: Location | str | os.PathLike) -> bool:
+    """True when ``root`` is a folder of safetensors files whose headers carry
+    ``DCP_SHARDING_INFO`` and no ``*.safetensors.index.json`` (an index names an ordinary
+    checkpoint, such as torch's consolidation into the same folder). Reads only headers; a
+    corrupt header raises ``CheckpointError`` naming the file.
+
+    >>> is_sharded_safetensors(locate("out/hf_dcp"))            # doctest: +SKIP
+    True
+    """
+    root = locate(root)  # a str or path: the tools' and tests' door
+    if not root.is_folder() or root.glob("*" + INDEX_SUFFIX):
+        return False
+    return any(SHARDING_INFO_KEY in read_header(p).metadata for p in _data_files(root))
+
+
+# --- the chunk map ---------------------------------------------------------------------------
+
+def _is_offsets(value: object, ndim: int) -> TypeGuard[list[int]]:
+    return (isinstance(value, list) and len(value) == ndim
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value))
+
+
+def file_offsets(path: Location, header: FileHeader) -> dict[str, tuple[int, ...]]:
+    """``{tensor: saved offsets}`` of one file, checked against its entries. Pure."""
+    meta = header.metadata
+    if SHARDING_INFO_KEY not in meta:
+        raise CheckpointError(
+            f"{path}: its header has no {SHARDING_INFO_KEY}, but other files of the folder do; "
+            "an ordinary safetensors file among the shards (a consolidated copy?): move it out")
+    version = meta.get(VERSION_KEY)
+    if version is not None and version.split(".")[0] != VERSION.split(".")[0]:
+        raise CheckpointError(
+            f"{path}: {VERSION_KEY} is {version!r}; shardwise reads version {VERSION} "
+            "(written by a newer torch?); consolidate it with that torch first")
+    raw = meta[SHARDING_INFO_KEY].encode("utf-8")
+    info = parse_json_object(raw, source=str(path), what=SHARDING_INFO_KEY)
+    for name in info:
+        if name not in header.entries:
+            raise CheckpointError(f"{path}: {SHARDING_INFO_KEY} lists tensor {name!r}, "
+                                  "which the file does not hold; the header is corrupt")
+    out = {}
+    for name, entry in header.entries.items():
+        item = info.get(name)
+        if item is None:
+            raise CheckpointError(f"{path}: tensor {name!r} has no entry in {SHARDING_INFO_KEY}, "
+                                  "so where it belongs is unknown; the header is corrupt")
+        offsets = item.get(OFFSETS_KEY) if isinstance(item, dict) else None
+        if not _is_offsets(offsets, len(entry.shape)):
+            raise CheckpointError(
+                f"{path}: tensor {name!r}: {SHARDING_INFO_KEY} gives {item!r:.200} but needs "
+                f"{{{OFFSETS_KEY!r}: {len(entry.shape)} non-negative ints}} for shape {entry.shape}")
+        out[name] = tuple(offsets)
+    return out
+
+
+def chunk_map(headers: Mapping[Location, FileHeader]) -> dict[str, ShardedTensor]:
+    """Every tensor's global shape and chunks, from the headers (pure). Raises ``CheckpointError``
+    naming file and tensor for bad sharding info or chunks that differ in dtype or rank or do
+    not tile the tensor."""
+    chunks: dict[str, list[Chunk]] = {}
+    for path, header in headers.items():
+        for name, offsets in file_offsets(path, header).items():
+            entry = header.entries[name]
+            chunks.setdefault(name, []).append(Chunk(path, entry, Region(offsets, entry.shape)))
+    tensors = {}
+    for name, found in chunks.items():
+        first = found[0]
+        for c in found[1:]:
+            if c.entry.dtype != first.entry.dtype or len(c.entry.shape) != len(first.entry.shape):
+                raise CheckpointError(
+                    f"tensor {name!r}: its chunk in {c.path} is {c.entry.dtype} of shape "
+                    f"{c.entry.shape} but its chunk in {first.path} is {first.entry.dtype} of "
+                    f"shape {first.entry.shape}; the files come from different checkpoints")
+        shape = tuple(max((c.region.offsets[d] + c.region.sizes[d] for c in found), default=0)
+                      for d in range(len(first.entry.shape)))
+        check_tiling(name, shape, [(str(c.path), c.region) for c in found])
+        tensors[name] = ShardedTensor(name, first.entry.dtype, shape, tuple(found))
+    return tensors
+
+
+def check_tiling(name: str, shape: Sequence[int], pieces: Sequence[tuple[str, Region]]) -> None:
+    """Raise ``CheckpointError`` unless the regions of ``pieces`` (``(source, region)``) tile
+    the tensor of ``shape`` exactly. Pure; shared by the reader and the writer.
+
+    >>> check_tiling("w", (4, 2), [("a", Region((0, 0), (2, 2))), ("b", Region((2, 0), (2, 2)))])
+    """
+    shape = tuple(shape)
+    for src, r in pieces:
+        inside = len(r.offsets) == len(shape) and all(
+            o + s <= d for o, s, d in zip(r.offsets, r.sizes, shape, strict=True))
+        if not inside:
+            raise CheckpointError(f"{src}: tensor {name!r}: chunk at offsets {r.offsets} of sizes "
+                                  f"{r.sizes} falls outside its shape {shape}")
+    pair = overlapping([r for _, r in pieces])
+    if pair is not None:
+        (sa, a), (sb, b) = pieces[pair[0]], pieces[pair[1]]
+        raise CheckpointError(
+            f"{sa if sa == sb else f'{sa} and {sb}'}: tensor {name!r}: chunks at offsets {a.offsets} "
+            f"(sizes {a.sizes}) and {b.offsets} (sizes {b.sizes}) overlap, so which bytes hold the "
+            "tensor is ambiguous; the folder mixes checkpoints or a header is corrupt")
+    covered, total = sum(r.numel for _, r in pieces), math.prod(shape)
+    if covered != total:
+        files = sorted({s for s, _ in pieces})
+        raise CheckpointError(
+            f"tensor {name!r}: its chunks in {', '.join(files[:4])}{' ...' if len(files) > 4 else ''} "
+            f"cover {covered} of the {total} elements of its shape {shape}; a chunk (or a whole "
+            "rank's file) is missing: copy the complete checkpoint folder, or save again")
+
+
+# --- a folder ---------------------------------------------------------------------------------
+
+def _check_recorded(root: Location, tensors: Mapping[str, ShardedTensor], info: dict | None) -> None:
+    """The shapes shardwise recorded at save time must be the ones the chunks make: a missing
+    last chunk, or a whole missing file, shows up here and nowhere else."""
+    recorded = (info or {}).get("tensors")
+    if not isinstance(recorded, dict):
+        return
+    for name, want in recorded.items():  # read_info checked the field's types
+        got = tensors.get(name)
+        if got is None:
+            raise CheckpointError(f"{root}: {INFO_FILE} lists tensor {name!r}, which no file holds; "
+                                  "a rank's file is missing: copy the complete folder, or save again")
+        if tuple(want["shape"]) != got.shape:
+            raise CheckpointError(
+                f"{root}: tensor {name!r}: {INFO_FILE} records shape {tuple(want['shape'])} but its chunks "
+                f"make {got.shape}; a rank's file is missing: copy the complete folder, or save again")
+
+
+def read_sharded(root: Location | str | os.PathLike) -> ShardedCheckpoint:
+    """The validated chunk map of the sharded checkpoint folder ``root``; reads headers only.
+
+    >>> ckpt = read_sharded(locate("out/hf_dcp"))                                  # doctest: +SKIP
+    >>> [c.region for c in ckpt.tensors["lm_head.weight"].chunks]           # doctest: +SKIP
+    [Region(offsets=(0, 0), sizes=(32, 32)), Region(offsets=(32, 0), sizes=(32, 32))]
+    """
+    root = locate(root)  # a str or path: the tools' and tests' door
+    if not root.is_folder():
+        raise CheckpointError(f"{root}: no such checkpoint folder")
+    files = _data_files(root)
+    if not files:
+        raise CheckpointError(f"{root}: no .safetensors files in this folder")
+    headers = {p: read_header(p) for p in files}
+    tensors = chunk_map(headers)
+    info = read_info(root)
+    _check_recorded(root, tensors, info)
+    return ShardedCheckpoint(root, files, headers, tensors, info)
+
+
+def sharding_metadata(offsets: Mapping[str, Sequence[int]]) -> dict[str, str]:
+    """The header metadata of one rank-local file holding the chunks at ``offsets``
+    (``{tensor: saved offsets}``), as torch's writer puts it."""
+    info = {name: {OFFSETS_KEY: [int(o) for o in off]} for name, off in offsets.items()}
+    return {SHARDING_INFO_KEY: json.dumps(info), VERSION_KEY: VERSION, "format": "pt"}
+
+
+
+# --- reading ----------------------------------------------------------------------------------
 
 def local_extent(layout: Layout) -> tuple[int, ...]:
     """The local tensor's shape: the layout's regions tile it exactly."""
@@ -34,42 +268,8 @@ def local_extent(layout: Layout) -> tuple[int, ...]:
     return tuple(max(off[d] + r.sizes[d] for r, off in layout) for d in range(ndim))
 
 
-def plan_chunk_reads(tensor: ShardedTensor, layout: Layout, *,
-                     tag: str = "") -> list[tuple[ReadItem, Region]]:
-    """The reads giving the local tensor of ``layout`` (regions of ``tensor`` with their
-    offsets in the local tensor): for each overlap of a region with a chunk, a
-    :class:`ReadItem` of that box of the chunk's entry, and the box's place in the local
-    tensor. Only chunks that overlap a region are read. Pure.
-
-    >>> [(i.path.name, dest) for i, dest in plan_chunk_reads(t, layout)]      # doctest: +SKIP
-    [('shard-00001-model-00001-of-00001.safetensors', Region(offsets=(0, 0), sizes=(16, 32)))]
-    """
-    reads: list[tuple[ReadItem, Region]] = []
-    for region, off in layout:
-        for chunk in tensor.chunks:
-            box = intersect(region, chunk.region)
-            if box is None or box.numel == 0:
-                continue
-            start = zip(box.offsets, chunk.region.offsets, strict=True)
-            in_chunk = Region(tuple(b - c for b, c in start), box.sizes)
-            place = zip(off, box.offsets, region.offsets, strict=True)
-            dest = Region(tuple(o + b - r for o, b, r in place), box.sizes)
-            item = ReadItem(f"{tag or tensor.name}#{len(reads)}", chunk.path, chunk.entry,
-                            [(in_chunk, (0,) * len(box.sizes))], box.sizes)
-            reads.append((item, dest))
-    return reads
-
-
-class _Assembly:
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, remaining: int):
-        self.shape, self.dtype, self.remaining = shape, dtype, remaining
-        self.out: torch.Tensor | None = None
-        self.lock = threading.Lock()
-
-
 class ShardedReader:
-    """Local tensors of a :class:`ShardedCheckpoint`, read box by box; a context manager
-    owning the reader's file descriptors.
+    """Local tensors of a :class:`ShardedCheckpoint`, read box by box; a context manager.
 
     >>> with ShardedReader(read_sharded("out/hf_dcp"), num_threads=4) as reader:   # doctest: +SKIP
     ...     local = reader.read({"w": (ckpt.tensors["w"], layout)}, finalize=lambda k, t: t)["w"]
@@ -93,42 +293,25 @@ class ShardedReader:
     def bytes_read(self) -> int:
         return self._reader.bytes_read
 
-    def read(self, requests: Mapping[str, Request], *, finalize: Finalize) -> dict[str, torch.Tensor]:
+    def read(self, requests: Mapping[str, tuple[ShardedTensor, Layout]], *,
+             finalize: Finalize) -> dict[str, torch.Tensor]:
         """``{key: finalize(key, local tensor)}`` for ``requests`` (``{key: (tensor, layout)}``).
         ``finalize`` runs on the reader's threads, once per key, as each tensor completes."""
-        results: dict[str, torch.Tensor] = {}
-        owner: dict[str, tuple[str, Region, _Assembly | None]] = {}
-        items: list[ReadItem] = []
+        assembly = Assembly()
         for key, (tensor, layout) in requests.items():
             shape = local_extent(layout) if layout else ()
-            reads = plan_chunk_reads(tensor, layout, tag=key)
-            if not reads:  # an empty tensor: nothing to read
-                results[key] = finalize(key, torch.empty(shape, dtype=tensor.torch_dtype))
-                continue
-            direct = len(reads) == 1 and reads[0][0].local_shape == shape
-            assembly = None if direct else _Assembly(shape, tensor.torch_dtype, len(reads))
-            for item, dest in reads:
-                owner[item.name] = (key, dest, assembly)
-                items.append(item)
+            reads: list = piece_items(key, tensor.composite, layout)
+            if len(reads) == 1 and reads[0][0].local_shape == shape:
+                reads = [(reads[0][0], None)]  # one chunk holds it all: no copy
+            assembly.add(key, shape, tensor.torch_dtype, reads)
+        results = {key: finalize(key, t) for key, t in assembly.empty.items()}
 
         def done(item: ReadItem, raw: torch.Tensor) -> None:
-            key, dest, assembly = owner[item.name]
-            if assembly is None:
-                results[key] = finalize(key, raw)
-                return
-            with assembly.lock:
-                if assembly.out is None:
-                    assembly.out = torch.empty(assembly.shape, dtype=assembly.dtype)
-                out = assembly.out
-            out[dest.slices()].copy_(raw)  # boxes are disjoint: no lock needed
-            with assembly.lock:
-                assembly.remaining -= 1
-                last = assembly.remaining == 0
-            if last:
-                assembly.out = None
-                results[key] = finalize(key, out)
+            got = assembly.take(item, raw)
+            if got is not None:
+                results[got[0]] = finalize(*got)
 
-        self._reader.read(items, finalize=done)
+        self._reader.read(assembly.items, finalize=done)
         return results
 
     def tensor(self, name: str) -> torch.Tensor:
@@ -139,9 +322,8 @@ class ShardedReader:
 
 
 class ShardedSource:
-    """The ``Source`` of a sharded safetensors checkpoint: chunk map validated on opening, keys and
-    shapes matched before any read, each rank reading only the chunk bytes overlapping its
-    regions; no collective. ``close`` releases the read handles."""
+    """The ``Source`` of a sharded safetensors checkpoint: chunk map validated on opening, keys
+    and shapes matched before any read; no collective."""
 
     name = "sharded"
 
@@ -153,7 +335,12 @@ class ShardedSource:
         self._handles = Handles()
 
     def tensors(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        return {t.name: (t.torch_dtype, t.shape) for t in ordered_tensors(self.ckpt)}
+        # the model's order when shardwise recorded it (consolidation then splits files like
+        # sw.save), else by name: the format itself keeps no order
+        recorded = (self.ckpt.info or {}).get("tensors")
+        names = recorded if isinstance(recorded, dict) and set(recorded) == set(self.ckpt.tensors) else None
+        tensors = [self.ckpt.tensors[n] for n in (names or sorted(self.ckpt.tensors))]
+        return {t.name: (t.torch_dtype, t.shape) for t in tensors}
 
     def match(self, model: nn.Module, specs, *, strict: bool) -> tuple[list[str], list[str]]:
         self._sources, missing, unexpected = match_keys(model, specs, self.ckpt, strict=strict)
@@ -178,17 +365,7 @@ class ShardedSource:
     # --- the offline tools: consolidate, verify, diff, inspect ---
 
     def read_box(self, name: str, box: Region) -> torch.Tensor:
-        tensor = self.ckpt.tensors[name]
-        out = torch.empty(box.sizes, dtype=tensor.torch_dtype)
-        for item, dest in plan_chunk_reads(tensor, [(box, (0,) * len(box.sizes))]):
-            part = out[dest.slices()]
-            buf = part if part.is_contiguous() else torch.empty(dest.sizes, dtype=tensor.torch_dtype)
-            (src, _), = item.layout
-            read_region(self._handles.get(item.path), self.ckpt.headers[item.path], item.entry, src.offsets,
-                        src.sizes, buf)
-            if buf is not part:
-                part.copy_(buf)
-        return out
+        return read_composite_box(self._handles, self.ckpt.headers, self.ckpt.tensors[name].composite, box)
 
     def describe(self) -> Description:
         ckpt = self.ckpt
@@ -214,13 +391,8 @@ class ShardedSource:
         self._handles.close()
 
 
-def ordered_tensors(ckpt: ShardedCheckpoint) -> list[ShardedTensor]:
-    """The model's order when shardwise recorded it (so consolidation splits files like
-    ``sw.save``), else by name: the format itself keeps no order."""
-    recorded = (ckpt.info or {}).get("tensors")
-    if isinstance(recorded, dict) and set(recorded) == set(ckpt.tensors):
-        return [ckpt.tensors[n] for n in recorded]
-    return [ckpt.tensors[n] for n in sorted(ckpt.tensors)]
-
-
-__all__ = ["ShardedReader", "ShardedSource", "local_extent", "ordered_tensors", "plan_chunk_reads"]
+__all__ = [
+    "Chunk", "OFFSETS_KEY", "SHARDING_INFO_KEY", "ShardedCheckpoint", "ShardedReader", "ShardedSource",
+    "ShardedTensor", "VERSION", "VERSION_KEY", "check_tiling", "chunk_map", "file_offsets",
+    "is_sharded_safetensors", "local_extent", "read_sharded", "sharding_metadata",
+]

@@ -1,12 +1,12 @@
-"""Writing sharded safetensors checkpoints: every rank writes its own canonical chunks (the
-regions of its layout) as rank-local files named as torch and transformers name them
-(``shard-{r+1}-model-{k}-of-{K}.safetensors``, torch's ``DCP_SHARDING_INFO`` in the headers),
-nothing gathered. The ranks exchange only the regions they hold; a pure plan writes each
-region once and checks that they tile every tensor. Each file is streamed, header first."""
+"""Writing sharded safetensors checkpoints: every rank streams its own canonical chunks into
+rank-local files named as torch names them (``shard-{r+1}-model-{k}-of-{K}.safetensors``,
+``DCP_SHARDING_INFO`` in the headers), nothing gathered. A pure plan, from the regions every
+rank holds, writes each region once and checks that they tile every tensor."""
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Mapping, Sequence
 
 from torch import nn
@@ -19,10 +19,10 @@ from shardwise.core.header import dtype_to_str, spec_nbytes
 from shardwise.core.spec import Region
 from shardwise.errors import CheckpointError
 from shardwise.holding import Holding
-from shardwise.io.formats.dcp.checkpoint import checkpoint_info, model_placed
+from shardwise.io.formats.dcp.checkpoint import checkpoint_info, gather_checksums, model_placed
 from shardwise.io.formats.safetensors.files import StreamingWriter, header_metadata, save_file_order
-from shardwise.io.formats.sharded.checkpoint import check_tiling, sharding_metadata
-from shardwise.io.info import ALGORITHM, chunk_key
+from shardwise.io.formats.sharded.source import check_tiling, sharding_metadata
+from shardwise.io.info import chunk_key
 from shardwise.io.sink import PlannedFile, Saving, WritePlan
 from shardwise.io.storage import Location
 from shardwise.io.storage.transaction import target_path
@@ -72,38 +72,27 @@ def assign_chunks(held: Sequence[Sequence[Held]]) -> list[list[Held]]:
     return out
 
 
-def file_name(rank: int, index: int, num_files: int) -> str:
-    """Rank ``rank``'s ``index``-th file (1-based) of ``num_files``, named as torch names them."""
-    return f"shard-{rank + 1:05d}-model-{index:05d}-of-{num_files:05d}.safetensors"
-
-
 def rank_files(chunks: Sequence[Held], rank: int, num_files: int) -> list[tuple[str, list[Held]]]:
-    """This rank's files: the ``k``-th chunk of each tensor goes to file ``k``. Pure."""
+    """This rank's files, named as torch names them: the ``k``-th chunk of each tensor goes to
+    file ``k``. Pure."""
     files: list[list[Held]] = []
-    count: dict[str, int] = {}
+    count: Counter[str] = Counter()
     for chunk in chunks:
-        k = count.get(chunk[0], 0)
-        count[chunk[0]] = k + 1
-        if k == len(files):
+        count[chunk[0]] += 1
+        if count[chunk[0]] > len(files):
             files.append([])
-        files[k].append(chunk)
-    return [(file_name(rank, k + 1, num_files), group) for k, group in enumerate(files)]
+        files[count[chunk[0]] - 1].append(chunk)
+    return [(f"shard-{rank + 1:05d}-model-{k:05d}-of-{num_files:05d}.safetensors", group)
+            for k, group in enumerate(files, 1)]
 
 
 def num_files(assigned: Sequence[Sequence[Held]]) -> int:
     """The most chunks of one tensor that one rank writes (every rank's ``-of-`` count)."""
-    most = 1
-    for chunks in assigned:
-        counts: dict[str, int] = {}
-        for chunk in chunks:
-            counts[chunk[0]] = counts.get(chunk[0], 0) + 1
-        most = max([most, *counts.values()])
-    return most
+    return max([1, *(n for chunks in assigned for n in Counter(c[0] for c in chunks).values())])
 
 
 def write_file(path: Location, planned: PlannedFile, placed: Mapping) -> dict[str, dict[str, str]]:
-    """Stream one rank-local file: header (with the sharding metadata), then each chunk.
-    Returns each chunk's checksum, ``{tensor: {chunk key: checksum}}`` (``shardwise.io.info``)."""
+    """Stream one rank-local file; returns its chunks' checksums, ``{tensor: {chunk key: sum}}``."""
     where = dict(zip((name for name, _, _ in planned.tensors), planned.offsets, strict=True))
     metadata = sharding_metadata(where)
     with StreamingWriter(path, planned.tensors, metadata=metadata) as writer:
@@ -115,9 +104,9 @@ def write_file(path: Location, planned: PlannedFile, placed: Mapping) -> dict[st
 
 
 class ShardedSafetensorsSink:
-    """The sharded save as a ``Sink``: :meth:`plan` takes every rank's :func:`held_chunks` and names
-    every rank's files; :meth:`write` writes this rank's files from ``placed`` (no collective)
-    and returns its chunk checksums."""
+    """The sharded save as a ``Sink``: :meth:`plan` names every rank's files from every rank's
+    :func:`held_chunks`; :meth:`write` writes this rank's files (no collective) and returns its
+    chunk checksums."""
 
     def __init__(self, placed: Mapping, rank: int):
         self.placed, self.rank = placed, rank
@@ -140,17 +129,6 @@ class ShardedSafetensorsSink:
             for name, chunks in write_file(folder / planned.name, planned, self.placed).items():
                 sums.setdefault(name, {}).update(chunks)
         return sums
-
-
-def _all_checksums(sums: dict[str, dict[str, str]], backend: Backend | None) -> dict:
-    """Every rank's chunk checksums, as ``shardwise.json`` records them (each chunk is
-    written by one rank, so no key collides)."""
-    chunks: dict[str, dict[str, str]] = {}
-    group = coordination_group(backend)
-    for part in comm.all_gather_object(sums, group=group, purpose="sharing the checksums"):
-        for name, by_offsets in part.items():
-            chunks.setdefault(name, {}).update(by_offsets)
-    return {"algorithm": ALGORITHM, "chunks": chunks}
 
 
 def save_sharded_safetensors(model: nn.Module, path: Location, *, backend: Backend | None,
@@ -179,10 +157,10 @@ def save_sharded_safetensors(model: nn.Module, path: Location, *, backend: Backe
         sums: dict[str, dict[str, str]] = {}
         agree(backend, capture(lambda: sums.update(sink.write(plan, saving.folder))), what=what)
         info = checkpoint_info(model, placed, kind="model", metadata=metadata)
-        info.update(storage="safetensors", checksums=_all_checksums(sums, backend))
+        info.update(storage="safetensors", checksums=gather_checksums(sums, "sharing the checksums", backend))
         files = adapter_for(model).write_side_files  # config.json & co, as every save
         saving.commit(info=info, side_files=lambda folder: files(model, folder))
 
 
-__all__ = ["ShardedSafetensorsSink", "assign_chunks", "file_name", "held_chunks", "num_files", "rank_files",
+__all__ = ["ShardedSafetensorsSink", "assign_chunks", "held_chunks", "num_files", "rank_files",
            "save_sharded_safetensors", "write_file"]
