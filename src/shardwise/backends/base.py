@@ -131,7 +131,6 @@ class Backend:
         self.world_size = 1
         self.local_rank = 0
         self._owns_group = False
-        self._started = False
 
     # -- availability and start ------------------------------------------------
     @classmethod
@@ -190,7 +189,6 @@ class Backend:
                 dist.destroy_process_group()
                 self._owns_group = False
             raise
-        self._started = True
 
     def _check_world(self) -> None:
         """Raise unless an all_reduce of ones sums to the world size (an adopted ``env://`` "xla"
@@ -341,7 +339,6 @@ class Backend:
                     pass
             dist.destroy_process_group()
         self._owns_group = False
-        self._started = False
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(name={self.name!r}, rank={self.rank}, "
