@@ -4,7 +4,6 @@ collective timeouts are not honoured (``timeout=`` bounds only the start)."""
 
 from __future__ import annotations
 
-import os
 import sys
 import warnings
 
@@ -70,14 +69,6 @@ class XlaBackend(Backend):
 
     @classmethod
     def is_available(cls) -> bool:
-        if not os.environ.get("PJRT_DEVICE"):
-            try:
-                import importlib.util
-
-                if importlib.util.find_spec("torch_xla") is None:
-                    return False
-            except (ImportError, ValueError):
-                return False
         try:
             import torch_xla.runtime as xr
 
