@@ -92,14 +92,12 @@ def _add_storage_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _check_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    from shardwise.demo import valid_degrees
-    from shardwise.testing.model import config_for
+    from shardwise.demo import check_degree
 
-    degrees = valid_degrees(args.size)
-    if args.tp not in degrees:
-        parser.error(f"argument --tp: {args.tp} does not divide the {config_for(args.size).kv_heads} "
-                     f"KV heads of the {args.size} model; choose one of "
-                     f"{', '.join(map(str, degrees))}")
+    try:
+        check_degree(args.size, args.tp)
+    except ValueError as e:
+        parser.error(f"argument --tp: {e}")
 
 
 _DESCRIPTION = ("Read, check and convert tensor-parallel PyTorch checkpoints: demo, inspect PATH, "
@@ -116,7 +114,7 @@ def _version() -> str:
 def build_parser() -> argparse.ArgumentParser:
     from shardwise.testing.model import SIZES
 
-    # the module's docstring is reStructuredText: argparse would show its ``double backticks``
+    # not the module's docstring: argparse would show its ``double backticks``
     parser = argparse.ArgumentParser(prog="shardwise", description=_DESCRIPTION)
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)

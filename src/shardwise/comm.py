@@ -1,9 +1,6 @@
-"""Every collective shardwise runs, bounded and named: each gets the backend's timeout
-(``backend=``, resolved once by a public entry; None: a world of one) and its failure becomes
-a ``CollectiveError`` naming the operation, group size, rank and fix. Load/save tensor
-collectives are async and waited for; local holding's forward/backward ones and the object
-collectives are synchronous. :func:`agree` is the cross-rank verdict: if any rank failed,
-every rank raises at the same point."""
+"""Every collective shardwise runs, bounded by the ``backend=`` timeout (resolved once by a public
+entry; None: a world of one) and failing as a ``CollectiveError`` naming the operation, group
+size and rank. :func:`agree` is the cross-rank verdict: if any rank failed, every rank raises."""
 
 from __future__ import annotations
 
@@ -20,23 +17,20 @@ from shardwise.errors import BackendError, CheckpointError, CollectiveError, Sha
 
 
 def is_distributed() -> bool:
-    """True when this process is in a process group."""
     return dist.is_available() and dist.is_initialized()
 
 
 def rank() -> int:
-    """This process's global rank (0 without a process group)."""
     return dist.get_rank() if is_distributed() else 0
 
 
 def world_size() -> int:
-    """The number of ranks in the default group (1 without a process group)."""
     return dist.get_world_size() if is_distributed() else 1
 
 
 def _device_types(group=None) -> set[str]:
-    """The device types ``group`` (None: the default group) has a backend for; empty where torch
-    cannot say (a process group written in Python, such as torch_xla's)."""
+    """The device types ``group`` (None: the default) has a backend for; empty where torch cannot
+    say (a process group written in Python, such as torch_xla's)."""
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
     try:
         return {d.type for d in pg._device_types}
@@ -45,8 +39,7 @@ def _device_types(group=None) -> set[str]:
 
 
 class AdoptedBackend(Backend):
-    """Collectives over a process group that shardwise did not start (no ``init_backend``):
-    what ``shardwise.mesh.world_backend`` gives there. Built in a process group only."""
+    """Collectives over a process group that shardwise did not start (no ``init_backend``)."""
 
     name = "adopted"
 
@@ -69,9 +62,8 @@ class AdoptedBackend(Backend):
 
 def device_for(group=None, *, backend: Backend | None) -> torch.device:
     """The device of the tensors ``group``'s collectives move (None: the default group): the CPU
-    where the group takes host tensors (gloo), else ``backend``'s device (NCCL's GPU, an XLA
-    device, a NeuronCore): a device-only group refuses CPU tensors, or (torch_xla's) ignores
-    them. The CPU without a process group (``backend`` None).
+    where it takes host tensors (gloo) or without a backend, else ``backend``'s device (a
+    device-only group refuses CPU tensors, or, torch_xla's, ignores them).
 
     >>> device_for(backend=None)   # one process
     device(type='cpu')
@@ -89,9 +81,8 @@ def _what(op: str, group, purpose: str) -> str:
 
 @contextmanager
 def guarded(op: str, *, group=None, purpose: str = "") -> Iterator[None]:
-    """Run collectives that torch issues for us (object collectives, a DTensor redistribute
-    over a mesh passed as ``group``) so that their failure, a peer that died or a timeout,
-    raises a ``CollectiveError``."""
+    """Turn the failure of collectives torch issues for us (object collectives, a DTensor
+    redistribute over a mesh passed as ``group``) into a ``CollectiveError``."""
     try:
         yield
     except ShardwiseError:
@@ -101,13 +92,12 @@ def guarded(op: str, *, group=None, purpose: str = "") -> Iterator[None]:
 
 
 class Pending:
-    """An asynchronous collective; :meth:`wait` finishes it within the backend's timeout."""
+    """An asynchronous collective; :meth:`wait` (idempotent) finishes it within the timeout."""
 
     def __init__(self, work, what: str, backend: Backend | None):
         self._work, self._what, self._backend = work, what, backend
 
     def wait(self) -> None:
-        """Block until done; a failure or a timeout raises ``CollectiveError``. Idempotent."""
         work, self._work = self._work, None
         if work is not None:
             assert self._backend is not None  # _start gives a started collective its backend
@@ -125,9 +115,8 @@ def _start(op: str, group, purpose: str, issue: Callable[[], object], backend: B
 
 def all_reduce(tensor: torch.Tensor, op: str = "sum", *, backend: Backend | None, group=None,
                purpose: str = "") -> torch.Tensor:
-    """Reduce ``tensor`` in place over ``group`` (``op``: sum, max, min, product) and return
-    it; every rank of the group calls it, ``backend`` waits for it (None: no process group,
-    ``tensor`` is the result). ``purpose`` says what for, in the error.
+    """Reduce ``tensor`` in place over ``group`` (``op``: sum, max, min, product) and return it;
+    every rank of the group calls it. ``purpose`` says what for, in the error.
 
     >>> all_reduce(torch.ones(1), "max", backend=None)   # one process
     tensor([1.])
@@ -141,9 +130,8 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", *, backend: Backend | None
 
 def broadcast(tensor: torch.Tensor, src: int, *, backend: Backend | None, group=None, purpose: str = "",
               async_op: bool = False) -> Pending:
-    """Overwrite ``tensor`` on every rank of ``group`` with global rank ``src``'s; ``backend``
-    waits for it (None: no process group). Returns a handle to :meth:`~Pending.wait` on
-    (already finished unless ``async_op``)."""
+    """Overwrite ``tensor`` on every rank of ``group`` with global rank ``src``'s; returns a
+    :class:`Pending` (already finished unless ``async_op``)."""
     pending = _start("broadcast", group, purpose,
                      lambda: dist.broadcast(tensor, src=src, group=group, async_op=True), backend)
     if not async_op:
@@ -154,9 +142,8 @@ def broadcast(tensor: torch.Tensor, src: int, *, backend: Backend | None, group=
 def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor, output_sizes: list[int],
                       input_sizes: list[int], *, backend: Backend | None, group=None,
                       purpose: str = "") -> torch.Tensor:
-    """Send ``input_sizes[r]`` elements of ``tensor`` (in order) to each group rank ``r`` and
-    receive ``output_sizes[r]`` from each into ``output``; every rank of the group calls it,
-    ``backend`` waits for it (None: no process group, ``tensor`` is copied into ``output``)."""
+    """Send ``input_sizes[r]`` elements of ``tensor`` to each group rank ``r`` and receive
+    ``output_sizes[r]`` from each into ``output``; every rank of the group calls it."""
     if backend is None:
         return output.copy_(tensor)
     _start("all_to_all_single", group, purpose,
@@ -166,9 +153,8 @@ def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor, output_sizes: 
 
 
 def all_reduce_inline(tensor: torch.Tensor, *, group=None) -> torch.Tensor:
-    """Sum ``tensor`` in place over ``group``: a plain synchronous call for local holding's
-    forward and backward (every training step), bounded by the process group's timeout;
-    only a failure costs anything extra."""
+    """Sum ``tensor`` in place over ``group``, synchronously (local holding's forward and
+    backward: every step), bounded by the process group's own timeout."""
     try:
         dist.all_reduce(tensor, group=group)
     except Exception as e:  # torch raises RuntimeError/DistBackendError subclasses
@@ -177,8 +163,7 @@ def all_reduce_inline(tensor: torch.Tensor, *, group=None) -> torch.Tensor:
 
 
 def all_gather_inline(parts: list[torch.Tensor], tensor: torch.Tensor, *, group=None) -> list[torch.Tensor]:
-    """Every group rank's ``tensor`` into ``parts`` (one per group rank), synchronously, as
-    :func:`all_reduce_inline`."""
+    """Every group rank's ``tensor`` into ``parts``, as :func:`all_reduce_inline`."""
     try:
         dist.all_gather(parts, tensor, group=group)
     except Exception as e:  # torch raises RuntimeError/DistBackendError subclasses
@@ -207,8 +192,7 @@ def all_gather_object(obj, *, group=None, purpose: str = "") -> list:
 
 
 def gather_object(obj, dst: int = 0, *, group=None, purpose: str = "") -> list | None:
-    """Every rank's ``obj`` (picklable), in group-rank order, on global rank ``dst``; None on
-    the other ranks."""
+    """Every rank's ``obj`` (picklable), in group-rank order, on global rank ``dst`` (else None)."""
     if world_size() == 1:
         return [obj]
     out = [None] * dist.get_world_size(group) if rank() == dst else None
@@ -252,14 +236,10 @@ def _row(error: BaseException | None, digest: bytes) -> torch.Tensor:
 
 def agree(backend: Backend | None, error: BaseException | None, *, what: str,
           digest: bytes = b"\0" * 8) -> None:
-    """Every rank calls it at the same point: raise on every rank if any rank failed.
-
-    The rank that failed re-raises its own ``error``; the others raise a
-    ``CheckpointError`` (the failure was bad input, such as an existing target) or a
-    ``CollectiveError`` (anything else, such as a full disk) carrying each failing
-    rank's message. Ranks whose ``digest`` (a :func:`fingerprint`) differs from rank 0's
-    were asked to save different models: every rank raises ``CheckpointError``.
-    """
+    """Every rank calls it at the same point; if any rank failed, every rank raises: the failed
+    rank its own ``error``, the others ``CheckpointError`` (bad input, a ``ValueError``) or
+    ``CollectiveError`` (anything else) with each failing rank's message. A ``digest`` (a
+    :func:`fingerprint`) that differs from rank 0's raises ``CheckpointError`` everywhere."""
     if backend is None or backend.world_size == 1:
         if error is not None:
             raise error
@@ -291,7 +271,6 @@ def agree(backend: Backend | None, error: BaseException | None, *, what: str,
 
 __all__ = [
     "AdoptedBackend", "Pending", "agree", "all_gather_inline", "all_gather_object", "all_reduce",
-    "all_to_all_single",
-    "all_reduce_inline", "broadcast", "broadcast_object", "capture", "device_for", "fingerprint",
-    "gather_object", "guarded", "is_distributed", "rank", "world_size",
+    "all_to_all_single", "all_reduce_inline", "broadcast", "broadcast_object", "capture", "device_for",
+    "fingerprint", "gather_object", "guarded", "is_distributed", "rank", "world_size",
 ]

@@ -14,13 +14,13 @@ import torch
 
 from shardwise.testing import spawn
 from shardwise.testing import write_checkpoint as _write_files
-from shardwise.testing.model import SIZES, TP_PLAN, build, config_for, tokens
+from shardwise.testing.model import TP_PLAN, build, config_for, tokens
 
 _TOLERANCE = 1e-4
 
 
 def write_checkpoint(model: torch.nn.Module, folder: Path, *, num_files: int = 3) -> list[Path]:
-    """Write ``model`` as ``model-0000i-of-0000N.safetensors`` files plus the index; return the files."""
+    """Write ``model`` as ``num_files`` safetensors files plus the index; return the files."""
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     total = sum(v.numel() * v.element_size() for v in state.values())
     return _write_files(folder, state.items(), {k: (tuple(v.shape), v.dtype) for k, v in state.items()},
@@ -28,22 +28,21 @@ def write_checkpoint(model: torch.nn.Module, folder: Path, *, num_files: int = 3
 
 
 def _model(size: str, *, seed: int | None = 0, device: str | None = None) -> torch.nn.Module:
-    """The toy transformer at ``size``; ``device="meta"`` builds it without memory (for ``sw.load``)."""
+    """The toy transformer at ``size``."""
     return build(seed, device=device, config=config_for(size))
 
 
-PLAN = TP_PLAN
-
-
-def valid_degrees(size: str) -> list[int]:
-    """The ``--tp`` values the ``size`` model takes: the divisors of its KV head count."""
+def check_degree(size: str, tp: int) -> None:
+    """Raise ``ValueError`` unless ``tp`` divides the KV heads of the ``size`` model."""
     heads = config_for(size).kv_heads
-    return [d for d in range(1, heads + 1) if heads % d == 0]
+    degrees = [d for d in range(1, heads + 1) if heads % d == 0]
+    if tp not in degrees:
+        raise ValueError(f"{tp!r} does not divide the {heads} KV heads of the {size} model; choose one "
+                         f"of {', '.join(map(str, degrees))}")
 
 
 def _release_freed_memory() -> None:
-    """Give the memory of earlier steps back to the system (glibc keeps freed heap pages), so
-    that the next step's peak above its starting level counts its own allocations only."""
+    """Give freed heap pages back to the system, so that a step's peak counts its own only."""
     try:
         ctypes.CDLL(None).malloc_trim(0)
     except (AttributeError, OSError):  # not glibc: nothing to trim, figures are upper bounds
@@ -79,11 +78,11 @@ def _rank(folder: str, files: list[str], size: str, reference: torch.Tensor, out
     mesh = backend.mesh(tp=backend.world_size)
     row: dict = {"rank": backend.rank}
     # Warm torch's DTensor paths once, untimed, so neither method pays first-call costs.
-    sw.parallelize(_model("tiny"), PLAN, mesh)
+    sw.parallelize(_model("tiny"), TP_PLAN, mesh)
 
     model = _model(size, seed=None, device="meta")
     result, peak, seconds, row["rss_method"] = _timed(
-        lambda: sw.load(model, folder, plan=PLAN, mesh=mesh, progress=False), backend)
+        lambda: sw.load(model, folder, plan=TP_PLAN, mesh=mesh, progress=False), backend)
     row["stream"] = (result.bytes_read, peak, seconds)
     row["max_diff"] = _forward_diff(model, size, reference)
 
@@ -100,7 +99,7 @@ def _rank(folder: str, files: list[str], size: str, reference: torch.Tensor, out
             part = {k: v.clone() for k, v in safetensors.torch.load_file(f).items()}
             model.load_state_dict(part, strict=False, assign=True)
             del part
-        sw.parallelize(model, PLAN, mesh)
+        sw.parallelize(model, TP_PLAN, mesh)
 
     _, peak, seconds, _ = _timed(whole, backend)
     row["whole"] = (sum(Path(f).stat().st_size for f in files), peak, seconds)
@@ -109,7 +108,7 @@ def _rank(folder: str, files: list[str], size: str, reference: torch.Tensor, out
         half = backend.mesh(dp_replicate=2, tp=backend.world_size // 2)
         model = _model(size, seed=None, device="meta")
         result, peak, seconds, _ = _timed(
-            lambda: sw.load(model, f"{out}/dcp", plan=PLAN, mesh=half, progress=False), backend)
+            lambda: sw.load(model, f"{out}/dcp", plan=TP_PLAN, mesh=half, progress=False), backend)
         row["reshard"] = (result.bytes_read, peak, seconds, _forward_diff(model, size, reference))
     return row
 
@@ -186,11 +185,8 @@ def _memory_words(method: str) -> str:
 
 def run_demo(*, tp: int = 4, size: str = "small", keep: str | None = None) -> int:
     """Run the demo on ``tp`` local gloo ranks; return 0 when every forward matched."""
-    if size not in SIZES:
-        raise ValueError(f"unknown demo size {size!r}; choose one of {', '.join(SIZES)}")
-    if not isinstance(tp, int) or tp not in valid_degrees(size):
-        raise ValueError(f"--tp must divide the {config_for(size).kv_heads} KV heads of the {size} "
-                         f"model: one of {', '.join(map(str, valid_degrees(size)))}; got {tp!r}")
+    config_for(size)  # an unknown size raises
+    check_degree(size, tp)
     with tempfile.TemporaryDirectory(prefix="shardwise-demo-") as tmp:
         folder = Path(keep) if keep else Path(tmp) / "ckpt"
         out = Path(keep).with_name(Path(keep).name + "-saved") if keep else Path(tmp) / "saved"

@@ -1,6 +1,5 @@
 """How a parallelised model holds its shards: one strategy object per way (``holding=``, decoded
-once by :meth:`Holding.parse`), asked to act instead of branched on, and the one DTensor test
-(:func:`is_dtensor`, :func:`local_of`)."""
+once by :meth:`Holding.parse`), and the one DTensor test (:func:`is_dtensor`, :func:`local_of`)."""
 
 from __future__ import annotations
 
@@ -19,8 +18,7 @@ if TYPE_CHECKING:
     from shardwise.core.plan import ResolvedPlan
     from shardwise.core.spec import ShardSpec
 
-    # defined above this module (mesh, parallel, io): loosely typed here, so that the imports
-    # only go downward
+    # defined above this module: loosely typed, so that the imports only go downward
     MeshDims = Any
     Placed = Any
     Placement = Any
@@ -30,10 +28,9 @@ if TYPE_CHECKING:
 class Holding:
     """One way of holding shards: what it declares (``one_process``, ``plain_shards``) and its
     behaviour, forwarded to its implementation in ``shardwise.io.place`` (imported on first
-    use by name, as a backend is: the implementations sit above the pipelines they serve, this
-    seam below them). Built once per kind (``Holding.DTENSOR``, ``Holding.LOCAL``,
-    ``Holding.SPMD``, compared by identity). Every method is called on every rank with the same
-    arguments, in the order of the pipeline that calls it.
+    use). One instance per kind, compared by identity. Every rank calls each method with the
+    same arguments, in pipeline order: check_wiring, shard or placement, wire; on save
+    gather_coords or dcp_placed.
 
     >>> Holding.parse("local")
     Holding.LOCAL
@@ -55,8 +52,7 @@ class Holding:
 
     @staticmethod
     def parse(value: str | Holding) -> Holding:
-        """``value`` (a public keyword's string, or a ``Holding``) as its ``Holding``; a string
-        that names none raises ``UsageError``."""
+        """``value`` (a keyword's string, or a ``Holding``) as a ``Holding``, else ``UsageError``."""
         if isinstance(value, Holding):
             return value
         for h in _ALL:
@@ -77,38 +73,31 @@ class Holding:
             self._impl = getattr(importlib.import_module(module), cls)()
         return self._impl
 
-    # -- parallelize and load: putting shards into a model ---------------------------------
     def check_wiring(self, model: nn.Module, specs: ResolvedPlan) -> None:
         """Raise ``PlanError``, before any read, for a planned module this holding cannot wire."""
         self._implementation().check_wiring(model, specs)
 
     def shard(self, full: torch.Tensor, name: str, spec: ShardSpec, specs: ResolvedPlan,
               dims: MeshDims, device: torch.device | None) -> torch.Tensor:
-        """What ``parallelize`` installs for ``full``, a model's whole tensor: this rank's
-        local shard, moved to ``device`` (None: where it is)."""
+        """This rank's shard of the model's whole tensor ``full``, on ``device`` (None: as is)."""
         return self._implementation().shard(full, name, spec, specs, dims, device)
 
     def wire(self, model: nn.Module, specs: ResolvedPlan, state: ShardState) -> None:
-        """Make the forward of the planned modules correct on the installed shards (called
-        once, by ``parallel.install``, after every tensor is in place)."""
+        """Make the planned modules' forward correct on the installed shards (``install``, once)."""
         self._implementation().wire(model, specs, state)
 
     def placement(self, model: nn.Module, specs: ResolvedPlan, dims: MeshDims,
                   dtype: torch.dtype | None) -> Placement:
-        """The last step of ``sw.load``: this rank's wants, the finalize of each read, the
-        install."""
+        """The last step of ``sw.load``: this rank's wants, each read's finalize, the install."""
         return self._implementation().placement(model, specs, dims, dtype)
 
-    # -- save: what a rank holds of each tensor ----------------------------------------------
     def gather_coords(self, state: ShardState, spec: ShardSpec) -> tuple[int, int]:
-        """``(degree, rank)`` of the shard of a ``spec`` tensor that this rank hands the gather
-        save (degree 1: the tensor is whole here, nothing to gather)."""
+        """``(degree, rank)`` of the shard this rank hands a gather save (degree 1: whole here)."""
         return self._implementation().gather_coords(state, spec)
 
     def dcp_placed(self, model: nn.Module, state: ShardState) -> tuple[dict[str, Placed], Any]:
-        """``({name: Placed}, save planner or None)``: the tensors of a DCP save of ``model``
-        (parallelised as ``state``) and the planner that resolves their chunks (None: the
-        canonical one)."""
+        """``({name: Placed}, save planner or None)`` of a DCP save of ``model`` (None: the
+        canonical planner)."""
         return self._implementation().dcp_placed(model, state)
 
 
@@ -119,10 +108,8 @@ _ALL = (Holding.DTENSOR, Holding.LOCAL, Holding.SPMD)
 
 
 def is_dtensor(tensor: object) -> TypeGuard[DTensor]:
-    """True when ``tensor`` is a ``torch.distributed.tensor.DTensor`` (a Parameter of one too).
-
-    An ``isinstance`` check, without importing ``torch.distributed.tensor`` (about 0.3 s) for
-    it: no DTensor can exist before that module is imported, so its absence answers False.
+    """True when ``tensor`` is a DTensor (a Parameter of one too), without importing
+    ``torch.distributed.tensor`` (0.3 s): no DTensor exists before that module is imported.
 
     >>> is_dtensor(torch.zeros(2))
     False

@@ -78,6 +78,9 @@ class _SplitTo(torch.autograd.Function):
 
 def wire_local(module: nn.Module, style: Style, state) -> None:
     """Replace ``module.forward`` by its local-shard version for ``style`` (state: ShardState)."""
+    if isinstance(module, nn.Embedding) and type(module).forward is not nn.Embedding.forward:
+        _wire_embedding_subclass(module, style, state)
+        return
     fwd: Callable[[Any, Any, Style, Any], Any]
     if isinstance(module, nn.Embedding):
         fwd = _vocab_embedding if style.kind == "rowwise" else _dim_embedding
@@ -118,8 +121,7 @@ def _dim_embedding(mod: nn.Embedding, ids, style: Style, state):
 
 # -- nn.Embedding subclasses with a forward of their own ---------------------------
 class _ShardedLookup(nn.Embedding):
-    """The lookup of a sharded embedding, on its local shard, with its collective: put
-    between an nn.Embedding subclass and nn.Embedding in the MRO (``wire_embedding_subclass``)."""
+    """A sharded embedding's lookup on its local shard, with its collective."""
 
     def forward(self, ids):
         style, state = self._shardwise_lookup
@@ -131,11 +133,11 @@ class _ShardedLookup(nn.Embedding):
 _WIRED_CLASSES: dict[type, type] = {}
 
 
-def wire_embedding_subclass(module: nn.Embedding, style: Style, state) -> None:
+def _wire_embedding_subclass(module: nn.Embedding, style: Style, state) -> None:
     """Shard an nn.Embedding subclass whose forward adds to the lookup (a norm, a scale): its class
-    becomes a subclass with :class:`_ShardedLookup` before nn.Embedding in the MRO (as FSDP's
-    ``fully_shard`` swaps classes), so its ``super().forward(ids)`` does the local lookup and the
-    collective. A forward reading ``self.weight`` itself raises when it returns."""
+    gets :class:`_ShardedLookup` before nn.Embedding in the MRO (as ``fully_shard`` swaps
+    classes), so ``super().forward(ids)`` is the sharded lookup. A forward that never calls it
+    (reading ``self.weight`` itself) raises when it returns."""
     cls = type(module)
     wired = _WIRED_CLASSES.get(cls)
     if wired is None:
@@ -159,12 +161,10 @@ def wire_embedding_subclass(module: nn.Embedding, style: Style, state) -> None:
     module.forward = forward  # type: ignore[method-assign]  # wiring replaces this instance's forward
 
 
-
 # -- module styles that wrap the module's own forward (both holdings) -------------------
 def wire_forward(module: nn.Module, style: Style, state) -> None:
     """Wrap ``module.forward`` for a style whose module keeps its own code (``style.forward``
-    other than ``"linear"``): activations are plain tensors in both holdings, so one wrapper
-    serves both. ``grad_allreduce`` wraps the parameters instead (:func:`_wire_grad_allreduce`)."""
+    other than ``"linear"``); activations are plain tensors in both holdings."""
     kind, group = style.forward, state.group
     if kind in ("none", "local_params"):  # local_params: see run_on_local_params
         return
@@ -194,17 +194,16 @@ def wire_forward(module: nn.Module, style: Style, state) -> None:
 
 
 def _wire_grad_allreduce(module: nn.Module, group) -> None:
-    """Sum the gradients of ``module``'s own parameters over the tp axis, once per backward: each
-    call passes its parameters through ``_CopyTo``, so the reduction is a node of the graph.
-    (A hook on the Parameter never fires once FSDP2 swaps the parameters, and a post-accumulate
-    hook would reduce accumulated gradients again.)"""
+    """Sum the gradients of ``module``'s own parameters over the tp axis, once per backward, by
+    passing them through ``_CopyTo`` (a Parameter hook never fires once FSDP2 swaps the
+    parameters, and a post-accumulate hook would reduce accumulated gradients again)."""
     _with_params(module, lambda p: p.requires_grad, lambda p: _CopyTo.apply(p, group), grad_only=True)
 
 
 def _wire_ep_experts(module: nn.Module, style: Style, state) -> None:
-    """Expert parallel, all-reduce implementation (the ep group shares one batch): each rank holds
-    experts ``[rank * n, (rank + 1) * n)``, routes to other ranks' experts get local id ``n`` and
-    weight 0 (transformers skips them), and the partial outputs are summed over the ep group."""
+    """Expert parallel by all-reduce (the ep group shares one batch): rank ``r`` holds experts
+    ``[r * n, (r + 1) * n)``, routes to other ranks' get local id ``n`` and weight 0 (transformers
+    skips them), and the partial outputs are summed over the ep group."""
     n, group, rank = style.num_experts // state.ep_degree, state.ep_group, state.ep_rank
     if hasattr(module, "num_experts"):
         module.num_experts = n

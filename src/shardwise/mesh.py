@@ -1,7 +1,6 @@
 """The mesh, decoded once at the API boundary: :func:`decode_mesh` gives the frozen
-:class:`MeshDims` everything below uses (a parallelised model keeps it in its ``ShardState``);
-an entry without a mesh resolves its backend once with :func:`world_backend`. These two are
-the only readers of ``current_backend()``."""
+:class:`MeshDims` everything below uses; an entry without a mesh resolves its backend once
+with :func:`world_backend`. These two are the only readers of ``current_backend()``."""
 
 from __future__ import annotations
 
@@ -28,10 +27,8 @@ if TYPE_CHECKING:
 @dataclass(frozen=True, kw_only=True)
 class MeshDims:
     """A mesh as shardwise uses it, every axis decoded (``None`` / degree 1 / rank 0 where the
-    mesh has none): tp and ep with their sub-meshes and process groups, dp_replicate with its
-    group (the replicas that share their reads, ``shardwise.io.replicas``), dp_shard, how
-    shards are held, and this process's device and backends. Built by :func:`decode_mesh`;
-    ranks are 0 under SPMD holding, where one process holds every position.
+    mesh has none; ranks are 0 under SPMD holding), how shards are held, and this process's
+    device and backends. Built by :func:`decode_mesh`.
 
     >>> MeshDims(mesh=None, degree=2, tp_rank=1, holding="local", dp_replicate=2)
     MeshDims(degree=2, tp_rank=1, holding=local, ep_degree=1, ep_rank=0, dp=(2, 1), device=cpu)
@@ -55,8 +52,7 @@ class MeshDims:
     spans_world: bool = False          # the mesh holds every rank of the process group
     device: torch.device = torch.device("cpu")
     backend: Backend | None = field(repr=False, default=None)  # the Backend that made the mesh, if any
-    # the backend shardwise.comm's collectives wait in (world_backend()): `backend`, an adopted
-    # one over a process group shardwise did not start, or None without a process group
+    # the backend of shardwise.comm's collectives (world_backend()); None without a process group
     comm_backend: Backend | None = field(repr=False, default=None)
 
     def __post_init__(self):
@@ -78,23 +74,20 @@ class MeshDims:
 
     @property
     def axis_coords(self) -> dict[str, tuple[int, int]]:
-        """``{"tp": (degree, rank), "ep": (degree, rank)}``: :meth:`coords` per axis name."""
+        """:meth:`coords` per axis name: ``{"tp": (degree, rank), "ep": (degree, rank)}``."""
         return {"tp": (self.degree, self.tp_rank), "ep": (self.ep_degree, self.ep_rank)}
 
     @property
     def shares_reads(self) -> bool:
-        """True when dp replicas split a load's reads (``shardwise.io.replicas``): more than one
-        replica, each process holding its own shards (not under SPMD holding)."""
+        """True when dp replicas split a load's reads: more than one, not under SPMD holding."""
         return self.dp_replicate > 1 and not self.holding.one_process
 
 
 def decode_mesh(mesh: AxisMesh, holding: str | Holding | None = None) -> MeshDims:
-    """``mesh`` (a DeviceMesh, a ``GroupMesh`` of xla or neuron_xla, the ``SpmdMesh`` of
-    ``xla_spmd``) decoded into :class:`MeshDims`; ``holding`` None is the active backend's
-    (``"dtensor"`` without one). Raises ``UsageError`` for an unknown holding, ``PlanError`` for
-    a mesh without a findable tp axis (:func:`tp_axis`) or of the wrong kind for the holding
-    (:func:`check_spmd`). Collective-free: reads sizes and local ranks only.
-    """
+    """``mesh`` (any ``AxisMesh``) decoded into :class:`MeshDims`; ``holding`` None is the active
+    backend's (``"dtensor"`` without one). Raises ``UsageError`` for an unknown holding,
+    ``PlanError`` for a mesh without a findable tp axis or of the wrong kind for the holding.
+    No collective."""
     backend = current_backend()
     if holding is None:
         holding = backend.holding if backend is not None else Holding.DTENSOR
@@ -125,9 +118,8 @@ def decode_mesh(mesh: AxisMesh, holding: str | Holding | None = None) -> MeshDim
 
 
 def world_backend() -> Backend | None:
-    """The ``backend=`` of ``shardwise.comm``'s collectives: the one ``sw.init_backend`` started,
-    else an ``AdoptedBackend`` over a process group shardwise did not start, None without one.
-    Called once by a public entry point that decodes no mesh.
+    """The ``backend=`` of ``shardwise.comm``'s collectives: ``sw.init_backend``'s, else an
+    ``AdoptedBackend`` over a process group shardwise did not start, None without one.
 
     >>> world_backend() is None   # one process, no process group
     True
@@ -136,7 +128,6 @@ def world_backend() -> Backend | None:
 
 
 def _in_world(started: Backend | None) -> Backend | None:
-    """``started`` (``init_backend``'s, or None) as the backend of the world's collectives."""
     if not comm.is_distributed():
         return None
     return started or comm.AdoptedBackend()
@@ -148,9 +139,8 @@ def is_spmd_mesh(mesh: AxisMesh) -> bool:
 
 
 def tp_axis(mesh: AxisMesh, *, spmd: bool) -> AxisMesh | None:
-    """The tp axis of ``mesh``: ``mesh["tp"]`` when named, an unnamed 1-D mesh itself, ``None``
-    when the mesh names its axes and none is "tp" (the model is then held whole, ready for
-    ``fully_shard``)."""
+    """``mesh["tp"]``, an unnamed 1-D mesh itself, or None when the named axes hold no "tp" (the
+    model is then held whole, ready for ``fully_shard``)."""
     names = getattr(mesh, "mesh_dim_names", None) or ()
     if "tp" in names:
         return mesh["tp"] if len(names) > 1 else mesh
@@ -166,8 +156,7 @@ def tp_axis(mesh: AxisMesh, *, spmd: bool) -> AxisMesh | None:
 
 
 def check_spmd(spmd: bool, holding: Holding) -> None:
-    """Raise ``PlanError`` unless ``holding`` is one-process exactly when the mesh is an SPMD
-    mesh (``spmd``: :func:`is_spmd_mesh`)."""
+    """Raise ``PlanError`` unless ``holding`` is one-process exactly when the mesh is SPMD."""
     if spmd and not holding.one_process:
         raise PlanError(f"holding {holding.name!r} needs one process per device, but this mesh is an "
                         "SPMD mesh (one process drives every device); use holding='spmd' or leave it unset")
@@ -176,15 +165,13 @@ def check_spmd(spmd: bool, holding: Holding) -> None:
                         "driving every device); with one process per device use 'dtensor' or 'local'")
 
 
-
 _STATE_ATTR = "_shardwise_state"
 
 
 @dataclass(frozen=True, kw_only=True)
 class ShardState(MeshDims):
-    """What shardwise knows about a parallelised model (kept on the model): the decoded mesh
-    it was installed on (:class:`MeshDims`) and the resolved plan. Built whole by
-    ``parallel.install``, never changed afterwards."""
+    """A parallelised model's decoded mesh and resolved plan, kept on the model; built once by
+    ``parallel.install``."""
 
     specs: ResolvedPlan
 
@@ -196,12 +183,11 @@ class ShardState(MeshDims):
 
 
 def get_shard_state(model: nn.Module) -> ShardState | None:
-    """The ``ShardState`` that ``parallelize`` / ``load`` recorded on ``model``, or None."""
+    """The ``ShardState`` that ``parallelize`` / ``load`` left on ``model``, or None."""
     return model.__dict__.get(_STATE_ATTR)
 
 
 def set_shard_state(model: nn.Module, state: ShardState) -> None:
-    """Record ``state`` on ``model`` (``parallel.install`` alone calls it)."""
     model.__dict__[_STATE_ATTR] = state
 
 

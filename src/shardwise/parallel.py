@@ -1,14 +1,13 @@
-"""Put local shards into a model and make its forward correct under tensor parallelism.
-:func:`install` is the one place that writes shards into a model (``parallelize`` feeds it
-slices of the model's tensors, the loaders slices read from disk); the holding then wires the
-forward (:func:`wire_dtensor` or :func:`wire_local_shards`)."""
+"""Put local shards into a model and make its forward correct under tensor parallelism:
+:func:`install` is the one place that writes shards into a model (from ``parallelize`` or a
+load); the holding then wires the forward (:func:`wire_dtensor` or :func:`wire_local_shards`)."""
 
 from __future__ import annotations
 
 import math
 import warnings
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, TypeGuard, cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -18,7 +17,7 @@ from shardwise.core.plan import ResolvedPlan, Style, resolve_plan, without_tp
 from shardwise.core.spec import ShardSpec, split
 from shardwise.errors import NonFiniteError, PlanError
 from shardwise.holding import Holding, is_dtensor, local_of  # noqa: F401 - local_of: re-exported
-from shardwise.local_tp import run_on_local_params, wire_embedding_subclass, wire_forward, wire_local
+from shardwise.local_tp import run_on_local_params, wire_forward, wire_local
 from shardwise.mesh import MeshDims, ShardState, decode_mesh, get_shard_state, set_shard_state, world_backend
 from shardwise.plan_checks import check_installed, check_plan
 from shardwise.quant import guard_cut_experts, quantized_module, scale_is_local, wire_quantized
@@ -29,8 +28,8 @@ if TYPE_CHECKING:
 
 
 def resolve_for_mesh(model: nn.Module, plan, dims: MeshDims, ep_plan=None) -> ResolvedPlan:
-    """``resolve_plan`` for the tp and ep axes of ``dims``; unused keys warned about once.
-    On a mesh without a tp axis the plan is checked as at degree 1, then its tp part dropped."""
+    """``resolve_plan`` for the tp and ep axes of ``dims``, checked, unused keys warned about once;
+    on a mesh without a tp axis its tp part is dropped."""
     specs = resolve_plan(model, plan, dims.degree, ep_plan=ep_plan, ep_degree=dims.ep_degree)
     check_plan(model, specs)  # a forward shaping split heads by the global count
     warn_unused_keys(specs)
@@ -53,9 +52,9 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
 def install(model: nn.Module, specs: ResolvedPlan, dims: MeshDims, *,
             local_tensor: Callable[[str, ShardSpec], torch.Tensor],
             dtype: torch.dtype | None = None) -> ShardState:
-    """Replace every tensor of ``model`` by ``local_tensor(name, spec)`` and wire the forward with
-    ``dims.holding``; every rank calls it with the same ``specs`` and ``dims`` (no collective).
-    Afterwards every tensor is checked against ``declared`` (:func:`check_installed`)."""
+    """Replace every tensor of ``model`` by ``local_tensor(name, spec)``, wire the forward with
+    ``dims.holding`` and check every tensor against the model's declared shapes and dtypes.
+    Every rank calls it with the same ``specs`` and ``dims`` (no collective)."""
     for axis, degree in (("tp", dims.degree), ("ep", dims.ep_degree)):
         if specs.degrees[axis] != degree:
             raise PlanError(f"plan was resolved for {axis} degree {specs.degrees[axis]} but the mesh "
@@ -87,66 +86,49 @@ def check_local_wiring(model: nn.Module, specs: ResolvedPlan) -> None:
                 "holding='dtensor', or plan its submodules instead")
 
 
-def _own_embedding_forward(module: nn.Module) -> TypeGuard[nn.Embedding]:
-    return isinstance(module, nn.Embedding) and type(module).forward is not nn.Embedding.forward
-
-
 def wire_dtensor(model: nn.Module, specs: ResolvedPlan, state: ShardState) -> None:
     """``Holding.DTENSOR.wire``: every sharded parameter a DTensor on its axis mesh."""
-    # {id(local Parameter): (that Parameter, its DTensor Parameter)} while wiring, so a tied
-    # weight seen from a second module becomes the same DTensor Parameter.
-    converted: dict = {}
-
-    def owner(module: nn.Module, path: str) -> None:
-        _dtensor_params(module, path, state, converted, sharded_only=True)
-        run_on_local_params(module)
-
-    _wire(model, specs, state, owner=owner,
-          quantized=lambda module, path: _dtensor_params(module, path, state, converted),
-          linear=lambda module, path, style: _wire_dtensor(module, path, style, state, converted))
+    _wire(model, specs, state, dtensor=True)
 
 
 def wire_local_shards(model: nn.Module, specs: ResolvedPlan, state: ShardState) -> None:
     """``Holding.LOCAL.wire``: plain local shards, each planned forward doing its collectives."""
-    def linear(module: nn.Module, path: str, style: Style) -> None:
-        if _own_embedding_forward(module):
-            wire_embedding_subclass(module, style, state)
-        else:
-            wire_local(module, style, state)
-
-    _wire(model, specs, state, owner=lambda module, path: None, quantized=lambda module, path: None,
-          linear=linear)
+    _wire(model, specs, state, dtensor=False)
 
 
-def _wire(model: nn.Module, specs: ResolvedPlan, state: ShardState, *,
-          owner: Callable[[nn.Module, str], None], quantized: Callable[[nn.Module, str], None],
-          linear: Callable[[nn.Module, str, Style], None]) -> None:
-    """The wiring order of both holdings; ``owner``, ``quantized`` and ``linear`` are the
-    holding's steps for a parameter key's owner, an FP8 module and a plain linear style."""
+def _wire(model: nn.Module, specs: ResolvedPlan, state: ShardState, *, dtensor: bool) -> None:
+    """The wiring of both holdings: under ``dtensor`` the sharded parameters become DTensors and
+    forwards written for plain tensors run on their local shards."""
+    # {id(local Parameter): (that Parameter, its DTensor Parameter)} while wiring, so a tied
+    # weight seen from a second module becomes the same DTensor Parameter.
+    converted: dict = {}
     # Owners of parameters sharded by a parameter key first: their local-shard wrapper is
     # innermost, below any style wrapper (moe_experts) of the same module.
-    for path in specs.local_owners:
-        owner(model.get_submodule(path), path)
+    for path in specs.local_owners if dtensor else ():
+        module = model.get_submodule(path)
+        _dtensor_params(module, path, state, converted, sharded_only=True)
+        run_on_local_params(module)
     for path, style in specs.styles.items():
         module = model.get_submodule(path)
-        if style.forward == "linear" and quantized_module(specs, path) is not None:
-            quantized(module, path)
-            wire_quantized(module, path, style, state)  # its own FP8 kernel, on local shards
-        elif style.forward != "linear":
+        if style.forward != "linear":
             wire_forward(module, style, state)
+        elif quantized_module(specs, path) is not None:
+            if dtensor:
+                _dtensor_params(module, path, state, converted)
+            wire_quantized(module, path, style, state)  # its own FP8 kernel, on local shards
+        elif dtensor:
+            _wire_dtensor(module, path, style, state, converted)
         else:
-            linear(module, path, style)
+            wire_local(module, style, state)
     guard_cut_experts(model, specs)  # FP8 experts whose shards cut blocks: their kernels would be wrong
 
 
 def parallelize(model: nn.Module, plan, mesh, *, holding: str | None = None, ep_plan=None) -> nn.Module:
     """Shard a materialised ``model`` in place so its forward equals the one-device forward.
 
-    ``plan`` is a dict of module or parameter paths to styles, or ``"auto"`` (the plan the
-    model ships). On a mesh with an ``ep`` axis, ``ep_plan`` (default: the model's own)
-    shards the experts over it. Every rank must call it with the same weights (same seed, or loaded from
-    the same file). ``holding`` defaults to the active backend's mode (``"dtensor"`` on gloo and
-    nccl, ``"local"`` on xla and neuron).
+    ``plan``: module or parameter paths to styles, or ``"auto"`` (the model's own); ``ep_plan``
+    (default: the model's own) shards the experts over an ``ep`` axis. Every rank calls it with
+    the same weights. ``holding`` defaults to the active backend's (``"dtensor"`` or ``"local"``).
 
     >>> backend = sw.init_backend("gloo")                                   # doctest: +SKIP
     >>> sw.parallelize(model, {"mlp.up": "colwise", "mlp.down": "rowwise"},
@@ -199,9 +181,8 @@ def _dtensor_params(module: nn.Module, prefix: str, state: ShardState, converted
 
 
 def _as_parameter(d: torch.Tensor, requires_grad: bool) -> nn.Parameter:
-    """``d`` (a fresh DTensor leaf) marked as a Parameter: what ``nn.Parameter(d)`` returns for
-    a tensor subclass, without its ``d.detach()``, which runs DTensor's sharding propagation
-    (milliseconds for each new shape in a fresh process: a load's install paid ~15 ms)."""
+    """``d`` (a fresh DTensor leaf) marked as a Parameter as ``nn.Parameter(d)`` would, without its
+    ``d.detach()``, which runs DTensor's sharding propagation (a load's install paid ~15 ms)."""
     if d.grad_fn is not None:  # not a leaf: let torch make the Parameter its own way
         return nn.Parameter(d, requires_grad=requires_grad)
     d.requires_grad_(requires_grad)
@@ -213,38 +194,29 @@ def _wire_dtensor(module: nn.Module, path: str, style: Style, state: ShardState,
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    if type(module).forward in (nn.Linear.forward, nn.Embedding.forward):
+    if isinstance(module, nn.Embedding) or type(module).forward is nn.Linear.forward:
         # DTensor parameters, forward on their local shards with explicit (autograd-aware)
         # collectives, as local holding computes: the same outputs and gradients, without
         # DTensor dispatch, whose first call per op and shape costs milliseconds of Python
-        # (a model's first forward paid ~0.15 s of it). Subclasses keep torch's styles below.
+        # (a model's first forward paid ~0.15 s of it). Linear subclasses keep torch's styles.
         _dtensor_params(module, path, state, converted)
         wire_local(module, style, state)
         run_on_local_params(module)
         return
-    if _own_embedding_forward(module):  # a norm or a scale after the lookup: see its docstring
-        _dtensor_params(module, path, state, converted)
-        wire_embedding_subclass(module, style, state)
-        run_on_local_params(module)
-        return
-    is_embedding = isinstance(module, nn.Embedding)
     base: type[ColwiseParallel | RowwiseParallel]
     if style.kind == "colwise":
         base = ColwiseParallel
-        kwargs = {"output_layouts": Replicate()} if (style.gather_output or is_embedding) else {}
+        kwargs = {"output_layouts": Replicate()} if style.gather_output else {}
     else:
-        base = RowwiseParallel
-        kwargs = {"input_layouts": Replicate()} if is_embedding else {}
+        base, kwargs = RowwiseParallel, {}
 
     class _FromShards(base):  # type: ignore[valid-type,misc]  # a base class chosen at run time
         # torch's styles distribute a full tensor; ours already hold their shard.
         def _partition_linear_fn(self, name, mod, device_mesh):
-            # torch calls this for every submodule (name relative to `module`): a child's
-            # parameters (a norm inside an embedding) are looked up under their own names.
+            # torch calls this for every submodule (name relative to `module`): only the
+            # planned module's own parameters are ours.
             if mod is module:
                 _dtensor_params(mod, path, state, converted)
-
-        _partition_embedding_fn = _partition_linear_fn
 
     parallelize_module(module, cast("DeviceMesh", state.tp_mesh), _FromShards(**kwargs))
     if style.split_input:
@@ -307,12 +279,9 @@ def _grads(model_or_params) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
 def clip_grad_norm_(model_or_params: nn.Module | Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
                     norm_type: float = 2.0, *, error_if_nonfinite: bool = False) -> torch.Tensor:
     """Scale the gradients in place so that their global ``norm_type`` norm is at most
-    ``max_norm``; return that norm (before clipping), the same on every rank.
-
-    Pass the model (needed for ``"local"`` holding, whose plain local shards do not say
-    they are shards) or its parameters (DTensors describe themselves; plain tensors are
-    taken as replicated). Every rank calls it: it runs one all-reduce over the world.
-    Parameters outside a mesh must be identical on every rank.
+    ``max_norm``; return that norm (before clipping), the same on every rank. Pass the model
+    (``"local"`` holding needs it) or its parameters (plain tensors are taken as replicated).
+    Every rank calls it: one all-reduce over the world.
 
     >>> total = sw.clip_grad_norm_(model, 1.0)   # doctest: +SKIP
     """

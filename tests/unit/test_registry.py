@@ -140,9 +140,9 @@ def test_builtin_backends_are_imported_by_name_on_first_use():
             "names = backends.available_backends(); "
             "loaded = sorted(m for m in sys.modules if m.startswith('shardwise.backends.')); "
             "assert loaded == ['shardwise.backends.base'], loaded; "
-            "assert backends.get_backend_class('nccl').__name__ == 'NcclBackend'; "
-            "assert 'shardwise.backends.nccl' in sys.modules; "
-            "assert 'shardwise.backends.xla' not in sys.modules; "
+            "assert backends.get_backend_class('xla').__name__ == 'XlaBackend'; "
+            "assert 'shardwise.backends.xla' in sys.modules; "
+            "assert 'shardwise.backends.neuron' not in sys.modules; "
             "print(names)")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     assert out.strip() == str(["gloo", "nccl", "neuron", "neuron_xla", "xla", "xla_spmd"])

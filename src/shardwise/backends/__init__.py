@@ -1,7 +1,6 @@
 """The backend registry: ``init_backend(name)`` gives every path one device, mesh and collective
 interface. Third parties add backends with ``register_backend`` or the ``shardwise.backends``
-entry-point group (a factory taking ``timeout=``, returning a ``Backend``). A built-in module
-is imported when its name is first looked up, its hardware package when it is used."""
+entry-point group (a factory taking ``timeout=``). A built-in module is imported on first lookup."""
 
 from __future__ import annotations
 
@@ -21,14 +20,11 @@ from shardwise.backends.base import MESH_AXES, Backend, torchrun_env
 from shardwise.errors import BackendError, ShardwiseError, UnknownBackendError, UsageError
 
 ENTRY_POINT_GROUP = "shardwise.backends"
-# "auto" asks these, in order, whether they are available; gloo always is.
-# xla_spmd only answers yes where the user already turned SPMD on; of neuron and neuron_xla at
-# most one is, by the installed torch-neuronx (native for torch 2.10 on, torch_xla-based before).
+# "auto" asks these, in order, whether they are available (xla_spmd: only where SPMD is on)
 AUTO_ORDER = ("neuron", "neuron_xla", "xla_spmd", "xla", "nccl", "gloo")
-# name -> "module:class", imported on first lookup
 BUILTINS = {
     "gloo": "shardwise.backends.base:GlooBackend",
-    "nccl": "shardwise.backends.nccl:NcclBackend",
+    "nccl": "shardwise.backends.base:NcclBackend",
     "xla": "shardwise.backends.xla:XlaBackend",
     "xla_spmd": "shardwise.backends.xla_spmd:XlaSpmdBackend",
     "neuron": "shardwise.backends.neuron:NeuronBackend",
@@ -96,8 +92,7 @@ def get_backend_class(name: str) -> Factory:
 
 
 def resolve_auto() -> str:
-    """The backend "auto" picks here: neuron (native TorchNeuron) or neuron_xla by the installed
-    torch-neuronx, then xla_spmd (SPMD already on), xla, nccl, else gloo."""
+    """The first backend of ``AUTO_ORDER`` available here."""
     for name in AUTO_ORDER:
         factory = get_backend_class(name)
         is_available = getattr(factory, "is_available", None)
@@ -108,9 +103,8 @@ def resolve_auto() -> str:
 
 def init_backend(name: str = "auto", *, timeout=None) -> Backend:
     """Start the backend ``name`` in this process (idempotent; a different name raises) and return
-    it. Reads the torchrun environment; without it, the world is this one process. ``timeout``
-    (seconds or a timedelta; default 10 minutes) bounds joining the group and every collective on
-    it; a rank past it raises ``CollectiveError``.
+    it; without a torchrun environment the world is this process. ``timeout`` (seconds or a
+    timedelta; default 10 minutes) bounds joining the group and every collective on it.
 
     >>> import shardwise as sw
     >>> backend = sw.init_backend("gloo")   # doctest: +SKIP
@@ -139,9 +133,7 @@ def current_backend() -> Backend | None:
 
 
 def coordination_group(backend: Backend | None):
-    """The process group for CPU-side coordination (DCP, object collectives) of ``backend``
-    (the one decoded at the API boundary): None (the default group) unless the backend keeps
-    a side group (xla, neuron_xla), or without a backend."""
+    """``backend.coordination_group``, None (the default group) without a backend."""
     return backend.coordination_group if backend is not None else None
 
 
@@ -162,9 +154,8 @@ _installed = False
 
 
 def install_excepthook() -> None:
-    """Set a ``sys.excepthook`` on top of the current one (once per process): an error marked by
-    ``shardwise.errors.on_every_rank`` (a guard's, raised alike on every rank before any
-    collective) is reported once, by :func:`report_once`; any other goes to the previous hook."""
+    """Chain a ``sys.excepthook`` (once per process) that reports an error marked by
+    ``shardwise.errors.on_every_rank`` once (:func:`report_once`); others go to the previous hook."""
     global _installed
     if _installed:
         return
@@ -194,10 +185,9 @@ def _where(tb) -> str:
 
 
 def report_once(error: ShardwiseError, tb) -> None:
-    """Print ``error`` once for the whole world: rank 0 prints it and puts it in the store; a
-    rank whose own message equals it stays quiet, any other (or one that hears nothing within
-    ``WAIT_SECONDS``) prints its own, prefixed with its rank. Under torchrun every rank also
-    writes the error file torchrun reads (as ``@record`` does)."""
+    """Print ``error`` once for the world: rank 0 prints it and puts it in the store; a rank with
+    another message (or no word within ``WAIT_SECONDS``) prints its own. Under torchrun every
+    rank also writes the error file torchrun reads (as ``@record`` does)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     message = f"{type(error).__name__}: {error}"
     lines = [message, f"  (from a check all {world} ranks run alike, before any collective: "
@@ -258,6 +248,5 @@ def _error_file(message: str, shown: str) -> None:
 __all__ = [
     "AUTO_ORDER", "BUILTINS", "Backend", "ENTRY_POINT_GROUP", "MESH_AXES", "available_backends",
     "coordination_group", "current_backend", "get_backend_class", "init_backend", "install_excepthook",
-    "register_backend",
-    "resolve_auto", "shutdown_backend", "torchrun_env",
+    "register_backend", "resolve_auto", "shutdown_backend", "torchrun_env",
 ]

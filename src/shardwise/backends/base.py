@@ -1,13 +1,14 @@
-"""The backend protocol (one object per process that owns the process group), and gloo, the
-reference backend. Call order: ``init_backend`` constructs one backend per process and calls
-``start()`` on every rank; ``mesh()`` and the collectives are then called by every rank of the
-group they name (all unless a ``group`` is passed); ``shutdown()`` ends it. Subclasses set the
-class attributes and override ``_device()`` and, where needed, ``start()``, ``_init_group()``
-and ``_make_mesh()``; an SPMD backend also ``local_shards()`` and ``local_regions()``."""
+"""The backend protocol, and the two backends torch runs itself: gloo (the reference) and nccl.
+Call order: ``init_backend`` constructs one backend per process and calls ``start()`` on every
+rank; ``mesh()`` and the collectives are then called by every rank of the group they name (all
+unless a ``group`` is passed); ``shutdown()`` ends it. Subclasses set the class attributes and
+override ``_device()`` and, where needed, ``start()``, ``_init_group()``, ``_make_mesh()`` and
+``wait()``; an SPMD backend also ``local_shards()`` and ``local_regions()``."""
 
 from __future__ import annotations
 
 import datetime as _dt
+import math
 import os
 from typing import TYPE_CHECKING, ClassVar
 
@@ -49,7 +50,8 @@ def _op(name: str, group) -> str:
 
 
 def torchrun_env() -> dict[str, int] | None:
-    """The torchrun environment (RANK, WORLD_SIZE, ...), or None outside a launcher.
+    """``{"rank", "world_size", "local_rank"}`` from the torchrun environment, or None outside a
+    launcher; an incomplete or malformed one raises ``BackendError``.
 
     >>> torchrun_env() is None or "rank" in torchrun_env()
     True
@@ -90,9 +92,7 @@ def mesh_axes(axes: dict, total: int, what: str) -> tuple[tuple[str, ...], tuple
             raise MeshError(f"mesh axis {name}={size!r} must be a positive int")
     names = tuple(a for a in MESH_AXES if a in axes)
     shape = tuple(axes[a] for a in names)
-    product = 1
-    for s in shape:
-        product *= s
+    product = math.prod(shape)
     if product != total:
         desc = " x ".join(f"{a}={axes[a]}" for a in names)
         hint = ""
@@ -122,8 +122,7 @@ class Backend:
     supports_gather: ClassVar[bool] = True    # a gather to one rank (else all-gather only)
     supports_p2p: ClassVar[bool] = True       # isend / irecv between two ranks (transfer_plan)
     supports_all_to_all: ClassVar[bool] = True  # all_to_all_single with splits (io.exchange)
-    # Why a collective's timeout cannot be honoured here, or None when it is (the validation
-    # suite reports its timeout scenario UNSUPPORTED with this reason).
+    # Why a collective's timeout cannot be honoured here (None: it is)
     timeout_limit: ClassVar[str | None] = None
 
     def __init__(self, *, timeout: float | _dt.timedelta | None = None):
@@ -132,7 +131,6 @@ class Backend:
         self.world_size = 1
         self.local_rank = 0
         self._owns_group = False
-        self._started = False
 
     # -- availability and start ------------------------------------------------
     @classmethod
@@ -146,20 +144,17 @@ class Backend:
         return Holding.DTENSOR if self.supports_dtensor else Holding.LOCAL
 
     def settle(self, tensors) -> None:
-        """Finish the pending device work behind ``tensors`` before they are read one by one (a
-        save after a step). Eager backends have none: a no-op; a lazy one (torch_xla) runs it all
-        as one program rather than one per tensor read."""
+        """Finish the pending device work behind ``tensors`` before they are read one by one: a
+        no-op on eager backends, one program on a lazy one (torch_xla)."""
 
-    # -- global tensors (SPMD holding only) --------------------------------------
+    # -- global tensors (SPMD holding only; the others raise) ------------------------------
     def local_shards(self, tensor: torch.Tensor) -> dict[tuple[int, ...], torch.Tensor]:
-        """This process's distinct shards of the global ``tensor`` on the host, keyed by their
-        canonical offsets. Only a backend whose holding is SPMD has global tensors."""
+        """This process's distinct shards of the global ``tensor`` on the host, by canonical offsets."""
         raise BackendError(f"backend {self.name!r} holds shards as local tensors (holding "
                            f"{self.holding.name!r}): it has no global tensor to take shards of")
 
     def local_regions(self, tensor: torch.Tensor) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-        """``(offsets, sizes)`` of this process's distinct shards of the global ``tensor``, sorted,
-        without copying. Only a backend whose holding is SPMD has global tensors."""
+        """Sorted ``(offsets, sizes)`` of this process's distinct shards of the global ``tensor``."""
         raise BackendError(f"backend {self.name!r} holds shards as local tensors (holding "
                            f"{self.holding.name!r}): it has no global tensor to list regions of")
 
@@ -170,8 +165,8 @@ class Backend:
         return {}
 
     def start(self) -> None:
-        """Join (or adopt) the default process group, then check that its collectives reach
-        every rank (``_check_world``). Called once by ``init_backend``."""
+        """Join (or adopt) the default process group and check that its collectives reach every
+        rank. Called once by ``init_backend``."""
         if dist.is_initialized():
             got = dist.get_backend()
             if self.dist_backend not in str(got):
@@ -194,12 +189,10 @@ class Backend:
                 dist.destroy_process_group()
                 self._owns_group = False
             raise
-        self._started = True
 
     def _check_world(self) -> None:
-        """A one-element all_reduce of ones over the group must sum to the world size; else the group's
-        collectives are no-ops for what shardwise sends (an adopted ``env://`` "xla" group on PJRT
-        CPU) and every load and forward would be silently wrong."""
+        """Raise unless an all_reduce of ones sums to the world size (an adopted ``env://`` "xla"
+        group on PJRT CPU does not: its collectives are no-ops)."""
         if self.world_size == 1:
             return
         how = "adopted" if not self._owns_group else "started"
@@ -219,7 +212,6 @@ class Backend:
             )
 
     def _init_group(self) -> None:
-        """Create the default process group (none exists yet)."""
         env = torchrun_env()
         kwargs = dict(backend=self.dist_backend, timeout=self.timeout, **self._init_kwargs())
         if env is None:
@@ -235,11 +227,9 @@ class Backend:
 
     # -- mesh ---------------------------------------------------------------------
     def mesh(self, **axes: int):
-        """A DeviceMesh with named axes, outer to inner ``dp_replicate, dp_shard, ep, tp``.
-
-        Axes left out are absent; with no axes, ``tp`` spans the world; ``ep`` (expert
-        parallel) without ``tp`` adds a ``tp`` axis of size 1. The product of
-        the sizes must equal the world size. Collective: every rank calls it.
+        """A DeviceMesh with named axes, outer to inner ``dp_replicate, dp_shard, ep, tp``; axes
+        left out are absent, no axes is ``tp`` over the world, ``ep`` alone adds ``tp=1``. The
+        sizes multiply to the world size. Collective: every rank calls it.
 
         >>> mesh = backend.mesh(dp_shard=2, tp=2)   # doctest: +SKIP
         >>> mesh.mesh_dim_names
@@ -257,19 +247,14 @@ class Backend:
 
     @property
     def coordination_group(self):
-        """The process group for CPU-side coordination: DCP's planning and object
-        collectives. None means the default group; a backend whose default group only
-        moves device tensors (xla) returns a gloo group over the same ranks."""
+        """The process group for DCP's planning and object collectives: None (the default
+        group), or a gloo group where the default one only moves device tensors (xla)."""
         return None
 
     # -- collectives (every rank of the group calls each) ------------------------------
     def wait(self, work, what: str, *, timeout=None) -> None:
-        """Finish the asynchronous collective ``work`` (from an ``async_op=True`` call) within
-        ``timeout`` seconds (default: the backend's); a failure or a timeout raises a
-        ``CollectiveError`` naming ``what`` (the operation and its group size)."""
-        self._wait(work, what, timeout)
-
-    def _wait(self, work, what: str, timeout) -> None:
+        """Finish the ``async_op=True`` collective ``work`` within ``timeout`` seconds (default:
+        the backend's); a failure or a timeout raises ``CollectiveError`` naming ``what``."""
         limit = _as_timedelta(timeout) if timeout is not None else self.timeout
         try:
             work.wait(limit)
@@ -281,15 +266,15 @@ class Backend:
         """Reduce ``tensor`` in place across the group and return it."""
         if op not in REDUCE_OPS:
             raise UsageError(f"unknown reduce op {op!r}; known: {', '.join(REDUCE_OPS)}")
-        self._wait(dist.all_reduce(tensor, REDUCE_OPS[op], group=group, async_op=True),
-                   _op("all_reduce", group), timeout)
+        self.wait(dist.all_reduce(tensor, REDUCE_OPS[op], group=group, async_op=True),
+                  _op("all_reduce", group), timeout=timeout)
         return tensor
 
     def all_gather(self, tensor: torch.Tensor, *, group=None, timeout=None) -> list[torch.Tensor]:
         """Every rank's ``tensor`` (same shape on every rank), in group-rank order."""
         out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-        self._wait(dist.all_gather(out, tensor.contiguous(), group=group, async_op=True),
-                   _op("all_gather", group), timeout)
+        self.wait(dist.all_gather(out, tensor.contiguous(), group=group, async_op=True),
+                  _op("all_gather", group), timeout=timeout)
         return out
 
     def gather(self, tensor: torch.Tensor, dst: int = 0, *, group=None, timeout=None):
@@ -300,8 +285,8 @@ class Backend:
         out = None
         if self.rank == dst:
             out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-        self._wait(dist.gather(tensor.contiguous(), out, dst=dst, group=group, async_op=True),
-                   _op("gather", group), timeout)
+        self.wait(dist.gather(tensor.contiguous(), out, dst=dst, group=group, async_op=True),
+                  _op("gather", group), timeout=timeout)
         return out
 
     def gather_into(self, tensor: torch.Tensor, out: list[torch.Tensor] | None, dst: int = 0, *,
@@ -318,7 +303,8 @@ class Backend:
             return
         tensor = tensor.contiguous()
         if self.rank != dst:
-            self._wait(dist.isend(tensor, dst=dst, group=group), _op("gather (send)", group), timeout)
+            self.wait(dist.isend(tensor, dst=dst, group=group), _op("gather (send)", group),
+                      timeout=timeout)
             return
         me = dist.get_group_rank(group, self.rank) if group is not None else self.rank
         assert out is not None  # rank dst passes its buffers (documented contract)
@@ -330,16 +316,16 @@ class Backend:
             src = dist.get_global_rank(group, i) if group is not None else i
             works.append(dist.irecv(buf, src=src, group=group))
         for work in works:
-            self._wait(work, _op("gather (receive)", group), timeout)
+            self.wait(work, _op("gather (receive)", group), timeout=timeout)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, group=None, timeout=None):
         """Overwrite ``tensor`` on every rank with global rank ``src``'s and return it."""
-        self._wait(dist.broadcast(tensor, src=src, group=group, async_op=True),
-                   _op("broadcast", group), timeout)
+        self.wait(dist.broadcast(tensor, src=src, group=group, async_op=True),
+                  _op("broadcast", group), timeout=timeout)
         return tensor
 
     def barrier(self, *, group=None, timeout=None) -> None:
-        self._wait(dist.barrier(group=group, async_op=True), _op("barrier", group), timeout)
+        self.wait(dist.barrier(group=group, async_op=True), _op("barrier", group), timeout=timeout)
 
     def shutdown(self) -> None:
         """Leave the process group (only if this backend created it)."""
@@ -353,7 +339,6 @@ class Backend:
                     pass
             dist.destroy_process_group()
         self._owns_group = False
-        self._started = False
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(name={self.name!r}, rank={self.rank}, "
@@ -365,6 +350,39 @@ class GlooBackend(Backend):
 
     name = "gloo"
     dist_backend = "gloo"
-    device_type = "cpu"
-    supports_dtensor = True
-    supports_gather = True
+
+
+class NcclBackend(Backend):
+    """CUDA GPUs joined by NCCL: one process per GPU, shards held as DTensors."""
+
+    name = "nccl"
+    dist_backend = "nccl"
+    device_type = "cuda"
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return torch.cuda.is_available() and torch.cuda.device_count() > 0
+
+    def start(self) -> None:
+        # Refuse here, before torch fails deep inside ProcessGroupNCCL.
+        if not torch.cuda.is_available():
+            raise BackendError(
+                "backend 'nccl' needs CUDA GPUs, but torch.cuda.is_available() is False "
+                f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); "
+                "install a CUDA build of torch on a GPU machine, or use init_backend('gloo')"
+            )
+        env = torchrun_env()
+        self.local_rank = env["local_rank"] if env else 0
+        if self.local_rank >= torch.cuda.device_count():
+            raise BackendError(
+                f"LOCAL_RANK={self.local_rank} but only {torch.cuda.device_count()} CUDA device(s) "
+                "are visible; launch at most one process per GPU"
+            )
+        torch.cuda.set_device(self.local_rank)
+        super().start()
+
+    def _init_kwargs(self) -> dict:
+        return {"device_id": torch.device("cuda", self.local_rank)}
+
+    def _device(self) -> torch.device:
+        return torch.device("cuda", self.local_rank)

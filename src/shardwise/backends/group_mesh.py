@@ -1,7 +1,6 @@
-"""What shardwise reads of a mesh (:class:`AxisMesh`), and :class:`GroupMesh`, a named-axis mesh
-of process-group ranks for the backends where torch's DeviceMesh cannot be built (torch_xla
-registers no device handle): not a DeviceMesh, so those backends hold local shards.
-"""
+"""What shardwise reads of a mesh (:class:`AxisMesh`), and :class:`GroupMesh`, named axes over
+process-group ranks where torch's DeviceMesh cannot be built (torch_xla registers no device
+handle), so those backends hold local shards."""
 
 from __future__ import annotations
 
@@ -21,47 +20,30 @@ NewGroup = Callable[[list[int]], object]
 
 
 class AxisMesh(Protocol):
-    """What shardwise reads of a mesh, at the API boundary (``shardwise.mesh.decode_mesh``)
-    and after it: torch's ``DeviceMesh``, :class:`GroupMesh` (xla, neuron_xla) and the
-    ``SpmdMesh`` of ``backends/xla_spmd.py`` answer it. Reading it is local: sizes, ranks and
-    groups made when the mesh was built (collectively, by every rank), never a collective.
-    """
+    """What shardwise reads of a mesh: torch's ``DeviceMesh``, :class:`GroupMesh` (xla,
+    neuron_xla) and ``xla_spmd``'s ``SpmdMesh`` answer it. Reading it is never a collective."""
 
     @property
-    def mesh_dim_names(self) -> tuple[str, ...] | None:
-        """The axis names, outer to inner (None: unnamed axes)."""
-        ...
+    def mesh_dim_names(self) -> tuple[str, ...] | None: ...  # outer to inner; None: unnamed
 
     @property
     def ndim(self) -> int: ...
 
     @property
-    def device_type(self) -> str:
-        """"cpu", "cuda", "xla", ...: the device type of the tensors on the mesh."""
-        ...
+    def device_type(self) -> str: ...  # "cpu", "cuda", "xla", ...
 
     @property
-    def mesh(self) -> torch.Tensor:
-        """The global ranks (an SPMD mesh: device ids) in the mesh's shape."""
-        ...
+    def mesh(self) -> torch.Tensor: ...  # the global ranks (SPMD: device ids) in the mesh's shape
 
-    def size(self, dim: int | None = None, /) -> int:
-        """Positions in the mesh, or along axis ``dim``."""
-        ...
+    def size(self, dim: int | None = None, /) -> int: ...
 
-    def get_local_rank(self, dim: int | str | None = None, /) -> int:
-        """This rank's position along axis ``dim`` (the only axis of a 1-D mesh); an SPMD mesh,
-        where one process drives every position, raises."""
-        ...
+    # this rank's position along ``dim`` (an SPMD mesh raises: one process drives every position)
+    def get_local_rank(self, dim: int | str | None = None, /) -> int: ...
 
-    def get_group(self, dim: int | str | None = None, /) -> ProcessGroup | None:
-        """The process group of this rank's line along axis ``dim`` (None: an SPMD mesh, where
-        no process group spans the devices)."""
-        ...
+    # the process group of this rank's line along ``dim`` (None: an SPMD mesh)
+    def get_group(self, dim: int | str | None = None, /) -> ProcessGroup | None: ...
 
-    def __getitem__(self, name: str, /) -> AxisMesh:
-        """The 1-D mesh of this rank's line along axis ``name``."""
-        ...
+    def __getitem__(self, name: str, /) -> AxisMesh: ...  # the 1-D mesh along axis ``name``
 
 
 class GroupMesh:
@@ -110,22 +92,18 @@ class GroupMesh:
         return dim
 
     def size(self, dim: int | str | None = None) -> int:
-        """Ranks in the mesh, or along axis ``dim``."""
         return self.mesh.numel() if dim is None else self.mesh.shape[self._dim(dim)]
 
     def get_local_rank(self, dim: int | str | None = None) -> int:
-        """This rank's position along axis ``dim`` (the only axis of a 1-D mesh)."""
         return self._coordinate[self._dim(dim)]
 
     def get_group(self, dim: int | str | None = None):
-        """The process group of this rank's line along axis ``dim``."""
         return self._groups[self._dim(dim)]
 
     def get_coordinate(self) -> list[int]:
         return list(self._coordinate)
 
     def __getitem__(self, name: str) -> GroupMesh:
-        """The 1-D mesh of this rank's line along axis ``name``."""
         dim = self._dim(name)
         index = list(self._coordinate)
         index[dim] = slice(None)

@@ -1,9 +1,7 @@
 """AWS Trainium/Inferentia: ``neuron``, the native TorchNeuron (torch-neuronx 2.10 and later:
-device ``"neuron"``, DTensor, the nccl backend with another device), and ``neuron_xla``, the
-torch_xla-based torch-neuronx (2.9 and earlier: the xla backend with Neuron detection).
-Detection reads sysfs and package metadata only: it never imports torch_neuronx nor starts
-the Neuron runtime. Not run on Neuron hardware (docs/backends.md): one NeuronCore per
-process (``LOCAL_RANK``), no gather to one rank."""
+device ``"neuron"``, DTensor), and ``neuron_xla``, the torch_xla-based torch-neuronx (2.9 and
+earlier). One NeuronCore per process, no gather to one rank. Detection reads sysfs and package
+metadata only: it never imports torch_neuronx nor starts the Neuron runtime."""
 
 from __future__ import annotations
 
@@ -26,14 +24,12 @@ NEURON_HINT = (f"install TorchNeuron from the AWS Neuron package repository (pip
 NEURON_XLA_HINT = (f"install the torch_xla-based torch-neuronx from the AWS Neuron package repository "
                    f"(pip install -r backends/neuron_xla/requirements.txt {_INDEX}); the package named "
                    "torch-neuronx on PyPI is a placeholder")
-# Where the Neuron driver lists its devices; a module attribute so that tests can point it
-# at a fake tree.
+# Where the Neuron driver lists its devices (tests point it at a fake tree)
 NEURON_SYSFS = Path("/sys/devices/virtual/neuron_device")
 
 
 def neuron_core_count() -> int:
-    """NeuronCores the Neuron driver shows on this host (0 when it shows none). Reads sysfs
-    only: it neither imports torch_neuronx nor starts the Neuron runtime.
+    """NeuronCores the Neuron driver shows on this host, from sysfs (0 when it shows none).
 
     >>> neuron_core_count()   # on a trn1.2xlarge  # doctest: +SKIP
     2
@@ -48,8 +44,7 @@ def neuron_core_count() -> int:
 
 
 def torch_neuronx_version() -> tuple[int, int] | None:
-    """``(major, minor)`` of the installed torch-neuronx, from its package metadata (never by
-    importing it); None when it is not installed or its version does not parse.
+    """``(major, minor)`` of the installed torch-neuronx from its metadata, or None.
 
     >>> torch_neuronx_version()   # TorchNeuron 2.13.1  # doctest: +SKIP
     (2, 13)
@@ -63,7 +58,7 @@ def torch_neuronx_version() -> tuple[int, int] | None:
 
 
 def is_native(version: tuple[int, int]) -> bool:
-    """True for a torch-neuronx version that is TorchNeuron (torch 2.10 or later). Pure.
+    """True for a torch-neuronx version that is TorchNeuron (torch 2.10 or later).
 
     >>> is_native((2, 13)), is_native((2, 9))
     (True, False)
@@ -83,7 +78,6 @@ def import_torch_neuronx(backend: str = "neuron", *, hint: str = NEURON_HINT):
 
 
 def _installed() -> bool:
-    """True when a torch_neuronx module can be found (it is not imported)."""
     try:
         return importlib.util.find_spec("torch_neuronx") is not None
     except (ImportError, ValueError):  # a broken or blocked entry in sys.modules
@@ -154,7 +148,7 @@ REQUIREMENT = "torch-neuronx<2.10"
 
 
 def import_torch_neuronx_xla():
-    """The torch_xla-based torch_neuronx, or ``BackendUnavailableError`` saying what to install."""
+    """The torch_xla-based torch_neuronx, or ``BackendUnavailableError``."""
     version = torch_neuronx_version()
     if version is not None and is_native(version):
         raise BackendUnavailableError(

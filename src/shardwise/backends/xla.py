@@ -1,11 +1,9 @@
 """TPU (and other PJRT devices) through torch_xla, one process per device; ``neuron_xla`` builds
-on it. Process group ``xla`` plus a gloo ``coordination_group`` for CPU objects; the mesh is a
-``GroupMesh`` (torch's DeviceMesh cannot be built for ``xla``); local holding with forward
-hooks; timeouts are not honoured (``timeout=`` bounds only the start)."""
+on it. Process group ``xla`` plus a gloo ``coordination_group``; a ``GroupMesh``; local holding;
+collective timeouts are not honoured (``timeout=`` bounds only the start)."""
 
 from __future__ import annotations
 
-import os
 import sys
 import warnings
 
@@ -38,8 +36,7 @@ def import_torch_xla():
 
 
 def spmd_enabled() -> bool:
-    """True when this process already imported torch_xla and turned SPMD on (``xr.use_spmd()``).
-    Never imports torch_xla itself."""
+    """True when this process already imported torch_xla and called ``xr.use_spmd()``."""
     if sys.modules.get("torch_xla") is None:
         return False
     try:
@@ -72,14 +69,6 @@ class XlaBackend(Backend):
 
     @classmethod
     def is_available(cls) -> bool:
-        if not os.environ.get("PJRT_DEVICE"):
-            try:
-                import importlib.util
-
-                if importlib.util.find_spec("torch_xla") is None:
-                    return False
-            except (ImportError, ValueError):
-                return False
         try:
             import torch_xla.runtime as xr
 
@@ -140,10 +129,8 @@ class XlaBackend(Backend):
     def coordination_group(self):
         return self._side_group
 
-    def _wait(self, work, what: str, timeout) -> None:
-        # torch_xla's work objects wrap a finished future and refuse a finite wait timeout
-        # ("FutureWrappingWork::wait() with finite timeout not implemented"): the collective is an
-        # op in the lazy graph, and nothing bounds it (TIMEOUT_LIMIT, stated at init_backend).
+    def wait(self, work, what: str, *, timeout=None) -> None:
+        # torch_xla's work objects refuse a finite wait timeout (TIMEOUT_LIMIT)
         try:
             work.wait()
         except Exception as e:  # torch raises RuntimeError subclasses
@@ -158,8 +145,7 @@ class XlaBackend(Backend):
 
 
 def settle(tensors) -> None:
-    """When any of ``tensors`` is an XLA tensor, run every pending XLA operation as one program
-    (``torch_xla.sync``), rather than one program per tensor read afterwards."""
+    """Run every pending XLA operation as one program when any of ``tensors`` is an XLA tensor."""
     if any(isinstance(t, torch.Tensor) and t.device.type == "xla" for t in tensors):
         import torch_xla
 

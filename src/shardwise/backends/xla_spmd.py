@@ -1,8 +1,6 @@
-"""torch_xla SPMD: one process drives every device of the mesh. SPMD is turned on first thing
-(``"xla"`` then refuses); the mesh counts devices, not processes; holding ``"spmd"``: a
-parameter is one global tensor tiled over tp (position ``p`` holds canonical chunk ``p``) and
-the XLA partitioner inserts the collectives. Only chunks are ever on the host. Multi-host
-SPMD has not run."""
+"""torch_xla SPMD: one process drives every device; the mesh counts devices, not processes.
+Holding ``"spmd"``: a parameter is one global tensor tiled over tp (position ``p`` holds
+canonical chunk ``p``); the XLA partitioner inserts the collectives. Multi-host is untested."""
 
 from __future__ import annotations
 
@@ -35,10 +33,30 @@ class XlaSpmdBackend(Backend):
         settle(tensors)
 
     def local_shards(self, tensor: torch.Tensor) -> dict[tuple[int, ...], torch.Tensor]:
-        return local_shards(tensor)
+        """This process's distinct shards of a global SPMD tensor on the host, by canonical offsets."""
+        import torch_xla
+
+        out: dict[tuple[int, ...], torch.Tensor] = {}
+        shards = torch_xla._XLAC._get_local_shards([tensor])[0]
+        boxes = torch_xla._XLAC._get_local_shard_replica_and_indices([tensor])[0]
+        for (data, _), (_, index) in zip(shards, boxes, strict=True):
+            box = _box(index, tensor.shape)
+            if box[0] not in out:
+                out[box[0]] = data[tuple(slice(0, n) for n in box[1])]
+        return out
 
     def local_regions(self, tensor: torch.Tensor) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-        return local_regions(tensor)
+        """``(offsets, sizes)`` of this process's distinct shards of a global SPMD tensor (no copy);
+        an unsharded one is one whole box."""
+        import torch_xla
+
+        if not torch_xla._XLAC._get_xla_sharding_spec(tensor):  # no sharding: one whole copy
+            return [((0,) * tensor.ndim, tuple(tensor.shape))]
+        seen: dict[tuple[int, ...], tuple[int, ...]] = {}
+        for _, index in torch_xla._XLAC._get_local_shard_replica_and_indices([tensor])[0]:
+            offsets, sizes = _box(index, tensor.shape)
+            seen.setdefault(offsets, sizes)
+        return sorted(seen.items())
 
     @classmethod
     def is_available(cls) -> bool:
@@ -88,13 +106,9 @@ class XlaSpmdBackend(Backend):
 
 
 class SpmdMesh:
-    """The devices of an SPMD program as a named-axis mesh, around torch_xla's ``xs.Mesh``.
-
-    Offers what shardwise reads of a mesh (``mesh_dim_names``, ``ndim``, ``device_type``,
-    ``mesh`` (device ids), ``size(dim)``, ``mesh[axis]``, ``get_group()`` (None: no process
-    group spans the devices)) and how tensors get onto it (:meth:`from_chunks`,
-    :meth:`distribute`). ``get_local_rank()`` raises: one process drives every position.
-    ``mesh[axis]`` is the same devices seen along one axis (its ``size()`` is that axis's).
+    """The devices of an SPMD program as an ``AxisMesh`` around torch_xla's ``xs.Mesh``, and how
+    tensors get onto it (:meth:`from_chunks`, :meth:`distribute`). ``mesh[axis]`` is the same
+    devices seen along one axis; ``get_local_rank()`` raises, ``get_group()`` is None.
 
     >>> mesh = sw.init_backend("xla_spmd").mesh(dp_shard=2, tp=2)     # doctest: +SKIP
     >>> mesh["tp"].size(), mesh.size()                                 # doctest: +SKIP
@@ -151,7 +165,7 @@ class SpmdMesh:
         return self._names[0]
 
     def _positions(self) -> list[int]:
-        """The shard-axis position of each device this process addresses, in runtime-device order."""
+        """The shard-axis position of each device this process addresses, in runtime order."""
         import torch_xla
 
         if self._shard_axis not in self._names:
@@ -169,10 +183,9 @@ class SpmdMesh:
 
     def from_chunks(self, chunks: Mapping[int, torch.Tensor], shape: Sequence[int], dim: int | None,
                     dtype: torch.dtype, *, name: str = "tensor") -> torch.Tensor:
-        """The global tensor of ``shape`` on the devices, from CPU ``chunks``: tp position ->
-        canonical chunk ``position`` along ``dim`` (``dim=None``: replicated, ``chunks[0]`` is
-        the whole tensor). Every chunk's dtype and shape are checked here: torch_xla does not
-        check them, and a wrong one corrupts the runtime's state."""
+        """The global tensor of ``shape`` from CPU ``chunks`` (tp position -> canonical chunk along
+        ``dim``; ``dim=None``: ``chunks[0]`` replicated). Each chunk is checked here: torch_xla
+        does not, and a wrong one corrupts the runtime's state."""
         import torch_xla
 
         shape = tuple(int(s) for s in shape)
@@ -205,36 +218,6 @@ class SpmdMesh:
         return f"SpmdMesh({self.mesh.tolist()}, mesh_dim_names={self.mesh_dim_names})"
 
 
-def local_shards(tensor: torch.Tensor) -> dict[tuple[int, ...], torch.Tensor]:
-    """This process's distinct shards of a global SPMD tensor on the host, keyed by their
-    canonical offsets (padding trimmed; each replicated copy once)."""
-    import torch_xla
-
-    out: dict[tuple[int, ...], torch.Tensor] = {}
-    shards = torch_xla._XLAC._get_local_shards([tensor])[0]
-    boxes = torch_xla._XLAC._get_local_shard_replica_and_indices([tensor])[0]
-    for (data, _), (_, index) in zip(shards, boxes, strict=True):
-        box = _box(index, tensor.shape)
-        if box[0] not in out:
-            out[box[0]] = data[tuple(slice(0, n) for n in box[1])]
-    return out
-
-
-def local_regions(tensor: torch.Tensor) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """``(offsets, sizes)`` of this process's distinct shards of a global SPMD tensor (no copy);
-    a tensor without a sharding (replicated, e.g. an optimizer state XLA has not yet split) is
-    one whole box."""
-    import torch_xla
-
-    if not torch_xla._XLAC._get_xla_sharding_spec(tensor):  # no sharding: one whole copy
-        return [((0,) * tensor.ndim, tuple(tensor.shape))]
-    seen: dict[tuple[int, ...], tuple[int, ...]] = {}
-    for _, index in torch_xla._XLAC._get_local_shard_replica_and_indices([tensor])[0]:
-        offsets, sizes = _box(index, tensor.shape)
-        seen.setdefault(offsets, sizes)
-    return sorted(seen.items())
-
-
 def _box(index, shape) -> tuple[tuple[int, ...], tuple[int, ...]]:
     if index is Ellipsis:  # replicated: the whole tensor
         return (0,) * len(shape), tuple(shape)
@@ -242,4 +225,4 @@ def _box(index, shape) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return starts, tuple(min(int(s.stop), n) - a for s, a, n in zip(index, starts, shape, strict=True))
 
 
-__all__ = ["SpmdMesh", "XlaSpmdBackend", "local_regions", "local_shards"]
+__all__ = ["SpmdMesh", "XlaSpmdBackend"]

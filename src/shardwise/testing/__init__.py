@@ -1,7 +1,6 @@
-"""What the tests, the benchmarks and the validation suite share, public so that none of them
-reaches into a private module: rank launch (:func:`spawn`), memory figures
-(:class:`PeakMemory`), the expected shard of a tensor, a streaming checkpoint writer. Imported
-on use, never by ``import shardwise``.
+"""What the tests, the benchmarks and the validation suite share, so that none of them reaches
+into a private module: rank launch, memory figures, expected shards, a streaming checkpoint
+writer. Never imported by ``import shardwise``.
 
 >>> from shardwise import testing
 >>> testing.spawn(lambda: 1, 2)                                    # doctest: +SKIP
@@ -43,10 +42,8 @@ from shardwise.io.formats.safetensors.files import StreamingWriter, index_json, 
 from shardwise.io.storage import locate, write_small
 from shardwise.parallel import ShardState, get_shard_state
 
-# Ranks fork from a server that already imported torch: a rank starts in well under a
-# second instead of paying torch's import on each spawn.
-_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor.parallel",
-            "shardwise"]
+# Ranks fork from a server that already imported torch: a rank starts in well under a second.
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor.parallel", "shardwise"]
 
 
 class RankFailure(ShardwiseError, RuntimeError):
@@ -97,9 +94,8 @@ def _rank_main(fn, args, kwargs, rank, world_size, port, env, queue):
 def spawn(fn: Callable[..., Any], world_size: int, *, args: tuple = (), kwargs: dict | None = None,
           timeout: float = 120.0, env: dict[str, str] | None = None,
           threads_per_rank: int | None = 1) -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` local ranks; return results in rank order.
-
-    ``fn`` must be importable by name (a module-level function) and its result picklable.
+    """Run ``fn(*args, **kwargs)`` (a module-level function, its result picklable) on
+    ``world_size`` local ranks; return the results in rank order, else raise ``RankFailure``.
 
     >>> spawn(my_check, 4, args=(model_size,))   # doctest: +SKIP
     [None, None, None, None]
@@ -177,23 +173,21 @@ def memory_status() -> dict[str, int]:
 
 
 def reset_high_water_mark() -> bool:
-    """Reset the kernel's high-water mark ``VmHWM`` to the current RSS (writing ``5`` to
-    ``/proc/self/clear_refs``, Linux >= 4.0); False where that is not allowed."""
+    """Reset ``VmHWM`` to the current RSS (``/proc/self/clear_refs``); False where not allowed."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
     except OSError:
         return False
     st = memory_status()
-    # RSS counters are batched per CPU; tolerate a little slack between the two fields.
+    # RSS counters are batched per CPU: a little slack between the two fields
     return "VmHWM" in st and st["VmHWM"] <= st.get("VmRSS", 0) + (1 << 20)
 
 
 class PeakMemory:
-    """``with PeakMemory() as peak: ...`` then ``peak.bytes``: the highest RSS reached inside
-    the block minus the RSS at entry (this process, all threads). ``method``: ``"VmHWM"``
-    (exact, after :func:`reset_high_water_mark`), ``"sampled"`` (``VmRSS`` every
-    ``interval`` s: a lower bound) or ``"none"`` (no /proc).
+    """``peak.bytes``: the highest RSS of this process inside the block minus the RSS at entry;
+    ``method``: ``"VmHWM"`` (exact), ``"sampled"`` (every ``interval`` s: a lower bound) or
+    ``"none"`` (no /proc).
 
     >>> with PeakMemory() as peak:
     ...     block = bytearray(50 << 20)
@@ -239,10 +233,8 @@ class PeakMemory:
         self.bytes = max(0, max(peak, self._max) - self.baseline)
 
 
-
 def plan_specs(model: nn.Module, plan, degree: int, *, strict: bool = False) -> ResolvedPlan:
-    """``{tensor name: ShardSpec}`` that ``plan`` gives ``model`` at ``degree``, as every load,
-    parallelize and save resolves it; works on a meta model, without a process group.
+    """``{tensor name: ShardSpec}`` that ``plan`` gives ``model`` (meta too) at ``degree``;
     ``strict=True`` makes a key that matches nothing a ``PlanError``."""
     return resolve_plan(model, plan, degree, strict=strict)
 
@@ -261,15 +253,13 @@ def local_shard(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def expected_shard(tensor: torch.Tensor, spec: ShardSpec, degree: int, rank: int) -> torch.Tensor:
-    """Rank ``rank``'s shard of the canonical ``tensor`` under ``spec`` at ``degree``: what a
-    load must leave on that rank (the same region math as every path)."""
+    """Rank ``rank``'s shard of the canonical ``tensor`` under ``spec`` at ``degree``."""
     return split(tensor, spec, degree, rank)
 
 
 def expected_scale_shard(scale: torch.Tensor, tie, spec: ShardSpec, degree: int, rank: int,
                          shape: tuple[int, ...]) -> torch.Tensor:
-    """Rank ``rank``'s local block scales (of ``shape``) of the quantized pair ``tie``, from the
-    whole ``scale`` tensor: what a load that keeps the weights quantized leaves there."""
+    """Rank ``rank``'s local block scales (of ``shape``) of the quantized pair ``tie``."""
     return take_layout(scale, scale_layout(tie, spec, degree, rank), shape)
 
 
@@ -280,8 +270,7 @@ def dequantized_shard(weight: torch.Tensor, scale: torch.Tensor, tie, spec: Shar
 
 
 def read_all(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint at ``path`` (any format shardwise reads), whole, in one
-    process, through the same reader ``sw.load`` and ``sw.consolidate`` use."""
+    """Every tensor of the checkpoint at ``path`` (any format), whole, in one process."""
     source = open_source(locate(path))
     try:
         return {name: source.read_box(name, Region((0,) * len(shape), tuple(shape)))
@@ -291,8 +280,7 @@ def read_all(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 
 def preload() -> None:
-    """Import every module the public verbs import on first use (the DCP reader's
-    torch.distributed.checkpoint takes seconds): a timing that starts after this measures the
+    """Import every module the public verbs import on first use, so that a timing measures the
     call, not the imports."""
     for name in ("load", "save", "consolidate", "verify", "diff", "inspect", "from_pretrained"):
         getattr(sw, name)
@@ -304,10 +292,9 @@ def preload() -> None:
 def write_checkpoint(folder: str | os.PathLike, tensors: Iterable[tuple[str, torch.Tensor]],
                      shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]], *,
                      max_shard_size: int | str, metadata: dict | None = None) -> list[Path]:
-    """Write an ordinary sharded safetensors checkpoint (files and index) into ``folder``, one
-    tensor at a time: ``shapes`` names every tensor (its shape and dtype, in file order) and
-    ``tensors`` yields them in that order, so that the whole checkpoint never is in memory.
-    ``metadata`` goes into the index. Returns the files written."""
+    """Write a sharded safetensors checkpoint (files and index) into ``folder`` one tensor at a
+    time: ``shapes`` names every tensor (shape, dtype) in file order, ``tensors`` yields them
+    in that order. ``metadata`` goes into the index. Returns the files written."""
     specs = [(name, dtype_to_str(dtype), tuple(shape)) for name, (shape, dtype) in shapes.items()]
     file_plan = plan_files(specs, max_shard_size)
     folder = Path(folder)
@@ -332,8 +319,8 @@ def write_checkpoint(folder: str | os.PathLike, tensors: Iterable[tuple[str, tor
 
 @contextlib.contextmanager
 def without_checksums() -> Iterator[None]:
-    """Saves inside the block record a digest that hashes nothing: for measuring what the
-    checksums cost, never for a checkpoint anyone reads (its ``verify`` fails)."""
+    """Saves inside record a digest of nothing: for measuring what checksums cost (``verify``
+    fails on them)."""
     class _NoDigest:
         def update(self, buf) -> None:
             pass

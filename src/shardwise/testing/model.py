@@ -1,7 +1,6 @@
-"""The one toy transformer, built in code: what every backend validates on, what ``shardwise
-demo`` streams and the benchmarks' model. By default a small Qwen3-MoE-shaped causal LM (16
-heads over 8 KV heads, q/k norms, one dense and one 16-expert MoE layer, untied head) with
-transformers' Qwen3-MoE plans; :func:`golden` is the one-process CPU reference."""
+"""The one toy transformer: what every backend validates on, what ``shardwise demo`` streams.
+By default a small Qwen3-MoE-shaped causal LM (16 heads over 8 KV heads, q/k norms, one dense
+and one 16-expert MoE layer) with transformers' plans; :func:`golden` is the CPU reference."""
 
 from __future__ import annotations
 
@@ -37,8 +36,7 @@ class ModelConfig:
 CONFIG = ModelConfig()
 MAX_TP = CONFIG.kv_heads  # each rank must own whole KV heads
 
-# The demo's sizes: the validation suite's model ("tiny") and two larger ones, whose KV heads
-# and widths divide by 1, 2, 4 and 8 as the tiny one's do.
+# The demo's sizes; their KV heads and widths divide by 1, 2, 4 and 8
 SIZES = {
     "tiny": CONFIG,                                                                  # ~0.5 MB fp32
     "small": ModelConfig(vocab=8192, hidden=512, head_dim=32, inter=1024, expert_inter=128,
@@ -78,9 +76,7 @@ EP_PLAN = {
 
 
 def tp_plan(config: ModelConfig = CONFIG) -> dict:
-    """:data:`TP_PLAN` for the modules a toy of ``config`` has: no q/k norms without
-    ``qk_norm``, no experts without an MoE layer, the packed dense ``gate_up_proj`` in place of
-    ``gate_proj`` / ``up_proj`` with ``fused_gate_up``."""
+    """:data:`TP_PLAN` for the modules a toy of ``config`` has."""
     absent: tuple[str, ...] = ()
     if not config.qk_norm:
         absent += (".q_norm", ".k_norm")
@@ -134,9 +130,8 @@ class Mlp(nn.Module):
 
 
 class Experts(nn.Module):
-    """Fused expert weights as transformers holds them. Loops over this rank's experts (a route to
-    another rank's arrives as that count and is skipped); every token goes through every local
-    expert, weighted 0 where not routed: static shapes, one XLA graph."""
+    """Fused expert weights as transformers holds them; every token goes through every local
+    expert, weighted 0 where not routed (static shapes: one XLA graph)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -219,9 +214,8 @@ class ToyLM(nn.Module):
 
 def build(seed: int | None = 0, *, device: str | torch.device | None = None,
           config: ModelConfig = CONFIG) -> ToyLM:
-    """The model with weights from ``seed`` (``device="meta"``: no memory, for ``sw.load``;
-    ``seed=None``: torch's current random state). Norm weights are moved off 1 so that a
-    misplaced one shows."""
+    """The model with weights from ``seed`` (None: torch's random state; ``device="meta"``: no
+    memory). Norm weights are moved off 1 so that a misplaced one shows."""
     if str(device) == "meta":
         with torch.device("meta"):
             return ToyLM(config)
@@ -269,8 +263,7 @@ def optimizer_for(params) -> torch.optim.Optimizer:
 
 @dataclass
 class Golden:
-    """The one-process CPU run: logits and gradients of step 0, the gradient norm, the
-    clipped gradients, the weights and AdamW state after step 0, the weights after step 1."""
+    """The one-process CPU run of two AdamW steps, and what the suite compares along the way."""
 
     logits: torch.Tensor
     loss: float

@@ -1,9 +1,7 @@
-"""The hardware validation suite: the same scenarios and assertions on every backend, at every
-layout the world allows, on the toy model, against the one-process CPU run; each scenario is
-PASS, FAIL or UNSUPPORTED. Rank 0 prints a table and writes JSON; the run's report renders as
-the terminal table, JSON and markdown (docs tables are generated from the JSON). ``shardwise
-validate --backend NAME [--json OUT]``, or ``python -m shardwise.validate ...`` under the
-backend's launcher; docs/validate.md has every backend's command.
+"""The hardware validation suite: the same scenarios on every backend, at every layout the world
+allows, on the toy model, against the one-process CPU run; each is PASS, FAIL or UNSUPPORTED.
+The report renders as a terminal table, JSON and markdown. ``shardwise validate --backend NAME``
+or ``python -m shardwise.validate`` under the backend's launcher (docs/validate.md).
 
 >>> report = sw.validate("gloo", json="gloo.json")   # doctest: +SKIP"""
 
@@ -35,8 +33,7 @@ if TYPE_CHECKING:
 
 def __getattr__(name: str):
     if name == "validate":
-        # deferred: importing the runner here would import it before
-        # `python -m shardwise.validate.runner` runs it as __main__ (runpy warns)
+        # deferred: `python -m shardwise.validate.runner` must not find it imported (runpy warns)
         from shardwise.validate.runner import validate
 
         return validate
@@ -138,8 +135,7 @@ SCHEMA = 1
 
 @dataclass
 class Result:
-    """One scenario at one layout (``layout`` None: once for the whole job). ``reason`` is
-    the first line of what failed, or why the backend cannot run it; never empty unless PASS."""
+    """One scenario at one layout (None: once for the job); ``reason`` is empty only for PASS."""
 
     scenario: str
     layout: str | None
@@ -164,8 +160,7 @@ def _git(*args: str) -> subprocess.CompletedProcess | None:
 
 
 def commit_of_checkout() -> tuple[str | None, bool | None]:
-    """``(commit, dirty)`` of the shardwise source in use (an editable install's checkout), or
-    ``(None, None)`` outside one. ``dirty``: files differ from that commit."""
+    """``(commit, dirty)`` of the shardwise checkout in use, or ``(None, None)`` outside one."""
     out = _git("rev-parse", "HEAD")
     sha = out.stdout.strip() if out is not None and out.returncode == 0 else ""
     if len(sha) != 40:
@@ -274,8 +269,7 @@ def table(run: dict) -> str:
 
 
 def markdown(runs: list[dict]) -> str:
-    """Markdown of one or more runs (``Report.to_dict()``, or their JSON files loaded): per
-    run its header, the table and every FAIL / UNSUPPORTED with its reason."""
+    """Markdown of runs (``Report.to_dict()``s): per run its header, table and non-PASS reasons."""
     out = []
     for run in runs:
         rows, columns, cells = _grid(run)
@@ -289,10 +283,8 @@ def markdown(runs: list[dict]) -> str:
 
 
 def runs_table(runs: list[dict]) -> str:
-    """One markdown table row per run (``Report.to_dict()``, or their JSON files loaded): the
-    backend, its world (devices under SPMD, ranks otherwise), the commit and date it ran at, and
-    its PASS / FAIL / UNSUPPORTED counts. The docs show whole runs only: a partial one (``--only``)
-    is refused."""
+    """One markdown table row per run: backend, world, commit, date and counts; a partial run
+    (``--only``) raises ``UsageError``: the docs show whole runs only."""
     partial = [f"{run['backend']}, world {run['world_size']}" for run in runs if run.get("only")]
     if partial:
         raise UsageError(f"run {partial[0]} ran only some scenarios (--only); the docs show whole runs")
@@ -321,8 +313,8 @@ GENERATED_START, GENERATED_END = "<!-- generated:", "<!-- end generated -->"
 
 
 def replace_generated(text: str, generated: str) -> str:
-    """``text`` (a markdown page) with the lines between its ``<!-- generated: ... -->`` line
-    and ``<!-- end generated -->`` replaced by ``generated``."""
+    """``text`` with the lines between ``<!-- generated: ... -->`` and ``<!-- end generated -->``
+    replaced by ``generated``."""
     lines = text.splitlines(keepends=True)
     try:
         start = next(i for i, line in enumerate(lines) if line.startswith(GENERATED_START))
@@ -340,9 +332,8 @@ def load_runs(paths: Sequence[str | os.PathLike]) -> list[dict]:
 
 
 class _CallableModule(types.ModuleType):
-    """``sw.validate(...)`` is the suite: once any ``shardwise.validate.*`` module is imported,
-    Python binds the name ``validate`` on the ``shardwise`` package to this package, so the
-    package itself must be the function's twin."""
+    """Once a ``shardwise.validate.*`` module is imported, ``sw.validate`` is this package, so the
+    package must be callable as the suite."""
 
     def __call__(self, *args, **kwargs):
         return __getattr__("validate")(*args, **kwargs)

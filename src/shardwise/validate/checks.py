@@ -1,7 +1,5 @@
 """The suite's checks: the world is what the launcher says, and what a rank holds equals its
-part of the one-process truth (core's ``split``, then FSDP2's dim-0 chunk on ``dp_shard``;
-under SPMD a parameter is compared whole). A mismatch raises :class:`Mismatch` naming the tensor.
-"""
+part of the one-process truth; a mismatch raises :class:`Mismatch` naming the tensor."""
 
 from __future__ import annotations
 
@@ -11,6 +9,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 import torch.distributed as dist
 
+from shardwise import holding
 from shardwise.backends.xla import settle
 from shardwise.core.spec import split
 from shardwise.holding import Holding, is_dtensor
@@ -30,9 +29,8 @@ class Mismatch(AssertionError):
 
 
 class Deferred:
-    """Mismatches kept instead of raised, so that a rank that sees one still joins the
-    collectives that follow (its peers would otherwise wait in them until the timeout, and the
-    suite would stop); :meth:`raise_first` ends the scenario with the first one.
+    """Mismatches kept instead of raised, so that the rank still joins the collectives that
+    follow (its peers would wait in them until the timeout); :meth:`raise_first` ends it.
 
     >>> later = Deferred()
     >>> with later:
@@ -60,9 +58,7 @@ class Deferred:
 
 def local_of(t: torch.Tensor) -> torch.Tensor:
     """The tensor this rank holds, on the CPU (a DTensor's local part)."""
-    if is_dtensor(t):
-        t = t.to_local()
-    return t.detach().cpu()
+    return holding.local_of(t).detach().cpu()
 
 
 def local_grad(p: torch.Tensor) -> torch.Tensor | None:
@@ -77,7 +73,8 @@ def local_grad(p: torch.Tensor) -> torch.Tensor | None:
 
 
 def expected_local(full: torch.Tensor, name: str, state, like: torch.Tensor) -> torch.Tensor:
-    """This rank's part of the canonical ``full`` for tensor ``name`` held as ``like``."""
+    """This rank's part of the canonical ``full`` for tensor ``name`` held as ``like``: core's
+    ``split``, then FSDP2's dim-0 chunk on ``dp_shard``; whole under SPMD."""
     if state is None or state.holding is Holding.SPMD:
         return full
     spec = state.specs[name]
@@ -99,8 +96,7 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def compare(got: torch.Tensor, want: torch.Tensor, what: str, *, exact: bool = False) -> float:
-    """The largest absolute difference; raises ``Mismatch`` beyond the tolerance (any byte
-    when ``exact``)."""
+    """The largest absolute difference; ``Mismatch`` beyond the tolerance (``exact``: any byte)."""
     got, want = got.detach().cpu(), want.detach().cpu()
     if got.shape != want.shape or got.dtype != want.dtype:
         raise Mismatch(f"{what}: holds {tuple(got.shape)} {got.dtype}, expected "
@@ -114,8 +110,8 @@ def compare(got: torch.Tensor, want: torch.Tensor, what: str, *, exact: bool = F
 
 
 def compare_tensors(named, truth: dict[str, torch.Tensor], state, what: str, *, exact: bool = False) -> float:
-    """Compare each ``(name, held tensor)`` of ``named`` with this rank's part of ``truth[name]``;
-    return the largest difference. Every name of ``truth`` must appear."""
+    """The largest difference of each ``(name, held tensor)`` from its part of ``truth[name]``;
+    every name of ``truth`` must appear."""
     worst, seen = 0.0, set()
     named = list(named)
     settle([held.detach() for _, held in named])  # torch_xla: one program, not one per tensor
@@ -140,10 +136,8 @@ def compare_grads(model, truth: dict[str, torch.Tensor], state, what: str) -> fl
     return worst
 
 
-# -- the world check: three counts agree (the backend's, WORLD_SIZE when a launcher set it, the
-# runtime's own: torch.distributed's group, torch_xla's world or under SPMD its process count),
-# then all-reduces of ones and of the ranks give the world's sums. A world of one process per
-# process (torch_xla on PJRT CPU under torchrun) can never pass the suite.
+# -- the world check: the backend's, the launcher's and the runtime's counts agree, and
+# all-reduces of ones and of the ranks give the world's sums.
 def runtime_world(backend) -> int:
     """The number of processes the runtime itself says this job has."""
     if backend.name in ("xla", "neuron_xla"):

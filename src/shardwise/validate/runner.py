@@ -1,7 +1,7 @@
 """The suite on every rank: the world check, each layout's scenarios, then the job's (a cross-load
 with a one-process CPU/gloo run, ``python -m shardwise.validate.runner --read DCP --write OUT``,
-and a collective timeout); one verdict per scenario agreed by every rank. A scenario that
-raises is a FAIL and the suite goes on; a broken collective stops it, and the report says where."""
+and a collective timeout); one verdict per scenario agreed by every rank. A failed scenario is a
+FAIL and the suite goes on; a broken collective stops it."""
 
 from __future__ import annotations
 
@@ -89,8 +89,8 @@ def _cpu_process(read: str, write: str) -> dict:
 
 
 def crossload(job: Job) -> dict:
-    """A checkpoint written on this backend loads on CPU/gloo in one process and equals the
-    source; one written there loads here, at the first layout, and equals its model."""
+    """A checkpoint written here loads on CPU/gloo in one process and equals the source; one
+    written there loads here, at the first layout, and equals its model."""
     backend = job.backend
     layout = next((lay for lay in job.layouts if layout_limit(backend, lay) is None), None)
     if layout is None:
@@ -122,9 +122,8 @@ def crossload(job: Job) -> dict:
 
 
 def collective_timeout(job: Job) -> dict:
-    """The last rank joins an all_reduce only after ``LATE_FACTOR`` timeouts; every other rank
-    must get a ``CollectiveError`` after about ``TIMEOUT_S`` seconds. The late rank joins in
-    the end, so a backend that ignores timeouts is reported, not hung."""
+    """The last rank joins an all_reduce ``LATE_FACTOR`` timeouts late; every other rank must get a
+    ``CollectiveError`` after about ``TIMEOUT_S`` (a backend that ignores it is reported, not hung)."""
     backend = job.backend
     if backend.world_size < 2:
         raise Unsupported("one process: no peer can be late (run with two ranks or more)")
@@ -237,7 +236,7 @@ class Runner:
         return result
 
     def _attempt(self, fn, *args, where: str = "") -> tuple[Outcome, float]:
-        """``(status, reason, details, breaks)`` of ``fn(*args)`` on this rank, and its seconds."""
+        """This rank's :data:`Outcome` of ``fn(*args)``, and its seconds."""
         start = time.monotonic()
         try:
             details = fn(*args) or {}
@@ -294,8 +293,7 @@ class Runner:
                 shutil.rmtree(root, ignore_errors=True)
 
     def _root(self) -> Path:
-        """A folder every rank sees: ``workdir`` (shared storage on several hosts), else rank 0's
-        temporary folder."""
+        """A folder every rank sees: under ``workdir``, else rank 0's temporary folder."""
         path = None
         if self.rank0:
             base = Path(self._workdir) if self._workdir else None
@@ -361,13 +359,10 @@ def selected(only) -> set[str] | None:
 
 def validate(backend: str = "auto", *, json=None, markdown=None, workdir=None, keep: bool = False,
              timeout: float | None = 300.0, print_table: bool = True, only=None) -> Report:
-    """Run the hardware validation suite on every rank of the job; return the report (the
-    same on every rank). Rank 0 prints the table and writes ``json`` / ``markdown``.
-
-    Launch it with the backend's launcher (``torchrun --nproc-per-node 8 -m shardwise.validate
-    --backend nccl``); ``workdir`` must be a folder every rank sees (shared storage across
-    hosts; default: rank 0's temporary folder, removed unless ``keep``). ``only`` (scenario
-    names) runs those and the scenarios they build on; the report records it (a partial run).
+    """Run the hardware validation suite on every rank of the job (under the backend's launcher)
+    and return the report, the same on every rank; rank 0 prints the table and writes ``json`` /
+    ``markdown``. ``workdir``: a folder every rank sees (default: rank 0's temporary folder,
+    removed unless ``keep``). ``only``: those scenarios and the ones they build on.
 
     >>> report = sw.validate("gloo", json="gloo.json")   # doctest: +SKIP
     >>> report.ok                                          # doctest: +SKIP

@@ -1,9 +1,7 @@
 """The layouts a world allows and the scenarios run at each, in order, on one model per layout.
-
-A scenario is ``fn(job, run) -> details`` on every rank: ``Unsupported`` (with the reason) where
-the backend cannot run it, any other exception fails it. ``judge`` decides on every rank's
-``details`` (bytes read over the job); ``needs`` names the scenarios of the same layout it builds on.
-"""
+A scenario is ``fn(job, run) -> details`` on every rank: ``Unsupported`` where the backend cannot
+run it, any other exception fails it. ``judge`` decides on every rank's ``details``; ``needs``
+names the scenarios of the same layout it builds on."""
 
 from __future__ import annotations
 
@@ -54,13 +52,6 @@ class Layout:
     def mesh_axes(self) -> dict[str, int]:
         return dict(self.axes)
 
-    @property
-    def world(self) -> int:
-        n = 1
-        for _, size in self.axes:
-            n *= size
-        return n
-
     def has(self, axis: str) -> bool:
         return self.mesh_axes.get(axis, 1) > 1
 
@@ -73,24 +64,19 @@ def _layout(**axes: int) -> Layout:
     return Layout(tuple((a, axes[a]) for a in order if a in axes))
 
 
-def _tp_fits(tp: int, max_tp: int) -> bool:
-    return max_tp % tp == 0
-
-
 def layouts_for(world: int, *, max_tp: int = MAX_TP, num_experts: int = CONFIG.num_experts) -> list[Layout]:
-    """Every layout kind that ``world`` devices allow, in the order they run. The two-axis
-    layouts take the largest tp below ``world`` dividing the world and ``max_tp``, the rest of
-    the world for the outer axis; 16 devices and 8 KV heads have no pure ``tp`` layout.
+    """Every layout kind ``world`` devices allow, in run order: the two-axis ones take the
+    largest tp below ``world`` dividing it and ``max_tp``, the rest for the outer axis.
 
     >>> [l.name for l in layouts_for(4)]
     ['tp4', 'dp_shard2_tp2', 'dp_replicate2_tp2', 'ep2_tp2', 'ep4_tp1']
     """
     out = []
-    if _tp_fits(world, max_tp):
+    if max_tp % world == 0:
         out.append(_layout(tp=world))
     if world == 1:
         return out
-    tp = max(t for t in range(1, world) if world % t == 0 and _tp_fits(t, max_tp))
+    tp = max(t for t in range(1, world) if world % t == 0 and max_tp % t == 0)
     outer = world // tp
     out.append(_layout(dp_shard=outer, tp=tp))
     out.append(_layout(dp_replicate=outer, tp=tp))
@@ -139,8 +125,7 @@ def layout_limit(backend: Backend, layout: Layout) -> str | None:
 
 
 def place(job: Job, layout: Layout, mesh, path) -> tuple[torch.nn.Module, LoadResult]:
-    """``sw.load`` the checkpoint at ``path`` into a meta model on ``mesh``, then FSDP2 over
-    ``dp_shard`` (each layer, then the model), as users wrap it."""
+    """``sw.load`` the checkpoint at ``path`` onto ``mesh``, then FSDP2 over ``dp_shard``."""
     model = build(device="meta")
     result = sw.load(model, path, plan=TP_PLAN, mesh=mesh, progress=False,
                      ep_plan=EP_PLAN if layout.has("ep") else None)  # None: load's default
@@ -164,13 +149,8 @@ def _reshard_target(job: Job, run: Run) -> Layout:
 
 
 def _loaded(run: Run) -> torch.nn.Module:
-    """The model the ``load`` scenario placed (every other scenario needs it, directly or not)."""
     assert run.model is not None  # the runner skips a scenario whose needs did not pass
     return run.model
-
-
-def _state(model):
-    return get_shard_state(model)
 
 
 def _to_device(job: Job, *tensors):
@@ -183,7 +163,8 @@ def load(job: Job, run: Run) -> dict:
     run.mesh = job.backend.mesh(**run.layout.mesh_axes)
     run.model, result = place(job, run.layout, run.mesh, job.source)
     run.bytes_read = result.bytes_read
-    compare_tensors(run.model.state_dict().items(), job.truth, _state(run.model), "loaded", exact=True)
+    compare_tensors(run.model.state_dict().items(), job.truth, get_shard_state(run.model), "loaded",
+                    exact=True)
     return {"bytes_read": result.bytes_read, "seconds": round(result.seconds, 3)}
 
 
@@ -212,7 +193,7 @@ def forward_backward(job: Job, run: Run) -> dict:
         compare(loss.detach().reshape(1), torch.tensor([job.golden.loss]), "loss")
     loss.backward()
     with later:
-        out["grad_max_diff"] = compare_grads(model, job.golden.grads, _state(model), "gradient of")
+        out["grad_max_diff"] = compare_grads(model, job.golden.grads, get_shard_state(model), "gradient of")
     later.raise_first()
     return out
 
@@ -223,7 +204,7 @@ def clip_grad_norm(job: Job, run: Run) -> dict:
     norm = sw.clip_grad_norm_(model, MAX_NORM).item()
     if abs(norm - job.golden.norm) > 1e-5 * job.golden.norm:
         raise Mismatch(f"total norm {norm!r}, one process {job.golden.norm!r}")
-    grad = compare_grads(model, job.golden.clipped, _state(model), "clipped gradient of")
+    grad = compare_grads(model, job.golden.clipped, get_shard_state(model), "clipped gradient of")
     return {"norm": norm, "grad_max_diff": grad}
 
 
@@ -273,8 +254,8 @@ def dcp_reshard(job: Job, run: Run) -> dict:
     target = _reshard_target(job, run)
     mesh = job.backend.mesh(**target.mesh_axes)
     model, _ = place(job, target, mesh, dcp)
-    compare_tensors(model.state_dict().items(), job.truth, _state(model), f"resharded to {target.name}",
-                    exact=True)
+    compare_tensors(model.state_dict().items(), job.truth, get_shard_state(model),
+                    f"resharded to {target.name}", exact=True)
     details: dict[str, object] = {"reshard_to": target.name}
     if job.backend.rank == 0:  # no collective follows: the other ranks go on to the verdict
         sw.consolidate(dcp, merged)
@@ -310,14 +291,14 @@ def optimizer_reshard(job: Job, run: Run) -> dict:
         optimizer.step()
     with later:
         out["step1_max_diff"] = compare_tensors(model.named_parameters(), job.golden.after_step,
-                                                _state(model), "after a step,")
+                                                get_shard_state(model), "after a step,")
     sw.save(model, run.folder / "model-step1", distributed=True)
     sw.save_optimizer(model, optimizer, run.folder / "optim-step1")
 
     target = _reshard_target(job, run)
     out["reshard_to"] = target.name
     resumed, _ = place(job, target, backend.mesh(**target.mesh_axes), run.folder / "model-step1")
-    state = _state(resumed)
+    state = get_shard_state(resumed)
     optimizer = optimizer_for(resumed.parameters())
     sw.load_optimizer(resumed, optimizer, run.folder / "optim-step1")
     names = dict(resumed.named_parameters())
