@@ -6,7 +6,7 @@ from torch import nn
 
 import shardwise as sw
 from shardwise.core.adapter import adapter_for
-from shardwise.hf.files import default_prefix, write_side_files
+from shardwise.hf.adapter import default_prefix, write_side_files
 
 
 def _hf_folder(folder, *extra):
