@@ -5,18 +5,17 @@ dequantized, with their scales."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
-from dataclasses import asdict, dataclass, field
+import sys
+from dataclasses import dataclass, field
 
 import torch
 
 from shardwise.core.spec import Region
 from shardwise.errors import CheckpointError, UsageError
-from shardwise.io.check import print_safely
+from shardwise.io.check import JsonReport, opened, print_safely
 from shardwise.io.check.against import as_dtype
-from shardwise.io.formats import open_source
 from shardwise.io.source import Stored
 from shardwise.io.storage import locate, split_scheme
 from shardwise.quant import Dequantizing, fp8_pairs
@@ -45,7 +44,7 @@ class TensorDiff:
 
 
 @dataclass
-class DiffReport:
+class DiffReport(JsonReport):
     """What :func:`diff` found: names only in ``a`` or only in ``b``, the tensors that differ,
     and how many are identical (same dtype, shape and bytes). ``scales_a`` / ``scales_b``: FP8
     scales of one side only, compared as part of their weight's dequantized values. With a
@@ -62,6 +61,8 @@ class DiffReport:
     scales_b: list[str] = field(default_factory=list)
     close: list[str] = field(default_factory=list)
     tolerance: dict | None = None  # {"atol", "rtol", "dtype"} when the diff had one
+
+    FLAGS = ("identical", "equivalent")
 
     @property
     def identical(self) -> bool:
@@ -85,20 +86,16 @@ class DiffReport:
         return f"{verdict}: {counts}"
 
     def to_dict(self) -> dict:
-        out = {**asdict(self), "identical": self.identical, "equivalent": self.equivalent,
-               "summary": self.summary()}
+        out = super().to_dict()
         for d in out["differ"]:  # JSON has no NaN
             if d["max_abs_diff"] is not None and math.isnan(d["max_abs_diff"]):
                 d["max_abs_diff"] = "nan"
         return out
 
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=1, ensure_ascii=True)
-
 
 class _Side:
-    """One side of a diff: a Source's tensors (``{name: (dtype, shape)}``) read in slabs of
-    whole rows (``rows(name, lo, hi)``, through ``Stored.read_box``), and its ``root``."""
+    """One side of a diff: a reader's tensors (``{name: (dtype, shape)}``) read in slabs of
+    whole rows (``rows(name, lo, hi)``), and its ``root``."""
 
     def __init__(self, source: Stored):
         self.source, self.root = source, source.root
@@ -115,9 +112,6 @@ class _Side:
             return self.source.read_box(name, Region((), ()))
         box = Region((lo,) + (0,) * (len(shape) - 1), (hi - lo,) + tuple(shape[1:]))
         return self.source.read_box(name, box)
-
-    def close(self) -> None:
-        self.source.close()
 
 
 @dataclass(frozen=True)
@@ -220,17 +214,12 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, *, atol: float | None = Non
     """
     tol = _tolerance(atol, rtol, dtype)
     a_at, b_at = (locate(x, storage_options if split_scheme(x)[0] else None) for x in (a, b))
-    left = _Side(open_source(a_at))
-    try:
-        right = _Side(open_source(b_at))
-    except BaseException:
-        left.close()
-        raise
     report = DiffReport(str(a), str(b))
     if tol is not None:
         report.tolerance = {"atol": tol.atol, "rtol": tol.rtol,
                             "dtype": None if tol.dtype is None else str(tol.dtype).removeprefix("torch.")}
-    try:
+    with opened(a_at) as source_a, opened(b_at) as source_b:
+        left, right = _Side(source_a), _Side(source_b)
         left.use_module_names(set(right.tensors) - set(left.tensors))
         right.use_module_names(set(left.tensors) - set(right.tensors))
         pairs = fp8_pairs(left, left.root), fp8_pairs(right, right.root)
@@ -247,17 +236,14 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, *, atol: float | None = Non
         for name in common:
             if name not in found:
                 found[name] = _compare_quantized(name, left, right, pairs, sides, found, slab_bytes)
-        for name in common:
-            result = found[name]
-            if result is None:
-                report.same += 1
-            elif result.within:
-                report.close.append(name)
-            else:
-                report.differ.append(result)
-    finally:
-        left.close()
-        right.close()
+    for name in common:
+        result = found[name]
+        if result is None:
+            report.same += 1
+        elif result.within:
+            report.close.append(name)
+        else:
+            report.differ.append(result)
     return report
 
 
@@ -266,8 +252,6 @@ def main_diff(a: str, b: str, *, as_json: bool = False, atol: float | None = Non
               storage_options: dict | None = None) -> int:
     """``shardwise diff A B [--atol X] [--rtol Y] [--dtype D] [--json]``: 0 when identical (or,
     with a tolerance, equivalent), 1 when they differ, 2 when one cannot be read."""
-    import sys
-
     try:
         report = diff(a, b, atol=atol, rtol=rtol, dtype=dtype, storage_options=storage_options)
     except (CheckpointError, UsageError) as e:
