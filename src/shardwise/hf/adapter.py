@@ -11,7 +11,7 @@ import functools
 import inspect
 import json
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -38,66 +38,6 @@ _SHIPPED = {"tp": (("tp_plan", "_tp_plan"), "base_model_tp_plan"),
             "ep": (("ep_plan",), "base_model_ep_plan")}
 # Written by a save (replaced with the checkpoint by overwrite=True), copied by a consolidation.
 SIDE_FILES = ("config.json", "generation_config.json")
-
-
-def base_prefix(model: nn.Module) -> str:
-    """``model.base_model_prefix`` when it names a submodule other than the model, else ""."""
-    prefix = getattr(model, "base_model_prefix", "")
-    inner = getattr(model, prefix, None) if isinstance(prefix, str) and prefix else None
-    return prefix if isinstance(inner, nn.Module) and inner is not model else ""
-
-
-def shipped_plan(model: nn.Module, axis: str) -> dict:
-    """The first non-empty plan among the model's attributes for ``axis`` ("tp": ``tp_plan``,
-    ``_tp_plan``; "ep": ``ep_plan``), else its config's ``base_model_{axis}_plan`` with each
-    key under the base-model prefix; ``{}`` when none."""
-    attrs, config_attr = _SHIPPED[axis]
-    for attr in attrs:
-        plan = getattr(model, attr, None)
-        if isinstance(plan, Mapping) and plan:
-            return dict(plan)
-    base = getattr(getattr(model, "config", None), config_attr, None)
-    if isinstance(base, Mapping) and base:
-        prefix = base_prefix(model)
-        return {f"{prefix}.{k}" if prefix else k: v for k, v in base.items()}
-    return {}
-
-
-def default_prefix(model: nn.Module) -> str:
-    """The weight file prefix the model's library reads."""
-    return "diffusion_pytorch_model" if library_of(model) == "diffusers" else "model"
-
-
-def write_side_files(model: nn.Module, folder: Location) -> list[str]:
-    """Write the model's config files into ``folder`` as its ``save_pretrained`` would; return
-    their names ([] for a model of neither library, or without a config)."""
-    # The libraries write configs to a local folder only: written into a temporary one and
-    # copied through the storage.
-    with tempfile.TemporaryDirectory() as tmp:
-        names = _save_configs(model, Path(tmp))
-        for name in names:
-            write_small(folder / name, read_small(locate(tmp) / name, what="a config"))
-    return names
-
-
-def _save_configs(model: Any, folder: Path) -> list[str]:
-    library = library_of(model)
-    if library == "transformers" and getattr(model, "config", None) is not None:
-        # save_pretrained records the weights' dtype and the class on the config it writes;
-        # a copy keeps the caller's config as it was.
-        config = copy.deepcopy(model.config)
-        config.dtype = str(model.dtype).split(".")[1]
-        config.architectures = [type(model).__name__]
-        config.save_pretrained(folder)
-        names = ["config.json"]
-        if model.can_generate() and getattr(model, "generation_config", None) is not None:
-            model.generation_config.save_pretrained(folder)
-            names.append("generation_config.json")
-        return names
-    if library == "diffusers" and hasattr(model, "save_config"):
-        model.save_config(folder)
-        return [model.config_name]  # each model class sets it (ConfigMixin: None)
-    return []
 
 
 @contextmanager
@@ -134,14 +74,28 @@ class HuggingFace(ModelAdapter):
     side_files = SIDE_FILES
 
     def claims(self, model: nn.Module) -> bool:
-        return (library_of(model) is not None or bool(base_prefix(model))
-                or any(shipped_plan(model, axis) for axis in _SHIPPED))
+        return (library_of(model) is not None or bool(self.base_prefix(model))
+                or any(self.shipped_plan(model, axis) for axis in _SHIPPED))
 
     def base_prefix(self, model: nn.Module) -> str:
-        return base_prefix(model)
+        """``model.base_model_prefix`` when it names a submodule other than the model, else ""."""
+        prefix = getattr(model, "base_model_prefix", "")
+        inner = getattr(model, prefix, None) if isinstance(prefix, str) and prefix else None
+        return prefix if isinstance(inner, nn.Module) and inner is not model else ""
 
     def shipped_plan(self, model: nn.Module, axis: str) -> dict:
-        return shipped_plan(model, axis)
+        """The first non-empty plan among the model's attributes for ``axis``, else its config's
+        ``base_model_{axis}_plan`` with each key under the base-model prefix; ``{}`` when none."""
+        attrs, config_attr = _SHIPPED[axis]
+        for attr in attrs:
+            plan = getattr(model, attr, None)
+            if isinstance(plan, Mapping) and plan:
+                return dict(plan)
+        base = getattr(getattr(model, "config", None), config_attr, None)
+        if isinstance(base, Mapping) and base:
+            prefix = self.base_prefix(model)
+            return {f"{prefix}.{k}" if prefix else k: v for k, v in base.items()}
+        return {}
 
     def refuse(self, model: nn.Module, action: str) -> None:
         _check_quantization_config(model, action)
@@ -173,14 +127,37 @@ class HuggingFace(ModelAdapter):
         return hub_layout.shared_storages(parts, dict(itemsize))
 
     def file_prefix(self, model: nn.Module) -> str:
-        return default_prefix(model)
+        return "diffusion_pytorch_model" if library_of(model) == "diffusers" else "model"
 
     def index_metadata(self, model: nn.Module, shapes: Mapping[str, tuple[int, ...]]) -> dict:
         # a diffusers index has no total_parameters
         return {} if library_of(model) == "diffusers" else super().index_metadata(model, shapes)
 
     def write_side_files(self, model: nn.Module, folder: Location) -> list[str]:
-        return write_side_files(model, folder)
+        """As the model's ``save_pretrained`` would; [] for a model of neither library or without
+        a config."""
+        hf: Any = model  # a transformers or diffusers model: their API, untyped here
+        library, names = library_of(model), []
+        # The libraries write configs to a local folder only: written into a temporary one and
+        # copied through the storage.
+        with tempfile.TemporaryDirectory() as tmp:
+            if library == "transformers" and getattr(model, "config", None) is not None:
+                # save_pretrained records the weights' dtype and the class on the config it
+                # writes; a copy keeps the caller's config as it was.
+                config = copy.deepcopy(hf.config)
+                config.dtype = str(hf.dtype).split(".")[1]
+                config.architectures = [type(model).__name__]
+                config.save_pretrained(tmp)
+                names = ["config.json"]
+                if hf.can_generate() and getattr(model, "generation_config", None) is not None:
+                    hf.generation_config.save_pretrained(tmp)
+                    names.append("generation_config.json")
+            elif library == "diffusers" and hasattr(model, "save_config"):
+                hf.save_config(tmp)
+                names = [hf.config_name]  # each model class sets it (ConfigMixin: None)
+            for name in names:
+                write_small(folder / name, read_small(locate(tmp) / name, what="a config"))
+        return names
 
     def model_from_folder(self, folder: Location, *, need: bool = False) -> nn.Module | None:
         """A transformers model's (``architectures``) only: its hub layout is what needs naming."""
@@ -351,7 +328,7 @@ def check_fused_halves(model: nn.Module, owned: Mapping, degrees: Mapping[str, i
             continue
         spec = entry[0]
         if (spec.replicated or degrees[spec.axis] == 1 or len(spec.blocks) != 1
-                or spec.dim != param.dim() - 2 or ".chunk(2" not in _forward_source(_class_of(module))):
+                or spec.dim != param.dim() - 2 or ".chunk(2" not in _source(type(module).forward)):
             continue
         raise PlanError(
             f"plan key {entry[2]!r} splits {entry[1]!r} plainly along its fused gate/up dim, but "
@@ -360,15 +337,10 @@ def check_fused_halves(model: nn.Module, owned: Mapping, degrees: Mapping[str, i
             "'packed_colwise' for it (each half split alike)")
 
 
-def _class_of(module: nn.Module) -> type:
-    # typed `type` for the cache key: mypy does not take a type[Module] as Hashable
-    return type(module)
-
-
 @functools.cache  # one read per class, not per layer of a deep MoE
-def _forward_source(cls: type[nn.Module]) -> str:
+def _source(forward: Callable) -> str:
     try:
-        return inspect.getsource(cls.forward)
+        return inspect.getsource(forward)
     except (OSError, TypeError):  # no source (built in, compiled): nothing to check
         return ""
 
@@ -376,4 +348,4 @@ def _forward_source(cls: type[nn.Module]) -> str:
 ADAPTER = register_adapter(HuggingFace())
 
 __all__ = ["ADAPTER", "SIDE_FILES", "HuggingFace", "check_fused_halves", "check_statistics_over_shards",
-           "config_folder", "default_prefix", "write_side_files"]
+           "config_folder"]

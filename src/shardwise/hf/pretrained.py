@@ -47,11 +47,11 @@ def empty_model():
     original = nn.Module.register_parameter
 
     def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and param.device.type != "meta":
-            moved = type(param)(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
-            moved.__dict__.update(param.__dict__)  # attributes libraries set on parameters
-            param = moved
         if param is not None:
+            if param.device.type != "meta":
+                moved = type(param)(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+                moved.__dict__.update(param.__dict__)  # attributes libraries set on parameters
+                param = moved
             # transformers' weight initialisers skip a tensor flagged as initialised; on meta
             # they would only cost time (torch runs meta normal_ through Python decompositions,
             # ~0.5 ms a call). Its buffer initialisers (rotary tables) still run.
@@ -115,23 +115,16 @@ def _build(cls, library: str, folder: Path, dtype: torch.dtype | None, dequantiz
     generation = folder / "generation_config.json"
     if generation.is_file() and getattr(model, "can_generate", lambda: False)():
         model.generation_config = transformers.GenerationConfig.from_pretrained(folder)
-    _quantized_modules(model, dequantize)
-    return model
-
-
-def _quantized_modules(model: nn.Module, dequantize: bool) -> None:
-    """A checkpoint whose config has a quantization shardwise reads (FP8 with block scales,
-    MXFP4) gets transformers' own quantized modules, put in place by its quantizer as its
-    ``from_pretrained`` does (``modules_to_not_convert``, lm_head left whole); with
-    ``dequantize`` the model stays unquantized. Any other quantization is left to the load's
-    guards, which refuse it naming the scheme."""
+    # A quantization shardwise reads (FP8 block scales, MXFP4) gets transformers' own quantized
+    # modules, put in place by its quantizer (dequantize: none); any other is left to the load's
+    # guards, which refuse it naming the scheme.
     qc = getattr(getattr(model, "config", None), "quantization_config", None)
     method = quant_scheme(qc)
     if qc is None or method[1] is not None:
-        return
+        return model
     if dequantize:
         drop_quantization_config(model)
-        return
+        return model
     from transformers.quantizers import AutoHfQuantizer
 
     quantizer = AutoHfQuantizer.from_config(qc, pre_quantized=True)
@@ -139,6 +132,7 @@ def _quantized_modules(model: nn.Module, dequantize: bool) -> None:
         mxfp4_experts(model, quantizer)
     else:
         quantizer.preprocess_model(model)
+    return model
 
 
 def mxfp4_experts(model: nn.Module, quantizer=None) -> nn.Module:
@@ -189,19 +183,6 @@ def mxfp4_experts(model: nn.Module, quantizer=None) -> nn.Module:
     return model
 
 
-def _checkpoint_folder(folder: Location) -> Location:
-    if not folder.is_folder():
-        raise CheckpointError(
-            f"{folder}: no such folder; sw.from_pretrained reads a checkpoint folder (config.json and "
-            "safetensors), local or at a URL, or a hub repo id 'org/name'")
-    if (folder / "config.json").stat() is None:
-        raise CheckpointError(
-            f"{folder}: no config.json, so the model cannot be built from this folder; pass the "
-            "folder save_pretrained (or sw.save of a Hugging Face model) wrote, e.g. "
-            "'ckpt/transformer' for a diffusers pipeline's transformer")
-    return folder
-
-
 def from_pretrained(cls, path: str | os.PathLike, *, mesh, dtype: torch.dtype | None = None,
                     plan="auto", dequantize: bool = False, revision: str | None = None,
                     token: str | bool | None = None, storage_options: dict | None = None,
@@ -231,14 +212,22 @@ def from_pretrained(cls, path: str | os.PathLike, *, mesh, dtype: torch.dtype | 
     library = _library(cls)
     check_mesh(mesh)  # before anything is read or built
     if is_repo_id(path):
-        where = hub_location(cast(str, path), revision=revision, token=token, storage_options=storage_options,
-                             backend=world_backend())
+        folder = hub_location(cast(str, path), revision=revision, token=token,
+                              storage_options=storage_options, backend=world_backend())
     elif revision is not None or token is not None:
         raise UsageError(f"revision= and token= go with a hub repo id ('org/name'); {os.fspath(path)!r} is "
                          "a local path or a URL (an hf:// URL names its revision: hf://org/name@rev)")
     else:
-        where = locate(path, storage_options)
-    folder = _checkpoint_folder(where)
+        folder = locate(path, storage_options)
+    if not folder.is_folder():
+        raise CheckpointError(
+            f"{folder}: no such folder; sw.from_pretrained reads a checkpoint folder (config.json and "
+            "safetensors), local or at a URL, or a hub repo id 'org/name'")
+    if (folder / "config.json").stat() is None:
+        raise CheckpointError(
+            f"{folder}: no config.json, so the model cannot be built from this folder; pass the "
+            "folder save_pretrained (or sw.save of a Hugging Face model) wrote, e.g. "
+            "'ckpt/transformer' for a diffusers pipeline's transformer")
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype or None, got {dtype!r}")
     with _default_dtype(dtype), empty_model(), config_folder(folder) as configs:
