@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from shardwise.core.adapter import ModelAdapter, Shapes, register_adapter
-from shardwise.core.header import NamedDtype, dtype_to_str, str_to_dtype
+from shardwise.core.header import NamedDtype, dtype_to_str
 from shardwise.core.pieces import Composite, StoredPart
 from shardwise.core.plan import register_model_check
 from shardwise.core.quant_layout import quant_pairs
@@ -114,12 +114,8 @@ class HuggingFace(ModelAdapter):
         return frozenset(getattr(model, "_keys_to_ignore_on_save", None) or ())  # as save_pretrained
 
     def stored_names(self, model: nn.Module, tensors: Shapes) -> dict[str, tuple[tuple[int, ...], str]]:
-        if library_of(model) != "transformers":
-            return dict(tensors)
-        meta = {n: torch.empty(shape, dtype=str_to_dtype(dt), device="meta")
-                for n, (shape, dt) in tensors.items()}
-        reverted = hub_layout.revert(model, meta, "use layout='module'")
-        if reverted is None:  # transformers is not installed: the module's names
+        reverted = hub_layout.revert(model, tensors, "use layout='module'")
+        if reverted is None:  # not a transformers model, or transformers is not installed
             return dict(tensors)
         return {k: (tuple(t.shape), dtype_to_str(t.dtype)) for k, t in reverted.items()}
 

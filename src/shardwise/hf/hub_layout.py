@@ -247,17 +247,22 @@ def hub_tensors(model: nn.Module, stored: Mapping[str, tuple[Location | None, Na
 _MODULE = "save with layout='module' (the model's own tensor names) instead"
 
 
-def revert(model: nn.Module, meta: dict[str, torch.Tensor],
+def revert(model: nn.Module, tensors: Mapping[str, tuple[tuple[int, ...], str]],
            fix: str = _MODULE) -> dict[str, torch.Tensor] | None:
-    """transformers' ``revert_weight_conversion`` of a transformers ``model``'s meta tensors
-    ``meta``: ``{stored key: meta tensor}`` as ``save_pretrained`` writes them; None where
-    transformers is not installed. ``CheckpointError`` (ending with ``fix``) when it cannot."""
+    """transformers' ``revert_weight_conversion`` of ``tensors`` (``{model tensor: (global shape,
+    safetensors dtype)}``), on meta: ``{stored key: meta tensor}`` as ``save_pretrained`` writes
+    them; None for a model not of transformers or where it is not installed. ``CheckpointError``
+    (ending with ``fix``) when it cannot."""
+    if library_of(model) != "transformers":
+        return None
     try:
         from transformers.core_model_loading import revert_weight_conversion
     except ImportError:
         return None
+    meta = {n: torch.empty(shape, dtype=str_to_dtype(dt), device="meta")
+            for n, (shape, dt) in tensors.items()}
     try:
-        return revert_weight_conversion(cast("PreTrainedModel", model), dict(meta))
+        return revert_weight_conversion(cast("PreTrainedModel", model), meta)
     except Exception as e:  # noqa: BLE001 - transformers raises anything for a layout it cannot revert
         raise CheckpointError(f"transformers cannot revert {type(model).__name__}'s weight conversions "
                               f"({type(e).__name__}: {e}); {fix}") from e
@@ -270,12 +275,8 @@ def hub_save_layout(model: nn.Module,
     conversion to revert. Named by transformers' revert on meta tensors, placed by
     :func:`hub_tensors`; ``CheckpointError`` naming the tensor when a conversion is not a
     region map or the two directions disagree (shape, dtype, tiling)."""
-    if library_of(model) != "transformers":
-        return None
-    meta = {n: torch.empty(shape, dtype=str_to_dtype(dt), device="meta")
-            for n, (shape, dt) in tensors.items()}
-    reverted = revert(model, meta)
-    if reverted is None or list(reverted) == list(meta):
+    reverted = revert(model, tensors)
+    if reverted is None or list(reverted) == list(tensors):
         return None
     stored: dict[str, tuple[Location | None, TensorEntry]] = {}  # no file: a layout only
     for key, t in reverted.items():

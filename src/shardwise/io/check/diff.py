@@ -25,12 +25,10 @@ _SLAB_BYTES = 64 << 20
 
 @dataclass
 class TensorDiff:
-    """One tensor present on both sides that is not identical. ``equal`` is whether every
-    value is the same (False whenever the dtype or shape differs); ``max_abs_diff`` is over
-    values compared as float64 (None when the shapes differ; nan when a NaN is on one side
-    only). ``dequantized``: the values compared are an FP8 side's dequantized ones (its
-    values times their block's scale), so ``max_abs_diff`` is in dequantized units.
-    ``within``: every value is within the diff's tolerance (after its cast)."""
+    """A tensor on both sides that is not identical. ``equal``: every value the same (False when
+    the dtype or shape differs); ``max_abs_diff`` over float64 values (None when the shapes
+    differ, nan for a NaN on one side only), in dequantized units when ``dequantized`` (an FP8
+    side); ``within``: every value within the diff's tolerance (after its cast)."""
 
     name: str
     dtype_a: str
@@ -45,11 +43,10 @@ class TensorDiff:
 
 @dataclass
 class DiffReport(JsonReport):
-    """What :func:`diff` found: names only in ``a`` or only in ``b``, the tensors that differ,
-    and how many are identical (same dtype, shape and bytes). ``scales_a`` / ``scales_b``: FP8
-    scales of one side only, compared as part of their weight's dequantized values. With a
-    tolerance or a cast (``tolerance``), ``close`` names the tensors whose bytes differ but whose
-    values agree within it; ``equivalent`` is then whether nothing else differs."""
+    """What :func:`diff` found: names on one side only, tensors that differ, how many are
+    identical (dtype, shape, bytes); ``scales_a`` / ``scales_b``: FP8 scales of one side only
+    (compared within their weight's dequantized values); ``close``: tensors whose bytes differ but
+    whose values agree within the ``tolerance``; ``equivalent``: nothing else differs."""
 
     a: str
     b: str
@@ -121,9 +118,7 @@ class _Tolerance:
     dtype: torch.dtype | None
 
     def values(self, t: torch.Tensor) -> torch.Tensor:
-        if self.dtype is not None and t.is_floating_point():
-            t = t.to(self.dtype)
-        return _as_float64(t)
+        return _as_float64(t.to(self.dtype) if self.dtype is not None and t.is_floating_point() else t)
 
 
 def _tolerance(atol, rtol, dtype) -> _Tolerance | None:
@@ -187,24 +182,19 @@ def _differ(name: str, a, b, equal: bool, worst: float | None, **kw) -> TensorDi
 
 
 def _as_float64(t: torch.Tensor) -> torch.Tensor:
-    if t.is_complex():
-        return t.to(torch.complex128)
-    return t.to(torch.float64)
+    return t.to(torch.complex128 if t.is_complex() else torch.float64)
 
 
 def diff(a: str | os.PathLike, b: str | os.PathLike, *, atol: float | None = None,
          rtol: float | None = None, dtype: torch.dtype | str | None = None,
          slab_bytes: int = _SLAB_BYTES, storage_options: dict | None = None) -> DiffReport:
-    """Compare the checkpoints ``a`` and ``b`` (any mix of safetensors and DCP, any degree, hub
-    or module names) tensor by tensor: names on one side only, dtype and shape differences, exact equality
-    (same bytes) and the largest absolute difference. Reads at most ``slab_bytes`` of each
-    side at a time. Raises ``CheckpointError`` if either checkpoint cannot be read.
-
-    Byte for byte unless ``atol``, ``rtol`` or ``dtype`` is given: then a tensor whose values,
-    cast to ``dtype`` (floating-point ones; ``"bfloat16"`` or ``torch.bfloat16``) and compared
-    as ``torch.isclose(a, b, rtol, atol)`` (0 where not given), all agree is in ``close``;
-    ``report.equivalent`` says that nothing else differs. FP8 weights compared dequantized
-    keep their exact comparison. ``storage_options`` go to the storage of each URL side.
+    """Compare the checkpoints ``a`` and ``b`` (any formats, degrees, hub or module names) tensor
+    by tensor, at most ``slab_bytes`` of each side at a time: names on one side only, dtype and
+    shape differences, same bytes, the largest absolute difference. With ``atol``, ``rtol`` or
+    ``dtype``, a tensor whose values (floating ones cast to ``dtype``) all pass
+    ``torch.isclose(a, b, rtol, atol)`` is in ``close`` (FP8 weights compared dequantized stay
+    exact). ``storage_options`` go to each URL side. Raises ``CheckpointError`` if either
+    cannot be read, ``UsageError`` for a bad tolerance.
 
     >>> report = sw.diff("out/full", "out/dcp")           # doctest: +SKIP
     >>> report.identical, report.summary()               # doctest: +SKIP
