@@ -72,10 +72,9 @@ class JsonReport:
 
 @dataclass
 class Report:
-    """A checkpoint's description. ``tensors`` rows are ``(name, dtype, shape, chunks)``
-    (``chunks`` is None for safetensors); ``values`` names non-tensor DCP entries. ``quant``
-    gives each quantized weight and its scales their scheme and block (``fp8_block 128x128``,
-    ``... scales``); ``quantization`` is the line about the checkpoint's quantization."""
+    """A checkpoint's description: ``tensors`` rows ``(name, dtype, shape, chunks or None)``,
+    ``values`` (non-tensor DCP entries), ``quant`` (``{weight or scales: "fp8_block 128x128"
+    [scales]}``) and ``quantization`` (the line about the checkpoint's quantization)."""
 
     path: Location
     kind: str
@@ -153,10 +152,7 @@ def compact_plan(plan: dict) -> list[str]:
     module: a real model has hundreds of layers, each with the same entries."""
     if not plan:
         return []
-    groups: dict[tuple[str, str], int] = {}
-    for path, style in plan.items():
-        key = (_LAYER_INDEX.sub("*", path), str(style))
-        groups[key] = groups.get(key, 0) + 1
+    groups = Counter((_LAYER_INDEX.sub("*", path), str(style)) for path, style in plan.items())
     lines = [f"plan: {len(plan)} modules in {len(groups)} pattern(s)"]
     lines += [f"  {pattern}: {style}" + (f" x{n}" if n > 1 else "") for (pattern, style), n in groups.items()]
     return lines
