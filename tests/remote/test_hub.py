@@ -20,7 +20,7 @@ from hub_server import HubServer  # noqa: E402
 
 import shardwise as sw  # noqa: E402
 from shardwise.errors import CheckpointError, UsageError  # noqa: E402
-from shardwise.hf.repo import is_repo_id  # noqa: E402
+from shardwise.hf.pretrained import is_repo_id  # noqa: E402
 from shardwise.io.storage import locate  # noqa: E402
 from shardwise.testing import spawn  # noqa: E402
 

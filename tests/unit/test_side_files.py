@@ -6,7 +6,7 @@ from torch import nn
 
 import shardwise as sw
 from shardwise.core.adapter import adapter_for
-from shardwise.hf.files import default_prefix, write_side_files
+from shardwise.hf.adapter import ADAPTER
 
 
 def _hf_folder(folder, *extra):
@@ -34,8 +34,8 @@ def test_overwrite_still_refuses_other_files(tmp_path):
 
 def test_a_plain_model_has_no_side_files(tmp_path):
     model = nn.Linear(4, 2)
-    assert write_side_files(model, tmp_path) == [] and list(tmp_path.iterdir()) == []
-    assert default_prefix(model) == "model"
+    assert ADAPTER.write_side_files(model, tmp_path) == [] and list(tmp_path.iterdir()) == []
+    assert ADAPTER.file_prefix(model) == "model"
     # parameters only, each once: the index's total_parameters as transformers counts it
     shapes = {"weight": (2, 4), "bias": (2,), "running": (7,)}
     assert adapter_for(model).index_metadata(model, shapes) == {"total_parameters": 10}

@@ -1,7 +1,5 @@
-"""Hugging Face models: the front door (``sw.from_pretrained``, ``sw.empty_model``, in
-``hf.pretrained``, imported on first use: it reaches the whole load path) and the adapter
-(``hf.adapter``, which ``import shardwise`` imports to register it).
-"""
+"""Hugging Face models: the adapter (``hf.adapter``, registered by ``import shardwise``) and the
+front door (``sw.from_pretrained``, ``sw.empty_model``: ``hf.pretrained``, imported on first use)."""
 
 from __future__ import annotations
 

@@ -1,75 +1,101 @@
 """The Hugging Face adapter (``core.adapter.ModelAdapter``) for transformers and diffusers models,
-registered on ``import shardwise``: shipped plans, the hub key layout, side files, guards and
-the known-model checks of ``resolve_plan``. It reads attributes and class names only; the
-libraries are imported inside the calls that need them."""
+registered on ``import shardwise``: shipped plans, the hub key layout, the side files
+(``config.json``, ``generation_config.json``), guards and the known-model checks of
+``resolve_plan``. It reads attributes and class names only; a library is imported inside the
+calls that need it."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
-from collections.abc import Mapping
+import json
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from shardwise.core.adapter import ModelAdapter, Shapes, register_adapter
-from shardwise.core.header import NamedDtype, dtype_to_str, str_to_dtype
+from shardwise.core.header import NamedDtype, dtype_to_str
 from shardwise.core.pieces import Composite, StoredPart
 from shardwise.core.plan import register_model_check
 from shardwise.core.quant_layout import quant_pairs
-from shardwise.errors import PlanError
-from shardwise.hf import files, hub_layout
+from shardwise.errors import CheckpointError, PlanError
+from shardwise.hf import hub_layout
+from shardwise.hf.hub_layout import library_of
 from shardwise.io.guards import SUPPORTED_QUANT, quant_scheme, refusal
-from shardwise.io.storage import Location
+from shardwise.io.storage import Location, locate, read_json, read_small, write_small
 
-# -- plans ------------------------------------------------------------------------------------
 # transformers: the class's ``_tp_plan``, the config's ``base_model_tp_plan`` (keys written for
 # the base model) and the merged ``model.tp_plan`` of a loaded model; ep likewise. diffusers:
 # ``_tp_plan``. Read by attribute, so a model following the conventions without the libraries'
 # classes (the validation suite's) gets the same answers.
 _SHIPPED = {"tp": (("tp_plan", "_tp_plan"), "base_model_tp_plan"),
             "ep": (("ep_plan",), "base_model_ep_plan")}
+# Written by a save (replaced with the checkpoint by overwrite=True), copied by a consolidation.
+SIDE_FILES = ("config.json", "generation_config.json")
 
 
-def base_prefix(model: nn.Module) -> str:
-    """``model.base_model_prefix`` when it names a submodule other than the model, else ""."""
-    prefix = getattr(model, "base_model_prefix", "")
-    inner = getattr(model, prefix, None) if isinstance(prefix, str) and prefix else None
-    return prefix if isinstance(inner, nn.Module) and inner is not model else ""
+@contextmanager
+def config_folder(folder: Location) -> Iterator[Path]:
+    """A local folder holding ``folder``'s :data:`SIDE_FILES`, for the libraries' config readers
+    (they read local files only): the folder itself, else a temporary copy of them."""
+    if folder.scheme is None:
+        yield folder.local_path("a library's config reader")
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in SIDE_FILES:
+            if (folder / name).stat() is not None:
+                write_small(locate(tmp) / name, read_small(folder / name, what="a config"))
+        yield Path(tmp)
 
 
-def shipped_plan(model: nn.Module, axis: str) -> dict:
-    """The first non-empty plan among the model's attributes for ``axis`` ("tp": ``tp_plan``,
-    ``_tp_plan``; "ep": ``ep_plan``), else its config's ``base_model_{axis}_plan`` with each
-    key under the base-model prefix; ``{}`` when none."""
-    attrs, config_attr = _SHIPPED[axis]
-    for attr in attrs:
-        plan = getattr(model, attr, None)
-        if isinstance(plan, Mapping) and plan:
-            return dict(plan)
-    base = getattr(getattr(model, "config", None), config_attr, None)
-    if isinstance(base, Mapping) and base:
-        prefix = base_prefix(model)
-        return {f"{prefix}.{k}" if prefix else k: v for k, v in base.items()}
-    return {}
+def _meta_model(library: Any, cls: Any, config: Path, config_file: object, fix: str = "") -> nn.Module:
+    """``cls`` of ``library`` (the module) built on meta from the local ``config`` (a file or a
+    folder); ``CheckpointError`` naming ``config_file`` when the library refuses it."""
+    try:
+        with torch.device("meta"):
+            if library.__name__ == "transformers":
+                return cls._from_config(library.AutoConfig.from_pretrained(config))
+            return cls.from_config(cls.load_config(config))
+    except Exception as e:  # noqa: BLE001 - the libraries raise anything for a config they cannot build
+        raise CheckpointError(f"{config_file}: {library.__name__} cannot build {cls.__name__} from it "
+                              f"({type(e).__name__}: {e}){fix}") from e
 
 
 class HuggingFace(ModelAdapter):
     """transformers and diffusers models, and models that follow their plan conventions."""
 
     name = "huggingface"
-    side_files = files.SIDE_FILES
+    side_files = SIDE_FILES
 
     def claims(self, model: nn.Module) -> bool:
-        return (files.library_of(model) is not None or bool(base_prefix(model))
-                or any(shipped_plan(model, axis) for axis in _SHIPPED))
+        return (library_of(model) is not None or bool(self.base_prefix(model))
+                or any(self.shipped_plan(model, axis) for axis in _SHIPPED))
 
     def base_prefix(self, model: nn.Module) -> str:
-        return base_prefix(model)
+        """``model.base_model_prefix`` when it names a submodule other than the model, else ""."""
+        prefix = getattr(model, "base_model_prefix", "")
+        inner = getattr(model, prefix, None) if isinstance(prefix, str) and prefix else None
+        return prefix if isinstance(inner, nn.Module) and inner is not model else ""
 
     def shipped_plan(self, model: nn.Module, axis: str) -> dict:
-        return shipped_plan(model, axis)
+        """The first non-empty plan among the model's attributes for ``axis``, else its config's
+        ``base_model_{axis}_plan`` with each key under the base-model prefix; ``{}`` when none."""
+        attrs, config_attr = _SHIPPED[axis]
+        for attr in attrs:
+            plan = getattr(model, attr, None)
+            if isinstance(plan, Mapping) and plan:
+                return dict(plan)
+        base = getattr(getattr(model, "config", None), config_attr, None)
+        if isinstance(base, Mapping) and base:
+            prefix = self.base_prefix(model)
+            return {f"{prefix}.{k}" if prefix else k: v for k, v in base.items()}
+        return {}
 
     def refuse(self, model: nn.Module, action: str) -> None:
         _check_quantization_config(model, action)
@@ -88,12 +114,8 @@ class HuggingFace(ModelAdapter):
         return frozenset(getattr(model, "_keys_to_ignore_on_save", None) or ())  # as save_pretrained
 
     def stored_names(self, model: nn.Module, tensors: Shapes) -> dict[str, tuple[tuple[int, ...], str]]:
-        if not hub_layout.is_transformers_model(model):
-            return dict(tensors)
-        meta = {n: torch.empty(shape, dtype=str_to_dtype(dt), device="meta")
-                for n, (shape, dt) in tensors.items()}
-        reverted = hub_layout.revert(model, meta, "use layout='module'")
-        if reverted is None:  # transformers is not installed: the module's names
+        reverted = hub_layout.revert(model, tensors, "use layout='module'")
+        if reverted is None:  # not a transformers model, or transformers is not installed
             return dict(tensors)
         return {k: (tuple(t.shape), dtype_to_str(t.dtype)) for k, t in reverted.items()}
 
@@ -101,23 +123,95 @@ class HuggingFace(ModelAdapter):
         return hub_layout.shared_storages(parts, dict(itemsize))
 
     def file_prefix(self, model: nn.Module) -> str:
-        return files.default_prefix(model)
+        return "diffusion_pytorch_model" if library_of(model) == "diffusers" else "model"
 
     def index_metadata(self, model: nn.Module, shapes: Mapping[str, tuple[int, ...]]) -> dict:
         # a diffusers index has no total_parameters
-        return {} if files.library_of(model) == "diffusers" else super().index_metadata(model, shapes)
+        return {} if library_of(model) == "diffusers" else super().index_metadata(model, shapes)
 
     def write_side_files(self, model: nn.Module, folder: Location) -> list[str]:
-        return files.write_side_files(model, folder)
+        """As the model's ``save_pretrained`` would; [] for a model of neither library or without
+        a config."""
+        hf: Any = model  # a transformers or diffusers model: their API, untyped here
+        library, names = library_of(model), []
+        # The libraries write configs to a local folder only: written into a temporary one and
+        # copied through the storage.
+        with tempfile.TemporaryDirectory() as tmp:
+            if library == "transformers" and getattr(model, "config", None) is not None:
+                # save_pretrained records the weights' dtype and the class on the config it
+                # writes; a copy keeps the caller's config as it was.
+                config = copy.deepcopy(hf.config)
+                config.dtype = str(hf.dtype).split(".")[1]
+                config.architectures = [type(model).__name__]
+                config.save_pretrained(tmp)
+                names = ["config.json"]
+                if hf.can_generate() and getattr(model, "generation_config", None) is not None:
+                    hf.generation_config.save_pretrained(tmp)
+                    names.append("generation_config.json")
+            elif library == "diffusers" and hasattr(model, "save_config"):
+                hf.save_config(tmp)
+                names = [hf.config_name]  # each model class sets it (ConfigMixin: None)
+            for name in names:
+                write_small(folder / name, read_small(locate(tmp) / name, what="a config"))
+        return names
 
     def model_from_folder(self, folder: Location, *, need: bool = False) -> nn.Module | None:
-        return files.model_from_folder(folder, need=need)
+        """A transformers model's (``architectures``) only: its hub layout is what needs naming."""
+        config_file = folder / "config.json"
+        try:
+            if config_file.stat() is None:
+                return None
+            config = read_json(config_file, what="the config")
+            arch = (config.get("architectures") or [None])[0]
+        except (OSError, CheckpointError, AttributeError):
+            return None
+        if not isinstance(arch, str):
+            return None
+        try:
+            import transformers
+        except ImportError:
+            if need and "transformers_version" in config:
+                raise CheckpointError(
+                    f"{config_file} names a transformers model, whose hub layout (the keys save_pretrained "
+                    "writes) only transformers can compute, and transformers is not installed here; install "
+                    "it, or pass layout='module' to write the model's own tensor names") from None
+            return None
+        cls = getattr(transformers, arch, None)
+        if cls is None:
+            return None
+        with config_folder(folder) as local:
+            return _meta_model(transformers, cls, local, config_file, "; consolidate with layout='module'")
 
     def quantization_config(self, folder: Location) -> tuple[object, Location] | None:
-        return files.quantization_config(folder)
+        config_file = folder / "config.json"
+        if config_file.stat() is None:
+            return None
+        try:
+            return read_json(config_file, what="the config").get("quantization_config"), config_file
+        except (OSError, CheckpointError):
+            return None, config_file
 
     def model_from_config(self, config_file: Path) -> nn.Module | None:
-        return files.model_from_config(config_file)
+        """From ``architectures`` (transformers) or ``_class_name`` (diffusers)."""
+        try:
+            config = json.loads(Path(config_file).read_text())
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{config_file}: not a readable JSON config ({e})") from e
+        arch = (config.get("architectures") or [None])[0] if isinstance(config, dict) else None
+        name = config.get("_class_name") if isinstance(config, dict) and arch is None else arch
+        if not isinstance(name, str):
+            return None
+        library_name = "transformers" if arch is not None else "diffusers"
+        try:
+            library = __import__(library_name)
+        except ImportError as e:
+            raise CheckpointError(f"{config_file}: describes a {library_name} model ({name}), and "
+                                  f"{library_name} is not installed") from e
+        cls = getattr(library, name, None)
+        if not isinstance(cls, type):
+            raise CheckpointError(f"{config_file}: {library_name} has no class {name!r} (custom code?); pass "
+                                  "the model itself (built on meta)")
+        return _meta_model(library, cls, config_file, config_file)
 
 
 # -- guards: run for every model (accelerate can place any module, peft wrap any one) ---------
@@ -230,7 +324,7 @@ def check_fused_halves(model: nn.Module, owned: Mapping, degrees: Mapping[str, i
             continue
         spec = entry[0]
         if (spec.replicated or degrees[spec.axis] == 1 or len(spec.blocks) != 1
-                or spec.dim != param.dim() - 2 or ".chunk(2" not in _forward_source(_class_of(module))):
+                or spec.dim != param.dim() - 2 or ".chunk(2" not in _source(type(module).forward)):
             continue
         raise PlanError(
             f"plan key {entry[2]!r} splits {entry[1]!r} plainly along its fused gate/up dim, but "
@@ -239,19 +333,15 @@ def check_fused_halves(model: nn.Module, owned: Mapping, degrees: Mapping[str, i
             "'packed_colwise' for it (each half split alike)")
 
 
-def _class_of(module: nn.Module) -> type:
-    # typed `type` for the cache key: mypy does not take a type[Module] as Hashable
-    return type(module)
-
-
 @functools.cache  # one read per class, not per layer of a deep MoE
-def _forward_source(cls: type[nn.Module]) -> str:
+def _source(forward: Callable) -> str:
     try:
-        return inspect.getsource(cls.forward)
+        return inspect.getsource(forward)
     except (OSError, TypeError):  # no source (built in, compiled): nothing to check
         return ""
 
 
 ADAPTER = register_adapter(HuggingFace())
 
-__all__ = ["ADAPTER", "HuggingFace", "check_fused_halves", "check_statistics_over_shards"]
+__all__ = ["ADAPTER", "SIDE_FILES", "HuggingFace", "check_fused_halves", "check_statistics_over_shards",
+           "config_folder"]

@@ -76,11 +76,16 @@ def _indices_run(keys: list[str], what: str) -> None:
                                   f"found indices {idx}")
 
 
-def is_transformers_model(model: nn.Module) -> bool:
-    """Whether ``model`` is a transformers ``PreTrainedModel``, read off its class hierarchy
-    (transformers is not imported for a model that is not one of its own)."""
-    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
-               for c in type(model).__mro__)
+def library_of(model: nn.Module | type) -> str | None:
+    """``"transformers"``, ``"diffusers"`` or None, from the class hierarchy of ``model`` (a model
+    or a class); the library is not imported."""
+    cls = model if isinstance(model, type) else type(model)
+    bases = {(c.__module__.split(".")[0], c.__name__) for c in cls.__mro__}
+    if ("transformers", "PreTrainedModel") in bases:
+        return "transformers"
+    if ("diffusers", "ModelMixin") in bases:
+        return "diffusers"
+    return None
 
 
 class _Mapping:
@@ -90,7 +95,7 @@ class _Mapping:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter, rename_source_key
 
-        transforms = get_model_conversion_mapping(cast("PreTrainedModel", model))  # is_transformers_model
+        transforms = get_model_conversion_mapping(cast("PreTrainedModel", model))  # a transformers model
         self.converters = [t for t in transforms if isinstance(t, WeightConverter)]
         self.renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
         # called with the non-converter transforms as the renamings, as transformers' loader does
@@ -189,7 +194,7 @@ def hub_tensors(model: nn.Module, stored: Mapping[str, tuple[Location | None, Na
     the model is not a transformers model or transformers is not installed. ``shapes`` are
     the model tensors' global shapes (default: the model's state dict, which is global on
     a model not yet sharded); a ``Split`` takes its part sizes from them."""
-    if not is_transformers_model(model):
+    if library_of(model) != "transformers":
         return {}, set()
     try:
         mapping = _Mapping(model)
@@ -242,17 +247,22 @@ def hub_tensors(model: nn.Module, stored: Mapping[str, tuple[Location | None, Na
 _MODULE = "save with layout='module' (the model's own tensor names) instead"
 
 
-def revert(model: nn.Module, meta: dict[str, torch.Tensor],
+def revert(model: nn.Module, tensors: Mapping[str, tuple[tuple[int, ...], str]],
            fix: str = _MODULE) -> dict[str, torch.Tensor] | None:
-    """transformers' ``revert_weight_conversion`` of a transformers ``model``'s meta tensors
-    ``meta``: ``{stored key: meta tensor}`` as ``save_pretrained`` writes them; None where
-    transformers is not installed. ``CheckpointError`` (ending with ``fix``) when it cannot."""
+    """transformers' ``revert_weight_conversion`` of ``tensors`` (``{model tensor: (global shape,
+    safetensors dtype)}``), on meta: ``{stored key: meta tensor}`` as ``save_pretrained`` writes
+    them; None for a model not of transformers or where it is not installed. ``CheckpointError``
+    (ending with ``fix``) when it cannot."""
+    if library_of(model) != "transformers":
+        return None
     try:
         from transformers.core_model_loading import revert_weight_conversion
     except ImportError:
         return None
+    meta = {n: torch.empty(shape, dtype=str_to_dtype(dt), device="meta")
+            for n, (shape, dt) in tensors.items()}
     try:
-        return revert_weight_conversion(cast("PreTrainedModel", model), dict(meta))
+        return revert_weight_conversion(cast("PreTrainedModel", model), meta)
     except Exception as e:  # noqa: BLE001 - transformers raises anything for a layout it cannot revert
         raise CheckpointError(f"transformers cannot revert {type(model).__name__}'s weight conversions "
                               f"({type(e).__name__}: {e}); {fix}") from e
@@ -265,12 +275,8 @@ def hub_save_layout(model: nn.Module,
     conversion to revert. Named by transformers' revert on meta tensors, placed by
     :func:`hub_tensors`; ``CheckpointError`` naming the tensor when a conversion is not a
     region map or the two directions disagree (shape, dtype, tiling)."""
-    if not is_transformers_model(model):
-        return None
-    meta = {n: torch.empty(shape, dtype=str_to_dtype(dt), device="meta")
-            for n, (shape, dt) in tensors.items()}
-    reverted = revert(model, meta)
-    if reverted is None or list(reverted) == list(meta):
+    reverted = revert(model, tensors)
+    if reverted is None or list(reverted) == list(tensors):
         return None
     stored: dict[str, tuple[Location | None, TensorEntry]] = {}  # no file: a layout only
     for key, t in reverted.items():
@@ -346,4 +352,4 @@ def shared_storages(parts: list[StoredPart], itemsize: dict[str, int]) -> dict[s
     return out
 
 
-__all__ = ["hub_save_layout", "hub_tensors", "is_transformers_model", "revert", "shared_storages"]
+__all__ = ["hub_save_layout", "hub_tensors", "library_of", "revert", "shared_storages"]

@@ -1,16 +1,12 @@
-"""The front door for Hugging Face models: ``sw.from_pretrained`` and ``sw.empty_model``.
-
-``from_pretrained`` does what a transformers or diffusers ``from_pretrained`` does up to the
-weights (read the config, build the model), but builds it with its parameters on the meta
-device and its buffers real, then streams each rank's slice with ``sw.load``. Neither
-library is imported by ``import shardwise``: only when this module's functions are called,
-and only the one the class comes from.
-"""
+"""The front door for Hugging Face models: ``sw.from_pretrained`` and ``sw.empty_model``, and a
+hub repo id (``"org/name"``) as a checkpoint location. Imported on first use (it reaches the
+whole load path); a model library only when its class is given."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -18,16 +14,21 @@ import torch
 from torch import nn
 
 from shardwise.errors import CheckpointError, UnsupportedModelError, UsageError
-from shardwise.hf.files import config_folder
-from shardwise.hf.repo import hub_location, is_repo_id
+from shardwise.hf.adapter import config_folder
+from shardwise.hf.hub_layout import library_of
 from shardwise.io.guards import check_mesh, quant_scheme
 from shardwise.io.load import load
-from shardwise.io.storage import Location, locate
+from shardwise.io.storage import Location, locate, split_scheme
 from shardwise.mesh import world_backend
 from shardwise.quant import drop_quantization_config
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
+
+    from shardwise.backends import Backend
+
+# The hub's repo ids: a namespace and a name, letters, digits, "-", "_", "." (no "--", "..")
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}")
 
 
 @contextlib.contextmanager
@@ -35,13 +36,9 @@ def empty_model():
     """Build models with parameters on the meta device and buffers real, ties kept.
 
     Inside the block every parameter a module registers is replaced by a meta tensor of the
-    same shape, dtype, class and ``requires_grad``; buffers (a rotary ``inv_freq``, position
-    ids) are computed on the CPU as usual, since no checkpoint stores the non-persistent
-    ones. A parameter that is already on meta is registered as it is, so a weight tied in
-    ``__init__`` (``lm_head.weight = embed.weight``) stays one tensor. Each parameter is
-    created as its module creates it (for ``nn.Linear`` and ``nn.Embedding`` an untouched
-    ``torch.empty``) and dropped at once; the modules' initialisers then run on the meta
-    tensor, and transformers' ones skip it (it is flagged ``_is_hf_initialized``).
+    same shape, dtype, class and ``requires_grad`` (one already on meta is kept, so a weight tied
+    in ``__init__`` stays one tensor); buffers (a rotary ``inv_freq``) are computed as usual,
+    since no checkpoint stores the non-persistent ones.
 
     >>> with sw.empty_model():                                        # doctest: +SKIP
     ...     model = MyModel(config)
@@ -50,11 +47,11 @@ def empty_model():
     original = nn.Module.register_parameter
 
     def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and param.device.type != "meta":
-            moved = type(param)(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
-            moved.__dict__.update(param.__dict__)  # attributes libraries set on parameters
-            param = moved
         if param is not None:
+            if param.device.type != "meta":
+                moved = type(param)(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+                moved.__dict__.update(param.__dict__)  # attributes libraries set on parameters
+                param = moved
             # transformers' weight initialisers skip a tensor flagged as initialised; on meta
             # they would only cost time (torch runs meta normal_ through Python decompositions,
             # ~0.5 ms a call). Its buffer initialisers (rotary tables) still run.
@@ -69,17 +66,17 @@ def empty_model():
 
 
 def _library(cls) -> str:
-    """``"transformers"`` or ``"diffusers"``, from the class hierarchy (no import needed)."""
+    """``"transformers"`` (a model or an Auto class) or ``"diffusers"``; else ``UnsupportedModelError``."""
     if not isinstance(cls, type):
         raise TypeError(f"sw.from_pretrained takes a model class (AutoModelForCausalLM, "
                         f"FluxTransformer2DModel, ...), got {type(cls).__name__} {cls!r:.80}")
-    bases = {(c.__module__.split(".")[0], c.__name__) for c in cls.__mro__}
-    if ("transformers", "PreTrainedModel") in bases or (
-            cls.__module__.startswith("transformers.models.auto") and hasattr(cls, "from_config")):
+    library = library_of(cls)
+    if library is not None:
+        return library
+    if cls.__module__.startswith("transformers.models.auto") and hasattr(cls, "from_config"):
         return "transformers"
-    if ("diffusers", "ModelMixin") in bases:
-        return "diffusers"
-    if ("diffusers", "DiffusionPipeline") in bases:
+    if any((c.__module__.split(".")[0], c.__name__) == ("diffusers", "DiffusionPipeline")
+           for c in cls.__mro__):
         raise UnsupportedModelError(
             f"{cls.__name__} is a diffusers pipeline; sw.from_pretrained loads one model: pass its "
             "class and folder, e.g. sw.from_pretrained(FluxTransformer2DModel, 'ckpt/transformer', "
@@ -105,7 +102,9 @@ def _default_dtype(dtype: torch.dtype | None):
         torch.set_default_dtype(before)
 
 
-def _build_transformers(cls, folder: Path, dtype: torch.dtype | None) -> nn.Module:
+def _build(cls, library: str, folder: Path, dtype: torch.dtype | None, dequantize: bool) -> nn.Module:
+    if library == "diffusers":
+        return cls.from_config(cls.load_config(folder))
     import transformers
 
     auto = cls.__module__.startswith("transformers.models.auto")
@@ -116,22 +115,16 @@ def _build_transformers(cls, folder: Path, dtype: torch.dtype | None) -> nn.Modu
     generation = folder / "generation_config.json"
     if generation.is_file() and getattr(model, "can_generate", lambda: False)():
         model.generation_config = transformers.GenerationConfig.from_pretrained(folder)
-    return model
-
-
-def _quantized_modules(model: nn.Module, dequantize: bool) -> None:
-    """A checkpoint whose config has a quantization shardwise reads (FP8 with block scales,
-    MXFP4) gets transformers' own quantized modules, put in place by its quantizer as its
-    ``from_pretrained`` does (``modules_to_not_convert``, lm_head left whole); with
-    ``dequantize`` the model stays unquantized. Any other quantization is left to the load's
-    guards, which refuse it naming the scheme."""
+    # A quantization shardwise reads (FP8 block scales, MXFP4) gets transformers' own quantized
+    # modules, put in place by its quantizer (dequantize: none); any other is left to the load's
+    # guards, which refuse it naming the scheme.
     qc = getattr(getattr(model, "config", None), "quantization_config", None)
     method = quant_scheme(qc)
     if qc is None or method[1] is not None:
-        return
+        return model
     if dequantize:
         drop_quantization_config(model)
-        return
+        return model
     from transformers.quantizers import AutoHfQuantizer
 
     quantizer = AutoHfQuantizer.from_config(qc, pre_quantized=True)
@@ -139,23 +132,19 @@ def _quantized_modules(model: nn.Module, dequantize: bool) -> None:
         mxfp4_experts(model, quantizer)
     else:
         quantizer.preprocess_model(model)
+    return model
 
 
 def mxfp4_experts(model: nn.Module, quantizer=None) -> nn.Module:
-    """Put transformers' MXFP4 expert modules (``Mxfp4GptOssMLP`` / ``Mxfp4GptOssExperts``) in
-    place of a gpt-oss model's MLPs, on the meta device, where its quantizer's
-    ``replace_with_mxfp4_linear`` puts them (``modules_to_not_convert`` from ``quantizer``, else
-    the model config's ``quantization_config``), and return the model.
+    """Put transformers' MXFP4 expert modules (``Mxfp4GptOssMLP`` / ``Mxfp4GptOssExperts``) on
+    meta in place of a gpt-oss model's MLPs, where its quantizer would (``modules_to_not_convert``
+    from ``quantizer``, else the config's ``quantization_config``); return the model.
 
-    Not through that function: on a machine without a GPU it leaves the model unquantized, and
-    elsewhere it first fetches its Triton kernels from the hub. And each experts module holds
-    the checkpoint's tensors as they are stored, ``gate_up_proj_blocks`` / ``down_proj_blocks``
-    (uint8 ``(E, rows, K/32, 16)``) and ``*_scales`` (uint8 ``(E, rows, K/32)``), the names of its
-    quantizer's ``serialized_names``, as uint8 parameters, in place of its packed placeholder
-    ``gate_up_proj`` that transformers replaces at load by a Triton tensor: a rank's shards are
-    what ``transformers.integrations.mxfp4.swizzle_mxfp4_convertops(blocks, scales, ...)``
-    takes, and ``sw.save`` writes them back as stored. The biases keep the dtype of the
-    module they replace (the checkpoint's), so a save writes them back as stored too.
+    Not through ``replace_with_mxfp4_linear``: without a GPU it leaves the model unquantized,
+    elsewhere it fetches Triton kernels from the hub. Each experts module holds the tensors as
+    stored (uint8 ``*_blocks`` ``(E, rows, K/32, 16)`` and ``*_scales`` ``(E, rows, K/32)``, its
+    quantizer's ``serialized_names``), so a rank's shards are what ``swizzle_mxfp4_convertops``
+    takes and ``sw.save`` writes them back as stored; biases keep the checkpoint's dtype.
     """
     import torch
     from transformers.integrations.mxfp4 import Mxfp4GptOssExperts, Mxfp4GptOssMLP
@@ -194,11 +183,42 @@ def mxfp4_experts(model: nn.Module, quantizer=None) -> nn.Module:
     return model
 
 
-def _build_diffusers(cls, folder: Path) -> nn.Module:
-    return cls.from_config(cls.load_config(folder))
+def from_pretrained(cls, path: str | os.PathLike, *, mesh, dtype: torch.dtype | None = None,
+                    plan="auto", dequantize: bool = False, revision: str | None = None,
+                    token: str | bool | None = None, storage_options: dict | None = None,
+                    **load_options) -> nn.Module:
+    """A transformers or diffusers model read from the folder ``path``, sharded over ``mesh``.
 
+    ``cls``: a transformers model or Auto class (``AutoModelForCausalLM``) or a diffusers
+    ``ModelMixin`` class. The model is built from the folder's config inside
+    :func:`empty_model`, then ``sw.load(model, path, plan=plan, mesh=mesh, dtype=dtype,
+    dequantize=dequantize, **load_options)`` streams each rank's slice (``plan="auto"``: the
+    model's own plan). ``dtype`` builds and casts floating-point tensors (None: the checkpoint's).
+    An FP8 (block scales) or MXFP4 checkpoint is built with transformers' quantized modules and
+    stays quantized (each rank holds its shards and their scales); ``dequantize=True`` builds
+    it unquantized and drops the config's ``quantization_config``.
 
-def _checkpoint_folder(folder: Location) -> Location:
+    ``path`` is a folder, a URL (``storage_options`` for its storage) or a hub repo id
+    ``"org/name"`` (when no local path has that name) at ``revision`` (default ``"main"``, pinned
+    to one commit on every rank) with ``token`` (else ``HF_TOKEN``), from ``HF_ENDPOINT``.
+    Collective: every rank of the mesh calls it. Returns the model in eval mode, the load's
+    result as ``model.result``. Raises ``UsageError``, ``CheckpointError`` and
+    ``UnsupportedModelError`` naming the fault.
+
+    >>> model = sw.from_pretrained(AutoModelForCausalLM, "ckpt/", mesh=backend.mesh(tp=4))  # doctest: +SKIP
+    >>> model.result                                                                 # doctest: +SKIP
+    LoadResult(tensors=291, bytes_read=4021813248, seconds=1.912, missing=0, unexpected=0)
+    """
+    library = _library(cls)
+    check_mesh(mesh)  # before anything is read or built
+    if is_repo_id(path):
+        folder = hub_location(cast(str, path), revision=revision, token=token,
+                              storage_options=storage_options, backend=world_backend())
+    elif revision is not None or token is not None:
+        raise UsageError(f"revision= and token= go with a hub repo id ('org/name'); {os.fspath(path)!r} is "
+                         "a local path or a URL (an hf:// URL names its revision: hf://org/name@rev)")
+    else:
+        folder = locate(path, storage_options)
     if not folder.is_folder():
         raise CheckpointError(
             f"{folder}: no such folder; sw.from_pretrained reads a checkpoint folder (config.json and "
@@ -208,78 +228,87 @@ def _checkpoint_folder(folder: Location) -> Location:
             f"{folder}: no config.json, so the model cannot be built from this folder; pass the "
             "folder save_pretrained (or sw.save of a Hugging Face model) wrote, e.g. "
             "'ckpt/transformer' for a diffusers pipeline's transformer")
-    return folder
-
-
-def from_pretrained(cls, path: str | os.PathLike, *, mesh, dtype: torch.dtype | None = None,
-                    plan="auto", dequantize: bool = False, revision: str | None = None,
-                    token: str | bool | None = None, storage_options: dict | None = None,
-                    **load_options) -> nn.Module:
-    """A transformers or diffusers model read from the folder ``path``, sharded over ``mesh``.
-
-    ``cls`` is a transformers model class or Auto class (``AutoModelForCausalLM``) or a
-    diffusers ``ModelMixin`` class (``FluxTransformer2DModel``). The config is read from
-    ``path``, the model built inside :func:`empty_model` (parameters on meta, buffers real),
-    then every rank streams its own slice with ``sw.load(model, path, plan=plan, mesh=mesh,
-    dtype=dtype, **load_options)``. ``plan="auto"`` is the model's own plan (transformers:
-    the config's ``base_model_tp_plan`` under the base model's prefix plus the class's
-    ``_tp_plan``; diffusers: the class's ``_tp_plan``); a dict replaces it. ``dtype`` builds
-    and casts floating-point tensors to it (``None`` keeps the checkpoint's dtypes).
-    Collective like ``sw.load``: every rank of the mesh calls it.
-
-    An FP8 checkpoint (``quantization_config`` with ``quant_method: fp8`` and block scales in
-    its config.json) is built with transformers' own ``FP8Linear`` modules (its quantizer's
-    module replacement) and stays quantized: each rank holds its fp8 weight shards and the
-    scales of the blocks they touch (``dtype`` applies to the other tensors). An MXFP4
-    checkpoint (gpt-oss) is built with transformers' MXFP4 expert modules
-    (:func:`mxfp4_experts`), each rank holding its experts' ``*_blocks`` and ``*_scales`` as
-    stored (all of them under the tp plan, which leaves experts whole; its own under the ep
-    plan). With ``dequantize=True`` the model is built unquantized, each rank dequantizes only
-    its own shards into ``dtype``, and the config loses its ``quantization_config``, as
-    transformers' ``FineGrainedFP8Config(dequantize=True)`` / ``Mxfp4Config(dequantize=True)`` do.
-
-    ``path`` may be a URL (``s3://``, ``gs://``, any fsspec URL), its storage given
-    ``storage_options``, or a Hugging Face hub repo id ``"org/name"`` (when no local path has
-    that name) at ``revision`` (a branch, tag or commit; default ``"main"``) with ``token`` (else
-    ``HF_TOKEN``), from ``HF_ENDPOINT``: the revision is pinned to one commit on every rank and
-    each rank reads only its own byte ranges of the repo's files (``shardwise.hf.repo``).
-    Returns the model in eval mode, with the ``sw.load`` result as ``model.result``.
-
-    >>> from transformers import AutoModelForCausalLM                                # doctest: +SKIP
-    >>> model = sw.from_pretrained(AutoModelForCausalLM, "ckpt/", mesh=backend.mesh(tp=4))  # doctest: +SKIP
-    >>> model = sw.from_pretrained(AutoModelForCausalLM, "org/name", mesh=mesh)  # doctest: +SKIP
-    >>> model.result                                                                 # doctest: +SKIP
-    LoadResult(tensors=291, bytes_read=4021813248, seconds=1.912, missing=0, unexpected=0)
-    """
-    library = _library(cls)
-    check_mesh(mesh)  # before anything is read or built
-    if is_repo_id(path):
-        where = hub_location(cast(str, path), revision=revision, token=token, storage_options=storage_options,
-                             backend=world_backend())
-    elif revision is not None or token is not None:
-        raise UsageError(f"revision= and token= go with a hub repo id ('org/name'); {os.fspath(path)!r} is "
-                         "a local path or a URL (an hf:// URL names its revision: hf://org/name@rev)")
-    else:
-        where = locate(path, storage_options)
-    folder = _checkpoint_folder(where)
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype or None, got {dtype!r}")
     with _default_dtype(dtype), empty_model(), config_folder(folder) as configs:
-        model = (_build_transformers(cls, configs, dtype) if library == "transformers"
-                 else _build_diffusers(cls, configs))
-        if library == "transformers":
-            _quantized_modules(model, dequantize)
+        model = _build(cls, library, configs, dtype, dequantize)
     result = load(model, folder, plan=plan, mesh=mesh, dtype=dtype, dequantize=dequantize, **load_options)
     model.eval()
-    _attach(model, "result", result)
+    if "result" in model._modules or "result" in model._parameters or "result" in model._buffers:
+        raise UnsupportedModelError(f"{type(model).__name__} has a submodule or tensor named 'result', "
+                                    "where sw.from_pretrained puts the load result")
+    model.__dict__["result"] = result
     return model
 
 
-def _attach(model: nn.Module, name: str, value) -> None:
-    if name in model._modules or name in model._parameters or name in model._buffers:
-        raise UnsupportedModelError(f"{type(model).__name__} has a submodule or tensor named {name!r}, "
-                                    "where sw.from_pretrained puts the load result")
-    model.__dict__[name] = value
+def is_repo_id(path) -> bool:
+    """Whether ``path`` names a hub repo: ``"org/name"``, no scheme, and no local path of that name."""
+    return (isinstance(path, str) and split_scheme(path)[0] is None and _REPO_ID.fullmatch(path) is not None
+            and "--" not in path and ".." not in path and not os.path.exists(path))
 
 
-__all__ = ["empty_model", "from_pretrained", "mxfp4_experts"]
+def hub_location(repo_id: str, *, revision: str | None, token: str | bool | None,
+                 storage_options: dict | None, backend: Backend | None) -> Location:
+    """The ``hf://{repo_id}@{commit}`` location of ``repo_id`` at ``revision`` (default ``"main"``):
+    read in place by ranged GETs (fsspec's ``hf://``), nothing downloaded whole. Collective over
+    ``backend`` (None: one process): every rank resolves the commit and the ranks compare, so all
+    read one commit. ``CheckpointError`` on every rank for an unknown repo or revision, one the
+    token cannot see, or a hub that cannot be reached; no token is shown."""
+    from shardwise.comm import agree, all_gather_object
+
+    revision = revision or "main"
+    commit, error = None, None
+    try:
+        commit = _commit(repo_id, revision, token)
+    except CheckpointError as e:
+        error = e
+    agree(backend, error, what=f"resolving the hub repo {repo_id!r} at {revision!r}")
+    commits = set(all_gather_object(commit, purpose="the hub commit")) if backend is not None else {commit}
+    if len(commits) > 1:
+        raise CheckpointError(f"{repo_id!r}: the revision {revision!r} moved while the ranks resolved it "
+                              f"(commits {sorted(c for c in commits if c)}); pass revision=<a commit sha>")
+    options = dict(storage_options or {})
+    if token is not None:
+        options["token"] = token
+    return locate(f"hf://{repo_id}@{commit}", options)
+
+
+def _commit(repo_id: str, revision: str, token: str | bool | None) -> str:
+    try:
+        from huggingface_hub import HfApi, constants
+        from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
+    except ImportError as e:
+        raise UsageError(f"{repo_id!r} is read as a hub repo id, which needs huggingface_hub: "
+                         "pip install huggingface_hub") from e
+    where = f"{constants.ENDPOINT}"
+    try:
+        info = HfApi(token=token).model_info(repo_id, revision=revision)
+    except RevisionNotFoundError:
+        raise CheckpointError(f"the hub repo {repo_id!r} ({where}) has no revision {revision!r}; pass an "
+                              "existing branch, tag or commit sha as revision=") from None
+    except RepositoryNotFoundError:
+        raise CheckpointError(f"{repo_id!r}: no local folder of that name, and no model repo {repo_id!r} on "
+                              f"{where} that this token can see; check the id, or pass token= (or set "
+                              "HF_TOKEN) for a private or gated repo") from None
+    except Exception as e:  # a token refused; offline mode, a connection refused, a 5xx
+        status = getattr(getattr(e, "response", None), "status_code", None)
+        if status in (401, 403):
+            raise CheckpointError(f"{where} refused access to the hub repo {repo_id!r} (HTTP {status}): "
+                                  "pass token= (or set HF_TOKEN) with read access to it") from None
+        raise CheckpointError(f"{repo_id!r}: no local folder of that name, and as a hub repo id (revision "
+                              f"{revision!r}) {where} could not serve it: {type(e).__name__}: "
+                              f"{_scrub(e, token)}; offline, pass the downloaded folder instead") from None
+    if not info.sha:
+        raise CheckpointError(f"{where} gave no commit for {repo_id!r} at {revision!r}")
+    return info.sha
+
+
+def _scrub(error: Exception, token: str | bool | None) -> str:
+    text = (str(error).strip().splitlines() or [""])[0]
+    for secret in (token, os.environ.get("HF_TOKEN")):
+        if isinstance(secret, str) and len(secret) >= 4:
+            text = text.replace(secret, "***")
+    return text
+
+
+__all__ = ["empty_model", "from_pretrained", "hub_location", "is_repo_id", "mxfp4_experts"]

@@ -1,28 +1,80 @@
-"""``sw.inspect`` / ``shardwise inspect PATH``: what a checkpoint is, without loading a tensor
-(its reader's tensors and description, quantized weights with scheme and block), and
-:func:`print_safely`, through which inspect, verify and diff print."""
+"""``sw.inspect`` / ``shardwise inspect PATH``: what a checkpoint is, without loading a tensor;
+and what inspect, verify and diff share: a format's reader opened on a path
+(:func:`opened`), its tensors (:func:`stored`) and quantized pairs (:func:`quantized`), and
+:func:`print_safely`, through which they print."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import sys
 from collections import Counter
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
 
 from shardwise.core.header import dtype_to_str, spec_nbytes
-from shardwise.core.quant import read_quantization
+from shardwise.core.quant import QuantConfig, read_quantization
 from shardwise.errors import CheckpointError
 from shardwise.io.formats import open_source
+from shardwise.io.source import Stored
 from shardwise.io.storage import Location, locate
-from shardwise.quant import describe_quantization, stored_pairs
+from shardwise.quant import QuantPair, describe_quantization, stored_pairs
+
+
+@contextmanager
+def opened(where: Location) -> Iterator[Stored]:
+    """The reader of the checkpoint at ``where`` (``open_source``), closed on exit; an
+    ``OSError`` (a name too long, a permission, an I/O error) is a ``CheckpointError``."""
+    try:
+        source = open_source(where)
+        try:
+            yield source
+        finally:
+            source.close()
+    except OSError as e:
+        raise CheckpointError(f"{where}: cannot read the checkpoint: {e.filename or where}: "
+                              f"{e.strerror or e}") from e
+
+
+def stored(source: Stored) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """``{name: (safetensors dtype, shape)}`` of every tensor ``source`` stores."""
+    return {n: (dtype_to_str(d), tuple(s)) for n, (d, s) in source.tensors().items()}
+
+
+def quantized(where: Location, found: Mapping[str, tuple],
+              ) -> tuple[QuantConfig, dict[str, QuantPair], list[str]]:
+    """``(quantization config, {weight: QuantPair}, problems)`` of the tensors ``found`` in the
+    checkpoint at ``where`` (its config beside it: ``stored_pairs``)."""
+    qc = read_quantization(where if where.is_folder() else where.parent)
+    return (qc, *stored_pairs(found, qc))
+
+
+def some(names: list[str], quote=repr) -> str:
+    """The first five of ``names``, then "..." when there are more."""
+    return ", ".join(map(quote, names[:5])) + (", ..." if len(names) > 5 else "")
+
+
+class JsonReport:
+    """``to_dict`` / ``to_json`` of a report dataclass: its fields, the properties named in
+    ``FLAGS`` and its ``summary()``."""
+
+    FLAGS: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), **{f: getattr(self, f) for f in self.FLAGS},  # type: ignore[call-overload]
+                "summary": self.summary()}  # type: ignore[attr-defined]
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, ensure_ascii=True)
 
 
 @dataclass
 class Report:
-    """A checkpoint's description. ``tensors`` rows are ``(name, dtype, shape, chunks)``
-    (``chunks`` is None for safetensors); ``values`` names non-tensor DCP entries. ``quant``
-    gives each quantized weight and its scales their scheme and block (``fp8_block 128x128``,
-    ``... scales``); ``quantization`` is the line about the checkpoint's quantization."""
+    """A checkpoint's description: ``tensors`` rows ``(name, dtype, shape, chunks or None)``,
+    ``values`` (non-tensor DCP entries), ``quant`` (``{weight or scales: "fp8_block 128x128"
+    [scales]}``) and ``quantization`` (the line about the checkpoint's quantization)."""
 
     path: Location
     kind: str
@@ -41,48 +93,31 @@ class Report:
 
 def inspect_checkpoint(path: str | os.PathLike, *, storage_options: dict | None = None) -> Report:
     """Describe the checkpoint at ``path`` (safetensors file, folder, index, or DCP folder;
-    ``storage_options`` go to the storage of a URL).
+    ``storage_options`` go to the storage of a URL). Raises ``CheckpointError`` for a bad one.
 
     >>> inspect_checkpoint("out/dcp").kind                  # doctest: +SKIP
     'torch distributed checkpoint (DCP)'
     """
     where = locate(path, storage_options)
-    try:
-        report = _inspect(where)
-        _quantization(report, where if where.is_folder() else where.parent)
-        return report
-    except OSError as e:  # a name too long, a permission, an I/O error
-        raise CheckpointError(f"{where}: cannot read the checkpoint: {e.filename or where}: "
-                              f"{e.strerror or e}") from e
-
-
-def _inspect(path: Location) -> Report:
-    source = open_source(path)
-    try:
-        desc = source.describe()
+    with opened(where) as source:
+        desc, found = source.describe(), stored(source)
         chunks = desc.chunks or {}
-        rows = [(n, dtype_to_str(d), tuple(s), chunks.get(n)) for n, (d, s) in source.tensors().items()]
-    finally:
-        source.close()
-    return Report(path, desc.kind, list(desc.files), rows, list(desc.values), metadata=dict(desc.metadata),
-                  layout=None if desc.layout is None else dict(desc.layout))
-
-
-def _quantization(report: Report, root: Location) -> None:
-    qc = read_quantization(root)
-    pairs, _ = stored_pairs({n: (d, s) for n, d, s, _ in report.tensors}, qc)
+        rows = [(n, d, s, chunks.get(n)) for n, (d, s) in found.items()]
+        report = Report(where, desc.kind, list(desc.files), rows, list(desc.values), dict(desc.metadata),
+                        None if desc.layout is None else dict(desc.layout))
+        qc, pairs, _ = quantized(where, found)
     for pair in pairs.values():
         report.quant[pair.values] = pair.describe()
         report.quant[pair.scales] = f"{pair.describe()} scales"
     report.quantization = describe_quantization(qc, pairs)
+    return report
 
 
 def _size(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return str(n)
+    unit = 0
+    while n >= 1000 and unit < 4:
+        n, unit = n / 1000, unit + 1
+    return f"{n:.0f} B" if unit == 0 else f"{n:.1f} {'kMGT'[unit - 1]}B"
 
 
 def _layout_lines(layout: dict | None) -> list[str]:
@@ -117,10 +152,7 @@ def compact_plan(plan: dict) -> list[str]:
     module: a real model has hundreds of layers, each with the same entries."""
     if not plan:
         return []
-    groups: dict[tuple[str, str], int] = {}
-    for path, style in plan.items():
-        key = (_LAYER_INDEX.sub("*", path), str(style))
-        groups[key] = groups.get(key, 0) + 1
+    groups = Counter((_LAYER_INDEX.sub("*", path), str(style)) for path, style in plan.items())
     lines = [f"plan: {len(plan)} modules in {len(groups)} pattern(s)"]
     lines += [f"  {pattern}: {style}" + (f" x{n}" if n > 1 else "") for (pattern, style), n in groups.items()]
     return lines
@@ -157,8 +189,6 @@ def format_report(report: Report) -> str:
 def print_safely(text: str, file=None) -> None:
     """Print ``text`` whatever the terminal's encoding: characters it cannot show (a tensor
     name in another script on an ASCII terminal) are written as escapes, not a traceback."""
-    import sys
-
     file = file or sys.stdout
     try:
         print(text, file=file)
@@ -169,8 +199,6 @@ def print_safely(text: str, file=None) -> None:
 
 def main_inspect(path: str, *, storage_options: dict | None = None) -> int:
     """``shardwise inspect PATH``: print the report; a bad checkpoint is an error message."""
-    import sys
-
     try:
         print_safely(format_report(inspect_checkpoint(path, storage_options=storage_options)))
     except CheckpointError as e:
@@ -179,4 +207,5 @@ def main_inspect(path: str, *, storage_options: dict | None = None) -> int:
     return 0
 
 
-__all__ = ["Report", "compact_plan", "format_report", "inspect_checkpoint", "main_inspect", "print_safely"]
+__all__ = ["JsonReport", "Report", "compact_plan", "format_report", "inspect_checkpoint", "main_inspect",
+           "opened", "print_safely", "quantized", "some", "stored"]

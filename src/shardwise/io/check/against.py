@@ -19,6 +19,7 @@ from shardwise.core.plan import resolve_plan
 from shardwise.core.spec import global_shape
 from shardwise.errors import CheckpointError, UsageError
 from shardwise.holding import Holding, is_dtensor
+from shardwise.io.check import some
 from shardwise.parallel import get_shard_state
 
 Expected = dict[str, tuple[tuple[int, ...], str]]
@@ -28,13 +29,11 @@ LAYOUTS = ("hub", "module")
 def expected_tensors(source: nn.Module | str | os.PathLike, *, layout: str = "hub",
                      dtype: torch.dtype | str | None = None,
                      tensors: Mapping[str, tuple[tuple[int, ...], str]] | None = None) -> Expected:
-    """``{stored key: (shape, safetensors dtype)}`` that a checkpoint of ``source`` holds in
-    ``layout`` ("hub" or "module"), in the layout's order. ``source``: a model (meta, real,
-    DTensors or local shards: global shapes), a model folder or its ``config.json`` (built on
-    meta); ``tensors`` (``{model tensor: (global shape, dtype)}``, ties once, as ``sw.save``
-    collects them) stands for the model's own; ``dtype`` casts the floating ones. Raises
-    ``UsageError`` for a bad argument, ``CheckpointError`` when the model cannot be built or
-    its conversions reverted.
+    """``{stored key: (global shape, safetensors dtype)}`` that a checkpoint of ``source`` (a
+    model, sharded or not; a model folder or its ``config.json``, built on meta) holds in
+    ``layout`` ("hub" or "module"), in order. ``tensors`` (``{model tensor: (global shape,
+    dtype)}``, ties once) stands for the model's own; ``dtype`` casts the floating ones. Raises
+    ``UsageError`` for a bad argument, ``CheckpointError`` when the model cannot be built.
 
     >>> expected_tensors("hrm/")["model.H_module.layers.0.attn.gqkv_proj.weight"]  # doctest: +SKIP
     ((256, 64), 'F32')
@@ -68,9 +67,8 @@ def resolve_model(source: nn.Module | str | os.PathLike) -> tuple[nn.Module, str
 
 
 def model_tensors(model: nn.Module) -> tuple[Expected, dict[str, str]]:
-    """``({tensor name: (global shape, dtype)}, {tied alias: name kept})`` of ``model``'s
-    state dict: what ``collect_items`` would collect, from shapes only (``collect_items``
-    refuses a meta model, so its rule is restated here)."""
+    """``({tensor name: (global shape, dtype)}, {tied alias: name kept})`` of ``model``'s state
+    dict, from shapes only (``collect_items``' rule: it refuses a meta model)."""
     state = get_shard_state(model)
     specs = state.specs if state is not None else resolve_plan(model, {}, 1)
     spmd = state is None or state.holding is Holding.SPMD
@@ -118,9 +116,8 @@ def as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     raise UsageError(f"dtype must be a torch dtype or its name ('bfloat16', 'BF16'), got {dtype!r}")
 
 
-def cast(tensors: Expected, dtype: torch.dtype | str | None) -> Expected:
+def cast(tensors: Expected, dtype: torch.dtype | None) -> Expected:
     """``tensors`` with every floating-point dtype replaced by ``dtype`` (as ``model.to(dtype)``)."""
-    dtype = as_dtype(dtype)
     if dtype is None:
         return dict(tensors)
     name = dtype_to_str(dtype)
@@ -132,8 +129,6 @@ def stored_layout(model: nn.Module, tensors: Expected, aliases: Mapping[str, str
                   layout: str) -> tuple[Expected, dict[str, str]]:
     """``(tensors, aliases)`` under their stored names in ``layout``; a tied alias keeps its
     place in the hub layout only where it reverts to one key."""
-    if layout not in LAYOUTS:
-        raise UsageError(f"layout must be 'hub' or 'module', got {layout!r}")
     if layout == "module":
         return dict(tensors), dict(aliases)
     adapter = adapter_for(model)
@@ -152,9 +147,8 @@ def stored_layout(model: nn.Module, tensors: Expected, aliases: Mapping[str, str
 
 @dataclass(frozen=True)
 class Expectation:
-    """What one layout of a model holds: ``tensors`` (``{stored key: (shape, dtype)}``),
-    ``aliases`` (a tied tensor's other stored name -> the key it stands for) and whether the
-    dtypes are defined (compared)."""
+    """What ``layout`` of a model holds: ``tensors``, ``aliases`` (a tied tensor's other stored
+    name -> its key) and whether the dtypes are defined (compared)."""
 
     what: str
     layout: str
@@ -169,8 +163,7 @@ def expectations(source, *, dtype: torch.dtype | str | None = None) -> list[Expe
     dtype = as_dtype(dtype)
     model, what = resolve_model(source)
     held, aliases = model_tensors(model)
-    held = cast(held, dtype)
-    dtypes = dtype is not None or isinstance(source, nn.Module)
+    held, dtypes = cast(held, dtype), dtype is not None or isinstance(source, nn.Module)
     out: list[Expectation] = []
     for layout in LAYOUTS:
         tensors, stored_aliases = stored_layout(model, held, aliases, layout)
@@ -181,9 +174,8 @@ def expectations(source, *, dtype: torch.dtype | str | None = None) -> list[Expe
 
 @dataclass
 class AgainstReport:
-    """How a checkpoint's tensors (names, shapes, dtypes where defined) compare with what
-    ``model`` expects in ``layout``: tensors ``missing`` from the checkpoint, ``unexpected``
-    in it, and ``wrong`` (present, of another shape or dtype; each ``"name: found, expected"``)."""
+    """A checkpoint's tensors against what ``model`` expects in ``layout``: ``missing`` from it,
+    ``unexpected`` in it, ``wrong`` (another shape or dtype; one line each)."""
 
     model: str
     layout: str
@@ -202,20 +194,16 @@ class AgainstReport:
         out, where = [], f"{self.model} ({self.layout} layout)"
         if self.missing:
             out.append(f"{len(self.missing)} tensor(s) that {where} expects are not in the checkpoint: "
-                       f"{_some(self.missing)}")
+                       f"{some(self.missing)}")
         if self.unexpected:
             out.append(f"{len(self.unexpected)} tensor(s) in the checkpoint are not in {where}: "
-                       f"{_some(self.unexpected)}")
+                       f"{some(self.unexpected)}")
         out += [f"tensor {line}" for line in self.wrong]
         return out
 
     def summary(self) -> str:
         what = "names, shapes and dtypes" if self.dtypes_compared else "names and shapes; dtypes not compared"
         return f"{'matches' if self.ok else 'does not match'} {self.model} ({self.layout} layout: {what})"
-
-
-def _some(names: list[str]) -> str:
-    return ", ".join(map(repr, names[:5])) + (", ..." if len(names) > 5 else "")
 
 
 def compare(found: Mapping[str, tuple[str, tuple]], expected: Expectation) -> AgainstReport:
@@ -232,11 +220,8 @@ def compare(found: Mapping[str, tuple[str, tuple]], expected: Expectation) -> Ag
         want_shape, want_dt = expected.tensors[key]
         shape = tuple(shape)
         if shape != want_shape or (expected.dtypes and dt != want_dt):
-            got: str | tuple[int, ...]
-            want: str | tuple[int, ...]
-            got, want = (shape, want_shape)
-            if expected.dtypes:
-                got, want = f"{dt} {shape}", f"{want_dt} {want_shape}"
+            got, want = ((f"{dt} {shape}", f"{want_dt} {want_shape}") if expected.dtypes
+                         else (shape, want_shape))
             report.wrong.append(f"{name!r} is {got} in the checkpoint, but {report.model} expects {want}")
     report.missing = [k for k in expected.tensors if k not in covered]
     return report

@@ -5,18 +5,17 @@ dequantized, with their scales."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
-from dataclasses import asdict, dataclass, field
+import sys
+from dataclasses import dataclass, field
 
 import torch
 
 from shardwise.core.spec import Region
 from shardwise.errors import CheckpointError, UsageError
-from shardwise.io.check import print_safely
+from shardwise.io.check import JsonReport, opened, print_safely
 from shardwise.io.check.against import as_dtype
-from shardwise.io.formats import open_source
 from shardwise.io.source import Stored
 from shardwise.io.storage import locate, split_scheme
 from shardwise.quant import Dequantizing, fp8_pairs
@@ -26,12 +25,10 @@ _SLAB_BYTES = 64 << 20
 
 @dataclass
 class TensorDiff:
-    """One tensor present on both sides that is not identical. ``equal`` is whether every
-    value is the same (False whenever the dtype or shape differs); ``max_abs_diff`` is over
-    values compared as float64 (None when the shapes differ; nan when a NaN is on one side
-    only). ``dequantized``: the values compared are an FP8 side's dequantized ones (its
-    values times their block's scale), so ``max_abs_diff`` is in dequantized units.
-    ``within``: every value is within the diff's tolerance (after its cast)."""
+    """A tensor on both sides that is not identical. ``equal``: every value the same (False when
+    the dtype or shape differs); ``max_abs_diff`` over float64 values (None when the shapes
+    differ, nan for a NaN on one side only), in dequantized units when ``dequantized`` (an FP8
+    side); ``within``: every value within the diff's tolerance (after its cast)."""
 
     name: str
     dtype_a: str
@@ -45,12 +42,11 @@ class TensorDiff:
 
 
 @dataclass
-class DiffReport:
-    """What :func:`diff` found: names only in ``a`` or only in ``b``, the tensors that differ,
-    and how many are identical (same dtype, shape and bytes). ``scales_a`` / ``scales_b``: FP8
-    scales of one side only, compared as part of their weight's dequantized values. With a
-    tolerance or a cast (``tolerance``), ``close`` names the tensors whose bytes differ but whose
-    values agree within it; ``equivalent`` is then whether nothing else differs."""
+class DiffReport(JsonReport):
+    """What :func:`diff` found: names on one side only, tensors that differ, how many are
+    identical (dtype, shape, bytes); ``scales_a`` / ``scales_b``: FP8 scales of one side only
+    (compared within their weight's dequantized values); ``close``: tensors whose bytes differ but
+    whose values agree within the ``tolerance``; ``equivalent``: nothing else differs."""
 
     a: str
     b: str
@@ -62,6 +58,8 @@ class DiffReport:
     scales_b: list[str] = field(default_factory=list)
     close: list[str] = field(default_factory=list)
     tolerance: dict | None = None  # {"atol", "rtol", "dtype"} when the diff had one
+
+    FLAGS = ("identical", "equivalent")
 
     @property
     def identical(self) -> bool:
@@ -85,20 +83,16 @@ class DiffReport:
         return f"{verdict}: {counts}"
 
     def to_dict(self) -> dict:
-        out = {**asdict(self), "identical": self.identical, "equivalent": self.equivalent,
-               "summary": self.summary()}
+        out = super().to_dict()
         for d in out["differ"]:  # JSON has no NaN
             if d["max_abs_diff"] is not None and math.isnan(d["max_abs_diff"]):
                 d["max_abs_diff"] = "nan"
         return out
 
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=1, ensure_ascii=True)
-
 
 class _Side:
-    """One side of a diff: a Source's tensors (``{name: (dtype, shape)}``) read in slabs of
-    whole rows (``rows(name, lo, hi)``, through ``Stored.read_box``), and its ``root``."""
+    """One side of a diff: a reader's tensors (``{name: (dtype, shape)}``) read in slabs of
+    whole rows (``rows(name, lo, hi)``), and its ``root``."""
 
     def __init__(self, source: Stored):
         self.source, self.root = source, source.root
@@ -116,9 +110,6 @@ class _Side:
         box = Region((lo,) + (0,) * (len(shape) - 1), (hi - lo,) + tuple(shape[1:]))
         return self.source.read_box(name, box)
 
-    def close(self) -> None:
-        self.source.close()
-
 
 @dataclass(frozen=True)
 class _Tolerance:
@@ -127,9 +118,7 @@ class _Tolerance:
     dtype: torch.dtype | None
 
     def values(self, t: torch.Tensor) -> torch.Tensor:
-        if self.dtype is not None and t.is_floating_point():
-            t = t.to(self.dtype)
-        return _as_float64(t)
+        return _as_float64(t.to(self.dtype) if self.dtype is not None and t.is_floating_point() else t)
 
 
 def _tolerance(atol, rtol, dtype) -> _Tolerance | None:
@@ -193,24 +182,19 @@ def _differ(name: str, a, b, equal: bool, worst: float | None, **kw) -> TensorDi
 
 
 def _as_float64(t: torch.Tensor) -> torch.Tensor:
-    if t.is_complex():
-        return t.to(torch.complex128)
-    return t.to(torch.float64)
+    return t.to(torch.complex128 if t.is_complex() else torch.float64)
 
 
 def diff(a: str | os.PathLike, b: str | os.PathLike, *, atol: float | None = None,
          rtol: float | None = None, dtype: torch.dtype | str | None = None,
          slab_bytes: int = _SLAB_BYTES, storage_options: dict | None = None) -> DiffReport:
-    """Compare the checkpoints ``a`` and ``b`` (any mix of safetensors and DCP, any degree, hub
-    or module names) tensor by tensor: names on one side only, dtype and shape differences, exact equality
-    (same bytes) and the largest absolute difference. Reads at most ``slab_bytes`` of each
-    side at a time. Raises ``CheckpointError`` if either checkpoint cannot be read.
-
-    Byte for byte unless ``atol``, ``rtol`` or ``dtype`` is given: then a tensor whose values,
-    cast to ``dtype`` (floating-point ones; ``"bfloat16"`` or ``torch.bfloat16``) and compared
-    as ``torch.isclose(a, b, rtol, atol)`` (0 where not given), all agree is in ``close``;
-    ``report.equivalent`` says that nothing else differs. FP8 weights compared dequantized
-    keep their exact comparison. ``storage_options`` go to the storage of each URL side.
+    """Compare the checkpoints ``a`` and ``b`` (any formats, degrees, hub or module names) tensor
+    by tensor, at most ``slab_bytes`` of each side at a time: names on one side only, dtype and
+    shape differences, same bytes, the largest absolute difference. With ``atol``, ``rtol`` or
+    ``dtype``, a tensor whose values (floating ones cast to ``dtype``) all pass
+    ``torch.isclose(a, b, rtol, atol)`` is in ``close`` (FP8 weights compared dequantized stay
+    exact). ``storage_options`` go to each URL side. Raises ``CheckpointError`` if either
+    cannot be read, ``UsageError`` for a bad tolerance.
 
     >>> report = sw.diff("out/full", "out/dcp")           # doctest: +SKIP
     >>> report.identical, report.summary()               # doctest: +SKIP
@@ -220,17 +204,12 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, *, atol: float | None = Non
     """
     tol = _tolerance(atol, rtol, dtype)
     a_at, b_at = (locate(x, storage_options if split_scheme(x)[0] else None) for x in (a, b))
-    left = _Side(open_source(a_at))
-    try:
-        right = _Side(open_source(b_at))
-    except BaseException:
-        left.close()
-        raise
     report = DiffReport(str(a), str(b))
     if tol is not None:
         report.tolerance = {"atol": tol.atol, "rtol": tol.rtol,
                             "dtype": None if tol.dtype is None else str(tol.dtype).removeprefix("torch.")}
-    try:
+    with opened(a_at) as source_a, opened(b_at) as source_b:
+        left, right = _Side(source_a), _Side(source_b)
         left.use_module_names(set(right.tensors) - set(left.tensors))
         right.use_module_names(set(left.tensors) - set(right.tensors))
         pairs = fp8_pairs(left, left.root), fp8_pairs(right, right.root)
@@ -247,17 +226,14 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, *, atol: float | None = Non
         for name in common:
             if name not in found:
                 found[name] = _compare_quantized(name, left, right, pairs, sides, found, slab_bytes)
-        for name in common:
-            result = found[name]
-            if result is None:
-                report.same += 1
-            elif result.within:
-                report.close.append(name)
-            else:
-                report.differ.append(result)
-    finally:
-        left.close()
-        right.close()
+    for name in common:
+        result = found[name]
+        if result is None:
+            report.same += 1
+        elif result.within:
+            report.close.append(name)
+        else:
+            report.differ.append(result)
     return report
 
 
@@ -266,8 +242,6 @@ def main_diff(a: str, b: str, *, as_json: bool = False, atol: float | None = Non
               storage_options: dict | None = None) -> int:
     """``shardwise diff A B [--atol X] [--rtol Y] [--dtype D] [--json]``: 0 when identical (or,
     with a tolerance, equivalent), 1 when they differ, 2 when one cannot be read."""
-    import sys
-
     try:
         report = diff(a, b, atol=atol, rtol=rtol, dtype=dtype, storage_options=storage_options)
     except (CheckpointError, UsageError) as e:

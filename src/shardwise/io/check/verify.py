@@ -4,27 +4,28 @@ structure, then every blob is streamed through its recorded checksum (or the for
 
 from __future__ import annotations
 
-import json
 import os
-from dataclasses import asdict, dataclass, field
+import sys
+from dataclasses import dataclass, field
 
-from shardwise.core.header import dtype_to_str
-from shardwise.core.quant import read_quantization
 from shardwise.errors import CheckpointError, ShardwiseError, UsageError
-from shardwise.io.check import print_safely
+from shardwise.io.check import JsonReport, print_safely, quantized, some, stored
 from shardwise.io.check.against import AgainstReport, check_against, expectations
 from shardwise.io.formats import capabilities, format_of
 from shardwise.io.info import INFO_FILE, read_info, recorded_checksums
 from shardwise.io.source import Stored
 from shardwise.io.storage import Location, locate
-from shardwise.quant import stored_pairs
+
+UNVERIFIED_STATUS = 3
 
 
 @dataclass
-class VerifyReport:
+class VerifyReport(JsonReport):
     """What :func:`verify` found: ``problems`` (structural faults) and ``mismatched`` tensors make it
     not ``ok``; ``outcome`` is ``"OK"`` (every chunk checksummed), ``"UNVERIFIED"`` (structure
     only) or ``"FAILED"``; ``notes`` are not faults."""
+
+    FLAGS = ("ok", "verified", "outcome")
 
     path: str
     kind: str = "unknown"
@@ -63,17 +64,10 @@ class VerifyReport:
         faults = []
         if self.mismatched:
             faults.append(f"{len(self.mismatched)} chunks differ from their checksum "
-                          f"({', '.join(self.mismatched[:5])}{', ...' if len(self.mismatched) > 5 else ''})")
+                          f"({some(self.mismatched, str)})")
         if self.problems:
             faults.append(f"{len(self.problems)} problem(s)")
         return f"FAILED {self.path}: {self.kind}, {'; '.join(faults)}; {counts}"
-
-    def to_dict(self) -> dict:
-        return {**asdict(self), "ok": self.ok, "verified": self.verified, "outcome": self.outcome,
-                "summary": self.summary()}
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=1, ensure_ascii=True)
 
 
 def verify(path: str | os.PathLike, *, against=None, dtype=None, layout: str = "auto",
@@ -82,21 +76,16 @@ def verify(path: str | os.PathLike, *, against=None, dtype=None, layout: str = "
     without loading it: its structure, and every tensor against its recorded checksum.
 
     ``against``: a model (meta is enough), a model folder or its ``config.json``; then every
-    tensor's name and shape must be what that model holds in the checkpoint's ``layout``
-    ("hub": what ``save_pretrained`` writes; "module": the model's own names, which a
-    distributed save holds; "auto": the one the checkpoint's names match), and its dtype too
-    against a model in hand or when ``dtype`` is given (floating-point tensors in ``dtype``).
-    Missing, unexpected and wrong-shaped tensors are problems; ``report.against`` lists them.
+    tensor's name and shape (and dtype, for a model in hand or with ``dtype``) must be what the
+    model holds in ``layout`` ("hub": as ``save_pretrained`` writes; "module": the model's own
+    names; "auto": the one the names match); ``report.against`` lists the faults.
 
-    Never raises for a bad checkpoint: the faults are in the returned report. A bad
-    ``against`` (no config, a class the library lacks) raises before anything is read.
-    ``storage_options`` go to the storage of a URL ``path`` (``against`` is local).
+    Never raises for a bad checkpoint: the faults are in the report. A bad ``against`` raises
+    before anything is read. ``storage_options`` go to the storage of a URL ``path``.
 
     >>> report = sw.verify("out/full")                     # doctest: +SKIP
     >>> report.ok, report.summary()                        # doctest: +SKIP
     (True, 'OK out/full: safetensors, 291 tensors in 291 chunks, 291 checksummed, 4021813248 bytes read')
-    >>> sw.verify("out/full", against="ckpt/").against.missing      # doctest: +SKIP
-    []
     """
     if against is None and (dtype is not None or layout != "auto"):
         raise UsageError("dtype and layout say how to compare with a model: pass against= too")
@@ -129,27 +118,9 @@ def verify(path: str | os.PathLike, *, against=None, dtype=None, layout: str = "
     return report
 
 
-def _recorded(folder: Location, report: VerifyReport, found: dict[str, tuple[str, tuple]], *,
-              otherwise: str = "the structure was checked, the values cannot be"):
-    """The checksums recorded beside the checkpoint; and a problem for every tensor whose dtype
-    or shape (``found``: {name: (safetensors dtype, shape)}) differs from what was saved."""
-    info = read_info(folder)
-    if info is None:
-        report.notes.append(f"no {INFO_FILE}: no checksums recorded (not written by shardwise); "
-                            f"{otherwise}")
-    for name, saved in ((info or {}).get("tensors") or {}).items():
-        if name in found and (saved["dtype"], tuple(saved["shape"])) != found[name]:
-            dtype, shape = found[name]
-            report.problems.append(f"tensor {name!r} is {dtype} {shape} in the checkpoint but was saved "
-                                   f"as {saved['dtype']} {tuple(saved['shape'])}")
-    return recorded_checksums(info)
-
-
 def _check_quantized(path: Location, found: dict[str, tuple[str, tuple]], report: VerifyReport) -> None:
     """Every quantized weight has its scales, of the shape its block size needs."""
-    root = path if path.is_folder() else path.parent
-    qc = read_quantization(root)
-    pairs, problems = stored_pairs(found, qc)
+    qc, pairs, problems = quantized(path, found)
     report.problems += problems
     unknown = [p.values for p in pairs.values() if p.block is None]
     if unknown and qc.has_file:
@@ -164,13 +135,22 @@ def _check_quantized(path: Location, found: dict[str, tuple[str, tuple]], report
 
 def _verify_source(source: Stored, report: VerifyReport) -> dict[str, tuple[str, tuple]]:
     """Every blob of ``source`` (a whole tensor, or a chunk) against the checksum recorded for
-    it in ``shardwise.json``, else against the format's own (DCP's zip CRC-32) where it keeps
-    one; every recorded checksum whose blob is gone is a problem. Returns ``{name:
-    (safetensors dtype, shape)}`` of the stored tensors."""
-    found = {n: (dtype_to_str(d), tuple(s)) for n, (d, s) in source.tensors().items()}
+    it in ``shardwise.json``, else against the format's own (DCP's zip CRC-32); every recorded
+    dtype and shape against the stored one; every recorded checksum whose blob is gone is a
+    problem. Returns ``{name: (safetensors dtype, shape)}`` of the stored tensors."""
+    found = stored(source)
     report.problems += source.describe().problems
-    algorithm, sums, chunk_sums = _recorded(source.root, report, found, otherwise=capabilities(
-        source.name).own_checksums or "the structure was checked, the values cannot be")
+    info = read_info(source.root)
+    if info is None:
+        otherwise = capabilities(source.name).own_checksums or (
+            "the structure was checked, the values cannot be")
+        report.notes.append(f"no {INFO_FILE}: no checksums recorded (not written by shardwise); {otherwise}")
+    for name, saved in ((info or {}).get("tensors") or {}).items():
+        if name in found and (saved["dtype"], tuple(saved["shape"])) != found[name]:
+            dtype, shape = found[name]
+            report.problems.append(f"tensor {name!r} is {dtype} {shape} in the checkpoint but was saved "
+                                   f"as {saved['dtype']} {tuple(saved['shape'])}")
+    algorithm, sums, chunk_sums = recorded_checksums(info)
     report.tensors = len(found)
     seen: set[tuple[str, str | None]] = set()
     blobs = 0
@@ -192,7 +172,14 @@ def _verify_source(source: Stored, report: VerifyReport) -> dict[str, tuple[str,
         if want is not None and got != want:
             report.mismatched.append(blob.tensor if blob.key is None else f"{blob.tensor}@{blob.key}")
     report.chunks = blobs
-    _missing_sums(sums, chunk_sums, found, seen, source.root, report)
+    gone = [n for n in sums if n not in found]
+    if gone:
+        report.problems.append(f"{source.root}: {len(gone)} tensor(s) with a recorded checksum are missing "
+                               f"from the checkpoint: {some(gone)}")
+    gone = [f"{n}@{key}" for n, chunks in chunk_sums.items() for key in chunks if (n, key) not in seen]
+    if gone:
+        report.problems.append(f"{source.root}: {len(gone)} chunk(s) with a recorded checksum are not in the "
+                               f"checkpoint: {some(gone, str)}")
     if sums and report.checksummed < blobs:
         report.notes.append(f"{blobs - report.checksummed} tensor(s) have no recorded checksum")
     elif chunk_sums and report.checksummed < blobs:
@@ -200,25 +187,11 @@ def _verify_source(source: Stored, report: VerifyReport) -> dict[str, tuple[str,
     return found
 
 
-def _missing_sums(sums: dict, chunk_sums: dict, found: dict, seen: set, root: Location,
-                  report: VerifyReport) -> None:
-    gone = [n for n in sums if n not in found]
-    if gone:
-        report.problems.append(f"{root}: {len(gone)} tensor(s) with a recorded checksum are missing "
-                               f"from the checkpoint: {', '.join(map(repr, gone[:5]))}")
-    gone = [f"{n}@{key}" for n, chunks in chunk_sums.items() for key in chunks if (n, key) not in seen]
-    if gone:
-        report.problems.append(f"{root}: {len(gone)} chunk(s) with a recorded checksum are not in the "
-                               f"checkpoint: {', '.join(gone[:5])}")
-
-
 def main_verify(path: str, *, as_json: bool = False, against: str | None = None, dtype: str | None = None,
                 layout: str = "auto", storage_options: dict | None = None) -> int:
     """``shardwise verify PATH [--against MODEL] [--json]``: the faults, then one summary line;
     0 when OK, 1 when FAILED, 3 when UNVERIFIED (no fault, but not every chunk has a checksum),
     2 when the model to compare with cannot be built."""
-    import sys
-
     try:
         report = verify(path, against=against, dtype=dtype, layout=layout, storage_options=storage_options)
     except ShardwiseError as e:
@@ -233,9 +206,6 @@ def main_verify(path: str, *, as_json: bool = False, against: str | None = None,
             print_safely(f"  note: {line}", file=sys.stderr)
         print_safely(report.summary())
     return {"OK": 0, "FAILED": 1}.get(report.outcome, UNVERIFIED_STATUS)
-
-
-UNVERIFIED_STATUS = 3
 
 
 __all__ = ["UNVERIFIED_STATUS", "VerifyReport", "main_verify", "verify"]
