@@ -27,9 +27,9 @@ from shardwise.core.quant_layout import (
 )
 from shardwise.core.spec import Region, ShardSpec, split
 from shardwise.errors import CheckpointError, UnsupportedModelError, UsageError
-from shardwise.holding import Holding, is_dtensor
+from shardwise.holding import Holding
 from shardwise.io.formats import get_format
-from shardwise.local_tp import _CopyTo, _GatherFrom, _ReduceFrom, _SplitTo
+from shardwise.local_tp import _CopyTo, _GatherFrom, _ReduceFrom, _SplitTo, run_on_local_params
 
 # ---- guards of loads and saves: before any tensor is read, written or gathered
 
@@ -134,30 +134,26 @@ def wire_quantized(module: nn.Module, path: str, style: Style, state) -> None:
     inner = type(module).forward
     group = state.group
 
-    def forward(x):
+    def forward(mod, x):
         if not aligned:
             raise _cut_error(path, tie, spec, state.degree)
-        held = {n: p for n, p in module._parameters.items() if is_dtensor(p)}
-        module._parameters.update({n: p.to_local() for n, p in held.items()})
+        if style.kind == "colwise":
+            y = inner(mod, _CopyTo.apply(x, group))
+            if style.gather_output:
+                y = _GatherFrom.apply(y, group, style.blocks or (1,), state.degree, state.tp_rank)
+            return y
+        if style.split_input:
+            x = _SplitTo.apply(x, group, style.blocks or (1,), state.degree, state.tp_rank)
+        bias = mod._parameters.get("bias")
+        mod._parameters["bias"] = None  # added once, after the sum
         try:
-            if style.kind == "colwise":
-                y = inner(module, _CopyTo.apply(x, group))
-                if style.gather_output:
-                    y = _GatherFrom.apply(y, group, style.blocks or (1,), state.degree, state.tp_rank)
-                return y
-            if style.split_input:
-                x = _SplitTo.apply(x, group, style.blocks or (1,), state.degree, state.tp_rank)
-            bias = module._parameters.get("bias")
-            module._parameters["bias"] = None  # added once, after the sum
-            try:
-                y = _ReduceFrom.apply(inner(module, x), group)
-            finally:
-                module._parameters["bias"] = bias
-            return y + bias if bias is not None else y
+            y = _ReduceFrom.apply(inner(mod, x), group)
         finally:
-            module._parameters.update(held)
+            mod._parameters["bias"] = bias
+        return y + bias if bias is not None else y
 
-    module.forward = types.MethodType(lambda mod, x: forward(x), module)
+    module.forward = types.MethodType(forward, module)
+    run_on_local_params(module)  # the FP8 kernel reads plain local shards
 
 
 def guard_cut_experts(model: nn.Module, specs: ResolvedPlan) -> None:

@@ -313,11 +313,6 @@ def without_tp(specs: ResolvedPlan) -> ResolvedPlan:
 
 # -- key matching ---------------------------------------------------------------------------
 
-def _key_pattern(key: str) -> re.Pattern:
-    parts = [r"\d+" if p == "*" else re.escape(p) for p in key.split(".")]
-    return re.compile(r"\.".join(parts))
-
-
 def base_prefix(model: nn.Module) -> str:
     """Where a key written for the base model also matches (its adapter's)."""
     return adapter_for(model).base_prefix(model)
@@ -358,15 +353,15 @@ def match_plan(model: nn.Module, plan: Mapping, *, strict: bool = False):
 
 
 def _hits_under(key: str, prefix: str, module_names, param_names) -> tuple[list[str], list[str]]:
-    hits = _hits(key, module_names, param_names)
-    return _hits(f"{prefix}.{key}", module_names, param_names) if not any(hits) and prefix else hits
-
-
-def _hits(key: str, module_names, param_names) -> tuple[list[str], list[str]]:
-    pattern = _key_pattern(key)
-    dots = key.count(".")
-    return tuple([n for n in names if n.count(".") == dots and pattern.fullmatch(n)]  # type: ignore[return-value]
-                 for names in (module_names, param_names))
+    """The module and parameter names ``key`` matches, else those it matches under ``prefix``."""
+    for full in (key, f"{prefix}.{key}") if prefix else (key,):
+        pattern = re.compile(r"\.".join(r"\d+" if p == "*" else re.escape(p) for p in full.split(".")))
+        dots = full.count(".")
+        hits = tuple([n for n in names if n.count(".") == dots and pattern.fullmatch(n)]
+                     for names in (module_names, param_names))
+        if any(hits):
+            break
+    return hits  # type: ignore[return-value]
 
 
 def _patterns(model: nn.Module) -> list[str]:

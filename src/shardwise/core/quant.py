@@ -239,7 +239,10 @@ def expand_scale(scale: torch.Tensor, weight_region: Region, block: Block,
                  scratch: torch.Tensor | None = None) -> torch.Tensor:
     """The scale of each element of ``weight_region`` (shaped like it) from ``scale`` read at
     :func:`scale_region`; ``scratch`` (region-shaped) receives the full-size expansion, if any."""
-    _check_scale(scale, weight_region, block)
+    want = scale_region(weight_region, block).sizes
+    if tuple(scale.shape) != want:
+        raise PlanError(f"scale of shape {tuple(scale.shape)} does not fit weight region {weight_region} "
+                        f"with block {block}: expected {want}; read it at scale_region(region, block)")
     out = scale
     steps = list(enumerate(zip(weight_region.offsets, weight_region.sizes, block, strict=True)))
     last = max((d for d, (_, _, b) in steps if b is not None and b > 1), default=None)
@@ -252,13 +255,6 @@ def expand_scale(scale: torch.Tensor, weight_region: Region, block: Block,
             into = scratch if scratch is not None and d == last and shape == scratch.shape else None
             out = torch.index_select(out, d, index, out=into)
     return out.expand(weight_region.sizes)
-
-
-def _check_scale(scale: torch.Tensor, weight_region: Region, block: Block) -> None:
-    want = scale_region(weight_region, block).sizes
-    if tuple(scale.shape) != want:
-        raise PlanError(f"scale of shape {tuple(scale.shape)} does not fit weight region {weight_region} "
-                        f"with block {block}: expected {want}; read it at scale_region(region, block)")
 
 
 def quantize_fp8_blocks(weight: torch.Tensor, block: tuple[int, int] = (128, 128)

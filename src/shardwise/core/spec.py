@@ -294,11 +294,6 @@ def chunk_layout(layout: Layout, shape_local: Shape, dim: int, num_chunks: int, 
     return out
 
 
-def regions_numel(layout: Layout) -> int:
-    """Number of elements a layout covers: ``sum(region.numel)``."""
-    return sum(region.numel for region, _ in layout)
-
-
 def intersect(a: Region, b: Region) -> Region | None:
     """The overlap of two boxes, or ``None`` when they share no element."""
     if len(a.offsets) != len(b.offsets):
