@@ -274,9 +274,8 @@ def stored_pairs(tensors: Mapping[str, tuple], qc: cq.QuantConfig) -> tuple[dict
         paired = cq.pair_of(name, dtype, found)
         if paired is None:
             if qc.method == "mxfp4":
-                missing = name.removesuffix(cq.MXFP4_SUFFIXES[0]) + cq.MXFP4_SUFFIXES[1]
-                problems.append(f"MXFP4 blocks {name!r} have no scales {missing!r}: they cannot be "
-                                "dequantized; write them with their *_scales")
+                problems.append(f"MXFP4 blocks {name!r} have no scales {cq.scale_key(name, 'mxfp4')!r}: they "
+                                "cannot be dequantized; write them with their *_scales")
             continue
         scale = paired[0]
         pairs[name] = QuantPair(name, scale, "mxfp4", (cq.MXFP4_GROUP,))

@@ -310,22 +310,16 @@ def without_tp(specs: ResolvedPlan) -> ResolvedPlan:
                         ep_degree=specs.degrees["ep"], ties=specs.ties)
 
 
-
 # -- key matching ---------------------------------------------------------------------------
-
-def base_prefix(model: nn.Module) -> str:
-    """Where a key written for the base model also matches (its adapter's)."""
-    return adapter_for(model).base_prefix(model)
-
 
 def match_plan(model: nn.Module, plan: Mapping, *, strict: bool = False):
     """``({module path: (key, style)}, {parameter: (key, style)}, unmatched keys)``: each ``*``
-    is one numeric path component; a key also matches under :func:`base_prefix`."""
+    is one numeric path component; a key also matches under the adapter's ``base_prefix``."""
     if not isinstance(plan, Mapping):
         raise PlanError(f"a plan must be a dict of module path -> style, got {type(plan).__name__}")
     module_names = [n for n, _ in model.named_modules()]
     param_names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
-    prefix = base_prefix(model)
+    prefix = adapter_for(model).base_prefix(model)
     modules: dict[str, tuple[str, object]] = {}
     params: dict[str, tuple[str, object]] = {}
     unused: list[str] = []
@@ -385,7 +379,7 @@ def check_some_key_matches(model: nn.Module, plan: Mapping, unused, *, what: str
     model, which no one means. With one key matching, the others are skipped."""
     if not plan or len(unused) < len(plan):
         return
-    patterns, prefix = _patterns(model), base_prefix(model)
+    patterns, prefix = _patterns(model), adapter_for(model).base_prefix(model)
     shown = [f"{k!r} (closest: {', '.join(map(repr, closest_paths(k, patterns, prefix)))})"
              for k in list(plan)[:3]]
     more = f", and {len(plan) - 3} more" if len(plan) > 3 else ""

@@ -29,8 +29,11 @@ FLOAT8 = frozenset(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "
                                                  "float8_e5m2fnuz") if hasattr(torch, n))
 
 
-def scale_key(name: str) -> str:
-    """The scales of the FP8 tensor ``name``, stored or held: ``x.weight`` -> ``x.weight_scale_inv``."""
+def scale_key(name: str, scheme: str = "fp8_block") -> str:
+    """The scales of the values ``name``, stored or held (the one naming rule): ``x.weight`` ->
+    ``x.weight_scale_inv`` (FP8), ``x_blocks`` -> ``x_scales`` (``"mxfp4"``)."""
+    if scheme == "mxfp4":
+        return name.removesuffix(MXFP4_SUFFIXES[0]) + MXFP4_SUFFIXES[1]
     return name + FP8_SCALE
 
 
@@ -40,9 +43,8 @@ def pair_of(name: str, dtype: torch.dtype, names: Container[str]) -> tuple[str, 
     ``x_scales`` (callers check dtypes and shapes); else None."""
     if dtype in FLOAT8:
         return (scale_key(name), "fp8_block") if scale_key(name) in names else None
-    base = name.removesuffix(MXFP4_SUFFIXES[0])
-    if base != name and base + MXFP4_SUFFIXES[1] in names:
-        return base + MXFP4_SUFFIXES[1], "mxfp4"
+    if name.endswith(MXFP4_SUFFIXES[0]) and scale_key(name, "mxfp4") in names:
+        return scale_key(name, "mxfp4"), "mxfp4"
     return None
 
 
@@ -176,9 +178,8 @@ class QuantScheme:
 
     def stored_keys(self, name: str) -> tuple[str, str]:
         """The hub's keys of the (values, scales) of parameter ``name``."""
-        if self.name == "mxfp4":
-            return name + MXFP4_SUFFIXES[0], name + MXFP4_SUFFIXES[1]
-        return name, scale_key(name)
+        values = name + MXFP4_SUFFIXES[0] if self.name == "mxfp4" else name
+        return values, scale_key(values, self.name)
 
 
 def _mxfp4_block(ndim: int) -> Block:
