@@ -1,7 +1,5 @@
-"""The checks around a parallelize or load that need more than core: :func:`check_plan` before
-(a colwise-split module whose forward shapes activations with its global head count, as
-``q.view(b, t, self.num_heads, -1)``, would fail or silently go wrong) and
-:func:`check_installed` after (every tensor is what the model declared)."""
+"""Checks around a parallelize or load that need more than core: :func:`check_plan` before,
+:func:`check_installed` after."""
 
 from __future__ import annotations
 
@@ -13,8 +11,7 @@ import textwrap
 import torch
 from torch import nn
 
-from shardwise.core.plan import ResolvedPlan
-from shardwise.core.plan_rules import HEAD_ATTRS
+from shardwise.core.plan import HEAD_ATTRS, ResolvedPlan
 from shardwise.core.quant_layout import scale_local_shape
 from shardwise.core.spec import local_shape
 from shardwise.errors import PlanError, ShardingError
@@ -25,9 +22,8 @@ _SHAPING = frozenset(("view", "reshape", "unflatten", "rearrange"))
 
 
 def check_plan(model: nn.Module, specs: ResolvedPlan) -> None:
-    """Raise ``PlanError`` when a module whose projection the plan splits colwise shapes
-    activations with its global head count. Call it with the resolved plan, before any byte
-    is read."""
+    """``PlanError`` where a module with a colwise-split projection shapes activations with its
+    global head count (``q.view(b, t, self.num_heads, -1)``); before any byte is read."""
     if specs.degree == 1:
         return
     owners: dict[str, str] = {}  # owning module -> the first split projection under it
@@ -51,8 +47,7 @@ def check_plan(model: nn.Module, specs: ResolvedPlan) -> None:
 
 
 def _code_of(module: nn.Module) -> list:
-    """The functions that run the module's forward: its class's ``forward``, its processor's
-    ``__call__`` (diffusers), and the methods of the module those call (``head_to_batch_dim``)."""
+    """The module's ``forward``, its processor's ``__call__`` (diffusers), and its methods they call."""
     funcs = [type(module).forward]
     processor = getattr(module, "processor", None)
     if processor is not None and callable(processor):
@@ -67,8 +62,7 @@ def _code_of(module: nn.Module) -> list:
 
 @functools.cache  # one parse per function, not per layer
 def _parsed(func) -> tuple[ast.FunctionDef | ast.AsyncFunctionDef, frozenset[str]] | None:
-    """The function's syntax tree and the names that hold the module in it (``self``, and a
-    processor's attention argument)."""
+    """The function's tree and the names holding the module (``self``, a processor's ``attn``)."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(func)))
     except (OSError, TypeError, SyntaxError):  # no source (built in, compiled): nothing to check
@@ -96,9 +90,8 @@ def _called_methods(func) -> tuple[str, ...]:
 
 @functools.cache
 def _head_uses(func) -> tuple[str, ...]:
-    """The shaping calls (``view``, ``reshape``, ``unflatten``, einops ``rearrange``) of
-    ``func`` whose arguments read a head count off the module, directly or through a local
-    name assigned from it (``heads = attn.heads``)."""
+    """``func``'s shaping calls whose arguments read a head count off the module, directly or
+    through a local name (``heads = attn.heads``)."""
     parsed = _parsed(func)
     if parsed is None:
         return ()
@@ -122,8 +115,7 @@ def _callee(call: ast.Call) -> str:
 
 
 def _reads_heads(node: ast.AST, holders: frozenset[str]) -> bool:
-    """``self.num_heads``, ``attn.heads``, ``self.config.num_attention_heads``: a head count
-    read off the module (or its config), which tensor parallelism leaves global."""
+    """Whether ``node`` reads a head count off the module or its config (``attn.heads``)."""
     if not (isinstance(node, ast.Attribute) and node.attr in _HEAD_ATTRS):
         return False
     base = node.value
@@ -134,12 +126,9 @@ def _reads_heads(node: ast.AST, holders: frozenset[str]) -> bool:
 
 def check_installed(model: nn.Module, specs: ResolvedPlan, declared: dict, *, holding: Holding,
                     dtype: torch.dtype | None, coords: dict | None = None) -> None:
-    """Raise ``ShardingError`` naming the tensor unless every tensor of ``model`` has its
-    ``declared`` global shape, a local shard of the spec's size (a quantized weight's scales:
-    as their tie says, ``coords`` being this rank's ``MeshDims.axis_coords``), the dtype policy
-    (floating tensors stay floating, and are ``dtype`` when given; others, and quantized
-    weights and their scales, keep their declared dtype) and every tie still shares one
-    tensor. Shapes and identities only."""
+    """``ShardingError`` naming the tensor unless each tensor of ``model`` has its ``declared``
+    global shape and its spec's local shape (scales: their tie's, at ``coords``), floating ones
+    are ``dtype`` (quantized ones and others keep theirs) and ties still share one tensor."""
     state = model.state_dict(keep_vars=True)
     for name, spec in specs.items():
         shape, declared_dtype = declared[name]

@@ -1,8 +1,6 @@
-"""Quantized (FP8 block-scaled, MXFP4) models at run time, over the rules of ``core.quant`` and
-``core.quant_layout``: the guards of loads and saves, the TP forward of FP8 modules, the gather of
-cut scales, what ``inspect``, ``verify`` and ``diff`` know of quantized checkpoints. A scale is a
-DTensor where every rank's blocks are whole (``tie_aligned``), else a plain local tensor.
-"""
+"""Quantized (FP8, MXFP4) models at run time over ``core.quant``: guards of loads and saves, the
+TP forward of FP8 modules, the gather of cut scales, and quantized checkpoints in inspect, verify
+and diff. A scale is a DTensor where no rank's blocks are cut, else a plain local tensor."""
 
 from __future__ import annotations
 
@@ -29,16 +27,16 @@ from shardwise.core.quant_layout import (
 )
 from shardwise.core.spec import Region, ShardSpec, split
 from shardwise.errors import CheckpointError, UnsupportedModelError, UsageError
-from shardwise.holding import Holding, is_dtensor
+from shardwise.holding import Holding
 from shardwise.io.formats import get_format
-from shardwise.local_tp import _CopyTo, _GatherFrom, _ReduceFrom, _SplitTo
+from shardwise.local_tp import _CopyTo, _GatherFrom, _ReduceFrom, _SplitTo, run_on_local_params
 
 # ---- guards of loads and saves: before any tensor is read, written or gathered
 
 
 def check_quantized_load(specs: ResolvedPlan, holding: Holding, dequantize: bool) -> None:
-    """Refuse ``dequantize=True`` into a model holding quantized (FP8, MXFP4) modules, and such
-    modules under ``"spmd"`` holding (a global tensor per parameter cannot hold overlapping scales)."""
+    """Refuse ``dequantize=True`` into quantized modules, and quantized modules under ``"spmd"``
+    holding (a global tensor cannot hold overlapping scales)."""
     if dequantize and specs.ties:
         tie = next(iter(specs.ties.values()))
         kind = "an FP8 module" if tie.scheme == "fp8_block" else "an MXFP4 module"
@@ -53,8 +51,8 @@ def check_quantized_load(specs: ResolvedPlan, holding: Holding, dequantize: bool
 
 
 def check_quantized_source(source, specs: ResolvedPlan, mesh) -> None:
-    """Refuse what the format of ``source`` cannot give a quantized model (its ``Capabilities``):
-    a block size other than the FP8 modules'; scales cut by a shard boundary (no scale_regions)."""
+    """Refuse a checkpoint block size other than the FP8 modules', and cut scales from a format
+    without ``scale_regions``."""
     if not specs.ties:
         return
     can = get_format(source.name).CAPABILITIES
@@ -79,8 +77,7 @@ def check_quantized_source(source, specs: ResolvedPlan, mesh) -> None:
 
 
 def check_quantized_save(model: nn.Module, how: str) -> None:
-    """Refuse a save path that splits tensors evenly (``how``: rank-local sharded safetensors, a
-    parallel write) for a model holding quantized weights."""
+    """Refuse the save path ``how`` (it splits tensors evenly) for a model with quantized weights."""
     scales = [f"{path}.{s}".lstrip(".") for path, m in model.named_modules() for _, s, _, _ in quant_pairs(m)]
     if scales:
         raise UnsupportedModelError(
@@ -91,8 +88,7 @@ def check_quantized_save(model: nn.Module, how: str) -> None:
 
 
 def drop_quantization_config(model: nn.Module) -> None:
-    """After a dequantized load: remove the model's ``config.quantization_config`` (as transformers'
-    ``remove_quantization_config`` does), so that a save writes a config of plain weights."""
+    """After a dequantized load, drop the model's ``quantization_config`` (as transformers does)."""
     config = getattr(model, "config", None)
     if config is not None and getattr(config, "quantization_config", None) is not None:
         try:
@@ -110,8 +106,7 @@ def drop_quantization_config(model: nn.Module) -> None:
 
 def local_part(tensor: torch.Tensor, name: str, spec: ShardSpec, specs: ResolvedPlan,
                coords: tuple[int, int]) -> torch.Tensor:
-    """This rank's local shard of the canonical ``tensor`` named ``name``: its split by ``spec``,
-    or for a quantized weight's scales, the scales of every block its weight shard touches."""
+    """This rank's shard of the canonical ``tensor`` ``name`` (scales: as ``scale_layout`` says)."""
     tie = specs.ties.get(name)
     if tie is None:
         return split(tensor, spec, *coords)
@@ -124,18 +119,14 @@ def quantized_module(specs: ResolvedPlan, path: str) -> QuantTie | None:
 
 
 def scale_is_local(specs: ResolvedPlan, name: str) -> bool:
-    """Whether some shard boundary cuts the blocks of the scale tensor ``name``: then it is held
-    as a plain local tensor under DTensor holding."""
+    """Whether a shard boundary cuts the blocks of the scales ``name`` (held as a local tensor)."""
     tie = specs.ties.get(name)
     return tie is not None and not tie_aligned(tie, specs[tie.weight], specs.degrees[specs[tie.weight].axis])
 
 
 def wire_quantized(module: nn.Module, path: str, style: Style, state) -> None:
-    """Replace ``module.forward`` by its own forward (its FP8 kernel) on the local shards, with
-    ``style``'s collectives (``state``: the ``ShardState``): colwise, the input enters
-    replicated and the output stays split or is gathered; rowwise, the partial sums are
-    all-reduced and the bias added once, after. An FP8 kernel reads local row ``i`` with local
-    scale row ``i // block``, so where a shard boundary cuts a block the forward raises."""
+    """Run ``module``'s own (FP8 kernel) forward on its local shards with ``style``'s collectives
+    (``state``: the ``ShardState``); where a shard boundary cuts a block the forward raises."""
     tie = quantized_module(state.specs, path)
     assert tie is not None  # called only for a module quantized_module finds (an FP8 one)
     spec = state.specs[tie.weight]
@@ -143,35 +134,30 @@ def wire_quantized(module: nn.Module, path: str, style: Style, state) -> None:
     inner = type(module).forward
     group = state.group
 
-    def forward(x):
+    def forward(mod, x):
         if not aligned:
             raise _cut_error(path, tie, spec, state.degree)
-        held = {n: p for n, p in module._parameters.items() if is_dtensor(p)}
-        module._parameters.update({n: p.to_local() for n, p in held.items()})
+        if style.kind == "colwise":
+            y = inner(mod, _CopyTo.apply(x, group))
+            if style.gather_output:
+                y = _GatherFrom.apply(y, group, style.blocks or (1,), state.degree, state.tp_rank)
+            return y
+        if style.split_input:
+            x = _SplitTo.apply(x, group, style.blocks or (1,), state.degree, state.tp_rank)
+        bias = mod._parameters.get("bias")
+        mod._parameters["bias"] = None  # added once, after the sum
         try:
-            if style.kind == "colwise":
-                y = inner(module, _CopyTo.apply(x, group))
-                if style.gather_output:
-                    y = _GatherFrom.apply(y, group, style.blocks or (1,), state.degree, state.tp_rank)
-                return y
-            if style.split_input:
-                x = _SplitTo.apply(x, group, style.blocks or (1,), state.degree, state.tp_rank)
-            bias = module._parameters.get("bias")
-            module._parameters["bias"] = None  # added once, after the sum
-            try:
-                y = _ReduceFrom.apply(inner(module, x), group)
-            finally:
-                module._parameters["bias"] = bias
-            return y + bias if bias is not None else y
+            y = _ReduceFrom.apply(inner(mod, x), group)
         finally:
-            module._parameters.update(held)
+            mod._parameters["bias"] = bias
+        return y + bias if bias is not None else y
 
-    module.forward = types.MethodType(lambda mod, x: forward(x), module)
+    module.forward = types.MethodType(forward, module)
+    run_on_local_params(module)  # the FP8 kernel reads plain local shards
 
 
 def guard_cut_experts(model: nn.Module, specs: ResolvedPlan) -> None:
-    """Make the forward of each FP8 experts module whose shard boundaries cut a block raise (its
-    kernels would scale rows with their neighbour's scale; the shards are held exactly)."""
+    """Make the forward of each FP8 experts module whose shards cut a block raise."""
     for tie in specs.ties.values():
         spec = specs[tie.weight]
         degree = specs.degrees[spec.axis]
@@ -201,9 +187,8 @@ def _cut_error(path: str, tie: QuantTie, spec: ShardSpec, degree: int) -> Unsupp
 
 def gather_scales_to_rank0(backend, local: torch.Tensor, tie: QuantTie, spec: ShardSpec, degree: int,
                            rank: int, group, *, keep: bool = True) -> torch.Tensor | None:
-    """The whole scale tensor of ``tie`` on global rank 0 (None elsewhere, or when not ``keep``),
-    each scale once, from the rank owning its block (``scale_owned_layout``), in one gather of raw
-    bytes: every rank of the group calls it with its ``local`` scales and its ``rank`` of ``degree``."""
+    """The whole scales of ``tie`` on global rank 0 (None elsewhere, or if not ``keep``), each from
+    its owner (``scale_owned_layout``) in one gather; every rank of ``group`` calls it."""
     owned = [scale_owned_layout(tie, spec, degree, r) for r in range(degree)]
     counts = [sum(region.numel for region, _ in boxes) for boxes in owned]
     itemsize = local.element_size()
@@ -232,9 +217,8 @@ def gather_scales_to_rank0(backend, local: torch.Tensor, tie: QuantTie, spec: Sh
 
 @dataclass(frozen=True)
 class QuantPair:
-    """A stored quantized weight: its ``values`` and ``scales`` keys, ``scheme`` and ``block``
-    (None: no quantization_config says it); ``fused_at``: (expert, first scale row) of an expert
-    whose scales are part of a fused ``(E, rows, cols)`` tensor (transformers' ``FP8Experts``)."""
+    """A stored quantized weight (``block`` None: no config says it); ``fused_at``: (expert, first
+    scale row) in fused ``(E, rows, cols)`` scales (transformers' ``FP8Experts``)."""
 
     values: str
     scales: str
@@ -249,9 +233,8 @@ class QuantPair:
 
 
 def stored_pairs(tensors: Mapping[str, tuple], qc: cq.QuantConfig) -> tuple[dict[str, QuantPair], list[str]]:
-    """``({values key: QuantPair}, problems)`` of a checkpoint's ``tensors`` (``{name: (dtype,
-    shape)}``) under its ``qc``, paired by ``core.quant.pair_of``. Problems: an FP8 weight without
-    scales, scales of the wrong shape or dtype or without their FP8 weight, MXFP4 alike."""
+    """``({values key: QuantPair}, problems)`` of ``tensors`` ({name: (dtype, shape)}) under
+    ``qc``: values without scales, scales of a wrong shape or dtype or without values."""
     found = {n: (str_to_dtype(d) if isinstance(d, str) else d, tuple(s)) for n, (d, s) in tensors.items()}
     pairs: dict[str, QuantPair] = {}
     problems: list[str] = []
@@ -291,9 +274,8 @@ def stored_pairs(tensors: Mapping[str, tuple], qc: cq.QuantConfig) -> tuple[dict
         paired = cq.pair_of(name, dtype, found)
         if paired is None:
             if qc.method == "mxfp4":
-                missing = name.removesuffix(cq.MXFP4_SUFFIXES[0]) + cq.MXFP4_SUFFIXES[1]
-                problems.append(f"MXFP4 blocks {name!r} have no scales {missing!r}: they cannot be "
-                                "dequantized; write them with their *_scales")
+                problems.append(f"MXFP4 blocks {name!r} have no scales {cq.scale_key(name, 'mxfp4')!r}: they "
+                                "cannot be dequantized; write them with their *_scales")
             continue
         scale = paired[0]
         pairs[name] = QuantPair(name, scale, "mxfp4", (cq.MXFP4_GROUP,))
@@ -309,9 +291,8 @@ _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.wei
 
 
 def _fused_scale(name: str, found: dict, block, problems: list[str]) -> QuantPair | None:
-    """The pair of an expert's FP8 weight stored per expert whose scales are fused, as
-    transformers' ``save_pretrained`` writes ``FP8Experts`` (``experts.3.up_proj.weight`` with
-    ``experts.gate_up_proj_scale_inv`` ``(E, rows(gate) + rows(up), cols)``); None if it is not one."""
+    """The pair of a per-expert FP8 weight with fused scales (``experts.3.up_proj.weight``,
+    ``experts.gate_up_proj_scale_inv``), as transformers saves ``FP8Experts``; else None."""
     m = _EXPERT.match(name)
     if m is None:
         return None
@@ -346,8 +327,7 @@ def describe_quantization(qc: cq.QuantConfig, pairs: Mapping[str, QuantPair]) ->
 
 
 class Dequantizing:
-    """A ``diff`` side (``tensors`` and ``rows(name, lo, hi)``) whose FP8 weights in ``pairs`` read
-    dequantized (float32, ``core.quant.dequantize_region``); ``CheckpointError`` without a block."""
+    """A ``diff`` side whose FP8 ``pairs`` read dequantized in float32."""
 
     def __init__(self, side, pairs: Mapping[str, QuantPair], root):
         self.side, self.pairs, self.root = side, pairs, root

@@ -21,7 +21,6 @@ from shardwise.core.spec import (
     intersect,
     local_layout,
     local_shape,
-    regions_numel,
     shard_regions,
     split,
 )
@@ -74,7 +73,7 @@ def test_regions_tile_the_canonical_tensor_once(case):
     count = torch.zeros(shape, dtype=torch.int32)
     for rank in range(degree):
         regions = shard_regions(shape, spec, degree, rank)
-        assert regions_numel(local_layout(shape, spec, degree, rank)) == math.prod(
+        assert sum(r.numel for r, _ in local_layout(shape, spec, degree, rank)) == math.prod(
             local_shape(shape, spec, degree)
         )
         for region in regions:
@@ -156,8 +155,8 @@ def test_chunk_layout_covers_each_chunk_of_the_local_shard(case, data):
             count[box(off, region.sizes)] += 1
         assert bool((count == 1).all())
         assert torch.equal(rebuilt, expected)
-        assert regions_numel(pieces) == expected.numel()
-        total += regions_numel(pieces)
+        assert sum(r.numel for r, _ in pieces) == expected.numel()
+        total += sum(r.numel for r, _ in pieces)
     assert total == local.numel()
 
 

@@ -1,8 +1,6 @@
 """Model adapters: what a model library decides that no checkpoint says (names, plans, side
-files, layouts), behind one seam (as torchtitan's ``StateDictAdapter``). A model gets the
-first registered adapter that :meth:`~ModelAdapter.claims` it, else :class:`ModelAdapter` (a
-plain torch model); ``refuse`` is asked of every adapter. ``shardwise.hf.adapter`` registers
-itself on ``import shardwise``."""
+files, layouts). A model gets the first registered adapter that claims it, else the plain
+:class:`ModelAdapter`; ``refuse`` is asked of every adapter."""
 
 from __future__ import annotations
 
@@ -44,27 +42,22 @@ class ModelAdapter:
         return ""
 
     def shipped_plan(self, model: nn.Module, axis: str) -> dict:
-        """The plan ``model`` ships for ``axis`` ("tp" or "ep"), keys as the model names its
-        modules; ``{}`` when it ships none."""
+        """The plan ``model`` ships for ``axis`` ("tp" or "ep"); ``{}`` when none."""
         return {}
 
     def refuse(self, model: nn.Module, action: str) -> None:
-        """Raise ``UnsupportedModelError`` for what this library did to ``model`` that
-        shardwise cannot ``action`` ("load", "save", ...). Pure inspection."""
+        """``UnsupportedModelError`` for what shardwise cannot ``action`` ("load", ...) on ``model``."""
 
 
     def stored_tensors(self, model: nn.Module, stored: Mapping[str, tuple[Location | None, NamedDtype]],
                        wanted: set[str], shapes: Mapping[str, tuple[int, ...]] | None = None,
                        ) -> tuple[dict[str, Composite], set[str]]:
-        """``({model tensor: Composite}, stored keys used)`` for the tensors of ``wanted`` that
-        ``stored`` (``{key: (file or None, entry)}``) holds under other keys or in other
-        pieces; ``shapes`` are the model tensors' global shapes (default: the model's)."""
+        """``({model tensor: Composite}, stored keys used)`` for the ``wanted`` tensors that
+        ``stored`` ({key: (file or None, entry)}) holds under other keys or in pieces."""
         return {}, set()
 
     def save_layout(self, model: nn.Module, tensors: Shapes) -> list[StoredPart] | None:
-        """The stored tensors a save writes for the model tensors ``tensors``, each a
-        ``StoredPart`` of boxes of them, in the order they are written; ``None``: the model's
-        own names (no layout to revert)."""
+        """The ``StoredPart`` s a save writes for ``tensors``, in order; None: the model's names."""
         return None
 
     def unsaved(self, model: nn.Module) -> frozenset[str]:
@@ -72,13 +65,11 @@ class ModelAdapter:
         return frozenset()
 
     def stored_names(self, model: nn.Module, tensors: Shapes) -> dict[str, tuple[tuple[int, ...], str]]:
-        """``tensors`` under the keys the library writes them (``save_layout`` without the
-        geometry, for a check of names and shapes only)."""
+        """``tensors`` under the keys the library writes (names and shapes only)."""
         return dict(tensors)
 
     def shared_storages(self, parts: list[StoredPart], itemsize: Mapping[str, int]) -> dict:
-        """``{stored key: (storage id, storage bytes)}`` for parts the library's own save
-        writes as views of one storage (the index's ``total_size`` counts storages)."""
+        """``{stored key: (storage id, bytes)}`` of parts the library saves as views of one storage."""
         return {}
 
     def file_prefix(self, model: nn.Module) -> str:
@@ -86,9 +77,7 @@ class ModelAdapter:
         return "model"
 
     def index_metadata(self, model: nn.Module, shapes: Mapping[str, tuple[int, ...]]) -> dict:
-        """What the index's ``metadata`` carries besides ``total_size``: ``total_parameters``
-        (parameters only, tied ones once, from the global ``shapes`` of the saved tensors), as
-        the hub's index has it."""
+        """The index's ``metadata`` besides ``total_size``: ``total_parameters`` (tied ones once)."""
         params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
         return {"total_parameters": sum(math.prod(s) for n, s in shapes.items() if n in params)}
 
@@ -97,18 +86,15 @@ class ModelAdapter:
         return []
 
     def model_from_folder(self, folder: Location, *, need: bool = False) -> nn.Module | None:
-        """The meta-device model whose stored layout a checkpoint folder's side files name, or
-        None; ``need``: raise ``CheckpointError`` where they name one this process cannot build."""
+        """The meta-device model a folder's side files name, or None (``need``: ``CheckpointError``)."""
         return None
 
     def quantization_config(self, folder: Location) -> tuple[object, Location] | None:
-        """``(the quantization_config this library's side files in the checkpoint folder
-        record, or None; the file that holds them)``; None when the folder has no such file."""
+        """``(quantization_config or None, the side file)``; None without such a file."""
         return None
 
     def model_from_config(self, config_file: Path) -> nn.Module | None:
-        """The meta-device model a config file of this library describes; None when the file
-        is not one of its configs, ``CheckpointError`` when it is but cannot be built here."""
+        """The meta-device model of ``config_file``; None if not this library's, else ``CheckpointError``."""
         return None
 
 
@@ -117,8 +103,7 @@ _ADAPTERS: dict[str, ModelAdapter] = {}
 
 
 def register_adapter(adapter: ModelAdapter) -> ModelAdapter:
-    """Make ``adapter`` answer for the models it claims; a second adapter of the same name
-    is an error naming the ones registered."""
+    """Make ``adapter`` answer for the models it claims; ``UsageError`` for a taken name."""
     if not isinstance(adapter, ModelAdapter) or adapter.name == _PLAIN.name:
         raise UsageError(f"a model adapter subclasses core.adapter.ModelAdapter and has a name of its own, "
                          f"got {adapter!r}")
@@ -151,19 +136,17 @@ def _first(answer: Callable[[ModelAdapter], T | None]) -> T | None:
 
 
 def folder_model(folder: Location, *, need: bool = False) -> nn.Module | None:
-    """The meta-device model the first adapter that knows ``folder`` builds from it
-    (``ModelAdapter.model_from_folder``), or None."""
+    """The first adapter's ``model_from_folder``, or None."""
     return _first(lambda a: a.model_from_folder(folder, need=need))
 
 
 def folder_quantization(folder: Location) -> tuple[object, Location] | None:
-    """What the first adapter whose side files ``folder`` holds says of its quantization
-    (``ModelAdapter.quantization_config``), or None."""
+    """The first adapter's ``quantization_config`` of ``folder``, or None."""
     return _first(lambda a: a.quantization_config(folder))
 
 
 def config_model(config_file: Path) -> nn.Module | None:
-    """The meta-device model the first adapter that reads ``config_file`` builds, or None."""
+    """The first adapter's ``model_from_config``, or None."""
     return _first(lambda a: a.model_from_config(Path(config_file)))
 
 

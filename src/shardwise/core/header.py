@@ -1,5 +1,5 @@
-"""The safetensors header (pure): dtype names, parsing, layout, byte runs. A header comes from an
-untrusted file, so :func:`parse_header` checks every field before anything uses it."""
+"""The safetensors header (pure): dtype names, parsing (every field of an untrusted header is
+checked before use), layout, byte runs."""
 
 from __future__ import annotations
 
@@ -58,8 +58,7 @@ def spec_nbytes(dtype: str, shape: Sequence[int]) -> int:
 
 
 class NamedDtype:
-    """``torch_dtype`` and ``itemsize`` of a record whose ``dtype`` is a safetensors dtype name
-    and whose ``shape`` is the tensor's (a file's tensor entry, a sharded checkpoint's tensor)."""
+    """``torch_dtype`` and ``itemsize`` of a record whose ``dtype`` is a safetensors name."""
 
     dtype: str
     shape: tuple[int, ...]
@@ -90,8 +89,7 @@ class TensorEntry(NamedDtype):
 
 @dataclass(frozen=True)
 class FileHeader:
-    """A validated header. ``data_start`` is the file offset of the data (8 + N);
-    ``source`` names the file in error messages."""
+    """A validated header; ``data_start``: the data's file offset (8 + N)."""
 
     entries: dict[str, TensorEntry]
     metadata: dict[str, str]
@@ -100,8 +98,7 @@ class FileHeader:
 
 
 def check_header_length(n: int, file_size: int, *, source: str) -> None:
-    """Raise :class:`CheckpointError` unless ``n`` (the 8-byte prefix) is a header
-    length that fits a file of ``file_size`` bytes and stays under the size cap."""
+    """``CheckpointError`` unless ``n`` (the 8-byte prefix) fits ``file_size`` and the cap."""
     if n <= 0:
         raise CheckpointError(f"{source}: header length {n} in the first 8 bytes is not positive")
     if n > MAX_HEADER_SIZE:
@@ -116,12 +113,8 @@ def check_header_length(n: int, file_size: int, *, source: str) -> None:
         )
 
 
-class _DuplicateKeyError(ValueError):
-    pass
-
-
-class _SurrogateError(ValueError):
-    pass
+class _JsonFault(ValueError):
+    """A fault ``json.loads`` lets through: ``args``: (what is wrong, the text)."""
 
 
 def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
@@ -131,26 +124,26 @@ def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
     result: dict[str, object] = {}
     for key, value in pairs:
         if key in result:
-            raise _DuplicateKeyError(key)
+            raise _JsonFault("repeats the key", key)
         for text in (key, value):
             if isinstance(text, str) and not text.isascii():
                 try:
                     text.encode("utf-8")
                 except UnicodeEncodeError:
-                    raise _SurrogateError(text) from None
+                    raise _JsonFault("surrogate", text) from None
         result[key] = value
     return result
 
 
 def parse_json_object(raw: bytes, *, source: str, what: str) -> dict:
-    """Decode untrusted UTF-8 JSON (a header or an index) that must be an object
-    without repeated keys; ``what`` names it in the :class:`CheckpointError`."""
+    """Untrusted UTF-8 JSON that must be an object without repeated keys (``CheckpointError``
+    naming ``what``)."""
     try:
         obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
-    except _DuplicateKeyError as e:
-        raise CheckpointError(f"{source}: {what} repeats the key {e.args[0]!r}") from None
-    except _SurrogateError as e:
-        raise CheckpointError(f"{source}: {what} holds the string {e.args[0]!r:.200}, which has an "
+    except _JsonFault as e:
+        if e.args[0] == "repeats the key":
+            raise CheckpointError(f"{source}: {what} repeats the key {e.args[1]!r}") from None
+        raise CheckpointError(f"{source}: {what} holds the string {e.args[1]!r:.200}, which has an "
                               "unpaired surrogate escape and is not Unicode text") from None
     except UnicodeDecodeError as e:
         raise CheckpointError(f"{source}: {what} is not valid UTF-8 ({e.reason} at byte {e.start})") from e
@@ -191,9 +184,8 @@ def _parse_entry(name: str, info: object, *, data_size: int, source: str) -> Ten
 
 
 def parse_header(raw_json: bytes, *, data_size: int, source: str) -> FileHeader:
-    """Validate the JSON header of a file whose data section is ``data_size`` bytes. Raises
-    ``CheckpointError`` naming ``source``, the tensor and the fault (bad JSON, metadata, dtype,
-    shape, offsets, byte size, or tensors that do not tile the data section exactly)."""
+    """The validated header of a file with ``data_size`` data bytes; ``CheckpointError`` naming
+    ``source``, the tensor and the fault (JSON, metadata, dtype, shape, offsets, tiling)."""
     obj = parse_json_object(raw_json, source=source, what="header")
     metadata = obj.pop("__metadata__", None)
     if metadata is None:
@@ -237,12 +229,9 @@ def _check_tiling(entries, data_size: int, source: str) -> None:
 def layout_header(
     specs: Sequence[Spec], metadata: Mapping[str, str] | None = None
 ) -> tuple[bytes, dict[str, tuple[int, int]]]:
-    """The file prefix (8-byte length + JSON padded with spaces to 8 bytes) for
-    tensors laid out back to back in the order of ``specs`` (``(name, dtype, shape)``),
-    and each tensor's ``(start, end)`` data offsets.
-
-    ``metadata`` defaults to ``{"format": "pt"}``. With ``specs`` in the order
-    ``safetensors.torch.save_file`` picks, the prefix is byte-identical to its.
+    """The file prefix (8-byte length + JSON space-padded to 8 bytes) of ``specs`` (``(name,
+    dtype, shape)``) back to back, and each one's ``(start, end)``; byte-identical to
+    ``safetensors.torch.save_file``'s for its order. ``metadata`` defaults to ``{"format": "pt"}``.
 
     >>> prefix, offsets = layout_header([("w", "F32", (2, 2))])
     >>> len(prefix) % 8, offsets
@@ -274,11 +263,8 @@ def layout_header(
 def region_runs(
     shape: Sequence[int], itemsize: int, region_offsets: Sequence[int], region_sizes: Sequence[int]
 ) -> list[tuple[int, int]]:
-    """The maximal contiguous byte runs ``(offset within the tensor, length)`` of a
-    box of a C-contiguous tensor, in the box's C order. An empty box has no runs.
-
-    Trailing dims the box spans fully merge into one run with the last partial dim,
-    so the cost is one Python step per run, never per element.
+    """The maximal contiguous byte runs ``(offset, length)`` of a box of a C-contiguous tensor,
+    in C order (one Python step per run, never per element).
 
     >>> region_runs((4, 6), 2, (0, 2), (2, 3))     # two rows, columns 2..4
     [(4, 6), (16, 6)]

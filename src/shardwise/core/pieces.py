@@ -1,6 +1,4 @@
-"""Pieces: a canonical tensor assembled from boxes of stored tensors (hub key layouts,
-distributed checkpoints' chunks), and which boxes of them a rank reads. Pure: plain ints.
-"""
+"""A canonical tensor assembled from boxes of stored tensors, and the boxes a rank reads (pure)."""
 
 from __future__ import annotations
 
@@ -17,10 +15,8 @@ from shardwise.errors import ShardingError
 
 @dataclass(frozen=True)
 class Piece:
-    """Where a box of a stored tensor sits in a canonical tensor: ``key`` names the stored
-    tensor, ``source`` is the box of it used, ``offsets`` where that box starts in the
-    canonical tensor, ``stacked`` the canonical dims the stored tensor lacks (size 1 in the
-    canonical box: an expert's index)."""
+    """The box ``source`` of stored tensor ``key`` at ``offsets`` of a canonical tensor;
+    ``stacked``: canonical dims the stored tensor lacks (size 1: an expert's index)."""
 
     key: str
     source: Region
@@ -37,8 +33,7 @@ class Piece:
 
 @dataclass(frozen=True)
 class Composite:
-    """One model tensor assembled from stored tensors: its canonical shape and pieces, and
-    where each stored tensor lives (``{stored key: (file, entry)}``)."""
+    """A model tensor's shape and pieces, and ``stored``: {stored key: (file, entry)}."""
 
     shape: tuple[int, ...]
     pieces: tuple[Piece, ...]
@@ -51,9 +46,8 @@ class Composite:
 
 @dataclass(frozen=True)
 class StoredPart:
-    """One tensor of the hub layout, of ``shape`` and ``dtype``, assembled from boxes of model
-    tensors: each ``(model tensor, piece)`` of ``fragments`` puts ``model_tensor[piece.box()]``
-    (its ``piece.stacked`` dims squeezed) at ``piece.source`` of the stored tensor."""
+    """A stored tensor assembled from ``fragments``: each ``(model tensor, piece)`` puts
+    ``model_tensor[piece.box()]`` (``stacked`` dims squeezed) at ``piece.source``."""
 
     key: str
     shape: tuple[int, ...]
@@ -66,9 +60,8 @@ class StoredPart:
         return len(self.fragments) == 1 and self.fragments[0][1].source.sizes == self.shape
 
     def assemble(self, tensor: Callable[[str], torch.Tensor | None]) -> torch.Tensor | None:
-        """The stored tensor, contiguous, from ``tensor(model name)`` (called once per fragment,
-        in order; a box is copied out before the next call, so the callee may reuse its
-        buffer). None when ``tensor`` gives None (a rank that does not write)."""
+        """The stored tensor from ``tensor(name)``, called once per fragment in order (the callee
+        may reuse its buffer); None where it gives None (a rank that does not write)."""
         out = None
         for name, piece in self.fragments:
             full = tensor(name)
@@ -86,9 +79,8 @@ class StoredPart:
 
 
 def piece_reads(layout: Layout, pieces: Sequence[Piece]) -> list[tuple[Piece, Region, tuple[int, ...]]]:
-    """For a rank's ``layout`` (from :func:`local_layout`) of a canonical tensor made of
-    ``pieces``: ``(piece, region of the stored tensor to read, offset in the local shard)``
-    for every overlap, so that each byte of the local shard is read once.
+    """``(piece, region of its stored tensor, offset in the local shard)`` of every overlap of
+    the rank's ``layout`` with ``pieces``: each byte of the shard read once.
 
     >>> p = [Piece("a", Region((0,), (2,)), (0,)), Piece("b", Region((0,), (2,)), (2,))]
     >>> [(x.key, r.offsets, off) for x, r, off in piece_reads([(Region((1,), (2,)), (0,))], p)]
@@ -110,11 +102,7 @@ def piece_reads(layout: Layout, pieces: Sequence[Piece]) -> list[tuple[Piece, Re
 
 
 def check_tiling(shape: Shape, pieces: Sequence[Piece], what: str) -> None:
-    """Raise ``ShardingError`` unless ``pieces`` cover every element of ``shape`` exactly once.
-
-    Pieces are boxes, so exact tiling is: each inside the shape, no two overlapping, and
-    their element counts summing to the whole.
-    """
+    """``ShardingError`` unless ``pieces`` cover ``shape`` exactly once (inside, disjoint, summing up)."""
     whole = Region((0,) * len(shape), tuple(shape))
     boxes = [p.box() for p in pieces]
     for p, b in zip(pieces, boxes, strict=True):

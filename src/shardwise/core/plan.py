@@ -1,25 +1,20 @@
-"""Plans: from ``{module or parameter path: style}`` to one ``ShardSpec`` per tensor.
-:func:`resolve_plan` is the one place a plan is validated, on a meta model, before any
-process group is touched. Pure: no torch.distributed, no file I/O."""
+"""Plans: from ``{module or parameter path: style}`` to one ``ShardSpec`` per tensor, and the
+rules a plan is held to. :func:`resolve_plan` is the one place a plan is validated, on a meta
+model, before any process group is touched. Pure: no torch.distributed, no file I/O."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import difflib
+import re
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import replace
 from typing import Any
 
 from torch import nn
 
 from shardwise.core.adapter import adapter_for
-from shardwise.core.plan_rules import (
-    check_degrees,
-    check_pairs,
-    check_some_key_matches,
-    head_counts,
-    match_plan,
-)
-from shardwise.core.quant_layout import QuantTie, is_tied_scale, tie_scales
-from shardwise.core.spec import ShardSpec, check_degree
+from shardwise.core.quant_layout import MXFP4_SUFFIXES, QuantTie, is_tied_scale, tie_scales
+from shardwise.core.spec import ShardSpec, block_sizes, check_degree, check_shardable, dividing_degrees
 from shardwise.core.styles import (
     DEFAULT_PACKED,
     SUPPORTED_STYLES,
@@ -29,37 +24,28 @@ from shardwise.core.styles import (
     check_blocks,
     normalize_style,
 )
-from shardwise.errors import PlanError
+from shardwise.errors import PlanError, ShardingError
 
-# A check of a plan against what a model's code does with the tensors it splits, run by
-# resolve_plan at every degree it tries: ``check(model, owned, degrees)`` with ``owned``
-# {id(parameter): (its ShardSpec, its name, the plan key that claimed it)} and ``degrees``
-# {"tp": ..., "ep": ...}; it raises ``PlanError``.
+# ``check(model, owned, degrees)``, run by resolve_plan at every degree it tries, raises
+# ``PlanError``; ``owned``: {id(parameter): (ShardSpec, name, plan key)}, ``degrees``: {"tp", "ep"}.
 ModelCheck = Callable[[nn.Module, Mapping[int, tuple[ShardSpec, str, str]], Mapping[str, int]], None]
 _MODEL_CHECKS: list[ModelCheck] = []
 
 
 def register_model_check(check: ModelCheck) -> ModelCheck:
-    """Have :func:`resolve_plan` run ``check`` (a ``ModelCheck``) on every plan, after its own
-    checks; registering a check twice runs it once."""
+    """Have :func:`resolve_plan` run ``check`` on every plan, after its own checks (once)."""
     if check not in _MODEL_CHECKS:
         _MODEL_CHECKS.append(check)
     return check
 
 
 class ResolvedPlan(dict):
-    """``{tensor name: ShardSpec}`` for every parameter and persistent buffer of a model.
-
-    Also carries ``styles`` (``{module path: Style}`` for module keys, blocks filled in),
-    ``keys`` (``{module path or tensor name: the plan key that claimed it}``), ``aliases``
-    (tied tensors: extra name -> the name kept), ``local_owners`` (modules whose forward
-    must see the local shards of parameters sharded by a parameter key), ``unused_keys``
-    (plan keys that matched nothing), the tp ``degree`` it was validated for and
-    ``degrees`` (``{"tp": degree, "ep": ep degree}``: a spec's ranks are on ``spec.axis``).
-    ``ties`` (``{scale tensor: QuantTie}``) are the scales of block-quantized weights: a
-    scale's spec is its weight's, and its regions follow the weight's (``core.quant_layout``);
-    ``quantized`` names those weights and scales (they keep their dtypes on a load).
-    """
+    """``{tensor name: ShardSpec}`` for every parameter and persistent buffer of a model, with
+    ``styles`` ({module path: Style}, blocks filled in), ``keys`` ({module path or tensor: the
+    plan key that claimed it}), ``aliases`` (tied name -> name kept), ``local_owners`` (modules
+    whose forward sees the local shards of parameter-key tensors), ``unused_keys``, ``degree``
+    (tp) and ``degrees`` ({"tp", "ep"}), ``ties`` ({scale tensor: QuantTie}: a scale follows its
+    weight's spec) and ``quantized`` (those weights and scales: they keep their dtypes)."""
 
     def __init__(self, specs, *, styles, keys, aliases, degree, local_owners=(), unused_keys=(),
                  ep_degree: int = 1, ties: dict[str, QuantTie] | None = None):
@@ -73,13 +59,10 @@ class ResolvedPlan(dict):
         self.local_owners: tuple[str, ...] = tuple(local_owners)
         self.unused_keys: tuple[str, ...] = tuple(unused_keys)
         self.ties: dict[str, QuantTie] = dict(ties or {})
-        # the quantized weights and their scales: they keep their declared dtypes whatever
-        # ``dtype`` a load casts the other floating tensors to
         self.quantized: frozenset[str] = frozenset(self.ties) | {t.weight for t in self.ties.values()}
 
     def spec_of(self, name: str) -> ShardSpec:
-        """The spec of ``name``, following a tied alias to the tensor it shares (a tensor
-        outside the model's state dict is replicated)."""
+        """The spec of ``name`` or of the tensor it is tied to (replicated if unknown)."""
         return self.get(self.aliases.get(name, name), ShardSpec())
 
 
@@ -122,8 +105,8 @@ def _module_specs(module: nn.Module, style: Style, path: str, key: str) -> dict[
 
 
 def _param_spec(shape: tuple[int, ...], leaf: str, style: Style) -> ShardSpec:
-    """The spec a parameter key gives its tensor (transformers' rule: colwise splits the
-    output-feature dim ``ndim - 2``, rowwise the last dim; a rowwise ``bias`` stays whole)."""
+    """A parameter key's spec, as transformers: colwise splits dim ``ndim - 2``, rowwise the
+    last dim; a rowwise ``bias`` stays whole."""
     ndim = len(shape)
     if style.axis == "ep" and style.sharded and ndim:  # grouped_gemm: whole experts per rank
         return ShardSpec(dim=0, axis="ep")
@@ -166,9 +149,7 @@ def _tensor(model: nn.Module, name: str):
 
 
 def plan_from_model(model: nn.Module) -> dict:
-    """The tensor-parallel plan ``model`` ships, as its adapter reads it (``core.adapter``; a
-    Hugging Face model: ``model.tp_plan``, ``_tp_plan`` or ``config.base_model_tp_plan`` under
-    the base-model prefix). Raises ``PlanError`` when it ships none."""
+    """The tensor-parallel plan ``model`` ships (its adapter reads it); ``PlanError`` if none."""
     plan = adapter_for(model).shipped_plan(model, "tp")
     if not plan:
         raise PlanError(f"plan='auto', but {type(model).__name__} ships no tensor-parallel plan (no tp_plan, "
@@ -176,25 +157,15 @@ def plan_from_model(model: nn.Module) -> dict:
     return plan
 
 
-def ep_plan_from_model(model: nn.Module) -> dict:
-    """The expert-parallel plan ``model`` ships (a Hugging Face model: ``model.ep_plan``, or
-    ``config.base_model_ep_plan`` under the base-model prefix); ``{}`` when none."""
-    return adapter_for(model).shipped_plan(model, "ep")
-
-
 def resolve_plan(model: nn.Module, plan, degree: int, *, strict: bool = False, ep_plan=None,
                  ep_degree: int = 1) -> ResolvedPlan:
-    """``{tensor name: ShardSpec}`` for every parameter and persistent buffer of ``model``.
-
-    ``plan`` is a dict of module or parameter paths to styles, or ``"auto"`` for the plan
-    the model ships (:func:`plan_from_model`). Works on a meta model (only shapes and
-    module attributes are read). Validates styles, that no module is claimed twice with
-    different styles, and that ``degree`` divides every sharded dim, every packed block and
-    the head counts the model exposes. Tensors outside the plan are replicated. Keys that
-    match nothing are listed in ``unused_keys`` (``strict=True``: ``PlanError``).
-    With ``ep_degree > 1``, ``ep_plan`` (a dict, or ``"auto"``: the model's own) shards the
-    experts over the ep axis and takes precedence over ``plan`` for those modules and
-    everything under them, as in transformers.
+    """The :class:`ResolvedPlan` of ``plan`` ({module or parameter path: style}, or ``"auto"``:
+    the model's own) on ``model`` (a meta model will do) at tp ``degree``. Raises ``PlanError``
+    for a bad style, a module claimed twice, an unpaired projection (:func:`check_pairs`), and
+    ``ShardingError`` where a degree does not split a tensor, a packed block or a head count.
+    Tensors outside the plan are replicated; keys matching nothing go to ``unused_keys``
+    (``strict=True``: ``PlanError``). With ``ep_degree > 1``, ``ep_plan`` (or ``"auto"``) shards
+    the experts over ep and wins over ``plan`` on those modules and below, as in transformers.
 
     >>> specs = resolve_plan(model, {"layers.*.mlp.up": "colwise"}, degree=2)  # doctest: +SKIP
     >>> specs["layers.0.mlp.up.weight"]                                         # doctest: +SKIP
@@ -210,8 +181,7 @@ def resolve_plan(model: nn.Module, plan, degree: int, *, strict: bool = False, e
         module_claims, param_claims, ep_unused = _with_ep_plan(model, ep_plan, module_claims,
                                                                param_claims, strict)
         unused = unused + ep_unused
-    # A plan key naming a quantized weight's scales (transformers' quantizers add them): the
-    # scales follow their weight's spec as region math instead (tie_scales below).
+    # a key naming a quantized weight's scales (transformers adds them): scales follow their weight
     param_claims = {n: c for n, c in param_claims.items() if not is_tied_scale(model, n)}
     styles: dict[str, Style] = {}
     keys: dict[str, str] = {}
@@ -279,7 +249,7 @@ def resolve_plan(model: nn.Module, plan, degree: int, *, strict: bool = False, e
 def _with_ep_plan(model: nn.Module, ep_plan, module_claims: dict, param_claims: dict, strict: bool):
     """The claims of the tp plan without the expert modules, plus those of the ep plan."""
     if ep_plan is None or (isinstance(ep_plan, str) and ep_plan == "auto"):
-        ep_plan = ep_plan_from_model(model)
+        ep_plan = adapter_for(model).shipped_plan(model, "ep")
     ep_modules, ep_params, unused = match_plan(model, ep_plan, strict=strict)
     check_some_key_matches(model, ep_plan, unused, what="ep_plan")
     for key, raw in ep_plan.items():
@@ -323,14 +293,13 @@ def _check_tied(name: str, kept: str, owner, module_claims, param_claims) -> Non
 
 
 def plan_summary(resolved: ResolvedPlan) -> dict[str, str]:
-    """``{module path: style source}``, for logs and the informational JSON of a checkpoint."""
+    """``{module path: style source}``, for logs and a checkpoint's informational JSON."""
     return {p: s.source or s.kind for p, s in resolved.styles.items()}
 
 
 def without_tp(specs: ResolvedPlan) -> ResolvedPlan:
-    """``specs`` with every tp-sharded tensor replicated and no tp style left to wire (ep
-    specs and styles stay): a degree-1 tp style would still make its parameters DTensors on
-    some axis, which ``fully_shard`` then refuses to combine with its own mesh."""
+    """``specs`` with every tp-sharded tensor replicated and no tp style (ep ones stay): a
+    degree-1 tp style would still make DTensors, which ``fully_shard`` refuses to combine."""
     kept = {n: s if s.axis == "ep" else ShardSpec() for n, s in specs.items()}
     styles = {p: s for p, s in specs.styles.items() if s.axis == "ep"}
     owners = [p for p in specs.local_owners
@@ -341,8 +310,281 @@ def without_tp(specs: ResolvedPlan) -> ResolvedPlan:
                         ep_degree=specs.degrees["ep"], ties=specs.ties)
 
 
+# -- key matching ---------------------------------------------------------------------------
+
+def match_plan(model: nn.Module, plan: Mapping, *, strict: bool = False):
+    """``({module path: (key, style)}, {parameter: (key, style)}, unmatched keys)``: each ``*``
+    is one numeric path component; a key also matches under the adapter's ``base_prefix``."""
+    if not isinstance(plan, Mapping):
+        raise PlanError(f"a plan must be a dict of module path -> style, got {type(plan).__name__}")
+    module_names = [n for n, _ in model.named_modules()]
+    param_names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    prefix = adapter_for(model).base_prefix(model)
+    modules: dict[str, tuple[str, object]] = {}
+    params: dict[str, tuple[str, object]] = {}
+    unused: list[str] = []
+    for key, style in plan.items():
+        if not isinstance(key, str) or not key:
+            raise PlanError(f"plan keys must be module or parameter paths (non-empty strings), got {key!r}")
+        normalize_style(style, key=key)  # an unknown style is an error even where nothing matches
+        hits = _hits_under(key, prefix, module_names, param_names)
+        if not any(hits):  # MXFP4 `x` held as `x_blocks` + `x_scales`: the key names `x`, as transformers
+            hits = ([], _hits_under(key + MXFP4_SUFFIXES[0], prefix, module_names, param_names)[1])
+        if not any(hits):
+            if strict:
+                near = closest_paths(key, _patterns(model), prefix)
+                raise PlanError(f"plan key {key!r} matches no module or parameter; did you mean "
+                                f"{', '.join(map(repr, near))}?")
+            unused.append(key)
+            continue
+        for claimed, names in zip((modules, params), hits, strict=True):
+            for name in names:
+                if name in claimed and claimed[name][1] != style:
+                    raise PlanError(f"plan keys {claimed[name][0]!r} and {key!r} both claim {name!r} "
+                                    "with different styles; keep one entry per module or parameter")
+                claimed[name] = (key, style)
+    return modules, params, unused
+
+
+def _hits_under(key: str, prefix: str, module_names, param_names) -> tuple[list[str], list[str]]:
+    """The module and parameter names ``key`` matches, else those it matches under ``prefix``."""
+    for full in (key, f"{prefix}.{key}") if prefix else (key,):
+        pattern = re.compile(r"\.".join(r"\d+" if p == "*" else re.escape(p) for p in full.split(".")))
+        dots = full.count(".")
+        hits = tuple([n for n in names if n.count(".") == dots and pattern.fullmatch(n)]
+                     for names in (module_names, param_names))
+        if any(hits):
+            break
+    return hits  # type: ignore[return-value]
+
+
+def _patterns(model: nn.Module) -> list[str]:
+    """Module paths and non weight/bias parameters, numeric components as ``*`` (as keys are)."""
+    names = [n for n, _ in model.named_modules() if n]
+    names += [n for n, _ in model.named_parameters() if n.rpartition(".")[2] not in ("weight", "bias")]
+    return list(dict.fromkeys(re.sub(r"(?<![^.])\d+(?![^.])", "*", n) for n in names))
+
+
+def closest_paths(key: str, patterns: list[str], prefix: str = "", n: int = 3) -> list[str]:
+    """The ``n`` patterns most like ``key``, each also compared without the base ``prefix``."""
+    def score(pattern: str) -> float:
+        bare = pattern[len(prefix) + 1:] if prefix and pattern.startswith(prefix + ".") else pattern
+        return max(difflib.SequenceMatcher(None, key, p).ratio() for p in (pattern, bare))
+
+    return sorted(patterns, key=lambda p: -score(p))[:n]
+
+
+def check_some_key_matches(model: nn.Module, plan: Mapping, unused, *, what: str = "plan") -> None:
+    """``PlanError`` when no key of a non-empty ``plan`` matches: every rank would hold the whole
+    model, which no one means. With one key matching, the others are skipped."""
+    if not plan or len(unused) < len(plan):
+        return
+    patterns, prefix = _patterns(model), adapter_for(model).base_prefix(model)
+    shown = [f"{k!r} (closest: {', '.join(map(repr, closest_paths(k, patterns, prefix)))})"
+             for k in list(plan)[:3]]
+    more = f", and {len(plan) - 3} more" if len(plan) > 3 else ""
+    base = f"; a key written for the base model also matches under {prefix + '.'!r}" if prefix else ""
+    own = (f", or pass plan='auto' for the plan {type(model).__name__} ships"
+           if what == "plan" and adapter_for(model).shipped_plan(model, "tp") else "")
+    raise PlanError(
+        f"none of the {what}'s {len(plan)} keys matches a module or parameter of {type(model).__name__}, so "
+        f"nothing would be sharded and every rank would hold the whole model: {'; '.join(shown)}{more}. "
+        f"Write each key as the model names its modules, with '*' for a layer index{base}{own}")
+
+
+# -- pairing of split projections ----------------------------------------------------------
+
+# (producers, consumers) relative to one module: a colwise producer's sibling consumer must be
+# rowwise, and the reverse. A name may sit in two families (GPT-2's c_proj): only siblings pair.
+FAMILIES: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
+    (("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "q_b_proj", "kv_b_proj", "c_attn",
+      "Wqkv", "wqkv", "wq", "wk", "wv", "qkv", "q", "k", "v"),
+     ("o_proj", "out_proj", "dense", "c_proj", "wo", "Wo", "o", "out")),
+    (("to_q", "to_k", "to_v", "to_qkv", "to_qkv_mlp_proj"), ("to_out.0", "to_out")),
+    (("add_q_proj", "add_k_proj", "add_v_proj"), ("to_add_out",)),
+    (("gate_proj", "up_proj", "gate_up_proj", "fc1", "fc_in", "c_fc", "w1", "w3", "dense_h_to_4h",
+      "linear_in", "wi", "wi_0", "wi_1", "gate_up", "up", "net.0.proj"),
+     ("down_proj", "fc2", "fc_out", "c_proj", "w2", "dense_4h_to_h", "linear_out", "wo", "down", "net.2")),
+)
+
+
+def _weight_spec(specs: Mapping[str, ShardSpec], path: str) -> ShardSpec | None:
+    """The spec of ``path``'s weight, or of ``path`` itself, or None."""
+    for name in (f"{path}.weight", path):
+        if name in specs:
+            return specs[name]
+    return None
+
+
+def _splits(path: str, specs, shapes, styles, role: str) -> bool:
+    """Whether tp splits ``path``'s output features (producers: dim ``ndim - 2``, not gathered
+    again) or its input features (consumers: the last dim, from an input arriving split)."""
+    spec, ndim = _weight_spec(specs, path), len(_shape(shapes, path))
+    if spec is None or spec.replicated or spec.axis != "tp" or ndim < 2:
+        return False
+    style = styles.get(path)
+    if role == "producers":
+        return spec.dim == ndim - 2 and not (style is not None and style.gather_output)
+    return spec.dim == ndim - 1 and not (style is not None and style.split_input)
+
+
+def check_pairs(specs: Mapping[str, ShardSpec], shapes: Mapping[str, tuple[int, ...]],
+                styles: Mapping[str, Style], keys: Mapping[str, str], degree: int) -> None:
+    """``PlanError`` naming both modules where a split producer's sibling consumer does not
+    split its input, or a consumer does while its producers are whole (``FAMILIES``)."""
+    if degree == 1:
+        return
+    for producers, consumers in FAMILIES:
+        for parent, found in _siblings(specs, producers, consumers).items():
+            _check_family(parent, found, specs, shapes, styles, keys)
+
+
+def _siblings(names: Collection[str], producers, consumers) -> dict[str, dict[str, list[str]]]:
+    """``{parent: {"producers": [paths], "consumers": [paths]}}`` of the family in ``names``."""
+    by_leaf: dict[str, list[tuple[str, str]]] = {}  # one dict lookup per tensor, not one per name
+    for role, rels in (("producers", producers), ("consumers", consumers)):
+        for rel in rels:
+            by_leaf.setdefault(rel.rpartition(".")[2], []).append((role, rel))
+    out: dict[str, dict[str, list[str]]] = {}
+    for name in names:
+        path = name[: -len(".weight")] if name.endswith(".weight") else name
+        for role, rel in by_leaf.get(path.rpartition(".")[2], ()):
+            if path == rel or path.endswith("." + rel):
+                group = out.setdefault(path[: -len(rel)].rstrip("."), {"producers": [], "consumers": []})
+                if path not in group[role]:
+                    group[role].append(path)
+    return out
+
+
+def _check_family(parent: str, found: dict, specs, shapes, styles, keys) -> None:
+    producers = [p for p in found["producers"] if len(_shape(shapes, p)) >= 2]
+    consumers = [c for c in found["consumers"] if len(_shape(shapes, c)) >= 2]
+    split_out = [p for p in producers if _splits(p, specs, shapes, styles, "producers")]
+    split_in = [c for c in consumers if _splits(c, specs, shapes, styles, "consumers")]
+    if split_out and consumers and not split_in:
+        p, c = split_out[0], consumers[0]
+        key = _key(keys, p)
+        raise PlanError(
+            f"plan key {key!r} shards {p!r} colwise, so its output stays split over the ranks, but its "
+            f"consumer {c!r} is {_what(c, specs, styles)}: it would get part of its input features and the "
+            f"forward would fail. Pair them: add {{{_sibling_key(key, p, c)!r}: 'rowwise'}} to the plan "
+            f"(or give {p!r} 'colwise_gather_output' to make its output whole)")
+    if split_in and producers and not split_out:
+        c, p = split_in[0], producers[0]
+        key = _key(keys, c)
+        raise PlanError(
+            f"plan key {key!r} shards {c!r} rowwise, so it expects its input split over the ranks, but "
+            f"{', '.join(map(repr, producers))}, which produce that input, are whole: the forward would "
+            f"fail. Shard them colwise (add {{{_sibling_key(key, c, p)!r}: 'colwise'}}, and the same for "
+            f"the others), or give {c!r} 'rowwise_split_input' to split a whole input itself")
+
+
+def _key(keys, path: str) -> str:
+    return keys[path] if path in keys else keys.get(f"{path}.weight", path)
+
+
+def _shape(shapes, path: str) -> tuple[int, ...]:
+    return shapes.get(f"{path}.weight", shapes.get(path, ()))
+
+
+def _what(path: str, specs, styles) -> str:
+    style = styles.get(path)
+    if style is not None and style.split_input:
+        return f"{style.source!r}, which takes a whole input and splits it itself"
+    spec = _weight_spec(specs, path)
+    return "not in the plan" if spec is None or spec.replicated else f"sharded as {spec}, not rowwise"
+
+
+def _sibling_key(key: str, path: str, sibling: str) -> str:
+    """The plan key of ``sibling`` written like ``key`` (its '*'s and prefix kept)."""
+    parent = path.rpartition(".")[0] if "." in path else ""
+    while parent and not sibling.startswith(parent + "."):
+        parent = parent.rpartition(".")[0]
+    tail_old = path[len(parent) + 1:] if parent else path
+    tail_new = sibling[len(parent) + 1:] if parent else sibling
+    head = key.split(".")[: len(key.split(".")) - len(tail_old.split("."))]
+    return ".".join(head + tail_new.split("."))
+
+
+# -- degrees --------------------------------------------------------------------------------
+
+HEAD_ATTRS = ("num_heads", "heads", "num_attention_heads", "num_key_value_heads",
+               "num_kv_heads", "n_heads", "n_kv_heads")
+_ATTENTION = re.compile(r"attn|attention|q_proj|k_proj|v_proj|qkv|to_q|to_k|to_v")
+
+
+def head_counts(model: nn.Module, sharded: list[str]) -> list[tuple[str, str, int, str]]:
+    """``(owner, attribute, count, sharded path)`` of each head count on the config or on a
+    module above a sharded projection."""
+    if not sharded:
+        return []
+    config = getattr(model, "config", None)
+    # the root's from its config: diffusers warns on config attributes read off the model
+    owners = [("config", config)] if config is not None else [("", model)]
+    owners += [(n, m) for n, m in model.named_modules() if n]
+    out = []
+    for name, owner in owners:
+        near = [p for p in sharded if name in ("", "config") or p.startswith(name + ".")]
+        if not near:
+            continue
+        for attr in HEAD_ATTRS:
+            try:
+                value = getattr(owner, attr, None)
+            except Exception:  # noqa: BLE001 - a per-layer config attribute refuses a global read
+                continue
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                path = next((p for p in near if _ATTENTION.search(p)), near[0])
+                out.append((f"model.{name}" if name else "model", attr, value, path))
+    return out
+
+
+def check_degrees(tensors: list, counts: list, keys: dict, degrees: dict[str, int],
+                  others: Callable[[dict[str, int]], None]) -> None:
+    """``ShardingError`` unless each axis's degree splits its ``tensors`` (``(shape, spec, name,
+    key)``) and, for tp, the head ``counts``; it lists the degrees passing these and ``others``."""
+    for axis in ("tp", "ep"):
+        error = _error_at(tensors, counts, keys, axis, degrees[axis])
+        if error is not None:
+            ok = _passing(tensors, counts, keys, degrees, axis, others)
+            # from None: the cause's hint (one dim's divisors) would contradict the list
+            raise ShardingError(f"{error}. Degrees that pass every check of this plan: "
+                                f"{', '.join(map(str, ok))}") from None
+
+
+def _passing(tensors, counts, keys, degrees: dict[str, int], axis: str, others) -> list[int]:
+    ok = []
+    for d in dividing_degrees([(shape, spec) for shape, spec, _, _ in tensors if spec.axis == axis]):
+        if d > 1:
+            if _error_at(tensors, counts, keys, axis, d) is not None:
+                continue
+            try:
+                others({**degrees, axis: d})
+            except PlanError:
+                continue
+        ok.append(d)
+    return ok
+
+
+def _error_at(tensors, counts, keys, axis: str, degree: int) -> str | None:
+    for shape, spec, name, key in tensors:
+        if spec.axis != axis:
+            continue
+        try:
+            check_shardable(shape, spec, degree)
+        except ShardingError:
+            sizes = block_sizes(shape, spec)
+            blocks = f" (packed blocks of sizes {list(sizes)})" if spec.packed else ""
+            return (f"plan key {key!r}, tensor {name!r} of shape {shape}: dim {spec.dim} of size "
+                    f"{shape[spec.dim]}{blocks} cannot be split over degree {degree}")
+    for where, attr, value, path in counts if axis == "tp" and degree > 1 else ():
+        if value % degree:
+            return (f"{where}.{attr} = {value} is not divisible by degree {degree}, but plan key "
+                    f"{keys[path]!r} shards {path!r}: each rank must own whole heads")
+    return None
+
+
 __all__ = [
-    "PackedColwise", "PackedRowwise", "ResolvedPlan", "SUPPORTED_STYLES", "Style",
-    "ep_plan_from_model", "match_plan", "normalize_style", "plan_from_model", "plan_summary",
+    "FAMILIES", "HEAD_ATTRS", "PackedColwise", "PackedRowwise", "ResolvedPlan", "SUPPORTED_STYLES", "Style",
+    "match_plan", "normalize_style", "plan_from_model", "plan_summary",
     "register_model_check", "resolve_plan", "without_tp",
 ]

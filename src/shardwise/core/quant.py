@@ -1,8 +1,6 @@
-"""Block-quantized tensors (pure): the one naming rule, the one reading of a
-``quantization_config``, the one pairing of values and scales, and the region math on the
-*logical* weight (one value per element; MXFP4: unpacked ``(..., rows, K)``). Dequantization
-computes in float32 and casts once, so a rank's shard equals the same slice of the whole bit for bit.
-"""
+"""Block-quantized tensors (pure): the one scale-naming rule, the one reading of a
+``quantization_config``, the one pairing of values and scales, and the region math on the logical
+weight (MXFP4: unpacked ``(..., rows, K)``). Dequantization computes in float32 and casts once."""
 
 from __future__ import annotations
 
@@ -31,22 +29,22 @@ FLOAT8 = frozenset(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "
                                                  "float8_e5m2fnuz") if hasattr(torch, n))
 
 
-def scale_key(name: str) -> str:
-    """The name of the scales of the FP8 tensor ``name``, stored or held (the one FP8 naming
-    rule: ``mlp.down_proj.weight_scale_inv``, ``experts.gate_up_proj_scale_inv``)."""
+def scale_key(name: str, scheme: str = "fp8_block") -> str:
+    """The scales of the values ``name``, stored or held (the one naming rule): ``x.weight`` ->
+    ``x.weight_scale_inv`` (FP8), ``x_blocks`` -> ``x_scales`` (``"mxfp4"``)."""
+    if scheme == "mxfp4":
+        return name.removesuffix(MXFP4_SUFFIXES[0]) + MXFP4_SUFFIXES[1]
     return name + FP8_SCALE
 
 
 def pair_of(name: str, dtype: torch.dtype, names: Container[str]) -> tuple[str, str] | None:
-    """``(scales name, scheme)`` when the tensor ``name`` of ``dtype`` is the values of a
-    block-quantized pair among ``names`` (the one pairing rule, for stored and held tensors
-    alike): float8 values next to :func:`scale_key`; MXFP4 ``x_blocks`` next to ``x_scales``
-    (by name: callers check their dtypes and shapes). None for any other tensor."""
+    """``(scales name, scheme)`` when ``name`` of ``dtype`` is the values of a pair among
+    ``names`` (stored or held): float8 next to :func:`scale_key`, MXFP4 ``x_blocks`` next to
+    ``x_scales`` (callers check dtypes and shapes); else None."""
     if dtype in FLOAT8:
         return (scale_key(name), "fp8_block") if scale_key(name) in names else None
-    base = name.removesuffix(MXFP4_SUFFIXES[0])
-    if base != name and base + MXFP4_SUFFIXES[1] in names:
-        return base + MXFP4_SUFFIXES[1], "mxfp4"
+    if name.endswith(MXFP4_SUFFIXES[0]) and scale_key(name, "mxfp4") in names:
+        return scale_key(name, "mxfp4"), "mxfp4"
     return None
 
 
@@ -55,22 +53,21 @@ def _config_get(qc, name: str):
 
 
 def is_block(block) -> bool:
-    """Whether every entry of ``block`` is a positive int or None (a dim the scale lacks)."""
+    """Whether every entry is a positive int or None (a dim the scale lacks)."""
     return all(b is None or (isinstance(b, int) and not isinstance(b, bool) and b > 0) for b in block)
 
 
 def as_block(value) -> tuple[int, int] | None:
-    """``value`` as a 2-D block size (two positive ints, a list or tuple), else None."""
+    """``value`` as a 2-D block size (two positive ints), else None."""
     if isinstance(value, (list, tuple)) and len(value) == 2 and None not in value and is_block(value):
         return int(value[0]), int(value[1])
     return None
 
 
 def quant_scheme(qc) -> tuple[str | None, str | None]:
-    """``(quant_method, None)`` for a ``quantization_config`` (a dict, a transformers config
-    object, or bitsandbytes' flag string) shardwise supports: FP8 with block scales
-    (``"fp8"``, a ``weight_block_size`` of two ints, float scales, dynamic activations, FP8
-    experts) or ``"mxfp4"``; ``(quant_method, why not)`` for any other ("" : another scheme)."""
+    """``(quant_method, None)`` for a ``quantization_config`` (dict, config object, or
+    bitsandbytes' flag string) shardwise reads: block-scaled ``"fp8"`` or ``"mxfp4"``; else
+    ``(quant_method, why not)`` ("": another scheme)."""
     if isinstance(qc, str):  # bitsandbytes' flags on the model
         return qc, ""
     method = _config_get(qc, "quant_method")
@@ -91,9 +88,8 @@ def quant_scheme(qc) -> tuple[str | None, str | None]:
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """A checkpoint's ``quantization_config`` (:func:`read_quantization`): ``config`` (a dict or
-    a transformers config object; None: nothing says it), found in ``where`` (its model config
-    file, ``"model.config"``, or the checkpoint); ``has_file``: the checkpoint has a model config."""
+    """A checkpoint's ``config`` (None: nothing says it), found in ``where``; ``has_file``: the
+    checkpoint has a model config file."""
 
     config: object
     where: object
@@ -105,12 +101,11 @@ class QuantConfig:
 
     @property
     def block(self) -> tuple[int, int] | None:
-        """The FP8 ``weight_block_size``; None for another method or a malformed block."""
+        """The FP8 ``weight_block_size``, else None."""
         return as_block(_config_get(self.config, "weight_block_size")) if self.method == "fp8" else None
 
     def fp8_block(self) -> tuple[int, int]:
-        """The block of an FP8 checkpoint's scales; ``CheckpointError`` where no supported FP8
-        config says it."""
+        """The block of FP8 scales; ``CheckpointError`` where no supported config says it."""
         if self.config is None:
             raise CheckpointError(f"{self.where}: FP8 weights with scales, but no quantization_config (the "
                                   "model config next to the weights, or the model's config) says their "
@@ -127,9 +122,8 @@ class QuantConfig:
 
 
 def read_quantization(folder, model_config=None) -> QuantConfig:
-    """The one reading of a checkpoint's ``quantization_config``: what the model adapter finds
-    beside it in ``folder`` (``core.adapter.folder_quantization``: the Hugging Face adapter reads
-    its config.json), else ``model_config.quantization_config``."""
+    """The one reading of a checkpoint's ``quantization_config``: the model adapter's side file
+    in ``folder``, else ``model_config.quantization_config``."""
     found = folder_quantization(folder)
     if found is not None and found[0] is not None:
         return QuantConfig(found[0], found[1], True)
@@ -140,11 +134,9 @@ def read_quantization(folder, model_config=None) -> QuantConfig:
 
 @dataclass(frozen=True)
 class QuantScheme:
-    """How a weight is block-quantized: the scheme's ``name`` and its ``block`` shape, one entry
-    per dim of the logical weight (1: a scale per element on that dim; ``None``: the scale
-    tensor lacks that dim). ``"fp8_block"``: ``float8_e4m3fn`` values, float32
-    ``weight_scale_inv`` per block. ``"mxfp4"``: ``uint8`` ``*_blocks`` ``(..., K/32, 16)``, two
-    e2m1 values a byte, ``uint8`` e8m0 ``*_scales`` ``(..., K/32)``; block ``(1, ..., 1, 32)``."""
+    """How a stored weight is quantized: ``name`` in ``SCHEMES`` and ``block``, one entry per dim
+    of the logical weight (None: the scales lack that dim). ``"mxfp4"``: uint8 ``*_blocks``
+    ``(..., K/32, 16)`` and e8m0 ``*_scales`` ``(..., K/32)``, block ``(1, ..., 1, 32)``."""
 
     name: str
     block: Block
@@ -171,7 +163,7 @@ class QuantScheme:
         return cls("mxfp4", _mxfp4_block(ndim))
 
     def stored_shapes(self, shape: Shape) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Shapes of the stored (values, scales) tensors of a logical weight of ``shape``."""
+        """Shapes of the stored (values, scales) of a logical weight of ``shape``."""
         scales = scale_shape(shape, self.block)
         if self.name == "mxfp4":
             if shape[-1] % MXFP4_GROUP:
@@ -181,14 +173,13 @@ class QuantScheme:
         return tuple(int(s) for s in shape), scales
 
     def stored_regions(self, region: Region) -> tuple[Region, Region]:
-        """The (values, scales) regions of the stored tensors holding ``region`` of the logical weight."""
+        """The (values, scales) regions holding ``region`` of the logical weight."""
         return mxfp4_regions(region) if self.name == "mxfp4" else (region, scale_region(region, self.block))
 
     def stored_keys(self, name: str) -> tuple[str, str]:
-        """Checkpoint keys of the (values, scales) of the parameter ``name``, as the hub writes them."""
-        if self.name == "mxfp4":
-            return name + MXFP4_SUFFIXES[0], name + MXFP4_SUFFIXES[1]
-        return name, scale_key(name)
+        """The hub's keys of the (values, scales) of parameter ``name``."""
+        values = name + MXFP4_SUFFIXES[0] if self.name == "mxfp4" else name
+        return values, scale_key(values, self.name)
 
 
 def _mxfp4_block(ndim: int) -> Block:
@@ -209,16 +200,13 @@ def _check_ndim(region: Region, block: Block) -> None:
 
 
 def scale_shape(shape: Shape, block: Block) -> tuple[int, ...]:
-    """Shape of the scale tensor of a weight of ``shape``: ``ceil(size / b)`` per dim the scale
-    has (``scale_shape((576, 7168), (128, 128))`` is ``(5, 56)``)."""
+    """``ceil(size / b)`` per dim the scale has: ``scale_shape((576, 7168), (128, 128)) == (5, 56)``."""
     return scale_region(Region((0,) * len(shape), tuple(int(s) for s in shape)), block).sizes
 
 
 def scale_region(weight_region: Region, block: Block) -> Region:
-    """The region of the scale tensor holding the scale of every block ``weight_region`` touches:
-    on each dim, ``[floor(a / b), ceil(end / b))`` for the weight's ``[a, end)``; a dim whose block
-    is ``None`` is absent from the scale region. An empty weight dim gives an empty scale dim
-    (rows 72..144 in 128-row blocks: scale rows 0 and 1)."""
+    """The scales of every block ``weight_region`` touches: ``[a // b, ceil(end / b))`` per dim
+    (rows 72..144 in 128-row blocks: scale rows 0 and 1); a ``None`` dim is absent."""
     _check_ndim(weight_region, block)
     offsets, sizes = [], []
     for a, n, b in zip(weight_region.offsets, weight_region.sizes, block, strict=True):
@@ -229,17 +217,9 @@ def scale_region(weight_region: Region, block: Block) -> Region:
     return Region(tuple(offsets), tuple(sizes))
 
 
-def offsets_in_block(weight_region: Region, block: Block) -> tuple[int | None, ...]:
-    """Where ``weight_region`` starts inside its first block, per dim (``None`` where the scale
-    lacks the dim)."""
-    _check_ndim(weight_region, block)
-    return tuple(None if b is None else a % b for a, b in zip(weight_region.offsets, block, strict=True))
-
-
 def is_block_aligned(shape: Shape, weight_region: Region, block: Block) -> bool:
-    """Whether every boundary of ``weight_region`` is a block boundary or the tensor's edge, and
-    the region is whole on every dim the scale lacks: then the scale regions of regions that tile
-    the weight tile the scale tensor (no rank shares a block's scale)."""
+    """Whether every boundary of ``weight_region`` is a block boundary or the tensor's edge (whole
+    on a ``None`` dim): then no two tiling regions share a block's scale."""
     _check_ndim(weight_region, block)
     return all(
         (a == 0 and n == size) if b is None else (a % b == 0 and ((a + n) % b == 0 or a + n == size))
@@ -248,8 +228,7 @@ def is_block_aligned(shape: Shape, weight_region: Region, block: Block) -> bool:
 
 
 def decode_scale(scale: torch.Tensor) -> torch.Tensor:
-    """Scales as float32: ``uint8`` is e8m0 (``2 ** (byte - 127)``; byte 255 gives inf, like
-    transformers' ``Fp8Dequantize``), any float dtype is converted exactly."""
+    """Scales as float32: ``uint8`` is e8m0 (``2 ** (byte - 127)``, 255 gives inf, as transformers)."""
     if scale.dtype == torch.uint8:
         return torch.exp2(scale.to(torch.int32) - E8M0_BIAS)
     if not scale.dtype.is_floating_point:
@@ -259,10 +238,12 @@ def decode_scale(scale: torch.Tensor) -> torch.Tensor:
 
 def expand_scale(scale: torch.Tensor, weight_region: Region, block: Block,
                  scratch: torch.Tensor | None = None) -> torch.Tensor:
-    """The scale of each element of ``weight_region``, shaped like it, from ``scale`` read at
-    :func:`scale_region` (dims the scale lacks are broadcast views). ``scratch`` (shaped like the
-    region) receives the one full-size expansion, if there is one, instead of a new tensor."""
-    _check_scale(scale, weight_region, block)
+    """The scale of each element of ``weight_region`` (shaped like it) from ``scale`` read at
+    :func:`scale_region`; ``scratch`` (region-shaped) receives the full-size expansion, if any."""
+    want = scale_region(weight_region, block).sizes
+    if tuple(scale.shape) != want:
+        raise PlanError(f"scale of shape {tuple(scale.shape)} does not fit weight region {weight_region} "
+                        f"with block {block}: expected {want}; read it at scale_region(region, block)")
     out = scale
     steps = list(enumerate(zip(weight_region.offsets, weight_region.sizes, block, strict=True)))
     last = max((d for d, (_, _, b) in steps if b is not None and b > 1), default=None)
@@ -277,26 +258,10 @@ def expand_scale(scale: torch.Tensor, weight_region: Region, block: Block,
     return out.expand(weight_region.sizes)
 
 
-def _check_scale(scale: torch.Tensor, weight_region: Region, block: Block) -> None:
-    want = scale_region(weight_region, block).sizes
-    if tuple(scale.shape) != want:
-        raise PlanError(f"scale of shape {tuple(scale.shape)} does not fit weight region {weight_region} "
-                        f"with block {block}: expected {want}; read it at scale_region(region, block)")
-
-
-def _check_pair(q: torch.Tensor, scale: torch.Tensor, weight_region: Region, block: Block) -> None:
-    if tuple(q.shape) != weight_region.sizes:
-        raise PlanError(f"quantized values of shape {tuple(q.shape)} do not fit weight region "
-                        f"{weight_region}; read the weight at the region itself")
-    _check_scale(scale, weight_region, block)
-
-
 def quantize_fp8_blocks(weight: torch.Tensor, block: tuple[int, int] = (128, 128)
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(float8_e4m3fn values, float32 scales)`` of ``weight`` ``(..., rows, cols)``, one scale
-    per ``block`` of the last two dims, as transformers' ``Fp8Quantize`` computes them (float32:
-    scale ``amax / 448``, 1 for an all-zero block; values ``clamp(w * 448 / amax, +-448)``),
-    partial last blocks included. The inverse of :func:`dequantize_region` up to e4m3 rounding."""
+    per ``block`` of the last two dims, as transformers' ``Fp8Quantize`` (partial blocks too)."""
     if weight.dim() < 2 or as_block(block) is None:
         raise PlanError(f"quantize_fp8_blocks takes a weight (..., rows, cols) and a block of 2 positive "
                         f"ints, got shape {tuple(weight.shape)} and block {tuple(block)}")
@@ -316,28 +281,22 @@ def quantize_fp8_blocks(weight: torch.Tensor, block: tuple[int, int] = (128, 128
 
 
 def dequantize_region(q: torch.Tensor, scale: torch.Tensor, weight_region: Region, block: Block,
-                      dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """``weight_region`` of the dequantized weight from its values ``q`` (read at the region) and
-    ``scale`` (read at :func:`scale_region`): ``q.float() * scale`` in float32, cast once to
-    ``dtype``; equal bit for bit to the same slice of the full dequantization."""
-    _check_pair(q, scale, weight_region, block)
-    return (q.float() * expand_scale(decode_scale(scale), weight_region, block)).to(dtype)
-
-
-def dequantize_region_into(q: torch.Tensor, scale: torch.Tensor, weight_region: Region, block: Block,
-                           out: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
-    """:func:`dequantize_region` in float32 into ``out`` (float32, shaped like ``weight_region``),
-    expanding the scale into ``scratch`` (the same): a caller reusing both across chunks
-    allocates no region-sized temporary. Returns ``out``."""
-    _check_pair(q, scale, weight_region, block)
-    return out.copy_(q).mul_(expand_scale(decode_scale(scale), weight_region, block, scratch))
+                      dtype: torch.dtype = torch.bfloat16, *, out: torch.Tensor | None = None,
+                      scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """``weight_region`` of the dequantized weight from ``q`` (read at the region) and ``scale``
+    (read at :func:`scale_region`): ``q.float() * scale``, cast once to ``dtype``, equal bit for bit
+    to the same slice of the whole. With ``out`` and ``scratch`` (float32, region-shaped) it
+    computes into ``out`` (no cast), so a chunked caller allocates no temporaries."""
+    if tuple(q.shape) != weight_region.sizes:
+        raise PlanError(f"quantized values of shape {tuple(q.shape)} do not fit weight region "
+                        f"{weight_region}; read the weight at the region itself")
+    scales = expand_scale(decode_scale(scale), weight_region, block, scratch)
+    return (q.float() * scales).to(dtype) if out is None else out.copy_(q).mul_(scales)
 
 
 def mxfp4_regions(weight_region: Region, *, exact: bool = False) -> tuple[Region, Region]:
-    """The (``*_blocks``, ``*_scales``) regions holding ``weight_region`` of an MXFP4 weight's
-    logical values ``(..., rows, K)``: every 32-group it touches (``exact=False``, to
-    dequantize), or exactly it (``exact=True``, a shard kept packed: a column boundary that is
-    not a multiple of 32 raises ``ShardingError``)."""
+    """The (``*_blocks``, ``*_scales``) regions of every 32-group ``weight_region`` of the logical
+    MXFP4 weight touches; ``exact``: ``ShardingError`` for a column boundary inside a group."""
     ndim = len(weight_region.sizes)
     if ndim < 2:
         raise PlanError(f"an MXFP4 weight has at least 2 dims (rows, K), got region {weight_region}")
@@ -356,8 +315,7 @@ def mxfp4_regions(weight_region: Region, *, exact: bool = False) -> tuple[Region
 
 
 def unpack_e2m1(blocks: torch.Tensor) -> torch.Tensor:
-    """Float32 values of packed MXFP4 ``blocks`` ``(..., G, 16)``, shape ``(..., G * 32)``: value
-    ``2j`` is the low nibble of byte ``j``, ``2j + 1`` the high one (transformers' order)."""
+    """Float32 values ``(..., G * 32)`` of ``blocks`` ``(..., G, 16)``, low nibble first."""
     if blocks.dtype != torch.uint8:
         raise PlanError(f"MXFP4 blocks must be uint8, got {blocks.dtype}")
     lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=blocks.device)
@@ -367,10 +325,8 @@ def unpack_e2m1(blocks: torch.Tensor) -> torch.Tensor:
 
 def mxfp4_dequantize_region(blocks: torch.Tensor, scales: torch.Tensor, weight_region: Region,
                             dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """``weight_region`` of an MXFP4 weight's dequantized logical values ``(..., rows, K)`` from
-    ``blocks`` and ``scales`` read at :func:`mxfp4_regions`: ``ldexp(value, byte - 127)`` in
-    float32 as transformers' ``convert_moe_packed_tensors`` (byte 255 gives ``value * 2 **
-    128``), cast once; equal bit for bit to the same slice of the full dequantization."""
+    """``weight_region`` of the dequantized MXFP4 weight from ``blocks`` and ``scales`` read at
+    :func:`mxfp4_regions`: ``ldexp(value, byte - 127)`` in float32 (as transformers), cast once."""
     want_blocks, want_scales = mxfp4_regions(weight_region)
     if tuple(blocks.shape) != want_blocks.sizes or tuple(scales.shape) != want_scales.sizes:
         raise PlanError(f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not fit "
@@ -388,7 +344,7 @@ def mxfp4_dequantize_region(blocks: torch.Tensor, scales: torch.Tensor, weight_r
 __all__ = [
     "E2M1_VALUES", "FLOAT8", "FP8_SCALE", "MXFP4_GROUP", "MXFP4_GROUP_BYTES", "MXFP4_SUFFIXES", "QuantConfig",
     "QuantScheme", "SUPPORTED_QUANT", "read_quantization",
-    "as_block", "decode_scale", "dequantize_region", "dequantize_region_into", "expand_scale",
-    "is_block", "is_block_aligned", "mxfp4_dequantize_region", "mxfp4_regions", "offsets_in_block", "pair_of",
+    "as_block", "decode_scale", "dequantize_region", "expand_scale",
+    "is_block", "is_block_aligned", "mxfp4_dequantize_region", "mxfp4_regions", "pair_of",
     "quant_scheme", "quantize_fp8_blocks", "scale_key", "scale_region", "scale_shape", "unpack_e2m1",
 ]

@@ -1,9 +1,6 @@
-"""Where a block-quantized weight's scales live on each rank, and what a rank reads to
-dequantize its shard (pure). A quantized weight is sharded by its spec; its scales follow as
-region math (a :class:`QuantTie`): a rank holds the scale of every block its weight shard
-touches (:func:`scale_layout`), so where a boundary cuts a block both neighbours hold its scale
-and a gather takes it once (:func:`scale_owned_layout`).
-"""
+"""Where a quantized weight's scales live on each rank, and what a rank reads to dequantize
+its shard (pure). A rank holds the scale of every block its weight shard touches; where a
+boundary cuts a block both neighbours hold it, and a gather takes it once."""
 
 from __future__ import annotations
 
@@ -19,9 +16,10 @@ from shardwise.core.quant import (
     MXFP4_GROUP_BYTES,
     MXFP4_SUFFIXES,
     SCHEMES,
+    Block,
     QuantScheme,
     as_block,
-    dequantize_region_into,
+    dequantize_region,
     is_block,
     is_block_aligned,
     mxfp4_dequantize_region,
@@ -30,20 +28,27 @@ from shardwise.core.quant import (
     scale_region,
     scale_shape,
 )
-from shardwise.core.spec import Layout, Region, ShardSpec, check_shardable, local_layout, local_shape
+from shardwise.core.spec import (
+    Layout,
+    Region,
+    ShardSpec,
+    check_shardable,
+    dividing_degrees,
+    local_layout,
+    local_shape,
+)
 from shardwise.errors import PlanError, ShardingError
 
 
 @dataclass(frozen=True)
 class QuantTie:
-    """The scale tensor of a block-quantized weight: the model tensor ``weight`` of global
-    ``weight_shape``, one scale per ``block`` (per weight dim a positive int, or ``None``
-    where the scale tensor lacks the dim), in ``scheme`` (``"fp8_block"``: the fp8 weight;
-    ``"mxfp4"``: the packed ``x_blocks``, block ``(1, ..., 1, None)``)."""
+    """The scales of the model tensor ``weight`` of global ``weight_shape``: one per ``block``
+    (None: the scales lack that dim), in ``scheme`` (``"mxfp4"``: the packed ``x_blocks``, block
+    ``(1, ..., 1, None)``)."""
 
     weight: str
     weight_shape: tuple[int, ...]
-    block: tuple[int | None, ...]
+    block: Block
     scheme: str = "fp8_block"
 
     def __post_init__(self) -> None:
@@ -61,9 +66,8 @@ class QuantTie:
         return scale_shape(self.weight_shape, self.block)
 
 
-def _scale_dim(block: tuple[int | None, ...], dim: int, what: str) -> int:
-    """The dim of the scale tensor that weight dim ``dim`` becomes; ``PlanError`` (naming
-    ``what``) for a dim the scale tensor lacks (block ``None``)."""
+def _scale_dim(block: Block, dim: int, what: str) -> int:
+    """The scale dim of weight dim ``dim``; ``PlanError`` naming ``what`` if the scales lack it."""
     if block[dim] is None:
         raise PlanError(f"{what}: its scale tensor has no dim for weight dim {dim} (block {block}), so a "
                         "shard of that dim has no scales of its own")
@@ -76,22 +80,19 @@ def _held_scales(tie: QuantTie, spec: ShardSpec, degree: int, rank: int) -> tupl
 
 
 def scale_layout(tie: QuantTie, spec: ShardSpec, degree: int, rank: int) -> Layout:
-    """The scale regions rank ``rank`` of ``degree`` holds for its shard of ``tie.weight``
-    (split by ``spec``), each with its offset in the rank's local scale tensor (rank 1 of 576
-    rows at tp=8 in 128-row blocks: rows 72..144, scale rows 0 and 1)."""
+    """The scale regions rank ``rank`` holds for its shard of ``tie.weight``, with their offsets
+    in its local scales (rank 1 of 576 rows at tp=8, 128-row blocks: scale rows 0 and 1)."""
     return _held_scales(tie, spec, degree, rank)[0]
 
 
 def scale_local_shape(tie: QuantTie, spec: ShardSpec, degree: int, rank: int) -> tuple[int, ...]:
-    """Shape of rank ``rank``'s local scale tensor (ranks may differ where blocks are cut)."""
+    """Shape of rank ``rank``'s local scales (ranks differ where blocks are cut)."""
     return _held_scales(tie, spec, degree, rank)[1]
 
 
 def scale_owned_layout(tie: QuantTie, spec: ShardSpec, degree: int, rank: int) -> Layout:
-    """The scale regions rank ``rank`` contributes when the scale tensor is gathered: of the
-    blocks it holds, those whose first element along the shard dim lies in its weight shard,
-    each with its offset in the rank's local scale tensor. Over all ranks they tile the scale
-    tensor exactly once (a replicated scale: rank 0 holds it all)."""
+    """The held scale regions whose block starts in rank ``rank``'s weight shard (replicated: all
+    on rank 0), with local offsets: over all ranks they tile the scales exactly once."""
     held = scale_layout(tie, spec, degree, rank)
     if spec.dim is None:  # replicated
         return held if rank == 0 else []
@@ -112,9 +113,8 @@ def scale_owned_layout(tie: QuantTie, spec: ShardSpec, degree: int, rank: int) -
 
 
 def tie_aligned(tie: QuantTie, spec: ShardSpec, degree: int) -> bool:
-    """Whether every rank's scales are the scale tensor split by ``spec`` and every weight
-    region starts on a block boundary and ends on one or at the tensor's edge: then each rank's
-    (weight, scale) pair is an ordinary shard (a DTensor, what an FP8 kernel reads as is)."""
+    """Whether every rank's scales are the scales split by ``spec`` with no block cut: then each
+    rank's (weight, scale) pair is an ordinary shard (a DTensor an FP8 kernel reads as is)."""
     if spec.dim is None or degree == 1:  # replicated, or one rank
         return True
     if tie.block[spec.dim] is None:  # a split of a dim the scales lack: every shard cuts blocks
@@ -134,17 +134,8 @@ def tie_aligned(tie: QuantTie, spec: ShardSpec, degree: int) -> bool:
 
 
 def fitting_degrees(shape: tuple[int, ...], spec: ShardSpec, fits: Callable[[int], bool]) -> list[int]:
-    """The degrees from 2 to 64 that split ``shape`` by ``spec`` and that ``fits`` accepts (for
-    the hint of an error naming the degrees that would do)."""
-    out = []
-    for d in range(2, 65):
-        try:
-            check_shardable(shape, spec, d)
-            if fits(d):
-                out.append(d)
-        except ShardingError:
-            pass
-    return out
+    """The degrees from 2 to 64 that split ``shape`` by ``spec`` and that ``fits`` accepts."""
+    return [d for d in dividing_degrees([(shape, spec)]) if d > 1 and fits(d)]
 
 
 def take_layout(tensor: torch.Tensor, layout: Layout, shape: tuple[int, ...]) -> torch.Tensor:
@@ -155,14 +146,13 @@ def take_layout(tensor: torch.Tensor, layout: Layout, shape: tuple[int, ...]) ->
     return out
 
 
-def quant_pairs(module: nn.Module) -> list[tuple[str, str, tuple[int | None, ...], str]]:
-    """``(values, scales, block, scheme)`` of each pair of ``module``'s own parameters
-    (``core.quant.pair_of``): an FP8 linear's 2-D ``weight`` (``FP8Linear``, block
-    ``block_size``), each 3-D FP8 expert projection (``FP8Experts``, block ``(1, *block_size)``),
-    each uint8 MXFP4 ``x_blocks`` ``(..., K/32, 16)``, block ``(1, ..., 1, None)``. Attributes only."""
+def quant_pairs(module: nn.Module) -> list[tuple[str, str, Block, str]]:
+    """``(values, scales, block, scheme)`` of each pair (:func:`pair_of`) of ``module``'s own
+    parameters: an ``FP8Linear`` ``weight`` (block ``block_size``), a 3-D ``FP8Experts``
+    projection (``(1, *block_size)``), an MXFP4 ``x_blocks`` (``(1, ..., 1, None)``)."""
     held = {n: p for n, p in module._parameters.items() if p is not None}
     block = as_block(getattr(module, "block_size", None))
-    out: list[tuple[str, str, tuple[int | None, ...], str]] = []
+    out: list[tuple[str, str, Block, str]] = []
     for name, values in held.items():
         found = pair_of(name, values.dtype, held)
         if found is None:
@@ -180,14 +170,13 @@ def quant_pairs(module: nn.Module) -> list[tuple[str, str, tuple[int | None, ...
 
 
 def is_tied_scale(model: nn.Module, name: str) -> bool:
-    """Whether ``name`` is the scale tensor of a block-quantized pair of ``model`` (:func:`quant_pairs`)."""
+    """Whether ``name`` is the scales of a pair of ``model`` (:func:`quant_pairs`)."""
     path, _, leaf = name.rpartition(".")
     return any(scales == leaf for _, scales, _, _ in quant_pairs(model.get_submodule(path)))
 
 
 def quant_ties(model: nn.Module) -> dict[str, QuantTie]:
-    """``{scale tensor name: QuantTie}`` for every pair of ``model`` (:func:`quant_pairs`);
-    ``PlanError`` for a scale whose shape does not fit its weight and block."""
+    """``{scales: QuantTie}`` of every pair of ``model``; ``PlanError`` for a misfit scale shape."""
     ties = {}
     for path, module in model.named_modules():
         prefix = f"{path}." if path else ""
@@ -204,11 +193,9 @@ def quant_ties(model: nn.Module) -> dict[str, QuantTie]:
 
 def tie_scales(model: nn.Module, specs: dict, styles: dict, keys: dict,
                degrees: dict[str, int] | None = None) -> dict[str, QuantTie]:
-    """``{scale: QuantTie}`` of ``model`` (:func:`quant_ties`), each scale given its weight's spec
-    in ``specs`` (overriding a plan key naming the scale itself). A sharded FP8 linear must be
-    planned by a module key (its forward is wired as one); FP8 experts by their parameters'
-    keys. A sharded MXFP4 weight must keep every 32-group whole at its axis's degree in
-    ``degrees`` (``ShardingError`` naming the degrees that do)."""
+    """:func:`quant_ties` of ``model``, each scale given its weight's spec in ``specs``. A sharded
+    FP8 linear must be planned by its module key (``PlanError``); a sharded MXFP4 weight must keep
+    every 32-group whole at its degree in ``degrees`` (``ShardingError``)."""
     ties = quant_ties(model)
     for scale, tie in ties.items():
         spec = specs[tie.weight]
@@ -225,8 +212,7 @@ def tie_scales(model: nn.Module, specs: dict, styles: dict, keys: dict,
 
 
 def _cut_group(tie: QuantTie, spec: ShardSpec, degree: int) -> ShardingError | None:
-    """The error of the first region of an MXFP4 ``x_blocks`` shard that is not whole 32-groups,
-    None if there is none."""
+    """The error of the first MXFP4 ``x_blocks`` shard region cutting a 32-group, else None."""
     for rank in range(degree):
         for region, _ in local_layout(tie.weight_shape, spec, degree, rank):
             g, b = region.offsets[-2:]
@@ -253,13 +239,13 @@ def _check_whole_groups(tie: QuantTie, spec: ShardSpec, degree: int, key: str | 
 
 
 DEQUANT_CHUNK = 1 << 22  # weight elements dequantized at once: 16 MiB of float32 temporaries
-# The workspace's floor (float32 elements): above glibc's largest dynamic mmap threshold (32 MiB),
-# so it is always mmapped and freeing it never raises the threshold.
+# float32 elements: above glibc's largest dynamic mmap threshold (32 MiB), so always mmapped and
+# freeing it never raises the threshold
 _WORK_FLOOR = (32 << 20) // 4 + 4096
 
 
 def _swap(region: Region) -> Region:
-    """``region`` with its last two dims swapped (gpt-oss's experts hold the transpose)."""
+    """``region`` with its last two dims swapped."""
     o, n = region.offsets, region.sizes
     return Region(o[:-2] + (o[-1], o[-2]), n[:-2] + (n[-1], n[-2]))
 
@@ -277,12 +263,9 @@ def _stack(boxes: list[Region], dim: int | None) -> tuple[Layout, tuple[int, ...
 
 def dequant_reads(scheme: QuantScheme, shape: tuple[int, ...], spec: ShardSpec, degree: int, rank: int, *,
                   transposed: bool = False) -> tuple[tuple[Layout, tuple], tuple[Layout, tuple]]:
-    """What rank ``rank`` reads to dequantize its shard of a model tensor of ``shape`` split by
-    ``spec``, stored quantized in ``scheme`` (``transposed``: the stored logical weight is the
-    model tensor with its last two dims swapped, gpt-oss's MXFP4 experts): ``((values layout,
-    local shape), (scales layout, local shape))``, the boxes of the stored tensors its regions
-    touch, stacked along the shard dim in region order. A boundary inside a block or a group
-    gives both neighbouring ranks that block's box."""
+    """``((values layout, local shape), (scales layout, local shape))``: the boxes of the stored
+    tensors rank ``rank`` reads to dequantize its shard of a tensor of ``shape`` split by ``spec``,
+    stored in ``scheme`` (``transposed``: stored with its last two dims swapped, gpt-oss)."""
     if len(scheme.block) != len(shape):
         raise PlanError(f"{scheme} does not fit a weight of {len(shape)} dims {tuple(shape)}")
     values, scales = [], []
@@ -300,15 +283,14 @@ def dequant_reads(scheme: QuantScheme, shape: tuple[int, ...], spec: ShardSpec, 
 def dequantize_shard(values: torch.Tensor, scales: torch.Tensor, scheme: QuantScheme, shape: tuple[int, ...],
                      spec: ShardSpec, degree: int, rank: int, dtype: torch.dtype, *, transposed: bool = False,
                      chunk_elements: int = DEQUANT_CHUNK) -> torch.Tensor:
-    """Rank ``rank``'s dequantized shard (in ``dtype``) of a model tensor of ``shape`` split by
-    ``spec``, from ``values`` and ``scales`` read as :func:`dequant_reads` says: float32 then
-    cast once, equal to the same slice of the full dequantization bit for bit. Regions go in
-    dim-0 chunks of about ``chunk_elements``; FP8 chunks share one float32 workspace."""
+    """Rank ``rank``'s shard in ``dtype`` from ``values`` and ``scales`` read as
+    :func:`dequant_reads` says, bit for bit the same slice of the whole; dim-0 chunks of about
+    ``chunk_elements`` elements, FP8 ones in one float32 workspace."""
     out = torch.empty(local_shape(shape, spec, degree), dtype=dtype, device=values.device)
     (held_v, _), (held_s, _) = dequant_reads(scheme, shape, spec, degree, rank, transposed=transposed)
     regions = list(local_layout(shape, spec, degree, rank))
     steps = [max(1, chunk_elements // max(1, r.numel // r.sizes[0])) if r.numel else 0 for r, _ in regions]
-    # one float32 workspace (values, then scales) for all FP8 chunks: glibc would keep freed temporaries
+    # one float32 workspace (values, scales) for all FP8 chunks: glibc would keep freed temporaries
     cap = max((min(st, r.sizes[0]) * (r.numel // r.sizes[0])
                for st, (r, _) in zip(steps, regions, strict=True) if st), default=0)
     work = (torch.empty(max(2 * cap, _WORK_FLOOR), dtype=torch.float32, device=values.device)
@@ -329,25 +311,21 @@ def dequantize_shard(values: torch.Tensor, scales: torch.Tensor, scheme: QuantSc
             else:
                 assert work is not None  # FP8 with a non-empty region: cap > 0
                 k = part.numel
-                piece = dequantize_region_into(v, s, logical, scheme.block, work[:k].view(logical.sizes),
-                                               work[cap:cap + k].view(logical.sizes))
+                piece = dequantize_region(v, s, logical, scheme.block, out=work[:k].view(logical.sizes),
+                                          scratch=work[cap:cap + k].view(logical.sizes))
             out[local.slices()].copy_(piece.transpose(-1, -2) if transposed else piece)  # cast once
     return out
 
 
-def scale_pieces(pieces: Sequence[Piece], block: tuple[int | None, ...], key_of: Callable[[str], str]
-                 ) -> tuple[Piece, ...]:
-    """The pieces of a block-quantized tensor's scales, from the ``pieces`` of its values (an
-    experts tensor stored per expert, each stored weight with its own scales ``key_of(key)``),
-    each landing where its blocks lie in the assembled tensor. Every piece must start on a
-    block boundary of the assembled tensor and of its stored tensor, else ``PlanError``. Dims
-    the stored tensors lack (``stacked``) have block 1 in ``block``."""
+def scale_pieces(pieces: Sequence[Piece], block: Block, key_of: Callable[[str], str]) -> tuple[Piece, ...]:
+    """The pieces of the assembled scales from the ``pieces`` of the values (each stored tensor
+    with its scales ``key_of(key)``; ``stacked`` dims have block 1); ``PlanError`` for a piece
+    off a block boundary of the assembled or the stored tensor."""
     out = []
     for piece in pieces:
         kept = [d for d in range(len(piece.offsets)) if d not in piece.stacked]
         kept_block: dict[int, int] = {}  # block of each kept dim (checked not None below)
         for i, d in enumerate(kept):
-            # on block boundaries of both tensors, a piece keeps its blocks whole
             b = block[d]
             if b is None or piece.offsets[d] % b or piece.source.offsets[i] % b:
                 raise PlanError(f"{piece.key!r} lands at {piece.offsets} of the assembled tensor, which "
@@ -367,8 +345,7 @@ def _within(need: Region, box: Region, at: tuple[int, ...]) -> Region:
 
 def dequantize_local(q: torch.Tensor, scale: torch.Tensor, tie: QuantTie, spec: ShardSpec, degree: int,
                      rank: int, dtype: torch.dtype, *, chunk_elements: int = DEQUANT_CHUNK) -> torch.Tensor:
-    """:func:`dequantize_shard` of an FP8 ``tie``'s local pair: ``q`` its weight split by
-    ``spec``, ``scale`` held as :func:`scale_layout` says."""
+    """:func:`dequantize_shard` of an FP8 ``tie``'s local ``q`` and ``scale`` (:func:`scale_layout`)."""
     if tie.scheme != "fp8_block":
         raise PlanError(f"dequantize_local takes an FP8 tie, got {tie.scheme!r}; use dequantize_shard")
     return dequantize_shard(q, scale, QuantScheme("fp8_block", tie.block), tie.weight_shape, spec, degree,

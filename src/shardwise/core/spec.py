@@ -1,6 +1,5 @@
-"""Shard specs and the region math every load, save and reshard path shares. Pure: shapes,
-degrees and ranks are plain ints. A *region* is a box of the canonical (unsharded) tensor; a
-rank's local shard is its regions concatenated along the shard dim, in :func:`shard_regions` order."""
+"""Shard specs and the region math every path shares (pure: shapes, degrees, ranks are ints).
+A rank's local shard is its regions (boxes of the canonical tensor) concatenated along the shard dim."""
 
 from __future__ import annotations
 
@@ -52,13 +51,8 @@ class Region:
 
 @dataclass(frozen=True, repr=False)
 class ShardSpec:
-    """How one tensor is split over one mesh axis.
-
-    ``dim`` is the sharded tensor dim (non-negative; ``None`` means replicated).
-    ``blocks`` are the ratios of the packed blocks along ``dim``: each block is
-    split over the ranks on its own, so a fused gate|up weight keeps gate rows
-    and up rows apart on every rank. ``axis`` is the mesh axis the ranks are on:
-    ``"tp"`` (tensor parallel) or ``"ep"`` (expert parallel: experts split on dim 0).
+    """How one tensor splits over the mesh ``axis`` (``"tp"`` or ``"ep"``): on ``dim`` (None:
+    replicated), each packed block of ratios ``blocks`` on its own (gate|up rows stay apart).
 
     >>> ShardSpec(dim=0, blocks=(1, 1))
     ShardSpec(dim=0, blocks=(1, 1))
@@ -109,7 +103,7 @@ def _check_dim(shape: Shape, dim: int, what: str) -> None:
 
 
 def check_degree(degree: int, rank: int | None = None, names=("degree", "rank")) -> None:
-    """Raise ``PlanError`` unless ``degree`` is a positive int and ``rank`` (if given) in range."""
+    """``PlanError`` unless ``degree`` is a positive int and ``rank`` (if given) in range."""
     if not (is_int(degree) and degree >= 1):
         raise PlanError(f"{names[0]} must be a positive int, got {degree!r}")
     if rank is not None and not (is_int(rank) and 0 <= rank < degree):
@@ -117,14 +111,9 @@ def check_degree(degree: int, rank: int | None = None, names=("degree", "rank"))
 
 
 def block_sizes(shape: Shape, spec: ShardSpec) -> tuple[int, ...]:
-    """Sizes of the packed blocks along ``spec.dim``.
-
-    Raises ``PlanError`` for a replicated spec or a dim out of range, and
-    ``ShardingError`` when the dim size is not a multiple of ``sum(spec.blocks)``.
-
-    >>> block_sizes((36, 2), ShardSpec(dim=0, blocks=(1, 1, 1, 3, 3)))
-    (4, 4, 4, 12, 12)
-    """
+    """Sizes of the packed blocks along ``spec.dim``: ``(36, 2)`` by blocks ``(1, 1, 1, 3, 3)``
+    gives ``(4, 4, 4, 12, 12)``. ``PlanError`` for a replicated spec or a bad dim,
+    ``ShardingError`` when the size is not a multiple of ``sum(spec.blocks)``."""
     if spec.dim is None:  # replicated
         raise PlanError("a replicated ShardSpec has no blocks")
     _check_dim(shape, spec.dim, "shard")
@@ -145,12 +134,8 @@ def _degree_hint(g: int) -> str:
 
 
 def check_shardable(shape: Shape, spec: ShardSpec, degree: int) -> None:
-    """Raise ``ShardingError`` unless every block along ``spec.dim`` splits into ``degree`` parts.
-
-    A replicated spec always passes; a dim out of range raises ``PlanError``.
-
-    >>> check_shardable((8, 4), ShardSpec(dim=0, blocks=(1, 1)), 2)  # blocks of 4 rows: fine
-    """
+    """``ShardingError`` unless every block along ``spec.dim`` splits into ``degree`` parts
+    (replicated: always; a dim out of range: ``PlanError``)."""
     check_degree(degree)
     if spec.dim is None:  # replicated
         return
@@ -171,21 +156,13 @@ def check_shardable(shape: Shape, spec: ShardSpec, degree: int) -> None:
 
 
 def dividing_degrees(tensors: Sequence[tuple[Shape, ShardSpec]], *, limit: int = 64) -> list[int]:
-    """Every degree up to ``limit`` that splits all ``(shape, spec)`` pairs.
-
-    >>> dividing_degrees([((12, 4), ShardSpec(dim=0)), ((8,), ShardSpec(dim=0))], limit=8)
-    [1, 2, 4]
-    """
+    """Every degree up to ``limit`` that splits all ``(shape, spec)`` pairs."""
     sizes = [s for shape, spec in tensors if not spec.replicated for s in block_sizes(shape, spec)]
     return [d for d in range(1, limit + 1) if all(s % d == 0 for s in sizes)]
 
 
 def local_shape(shape: Shape, spec: ShardSpec, degree: int) -> tuple[int, ...]:
-    """Shape of each rank's local shard.
-
-    >>> local_shape((8, 4), ShardSpec(dim=1), 2)
-    (8, 2)
-    """
+    """Shape of each rank's local shard: ``local_shape((8, 4), ShardSpec(dim=1), 2) == (8, 2)``."""
     check_shardable(shape, spec, degree)
     out = tuple(int(s) for s in shape)
     if spec.dim is None:  # replicated
@@ -194,12 +171,7 @@ def local_shape(shape: Shape, spec: ShardSpec, degree: int) -> tuple[int, ...]:
 
 
 def global_shape(local: Shape, spec: ShardSpec, degree: int) -> tuple[int, ...]:
-    """The canonical shape whose shards under ``spec`` at ``degree`` have shape ``local``
-    (the inverse of :func:`local_shape`; every rank's shard has the same shape).
-
-    >>> global_shape((8, 2), ShardSpec(dim=1), 2)
-    (8, 4)
-    """
+    """The canonical shape whose shards have shape ``local`` (inverse of :func:`local_shape`)."""
     out = tuple(int(s) for s in local)
     if spec.dim is None:  # replicated
         return out
@@ -211,10 +183,8 @@ def global_shape(local: Shape, spec: ShardSpec, degree: int) -> tuple[int, ...]:
 
 
 def shard_regions(shape: Shape, spec: ShardSpec, degree: int, rank: int) -> list[Region]:
-    """This rank's regions of the canonical tensor, in local concatenation order.
-
-    For each block, the rank holds the ``rank``-th of ``degree`` equal parts;
-    regions that touch along ``spec.dim`` are merged (degree 1 gives one region).
+    """This rank's regions, in local order: the ``rank``-th of ``degree`` parts of each block,
+    touching regions merged.
 
     >>> shard_regions((8, 4), ShardSpec(dim=0, blocks=(1, 1)), 2, 0)
     [Region(offsets=(0, 0), sizes=(2, 4)), Region(offsets=(4, 0), sizes=(2, 4))]
@@ -258,10 +228,7 @@ def local_layout(shape: Shape, spec: ShardSpec, degree: int, rank: int) -> Layou
 
 
 def split(tensor: torch.Tensor, spec: ShardSpec, degree: int, rank: int) -> torch.Tensor:
-    """The rank's local shard of the canonical ``tensor``.
-
-    Always a new contiguous tensor that owns its memory, so the canonical
-    tensor can be freed after splitting.
+    """The rank's local shard of ``tensor``: always a new tensor (the canonical one may be freed).
 
     >>> split(torch.arange(8).reshape(8, 1), ShardSpec(dim=0, blocks=(1, 1)), 2, 1).flatten()
     tensor([2, 3, 6, 7])
@@ -274,13 +241,7 @@ def split(tensor: torch.Tensor, spec: ShardSpec, degree: int, rank: int) -> torc
 
 
 def assemble(shards: Sequence[torch.Tensor], spec: ShardSpec, degree: int) -> torch.Tensor:
-    """The canonical tensor rebuilt from every rank's local shard (inverse of :func:`split`).
-
-    >>> spec = ShardSpec(dim=0, blocks=(1, 1))
-    >>> t = torch.arange(8)
-    >>> torch.equal(assemble([split(t, spec, 2, r) for r in range(2)], spec, 2), t)
-    True
-    """
+    """The canonical tensor from every rank's local shard (the inverse of :func:`split`)."""
     check_degree(degree)
     if len(shards) != degree:
         raise PlanError(f"assemble needs one shard per rank ({degree}), got {len(shards)}")
@@ -305,12 +266,8 @@ def assemble(shards: Sequence[torch.Tensor], spec: ShardSpec, degree: int) -> to
 
 
 def chunk_layout(layout: Layout, shape_local: Shape, dim: int, num_chunks: int, index: int) -> Layout:
-    """The canonical regions covered by chunk ``index`` of the local tensor, with chunk offsets.
-
-    Chunks follow ``torch.chunk`` along local ``dim``: size ``ceil(n / num_chunks)``,
-    so the last chunks may be short or empty. ``dim`` may or may not be the shard
-    dim; pieces that end up empty are dropped. The result is again a layout, so
-    chunking composes (FSDP over TP, torch's ``_StridedShard``).
+    """The layout of chunk ``index`` of the local tensor, chunked as ``torch.chunk`` does along
+    local ``dim`` (any dim); a layout again, so chunking composes (FSDP over TP).
 
     >>> layout = local_layout((8, 4), ShardSpec(dim=0, blocks=(1, 1)), 2, 0)
     >>> chunk_layout(layout, (4, 4), 0, 2, 1)
@@ -337,17 +294,8 @@ def chunk_layout(layout: Layout, shape_local: Shape, dim: int, num_chunks: int, 
     return out
 
 
-def regions_numel(layout: Layout) -> int:
-    """Number of elements a layout covers: ``sum(region.numel)``."""
-    return sum(region.numel for region, _ in layout)
-
-
 def intersect(a: Region, b: Region) -> Region | None:
-    """The overlap of two boxes, or ``None`` when they share no element.
-
-    >>> intersect(Region((0, 0), (4, 4)), Region((2, 3), (4, 4)))
-    Region(offsets=(2, 3), sizes=(2, 1))
-    """
+    """The overlap of two boxes, or ``None`` when they share no element."""
     if len(a.offsets) != len(b.offsets):
         raise PlanError(f"cannot intersect regions of different ndim: {a} and {b}")
     starts = tuple(max(x, y) for x, y in zip(a.offsets, b.offsets, strict=True))
@@ -360,13 +308,8 @@ def intersect(a: Region, b: Region) -> Region | None:
 
 
 def overlapping(regions: Sequence[Region]) -> tuple[int, int] | None:
-    """Indices of two non-empty ``regions`` that overlap, or ``None``: a sweep along the dim
-    whose starts differ most, so each region meets only its open neighbours (row, column and
-    block splits alike). The pair comes in sweep order.
-
-    >>> overlapping([Region((0,), (2,)), Region((2,), (2,)), Region((3,), (1,))])
-    (1, 2)
-    """
+    """Indices (in sweep order) of two non-empty ``regions`` that overlap, or ``None``: a sweep
+    along the dim whose starts differ most, each region meeting only its open neighbours."""
     live = [i for i, r in enumerate(regions) if r.numel]
     if len(live) < 2:
         return None

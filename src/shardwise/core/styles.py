@@ -1,7 +1,5 @@
-"""Plan styles: every value a plan may hold (transformers' and diffusers' style names, torch's
-``ColwiseParallel`` / ``RowwiseParallel`` and diffusers' packed markers, read by name)
-normalised to one ``Style``: how its tensors split and what the module's forward does around
-its own code. Pure. docs/plans.md has each style's collectives."""
+"""Plan styles: every value a plan may hold (transformers' and diffusers' names, torch's and
+diffusers' style objects, read by name) as one ``Style`` (pure; docs/plans.md: collectives)."""
 
 from __future__ import annotations
 
@@ -22,10 +20,8 @@ class _Packed:
 
 @dataclass(frozen=True)
 class PackedColwise(_Packed):
-    """Column-wise split of a fused projection, each packed block on its own.
-
-    ``blocks`` are ratios of the output rows (``[1, 1]`` for gate|up, ``[1, 1, 1, 3, 3]``
-    for fused q|k|v|gate|up); ``None`` reads ``module._tp_packed_col_blocks``.
+    """Column-wise split of a fused projection, each block of output-row ratios ``blocks``
+    (``[1, 1]``: gate|up) on its own; ``None`` reads ``module._tp_packed_col_blocks``.
 
     >>> PackedColwise([1, 1])
     PackedColwise(blocks=(1, 1))
@@ -34,11 +30,8 @@ class PackedColwise(_Packed):
 
 @dataclass(frozen=True)
 class PackedRowwise(_Packed):
-    """Row-wise split of a projection whose input concatenates several blocks.
-
-    ``blocks`` are ratios of the input columns (``[1, 3]`` when the input is an attention
-    output next to an MLP hidden state 3x as wide); ``None`` reads
-    ``module._tp_packed_row_blocks``.
+    """Row-wise split of a projection whose input concatenates blocks of input-column ratios
+    ``blocks``; ``None`` reads ``module._tp_packed_row_blocks``.
 
     >>> PackedRowwise([1, 3])
     PackedRowwise(blocks=(1, 3))
@@ -57,25 +50,13 @@ def check_blocks(blocks, what: str) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class Style:
-    """A normalised plan entry.
-
-    ``kind`` is ``"colwise"`` (output features split), ``"rowwise"`` (input features
-    split; the bias is replicated and added once, after the reduction) or ``"replicate"``.
-    ``blocks`` are packed ratios (``None``: read them off the module). ``gather_output``
-    all-gathers a colwise output back to full size; ``split_input`` takes a replicated
-    input and splits it locally before a rowwise matmul; ``embedding`` marks the
-    embedding styles (a parameter key then splits dim 0 for rowwise, dim 1 for colwise).
-    ``axis`` is the mesh axis it shards over (``"ep"``: experts split on dim 0).
-
-    ``forward`` is what the module's forward does besides its own code (``local_tp``
-    implements each): ``linear`` (split by kind), ``none``, ``grad_allreduce`` (parameter
-    gradients all-reduced over tp), ``local_params`` (runs on the local shards of its
-    parameters), ``reduce_output`` (output all-reduced), ``moe_experts`` (each rank runs its
-    part of every expert, outputs all-reduced), ``divide_input`` (input divided by the
-    degree: an identity expert), ``mla_kv_a`` (the rotary part's gradient all-reduced; its
-    width is ``rope_dim``), ``ep_experts`` (each ep rank runs its own ``num_experts`` share on
-    the batch they share, outputs all-reduced over ep).
-    """
+    """A normalised plan entry: ``kind`` ``"colwise"`` (output features split), ``"rowwise"``
+    (input features split, bias added once after the sum) or ``"replicate"``; ``blocks``: packed
+    ratios (None: the module's); ``gather_output`` / ``split_input``: a whole output / input;
+    ``embedding``: a parameter key splits dim 0 (rowwise) or 1; ``axis``: ``"tp"`` or ``"ep"``.
+    ``forward``: what ``local_tp`` does around the module's own code (``linear``, ``none``,
+    ``grad_allreduce``, ``local_params``, ``reduce_output``, ``moe_experts``, ``divide_input``,
+    ``mla_kv_a`` of width ``rope_dim``, ``ep_experts`` of ``num_experts``); docs/plans.md."""
 
     kind: str
     blocks: tuple[int, ...] | None = (1,)
@@ -93,53 +74,43 @@ class Style:
         return self.kind != "replicate"
 
 
-def _s(kind: str, **kw) -> Style:
-    return Style(kind, **kw)
-
-
 _STRINGS: dict[str, Style] = {
-    "colwise": _s("colwise"),
-    "local_colwise": _s("colwise"),
-    "colwise_rep": _s("colwise", gather_output=True),
-    "colwise_gather_output": _s("colwise", gather_output=True),
-    "rowwise": _s("rowwise"),
-    "local_rowwise": _s("rowwise"),
-    "rowwise_split_input": _s("rowwise", split_input=True),
-    "rowwise_rep": _s("rowwise", split_input=True),
-    "embedding_rowwise": _s("rowwise", embedding=True),
-    "vocab_parallel": _s("rowwise", embedding=True),
-    "embedding_colwise": _s("colwise", embedding=True),
-    "packed_colwise": _s("colwise", blocks=None),
-    "packed_rowwise": _s("rowwise", blocks=None),
-    "replicate": _s("replicate", forward="none"),
-    "replicated": _s("replicate", forward="none"),
-    "local": _s("replicate", forward="none"),
-    "replicated_with_grad_allreduce": _s("replicate", forward="grad_allreduce"),
-    # transformers' sequence_parallel runs its module on a shard of the sequence, so each
-    # rank's gradient is partial and DTensor sums it. shardwise never shards the sequence:
-    # the module sees the whole activation, its gradient is already whole on every rank,
-    # and a sum over tp would count it degree times (it did: 2x at tp=2). Held like "local".
-    "sequence_parallel": _s("replicate", forward="none"),
-    "local_params": _s("replicate", forward="local_params"),
-    "all_reduce": _s("replicate", forward="reduce_output"),
-    "moe_tp_experts": _s("replicate", forward="moe_experts"),
-    "moe_identity_expert": _s("replicate", forward="divide_input"),
-    "mla_kv_a_proj": _s("replicate", forward="mla_kv_a"),
+    "colwise": Style("colwise"),
+    "local_colwise": Style("colwise"),
+    "colwise_rep": Style("colwise", gather_output=True),
+    "colwise_gather_output": Style("colwise", gather_output=True),
+    "rowwise": Style("rowwise"),
+    "local_rowwise": Style("rowwise"),
+    "rowwise_split_input": Style("rowwise", split_input=True),
+    "rowwise_rep": Style("rowwise", split_input=True),
+    "embedding_rowwise": Style("rowwise", embedding=True),
+    "vocab_parallel": Style("rowwise", embedding=True),
+    "embedding_colwise": Style("colwise", embedding=True),
+    "packed_colwise": Style("colwise", blocks=None),
+    "packed_rowwise": Style("rowwise", blocks=None),
+    "replicate": Style("replicate", forward="none"),
+    "replicated": Style("replicate", forward="none"),
+    "local": Style("replicate", forward="none"),
+    "replicated_with_grad_allreduce": Style("replicate", forward="grad_allreduce"),
+    # transformers' sequence_parallel sums partial gradients of a sequence shard; shardwise never
+    # splits the sequence, so a sum over tp would count the whole gradient degree times
+    "sequence_parallel": Style("replicate", forward="none"),
+    "local_params": Style("replicate", forward="local_params"),
+    "all_reduce": Style("replicate", forward="reduce_output"),
+    "moe_tp_experts": Style("replicate", forward="moe_experts"),
+    "moe_identity_expert": Style("replicate", forward="divide_input"),
+    "mla_kv_a_proj": Style("replicate", forward="mla_kv_a"),
+    # an expert-parallel plan's (transformers' base_model_ep_plan), on the ep axis
+    "grouped_gemm": Style("colwise", axis="ep"),
+    "ep_dispatch_experts": Style("replicate", forward="ep_experts", axis="ep"),
 }
-# Styles of an expert-parallel plan (transformers' base_model_ep_plan), on the ep axis.
-_EP_STRINGS: dict[str, Style] = {
-    "grouped_gemm": _s("colwise", axis="ep"),
-    "ep_dispatch_experts": _s("replicate", forward="ep_experts", axis="ep"),
-}
-_STRINGS.update(_EP_STRINGS)
 SUPPORTED_STYLES = tuple(sorted(_STRINGS)) + ("PackedColwise(blocks)", "PackedRowwise(blocks)")
-# Default packed layout when a "packed_*" string names no blocks and the module carries
-# none: transformers uses it for gate|up, two equal halves.
+# a "packed_*" string's blocks when the module carries none: transformers' gate|up halves
 DEFAULT_PACKED = (1, 1)
 
 
 def normalize_style(style, *, key: str = "") -> Style:
-    """A plan value (string, packed object, torch ParallelStyle) as a ``Style``.
+    """A plan value (string, packed object, torch ParallelStyle) as a ``Style``; else ``PlanError``.
 
     >>> normalize_style("colwise_gather_output").gather_output
     True
@@ -160,18 +131,14 @@ def normalize_style(style, *, key: str = "") -> Style:
     if cls == "ReplicatedInputRowwiseParallel":  # diffusers' name for rowwise_split_input
         return Style("rowwise", split_input=True, source=cls)
     if cls in ("ColwiseParallel", "RowwiseParallel"):
-        return _from_torch_style(style, cls)
+        # torch keeps layouts as 1-tuples of placements
+        layouts = getattr(style, "output_layouts" if cls == "ColwiseParallel" else "input_layouts", ())
+        first = layouts[0] if isinstance(layouts, tuple) and layouts else layouts
+        replicated = type(first).__name__ == "Replicate"
+        if cls == "ColwiseParallel":
+            return Style("colwise", gather_output=replicated, source=cls)
+        return Style("rowwise", split_input=replicated, source=cls)
     raise PlanError(f"unsupported style {style!r}{where}; supported: {', '.join(SUPPORTED_STYLES)}")
-
-
-def _from_torch_style(style, cls: str) -> Style:
-    # torch keeps layouts as 1-tuples of placements
-    layouts = getattr(style, "output_layouts" if cls == "ColwiseParallel" else "input_layouts", ())
-    first = layouts[0] if isinstance(layouts, tuple) and layouts else layouts
-    replicated = type(first).__name__ == "Replicate"
-    if cls == "ColwiseParallel":
-        return Style("colwise", gather_output=replicated, source=cls)
-    return Style("rowwise", split_input=replicated, source=cls)
 
 
 __all__ = [
