@@ -1,13 +1,8 @@
-"""torch DCP over a :class:`~shardwise.io.storage.Storage`: torch's own ``FileSystemWriter``
-and ``FileSystemReader`` with a ``FileSystemBase`` whose paths are
-:class:`~shardwise.io.storage.Location` values, the way torch's fsspec writer plugs in fsspec.
-
-Each object DCP writes is a storage writer, visible at its location on ``commit`` (durable
-there: the storage's fsync, so torch's own ``sync_files`` is off), so the ``.metadata`` is
-written in place rather than torch's write-aside-then-rename; the staging folder is the save
-transaction's, which publishes the checkpoint (``shardwise.io.storage.Transaction``).
-Imported only with torch.distributed.checkpoint (slow to import).
-"""
+"""torch DCP over a :class:`~shardwise.io.storage.Storage`: torch's ``FileSystemWriter`` and
+``FileSystemReader`` with a ``FileSystemBase`` over :class:`~shardwise.io.storage.Location`
+values. Each object is a storage writer, durable and visible on ``commit`` (so torch's
+``sync_files`` is off and ``.metadata`` is written in place); the save transaction publishes
+the folder. Imported only with torch.distributed.checkpoint (slow to import)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
-"""The local save transaction: complete or absent, never over the previous one until whole.
-
-The one prepare / commit / discard of every save (the gather save, the distributed saves,
-consolidation), served by ``LocalStorage.transaction``. Files go into a hidden
-folder beside the target, ``.{name}.shardwise-tmp-{host}-{pid}-{token}``, which is moved into
-place with one rename once complete (swapped atomically with a previous checkpoint where
-Linux ``renameat2`` exists). A save killed midway leaves only that hidden folder, which the
-next save to the same path removes; a temporary folder never looks like a checkpoint.
-"""
+"""The local save transaction (``LocalStorage.transaction``): files go into a hidden folder
+beside the target, ``.{name}.shardwise-tmp-{host}-{pid}-{token}``, moved into place with one
+rename once complete (swapped atomically with a previous checkpoint where ``renameat2``
+exists). A killed save leaves only that folder, which the next save to the path removes."""
 
 from __future__ import annotations
 
@@ -32,8 +27,7 @@ TMP_MARK, OLD_MARK = ".shardwise-tmp-", ".shardwise-old-"
 
 def target_path(location: Location) -> Location:
     """The save target ``location``, a local one made absolute; ``CheckpointError`` for a root,
-    ``UsageError`` for a storage that declares itself read-only (its ``read_only``: why),
-    raised on every rank before anything is written."""
+    ``UsageError`` for a ``read_only`` storage. Every rank calls it before anything is written."""
     why = getattr(location.storage, "read_only", None)
     if why:
         raise UsageError(f"{location}: cannot save to {location.scheme}:// ({why}); save to a local folder "
@@ -46,8 +40,7 @@ def target_path(location: Location) -> Location:
 
 
 class Destination:
-    """The local :class:`~shardwise.io.storage.Transaction`: the target folder and the
-    temporary folder beside it (``folder``); used on rank 0 only."""
+    """The local :class:`~shardwise.io.storage.Transaction` (rank 0 only)."""
 
     def __init__(self, target: Location, overwrite: bool):
         self.target, self.overwrite = target, overwrite
