@@ -112,7 +112,11 @@ def locate(where: str | os.PathLike | Location, storage_options: dict | None = N
         from shardwise.io.storage.local import LOCAL
 
         return Location(LOCAL, Path(rest))
-    factory = _SCHEMES.get(scheme) or _fsspec(scheme)
+    factory = _SCHEMES.get(scheme)
+    if factory is None:  # any other scheme: fsspec's filesystem of it (fsspec imported only now)
+        from shardwise.io.storage.fsspec import factory as fsspec_factory
+
+        factory = fsspec_factory(scheme)
     return Location(factory(**(storage_options or {})), PurePosixPath(rest), scheme)
 
 
@@ -323,13 +327,6 @@ def _object_store(scheme: str) -> Callable[..., Storage]:
 
         return factory(scheme)(**storage_options)
     return make
-
-
-def _fsspec(scheme: str) -> Callable[..., Storage]:
-    """The factory of any other scheme: fsspec's filesystem of it (fsspec imported only now)."""
-    from shardwise.io.storage.fsspec import factory
-
-    return factory(scheme)
 
 
 for _scheme in ("s3", "gs"):

@@ -105,13 +105,19 @@ _SYNC_FILE_RANGE_WRITE = 2  # <fcntl.h>: start writeback of the range's dirty pa
 
 
 @functools.cache
-def _sync_file_range():
+def libc_function(name: str, *argtypes):
+    """The Linux libc function ``name`` with ``argtypes`` (errno kept); None elsewhere, or
+    where this libc lacks it. For the calls ``os`` does not wrap."""
     if sys.platform != "linux":
         return None
-    fn = getattr(ctypes.CDLL(None, use_errno=True), "sync_file_range", None)
+    fn = getattr(ctypes.CDLL(None, use_errno=True), name, None)
     if fn is not None:
-        fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+        fn.argtypes = list(argtypes)
     return fn
+
+
+def _sync_file_range():
+    return libc_function("sync_file_range", ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
 
 
 class Writeback:
@@ -301,4 +307,4 @@ class LocalStorage:
 LOCAL = LocalStorage()
 
 __all__ = ["LOCAL", "LocalFile", "LocalStorage", "LocalWriter", "MAPS", "Writeback", "check_inside",
-           "fsync_dir", "open_regular", "pread_into", "pread_runs"]
+           "fsync_dir", "libc_function", "open_regular", "pread_into", "pread_runs"]

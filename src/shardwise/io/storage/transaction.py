@@ -7,20 +7,18 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import functools
 import json
 import os
 import re
 import secrets
 import shutil
 import socket
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 from shardwise.errors import CheckpointError, StorageError, UsageError
 from shardwise.io.storage import Location, write_small
-from shardwise.io.storage.local import fsync_dir
+from shardwise.io.storage.local import fsync_dir, libc_function
 
 TMP_MARK, OLD_MARK = ".shardwise-tmp-", ".shardwise-old-"
 
@@ -157,14 +155,9 @@ _RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2
 _AT_FDCWD = -100
 
 
-@functools.cache
 def _renameat2_fn():
-    if sys.platform != "linux":
-        return None
-    fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)  # glibc >= 2.28
-    if fn is not None:
-        fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    return fn
+    c_int, c_char_p = ctypes.c_int, ctypes.c_char_p  # glibc >= 2.28
+    return libc_function("renameat2", c_int, c_char_p, c_int, c_char_p, ctypes.c_uint)
 
 
 def _renameat2(src: Path, dst: Path, flags: int) -> bool:
