@@ -49,8 +49,8 @@ def _check_quantized_tensors(model: nn.Module, action: str) -> None:
             continue
         if cls in _QUANT_MODULE_TYPES:
             raise refusal(action, f"module {path or '<root>'!r} is a quantized layer ({cls})", fix)
-        tensors = dict(module.named_parameters(recurse=False))
-        tensors.update(module.named_buffers(recurse=False))
+        params = dict(module.named_parameters(recurse=False))
+        tensors = {**params, **dict(module.named_buffers(recurse=False))}
         for name, t in tensors.items():
             if t is None:
                 continue
@@ -67,7 +67,6 @@ def _check_quantized_tensors(model: nn.Module, action: str) -> None:
         scales = [n for n in tensors if "scale" in n.lower()]
         if not scales:
             continue
-        params = dict(module.named_parameters(recurse=False))
         for name, t in tensors.items():
             if t is None or name in scales:
                 continue

@@ -93,15 +93,12 @@ def write_info(folder: Location, info: dict) -> None:
     write_small(folder / INFO_FILE, (json.dumps(info, indent=1) + "\n").encode())
 
 
-def gather_info(checksums: dict[str, str], specs=None) -> dict:
-    """The ``shardwise.json`` of a safetensors checkpoint: ``checksums`` and, given ``specs``
-    (``(name, dtype, shape)``), each tensor's dtype and shape; sorted, so the bytes are stable."""
-    info: dict = {"format": "shardwise-safetensors", "version": 1}
-    if specs is not None:
-        info["tensors"] = {name: {"dtype": dtype, "shape": list(shape)}
-                           for name, dtype, shape in sorted(specs)}
-    info["checksums"] = {"algorithm": ALGORITHM, "tensors": dict(sorted(checksums.items()))}
-    return info
+def gather_info(checksums: dict[str, str], specs) -> dict:
+    """The ``shardwise.json`` of a safetensors checkpoint: ``checksums`` and each tensor's dtype
+    and shape (``specs``: ``(name, dtype, shape)``); sorted, so the bytes are stable."""
+    return {"format": "shardwise-safetensors", "version": 1,
+            "tensors": {name: {"dtype": dtype, "shape": list(shape)} for name, dtype, shape in sorted(specs)},
+            "checksums": {"algorithm": ALGORITHM, "tensors": dict(sorted(checksums.items()))}}
 
 
 def digest_range(handle: ReadHandle, start: int, nbytes: int, algorithm: str,

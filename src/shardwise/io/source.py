@@ -103,29 +103,23 @@ class Stored(Protocol):
 
     def tensors(self) -> Mapping[str, tuple[torch.dtype, tuple[int, ...]]]:
         """Every stored tensor: name -> (dtype, global shape), in consolidation order."""
-        ...
 
     def read_box(self, name: str, box: Region) -> torch.Tensor:
         """The ``box`` of stored tensor ``name``, on the CPU in its stored dtype, read from only
         the bytes that hold it."""
-        ...
 
     def describe(self) -> Description:
         """How the checkpoint is stored (reads headers and metadata only)."""
-        ...
 
     def blobs(self) -> Iterator[Blob]:
         """Every stored tensor's bytes, as stored (whole tensors or chunks), in file order."""
-        ...
 
     def use_module_names(self, wanted: set[str]) -> None:
         """From now on, show the tensors of ``wanted`` (module names) that the checkpoint stores
         in a hub layout in place of the stored tensors they are built from (else: nothing)."""
-        ...
 
     def close(self) -> None:
         """Release the files ``read_box`` and ``blobs`` opened."""
-        ...
 
 
 class Source(Protocol):
@@ -139,16 +133,13 @@ class Source(Protocol):
     def match(self, model: nn.Module, specs: ResolvedPlan, *, strict: bool) -> tuple[list[str], list[str]]:
         """``(missing, unexpected)`` keys; raises ``CheckpointError`` for a shape or dtype that
         disagrees with the model and, when ``strict``, for missing keys."""
-        ...
 
     def plan(self, wants: Mapping[str, Want]) -> Reads:
         """The reads giving each wanted local tensor (names among the matched ones). Pure."""
-        ...
 
     def read(self, reads: Reads, *, finalize: Finalize, options: ReadOptions,
              on_bytes: Callable[[int], None] | None = None) -> dict[str, Any]:
         """``{key: finalize(key, local tensor)}`` for every key of ``reads.wants``."""
-        ...
 
 
 class OpenedSource(Source, Stored, Protocol):
