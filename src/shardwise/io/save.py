@@ -199,9 +199,7 @@ def save_gathered(model: nn.Module, target: Location, options: SafetensorsSave, 
                       index=plan.index)
 
 
-# How long the first rank to enter a save waits for the others before saying that the call
-# must be made on every rank (bounded by the backend's timeout).
-HANDSHAKE_SECONDS = 60.0
+HANDSHAKE_SECONDS = 60.0  # how long the first rank in a save waits for the others (at most the timeout)
 
 
 def join_collective(backend: Backend | None, what: str) -> None:
@@ -252,18 +250,16 @@ def stored_tensors(model: nn.Module, items, layout: str) -> list[StoredTensor]:
     return [StoredTensor(p.key, p.dtype, p.shape, p) for p in parts]
 
 
-# --- the parallel write: every rank writes its regions of rank 0's files ------------------------
-# Rank 0 lays every file out (header, final size); a tensor sharded over an axis is written by
-# the axis group of global rank 0, anything else by rank 0; the checksums are then read back,
-# split over the ranks by bytes. Used across machines: on one it measured no faster than the stream.
+# --- the parallel write: every rank writes its regions of rank 0's files (rank 0 lays them out);
+# used across machines: on one it measured no faster than the stream.
 
 PROBE_PREFIX = ".shardwise-probe-"
 
 
 def _parallel_wanted(model, items, parallel_write: bool | None, plugin, backend, target: Location) -> bool:
     """Whether to try the parallel write: ``True`` always, ``None`` with more than one rank; never
-    for a format written by rank 0 only, a ``target`` off the local filesystem or quantized ties
-    (the parallel write splits every tensor evenly); ``True`` there raises ``UsageError``."""
+    (``True`` raises) for a format written by rank 0 only, a non-local ``target`` or quantized ties
+    (it splits every tensor evenly)."""
     capable = plugin.CAPABILITIES.parallel_write
     if parallel_write and not capable:
         raise UsageError(f"parallel_write=True: the {plugin.NAME} format is written by rank 0 only; "
@@ -300,9 +296,9 @@ def host_id() -> str:
 
 
 def shared_folder(backend, folder: Location | None, *, required: bool, what: str) -> Location | None:
-    """Rank 0's temporary ``folder`` on every rank when every rank sees it (rank 0 writes a token,
-    every rank reads it) and, unless ``required``, the ranks span machines; else None everywhere.
-    Collective. With ``required`` a rank that cannot see it raises ``CheckpointError`` on all."""
+    """Rank 0's temporary ``folder`` on every rank when every rank reads rank 0's token in it and,
+    unless ``required``, the ranks span machines; else None everywhere (``required``: a
+    ``CheckpointError`` on every rank). Collective."""
     mine = None
     if folder is not None:  # rank 0: the token holds random text, so no stale file can pass
         token = secrets.token_hex(16)
@@ -352,23 +348,26 @@ def _boxes(item, piece: Piece, layout: Layout, shape: tuple[int, ...]):
         yield data, region_runs(shape, itemsize, src.offsets, src.sizes)  # src: in the stored tensor
 
 
-def _write_file(path: Location, group, offsets: dict, base: int, jobs) -> None:
-    """Write this rank's boxes of one file's tensors (file created by rank 0), one box at a time,
-    then commit. ``jobs[name]``: ``(item, piece, layout)`` per model tensor in stored tensor ``name``."""
+def _write_file(path: Location, plan: WritePlan, tensors, base: int, offsets: dict, run, layout_of) -> None:
+    """Write this rank's boxes of the ``tensors`` of one file (created by rank 0, its data at
+    ``base``), one box at a time, then commit. ``layout_of``: this rank's regions per model tensor."""
     out = None
     try:
-        boxes = ((name, data, runs) for name, _, shape in group for item, piece, layout in jobs[name]
-                 if layout is not None for data, runs in _boxes(item, piece, layout, shape))
-        for name, data, runs in boxes:
-            if out is None:
-                out = path.create(existing=True)
-            data = data.detach().resolve_conj().resolve_neg().cpu().contiguous()
-            view, pos = byte_view(data), 0
-            # one write per run: a dim-0 split is one run, a dim-1 split one run per row
-            for offset, length in runs:
-                out.pwrite(view[pos : pos + length], base + offsets[name][0] + offset)
-                pos += length
-            assert pos == len(view), (pos, len(view))
+        for name, _, shape in tensors:
+            part, zeros = plan.parts.get(name), (0,) * len(shape)
+            whole = ((name, Piece(name, Region(zeros, shape), zeros)),)
+            for model_name, piece in part.fragments if part is not None else whole:  # model tensors' boxes
+                if layout_of[model_name] is None:
+                    continue
+                for data, runs in _boxes(run.items[model_name], piece, layout_of[model_name], shape):
+                    out = path.create(existing=True) if out is None else out
+                    data = data.detach().resolve_conj().resolve_neg().cpu().contiguous()  # alive while viewed
+                    view, pos = byte_view(data), 0
+                    # one write per run: a dim-0 split is one run, a dim-1 split one run per row
+                    for offset, length in runs:
+                        out.pwrite(view[pos : pos + length], base + offsets[name][0] + offset)
+                        pos += length
+                    assert pos == len(view), (pos, len(view))
         if out is not None:
             out.commit()
     finally:
@@ -401,10 +400,10 @@ def _digest(folder: Location, where: dict, names: list[str]) -> dict[str, str]:
 
 def write_parallel(backend, run, state, folder: Location, plan: WritePlan, bar, *,
                    what: str) -> dict[str, str]:
-    """Write every file of ``plan`` into ``folder`` (rank 0's temporary folder, seen by every
-    rank: :func:`shared_folder`) and return ``{stored tensor: checksum}`` on rank 0 (empty
-    elsewhere). ``run``: the stream's ``FileGatherer`` (its items and axes). Collective; a
-    failure on any rank raises on every rank."""
+    """Write every file of ``plan`` into ``folder`` (:func:`shared_folder`): a sharded tensor by
+    the axis group of global rank 0, anything else by rank 0; then read the checksums back, split
+    by bytes. ``run``: the stream's ``FileGatherer`` (items, axes). Returns ``{stored tensor:
+    checksum}`` on rank 0 (empty elsewhere). Collective: a failure raises on every rank."""
     rank = backend.rank if backend is not None else 0
     layouts, where = [], {}
     for f in plan.files:
@@ -416,14 +415,7 @@ def write_parallel(backend, run, state, folder: Location, plan: WritePlan, bar, 
     def write_all():
         layout_of = {n: _layout(item, state, run.axes, rank) for n, item in run.items.items()}
         for f, (_, prefix, _, offsets) in zip(plan.files, layouts, strict=True):
-            jobs = {}
-            for name, _, shape in f.tensors:
-                part, zeros = plan.parts.get(name), (0,) * len(shape)
-                fragments = part.fragments if part is not None else ((name, Piece(name, Region(zeros, shape),
-                                                                                   zeros)),)
-                # the model tensors' boxes in this stored tensor
-                jobs[name] = [(run.items[m], piece, layout_of[m]) for m, piece in fragments]
-            _write_file(folder / f.name, f.tensors, offsets, len(prefix), jobs)
+            _write_file(folder / f.name, plan, f.tensors, len(prefix), offsets, run, layout_of)
 
     agree(backend, capture(write_all), what=what)  # every rank has fsynced its writes
     for fname, _, size, _ in layouts:
