@@ -114,10 +114,6 @@ class LocationWriter(FileSystemWriter):
         with self.fs.create_stream(self._get_metadata_path(rank), "wb") as stream:
             pickle.dump(metadata, stream)
 
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
-        return LocationFS.validate_checkpoint_id(checkpoint_id)
-
 
 class LocationReader(FileSystemReader):
     """torch's ``FileSystemReader`` reading the folder ``location`` through its storage."""
@@ -126,14 +122,6 @@ class LocationReader(FileSystemReader):
         super().__init__(str(location))
         self.fs = LocationFS()  # type: ignore[assignment]
         self.path = location  # type: ignore[assignment]
-
-    @property
-    def checkpoint_id(self):
-        return self.path
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
-        return LocationFS.validate_checkpoint_id(checkpoint_id)
 
 
 __all__ = ["LocationFS", "LocationReader", "LocationWriter"]
