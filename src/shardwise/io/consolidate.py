@@ -44,9 +44,7 @@ def _consolidation(source: Stored, *, max_shard_size: int | str, filename_prefix
     specs = [(n, dtype_to_str(d), tuple(s)) for n, (d, s) in source.tensors().items()]
     if not specs:
         raise CheckpointError(f"{src}: the checkpoint holds no tensors")
-    parts, storages = _hub_parts(src, specs, layout)
-    stored = ([StoredTensor(p.key, p.dtype, p.shape, p) for p in parts.values()] if parts
-              else [StoredTensor(*spec) for spec in specs])
+    stored, storages = _stored_tensors(src, specs, layout)
     recorded = dict((read_info(src) or {}).get("index_metadata") or {})  # total_parameters
     writer = save_format(None, distributed=False).writer(
         max_shard_size=max_shard_size, prefix=filename_prefix, metadata=user_metadata(src),
@@ -54,16 +52,19 @@ def _consolidation(source: Stored, *, max_shard_size: int | str, filename_prefix
     return writer, writer.plan(stored)
 
 
-def _hub_parts(src: Location, specs: list, layout: str) -> tuple[dict, dict]:
+def _stored_tensors(src: Location, specs: list, layout: str) -> tuple[list[StoredTensor], dict]:
+    """The tensors to write, in the hub layout when ``src`` holds a model's config.json and
+    ``layout="hub"`` (else as stored), and the writer's ``storages`` of them."""
     if layout not in ("hub", "module"):
         raise CheckpointError(f"layout must be 'hub' or 'module', got {layout!r}")
     model = folder_model(src, need=True) if layout == "hub" else None
     if model is None:
-        return {}, {}
+        return [StoredTensor(*spec) for spec in specs], {}
     adapter = adapter_for(model)
     parts = adapter.save_layout(model, {n: (s, d) for n, d, s in specs}) or []
     sizes = {n: str_to_dtype(d).itemsize for n, d, _ in specs}
-    return {p.key: p for p in parts}, adapter.shared_storages(parts, sizes)
+    stored = [StoredTensor(p.key, p.dtype, p.shape, p) for p in {p.key: p for p in parts}.values()]
+    return stored or [StoredTensor(*spec) for spec in specs], adapter.shared_storages(parts, sizes)
 
 
 def _copy_side_files(src: Location, dst: Location) -> list[str]:
