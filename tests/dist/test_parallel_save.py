@@ -84,7 +84,7 @@ def _both_ways(tmp: Path, degree: int) -> bool:
 
 def _failing_rank(tmp: Path) -> dict:
     """Rank 1 fails in the middle of its writes; then rank 1 cannot see rank 0's folder."""
-    import shardwise.io.parallel_save as ps
+    import shardwise.io.save as ps
     from shardwise.io.storage.local import LocalWriter
 
     backend = sw.init_backend("gloo")

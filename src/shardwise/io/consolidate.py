@@ -1,7 +1,6 @@
 """``sw.consolidate``: any checkpoint a format plugin reads, written offline as one ordinary
-safetensors checkpoint, byte-identical to ``sw.save``'s of the same model (names, order,
-split, headers, index, ``shardwise.json``; side files copied). Streamed: each tensor is read
-from its own stored bytes, written and freed, so memory stays near one tensor."""
+safetensors checkpoint, byte-identical to ``sw.save``'s of the same model. Streamed: each
+tensor is read from its own stored bytes, written and freed."""
 
 from __future__ import annotations
 
@@ -26,10 +25,9 @@ from shardwise.io.storage import Location, locate, read_small, split_scheme, wri
 
 def consolidation_plan(source: Stored, *, max_shard_size: int | str = "5GB", filename_prefix: str = "model",
                        layout: str = "hub") -> WritePlan:
-    """The ``WritePlan`` for consolidating ``source``: the one ``sw.save`` makes for the same
-    tensors (the gathered format's writer), in the hub layout (``plan.parts``: ``{stored name:
-    StoredPart}``) when the source's folder holds a transformers model's config.json and
-    ``layout="hub"``, else in the module's own names."""
+    """The ``WritePlan`` ``sw.save`` makes for ``source``'s tensors: in the hub layout
+    (``plan.parts``) when the folder holds a transformers config.json and ``layout="hub"``, else
+    in the stored names."""
     return _consolidation(source, max_shard_size=max_shard_size, filename_prefix=filename_prefix,
                           layout=layout)[1]
 
@@ -37,7 +35,7 @@ def consolidation_plan(source: Stored, *, max_shard_size: int | str = "5GB", fil
 def _consolidation(source: Stored, *, max_shard_size: int | str, filename_prefix: str,
                    layout: str) -> tuple[FileSink, WritePlan]:
     """The writer of ``sw.save``'s default gathered format, configured as ``sw.save`` would
-    for these tensors, and its plan of them."""
+    for these tensors, and its plan."""
     src = source.root
     values = source.describe().values
     if values:
@@ -46,9 +44,7 @@ def _consolidation(source: Stored, *, max_shard_size: int | str, filename_prefix
     specs = [(n, dtype_to_str(d), tuple(s)) for n, (d, s) in source.tensors().items()]
     if not specs:
         raise CheckpointError(f"{src}: the checkpoint holds no tensors")
-    parts, storages = _hub_parts(src, specs, layout)
-    stored = ([StoredTensor(p.key, p.dtype, p.shape, p) for p in parts.values()] if parts
-              else [StoredTensor(*spec) for spec in specs])
+    stored, storages = _stored_tensors(src, specs, layout)
     recorded = dict((read_info(src) or {}).get("index_metadata") or {})  # total_parameters
     writer = save_format(None, distributed=False).writer(
         max_shard_size=max_shard_size, prefix=filename_prefix, metadata=user_metadata(src),
@@ -56,22 +52,24 @@ def _consolidation(source: Stored, *, max_shard_size: int | str, filename_prefix
     return writer, writer.plan(stored)
 
 
-def _hub_parts(src: Location, specs: list, layout: str) -> tuple[dict, dict]:
+def _stored_tensors(src: Location, specs: list, layout: str) -> tuple[list[StoredTensor], dict]:
+    """The tensors to write, in the hub layout when ``src`` holds a model's config.json and
+    ``layout="hub"`` (else as stored), and the writer's ``storages`` of them."""
     if layout not in ("hub", "module"):
         raise CheckpointError(f"layout must be 'hub' or 'module', got {layout!r}")
     model = folder_model(src, need=True) if layout == "hub" else None
     if model is None:
-        return {}, {}
+        return [StoredTensor(*spec) for spec in specs], {}
     adapter = adapter_for(model)
     parts = adapter.save_layout(model, {n: (s, d) for n, d, s in specs}) or []
     sizes = {n: str_to_dtype(d).itemsize for n, d, _ in specs}
-    return {p.key: p for p in parts}, adapter.shared_storages(parts, sizes)
+    stored = [StoredTensor(p.key, p.dtype, p.shape, p) for p in {p.key: p for p in parts}.values()]
+    return stored or [StoredTensor(*spec) for spec in specs], adapter.shared_storages(parts, sizes)
 
 
 def _copy_side_files(src: Location, dst: Location) -> list[str]:
-    """Copy the side files (``core.adapter.side_file_names``: a Hugging Face model's
-    ``config.json`` & co) that ``src`` holds, not through a link out of it, into ``dst``;
-    their names."""
+    """Copy the side files (``config.json`` & co) that ``src`` holds, not through a link out of
+    it, into ``dst``; their names."""
     copied = []
     for name in side_file_names():
         if (src / name).stat() is None:
@@ -86,8 +84,8 @@ def _copy_side_files(src: Location, dst: Location) -> list[str]:
 
 
 class _WholeTensors:
-    """Whole stored tensors of a Source, and the hub layout's tensors assembled from them;
-    each stored tensor a hub tensor needs is read once and kept until its last box is written."""
+    """Whole stored tensors, and the hub tensors assembled from them (each stored tensor read
+    once, kept until its last box is written)."""
 
     def __init__(self, source: Stored, parts: Mapping[str, StoredPart]):
         self.source, self.parts = source, parts
@@ -122,11 +120,10 @@ def consolidate(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_siz
                 storage_options: dict | None = None, dst_storage_options: dict | None = None) -> Path | str:
     """Write the distributed checkpoint ``src`` (DCP or sharded safetensors) as a safetensors
     checkpoint in the folder ``dst``; one process, no process group. Returns ``dst`` (a ``Path``
-    when local, else its URL). ``storage_options`` go to ``src``'s storage,
-    ``dst_storage_options`` to ``dst``'s (default: the same). ``max_shard_size`` and
-    ``filename_prefix`` as in ``sw.save``; ``dst`` must not exist unless ``overwrite=True``. A
-    transformers checkpoint is written in its hub layout unless ``layout="module"``. A DCP
-    ``.metadata`` is a pickle: consolidate only checkpoints whose source you trust.
+    when local, else its URL). ``storage_options``: ``src``'s storage's; ``dst_storage_options``:
+    ``dst``'s (default: the same). ``max_shard_size``, ``filename_prefix`` as in ``sw.save``;
+    ``dst`` must not exist unless ``overwrite=True``. A transformers checkpoint is written in its
+    hub layout unless ``layout="module"``. DCP's ``.metadata`` is a pickle: trust its source.
 
     >>> sw.consolidate("out/dcp", "out/merged", max_shard_size="2GB")   # doctest: +SKIP"""
     if storage_options and split_scheme(src)[0] is None and split_scheme(dst)[0] is None:
@@ -143,12 +140,8 @@ def consolidate(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_siz
                                       layout=layout)
         tensor = _WholeTensors(source, plan.parts)
         # The copies are memory-bound: one thread moves them as fast, while a pool of OpenMP
-        # threads waiting on each other was up to 10x slower on a busy machine. Reading the next
-        # tensor on a second thread while this one is written did not pay either (measured,
-        # docs/benchmarks.md "consolidate"): writing the tensors alone (save_file + fsync) took
-        # 0.9-1.4x a whole consolidation, the disk being the limit, and the reader thread's malloc
-        # arena returned and faulted in again memory that one thread reuses (sharded safetensors:
-        # 1.2-1.5x the time, 2.5x the peak).
+        # threads was up to 10x slower on a busy machine; a second reader thread did not pay
+        # either (docs/benchmarks.md "consolidate": the disk is the limit).
         torch.set_num_threads(1)
         with Saving(dst_at, overwrite=overwrite, backend=None, what=f"sw.consolidate to {dst_at}",
                     collective=False) as saving:

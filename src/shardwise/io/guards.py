@@ -1,7 +1,6 @@
-"""Guards: refuse what shardwise cannot load or save, before any read, write or collective. Pure
-inspection of Python objects, so a refused model fails the same way on every rank at once;
-optional packages are recognised by name, never imported; a model library's own refusals are
-its adapter's (``core.adapter.refuse_unsupported``)."""
+"""Guards: refuse what shardwise cannot load or save, before any read, write or collective.
+Pure inspection of Python objects, so a refused model fails the same way on every rank;
+optional packages are recognised by name, never imported."""
 
 from __future__ import annotations
 
@@ -29,8 +28,8 @@ def refusal(action: str, cause: str, fix: str) -> UnsupportedModelError:
 
 def check_model(model: nn.Module, *, action: str) -> None:
     """Raise ``UnsupportedModelError`` if a model adapter refuses ``model`` (quantizer, accelerate
-    placement, offload hooks, PEFT layers) or it holds quantized layers or tensor subclasses
-    shardwise does not know; ``action`` goes into the message. No file access, no collective.
+    placement, offload hooks, PEFT) or it holds quantized layers or tensor subclasses shardwise
+    does not know; ``action`` goes into the message.
 
     >>> check_model(torch.nn.Linear(2, 2), action="load")"""
     if not isinstance(model, nn.Module):
@@ -50,8 +49,8 @@ def _check_quantized_tensors(model: nn.Module, action: str) -> None:
             continue
         if cls in _QUANT_MODULE_TYPES:
             raise refusal(action, f"module {path or '<root>'!r} is a quantized layer ({cls})", fix)
-        tensors = dict(module.named_parameters(recurse=False))
-        tensors.update(module.named_buffers(recurse=False))
+        params = dict(module.named_parameters(recurse=False))
+        tensors = {**params, **dict(module.named_buffers(recurse=False))}
         for name, t in tensors.items():
             if t is None:
                 continue
@@ -68,7 +67,6 @@ def _check_quantized_tensors(model: nn.Module, action: str) -> None:
         scales = [n for n in tensors if "scale" in n.lower()]
         if not scales:
             continue
-        params = dict(module.named_parameters(recurse=False))
         for name, t in tensors.items():
             if t is None or name in scales:
                 continue
@@ -105,10 +103,8 @@ def _is_quantized_dtype(dtype: torch.dtype) -> bool:
 
 
 def check_mesh(mesh) -> None:
-    """Raise ``MeshError`` if ``mesh`` is missing or spans more devices than the world.
-
-    Reads only what this process knows (the world size of its process group): no collective.
-    """
+    """Raise ``MeshError`` if ``mesh`` is missing or spans more devices than the world (no
+    collective)."""
     import torch.distributed as dist
 
     from shardwise.mesh import is_spmd_mesh

@@ -1,9 +1,8 @@
-"""``shardwise.json``: what shardwise records beside every checkpoint it writes (a distributed
-save's layout, informational) and the checksums (one per tensor, or per chunk of a distributed
-save): XXH3-64 of the bytes in C order, computed as they are written (chosen for its speed;
-``zlib.crc32``, recorded first, is still verified). It catches a flipped byte or a torn write,
-not tampering. Read like any untrusted input: a regular file in the folder, at most 100 MB,
-strict JSON, every field of its type."""
+"""``shardwise.json``, written beside every checkpoint: the layout of a distributed save
+(informational) and one checksum per tensor (or per DCP chunk), XXH3-64 of the bytes in C
+order, computed as written (``zlib.crc32``, recorded before, is still verified). It catches a
+flipped byte or a torn write, not tampering. Read as untrusted input: a regular file in the
+folder, at most 100 MB, strict JSON, every field of its type."""
 
 from __future__ import annotations
 
@@ -57,8 +56,7 @@ def digest_hex(buf, algorithm: str = ALGORITHM) -> str:
 
 
 def tensor_checksum(t: torch.Tensor, algorithm: str = ALGORITHM) -> str:
-    """The checksum text of ``t``'s bytes in C order (through a copy only when it is not
-    contiguous, held here while it is read: a byte view does not keep its tensor alive)."""
+    """The checksum text of ``t``'s bytes in C order (a contiguous copy held while it is read)."""
     data = t.detach().resolve_conj().resolve_neg().cpu().contiguous()
     return digest_hex(byte_view(data), algorithm)
 
@@ -68,8 +66,8 @@ _SINK: ContextVar[dict[str, str] | None] = ContextVar("shardwise_checksums", def
 
 @contextmanager
 def collect_checksums() -> Iterator[dict[str, str]]:
-    """``{tensor name: checksum}`` of every file a :class:`StreamingWriter` completes (closes)
-    inside the block, on this thread; how a save learns what its writers computed."""
+    """``{tensor name: checksum}`` of every file a writer completes inside the block, on this
+    thread: how a save learns what its writers computed."""
     sums: dict[str, str] = {}
     token = _SINK.set(sums)
     try:
@@ -95,23 +93,18 @@ def write_info(folder: Location, info: dict) -> None:
     write_small(folder / INFO_FILE, (json.dumps(info, indent=1) + "\n").encode())
 
 
-def gather_info(checksums: dict[str, str], specs=None) -> dict:
-    """The ``shardwise.json`` of a safetensors checkpoint: each tensor's checksum
-    (``{name: checksum}``) and, given ``specs`` (``(name, dtype, shape)`` triples), its dtype
-    and shape. Sorted by name, so that the same tensors give the same bytes however written."""
-    info: dict = {"format": "shardwise-safetensors", "version": 1}
-    if specs is not None:
-        info["tensors"] = {name: {"dtype": dtype, "shape": list(shape)}
-                           for name, dtype, shape in sorted(specs)}
-    info["checksums"] = {"algorithm": ALGORITHM, "tensors": dict(sorted(checksums.items()))}
-    return info
+def gather_info(checksums: dict[str, str], specs) -> dict:
+    """The ``shardwise.json`` of a safetensors checkpoint: ``checksums`` and each tensor's dtype
+    and shape (``specs``: ``(name, dtype, shape)``); sorted, so the bytes are stable."""
+    return {"format": "shardwise-safetensors", "version": 1,
+            "tensors": {name: {"dtype": dtype, "shape": list(shape)} for name, dtype, shape in sorted(specs)},
+            "checksums": {"algorithm": ALGORITHM, "tensors": dict(sorted(checksums.items()))}}
 
 
 def digest_range(handle: ReadHandle, start: int, nbytes: int, algorithm: str,
                  piece: int = 16 << 20) -> str:
-    """The ``algorithm`` digest of ``nbytes`` bytes of the open object ``handle`` from
-    ``start``, read in pieces of ``piece`` bytes (memory stays one piece); a short object
-    raises ``CheckpointError`` naming it."""
+    """The ``algorithm`` digest of ``nbytes`` bytes of ``handle`` from ``start``, read ``piece``
+    bytes at a time; a short object raises ``CheckpointError`` naming it."""
     buf = bytearray(min(piece, max(nbytes, 1)))
     digest, done = new_digest(algorithm), 0
     while done < nbytes:
@@ -174,9 +167,8 @@ _FIELDS = {
 
 
 def read_info(folder: Location | str | os.PathLike) -> dict | None:
-    """The validated ``shardwise.json`` of ``folder``; None when absent. Raises ``CheckpointError``
-    naming the fault (not a regular file inside the folder, over 100 MB, not a JSON object, a
-    field of the wrong type); never blocks on a FIFO."""
+    """The validated ``shardwise.json`` of ``folder``, None when absent; ``CheckpointError``
+    naming the fault (not a regular file inside the folder, too large, not JSON, a bad field)."""
     folder = locate(folder)  # a str or path: the tools' and tests' door
     path = folder / INFO_FILE
     if not path.exists() and path.name not in folder.list():  # a dangling link is refused below
@@ -192,15 +184,14 @@ def read_info(folder: Location | str | os.PathLike) -> dict | None:
 
 
 def user_metadata(folder: Location) -> dict[str, str]:
-    """The ``metadata`` a distributed save recorded in ``folder``'s ``shardwise.json`` (so a
-    consolidation's headers match a gather save given the same metadata); {} for a
-    checkpoint shardwise did not write. An invalid ``shardwise.json`` is a ``CheckpointError``."""
+    """The ``metadata`` a distributed save recorded in ``folder``'s ``shardwise.json`` ({} when
+    none), so a consolidation's headers match the gather save's."""
     return dict((read_info(folder) or {}).get("metadata") or {})
 
 
 def recorded_checksums(info: dict | None) -> tuple[str, dict[str, str], dict[str, dict[str, str]]]:
-    """``(algorithm, per tensor, per DCP chunk)`` checksums recorded in ``info`` (empty when
-    none; ``info`` as :func:`read_info` validated it)."""
+    """``(algorithm, per tensor, per DCP chunk)`` checksums recorded in ``info`` (a
+    :func:`read_info` result; empty when none)."""
     sums = (info or {}).get("checksums") or {}
     return (sums.get("algorithm", ALGORITHM), dict(sums.get("tensors") or {}),
             dict(sums.get("chunks") or {}))

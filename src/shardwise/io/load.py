@@ -1,20 +1,8 @@
-"""``sw.load``: one pipeline for every checkpoint format and holding.
-
-guards -> plan (``resolve_for_mesh``) -> ``shardwise.io.formats.open_source`` (the format
-detected once, by the registry of format plugins) ->
-``source.match`` (keys, shapes and dtypes against the model, before any data is read) ->
-``source.plan`` (this rank's reads) -> ``source.read`` (finalized as they arrive: the cast
-rule and the host-to-device copy of ``shardwise.io.staging``) -> place per holding
-(``shardwise.io.place``: ``install`` for dtensor/local, built on the devices for spmd).
-
-A format is a :class:`~shardwise.io.source.Source`: ordinary safetensors and hub layouts
-(``shardwise.io.formats.safetensors``), rank-local sharded safetensors
-(``shardwise.io.formats.sharded``), torch DCP (``shardwise.io.formats.dcp``); the keyed formats match names in
-``shardwise.io.formats.safetensors.keys``. Every rank
-plans and reads on its own; the only collectives are DCP's own, the dp replicas' sharing
-of reads (``shardwise.io.replicas``) and the exchange of a storage read once per job
-(``shardwise.io.exchange``).
-"""
+"""``sw.load``: one pipeline for every checkpoint format and holding. guards -> plan ->
+``open_source`` (the format plugin that claims the path) -> ``match`` (keys, shapes, dtypes,
+before any read) -> ``plan`` (this rank's reads) -> ``read`` (each tensor finalized as it arrives)
+-> place (``io.place``). Every rank plans and reads on its own; the only collectives are DCP's,
+the dp replicas' shared reads and the exchange of a storage read once per job."""
 
 from __future__ import annotations
 
@@ -23,16 +11,15 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from shardwise._progress import Progress
-from shardwise.comm import agree
+from shardwise.comm import agree, rank
 from shardwise.core.plan import ResolvedPlan
 from shardwise.errors import CheckpointError, PlanError, on_every_rank
 from shardwise.io.exchange import exchanges
 from shardwise.io.formats import open_source
-from shardwise.io.formats.safetensors.keys import check_dtype, listing, match_keys
+from shardwise.io.formats.safetensors.keys import listing
 from shardwise.io.guards import check_mesh, check_model, check_options
 from shardwise.io.source import ReadOptions
 from shardwise.io.storage import Location, locate
@@ -44,14 +31,10 @@ from shardwise.quant import check_quantized_load, check_quantized_source, drop_q
 
 @dataclass(frozen=True)
 class LoadResult:
-    """What one rank's ``sw.load`` did.
-
-    ``missing_keys``: model tensors the checkpoint lacks (non-strict loads only);
-    ``unexpected_keys``: checkpoint tensors the model has no place for; ``bytes_read``:
-    tensor bytes this rank read from disk; ``seconds``: wall time of the call on this rank;
-    ``tensors``: how many tensors were read; ``unused_plan_keys``: plan keys that matched
-    nothing in this model (skipped, as transformers skips them).
-    """
+    """What one rank's ``sw.load`` did: ``missing_keys`` (non-strict loads only),
+    ``unexpected_keys`` (checkpoint tensors the model has no place for), ``bytes_read`` (tensor
+    bytes this rank read), ``seconds`` (its wall time), ``tensors`` (how many were read),
+    ``unused_plan_keys`` (plan keys that matched nothing in this model, skipped)."""
 
     missing_keys: tuple[str, ...]
     unexpected_keys: tuple[str, ...]
@@ -71,39 +54,27 @@ def load(model: nn.Module, path: str | os.PathLike | Location, *, plan, mesh,
          progress: bool | None = None, holding: str | None = None, ep_plan=None, dequantize: bool = False,
          storage_options: dict | None = None, **options) -> LoadResult:
     """Fill ``model`` (usually built on the meta device) from the checkpoint at ``path``,
-    sharded by ``plan`` over the tp axis of ``mesh``; every rank of the mesh calls it. A
-    mesh without a tp axis (``backend.mesh(dp_shard=4)``) holds the model whole, ready for
-    ``fully_shard``.
+    sharded by ``plan`` over the tp axis of ``mesh``; every rank of the mesh calls it. A mesh
+    without a tp axis holds the model whole, ready for ``fully_shard``.
 
-    ``plan`` is a dict of module or parameter paths to styles (transformers' and diffusers'
-    plans as they ship), or ``"auto"`` for the model's own plan; keys that match nothing
-    in this model are skipped, warned about once and listed in the result, as long as one
-    key matches (a plan none of whose keys match is a ``PlanError`` naming the closest
-    module paths). On a mesh with
-    an ``ep`` axis (``backend.mesh(ep=2)``, ``backend.mesh(ep=2, tp=2)``) the experts are
-    split over it by ``ep_plan`` (default: the model's own ``base_model_ep_plan``), and a
-    rank reads only its own experts' bytes.
-    ``path`` is a ``.safetensors`` file, a ``*.safetensors.index.json`` (any prefix), a
-    folder holding one of them, or a torch DCP folder (with ``.metadata``); local, or a URL of a
-    registered storage (``scheme://...``, its factory given ``storage_options``). ``dtype`` casts
-    floating-point tensors after slicing (``None`` keeps the file's dtypes). ``strict``
-    raises on missing keys; a shape that disagrees with the model always raises.
-    ``num_threads`` read in parallel (default ``min(8, cpus / ranks on this host)``, or an object
-    store's requests in flight, its ``concurrency``);
-    ``progress`` shows a tqdm bar on rank 0 (default: when stderr is a terminal).
-    ``holding`` is ``"dtensor"`` or ``"local"`` (default: the backend's).
-    Unknown keyword options raise ``TypeError``; ``device_map`` and other placement
+    ``plan``: module or parameter paths to styles (transformers' and diffusers' plans as they
+    ship), or ``"auto"`` for the model's own; keys that match nothing are skipped, warned about
+    and listed in the result (none matching is a ``PlanError``). An ``ep`` mesh axis splits the
+    experts by ``ep_plan`` (default: the model's ``base_model_ep_plan``). ``path``: a
+    ``.safetensors`` file, a ``*.safetensors.index.json``, a folder holding one, or a torch DCP
+    folder; local or a registered storage's URL (given ``storage_options``). ``dtype`` casts
+    floating tensors after slicing (None: the file's dtypes). ``strict`` raises on missing keys;
+    a shape that disagrees always raises. ``num_threads``: readers (default ``min(8, cpus / ranks
+    on this host)``, or an object store's ``concurrency``). ``progress``: a tqdm bar on rank 0
+    (default: when stderr is a terminal). ``holding``: ``"dtensor"`` or ``"local"`` (default: the
+    backend's). Unknown options raise ``TypeError``; ``device_map`` and the other placement
     options of ``from_pretrained`` raise ``UnsupportedModelError`` (they cannot stream).
 
-    FP8 checkpoints with block scales (``x.weight`` float8_e4m3fn, ``x.weight_scale_inv``
-    float32, ``weight_block_size`` in the checkpoint's ``config.json``: DeepSeek-V3,
-    Qwen3-FP8): a model holding transformers' ``FP8Linear`` modules keeps them quantized, each
-    rank holding its weight shard and the scales of every block it touches (``dtype`` leaves
-    both as they are); ``dequantize=True`` fills a model built unquantized (plain
-    ``nn.Linear``), each rank dequantizing only its own shard (float32, cast once into
-    ``dtype`` or the declared dtype) and the model's ``config.quantization_config`` is then
-    removed, as transformers does. An FP8 checkpoint into a plain model without
-    ``dequantize=True`` raises ``CheckpointError``.
+    FP8 block-scaled checkpoints: a model of ``FP8Linear`` modules stays quantized (each rank its
+    weight shard and the scales of the blocks it touches; ``dtype`` leaves both); with
+    ``dequantize=True`` a plain model gets its shard dequantized into ``dtype`` (or the declared
+    dtype) and ``config.quantization_config`` is removed. An FP8 checkpoint into a plain model
+    without ``dequantize=True`` raises ``CheckpointError``.
 
     >>> with torch.device("meta"):                                          # doctest: +SKIP
     ...     model = MyModel(config)
@@ -147,7 +118,7 @@ def load(model: nn.Module, path: str | os.PathLike | Location, *, plan, mesh,
         how = ReadOptions(dtype, place.device, reader_threads(num_threads, where.storage),
                           replicas=dims if dims.shares_reads else None, window=place.window,
                           backend=dims.comm_backend, mesh=dims)
-        with Progress(reads.nbytes, progress, is_rank0(), "shardwise load") as bar:
+        with Progress(reads.nbytes, progress, rank() == 0, "shardwise load") as bar:
             tensors = source.read(reads, finalize=place.finalize, options=how, on_bytes=bar)
     place.install(model, tensors, missing)
     move_non_persistent(model, dims.device)
@@ -178,6 +149,7 @@ def check_nothing_left_on_meta(model: nn.Module, specs: ResolvedPlan, missing: l
 
 
 def move_non_persistent(model: nn.Module, device: torch.device) -> None:
+    """Move the non-persistent buffers to ``device``; raise if any tensor is left on meta."""
     for module in model.modules():
         for name in module._non_persistent_buffers_set:
             buf = module._buffers.get(name)
@@ -207,13 +179,4 @@ def reader_threads(asked: int | None, storage=None) -> int:
     except ValueError:
         local_ranks = 1
     return max(1, min(8, (os.cpu_count() or 1) // local_ranks))
-
-
-def is_rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
-__all__ = [
-    "LoadResult", "check_dtype", "check_nothing_left_on_meta", "load", "match_keys",
-    "move_non_persistent",
-]
+__all__ = ["LoadResult", "check_nothing_left_on_meta", "load", "move_non_persistent"]

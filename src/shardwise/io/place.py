@@ -1,8 +1,7 @@
-"""The three holdings' implementations behind ``shardwise.holding.Holding``
-(:class:`DTensorHolding`, :class:`LocalHolding`, :class:`SpmdHolding`): how ``parallelize``
-wires a model, the placement that ends ``sw.load``, and what a rank hands a gather or DCP
-save. Under SPMD the device at tp position ``p`` holds canonical chunk ``p``: a load reads each
-chunk once and builds the tensor on the devices, never whole on the host."""
+"""The three holdings behind ``shardwise.holding.Holding``: how ``parallelize`` wires a model,
+the placement that ends ``sw.load``, and what a rank hands a gather or DCP save. Under SPMD the
+device at tp position ``p`` holds canonical chunk ``p``, built on the devices, never whole on
+the host."""
 
 from __future__ import annotations
 
@@ -23,7 +22,6 @@ from shardwise.mesh import MeshDims
 from shardwise.parallel import (
     ShardState,
     check_local_wiring,
-    get_shard_state,
     install,
     wire_dtensor,
     wire_local_shards,
@@ -35,8 +33,7 @@ if typing.TYPE_CHECKING:
 
 
 class DTensorHolding:
-    """Each parameter a DTensor over its mesh axis (gloo, nccl, native TorchNeuron); the
-    base of the holdings with one process per device."""
+    """Each parameter a DTensor over its mesh axis (gloo, nccl, TorchNeuron); the base class."""
 
     def check_wiring(self, model: nn.Module, specs: ResolvedPlan) -> None:
         pass  # torch's styles and the explicit-collective forwards take every planned module
@@ -89,14 +86,19 @@ class SpmdHolding(DTensorHolding):
         return 1, 0  # a global tensor: .cpu() is the canonical tensor, nothing to gather
 
     def dcp_placed(self, model, state):
-        placed = spmd_placed(model)
+        """The global tensors (local offsets are canonical offsets), each listing this process's
+        distinct shards; DCP drops the copies other processes also write."""
+        assert state.backend is not None  # an SPMD model, its mesh made by xla_spmd
+        tensors = model.state_dict(keep_vars=True)
+        state.backend.settle([tensors[name].detach() for name in state.specs])  # after a step: one program
+        placed = {name: global_placed(tensors[name], state.backend, whole=spec.replicated)
+                  for name, spec in state.specs.items()}
         return placed, SpmdSavePlanner(placed, state.backend)
 
 
 class InstallPlacement:
-    """One process per device: each rank wants its own regions (its coordinates on each
-    tensor's axis, tp or ep), cast and moved to its device as they are read, then installed
-    with :func:`shardwise.parallel.install`."""
+    """One process per device: each rank reads its own regions, cast and moved to its device
+    as they arrive, then installed (``parallel.install``)."""
 
     window = None  # the reads stream: no batching
 
@@ -128,14 +130,13 @@ class InstallPlacement:
 
 
 class SpmdPlacement:
-    """The wants of one process's devices (one per canonical chunk they hold), and the
-    finalize that builds each tensor on the devices once its chunks are read."""
+    """One want per canonical chunk this process's devices hold; each tensor is built on the
+    devices once its chunks are read."""
 
     device = None  # chunks stay on the host until from_chunks sends them
     window = WINDOW_BYTES
 
     def __init__(self, model: nn.Module, specs: ResolvedPlan, dims: MeshDims, dtype: torch.dtype | None):
-        # typing.cast: staging's cast() converts dtypes; the SPMD holding's mesh (backends/xla_spmd)
         self.tp_mesh = typing.cast("SpmdMesh", dims.tp_mesh)
         self.specs, self.dtype = specs, dtype
         self._dims = dims
@@ -195,10 +196,9 @@ def _whole(spec: ShardSpec, shape, axis_mesh) -> bool:
 
 
 def host_placed(tensor: torch.Tensor, spec: ShardSpec, axis_mesh) -> Placed:
-    """A host buffer for a DCP read of a global SPMD tensor shaped like ``tensor``, laid out
-    as its canonical tensor: its regions are the canonical chunks along ``spec.dim`` that this
-    process's devices hold on ``axis_mesh`` (the whole tensor when ``spec`` is replicated,
-    ``tensor`` is a scalar or there is no such axis). Only those regions are read."""
+    """A host buffer for a DCP read of a global SPMD tensor like ``tensor``: only the canonical
+    chunks along ``spec.dim`` this process's devices hold on ``axis_mesh`` are read (the whole
+    tensor when replicated, a scalar or without an axis)."""
     shape = tuple(tensor.shape)
     buf = torch.empty(shape, dtype=tensor.dtype)
     if _whole(spec, shape, axis_mesh):
@@ -207,9 +207,9 @@ def host_placed(tensor: torch.Tensor, spec: ShardSpec, axis_mesh) -> Placed:
 
 
 def chunks_to_devices(placed: Placed, spec: ShardSpec, axis_mesh, device, *, name: str) -> torch.Tensor:
-    """The global tensor on the devices from ``placed`` (a :func:`host_placed` read): tiled
-    over ``axis_mesh`` along ``spec.dim`` like a parameter of that spec, else replicated
-    (a plain copy to ``device`` without an axis, or for a scalar or a host ``device``)."""
+    """The global tensor on the devices from a :func:`host_placed` read: tiled over
+    ``axis_mesh`` along ``spec.dim``, else replicated (a plain copy without an axis, for a
+    scalar or to a host ``device``)."""
     buf = placed.local
     if axis_mesh is None or not buf.ndim or torch.device(device).type != "xla":
         return buf.to(device)
@@ -219,24 +219,9 @@ def chunks_to_devices(placed: Placed, spec: ShardSpec, axis_mesh, device, *, nam
     return axis_mesh.from_chunks(chunks, buf.shape, spec.dim, buf.dtype, name=name)
 
 
-def spmd_placed(model: nn.Module) -> dict[str, Placed]:
-    """``{name: Placed}`` for a DCP save of an SPMD model: ``local`` is the global tensor
-    (so local offsets are canonical offsets) and the layout lists this process's distinct
-    shards (``Backend.local_regions`` of the backend the model was loaded on). DCP drops the
-    copies other processes also write."""
-    state = get_shard_state(model)
-    assert state is not None and state.backend is not None  # an SPMD model, its mesh made by xla_spmd
-    tensors = model.state_dict(keep_vars=True)
-    state.backend.settle([tensors[name].detach() for name in state.specs])  # after a step: one program
-    return {name: global_placed(tensors[name], state.backend, whole=spec.replicated)
-            for name, spec in state.specs.items()}
-
-
 def global_placed(tensor: torch.Tensor, backend, *, whole: bool = False) -> Placed:
-    """A global SPMD tensor as a :class:`Placed`: ``local`` is the tensor itself (local offsets
-    are canonical offsets) and the layout lists this process's distinct shards as the tensor
-    is actually sharded (``backend.local_regions``; ``whole``: one region, the whole tensor). A
-    host tensor is whole."""
+    """A global SPMD tensor as a :class:`Placed` of itself, listing this process's distinct
+    shards (``backend.local_regions``); ``whole`` or a host tensor: one region."""
     t = tensor.detach()
     if whole or t.ndim == 0 or t.device.type != "xla":
         boxes = [((0,) * t.ndim, tuple(t.shape))]
@@ -246,10 +231,9 @@ def global_placed(tensor: torch.Tensor, backend, *, whole: bool = False) -> Plac
 
 
 class SpmdSavePlanner(CanonicalSavePlanner):
-    """The canonical save planner, resolving each shard of an SPMD tensor from the tensor's
-    local shards on the host (fetched once per tensor, dropped as they are written) rather
-    than by slicing the global tensor, which would compile one XLA program per slice.
-    ``backend``: the one holding the tensors (``ShardState.backend``)."""
+    """The canonical save planner taking each shard of an SPMD tensor from its local shards on
+    the host (fetched once per tensor by ``backend``), not by slicing the global tensor, which
+    would compile one XLA program per slice."""
 
     def __init__(self, placed, backend):
         super().__init__(placed)
@@ -275,4 +259,4 @@ class SpmdSavePlanner(CanonicalSavePlanner):
 
 
 __all__ = ["DTensorHolding", "InstallPlacement", "LocalHolding", "SpmdHolding", "SpmdPlacement",
-           "SpmdSavePlanner", "chunks_to_devices", "global_placed", "host_placed", "spmd_placed"]
+           "SpmdSavePlanner", "chunks_to_devices", "global_placed", "host_placed"]

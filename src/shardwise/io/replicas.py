@@ -1,17 +1,10 @@
-"""Replicas read once: on a mesh with ``dp_replicate > 1`` (``MeshDims.shares_reads``) each
-region is read from storage by one replica and broadcast to the others, instead of every
-replica reading the whole checkpoint from a shared file system.
-
-:func:`assign_owners` (pure) gives each read to one rank of its group, balancing bytes. The
-group of a tensor sharded over tp (or ep) is its ``dp_replicate`` group; that of a replicated
-tensor is the whole mesh when it spans the world, so that it is read once per job. Order:
-every rank reads what it owns, one ``all_reduce`` tells every rank whether any read failed
-(a bad file raises everywhere instead of leaving peers in a broadcast), then the broadcasts
-run in the same order on every rank, each finalized as it arrives. The bytes travel on the
-device the group's collectives take (``comm.device_for``: the CPU over gloo, the backend's
-device over a device-only group) and come back to the host before the finalize, so that it
-gets what a storage read gives. ``bytes_read`` counts storage reads only.
-"""
+"""Replicas read once: on a mesh with ``dp_replicate > 1`` each region is read from storage
+by one replica (:func:`assign_owners`) and broadcast to the others. The group of a sharded
+tensor is its ``dp_replicate`` group; of a replicated one, the whole mesh when it spans the
+world. Every rank reads what it owns, one ``all_reduce`` tells every rank whether any read
+failed, then the broadcasts run in the same order everywhere, on the device the group's
+collectives take, and come back to the host before the finalize. ``bytes_read`` counts
+storage reads only."""
 
 from __future__ import annotations
 
@@ -28,14 +21,11 @@ from shardwise.mesh import MeshDims
 
 def assign_owners(groups: Sequence[str], members: dict[str, Sequence[int]],
                   sizes: Sequence[int]) -> list[int]:
-    """The global rank that reads each item, balancing bytes. Pure and deterministic.
-
-    ``groups[i]`` names the group of item ``i``, ``members[name]`` lists its global ranks and
-    ``sizes[i]`` is the item's bytes. Groups are filled in the order of ``members``; within
-    one, items go largest first, each to the member given the fewest bytes so far (ties: the
-    lowest rank). Every rank must reach the same owners for the items of a group it is in:
-    put a group every rank shares (same items everywhere) first, since later groups' items
-    differ between ranks and so do the counts they leave.
+    """The global rank that reads each item, balancing bytes; pure. Item ``i`` (``sizes[i]``
+    bytes) goes to a member of group ``groups[i]`` (``members[name]``: its global ranks):
+    groups in ``members`` order, items largest first, each to the member given the fewest
+    bytes so far (ties: the lower rank). Put a group every rank shares first, so that every
+    rank reaches the same owners.
 
     >>> assign_owners(["dp", "dp", "dp"], {"dp": [0, 2]}, [4, 3, 2])
     [0, 2, 2]
@@ -55,13 +45,9 @@ def assign_owners(groups: Sequence[str], members: dict[str, Sequence[int]],
 def read_once(reader: RegionReader, items: list[ReadItem], *, finalize: Finalize, dims: MeshDims,
               whole: set[str], on_bytes: Callable[[int], None] | None = None) -> dict:
     """``{name: finalize(item, raw)}`` for every item, each read from storage by one replica.
-
-    ``dims``: the load's decoded mesh, with ``dims.shares_reads``. ``whole``: names of the
-    items every rank of the mesh reads in full, identically and in the same order (replicated
-    tensors). Collective over the mesh: every rank calls it with its own items (the same list,
-    in the same order, on ranks that share their tp and ep coordinates). Each collective waits
-    as long as ``dims.comm_backend``'s timeout allows.
-    """
+    Collective over the mesh ``dims`` (``shares_reads``): every rank calls it with its items
+    (the same, in the same order, on ranks that share their tp and ep coordinates). ``whole``:
+    the items every rank reads in full (replicated tensors)."""
     assert dims.shares_reads and dims.dp_replicate_group is not None  # the caller's condition
     dp_group, spans_world, backend = dims.dp_replicate_group, dims.spans_world, dims.comm_backend
     groups = {}  # "all" first: see assign_owners

@@ -1,7 +1,6 @@
-"""Host-to-device copies for the loaders: on CUDA through a few reused pinned buffers (a DMA on
-the copy engine while the readers go on reading; a buffer is reused once the CUDA event behind
-its copy has passed), a plain ``.to(device)`` anywhere else. The copies are ordered on the
-device's current stream, so later kernels see the data; nothing else needs a sync."""
+"""Host-to-device copies for the loaders: on CUDA through a few reused pinned buffers (a DMA
+while the readers go on; a buffer is reused once the event behind its copy has passed), a
+plain ``.to(device)`` elsewhere. Copies are ordered on the device's current stream."""
 
 from __future__ import annotations
 
@@ -18,8 +17,7 @@ NUM_BUFFERS = 4         # buffers a load may pin (allocated as the reader thread
 
 
 def host_to_device(device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A function copying a CPU tensor to ``device``: :class:`PinnedStager` for a CUDA
-    device, ``tensor.to(device)`` otherwise.
+    """A function copying a CPU tensor to ``device`` (:class:`PinnedStager` for CUDA).
 
     >>> move = host_to_device(torch.device("cpu"))
     >>> move(torch.ones(2)).device
@@ -31,8 +29,8 @@ def host_to_device(device: torch.device) -> Callable[[torch.Tensor], torch.Tenso
 
 
 class PinnedStager:
-    """Copies CPU tensors to one CUDA device through at most ``num_buffers`` pinned buffers
-    of ``buffer_bytes``; thread-safe (the reader's threads call it concurrently)."""
+    """Copies CPU tensors to one CUDA device through at most ``num_buffers`` pinned buffers of
+    ``buffer_bytes``; thread-safe."""
 
     def __init__(self, device: torch.device, *, buffer_bytes: int = STAGE_BYTES,
                  num_buffers: int = NUM_BUFFERS):
@@ -77,9 +75,8 @@ class PinnedStager:
 
 
 def loaded_dtype(stored: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
-    """The dtype a tensor stored as ``stored`` is loaded as under ``sw.load(dtype=...)``: the
-    one cast rule of every load path. Floating tensors take ``dtype``; everything else (and
-    every tensor when ``dtype`` is None) keeps its stored dtype, so no integer is narrowed.
+    """The one cast rule of every load: a floating tensor stored as ``stored`` loads as
+    ``dtype``; anything else (every tensor when ``dtype`` is None) keeps its stored dtype.
 
     >>> loaded_dtype(torch.float32, torch.bfloat16), loaded_dtype(torch.int64, torch.bfloat16)
     (torch.bfloat16, torch.int64)
@@ -94,8 +91,8 @@ def cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 
 
 def finalizer(dtype: torch.dtype | None, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Cast (by :func:`loaded_dtype`) and move a freshly read local tensor, as
-    ``sw.load`` does: a narrowing cast on the host, before the copy; a widening one after."""
+    """Cast (:func:`loaded_dtype`) and move a freshly read tensor: a narrowing cast before the
+    copy to ``device``, a widening one after."""
     to_device = host_to_device(device)
 
     def finalize(raw: torch.Tensor) -> torch.Tensor:

@@ -1,21 +1,12 @@
-"""The one place that touches checkpoint bytes: a :class:`Location` decoded once at the door,
-the small ``Storage`` protocol behind it, the scheme registry, the one cache of read handles.
+"""The one place that touches checkpoint bytes: a :class:`Location` decoded once at the door
+(:func:`locate`), the small ``Storage`` protocol behind it, the scheme registry, the one cache
+of read handles. A format says which bytes; a storage says how to get and put them (local
+files: ``storage.local``; object stores by URL scheme; any other scheme through fsspec).
 
-In the spirit of torch DCP's ``FileSystemBase`` and ``StorageReader`` / ``StorageWriter``: a
-format says *which* bytes (headers, boxes, chunk offsets), a storage says how to get and put
-them. The local filesystem (``shardwise.io.storage.local``: pread, private mmap views, fsync,
-``renameat2`` commit) is the first implementation; an object store is one more, registered
-by its URL scheme with :func:`register_storage`; a scheme no storage registers is served by
-fsspec's filesystem of that name (``shardwise.io.storage.fsspec``), where fsspec is installed.
-
-Call order. Every public entry point calls :func:`locate` ONCE on the user's
-``str | os.PathLike`` (with its ``storage_options``) and passes the :class:`Location` down;
-nothing below it builds a ``Path`` from a checkpoint location. A read (every rank, on its
-own): ``open`` (or a :class:`Handles` cache) per object, ``readinto`` / ``read_runs`` from
-any thread, ``close``; ``stat`` / ``list`` / ``is_folder`` to find the files. A save: rank 0
-calls ``transaction(target)`` and ``prepare()``; the ranks that write call
-``create(folder / name)`` and ``commit()`` each object; then rank 0 calls the transaction's
-``commit(index)``; on any failure rank 0 calls ``discard()``.
+Call order. A read (every rank, on its own): ``open`` (or :class:`Handles`) per object,
+``readinto`` / ``read_runs`` from any thread, ``close``. A save: rank 0 calls
+``transaction(target)`` and ``prepare()``; the writing ranks ``create(folder / name)`` and
+``commit()`` each object; then rank 0 ``commit(index)``s the transaction, or ``discard()``s it.
 """
 
 from __future__ import annotations
@@ -40,11 +31,9 @@ from shardwise.errors import CheckpointError, UsageError
 
 @dataclass(frozen=True)
 class Location:
-    """Where a checkpoint (a folder or prefix) or one of its objects is: the ``storage``
-    that serves it, the ``path`` inside that storage (a ``Path`` for the local files, a
-    ``PurePosixPath`` key otherwise) and the URL ``scheme`` the user spelt (None: local).
-    ``str()`` is the user's spelling (``mem://bucket/ckpt/model.safetensors``), for messages.
-    Made by :func:`locate`; its methods below are the only way to the storage."""
+    """A checkpoint folder (prefix) or object: its ``storage``, the ``path`` in it (a ``Path``
+    locally, a ``PurePosixPath`` key otherwise) and the URL ``scheme`` (None: local); ``str()``
+    is the user's spelling. Made by :func:`locate`; its methods are the way to the storage."""
 
     storage: Storage
     path: PurePath
@@ -108,11 +97,9 @@ class Location:
 
 
 def locate(where: str | os.PathLike | Location, storage_options: dict | None = None) -> Location:
-    """The :class:`Location` of the user's ``where``: ``{scheme}://...`` is served by the
-    storage registered for ``scheme`` (built by ``factory(**storage_options)``), else by
-    fsspec's filesystem of that scheme (``shardwise.io.storage.fsspec``), anything else by the
-    local files. A :class:`Location` passes through. Called once per public
-    entry point, on every rank."""
+    """The :class:`Location` of the user's ``where``: ``{scheme}://...`` by the storage
+    registered for ``scheme`` (``factory(**storage_options)``), else fsspec's; anything else
+    local; a :class:`Location` passes through. Called once per public entry point, every rank."""
     if isinstance(where, Location):
         if storage_options:
             raise UsageError(f"{where}: storage_options go with a str or path location, not a Location")
@@ -125,7 +112,11 @@ def locate(where: str | os.PathLike | Location, storage_options: dict | None = N
         from shardwise.io.storage.local import LOCAL
 
         return Location(LOCAL, Path(rest))
-    factory = _SCHEMES.get(scheme) or _fsspec(scheme)
+    factory = _SCHEMES.get(scheme)
+    if factory is None:  # any other scheme: fsspec's filesystem of it (fsspec imported only now)
+        from shardwise.io.storage.fsspec import factory as fsspec_factory
+
+        factory = fsspec_factory(scheme)
     return Location(factory(**(storage_options or {})), PurePosixPath(rest), scheme)
 
 
@@ -141,16 +132,15 @@ class ReadHandle(Protocol):
         """Fill ``buf`` from byte ``pos``; an end first is a ``CheckpointError`` (truncated)."""
 
     def read_runs(self, buf: memoryview, base: int, runs: Sequence[tuple[int, int]]) -> int:
-        """Fill ``buf`` with the byte runs ``(offset from base, length)``, one after another
-        (the batch of a box: the storage coalesces and issues them); the bytes read."""
+        """Fill ``buf`` with the byte runs ``(offset from base, length)`` in turn (the storage
+        coalesces them); the bytes read."""
 
     def map_whole(self):
-        """A private (copy-on-write) buffer over the whole object that tensors may view and
-        keep alive, or None where the storage has no such views (then read)."""
+        """A private (copy-on-write) buffer over the whole object for tensors to view, or None."""
 
     def map_range(self, start: int, length: int) -> AbstractContextManager | None:
-        """A short-lived buffer over ``[start, start + length)``, as ``(buffer, offset of
-        start in it)`` inside the ``with``; None when none pays (then read)."""
+        """``(buffer, offset of start in it)`` over ``[start, start + length)`` inside the
+        ``with``; None when none pays (then read)."""
 
     def close(self) -> None: ...
 
@@ -172,10 +162,9 @@ class WriteHandle(Protocol):
 
 
 class Transaction(Protocol):
-    """One save: complete or absent, never over the previous checkpoint until whole.
-    Rank 0 alone holds it: ``prepare()`` before any rank writes, then every writing rank
-    creates its objects under ``folder``; ``commit(index)`` once every rank has committed
-    them; ``discard()`` always (a no-op after a commit)."""
+    """One save, complete or absent, held by rank 0: ``prepare()`` before any rank writes under
+    ``folder``; ``commit(index)`` once every rank has committed its objects; ``discard()``
+    always (a no-op after a commit)."""
 
     target: Location  # where the checkpoint goes
     folder: Location | None  # where the writers put the objects, between prepare and commit
@@ -190,48 +179,39 @@ class Transaction(Protocol):
 
 
 class Storage(Protocol):
-    """Where checkpoints live; every method takes a :class:`Location` of this storage (its
-    ``path`` the key, its ``str()`` what errors call it). Each rank gets its own instance
-    from :func:`locate`; instances on different ranks see the same objects. Which rank calls
-    what is the caller's: a load has every rank ``open`` / ``stat`` / ``list`` what it
-    reads; a save is the module doc's order. A storage where each request costs a round trip
-    declares ``fetch_once = True``: a load over a process group then reads each byte once per
-    job, in whole ranges, and the ranks exchange the rest (``shardwise.io.exchange``); absent
-    or False, every rank reads its own regions. One whose reads wait on the network declares
-    ``concurrency``, the requests it keeps in flight: a load's reader threads default to it. A
-    storage that cannot hold a save declares
-    ``read_only``, a str saying why (``transaction.target_path`` refuses a save with it)."""
+    """Where checkpoints live; every method takes a :class:`Location` of this storage. Each
+    rank gets its own instance from :func:`locate`, all seeing the same objects; call order as
+    in the module doc. Declared as data: ``fetch_once = True`` (each request a round trip: a
+    load reads each byte once per job and the ranks exchange the rest, ``io.exchange``);
+    ``concurrency`` (requests in flight: a load's default reader threads); ``read_only`` (a str
+    saying why it cannot hold a save)."""
 
     def open(self, location: Location) -> ReadHandle:
         """The object at ``location`` for reading; a ``CheckpointError`` naming it when it is
         absent or not a plain object (a FIFO, a folder)."""
 
     def stat(self, location: Location) -> int | None:
-        """The size of the object at ``location``; None when there is no object (a folder
-        is no object)."""
+        """The size of the object at ``location``; None when there is none (a folder is none)."""
 
     def list(self, location: Location) -> list[str]:
-        """The names directly under the folder (prefix) ``location``, objects and folders,
-        sorted; [] when none."""
+        """The names directly under the folder ``location`` (objects and folders), sorted."""
 
     def is_folder(self, location: Location) -> bool:
         """Whether ``location`` is a folder (an object store: a prefix with objects under it)."""
 
     def check_inside(self, root: Location, location: Location, *, source: Location) -> None:
-        """Raise ``CheckpointError`` (naming ``source``) when ``location`` leads outside the
-        checkpoint folder ``root`` (a local symlink); a storage without links does nothing."""
+        """Raise ``CheckpointError`` (naming ``source``) when ``location`` leads outside ``root``
+        (a local symlink); a storage without links does nothing."""
 
     def create(self, location: Location, *, existing: bool = False) -> WriteHandle:
-        """A writer of a new object at ``location`` (``existing``: one that rank 0 created,
-        each rank writing its own regions into it)."""
+        """A writer of a new object at ``location`` (``existing``: rank 0 created it)."""
 
     def transaction(self, target: Location, *, overwrite: bool) -> Transaction:
         """The save transaction that puts a new checkpoint at ``target`` (rank 0 only)."""
 
 
 def read_small(location: Location, *, what: str, cap: int = MAX_HEADER_SIZE) -> bytes:
-    """The whole of a small object (an index, a header, ``shardwise.json``) of at most
-    ``cap`` bytes; ``what`` names it in the ``CheckpointError`` for any fault."""
+    """The whole of a small object of at most ``cap`` bytes; ``what`` names it in errors."""
     handle = location.open()
     try:
         size = handle.size()
@@ -260,8 +240,8 @@ def write_small(location: Location, data: bytes) -> None:
 
 
 class Handles:
-    """The one cache of open read handles (a reader's, an offline tool's): ``get`` opens each
-    location once, from any thread; ``close`` closes them all."""
+    """The one cache of open read handles: ``get`` opens each location once, from any thread;
+    ``close`` closes them all."""
 
     def __init__(self):
         self._open: dict[Location, ReadHandle] = {}
@@ -282,9 +262,8 @@ class Handles:
 
 
 class HandleFile(io.RawIOBase):
-    """A seekable binary file over a read handle, for the readers that take a file object
-    (``torch.load`` of a DCP blob through torch's ``_create_file_view``); any storage's. It
-    has its own position and does not close the handle (its owner, a :class:`Handles`, does)."""
+    """A seekable binary file over a read handle (for ``torch.load`` of a DCP blob), with its
+    own position; it does not close the handle."""
 
     def __init__(self, handle: ReadHandle):
         super().__init__()
@@ -324,8 +303,7 @@ _SCHEMES: dict[str, Callable[..., Storage]] = {}
 
 
 def register_storage(scheme: str, factory: Callable[..., Storage]) -> None:
-    """Serve locations ``{scheme}://...`` by ``factory(**storage_options)`` (called by
-    :func:`locate` on every rank); a scheme registered twice is an error."""
+    """Serve ``{scheme}://...`` by ``factory(**storage_options)``; a scheme twice is an error."""
     if not scheme.isidentifier() or scheme in _SCHEMES:
         raise UsageError(f"storage scheme {scheme!r} is {'taken' if scheme in _SCHEMES else 'not a name'}; "
                          f"registered: {sorted(_SCHEMES)}")
@@ -351,23 +329,13 @@ def _object_store(scheme: str) -> Callable[..., Storage]:
     return make
 
 
-def _fsspec(scheme: str) -> Callable[..., Storage]:
-    """The factory of any other scheme: fsspec's filesystem of it (fsspec imported only now)."""
-    from shardwise.io.storage.fsspec import factory
-
-    return factory(scheme)
-
-
 for _scheme in ("s3", "gs"):
     register_storage(_scheme, _object_store(_scheme))
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
-    """A writable memoryview of the bytes of a contiguous CPU tensor, aliasing its memory.
-
-    Built with ctypes rather than ``tensor.numpy()``: numpy is not a dependency of torch's
-    CPU wheels, nor of shardwise. The caller keeps ``t`` alive while the view is in use.
-    """
+    """A writable memoryview aliasing a contiguous CPU tensor's bytes (the caller keeps ``t``
+    alive). ctypes, not ``tensor.numpy()``: numpy is no dependency of torch's CPU wheels."""
     if t.device.type != "cpu" or not t.is_contiguous():
         raise UsageError(f"byte_view needs a contiguous CPU tensor, got one on {t.device} "
                          f"(contiguous={t.is_contiguous()}); pass t.cpu().contiguous()")

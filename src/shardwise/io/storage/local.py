@@ -1,11 +1,6 @@
 """The local filesystem as a :class:`~shardwise.io.storage.Storage`: untrusted files opened
-safely, exact byte ranges read with ``pread``, private ``mmap`` views, files written aside and
-moved into place after an fsync (the save transaction with its ``renameat2`` exchange is
-``shardwise.io.storage.transaction``).
-
-Every failure on an untrusted file is a ``CheckpointError`` naming the file; nothing here
-blocks on a FIFO or reads outside a checkpoint folder.
-"""
+safely (a ``CheckpointError`` naming the file, never a hang on a FIFO), ``pread`` ranges,
+private ``mmap`` views, files written aside and renamed into place after an fsync."""
 
 from __future__ import annotations
 
@@ -110,26 +105,26 @@ _SYNC_FILE_RANGE_WRITE = 2  # <fcntl.h>: start writeback of the range's dirty pa
 
 
 @functools.cache
-def _sync_file_range():
+def libc_function(name: str, *argtypes):
+    """The Linux libc function ``name`` with ``argtypes`` (errno kept); None elsewhere, or
+    where this libc lacks it. For the calls ``os`` does not wrap."""
     if sys.platform != "linux":
         return None
-    fn = getattr(ctypes.CDLL(None, use_errno=True), "sync_file_range", None)
+    fn = getattr(ctypes.CDLL(None, use_errno=True), name, None)
     if fn is not None:
-        fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+        fn.argtypes = list(argtypes)
     return fn
 
 
-class Writeback:
-    """Start the kernel writing a file's dirty pages to storage every ``WRITEBACK_BYTES``
-    written, without waiting for them, so that the fsync which makes the file durable waits
-    only for the last stretch instead of the whole file. Measured here on a 1 GB Llama:
-    the final fsync 0.28 s -> 0.02 s, ``sw.save`` at tp=1 0.61 s -> 0.45 s, at tp=2 ~8% faster
-    (at tp=4, four ranks on two cores, no change: the CPU is the limit there).
+def _sync_file_range():
+    return libc_function("sync_file_range", ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
 
-    ``os`` has no ``sync_file_range``, so it is called through libc, on Linux only; elsewhere
-    this does nothing and the fsync writes everything. It only starts I/O: errors still
-    surface in that fsync, and it changes nothing about what the file holds.
-    """
+
+class Writeback:
+    """Start the kernel writing a file's dirty pages every ``WRITEBACK_BYTES`` written, without
+    waiting, so that the final fsync waits only for the last stretch (1 GB Llama: that fsync
+    0.28 s -> 0.02 s). ``sync_file_range`` through libc, Linux only (elsewhere a no-op); it only
+    starts I/O, errors still surface in the fsync."""
 
     def __init__(self, fd: int, *, sequential: bool, every: int = WRITEBACK_BYTES):
         self.fd, self.sequential = fd, sequential
@@ -250,11 +245,6 @@ class LocalWriter:
             done += os.pwrite(self._fd, buf[done:], pos + done)
         self._writeback.wrote(done)
 
-    def truncate(self, size: int) -> None:
-        """Local only: make the file ``size`` bytes long (the parallel write's zero data)."""
-        assert self._fd is not None
-        os.ftruncate(self._fd, size)
-
     def commit(self) -> None:
         fd, self._fd = self._fd, None
         assert fd is not None, "commit after commit or abort"
@@ -279,8 +269,7 @@ class LocalWriter:
 
 
 class LocalStorage:
-    """The local filesystem (see the module doc); ``LOCAL`` is the one instance. Its
-    locations' ``path`` is a ``Path``."""
+    """The local filesystem; ``LOCAL`` is the one instance."""
 
     fetch_once = False  # pread and mapped views: each rank reads its own runs (io.exchange)
 
@@ -318,4 +307,4 @@ class LocalStorage:
 LOCAL = LocalStorage()
 
 __all__ = ["LOCAL", "LocalFile", "LocalStorage", "LocalWriter", "MAPS", "Writeback", "check_inside",
-           "fsync_dir", "open_regular", "pread_into", "pread_runs"]
+           "fsync_dir", "libc_function", "open_regular", "pread_into", "pread_runs"]

@@ -1,13 +1,8 @@
-"""torch DCP over a :class:`~shardwise.io.storage.Storage`: torch's own ``FileSystemWriter``
-and ``FileSystemReader`` with a ``FileSystemBase`` whose paths are
-:class:`~shardwise.io.storage.Location` values, the way torch's fsspec writer plugs in fsspec.
-
-Each object DCP writes is a storage writer, visible at its location on ``commit`` (durable
-there: the storage's fsync, so torch's own ``sync_files`` is off), so the ``.metadata`` is
-written in place rather than torch's write-aside-then-rename; the staging folder is the save
-transaction's, which publishes the checkpoint (``shardwise.io.storage.Transaction``).
-Imported only with torch.distributed.checkpoint (slow to import).
-"""
+"""torch DCP over a :class:`~shardwise.io.storage.Storage`: torch's ``FileSystemWriter`` and
+``FileSystemReader`` with a ``FileSystemBase`` over :class:`~shardwise.io.storage.Location`
+values. Each object is a storage writer, durable and visible on ``commit`` (so torch's
+``sync_files`` is off and ``.metadata`` is written in place); the save transaction publishes
+the folder. Imported only with torch.distributed.checkpoint (slow to import)."""
 
 from __future__ import annotations
 
@@ -119,10 +114,6 @@ class LocationWriter(FileSystemWriter):
         with self.fs.create_stream(self._get_metadata_path(rank), "wb") as stream:
             pickle.dump(metadata, stream)
 
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
-        return LocationFS.validate_checkpoint_id(checkpoint_id)
-
 
 class LocationReader(FileSystemReader):
     """torch's ``FileSystemReader`` reading the folder ``location`` through its storage."""
@@ -131,14 +122,6 @@ class LocationReader(FileSystemReader):
         super().__init__(str(location))
         self.fs = LocationFS()  # type: ignore[assignment]
         self.path = location  # type: ignore[assignment]
-
-    @property
-    def checkpoint_id(self):
-        return self.path
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
-        return LocationFS.validate_checkpoint_id(checkpoint_id)
 
 
 __all__ = ["LocationFS", "LocationReader", "LocationWriter"]

@@ -1,39 +1,31 @@
-"""The local save transaction: complete or absent, never over the previous one until whole.
-
-The one prepare / commit / discard of every save (the gather save, the distributed saves,
-consolidation), served by ``LocalStorage.transaction``. Files go into a hidden
-folder beside the target, ``.{name}.shardwise-tmp-{host}-{pid}-{token}``, which is moved into
-place with one rename once complete (swapped atomically with a previous checkpoint where
-Linux ``renameat2`` exists). A save killed midway leaves only that hidden folder, which the
-next save to the same path removes; a temporary folder never looks like a checkpoint.
-"""
+"""The local save transaction (``LocalStorage.transaction``): files go into a hidden folder
+beside the target, ``.{name}.shardwise-tmp-{host}-{pid}-{token}``, moved into place with one
+rename once complete (swapped atomically with a previous checkpoint where ``renameat2``
+exists). A killed save leaves only that folder, which the next save to the path removes."""
 
 from __future__ import annotations
 
 import ctypes
 import errno
-import functools
 import json
 import os
 import re
 import secrets
 import shutil
 import socket
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 from shardwise.errors import CheckpointError, StorageError, UsageError
 from shardwise.io.storage import Location, write_small
-from shardwise.io.storage.local import fsync_dir
+from shardwise.io.storage.local import fsync_dir, libc_function
 
 TMP_MARK, OLD_MARK = ".shardwise-tmp-", ".shardwise-old-"
 
 
 def target_path(location: Location) -> Location:
     """The save target ``location``, a local one made absolute; ``CheckpointError`` for a root,
-    ``UsageError`` for a storage that declares itself read-only (its ``read_only``: why),
-    raised on every rank before anything is written."""
+    ``UsageError`` for a ``read_only`` storage. Every rank calls it before anything is written."""
     why = getattr(location.storage, "read_only", None)
     if why:
         raise UsageError(f"{location}: cannot save to {location.scheme}:// ({why}); save to a local folder "
@@ -46,8 +38,7 @@ def target_path(location: Location) -> Location:
 
 
 class Destination:
-    """The local :class:`~shardwise.io.storage.Transaction`: the target folder and the
-    temporary folder beside it (``folder``); used on rank 0 only."""
+    """The local :class:`~shardwise.io.storage.Transaction` (rank 0 only)."""
 
     def __init__(self, target: Location, overwrite: bool):
         self.target, self.overwrite = target, overwrite
@@ -164,14 +155,9 @@ _RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2
 _AT_FDCWD = -100
 
 
-@functools.cache
 def _renameat2_fn():
-    if sys.platform != "linux":
-        return None
-    fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)  # glibc >= 2.28
-    if fn is not None:
-        fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    return fn
+    c_int, c_char_p = ctypes.c_int, ctypes.c_char_p  # glibc >= 2.28
+    return libc_function("renameat2", c_int, c_char_p, c_int, c_char_p, ctypes.c_uint)
 
 
 def _renameat2(src: Path, dst: Path, flags: int) -> bool:
