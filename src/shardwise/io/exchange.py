@@ -12,23 +12,30 @@ cut into one contiguous slab per rank per round (``window`` bytes at most a rank
 fetches its slab (one ranged read per tensor it spans), and one ``all_to_all`` per round gives
 each rank the boxes of its needs that its peers fetched (:func:`shardwise.core.spec.intersect`).
 
-:func:`read_exchanged` runs it: every rank gathers the needs, plans, reads its direct tensors,
-then per round fetches its slab, agrees with every rank that no read failed (``comm.agree``:
-a failed read raises on every rank, carrying its message, before any exchange), and exchanges,
-the next round's slab fetched meanwhile. Each local tensor is finalized once its last box
-arrives, with what a storage read gives: a host tensor of the stored dtype and the local shape.
-A rank that fails before it (opening the checkpoint, matching keys) has told its peers already:
-``sw.load`` agrees on those steps first.
+:func:`read_exchanged` runs it: every rank gathers the needs and plans; then one queue of
+requests (``reader.num_threads`` in flight) fetches the slabs ``DEPTH`` rounds ahead, each
+followed by a share of the direct tensors, every byte landed straight into its tensor and
+neighbouring runs of one object (several small tensors) merged into one request
+(``ObjectFile.run_requests``). Per round, once its slab is in, the ranks agree that no read
+failed (``comm.agree``: a failed read raises on every rank, carrying its message, before the
+exchange; the direct reads' failures at the latest after the last round) and exchange. Each
+local tensor is finalized once its last byte arrives, with what a storage read gives: a host
+tensor of the stored dtype and the local shape. A rank that fails before it (opening the
+checkpoint, matching keys) has told its peers already: ``sw.load`` agrees on those steps first.
+One rank alone (tp=1 over a process group) runs the same path: its tensors are all direct.
 
 Memory: the job's round is ``ROUND_BYTES``, a rank's slab ``ROUND_BYTES / world``; a rank holds
-its slab and the next one, a send buffer of at most what its slab sends to the ``world - 1``
-others, and a receive buffer of at most their slabs: about ``2 * ROUND_BYTES`` (the send and
-receive buffers are allocated once, at the largest round, and reused) beyond the local tensors.
+``DEPTH`` slabs, a send buffer of at most what its slab sends to the ``world - 1`` others and a
+receive buffer of at most their slabs (both allocated once, at the largest round, and reused):
+about ``(DEPTH + 2) * ROUND_BYTES / world`` beyond the local tensors (allocated at the start,
+their pages touched as their bytes land).
 """
 
 from __future__ import annotations
 
 import math
+import threading
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -42,9 +49,10 @@ from shardwise.core.spec import Region, intersect
 from shardwise.errors import CheckpointError
 from shardwise.io.formats.safetensors.mapped import contiguous_span
 from shardwise.io.formats.safetensors.reader import Finalize, ReadItem, RegionReader
+from shardwise.io.storage import Handles, byte_view
 from shardwise.mesh import MeshDims
 
-ROUND_BYTES = 64 << 20  # the job's slabs per round: a rank's round buffers stay near twice this
+ROUND_BYTES = 32 << 20  # the job's slabs per round; DEPTH rounds are fetched ahead
 Key = tuple[str, str]  # a stored tensor: (file, tensor name)
 
 
@@ -203,13 +211,14 @@ def plan_exchange(needs: Sequence[Sequence[Need]], tensors: Mapping[Key, TensorE
 
 def exchanges(storage, dims: MeshDims | None) -> bool:
     """Whether a load from ``storage`` over ``dims`` reads once per job (:func:`read_exchanged`):
-    the storage asks for it (``fetch_once``), the mesh spans a process group of more than one
-    rank and its backend has an ``all_to_all``. Otherwise each rank reads its own regions, as
-    from local files (a mesh over part of the job: its peers outside would not take part)."""
+    the storage asks for it (``fetch_once``), the mesh spans a process group (one rank too: its
+    reads are coalesced across tensors the same way) and its backend has an ``all_to_all``.
+    Otherwise each rank reads its own regions, as from local files (a mesh over part of the
+    job: its peers outside would not take part)."""
     backend = dims.comm_backend if dims is not None else None
     return (bool(getattr(storage, "fetch_once", False)) and dims is not None and dims.spans_world
             and not dims.holding.one_process and backend is not None and backend.supports_all_to_all
-            and comm.world_size() > 1)
+            and comm.is_distributed())
 
 
 def read_exchanged(reader: RegionReader, items: list[ReadItem], *, finalize: Finalize, dims: MeshDims,
@@ -219,7 +228,7 @@ def read_exchanged(reader: RegionReader, items: list[ReadItem], *, finalize: Fin
     Collective over the world (:func:`exchanges` holds): every rank calls it with its own items.
     ``reader`` reads (and counts, ``bytes_read``) this rank's storage reads; ``on_bytes`` is told
     each local tensor's bytes as it is finalized. A read that fails on any rank raises on every
-    rank before the exchange of its round.
+    rank before the exchange of its round (or, for a direct read, after the last round).
     """
     backend = dims.comm_backend
     files = {str(loc): (loc, header) for loc, header in reader.headers.items()}
@@ -235,34 +244,156 @@ def read_exchanged(reader: RegionReader, items: list[ReadItem], *, finalize: Fin
             on_bytes(item.nbytes)
         return finalize(item, raw)
 
-    error: Exception | None = None
-    try:
-        results.update(reader.read([items[i] for i in plan.direct], finalize=take))
+    error: BaseException | None = None
+    requests = _Requests(files, reader.num_threads)
+    prepared = {i: _dests(items[i]) for i in plan.direct}
+    try:  # a direct item whose regions do not land contiguously: the reader's pieces
+        results.update(reader.read([items[i] for i, d in prepared.items() if d is None], finalize=take))
     except Exception as e:  # told to every rank by agree() below, then raised here
         error = e
     landing = _Landing(items, take, results)
     buffers = _Buffers(plan.rounds, items, me, world, comm.device_for(None, backend=backend))
-    rounds = plan.rounds or (None,)
-    with ThreadPoolExecutor(1, thread_name_prefix="shardwise-slab") as ahead:
-        def start(number: int) -> Future | None:
-            rnd = rounds[number] if number < len(rounds) else None
-            return None if error is not None or rnd is None else \
-                ahead.submit(_fetch, reader, files, tensors, rnd.fetch)
+    rounds = plan.rounds
+    own = _direct_requests(requests, items, {i: d for i, d in prepared.items() if d}, take, results)
+    del prepared
+    chunk = max(1, -(-len(own) // max(1, len(rounds))))
+    slabs: dict[int, tuple[list[torch.Tensor], list[Future]]] = {}
+    own_futures: list[Future] = []
 
-        pending = start(0)
+    def submit(number: int) -> None:  # round ``number``'s slab, then its share of the direct reads
+        if error is None and number < len(rounds):
+            slabs[number] = _slab_requests(requests, tensors, rounds[number].fetch)
+        if error is None:
+            own_futures.extend(requests.submit(own[number * chunk:(number + 1) * chunk]))
+
+    try:
+        for number in range(max(1, min(DEPTH, len(rounds)))):
+            submit(number)
         for number, rnd in enumerate(rounds):
-            fetched: list[torch.Tensor] = []
-            if pending is not None:
-                try:
-                    fetched = pending.result()
-                except Exception as e:  # as above
-                    error = e
-            pending = start(number + 1)  # the next slab comes while this one is exchanged
+            fetched, futures = slabs.pop(number, ([], []))
+            error = error or _first_error(futures) or _first_error([f for f in own_futures if f.done()])
+            submit(number + DEPTH)  # queued behind what is in flight while this round is exchanged
             comm.agree(backend, error, what="reading the checkpoint from the object store")
-            if rnd is not None:
-                _exchange(rnd, fetched, items, landing, backend, number, buffers)
+            _exchange(rnd, fetched, items, landing, backend, number, buffers)
+        error = error or _first_error(own_futures)
+        comm.agree(backend, error, what="reading the checkpoint from the object store")
+    finally:
+        requests.close()
+    reader.bytes_read += requests.bytes_read
     landing.check()
     return results
+
+
+DEPTH = 3  # rounds whose slabs are fetched (or queued) while an earlier one is exchanged
+
+
+def _first_error(futures: Sequence[Future]) -> BaseException | None:
+    """The first failure among ``futures``, waiting for each."""
+    for future in futures:
+        e = future.exception()
+        if e is not None:
+            return e
+    return None
+
+
+class _Requests:
+    """The load's storage requests on ``num_threads`` threads, queued in order: byte runs
+    landed straight into tensors, neighbouring runs of one object in one request (the
+    handle's ``run_requests``; a plain ``readinto`` per run on a handle without it)."""
+
+    def __init__(self, files, num_threads: int):
+        self.files, self.handles = files, Handles()
+        self.pool = ThreadPoolExecutor(num_threads, thread_name_prefix="shardwise-fetch")
+        self.bytes_read = 0
+        self._lock = threading.Lock()
+
+    def requests(self, runs: Sequence[tuple[str, int, torch.Tensor]], done: Callable[[int], None]) -> list:
+        """The requests filling each ``(file, offset in it, contiguous tensor)``; ``done(index)``
+        once a run's last byte has landed."""
+        left = [t.numel() * t.element_size() for _, _, t in runs]
+        by_file: dict[str, list[int]] = {}
+        for k, (f, _, _) in enumerate(runs):
+            by_file.setdefault(f, []).append(k)
+        out: list = []
+        for f, ks in by_file.items():
+            handle = self.handles.get(self.files[f][0])
+            views = [(runs[k][1], byte_view(runs[k][2])) for k in ks]
+
+            def landed(i: int, n: int, ks=ks, views=views) -> None:
+                with self._lock:
+                    self.bytes_read += n
+                    left[ks[i]] -= n
+                    last = left[ks[i]] == 0
+                if last:  # the requests hold the views: let the tensor go once it is whole
+                    views[i] = (views[i][0], memoryview(b""))
+                    done(ks[i])
+
+            if hasattr(handle, "run_requests"):
+                out += handle.run_requests(views, landed)
+            else:
+                out += [lambda h=handle, v=v, i=i, f=landed: (h.readinto(v[1], v[0]), f(i, len(v[1])))
+                        for i, v in enumerate(views) if len(v[1])]
+        return out
+
+    def submit(self, requests: Sequence) -> list[Future]:
+        return [self.pool.submit(r) for r in requests]
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.handles.close()
+
+
+def _dests(item: ReadItem) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor]]] | None:
+    """The raw local tensor of a direct ``item`` (allocated here) and where each region lands
+    in it, as ``(offset in the tensor's bytes, contiguous slice)``; None where one does not
+    land contiguously (a packed dim-1 slot) or is empty."""
+    raw = torch.empty(item.local_shape, dtype=item.entry.torch_dtype)
+    out = []
+    for region, off in item.layout:
+        span = contiguous_span(item.entry, region)
+        dest = raw[tuple(slice(o, o + n) for o, n in zip(off, region.sizes, strict=True))]
+        if span is None or not dest.is_contiguous():
+            return None
+        out.append((span[0], dest))
+    return (raw, out) if out else None
+
+
+def _direct_requests(requests: _Requests, items: list[ReadItem], prepared: dict, take, results: dict) -> list:
+    """The requests of this rank's direct items (``prepared``: :func:`_dests` of each), each
+    item finalized (``take``) once its last region has landed."""
+    runs, owner = [], []
+    for i, (_, dests) in prepared.items():
+        item = items[i]
+        start = requests.files[str(item.path)][1].data_start + item.entry.start
+        for at, dest in dests:
+            runs.append((str(item.path), start + at, dest))
+            owner.append(i)
+    left, lock = Counter(owner), threading.Lock()
+
+    def done(k: int) -> None:
+        i = owner[k]
+        with lock:
+            left[i] -= 1
+            last = left[i] == 0
+        if last:
+            raw, _ = prepared.pop(i)
+            results[items[i].name] = take(items[i], raw)
+
+    return requests.requests(runs, done)
+
+
+def _slab_requests(requests: _Requests, tensors, fetch: Sequence[Piece]) -> tuple[list[torch.Tensor], list]:
+    """This rank's slab (each piece whole rows of one tensor, allocated here) and the futures
+    of its requests, queued now."""
+    pieces, runs = [], []
+    for p in fetch:
+        entry = tensors[p.tensor]
+        pieces.append(torch.empty(p.region.sizes, dtype=entry.torch_dtype))
+        span = contiguous_span(entry, p.region)
+        if span is not None:
+            runs.append((p.tensor[0], requests.files[p.tensor[0]][1].data_start + entry.start + span[0],
+                         pieces[-1]))
+    return pieces, requests.submit(requests.requests(runs, lambda k: None))
 
 
 def _tensors(needs, files) -> dict[Key, TensorEntry]:
@@ -276,14 +407,6 @@ def _tensors(needs, files) -> dict[Key, TensorEntry]:
                                   "list; every rank must load the same checkpoint")
         out[(f, name)] = header.entries[name]
     return dict(sorted(out.items(), key=lambda kv: (kv[0][0], kv[1].start)))
-
-
-def _fetch(reader: RegionReader, files, tensors, fetch: Sequence[Piece]) -> list[torch.Tensor]:
-    """This rank's slab: each piece (whole rows of one tensor) in one ranged read."""
-    reads = [ReadItem(f"slab#{i}", files[p.tensor[0]][0], tensors[p.tensor],
-                      [(p.region, (0,) * len(p.region.sizes))], p.region.sizes) for i, p in enumerate(fetch)]
-    got = reader.read(reads, finalize=lambda item, raw: raw)
-    return [got[f"slab#{i}"] for i in range(len(fetch))]
 
 
 def _box_in(piece: Piece, box: Region) -> tuple[slice, ...]:
