@@ -34,10 +34,8 @@ their pages touched as their bytes land).
 from __future__ import annotations
 
 import math
-import threading
-from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -47,12 +45,13 @@ import shardwise.comm as comm
 from shardwise.core.header import TensorEntry
 from shardwise.core.spec import Region, intersect
 from shardwise.errors import CheckpointError
+from shardwise.io.fetch import Requests, dests, direct_requests, first_error, slab_requests
 from shardwise.io.formats.safetensors.mapped import contiguous_span
 from shardwise.io.formats.safetensors.reader import Finalize, ReadItem, RegionReader
-from shardwise.io.storage import Handles, byte_view
 from shardwise.mesh import MeshDims
 
-ROUND_BYTES = 32 << 20  # the job's slabs per round; DEPTH rounds are fetched ahead
+ROUND_BYTES = 32 << 20  # the job's slabs per round
+DEPTH = 3  # rounds whose slabs are fetched (or queued) while an earlier one is exchanged
 Key = tuple[str, str]  # a stored tensor: (file, tensor name)
 
 
@@ -245,8 +244,8 @@ def read_exchanged(reader: RegionReader, items: list[ReadItem], *, finalize: Fin
         return finalize(item, raw)
 
     error: BaseException | None = None
-    requests = _Requests(files, reader.num_threads)
-    prepared = {i: _dests(items[i]) for i in plan.direct}
+    requests = Requests(files, reader.num_threads)
+    prepared = {i: dests(items[i]) for i in plan.direct}
     try:  # a direct item whose regions do not land contiguously: the reader's pieces
         results.update(reader.read([items[i] for i, d in prepared.items() if d is None], finalize=take))
     except Exception as e:  # told to every rank by agree() below, then raised here
@@ -254,7 +253,7 @@ def read_exchanged(reader: RegionReader, items: list[ReadItem], *, finalize: Fin
     landing = _Landing(items, take, results)
     buffers = _Buffers(plan.rounds, items, me, world, comm.device_for(None, backend=backend))
     rounds = plan.rounds
-    own = _direct_requests(requests, items, {i: d for i, d in prepared.items() if d}, take, results)
+    own = direct_requests(requests, items, {i: d for i, d in prepared.items() if d}, take, results)
     del prepared
     chunk = max(1, -(-len(own) // max(1, len(rounds))))
     slabs: dict[int, tuple[list[torch.Tensor], list[Future]]] = {}
@@ -262,7 +261,7 @@ def read_exchanged(reader: RegionReader, items: list[ReadItem], *, finalize: Fin
 
     def submit(number: int) -> None:  # round ``number``'s slab, then its share of the direct reads
         if error is None and number < len(rounds):
-            slabs[number] = _slab_requests(requests, tensors, rounds[number].fetch)
+            slabs[number] = slab_requests(requests, tensors, rounds[number].fetch)
         if error is None:
             own_futures.extend(requests.submit(own[number * chunk:(number + 1) * chunk]))
 
@@ -271,129 +270,17 @@ def read_exchanged(reader: RegionReader, items: list[ReadItem], *, finalize: Fin
             submit(number)
         for number, rnd in enumerate(rounds):
             fetched, futures = slabs.pop(number, ([], []))
-            error = error or _first_error(futures) or _first_error([f for f in own_futures if f.done()])
+            error = error or first_error(futures) or first_error([f for f in own_futures if f.done()])
             submit(number + DEPTH)  # queued behind what is in flight while this round is exchanged
             comm.agree(backend, error, what="reading the checkpoint from the object store")
             _exchange(rnd, fetched, items, landing, backend, number, buffers)
-        error = error or _first_error(own_futures)
+        error = error or first_error(own_futures)
         comm.agree(backend, error, what="reading the checkpoint from the object store")
     finally:
         requests.close()
     reader.bytes_read += requests.bytes_read
     landing.check()
     return results
-
-
-DEPTH = 3  # rounds whose slabs are fetched (or queued) while an earlier one is exchanged
-
-
-def _first_error(futures: Sequence[Future]) -> BaseException | None:
-    """The first failure among ``futures``, waiting for each."""
-    for future in futures:
-        e = future.exception()
-        if e is not None:
-            return e
-    return None
-
-
-class _Requests:
-    """The load's storage requests on ``num_threads`` threads, queued in order: byte runs
-    landed straight into tensors, neighbouring runs of one object in one request (the
-    handle's ``run_requests``; a plain ``readinto`` per run on a handle without it)."""
-
-    def __init__(self, files, num_threads: int):
-        self.files, self.handles = files, Handles()
-        self.pool = ThreadPoolExecutor(num_threads, thread_name_prefix="shardwise-fetch")
-        self.bytes_read = 0
-        self._lock = threading.Lock()
-
-    def requests(self, runs: Sequence[tuple[str, int, torch.Tensor]], done: Callable[[int], None]) -> list:
-        """The requests filling each ``(file, offset in it, contiguous tensor)``; ``done(index)``
-        once a run's last byte has landed."""
-        left = [t.numel() * t.element_size() for _, _, t in runs]
-        by_file: dict[str, list[int]] = {}
-        for k, (f, _, _) in enumerate(runs):
-            by_file.setdefault(f, []).append(k)
-        out: list = []
-        for f, ks in by_file.items():
-            handle = self.handles.get(self.files[f][0])
-            views = [(runs[k][1], byte_view(runs[k][2])) for k in ks]
-
-            def landed(i: int, n: int, ks=ks, views=views) -> None:
-                with self._lock:
-                    self.bytes_read += n
-                    left[ks[i]] -= n
-                    last = left[ks[i]] == 0
-                if last:  # the requests hold the views: let the tensor go once it is whole
-                    views[i] = (views[i][0], memoryview(b""))
-                    done(ks[i])
-
-            if hasattr(handle, "run_requests"):
-                out += handle.run_requests(views, landed)
-            else:
-                out += [lambda h=handle, v=v, i=i, f=landed: (h.readinto(v[1], v[0]), f(i, len(v[1])))
-                        for i, v in enumerate(views) if len(v[1])]
-        return out
-
-    def submit(self, requests: Sequence) -> list[Future]:
-        return [self.pool.submit(r) for r in requests]
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
-        self.handles.close()
-
-
-def _dests(item: ReadItem) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor]]] | None:
-    """The raw local tensor of a direct ``item`` (allocated here) and where each region lands
-    in it, as ``(offset in the tensor's bytes, contiguous slice)``; None where one does not
-    land contiguously (a packed dim-1 slot) or is empty."""
-    raw = torch.empty(item.local_shape, dtype=item.entry.torch_dtype)
-    out = []
-    for region, off in item.layout:
-        span = contiguous_span(item.entry, region)
-        dest = raw[tuple(slice(o, o + n) for o, n in zip(off, region.sizes, strict=True))]
-        if span is None or not dest.is_contiguous():
-            return None
-        out.append((span[0], dest))
-    return (raw, out) if out else None
-
-
-def _direct_requests(requests: _Requests, items: list[ReadItem], prepared: dict, take, results: dict) -> list:
-    """The requests of this rank's direct items (``prepared``: :func:`_dests` of each), each
-    item finalized (``take``) once its last region has landed."""
-    runs, owner = [], []
-    for i, (_, dests) in prepared.items():
-        item = items[i]
-        start = requests.files[str(item.path)][1].data_start + item.entry.start
-        for at, dest in dests:
-            runs.append((str(item.path), start + at, dest))
-            owner.append(i)
-    left, lock = Counter(owner), threading.Lock()
-
-    def done(k: int) -> None:
-        i = owner[k]
-        with lock:
-            left[i] -= 1
-            last = left[i] == 0
-        if last:
-            raw, _ = prepared.pop(i)
-            results[items[i].name] = take(items[i], raw)
-
-    return requests.requests(runs, done)
-
-
-def _slab_requests(requests: _Requests, tensors, fetch: Sequence[Piece]) -> tuple[list[torch.Tensor], list]:
-    """This rank's slab (each piece whole rows of one tensor, allocated here) and the futures
-    of its requests, queued now."""
-    pieces, runs = [], []
-    for p in fetch:
-        entry = tensors[p.tensor]
-        pieces.append(torch.empty(p.region.sizes, dtype=entry.torch_dtype))
-        span = contiguous_span(entry, p.region)
-        if span is not None:
-            runs.append((p.tensor[0], requests.files[p.tensor[0]][1].data_start + entry.start + span[0],
-                         pieces[-1]))
-    return pieces, requests.submit(requests.requests(runs, lambda k: None))
 
 
 def _tensors(needs, files) -> dict[Key, TensorEntry]:
