@@ -12,25 +12,30 @@ cut into one contiguous slab per rank per round (``window`` bytes at most a rank
 fetches its slab (one ranged read per tensor it spans), and one ``all_to_all`` per round gives
 each rank the boxes of its needs that its peers fetched (:func:`shardwise.core.spec.intersect`).
 
-:func:`read_exchanged` runs it: every rank gathers the needs, plans, reads its direct tensors,
-then per round fetches its slab, agrees with every rank that no read failed (``comm.agree``:
-a failed read raises on every rank, carrying its message, before any exchange), and exchanges,
-the next round's slab fetched meanwhile. Each local tensor is finalized once its last box
-arrives, with what a storage read gives: a host tensor of the stored dtype and the local shape.
-A rank that fails before it (opening the checkpoint, matching keys) has told its peers already:
-``sw.load`` agrees on those steps first.
+:func:`read_exchanged` runs it: every rank gathers the needs and plans; then one queue of
+requests (``reader.num_threads`` in flight) fetches the slabs ``DEPTH`` rounds ahead, each
+followed by a share of the direct tensors, every byte landed straight into its tensor and
+neighbouring runs of one object (several small tensors) merged into one request
+(``ObjectFile.run_requests``). Per round, once its slab is in, the ranks agree that no read
+failed (``comm.agree``: a failed read raises on every rank, carrying its message, before the
+exchange; the direct reads' failures at the latest after the last round) and exchange. Each
+local tensor is finalized once its last byte arrives, with what a storage read gives: a host
+tensor of the stored dtype and the local shape. A rank that fails before it (opening the
+checkpoint, matching keys) has told its peers already: ``sw.load`` agrees on those steps first.
+One rank alone (tp=1 over a process group) runs the same path: its tensors are all direct.
 
 Memory: the job's round is ``ROUND_BYTES``, a rank's slab ``ROUND_BYTES / world``; a rank holds
-its slab and the next one, a send buffer of at most what its slab sends to the ``world - 1``
-others, and a receive buffer of at most their slabs: about ``2 * ROUND_BYTES`` (the send and
-receive buffers are allocated once, at the largest round, and reused) beyond the local tensors.
+``DEPTH`` slabs, a send buffer of at most what its slab sends to the ``world - 1`` others and a
+receive buffer of at most their slabs (both allocated once, at the largest round, and reused):
+about ``(DEPTH + 2) * ROUND_BYTES / world`` beyond the local tensors (allocated at the start,
+their pages touched as their bytes land).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -40,11 +45,13 @@ import shardwise.comm as comm
 from shardwise.core.header import TensorEntry
 from shardwise.core.spec import Region, intersect
 from shardwise.errors import CheckpointError
+from shardwise.io.fetch import Requests, dests, direct_requests, first_error, slab_requests
 from shardwise.io.formats.safetensors.mapped import contiguous_span
 from shardwise.io.formats.safetensors.reader import Finalize, ReadItem, RegionReader
 from shardwise.mesh import MeshDims
 
-ROUND_BYTES = 64 << 20  # the job's slabs per round: a rank's round buffers stay near twice this
+ROUND_BYTES = 32 << 20  # the job's slabs per round
+DEPTH = 3  # rounds whose slabs are fetched (or queued) while an earlier one is exchanged
 Key = tuple[str, str]  # a stored tensor: (file, tensor name)
 
 
@@ -203,13 +210,14 @@ def plan_exchange(needs: Sequence[Sequence[Need]], tensors: Mapping[Key, TensorE
 
 def exchanges(storage, dims: MeshDims | None) -> bool:
     """Whether a load from ``storage`` over ``dims`` reads once per job (:func:`read_exchanged`):
-    the storage asks for it (``fetch_once``), the mesh spans a process group of more than one
-    rank and its backend has an ``all_to_all``. Otherwise each rank reads its own regions, as
-    from local files (a mesh over part of the job: its peers outside would not take part)."""
+    the storage asks for it (``fetch_once``), the mesh spans a process group (one rank too: its
+    reads are coalesced across tensors the same way) and its backend has an ``all_to_all``.
+    Otherwise each rank reads its own regions, as from local files (a mesh over part of the
+    job: its peers outside would not take part)."""
     backend = dims.comm_backend if dims is not None else None
     return (bool(getattr(storage, "fetch_once", False)) and dims is not None and dims.spans_world
             and not dims.holding.one_process and backend is not None and backend.supports_all_to_all
-            and comm.world_size() > 1)
+            and comm.is_distributed())
 
 
 def read_exchanged(reader: RegionReader, items: list[ReadItem], *, finalize: Finalize, dims: MeshDims,
@@ -219,7 +227,7 @@ def read_exchanged(reader: RegionReader, items: list[ReadItem], *, finalize: Fin
     Collective over the world (:func:`exchanges` holds): every rank calls it with its own items.
     ``reader`` reads (and counts, ``bytes_read``) this rank's storage reads; ``on_bytes`` is told
     each local tensor's bytes as it is finalized. A read that fails on any rank raises on every
-    rank before the exchange of its round.
+    rank before the exchange of its round (or, for a direct read, after the last round).
     """
     backend = dims.comm_backend
     files = {str(loc): (loc, header) for loc, header in reader.headers.items()}
@@ -235,32 +243,42 @@ def read_exchanged(reader: RegionReader, items: list[ReadItem], *, finalize: Fin
             on_bytes(item.nbytes)
         return finalize(item, raw)
 
-    error: Exception | None = None
-    try:
-        results.update(reader.read([items[i] for i in plan.direct], finalize=take))
+    error: BaseException | None = None
+    requests = Requests(files, reader.num_threads)
+    prepared = {i: dests(items[i]) for i in plan.direct}
+    try:  # a direct item whose regions do not land contiguously: the reader's pieces
+        results.update(reader.read([items[i] for i, d in prepared.items() if d is None], finalize=take))
     except Exception as e:  # told to every rank by agree() below, then raised here
         error = e
     landing = _Landing(items, take, results)
     buffers = _Buffers(plan.rounds, items, me, world, comm.device_for(None, backend=backend))
-    rounds = plan.rounds or (None,)
-    with ThreadPoolExecutor(1, thread_name_prefix="shardwise-slab") as ahead:
-        def start(number: int) -> Future | None:
-            rnd = rounds[number] if number < len(rounds) else None
-            return None if error is not None or rnd is None else \
-                ahead.submit(_fetch, reader, files, tensors, rnd.fetch)
+    rounds = plan.rounds
+    own = direct_requests(requests, items, {i: d for i, d in prepared.items() if d}, take, results)
+    del prepared
+    chunk = max(1, -(-len(own) // max(1, len(rounds))))
+    slabs: dict[int, tuple[list[torch.Tensor], list[Future]]] = {}
+    own_futures: list[Future] = []
 
-        pending = start(0)
+    def submit(number: int) -> None:  # round ``number``'s slab, then its share of the direct reads
+        if error is None and number < len(rounds):
+            slabs[number] = slab_requests(requests, tensors, rounds[number].fetch)
+        if error is None:
+            own_futures.extend(requests.submit(own[number * chunk:(number + 1) * chunk]))
+
+    try:
+        for number in range(max(1, min(DEPTH, len(rounds)))):
+            submit(number)
         for number, rnd in enumerate(rounds):
-            fetched: list[torch.Tensor] = []
-            if pending is not None:
-                try:
-                    fetched = pending.result()
-                except Exception as e:  # as above
-                    error = e
-            pending = start(number + 1)  # the next slab comes while this one is exchanged
+            fetched, futures = slabs.pop(number, ([], []))
+            error = error or first_error(futures) or first_error([f for f in own_futures if f.done()])
+            submit(number + DEPTH)  # queued behind what is in flight while this round is exchanged
             comm.agree(backend, error, what="reading the checkpoint from the object store")
-            if rnd is not None:
-                _exchange(rnd, fetched, items, landing, backend, number, buffers)
+            _exchange(rnd, fetched, items, landing, backend, number, buffers)
+        error = error or first_error(own_futures)
+        comm.agree(backend, error, what="reading the checkpoint from the object store")
+    finally:
+        requests.close()
+    reader.bytes_read += requests.bytes_read
     landing.check()
     return results
 
@@ -276,14 +294,6 @@ def _tensors(needs, files) -> dict[Key, TensorEntry]:
                                   "list; every rank must load the same checkpoint")
         out[(f, name)] = header.entries[name]
     return dict(sorted(out.items(), key=lambda kv: (kv[0][0], kv[1].start)))
-
-
-def _fetch(reader: RegionReader, files, tensors, fetch: Sequence[Piece]) -> list[torch.Tensor]:
-    """This rank's slab: each piece (whole rows of one tensor) in one ranged read."""
-    reads = [ReadItem(f"slab#{i}", files[p.tensor[0]][0], tensors[p.tensor],
-                      [(p.region, (0,) * len(p.region.sizes))], p.region.sizes) for i, p in enumerate(fetch)]
-    got = reader.read(reads, finalize=lambda item, raw: raw)
-    return [got[f"slab#{i}"] for i in range(len(fetch))]
 
 
 def _box_in(piece: Piece, box: Region) -> tuple[slice, ...]:

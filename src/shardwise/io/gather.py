@@ -7,7 +7,9 @@ everywhere. :class:`StreamSink` is this stream as a ``Sink``."""
 
 from __future__ import annotations
 
+import contextvars
 import math
+import threading
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -191,6 +193,7 @@ class FileGatherer:
         self._receive: list[torch.Tensor] | None = None
         self._held: dict[str, torch.Tensor | None] = {}
         self._left: Counter[str] = Counter()  # model tensor -> boxes of it still to write
+        self._closing: _Background | None = None
 
     def _assembly_buffer(self, item: SaveItem) -> torch.Tensor | None:
         """One buffer, as large as the largest gathered tensor, that every tensor is built in
@@ -212,7 +215,9 @@ class FileGatherer:
     def write_file(self, path: Location | None, group, bar) -> Exception | None:
         """Gather and write one file's tensors; return rank 0's first failure (still joining every
         gather), None elsewhere. In a hub layout a model tensor is gathered once, kept until its
-        last box is written."""
+        last box is written. The file is closed (committed: over an object store, the end of its
+        upload) in the background while the next file is gathered; :meth:`finish` waits for it
+        and returns its failure. Call :meth:`finish` after each file, before the next close."""
         error, writer = None, None
         if self.rank == 0:
             try:
@@ -239,12 +244,20 @@ class FileGatherer:
                         writer = None
                 del data
                 bar(nbytes)
+            closing = self.finish()  # the previous file's close: at most one runs beside a file
+            error = error or closing
             if writer is not None:
-                error = capture(writer.close)
+                self._closing = _Background(writer.close)
+                writer = None
         finally:
             if writer is not None:
-                writer.abort()  # a no-op after close()
+                writer.abort()
         return error
+
+    def finish(self) -> Exception | None:
+        """Wait for the close :meth:`write_file` left running; its failure, if any."""
+        closing, self._closing = self._closing, None
+        return closing.join() if closing is not None else None
 
     def _full(self, item: SaveItem, writer) -> torch.Tensor | None:
         """The canonical tensor on rank 0 (None elsewhere); every rank of its group joins."""
@@ -276,6 +289,25 @@ class FileGatherer:
         return full
 
 
+class _Background:
+    """``fn()`` on a thread, in this thread's context (a writer's close reports its checksums
+    to the enclosing ``collect_checksums``); :meth:`join` gives its failure."""
+
+    def __init__(self, fn):
+        context = contextvars.copy_context()
+        self._error: Exception | None = None
+
+        def run():
+            self._error = capture(lambda: context.run(fn))
+
+        self._thread = threading.Thread(target=run, name="shardwise-close", daemon=True)
+        self._thread.start()
+
+    def join(self) -> Exception | None:
+        self._thread.join()
+        return self._error
+
+
 def _chunk_bytes(item: SaveItem, degree: int) -> int:
     """Bytes of the largest row chunk of one rank's shard of ``item`` (see gather_to_rank0)."""
     local = item.local
@@ -304,10 +336,14 @@ class StreamSink:
         ``{stored tensor: checksum}`` on rank 0, computed as it writes (empty elsewhere)."""
         run = self.gatherer(plan)
         with collect_checksums() as checksums:
-            for f in plan.files:
-                bar.file(f.name)
-                error = run.write_file(folder / f.name if folder is not None else None, f.tensors, bar)
-                agree(self.backend, error, what=self.what)
+            try:
+                for f in plan.files:
+                    bar.file(f.name)
+                    error = run.write_file(folder / f.name if folder is not None else None, f.tensors, bar)
+                    agree(self.backend, error, what=self.what)
+                agree(self.backend, run.finish(), what=self.what)  # the last file's close
+            finally:
+                run.finish()  # no close left running past a failure
         return dict(checksums)
 
 

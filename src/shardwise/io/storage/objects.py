@@ -309,7 +309,7 @@ class ObjectFile:
     def readinto(self, buf: memoryview, pos: int) -> None:
         self._check(pos, pos + len(buf))
         step = self.storage.part_size
-        self._run([(pos + a, pos + min(a + step, len(buf)), [(a, 0, min(step, len(buf) - a))])
+        self._run([(pos + a, pos + min(a + step, len(buf)), [(0, a, 0, min(step, len(buf) - a))])
                    for a in range(0, len(buf), step)], buf)
 
     def read_runs(self, buf: memoryview, base: int, runs: Sequence[tuple[int, int]]) -> int:
@@ -318,7 +318,7 @@ class ObjectFile:
             self._check(start, end)
             placed = []
             for offset, n in parts:
-                placed.append((dest, offset - start, n))
+                placed.append((0, dest, offset - start, n))
                 dest += n
             requests.append((start, end, placed))
         assert dest == len(buf), (dest, len(buf))
@@ -326,23 +326,45 @@ class ObjectFile:
         return dest
 
     def _run(self, requests, buf: memoryview) -> None:
-        """Fetch each ``(start, end, [(buf offset, offset in the body, length)])``, many at once."""
-        def one(request):
-            start, end, placed = request
-
-            def land(offset: int, chunk: memoryview) -> None:  # the parts of buf the chunk covers
-                for at, inner, n in placed:
-                    lo, hi = max(inner, offset), min(inner + n, offset + len(chunk))
-                    if lo < hi:
-                        buf[at + lo - inner:at + hi - inner] = chunk[lo - offset:hi - offset]
-
-            self.fetch(start, end, land)
-
+        """Fetch each ``(start, end, [(0, buf offset, offset in the body, length)])``, many at once."""
+        whole = [(0, buf)]
         if len(requests) == 1:
-            one(requests[0])
+            self._land(requests[0], whole, _ignore)
             return
-        for future in [self.storage.pool.submit(one, r) for r in requests]:
+        for future in [self.storage.pool.submit(self._land, r, whole, _ignore) for r in requests]:
             future.result()
+
+    def run_requests(self, runs: Sequence[tuple[int, memoryview]], done) -> list:
+        """The requests that fill each ``(offset in the object, destination)`` run, as
+        callables to run on any thread: neighbouring runs (of several tensors) merged into
+        requests of at most ``part_size`` that read nothing between them, a longer run split.
+        Each request, once its body is landed, calls ``done(index of the run, bytes)`` for
+        every part of a run it filled. Runs must not overlap."""
+        order = sorted((off, i) for i, (off, view) in enumerate(runs) if len(view))
+        out, j = [], 0
+        sizes = [(off, len(runs[i][1])) for off, i in order]
+        for start, end, parts in coalesce(sizes, self.storage.part_size, waste=0.0):
+            self._check(start, end)
+            placed = []
+            for offset, n in parts:
+                while order[j][0] + len(runs[order[j][1]][1]) <= offset:
+                    j += 1
+                placed.append((order[j][1], offset - order[j][0], offset - start, n))
+            out.append(lambda r=(start, end, placed): self._land(r, runs, done))
+        return out
+
+    def _land(self, request, runs, done) -> None:
+        start, end, placed = request
+
+        def land(offset: int, chunk: memoryview) -> None:  # the runs' parts the chunk covers
+            for i, at, inner, n in placed:
+                lo, hi = max(inner, offset), min(inner + n, offset + len(chunk))
+                if lo < hi:
+                    runs[i][1][at + lo - inner:at + hi - inner] = chunk[lo - offset:hi - offset]
+
+        self.fetch(start, end, land)
+        for i, _, _, n in placed:
+            done(i, n)
 
     def map_whole(self):
         return None
@@ -354,9 +376,14 @@ class ObjectFile:
         pass
 
 
-def coalesce(runs: Sequence[tuple[int, int]], part_size: int) -> Iterator[tuple[int, int, list]]:
+def _ignore(*_) -> None:
+    pass
+
+
+def coalesce(runs: Sequence[tuple[int, int]], part_size: int, *,
+             waste: float = WASTE) -> Iterator[tuple[int, int, list]]:
     """``(start, end, [(offset, length)])`` requests covering the absolute ``runs`` in order:
-    neighbours merged while the request stays within ``part_size`` and reads at most ``WASTE``
+    neighbours merged while the request stays within ``part_size`` and reads at most ``waste``
     more than its runs (a rowwise slice's every-other runs stay apart); a run longer than
     ``part_size`` split into parts."""
     start = end = useful = 0
@@ -366,7 +393,7 @@ def coalesce(runs: Sequence[tuple[int, int]], part_size: int) -> Iterator[tuple[
             n = min(length, part_size)
             gap = offset - end
             if parts and 0 <= gap and offset + n - start <= part_size and \
-                    (offset + n - start) - (useful + n) <= WASTE * (useful + n):
+                    (offset + n - start) - (useful + n) <= waste * (useful + n):
                 parts.append((offset, n))
                 useful += n
                 end = offset + n
