@@ -45,14 +45,13 @@ import shardwise.comm as comm
 from shardwise.core.header import TensorEntry
 from shardwise.core.spec import Region, intersect
 from shardwise.errors import CheckpointError
-from shardwise.io.fetch import Requests, dests, direct_requests, first_error, slab_requests
+from shardwise.io.fetch import Key, Piece, Requests, dests, direct_requests, first_error, slab_requests
 from shardwise.io.formats.safetensors.mapped import contiguous_span
 from shardwise.io.formats.safetensors.reader import Finalize, ReadItem, RegionReader
 from shardwise.mesh import MeshDims
 
 ROUND_BYTES = 32 << 20  # the job's slabs per round
 DEPTH = 3  # rounds whose slabs are fetched (or queued) while an earlier one is exchanged
-Key = tuple[str, str]  # a stored tensor: (file, tensor name)
 
 
 @dataclass(frozen=True)
@@ -63,14 +62,6 @@ class Need:
     item: int
     tensor: Key
     layout: tuple[tuple[Region, tuple[int, ...]], ...]
-
-
-@dataclass(frozen=True)
-class Piece:
-    """Rows of a stored tensor that one rank fetches: ``region`` is whole rows of ``tensor``."""
-
-    tensor: Key
-    region: Region
 
 
 @dataclass(frozen=True)

@@ -9,16 +9,24 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
+from shardwise.core.spec import Region
 from shardwise.io.formats.safetensors.mapped import contiguous_span
 from shardwise.io.formats.safetensors.reader import ReadItem
 from shardwise.io.storage import Handles, byte_view
 
-if TYPE_CHECKING:
-    from shardwise.io.exchange import Piece
+Key = tuple[str, str]  # a stored tensor: (file, tensor name)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows of a stored tensor that one rank fetches: ``region`` is whole rows of ``tensor``."""
+
+    tensor: Key
+    region: Region
 
 
 def first_error(futures: Sequence[Future]) -> BaseException | None:
