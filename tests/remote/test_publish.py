@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 from located import write_small
 
 from shardwise.errors import CheckpointError
+from shardwise.io.storage.lookups import DONE_MARK
 from shardwise.io.storage.objects_write import PUBLISH_MARK
 
 INDEX = "model.safetensors.index.json"
@@ -50,12 +52,37 @@ def _read(storage, target: str) -> tuple[dict[str, bytes], dict]:
 
 
 def _left(remote) -> list[str]:
-    """Every object under the test's prefix (a store may list a prefix emptied of objects)."""
+    """Every object under the test's prefix (a store may list a prefix emptied of objects), but
+    the record of committed saves beside a target (it stays: ``lookups.committed``)."""
     import obstore
 
     store = remote.storage().store(remote.bucket)
     return sorted(o["path"][len(remote.prefix) + 1:] for b in obstore.list(store, prefix=f"{remote.prefix}/")
-                  for o in b)
+                  for o in b if not o["path"].endswith(DONE_MARK))
+
+
+@pytest.mark.parametrize("first", ["in place", "published"])
+def test_a_journal_put_that_lands_after_the_commit_is_stale(remote, first):
+    """A journal PUT held past the client's timeout is retried, and the held one reaches the
+    store after the commit deleted the journal (as a slow server or network does): the
+    checkpoint still reads whole, and the next save neither clears it nor mixes."""
+    storage = remote.storage()  # the fixture's 3 s timeout
+    target = remote.loc("ckpt")
+    if first == "published":  # the journal of a publish over an existing checkpoint
+        _save(storage, target, _version("old"), overwrite=False)
+    journal = f"{remote.prefix}/.ckpt{PUBLISH_MARK}"
+    remote.proxy.fault("delay", method="PUT", path=journal, times=1, seconds=6)
+    files = _version("new")
+    _save(storage, target, files)
+    deadline = time.monotonic() + 60  # until the held PUT has reached the store
+    while "delay" not in [r.fault for r in remote.proxy.requests] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert storage.head(remote.bucket, journal) is not None, "the late journal did not land"
+    assert _read(storage, target)[0] == files
+    newer = _version("newer")
+    _save(storage, target, newer, overwrite=True)
+    assert _read(storage, target)[0] == newer
+    assert _left(remote) == sorted(f"ckpt/{n}" for n in [*newer, INDEX])
 
 
 def test_a_save_appears_whole_at_commit(remote):

@@ -22,6 +22,7 @@ from contextvars import ContextVar
 from shardwise.errors import CheckpointError
 
 PUBLISH_MARK = ".shardwise-publish.json"  # the journal of a publish (objects_write.Publish)
+DONE_MARK = ".shardwise-published.json"  # the tokens of the last saves committed there
 
 _MEMO: ContextVar[dict | None] = ContextVar("shardwise_storage_memo", default=None)
 
@@ -67,10 +68,31 @@ def beside(key: str, mark: str) -> str:
 
 def publishing(storage, bucket: str, key: str) -> dict | None:
     """The journal of a save to ``key`` under way or interrupted, else None (any storage's):
-    a publish of a staged checkpoint, or ``{"direct": True}``, a save into the empty prefix."""
+    a publish of a staged checkpoint, or ``{"direct": True}``, a save into the empty prefix.
+    A journal whose ``token`` the record beside ``key`` lists is stale (:func:`committed`)."""
     if not key:
         return None
     return remembered((storage, "journal", bucket, key), lambda: _journal(storage, bucket, key))
+
+
+def committed(storage, bucket: str, key: str) -> list[str]:
+    """The tokens of the last saves committed at ``key`` (the record beside it; [] if none).
+
+    Why the record: a commit ends by deleting the journal, and a journal PUT that timed out
+    at the client and was retried may still reach the store after that delete (a late
+    duplicate: seen on SeaweedFS under load). A journal back from the dead would hide a whole
+    checkpoint, and the next save would clear it as an interrupted one. Each journal carries a
+    token; the commit adds it here before it deletes the journal, so a token listed here
+    names a save that is over."""
+    if storage.head(bucket, beside(key, DONE_MARK)) is None:
+        return []
+    try:
+        tokens = json.loads(storage.get_bytes(bucket, beside(key, DONE_MARK)))["tokens"]
+        assert isinstance(tokens, list) and all(isinstance(t, str) for t in tokens)
+    except (ValueError, KeyError, TypeError, AssertionError) as e:
+        raise CheckpointError(f"{storage.url(bucket, beside(key, DONE_MARK))}: not a record of committed "
+                              f"saves ({e}); delete it if no save is running") from None
+    return tokens
 
 
 def _journal(storage, bucket: str, key: str) -> dict | None:
@@ -84,6 +106,8 @@ def _journal(storage, bucket: str, key: str) -> dict | None:
     except (ValueError, KeyError, TypeError, AssertionError, AttributeError) as e:
         raise CheckpointError(f"{storage.url(bucket, beside(key, PUBLISH_MARK))}: not a publish journal "
                               f"({e}); delete it if no save is running") from None
+    if journal.get("token") is not None and journal["token"] in committed(storage, bucket, key):
+        return None  # a late duplicate of a committed save's journal (committed's doc)
     return journal
 
 
@@ -98,4 +122,5 @@ def redirect(storage, bucket: str, key: str) -> tuple[str, str]:
     return bucket, f"{journal['staging']}/{name}"
 
 
-__all__ = ["PUBLISH_MARK", "beside", "listed", "one_look", "publishing", "redirect", "remembered"]
+__all__ = ["DONE_MARK", "PUBLISH_MARK", "beside", "committed", "listed", "one_look", "publishing", "redirect",
+           "remembered"]

@@ -20,6 +20,10 @@ put the files (each object appears whole when its writer commits). ``commit(inde
 A save to an empty prefix skips the staging and the copies: the journal ``{"direct": true}`` is
 written first (the prefix reads as empty while it stands), the files straight to their keys,
 the index last, then the journal is deleted; a killed one is cleared by the next ``prepare``.
+Every journal carries the save's ``token``; a commit adds it to the record
+``.{name}.shardwise-published.json`` beside the target before it deletes the journal, so a
+late duplicate of the journal's PUT (retried after a client timeout, landing after the delete)
+is taken as stale, by loads and by the next ``prepare``, which deletes it (``lookups.committed``).
 A save killed before step 2 leaves a staging prefix that no load reads and the next
 ``prepare`` to that prefix deletes. A save killed during step 3 leaves the journal: loads
 keep reading the new checkpoint from the staging prefix, and the next ``prepare`` to that
@@ -43,7 +47,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from shardwise.errors import CheckpointError, UsageError
-from shardwise.io.storage.lookups import PUBLISH_MARK, beside, publishing
+from shardwise.io.storage.lookups import DONE_MARK, PUBLISH_MARK, beside, committed, publishing
 from shardwise.io.storage.objects import ObjectStorage, split_location
 from shardwise.io.storage.transaction import TMP_MARK, _owner
 
@@ -236,12 +240,15 @@ class Publish:
     # --- the transaction ------------------------------------------------------------------
 
     def prepare(self) -> None:
+        self._token = secrets.token_hex(8)  # names this save in its journal and at commit
         journal = publishing(self.storage, self.bucket, self.key)
         if journal is not None and journal.get("direct"):  # an interrupted save into an empty prefix
             self._clear(self.key)
             self._delete([beside(self.key, PUBLISH_MARK)])
         elif journal is not None:  # an interrupted publish: its checkpoint is whole, finish it
             self._publish(journal)
+        elif self.storage.head(self.bucket, beside(self.key, PUBLISH_MARK)) is not None:
+            self._delete([beside(self.key, PUBLISH_MARK)])  # a committed save's, back late: stale
         self._remove_stale()
         existing = self._objects(self.key)
         if existing and not self.overwrite:
@@ -259,7 +266,7 @@ class Publish:
             # obstore cannot split). The journal, written first, makes shardwise refuse to read
             # the prefix until commit; the index, written last, is what other tools look for.
             self._direct = True
-            journal = {"direct": True, "host_pid": _owner()}
+            journal = {"direct": True, "host_pid": _owner(), "token": self._token}
             self._put(beside(self.key, PUBLISH_MARK), json.dumps(journal).encode())
             self._staging = self.key
         else:
@@ -294,12 +301,13 @@ class Publish:
             self._put(f"{self._staging}/{index[0]}", text.encode())
         if self._direct:  # every file is in place: the checkpoint is whole once the journal goes
             self._staging, self.folder = None, None
+            self._done(self._token)
             self._delete([beside(self.key, PUBLISH_MARK)])
             return
         files = sorted(self._objects(self._staging))
         last = [index[0]] if index is not None and index[0] in files else []
         journal = {"staging": self._staging, "files": [f for f in files if f not in last] + last,
-                   "host_pid": _owner()}
+                   "host_pid": _owner(), "token": self._token}
         self._put(beside(self.key, PUBLISH_MARK), json.dumps(journal).encode())
         self._staging, self.folder = None, None  # from here on the journal owns the staging prefix
         self._publish(journal)
@@ -314,8 +322,16 @@ class Publish:
             self._copy(src, f"{self.key}/{name}")
         old = [f"{self.key}/{n}" for n in self._objects(self.key) if n not in files]
         self._delete(old)
+        if journal.get("token") is not None:  # older journals have none
+            self._done(journal["token"])
         self._delete([beside(self.key, PUBLISH_MARK)])
         self._clear(staging)
+
+    def _done(self, token: str) -> None:
+        """Record ``token`` as committed at the target, before its journal is deleted: a late
+        duplicate of the journal is then known stale (``lookups.committed``); the last 16 kept."""
+        tokens = [t for t in committed(self.storage, self.bucket, self.key) if t != token]
+        self._put(beside(self.key, DONE_MARK), json.dumps({"tokens": [*tokens, token][-16:]}).encode())
 
     def discard(self) -> None:
         if self._staging is not None:
