@@ -30,24 +30,25 @@ class PeerModel:
     description: str
 
 
-def _llama_config(total_bytes: int) -> dict:
+def llama_config(total_bytes: int, *, kv_heads: int = 4, ffn: float = 2.75, step: int = 512) -> dict:
     """The largest Llama of at most ``total_bytes`` of bfloat16 with 8 or more layers: hidden h
-    a multiple of 4 heads of 128 (tp 1, 2 and 4 split whole heads), intermediate ~2.75h,
-    4 kv heads of 128, vocab 32000, untied head; then as many layers as still fit."""
-    vocab, kv = 32000, 4 * 128
+    a multiple of ``step``, heads of 128 (tp 1, 2 and 4 split whole heads), intermediate
+    ~``ffn`` x h, ``kv_heads`` kv heads of 128, vocab 32000, untied head; then as many layers
+    as still fit. The defaults are the peers benchmark's model; gpu_load.py asks a wider one."""
+    vocab, kv = 32000, kv_heads * 128
 
     def inter(h):
-        return (int(2.75 * h) + 255) // 256 * 256
+        return (int(ffn * h) + 255) // 256 * 256
 
     def nbytes(h, layers):
         return 2 * (2 * vocab * h + layers * (2 * h * h + 2 * h * kv + 3 * h * inter(h)))
 
-    h = max([512] + [h for h in range(512, 16384, 512) if nbytes(h, 8) <= total_bytes])
+    h = max([step] + [h for h in range(step, 16384, step) if nbytes(h, 8) <= total_bytes])
     layers = 8
     while nbytes(h, layers + 1) <= total_bytes:
         layers += 1
     return dict(hidden_size=h, intermediate_size=inter(h), num_hidden_layers=layers,
-                num_attention_heads=h // 128, num_key_value_heads=4, head_dim=128, vocab_size=vocab,
+                num_attention_heads=h // 128, num_key_value_heads=kv_heads, head_dim=128, vocab_size=vocab,
                 max_position_embeddings=2048, tie_word_embeddings=False)
 
 
@@ -89,7 +90,7 @@ def _randomise(model: torch.nn.Module, seed: int) -> None:
 def llama_checkpoint(folder: Path, total_bytes: int) -> PeerModel:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = _llama_config(total_bytes)
+    cfg = llama_config(total_bytes)
     folder.mkdir(parents=True, exist_ok=True)
     if not _stamped(folder, cfg):
         with torch.device("meta"):

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 from _common import GB, OUT_DIR, PeakRSS, warm_file_cache, write_doc_section, write_results
+from _peers_models import llama_config
 
 from shardwise.testing import parse_size
 
@@ -45,39 +46,11 @@ METHODS = ("shardwise", "transformers", "safetensors", "runai-model-streamer", "
 _OPTIONAL = {"runai-model-streamer": "runai_model_streamer", "fastsafetensors": "fastsafetensors"}
 
 
-def _llama_config(total_bytes: int) -> dict:
-    """The widest Llama of at most ``total_bytes`` of bf16 with 8 layers or more: heads of 128, a
-    multiple of the 8 kv heads."""
-    vocab, kv = 32000, 8 * 128
-
-    def inter(h):
-        return (int(3.5 * h) + 255) // 256 * 256
-
-    def nbytes(h, layers):
-        return 2 * (2 * vocab * h + layers * (2 * h * h + 2 * h * kv + 3 * h * inter(h)))
-
-    h = max([1024] + [h for h in range(1024, 16384, 1024) if nbytes(h, 8) <= total_bytes])
-    layers = 8
-    while nbytes(h, layers + 1) <= total_bytes:
-        layers += 1
-    return dict(
-        hidden_size=h,
-        intermediate_size=inter(h),
-        num_hidden_layers=layers,
-        num_attention_heads=h // 128,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=vocab,
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
-    )
-
-
 def make_checkpoint(folder: Path, total_bytes: int, device: str) -> dict:
     """Write the checkpoint once (a stamp file holds its config); weights drawn on ``device``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = _llama_config(total_bytes)
+    cfg = llama_config(total_bytes, kv_heads=8, ffn=3.5, step=1024)
     stamp = folder / "gpu_load_stamp.json"
     if stamp.is_file() and json.loads(stamp.read_text()) == cfg:
         return cfg
