@@ -80,7 +80,20 @@ def _wait(server: Server, ready, what: str) -> None:
 
 
 def start_seaweedfs(weed: str, folder: Path) -> Server:
-    """``weed server -s3`` with one identity (ACCESS_KEY / SECRET_KEY, every action)."""
+    """``weed server -s3`` with one identity (ACCESS_KEY / SECRET_KEY, every action). Its
+    Iceberg and Lance listeners are off (port 0). A free port found here can be taken by
+    another process before weed binds it (test runs side by side): a start that fails on a
+    port in use is tried again with new ports, three times at most."""
+    for attempt in range(2):
+        try:
+            return _start_seaweedfs(weed, folder / f"start-{attempt}")
+        except RuntimeError as e:
+            if "address already in use" not in str(e):
+                raise
+    return _start_seaweedfs(weed, folder / "start-2")
+
+
+def _start_seaweedfs(weed: str, folder: Path) -> Server:
     data = folder / "data"
     data.mkdir(parents=True)
     config = folder / "s3.json"
@@ -89,11 +102,11 @@ def start_seaweedfs(weed: str, folder: Path) -> Server:
         "actions": ["Admin", "Read", "List", "Tagging", "Write"]}]}))
     ports = {name: free_port() for name in (
         "master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
-        "filer.port.grpc", "s3.port", "s3.port.grpc", "s3.port.iceberg", "s3.port.lance", "metricsPort")}
+        "filer.port.grpc", "s3.port", "s3.port.grpc", "metricsPort")}
     args = [weed, "server", "-s3", "-ip", "127.0.0.1", "-ip.bind", "127.0.0.1", "-dir", str(data),
             "-s3.config", str(config), "-master.telemetry=false", "-master.volumeSizeLimitMB", "64",
             "-volume.max", "0", "-filer.localSocket", str(folder / "filer.sock"),
-            "-s3.localSocket", str(folder / "s3.sock"),
+            "-s3.localSocket", str(folder / "s3.sock"), "-s3.port.iceberg=0", "-s3.port.lance=0",
             *[f"-{name}={port}" for name, port in ports.items()]]
     log = folder / "weed.log"
     process = subprocess.Popen(args, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=folder,
