@@ -1,4 +1,5 @@
-"""``sw.from_pretrained`` of a transformers Llama-like checkpoint (``save_pretrained`` into several
+"""``sw.from_pretrained`` of transformers checkpoints (Llama-like, and Qwen3-MoE with a tied head;
+``save_pretrained`` into several
 files) from S3 (SeaweedFS) on spawned gloo ranks at tp=2 and tp=4: logits equal to the same load
 from the local folder, and the job fetches each tensor byte once. Each rank talks to the store
 through its own counting proxy, so that what a rank fetched is counted where it crossed the wire,
@@ -20,19 +21,23 @@ pytest.importorskip("transformers")
 SHARD_SIZE = "60KB"  # several files
 
 
-def _config():
-    from transformers import LlamaConfig
+def _model(kind: str):
+    """``llama``: dense, untied head; ``qwen3_moe``: 4 experts a layer, the head tied to the
+    embedding (saved once), q/k norms."""
+    import transformers
 
-    return LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-                       tie_word_embeddings=False)
+    common = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+    if kind == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, tie_word_embeddings=False))
+    config = transformers.Qwen3MoeConfig(**common, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=32, tie_word_embeddings=True)
+    return transformers.Qwen3MoeForCausalLM(config)
 
 
-def _save(folder: Path) -> dict[str, int]:
+def _save(folder: Path, kind: str = "llama") -> dict[str, int]:
     """The tiny model with seeded weights (norms too), saved; ``{file: offset of its data}``."""
-    from transformers import LlamaForCausalLM
-
-    model = LlamaForCausalLM(_config())
+    model = _model(kind)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
@@ -49,6 +54,8 @@ def _logits(url: str, local: str, options: list[dict], tp: int) -> int:
     remote = sw.from_pretrained(AutoModelForCausalLM, url, mesh=mesh, storage_options=options[backend.rank])
     ours = sw.from_pretrained(AutoModelForCausalLM, local, mesh=mesh)
     ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(1))
+    if remote.config.tie_word_embeddings:  # tied after the load too, not two copies
+        assert remote.get_output_embeddings().weight is remote.get_input_embeddings().weight
     with torch.no_grad():
         got, want = remote(input_ids=ids).logits, ours(input_ids=ids).logits
     if type(got).__name__ == "DTensor":
@@ -57,12 +64,12 @@ def _logits(url: str, local: str, options: list[dict], tp: int) -> int:
     return remote.result.bytes_read
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_from_pretrained_reads_each_byte_once(s3, tmp_path, tp):
+@pytest.mark.parametrize(("kind", "tp"), [("llama", 2), ("llama", 4), ("qwen3_moe", 2), ("qwen3_moe", 4)])
+def test_from_pretrained_reads_each_byte_once(s3, tmp_path, kind, tp):
     import obstore
 
     folder = tmp_path / "ckpt"
-    starts = _save(folder)
+    starts = _save(folder, kind)
     assert len(starts) > 2
     store = s3.storage().store(s3.bucket)
     for f in folder.iterdir():  # uploaded as they are: the files save_pretrained wrote
