@@ -1,8 +1,8 @@
-"""``sw.from_pretrained`` of transformers checkpoints (Llama-like, and Qwen3-MoE with a tied head;
-``save_pretrained`` into several files) from S3 (SeaweedFS) on spawned gloo ranks at tp=2 and tp=4: logits equal to the same load
-from the local folder, and the job fetches each tensor byte once. Each rank talks to the store
-through its own counting proxy, so that what a rank fetched is counted where it crossed the wire,
-not by the loader."""
+"""``sw.from_pretrained`` of transformers checkpoints (Llama-like, and Qwen3-MoE with a tied
+head; ``save_pretrained`` into several files) from S3 (SeaweedFS) on spawned gloo ranks at tp=2
+and tp=4: logits equal to the same load from the local folder, and the job fetches each tensor
+byte once. Each rank talks to the store through its own counting proxy, so that what a rank
+fetched is counted where it crossed the wire, not by the loader."""
 
 from __future__ import annotations
 
