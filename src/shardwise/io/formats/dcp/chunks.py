@@ -20,7 +20,7 @@ from shardwise.core.header import region_runs
 from shardwise.core.spec import Region, intersect
 from shardwise.errors import CheckpointError
 from shardwise.io.formats.dcp.metadata import read_metadata
-from shardwise.io.info import chunk_key, new_digest, read_info, tensor_checksum
+from shardwise.io.info import chunk_key, digest_range, read_info, tensor_checksum
 from shardwise.io.source import Blob, Description
 from shardwise.io.storage import HandleFile, Handles, Location, byte_view
 from shardwise.io.storage.torchfs import LocationReader
@@ -44,10 +44,7 @@ def read_chunk_into(f, info, offsets, lengths, dest: torch.Tensor, *, dtype: tor
     out = dest if direct else torch.empty(tuple(lengths), dtype=meta.dtype)
     runs = region_runs(tuple(meta.shape), meta.element_size(), tuple(offsets), tuple(lengths))
     buf = byte_view(out.detach())
-    pos = 0
-    for start, length in runs:
-        f.handle.readinto(buf[pos:pos + length], base + start)
-        pos += length
+    pos = f.handle.read_runs(buf, base, runs) if runs else 0
     if pos == meta.numel() * meta.element_size():  # the whole chunk: its zip record's CRC applies
         expected = zip_crc(f, info, meta, base)
         got = zlib.crc32(buf) if expected is not None else None
@@ -112,15 +109,9 @@ def chunk_checksum(f, info, *, dtype: torch.dtype, sizes, algorithm: str, piece:
         whole = _load(f, info, "cpu")
         return tensor_checksum(whole, algorithm), whole.numel() * whole.element_size(), None
     nbytes = meta.numel() * meta.element_size()
-    buf = bytearray(min(piece, nbytes))
-    digest, done = new_digest(algorithm), 0
-    while done < nbytes:
-        view = memoryview(buf)[: min(len(buf), nbytes - done)]
-        f.handle.readinto(view, base + done)
-        digest.update(view)
-        done += len(view)
     expected = zip_crc(f, info, meta, base)
-    return digest.hexdigest(), nbytes, None if expected is None else f"{expected:08x}"
+    return (digest_range(f.handle, base, nbytes, algorithm, piece), nbytes,
+            None if expected is None else f"{expected:08x}")
 
 
 def _check_blob(where: str, meta, info, dtype, sizes) -> None:
