@@ -34,9 +34,9 @@ from shardwise.io.formats.dcp.items import (
     place,
     read_dtype,
     scale_placed,
-    want_layout,
 )
 from shardwise.io.formats.dcp.metadata import check_tensors
+from shardwise.io.formats.safetensors.reader import want_layout
 from shardwise.io.info import ALGORITHM
 from shardwise.io.sink import Saving
 from shardwise.io.source import Finalize, ReadOptions, Reads, Want
@@ -73,13 +73,11 @@ def checkpoint_info(model: nn.Module, placed: Mapping[str, Placed], *, kind: str
                     metadata: Mapping | None = None) -> dict:
     """The informational ``shardwise.json`` content for a save of ``model``."""
     state = get_shard_state(model)
+    dtensors = [t for t in model.state_dict(keep_vars=True).values() if is_dtensor(t)]
     mesh: AxisMesh | None = state.mesh if state is not None else next(
-        (t.device_mesh for t in model.state_dict(keep_vars=True).values()
-         if is_dtensor(t)), None)
+        (t.device_mesh for t in dtensors), None)
     sharded_axes = sorted({(t.device_mesh.mesh_dim_names or ("?",) * t.device_mesh.ndim)[i]
-                           for t in model.state_dict(keep_vars=True).values()
-                           if is_dtensor(t)
-                           for i, p in enumerate(t.placements) if p.is_shard()})
+                           for t in dtensors for i, p in enumerate(t.placements) if p.is_shard()})
     return {
         "format": INFO_FORMAT, "version": 1, "kind": kind,
         "shardwise": __version__, "torch": torch.__version__,
@@ -121,13 +119,9 @@ def dcp_error(path, e: BaseException, what: str) -> ShardwiseError:
     if isinstance(e, ShardwiseError):
         return e
     if isinstance(e, CheckpointException):
-        failures = {}
-        for rank, wrapped in e.failures.items():
-            exc = wrapped[0] if isinstance(wrapped, tuple) else wrapped
-            failures[rank] = f"{type(exc).__name__}: {exc}"
-        bad_input = all(isinstance(w[0] if isinstance(w, tuple) else w, ValueError)
-                        for w in e.failures.values())
-        if bad_input:
+        excs = {rank: w[0] if isinstance(w, tuple) else w for rank, w in e.failures.items()}
+        failures = {rank: f"{type(exc).__name__}: {exc}" for rank, exc in excs.items()}
+        if all(isinstance(exc, ValueError) for exc in excs.values()):
             detail = "; ".join(f"rank {r}: {m}" for r, m in sorted(failures.items()))
             return CheckpointError(f"{path}: {what} failed: {detail}")
         return CollectiveError(f"{path}: {what} failed on rank(s) {sorted(failures)}", failures)
@@ -330,8 +324,7 @@ def _side_by_side(shape, group: list, dtype: torch.dtype, device):
     """``(Placed, parts)``: one buffer holding the wanted local tensors of one checkpoint
     tensor along dim 0 (one want: the local tensor itself); ``parts(buffer)`` yields each
     key with its view."""
-    sizes = [want_layout(shape, w)[0] for _, w in group]
-    layouts = [want_layout(shape, w)[1] for _, w in group]
+    sizes, layouts = zip(*(want_layout(shape, w) for _, w in group), strict=True)
     if len(group) == 1:
         buf = torch.empty(sizes[0], dtype=dtype, device=device)
         return Placed(buf, shape, layouts[0]), lambda local: [(group[0][0], local)]

@@ -30,22 +30,8 @@ from torch.distributed.checkpoint.planner_helpers import (
 )
 
 from shardwise.core.quant import FLOAT8, pair_of
-from shardwise.core.quant_layout import (
-    QuantTie,
-    scale_layout,
-    scale_local_shape,
-    scale_owned_layout,
-    tie_aligned,
-)
-from shardwise.core.spec import (
-    Layout,
-    Region,
-    ShardSpec,
-    chunk_layout,
-    global_shape,
-    local_layout,
-    local_shape,
-)
+from shardwise.core.quant_layout import QuantTie, scale_local_shape, scale_owned_layout, tie_aligned
+from shardwise.core.spec import Layout, Region, ShardSpec, chunk_layout, global_shape, local_layout
 from shardwise.errors import CheckpointError
 from shardwise.holding import is_dtensor
 from shardwise.io.info import chunk_key, tensor_checksum
@@ -299,15 +285,6 @@ def scale_placed(tensor: torch.Tensor, tie: QuantTie, spec: ShardSpec, degree: i
     return Placed(local.detach(), tie.scale_shape, scale_owned_layout(tie, spec, degree, rank))
 
 
-def want_layout(shape: tuple[int, ...], want: Want) -> tuple[tuple[int, ...], Layout]:
-    """The local shape and layout of the wanted tensor of canonical ``shape``: split by its
-    spec, or for a scale tensor, the scales of every block its weight shard touches."""
-    at = (want.spec, want.degree, want.rank)
-    if want.tie is None:
-        return local_shape(shape, want.spec, want.degree), local_layout(shape, *at)
-    return scale_local_shape(want.tie, *at), scale_layout(want.tie, *at)
-
-
 def read_dtype(stored: torch.dtype, want: Want, dtype: torch.dtype | None) -> torch.dtype:
     """The dtype a wanted tensor is read in: FP8 weights and scales as stored, else ``loaded_dtype``."""
     if want.tie is not None or stored in FLOAT8:
@@ -330,4 +307,4 @@ def check_fp8_match(root, stored: Mapping, keys: Mapping[str, str],
                 "sw.consolidate it to safetensors and load that with dequantize=True")
 
 
-__all__ = ["check_fp8_match", "read_dtype", "scale_placed", "want_layout"]
+__all__ = ["check_fp8_match", "read_dtype", "scale_placed"]
