@@ -63,7 +63,9 @@ class SafetensorsSource:
         return missing, unexpected
 
     def plan(self, wants: Mapping[str, Want]) -> Reads:
-        scales, plain, assembly, dequantized = [], [], Assembly(), {}
+        scales: list[ReadItem] = []
+        plain: list[ReadItem] = []
+        assembly, dequantized = Assembly(), {}
         for key, w in wants.items():
             source = self._sources[w.name]
             if isinstance(source, Dequantized):
@@ -72,8 +74,9 @@ class SafetensorsSource:
                 assembly.add(key, local_shape(source.shape, w.spec, w.degree), source.entry.torch_dtype,
                              piece_items(key, source, local_layout(source.shape, w.spec, w.degree, w.rank)))
             else:  # a block-quantized weight's scales are split along with their weight
-                shape, layout = want_layout(source[1].shape, w)
-                (plain if w.tie is None else scales).append(ReadItem(key, *source, layout, shape))
+                path, entry = source
+                shape, layout = want_layout(entry.shape, w)
+                (plain if w.tie is None else scales).append(ReadItem(key, path, entry, layout, shape))
         dequantizer = Dequantizer(dequantized)
         items = scales + plain + assembly.items + dequantizer.assembly.items
         whole = {k for k, w in wants.items()
