@@ -34,6 +34,7 @@ from shardwise.core.quant_layout import QuantTie, scale_local_shape, scale_owned
 from shardwise.core.spec import Layout, Region, ShardSpec, chunk_layout, global_shape, local_layout
 from shardwise.errors import CheckpointError
 from shardwise.holding import is_dtensor
+from shardwise.io.formats.safetensors.reader import want_layout
 from shardwise.io.info import chunk_key, tensor_checksum
 from shardwise.io.source import Want
 from shardwise.io.staging import loaded_dtype
@@ -283,6 +284,28 @@ def scale_placed(tensor: torch.Tensor, tie: QuantTie, spec: ShardSpec, degree: i
                               f"of {degree} holding its shard of {tie.weight!r} holds {want}; load the model "
                               "with sw.load or sw.from_pretrained, which place the scales with their weight")
     return Placed(local.detach(), tie.scale_shape, scale_owned_layout(tie, spec, degree, rank))
+
+
+def side_by_side(shape, group: list, dtype: torch.dtype, device):
+    """``(Placed, parts)``: one buffer holding the wanted local tensors of one checkpoint
+    tensor along dim 0 (one want: the local tensor itself); ``parts(buffer)`` yields each
+    key with its view."""
+    sizes, layouts = zip(*(want_layout(shape, w) for _, w in group), strict=True)
+    if len(group) == 1:
+        buf = torch.empty(sizes[0], dtype=dtype, device=device)
+        return Placed(buf, shape, layouts[0]), lambda local: [(group[0][0], local)]
+    assert shape and all(w.tie is None for _, w in group), "several wants: chunks of a split tensor (spmd)"
+    starts = [sum(s[0] for s in sizes[:i]) for i in range(len(sizes))]
+    extent = (starts[-1] + sizes[-1][0],) + tuple(max(s[d] for s in sizes) for d in range(1, len(shape)))
+    layout = [(region, (off[0] + start,) + tuple(off[1:]))
+              for start, lay in zip(starts, layouts, strict=True) for region, off in lay]
+    buf = torch.empty(extent, dtype=dtype, device=device)
+
+    def parts(local):
+        return [(key, local[(slice(start, start + s[0]),) + tuple(slice(0, n) for n in s[1:])])
+                for (key, _), start, s in zip(group, starts, sizes, strict=True)]
+
+    return Placed(buf, shape, layout), parts
 
 
 def read_dtype(stored: torch.dtype, want: Want, dtype: torch.dtype | None) -> torch.dtype:

@@ -9,7 +9,6 @@ bytes its regions overlap (a tensor is a ``Composite`` of its chunks)."""
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -59,10 +58,6 @@ class ShardedTensor(NamedDtype):
     dtype: str
     shape: tuple[int, ...]
     chunks: tuple[Chunk, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.itemsize
 
     @property
     def composite(self) -> Composite:
