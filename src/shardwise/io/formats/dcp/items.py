@@ -131,19 +131,19 @@ def place(tensor: torch.Tensor, spec: ShardSpec | None, degree: int, tp_rank: in
     return Placed(local, shape, layout)
 
 
-def _pieces(placed: Mapping[str, Placed]) -> dict[tuple[str, tuple[int, ...]], tuple]:
-    return {(fqn, tuple(r.offsets)): (off, r.sizes)
-            for fqn, p in placed.items() for r, off in p.layout}
-
-
-class CanonicalSavePlanner(DefaultSavePlanner):
-    """DCP's default save planner, but each :class:`Placed` tensor (by state-dict key) becomes one
-    write item per region at its canonical offsets; the metadata keeps the state dict's order."""
+class _Canonical:
+    """What both canonical planners hold: the :class:`Placed` tensors by state-dict key, and each
+    piece's local offset and sizes by ``(key, canonical offsets)``."""
 
     def __init__(self, placed: Mapping[str, Placed]):
         super().__init__()
         self._placed = placed
-        self._pieces = _pieces(placed)
+        self._pieces = {(fqn, tuple(r.offsets)): (off, r.sizes)
+                        for fqn, p in placed.items() for r, off in p.layout}
+
+class CanonicalSavePlanner(_Canonical, DefaultSavePlanner):
+    """DCP's default save planner, but each :class:`Placed` tensor (by state-dict key) becomes one
+    write item per region at its canonical offsets; the metadata keeps the state dict's order."""
 
     def create_local_plan(self) -> SavePlan:
         items: list[WriteItem] = []
@@ -190,15 +190,10 @@ def _exact(view: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=view.dtype, device=view.device).set_(storage, 0, view.shape, view.stride())
 
 
-class CanonicalLoadPlanner(DefaultLoadPlanner):
+class CanonicalLoadPlanner(_Canonical, DefaultLoadPlanner):
     """DCP's default load planner, but each :class:`Placed` tensor asks for its own regions (DCP's
     overlap math reads them from whatever chunks the checkpoint holds). Non-tensor values are
     unpickled with ``weights_only=True``, which refuses code."""
-
-    def __init__(self, placed: Mapping[str, Placed]):
-        super().__init__()
-        self._placed = placed
-        self._pieces = _pieces(placed)
 
     def create_local_plan(self) -> LoadPlan:
         assert self.metadata is not None  # DCP calls set_up_planner with it first
@@ -218,8 +213,7 @@ class CanonicalLoadPlanner(DefaultLoadPlanner):
         fqn = read_item.dest_index.fqn
         if fqn not in self._placed:
             return super().resolve_tensor(read_item)
-        off, sizes = self._pieces[(fqn, tuple(read_item.dest_index.offset))]
-        view = self._placed[fqn].piece(off, sizes)
+        view = self._placed[fqn].piece(*self._pieces[(fqn, tuple(read_item.dest_index.offset))])
         return narrow_tensor_by_index(view, read_item.dest_offsets, read_item.lengths)
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
