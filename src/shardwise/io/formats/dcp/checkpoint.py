@@ -293,7 +293,12 @@ class DcpSource:
         dtype = md.properties.dtype
         infos = [(c, self.metadata.storage_data[MetadataIndex(name, c.offsets)]) for c in md.chunks]
         if any(getattr(info, "transform_descriptors", None) for _, info in infos):
-            return self._through_dcp_load(name)[box.slices()].clone()
+            # a transformed (compressed) chunk: the whole tensor through DCP's own reader
+            whole = torch.empty(md.size, dtype=dtype)
+            with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.load({name: whole}, storage_reader=MetadataReader(self.root, self.metadata), no_dist=True)
+            return whole[box.slices()].clone()
         out = torch.empty(box.sizes, dtype=dtype)
         for chunk, info in infos:
             stored = Region(tuple(chunk.offsets), tuple(chunk.sizes))
@@ -305,16 +310,6 @@ class DcpSource:
             in_chunk = tuple(b - c for b, c in zip(both.offsets, stored.offsets, strict=True))
             read_chunk_into(self._file(str(info.relative_path)), info, in_chunk, both.sizes, dest,
                             dtype=dtype, sizes=stored.sizes)
-        return out
-
-    def _through_dcp_load(self, name: str) -> torch.Tensor:
-        import torch.distributed.checkpoint as dcp
-
-        md = cast(TensorStorageMetadata, self.metadata.state_dict_metadata[name])  # one of tensors()
-        out = torch.empty(md.size, dtype=md.properties.dtype)
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load({name: out}, storage_reader=MetadataReader(self.root, self.metadata), no_dist=True)
         return out
 
     def describe(self) -> Description:

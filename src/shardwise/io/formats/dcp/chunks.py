@@ -73,8 +73,19 @@ def open_blob(f, info, *, dtype: torch.dtype | None = None, sizes=None) -> tuple
     bytes lie in C order, or None when it is stored otherwise (then it is read whole)."""
     where = _where(f, info)
     meta = _load(f, info, "meta")
-    _check_blob(where, meta, info, dtype, sizes)
+    if not isinstance(meta, torch.Tensor):
+        raise CheckpointError(f"{where} holds a {type(meta).__name__}, not a tensor")
+    if dtype is not None and meta.dtype != dtype:
+        raise CheckpointError(f"{where} holds {meta.dtype} data but the metadata says {dtype}; "
+                              "the checkpoint is corrupt")
+    if sizes is not None and tuple(meta.shape) != tuple(sizes):
+        raise CheckpointError(f"{where} holds a tensor of shape {tuple(meta.shape)} but the metadata "
+                              f"says {tuple(sizes)}; the checkpoint is corrupt")
     record = getattr(meta.untyped_storage(), "_checkpoint_offset", None)
+    if (record or 0) + meta.untyped_storage().nbytes() > info.length:
+        raise CheckpointError(f"{where} says its data runs {meta.untyped_storage().nbytes()} bytes "
+                              f"from byte {record or 0}, past the {info.length} bytes stored; the checkpoint "
+                              "is corrupt")
     if record is None or not meta.is_contiguous():
         return meta, None
     return meta, info.offset + record + meta.storage_offset() * meta.element_size()
@@ -104,22 +115,6 @@ def chunk_checksum(f, info, *, dtype: torch.dtype, sizes, algorithm: str, piece:
     expected = zip_crc(f, info, meta, base)
     return (digest_range(f.handle, base, nbytes, algorithm, piece), nbytes,
             None if expected is None else f"{expected:08x}")
-
-
-def _check_blob(where: str, meta, info, dtype, sizes) -> None:
-    if not isinstance(meta, torch.Tensor):
-        raise CheckpointError(f"{where} holds a {type(meta).__name__}, not a tensor")
-    if dtype is not None and meta.dtype != dtype:
-        raise CheckpointError(f"{where} holds {meta.dtype} data but the metadata says {dtype}; "
-                              "the checkpoint is corrupt")
-    if sizes is not None and tuple(meta.shape) != tuple(sizes):
-        raise CheckpointError(f"{where} holds a tensor of shape {tuple(meta.shape)} but the metadata "
-                              f"says {tuple(sizes)}; the checkpoint is corrupt")
-    record = getattr(meta.untyped_storage(), "_checkpoint_offset", None) or 0
-    if record + meta.untyped_storage().nbytes() > info.length:
-        raise CheckpointError(f"{where} says its data runs {meta.untyped_storage().nbytes()} bytes "
-                              f"from byte {record}, past the {info.length} bytes stored; the checkpoint "
-                              "is corrupt")
 
 
 class MetadataReader(LocationReader):
