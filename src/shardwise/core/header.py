@@ -1,5 +1,5 @@
 """The safetensors header (pure): dtype names, parsing (every field of an untrusted header is
-checked before use), layout, byte runs."""
+checked before use), layout, byte runs, and the tiling check of a stored tensor's chunks."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardwise.core.spec import is_int
+from shardwise.core.spec import Region, is_int, overlapping
 from shardwise.errors import CheckpointError, UsageError
 
 # The reference reader refuses headers above 100 MB; so do we, before allocating.
@@ -113,38 +113,33 @@ def check_header_length(n: int, file_size: int, *, source: str) -> None:
         )
 
 
-class _JsonFault(ValueError):
-    """A fault ``json.loads`` lets through: ``args``: (what is wrong, the text)."""
-
-
-def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    # json.loads keeps the last of repeated keys; a second entry for one tensor
-    # would silently hide the first, so a repeat is a fault. A "\ud800" escape decodes to
-    # a lone surrogate, which is no Unicode text (safetensors refuses it; printing it fails).
-    result: dict[str, object] = {}
-    for key, value in pairs:
-        if key in result:
-            raise _JsonFault("repeats the key", key)
-        for text in (key, value):
-            if isinstance(text, str) and not text.isascii():
-                try:
-                    text.encode("utf-8")
-                except UnicodeEncodeError:
-                    raise _JsonFault("surrogate", text) from None
-        result[key] = value
-    return result
-
-
 def parse_json_object(raw: bytes, *, source: str, what: str) -> dict:
     """Untrusted UTF-8 JSON that must be an object without repeated keys (``CheckpointError``
     naming ``what``)."""
+
+    def no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+        # json.loads keeps the last of repeated keys; a second entry for one tensor would
+        # silently hide the first, so a repeat is a fault. A "\ud800" escape decodes to a lone
+        # surrogate, which is no Unicode text (safetensors refuses it; printing it fails).
+        result: dict[str, object] = {}
+        for key, value in pairs:
+            if key in result:
+                raise CheckpointError(f"{source}: {what} repeats the key {key!r}")
+            for text in (key, value):
+                if isinstance(text, str) and not text.isascii():
+                    try:
+                        text.encode("utf-8")
+                    except UnicodeEncodeError:
+                        raise CheckpointError(
+                            f"{source}: {what} holds the string {text!r:.200}, which has an unpaired "
+                            "surrogate escape and is not Unicode text") from None
+            result[key] = value
+        return result
+
     try:
-        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
-    except _JsonFault as e:
-        if e.args[0] == "repeats the key":
-            raise CheckpointError(f"{source}: {what} repeats the key {e.args[1]!r}") from None
-        raise CheckpointError(f"{source}: {what} holds the string {e.args[1]!r:.200}, which has an "
-                              "unpaired surrogate escape and is not Unicode text") from None
+        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicate_keys)
+    except CheckpointError:
+        raise
     except UnicodeDecodeError as e:
         raise CheckpointError(f"{source}: {what} is not valid UTF-8 ({e.reason} at byte {e.start})") from e
     except (ValueError, RecursionError) as e:
@@ -296,3 +291,35 @@ def region_runs(
         if n > 1:
             starts = [x for s in starts for x in range(s, s + n * step, step)]
     return [(s, length) for s in starts]
+
+
+def check_tiling(name: str, shape: Sequence[int], pieces: Sequence[tuple[str, Region]]) -> None:
+    """Raise ``CheckpointError`` unless the regions of ``pieces`` (``(source, region)``: the
+    chunks of a stored tensor, or the chunks a save plans) tile the tensor of ``shape`` exactly:
+    each inside, together covering it, none overlapping. The one check of the sharded
+    safetensors and DCP chunk maps.
+
+    >>> check_tiling("w", (4, 2), [("a", Region((0, 0), (2, 2))), ("b", Region((2, 0), (2, 2)))])
+    """
+    shape = tuple(shape)
+    for src, r in pieces:
+        inside = len(r.offsets) == len(shape) and all(
+            o + s <= d for o, s, d in zip(r.offsets, r.sizes, shape, strict=True))
+        if not inside:
+            raise CheckpointError(f"{src}: tensor {name!r}: chunk at offsets {r.offsets} of sizes "
+                                  f"{r.sizes} falls outside shape {shape}")
+    covered, total = sum(r.numel for _, r in pieces), math.prod(shape)
+    if covered != total:
+        files = sorted({s for s, _ in pieces})
+        raise CheckpointError(
+            f"tensor {name!r}: its chunks in {', '.join(files[:4])}{' ...' if len(files) > 4 else ''} "
+            f"cover {covered} of the {total} elements of its shape {shape}, so it is not covered "
+            "exactly: a chunk (or a whole rank's file) is missing or repeated: copy the complete "
+            "checkpoint folder, or save again")
+    pair = overlapping([r for _, r in pieces])
+    if pair is not None:
+        (sa, a), (sb, b) = pieces[pair[0]], pieces[pair[1]]
+        raise CheckpointError(
+            f"{sa if sa == sb else f'{sa} and {sb}'}: tensor {name!r}: chunks at offsets {a.offsets} "
+            f"(sizes {a.sizes}) and {b.offsets} (sizes {b.sizes}) overlap, so which bytes hold the "
+            "tensor is ambiguous; the folder mixes checkpoints or a header is corrupt")

@@ -130,11 +130,12 @@ def save_format(format: str | None, *, distributed: bool) -> ModuleType:
     name = SAVE_SPELLINGS.get((format, distributed), format)
     if not isinstance(name, str):
         raise UsageError(f"format must be the name of a checkpoint format, got {format!r}")
+    def writes(plugin: ModuleType) -> bool:
+        return hasattr(plugin, "save" if plugin.CAPABILITIES.distributed else "writer")
+
     plugin = get_format(name)
-    writes = "save" if plugin.CAPABILITIES.distributed else "writer"
-    if not hasattr(plugin, writes):
-        writable = [n for n, p in ((n, get_format(n)) for n in FORMATS)
-                    if hasattr(p, "save" if p.CAPABILITIES.distributed else "writer")]
+    if not writes(plugin):
+        writable = [n for n in FORMATS if writes(get_format(n))]
         raise UsageError(f"format={format!r}: the {name} format is read only (it has no writer); "
                          f"writable formats: {', '.join(writable)}")
     if plugin.CAPABILITIES.distributed and not distributed:

@@ -1,20 +1,22 @@
 """Distributed checkpoints through torch DCP: every rank writes its own regions as canonical
 chunks, so a checkpoint loads at any degree and in plain ``torch.distributed.checkpoint``;
 ``shardwise.json`` records the layout and every chunk's checksum. A save is one ``Saving``
-(complete or absent). The ``.metadata`` is a pickle (allow-listed classes): trust its source."""
+(complete or absent). :class:`DcpSource` reads one back, for loads and the offline tools. The
+``.metadata`` is a pickle (allow-listed classes): trust its source."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, cast
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, NoReturn, cast
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: name it
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
 import shardwise.comm as comm
 from shardwise._version import __version__
@@ -22,9 +24,10 @@ from shardwise.backends import Backend, coordination_group
 from shardwise.core.adapter import adapter_for
 from shardwise.core.header import dtype_to_str
 from shardwise.core.plan import ResolvedPlan, plan_summary
+from shardwise.core.spec import Region, intersect
 from shardwise.errors import CheckpointError, CollectiveError, ShardwiseError
 from shardwise.holding import is_dtensor
-from shardwise.io.formats.dcp.chunks import DcpStored, MetadataReader
+from shardwise.io.formats.dcp.chunks import MetadataReader, chunk_checksum, read_chunk_into
 from shardwise.io.formats.dcp.items import (
     CanonicalLoadPlanner,
     CanonicalSavePlanner,
@@ -34,13 +37,14 @@ from shardwise.io.formats.dcp.items import (
     place,
     read_dtype,
     scale_placed,
-    want_layout,
+    side_by_side,
 )
-from shardwise.io.formats.dcp.metadata import check_tensors
-from shardwise.io.info import ALGORITHM
+from shardwise.io.formats.dcp.metadata import check_tensors, read_metadata
+from shardwise.io.formats.safetensors.reader import want_layout
+from shardwise.io.info import ALGORITHM, chunk_key, read_info
 from shardwise.io.sink import Saving
-from shardwise.io.source import Finalize, ReadOptions, Reads, Want
-from shardwise.io.storage import Location
+from shardwise.io.source import Blob, Description, Finalize, ReadOptions, Reads, Want
+from shardwise.io.storage import HandleFile, Handles, Location
 from shardwise.io.storage.transaction import target_path
 from shardwise.mesh import get_shard_state
 
@@ -73,13 +77,11 @@ def checkpoint_info(model: nn.Module, placed: Mapping[str, Placed], *, kind: str
                     metadata: Mapping | None = None) -> dict:
     """The informational ``shardwise.json`` content for a save of ``model``."""
     state = get_shard_state(model)
+    dtensors = [t for t in model.state_dict(keep_vars=True).values() if is_dtensor(t)]
     mesh: AxisMesh | None = state.mesh if state is not None else next(
-        (t.device_mesh for t in model.state_dict(keep_vars=True).values()
-         if is_dtensor(t)), None)
+        (t.device_mesh for t in dtensors), None)
     sharded_axes = sorted({(t.device_mesh.mesh_dim_names or ("?",) * t.device_mesh.ndim)[i]
-                           for t in model.state_dict(keep_vars=True).values()
-                           if is_dtensor(t)
-                           for i, p in enumerate(t.placements) if p.is_shard()})
+                           for t in dtensors for i, p in enumerate(t.placements) if p.is_shard()})
     return {
         "format": INFO_FORMAT, "version": 1, "kind": kind,
         "shardwise": __version__, "torch": torch.__version__,
@@ -121,13 +123,9 @@ def dcp_error(path, e: BaseException, what: str) -> ShardwiseError:
     if isinstance(e, ShardwiseError):
         return e
     if isinstance(e, CheckpointException):
-        failures = {}
-        for rank, wrapped in e.failures.items():
-            exc = wrapped[0] if isinstance(wrapped, tuple) else wrapped
-            failures[rank] = f"{type(exc).__name__}: {exc}"
-        bad_input = all(isinstance(w[0] if isinstance(w, tuple) else w, ValueError)
-                        for w in e.failures.values())
-        if bad_input:
+        excs = {rank: w[0] if isinstance(w, tuple) else w for rank, w in e.failures.items()}
+        failures = {rank: f"{type(exc).__name__}: {exc}" for rank, exc in excs.items()}
+        if all(isinstance(exc, ValueError) for exc in excs.values()):
             detail = "; ".join(f"rank {r}: {m}" for r, m in sorted(failures.items()))
             return CheckpointError(f"{path}: {what} failed: {detail}")
         return CollectiveError(f"{path}: {what} failed on rank(s) {sorted(failures)}", failures)
@@ -206,19 +204,16 @@ def write_checkpoint(path: Location, state_dict: dict, placed: Mapping[str, Plac
             saving.commit(info={**info, "checksums": checksums} if saving.rank0 else None,
                           side_files=side_files)
 
-    def fail(e: BaseException):
+    def fail(e: BaseException) -> NoReturn:
         saving.discard()
         raise CheckpointError(f"{saving.target}: the distributed save failed; the target is "
                               f"unchanged: {e}") from e
 
-    if async_save:
-        try:
+    try:
+        if async_save:
             future = dcp.async_save(state_dict, storage_writer=writer, planner=planner,
                                     process_group=_async_group(), no_dist=no_dist)
-        except (Exception, CheckpointException) as e:
-            fail(e)
-        return AsyncSave(future, finish, fail)
-    try:
+            return AsyncSave(future, finish, fail)
         dcp.save(state_dict, storage_writer=writer, planner=planner, no_dist=no_dist,
                  process_group=coordination_group(backend))
     except (Exception, CheckpointException) as e:  # DCP raised on every rank (it gathers the failures)
@@ -266,16 +261,83 @@ def read_checkpoint(path: Location, metadata, state_dict: dict, placed: Mapping[
     return reader.bytes_read
 
 
-class DcpSource(DcpStored):
+class DcpSource:
     """The ``Source`` of a torch DCP checkpoint, read through torch's planner and storage reader
-    (:func:`read_checkpoint`). ``read`` is collective, with the same ``options.window`` on every
-    rank."""
+    (:func:`read_checkpoint`); ``read`` is collective, with the same ``options.window`` on every
+    rank. ``metadata``: the checked metadata of the folder ``root`` (an incomplete checkpoint
+    raises on opening); the offline tools read boxes and chunks through the storage."""
+
+    name = "dcp"
 
     def __init__(self, path: Location):
-        super().__init__(path)  # the metadata, checked: raises for an incomplete checkpoint
+        self.root = path
+        self.metadata = read_metadata(path)
+        self._handles = Handles()
         self.bytes_read = 0
         self._key: dict[str, str] = {}  # model name -> checkpoint key
         self._shape: dict[str, tuple[int, ...]] = {}  # checkpoint key -> the model's shape
+
+    def _file(self, rel: str) -> HandleFile:
+        return HandleFile(self._handles.get(self.root / rel))
+
+    def tensors(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        md = self.metadata.state_dict_metadata
+        return {k: (m.properties.dtype, tuple(m.size)) for k, m in md.items()
+                if isinstance(m, TensorStorageMetadata)}
+
+    def use_module_names(self, wanted: set[str]) -> None:
+        pass  # a distributed checkpoint stores the module's names
+
+    def read_box(self, name: str, box: Region) -> torch.Tensor:
+        md = cast(TensorStorageMetadata, self.metadata.state_dict_metadata[name])  # one of tensors()
+        dtype = md.properties.dtype
+        infos = [(c, self.metadata.storage_data[MetadataIndex(name, c.offsets)]) for c in md.chunks]
+        if any(getattr(info, "transform_descriptors", None) for _, info in infos):
+            # a transformed (compressed) chunk: the whole tensor through DCP's own reader
+            whole = torch.empty(md.size, dtype=dtype)
+            with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.load({name: whole}, storage_reader=MetadataReader(self.root, self.metadata), no_dist=True)
+            return whole[box.slices()].clone()
+        out = torch.empty(box.sizes, dtype=dtype)
+        for chunk, info in infos:
+            stored = Region(tuple(chunk.offsets), tuple(chunk.sizes))
+            both = intersect(box, stored)
+            if both is None or both.numel == 0:
+                continue  # read_metadata checked that the chunks tile the tensor
+            dest = out[Region(tuple(b - o for b, o in zip(both.offsets, box.offsets, strict=True)),
+                              both.sizes).slices()]
+            in_chunk = tuple(b - c for b, c in zip(both.offsets, stored.offsets, strict=True))
+            read_chunk_into(self._file(str(info.relative_path)), info, in_chunk, both.sizes, dest,
+                            dtype=dtype, sizes=stored.sizes)
+        return out
+
+    def describe(self) -> Description:
+        md = self.metadata.state_dict_metadata
+        values = tuple(n for n, m in md.items() if not isinstance(m, TensorStorageMetadata))
+        files = tuple(sorted({str(info.relative_path) for info in self.metadata.storage_data.values()}))
+        return Description("torch distributed checkpoint (DCP)", files, layout=read_info(self.root),
+                           values=values, chunks={n: len(m.chunks) for n, m in md.items()
+                                                                   if isinstance(m, TensorStorageMetadata)})
+
+    def blobs(self) -> Iterator[Blob]:
+        for name, md in self.metadata.state_dict_metadata.items():
+            if not isinstance(md, TensorStorageMetadata):
+                continue
+            dtype = md.properties.dtype
+            for chunk in md.chunks:
+                info = self.metadata.storage_data[MetadataIndex(name, chunk.offsets)]
+
+                def digest(algorithm: str, info=info, sizes=tuple(chunk.sizes), dtype=dtype):
+                    got, _, zipped = chunk_checksum(self._file(str(info.relative_path)), info, dtype=dtype,
+                                                    sizes=sizes, algorithm=algorithm)
+                    return got, zipped
+
+                nbytes = math.prod(chunk.sizes) * dtype.itemsize
+                yield Blob(name, chunk_key(chunk.offsets), nbytes, digest, own=True)
+
+    def close(self) -> None:
+        self._handles.close()
 
     def match(self, model: nn.Module, specs: ResolvedPlan, *, strict: bool) -> tuple[list[str], list[str]]:
         own = model.state_dict(keep_vars=True)
@@ -308,7 +370,7 @@ class DcpSource(DcpStored):
         keys = list(reads.detail)
         for i, k in enumerate(keys):
             want = read_dtype(md[k].properties.dtype, reads.detail[k][0][1], options.dtype)
-            batch[k] = _side_by_side(self._shape[k], reads.detail[k], want, options.device)
+            batch[k] = side_by_side(self._shape[k], reads.detail[k], want, options.device)
             size += batch[k][0].local.numel() * batch[k][0].local.element_size()
             # One dcp.load (a collective plan exchange) per window of bytes, or for the whole
             # checkpoint when the placement streams (window None): never one per tensor.
@@ -324,29 +386,6 @@ class DcpSource(DcpStored):
                     out[key] = finalize(key, view)
             batch, size = {}, 0
         return out
-
-
-def _side_by_side(shape, group: list, dtype: torch.dtype, device):
-    """``(Placed, parts)``: one buffer holding the wanted local tensors of one checkpoint
-    tensor along dim 0 (one want: the local tensor itself); ``parts(buffer)`` yields each
-    key with its view."""
-    sizes = [want_layout(shape, w)[0] for _, w in group]
-    layouts = [want_layout(shape, w)[1] for _, w in group]
-    if len(group) == 1:
-        buf = torch.empty(sizes[0], dtype=dtype, device=device)
-        return Placed(buf, shape, layouts[0]), lambda local: [(group[0][0], local)]
-    assert shape and all(w.tie is None for _, w in group), "several wants: chunks of a split tensor (spmd)"
-    starts = [sum(s[0] for s in sizes[:i]) for i in range(len(sizes))]
-    extent = (starts[-1] + sizes[-1][0],) + tuple(max(s[d] for s in sizes) for d in range(1, len(shape)))
-    layout = [(region, (off[0] + start,) + tuple(off[1:]))
-              for start, lay in zip(starts, layouts, strict=True) for region, off in lay]
-    buf = torch.empty(extent, dtype=dtype, device=device)
-
-    def parts(local):
-        return [(key, local[(slice(start, start + s[0]),) + tuple(slice(0, n) for n in s[1:])])
-                for (key, _), start, s in zip(group, starts, sizes, strict=True)]
-
-    return Placed(buf, shape, layout), parts
 
 
 __all__ = ["AsyncSave", "DcpSource", "INFO_FORMAT", "checkpoint_info", "dcp_error",

@@ -1,27 +1,19 @@
 """Reading the chunks of a distributed checkpoint: only the bytes asked for, each blob checked
 against the metadata (dtype, shape, zip CRC-32) before its data is read, so a bad blob is a
-``CheckpointError``, never a cast or a shifted read. :class:`DcpStored` is what the offline
-tools (consolidate, verify, diff, inspect) ask of a DCP checkpoint.
+``CheckpointError``, never a cast or a shifted read.
 """
 
 from __future__ import annotations
 
 import io
-import math
-import warnings
 import zlib
-from collections.abc import Iterator
-from typing import cast
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from shardwise.core.header import region_runs
-from shardwise.core.spec import Region, intersect
 from shardwise.errors import CheckpointError
-from shardwise.io.formats.dcp.metadata import read_metadata
-from shardwise.io.info import chunk_key, new_digest, read_info, tensor_checksum
-from shardwise.io.source import Blob, Description
+from shardwise.io.info import digest_range, tensor_checksum
 from shardwise.io.storage import HandleFile, Handles, Location, byte_view
 from shardwise.io.storage.torchfs import LocationReader
 
@@ -44,10 +36,7 @@ def read_chunk_into(f, info, offsets, lengths, dest: torch.Tensor, *, dtype: tor
     out = dest if direct else torch.empty(tuple(lengths), dtype=meta.dtype)
     runs = region_runs(tuple(meta.shape), meta.element_size(), tuple(offsets), tuple(lengths))
     buf = byte_view(out.detach())
-    pos = 0
-    for start, length in runs:
-        f.handle.readinto(buf[pos:pos + length], base + start)
-        pos += length
+    pos = f.handle.read_runs(buf, base, runs) if runs else 0
     if pos == meta.numel() * meta.element_size():  # the whole chunk: its zip record's CRC applies
         expected = zip_crc(f, info, meta, base)
         got = zlib.crc32(buf) if expected is not None else None
@@ -84,8 +73,19 @@ def open_blob(f, info, *, dtype: torch.dtype | None = None, sizes=None) -> tuple
     bytes lie in C order, or None when it is stored otherwise (then it is read whole)."""
     where = _where(f, info)
     meta = _load(f, info, "meta")
-    _check_blob(where, meta, info, dtype, sizes)
+    if not isinstance(meta, torch.Tensor):
+        raise CheckpointError(f"{where} holds a {type(meta).__name__}, not a tensor")
+    if dtype is not None and meta.dtype != dtype:
+        raise CheckpointError(f"{where} holds {meta.dtype} data but the metadata says {dtype}; "
+                              "the checkpoint is corrupt")
+    if sizes is not None and tuple(meta.shape) != tuple(sizes):
+        raise CheckpointError(f"{where} holds a tensor of shape {tuple(meta.shape)} but the metadata "
+                              f"says {tuple(sizes)}; the checkpoint is corrupt")
     record = getattr(meta.untyped_storage(), "_checkpoint_offset", None)
+    if (record or 0) + meta.untyped_storage().nbytes() > info.length:
+        raise CheckpointError(f"{where} says its data runs {meta.untyped_storage().nbytes()} bytes "
+                              f"from byte {record or 0}, past the {info.length} bytes stored; the checkpoint "
+                              "is corrupt")
     if record is None or not meta.is_contiguous():
         return meta, None
     return meta, info.offset + record + meta.storage_offset() * meta.element_size()
@@ -112,31 +112,9 @@ def chunk_checksum(f, info, *, dtype: torch.dtype, sizes, algorithm: str, piece:
         whole = _load(f, info, "cpu")
         return tensor_checksum(whole, algorithm), whole.numel() * whole.element_size(), None
     nbytes = meta.numel() * meta.element_size()
-    buf = bytearray(min(piece, nbytes))
-    digest, done = new_digest(algorithm), 0
-    while done < nbytes:
-        view = memoryview(buf)[: min(len(buf), nbytes - done)]
-        f.handle.readinto(view, base + done)
-        digest.update(view)
-        done += len(view)
     expected = zip_crc(f, info, meta, base)
-    return digest.hexdigest(), nbytes, None if expected is None else f"{expected:08x}"
-
-
-def _check_blob(where: str, meta, info, dtype, sizes) -> None:
-    if not isinstance(meta, torch.Tensor):
-        raise CheckpointError(f"{where} holds a {type(meta).__name__}, not a tensor")
-    if dtype is not None and meta.dtype != dtype:
-        raise CheckpointError(f"{where} holds {meta.dtype} data but the metadata says {dtype}; "
-                              "the checkpoint is corrupt")
-    if sizes is not None and tuple(meta.shape) != tuple(sizes):
-        raise CheckpointError(f"{where} holds a tensor of shape {tuple(meta.shape)} but the metadata "
-                              f"says {tuple(sizes)}; the checkpoint is corrupt")
-    record = getattr(meta.untyped_storage(), "_checkpoint_offset", None) or 0
-    if record + meta.untyped_storage().nbytes() > info.length:
-        raise CheckpointError(f"{where} says its data runs {meta.untyped_storage().nbytes()} bytes "
-                              f"from byte {record}, past the {info.length} bytes stored; the checkpoint "
-                              "is corrupt")
+    return (digest_range(f.handle, base, nbytes, algorithm, piece), nbytes,
+            None if expected is None else f"{expected:08x}")
 
 
 class MetadataReader(LocationReader):
@@ -193,84 +171,5 @@ class MetadataReader(LocationReader):
             planner.commit_tensor(item, target)
 
 
-class DcpStored:
-    """The offline half of the DCP Source: ``self.metadata`` is the checked metadata of the
-    checkpoint folder ``root`` (an incomplete checkpoint raises on opening)."""
-
-    name = "dcp"
-
-    def __init__(self, path: Location):
-        self.root = path
-        self.metadata = read_metadata(path)
-        self._handles = Handles()
-
-    def _file(self, rel: str) -> HandleFile:
-        return HandleFile(self._handles.get(self.root / rel))
-
-    def tensors(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        md = self.metadata.state_dict_metadata
-        return {k: (m.properties.dtype, tuple(m.size)) for k, m in md.items()
-                if isinstance(m, TensorStorageMetadata)}
-
-    def use_module_names(self, wanted: set[str]) -> None:
-        pass  # a distributed checkpoint stores the module's names
-
-    def read_box(self, name: str, box: Region) -> torch.Tensor:
-        md = cast(TensorStorageMetadata, self.metadata.state_dict_metadata[name])  # one of tensors()
-        dtype = md.properties.dtype
-        infos = [(c, self.metadata.storage_data[MetadataIndex(name, c.offsets)]) for c in md.chunks]
-        if any(getattr(info, "transform_descriptors", None) for _, info in infos):
-            return self._through_dcp_load(name)[box.slices()].clone()
-        out = torch.empty(box.sizes, dtype=dtype)
-        for chunk, info in infos:
-            stored = Region(tuple(chunk.offsets), tuple(chunk.sizes))
-            both = intersect(box, stored)
-            if both is None or both.numel == 0:
-                continue  # read_metadata checked that the chunks tile the tensor
-            dest = out[Region(tuple(b - o for b, o in zip(both.offsets, box.offsets, strict=True)),
-                              both.sizes).slices()]
-            in_chunk = tuple(b - c for b, c in zip(both.offsets, stored.offsets, strict=True))
-            read_chunk_into(self._file(str(info.relative_path)), info, in_chunk, both.sizes, dest,
-                            dtype=dtype, sizes=stored.sizes)
-        return out
-
-    def _through_dcp_load(self, name: str) -> torch.Tensor:
-        import torch.distributed.checkpoint as dcp
-
-        md = cast(TensorStorageMetadata, self.metadata.state_dict_metadata[name])  # one of tensors()
-        out = torch.empty(md.size, dtype=md.properties.dtype)
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load({name: out}, storage_reader=MetadataReader(self.root, self.metadata), no_dist=True)
-        return out
-
-    def describe(self) -> Description:
-        md = self.metadata.state_dict_metadata
-        values = tuple(n for n, m in md.items() if not isinstance(m, TensorStorageMetadata))
-        files = tuple(sorted({str(info.relative_path) for info in self.metadata.storage_data.values()}))
-        return Description("torch distributed checkpoint (DCP)", files, layout=read_info(self.root),
-                           values=values, chunks={n: len(m.chunks) for n, m in md.items()
-                                                                   if isinstance(m, TensorStorageMetadata)})
-
-    def blobs(self) -> Iterator[Blob]:
-        for name, md in self.metadata.state_dict_metadata.items():
-            if not isinstance(md, TensorStorageMetadata):
-                continue
-            dtype = md.properties.dtype
-            for chunk in md.chunks:
-                info = self.metadata.storage_data[MetadataIndex(name, chunk.offsets)]
-
-                def digest(algorithm: str, info=info, sizes=tuple(chunk.sizes), dtype=dtype):
-                    got, _, zipped = chunk_checksum(self._file(str(info.relative_path)), info, dtype=dtype,
-                                                    sizes=sizes, algorithm=algorithm)
-                    return got, zipped
-
-                nbytes = math.prod(chunk.sizes) * dtype.itemsize
-                yield Blob(name, chunk_key(chunk.offsets), nbytes, digest, own=True)
-
-    def close(self) -> None:
-        self._handles.close()
-
-
-__all__ = ["DcpStored", "MetadataReader", "chunk_checksum", "open_blob", "read_chunk_into",
+__all__ = ["MetadataReader", "chunk_checksum", "open_blob", "read_chunk_into",
            "zip_crc"]

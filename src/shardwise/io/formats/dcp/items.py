@@ -30,24 +30,11 @@ from torch.distributed.checkpoint.planner_helpers import (
 )
 
 from shardwise.core.quant import FLOAT8, pair_of
-from shardwise.core.quant_layout import (
-    QuantTie,
-    scale_layout,
-    scale_local_shape,
-    scale_owned_layout,
-    tie_aligned,
-)
-from shardwise.core.spec import (
-    Layout,
-    Region,
-    ShardSpec,
-    chunk_layout,
-    global_shape,
-    local_layout,
-    local_shape,
-)
+from shardwise.core.quant_layout import QuantTie, scale_local_shape, scale_owned_layout, tie_aligned
+from shardwise.core.spec import Layout, Region, ShardSpec, chunk_layout, global_shape, local_layout
 from shardwise.errors import CheckpointError
 from shardwise.holding import is_dtensor
+from shardwise.io.formats.safetensors.reader import want_layout
 from shardwise.io.info import chunk_key, tensor_checksum
 from shardwise.io.source import Want
 from shardwise.io.staging import loaded_dtype
@@ -144,19 +131,19 @@ def place(tensor: torch.Tensor, spec: ShardSpec | None, degree: int, tp_rank: in
     return Placed(local, shape, layout)
 
 
-def _pieces(placed: Mapping[str, Placed]) -> dict[tuple[str, tuple[int, ...]], tuple]:
-    return {(fqn, tuple(r.offsets)): (off, r.sizes)
-            for fqn, p in placed.items() for r, off in p.layout}
-
-
-class CanonicalSavePlanner(DefaultSavePlanner):
-    """DCP's default save planner, but each :class:`Placed` tensor (by state-dict key) becomes one
-    write item per region at its canonical offsets; the metadata keeps the state dict's order."""
+class _Canonical:
+    """What both canonical planners hold: the :class:`Placed` tensors by state-dict key, and each
+    piece's local offset and sizes by ``(key, canonical offsets)``."""
 
     def __init__(self, placed: Mapping[str, Placed]):
         super().__init__()
         self._placed = placed
-        self._pieces = _pieces(placed)
+        self._pieces = {(fqn, tuple(r.offsets)): (off, r.sizes)
+                        for fqn, p in placed.items() for r, off in p.layout}
+
+class CanonicalSavePlanner(_Canonical, DefaultSavePlanner):
+    """DCP's default save planner, but each :class:`Placed` tensor (by state-dict key) becomes one
+    write item per region at its canonical offsets; the metadata keeps the state dict's order."""
 
     def create_local_plan(self) -> SavePlan:
         items: list[WriteItem] = []
@@ -203,15 +190,10 @@ def _exact(view: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=view.dtype, device=view.device).set_(storage, 0, view.shape, view.stride())
 
 
-class CanonicalLoadPlanner(DefaultLoadPlanner):
+class CanonicalLoadPlanner(_Canonical, DefaultLoadPlanner):
     """DCP's default load planner, but each :class:`Placed` tensor asks for its own regions (DCP's
     overlap math reads them from whatever chunks the checkpoint holds). Non-tensor values are
     unpickled with ``weights_only=True``, which refuses code."""
-
-    def __init__(self, placed: Mapping[str, Placed]):
-        super().__init__()
-        self._placed = placed
-        self._pieces = _pieces(placed)
 
     def create_local_plan(self) -> LoadPlan:
         assert self.metadata is not None  # DCP calls set_up_planner with it first
@@ -231,8 +213,7 @@ class CanonicalLoadPlanner(DefaultLoadPlanner):
         fqn = read_item.dest_index.fqn
         if fqn not in self._placed:
             return super().resolve_tensor(read_item)
-        off, sizes = self._pieces[(fqn, tuple(read_item.dest_index.offset))]
-        view = self._placed[fqn].piece(off, sizes)
+        view = self._placed[fqn].piece(*self._pieces[(fqn, tuple(read_item.dest_index.offset))])
         return narrow_tensor_by_index(view, read_item.dest_offsets, read_item.lengths)
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
@@ -299,13 +280,26 @@ def scale_placed(tensor: torch.Tensor, tie: QuantTie, spec: ShardSpec, degree: i
     return Placed(local.detach(), tie.scale_shape, scale_owned_layout(tie, spec, degree, rank))
 
 
-def want_layout(shape: tuple[int, ...], want: Want) -> tuple[tuple[int, ...], Layout]:
-    """The local shape and layout of the wanted tensor of canonical ``shape``: split by its
-    spec, or for a scale tensor, the scales of every block its weight shard touches."""
-    at = (want.spec, want.degree, want.rank)
-    if want.tie is None:
-        return local_shape(shape, want.spec, want.degree), local_layout(shape, *at)
-    return scale_local_shape(want.tie, *at), scale_layout(want.tie, *at)
+def side_by_side(shape, group: list, dtype: torch.dtype, device):
+    """``(Placed, parts)``: one buffer holding the wanted local tensors of one checkpoint
+    tensor along dim 0 (one want: the local tensor itself); ``parts(buffer)`` yields each
+    key with its view."""
+    sizes, layouts = zip(*(want_layout(shape, w) for _, w in group), strict=True)
+    if len(group) == 1:
+        buf = torch.empty(sizes[0], dtype=dtype, device=device)
+        return Placed(buf, shape, layouts[0]), lambda local: [(group[0][0], local)]
+    assert shape and all(w.tie is None for _, w in group), "several wants: chunks of a split tensor (spmd)"
+    starts = [sum(s[0] for s in sizes[:i]) for i in range(len(sizes))]
+    extent = (starts[-1] + sizes[-1][0],) + tuple(max(s[d] for s in sizes) for d in range(1, len(shape)))
+    layout = [(region, (off[0] + start,) + tuple(off[1:]))
+              for start, lay in zip(starts, layouts, strict=True) for region, off in lay]
+    buf = torch.empty(extent, dtype=dtype, device=device)
+
+    def parts(local):
+        return [(key, local[(slice(start, start + s[0]),) + tuple(slice(0, n) for n in s[1:])])
+                for (key, _), start, s in zip(group, starts, sizes, strict=True)]
+
+    return Placed(buf, shape, layout), parts
 
 
 def read_dtype(stored: torch.dtype, want: Want, dtype: torch.dtype | None) -> torch.dtype:
@@ -330,4 +324,4 @@ def check_fp8_match(root, stored: Mapping, keys: Mapping[str, str],
                 "sw.consolidate it to safetensors and load that with dequantize=True")
 
 
-__all__ = ["check_fp8_match", "read_dtype", "scale_placed", "want_layout"]
+__all__ = ["check_fp8_match", "read_dtype", "scale_placed"]

@@ -13,11 +13,11 @@ from collections.abc import Mapping
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
-from shardwise.core.spec import Region, overlapping
+from shardwise.core.header import check_tiling
+from shardwise.core.spec import Region, is_int
 from shardwise.errors import CheckpointError
 from shardwise.io.formats.dcp import METADATA_FILE
 from shardwise.io.formats.safetensors.keys import listing
-from shardwise.io.info import is_int
 from shardwise.io.storage import Location, locate, read_small
 from shardwise.io.storage.transaction import TMP_MARK
 
@@ -132,13 +132,11 @@ def check_chunks(path: Location, metadata: Metadata) -> None:
             raise CheckpointError(f"{where}: dtype {dtype!r} is not a torch dtype")
         if not all(is_int(d) and d >= 0 for d in size):
             raise CheckpointError(f"{where}: shape {size!r} must be non-negative ints")
-        boxes, volume = [], 0
+        chunks = []
         for c in md.chunks:
             off, sz = tuple(c.offsets), tuple(c.sizes)
             if not (len(off) == len(sz) == len(size) and all(is_int(x) and x >= 0 for x in off + sz)):
                 raise CheckpointError(f"{where}: chunk offsets {off} / sizes {sz} do not fit shape {size}")
-            if any(o + n > d for o, n, d in zip(off, sz, size, strict=True)):
-                raise CheckpointError(f"{where}: chunk at {off} of sizes {sz} reaches outside shape {size}")
             info = storage.get(MetadataIndex(fqn, off))
             if info is None:
                 raise CheckpointError(f"{where}: the chunk at {off} has no stored data in the metadata")
@@ -146,18 +144,8 @@ def check_chunks(path: Location, metadata: Metadata) -> None:
             if nbytes > info.length:
                 raise CheckpointError(f"{where}: the chunk at {off} of sizes {sz} needs {nbytes} bytes "
                                       f"but its stored data is {info.length} bytes; the metadata is corrupt")
-            volume += math.prod(sz)
-            boxes.append(Region(off, sz))
-        if volume != math.prod(size):
-            raise CheckpointError(f"{where} of shape {size} is not covered by its chunks "
-                                  f"({volume} of {math.prod(size)} elements)")
-        if not size and len(boxes) > 1:
-            raise CheckpointError(f"{where}: a 0-d tensor has {len(boxes)} chunks")
-        pair = overlapping(boxes)
-        if pair is not None:
-            a, b = boxes[pair[0]], boxes[pair[1]]
-            raise CheckpointError(f"{where}: chunks at {a.offsets} (sizes {a.sizes}) and {b.offsets} "
-                                  f"(sizes {b.sizes}) overlap; the metadata is corrupt")
+            chunks.append((f"{path}/{info.relative_path}", Region(off, sz)))
+        check_tiling(fqn, size, chunks)
 
 
 def check_tensors(path, metadata: Metadata, wanted: Mapping[str, tuple[int, ...]], *,

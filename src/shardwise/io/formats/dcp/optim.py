@@ -49,55 +49,33 @@ def _get_flat(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, V
     return cast("dict[str, ValueType]", osd)
 
 
-def _param_of(key: str) -> str | None:
-    return key[len(_STATE):].rpartition(".")[0] if key.startswith(_STATE) else None
+def _split(model: nn.Module, params: Mapping[str, torch.Tensor], key: str, value: torch.Tensor, *,
+           strict: bool = True) -> tuple[ShardSpec | None, int, int]:
+    """``(spec, degree, rank)`` ``place`` splits the state tensor ``value`` under ``key`` by: its
+    parameter's when shaped like it (spec None without shard state: a DTensor's placements
+    say), else ``(ShardSpec(), 1, 0)``: held whole (a scalar such as ``step``, or the state of
+    an unsharded parameter). ``strict``: raise ``CheckpointError`` for a tensor of another shape
+    than its sharded parameter (an SPMD state is global: held whole)."""
+    state = get_shard_state(model)
+    pname = key[len(_STATE):].rpartition(".")[0] if key.startswith(_STATE) else None
+    param = params.get(pname) if pname is not None else None
+    spec = state.specs.get(pname, ShardSpec()) if state is not None and pname is not None else None
+    if param is not None and tuple(value.shape) == tuple(param.shape):
+        return (spec, *state.coords(spec)) if state is not None and spec is not None else (None, 1, 0)
+    if strict and (is_dtensor(value) or (param is not None and value.dim() > 0 and (
+            is_dtensor(param) or (spec is not None and not spec.replicated)))):
+        raise CheckpointError(
+            f"optimizer state {key!r} has shape {tuple(value.shape)}, unlike its sharded "
+            f"parameter {tuple(param.shape) if param is not None else ''}; shardwise saves "
+            "states shaped like their parameter, or scalars")
+    return ShardSpec(), 1, 0
 
 
 def _placed(model: nn.Module, osd: Mapping) -> dict[str, Placed]:
     """A Placed for every tensor of the flattened optimizer state dict ``osd``."""
-    state = get_shard_state(model)
     params = dict(model.named_parameters())
-    out = {}
-    for key, value in osd.items():
-        if not isinstance(value, torch.Tensor):
-            continue
-        pname = _param_of(key)
-        param = params.get(pname) if pname is not None else None
-        if param is not None and tuple(value.shape) == tuple(param.shape):
-            spec: ShardSpec | None = None
-            degree, rank = 1, 0
-            if state is not None:
-                spec = state.specs.get(pname, ShardSpec())
-                degree, rank = state.coords(spec)
-            out[key] = place(value, spec, degree, rank, name=key)
-        elif is_dtensor(value) or (param is not None and pname is not None and value.dim() > 0
-                                                    and _is_sharded(model, pname, param)):
-            raise CheckpointError(
-                f"optimizer state {key!r} has shape {tuple(value.shape)}, unlike its sharded "
-                f"parameter {tuple(param.shape) if param is not None else ''}; shardwise saves "
-                "states shaped like their parameter, or scalars")
-        else:  # a scalar (step) or the state of an unsharded parameter: the same on every rank
-            out[key] = place(value, ShardSpec(), 1, 0, name=key)
-    return out
-
-
-def _spmd_spec(model: nn.Module, key: str, value: torch.Tensor) -> tuple[ShardSpec, object]:
-    """The spec and axis mesh a global state tensor is split by: its parameter's when shaped
-    like it, else replicated."""
-    state = get_shard_state(model)
-    assert state is not None  # called for an SPMD model (_spmd), which has its state
-    pname = _param_of(key)
-    param = dict(model.named_parameters()).get(pname) if pname is not None else None
-    if param is None or tuple(value.shape) != tuple(param.shape):
-        return ShardSpec(), state.tp_mesh
-    spec = state.specs.get(pname, ShardSpec())
-    return spec, state.axis_mesh(spec)
-
-
-def _is_sharded(model: nn.Module, pname: str, param: torch.Tensor) -> bool:
-    state = get_shard_state(model)
-    spec = state.specs.get(pname) if state is not None else None
-    return is_dtensor(param) or (spec is not None and not spec.replicated)
+    return {key: place(value, *_split(model, params, key, value), name=key)
+            for key, value in osd.items() if isinstance(value, torch.Tensor)}
 
 
 @contextlib.contextmanager
@@ -169,7 +147,10 @@ def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: str
     spmd = state is not None and state.holding.one_process
     if spmd:
         tensors = {k: v for k, v in osd.items() if isinstance(v, torch.Tensor)}
-        splits = {k: _spmd_spec(model, k, v) for k, v in tensors.items()}
+        assert state is not None  # spmd: the model has its shard state
+        params = dict(model.named_parameters())
+        specs = {k: _split(model, params, k, v, strict=False)[0] or ShardSpec() for k, v in tensors.items()}
+        splits = {k: (spec, state.axis_mesh(spec)) for k, spec in specs.items()}
         placed = {k: host_placed(tensors[k], spec, axis) for k, (spec, axis) in splits.items()}
     else:
         placed = _placed(model, osd)

@@ -48,14 +48,25 @@ def contiguous_span(entry: TensorEntry, region: Region) -> tuple[int, int] | Non
     return start * entry.itemsize, length * entry.itemsize
 
 
-def _check_length(handle: ReadHandle, header: FileHeader, entry: TensorEntry) -> None:
-    need = header.data_start + entry.end
-    size = handle.size()
+def _extent(handle: ReadHandle, header: FileHeader, entry: TensorEntry,
+            region: Region) -> tuple[int, int] | None:
+    """``(lo, hi)``: the file bytes a non-empty box spans (its first to last element, row-major),
+    once the file is checked to still hold the entry; None when misaligned for the dtype (then
+    the box is read, not mapped)."""
+    strides = _strides(entry.shape)
+    first = sum(o * s for o, s in zip(region.offsets, strides, strict=True))
+    last = sum((o + n - 1) * s for o, n, s in zip(region.offsets, region.sizes, strides, strict=True))
+    base = header.data_start + entry.start
+    lo, hi = base + first * entry.itemsize, base + (last + 1) * entry.itemsize
+    if lo % entry.itemsize:
+        return None
+    need, size = header.data_start + entry.end, handle.size()
     if size < need:
         raise CheckpointError(
             f"{header.source}: tensor {entry.name!r} ends at byte {need} but the file now has {size} "
             "bytes; it was truncated or replaced after its header was read. Load it again once it "
             "is complete")
+    return lo, hi
 
 
 def view_box(handle: ReadHandle, header: FileHeader, entry: TensorEntry, region: Region, *,
@@ -68,28 +79,17 @@ def view_box(handle: ReadHandle, header: FileHeader, entry: TensorEntry, region:
     span = contiguous_span(entry, region)
     if span is None and not strided:
         return None
-    first, end = _extent(entry, region)
-    offset = header.data_start + entry.start + first * entry.itemsize
-    if offset % entry.itemsize:
-        return None  # a misaligned tensor cannot be viewed in its dtype: read it
-    _check_length(handle, header, entry)
-    mapping = handle.map_whole()
-    if mapping is None:
+    extent = _extent(handle, header, entry, region)  # None: misaligned, not viewable in its dtype
+    mapping = handle.map_whole() if extent is not None else None
+    if extent is None or mapping is None:
         return None
-    if len(mapping) < offset + (end - first) * entry.itemsize:
+    lo, hi = extent
+    if len(mapping) < hi:
         raise CheckpointError(f"{header.source}: the file is shorter than its header says; truncated?")
-    flat = torch.frombuffer(mapping, dtype=entry.torch_dtype, count=end - first, offset=offset)
+    flat = torch.frombuffer(mapping, dtype=entry.torch_dtype, count=(hi - lo) // entry.itemsize, offset=lo)
     if span is not None:
         return flat.view(region.sizes)
     return flat.as_strided(region.sizes, _strides(entry.shape))
-
-
-def _extent(entry: TensorEntry, region: Region) -> tuple[int, int]:
-    """``(first, last + 1)``: the elements of the tensor (row-major) that a non-empty box spans."""
-    strides = _strides(entry.shape)
-    first = sum(o * s for o, s in zip(region.offsets, strides, strict=True))
-    last = sum((o + n - 1) * s for o, n, s in zip(region.offsets, region.sizes, strides, strict=True))
-    return first, last + 1
 
 
 def _strides(sizes) -> tuple[int, ...]:
@@ -105,23 +105,17 @@ def copy_mapped(handle: ReadHandle, header: FileHeader, entry: TensorEntry, regi
     """Copy ``region`` of ``entry`` into ``dest`` (any strides, the entry's dtype, the region's
     shape) through a mapping of the rows it spans; returns the bytes copied, or 0 without
     copying when the data is misaligned for its dtype or the storage has no mappings."""
-    shape, item = entry.shape, entry.itemsize
-    if 0 in region.sizes or not shape:
+    if 0 in region.sizes or not entry.shape:
         return 0
-    strides = _strides(shape)
-    first, end = _extent(entry, region)
-    base = header.data_start + entry.start
-    lo, hi = base + first * item, base + end * item
-    if lo % item:
+    extent = _extent(handle, header, entry, region)
+    mapped = handle.map_range(extent[0], extent[1] - extent[0]) if extent is not None else None
+    if extent is None or mapped is None:
         return 0
-    _check_length(handle, header, entry)
-    mapped = handle.map_range(lo, hi - lo)
-    if mapped is None:
-        return 0
+    lo, hi = extent
     with mapped as (mapping, offset):
         flat = torch.frombuffer(mapping, dtype=torch.uint8, count=hi - lo, offset=offset)
-        dest.copy_(flat.view(entry.torch_dtype).as_strided(region.sizes, strides))
-    return math.prod(region.sizes) * item
+        dest.copy_(flat.view(entry.torch_dtype).as_strided(region.sizes, _strides(entry.shape)))
+    return math.prod(region.sizes) * entry.itemsize
 
 
 __all__ = ["contiguous_span", "copy_mapped", "view_box"]

@@ -22,10 +22,12 @@ import torch
 
 from shardwise.core.header import FileHeader, TensorEntry
 from shardwise.core.pieces import Composite, Piece, piece_reads
+from shardwise.core.quant_layout import scale_layout, scale_local_shape
 from shardwise.core.spec import Layout, Region, ShardSpec, local_layout, local_shape
 from shardwise.errors import UsageError
 from shardwise.io.formats.safetensors.files import read_region
 from shardwise.io.formats.safetensors.mapped import contiguous_span, copy_mapped, view_box
+from shardwise.io.source import Want
 from shardwise.io.staging import loaded_dtype
 from shardwise.io.storage import Handles, Location
 
@@ -59,6 +61,15 @@ def plan_reads(sources: Mapping[str, tuple[Location, TensorEntry]], specs: Mappi
         items.append(ReadItem(name, path, entry, local_layout(entry.shape, spec, degree, rank),
                               local_shape(entry.shape, spec, degree)))
     return items
+
+
+def want_layout(shape: tuple[int, ...], want: Want) -> tuple[tuple[int, ...], Layout]:
+    """The local shape and layout of the wanted tensor of canonical ``shape``: split by its
+    spec, or for a scale tensor, the scales of every block its weight shard touches."""
+    at = (want.spec, want.degree, want.rank)
+    if want.tie is None:
+        return local_shape(shape, want.spec, want.degree), local_layout(shape, *at)
+    return scale_local_shape(want.tie, *at), scale_layout(want.tie, *at)
 
 
 def piece_items(name: str, comp: Composite, layout: Layout) -> list[tuple[ReadItem, tuple[slice, ...]]]:
@@ -334,4 +345,4 @@ class RegionReader:
 
 
 __all__ = ["Assembly", "PIECE_BYTES", "ReadItem", "RegionReader", "WINDOW_BYTES", "cpu_views", "piece_items",
-           "plan_reads", "read_composite_box"]
+           "plan_reads", "read_composite_box", "want_layout"]

@@ -17,7 +17,6 @@ from torch import nn
 from shardwise.core.adapter import adapter_for, folder_model
 from shardwise.core.pieces import Composite
 from shardwise.core.plan import ResolvedPlan
-from shardwise.core.quant_layout import scale_layout, scale_local_shape
 from shardwise.core.spec import Region, local_layout, local_shape
 from shardwise.io.exchange import exchanges, read_exchanged
 from shardwise.io.formats.safetensors.checkpoint import resolve_checkpoint
@@ -30,8 +29,8 @@ from shardwise.io.formats.safetensors.reader import (
     RegionReader,
     cpu_views,
     piece_items,
-    plan_reads,
     read_composite_box,
+    want_layout,
 )
 from shardwise.io.info import digest_range
 from shardwise.io.replicas import read_once
@@ -64,7 +63,9 @@ class SafetensorsSource:
         return missing, unexpected
 
     def plan(self, wants: Mapping[str, Want]) -> Reads:
-        scales, plain, assembly, dequantized = [], [], Assembly(), {}
+        scales: list[ReadItem] = []
+        plain: list[ReadItem] = []
+        assembly, dequantized = Assembly(), {}
         for key, w in wants.items():
             source = self._sources[w.name]
             if isinstance(source, Dequantized):
@@ -72,10 +73,10 @@ class SafetensorsSource:
             elif isinstance(source, Composite):
                 assembly.add(key, local_shape(source.shape, w.spec, w.degree), source.entry.torch_dtype,
                              piece_items(key, source, local_layout(source.shape, w.spec, w.degree, w.rank)))
-            elif w.tie is not None:
-                scales.append(_scale_read(key, source, w))
-            else:
-                plain += plan_reads({key: source}, {key: w.spec}, w.degree, w.rank)
+            else:  # a block-quantized weight's scales are split along with their weight
+                path, entry = source
+                shape, layout = want_layout(entry.shape, w)
+                (plain if w.tie is None else scales).append(ReadItem(key, path, entry, layout, shape))
         dequantizer = Dequantizer(dequantized)
         items = scales + plain + assembly.items + dequantizer.assembly.items
         whole = {k for k, w in wants.items()
@@ -173,15 +174,6 @@ class SafetensorsSource:
 
     def close(self) -> None:
         self._handles.close()
-
-
-def _scale_read(key: str, source, want: Want) -> ReadItem:
-    """The read of a block-quantized weight's scales, split along with their weight."""
-    path, entry = source
-    tie = want.tie
-    assert tie is not None  # plan() reads the scales of the wants with a tie only
-    return ReadItem(key, path, entry, scale_layout(tie, want.spec, want.degree, want.rank),
-                    scale_local_shape(tie, want.spec, want.degree, want.rank))
 
 
 __all__ = ["SafetensorsSource"]

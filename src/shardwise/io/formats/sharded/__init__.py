@@ -5,29 +5,17 @@ reads, ``write`` writes. No pickle anywhere."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from shardwise.io.formats import Capabilities
-from shardwise.io.formats.sharded.source import ShardedSource, is_sharded_safetensors
 
-if TYPE_CHECKING:
-    from shardwise.io.storage import Location
+# the plugin's claims(path) and open_source(path) (the headers carry DCP_SHARDING_INFO; a
+# ShardedSource validates the chunk map on opening)
+from shardwise.io.formats.sharded.source import ShardedSource as open_source
+from shardwise.io.formats.sharded.source import is_sharded_safetensors as claims
 
 NAME = "sharded"
 # FP8 weights load as stored (quantized), never dequantized per rank; its files split every
 # tensor evenly, so it cannot write each FP8 scale once
 CAPABILITIES = Capabilities(distributed=True, quantized=False, label="sharded safetensors")
-
-
-def claims(path: Location) -> bool:
-    """Whether ``path`` is a folder of safetensors files whose headers carry
-    ``DCP_SHARDING_INFO`` (``source.is_sharded_safetensors``)."""
-    return is_sharded_safetensors(path)
-
-
-def open_source(path: Location, **options):
-    """The :class:`~shardwise.io.formats.sharded.source.ShardedSource` of ``path``."""
-    return ShardedSource(path, **options)
 
 
 def save(model, path, *, async_save: bool = False, **options):

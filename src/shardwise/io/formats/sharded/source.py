@@ -9,7 +9,6 @@ bytes its regions overlap (a tensor is a ``Composite`` of its chunks)."""
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -18,9 +17,9 @@ from typing import TypeGuard
 import torch
 from torch import nn
 
-from shardwise.core.header import FileHeader, NamedDtype, TensorEntry, parse_json_object
+from shardwise.core.header import FileHeader, NamedDtype, TensorEntry, check_tiling, parse_json_object
 from shardwise.core.pieces import Composite, Piece
-from shardwise.core.spec import Layout, Region, local_layout, overlapping
+from shardwise.core.spec import Layout, Region, local_layout
 from shardwise.errors import CheckpointError
 from shardwise.io.formats.safetensors.files import INDEX_SUFFIX, read_header
 from shardwise.io.formats.safetensors.keys import match_keys
@@ -59,10 +58,6 @@ class ShardedTensor(NamedDtype):
     dtype: str
     shape: tuple[int, ...]
     chunks: tuple[Chunk, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.itemsize
 
     @property
     def composite(self) -> Composite:
@@ -182,35 +177,6 @@ def chunk_map(headers: Mapping[Location, FileHeader]) -> dict[str, ShardedTensor
         check_tiling(name, shape, [(str(c.path), c.region) for c in found])
         tensors[name] = ShardedTensor(name, first.entry.dtype, shape, tuple(found))
     return tensors
-
-
-def check_tiling(name: str, shape: Sequence[int], pieces: Sequence[tuple[str, Region]]) -> None:
-    """Raise ``CheckpointError`` unless the regions of ``pieces`` (``(source, region)``) tile
-    the tensor of ``shape`` exactly. Pure; shared by the reader and the writer.
-
-    >>> check_tiling("w", (4, 2), [("a", Region((0, 0), (2, 2))), ("b", Region((2, 0), (2, 2)))])
-    """
-    shape = tuple(shape)
-    for src, r in pieces:
-        inside = len(r.offsets) == len(shape) and all(
-            o + s <= d for o, s, d in zip(r.offsets, r.sizes, shape, strict=True))
-        if not inside:
-            raise CheckpointError(f"{src}: tensor {name!r}: chunk at offsets {r.offsets} of sizes "
-                                  f"{r.sizes} falls outside its shape {shape}")
-    pair = overlapping([r for _, r in pieces])
-    if pair is not None:
-        (sa, a), (sb, b) = pieces[pair[0]], pieces[pair[1]]
-        raise CheckpointError(
-            f"{sa if sa == sb else f'{sa} and {sb}'}: tensor {name!r}: chunks at offsets {a.offsets} "
-            f"(sizes {a.sizes}) and {b.offsets} (sizes {b.sizes}) overlap, so which bytes hold the "
-            "tensor is ambiguous; the folder mixes checkpoints or a header is corrupt")
-    covered, total = sum(r.numel for _, r in pieces), math.prod(shape)
-    if covered != total:
-        files = sorted({s for s, _ in pieces})
-        raise CheckpointError(
-            f"tensor {name!r}: its chunks in {', '.join(files[:4])}{' ...' if len(files) > 4 else ''} "
-            f"cover {covered} of the {total} elements of its shape {shape}; a chunk (or a whole "
-            "rank's file) is missing: copy the complete checkpoint folder, or save again")
 
 
 # --- a folder ---------------------------------------------------------------------------------
@@ -393,6 +359,6 @@ class ShardedSource:
 
 __all__ = [
     "Chunk", "OFFSETS_KEY", "SHARDING_INFO_KEY", "ShardedCheckpoint", "ShardedReader", "ShardedSource",
-    "ShardedTensor", "VERSION", "VERSION_KEY", "check_tiling", "chunk_map", "file_offsets",
+    "ShardedTensor", "VERSION", "VERSION_KEY", "chunk_map", "file_offsets",
     "is_sharded_safetensors", "local_extent", "read_sharded", "sharding_metadata",
 ]

@@ -15,13 +15,13 @@ import shardwise.comm as comm
 from shardwise.backends import Backend, coordination_group
 from shardwise.comm import agree, capture
 from shardwise.core.adapter import adapter_for
-from shardwise.core.header import dtype_to_str, spec_nbytes
+from shardwise.core.header import check_tiling, dtype_to_str, spec_nbytes
 from shardwise.core.spec import Region
 from shardwise.errors import CheckpointError
 from shardwise.holding import Holding
 from shardwise.io.formats.dcp.checkpoint import checkpoint_info, gather_checksums, model_placed
 from shardwise.io.formats.safetensors.files import StreamingWriter, header_metadata, save_file_order
-from shardwise.io.formats.sharded.source import check_tiling, sharding_metadata
+from shardwise.io.formats.sharded.source import sharding_metadata
 from shardwise.io.info import chunk_key
 from shardwise.io.sink import PlannedFile, Saving, WritePlan
 from shardwise.io.storage import Location
