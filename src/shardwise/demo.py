@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from shardwise.testing import spawn
+from shardwise.testing import read_all, spawn
 from shardwise.testing import write_checkpoint as _write_files
 from shardwise.testing.model import TP_PLAN, build, config_for, tokens
 
@@ -126,48 +126,32 @@ def _ratio(baseline: float, ours: float, better: str, worse: str) -> str:
     return f"{r:.1f}x {better}" if r >= 1 else f"{1 / r:.1f}x {worse}"
 
 
-def _load_table(rows: list[dict]) -> str:
-    head = (f"{'':>4}  {'--- shardwise streaming load ---':^36}    {'--- load_file, then shard ---':^36}\n"
-            f"{'rank':>4}  {'bytes read':>12} {'peak RSS':>12} {'seconds':>9}    "
-            f"{'bytes read':>12} {'peak RSS':>12} {'seconds':>9}")
-    lines = [head]
+_COLUMNS = (("bytes read", 12), ("peak RSS", 12), ("seconds", 9))
+
+
+def _table(rows: list[dict], groups: list[tuple[str, str, int]], gap: str) -> str:
+    """A line per rank; each group ``(title, key, n)`` shows under ``title`` the last ``n`` of
+    bytes read, peak RSS and seconds, from the first ``n`` values of ``row[key]``."""
+    heads = [f"{title:^{36 if n == 3 else 22}}" for title, _, n in groups]
+    names = [" ".join(f"{c:>{w}}" for c, w in _COLUMNS[-n:]) for _, _, n in groups]
+    lines = [f"{'':>4}  {gap.join(heads)}", f"{'rank':>4}  {gap.join(names)}"]
     for r in rows:
-        (sb, sp, ss), (wb, wp, ws) = r["stream"], r["whole"]
-        lines.append(f"{r['rank']:>4}  {_mb(sb):>12} {_mb(sp):>12} {ss:>9.3f}    "
-                     f"{_mb(wb):>12} {_mb(wp):>12} {ws:>9.3f}")
+        cells = [" ".join(f"{v:>9.3f}" if c == "seconds" else f"{_mb(v):>12}"
+                          for (c, _), v in zip(_COLUMNS[-n:], r[key][:n], strict=True))
+                 for _, key, n in groups]
+        lines.append(f"{r['rank']:>4}  {gap.join(cells)}")
     return "\n".join(lines)
 
 
 def _save_table(rows: list[dict], tp: int) -> str:
-    reshard, dcp = "reshard" in rows[0], "dcp" in rows[0]
-    head = f"{'':>4}  {'--- gather save ---':^22}"
-    cols = f"{'rank':>4}  {'peak RSS':>12} {'seconds':>9}"
-    if dcp:
-        head += f"  {'--- distributed save ---':^22}"
-        cols += f"  {'peak RSS':>12} {'seconds':>9}"
-    if reshard:
-        head += f"  {f'--- load it at tp={tp // 2} ---':^36}"
-        cols += f"  {'bytes read':>12} {'peak RSS':>12} {'seconds':>9}"
-    lines = [head, cols]
-    for r in rows:
-        line = f"{r['rank']:>4}  {_mb(r['save'][0]):>12} {r['save'][1]:>9.3f}"
-        if dcp:
-            line += f"  {_mb(r['dcp'][0]):>12} {r['dcp'][1]:>9.3f}"
-        if reshard:
-            b, p, s, _ = r["reshard"]
-            line += f"  {_mb(b):>12} {_mb(p):>12} {s:>9.3f}"
-        lines.append(line)
-    return "\n".join(lines)
+    groups = [("--- gather save ---", "save", 2), ("--- distributed save ---", "dcp", 2),
+              (f"--- load it at tp={tp // 2} ---", "reshard", 3)]
+    return _table(rows, [g for g in groups if g[1] in rows[0]], "  ")
 
 
 def _same_tensors(saved: Path, size: str) -> bool:
     """Whether the gather save holds exactly the demo model's tensors."""
-    import safetensors.torch
-
-    want = _model(size).state_dict()
-    got = {}
-    for f in sorted(saved.glob("*.safetensors")):
-        got.update(safetensors.torch.load_file(str(f)))
+    want, got = _model(size).state_dict(), read_all(saved)
     return got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
@@ -212,7 +196,8 @@ def run_demo(*, tp: int = 4, size: str = "small", keep: str | None = None) -> in
 
 def _report(rows: list[dict], tp: int, *, same: bool, saved: int, parts: tuple[int, str], out: Path,
             keep: str | None) -> int:
-    print(_load_table(rows))
+    print(_table(rows, [("--- shardwise streaming load ---", "stream", 3),
+                        ("--- load_file, then shard ---", "whole", 3)], "    "))
     worst = max(r["max_diff"] for r in rows)
     stream_mem, whole_mem = max(r["stream"][1] for r in rows), max(r["whole"][1] for r in rows)
     stream_s, whole_s = max(r["stream"][2] for r in rows), max(r["whole"][2] for r in rows)
