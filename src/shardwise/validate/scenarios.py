@@ -16,6 +16,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 import shardwise as sw
 from shardwise.holding import Holding
 from shardwise.parallel import get_shard_state
+from shardwise.testing import read_all
 from shardwise.testing.model import (
     CONFIG,
     EP_PLAN,
@@ -29,7 +30,7 @@ from shardwise.testing.model import (
     optimizer_for,
 )
 from shardwise.validate import checks
-from shardwise.validate.checks import Deferred, Mismatch, compare, compare_grads, compare_tensors, same_bytes
+from shardwise.validate.checks import Deferred, Mismatch, compare, compare_tensors, same_bytes
 
 if TYPE_CHECKING:
     from shardwise.backends.base import Backend
@@ -193,7 +194,8 @@ def forward_backward(job: Job, run: Run) -> dict:
         compare(loss.detach().reshape(1), torch.tensor([job.golden.loss]), "loss")
     loss.backward()
     with later:
-        out["grad_max_diff"] = compare_grads(model, job.golden.grads, get_shard_state(model), "gradient of")
+        out["grad_max_diff"] = compare_tensors(model.named_parameters(), job.golden.grads,
+                                               get_shard_state(model), "gradient of", grads=True)
     later.raise_first()
     return out
 
@@ -204,7 +206,8 @@ def clip_grad_norm(job: Job, run: Run) -> dict:
     norm = sw.clip_grad_norm_(model, MAX_NORM).item()
     if abs(norm - job.golden.norm) > 1e-5 * job.golden.norm:
         raise Mismatch(f"total norm {norm!r}, one process {job.golden.norm!r}")
-    grad = compare_grads(model, job.golden.clipped, get_shard_state(model), "clipped gradient of")
+    grad = compare_tensors(model.named_parameters(), job.golden.clipped, get_shard_state(model),
+                           "clipped gradient of", grads=True)
     return {"norm": norm, "grad_max_diff": grad}
 
 
@@ -230,12 +233,7 @@ def gather_save(job: Job, run: Run) -> dict:
 
 
 def _first_difference(folder: Path, job: Job) -> None:
-    from safetensors import safe_open
-
-    got = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        with safe_open(f, "pt") as fh:
-            got.update({k: fh.get_tensor(k) for k in fh.keys()})  # noqa: SIM118 (safe_open has no __iter__)
+    got = read_all(folder)
     for name, want in job.truth.items():
         if name not in got:
             raise Mismatch(f"the gather save lacks {name!r}")
