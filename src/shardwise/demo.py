@@ -12,19 +12,10 @@ from pathlib import Path
 
 import torch
 
-from shardwise.testing import read_all, spawn
-from shardwise.testing import write_checkpoint as _write_files
+from shardwise.testing import read_all, spawn, write_checkpoint
 from shardwise.testing.model import TP_PLAN, build, config_for, tokens
 
 _TOLERANCE = 1e-4
-
-
-def write_checkpoint(model: torch.nn.Module, folder: Path, *, num_files: int = 3) -> list[Path]:
-    """Write ``model`` as ``num_files`` safetensors files plus the index; return the files."""
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    total = sum(v.numel() * v.element_size() for v in state.values())
-    return _write_files(folder, state.items(), {k: (tuple(v.shape), v.dtype) for k, v in state.items()},
-                        max_shard_size=max(1, -(-total // num_files)))
 
 
 def _model(size: str, *, seed: int | None = 0, device: str | None = None) -> torch.nn.Module:
@@ -178,8 +169,11 @@ def run_demo(*, tp: int = 4, size: str = "small", keep: str | None = None) -> in
         params = sum(p.numel() for p in model.parameters())
         with torch.no_grad():
             reference = model(tokens(config_for(size)))
-        files = write_checkpoint(model, folder)
-        del model
+        state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+        shapes = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
+        third = -(-sum(v.numel() * v.element_size() for v in state.values()) // 3)  # about three files
+        files = write_checkpoint(folder, state.items(), shapes, max_shard_size=max(1, third))
+        del model, state
         total = sum(f.stat().st_size for f in files)
         print(f"shardwise demo: {size} transformer, {params / 1e6:.1f}M parameters (fp32), "
               f"checkpoint {_mb(total)} in {len(files)} files + index at {folder}"

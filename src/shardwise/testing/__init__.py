@@ -79,8 +79,6 @@ def _rank_main(fn, args, kwargs, rank, world_size, port, env, queue):
     try:
         threads = env.get("OMP_NUM_THREADS")
         if threads:
-            import torch
-
             torch.set_num_threads(int(threads))
         result = fn(*args, **kwargs)
         queue.put((rank, True, result))
