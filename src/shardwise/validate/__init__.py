@@ -18,26 +18,14 @@ import types
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from shardwise._version import __version__
+from shardwise.backends import init_backend
 from shardwise.errors import BackendError, UsageError
 from shardwise.testing.model import CONFIG
 from shardwise.validate.checks import FAIL, PASS, UNSUPPORTED
-
-if TYPE_CHECKING:
-    from shardwise.validate.runner import validate as validate
-
-
-def __getattr__(name: str):
-    if name == "validate":
-        # deferred: `python -m shardwise.validate.runner` must not find it imported (runpy warns)
-        from shardwise.validate.runner import validate
-
-        return validate
-    raise AttributeError(f"module 'shardwise.validate' has no attribute {name!r}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,8 +56,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _rank(args: argparse.Namespace) -> int:
-    from shardwise.validate.runner import validate
-
     try:
         report = validate(args.backend, json=args.json, markdown=args.markdown, workdir=args.workdir,
                           keep=args.keep, timeout=args.timeout, only=args.only)
@@ -322,12 +308,32 @@ def load_runs(paths: Sequence[str | os.PathLike]) -> list[dict]:
     return sorted(runs, key=lambda run: (run["backend"], run["world_size"]))
 
 
+def validate(backend: str = "auto", *, json=None, markdown=None, workdir=None, keep: bool = False,
+             timeout: float | None = 300.0, print_table: bool = True, only=None) -> Report:
+    """Run the hardware validation suite on every rank of the job (under the backend's launcher)
+    and return the report, the same on every rank; rank 0 prints the table and writes ``json`` /
+    ``markdown``. ``workdir``: a folder every rank sees (default: rank 0's temporary folder,
+    removed unless ``keep``). ``only``: those scenarios and the ones they build on.
+
+    >>> report = sw.validate("gloo", json="gloo.json")   # doctest: +SKIP
+    >>> report.ok                                          # doctest: +SKIP
+    True
+    """
+    from shardwise.validate.runner import Runner, selected
+
+    torch.manual_seed(0)
+    only = selected(only)  # an unknown name fails before the backend starts
+    started = init_backend(backend, timeout=timeout)
+    return Runner(started, json_path=json, markdown_path=markdown, workdir=workdir, keep=keep,
+                  print_table=print_table, only=only).run()
+
+
 class _CallableModule(types.ModuleType):
     """Once a ``shardwise.validate.*`` module is imported, ``sw.validate`` is this package, so the
     package must be callable as the suite."""
 
     def __call__(self, *args, **kwargs):
-        return __getattr__("validate")(*args, **kwargs)
+        return validate(*args, **kwargs)
 
 
 sys.modules[__name__].__class__ = _CallableModule
