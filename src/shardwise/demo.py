@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from shardwise.testing import read_all, spawn, write_checkpoint
+from shardwise.testing import PeakMemory, read_all, spawn, write_checkpoint
 from shardwise.testing.model import TP_PLAN, build, config_for, tokens
 
 _TOLERANCE = 1e-4
@@ -42,8 +42,6 @@ def _release_freed_memory() -> None:
 
 def _timed(step, backend):
     """``(result, peak bytes, seconds, method)`` of ``step()``, the ranks starting together."""
-    from shardwise.testing import PeakMemory
-
     gc.collect()
     _release_freed_memory()
     backend.barrier()

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
-import math
 import multiprocessing as mp
 import os
 import socket
@@ -29,7 +28,7 @@ from torch import nn
 
 import shardwise as sw
 from shardwise.backends import shutdown_backend
-from shardwise.core.header import dtype_to_str
+from shardwise.core.header import dtype_to_str, spec_nbytes
 from shardwise.core.plan import resolve_plan as plan_specs
 from shardwise.core.quant import quantize_fp8_blocks
 from shardwise.core.quant_layout import dequantize_local as dequantized_shard
@@ -275,8 +274,7 @@ def write_checkpoint(folder: str | os.PathLike, tensors: Iterable[tuple[str, tor
                     raise UsageError(f"write_checkpoint: tensor {got!r} given where {name!r} comes next")
                 writer.write(name, tensor)
         files.append(folder / fname)
-    total = sum(math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-                for shape, dtype in shapes.values())
+    total = sum(spec_nbytes(dtype, shape) for _, dtype, shape in specs)
     index = folder / "model.safetensors.index.json"
     text = json.dumps(index_json(file_plan, total, metadata), indent=1)
     write_small(locate(index), text.encode())
