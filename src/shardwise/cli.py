@@ -50,13 +50,11 @@ def _consolidate(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from shardwise.io.check.verify import main_verify
 
+    if args.against is None and (args.dtype is not None or args.layout != "auto"):
+        args.subparser.error("--dtype and --layout apply to the comparison with a model: pass --against too")
+
     return main_verify(args.path, as_json=args.json, against=args.against, dtype=args.dtype,
                        layout=args.layout, storage_options=args.storage_options)
-
-
-def _check_verify(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    if args.against is None and (args.dtype is not None or args.layout != "auto"):
-        parser.error("--dtype and --layout apply to the comparison with a model: pass --against too")
 
 
 def _diff(args: argparse.Namespace) -> int:
@@ -139,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "writes), module (the model's own names) or auto (default: the one the "
                             "checkpoint matches)")
     _add_storage_options(check)
-    check.set_defaults(func=_verify, check=_check_verify, subparser=check)
+    check.set_defaults(func=_verify, subparser=check)
     compare = sub.add_parser("diff", help="compare two checkpoints tensor by tensor, any layouts "
                                           "(exit 0 when identical or within --atol/--rtol, 1 when not, "
                                           "2 on an unreadable one)")
@@ -170,9 +168,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if getattr(args, "storage_options", None) is not None:
         args.storage_options = dict(args.storage_options)
-    check = getattr(args, "check", None)
-    if check is not None:
-        check(args, args.subparser)
     try:
         code = int(args.func(args) or 0)
         sys.stdout.flush()
