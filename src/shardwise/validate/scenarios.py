@@ -139,14 +139,11 @@ def place(job: Job, layout: Layout, mesh, path) -> tuple[torch.nn.Module, LoadRe
     return model, result
 
 
-def _reshard_target(job: Job, run: Run) -> Layout:
-    """The next layout this backend runs (itself when it is the only one)."""
+def _next_layout(job: Job, index: int) -> Layout | None:
+    """The first layout after ``index`` (round to itself) this backend runs, or None."""
     n = len(job.layouts)
-    for step in range(1, n + 1):
-        other = job.layouts[(run.index + step) % n]
-        if layout_limit(job.backend, other) is None:
-            return other
-    return run.layout
+    after = (job.layouts[(index + step) % n] for step in range(1, n + 1))
+    return next((lay for lay in after if layout_limit(job.backend, lay) is None), None)
 
 
 def _loaded(run: Run) -> torch.nn.Module:
@@ -249,7 +246,7 @@ def dcp_reshard(job: Job, run: Run) -> dict:
     process) to the source's tensors, and both checkpoints verify."""
     dcp, merged = run.folder / "dcp", run.folder / "dcp-merged"
     sw.save(_loaded(run), dcp, distributed=True)
-    target = _reshard_target(job, run)
+    target = _next_layout(job, run.index) or run.layout  # itself when it is the only one
     mesh = job.backend.mesh(**target.mesh_axes)
     model, _ = place(job, target, mesh, dcp)
     compare_tensors(model.state_dict().items(), job.truth, get_shard_state(model),
@@ -293,7 +290,7 @@ def optimizer_reshard(job: Job, run: Run) -> dict:
     sw.save(model, run.folder / "model-step1", distributed=True)
     sw.save_optimizer(model, optimizer, run.folder / "optim-step1")
 
-    target = _reshard_target(job, run)
+    target = _next_layout(job, run.index) or run.layout  # itself when it is the only one
     out["reshard_to"] = target.name
     resumed, _ = place(job, target, backend.mesh(**target.mesh_axes), run.folder / "model-step1")
     state = get_shard_state(resumed)
