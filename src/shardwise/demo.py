@@ -138,12 +138,6 @@ def _save_table(rows: list[dict], tp: int) -> str:
     return _table(rows, [g for g in groups if g[1] in rows[0]], "  ")
 
 
-def _same_tensors(saved: Path, size: str) -> bool:
-    """Whether the gather save holds exactly the demo model's tensors."""
-    want, got = _model(size).state_dict(), read_all(saved)
-    return got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
-
-
 def _memory_words(method: str) -> str:
     if method == "VmHWM":
         how = ("the kernel's record of the most RAM the process held (VmHWM), reset at the start "
@@ -178,15 +172,15 @@ def run_demo(*, tp: int = 4, size: str = "small", keep: str | None = None) -> in
         print(f"streaming it at degree {tp} on {tp} gloo ranks, then saving it back...\n")
         rows = spawn(_rank, tp, args=(str(folder), [str(f) for f in files], size, reference, str(out)),
                      timeout=600)
-        same = _same_tensors(out / "full", size)
-        saved = sum(f.stat().st_size for f in (out / "full").glob("*.safetensors"))
-        parts = sorted((out / "dcp").glob("*.distcp"))
-        parts_mb = _mb(sum(f.stat().st_size for f in parts))
-    return _report(rows, tp, same=same, saved=saved, parts=(len(parts), parts_mb), out=out, keep=keep)
+        return _report(rows, tp, size, out, keep)
 
 
-def _report(rows: list[dict], tp: int, *, same: bool, saved: int, parts: tuple[int, str], out: Path,
-            keep: str | None) -> int:
+def _report(rows: list[dict], tp: int, size: str, out: Path, keep: str | None) -> int:
+    """Print every rank's figures and check what they saved in ``out``; 0 when every check passes."""
+    want, got = _model(size).state_dict(), read_all(out / "full")
+    same = got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    saved = sum(f.stat().st_size for f in (out / "full").glob("*.safetensors"))
+    parts = sorted((out / "dcp").glob("*.distcp"))
     print(_table(rows, [("--- shardwise streaming load ---", "stream", 3),
                         ("--- load_file, then shard ---", "whole", 3)], "    "))
     worst = max(r["max_diff"] for r in rows)
@@ -203,7 +197,7 @@ def _report(rows: list[dict], tp: int, *, same: bool, saved: int, parts: tuple[i
           "one tensor at a time; the other ranks only sent their shards. Same tensors as the "
           f"model: {'OK' if same else 'FAILED'}")
     print(f"distributed save: each of the {tp} ranks wrote its own part, nothing gathered "
-          f"({parts[0]} files, {parts[1]})")
+          f"({len(parts)} files, {_mb(sum(f.stat().st_size for f in parts))})")
     ok = worst <= _TOLERANCE and same
     if "reshard" in rows[0]:
         diff = max(r["reshard"][3] for r in rows)
