@@ -172,9 +172,7 @@ def check_world(backend) -> tuple[str, str, dict]:
     elif ranks != n * (n - 1) / 2:
         wrong.append(f"an all_reduce of the ranks gave {ranks:g}, not {n * (n - 1) // 2}: ranks are "
                      "duplicated or missing")
-    if wrong:
-        return FAIL, "; ".join(wrong), counts
-    return PASS, "", counts
+    return (FAIL if wrong else PASS), "; ".join(wrong), counts
 
 
 __all__ = ["ATOL", "FAIL", "PASS", "RTOL", "UNSUPPORTED", "Deferred", "Mismatch", "check_world", "compare",

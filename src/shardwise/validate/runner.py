@@ -277,9 +277,8 @@ class Runner:
 
     def _run(self) -> None:
         outcome, seconds = self._attempt(check_world, self.backend)
-        if outcome[0] == PASS:  # the check ran: its own verdict, with the counts it saw
-            status, reason, counts = outcome[2]
-            outcome = (status, reason, counts, False)
+        if outcome[0] == PASS:  # the check ran: its own (status, reason, counts it saw)
+            outcome = (*outcome[2], False)
         result = self._record("world", None, None, outcome, seconds)
         if result.status != PASS:
             raise Stop(f"the world is not what the launcher says: {result.reason}")
