@@ -8,8 +8,12 @@ import sys
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from shardwise.demo import run_demo
+    from shardwise.demo import check_degree, run_demo
 
+    try:
+        check_degree(args.size, args.tp)
+    except ValueError as e:  # an argparse usage error, before any rank is spawned
+        args.subparser.error(f"argument --tp: {e}")
     return run_demo(tp=args.tp, size=args.size, keep=args.keep)
 
 
@@ -46,13 +50,11 @@ def _consolidate(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from shardwise.io.check.verify import main_verify
 
+    if args.against is None and (args.dtype is not None or args.layout != "auto"):
+        args.subparser.error("--dtype and --layout apply to the comparison with a model: pass --against too")
+
     return main_verify(args.path, as_json=args.json, against=args.against, dtype=args.dtype,
                        layout=args.layout, storage_options=args.storage_options)
-
-
-def _check_verify(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    if args.against is None and (args.dtype is not None or args.layout != "auto"):
-        parser.error("--dtype and --layout apply to the comparison with a model: pass --against too")
 
 
 def _diff(args: argparse.Namespace) -> int:
@@ -60,12 +62,6 @@ def _diff(args: argparse.Namespace) -> int:
 
     return main_diff(args.a, args.b, as_json=args.json, atol=args.atol, rtol=args.rtol, dtype=args.dtype,
                      storage_options=args.storage_options)
-
-
-def _validate(args: argparse.Namespace) -> int:
-    from shardwise.validate import run
-
-    return run(args)
 
 
 def _positive_int(text: str) -> int:
@@ -91,32 +87,18 @@ def _add_storage_options(parser: argparse.ArgumentParser) -> None:
                         help="an option of the storage a URL location (scheme://...) names (repeatable)")
 
 
-def _check_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    from shardwise.demo import check_degree
-
-    try:
-        check_degree(args.size, args.tp)
-    except ValueError as e:
-        parser.error(f"argument --tp: {e}")
-
-
 _DESCRIPTION = ("Read, check and convert tensor-parallel PyTorch checkpoints: demo, inspect PATH, "
                 "consolidate SRC DST, verify PATH [--against MODEL], diff A B, "
                 "validate --backend NAME [--json OUT].")
 
 
-def _version() -> str:
-    from shardwise import __version__
-
-    return f"shardwise {__version__}"
-
-
 def build_parser() -> argparse.ArgumentParser:
+    from shardwise import __version__
     from shardwise.testing.model import SIZES
 
     # not the module's docstring: argparse would show its ``double backticks``
     parser = argparse.ArgumentParser(prog="shardwise", description=_DESCRIPTION)
-    parser.add_argument("--version", action="version", version=_version())
+    parser.add_argument("--version", action="version", version=f"shardwise {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="stream, save and reshard a small checkpoint on local gloo ranks")
     demo.add_argument("--tp", type=_positive_int, default=4,
@@ -124,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--size", default="small", choices=list(SIZES), help="model size (default: small)")
     demo.add_argument("--keep", default=None, metavar="DIR",
                       help="write the checkpoint here and keep it (and what is saved, in DIR-saved)")
-    demo.set_defaults(func=_demo, check=_check_demo, subparser=demo)
+    demo.set_defaults(func=_demo, subparser=demo)
     inspect = sub.add_parser("inspect", help="describe a checkpoint: format, tensors, dtypes, size, layout")
     inspect.add_argument("path", help="a .safetensors file, an index, or a checkpoint folder (DCP too)")
     _add_storage_options(inspect)
@@ -155,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "writes), module (the model's own names) or auto (default: the one the "
                             "checkpoint matches)")
     _add_storage_options(check)
-    check.set_defaults(func=_verify, check=_check_verify, subparser=check)
+    check.set_defaults(func=_verify, subparser=check)
     compare = sub.add_parser("diff", help="compare two checkpoints tensor by tensor, any layouts "
                                           "(exit 0 when identical or within --atol/--rtol, 1 when not, "
                                           "2 on an unreadable one)")
@@ -171,13 +153,13 @@ def build_parser() -> argparse.ArgumentParser:
                               "before comparing: a bfloat16 save against its float32 source")
     _add_storage_options(compare)
     compare.set_defaults(func=_diff)
-    from shardwise.validate import add_arguments
+    from shardwise.validate import add_arguments, run
 
     suite = sub.add_parser("validate", help="the hardware validation suite: every scenario at every layout "
                                             "the world allows (exit 0 when none fails); run it under the "
                                             "backend's launcher, or with --nproc N")
     add_arguments(suite)
-    suite.set_defaults(func=_validate)
+    suite.set_defaults(func=run)
     return parser
 
 
@@ -186,9 +168,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if getattr(args, "storage_options", None) is not None:
         args.storage_options = dict(args.storage_options)
-    check = getattr(args, "check", None)
-    if check is not None:
-        check(args, args.subparser)
     try:
         code = int(args.func(args) or 0)
         sys.stdout.flush()

@@ -12,19 +12,10 @@ from pathlib import Path
 
 import torch
 
-from shardwise.testing import spawn
-from shardwise.testing import write_checkpoint as _write_files
+from shardwise.testing import PeakMemory, read_all, spawn, write_checkpoint
 from shardwise.testing.model import TP_PLAN, build, config_for, tokens
 
 _TOLERANCE = 1e-4
-
-
-def write_checkpoint(model: torch.nn.Module, folder: Path, *, num_files: int = 3) -> list[Path]:
-    """Write ``model`` as ``num_files`` safetensors files plus the index; return the files."""
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    total = sum(v.numel() * v.element_size() for v in state.values())
-    return _write_files(folder, state.items(), {k: (tuple(v.shape), v.dtype) for k, v in state.items()},
-                        max_shard_size=max(1, -(-total // num_files)))
 
 
 def _model(size: str, *, seed: int | None = 0, device: str | None = None) -> torch.nn.Module:
@@ -51,8 +42,6 @@ def _release_freed_memory() -> None:
 
 def _timed(step, backend):
     """``(result, peak bytes, seconds, method)`` of ``step()``, the ranks starting together."""
-    from shardwise.testing import PeakMemory
-
     gc.collect()
     _release_freed_memory()
     backend.barrier()
@@ -126,49 +115,27 @@ def _ratio(baseline: float, ours: float, better: str, worse: str) -> str:
     return f"{r:.1f}x {better}" if r >= 1 else f"{1 / r:.1f}x {worse}"
 
 
-def _load_table(rows: list[dict]) -> str:
-    head = (f"{'':>4}  {'--- shardwise streaming load ---':^36}    {'--- load_file, then shard ---':^36}\n"
-            f"{'rank':>4}  {'bytes read':>12} {'peak RSS':>12} {'seconds':>9}    "
-            f"{'bytes read':>12} {'peak RSS':>12} {'seconds':>9}")
-    lines = [head]
+_COLUMNS = (("bytes read", 12), ("peak RSS", 12), ("seconds", 9))
+
+
+def _table(rows: list[dict], groups: list[tuple[str, str, int]], gap: str) -> str:
+    """A line per rank; each group ``(title, key, n)`` shows under ``title`` the last ``n`` of
+    bytes read, peak RSS and seconds, from the first ``n`` values of ``row[key]``."""
+    heads = [f"{title:^{36 if n == 3 else 22}}" for title, _, n in groups]
+    names = [" ".join(f"{c:>{w}}" for c, w in _COLUMNS[-n:]) for _, _, n in groups]
+    lines = [f"{'':>4}  {gap.join(heads)}", f"{'rank':>4}  {gap.join(names)}"]
     for r in rows:
-        (sb, sp, ss), (wb, wp, ws) = r["stream"], r["whole"]
-        lines.append(f"{r['rank']:>4}  {_mb(sb):>12} {_mb(sp):>12} {ss:>9.3f}    "
-                     f"{_mb(wb):>12} {_mb(wp):>12} {ws:>9.3f}")
+        cells = [" ".join(f"{v:>9.3f}" if c == "seconds" else f"{_mb(v):>12}"
+                          for (c, _), v in zip(_COLUMNS[-n:], r[key][:n], strict=True))
+                 for _, key, n in groups]
+        lines.append(f"{r['rank']:>4}  {gap.join(cells)}")
     return "\n".join(lines)
 
 
 def _save_table(rows: list[dict], tp: int) -> str:
-    reshard, dcp = "reshard" in rows[0], "dcp" in rows[0]
-    head = f"{'':>4}  {'--- gather save ---':^22}"
-    cols = f"{'rank':>4}  {'peak RSS':>12} {'seconds':>9}"
-    if dcp:
-        head += f"  {'--- distributed save ---':^22}"
-        cols += f"  {'peak RSS':>12} {'seconds':>9}"
-    if reshard:
-        head += f"  {f'--- load it at tp={tp // 2} ---':^36}"
-        cols += f"  {'bytes read':>12} {'peak RSS':>12} {'seconds':>9}"
-    lines = [head, cols]
-    for r in rows:
-        line = f"{r['rank']:>4}  {_mb(r['save'][0]):>12} {r['save'][1]:>9.3f}"
-        if dcp:
-            line += f"  {_mb(r['dcp'][0]):>12} {r['dcp'][1]:>9.3f}"
-        if reshard:
-            b, p, s, _ = r["reshard"]
-            line += f"  {_mb(b):>12} {_mb(p):>12} {s:>9.3f}"
-        lines.append(line)
-    return "\n".join(lines)
-
-
-def _same_tensors(saved: Path, size: str) -> bool:
-    """Whether the gather save holds exactly the demo model's tensors."""
-    import safetensors.torch
-
-    want = _model(size).state_dict()
-    got = {}
-    for f in sorted(saved.glob("*.safetensors")):
-        got.update(safetensors.torch.load_file(str(f)))
-    return got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    groups = [("--- gather save ---", "save", 2), ("--- distributed save ---", "dcp", 2),
+              (f"--- load it at tp={tp // 2} ---", "reshard", 3)]
+    return _table(rows, [g for g in groups if g[1] in rows[0]], "  ")
 
 
 def _memory_words(method: str) -> str:
@@ -185,7 +152,6 @@ def _memory_words(method: str) -> str:
 
 def run_demo(*, tp: int = 4, size: str = "small", keep: str | None = None) -> int:
     """Run the demo on ``tp`` local gloo ranks; return 0 when every forward matched."""
-    config_for(size)  # an unknown size raises
     check_degree(size, tp)
     with tempfile.TemporaryDirectory(prefix="shardwise-demo-") as tmp:
         folder = Path(keep) if keep else Path(tmp) / "ckpt"
@@ -194,8 +160,11 @@ def run_demo(*, tp: int = 4, size: str = "small", keep: str | None = None) -> in
         params = sum(p.numel() for p in model.parameters())
         with torch.no_grad():
             reference = model(tokens(config_for(size)))
-        files = write_checkpoint(model, folder)
-        del model
+        state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+        shapes = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
+        third = -(-sum(v.numel() * v.element_size() for v in state.values()) // 3)  # about three files
+        files = write_checkpoint(folder, state.items(), shapes, max_shard_size=max(1, third))
+        del model, state
         total = sum(f.stat().st_size for f in files)
         print(f"shardwise demo: {size} transformer, {params / 1e6:.1f}M parameters (fp32), "
               f"checkpoint {_mb(total)} in {len(files)} files + index at {folder}"
@@ -203,16 +172,17 @@ def run_demo(*, tp: int = 4, size: str = "small", keep: str | None = None) -> in
         print(f"streaming it at degree {tp} on {tp} gloo ranks, then saving it back...\n")
         rows = spawn(_rank, tp, args=(str(folder), [str(f) for f in files], size, reference, str(out)),
                      timeout=600)
-        same = _same_tensors(out / "full", size)
-        saved = sum(f.stat().st_size for f in (out / "full").glob("*.safetensors"))
-        parts = sorted((out / "dcp").glob("*.distcp"))
-        parts_mb = _mb(sum(f.stat().st_size for f in parts))
-    return _report(rows, tp, same=same, saved=saved, parts=(len(parts), parts_mb), out=out, keep=keep)
+        return _report(rows, tp, size, out, keep)
 
 
-def _report(rows: list[dict], tp: int, *, same: bool, saved: int, parts: tuple[int, str], out: Path,
-            keep: str | None) -> int:
-    print(_load_table(rows))
+def _report(rows: list[dict], tp: int, size: str, out: Path, keep: str | None) -> int:
+    """Print every rank's figures and check what they saved in ``out``; 0 when every check passes."""
+    want, got = _model(size).state_dict(), read_all(out / "full")
+    same = got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    saved = sum(f.stat().st_size for f in (out / "full").glob("*.safetensors"))
+    parts = sorted((out / "dcp").glob("*.distcp"))
+    print(_table(rows, [("--- shardwise streaming load ---", "stream", 3),
+                        ("--- load_file, then shard ---", "whole", 3)], "    "))
     worst = max(r["max_diff"] for r in rows)
     stream_mem, whole_mem = max(r["stream"][1] for r in rows), max(r["whole"][1] for r in rows)
     stream_s, whole_s = max(r["stream"][2] for r in rows), max(r["whole"][2] for r in rows)
@@ -227,7 +197,7 @@ def _report(rows: list[dict], tp: int, *, same: bool, saved: int, parts: tuple[i
           "one tensor at a time; the other ranks only sent their shards. Same tensors as the "
           f"model: {'OK' if same else 'FAILED'}")
     print(f"distributed save: each of the {tp} ranks wrote its own part, nothing gathered "
-          f"({parts[0]} files, {parts[1]})")
+          f"({len(parts)} files, {_mb(sum(f.stat().st_size for f in parts))})")
     ok = worst <= _TOLERANCE and same
     if "reshard" in rows[0]:
         diff = max(r["reshard"][3] for r in rows)

@@ -24,56 +24,36 @@ def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
     return comm.all_reduce_inline(t.clone(), group=group)
 
 
-def _all_gather_last(t: torch.Tensor, group, spec: ShardSpec, degree: int) -> torch.Tensor:
+def _gather_last(t: torch.Tensor, group, blocks, degree: int, rank: int) -> torch.Tensor:
     parts = [torch.empty_like(t) for _ in range(degree)]
     comm.all_gather_inline(parts, t.contiguous(), group=group)
-    return assemble(parts, ShardSpec(dim=t.ndim - 1, blocks=spec.blocks), degree)
+    return assemble(parts, ShardSpec(dim=t.ndim - 1, blocks=blocks), degree)
 
 
-class _CopyTo(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
+def _split_last(t: torch.Tensor, group, blocks, degree: int, rank: int) -> torch.Tensor:
+    return split(t, ShardSpec(dim=t.ndim - 1, blocks=blocks), degree, rank)
 
 
-class _ReduceFrom(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x, group)
+def _conjugate(name: str, forward: Callable, backward: Callable) -> type[torch.autograd.Function]:
+    """An autograd function ``forward(x, group, *args)`` whose gradient is ``backward(grad, group,
+    *args)``; the extra arguments get no gradient."""
 
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
+    def fwd(ctx, x, *args):
+        ctx.args = args
+        return forward(x, *args)
 
+    def bwd(ctx, grad):
+        return backward(grad, *ctx.args), *(None,) * len(ctx.args)
 
-class _GatherFrom(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, blocks, degree, rank):
-        ctx.args = (blocks, degree, rank)
-        return _all_gather_last(x, group, ShardSpec(dim=x.ndim - 1, blocks=blocks), degree)
-
-    @staticmethod
-    def backward(ctx, grad):
-        blocks, degree, rank = ctx.args
-        return split(grad, ShardSpec(dim=grad.ndim - 1, blocks=blocks), degree, rank), None, None, None, None
+    methods = {"forward": staticmethod(fwd), "backward": staticmethod(bwd)}
+    return type(name, (torch.autograd.Function,), methods)
 
 
-class _SplitTo(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, blocks, degree, rank):
-        ctx.args = (group, blocks, degree)
-        return split(x, ShardSpec(dim=x.ndim - 1, blocks=blocks), degree, rank)
-
-    @staticmethod
-    def backward(ctx, grad):
-        group, blocks, degree = ctx.args
-        spec = ShardSpec(dim=grad.ndim - 1, blocks=blocks)
-        return _all_gather_last(grad, group, spec, degree), None, None, None, None
+# Megatron's pairs; the arguments after x: (group) or (group, blocks, degree, rank)
+_CopyTo = _conjugate("_CopyTo", lambda x, group: x.view_as(x), _all_reduce)
+_ReduceFrom = _conjugate("_ReduceFrom", _all_reduce, lambda grad, group: grad)
+_GatherFrom = _conjugate("_GatherFrom", _gather_last, _split_last)
+_SplitTo = _conjugate("_SplitTo", _split_last, _gather_last)
 
 
 def wire_local(module: nn.Module, style: Style, state) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
-import math
 import multiprocessing as mp
 import os
 import socket
@@ -29,13 +28,15 @@ from torch import nn
 
 import shardwise as sw
 from shardwise.backends import shutdown_backend
-from shardwise.core.header import dtype_to_str
-from shardwise.core.plan import ResolvedPlan, resolve_plan
+from shardwise.core.header import dtype_to_str, spec_nbytes
+from shardwise.core.plan import resolve_plan as plan_specs
 from shardwise.core.quant import quantize_fp8_blocks
-from shardwise.core.quant_layout import dequantize_local, scale_layout, take_layout
-from shardwise.core.spec import Region, ShardSpec, split
+from shardwise.core.quant_layout import dequantize_local as dequantized_shard
+from shardwise.core.quant_layout import scale_layout, take_layout
+from shardwise.core.spec import Region, ShardSpec
+from shardwise.core.spec import split as expected_shard
 from shardwise.errors import ShardwiseError, UsageError
-from shardwise.holding import local_of
+from shardwise.holding import local_of as local_shard
 from shardwise.io import info
 from shardwise.io.formats import open_source
 from shardwise.io.formats.safetensors.files import StreamingWriter, index_json, parse_size, plan_files
@@ -77,8 +78,6 @@ def _rank_main(fn, args, kwargs, rank, world_size, port, env, queue):
     try:
         threads = env.get("OMP_NUM_THREADS")
         if threads:
-            import torch
-
             torch.set_num_threads(int(threads))
         result = fn(*args, **kwargs)
         queue.put((rank, True, result))
@@ -126,10 +125,8 @@ def spawn(fn: Callable[..., Any], world_size: int, *, args: tuple = (), kwargs: 
                 for rank, p in enumerate(procs):
                     if p.exitcode not in (None, 0) and rank not in results and rank not in failures:
                         failures[rank] = f"process died with exit code {p.exitcode} (killed or crashed)"
-            if failures:
-                # Give the others a moment to report their own error, then stop them.
-                _drain(queue, results, failures, grace=2.0, expected=world_size)
-                break
+            if failures and deadline > (grace := time.monotonic() + 2.0):
+                deadline = grace  # give the others a moment to report their own error, then stop them
     finally:
         for p in procs:
             if p.is_alive():
@@ -144,16 +141,6 @@ def spawn(fn: Callable[..., Any], world_size: int, *, args: tuple = (), kwargs: 
                 for r in range(world_size) if r not in results}
         raise RankFailure(f"{len(hung)} of {world_size} rank(s) timed out", hung)
     return [results[r] for r in range(world_size)]
-
-
-def _drain(queue, results, failures, *, grace: float, expected: int) -> None:
-    end = time.monotonic() + grace
-    while len(results) + len(failures) < expected and time.monotonic() < end:
-        try:
-            rank, ok, payload = queue.get(timeout=max(0.05, end - time.monotonic()))
-        except Exception:  # queue.Empty
-            return
-        (results if ok else failures)[rank] = payload
 
 
 # -- memory ---------------------------------------------------------------------------------
@@ -233,12 +220,6 @@ class PeakMemory:
         self.bytes = max(0, max(peak, self._max) - self.baseline)
 
 
-def plan_specs(model: nn.Module, plan, degree: int, *, strict: bool = False) -> ResolvedPlan:
-    """``{tensor name: ShardSpec}`` that ``plan`` gives ``model`` (meta too) at ``degree``;
-    ``strict=True`` makes a key that matches nothing a ``PlanError``."""
-    return resolve_plan(model, plan, degree, strict=strict)
-
-
 def shard_state(model: nn.Module) -> ShardState:
     """What ``sw.load`` / ``sw.parallelize`` left on ``model``: its specs, degrees and ranks."""
     state = get_shard_state(model)
@@ -247,26 +228,10 @@ def shard_state(model: nn.Module) -> ShardState:
     return state
 
 
-def local_shard(tensor: torch.Tensor) -> torch.Tensor:
-    """The rank's local tensor of ``tensor`` (a DTensor's ``to_local()``; a plain tensor as is)."""
-    return local_of(tensor)
-
-
-def expected_shard(tensor: torch.Tensor, spec: ShardSpec, degree: int, rank: int) -> torch.Tensor:
-    """Rank ``rank``'s shard of the canonical ``tensor`` under ``spec`` at ``degree``."""
-    return split(tensor, spec, degree, rank)
-
-
 def expected_scale_shard(scale: torch.Tensor, tie, spec: ShardSpec, degree: int, rank: int,
                          shape: tuple[int, ...]) -> torch.Tensor:
     """Rank ``rank``'s local block scales (of ``shape``) of the quantized pair ``tie``."""
     return take_layout(scale, scale_layout(tie, spec, degree, rank), shape)
-
-
-def dequantized_shard(weight: torch.Tensor, scale: torch.Tensor, tie, spec: ShardSpec, degree: int,
-                      rank: int, dtype: torch.dtype) -> torch.Tensor:
-    """A rank's FP8 weight shard and its local scales in ``dtype``, as ``dequantize=True`` gives."""
-    return dequantize_local(weight, scale, tie, spec, degree, rank, dtype)
 
 
 def read_all(path: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -309,8 +274,7 @@ def write_checkpoint(folder: str | os.PathLike, tensors: Iterable[tuple[str, tor
                     raise UsageError(f"write_checkpoint: tensor {got!r} given where {name!r} comes next")
                 writer.write(name, tensor)
         files.append(folder / fname)
-    total = sum(math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-                for shape, dtype in shapes.values())
+    total = sum(spec_nbytes(dtype, shape) for _, dtype, shape in specs)
     index = folder / "model.safetensors.index.json"
     text = json.dumps(index_json(file_plan, total, metadata), indent=1)
     write_small(locate(index), text.encode())

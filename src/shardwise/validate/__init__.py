@@ -18,26 +18,14 @@ import types
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from shardwise._version import __version__
+from shardwise.backends import init_backend
 from shardwise.errors import BackendError, UsageError
 from shardwise.testing.model import CONFIG
 from shardwise.validate.checks import FAIL, PASS, UNSUPPORTED
-
-if TYPE_CHECKING:
-    from shardwise.validate.runner import validate as validate
-
-
-def __getattr__(name: str):
-    if name == "validate":
-        # deferred: `python -m shardwise.validate.runner` must not find it imported (runpy warns)
-        from shardwise.validate.runner import validate
-
-        return validate
-    raise AttributeError(f"module 'shardwise.validate' has no attribute {name!r}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,8 +56,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _rank(args: argparse.Namespace) -> int:
-    from shardwise.validate.runner import validate
-
     try:
         report = validate(args.backend, json=args.json, markdown=args.markdown, workdir=args.workdir,
                           keep=args.keep, timeout=args.timeout, only=args.only)
@@ -150,23 +136,20 @@ class Result:
         assert self.status == PASS or self.reason, f"{self.scenario}: {self.status} needs a reason"
 
 
-def _git(*args: str) -> subprocess.CompletedProcess | None:
-    here = Path(__file__).resolve().parent
-    try:
-        return subprocess.run(["git", "-C", str(here), *args], capture_output=True, text=True, timeout=10,
-                              check=False)
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def commit_of_checkout() -> tuple[str | None, bool | None]:
     """``(commit, dirty)`` of the shardwise checkout in use, or ``(None, None)`` outside one."""
-    out = _git("rev-parse", "HEAD")
-    sha = out.stdout.strip() if out is not None and out.returncode == 0 else ""
+    here = Path(__file__).resolve().parent
+    # one call: "# branch.oid SHA" (or "(initial)"), then a line per modified tracked file
+    cmd = ["git", "-C", str(here), "status", "--porcelain=v2", "--branch", "--untracked-files=no"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+    lines = out.stdout.splitlines() if out.returncode == 0 else []
+    sha = next((line.split()[2] for line in lines if line.startswith("# branch.oid ")), "")
     if len(sha) != 40:
         return None, None
-    status = _git("status", "--porcelain", "--untracked-files=no")
-    return sha, (bool(status.stdout.strip()) if status is not None and status.returncode == 0 else None)
+    return sha, any(not line.startswith("#") for line in lines)
 
 
 def run_header(backend, *, world: int, processes: int) -> dict:
@@ -213,20 +196,14 @@ class Report:
         os.replace(tmp, path)  # a reader never sees half a file, a killed run keeps the last one
 
 
-def _cell(status: str) -> str:
-    return {UNSUPPORTED: "UNSUP"}.get(status, status)
-
-
-def _grid(run: dict) -> tuple[list[str], list[str], dict]:
+def _grid(run: dict) -> tuple[list[str], list[list[str]]]:
+    """The columns (the layouts, then ``job``) and a row per scenario: its name, then its statuses."""
     columns = list(run["layouts"])
     if any(r["layout"] is None for r in run["results"]):
         columns.append(JOB)
-    rows, cells = [], {}
-    for r in run["results"]:
-        if r["scenario"] not in rows:
-            rows.append(r["scenario"])
-        cells[(r["scenario"], r["layout"] or JOB)] = r["status"]
-    return rows, columns, cells
+    cells = {(r["scenario"], r["layout"] or JOB): r["status"] for r in run["results"]}
+    rows = dict.fromkeys(r["scenario"] for r in run["results"])
+    return columns, [[row, *(cells.get((row, c), "-") for c in columns)] for row in rows]
 
 
 def _notes(run: dict) -> list[str]:
@@ -234,10 +211,14 @@ def _notes(run: dict) -> list[str]:
             for r in run["results"] if r["status"] != PASS]
 
 
+def _commit(run: dict) -> str:
+    return (run.get("commit") or "unknown")[:10] + (" (modified)" if run.get("dirty") else "")
+
+
 def _title(run: dict) -> str:
-    commit = (run.get("commit") or "unknown")[:10] + (" (modified)" if run.get("dirty") else "")
     return (f"backend {run['backend']}, world {run['world_size']} ({run['device']}, {run['holding']} "
-            f"holding), torch {run['torch']}, shardwise {run['shardwise']}, commit {commit}, {run['date']}")
+            f"holding), torch {run['torch']}, shardwise {run['shardwise']}, commit {_commit(run)}, "
+            f"{run['date']}")
 
 
 def _verdict(run: dict) -> str:
@@ -251,16 +232,14 @@ def _verdict(run: dict) -> str:
 
 def table(run: dict) -> str:
     """The terminal table of one run (a ``Report.to_dict()``): scenarios x layouts."""
-    rows, columns, cells = _grid(run)
-    width = max([len("scenario"), *map(len, rows)])
-    widths = {c: max(len(c), 5) for c in columns}
+    columns, rows = _grid(run)
+    widths = [max(len("scenario"), *(len(row[0]) for row in rows)), *(max(len(c), 5) for c in columns)]
 
-    def line(first: str, values: list[str]) -> str:
-        return "  ".join([f"{first:<{width}}", *(f"{v:<{widths[c]}}" for c, v in zip(columns, values,
-                                                                                       strict=True))]).rstrip()
+    def line(values: list[str]) -> str:
+        return "  ".join(f"{v:<{w}}" for v, w in zip(values, widths, strict=True)).rstrip()
 
-    lines = [f"shardwise validate: {_title(run)}", line("scenario", columns)]
-    lines += [line(row, [_cell(cells.get((row, c), "-")) for c in columns]) for row in rows]
+    lines = [f"shardwise validate: {_title(run)}", line(["scenario", *columns])]
+    lines += [line([{UNSUPPORTED: "UNSUP"}.get(v, v) for v in row]) for row in rows]
     notes = _notes(run)
     if notes:
         lines += ["", *notes]
@@ -272,12 +251,11 @@ def markdown(runs: list[dict]) -> str:
     """Markdown of runs (``Report.to_dict()``s): per run its header, table and non-PASS reasons."""
     out = []
     for run in runs:
-        rows, columns, cells = _grid(run)
+        columns, rows = _grid(run)
         out += [f"### {run['backend']}, world {run['world_size']}", "", f"{_title(run)}.", "",
                 "| scenario | " + " | ".join(f"`{c}`" for c in columns) + " |",
                 "|---|" + "---|" * len(columns)]
-        for row in rows:
-            out.append(f"| {row} | " + " | ".join(cells.get((row, c), "-") for c in columns) + " |")
+        out += ["| " + " | ".join(row) + " |" for row in rows]
         out += ["", *(f"- {n}" for n in _notes(run)), *_bytes_read(run), "", f"{_verdict(run)}.", ""]
     return "\n".join(out).rstrip() + "\n"
 
@@ -291,8 +269,7 @@ def runs_table(runs: list[dict]) -> str:
     out = ["| backend | world | processes | device (holding) | torch | commit | date | PASS | FAIL "
            "| UNSUPPORTED | result |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in runs:
-        s = run["summary"]
-        commit = (run.get("commit") or "unknown")[:10] + (" (modified)" if run.get("dirty") else "")
+        s, commit = run["summary"], _commit(run)
         result = "OK" if run["ok"] else "FAILED" if run.get("complete") else "incomplete"
         out.append(f"| `{run['backend']}` | {run['world_size']} | {run['processes']} | {run['device']} "
                    f"({run['holding']}) | {run['torch']} | `{commit}` | {run['date'][:10]} | {s[PASS]} "
@@ -331,12 +308,32 @@ def load_runs(paths: Sequence[str | os.PathLike]) -> list[dict]:
     return sorted(runs, key=lambda run: (run["backend"], run["world_size"]))
 
 
+def validate(backend: str = "auto", *, json=None, markdown=None, workdir=None, keep: bool = False,
+             timeout: float | None = 300.0, print_table: bool = True, only=None) -> Report:
+    """Run the hardware validation suite on every rank of the job (under the backend's launcher)
+    and return the report, the same on every rank; rank 0 prints the table and writes ``json`` /
+    ``markdown``. ``workdir``: a folder every rank sees (default: rank 0's temporary folder,
+    removed unless ``keep``). ``only``: those scenarios and the ones they build on.
+
+    >>> report = sw.validate("gloo", json="gloo.json")   # doctest: +SKIP
+    >>> report.ok                                          # doctest: +SKIP
+    True
+    """
+    from shardwise.validate.runner import Runner, selected
+
+    torch.manual_seed(0)
+    only = selected(only)  # an unknown name fails before the backend starts
+    started = init_backend(backend, timeout=timeout)
+    return Runner(started, json_path=json, markdown_path=markdown, workdir=workdir, keep=keep,
+                  print_table=print_table, only=only).run()
+
+
 class _CallableModule(types.ModuleType):
     """Once a ``shardwise.validate.*`` module is imported, ``sw.validate`` is this package, so the
     package must be callable as the suite."""
 
     def __call__(self, *args, **kwargs):
-        return __getattr__("validate")(*args, **kwargs)
+        return validate(*args, **kwargs)
 
 
 sys.modules[__name__].__class__ = _CallableModule

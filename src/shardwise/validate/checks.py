@@ -9,10 +9,9 @@ from typing import TYPE_CHECKING, cast
 import torch
 import torch.distributed as dist
 
-from shardwise import holding
 from shardwise.backends.xla import settle
 from shardwise.core.spec import split
-from shardwise.holding import Holding, is_dtensor
+from shardwise.holding import Holding, is_dtensor, local_of
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -56,20 +55,16 @@ class Deferred:
             raise self.first
 
 
-def local_of(t: torch.Tensor) -> torch.Tensor:
-    """The tensor this rank holds, on the CPU (a DTensor's local part)."""
-    return holding.local_of(t).detach().cpu()
-
-
 def local_grad(p: torch.Tensor) -> torch.Tensor | None:
-    """``p``'s gradient laid out like ``p`` (a DTensor gradient brought to its placements)."""
+    """``p``'s gradient laid out like ``p`` (a DTensor gradient brought to its placements), this
+    rank's part, on the CPU."""
     g = p.grad
     if g is None:
         return None
     dp = cast("DTensor", p)  # read only when its gradient is a DTensor, which makes p one
     if is_dtensor(g) and g.placements != dp.placements:
         g = g.redistribute(dp.device_mesh, dp.placements)
-    return local_of(g)
+    return local_of(g).detach().cpu()
 
 
 def expected_local(full: torch.Tensor, name: str, state, like: torch.Tensor) -> torch.Tensor:
@@ -109,30 +104,24 @@ def compare(got: torch.Tensor, want: torch.Tensor, what: str, *, exact: bool = F
     return diff
 
 
-def compare_tensors(named, truth: dict[str, torch.Tensor], state, what: str, *, exact: bool = False) -> float:
-    """The largest difference of each ``(name, held tensor)`` from its part of ``truth[name]``;
-    every name of ``truth`` must appear."""
+def compare_tensors(named, truth: dict[str, torch.Tensor], state, what: str, *, exact: bool = False,
+                    grads: bool = False) -> float:
+    """The largest difference of each ``(name, held tensor)`` (``grads``: of its gradient) from its
+    part of ``truth[name]``; every name of ``truth`` must appear."""
     worst, seen = 0.0, set()
     named = list(named)
-    settle([held.detach() for _, held in named])  # torch_xla: one program, not one per tensor
+    # torch_xla: one program, not one per tensor
+    settle([t for _, held in named if (t := held.grad if grads else held.detach()) is not None])
     for name, held in named:
         seen.add(name)
+        got = local_grad(held) if grads else local_of(held)  # compare() takes it to the CPU
+        if got is None:
+            raise Mismatch(f"{what} {name!r}: no gradient")
         want = expected_local(truth[name], name, state, held)
-        worst = max(worst, compare(local_of(held), want, f"{what} {name!r}", exact=exact))
+        worst = max(worst, compare(got, want, f"{what} {name!r}", exact=exact))
     missing = sorted(set(truth) - seen)
     if missing:
         raise Mismatch(f"{what}: {len(missing)} tensor(s) absent, first {missing[0]!r}")
-    return worst
-
-
-def compare_grads(model, truth: dict[str, torch.Tensor], state, what: str) -> float:
-    worst = 0.0
-    settle([p.grad for p in model.parameters() if p.grad is not None])
-    for name, p in model.named_parameters():
-        g = local_grad(p)
-        if g is None:
-            raise Mismatch(f"{what} {name!r}: no gradient")
-        worst = max(worst, compare(g, expected_local(truth[name], name, state, p), f"{what} {name!r}"))
     return worst
 
 
@@ -183,11 +172,9 @@ def check_world(backend) -> tuple[str, str, dict]:
     elif ranks != n * (n - 1) / 2:
         wrong.append(f"an all_reduce of the ranks gave {ranks:g}, not {n * (n - 1) // 2}: ranks are "
                      "duplicated or missing")
-    if wrong:
-        return FAIL, "; ".join(wrong), counts
-    return PASS, "", counts
+    return (FAIL if wrong else PASS), "; ".join(wrong), counts
 
 
 __all__ = ["ATOL", "FAIL", "PASS", "RTOL", "UNSUPPORTED", "Deferred", "Mismatch", "check_world", "compare",
-           "compare_grads", "compare_tensors", "expected_local", "local_grad", "local_of", "mesh_world",
+           "compare_tensors", "expected_local", "local_grad", "mesh_world",
            "runtime_world", "same_bytes", "settle"]

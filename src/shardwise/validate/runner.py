@@ -88,6 +88,14 @@ def _cpu_process(read: str, write: str) -> dict:
     return json.loads(lines[-1])
 
 
+def _from_rank0(value, group):
+    """Rank 0's ``value`` (never None there) on every rank of ``group``."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0, group=group)
+    assert box[0] is not None  # rank 0 always sets it
+    return box[0]
+
+
 def crossload(job: Job) -> dict:
     """A checkpoint written here loads on CPU/gloo in one process and equals the source; one
     written there loads here, at the first layout, and equals its model."""
@@ -106,10 +114,7 @@ def crossload(job: Job) -> dict:
             got = _cpu_process(str(folder / "device-dcp"), str(folder / "cpu-dcp"))
         except Exception as e:
             got = {"read_error": f"{type(e).__name__}: {e}", "written": None}
-    box = [got]
-    dist.broadcast_object_list(box, src=0, group=backend.coordination_group)
-    got = box[0]
-    assert got is not None  # rank 0's, which it always sets
+    got = _from_rank0(got, backend.coordination_group)
     if got.get("read_error"):
         raise Mismatch(f"the checkpoint written on {backend.name} does not load on CPU/gloo: "
                        f"{got['read_error']}")
@@ -272,9 +277,8 @@ class Runner:
 
     def _run(self) -> None:
         outcome, seconds = self._attempt(check_world, self.backend)
-        if outcome[0] == PASS:  # the check ran: its own verdict, with the counts it saw
-            status, reason, counts = outcome[2]
-            outcome = (status, reason, counts, False)
+        if outcome[0] == PASS:  # the check ran: its own (status, reason, counts it saw)
+            outcome = (*outcome[2], False)
         result = self._record("world", None, None, outcome, seconds)
         if result.status != PASS:
             raise Stop(f"the world is not what the launcher says: {result.reason}")
@@ -300,11 +304,7 @@ class Runner:
             if base is not None:
                 base.mkdir(parents=True, exist_ok=True)
             path = tempfile.mkdtemp(prefix="shardwise-validate-", dir=base)
-        box = [path]
-        dist.broadcast_object_list(box, src=0, group=self._group)
-        folder = box[0]
-        assert folder is not None  # rank 0's, which it always makes
-        return Path(folder)
+        return Path(_from_rank0(path, self._group))
 
     def _job(self, root: Path) -> Job:
         import safetensors.torch as st
@@ -357,25 +357,7 @@ def selected(only) -> set[str] | None:
     return out
 
 
-def validate(backend: str = "auto", *, json=None, markdown=None, workdir=None, keep: bool = False,
-             timeout: float | None = 300.0, print_table: bool = True, only=None) -> Report:
-    """Run the hardware validation suite on every rank of the job (under the backend's launcher)
-    and return the report, the same on every rank; rank 0 prints the table and writes ``json`` /
-    ``markdown``. ``workdir``: a folder every rank sees (default: rank 0's temporary folder,
-    removed unless ``keep``). ``only``: those scenarios and the ones they build on.
-
-    >>> report = sw.validate("gloo", json="gloo.json")   # doctest: +SKIP
-    >>> report.ok                                          # doctest: +SKIP
-    True
-    """
-    torch.manual_seed(0)
-    only = selected(only)  # an unknown name fails before the backend starts
-    started = sw.init_backend(backend, timeout=timeout)
-    return Runner(started, json_path=json, markdown_path=markdown, workdir=workdir, keep=keep,
-                  print_table=print_table, only=only).run()
-
-
-__all__ = ["Runner", "collective_timeout", "crossload", "main", "selected", "validate"]
+__all__ = ["Runner", "collective_timeout", "crossload", "main", "selected"]
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 import shardwise as sw
 from shardwise.holding import Holding
 from shardwise.parallel import get_shard_state
+from shardwise.testing import read_all
 from shardwise.testing.model import (
     CONFIG,
     EP_PLAN,
@@ -29,7 +30,7 @@ from shardwise.testing.model import (
     optimizer_for,
 )
 from shardwise.validate import checks
-from shardwise.validate.checks import Deferred, Mismatch, compare, compare_grads, compare_tensors, same_bytes
+from shardwise.validate.checks import Deferred, Mismatch, compare, compare_tensors, same_bytes
 
 if TYPE_CHECKING:
     from shardwise.backends.base import Backend
@@ -138,14 +139,11 @@ def place(job: Job, layout: Layout, mesh, path) -> tuple[torch.nn.Module, LoadRe
     return model, result
 
 
-def _reshard_target(job: Job, run: Run) -> Layout:
-    """The next layout this backend runs (itself when it is the only one)."""
+def _next_layout(job: Job, index: int) -> Layout | None:
+    """The first layout after ``index`` (round to itself) this backend runs, or None."""
     n = len(job.layouts)
-    for step in range(1, n + 1):
-        other = job.layouts[(run.index + step) % n]
-        if layout_limit(job.backend, other) is None:
-            return other
-    return run.layout
+    after = (job.layouts[(index + step) % n] for step in range(1, n + 1))
+    return next((lay for lay in after if layout_limit(job.backend, lay) is None), None)
 
 
 def _loaded(run: Run) -> torch.nn.Module:
@@ -193,7 +191,8 @@ def forward_backward(job: Job, run: Run) -> dict:
         compare(loss.detach().reshape(1), torch.tensor([job.golden.loss]), "loss")
     loss.backward()
     with later:
-        out["grad_max_diff"] = compare_grads(model, job.golden.grads, get_shard_state(model), "gradient of")
+        out["grad_max_diff"] = compare_tensors(model.named_parameters(), job.golden.grads,
+                                               get_shard_state(model), "gradient of", grads=True)
     later.raise_first()
     return out
 
@@ -204,7 +203,8 @@ def clip_grad_norm(job: Job, run: Run) -> dict:
     norm = sw.clip_grad_norm_(model, MAX_NORM).item()
     if abs(norm - job.golden.norm) > 1e-5 * job.golden.norm:
         raise Mismatch(f"total norm {norm!r}, one process {job.golden.norm!r}")
-    grad = compare_grads(model, job.golden.clipped, get_shard_state(model), "clipped gradient of")
+    grad = compare_tensors(model.named_parameters(), job.golden.clipped, get_shard_state(model),
+                           "clipped gradient of", grads=True)
     return {"norm": norm, "grad_max_diff": grad}
 
 
@@ -230,12 +230,7 @@ def gather_save(job: Job, run: Run) -> dict:
 
 
 def _first_difference(folder: Path, job: Job) -> None:
-    from safetensors import safe_open
-
-    got = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        with safe_open(f, "pt") as fh:
-            got.update({k: fh.get_tensor(k) for k in fh.keys()})  # noqa: SIM118 (safe_open has no __iter__)
+    got = read_all(folder)
     for name, want in job.truth.items():
         if name not in got:
             raise Mismatch(f"the gather save lacks {name!r}")
@@ -251,7 +246,7 @@ def dcp_reshard(job: Job, run: Run) -> dict:
     process) to the source's tensors, and both checkpoints verify."""
     dcp, merged = run.folder / "dcp", run.folder / "dcp-merged"
     sw.save(_loaded(run), dcp, distributed=True)
-    target = _reshard_target(job, run)
+    target = _next_layout(job, run.index) or run.layout  # itself when it is the only one
     mesh = job.backend.mesh(**target.mesh_axes)
     model, _ = place(job, target, mesh, dcp)
     compare_tensors(model.state_dict().items(), job.truth, get_shard_state(model),
@@ -295,7 +290,7 @@ def optimizer_reshard(job: Job, run: Run) -> dict:
     sw.save(model, run.folder / "model-step1", distributed=True)
     sw.save_optimizer(model, optimizer, run.folder / "optim-step1")
 
-    target = _reshard_target(job, run)
+    target = _next_layout(job, run.index) or run.layout  # itself when it is the only one
     out["reshard_to"] = target.name
     resumed, _ = place(job, target, backend.mesh(**target.mesh_axes), run.folder / "model-step1")
     state = get_shard_state(resumed)
