@@ -19,8 +19,7 @@ if TYPE_CHECKING:
     from torch import nn
     from torch.distributed import ProcessGroup
 
-    from shardwise.backends.base import Backend
-    from shardwise.backends.group_mesh import AxisMesh
+    from shardwise.backends.base import AxisMesh, Backend
     from shardwise.core.plan import ResolvedPlan
 
 
