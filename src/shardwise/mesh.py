@@ -5,7 +5,7 @@ with :func:`world_backend`. These two are the only readers of ``current_backend(
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -19,8 +19,35 @@ if TYPE_CHECKING:
     from torch import nn
     from torch.distributed import ProcessGroup
 
-    from shardwise.backends.base import AxisMesh, Backend
+    from shardwise.backends.base import Backend
     from shardwise.core.plan import ResolvedPlan
+
+
+class AxisMesh(Protocol):
+    """What shardwise reads of a mesh: torch's ``DeviceMesh``, :class:`GroupMesh` (xla,
+    neuron_xla) and ``xla_spmd``'s ``SpmdMesh`` answer it. Reading it is never a collective."""
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...] | None: ...  # outer to inner; None: unnamed
+
+    @property
+    def ndim(self) -> int: ...
+
+    @property
+    def device_type(self) -> str: ...  # "cpu", "cuda", "xla", ...
+
+    @property
+    def mesh(self) -> torch.Tensor: ...  # the global ranks (SPMD: device ids) in the mesh's shape
+
+    def size(self, dim: int | None = None, /) -> int: ...
+
+    # this rank's position along ``dim`` (an SPMD mesh raises: one process drives every position)
+    def get_local_rank(self, dim: int | str | None = None, /) -> int: ...
+
+    # the process group of this rank's line along ``dim`` (None: an SPMD mesh)
+    def get_group(self, dim: int | str | None = None, /) -> ProcessGroup | None: ...
+
+    def __getitem__(self, name: str, /) -> AxisMesh: ...  # the 1-D mesh along axis ``name``
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -190,5 +217,5 @@ def set_shard_state(model: nn.Module, state: ShardState) -> None:
     model.__dict__[_STATE_ATTR] = state
 
 
-__all__ = ["MeshDims", "ShardState", "check_spmd", "decode_mesh", "get_shard_state", "is_spmd_mesh",
-           "set_shard_state", "tp_axis", "world_backend"]
+__all__ = ["AxisMesh", "MeshDims", "ShardState", "check_spmd", "decode_mesh", "get_shard_state",
+           "is_spmd_mesh", "set_shard_state", "tp_axis", "world_backend"]

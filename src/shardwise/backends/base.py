@@ -1,7 +1,7 @@
-"""The backend protocol, and the two backends torch runs itself: gloo (the reference) and nccl.
-Call order: ``init_backend`` constructs one backend per process and calls ``start()`` on every
-rank; ``mesh()`` and the collectives are then called by every rank of the group they name (all
-unless a ``group`` is passed); ``shutdown()`` ends it. Subclasses set the class attributes and
+"""The backend protocol, and gloo, the reference backend (``backends.nccl`` is the other one torch
+runs itself). Call order: ``init_backend`` constructs one backend per process and calls ``start()``
+on every rank; ``mesh()`` and the collectives are then called by every rank of the group they name
+(all unless a ``group`` is passed); ``shutdown()`` ends it. Subclasses set the class attributes and
 override ``_device()`` and, where needed, ``start()``, ``_init_group()``, ``_make_mesh()`` and
 ``wait()``; an SPMD backend also ``local_shards()`` and ``local_regions()``."""
 
@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -21,20 +21,11 @@ import torch.distributed as dist
 from shardwise.errors import BackendError, CollectiveError, MeshError, ShardwiseError, UsageError
 from shardwise.holding import Holding
 
-if TYPE_CHECKING:
-    from torch.distributed import ProcessGroup
-
-
 # Mesh axes, outer to inner: replicas of the whole model, then FSDP shards, then TP.
 MESH_AXES = ("dp_replicate", "dp_shard", "ep", "tp")
 DEFAULT_TIMEOUT = _dt.timedelta(minutes=10)
 
-REDUCE_OPS = {
-    "sum": dist.ReduceOp.SUM,
-    "max": dist.ReduceOp.MAX,
-    "min": dist.ReduceOp.MIN,
-    "product": dist.ReduceOp.PRODUCT,
-}
+REDUCE_OPS = {name: getattr(dist.ReduceOp, name.upper()) for name in ("sum", "max", "min", "product")}
 
 
 def _as_timedelta(timeout: float | _dt.timedelta | None) -> _dt.timedelta:
@@ -87,33 +78,6 @@ class Pending:
         if work is not None:
             assert self._backend is not None  # Backend.issue gives its work a backend
             self._backend.wait(work, self._what, timeout=timeout)
-
-
-class AxisMesh(Protocol):
-    """What shardwise reads of a mesh: torch's ``DeviceMesh``, :class:`GroupMesh` (xla,
-    neuron_xla) and ``xla_spmd``'s ``SpmdMesh`` answer it. Reading it is never a collective."""
-
-    @property
-    def mesh_dim_names(self) -> tuple[str, ...] | None: ...  # outer to inner; None: unnamed
-
-    @property
-    def ndim(self) -> int: ...
-
-    @property
-    def device_type(self) -> str: ...  # "cpu", "cuda", "xla", ...
-
-    @property
-    def mesh(self) -> torch.Tensor: ...  # the global ranks (SPMD: device ids) in the mesh's shape
-
-    def size(self, dim: int | None = None, /) -> int: ...
-
-    # this rank's position along ``dim`` (an SPMD mesh raises: one process drives every position)
-    def get_local_rank(self, dim: int | str | None = None, /) -> int: ...
-
-    # the process group of this rank's line along ``dim`` (None: an SPMD mesh)
-    def get_group(self, dim: int | str | None = None, /) -> ProcessGroup | None: ...
-
-    def __getitem__(self, name: str, /) -> AxisMesh: ...  # the 1-D mesh along axis ``name``
 
 
 def torchrun_env() -> dict[str, int] | None:
@@ -307,7 +271,7 @@ class Backend:
         names, shape = mesh_axes(axes, self.world_size, "the world size")
         return self._make_mesh(names, shape)
 
-    def _make_mesh(self, names: tuple[str, ...], shape: tuple[int, ...]) -> AxisMesh:
+    def _make_mesh(self, names: tuple[str, ...], shape: tuple[int, ...]):  # an AxisMesh (shardwise.mesh)
         from torch.distributed.device_mesh import init_device_mesh
 
         return init_device_mesh(self.device_type, shape, mesh_dim_names=names)
@@ -422,39 +386,3 @@ class GlooBackend(Backend):
 
     name = "gloo"
     dist_backend = "gloo"
-
-
-class NcclBackend(Backend):
-    """CUDA GPUs joined by NCCL: one process per GPU, shards held as DTensors."""
-
-    name = "nccl"
-    dist_backend = "nccl"
-    device_type = "cuda"
-
-    @classmethod
-    def is_available(cls) -> bool:
-        return torch.cuda.is_available() and torch.cuda.device_count() > 0
-
-    def start(self) -> None:
-        # Refuse here, before torch fails deep inside ProcessGroupNCCL.
-        if not torch.cuda.is_available():
-            raise BackendError(
-                "backend 'nccl' needs CUDA GPUs, but torch.cuda.is_available() is False "
-                f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); "
-                "install a CUDA build of torch on a GPU machine, or use init_backend('gloo')"
-            )
-        env = torchrun_env()
-        self.local_rank = env["local_rank"] if env else 0
-        if self.local_rank >= torch.cuda.device_count():
-            raise BackendError(
-                f"LOCAL_RANK={self.local_rank} but only {torch.cuda.device_count()} CUDA device(s) "
-                "are visible; launch at most one process per GPU"
-            )
-        torch.cuda.set_device(self.local_rank)
-        super().start()
-
-    def _init_kwargs(self) -> dict:
-        return {"device_id": torch.device("cuda", self.local_rank)}
-
-    def _device(self) -> torch.device:
-        return torch.device("cuda", self.local_rank)

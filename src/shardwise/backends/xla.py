@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from shardwise.backends.base import AxisMesh, Backend, torchrun_env
+from shardwise.backends.base import Backend, torchrun_env
 from shardwise.errors import BackendError, BackendUnavailableError, CollectiveError, MeshError
 
 XLA_HINT = "pip install 'shardwise[xla]' (torch-xla must match your torch version)"
@@ -118,7 +118,7 @@ class XlaBackend(Backend):
     def _device(self) -> torch.device:
         return torch.device(import_torch_xla().device())
 
-    def _make_mesh(self, names, shape) -> AxisMesh:
+    def _make_mesh(self, names, shape) -> GroupMesh:
         return GroupMesh(self.device_type, names, shape, rank=self.rank, new_group=self._new_group)
 
     @staticmethod
