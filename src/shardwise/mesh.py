@@ -140,7 +140,7 @@ def decode_mesh(mesh: AxisMesh, holding: str | Holding | None = None) -> MeshDim
                     ep_group=ep_group, dp_replicate=dp_replicate, dp_replicate_rank=dp_replicate_rank,
                     dp_replicate_group=dp_replicate_group, dp_shard=dp_shard, dp_shard_rank=dp_shard_rank,
                     spans_world=spans_world, device=device, backend=backend,
-                    comm_backend=_in_world(backend))
+                    comm_backend=world_backend())
 
 
 def world_backend() -> Backend | None:
@@ -150,13 +150,9 @@ def world_backend() -> Backend | None:
     >>> world_backend() is None   # one process, no process group
     True
     """
-    return _in_world(current_backend())
-
-
-def _in_world(started: Backend | None) -> Backend | None:
     if not comm.is_distributed():
         return None
-    return started or comm.AdoptedBackend()
+    return current_backend() or comm.AdoptedBackend()
 
 
 def is_spmd_mesh(mesh: AxisMesh) -> bool:

@@ -119,13 +119,9 @@ class XlaBackend(Backend):
         return torch.device(import_torch_xla().device())
 
     def _make_mesh(self, names, shape) -> GroupMesh:
-        return GroupMesh(self.device_type, names, shape, rank=self.rank, new_group=self._new_group)
-
-    @staticmethod
-    def _new_group(ranks: list[int]):
         from torch_xla.distributed.xla_backend import new_xla_process_group
 
-        return new_xla_process_group(ranks)
+        return GroupMesh(self.device_type, names, shape, rank=self.rank, new_group=new_xla_process_group)
 
     @property
     def coordination_group(self):
