@@ -100,10 +100,7 @@ class NeuronBackend(Backend):
     supports_gather = False
     supports_p2p = False  # not documented for TorchNeuron's group: conservatively off, like gather
     supports_all_to_all = False  # as p2p
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self._index = 0
+    _index = 0  # of this process's NeuronCore among those it sees (start() sets it)
 
     @classmethod
     def is_available(cls) -> bool:
