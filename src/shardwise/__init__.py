@@ -19,7 +19,7 @@ from shardwise.core.spec import ShardSpec
 from shardwise.core.styles import PackedColwise, PackedRowwise
 from shardwise.errors import CheckpointError, CollectiveError, PlanError, ShardwiseError, UsageError
 from shardwise.hf import adapter as _hf_adapter  # noqa: F401 - registers the Hugging Face model adapter
-from shardwise.parallel import parallelize
+from shardwise.parallel import clip_grad_norm_, parallelize
 
 if TYPE_CHECKING:  # what type checkers see for the names below, which load on first use
     from shardwise.hf.pretrained import empty_model as empty_model
@@ -32,7 +32,6 @@ if TYPE_CHECKING:  # what type checkers see for the names below, which load on f
     from shardwise.io.formats.dcp.optim import save_optimizer as save_optimizer
     from shardwise.io.load import load as load
     from shardwise.io.save import save as save
-    from shardwise.parallel import clip_grad_norm_ as clip_grad_norm_
     from shardwise.transfer import transfer_plan as transfer_plan
     from shardwise.validate import validate as validate
 
@@ -43,7 +42,6 @@ _LAZY = {
     "consolidate": ("shardwise.io.consolidate", "consolidate"),
     "save_optimizer": ("shardwise.io.formats.dcp.optim", "save_optimizer"),
     "load_optimizer": ("shardwise.io.formats.dcp.optim", "load_optimizer"),
-    "clip_grad_norm_": ("shardwise.parallel", "clip_grad_norm_"),
     "inspect": ("shardwise.io.check", "inspect_checkpoint"),
     "verify": ("shardwise.io.check.verify", "verify"),
     "diff": ("shardwise.io.check.diff", "diff"),

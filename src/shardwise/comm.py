@@ -5,15 +5,15 @@ size and rank. :func:`agree` is the cross-rank verdict: if any rank failed, ever
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
 from shardwise.backends import Backend
-from shardwise.backends.base import REDUCE_OPS
-from shardwise.errors import BackendError, CheckpointError, CollectiveError, ShardwiseError, UsageError
+from shardwise.backends.base import Pending, guarded, reduce_op_of
+from shardwise.errors import BackendError, CheckpointError, CollectiveError
 
 
 def is_distributed() -> bool:
@@ -73,46 +73,6 @@ def device_for(group=None, *, backend: Backend | None) -> torch.device:
     return torch.device(backend.device)
 
 
-def _what(op: str, group, purpose: str) -> str:
-    # group: None (the default group), a process group or a DeviceMesh; each has a size()
-    named = f"{op} over {world_size() if group is None else group.size()} ranks"
-    return f"{purpose} ({named})" if purpose else named
-
-
-@contextmanager
-def guarded(op: str, *, group=None, purpose: str = "") -> Iterator[None]:
-    """Turn the failure of collectives torch issues for us (object collectives, a DTensor
-    redistribute over a mesh passed as ``group``) into a ``CollectiveError``."""
-    try:
-        yield
-    except ShardwiseError:
-        raise
-    except Exception as e:  # gloo/nccl raise RuntimeError (DistBackendError) when a peer is gone
-        raise CollectiveError.failed(_what(op, group, purpose), rank=rank(), cause=e) from e
-
-
-class Pending:
-    """An asynchronous collective; :meth:`wait` (idempotent) finishes it within the timeout."""
-
-    def __init__(self, work, what: str, backend: Backend | None):
-        self._work, self._what, self._backend = work, what, backend
-
-    def wait(self) -> None:
-        work, self._work = self._work, None
-        if work is not None:
-            assert self._backend is not None  # _start gives a started collective its backend
-            self._backend.wait(work, self._what)
-
-
-def _start(op: str, group, purpose: str, issue: Callable[[], object], backend: Backend | None) -> Pending:
-    if backend is None:
-        return Pending(None, op, None)
-    what = _what(op, group, purpose)
-    with guarded(op, group=group, purpose=purpose):  # gloo may refuse at once, not in wait()
-        work = issue()
-    return Pending(work, what, backend)
-
-
 def all_reduce(tensor: torch.Tensor, op: str = "sum", *, backend: Backend | None, group=None,
                purpose: str = "") -> torch.Tensor:
     """Reduce ``tensor`` in place over ``group`` (``op``: sum, max, min, product) and return it;
@@ -121,19 +81,20 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", *, backend: Backend | None
     >>> all_reduce(torch.ones(1), "max", backend=None)   # one process
     tensor([1.])
     """
-    if op not in REDUCE_OPS:
-        raise UsageError(f"unknown reduce op {op!r}; known: {', '.join(REDUCE_OPS)}")
-    _start("all_reduce", group, purpose,
-           lambda: dist.all_reduce(tensor, REDUCE_OPS[op], group=group, async_op=True), backend).wait()
-    return tensor
+    if backend is None:
+        reduce_op_of(op)  # an unknown op is refused in a world of one too
+        return tensor
+    return backend.all_reduce(tensor, op, group=group, purpose=purpose)
 
 
 def broadcast(tensor: torch.Tensor, src: int, *, backend: Backend | None, group=None, purpose: str = "",
               async_op: bool = False) -> Pending:
     """Overwrite ``tensor`` on every rank of ``group`` with global rank ``src``'s; returns a
     :class:`Pending` (already finished unless ``async_op``)."""
-    pending = _start("broadcast", group, purpose,
-                     lambda: dist.broadcast(tensor, src=src, group=group, async_op=True), backend)
+    if backend is None:
+        return Pending(None, "broadcast", None)
+    pending = backend.issue("broadcast", partial(dist.broadcast, tensor, src=src, group=group, async_op=True),
+                            group=group, purpose=purpose)
     if not async_op:
         pending.wait()
     return pending
@@ -146,28 +107,24 @@ def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor, output_sizes: 
     ``output_sizes[r]`` from each into ``output``; every rank of the group calls it."""
     if backend is None:
         return output.copy_(tensor)
-    _start("all_to_all_single", group, purpose,
-           lambda: dist.all_to_all_single(output, tensor, output_sizes, input_sizes, group=group,
-                                          async_op=True), backend).wait()
+    backend.issue("all_to_all_single", partial(dist.all_to_all_single, output, tensor, output_sizes,
+                                               input_sizes, group=group, async_op=True),
+                  group=group, purpose=purpose).wait()
     return output
 
 
 def all_reduce_inline(tensor: torch.Tensor, *, group=None) -> torch.Tensor:
     """Sum ``tensor`` in place over ``group``, synchronously (local holding's forward and
     backward: every step), bounded by the process group's own timeout."""
-    try:
+    with guarded("all_reduce", group=group):
         dist.all_reduce(tensor, group=group)
-    except Exception as e:  # torch raises RuntimeError/DistBackendError subclasses
-        raise CollectiveError.failed(_what("all_reduce", group, ""), rank=rank(), cause=e) from e
     return tensor
 
 
 def all_gather_inline(parts: list[torch.Tensor], tensor: torch.Tensor, *, group=None) -> list[torch.Tensor]:
     """Every group rank's ``tensor`` into ``parts``, as :func:`all_reduce_inline`."""
-    try:
+    with guarded("all_gather", group=group):
         dist.all_gather(parts, tensor, group=group)
-    except Exception as e:  # torch raises RuntimeError/DistBackendError subclasses
-        raise CollectiveError.failed(_what("all_gather", group, ""), rank=rank(), cause=e) from e
     return parts
 
 

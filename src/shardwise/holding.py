@@ -12,25 +12,28 @@ import torch
 from shardwise.errors import UsageError
 
 if TYPE_CHECKING:
-    from torch import nn
     from torch.distributed.tensor import DTensor
-
-    from shardwise.core.plan import ResolvedPlan
-    from shardwise.core.spec import ShardSpec
-
-    # defined above this module: loosely typed, so that the imports only go downward
-    MeshDims = Any
-    Placed = Any
-    Placement = Any
-    ShardState = Any
 
 
 class Holding:
     """One way of holding shards: what it declares (``one_process``, ``plain_shards``) and its
-    behaviour, forwarded to its implementation in ``shardwise.io.place`` (imported on first
-    use). One instance per kind, compared by identity. Every rank calls each method with the
-    same arguments, in pipeline order: check_wiring, shard or placement, wire; on save
-    gather_coords or dcp_placed.
+    behaviour, the methods below, forwarded to its implementation in ``shardwise.io.place``
+    (imported on first use). One instance per kind, compared by identity. Every rank calls each
+    method with the same arguments, in pipeline order: check_wiring, shard or placement, wire; on
+    save gather_coords or dcp_placed.
+
+    - ``check_wiring(model, specs)``: raise ``PlanError``, before any read, for a planned module
+      this holding cannot wire.
+    - ``shard(full, name, spec, specs, dims, device)``: this rank's shard of the model's whole
+      tensor ``full``, on ``device`` (None: as is).
+    - ``wire(model, specs, state)``: make the planned modules' forward correct on the installed
+      shards (``install``, once).
+    - ``placement(model, specs, dims, dtype)``: the last step of ``sw.load``: this rank's wants,
+      each read's finalize, the install.
+    - ``gather_coords(state, spec)``: ``(degree, rank)`` of the shard this rank hands a gather
+      save (degree 1: whole here).
+    - ``dcp_placed(model, state)``: ``({name: Placed}, save planner or None)`` of a DCP save of
+      ``model`` (None: the canonical planner).
 
     >>> Holding.parse("local")
     Holding.LOCAL
@@ -41,6 +44,8 @@ class Holding:
     DTENSOR: ClassVar[Holding]
     LOCAL: ClassVar[Holding]
     SPMD: ClassVar[Holding]
+    METHODS: ClassVar[tuple[str, ...]] = ("check_wiring", "shard", "wire", "placement", "gather_coords",
+                                          "dcp_placed")
 
     def __init__(self, name: str, implementation: str, *, one_process: bool = False,
                  plain_shards: bool = False):
@@ -67,38 +72,13 @@ class Holding:
     def __repr__(self) -> str:
         return f"Holding.{self.name.upper()}"
 
-    def _implementation(self) -> Any:
+    def __getattr__(self, method: str) -> Any:
+        if method not in Holding.METHODS:  # attributes, and what copy/pickle probe for
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {method!r}")
         if self._impl is None:
             module, cls = self._path.split(":")
             self._impl = getattr(importlib.import_module(module), cls)()
-        return self._impl
-
-    def check_wiring(self, model: nn.Module, specs: ResolvedPlan) -> None:
-        """Raise ``PlanError``, before any read, for a planned module this holding cannot wire."""
-        self._implementation().check_wiring(model, specs)
-
-    def shard(self, full: torch.Tensor, name: str, spec: ShardSpec, specs: ResolvedPlan,
-              dims: MeshDims, device: torch.device | None) -> torch.Tensor:
-        """This rank's shard of the model's whole tensor ``full``, on ``device`` (None: as is)."""
-        return self._implementation().shard(full, name, spec, specs, dims, device)
-
-    def wire(self, model: nn.Module, specs: ResolvedPlan, state: ShardState) -> None:
-        """Make the planned modules' forward correct on the installed shards (``install``, once)."""
-        self._implementation().wire(model, specs, state)
-
-    def placement(self, model: nn.Module, specs: ResolvedPlan, dims: MeshDims,
-                  dtype: torch.dtype | None) -> Placement:
-        """The last step of ``sw.load``: this rank's wants, each read's finalize, the install."""
-        return self._implementation().placement(model, specs, dims, dtype)
-
-    def gather_coords(self, state: ShardState, spec: ShardSpec) -> tuple[int, int]:
-        """``(degree, rank)`` of the shard this rank hands a gather save (degree 1: whole here)."""
-        return self._implementation().gather_coords(state, spec)
-
-    def dcp_placed(self, model: nn.Module, state: ShardState) -> tuple[dict[str, Placed], Any]:
-        """``({name: Placed}, save planner or None)`` of a DCP save of ``model`` (None: the
-        canonical planner)."""
-        return self._implementation().dcp_placed(model, state)
+        return getattr(self._impl, method)
 
 
 Holding.DTENSOR = Holding("dtensor", "shardwise.io.place:DTensorHolding")

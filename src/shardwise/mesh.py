@@ -5,7 +5,7 @@ with :func:`world_backend`. These two are the only readers of ``current_backend(
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -20,8 +20,34 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
     from shardwise.backends.base import Backend
-    from shardwise.backends.group_mesh import AxisMesh
     from shardwise.core.plan import ResolvedPlan
+
+
+class AxisMesh(Protocol):
+    """What shardwise reads of a mesh: torch's ``DeviceMesh``, :class:`GroupMesh` (xla,
+    neuron_xla) and ``xla_spmd``'s ``SpmdMesh`` answer it. Reading it is never a collective."""
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...] | None: ...  # outer to inner; None: unnamed
+
+    @property
+    def ndim(self) -> int: ...
+
+    @property
+    def device_type(self) -> str: ...  # "cpu", "cuda", "xla", ...
+
+    @property
+    def mesh(self) -> torch.Tensor: ...  # the global ranks (SPMD: device ids) in the mesh's shape
+
+    def size(self, dim: int | None = None, /) -> int: ...
+
+    # this rank's position along ``dim`` (an SPMD mesh raises: one process drives every position)
+    def get_local_rank(self, dim: int | str | None = None, /) -> int: ...
+
+    # the process group of this rank's line along ``dim`` (None: an SPMD mesh)
+    def get_group(self, dim: int | str | None = None, /) -> ProcessGroup | None: ...
+
+    def __getitem__(self, name: str, /) -> AxisMesh: ...  # the 1-D mesh along axis ``name``
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,7 +140,7 @@ def decode_mesh(mesh: AxisMesh, holding: str | Holding | None = None) -> MeshDim
                     ep_group=ep_group, dp_replicate=dp_replicate, dp_replicate_rank=dp_replicate_rank,
                     dp_replicate_group=dp_replicate_group, dp_shard=dp_shard, dp_shard_rank=dp_shard_rank,
                     spans_world=spans_world, device=device, backend=backend,
-                    comm_backend=_in_world(backend))
+                    comm_backend=world_backend())
 
 
 def world_backend() -> Backend | None:
@@ -124,13 +150,9 @@ def world_backend() -> Backend | None:
     >>> world_backend() is None   # one process, no process group
     True
     """
-    return _in_world(current_backend())
-
-
-def _in_world(started: Backend | None) -> Backend | None:
     if not comm.is_distributed():
         return None
-    return started or comm.AdoptedBackend()
+    return current_backend() or comm.AdoptedBackend()
 
 
 def is_spmd_mesh(mesh: AxisMesh) -> bool:
@@ -191,5 +213,5 @@ def set_shard_state(model: nn.Module, state: ShardState) -> None:
     model.__dict__[_STATE_ATTR] = state
 
 
-__all__ = ["MeshDims", "ShardState", "check_spmd", "decode_mesh", "get_shard_state", "is_spmd_mesh",
-           "set_shard_state", "tp_axis", "world_backend"]
+__all__ = ["AxisMesh", "MeshDims", "ShardState", "check_spmd", "decode_mesh", "get_shard_state",
+           "is_spmd_mesh", "set_shard_state", "tp_axis", "world_backend"]

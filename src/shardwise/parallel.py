@@ -1,6 +1,6 @@
 """Put local shards into a model and make its forward correct under tensor parallelism:
 :func:`install` is the one place that writes shards into a model (from ``parallelize`` or a
-load); the holding then wires the forward (:func:`wire_dtensor` or :func:`wire_local_shards`)."""
+load); the holding then wires the forward (:func:`wire`)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,9 @@ def resolve_for_mesh(model: nn.Module, plan, dims: MeshDims, ep_plan=None) -> Re
     on a mesh without a tp axis its tp part is dropped."""
     specs = resolve_plan(model, plan, dims.degree, ep_plan=ep_plan, ep_degree=dims.ep_degree)
     check_plan(model, specs)  # a forward shaping split heads by the global count
-    warn_unused_keys(specs)
+    if specs.unused_keys and comm.rank() == 0:  # one warning, on rank 0 only
+        warnings.warn(f"plan keys that match nothing in this model were skipped: "
+                      f"{', '.join(map(repr, specs.unused_keys))}", stacklevel=2)
     return without_tp(specs) if dims.tp_mesh is None else specs
 
 
@@ -86,19 +88,10 @@ def check_local_wiring(model: nn.Module, specs: ResolvedPlan) -> None:
                 "holding='dtensor', or plan its submodules instead")
 
 
-def wire_dtensor(model: nn.Module, specs: ResolvedPlan, state: ShardState) -> None:
-    """``Holding.DTENSOR.wire``: every sharded parameter a DTensor on its axis mesh."""
-    _wire(model, specs, state, dtensor=True)
-
-
-def wire_local_shards(model: nn.Module, specs: ResolvedPlan, state: ShardState) -> None:
-    """``Holding.LOCAL.wire``: plain local shards, each planned forward doing its collectives."""
-    _wire(model, specs, state, dtensor=False)
-
-
-def _wire(model: nn.Module, specs: ResolvedPlan, state: ShardState, *, dtensor: bool) -> None:
-    """The wiring of both holdings: under ``dtensor`` the sharded parameters become DTensors and
-    forwards written for plain tensors run on their local shards."""
+def wire(model: nn.Module, specs: ResolvedPlan, state: ShardState, *, dtensor: bool) -> None:
+    """``Holding.DTENSOR.wire`` (``dtensor``: every sharded parameter a DTensor on its axis mesh,
+    forwards written for plain tensors run on their local shards) and ``Holding.LOCAL.wire``
+    (plain local shards, each planned forward doing its collectives)."""
     # {id(local Parameter): (that Parameter, its DTensor Parameter)} while wiring, so a tied
     # weight seen from a second module becomes the same DTensor Parameter.
     converted: dict = {}
@@ -150,15 +143,6 @@ def parallelize(model: nn.Module, plan, mesh, *, holding: str | None = None, ep_
     install(model, specs, dims,
             local_tensor=lambda name, spec: dims.holding.shard(full[name], name, spec, specs, dims, device))
     return model
-
-
-def warn_unused_keys(specs: ResolvedPlan) -> None:
-    """One warning, on rank 0 only, listing the plan keys that matched nothing."""
-    import torch.distributed as dist
-
-    if specs.unused_keys and (not dist.is_initialized() or dist.get_rank() == 0):
-        warnings.warn(f"plan keys that match nothing in this model were skipped: "
-                      f"{', '.join(map(repr, specs.unused_keys))}", stacklevel=3)
 
 
 # -- DTensor holding: torch's styles, with our shards as their parameters ---------------
@@ -289,14 +273,13 @@ def clip_grad_norm_(model_or_params: nn.Module | Iterable[torch.Tensor] | torch.
     backend = world_backend()  # the API boundary: the backend of the all-reduce below
     grads = _grads(model_or_params)
     device = grads[0][1].device if grads else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float64, device=device)
     if norm_type == math.inf:
-        total = torch.zeros((), dtype=torch.float64, device=device)
         for _, local, _ in grads:
             if local.numel():
                 total = torch.maximum(total, local.detach().abs().max().double())
         comm.all_reduce(total, "max", backend=backend, purpose="clip_grad_norm_")
     else:
-        total = torch.zeros((), dtype=torch.float64, device=device)
         for _, local, copies in grads:
             norm = torch.linalg.vector_norm(local.detach(), norm_type, dtype=torch.float64)
             total += norm ** norm_type / copies

@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from shardwise.backends.group_mesh import GroupMesh
+from shardwise.backends.xla import GroupMesh
 from shardwise.errors import MeshError
 
 

@@ -143,7 +143,8 @@ def test_summary_names_links_pairs_and_buckets():
 
 
 def test_backends_without_point_to_point_say_so():
-    from shardwise.backends.base import GlooBackend, NcclBackend
+    from shardwise.backends.base import GlooBackend
+    from shardwise.backends.nccl import NcclBackend
     from shardwise.backends.neuron import NeuronBackend
     from shardwise.backends.xla import XlaBackend
 

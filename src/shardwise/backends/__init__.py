@@ -24,7 +24,7 @@ ENTRY_POINT_GROUP = "shardwise.backends"
 AUTO_ORDER = ("neuron", "neuron_xla", "xla_spmd", "xla", "nccl", "gloo")
 BUILTINS = {
     "gloo": "shardwise.backends.base:GlooBackend",
-    "nccl": "shardwise.backends.base:NcclBackend",
+    "nccl": "shardwise.backends.nccl:NcclBackend",
     "xla": "shardwise.backends.xla:XlaBackend",
     "xla_spmd": "shardwise.backends.xla_spmd:XlaSpmdBackend",
     "neuron": "shardwise.backends.neuron:NeuronBackend",

@@ -1,7 +1,7 @@
-"""The backend protocol, and the two backends torch runs itself: gloo (the reference) and nccl.
-Call order: ``init_backend`` constructs one backend per process and calls ``start()`` on every
-rank; ``mesh()`` and the collectives are then called by every rank of the group they name (all
-unless a ``group`` is passed); ``shutdown()`` ends it. Subclasses set the class attributes and
+"""The backend protocol, and gloo, the reference backend (``backends.nccl`` is the other one torch
+runs itself). Call order: ``init_backend`` constructs one backend per process and calls ``start()``
+on every rank; ``mesh()`` and the collectives are then called by every rank of the group they name
+(all unless a ``group`` is passed); ``shutdown()`` ends it. Subclasses set the class attributes and
 override ``_device()`` and, where needed, ``start()``, ``_init_group()``, ``_make_mesh()`` and
 ``wait()``; an SPMD backend also ``local_shards()`` and ``local_regions()``."""
 
@@ -10,28 +10,22 @@ from __future__ import annotations
 import datetime as _dt
 import math
 import os
-from typing import TYPE_CHECKING, ClassVar
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import partial
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 
-from shardwise.errors import BackendError, CollectiveError, MeshError, UsageError
+from shardwise.errors import BackendError, CollectiveError, MeshError, ShardwiseError, UsageError
 from shardwise.holding import Holding
-
-if TYPE_CHECKING:
-    from shardwise.backends.group_mesh import AxisMesh
-
 
 # Mesh axes, outer to inner: replicas of the whole model, then FSDP shards, then TP.
 MESH_AXES = ("dp_replicate", "dp_shard", "ep", "tp")
 DEFAULT_TIMEOUT = _dt.timedelta(minutes=10)
 
-REDUCE_OPS = {
-    "sum": dist.ReduceOp.SUM,
-    "max": dist.ReduceOp.MAX,
-    "min": dist.ReduceOp.MIN,
-    "product": dist.ReduceOp.PRODUCT,
-}
+REDUCE_OPS = {name: getattr(dist.ReduceOp, name.upper()) for name in ("sum", "max", "min", "product")}
 
 
 def _as_timedelta(timeout: float | _dt.timedelta | None) -> _dt.timedelta:
@@ -44,9 +38,46 @@ def _as_timedelta(timeout: float | _dt.timedelta | None) -> _dt.timedelta:
     return _dt.timedelta(seconds=float(timeout))
 
 
-def _op(name: str, group) -> str:
-    """How a collective is named in its errors: the operation and its group size."""
-    return f"{name} over {dist.get_world_size(group)} ranks"
+def reduce_op_of(op: str):
+    """The torch reduce op named ``op``, else ``UsageError``."""
+    if op not in REDUCE_OPS:
+        raise UsageError(f"unknown reduce op {op!r}; known: {', '.join(REDUCE_OPS)}")
+    return REDUCE_OPS[op]
+
+
+def describe(op: str, group, purpose: str = "") -> str:
+    """How a collective is named in its errors: what for, the operation and its group's size
+    (``group``: None for the default group, a process group or a DeviceMesh)."""
+    size = group.size() if group is not None else dist.get_world_size() if dist.is_initialized() else 1
+    named = f"{op} over {size} ranks"
+    return f"{purpose} ({named})" if purpose else named
+
+
+@contextmanager
+def guarded(op: str, *, group=None, purpose: str = "") -> Iterator[None]:
+    """Turn the failure of a collective issued inside (by us, by torch's object collectives, by a
+    DTensor redistribute over a mesh passed as ``group``) into a ``CollectiveError``."""
+    try:
+        yield
+    except ShardwiseError:
+        raise
+    except Exception as e:  # gloo/nccl raise RuntimeError (DistBackendError) when a peer is gone
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        raise CollectiveError.failed(describe(op, group, purpose), rank=rank, cause=e) from e
+
+
+class Pending:
+    """An issued collective; :meth:`wait` (idempotent) finishes it within ``timeout`` (default:
+    the backend's). Without a backend (a world of one) there is nothing to finish."""
+
+    def __init__(self, work, what: str, backend: Backend | None):
+        self._work, self._what, self._backend = work, what, backend
+
+    def wait(self, timeout=None) -> None:
+        work, self._work = self._work, None
+        if work is not None:
+            assert self._backend is not None  # Backend.issue gives its work a backend
+            self._backend.wait(work, self._what, timeout=timeout)
 
 
 def torchrun_env() -> dict[str, int] | None:
@@ -240,7 +271,7 @@ class Backend:
         names, shape = mesh_axes(axes, self.world_size, "the world size")
         return self._make_mesh(names, shape)
 
-    def _make_mesh(self, names: tuple[str, ...], shape: tuple[int, ...]) -> AxisMesh:
+    def _make_mesh(self, names: tuple[str, ...], shape: tuple[int, ...]):  # an AxisMesh (shardwise.mesh)
         from torch.distributed.device_mesh import init_device_mesh
 
         return init_device_mesh(self.device_type, shape, mesh_dim_names=names)
@@ -252,6 +283,14 @@ class Backend:
         return None
 
     # -- collectives (every rank of the group calls each) ------------------------------
+    def issue(self, op: str, start: Callable[[], object], *, group=None, purpose: str = "") -> Pending:
+        """Start a collective: ``start()`` issues it (``async_op=True``, or ``isend``/``irecv``); a
+        refusal at once raises ``CollectiveError``, like a failure in :meth:`Pending.wait`."""
+        what = describe(op, group, purpose)
+        with guarded(op, group=group, purpose=purpose):  # gloo may refuse at once, not in wait()
+            work = start()
+        return Pending(work, what, self)
+
     def wait(self, work, what: str, *, timeout=None) -> None:
         """Finish the ``async_op=True`` collective ``work`` within ``timeout`` seconds (default:
         the backend's); a failure or a timeout raises ``CollectiveError`` naming ``what``."""
@@ -262,38 +301,34 @@ class Backend:
             raise CollectiveError.failed(what, rank=self.rank, cause=e,
                                          seconds=limit.total_seconds()) from e
 
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", *, group=None, timeout=None):
-        """Reduce ``tensor`` in place across the group and return it."""
-        if op not in REDUCE_OPS:
-            raise UsageError(f"unknown reduce op {op!r}; known: {', '.join(REDUCE_OPS)}")
-        self.wait(dist.all_reduce(tensor, REDUCE_OPS[op], group=group, async_op=True),
-                  _op("all_reduce", group), timeout=timeout)
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", *, group=None, timeout=None,
+                   purpose: str = "") -> torch.Tensor:
+        """Reduce ``tensor`` in place across the group (``op``: sum, max, min, product) and return it."""
+        reduce_op = reduce_op_of(op)
+        self.issue("all_reduce", partial(dist.all_reduce, tensor, reduce_op, group=group, async_op=True),
+                   group=group, purpose=purpose).wait(timeout)
         return tensor
 
     def all_gather(self, tensor: torch.Tensor, *, group=None, timeout=None) -> list[torch.Tensor]:
         """Every rank's ``tensor`` (same shape on every rank), in group-rank order."""
         out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-        self.wait(dist.all_gather(out, tensor.contiguous(), group=group, async_op=True),
-                  _op("all_gather", group), timeout=timeout)
+        self.issue("all_gather", partial(dist.all_gather, out, tensor.contiguous(), group=group,
+                                         async_op=True), group=group).wait(timeout)
         return out
 
     def gather(self, tensor: torch.Tensor, dst: int = 0, *, group=None, timeout=None):
         """Every rank's ``tensor`` on global rank ``dst`` (a list there, None elsewhere)."""
-        if not self.supports_gather:
-            got = self.all_gather(tensor, group=group, timeout=timeout)
-            return got if self.rank == dst else None
         out = None
         if self.rank == dst:
             out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-        self.wait(dist.gather(tensor.contiguous(), out, dst=dst, group=group, async_op=True),
-                  _op("gather", group), timeout=timeout)
+        self.gather_into(tensor, out, dst, group=group, timeout=timeout)
         return out
 
     def gather_into(self, tensor: torch.Tensor, out: list[torch.Tensor] | None, dst: int = 0, *,
                     group=None, timeout=None) -> None:
         """Every rank's ``tensor`` written into ``out`` (one tensor per group rank) on global rank
         ``dst`` (``out`` is ignored elsewhere), point to point into buffers ``dst`` reuses: nothing
-        is allocated per call."""
+        is allocated per call. Without ``supports_gather``: an all-gather, copied into ``out``."""
         if not self.supports_gather:
             got = self.all_gather(tensor, group=group, timeout=timeout)
             if self.rank == dst:
@@ -303,8 +338,8 @@ class Backend:
             return
         tensor = tensor.contiguous()
         if self.rank != dst:
-            self.wait(dist.isend(tensor, dst=dst, group=group), _op("gather (send)", group),
-                      timeout=timeout)
+            self.issue("gather (send)", partial(dist.isend, tensor, dst=dst, group=group),
+                       group=group).wait(timeout)
             return
         me = dist.get_group_rank(group, self.rank) if group is not None else self.rank
         assert out is not None  # rank dst passes its buffers (documented contract)
@@ -314,18 +349,19 @@ class Backend:
                 buf.copy_(tensor)
                 continue
             src = dist.get_global_rank(group, i) if group is not None else i
-            works.append(dist.irecv(buf, src=src, group=group))
+            works.append(self.issue("gather (receive)", partial(dist.irecv, buf, src=src, group=group),
+                                    group=group))
         for work in works:
-            self.wait(work, _op("gather (receive)", group), timeout=timeout)
+            work.wait(timeout)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, group=None, timeout=None):
         """Overwrite ``tensor`` on every rank with global rank ``src``'s and return it."""
-        self.wait(dist.broadcast(tensor, src=src, group=group, async_op=True),
-                  _op("broadcast", group), timeout=timeout)
+        self.issue("broadcast", partial(dist.broadcast, tensor, src=src, group=group, async_op=True),
+                   group=group).wait(timeout)
         return tensor
 
     def barrier(self, *, group=None, timeout=None) -> None:
-        self.wait(dist.barrier(group=group, async_op=True), _op("barrier", group), timeout=timeout)
+        self.issue("barrier", partial(dist.barrier, group=group, async_op=True), group=group).wait(timeout)
 
     def shutdown(self) -> None:
         """Leave the process group (only if this backend created it)."""
@@ -350,39 +386,3 @@ class GlooBackend(Backend):
 
     name = "gloo"
     dist_backend = "gloo"
-
-
-class NcclBackend(Backend):
-    """CUDA GPUs joined by NCCL: one process per GPU, shards held as DTensors."""
-
-    name = "nccl"
-    dist_backend = "nccl"
-    device_type = "cuda"
-
-    @classmethod
-    def is_available(cls) -> bool:
-        return torch.cuda.is_available() and torch.cuda.device_count() > 0
-
-    def start(self) -> None:
-        # Refuse here, before torch fails deep inside ProcessGroupNCCL.
-        if not torch.cuda.is_available():
-            raise BackendError(
-                "backend 'nccl' needs CUDA GPUs, but torch.cuda.is_available() is False "
-                f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); "
-                "install a CUDA build of torch on a GPU machine, or use init_backend('gloo')"
-            )
-        env = torchrun_env()
-        self.local_rank = env["local_rank"] if env else 0
-        if self.local_rank >= torch.cuda.device_count():
-            raise BackendError(
-                f"LOCAL_RANK={self.local_rank} but only {torch.cuda.device_count()} CUDA device(s) "
-                "are visible; launch at most one process per GPU"
-            )
-        torch.cuda.set_device(self.local_rank)
-        super().start()
-
-    def _init_kwargs(self) -> dict:
-        return {"device_id": torch.device("cuda", self.local_rank)}
-
-    def _device(self) -> torch.device:
-        return torch.device("cuda", self.local_rank)

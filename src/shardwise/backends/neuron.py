@@ -43,6 +43,14 @@ def neuron_core_count() -> int:
     return total
 
 
+def require_cores(backend: str, instances: str) -> None:
+    """Raise ``BackendError`` for ``backend`` unless the Neuron driver shows a NeuronCore."""
+    if neuron_core_count() == 0:
+        raise BackendError(
+            f"backend {backend!r} found no NeuronCore: the Neuron driver lists none under {NEURON_SYSFS}; "
+            f"run on {instances} with the Neuron driver installed, or use sw.init_backend('gloo') on CPUs")
+
+
 def torch_neuronx_version() -> tuple[int, int] | None:
     """``(major, minor)`` of the installed torch-neuronx from its metadata, or None.
 
@@ -92,10 +100,7 @@ class NeuronBackend(Backend):
     supports_gather = False
     supports_p2p = False  # not documented for TorchNeuron's group: conservatively off, like gather
     supports_all_to_all = False  # as p2p
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self._index = 0
+    _index = 0  # of this process's NeuronCore among those it sees (start() sets it)
 
     @classmethod
     def is_available(cls) -> bool:
@@ -112,12 +117,7 @@ class NeuronBackend(Backend):
                 f"{'.'.join(map(str, version))} is installed: the torch_xla-based one (use "
                 f"sw.init_backend('neuron_xla')) or PyPI's placeholder; {NEURON_HINT}"
             )
-        if neuron_core_count() == 0:
-            raise BackendError(
-                f"backend 'neuron' found no NeuronCore: the Neuron driver lists none under "
-                f"{NEURON_SYSFS}; run on a Trainium instance (trn2, trn3) with the Neuron driver "
-                "installed, or use sw.init_backend('gloo') on CPUs"
-            )
+        require_cores("neuron", "a Trainium instance (trn2, trn3)")
         import_torch_neuronx()  # registers the "neuron" device and process group backend
         module = getattr(torch, "neuron", None)
         count = int(module.device_count()) if module is not None else 0
@@ -175,10 +175,5 @@ class NeuronXlaBackend(XlaBackend):
 
     def start(self) -> None:
         import_torch_neuronx_xla()
-        if neuron_core_count() == 0:
-            raise BackendError(
-                f"backend 'neuron_xla' found no NeuronCore: the Neuron driver lists none under "
-                f"{NEURON_SYSFS}; run on a Trainium/Inferentia instance (trn1, inf2) with the "
-                "Neuron driver installed, or use sw.init_backend('gloo') on CPUs"
-            )
+        require_cores("neuron_xla", "a Trainium/Inferentia instance (trn1, inf2)")
         super().start()

@@ -1,18 +1,20 @@
 """TPU (and other PJRT devices) through torch_xla, one process per device; ``neuron_xla`` builds
-on it. Process group ``xla`` plus a gloo ``coordination_group``; a ``GroupMesh``; local holding;
-collective timeouts are not honoured (``timeout=`` bounds only the start)."""
+on it. Process group ``xla`` plus a gloo ``coordination_group``; a :class:`GroupMesh` (named axes
+over process-group ranks: torch's DeviceMesh needs a device handle torch_xla does not register);
+local holding; collective timeouts are not honoured (``timeout=`` bounds only the start)."""
 
 from __future__ import annotations
 
+import math
 import sys
 import warnings
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from shardwise.backends.base import Backend, torchrun_env
-from shardwise.backends.group_mesh import AxisMesh, GroupMesh
-from shardwise.errors import BackendError, BackendUnavailableError, CollectiveError
+from shardwise.errors import BackendError, BackendUnavailableError, CollectiveError, MeshError
 
 XLA_HINT = "pip install 'shardwise[xla]' (torch-xla must match your torch version)"
 TIMEOUT_LIMIT = (
@@ -116,14 +118,10 @@ class XlaBackend(Backend):
     def _device(self) -> torch.device:
         return torch.device(import_torch_xla().device())
 
-    def _make_mesh(self, names, shape) -> AxisMesh:
-        return GroupMesh(self.device_type, names, shape, rank=self.rank, new_group=self._new_group)
-
-    @staticmethod
-    def _new_group(ranks: list[int]):
+    def _make_mesh(self, names, shape) -> GroupMesh:
         from torch_xla.distributed.xla_backend import new_xla_process_group
 
-        return new_xla_process_group(ranks)
+        return GroupMesh(self.device_type, names, shape, rank=self.rank, new_group=new_xla_process_group)
 
     @property
     def coordination_group(self):
@@ -150,3 +148,87 @@ def settle(tensors) -> None:
         import torch_xla
 
         torch_xla.sync(wait=True)
+
+
+NewGroup = Callable[[list[int]], object]
+
+
+class GroupMesh:
+    """Ranks ``0 .. prod(shape) - 1`` laid out row-major in ``shape``, one process group per axis
+    line. Collective: every rank of the world constructs it with the same names and shape (each
+    ``new_group`` is joined by every rank, in order); a line spanning the world reuses the
+    default group.
+
+    >>> mesh = GroupMesh("xla", ("dp_shard", "tp"), (2, 2), rank=3,
+    ...                  new_group=dist.new_group)                     # doctest: +SKIP
+    >>> mesh["tp"].get_local_rank(), mesh["tp"].mesh.tolist()        # doctest: +SKIP
+    (1, [2, 3])"""
+
+    def __init__(self, device_type: str, names: Sequence[str], shape: Sequence[int], *, rank: int,
+                 new_group: NewGroup):
+        names, shape = tuple(names), tuple(int(s) for s in shape)
+        if len(names) != len(shape) or len(set(names)) != len(names):
+            raise MeshError(f"mesh axis names {names} must be distinct, one per dim of shape {shape}")
+        ranks = torch.arange(math.prod(shape)).view(shape)
+        if not 0 <= rank < ranks.numel():
+            raise MeshError(f"rank {rank} is outside a mesh of {ranks.numel()} ranks {shape}")
+        coordinate = tuple(int(c) for c in torch.nonzero(ranks == rank)[0])
+        groups = tuple(_axis_group(ranks, dim, rank, new_group) for dim in range(len(shape)))
+        self._init(device_type, names, ranks, coordinate, groups)
+
+    def _init(self, device_type, names, ranks, coordinate, groups) -> None:
+        self.device_type = device_type
+        self.mesh_dim_names = names
+        self.mesh = ranks
+        self._coordinate = coordinate
+        self._groups = groups
+
+    @property
+    def ndim(self) -> int:
+        return self.mesh.ndim
+
+    def _dim(self, dim: int | str | None) -> int:
+        if dim is None:
+            if self.ndim != 1:
+                raise MeshError(f"mesh with axes {self.mesh_dim_names} has {self.ndim} dims; name one")
+            return 0
+        if isinstance(dim, str):
+            if dim not in self.mesh_dim_names:
+                raise MeshError(f"mesh has no axis {dim!r}; its axes are {self.mesh_dim_names}")
+            return self.mesh_dim_names.index(dim)
+        return dim
+
+    def size(self, dim: int | str | None = None) -> int:
+        return self.mesh.numel() if dim is None else self.mesh.shape[self._dim(dim)]
+
+    def get_local_rank(self, dim: int | str | None = None) -> int:
+        return self._coordinate[self._dim(dim)]
+
+    def get_group(self, dim: int | str | None = None):
+        return self._groups[self._dim(dim)]
+
+    def get_coordinate(self) -> list[int]:
+        return list(self._coordinate)
+
+    def __getitem__(self, name: str) -> GroupMesh:
+        dim = self._dim(name)
+        index = list(self._coordinate)
+        index[dim] = slice(None)
+        sub = object.__new__(GroupMesh)
+        sub._init(self.device_type, (name,), self.mesh[tuple(index)], (self._coordinate[dim],),
+                  (self._groups[dim],))
+        return sub
+
+    def __repr__(self) -> str:
+        return f"GroupMesh({self.device_type!r}, {self.mesh.tolist()}, mesh_dim_names={self.mesh_dim_names})"
+
+
+def _axis_group(ranks: torch.Tensor, dim: int, rank: int, new_group: NewGroup):
+    if ranks.shape[dim] == ranks.numel():
+        return dist.group.WORLD
+    mine = None
+    for line in ranks.movedim(dim, -1).reshape(-1, ranks.shape[dim]).tolist():
+        group = new_group(line)
+        if rank in line:
+            mine = group
+    return mine

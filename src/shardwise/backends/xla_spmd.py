@@ -90,19 +90,18 @@ class XlaSpmdBackend(Backend):
         return SpmdMesh(names, shape)
 
     # The process group is gloo: device tensors travel through the host.
-    def all_reduce(self, tensor, op="sum", *, group=None, timeout=None):
-        host = super().all_reduce(tensor.cpu(), op, group=group, timeout=timeout)
-        return tensor.copy_(host)
+    def all_reduce(self, tensor, op="sum", **kwargs):
+        return tensor.copy_(super().all_reduce(tensor.cpu(), op, **kwargs))
 
-    def all_gather(self, tensor, *, group=None, timeout=None):
-        return [t.to(tensor.device) for t in super().all_gather(tensor.cpu(), group=group, timeout=timeout)]
+    def all_gather(self, tensor, **kwargs):
+        return [t.to(tensor.device) for t in super().all_gather(tensor.cpu(), **kwargs)]
 
-    def gather(self, tensor, dst=0, *, group=None, timeout=None):
-        got = super().gather(tensor.cpu(), dst, group=group, timeout=timeout)
+    def gather(self, tensor, dst=0, **kwargs):
+        got = super().gather(tensor.cpu(), dst, **kwargs)
         return None if got is None else [t.to(tensor.device) for t in got]
 
-    def broadcast(self, tensor, src=0, *, group=None, timeout=None):
-        return tensor.copy_(super().broadcast(tensor.cpu(), src, group=group, timeout=timeout))
+    def broadcast(self, tensor, src=0, **kwargs):
+        return tensor.copy_(super().broadcast(tensor.cpu(), src, **kwargs))
 
 
 class SpmdMesh:

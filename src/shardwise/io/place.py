@@ -19,13 +19,7 @@ from shardwise.io.formats.safetensors.reader import WINDOW_BYTES
 from shardwise.io.source import Want
 from shardwise.io.staging import cast, finalizer
 from shardwise.mesh import MeshDims
-from shardwise.parallel import (
-    ShardState,
-    check_local_wiring,
-    install,
-    wire_dtensor,
-    wire_local_shards,
-)
+from shardwise.parallel import ShardState, check_local_wiring, install, wire
 from shardwise.quant import local_part
 
 if typing.TYPE_CHECKING:
@@ -45,7 +39,7 @@ class DTensorHolding:
         return local.to(device) if device is not None and local.device != device else local
 
     def wire(self, model: nn.Module, specs: ResolvedPlan, state: ShardState) -> None:
-        wire_dtensor(model, specs, state)
+        wire(model, specs, state, dtensor=True)
 
     def placement(self, model: nn.Module, specs: ResolvedPlan, dims: MeshDims, dtype: torch.dtype | None):
         return InstallPlacement(specs, dims, dtype)
@@ -65,7 +59,7 @@ class LocalHolding(DTensorHolding):
         check_local_wiring(model, specs)
 
     def wire(self, model: nn.Module, specs: ResolvedPlan, state: ShardState) -> None:
-        wire_local_shards(model, specs, state)
+        wire(model, specs, state, dtensor=False)
 
 
 class SpmdHolding(DTensorHolding):

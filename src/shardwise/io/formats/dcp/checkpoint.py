@@ -49,7 +49,7 @@ from shardwise.io.storage.transaction import target_path
 from shardwise.mesh import get_shard_state
 
 if TYPE_CHECKING:
-    from shardwise.backends.group_mesh import AxisMesh
+    from shardwise.mesh import AxisMesh
 
 
 INFO_FORMAT = "shardwise-dcp"
