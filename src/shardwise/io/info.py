@@ -183,12 +183,6 @@ def read_info(folder: Location | str | os.PathLike) -> dict | None:
     return info
 
 
-def user_metadata(folder: Location) -> dict[str, str]:
-    """The ``metadata`` a distributed save recorded in ``folder``'s ``shardwise.json`` ({} when
-    none), so a consolidation's headers match the gather save's."""
-    return dict((read_info(folder) or {}).get("metadata") or {})
-
-
 def recorded_checksums(info: dict | None) -> tuple[str, dict[str, str], dict[str, dict[str, str]]]:
     """``(algorithm, per tensor, per DCP chunk)`` checksums recorded in ``info`` (a
     :func:`read_info` result; empty when none)."""
@@ -199,4 +193,4 @@ def recorded_checksums(info: dict | None) -> tuple[str, dict[str, str], dict[str
 
 __all__ = ["ALGORITHM", "DIGESTS", "INFO_FILE", "chunk_key", "collect_checksums", "digest_hex",
            "digest_range", "gather_info", "is_int", "new_digest", "read_info", "record_checksums",
-           "recorded_checksums", "tensor_checksum", "user_metadata", "write_info"]
+           "recorded_checksums", "tensor_checksum", "write_info"]
