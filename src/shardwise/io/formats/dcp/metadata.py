@@ -13,11 +13,10 @@ from collections.abc import Mapping
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
-from shardwise.core.spec import Region, overlapping
+from shardwise.core.spec import Region, is_int, overlapping
 from shardwise.errors import CheckpointError
 from shardwise.io.formats.dcp import METADATA_FILE
 from shardwise.io.formats.safetensors.keys import listing
-from shardwise.io.info import is_int
 from shardwise.io.storage import Location, locate, read_small
 from shardwise.io.storage.transaction import TMP_MARK
 
