@@ -20,6 +20,7 @@ from shardwise.core.spec import global_shape
 from shardwise.errors import CheckpointError, UsageError
 from shardwise.holding import is_dtensor
 from shardwise.io.check import some
+from shardwise.io.staging import loaded_dtype
 from shardwise.parallel import get_shard_state
 
 Expected = dict[str, tuple[tuple[int, ...], str]]
@@ -112,15 +113,6 @@ def as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     raise UsageError(f"dtype must be a torch dtype or its name ('bfloat16', 'BF16'), got {dtype!r}")
 
 
-def cast(tensors: Expected, dtype: torch.dtype | None) -> Expected:
-    """``tensors`` with every floating-point dtype replaced by ``dtype`` (as ``model.to(dtype)``)."""
-    if dtype is None:
-        return dict(tensors)
-    name = dtype_to_str(dtype)
-    return {n: (shape, name if str_to_dtype(dt).is_floating_point else dt)
-            for n, (shape, dt) in tensors.items()}
-
-
 def stored_layout(model: nn.Module, tensors: Expected, aliases: Mapping[str, str],
                   layout: str) -> tuple[Expected, dict[str, str]]:
     """``(tensors, aliases)`` under their stored names in ``layout``; a tied alias keeps its
@@ -161,7 +153,9 @@ def expectations(source, *, dtype: torch.dtype | str | None = None, tensors: Map
     dtype = as_dtype(dtype)
     model, what = resolve_model(source)
     held, aliases = model_tensors(model) if tensors is None else (_checked(tensors), {})
-    held, dtypes = cast(held, dtype), dtype is not None or isinstance(source, nn.Module)
+    if dtype is not None:  # as model.to(dtype): the floating tensors only
+        held = {n: (s, dtype_to_str(loaded_dtype(str_to_dtype(d), dtype))) for n, (s, d) in held.items()}
+    dtypes = dtype is not None or isinstance(source, nn.Module)
     out: list[Expectation] = []
     for layout in layouts:
         stored, stored_aliases = stored_layout(model, held, aliases, layout)
@@ -233,9 +227,7 @@ def check_against(found: Mapping[str, tuple[str, tuple]], candidates: list[Expec
         raise UsageError(f"layout must be 'auto', 'hub' or 'module', got {layout!r}")
     if len(candidates) == 1:  # the model's hub layout is its module layout: its own names
         candidates = [replace(candidates[0], layout="module" if layout == "auto" else layout)]
-    if layout != "auto":
-        return compare(found, next(e for e in candidates if e.layout == layout))
-    reports = [compare(found, e) for e in candidates]
+    reports = [compare(found, e) for e in candidates if layout in ("auto", e.layout)]
     return min(reports, key=lambda r: (len(r.missing) + len(r.unexpected), r.layout != prefer))
 
 

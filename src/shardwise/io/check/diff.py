@@ -17,6 +17,7 @@ from shardwise.errors import CheckpointError, UsageError
 from shardwise.io.check import JsonReport, opened, print_safely
 from shardwise.io.check.against import as_dtype
 from shardwise.io.source import Stored
+from shardwise.io.staging import cast
 from shardwise.io.storage import locate, split_scheme
 from shardwise.quant import Dequantizing, fp8_pairs
 
@@ -118,7 +119,7 @@ class _Tolerance:
     dtype: torch.dtype | None
 
     def values(self, t: torch.Tensor) -> torch.Tensor:
-        return _as_float64(t.to(self.dtype) if self.dtype is not None and t.is_floating_point() else t)
+        return _as_float64(cast(t, self.dtype))
 
 
 def _tolerance(atol, rtol, dtype) -> _Tolerance | None:
