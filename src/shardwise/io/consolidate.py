@@ -80,7 +80,7 @@ def _copy_side_files(src: Location, dst: Location) -> list[str]:
 
 
 class _WholeItems(Mapping[str, SaveItem]):
-    """The stored tensors of ``source`` as the unsharded ``SaveItem`` s a ``StreamSink`` writes,
+    """The stored tensors of ``source`` as the unsharded items (``SaveItem``) a ``StreamSink`` writes,
     each read whole from its own stored bytes when it is looked up."""
 
     def __init__(self, source: Stored):

@@ -150,7 +150,8 @@ def _verify_source(source: Stored, report: VerifyReport) -> dict[str, tuple[str,
                                    f"as {saved['dtype']} {tuple(saved['shape'])}")
     sums = (info or {}).get("checksums") or {}
     algorithm, chunked = sums.get("algorithm", ALGORITHM), sums.get("chunks") or {}
-    recorded = {(n, None): s for n, s in (sums.get("tensors") or {}).items()}  # {(tensor, chunk key): sum}
+    recorded: dict[tuple[str, str | None], str] = {}  # (tensor, chunk key or None) -> recorded sum
+    recorded.update({(n, None): s for n, s in (sums.get("tensors") or {}).items()})
     recorded.update({(n, key): s for n, chunks in chunked.items() for key, s in chunks.items()})
     report.tensors = len(found)
     seen: set[tuple[str, str | None]] = set()
