@@ -5,19 +5,19 @@ tensor is read from its own stored bytes, written and freed."""
 from __future__ import annotations
 
 import os
-from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
 
+from shardwise._progress import Progress
 from shardwise.core.adapter import adapter_for, folder_model, side_file_names
 from shardwise.core.header import dtype_to_str, str_to_dtype
-from shardwise.core.pieces import StoredPart
-from shardwise.core.spec import Region
+from shardwise.core.spec import Region, ShardSpec
 from shardwise.errors import CheckpointError
 from shardwise.io.formats import get_format, open_source, save_format
-from shardwise.io.info import gather_info, read_info, user_metadata
+from shardwise.io.gather import SaveItem, StreamSink
+from shardwise.io.info import gather_info, read_info
 from shardwise.io.sink import FileSink, Saving, StoredTensor, WritePlan
 from shardwise.io.source import Stored
 from shardwise.io.storage import Location, locate, read_small, split_scheme, write_small
@@ -35,7 +35,8 @@ def consolidation_plan(source: Stored, *, max_shard_size: int | str = "5GB", fil
 def _consolidation(source: Stored, *, max_shard_size: int | str, filename_prefix: str,
                    layout: str) -> tuple[FileSink, WritePlan]:
     """The writer of ``sw.save``'s default gathered format, configured as ``sw.save`` would
-    for these tensors, and its plan."""
+    for these tensors (the hub layout when ``src`` holds a model's config.json and
+    ``layout="hub"``, else as stored), and its plan."""
     src = source.root
     values = source.describe().values
     if values:
@@ -44,27 +45,22 @@ def _consolidation(source: Stored, *, max_shard_size: int | str, filename_prefix
     specs = [(n, dtype_to_str(d), tuple(s)) for n, (d, s) in source.tensors().items()]
     if not specs:
         raise CheckpointError(f"{src}: the checkpoint holds no tensors")
-    stored, storages = _stored_tensors(src, specs, layout)
-    recorded = dict((read_info(src) or {}).get("index_metadata") or {})  # total_parameters
-    writer = save_format(None, distributed=False).writer(
-        max_shard_size=max_shard_size, prefix=filename_prefix, metadata=user_metadata(src),
-        index_metadata=recorded, storages=storages)
-    return writer, writer.plan(stored)
-
-
-def _stored_tensors(src: Location, specs: list, layout: str) -> tuple[list[StoredTensor], dict]:
-    """The tensors to write, in the hub layout when ``src`` holds a model's config.json and
-    ``layout="hub"`` (else as stored), and the writer's ``storages`` of them."""
     if layout not in ("hub", "module"):
         raise CheckpointError(f"layout must be 'hub' or 'module', got {layout!r}")
     model = folder_model(src, need=True) if layout == "hub" else None
-    if model is None:
-        return [StoredTensor(*spec) for spec in specs], {}
-    adapter = adapter_for(model)
-    parts = adapter.save_layout(model, {n: (s, d) for n, d, s in specs}) or []
-    sizes = {n: str_to_dtype(d).itemsize for n, d, _ in specs}
-    stored = [StoredTensor(p.key, p.dtype, p.shape, p) for p in {p.key: p for p in parts}.values()]
-    return stored or [StoredTensor(*spec) for spec in specs], adapter.shared_storages(parts, sizes)
+    stored, storages = [StoredTensor(*spec) for spec in specs], {}
+    if model is not None:
+        adapter = adapter_for(model)
+        parts = adapter.save_layout(model, {n: (s, d) for n, d, s in specs}) or []
+        sizes = {n: str_to_dtype(d).itemsize for n, d, _ in specs}
+        unique = {p.key: p for p in parts}.values()
+        stored = [StoredTensor(p.key, p.dtype, p.shape, p) for p in unique] or stored
+        storages = adapter.shared_storages(parts, sizes)
+    info = read_info(src) or {}
+    writer = save_format(None, distributed=False).writer(
+        max_shard_size=max_shard_size, prefix=filename_prefix, metadata=dict(info.get("metadata") or {}),
+        index_metadata=dict(info.get("index_metadata") or {}), storages=storages)  # total_parameters
+    return writer, writer.plan(stored)
 
 
 def _copy_side_files(src: Location, dst: Location) -> list[str]:
@@ -83,36 +79,23 @@ def _copy_side_files(src: Location, dst: Location) -> list[str]:
     return copied
 
 
-class _WholeTensors:
-    """Whole stored tensors, and the hub tensors assembled from them (each stored tensor read
-    once, kept until its last box is written)."""
+class _WholeItems(Mapping[str, SaveItem]):
+    """The stored tensors of ``source`` as the unsharded items (``SaveItem``) a ``StreamSink`` writes,
+    each read whole from its own stored bytes when it is looked up."""
 
-    def __init__(self, source: Stored, parts: Mapping[str, StoredPart]):
-        self.source, self.parts = source, parts
-        self.shapes = {n: s for n, (_, s) in source.tensors().items()}
-        self._held: dict[str, torch.Tensor] = {}
-        self._uses = Counter(n for p in parts.values() for n, _ in p.fragments)
+    def __init__(self, source: Stored):
+        self.source, self.shapes = source, {n: tuple(s) for n, (_, s) in source.tensors().items()}
 
-    def whole(self, name: str) -> torch.Tensor:
+    def __getitem__(self, name: str) -> SaveItem:
         shape = self.shapes[name]
-        return self.source.read_box(name, Region((0,) * len(shape), tuple(shape)))
+        whole = self.source.read_box(name, Region((0,) * len(shape), shape))
+        return SaveItem(name, dtype_to_str(whole.dtype), shape, ShardSpec(), False, whole)
 
-    def __call__(self, name: str) -> torch.Tensor:
-        part = self.parts.get(name)
-        if part is None:
-            return self.whole(name)
-        whole = part.assemble(self._kept)
-        assert whole is not None  # assemble gives None only when a fragment is None; _kept never is
-        return whole
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shapes)
 
-    def _kept(self, name: str) -> torch.Tensor:
-        if name not in self._held:
-            self._held[name] = self.whole(name)
-        full = self._held[name]
-        self._uses[name] -= 1
-        if self._uses[name] == 0:
-            del self._held[name]
-        return full
+    def __len__(self) -> int:
+        return len(self.shapes)
 
 
 def consolidate(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_size: int | str = "5GB",
@@ -138,23 +121,14 @@ def consolidate(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_siz
             _refuse_plain_safetensors(src_at)
         writer, plan = _consolidation(source, max_shard_size=max_shard_size, filename_prefix=filename_prefix,
                                       layout=layout)
-        tensor = _WholeTensors(source, plan.parts)
+        what = f"sw.consolidate to {dst_at}"
+        stream = StreamSink(None, None, _WholeItems(source), what=what, sink=writer)
         # The copies are memory-bound: one thread moves them as fast, while a pool of OpenMP
         # threads was up to 10x slower on a busy machine; a second reader thread did not pay
         # either (docs/benchmarks.md "consolidate": the disk is the limit).
         torch.set_num_threads(1)
-        with Saving(dst_at, overwrite=overwrite, backend=None, what=f"sw.consolidate to {dst_at}",
-                    collective=False) as saving:
-            checksums: dict[str, str] = {}
-            for planned in plan.files:
-                out = writer.open_file(saving.folder / planned.name, planned.tensors, plan.header)
-                try:
-                    for name, _, _ in planned.tensors:
-                        out.write(name, tensor(name))
-                    out.close()
-                finally:
-                    out.abort()  # a no-op after close
-                checksums.update(out.checksums)
+        with Saving(dst_at, overwrite=overwrite, backend=None, what=what, collective=False) as saving:
+            checksums = stream.write(plan, saving.folder, Progress(0, progress=False, active=False, desc=""))
             saving.commit(info=gather_info(checksums, plan.tensors),
                           side_files=lambda folder: _copy_side_files(source.root, folder), index=plan.index)
         target = saving.target

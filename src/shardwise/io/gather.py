@@ -176,8 +176,9 @@ class FileGatherer:
 
     Every rank calls :meth:`write_file` for every file, in the same order."""
 
-    def __init__(self, backend, state: ShardState | None, items: dict[str, SaveItem], meta: Mapping[str, str],
-                 parts: Mapping[str, StoredPart] | None = None, *, open_file: OpenFile):
+    def __init__(self, backend, state: ShardState | None, items: Mapping[str, SaveItem],
+                 meta: Mapping[str, str], parts: Mapping[str, StoredPart] | None = None, *,
+                 open_file: OpenFile):
         self.backend, self.items, self.meta, self.open_file = backend, items, dict(meta), open_file
         self.parts = dict(parts or {})  # stored name -> StoredPart, for a hub-layout save
         self.rank = backend.rank if backend is not None else 0
@@ -229,8 +230,10 @@ class FileGatherer:
             for name, dtype, shape in group:
                 part = self.parts.get(name)
                 if part is None:
-                    nbytes = self.items[name].nbytes
-                    data = self._full(self.items[name], writer)
+                    item = self.items[name]  # looked up once: a lazy mapping reads it (consolidate)
+                    nbytes = item.nbytes
+                    data = self._full(item, writer)
+                    del item
                 else:
                     nbytes = math.prod(shape) * str_to_dtype(dtype).itemsize
                     data = part.assemble(partial(self._model_tensor, writer=writer))
@@ -279,9 +282,10 @@ class FileGatherer:
             self._left = Counter(n for p in self.parts.values() for n, _ in p.fragments)
         left = self._left[name]
         if name not in self._held:
-            full = self._full(self.items[name], writer)
+            item = self.items[name]
+            full = self._full(item, writer)
             # the assembly buffer is reused by the next gather: keep a copy while boxes remain
-            self._held[name] = full.clone() if full is not None and left > 1 else full
+            self._held[name] = full.clone() if full is not None and left > 1 and item.gathered else full
         full = self._held[name]
         self._left[name] = left - 1
         if left == 1:
@@ -322,7 +326,7 @@ class StreamSink:
 
     def __init__(self, backend, state: ShardState | None, items: Mapping[str, SaveItem], *, what: str,
                  sink: FileSink):
-        self.backend, self.state, self.items, self.what, self.sink = backend, state, dict(items), what, sink
+        self.backend, self.state, self.items, self.what, self.sink = backend, state, items, what, sink
         self.rank = backend.rank if backend is not None else 0
         self.plan = sink.plan
 

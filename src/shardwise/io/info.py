@@ -16,6 +16,7 @@ from contextvars import ContextVar
 import torch
 import xxhash
 
+from shardwise.core.spec import is_int
 from shardwise.errors import CheckpointError
 from shardwise.io.storage import Location, ReadHandle, byte_view, locate, read_json, write_small
 
@@ -117,10 +118,6 @@ def digest_range(handle: ReadHandle, start: int, nbytes: int, algorithm: str,
 
 # --- reading -------------------------------------------------------------------------------
 
-def is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _str_map(v) -> bool:
     return isinstance(v, dict) and all(isinstance(x, str) for x in (*v.keys(), *v.values()))
 
@@ -183,20 +180,6 @@ def read_info(folder: Location | str | os.PathLike) -> dict | None:
     return info
 
 
-def user_metadata(folder: Location) -> dict[str, str]:
-    """The ``metadata`` a distributed save recorded in ``folder``'s ``shardwise.json`` ({} when
-    none), so a consolidation's headers match the gather save's."""
-    return dict((read_info(folder) or {}).get("metadata") or {})
-
-
-def recorded_checksums(info: dict | None) -> tuple[str, dict[str, str], dict[str, dict[str, str]]]:
-    """``(algorithm, per tensor, per DCP chunk)`` checksums recorded in ``info`` (a
-    :func:`read_info` result; empty when none)."""
-    sums = (info or {}).get("checksums") or {}
-    return (sums.get("algorithm", ALGORITHM), dict(sums.get("tensors") or {}),
-            dict(sums.get("chunks") or {}))
-
-
 __all__ = ["ALGORITHM", "DIGESTS", "INFO_FILE", "chunk_key", "collect_checksums", "digest_hex",
-           "digest_range", "gather_info", "is_int", "new_digest", "read_info", "record_checksums",
-           "recorded_checksums", "tensor_checksum", "user_metadata", "write_info"]
+           "digest_range", "gather_info", "new_digest", "read_info", "record_checksums", "tensor_checksum",
+           "write_info"]

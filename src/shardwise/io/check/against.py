@@ -18,8 +18,9 @@ from shardwise.core.header import dtype_to_str, str_to_dtype
 from shardwise.core.plan import resolve_plan
 from shardwise.core.spec import global_shape
 from shardwise.errors import CheckpointError, UsageError
-from shardwise.holding import Holding, is_dtensor
+from shardwise.holding import is_dtensor
 from shardwise.io.check import some
+from shardwise.io.staging import loaded_dtype
 from shardwise.parallel import get_shard_state
 
 Expected = dict[str, tuple[tuple[int, ...], str]]
@@ -40,10 +41,7 @@ def expected_tensors(source: nn.Module | str | os.PathLike, *, layout: str = "hu
     """
     if layout not in LAYOUTS:
         raise UsageError(f"layout must be 'hub' or 'module', got {layout!r}")
-    dtype = as_dtype(dtype)
-    model, _ = resolve_model(source)
-    held, aliases = model_tensors(model) if tensors is None else (_checked(tensors), {})
-    return stored_layout(model, cast(held, dtype), aliases, layout)[0]
+    return expectations(source, dtype=dtype, tensors=tensors, layouts=(layout,))[0].tensors
 
 
 def resolve_model(source: nn.Module | str | os.PathLike) -> tuple[nn.Module, str]:
@@ -71,7 +69,6 @@ def model_tensors(model: nn.Module) -> tuple[Expected, dict[str, str]]:
     dict, from shapes only (``collect_items``' rule: it refuses a meta model)."""
     state = get_shard_state(model)
     specs = state.specs if state is not None else resolve_plan(model, {}, 1)
-    spmd = state is None or state.holding is Holding.SPMD
     held = model.state_dict(keep_vars=True)
     out: Expected = {}
     for name, spec in specs.items():
@@ -82,8 +79,8 @@ def model_tensors(model: nn.Module) -> tuple[Expected, dict[str, str]]:
         shape = tuple(t.shape)  # a DTensor's shape is global
         if name in specs.ties:  # an FP8 weight's scales: local shards may overlap
             shape = specs.ties[name].scale_shape
-        elif not is_dtensor(t) and not spmd and state is not None and not spec.replicated:
-            degree = state.coords(spec)[0]
+        elif state is not None and not is_dtensor(t) and not spec.replicated:  # a plain local shard
+            degree = state.holding.gather_coords(state, spec)[0]  # 1: the holding keeps global tensors
             shape = global_shape(shape, spec, degree) if degree > 1 else shape
         out[name] = (shape, dtype_to_str(t.dtype))
     return out, {a: k for a, k in specs.aliases.items() if a in held}
@@ -114,15 +111,6 @@ def as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
         except CheckpointError:
             pass
     raise UsageError(f"dtype must be a torch dtype or its name ('bfloat16', 'BF16'), got {dtype!r}")
-
-
-def cast(tensors: Expected, dtype: torch.dtype | None) -> Expected:
-    """``tensors`` with every floating-point dtype replaced by ``dtype`` (as ``model.to(dtype)``)."""
-    if dtype is None:
-        return dict(tensors)
-    name = dtype_to_str(dtype)
-    return {n: (shape, name if str_to_dtype(dt).is_floating_point else dt)
-            for n, (shape, dt) in tensors.items()}
 
 
 def stored_layout(model: nn.Module, tensors: Expected, aliases: Mapping[str, str],
@@ -157,18 +145,22 @@ class Expectation:
     dtypes: bool
 
 
-def expectations(source, *, dtype: torch.dtype | str | None = None) -> list[Expectation]:
-    """The hub and the module layout of ``source`` (one, when they are the same); dtypes are
-    compared for a model in hand or when ``dtype`` is given."""
+def expectations(source, *, dtype: torch.dtype | str | None = None, tensors: Mapping | None = None,
+                 layouts: tuple[str, ...] = LAYOUTS) -> list[Expectation]:
+    """What ``source`` holds in each of ``layouts`` (a layout the same as one before it once);
+    ``tensors`` (``{model tensor: (global shape, dtype)}``, ties once) stands for the model's own.
+    Dtypes are compared for a model in hand or when ``dtype`` is given."""
     dtype = as_dtype(dtype)
     model, what = resolve_model(source)
-    held, aliases = model_tensors(model)
-    held, dtypes = cast(held, dtype), dtype is not None or isinstance(source, nn.Module)
+    held, aliases = model_tensors(model) if tensors is None else (_checked(tensors), {})
+    if dtype is not None:  # as model.to(dtype): the floating tensors only
+        held = {n: (s, dtype_to_str(loaded_dtype(str_to_dtype(d), dtype))) for n, (s, d) in held.items()}
+    dtypes = dtype is not None or isinstance(source, nn.Module)
     out: list[Expectation] = []
-    for layout in LAYOUTS:
-        tensors, stored_aliases = stored_layout(model, held, aliases, layout)
-        if not any(e.tensors == tensors for e in out):
-            out.append(Expectation(what, layout, tensors, stored_aliases, dtypes))
+    for layout in layouts:
+        stored, stored_aliases = stored_layout(model, held, aliases, layout)
+        if not any(e.tensors == stored for e in out):
+            out.append(Expectation(what, layout, stored, stored_aliases, dtypes))
     return out
 
 
@@ -235,9 +227,7 @@ def check_against(found: Mapping[str, tuple[str, tuple]], candidates: list[Expec
         raise UsageError(f"layout must be 'auto', 'hub' or 'module', got {layout!r}")
     if len(candidates) == 1:  # the model's hub layout is its module layout: its own names
         candidates = [replace(candidates[0], layout="module" if layout == "auto" else layout)]
-    if layout != "auto":
-        return compare(found, next(e for e in candidates if e.layout == layout))
-    reports = [compare(found, e) for e in candidates]
+    reports = [compare(found, e) for e in candidates if layout in ("auto", e.layout)]
     return min(reports, key=lambda r: (len(r.missing) + len(r.unexpected), r.layout != prefer))
 
 

@@ -17,6 +17,7 @@ from shardwise.errors import CheckpointError, UsageError
 from shardwise.io.check import JsonReport, opened, print_safely
 from shardwise.io.check.against import as_dtype
 from shardwise.io.source import Stored
+from shardwise.io.staging import cast
 from shardwise.io.storage import locate, split_scheme
 from shardwise.quant import Dequantizing, fp8_pairs
 
@@ -118,7 +119,7 @@ class _Tolerance:
     dtype: torch.dtype | None
 
     def values(self, t: torch.Tensor) -> torch.Tensor:
-        return _as_float64(t.to(self.dtype) if self.dtype is not None and t.is_floating_point() else t)
+        return _as_float64(cast(t, self.dtype))
 
 
 def _tolerance(atol, rtol, dtype) -> _Tolerance | None:
@@ -161,12 +162,10 @@ def _compare_quantized(name: str, a, b, pairs, sides: tuple[Dequantizing, Dequan
                        slab_bytes: int) -> TensorDiff | None:
     """An FP8 weight of one side or both: byte for byte where both hold it quantized with the
     same bytes and the same scales, else its dequantized values (``sides``) compared."""
-    in_a, in_b = name in pairs[0], name in pairs[1]
-    if in_a and in_b and a.tensors[name] == b.tensors[name]:
+    if name in pairs[0] and name in pairs[1] and a.tensors[name] == b.tensors[name]:
         scale = pairs[0][name].scales
         if scale == pairs[1][name].scales and found.get(scale, 0) is None:  # scales byte-equal
-            raw = _compare(name, a, b, slab_bytes)
-            if raw is None:
+            if _compare(name, a, b, slab_bytes) is None:
                 return None
     if a.tensors[name][1] != b.tensors[name][1]:
         return _differ(name, a, b, False, None)

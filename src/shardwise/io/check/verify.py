@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import os
 import sys
+from contextlib import closing
 from dataclasses import dataclass, field
 
 from shardwise.errors import CheckpointError, ShardwiseError, UsageError
 from shardwise.io.check import JsonReport, print_safely, quantized, some, stored
 from shardwise.io.check.against import AgainstReport, check_against, expectations
 from shardwise.io.formats import capabilities, format_of
-from shardwise.io.info import INFO_FILE, read_info, recorded_checksums
+from shardwise.io.info import ALGORITHM, INFO_FILE, read_info
 from shardwise.io.source import Stored
 from shardwise.io.storage import Location, locate
 
@@ -99,11 +100,8 @@ def verify(path: str | os.PathLike, *, against=None, dtype=None, layout: str = "
         plugin = format_of(where)  # the kind is known even where opening then fails
         report.kind = plugin.CAPABILITIES.label or plugin.NAME
         prefer = plugin.CAPABILITIES.names  # the names its checkpoints most often hold
-        source = plugin.open_source(where)  # headers, index, chunk tiling: raises on the first fault
-        try:
+        with closing(plugin.open_source(where)) as source:  # headers, index, chunk tiling: raises on a fault
             found = _verify_source(source, report)
-        finally:
-            source.close()
     except CheckpointError as e:
         report.problems.append(str(e))
     except OSError as e:
@@ -150,40 +148,40 @@ def _verify_source(source: Stored, report: VerifyReport) -> dict[str, tuple[str,
             dtype, shape = found[name]
             report.problems.append(f"tensor {name!r} is {dtype} {shape} in the checkpoint but was saved "
                                    f"as {saved['dtype']} {tuple(saved['shape'])}")
-    algorithm, sums, chunk_sums = recorded_checksums(info)
+    sums = (info or {}).get("checksums") or {}
+    algorithm, chunked = sums.get("algorithm", ALGORITHM), sums.get("chunks") or {}
+    recorded: dict[tuple[str, str | None], str] = {}  # (tensor, chunk key or None) -> recorded sum
+    recorded.update({(n, None): s for n, s in (sums.get("tensors") or {}).items()})
+    recorded.update({(n, key): s for n, chunks in chunked.items() for key, s in chunks.items()})
     report.tensors = len(found)
     seen: set[tuple[str, str | None]] = set()
-    blobs = 0
     for blob in source.blobs():
-        blobs += 1
+        report.chunks += 1
         seen.add((blob.tensor, blob.key))
-        chunks = chunk_sums.get(blob.tensor, {})
-        recorded = sums.get(blob.tensor) if blob.key is None else chunks.get(blob.key)
-        if recorded is None and not blob.own:
+        want = recorded.get((blob.tensor, blob.key))
+        if want is None and not blob.own:
             continue
         try:
-            got, own = blob.digest(algorithm if recorded is not None else "crc32")
+            got, own = blob.digest(algorithm if want is not None else "crc32")
         except CheckpointError as e:  # a bad blob: name it and go on with the others
             report.problems.append(f"tensor {blob.tensor!r} chunk at ({blob.key}): {e}")
             continue
         report.bytes_read += blob.nbytes
-        want = recorded if recorded is not None else own
+        want = want if want is not None else own
         report.checksummed += want is not None
         if want is not None and got != want:
             report.mismatched.append(blob.tensor if blob.key is None else f"{blob.tensor}@{blob.key}")
-    report.chunks = blobs
-    gone = [n for n in sums if n not in found]
+    gone = [n for n, key in recorded if key is None and n not in found]
     if gone:
         report.problems.append(f"{source.root}: {len(gone)} tensor(s) with a recorded checksum are missing "
                                f"from the checkpoint: {some(gone)}")
-    gone = [f"{n}@{key}" for n, chunks in chunk_sums.items() for key in chunks if (n, key) not in seen]
+    gone = [f"{n}@{key}" for n, key in recorded if key is not None and (n, key) not in seen]
     if gone:
         report.problems.append(f"{source.root}: {len(gone)} chunk(s) with a recorded checksum are not in the "
                                f"checkpoint: {some(gone, str)}")
-    if sums and report.checksummed < blobs:
-        report.notes.append(f"{blobs - report.checksummed} tensor(s) have no recorded checksum")
-    elif chunk_sums and report.checksummed < blobs:
-        report.notes.append("some chunks have no recorded checksum")
+    if recorded and report.checksummed < report.chunks:
+        report.notes.append(f"{report.chunks - report.checksummed} tensor(s) have no recorded checksum"
+                            if sums.get("tensors") else "some chunks have no recorded checksum")
     return found
 
 
