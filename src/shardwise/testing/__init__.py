@@ -31,8 +31,8 @@ import shardwise as sw
 from shardwise.backends import shutdown_backend
 from shardwise.core.header import dtype_to_str
 from shardwise.core.plan import ResolvedPlan, resolve_plan
-from shardwise.core.quant import quantize_fp8_blocks
-from shardwise.core.quant_layout import dequantize_local, scale_layout, take_layout
+from shardwise.core.quant import QuantScheme, quantize_fp8_blocks
+from shardwise.core.quant_layout import DEQUANT_CHUNK, dequantize_shard, scale_layout, take_layout
 from shardwise.core.spec import Region, ShardSpec, split
 from shardwise.errors import ShardwiseError, UsageError
 from shardwise.holding import local_of
@@ -264,9 +264,12 @@ def expected_scale_shard(scale: torch.Tensor, tie, spec: ShardSpec, degree: int,
 
 
 def dequantized_shard(weight: torch.Tensor, scale: torch.Tensor, tie, spec: ShardSpec, degree: int,
-                      rank: int, dtype: torch.dtype) -> torch.Tensor:
-    """A rank's FP8 weight shard and its local scales in ``dtype``, as ``dequantize=True`` gives."""
-    return dequantize_local(weight, scale, tie, spec, degree, rank, dtype)
+                      rank: int, dtype: torch.dtype, *, chunk_elements: int = DEQUANT_CHUNK) -> torch.Tensor:
+    """A rank's FP8 weight shard and its local scales (``scale_layout``) in ``dtype``, as
+    ``dequantize=True`` gives, in dim-0 chunks of about ``chunk_elements`` elements."""
+    scheme = QuantScheme(tie.scheme, tie.block)  # PlanError for an MXFP4 tie (on its packed blocks)
+    return dequantize_shard(weight, scale, scheme, tie.weight_shape, spec, degree, rank, dtype,
+                            chunk_elements=chunk_elements)
 
 
 def read_all(path: str | os.PathLike) -> dict[str, torch.Tensor]:

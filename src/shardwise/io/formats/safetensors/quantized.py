@@ -10,8 +10,9 @@ a quantized checkpoint never fills a plain model by a bare cast: without ``dequa
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -60,12 +61,11 @@ def pair_quantized(sources: dict, found: Mapping[str, str], declared: Mapping[st
     keys the dequantized tensors use (they are not unexpected)."""
     stored = set(ckpt.names)
     used: set[str] = set()
-    block = None
+    fp8_block = functools.cache(lambda: read_quantization(ckpt.root, model_config).fp8_block())
     for name, source in sources.items():
         if isinstance(source, Composite):
             if source.entry.torch_dtype in FLOAT8:
-                block = block or read_quantization(ckpt.root, model_config).fp8_block()
-                used |= _pair_composite(sources, name, source, declared[name], ckpt, block, dequantize)
+                used |= _pair_composite(sources, name, source, declared[name], ckpt, fp8_block(), dequantize)
             continue
         file, entry = source
         declared_fp8 = declared[name] in FLOAT8
@@ -79,21 +79,10 @@ def pair_quantized(sources: dict, found: Mapping[str, str], declared: Mapping[st
         if paired is None or paired[1] != "fp8_block" or declared_fp8:
             continue
         key = paired[0]
-        if not dequantize:
-            raise CheckpointError(
-                f"{file}: {found[name]!r} is stored as {entry.torch_dtype} with block scales {key!r} (an FP8 "
-                f"checkpoint) but the model declares {declared[name]}; pass dequantize=True to load it "
-                "dequantized into the model's dtype, or build the model with its FP8 modules "
-                "(sw.from_pretrained does, unless dequantize=True)")
-        block = block or read_quantization(ckpt.root, model_config).fp8_block()
-        scale = ckpt.entry(key)
-        want = scale_shape(entry.shape, block)
-        if scale[1].shape != want:
-            raise CheckpointError(f"{scale[0]}: scales {key!r} have shape {scale[1].shape}, but a weight of "
-                                  f"shape {entry.shape} in blocks {block} needs {want}; is "
-                                  "weight_block_size in config.json right for this checkpoint?")
-        scheme = QuantScheme.fp8_block(block, ndim=len(entry.shape))
-        sources[name] = Dequantized(source, scale, scheme, declared[name], entry.shape)
+        what = (f"{found[name]!r} is stored as {entry.torch_dtype} with block scales {key!r} "
+                "(an FP8 checkpoint)")
+        sources[name] = _dequantized(file, name, what, source, ckpt.entry(key), declared[name], fp8_block,
+                                     dequantize)
         used.add(key)
     return used
 
@@ -116,33 +105,43 @@ def _pair_composite(sources: dict, name: str, comp: Composite, declared: torch.d
                 "dequantize=True to load this checkpoint dequantized")
         return set()
     if fused in stored:
-        scale = ckpt.entry(fused)
+        scale: tuple[Location, TensorEntry] | Composite = ckpt.entry(fused)
         keys = {fused}
     elif all(k in stored for k in per_piece):
+        kept = (1,) * (len(comp.shape) - 2) + block
         try:
-            pieces = scale_pieces(comp.pieces, (1,) * (len(comp.shape) - 2) + block, scale_key)
+            pieces = scale_pieces(comp.pieces, kept, scale_key)
         except PlanError as e:
             raise CheckpointError(f"{ckpt.root}: {name!r}: {e}") from e
-        scale = Composite(scale_shape(comp.shape, (1,) * (len(comp.shape) - 2) + block), pieces,
-                          {p.key: ckpt.entry(p.key) for p in pieces})
+        scale = Composite(scale_shape(comp.shape, kept), pieces, {p.key: ckpt.entry(p.key) for p in pieces})
         keys = set(per_piece)
     else:
         return set()  # FP8 values without scales: cast like any stored tensor
+    what = f"{name!r} is assembled from FP8 tensors ({comp.pieces[0].key!r}, ...) with block scales"
+    sources[name] = _dequantized(ckpt.root, name, what, comp, scale, declared, lambda: block, dequantize)
+    return keys
+
+
+def _dequantized(where, name: str, what: str, weight, scale, declared: torch.dtype,
+                 fp8_block: Callable[[], tuple[int, int]], dequantize: bool) -> Dequantized:
+    """The :class:`Dequantized` source of the FP8 ``weight`` (``what``, a stored tensor or a
+    :class:`Composite`) and its ``scale``; ``CheckpointError`` without ``dequantize``, or for
+    scales whose shape does not fit the block of the checkpoint's config."""
     if not dequantize:
         raise CheckpointError(
-            f"{ckpt.root}: {name!r} is assembled from FP8 tensors ({comp.pieces[0].key!r}, ...) with block "
-            f"scales but the model declares {declared}; pass dequantize=True to load it dequantized into "
-            "the model's dtype, or build the model with its FP8 modules (sw.from_pretrained does, unless "
-            "dequantize=True)")
-    scheme = QuantScheme.fp8_block(block, ndim=len(comp.shape))
+            f"{where}: {what} but the model declares {declared}; pass dequantize=True to load it dequantized "
+            "into the model's dtype, or build the model with its FP8 modules (sw.from_pretrained does, "
+            "unless dequantize=True)")
+    shape = tuple(weight.shape if isinstance(weight, Composite) else weight[1].shape)
     held = tuple(scale.shape if isinstance(scale, Composite) else scale[1].shape)
-    want = scheme.stored_shapes(comp.shape)[1]
+    block = fp8_block()
+    scheme = QuantScheme.fp8_block(block, ndim=len(shape))
+    want = scheme.stored_shapes(shape)[1]
     if held != want:
-        raise CheckpointError(f"{ckpt.root}: the scales of {name!r} have shape {held}, but a weight of shape "
-                              f"{comp.shape} in blocks {block} needs {want}; is weight_block_size in "
+        raise CheckpointError(f"{where}: the scales of {name!r} have shape {held}, but a weight of shape "
+                              f"{shape} in blocks {block} needs {want}; is weight_block_size in "
                               "config.json right for this checkpoint?")
-    sources[name] = Dequantized(comp, scale, scheme, declared, comp.shape)
-    return keys
+    return Dequantized(weight, scale, scheme, declared, shape)
 
 
 def pair_mxfp4(absent: set[str], shapes: Mapping[str, tuple[int, ...]], declared: Mapping[str, torch.dtype],
