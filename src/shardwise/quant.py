@@ -126,17 +126,12 @@ def scale_is_local(specs: ResolvedPlan, name: str) -> bool:
 
 def wire_quantized(module: nn.Module, path: str, style: Style, state) -> None:
     """Run ``module``'s own (FP8 kernel) forward on its local shards with ``style``'s collectives
-    (``state``: the ``ShardState``); where a shard boundary cuts a block the forward raises."""
-    tie = quantized_module(state.specs, path)
-    assert tie is not None  # called only for a module quantized_module finds (an FP8 one)
-    spec = state.specs[tie.weight]
-    aligned = tie_aligned(tie, spec, state.degree)
+    (``state``: the ``ShardState``); :func:`guard_cut_blocks` then makes it raise where a shard
+    boundary cuts a block."""
     inner = type(module).forward
     group = state.group
 
     def forward(mod, x):
-        if not aligned:
-            raise _cut_error(path, tie, spec, state.degree)
         if style.kind == "colwise":
             y = inner(mod, _CopyTo.apply(x, group))
             if style.gather_output:
@@ -156,12 +151,13 @@ def wire_quantized(module: nn.Module, path: str, style: Style, state) -> None:
     run_on_local_params(module)  # the FP8 kernel reads plain local shards
 
 
-def guard_cut_experts(model: nn.Module, specs: ResolvedPlan) -> None:
-    """Make the forward of each FP8 experts module whose shards cut a block raise."""
+def guard_cut_blocks(model: nn.Module, specs: ResolvedPlan) -> None:
+    """Make the forward of each FP8 module (linear or experts) whose shards cut a block raise;
+    called after the modules are wired."""
     for tie in specs.ties.values():
         spec = specs[tie.weight]
         degree = specs.degrees[spec.axis]
-        if tie.scheme != "fp8_block" or len(tie.block) != 3 or tie_aligned(tie, spec, degree):
+        if tie.scheme != "fp8_block" or tie_aligned(tie, spec, degree):
             continue
         path = tie.weight.rpartition(".")[0]
         error = _cut_error(path, tie, spec, degree)
@@ -361,6 +357,6 @@ def fp8_pairs(side, root) -> dict[str, QuantPair]:
 __all__ = [
     "Dequantizing", "QuantPair", "check_quantized_load", "check_quantized_save", "check_quantized_source",
     "describe_quantization", "drop_quantization_config", "fp8_pairs", "gather_scales_to_rank0",
-    "guard_cut_experts", "local_part", "quantized_module", "scale_is_local",
+    "guard_cut_blocks", "local_part", "quantized_module", "scale_is_local",
     "stored_pairs", "wire_quantized",
 ]

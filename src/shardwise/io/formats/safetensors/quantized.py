@@ -1,11 +1,7 @@
-"""Block-quantized checkpoints read per rank: a weight and its scales as one tied read.
-
-Kept quantized, the scales are a model tensor of their own, read at ``scale_layout``
-(``SafetensorsSource.plan``). With ``dequantize=True`` the model tensor is a :class:`Dequantized`
-source: :class:`Dequantizer` reads the rank's value and scale boxes and dequantizes only its
-shard. :func:`pair_quantized` and :func:`pair_mxfp4` run in every safetensors key matching, so
-a quantized checkpoint never fills a plain model by a bare cast: without ``dequantize`` it raises.
-"""
+"""Block-quantized safetensors read per rank, dequantized: :func:`pair_quantized` and
+:func:`pair_mxfp4` (called by every key matching) turn a stored weight and its scales into one
+:class:`Dequantized` source, or raise without ``dequantize``; :class:`Dequantizer` reads the
+rank's value and scale boxes and dequantizes only its shard."""
 
 from __future__ import annotations
 
@@ -37,11 +33,9 @@ from shardwise.io.storage import Location
 
 @dataclass(frozen=True)
 class Dequantized:
-    """A model tensor of ``shape`` stored block-quantized, loaded dequantized: the stored
-    ``weight`` (FP8 values or MXFP4 blocks) and ``scale``, each a ``(file, entry)`` or a
-    :class:`Composite` in the model tensor's coordinates (FP8 experts stored per expert), its
-    ``scheme``, the model's ``declared`` dtype, and whether the model tensor is the stored
-    weight ``transposed`` (gpt-oss's experts)."""
+    """A model tensor of ``shape`` loaded dequantized from the stored ``weight`` (FP8 values or
+    MXFP4 blocks) and ``scale``, each a ``(file, entry)`` or a :class:`Composite`; ``transposed``:
+    the model tensor is the stored weight transposed (gpt-oss's experts)."""
 
     weight: tuple[Location, TensorEntry] | Composite
     scale: tuple[Location, TensorEntry] | Composite
@@ -53,12 +47,9 @@ class Dequantized:
 
 def pair_quantized(sources: dict, found: Mapping[str, str], declared: Mapping[str, torch.dtype], ckpt, *,
                    dequantize: bool, quantized: frozenset[str] = frozenset(), model_config=None) -> set[str]:
-    """Turn every model tensor stored FP8 next to its scales into a :class:`Dequantized` source
-    (``dequantize=True``) or raise ``CheckpointError`` (the model declares another dtype: a
-    bare cast would ignore the scales). ``found`` maps each model tensor to its stored key.
-    The model's ``quantized`` tensors (FP8 weights and their scales, kept as they are) must be
-    stored in their declared dtype: no quantizing or converting on load. Returns the scale
-    keys the dequantized tensors use (they are not unexpected)."""
+    """Turn every model tensor (stored as ``found[name]``) stored FP8 next to its scales into a
+    :class:`Dequantized` source, or raise ``CheckpointError`` without ``dequantize``; the model's
+    ``quantized`` tensors must be stored in their declared dtype. Returns the scale keys used."""
     stored = set(ckpt.names)
     used: set[str] = set()
     fp8_block = functools.cache(lambda: read_quantization(ckpt.root, model_config).fp8_block())
@@ -89,11 +80,9 @@ def pair_quantized(sources: dict, found: Mapping[str, str], declared: Mapping[st
 
 def _pair_composite(sources: dict, name: str, comp: Composite, declared: torch.dtype, ckpt,
                     block: tuple[int, int], dequantize: bool) -> set[str]:
-    """An FP8 model tensor assembled from stored tensors (experts stored per expert, as
-    transformers' ``save_pretrained`` writes FP8 experts): kept quantized its values are
-    assembled as they are and its scales are the model's own tensor; into a plain model, a
-    :class:`Dequantized` whose values are the composite and whose scales are the fused
-    ``<name>_scale_inv`` or the per-expert scales placed as their weights are."""
+    """An FP8 model tensor assembled from per-expert tensors: kept quantized, nothing to pair
+    (its fused scales are a model tensor); into a plain model, a :class:`Dequantized` of the
+    composite and the fused ``<name>_scale_inv`` or the per-expert scales. Returns the keys used."""
     stored = set(ckpt.names)
     fused, per_piece = scale_key(name), [scale_key(p.key) for p in comp.pieces]
     if declared in FLOAT8:
@@ -147,10 +136,9 @@ def _dequantized(where, name: str, what: str, weight, scale, declared: torch.dty
 def pair_mxfp4(absent: set[str], shapes: Mapping[str, tuple[int, ...]], declared: Mapping[str, torch.dtype],
                ckpt, *, dequantize: bool) -> tuple[dict[str, Dequantized], set[str]]:
     """``({model tensor: Dequantized}, stored keys used)`` for the model tensors ``absent`` from
-    the checkpoint that it stores as MXFP4 (``x_blocks`` + ``x_scales``, gpt-oss's experts),
-    loaded dequantized as transformers does (``convert_moe_packed_tensors``: the model tensor
-    is the stored weight transposed). Without ``dequantize`` such a tensor raises
-    ``CheckpointError`` (it would otherwise be missing, or filled from nothing)."""
+    the checkpoint that it stores as MXFP4 ``x_blocks`` + ``x_scales`` (gpt-oss's experts, the
+    transpose, as transformers' ``convert_moe_packed_tensors``); ``CheckpointError`` without
+    ``dequantize``."""
     stored = set(ckpt.names)
     out: dict[str, Dequantized] = {}
     used: set[str] = set()
@@ -212,11 +200,9 @@ _MALLOC_TRIM = _malloc_trim()
 
 
 class Dequantizer:
-    """The reads of :class:`Dequantized` tensors and their dequantization. ``assembly`` reads
-    each wanted local tensor's values and scales at the boxes its regions touch
-    (``dequant_reads``); when both are in, :meth:`take` dequantizes the shard into ``dtype``
-    (else the declared dtype), drops the raw parts and finalizes it. Peak per tensor: its
-    quantized shards plus the output."""
+    """``assembly`` reads each wanted tensor's values and scales at ``dequant_reads``; once both
+    are in, :meth:`take` dequantizes the shard into ``dtype`` (else the declared dtype), drops
+    the raw parts and finalizes it."""
 
     def __init__(self, tensors: Mapping[str, tuple[Dequantized, Want]]):
         self.assembly = Assembly()  # keys (model key, 0 for the values or 1 for the scales)
