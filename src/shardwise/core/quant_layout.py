@@ -158,11 +158,9 @@ def quant_pairs(module: nn.Module) -> list[tuple[str, str, Block, str]]:
         if found is None:
             continue
         scales = held[found[0]]
-        if found[1] == "fp8_block" and block is not None and values.dim() == scales.dim():
-            if values.dim() == 2 and name == "weight":
-                out.append((name, found[0], block, "fp8_block"))
-            elif values.dim() == 3:
-                out.append((name, found[0], (1, *block), "fp8_block"))
+        if (found[1] == "fp8_block" and block is not None and values.dim() == scales.dim()
+                and (values.dim() == 3 or (values.dim() == 2 and name == "weight"))):
+            out.append((name, found[0], (1,) * (values.dim() - 2) + block, "fp8_block"))
         elif (found[1] == "mxfp4" and values.dtype == torch.uint8 and scales.dtype == torch.uint8
               and values.dim() >= 3 and values.shape[-1] == MXFP4_GROUP_BYTES):
             out.append((name, found[0], (1,) * (values.dim() - 1) + (None,), "mxfp4"))

@@ -142,7 +142,7 @@ def pair_mxfp4(absent: set[str], shapes: Mapping[str, tuple[int, ...]], declared
     stored = set(ckpt.names)
     out: dict[str, Dequantized] = {}
     used: set[str] = set()
-    method: str | None = None
+    config = functools.cache(lambda: read_quantization(ckpt.root))
     for name in sorted(absent):
         keys = QuantScheme.mxfp4().stored_keys(name)
         if not all(k in stored for k in keys):
@@ -154,13 +154,10 @@ def pair_mxfp4(absent: set[str], shapes: Mapping[str, tuple[int, ...]], declared
                 f"as {declared[name]} {shapes[name]}; pass dequantize=True to load it dequantized into the "
                 "model's dtype, or build the model with MXFP4 expert modules holding the blocks and scales "
                 "as they are stored (sw.from_pretrained does, unless dequantize=True)")
-        if method is None:
-            qc = read_quantization(ckpt.root)
-            method = qc.method if qc.config is not None else "mxfp4"
-        if method != "mxfp4":
-            raise CheckpointError(f"{ckpt.root}: the model config's quant_method {method!r}, but {name!r} is "
-                                  "stored as MXFP4 blocks and scales; shardwise reads such a pair as MXFP4 "
-                                  "only")
+        if config().config is not None and config().method != "mxfp4":
+            raise CheckpointError(f"{ckpt.root}: the model config's quant_method {config().method!r}, but "
+                                  f"{name!r} is stored as MXFP4 blocks and scales; shardwise reads such a "
+                                  "pair as MXFP4 only")
         _check_mxfp4(bfile, name, blocks, scales[1], shapes[name])
         scheme = QuantScheme.mxfp4(ndim=len(shapes[name]))
         out[name] = Dequantized((bfile, blocks), scales, scheme, declared[name], shapes[name],
