@@ -20,7 +20,7 @@ from shardwise.holding import Holding, is_dtensor, local_of  # noqa: F401 - loca
 from shardwise.local_tp import run_on_local_params, wire_forward, wire_local
 from shardwise.mesh import MeshDims, ShardState, decode_mesh, get_shard_state, set_shard_state, world_backend
 from shardwise.plan_checks import check_installed, check_plan
-from shardwise.quant import guard_cut_experts, quantized_module, scale_is_local, wire_quantized
+from shardwise.quant import guard_cut_blocks, quantized_module, scale_is_local, wire_quantized
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -113,7 +113,7 @@ def wire(model: nn.Module, specs: ResolvedPlan, state: ShardState, *, dtensor: b
             _wire_dtensor(module, path, style, state, converted)
         else:
             wire_local(module, style, state)
-    guard_cut_experts(model, specs)  # FP8 experts whose shards cut blocks: their kernels would be wrong
+    guard_cut_blocks(model, specs)  # FP8 modules whose shards cut blocks: their kernels would be wrong
 
 
 def parallelize(model: nn.Module, plan, mesh, *, holding: str | None = None, ep_plan=None) -> nn.Module:

@@ -126,17 +126,12 @@ def scale_is_local(specs: ResolvedPlan, name: str) -> bool:
 
 def wire_quantized(module: nn.Module, path: str, style: Style, state) -> None:
     """Run ``module``'s own (FP8 kernel) forward on its local shards with ``style``'s collectives
-    (``state``: the ``ShardState``); where a shard boundary cuts a block the forward raises."""
-    tie = quantized_module(state.specs, path)
-    assert tie is not None  # called only for a module quantized_module finds (an FP8 one)
-    spec = state.specs[tie.weight]
-    aligned = tie_aligned(tie, spec, state.degree)
+    (``state``: the ``ShardState``); :func:`guard_cut_blocks` then makes it raise where a shard
+    boundary cuts a block."""
     inner = type(module).forward
     group = state.group
 
     def forward(mod, x):
-        if not aligned:
-            raise _cut_error(path, tie, spec, state.degree)
         if style.kind == "colwise":
             y = inner(mod, _CopyTo.apply(x, group))
             if style.gather_output:
@@ -156,12 +151,13 @@ def wire_quantized(module: nn.Module, path: str, style: Style, state) -> None:
     run_on_local_params(module)  # the FP8 kernel reads plain local shards
 
 
-def guard_cut_experts(model: nn.Module, specs: ResolvedPlan) -> None:
-    """Make the forward of each FP8 experts module whose shards cut a block raise."""
+def guard_cut_blocks(model: nn.Module, specs: ResolvedPlan) -> None:
+    """Make the forward of each FP8 module (linear or experts) whose shards cut a block raise;
+    called after the modules are wired."""
     for tie in specs.ties.values():
         spec = specs[tie.weight]
         degree = specs.degrees[spec.axis]
-        if tie.scheme != "fp8_block" or len(tie.block) != 3 or tie_aligned(tie, spec, degree):
+        if tie.scheme != "fp8_block" or tie_aligned(tie, spec, degree):
             continue
         path = tie.weight.rpartition(".")[0]
         error = _cut_error(path, tie, spec, degree)
@@ -228,8 +224,11 @@ class QuantPair:
 
     def describe(self) -> str:
         """``fp8_block 128x128``, as ``inspect`` shows it."""
-        block = "x".join(map(str, self.block)) if self.block else "block unknown"
-        return f"{self.scheme} {block}"
+        return f"{self.scheme} {_blocks(self.block)}"
+
+
+def _blocks(block: tuple[int, ...] | None) -> str:
+    return "x".join(map(str, block)) if block else "block unknown"
 
 
 def stored_pairs(tensors: Mapping[str, tuple], qc: cq.QuantConfig) -> tuple[dict[str, QuantPair], list[str]]:
@@ -241,28 +240,26 @@ def stored_pairs(tensors: Mapping[str, tuple], qc: cq.QuantConfig) -> tuple[dict
     block = qc.block
     fp8 = [n for n, (d, _) in found.items() if d in cq.FLOAT8]
     scaled = qc.method == "fp8" or any(cq.pair_of(n, found[n][0], found) for n in fp8)
-    fused_used: set[str] = set()
     for name in fp8:
-        if cq.pair_of(name, found[name][0], found) is None:
+        scale, wshape = cq.scale_key(name), found[name][1]
+        if scale not in found:
             fused = _fused_scale(name, found, block, problems)
             if fused is not None:
                 pairs[name] = fused
-                fused_used.add(fused.scales)
             elif scaled:
-                problems.append(f"FP8 weight {name!r} has no scales {cq.scale_key(name)!r}: it cannot be "
-                                "dequantized; write the weight with its weight_scale_inv (or save it "
-                                "unquantized)")
+                problems.append(f"FP8 weight {name!r} has no scales {scale!r}: it cannot be dequantized; "
+                                "write the weight with its weight_scale_inv (or save it unquantized)")
             continue
-        scale = cq.scale_key(name)
-        pair = pairs[name] = QuantPair(name, scale, "fp8_block", block)
-        (sdtype, sshape), (_, wshape) = found[scale], found[name]
+        pairs[name] = QuantPair(name, scale, "fp8_block", block)
+        sdtype, sshape = found[scale]
         if not sdtype.is_floating_point or sdtype in cq.FLOAT8:
             problems.append(f"scales {scale!r} are {dtype_to_str(sdtype)}; FP8 block scales are float32")
         if block is not None and (len(wshape) != 2 or sshape != cq.scale_shape(wshape, block)):
             want = cq.scale_shape(wshape, block) if len(wshape) == 2 else "a 2-D weight"
             problems.append(f"scales {scale!r} have shape {sshape}, but weight {name!r} {wshape} in "
-                            f"{pair.describe().split()[1]} blocks needs {want}; requantize the weight or "
-                            "fix weight_block_size in config.json")
+                            f"{_blocks(block)} blocks needs {want}; requantize the weight or fix "
+                            "weight_block_size in config.json")
+    fused_used = {p.scales for p in pairs.values() if p.fused_at is not None}
     for scale in (n for n in found if n.endswith(cq.FP8_SCALE) and n not in fused_used):
         weight = scale[: -len(cq.FP8_SCALE)]
         if weight not in pairs and (weight not in found or found[weight][0] not in cq.FLOAT8):
@@ -271,13 +268,12 @@ def stored_pairs(tensors: Mapping[str, tuple], qc: cq.QuantConfig) -> tuple[dict
     for name, (dtype, shape) in found.items():
         if not name.endswith(cq.MXFP4_SUFFIXES[0]) or dtype != torch.uint8 or len(shape) < 3:
             continue
-        paired = cq.pair_of(name, dtype, found)
-        if paired is None:
+        scale = cq.scale_key(name, "mxfp4")
+        if scale not in found:
             if qc.method == "mxfp4":
-                problems.append(f"MXFP4 blocks {name!r} have no scales {cq.scale_key(name, 'mxfp4')!r}: they "
-                                "cannot be dequantized; write them with their *_scales")
+                problems.append(f"MXFP4 blocks {name!r} have no scales {scale!r}: they cannot be "
+                                "dequantized; write them with their *_scales")
             continue
-        scale = paired[0]
         pairs[name] = QuantPair(name, scale, "mxfp4", (cq.MXFP4_GROUP,))
         sdtype, sshape = found[scale]
         if shape[-1] != cq.MXFP4_GROUP_BYTES or sshape != shape[:-1] or sdtype != torch.uint8:
@@ -300,17 +296,14 @@ def _fused_scale(name: str, found: dict, block, problems: list[str]) -> QuantPai
     if fused not in found:
         return None
     expert, (_, sshape), (_, wshape) = int(m[2]), found[fused], found[name]
-    rows = cq.scale_shape(wshape, block)[0] if block is not None and len(wshape) == 2 else 0
-    pair = QuantPair(name, fused, "fp8_block", block, (expert, rows if m[3] == "up_proj" else 0))
-    if block is not None and len(wshape) == 2:
-        want = cq.scale_shape(wshape, block)
-        want = (want[0] * (1 if m[3] == "down_proj" else 2), want[1])
+    own = cq.scale_shape(wshape, block) if block is not None and len(wshape) == 2 else None
+    if own is not None:
+        want = (own[0] * (1 if m[3] == "down_proj" else 2), own[1])
         if len(sshape) != 3 or sshape[0] <= expert or tuple(sshape[1:]) != want:
             problems.append(f"fused scales {fused!r} have shape {sshape}, not (experts, {want[0]}, "
-                            f"{want[1]}) as expert {expert}'s {name!r} {wshape} in "
-                            f"{pair.describe().split()[1]} blocks needs; requantize the experts or fix "
-                            "weight_block_size in config.json")
-    return pair
+                            f"{want[1]}) as expert {expert}'s {name!r} {wshape} in {_blocks(block)} "
+                            "blocks needs; requantize the experts or fix weight_block_size in config.json")
+    return QuantPair(name, fused, "fp8_block", block, (expert, own[0] if own and m[3] == "up_proj" else 0))
 
 
 def describe_quantization(qc: cq.QuantConfig, pairs: Mapping[str, QuantPair]) -> str | None:
@@ -364,6 +357,6 @@ def fp8_pairs(side, root) -> dict[str, QuantPair]:
 __all__ = [
     "Dequantizing", "QuantPair", "check_quantized_load", "check_quantized_save", "check_quantized_source",
     "describe_quantization", "drop_quantization_config", "fp8_pairs", "gather_scales_to_rank0",
-    "guard_cut_experts", "local_part", "quantized_module", "scale_is_local",
+    "guard_cut_blocks", "local_part", "quantized_module", "scale_is_local",
     "stored_pairs", "wire_quantized",
 ]

@@ -19,7 +19,6 @@ from torch import nn
 from shardwise.core.plan import resolve_plan
 from shardwise.core.quant_layout import (
     QuantTie,
-    dequantize_local,
     quant_ties,
     scale_layout,
     scale_local_shape,
@@ -29,6 +28,7 @@ from shardwise.core.quant_layout import (
 )
 from shardwise.core.spec import Region, ShardSpec, local_layout, split
 from shardwise.errors import PlanError
+from shardwise.testing import dequantized_shard
 
 FAST = settings(max_examples=60, deadline=None)
 
@@ -74,7 +74,7 @@ def test_each_rank_dequantizes_its_pair_to_the_slice(case, dtype, seed, chunk):
     expect = reference_dequant(q, s, tie.block, dtype)
     for rank in range(degree):
         pair = split(q, spec, degree, rank), held_scales(s, tie, spec, degree, rank)
-        got = dequantize_local(*pair, tie, spec, degree, rank, dtype, chunk_elements=chunk)
+        got = dequantized_shard(*pair, tie, spec, degree, rank, dtype, chunk_elements=chunk)
         assert same_bits(got, split(expect, spec, degree, rank))
 
 

@@ -158,11 +158,9 @@ def quant_pairs(module: nn.Module) -> list[tuple[str, str, Block, str]]:
         if found is None:
             continue
         scales = held[found[0]]
-        if found[1] == "fp8_block" and block is not None and values.dim() == scales.dim():
-            if values.dim() == 2 and name == "weight":
-                out.append((name, found[0], block, "fp8_block"))
-            elif values.dim() == 3:
-                out.append((name, found[0], (1, *block), "fp8_block"))
+        if (found[1] == "fp8_block" and block is not None and values.dim() == scales.dim()
+                and (values.dim() == 3 or (values.dim() == 2 and name == "weight"))):
+            out.append((name, found[0], (1,) * (values.dim() - 2) + block, "fp8_block"))
         elif (found[1] == "mxfp4" and values.dtype == torch.uint8 and scales.dtype == torch.uint8
               and values.dim() >= 3 and values.shape[-1] == MXFP4_GROUP_BYTES):
             out.append((name, found[0], (1,) * (values.dim() - 1) + (None,), "mxfp4"))
@@ -343,18 +341,8 @@ def _within(need: Region, box: Region, at: tuple[int, ...]) -> Region:
     return Region(tuple(o + a - b for o, a, b in zip(at, need.offsets, box.offsets, strict=True)), need.sizes)
 
 
-def dequantize_local(q: torch.Tensor, scale: torch.Tensor, tie: QuantTie, spec: ShardSpec, degree: int,
-                     rank: int, dtype: torch.dtype, *, chunk_elements: int = DEQUANT_CHUNK) -> torch.Tensor:
-    """:func:`dequantize_shard` of an FP8 ``tie``'s local ``q`` and ``scale`` (:func:`scale_layout`)."""
-    if tie.scheme != "fp8_block":
-        raise PlanError(f"dequantize_local takes an FP8 tie, got {tie.scheme!r}; use dequantize_shard")
-    return dequantize_shard(q, scale, QuantScheme("fp8_block", tie.block), tie.weight_shape, spec, degree,
-                            rank, dtype, chunk_elements=chunk_elements)
-
-
 __all__ = [
-    "DEQUANT_CHUNK", "MXFP4_SUFFIXES", "QuantTie", "dequant_reads", "dequantize_local",
-    "dequantize_shard", "fitting_degrees", "is_tied_scale", "quant_pairs", "quant_ties",
-    "scale_layout", "scale_local_shape", "scale_owned_layout", "scale_pieces", "take_layout", "tie_aligned",
-    "tie_scales",
+    "DEQUANT_CHUNK", "MXFP4_SUFFIXES", "QuantTie", "dequant_reads", "dequantize_shard", "fitting_degrees",
+    "is_tied_scale", "quant_pairs", "quant_ties", "scale_layout", "scale_local_shape", "scale_owned_layout",
+    "scale_pieces", "take_layout", "tie_aligned", "tie_scales",
 ]

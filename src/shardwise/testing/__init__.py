@@ -30,9 +30,8 @@ import shardwise as sw
 from shardwise.backends import shutdown_backend
 from shardwise.core.header import dtype_to_str, spec_nbytes
 from shardwise.core.plan import resolve_plan as plan_specs
-from shardwise.core.quant import quantize_fp8_blocks
-from shardwise.core.quant_layout import dequantize_local as dequantized_shard
-from shardwise.core.quant_layout import scale_layout, take_layout
+from shardwise.core.quant import QuantScheme, quantize_fp8_blocks
+from shardwise.core.quant_layout import DEQUANT_CHUNK, dequantize_shard, scale_layout, take_layout
 from shardwise.core.spec import Region, ShardSpec
 from shardwise.core.spec import split as expected_shard
 from shardwise.errors import ShardwiseError, UsageError
@@ -232,6 +231,15 @@ def expected_scale_shard(scale: torch.Tensor, tie, spec: ShardSpec, degree: int,
                          shape: tuple[int, ...]) -> torch.Tensor:
     """Rank ``rank``'s local block scales (of ``shape``) of the quantized pair ``tie``."""
     return take_layout(scale, scale_layout(tie, spec, degree, rank), shape)
+
+
+def dequantized_shard(weight: torch.Tensor, scale: torch.Tensor, tie, spec: ShardSpec, degree: int,
+                      rank: int, dtype: torch.dtype, *, chunk_elements: int = DEQUANT_CHUNK) -> torch.Tensor:
+    """A rank's FP8 weight shard and its local scales (``scale_layout``) in ``dtype``, as
+    ``dequantize=True`` gives, in dim-0 chunks of about ``chunk_elements`` elements."""
+    scheme = QuantScheme(tie.scheme, tie.block)  # PlanError for an MXFP4 tie (on its packed blocks)
+    return dequantize_shard(weight, scale, scheme, tie.weight_shape, spec, degree, rank, dtype,
+                            chunk_elements=chunk_elements)
 
 
 def read_all(path: str | os.PathLike) -> dict[str, torch.Tensor]:

@@ -1,17 +1,14 @@
-"""Block-quantized checkpoints read per rank: a weight and its scales as one tied read.
-
-Kept quantized, the scales are a model tensor of their own, read at ``scale_layout``
-(``SafetensorsSource.plan``). With ``dequantize=True`` the model tensor is a :class:`Dequantized`
-source: :class:`Dequantizer` reads the rank's value and scale boxes and dequantizes only its
-shard. :func:`pair_quantized` and :func:`pair_mxfp4` run in every safetensors key matching, so
-a quantized checkpoint never fills a plain model by a bare cast: without ``dequantize`` it raises.
-"""
+"""Block-quantized safetensors read per rank, dequantized: :func:`pair_quantized` and
+:func:`pair_mxfp4` (called by every key matching) turn a stored weight and its scales into one
+:class:`Dequantized` source, or raise without ``dequantize``; :class:`Dequantizer` reads the
+rank's value and scale boxes and dequantizes only its shard."""
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -36,11 +33,9 @@ from shardwise.io.storage import Location
 
 @dataclass(frozen=True)
 class Dequantized:
-    """A model tensor of ``shape`` stored block-quantized, loaded dequantized: the stored
-    ``weight`` (FP8 values or MXFP4 blocks) and ``scale``, each a ``(file, entry)`` or a
-    :class:`Composite` in the model tensor's coordinates (FP8 experts stored per expert), its
-    ``scheme``, the model's ``declared`` dtype, and whether the model tensor is the stored
-    weight ``transposed`` (gpt-oss's experts)."""
+    """A model tensor of ``shape`` loaded dequantized from the stored ``weight`` (FP8 values or
+    MXFP4 blocks) and ``scale``, each a ``(file, entry)`` or a :class:`Composite`; ``transposed``:
+    the model tensor is the stored weight transposed (gpt-oss's experts)."""
 
     weight: tuple[Location, TensorEntry] | Composite
     scale: tuple[Location, TensorEntry] | Composite
@@ -52,20 +47,16 @@ class Dequantized:
 
 def pair_quantized(sources: dict, found: Mapping[str, str], declared: Mapping[str, torch.dtype], ckpt, *,
                    dequantize: bool, quantized: frozenset[str] = frozenset(), model_config=None) -> set[str]:
-    """Turn every model tensor stored FP8 next to its scales into a :class:`Dequantized` source
-    (``dequantize=True``) or raise ``CheckpointError`` (the model declares another dtype: a
-    bare cast would ignore the scales). ``found`` maps each model tensor to its stored key.
-    The model's ``quantized`` tensors (FP8 weights and their scales, kept as they are) must be
-    stored in their declared dtype: no quantizing or converting on load. Returns the scale
-    keys the dequantized tensors use (they are not unexpected)."""
+    """Turn every model tensor (stored as ``found[name]``) stored FP8 next to its scales into a
+    :class:`Dequantized` source, or raise ``CheckpointError`` without ``dequantize``; the model's
+    ``quantized`` tensors must be stored in their declared dtype. Returns the scale keys used."""
     stored = set(ckpt.names)
     used: set[str] = set()
-    block = None
+    fp8_block = functools.cache(lambda: read_quantization(ckpt.root, model_config).fp8_block())
     for name, source in sources.items():
         if isinstance(source, Composite):
             if source.entry.torch_dtype in FLOAT8:
-                block = block or read_quantization(ckpt.root, model_config).fp8_block()
-                used |= _pair_composite(sources, name, source, declared[name], ckpt, block, dequantize)
+                used |= _pair_composite(sources, name, source, declared[name], ckpt, fp8_block(), dequantize)
             continue
         file, entry = source
         declared_fp8 = declared[name] in FLOAT8
@@ -79,32 +70,19 @@ def pair_quantized(sources: dict, found: Mapping[str, str], declared: Mapping[st
         if paired is None or paired[1] != "fp8_block" or declared_fp8:
             continue
         key = paired[0]
-        if not dequantize:
-            raise CheckpointError(
-                f"{file}: {found[name]!r} is stored as {entry.torch_dtype} with block scales {key!r} (an FP8 "
-                f"checkpoint) but the model declares {declared[name]}; pass dequantize=True to load it "
-                "dequantized into the model's dtype, or build the model with its FP8 modules "
-                "(sw.from_pretrained does, unless dequantize=True)")
-        block = block or read_quantization(ckpt.root, model_config).fp8_block()
-        scale = ckpt.entry(key)
-        want = scale_shape(entry.shape, block)
-        if scale[1].shape != want:
-            raise CheckpointError(f"{scale[0]}: scales {key!r} have shape {scale[1].shape}, but a weight of "
-                                  f"shape {entry.shape} in blocks {block} needs {want}; is "
-                                  "weight_block_size in config.json right for this checkpoint?")
-        scheme = QuantScheme.fp8_block(block, ndim=len(entry.shape))
-        sources[name] = Dequantized(source, scale, scheme, declared[name], entry.shape)
+        what = (f"{found[name]!r} is stored as {entry.torch_dtype} with block scales {key!r} "
+                "(an FP8 checkpoint)")
+        sources[name] = _dequantized(file, name, what, source, ckpt.entry(key), declared[name], fp8_block,
+                                     dequantize)
         used.add(key)
     return used
 
 
 def _pair_composite(sources: dict, name: str, comp: Composite, declared: torch.dtype, ckpt,
                     block: tuple[int, int], dequantize: bool) -> set[str]:
-    """An FP8 model tensor assembled from stored tensors (experts stored per expert, as
-    transformers' ``save_pretrained`` writes FP8 experts): kept quantized its values are
-    assembled as they are and its scales are the model's own tensor; into a plain model, a
-    :class:`Dequantized` whose values are the composite and whose scales are the fused
-    ``<name>_scale_inv`` or the per-expert scales placed as their weights are."""
+    """An FP8 model tensor assembled from per-expert tensors: kept quantized, nothing to pair
+    (its fused scales are a model tensor); into a plain model, a :class:`Dequantized` of the
+    composite and the fused ``<name>_scale_inv`` or the per-expert scales. Returns the keys used."""
     stored = set(ckpt.names)
     fused, per_piece = scale_key(name), [scale_key(p.key) for p in comp.pieces]
     if declared in FLOAT8:
@@ -116,46 +94,55 @@ def _pair_composite(sources: dict, name: str, comp: Composite, declared: torch.d
                 "dequantize=True to load this checkpoint dequantized")
         return set()
     if fused in stored:
-        scale = ckpt.entry(fused)
+        scale: tuple[Location, TensorEntry] | Composite = ckpt.entry(fused)
         keys = {fused}
     elif all(k in stored for k in per_piece):
+        kept = (1,) * (len(comp.shape) - 2) + block
         try:
-            pieces = scale_pieces(comp.pieces, (1,) * (len(comp.shape) - 2) + block, scale_key)
+            pieces = scale_pieces(comp.pieces, kept, scale_key)
         except PlanError as e:
             raise CheckpointError(f"{ckpt.root}: {name!r}: {e}") from e
-        scale = Composite(scale_shape(comp.shape, (1,) * (len(comp.shape) - 2) + block), pieces,
-                          {p.key: ckpt.entry(p.key) for p in pieces})
+        scale = Composite(scale_shape(comp.shape, kept), pieces, {p.key: ckpt.entry(p.key) for p in pieces})
         keys = set(per_piece)
     else:
         return set()  # FP8 values without scales: cast like any stored tensor
+    what = f"{name!r} is assembled from FP8 tensors ({comp.pieces[0].key!r}, ...) with block scales"
+    sources[name] = _dequantized(ckpt.root, name, what, comp, scale, declared, lambda: block, dequantize)
+    return keys
+
+
+def _dequantized(where, name: str, what: str, weight, scale, declared: torch.dtype,
+                 fp8_block: Callable[[], tuple[int, int]], dequantize: bool) -> Dequantized:
+    """The :class:`Dequantized` source of the FP8 ``weight`` (``what``, a stored tensor or a
+    :class:`Composite`) and its ``scale``; ``CheckpointError`` without ``dequantize``, or for
+    scales whose shape does not fit the block of the checkpoint's config."""
     if not dequantize:
         raise CheckpointError(
-            f"{ckpt.root}: {name!r} is assembled from FP8 tensors ({comp.pieces[0].key!r}, ...) with block "
-            f"scales but the model declares {declared}; pass dequantize=True to load it dequantized into "
-            "the model's dtype, or build the model with its FP8 modules (sw.from_pretrained does, unless "
-            "dequantize=True)")
-    scheme = QuantScheme.fp8_block(block, ndim=len(comp.shape))
+            f"{where}: {what} but the model declares {declared}; pass dequantize=True to load it dequantized "
+            "into the model's dtype, or build the model with its FP8 modules (sw.from_pretrained does, "
+            "unless dequantize=True)")
+    shape = tuple(weight.shape if isinstance(weight, Composite) else weight[1].shape)
     held = tuple(scale.shape if isinstance(scale, Composite) else scale[1].shape)
-    want = scheme.stored_shapes(comp.shape)[1]
+    block = fp8_block()
+    scheme = QuantScheme.fp8_block(block, ndim=len(shape))
+    want = scheme.stored_shapes(shape)[1]
     if held != want:
-        raise CheckpointError(f"{ckpt.root}: the scales of {name!r} have shape {held}, but a weight of shape "
-                              f"{comp.shape} in blocks {block} needs {want}; is weight_block_size in "
+        raise CheckpointError(f"{where}: the scales of {name!r} have shape {held}, but a weight of shape "
+                              f"{shape} in blocks {block} needs {want}; is weight_block_size in "
                               "config.json right for this checkpoint?")
-    sources[name] = Dequantized(comp, scale, scheme, declared, comp.shape)
-    return keys
+    return Dequantized(weight, scale, scheme, declared, shape)
 
 
 def pair_mxfp4(absent: set[str], shapes: Mapping[str, tuple[int, ...]], declared: Mapping[str, torch.dtype],
                ckpt, *, dequantize: bool) -> tuple[dict[str, Dequantized], set[str]]:
     """``({model tensor: Dequantized}, stored keys used)`` for the model tensors ``absent`` from
-    the checkpoint that it stores as MXFP4 (``x_blocks`` + ``x_scales``, gpt-oss's experts),
-    loaded dequantized as transformers does (``convert_moe_packed_tensors``: the model tensor
-    is the stored weight transposed). Without ``dequantize`` such a tensor raises
-    ``CheckpointError`` (it would otherwise be missing, or filled from nothing)."""
+    the checkpoint that it stores as MXFP4 ``x_blocks`` + ``x_scales`` (gpt-oss's experts, the
+    transpose, as transformers' ``convert_moe_packed_tensors``); ``CheckpointError`` without
+    ``dequantize``."""
     stored = set(ckpt.names)
     out: dict[str, Dequantized] = {}
     used: set[str] = set()
-    method: str | None = None
+    config = functools.cache(lambda: read_quantization(ckpt.root))
     for name in sorted(absent):
         keys = QuantScheme.mxfp4().stored_keys(name)
         if not all(k in stored for k in keys):
@@ -167,13 +154,10 @@ def pair_mxfp4(absent: set[str], shapes: Mapping[str, tuple[int, ...]], declared
                 f"as {declared[name]} {shapes[name]}; pass dequantize=True to load it dequantized into the "
                 "model's dtype, or build the model with MXFP4 expert modules holding the blocks and scales "
                 "as they are stored (sw.from_pretrained does, unless dequantize=True)")
-        if method is None:
-            qc = read_quantization(ckpt.root)
-            method = qc.method if qc.config is not None else "mxfp4"
-        if method != "mxfp4":
-            raise CheckpointError(f"{ckpt.root}: the model config's quant_method {method!r}, but {name!r} is "
-                                  "stored as MXFP4 blocks and scales; shardwise reads such a pair as MXFP4 "
-                                  "only")
+        if config().config is not None and config().method != "mxfp4":
+            raise CheckpointError(f"{ckpt.root}: the model config's quant_method {config().method!r}, but "
+                                  f"{name!r} is stored as MXFP4 blocks and scales; shardwise reads such a "
+                                  "pair as MXFP4 only")
         _check_mxfp4(bfile, name, blocks, scales[1], shapes[name])
         scheme = QuantScheme.mxfp4(ndim=len(shapes[name]))
         out[name] = Dequantized((bfile, blocks), scales, scheme, declared[name], shapes[name],
@@ -213,11 +197,9 @@ _MALLOC_TRIM = _malloc_trim()
 
 
 class Dequantizer:
-    """The reads of :class:`Dequantized` tensors and their dequantization. ``assembly`` reads
-    each wanted local tensor's values and scales at the boxes its regions touch
-    (``dequant_reads``); when both are in, :meth:`take` dequantizes the shard into ``dtype``
-    (else the declared dtype), drops the raw parts and finalizes it. Peak per tensor: its
-    quantized shards plus the output."""
+    """``assembly`` reads each wanted tensor's values and scales at ``dequant_reads``; once both
+    are in, :meth:`take` dequantizes the shard into ``dtype`` (else the declared dtype), drops
+    the raw parts and finalizes it."""
 
     def __init__(self, tensors: Mapping[str, tuple[Dequantized, Want]]):
         self.assembly = Assembly()  # keys (model key, 0 for the values or 1 for the scales)
