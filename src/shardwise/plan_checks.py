@@ -11,7 +11,8 @@ import textwrap
 import torch
 from torch import nn
 
-from shardwise.core.plan import HEAD_ATTRS, ResolvedPlan
+from shardwise.core.plan import ResolvedPlan
+from shardwise.core.plan_rules import HEAD_ATTRS
 from shardwise.core.quant_layout import scale_local_shape
 from shardwise.core.spec import local_shape
 from shardwise.errors import PlanError, ShardingError
