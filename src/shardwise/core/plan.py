@@ -139,11 +139,6 @@ def _claim(owned: dict, tensor, name: str, spec: ShardSpec, key: str) -> None:
     owned[id(tensor)] = (spec, name, key)
 
 
-def _tensor(model: nn.Module, name: str):
-    path, _, leaf = name.rpartition(".")
-    return getattr(model.get_submodule(path), leaf)
-
-
 def plan_from_model(model: nn.Module) -> dict:
     """The tensor-parallel plan ``model`` ships (its adapter reads it); ``PlanError`` if none."""
     plan = adapter_for(model).shipped_plan(model, "tp")
@@ -214,7 +209,7 @@ def resolve_plan(model: nn.Module, plan, degree: int, *, strict: bool = False, e
         for check in _MODEL_CHECKS:
             check(model, owned, degrees)
 
-    check_degrees([(tuple(_tensor(model, n).shape), spec, n, key) for spec, n, key in owned.values()],
+    check_degrees([(tuple(tensors[n].shape), spec, n, key) for spec, n, key in owned.values()],
                   head_counts(model, sharded), keys, {"tp": degree, "ep": ep_degree}, others)
     _count_experts(model, styles, owned)
     others({"tp": degree, "ep": ep_degree})

@@ -127,12 +127,6 @@ def block_sizes(shape: Shape, spec: ShardSpec) -> tuple[int, ...]:
     return tuple(b * unit for b in spec.blocks)
 
 
-def _degree_hint(g: int) -> str:
-    # Listing small divisors turns "not divisible" into a choice the user can make.
-    ok = [k for k in range(1, min(g, 64) + 1) if g % k == 0]
-    return f"choose a degree that divides {g} (for example {', '.join(map(str, ok))})"
-
-
 def check_shardable(shape: Shape, spec: ShardSpec, degree: int) -> None:
     """``ShardingError`` unless every block along ``spec.dim`` splits into ``degree`` parts
     (replicated: always; a dim out of range: ``PlanError``)."""
@@ -143,16 +137,15 @@ def check_shardable(shape: Shape, spec: ShardSpec, degree: int) -> None:
     bad = [(i, s) for i, s in enumerate(sizes) if s % degree]
     if not bad:
         return
-    where = f"dim {spec.dim} of size {shape[spec.dim]}"
+    what = f"dim {spec.dim} of size {shape[spec.dim]}"
     if spec.packed:
         names = ", ".join(f"block {i} (size {s})" for i, s in bad)
-        what = f"{where} has packed blocks of sizes {sizes} (ratios {spec.blocks}); {names}"
-    else:
-        what = where
-    raise ShardingError(
-        f"{what} cannot be split over degree {degree}: not divisible by {degree}; "
-        + _degree_hint(math.gcd(*sizes))
-    )
+        what += f" has packed blocks of sizes {sizes} (ratios {spec.blocks}); {names}"
+    # Listing small divisors turns "not divisible" into a choice the user can make.
+    g = math.gcd(*sizes)
+    ok = ", ".join(str(k) for k in range(1, min(g, 64) + 1) if g % k == 0)
+    raise ShardingError(f"{what} cannot be split over degree {degree}: not divisible by {degree}; "
+                        f"choose a degree that divides {g} (for example {ok})")
 
 
 def dividing_degrees(tensors: Sequence[tuple[Shape, ShardSpec]], *, limit: int = 64) -> list[int]:

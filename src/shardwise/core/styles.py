@@ -125,11 +125,9 @@ def normalize_style(style, *, key: str = "") -> Style:
     where = f" for plan key {key!r}" if key else ""
     if isinstance(style, Style):
         return style
-    if isinstance(style, str):
-        if style in _STRINGS:
-            return replace(_STRINGS[style], source=style)
-        raise PlanError(f"unsupported style {style!r}{where}; supported: {', '.join(SUPPORTED_STYLES)}")
-    cls = type(style).__name__
+    if isinstance(style, str) and style in _STRINGS:
+        return replace(_STRINGS[style], source=style)
+    cls = type(style).__name__  # an unknown string falls through to the error below
     blocks = getattr(style, "blocks", None)
     if cls in ("PackedColwise", "PackedColwiseParallel", "PackedRowwise", "PackedRowwiseParallel"):
         b = None if blocks is None else check_blocks(blocks, cls)

@@ -145,9 +145,9 @@ def _apply(conv, groups: dict[str, list[_Virtual]], what: str) -> _Virtual:
     return single
 
 
-def _whole(key: str, entry: NamedDtype) -> Piece:
-    zeros = (0,) * len(entry.shape)
-    return Piece(key, Region(zeros, entry.shape), zeros)
+def _whole(key: str, shape: tuple[int, ...]) -> Piece:
+    zeros = (0,) * len(shape)
+    return Piece(key, Region(zeros, shape), zeros)
 
 
 def _split_targets(conv, key: str, name: str, entry: NamedDtype, shapes: dict, what: str) -> dict:
@@ -222,7 +222,7 @@ def hub_tensors(model: nn.Module, stored: Mapping[str, tuple[Location | None, Na
         for pattern, keys in by_pattern.items():
             keys.sort(key=_natural)
             _indices_run(keys, what)
-            collected[pattern] = [_Virtual(stored[k][1].shape, [_whole(k, stored[k][1])]) for k in keys]
+            collected[pattern] = [_Virtual(stored[k][1].shape, [_whole(k, stored[k][1].shape)]) for k in keys]
         built = _apply(conv, collected, what)
         dtypes = {stored[p.key][1].dtype for p in built.pieces}
         if len(dtypes) != 1:
@@ -277,7 +277,7 @@ def hub_save_layout(model: nn.Module,
     except CheckpointError as e:
         raise CheckpointError(f"sw.save cannot write {type(model).__name__} in its hub layout: {e}; "
                               f"{_MODULE}") from e
-    composites: dict[str, Composite | None] = dict(built)  # None: a tensor under its own name
+    placed = set(built)  # model tensors with a place in the hub layout
     fragments: dict[str, list[tuple[str, Piece]]] = {}
     for name, comp in built.items():
         if comp.shape != shapes[name]:
@@ -290,15 +290,13 @@ def hub_save_layout(model: nn.Module,
         # A key that the load direction renames to no model tensor while it names one itself
         # (DeepSeek-V4's ".norm." -> ".kv_norm." also matches model.norm.weight): the load
         # reads it under its own name, so the save writes it so too.
-        if key not in fragments and key in tensors and key not in composites \
-                and shapes[key] == tuple(t.shape):
-            zeros = (0,) * len(t.shape)
-            fragments[key] = [(key, Piece(key, Region(zeros, shapes[key]), zeros))]
-            composites[key] = None
+        if key not in fragments and key in tensors and key not in placed and shapes[key] == tuple(t.shape):
+            fragments[key] = [(key, _whole(key, shapes[key]))]
+            placed.add(key)
     unplaced = [k for k in reverted if k not in fragments]
     if unplaced:
         raise CheckpointError(f"the hub layout's {unplaced[:3]} map to no model tensor; {_MODULE}")
-    missing = set(tensors) - set(composites)
+    missing = set(tensors) - placed
     if missing:
         raise CheckpointError(f"model tensors {sorted(missing)[:3]} have no place in the hub layout; "
                               f"{_MODULE}")
