@@ -142,7 +142,6 @@ def mxfp4_experts(model: nn.Module, quantizer=None) -> nn.Module:
     quantizer's ``serialized_names``), so a rank's shards are what ``swizzle_mxfp4_convertops``
     takes and ``sw.save`` writes them back as stored; biases keep the checkpoint's dtype.
     """
-    import torch
     from transformers.integrations.mxfp4 import Mxfp4GptOssExperts, Mxfp4GptOssMLP
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
     from transformers.quantizers import AutoHfQuantizer
