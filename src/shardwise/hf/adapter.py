@@ -55,9 +55,8 @@ def config_folder(folder: Location) -> Iterator[Path]:
 
 
 def build_model(cls: Any, config: Path, **kwargs) -> nn.Module:
-    """``cls`` (a transformers model or Auto class, or a diffusers model class) built from the
-    local ``config`` (a file or a folder) as the library's ``from_config`` builds it, on the
-    current device; ``kwargs`` (``dtype=``) go to transformers."""
+    """``cls`` (a transformers model or Auto class, or a diffusers model class) built by its library
+    from the local ``config`` (a file or a folder), on the current device; ``kwargs`` to transformers."""
     if library_of(cls) == "diffusers":
         return cls.from_config(cls.load_config(config))
     import transformers
@@ -69,8 +68,7 @@ def build_model(cls: Any, config: Path, **kwargs) -> nn.Module:
 
 
 def _meta_model(cls: Any, config: Path, config_file: object, fix: str = "") -> nn.Module:
-    """:func:`build_model` on meta; ``CheckpointError`` naming ``config_file`` when the library
-    refuses it."""
+    """:func:`build_model` on meta; ``CheckpointError`` naming ``config_file`` if the library refuses."""
     try:
         with torch.device("meta"):
             return build_model(cls, config)
