@@ -11,7 +11,8 @@ import textwrap
 import torch
 from torch import nn
 
-from shardwise.core.plan import HEAD_ATTRS, ResolvedPlan
+from shardwise.core.plan import ResolvedPlan
+from shardwise.core.plan_rules import HEAD_ATTRS
 from shardwise.core.quant_layout import scale_local_shape
 from shardwise.core.spec import local_shape
 from shardwise.errors import PlanError, ShardingError
@@ -34,7 +35,7 @@ def check_plan(model: nn.Module, specs: ResolvedPlan) -> None:
     for owner, projection in owners.items():
         module = model.get_submodule(owner)
         for func in _code_of(module):
-            uses = _head_uses(func)
+            uses = _scan(func)[1]
             if uses:
                 name = getattr(func, "__qualname__", repr(func))
                 raise PlanError(
@@ -53,7 +54,7 @@ def _code_of(module: nn.Module) -> list:
     if processor is not None and callable(processor):
         funcs.append(type(processor).__call__)
     for func in list(funcs):
-        for name in _called_methods(func):
+        for name in _scan(func)[0]:
             method = getattr(type(module), name, None)
             if inspect.isfunction(method) and method not in funcs:
                 funcs.append(method)
@@ -61,52 +62,29 @@ def _code_of(module: nn.Module) -> list:
 
 
 @functools.cache  # one parse per function, not per layer
-def _parsed(func) -> tuple[ast.FunctionDef | ast.AsyncFunctionDef, frozenset[str]] | None:
-    """The function's tree and the names holding the module (``self``, a processor's ``attn``)."""
+def _scan(func) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(methods func calls on the module, its shaping calls whose arguments read a head count
+    off the module, directly or through a local name: heads = attn.heads)``; the module is held
+    by ``self`` or, in a diffusers processor's ``__call__(self, attn, ...)``, by ``attn`` too."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(func)))
     except (OSError, TypeError, SyntaxError):  # no source (built in, compiled): nothing to check
-        return None
+        return (), ()
     node = tree.body[0]
     if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-        return None
+        return (), ()
     args = [a.arg for a in node.args.args]
-    holders = set(args[:1])  # self
-    if len(args) > 1 and args[0] == "self" and func.__name__ == "__call__":
-        holders.add(args[1])  # a diffusers processor: __call__(self, attn, hidden_states, ...)
-    return node, frozenset(holders)
-
-
-@functools.cache
-def _called_methods(func) -> tuple[str, ...]:
-    parsed = _parsed(func)
-    if parsed is None:
-        return ()
-    node, holders = parsed
-    return tuple(dict.fromkeys(
-        c.func.attr for c in ast.walk(node) if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)
-        and isinstance(c.func.value, ast.Name) and c.func.value.id in holders))
-
-
-@functools.cache
-def _head_uses(func) -> tuple[str, ...]:
-    """``func``'s shaping calls whose arguments read a head count off the module, directly or
-    through a local name (``heads = attn.heads``)."""
-    parsed = _parsed(func)
-    if parsed is None:
-        return ()
-    node, holders = parsed
+    holders = frozenset(args[:2] if len(args) > 1 and args[0] == "self" and func.__name__ == "__call__"
+                        else args[:1])
+    calls = [c for c in ast.walk(node) if isinstance(c, ast.Call)]
+    called = tuple(dict.fromkeys(c.func.attr for c in calls if isinstance(c.func, ast.Attribute)
+                                 and isinstance(c.func.value, ast.Name) and c.func.value.id in holders))
     aliases = {t.id for a in ast.walk(node) if isinstance(a, ast.Assign) and _reads_heads(a.value, holders)
                for t in a.targets if isinstance(t, ast.Name)}
-    uses = []
-    for call in ast.walk(node):
-        if not (isinstance(call, ast.Call) and _callee(call) in _SHAPING):
-            continue
-        args = [*call.args, *(k.value for k in call.keywords)]
-        if any(_reads_heads(sub, holders) or (isinstance(sub, ast.Name) and sub.id in aliases)
-               for arg in args for sub in ast.walk(arg)):
-            uses.append(ast.unparse(call))
-    return tuple(uses)
+    uses = tuple(ast.unparse(c) for c in calls if _callee(c) in _SHAPING and any(
+        _reads_heads(sub, holders) or (isinstance(sub, ast.Name) and sub.id in aliases)
+        for arg in [*c.args, *(k.value for k in c.keywords)] for sub in ast.walk(arg)))
+    return called, uses
 
 
 def _callee(call: ast.Call) -> str:

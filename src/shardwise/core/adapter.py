@@ -48,7 +48,6 @@ class ModelAdapter:
     def refuse(self, model: nn.Module, action: str) -> None:
         """``UnsupportedModelError`` for what shardwise cannot ``action`` ("load", ...) on ``model``."""
 
-
     def stored_tensors(self, model: nn.Module, stored: Mapping[str, tuple[Location | None, NamedDtype]],
                        wanted: set[str], shapes: Mapping[str, tuple[int, ...]] | None = None,
                        ) -> tuple[dict[str, Composite], set[str]]:

@@ -54,14 +54,11 @@ class StoredPart:
     dtype: str
     fragments: tuple[tuple[str, Piece], ...]
 
-    @property
-    def whole(self) -> bool:
-        """Whether the stored tensor is one box of one model tensor (no assembly buffer)."""
-        return len(self.fragments) == 1 and self.fragments[0][1].source.sizes == self.shape
-
     def assemble(self, tensor: Callable[[str], torch.Tensor | None]) -> torch.Tensor | None:
         """The stored tensor from ``tensor(name)``, called once per fragment in order (the callee
         may reuse its buffer); None where it gives None (a rank that does not write)."""
+        # one box of one model tensor: that box, with no assembly buffer
+        whole = len(self.fragments) == 1 and self.fragments[0][1].source.sizes == self.shape
         out = None
         for name, piece in self.fragments:
             full = tensor(name)
@@ -70,7 +67,7 @@ class StoredPart:
             box = full[piece.box().slices()]
             for d in sorted(piece.stacked, reverse=True):
                 box = box.squeeze(d)
-            if self.whole:
+            if whole:
                 return box.contiguous()
             if out is None:
                 out = torch.empty(self.shape, dtype=box.dtype, device=box.device)

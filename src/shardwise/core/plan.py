@@ -1,20 +1,20 @@
-"""Plans: from ``{module or parameter path: style}`` to one ``ShardSpec`` per tensor, and the
-rules a plan is held to. :func:`resolve_plan` is the one place a plan is validated, on a meta
-model, before any process group is touched. Pure: no torch.distributed, no file I/O."""
+"""Plans: from ``{module or parameter path: style}`` to one ``ShardSpec`` per tensor. The plan
+dict is decoded by ``core.styles`` and held to ``core.plan_rules``; :func:`resolve_plan` is the
+one place a plan is validated, on a meta model, before any process group is touched. Pure: no
+torch.distributed, no file I/O."""
 
 from __future__ import annotations
 
-import difflib
-import re
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
 from torch import nn
 
 from shardwise.core.adapter import adapter_for
-from shardwise.core.quant_layout import MXFP4_SUFFIXES, QuantTie, is_tied_scale, tie_scales
-from shardwise.core.spec import ShardSpec, block_sizes, check_degree, check_shardable, dividing_degrees
+from shardwise.core.plan_rules import check_degrees, check_pairs, head_counts
+from shardwise.core.quant_layout import QuantTie, is_tied_scale, tie_scales
+from shardwise.core.spec import ShardSpec, check_degree
 from shardwise.core.styles import (
     DEFAULT_PACKED,
     SUPPORTED_STYLES,
@@ -22,9 +22,10 @@ from shardwise.core.styles import (
     PackedRowwise,
     Style,
     check_blocks,
+    match_plan,
     normalize_style,
 )
-from shardwise.errors import PlanError, ShardingError
+from shardwise.errors import PlanError
 
 # ``check(model, owned, degrees)``, run by resolve_plan at every degree it tries, raises
 # ``PlanError``; ``owned``: {id(parameter): (ShardSpec, name, plan key)}, ``degrees``: {"tp", "ep"}.
@@ -66,26 +67,25 @@ class ResolvedPlan(dict):
         return self.get(self.aliases.get(name, name), ShardSpec())
 
 
-def _module_blocks(module: nn.Module, style: Style, path: str, key: str) -> tuple[int, ...]:
-    if style.blocks is not None:
-        return style.blocks
+def _with_blocks(module: nn.Module, style: Style, path: str, key: str) -> Style:
+    """``style`` with its packed blocks filled in (the module's ``_tp_packed_*_blocks``)."""
+    if not style.sharded or style.blocks is not None:
+        return style
     attr = "_tp_packed_col_blocks" if style.kind == "colwise" else "_tp_packed_row_blocks"
     blocks = getattr(module, attr, None)
-    if blocks is None:
-        if style.source.startswith("packed_"):
-            return DEFAULT_PACKED
+    if blocks is None and not style.source.startswith("packed_"):
         raise PlanError(
             f"plan key {key!r} ({style.source}) gives no blocks and module {path!r} has no "
             f"{attr}; pass the blocks, e.g. PackedColwise([1, 1])"
         )
-    return check_blocks(blocks, f"{path}.{attr}")
+    return replace(style, blocks=DEFAULT_PACKED if blocks is None else check_blocks(blocks, f"{path}.{attr}"))
 
 
 def _module_specs(module: nn.Module, style: Style, path: str, key: str) -> dict[str, ShardSpec]:
-    """Specs of the module's own tensors under a module key's ``style``."""
+    """Specs of the module's own tensors under a module key's ``style``: those parameter keys
+    would give its weight and bias (an embedding's by ``kind`` alone; always on the tp axis)."""
     if not style.sharded:
         return {}
-    assert style.blocks is not None  # a sharded style's blocks are filled in (_module_blocks)
     is_embedding = isinstance(module, nn.Embedding)
     if not (isinstance(module, nn.Linear) or is_embedding):
         raise PlanError(
@@ -93,20 +93,16 @@ def _module_specs(module: nn.Module, style: Style, path: str, key: str) -> dict[
             "sharded module styles apply to nn.Linear and nn.Embedding modules only (name a "
             "parameter in the key to shard it alone)"
         )
-    if is_embedding and (len(style.blocks) > 1 or style.split_input):
+    if is_embedding and (len(style.blocks or ()) > 1 or style.split_input):
         raise PlanError(f"plan key {key!r}: style {style.source!r} does not apply to the embedding {path!r}")
-    if is_embedding:
-        # colwise = split the embedding dim; rowwise = split the vocabulary.
-        return {"weight": ShardSpec(dim=1 if style.kind == "colwise" else 0)}
-    specs = {"weight": ShardSpec(dim=0 if style.kind == "colwise" else 1, blocks=style.blocks)}
-    if getattr(module, "bias", None) is not None:
-        specs["bias"] = ShardSpec(dim=0, blocks=style.blocks) if style.kind == "colwise" else ShardSpec()
-    return specs
+    style = replace(style, embedding=is_embedding, axis="tp")
+    return {leaf: _param_spec(tuple(t.shape), leaf, style)
+            for leaf in ("weight", "bias") if (t := getattr(module, leaf, None)) is not None}
 
 
 def _param_spec(shape: tuple[int, ...], leaf: str, style: Style) -> ShardSpec:
     """A parameter key's spec, as transformers: colwise splits dim ``ndim - 2``, rowwise the
-    last dim; a rowwise ``bias`` stays whole."""
+    last dim; a rowwise ``bias`` stays whole; an embedding's: dim 0 (rowwise) or 1."""
     ndim = len(shape)
     if style.axis == "ep" and style.sharded and ndim:  # grouped_gemm: whole experts per rank
         return ShardSpec(dim=0, axis="ep")
@@ -115,7 +111,7 @@ def _param_spec(shape: tuple[int, ...], leaf: str, style: Style) -> ShardSpec:
     if style.embedding:
         return ShardSpec(dim=0 if style.kind == "rowwise" else min(1, ndim - 1))
     dim = max(ndim - 2, 0) if style.kind == "colwise" else ndim - 1
-    assert style.blocks is not None  # a sharded style's blocks are filled in (_module_blocks)
+    assert style.blocks is not None  # a sharded style's blocks are filled in (_with_blocks)
     return ShardSpec(dim=dim, blocks=style.blocks)
 
 
@@ -141,11 +137,6 @@ def _claim(owned: dict, tensor, name: str, spec: ShardSpec, key: str) -> None:
         raise PlanError(f"plan key {key!r} shards {name!r} as {spec}, but the same tied tensor "
                         f"is {other[1]!r} sharded as {other[0]}; plan tied modules alike")
     owned[id(tensor)] = (spec, name, key)
-
-
-def _tensor(model: nn.Module, name: str):
-    path, _, leaf = name.rpartition(".")
-    return getattr(model.get_submodule(path), leaf)
 
 
 def plan_from_model(model: nn.Module) -> dict:
@@ -175,7 +166,6 @@ def resolve_plan(model: nn.Module, plan, degree: int, *, strict: bool = False, e
     if isinstance(plan, str) and plan == "auto":
         plan = plan_from_model(model)
     module_claims, param_claims, unused = match_plan(model, plan, strict=strict)
-    check_some_key_matches(model, plan, unused)
     check_degree(ep_degree, names=("ep_degree", "rank"))
     if ep_degree > 1:
         module_claims, param_claims, ep_unused = _with_ep_plan(model, ep_plan, module_claims,
@@ -187,14 +177,11 @@ def resolve_plan(model: nn.Module, plan, degree: int, *, strict: bool = False, e
     keys: dict[str, str] = {}
     owned: dict[int, tuple[ShardSpec, str, str]] = {}
     for path, (key, raw) in module_claims.items():
-        style = normalize_style(raw, key=key)
         module = model.get_submodule(path)
-        if style.sharded:
-            blocks = _module_blocks(module, style, path, key)
-            style = replace(style, blocks=blocks)
-            if style.gather_output and len(blocks) > 1:
-                raise PlanError(f"plan key {key!r}: gathering the output of a packed projection "
-                                "is not supported")
+        style = _with_blocks(module, normalize_style(raw, key=key), path, key)
+        if style.gather_output and len(style.blocks or ()) > 1:
+            raise PlanError(f"plan key {key!r}: gathering the output of a packed projection "
+                            "is not supported")
         if style.forward == "mla_kv_a":
             style = replace(style, rope_dim=_rope_dim(model, path, key))
         styles[path], keys[path] = style, key
@@ -203,12 +190,10 @@ def resolve_plan(model: nn.Module, plan, degree: int, *, strict: bool = False, e
     local_owners: list[str] = []
     sharded = [p for p, s in styles.items() if s.sharded]
     for name, (key, raw) in param_claims.items():
-        style = normalize_style(raw, key=key)
         path, _, leaf = name.rpartition(".")
         module = model.get_submodule(path)
-        if style.sharded:
-            style = replace(style, blocks=_module_blocks(module, style, path, key))
         tensor = getattr(module, leaf)
+        style = _with_blocks(module, normalize_style(raw, key=key), path, key)
         spec = _param_spec(tuple(tensor.shape), leaf, style)
         keys[name] = key
         _claim(owned, tensor, name, spec, key)  # a parameter key overrides its module's key
@@ -224,7 +209,7 @@ def resolve_plan(model: nn.Module, plan, degree: int, *, strict: bool = False, e
         for check in _MODEL_CHECKS:
             check(model, owned, degrees)
 
-    check_degrees([(tuple(_tensor(model, n).shape), spec, n, key) for spec, n, key in owned.values()],
+    check_degrees([(tuple(tensors[n].shape), spec, n, key) for spec, n, key in owned.values()],
                   head_counts(model, sharded), keys, {"tp": degree, "ep": ep_degree}, others)
     _count_experts(model, styles, owned)
     others({"tp": degree, "ep": ep_degree})
@@ -250,8 +235,7 @@ def _with_ep_plan(model: nn.Module, ep_plan, module_claims: dict, param_claims: 
     """The claims of the tp plan without the expert modules, plus those of the ep plan."""
     if ep_plan is None or (isinstance(ep_plan, str) and ep_plan == "auto"):
         ep_plan = adapter_for(model).shipped_plan(model, "ep")
-    ep_modules, ep_params, unused = match_plan(model, ep_plan, strict=strict)
-    check_some_key_matches(model, ep_plan, unused, what="ep_plan")
+    ep_modules, ep_params, unused = match_plan(model, ep_plan, strict=strict, what="ep_plan")
     for key, raw in ep_plan.items():
         if normalize_style(raw, key=key).axis != "ep":
             raise PlanError(f"ep_plan key {key!r} has style {raw!r}; an ep plan holds 'grouped_gemm' "
@@ -310,281 +294,8 @@ def without_tp(specs: ResolvedPlan) -> ResolvedPlan:
                         ep_degree=specs.degrees["ep"], ties=specs.ties)
 
 
-# -- key matching ---------------------------------------------------------------------------
-
-def match_plan(model: nn.Module, plan: Mapping, *, strict: bool = False):
-    """``({module path: (key, style)}, {parameter: (key, style)}, unmatched keys)``: each ``*``
-    is one numeric path component; a key also matches under the adapter's ``base_prefix``."""
-    if not isinstance(plan, Mapping):
-        raise PlanError(f"a plan must be a dict of module path -> style, got {type(plan).__name__}")
-    module_names = [n for n, _ in model.named_modules()]
-    param_names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
-    prefix = adapter_for(model).base_prefix(model)
-    modules: dict[str, tuple[str, object]] = {}
-    params: dict[str, tuple[str, object]] = {}
-    unused: list[str] = []
-    for key, style in plan.items():
-        if not isinstance(key, str) or not key:
-            raise PlanError(f"plan keys must be module or parameter paths (non-empty strings), got {key!r}")
-        normalize_style(style, key=key)  # an unknown style is an error even where nothing matches
-        hits = _hits_under(key, prefix, module_names, param_names)
-        if not any(hits):  # MXFP4 `x` held as `x_blocks` + `x_scales`: the key names `x`, as transformers
-            hits = ([], _hits_under(key + MXFP4_SUFFIXES[0], prefix, module_names, param_names)[1])
-        if not any(hits):
-            if strict:
-                near = closest_paths(key, _patterns(model), prefix)
-                raise PlanError(f"plan key {key!r} matches no module or parameter; did you mean "
-                                f"{', '.join(map(repr, near))}?")
-            unused.append(key)
-            continue
-        for claimed, names in zip((modules, params), hits, strict=True):
-            for name in names:
-                if name in claimed and claimed[name][1] != style:
-                    raise PlanError(f"plan keys {claimed[name][0]!r} and {key!r} both claim {name!r} "
-                                    "with different styles; keep one entry per module or parameter")
-                claimed[name] = (key, style)
-    return modules, params, unused
-
-
-def _hits_under(key: str, prefix: str, module_names, param_names) -> tuple[list[str], list[str]]:
-    """The module and parameter names ``key`` matches, else those it matches under ``prefix``."""
-    for full in (key, f"{prefix}.{key}") if prefix else (key,):
-        pattern = re.compile(r"\.".join(r"\d+" if p == "*" else re.escape(p) for p in full.split(".")))
-        dots = full.count(".")
-        hits = tuple([n for n in names if n.count(".") == dots and pattern.fullmatch(n)]
-                     for names in (module_names, param_names))
-        if any(hits):
-            break
-    return hits  # type: ignore[return-value]
-
-
-def _patterns(model: nn.Module) -> list[str]:
-    """Module paths and non weight/bias parameters, numeric components as ``*`` (as keys are)."""
-    names = [n for n, _ in model.named_modules() if n]
-    names += [n for n, _ in model.named_parameters() if n.rpartition(".")[2] not in ("weight", "bias")]
-    return list(dict.fromkeys(re.sub(r"(?<![^.])\d+(?![^.])", "*", n) for n in names))
-
-
-def closest_paths(key: str, patterns: list[str], prefix: str = "", n: int = 3) -> list[str]:
-    """The ``n`` patterns most like ``key``, each also compared without the base ``prefix``."""
-    def score(pattern: str) -> float:
-        bare = pattern[len(prefix) + 1:] if prefix and pattern.startswith(prefix + ".") else pattern
-        return max(difflib.SequenceMatcher(None, key, p).ratio() for p in (pattern, bare))
-
-    return sorted(patterns, key=lambda p: -score(p))[:n]
-
-
-def check_some_key_matches(model: nn.Module, plan: Mapping, unused, *, what: str = "plan") -> None:
-    """``PlanError`` when no key of a non-empty ``plan`` matches: every rank would hold the whole
-    model, which no one means. With one key matching, the others are skipped."""
-    if not plan or len(unused) < len(plan):
-        return
-    patterns, prefix = _patterns(model), adapter_for(model).base_prefix(model)
-    shown = [f"{k!r} (closest: {', '.join(map(repr, closest_paths(k, patterns, prefix)))})"
-             for k in list(plan)[:3]]
-    more = f", and {len(plan) - 3} more" if len(plan) > 3 else ""
-    base = f"; a key written for the base model also matches under {prefix + '.'!r}" if prefix else ""
-    own = (f", or pass plan='auto' for the plan {type(model).__name__} ships"
-           if what == "plan" and adapter_for(model).shipped_plan(model, "tp") else "")
-    raise PlanError(
-        f"none of the {what}'s {len(plan)} keys matches a module or parameter of {type(model).__name__}, so "
-        f"nothing would be sharded and every rank would hold the whole model: {'; '.join(shown)}{more}. "
-        f"Write each key as the model names its modules, with '*' for a layer index{base}{own}")
-
-
-# -- pairing of split projections ----------------------------------------------------------
-
-# (producers, consumers) relative to one module: a colwise producer's sibling consumer must be
-# rowwise, and the reverse. A name may sit in two families (GPT-2's c_proj): only siblings pair.
-FAMILIES: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
-    (("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "q_b_proj", "kv_b_proj", "c_attn",
-      "Wqkv", "wqkv", "wq", "wk", "wv", "qkv", "q", "k", "v"),
-     ("o_proj", "out_proj", "dense", "c_proj", "wo", "Wo", "o", "out")),
-    (("to_q", "to_k", "to_v", "to_qkv", "to_qkv_mlp_proj"), ("to_out.0", "to_out")),
-    (("add_q_proj", "add_k_proj", "add_v_proj"), ("to_add_out",)),
-    (("gate_proj", "up_proj", "gate_up_proj", "fc1", "fc_in", "c_fc", "w1", "w3", "dense_h_to_4h",
-      "linear_in", "wi", "wi_0", "wi_1", "gate_up", "up", "net.0.proj"),
-     ("down_proj", "fc2", "fc_out", "c_proj", "w2", "dense_4h_to_h", "linear_out", "wo", "down", "net.2")),
-)
-
-
-def _weight_spec(specs: Mapping[str, ShardSpec], path: str) -> ShardSpec | None:
-    """The spec of ``path``'s weight, or of ``path`` itself, or None."""
-    for name in (f"{path}.weight", path):
-        if name in specs:
-            return specs[name]
-    return None
-
-
-def _splits(path: str, specs, shapes, styles, role: str) -> bool:
-    """Whether tp splits ``path``'s output features (producers: dim ``ndim - 2``, not gathered
-    again) or its input features (consumers: the last dim, from an input arriving split)."""
-    spec, ndim = _weight_spec(specs, path), len(_shape(shapes, path))
-    if spec is None or spec.replicated or spec.axis != "tp" or ndim < 2:
-        return False
-    style = styles.get(path)
-    if role == "producers":
-        return spec.dim == ndim - 2 and not (style is not None and style.gather_output)
-    return spec.dim == ndim - 1 and not (style is not None and style.split_input)
-
-
-def check_pairs(specs: Mapping[str, ShardSpec], shapes: Mapping[str, tuple[int, ...]],
-                styles: Mapping[str, Style], keys: Mapping[str, str], degree: int) -> None:
-    """``PlanError`` naming both modules where a split producer's sibling consumer does not
-    split its input, or a consumer does while its producers are whole (``FAMILIES``)."""
-    if degree == 1:
-        return
-    for producers, consumers in FAMILIES:
-        for parent, found in _siblings(specs, producers, consumers).items():
-            _check_family(parent, found, specs, shapes, styles, keys)
-
-
-def _siblings(names: Collection[str], producers, consumers) -> dict[str, dict[str, list[str]]]:
-    """``{parent: {"producers": [paths], "consumers": [paths]}}`` of the family in ``names``."""
-    by_leaf: dict[str, list[tuple[str, str]]] = {}  # one dict lookup per tensor, not one per name
-    for role, rels in (("producers", producers), ("consumers", consumers)):
-        for rel in rels:
-            by_leaf.setdefault(rel.rpartition(".")[2], []).append((role, rel))
-    out: dict[str, dict[str, list[str]]] = {}
-    for name in names:
-        path = name[: -len(".weight")] if name.endswith(".weight") else name
-        for role, rel in by_leaf.get(path.rpartition(".")[2], ()):
-            if path == rel or path.endswith("." + rel):
-                group = out.setdefault(path[: -len(rel)].rstrip("."), {"producers": [], "consumers": []})
-                if path not in group[role]:
-                    group[role].append(path)
-    return out
-
-
-def _check_family(parent: str, found: dict, specs, shapes, styles, keys) -> None:
-    producers = [p for p in found["producers"] if len(_shape(shapes, p)) >= 2]
-    consumers = [c for c in found["consumers"] if len(_shape(shapes, c)) >= 2]
-    split_out = [p for p in producers if _splits(p, specs, shapes, styles, "producers")]
-    split_in = [c for c in consumers if _splits(c, specs, shapes, styles, "consumers")]
-    if split_out and consumers and not split_in:
-        p, c = split_out[0], consumers[0]
-        key = _key(keys, p)
-        raise PlanError(
-            f"plan key {key!r} shards {p!r} colwise, so its output stays split over the ranks, but its "
-            f"consumer {c!r} is {_what(c, specs, styles)}: it would get part of its input features and the "
-            f"forward would fail. Pair them: add {{{_sibling_key(key, p, c)!r}: 'rowwise'}} to the plan "
-            f"(or give {p!r} 'colwise_gather_output' to make its output whole)")
-    if split_in and producers and not split_out:
-        c, p = split_in[0], producers[0]
-        key = _key(keys, c)
-        raise PlanError(
-            f"plan key {key!r} shards {c!r} rowwise, so it expects its input split over the ranks, but "
-            f"{', '.join(map(repr, producers))}, which produce that input, are whole: the forward would "
-            f"fail. Shard them colwise (add {{{_sibling_key(key, c, p)!r}: 'colwise'}}, and the same for "
-            f"the others), or give {c!r} 'rowwise_split_input' to split a whole input itself")
-
-
-def _key(keys, path: str) -> str:
-    return keys[path] if path in keys else keys.get(f"{path}.weight", path)
-
-
-def _shape(shapes, path: str) -> tuple[int, ...]:
-    return shapes.get(f"{path}.weight", shapes.get(path, ()))
-
-
-def _what(path: str, specs, styles) -> str:
-    style = styles.get(path)
-    if style is not None and style.split_input:
-        return f"{style.source!r}, which takes a whole input and splits it itself"
-    spec = _weight_spec(specs, path)
-    return "not in the plan" if spec is None or spec.replicated else f"sharded as {spec}, not rowwise"
-
-
-def _sibling_key(key: str, path: str, sibling: str) -> str:
-    """The plan key of ``sibling`` written like ``key`` (its '*'s and prefix kept)."""
-    parent = path.rpartition(".")[0] if "." in path else ""
-    while parent and not sibling.startswith(parent + "."):
-        parent = parent.rpartition(".")[0]
-    tail_old = path[len(parent) + 1:] if parent else path
-    tail_new = sibling[len(parent) + 1:] if parent else sibling
-    head = key.split(".")[: len(key.split(".")) - len(tail_old.split("."))]
-    return ".".join(head + tail_new.split("."))
-
-
-# -- degrees --------------------------------------------------------------------------------
-
-HEAD_ATTRS = ("num_heads", "heads", "num_attention_heads", "num_key_value_heads",
-               "num_kv_heads", "n_heads", "n_kv_heads")
-_ATTENTION = re.compile(r"attn|attention|q_proj|k_proj|v_proj|qkv|to_q|to_k|to_v")
-
-
-def head_counts(model: nn.Module, sharded: list[str]) -> list[tuple[str, str, int, str]]:
-    """``(owner, attribute, count, sharded path)`` of each head count on the config or on a
-    module above a sharded projection."""
-    if not sharded:
-        return []
-    config = getattr(model, "config", None)
-    # the root's from its config: diffusers warns on config attributes read off the model
-    owners = [("config", config)] if config is not None else [("", model)]
-    owners += [(n, m) for n, m in model.named_modules() if n]
-    out = []
-    for name, owner in owners:
-        near = [p for p in sharded if name in ("", "config") or p.startswith(name + ".")]
-        if not near:
-            continue
-        for attr in HEAD_ATTRS:
-            try:
-                value = getattr(owner, attr, None)
-            except Exception:  # noqa: BLE001 - a per-layer config attribute refuses a global read
-                continue
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                path = next((p for p in near if _ATTENTION.search(p)), near[0])
-                out.append((f"model.{name}" if name else "model", attr, value, path))
-    return out
-
-
-def check_degrees(tensors: list, counts: list, keys: dict, degrees: dict[str, int],
-                  others: Callable[[dict[str, int]], None]) -> None:
-    """``ShardingError`` unless each axis's degree splits its ``tensors`` (``(shape, spec, name,
-    key)``) and, for tp, the head ``counts``; it lists the degrees passing these and ``others``."""
-    for axis in ("tp", "ep"):
-        error = _error_at(tensors, counts, keys, axis, degrees[axis])
-        if error is not None:
-            ok = _passing(tensors, counts, keys, degrees, axis, others)
-            # from None: the cause's hint (one dim's divisors) would contradict the list
-            raise ShardingError(f"{error}. Degrees that pass every check of this plan: "
-                                f"{', '.join(map(str, ok))}") from None
-
-
-def _passing(tensors, counts, keys, degrees: dict[str, int], axis: str, others) -> list[int]:
-    ok = []
-    for d in dividing_degrees([(shape, spec) for shape, spec, _, _ in tensors if spec.axis == axis]):
-        if d > 1:
-            if _error_at(tensors, counts, keys, axis, d) is not None:
-                continue
-            try:
-                others({**degrees, axis: d})
-            except PlanError:
-                continue
-        ok.append(d)
-    return ok
-
-
-def _error_at(tensors, counts, keys, axis: str, degree: int) -> str | None:
-    for shape, spec, name, key in tensors:
-        if spec.axis != axis:
-            continue
-        try:
-            check_shardable(shape, spec, degree)
-        except ShardingError:
-            sizes = block_sizes(shape, spec)
-            blocks = f" (packed blocks of sizes {list(sizes)})" if spec.packed else ""
-            return (f"plan key {key!r}, tensor {name!r} of shape {shape}: dim {spec.dim} of size "
-                    f"{shape[spec.dim]}{blocks} cannot be split over degree {degree}")
-    for where, attr, value, path in counts if axis == "tp" and degree > 1 else ():
-        if value % degree:
-            return (f"{where}.{attr} = {value} is not divisible by degree {degree}, but plan key "
-                    f"{keys[path]!r} shards {path!r}: each rank must own whole heads")
-    return None
-
-
 __all__ = [
-    "FAMILIES", "HEAD_ATTRS", "PackedColwise", "PackedRowwise", "ResolvedPlan", "SUPPORTED_STYLES", "Style",
+    "PackedColwise", "PackedRowwise", "ResolvedPlan", "SUPPORTED_STYLES", "Style",
     "match_plan", "normalize_style", "plan_from_model", "plan_summary",
     "register_model_check", "resolve_plan", "without_tp",
 ]

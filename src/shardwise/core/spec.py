@@ -127,12 +127,6 @@ def block_sizes(shape: Shape, spec: ShardSpec) -> tuple[int, ...]:
     return tuple(b * unit for b in spec.blocks)
 
 
-def _degree_hint(g: int) -> str:
-    # Listing small divisors turns "not divisible" into a choice the user can make.
-    ok = [k for k in range(1, min(g, 64) + 1) if g % k == 0]
-    return f"choose a degree that divides {g} (for example {', '.join(map(str, ok))})"
-
-
 def check_shardable(shape: Shape, spec: ShardSpec, degree: int) -> None:
     """``ShardingError`` unless every block along ``spec.dim`` splits into ``degree`` parts
     (replicated: always; a dim out of range: ``PlanError``)."""
@@ -143,16 +137,15 @@ def check_shardable(shape: Shape, spec: ShardSpec, degree: int) -> None:
     bad = [(i, s) for i, s in enumerate(sizes) if s % degree]
     if not bad:
         return
-    where = f"dim {spec.dim} of size {shape[spec.dim]}"
+    what = f"dim {spec.dim} of size {shape[spec.dim]}"
     if spec.packed:
         names = ", ".join(f"block {i} (size {s})" for i, s in bad)
-        what = f"{where} has packed blocks of sizes {sizes} (ratios {spec.blocks}); {names}"
-    else:
-        what = where
-    raise ShardingError(
-        f"{what} cannot be split over degree {degree}: not divisible by {degree}; "
-        + _degree_hint(math.gcd(*sizes))
-    )
+        what += f" has packed blocks of sizes {sizes} (ratios {spec.blocks}); {names}"
+    # Listing small divisors turns "not divisible" into a choice the user can make.
+    g = math.gcd(*sizes)
+    ok = ", ".join(str(k) for k in range(1, min(g, 64) + 1) if g % k == 0)
+    raise ShardingError(f"{what} cannot be split over degree {degree}: not divisible by {degree}; "
+                        f"choose a degree that divides {g} (for example {ok})")
 
 
 def dividing_degrees(tensors: Sequence[tuple[Shape, ShardSpec]], *, limit: int = 64) -> list[int]:
@@ -189,11 +182,21 @@ def shard_regions(shape: Shape, spec: ShardSpec, degree: int, rank: int) -> list
     >>> shard_regions((8, 4), ShardSpec(dim=0, blocks=(1, 1)), 2, 0)
     [Region(offsets=(0, 0), sizes=(2, 4)), Region(offsets=(4, 0), sizes=(2, 4))]
     """
+    return [region for region, _ in local_layout(shape, spec, degree, rank)]
+
+
+def local_layout(shape: Shape, spec: ShardSpec, degree: int, rank: int) -> Layout:
+    """Each of the rank's regions (:func:`shard_regions`) with its offset inside the local shard.
+
+    >>> local_layout((8, 4), ShardSpec(dim=0, blocks=(1, 1)), 2, 1)[1]
+    (Region(offsets=(6, 0), sizes=(2, 4)), (2, 0))
+    """
     check_degree(degree, rank)
     check_shardable(shape, spec, degree)
     shape = tuple(int(s) for s in shape)
+    zeros = (0,) * len(shape)
     if spec.dim is None:  # replicated
-        return [Region((0,) * len(shape), shape)]
+        return [(Region(zeros, shape), zeros)]
     d = spec.dim
     spans: list[list[int]] = []  # [start, size] along d
     start = 0
@@ -205,25 +208,11 @@ def shard_regions(shape: Shape, spec: ShardSpec, degree: int, rank: int) -> list
         else:
             spans.append([lo, part])
         start += size
-    zeros = (0,) * len(shape)
-    return [Region(zeros[:d] + (lo,) + zeros[d + 1 :], shape[:d] + (n,) + shape[d + 1 :]) for lo, n in spans]
-
-
-def local_layout(shape: Shape, spec: ShardSpec, degree: int, rank: int) -> Layout:
-    """Each of the rank's regions with its offset inside the local shard.
-
-    >>> local_layout((8, 4), ShardSpec(dim=0, blocks=(1, 1)), 2, 1)[1]
-    (Region(offsets=(6, 0), sizes=(2, 4)), (2, 0))
-    """
-    regions = shard_regions(shape, spec, degree, rank)
-    if spec.dim is None:  # replicated
-        return [(regions[0], regions[0].offsets)]
     layout, pos = [], 0
-    for region in regions:
-        off = [0] * len(region.sizes)
-        off[spec.dim] = pos
-        layout.append((region, tuple(off)))
-        pos += region.sizes[spec.dim]
+    for lo, n in spans:
+        region = Region(zeros[:d] + (lo,) + zeros[d + 1 :], shape[:d] + (n,) + shape[d + 1 :])
+        layout.append((region, zeros[:d] + (pos,) + zeros[d + 1 :]))
+        pos += n
     return layout
 
 

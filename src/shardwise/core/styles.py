@@ -1,11 +1,18 @@
-"""Plan styles: every value a plan may hold (transformers' and diffusers' names, torch's and
-diffusers' style objects, read by name) as one ``Style`` (pure; docs/plans.md: collectives)."""
+"""A plan dict decoded against a model (pure): each value (transformers' and diffusers' names,
+torch's and diffusers' style objects, read by name) as one ``Style`` (docs/plans.md: collectives),
+each key as the module and parameter paths it matches (:func:`match_plan`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import difflib
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from torch import nn
+
+from shardwise.core.adapter import adapter_for
+from shardwise.core.quant_layout import MXFP4_SUFFIXES
 from shardwise.errors import PlanError
 
 
@@ -118,11 +125,9 @@ def normalize_style(style, *, key: str = "") -> Style:
     where = f" for plan key {key!r}" if key else ""
     if isinstance(style, Style):
         return style
-    if isinstance(style, str):
-        if style in _STRINGS:
-            return replace(_STRINGS[style], source=style)
-        raise PlanError(f"unsupported style {style!r}{where}; supported: {', '.join(SUPPORTED_STYLES)}")
-    cls = type(style).__name__
+    if isinstance(style, str) and style in _STRINGS:
+        return replace(_STRINGS[style], source=style)
+    cls = type(style).__name__  # an unknown string falls through to the error below
     blocks = getattr(style, "blocks", None)
     if cls in ("PackedColwise", "PackedColwiseParallel", "PackedRowwise", "PackedRowwiseParallel"):
         b = None if blocks is None else check_blocks(blocks, cls)
@@ -141,7 +146,85 @@ def normalize_style(style, *, key: str = "") -> Style:
     raise PlanError(f"unsupported style {style!r}{where}; supported: {', '.join(SUPPORTED_STYLES)}")
 
 
+# -- keys: matched against the model's paths ------------------------------------------------
+
+def match_plan(model: nn.Module, plan: Mapping, *, strict: bool = False, what: str = "plan"):
+    """``({module path: (key, style)}, {parameter: (key, style)}, unmatched keys)``: each ``*``
+    is one numeric path component; a key also matches under the adapter's ``base_prefix``.
+    ``PlanError`` for a bad key or style, and when no key of a non-empty ``plan`` matches (every
+    rank would hold the whole model, which no one means); one key matching, the others are skipped."""
+    if not isinstance(plan, Mapping):
+        raise PlanError(f"a plan must be a dict of module path -> style, got {type(plan).__name__}")
+    module_names = [n for n, _ in model.named_modules()]
+    param_names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    prefix = adapter_for(model).base_prefix(model)
+    modules: dict[str, tuple[str, object]] = {}
+    params: dict[str, tuple[str, object]] = {}
+    unused: list[str] = []
+    for key, style in plan.items():
+        if not isinstance(key, str) or not key:
+            raise PlanError(f"plan keys must be module or parameter paths (non-empty strings), got {key!r}")
+        normalize_style(style, key=key)  # an unknown style is an error even where nothing matches
+        hits = _hits_under(key, prefix, module_names, param_names)
+        if not any(hits):  # MXFP4 `x` held as `x_blocks` + `x_scales`: the key names `x`, as transformers
+            hits = ([], _hits_under(key + MXFP4_SUFFIXES[0], prefix, module_names, param_names)[1])
+        if not any(hits):
+            if strict:
+                near = closest_paths(key, _patterns(model), prefix)
+                raise PlanError(f"plan key {key!r} matches no module or parameter; did you mean "
+                                f"{', '.join(map(repr, near))}?")
+            unused.append(key)
+            continue
+        for claimed, names in zip((modules, params), hits, strict=True):
+            for name in names:
+                if name in claimed and claimed[name][1] != style:
+                    raise PlanError(f"plan keys {claimed[name][0]!r} and {key!r} both claim {name!r} "
+                                    "with different styles; keep one entry per module or parameter")
+                claimed[name] = (key, style)
+    if not plan or len(unused) < len(plan):
+        return modules, params, unused
+    patterns = _patterns(model)
+    shown = [f"{k!r} (closest: {', '.join(map(repr, closest_paths(k, patterns, prefix)))})"
+             for k in list(plan)[:3]]
+    more = f", and {len(plan) - 3} more" if len(plan) > 3 else ""
+    base = f"; a key written for the base model also matches under {prefix + '.'!r}" if prefix else ""
+    own = (f", or pass plan='auto' for the plan {type(model).__name__} ships"
+           if what == "plan" and adapter_for(model).shipped_plan(model, "tp") else "")
+    raise PlanError(
+        f"none of the {what}'s {len(plan)} keys matches a module or parameter of {type(model).__name__}, so "
+        f"nothing would be sharded and every rank would hold the whole model: {'; '.join(shown)}{more}. "
+        f"Write each key as the model names its modules, with '*' for a layer index{base}{own}")
+
+
+def _hits_under(key: str, prefix: str, module_names, param_names) -> tuple[list[str], list[str]]:
+    """The module and parameter names ``key`` matches, else those it matches under ``prefix``."""
+    for full in (key, f"{prefix}.{key}") if prefix else (key,):
+        pattern = re.compile(r"\.".join(r"\d+" if p == "*" else re.escape(p) for p in full.split(".")))
+        dots = full.count(".")
+        hits = tuple([n for n in names if n.count(".") == dots and pattern.fullmatch(n)]
+                     for names in (module_names, param_names))
+        if any(hits):
+            break
+    return hits  # type: ignore[return-value]
+
+
+def _patterns(model: nn.Module) -> list[str]:
+    """Module paths and non weight/bias parameters, numeric components as ``*`` (as keys are)."""
+    names = [n for n, _ in model.named_modules() if n]
+    names += [n for n, _ in model.named_parameters() if n.rpartition(".")[2] not in ("weight", "bias")]
+    return list(dict.fromkeys(re.sub(r"(?<![^.])\d+(?![^.])", "*", n) for n in names))
+
+
+def closest_paths(key: str, patterns: list[str], prefix: str = "", n: int = 3) -> list[str]:
+    """The ``n`` patterns most like ``key``, each also compared without the base ``prefix``."""
+    def score(pattern: str) -> float:
+        bare = pattern[len(prefix) + 1:] if prefix and pattern.startswith(prefix + ".") else pattern
+        return max(difflib.SequenceMatcher(None, key, p).ratio() for p in (pattern, bare))
+
+    return sorted(patterns, key=lambda p: -score(p))[:n]
+
+
 __all__ = [
     "DEFAULT_PACKED", "PackedColwise", "PackedRowwise", "SUPPORTED_STYLES", "Style",
-    "check_blocks", "normalize_style",
+    "check_blocks", "closest_paths", "match_plan", "normalize_style",
 ]

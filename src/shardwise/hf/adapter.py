@@ -54,16 +54,27 @@ def config_folder(folder: Location) -> Iterator[Path]:
         yield Path(tmp)
 
 
-def _meta_model(library: Any, cls: Any, config: Path, config_file: object, fix: str = "") -> nn.Module:
-    """``cls`` of ``library`` (the module) built on meta from the local ``config`` (a file or a
-    folder); ``CheckpointError`` naming ``config_file`` when the library refuses it."""
+def build_model(cls: Any, config: Path, **kwargs) -> nn.Module:
+    """``cls`` (a transformers model or Auto class, or a diffusers model class) built by its library
+    from the local ``config`` (a file or a folder), on the current device; ``kwargs`` to transformers."""
+    if library_of(cls) == "diffusers":
+        return cls.from_config(cls.load_config(config))
+    import transformers
+
+    if cls.__module__.startswith("transformers.models.auto"):
+        return cls.from_config(transformers.AutoConfig.from_pretrained(config), **kwargs)
+    config_cls = getattr(cls, "config_class", None) or transformers.AutoConfig
+    return cls._from_config(config_cls.from_pretrained(config), **kwargs)
+
+
+def _meta_model(cls: Any, config: Path, config_file: object, fix: str = "") -> nn.Module:
+    """:func:`build_model` on meta; ``CheckpointError`` naming ``config_file`` if the library refuses."""
     try:
         with torch.device("meta"):
-            if library.__name__ == "transformers":
-                return cls._from_config(library.AutoConfig.from_pretrained(config))
-            return cls.from_config(cls.load_config(config))
+            return build_model(cls, config)
     except Exception as e:  # noqa: BLE001 - the libraries raise anything for a config they cannot build
-        raise CheckpointError(f"{config_file}: {library.__name__} cannot build {cls.__name__} from it "
+        library = library_of(cls) or "transformers"
+        raise CheckpointError(f"{config_file}: {library} cannot build {cls.__name__} from it "
                               f"({type(e).__name__}: {e}){fix}") from e
 
 
@@ -180,7 +191,7 @@ class HuggingFace(ModelAdapter):
         if cls is None:
             return None
         with config_folder(folder) as local:
-            return _meta_model(transformers, cls, local, config_file, "; consolidate with layout='module'")
+            return _meta_model(cls, local, config_file, "; consolidate with layout='module'")
 
     def quantization_config(self, folder: Location) -> tuple[object, Location] | None:
         config_file = folder / "config.json"
@@ -211,7 +222,7 @@ class HuggingFace(ModelAdapter):
         if not isinstance(cls, type):
             raise CheckpointError(f"{config_file}: {library_name} has no class {name!r} (custom code?); pass "
                                   "the model itself (built on meta)")
-        return _meta_model(library, cls, config_file, config_file)
+        return _meta_model(cls, config_file, config_file)
 
 
 # -- guards: run for every model (accelerate can place any module, peft wrap any one) ---------
@@ -343,5 +354,5 @@ def _source(forward: Callable) -> str:
 
 ADAPTER = register_adapter(HuggingFace())
 
-__all__ = ["ADAPTER", "SIDE_FILES", "HuggingFace", "check_fused_halves", "check_statistics_over_shards",
-           "config_folder"]
+__all__ = ["ADAPTER", "SIDE_FILES", "HuggingFace", "build_model", "check_fused_halves",
+           "check_statistics_over_shards", "config_folder"]

@@ -32,24 +32,18 @@ class _Virtual:  # a tensor in the middle of a chain of operations
     pieces: list[Piece]
 
 
-def _stack(parts: list[_Virtual], dim: int, what: str) -> _Virtual:
-    if len({p.shape for p in parts}) != 1:
-        raise CheckpointError(f"{what}: stacked tensors differ in shape: {sorted({p.shape for p in parts})}")
-    pieces = []
-    for j, part in enumerate(parts):
-        for q in part.pieces:
-            offsets = q.offsets[:dim] + (j,) + q.offsets[dim:]
-            stacked = tuple(d + 1 if d >= dim else d for d in q.stacked) + (dim,)
-            pieces.append(Piece(q.key, q.source, offsets, tuple(sorted(stacked))))
-    shape = parts[0].shape
-    return _Virtual(shape[:dim] + (len(parts),) + shape[dim:], pieces)
-
-
-def _concat(parts: list[_Virtual], dim: int, what: str) -> _Virtual:
-    rest = {p.shape[:dim] + p.shape[dim + 1:] for p in parts}
-    if len(rest) != 1:
+def _concat(parts: list[_Virtual], dim: int, what: str, *, stack: bool = False) -> _Virtual:
+    """``parts`` concatenated along ``dim``, or stacked on a new ``dim`` (``stack``: each part a
+    slab of size 1 there, a dim its pieces' stored tensors lack)."""
+    if stack:
+        parts = [_Virtual(p.shape[:dim] + (1,) + p.shape[dim:],
+                          [Piece(q.key, q.source, q.offsets[:dim] + (0,) + q.offsets[dim:],
+                                 tuple(sorted((*(d + (d >= dim) for d in q.stacked), dim))))
+                           for q in p.pieces]) for p in parts]
+    if len({p.shape[:dim] + p.shape[dim + 1:] for p in parts}) != 1:
         shapes = [p.shape for p in parts]
-        raise CheckpointError(f"{what}: concatenated tensors differ off dim {dim}: {shapes}")
+        raise CheckpointError(f"{what}: {'stacked' if stack else 'concatenated'} tensors differ off dim "
+                              f"{dim}: {shapes}")
     pieces, start = [], 0
     for part in parts:
         for q in part.pieces:
@@ -130,7 +124,7 @@ def _apply(conv, groups: dict[str, list[_Virtual]], what: str) -> _Virtual:
         name = type(op).__name__
         dim: Any = getattr(op, "dim", None)  # an int on the operations handled below
         if name == "MergeModulelist":
-            current = {p: _stack(_as_list(v), dim, what) for p, v in current.items()}
+            current = {p: _concat(_as_list(v), dim, what, stack=True) for p, v in current.items()}
         elif name == "Concatenate":
             order = [p for p in conv.source_patterns if p in current] or list(current)
             parts = [x for p in order for x in _as_list(current[p])]
@@ -151,9 +145,9 @@ def _apply(conv, groups: dict[str, list[_Virtual]], what: str) -> _Virtual:
     return single
 
 
-def _whole(key: str, entry: NamedDtype) -> Piece:
-    zeros = (0,) * len(entry.shape)
-    return Piece(key, Region(zeros, entry.shape), zeros)
+def _whole(key: str, shape: tuple[int, ...]) -> Piece:
+    zeros = (0,) * len(shape)
+    return Piece(key, Region(zeros, shape), zeros)
 
 
 def _split_targets(conv, key: str, name: str, entry: NamedDtype, shapes: dict, what: str) -> dict:
@@ -200,8 +194,7 @@ def hub_tensors(model: nn.Module, stored: Mapping[str, tuple[Location | None, Na
         mapping = _Mapping(model)
     except (ImportError, AttributeError, TypeError):
         return {}, set()
-    groups: dict[str, tuple[object, dict[str, list[str]]]] = {}
-    renamed: dict[str, str] = {}
+    groups: dict[str, tuple[object, dict[str, list[str]]]] = {}  # {model tensor: (converter, keys)}
     out: dict[str, Composite] = {}
     used: set[str] = set()
     if shapes is None:
@@ -219,21 +212,17 @@ def hub_tensors(model: nn.Module, stored: Mapping[str, tuple[Location | None, Na
             continue
         if name not in wanted:
             continue
-        if conv is None:
-            renamed[name] = key
+        if conv is None:  # renamed only: the last stored key of that name
+            groups[name] = (None, {"": [key]})
         else:
             groups.setdefault(name, (conv, {}))[1].setdefault(pattern, []).append(key)
-    for name, key in renamed.items():
-        path, entry = stored[key]
-        out[name] = Composite(entry.shape, (_whole(key, entry),), {key: (path, entry)})
-        used.add(key)
     for name, (conv, by_pattern) in groups.items():
         what = f"model tensor {name!r}"
         collected = {}
         for pattern, keys in by_pattern.items():
             keys.sort(key=_natural)
             _indices_run(keys, what)
-            collected[pattern] = [_Virtual(stored[k][1].shape, [_whole(k, stored[k][1])]) for k in keys]
+            collected[pattern] = [_Virtual(stored[k][1].shape, [_whole(k, stored[k][1].shape)]) for k in keys]
         built = _apply(conv, collected, what)
         dtypes = {stored[p.key][1].dtype for p in built.pieces}
         if len(dtypes) != 1:
@@ -288,7 +277,7 @@ def hub_save_layout(model: nn.Module,
     except CheckpointError as e:
         raise CheckpointError(f"sw.save cannot write {type(model).__name__} in its hub layout: {e}; "
                               f"{_MODULE}") from e
-    composites: dict[str, Composite | None] = dict(built)  # None: a tensor under its own name
+    placed = set(built)  # model tensors with a place in the hub layout
     fragments: dict[str, list[tuple[str, Piece]]] = {}
     for name, comp in built.items():
         if comp.shape != shapes[name]:
@@ -301,15 +290,13 @@ def hub_save_layout(model: nn.Module,
         # A key that the load direction renames to no model tensor while it names one itself
         # (DeepSeek-V4's ".norm." -> ".kv_norm." also matches model.norm.weight): the load
         # reads it under its own name, so the save writes it so too.
-        if key not in fragments and key in tensors and key not in composites \
-                and shapes[key] == tuple(t.shape):
-            zeros = (0,) * len(t.shape)
-            fragments[key] = [(key, Piece(key, Region(zeros, shapes[key]), zeros))]
-            composites[key] = None
+        if key not in fragments and key in tensors and key not in placed and shapes[key] == tuple(t.shape):
+            fragments[key] = [(key, _whole(key, shapes[key]))]
+            placed.add(key)
     unplaced = [k for k in reverted if k not in fragments]
     if unplaced:
         raise CheckpointError(f"the hub layout's {unplaced[:3]} map to no model tensor; {_MODULE}")
-    missing = set(tensors) - set(composites)
+    missing = set(tensors) - placed
     if missing:
         raise CheckpointError(f"model tensors {sorted(missing)[:3]} have no place in the hub layout; "
                               f"{_MODULE}")

@@ -8,13 +8,13 @@ import contextlib
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
 from shardwise.errors import CheckpointError, UnsupportedModelError, UsageError
-from shardwise.hf.adapter import config_folder
+from shardwise.hf.adapter import build_model, config_folder
 from shardwise.hf.hub_layout import library_of
 from shardwise.io.guards import check_mesh, quant_scheme
 from shardwise.io.load import load
@@ -103,15 +103,11 @@ def _default_dtype(dtype: torch.dtype | None):
 
 
 def _build(cls, library: str, folder: Path, dtype: torch.dtype | None, dequantize: bool) -> nn.Module:
+    model: Any = build_model(cls, folder, **({"dtype": dtype} if dtype is not None else {}))  # a library's
     if library == "diffusers":
-        return cls.from_config(cls.load_config(folder))
+        return model
     import transformers
 
-    auto = cls.__module__.startswith("transformers.models.auto")
-    config_cls = getattr(cls, "config_class", None) if not auto else None
-    config = (config_cls or transformers.AutoConfig).from_pretrained(folder)
-    kwargs = {"dtype": dtype} if dtype is not None else {}
-    model = cls.from_config(config, **kwargs) if auto else cls._from_config(config, **kwargs)
     generation = folder / "generation_config.json"
     if generation.is_file() and getattr(model, "can_generate", lambda: False)():
         model.generation_config = transformers.GenerationConfig.from_pretrained(folder)
@@ -146,7 +142,6 @@ def mxfp4_experts(model: nn.Module, quantizer=None) -> nn.Module:
     quantizer's ``serialized_names``), so a rank's shards are what ``swizzle_mxfp4_convertops``
     takes and ``sw.save`` writes them back as stored; biases keep the checkpoint's dtype.
     """
-    import torch
     from transformers.integrations.mxfp4 import Mxfp4GptOssExperts, Mxfp4GptOssMLP
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
     from transformers.quantizers import AutoHfQuantizer
