@@ -107,7 +107,7 @@ def test_a_fused_tensor_of_the_wrong_shape_is_reported(hrm, tmp_path, files):
     report = sw.verify(folder, against=hrm / "one")
     assert not report.ok
     assert report.against.wrong == [f"{FUSED!r} is (64, 64) in the checkpoint, but HrmTextForCausalLM "
-                                    f"from {hrm / 'one' / 'config.json'} expects (256, 64)"]
+                                    f"from {hrm / 'one'} expects (256, 64)"]  # the folder passed
     assert not report.against.missing and not report.against.unexpected
     assert any(FUSED in p and "(256, 64)" in p for p in report.problems)
     assert report.summary().startswith("FAILED")

@@ -94,3 +94,12 @@ def test_only_the_storage_touches_bytes():
                 found.add((where, "open"))
     # not checkpoint bytes: torchrun's error file, and /proc for the memory figures
     assert found == {("backends/__init__.py", "open"), ("testing/__init__.py", "open")}
+
+
+def test_only_hf_names_the_config_file():
+    # Hugging Face knowledge stays in hf/: a path built from "config.json" is the adapter's
+    found = {path.relative_to(SRC).as_posix() for path in sorted(SRC.rglob("*.py"))
+             if not path.relative_to(SRC).as_posix().startswith("hf/")
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Constant) and node.value == "config.json"}
+    assert found == set()

@@ -92,8 +92,9 @@ class ModelAdapter:
         """``(quantization_config or None, the side file)``; None without such a file."""
         return None
 
-    def model_from_config(self, config_file: Path) -> nn.Module | None:
-        """The meta-device model of ``config_file``; None if not this library's, else ``CheckpointError``."""
+    def model_from_config(self, path: Path) -> nn.Module | None:
+        """The meta-device model of the config file ``path``, or of this library's config in the
+        folder ``path``; None without one or if not this library's, else ``CheckpointError``."""
         return None
 
 
@@ -144,9 +145,9 @@ def folder_quantization(folder: Location) -> tuple[object, Location] | None:
     return _first(lambda a: a.quantization_config(folder))
 
 
-def config_model(config_file: Path) -> nn.Module | None:
-    """The first adapter's ``model_from_config``, or None."""
-    return _first(lambda a: a.model_from_config(Path(config_file)))
+def config_model(path: Path) -> nn.Module | None:
+    """The first adapter's ``model_from_config`` (a config file, or a folder holding one), or None."""
+    return _first(lambda a: a.model_from_config(Path(path)))
 
 
 def side_file_names() -> tuple[str, ...]:

@@ -202,8 +202,12 @@ class HuggingFace(ModelAdapter):
         except (OSError, CheckpointError):
             return None, config_file
 
-    def model_from_config(self, config_file: Path) -> nn.Module | None:
-        """From ``architectures`` (transformers) or ``_class_name`` (diffusers)."""
+    def model_from_config(self, path: Path) -> nn.Module | None:
+        """From ``architectures`` (transformers) or ``_class_name`` (diffusers) of the file
+        ``path``, or of ``config.json`` in the folder ``path``; None where there is no such file."""
+        config_file = path / "config.json" if path.is_dir() else path
+        if not config_file.is_file():
+            return None
         try:
             config = json.loads(Path(config_file).read_text())
         except (OSError, ValueError) as e:

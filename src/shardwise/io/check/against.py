@@ -53,15 +53,15 @@ def resolve_model(source: nn.Module | str | os.PathLike) -> tuple[nn.Module, str
         raise UsageError(f"against must be a model, a model folder or its config.json, "
                          f"got {type(source).__name__}")
     path = Path(source)
-    config_file = path / "config.json" if path.is_dir() else path
-    if not config_file.is_file():
-        raise UsageError(f"{path}: no config.json there; pass the model folder (config.json beside "
-                         "the weights), its config.json, or the model itself")
-    model = config_model(config_file)
+    if not (path.is_dir() or path.is_file()):
+        raise UsageError(f"{path}: no such folder or file, so no config.json there; pass the model folder "
+                         "(config.json beside the weights), its config.json, or the model itself")
+    model = config_model(path)  # the model libraries' adapters know their config files
     if model is None:
-        raise CheckpointError(f"{config_file}: names no model class (no 'architectures' for transformers, "
-                              "no '_class_name' for diffusers); pass the model itself")
-    return model, f"{type(model).__name__} from {config_file}"
+        raise CheckpointError(f"{path}: no model config there that names its class (a config.json with "
+                              "'architectures' for transformers, '_class_name' for diffusers); pass the "
+                              "model folder, its config file, or the model itself")
+    return model, f"{type(model).__name__} from {path}"
 
 
 def model_tensors(model: nn.Module) -> tuple[Expected, dict[str, str]]:
