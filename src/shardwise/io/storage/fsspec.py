@@ -98,6 +98,9 @@ class FsspecStorage:
         # whole block ahead; a filesystem with its own (async ones: a ranged request) is exact
         own = type(self.fs).cat_file is not AbstractFileSystem.cat_file
         self._cat = own or isinstance(self.fs, AsyncFileSystem)
+        # a request that can reach the store after its client gave up (lookups.committed): not
+        # on the filesystems that run in this process
+        self.late_writes = scheme not in ("file", "local", "memory")
         self.pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix=f"shardwise-{scheme}")
 
     def url(self, bucket: str, key: str) -> str:

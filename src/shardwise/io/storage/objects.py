@@ -55,6 +55,7 @@ class ObjectStorage:
 
     positional_writes = False  # pwrite / create(existing=True) are refused: see create()
     fetch_once = True  # a request costs a round trip: a job's load reads each byte once (io.exchange)
+    late_writes = True  # a request may reach the store after its client gave up (lookups.committed)
 
     def __init__(self, scheme: str, **options):
         if scheme not in ("s3", "gs"):

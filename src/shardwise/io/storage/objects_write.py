@@ -329,7 +329,10 @@ class Publish:
 
     def _done(self, token: str) -> None:
         """Record ``token`` as committed at the target, before its journal is deleted: a late
-        duplicate of the journal is then known stale (``lookups.committed``); the last 16 kept."""
+        duplicate of the journal is then known stale (``lookups.committed``); the last 16 kept.
+        A store whose requests run in this process (fsspec's memory, file) needs no record."""
+        if not self.storage.late_writes:
+            return
         tokens = [t for t in committed(self.storage, self.bucket, self.key) if t != token]
         self._put(beside(self.key, DONE_MARK), json.dumps({"tokens": [*tokens, token][-16:]}).encode())
 
