@@ -90,7 +90,9 @@ def _worker(args) -> int:
 def _run_once(src: Path, ckpt: Path, scratch: Path, degree: int, timeout: float) -> dict[str, float]:
     work = Path(tempfile.mkdtemp(prefix="run-", dir=scratch))
     out = work / "seconds.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "SHARDWISE_BENCH_SRC": str(src)}
+    # PYTHONPATH too: the ranks' processes import the commit's shardwise (its launcher's module) themselves
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SHARDWISE_BENCH_SRC": str(src),
+           "PYTHONPATH": os.pathsep.join([str(src), *filter(None, [os.environ.get("PYTHONPATH")])])}
     cmd = [sys.executable, __file__, "_worker", "--src", str(src), "--ckpt", str(ckpt), "--work", str(work),
            "--degree", str(degree), "--out", str(out), "--timeout", str(timeout)]
     try:
