@@ -122,3 +122,18 @@ def test_the_local_storage_is_a_storage_too(tmp_path):
     assert [p.name for p in root.glob("*.json")] == ["a.json"]
     assert str(root / "a.json") == str(tmp_path / "a.json")
     assert [n for n in os.listdir(tmp_path) if n.endswith(".partial")] == []
+
+
+def test_coalesced_requests_are_whole_parts():
+    from shardwise.io.storage.objects import coalesce
+
+    # neighbouring runs (tensors of one file) land in requests of exactly part_size bytes: a run
+    # that does not fit fills the request and goes on in the next, as a raw ranged GET of the
+    # same bytes would cut them; a gap (waste 0) starts a new request
+    got = list(coalesce([(0, 5), (5, 10), (15, 3), (30, 4)], 8, waste=0.0))
+    assert [(start, end) for start, end, _ in got] == [(0, 8), (8, 16), (16, 18), (30, 34)]
+    parts = [part for _, _, parts in got for part in parts]
+    assert parts == [(0, 5), (5, 3), (8, 7), (15, 1), (16, 2), (30, 4)]
+    # a rowwise slice's every-other runs stay apart beyond the allowed waste
+    got = list(coalesce([(0, 2), (4, 2), (8, 2)], 8, waste=0.25))
+    assert [(start, end) for start, end, _ in got] == [(0, 2), (4, 6), (8, 10)]

@@ -385,23 +385,23 @@ def coalesce(runs: Sequence[tuple[int, int]], part_size: int, *,
              waste: float = WASTE) -> Iterator[tuple[int, int, list]]:
     """``(start, end, [(offset, length)])`` requests covering the absolute ``runs`` in order:
     neighbours merged while the request stays within ``part_size`` and reads at most ``waste``
-    more than its runs (a rowwise slice's every-other runs stay apart); a run longer than
-    ``part_size`` split into parts."""
+    more than its runs (a rowwise slice's every-other runs stay apart); a run that does not fit
+    fills the request to ``part_size`` and goes on in the next (requests are whole parts)."""
     start = end = useful = 0
     parts: list[tuple[int, int]] = []
     for offset, length in runs:
         while length > 0:
-            n = min(length, part_size)
-            gap = offset - end
-            if parts and 0 <= gap and offset + n - start <= part_size and \
-                    (offset + n - start) - (useful + n) <= waste * (useful + n):
+            room = part_size - (offset - start)
+            n = min(length, room)
+            if parts and offset >= end and room > 0 and offset - start - useful <= waste * (useful + n):
                 parts.append((offset, n))
                 useful += n
-                end = offset + n
             else:
                 if parts:
                     yield start, end, parts
-                start, end, useful, parts = offset, offset + n, n, [(offset, n)]
+                n = min(length, part_size)
+                start, useful, parts = offset, n, [(offset, n)]
+            end = offset + n
             offset, length = offset + n, length - n
     if parts:
         yield start, end, parts
