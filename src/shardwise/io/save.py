@@ -24,10 +24,10 @@ from shardwise.core.header import layout_header, region_runs, spec_nbytes
 from shardwise.core.pieces import Piece, piece_reads
 from shardwise.core.spec import Layout, Region, local_layout
 from shardwise.errors import CheckpointError, CollectiveError, UsageError
-from shardwise.io.check.against import Expectation, compare, expected_tensors
+from shardwise.io.check.against import LAYOUTS, compare, expectations
 from shardwise.io.formats import get_format, save_format
 from shardwise.io.formats.safetensors.files import parse_size
-from shardwise.io.gather import StreamSink, collect_items
+from shardwise.io.gather import FileGatherer, collect_items
 from shardwise.io.guards import check_model
 from shardwise.io.info import ALGORITHM, digest_range, gather_info
 from shardwise.io.replicas import assign_owners
@@ -39,8 +39,6 @@ from shardwise.quant import check_quantized_save
 
 if TYPE_CHECKING:
     from shardwise.io.formats.dcp.checkpoint import AsyncSave
-
-LAYOUTS = ("hub", "module")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -181,8 +179,8 @@ def save_gathered(model: nn.Module, target: Location, options: SafetensorsSave, 
         index_metadata=adapter.index_metadata(model, {i.name: i.shape for i in items}),  # total_parameters
         storages=adapter.shared_storages([s.part for s in stored if s.part is not None],
                                          {i.name: i.local.element_size() for i in items}))
-    stream = StreamSink(backend, state, {i.name: i for i in items}, what=what, sink=writer)
-    plan = stream.plan(stored)
+    plan = writer.plan(stored)
+    run = FileGatherer(backend, state, {i.name: i for i in items}, plan, open_file=writer.open_file)
     parallel = _parallel_wanted(model, items, options.parallel_write, plugin, backend, target)
     join_collective(backend, "sw.save")  # after the guards and the plan: all pure
     digest = fingerprint((plan.files, [(i.name, i.spec, i.degree) for i in items], options.parallel_write))
@@ -190,9 +188,9 @@ def save_gathered(model: nn.Module, target: Location, options: SafetensorsSave, 
         folder = saving.folder if saving.rank0 else None
         shared = (shared_folder(backend, folder, what=what, required=options.parallel_write is True)
                   if parallel else None)
-        with Progress(sum(i.nbytes for i in items), progress, stream.rank == 0, "shardwise save") as bar:
-            checksums = (stream.write(plan, folder, bar) if shared is None else
-                         write_parallel(backend, stream.gatherer(plan), state, shared, plan, bar, what=what))
+        with Progress(sum(i.nbytes for i in items), progress, run.rank == 0, "shardwise save") as bar:
+            checksums = (run.write(folder, bar, what=what) if shared is None else
+                         write_parallel(backend, run, shared, bar, what=what))
         info = gather_info(checksums, [s.spec for s in stored]) if saving.rank0 else None
         # config.json & co beside the data: from_pretrained reads the folder
         saving.commit(info=info, side_files=lambda folder: adapter.write_side_files(model, folder),
@@ -230,9 +228,7 @@ def join_collective(backend: Backend | None, what: str) -> None:
 def check_stored(model: nn.Module, items, stored, layout: str) -> None:
     """Raise ``CheckpointError`` before anything is written unless every stored tensor has the name,
     shape and dtype a checkpoint of ``model`` holds in ``layout``."""
-    tensors = {i.name: (tuple(i.shape), i.dtype) for i in items}
-    want = Expectation(type(model).__name__, layout, expected_tensors(model, layout=layout, tensors=tensors),
-                       {}, True)
+    want = expectations(model, tensors={i.name: (i.shape, i.dtype) for i in items}, layouts=(layout,))[0]
     report = compare({s.name: (s.dtype, s.shape) for s in stored}, want)
     if not report.ok:
         raise CheckpointError(f"sw.save would write a checkpoint that does not match {type(model).__name__} "
@@ -323,14 +319,13 @@ def shared_folder(backend, folder: Location | None, *, required: bool, what: str
     return locate(offered[0]).parent
 
 
-def _layout(item, state, axes: dict, rank: int) -> Layout | None:
+def _layout(item, axes: dict, rank: int) -> Layout | None:
     """This rank's regions of the model tensor ``item`` that it writes; None when it writes none."""
     if item.gathered:
         _, holds_rank0 = axes.get(item.spec.axis, (None, False))
         if not holds_rank0:  # another replica: the group holding rank 0 writes
             return None
-        degree, axis_rank = state.coords(item.spec)
-        return local_layout(item.shape, item.spec, degree, axis_rank)
+        return local_layout(item.shape, item.spec, item.degree, item.rank)
     if rank != 0:
         return None
     zeros = (0,) * len(item.shape)
@@ -398,13 +393,12 @@ def _digest(folder: Location, where: dict, names: list[str]) -> dict[str, str]:
         handles.close()
 
 
-def write_parallel(backend, run, state, folder: Location, plan: WritePlan, bar, *,
-                   what: str) -> dict[str, str]:
-    """Write every file of ``plan`` into ``folder`` (:func:`shared_folder`): a sharded tensor by
-    the axis group of global rank 0, anything else by rank 0; then read the checksums back, split
-    by bytes. ``run``: the stream's ``FileGatherer`` (items, axes). Returns ``{stored tensor:
-    checksum}`` on rank 0 (empty elsewhere). Collective: a failure raises on every rank."""
-    rank = backend.rank if backend is not None else 0
+def write_parallel(backend, run: FileGatherer, folder: Location, bar, *, what: str) -> dict[str, str]:
+    """Write every file of ``run.plan`` into ``folder`` (:func:`shared_folder`): a sharded tensor
+    by the axis group of global rank 0, anything else by rank 0; then read the checksums back,
+    split by bytes. Returns ``{stored tensor: checksum}`` on rank 0 (empty elsewhere).
+    Collective: a failure raises on every rank."""
+    rank, plan = run.rank, run.plan
     layouts, where = [], {}
     for f in plan.files:
         prefix, offsets = layout_header(f.tensors, plan.header)
@@ -413,7 +407,7 @@ def write_parallel(backend, run, state, folder: Location, plan: WritePlan, bar, 
     agree(backend, capture(lambda: _create_files(folder, layouts)) if rank == 0 else None, what=what)
 
     def write_all():
-        layout_of = {n: _layout(item, state, run.axes, rank) for n, item in run.items.items()}
+        layout_of = {n: _layout(item, run.axes, rank) for n, item in run.items.items()}
         for f, (_, prefix, _, offsets) in zip(plan.files, layouts, strict=True):
             _write_file(folder / f.name, plan, f.tensors, len(prefix), offsets, run, layout_of)
 
