@@ -20,7 +20,7 @@ from torch import nn
 
 from shardwise.backends import Backend
 from shardwise.comm import agree, capture
-from shardwise.core.header import dtype_to_str, str_to_dtype
+from shardwise.core.header import dtype_to_str, spec_nbytes
 from shardwise.core.pieces import StoredPart
 from shardwise.core.plan import resolve_plan
 from shardwise.core.quant_layout import QuantTie
@@ -179,12 +179,9 @@ class FileGatherer:
         self.rank = backend.rank if backend is not None else 0
         # Per mesh axis (tp, ep): its group, and whether this rank's group is the one holding
         # global rank 0, which alone gathers; other replicas only join agree().
-        self.axes = {}
-        if state is not None:
-            axes = (("tp", state.tp_mesh, state.group), ("ep", state.ep_mesh, state.ep_group))
-            for axis, mesh, group in axes:
-                if mesh is not None:
-                    self.axes[axis] = (group, 0 in mesh.mesh.flatten().tolist())
+        axes = (("tp", state.tp_mesh, state.group), ("ep", state.ep_mesh, state.ep_group)) if state else ()
+        self.axes = {axis: (group, 0 in mesh.mesh.flatten().tolist()) for axis, mesh, group in axes
+                     if mesh is not None}
         self._buffer: torch.Tensor | None = None
         self._receive: list[torch.Tensor] | None = None
         self._held: dict[str, torch.Tensor | None] = {}
@@ -239,14 +236,9 @@ class FileGatherer:
         try:
             for name, dtype, shape in group:
                 part = self.parts.get(name)
-                if part is None:
-                    item = self.items[name]  # looked up once: a lazy mapping reads it (consolidate)
-                    nbytes = item.nbytes
-                    data = self._full(item, writer)
-                    del item
-                else:
-                    nbytes = math.prod(shape) * str_to_dtype(dtype).itemsize
-                    data = part.assemble(partial(self._model_tensor, writer=writer))
+                # the item looked up once, held by no name: a lazy mapping reads it (consolidate)
+                data = (self._full(self.items[name], writer) if part is None
+                        else part.assemble(partial(self._model_tensor, writer=writer)))
                 if writer is not None:
                     try:
                         assert data is not None  # rank 0 keeps what it writes (keep=writer is not None)
@@ -256,7 +248,7 @@ class FileGatherer:
                         writer.abort()
                         writer = None
                 del data
-                bar(nbytes)
+                bar(spec_nbytes(dtype, shape))
             closing = self.finish()  # the previous file's close: at most one runs beside a file
             error = error or closing
             if writer is not None:
