@@ -204,16 +204,13 @@ def _wire_dtensor(module: nn.Module, path: str, style: Style, state: ShardState,
 
     parallelize_module(module, cast("DeviceMesh", state.tp_mesh), _FromShards(**kwargs))
     if style.split_input:
-        module.register_forward_pre_hook(_split_input_hook(style, state))
+        def split_input(mod, args):
+            spec = ShardSpec(dim=args[0].ndim - 1, blocks=style.blocks or (1,))
+            return (split(args[0], spec, state.degree, state.tp_rank),) + tuple(args[1:])
+
+        module.register_forward_pre_hook(split_input)
 
 
-def _split_input_hook(style: Style, state: ShardState):
-    def hook(mod, args):
-        x = args[0]
-        spec = ShardSpec(dim=x.ndim - 1, blocks=style.blocks or (1,))
-        return (split(x, spec, state.degree, state.tp_rank),) + tuple(args[1:])
-
-    return hook
 # -- clip_grad_norm_: the true global norm over every mesh a gradient is split on ----------
 # torch's clip_grad_norm_ stacks per-tensor norms, which fails (or counts replicated tensors
 # once per rank) for DTensors on different meshes or plain local shards. Here every rank sums

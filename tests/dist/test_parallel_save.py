@@ -84,6 +84,7 @@ def _both_ways(tmp: Path, degree: int) -> bool:
 
 def _failing_rank(tmp: Path) -> dict:
     """Rank 1 fails in the middle of its writes; then rank 1 cannot see rank 0's folder."""
+    import shardwise.io.parallel_write as pw
     import shardwise.io.save as ps
     from shardwise.io.storage.local import LocalWriter
 
@@ -116,12 +117,12 @@ def _failing_rank(tmp: Path) -> dict:
     ps.write_parallel = counted
     sw.save(model, tmp / "one-machine")  # parallel_write=None, one machine: the stream
     out["one_machine_parallel_writes"] = used[0]
-    ps.host_id = lambda: f"machine-{backend.rank}"  # as if each rank ran on its own machine
+    pw.host_id = lambda: f"machine-{backend.rank}"  # as if each rank ran on its own machine
     sw.save(model, tmp / "two-machines")  # None, several machines, a shared folder: parallel
     out["two_machines_parallel_writes"] = used[0]
     # another machine's disk: rank 1 does not see rank 0's temporary folder
     if backend.rank == 1:
-        ps._sees_token = lambda path, token: False
+        pw._sees_token = lambda path, token: False
     sw.save(model, tmp / "fallback")  # parallel_write=None: probe, then the stream
     out["fallback_parallel_writes"] = used[0] - out["two_machines_parallel_writes"]
     try:

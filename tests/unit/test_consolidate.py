@@ -124,7 +124,7 @@ def test_a_failed_read_reaches_the_caller_and_leaves_nothing(tmp_path, monkeypat
     # target nor a temporary folder is left behind.
     sw.save(Mixed(), tmp_path / "src", distributed=True, format=fmt)
     source = open_source(tmp_path / "src")
-    plan = consolidation_plan(source, max_shard_size=200, layout="module")
+    _, plan = consolidation_plan(source, max_shard_size=200, layout="module")
     cls = type(source)
     source.close()
     assert len(plan.files) > 2

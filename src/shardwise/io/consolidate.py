@@ -16,7 +16,7 @@ from shardwise.core.header import dtype_to_str, str_to_dtype
 from shardwise.core.spec import Region, ShardSpec
 from shardwise.errors import CheckpointError
 from shardwise.io.formats import get_format, open_source, save_format
-from shardwise.io.gather import SaveItem, StreamSink
+from shardwise.io.gather import FileGatherer, SaveItem
 from shardwise.io.info import gather_info, read_info
 from shardwise.io.sink import FileSink, Saving, StoredTensor, WritePlan
 from shardwise.io.source import Stored
@@ -24,19 +24,11 @@ from shardwise.io.storage import Location, locate, read_small, split_scheme, wri
 
 
 def consolidation_plan(source: Stored, *, max_shard_size: int | str = "5GB", filename_prefix: str = "model",
-                       layout: str = "hub") -> WritePlan:
-    """The ``WritePlan`` ``sw.save`` makes for ``source``'s tensors: in the hub layout
-    (``plan.parts``) when the folder holds a transformers config.json and ``layout="hub"``, else
-    in the stored names."""
-    return _consolidation(source, max_shard_size=max_shard_size, filename_prefix=filename_prefix,
-                          layout=layout)[1]
-
-
-def _consolidation(source: Stored, *, max_shard_size: int | str, filename_prefix: str,
-                   layout: str) -> tuple[FileSink, WritePlan]:
+                       layout: str = "hub") -> tuple[FileSink, WritePlan]:
     """The writer of ``sw.save``'s default gathered format, configured as ``sw.save`` would
-    for these tensors (the hub layout when ``src`` holds a model's config.json and
-    ``layout="hub"``, else as stored), and its plan."""
+    for ``source``'s tensors, and the ``WritePlan`` ``sw.save`` makes for them: in the hub
+    layout (``plan.parts``) when the folder holds a model's config.json and ``layout="hub"``,
+    else in the stored names."""
     src = source.root
     values = source.describe().values
     if values:
@@ -80,7 +72,7 @@ def _copy_side_files(src: Location, dst: Location) -> list[str]:
 
 
 class _WholeItems(Mapping[str, SaveItem]):
-    """The stored tensors of ``source`` as the unsharded items (``SaveItem``) a ``StreamSink`` writes,
+    """The stored tensors of ``source`` as the unsharded items (``SaveItem``) a ``FileGatherer`` writes,
     each read whole from its own stored bytes when it is looked up."""
 
     def __init__(self, source: Stored):
@@ -119,16 +111,17 @@ def consolidate(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_siz
     try:
         if get_format(source.name) is save_format(None, distributed=False):
             _refuse_plain_safetensors(src_at)
-        writer, plan = _consolidation(source, max_shard_size=max_shard_size, filename_prefix=filename_prefix,
-                                      layout=layout)
+        writer, plan = consolidation_plan(source, max_shard_size=max_shard_size,
+                                          filename_prefix=filename_prefix, layout=layout)
         what = f"sw.consolidate to {dst_at}"
-        stream = StreamSink(None, None, _WholeItems(source), what=what, sink=writer)
+        run = FileGatherer(None, None, _WholeItems(source), plan, open_file=writer.open_file)
         # The copies are memory-bound: one thread moves them as fast, while a pool of OpenMP
         # threads was up to 10x slower on a busy machine; a second reader thread did not pay
         # either (docs/benchmarks.md "consolidate": the disk is the limit).
         torch.set_num_threads(1)
         with Saving(dst_at, overwrite=overwrite, backend=None, what=what, collective=False) as saving:
-            checksums = stream.write(plan, saving.folder, Progress(0, progress=False, active=False, desc=""))
+            checksums = run.write(saving.folder, Progress(0, progress=False, active=False, desc=""),
+                                  what=what)
             saving.commit(info=gather_info(checksums, plan.tensors),
                           side_files=lambda folder: _copy_side_files(source.root, folder), index=plan.index)
         target = saving.target

@@ -3,7 +3,7 @@ canonical dtypes and shapes (from the specs: rank 0 knows every header first);
 :class:`FileGatherer` gathers one tensor at a time to rank 0, which streams it into the file.
 Every tp rank of rank 0's group calls :func:`gather_to_rank0` for every sharded tensor in the
 same order, and every rank calls ``comm.agree`` at the same points, so a failure raises
-everywhere. :class:`StreamSink` is this stream as a ``Sink``."""
+everywhere."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import contextvars
 import math
 import threading
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -20,7 +20,7 @@ from torch import nn
 
 from shardwise.backends import Backend
 from shardwise.comm import agree, capture
-from shardwise.core.header import dtype_to_str, str_to_dtype
+from shardwise.core.header import dtype_to_str, spec_nbytes
 from shardwise.core.pieces import StoredPart
 from shardwise.core.plan import resolve_plan
 from shardwise.core.quant_layout import QuantTie
@@ -28,7 +28,7 @@ from shardwise.core.spec import Region, ShardSpec, chunk_layout, global_shape, l
 from shardwise.errors import CheckpointError, UnsupportedModelError
 from shardwise.holding import is_dtensor
 from shardwise.io.info import collect_checksums
-from shardwise.io.sink import FileSink, OpenFile, WritePlan
+from shardwise.io.sink import OpenFile, WritePlan
 from shardwise.io.storage import Location
 from shardwise.parallel import ShardState, get_shard_state, local_of
 from shardwise.quant import gather_scales_to_rank0
@@ -63,7 +63,8 @@ def gather_to_rank0(backend: Backend, local: torch.Tensor, spec: ShardSpec, degr
         receive = [torch.empty(data[:step].numel() * data.element_size(), dtype=torch.uint8,
                                device=data.device) for _ in range(degree)]
     if keep and backend.rank == 0:
-        full = _empty(shape, data, buffer)
+        full = (torch.empty(shape, dtype=data.dtype, device=data.device) if buffer is None
+                else buffer[: math.prod(shape) * data.element_size()].view(data.dtype).view(shape))
         flat = full.view(-1).view(torch.uint8)
         layouts = [local_layout(shape, spec, degree, r) for r in range(degree)]
     for index, lo in enumerate(range(0, rows, step)):
@@ -101,12 +102,6 @@ def _contiguous_start(chunk, shape: tuple[int, ...], itemsize: int, nbytes: int)
     if region.numel * itemsize != nbytes:
         return None
     return region.offsets[0] * math.prod(shape[1:]) * itemsize
-
-
-def _empty(shape, like: torch.Tensor, buffer: torch.Tensor | None) -> torch.Tensor:
-    if buffer is None:
-        return torch.empty(shape, dtype=like.dtype, device=like.device)
-    return buffer[: math.prod(shape) * like.element_size()].view(like.dtype).view(shape)
 
 
 @dataclass
@@ -172,29 +167,26 @@ def check_holding(name: str, t: torch.Tensor, state: ShardState | None) -> None:
 
 
 class FileGatherer:
-    """The per-tensor work of one rank: which gathers it joins and, on rank 0, what it writes.
-
-    Every rank calls :meth:`write_file` for every file, in the same order."""
+    """The rank-0 stream (``sw.save``'s default) of ``plan``, each file opened by ``open_file``
+    (a gathered format's): every tensor is gathered to rank 0, which writes the files in turn.
+    Every rank calls :meth:`write` (or :meth:`write_file` for every file, in the same order)."""
 
     def __init__(self, backend, state: ShardState | None, items: Mapping[str, SaveItem],
-                 meta: Mapping[str, str], parts: Mapping[str, StoredPart] | None = None, *,
-                 open_file: OpenFile):
-        self.backend, self.items, self.meta, self.open_file = backend, items, dict(meta), open_file
-        self.parts = dict(parts or {})  # stored name -> StoredPart, for a hub-layout save
+                 plan: WritePlan, *, open_file: OpenFile):
+        self.backend, self.items, self.plan, self.open_file = backend, items, plan, open_file
+        self.meta = dict(plan.header)
+        self.parts: dict[str, StoredPart] = dict(plan.parts)  # stored name -> its boxes (hub layout)
         self.rank = backend.rank if backend is not None else 0
         # Per mesh axis (tp, ep): its group, and whether this rank's group is the one holding
         # global rank 0, which alone gathers; other replicas only join agree().
-        self.axes = {}
-        if state is not None:
-            axes = (("tp", state.tp_mesh, state.group), ("ep", state.ep_mesh, state.ep_group))
-            for axis, mesh, group in axes:
-                if mesh is not None:
-                    self.axes[axis] = (group, 0 in mesh.mesh.flatten().tolist())
+        axes = (("tp", state.tp_mesh, state.group), ("ep", state.ep_mesh, state.ep_group)) if state else ()
+        self.axes = {axis: (group, 0 in mesh.mesh.flatten().tolist()) for axis, mesh, group in axes
+                     if mesh is not None}
         self._buffer: torch.Tensor | None = None
         self._receive: list[torch.Tensor] | None = None
         self._held: dict[str, torch.Tensor | None] = {}
         self._left: Counter[str] = Counter()  # model tensor -> boxes of it still to write
-        self._closing: _Background | None = None
+        self._closing: Callable[[], Exception | None] | None = None
 
     def _assembly_buffer(self, item: SaveItem) -> torch.Tensor | None:
         """One buffer, as large as the largest gathered tensor, that every tensor is built in
@@ -208,10 +200,25 @@ class FileGatherer:
         """One chunk-sized buffer per tp rank, as large as the largest chunk of any tensor."""
         if self._receive is None:
             gathered = [i for i in self.items.values() if i.gathered]
-            size = max(_chunk_bytes(i, i.degree) for i in gathered)
+            size = max(_chunk_bytes(i) for i in gathered)
             self._receive = [torch.empty(size, dtype=torch.uint8, device=item.local.device)
                              for _ in range(max(i.degree for i in gathered))]
         return self._receive[:item.degree]
+
+    def write(self, folder: Location | None, bar, *, what: str) -> dict[str, str]:
+        """Collective over the world: every rank joins the gathers of every file in order;
+        rank 0 (``folder`` its temporary folder, None elsewhere) writes them. Returns
+        ``{stored tensor: checksum}`` on rank 0, computed as it writes (empty elsewhere)."""
+        with collect_checksums() as checksums:
+            try:
+                for f in self.plan.files:
+                    bar.file(f.name)
+                    error = self.write_file(folder / f.name if folder is not None else None, f.tensors, bar)
+                    agree(self.backend, error, what=what)
+                agree(self.backend, self.finish(), what=what)  # the last file's close
+            finally:
+                self.finish()  # no close left running past a failure
+        return dict(checksums)
 
     def write_file(self, path: Location | None, group, bar) -> Exception | None:
         """Gather and write one file's tensors; return rank 0's first failure (still joining every
@@ -222,21 +229,16 @@ class FileGatherer:
         error, writer = None, None
         if self.rank == 0:
             try:
-                assert path is not None  # rank 0 is given its file's path (StreamSink.write)
+                assert path is not None  # rank 0 is given its file's path (write)
                 writer = self.open_file(path, group, self.meta)
             except Exception as e:
                 error = e
         try:
             for name, dtype, shape in group:
                 part = self.parts.get(name)
-                if part is None:
-                    item = self.items[name]  # looked up once: a lazy mapping reads it (consolidate)
-                    nbytes = item.nbytes
-                    data = self._full(item, writer)
-                    del item
-                else:
-                    nbytes = math.prod(shape) * str_to_dtype(dtype).itemsize
-                    data = part.assemble(partial(self._model_tensor, writer=writer))
+                # the item looked up once, held by no name: a lazy mapping reads it (consolidate)
+                data = (self._full(self.items[name], writer) if part is None
+                        else part.assemble(partial(self._model_tensor, writer=writer)))
                 if writer is not None:
                     try:
                         assert data is not None  # rank 0 keeps what it writes (keep=writer is not None)
@@ -246,11 +248,11 @@ class FileGatherer:
                         writer.abort()
                         writer = None
                 del data
-                bar(nbytes)
+                bar(spec_nbytes(dtype, shape))
             closing = self.finish()  # the previous file's close: at most one runs beside a file
             error = error or closing
             if writer is not None:
-                self._closing = _Background(writer.close)
+                self._closing = _in_background(writer.close)
                 writer = None
         finally:
             if writer is not None:
@@ -260,7 +262,7 @@ class FileGatherer:
     def finish(self) -> Exception | None:
         """Wait for the close :meth:`write_file` left running; its failure, if any."""
         closing, self._closing = self._closing, None
-        return closing.join() if closing is not None else None
+        return closing() if closing is not None else None
 
     def _full(self, item: SaveItem, writer) -> torch.Tensor | None:
         """The canonical tensor on rank 0 (None elsewhere); every rank of its group joins."""
@@ -293,26 +295,25 @@ class FileGatherer:
         return full
 
 
-class _Background:
-    """``fn()`` on a thread, in this thread's context (a writer's close reports its checksums
-    to the enclosing ``collect_checksums``); :meth:`join` gives its failure."""
+def _in_background(fn) -> Callable[[], Exception | None]:
+    """Start ``fn()`` on a thread, in this thread's context (a writer's close reports its
+    checksums to the enclosing ``collect_checksums``); returns the join, which gives its failure."""
+    context, error = contextvars.copy_context(), [None]
 
-    def __init__(self, fn):
-        context = contextvars.copy_context()
-        self._error: Exception | None = None
+    def run():
+        error[0] = capture(lambda: context.run(fn))
 
-        def run():
-            self._error = capture(lambda: context.run(fn))
+    thread = threading.Thread(target=run, name="shardwise-close", daemon=True)
+    thread.start()
 
-        self._thread = threading.Thread(target=run, name="shardwise-close", daemon=True)
-        self._thread.start()
+    def join() -> Exception | None:
+        thread.join()
+        return error[0]
 
-    def join(self) -> Exception | None:
-        self._thread.join()
-        return self._error
+    return join
 
 
-def _chunk_bytes(item: SaveItem, degree: int) -> int:
+def _chunk_bytes(item: SaveItem) -> int:
     """Bytes of the largest row chunk of one rank's shard of ``item`` (see gather_to_rank0)."""
     local = item.local
     rows = max(1, local.shape[0]) if local.dim() else 1
@@ -320,35 +321,4 @@ def _chunk_bytes(item: SaveItem, degree: int) -> int:
     return -(-rows // k) * (local.numel() // rows if rows else 0) * local.element_size()
 
 
-class StreamSink:
-    """The rank-0 stream (``sw.save``'s default) in the gathered format of ``sink``: every tensor
-    is gathered to rank 0, which writes the files in turn."""
-
-    def __init__(self, backend, state: ShardState | None, items: Mapping[str, SaveItem], *, what: str,
-                 sink: FileSink):
-        self.backend, self.state, self.items, self.what, self.sink = backend, state, items, what, sink
-        self.rank = backend.rank if backend is not None else 0
-        self.plan = sink.plan
-
-    def gatherer(self, plan: WritePlan) -> FileGatherer:
-        return FileGatherer(self.backend, self.state, self.items, plan.header, plan.parts,
-                            open_file=self.sink.open_file)
-
-    def write(self, plan: WritePlan, folder: Location | None, bar) -> dict[str, str]:
-        """Collective over the world: every rank joins the gathers of every file in order;
-        rank 0 (``folder`` its temporary folder, None elsewhere) writes them. Returns
-        ``{stored tensor: checksum}`` on rank 0, computed as it writes (empty elsewhere)."""
-        run = self.gatherer(plan)
-        with collect_checksums() as checksums:
-            try:
-                for f in plan.files:
-                    bar.file(f.name)
-                    error = run.write_file(folder / f.name if folder is not None else None, f.tensors, bar)
-                    agree(self.backend, error, what=self.what)
-                agree(self.backend, run.finish(), what=self.what)  # the last file's close
-            finally:
-                run.finish()  # no close left running past a failure
-        return dict(checksums)
-
-
-__all__ = ["FileGatherer", "SaveItem", "StreamSink", "collect_items", "gather_to_rank0", "num_chunks"]
+__all__ = ["FileGatherer", "SaveItem", "collect_items", "gather_to_rank0", "num_chunks"]

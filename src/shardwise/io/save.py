@@ -6,41 +6,33 @@ each save is one ``Saving``: complete or absent."""
 from __future__ import annotations
 
 import os
-import secrets
-import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from shardwise._progress import Progress
-from shardwise.backends import Backend, coordination_group
-from shardwise.comm import agree, all_gather_object, broadcast_object, capture, fingerprint, gather_object
+from shardwise.backends import Backend
+from shardwise.comm import fingerprint
 from shardwise.core.adapter import adapter_for
-from shardwise.core.header import layout_header, region_runs, spec_nbytes
-from shardwise.core.pieces import Piece, piece_reads
-from shardwise.core.spec import Layout, Region, local_layout
 from shardwise.errors import CheckpointError, CollectiveError, UsageError
-from shardwise.io.check.against import Expectation, compare, expected_tensors
+from shardwise.io.check.against import LAYOUTS, compare, expectations
 from shardwise.io.formats import get_format, save_format
 from shardwise.io.formats.safetensors.files import parse_size
-from shardwise.io.gather import StreamSink, collect_items
+from shardwise.io.gather import FileGatherer, collect_items
 from shardwise.io.guards import check_model
-from shardwise.io.info import ALGORITHM, digest_range, gather_info
-from shardwise.io.replicas import assign_owners
-from shardwise.io.sink import Saving, StoredTensor, WritePlan
-from shardwise.io.storage import Handles, Location, byte_view, locate, read_small, write_small
+from shardwise.io.info import gather_info
+from shardwise.io.parallel_write import shared_folder, write_parallel
+from shardwise.io.sink import Saving, StoredTensor
+from shardwise.io.storage import Location, locate
 from shardwise.io.storage.transaction import target_path
 from shardwise.mesh import world_backend
 from shardwise.quant import check_quantized_save
 
 if TYPE_CHECKING:
     from shardwise.io.formats.dcp.checkpoint import AsyncSave
-
-LAYOUTS = ("hub", "module")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -181,8 +173,8 @@ def save_gathered(model: nn.Module, target: Location, options: SafetensorsSave, 
         index_metadata=adapter.index_metadata(model, {i.name: i.shape for i in items}),  # total_parameters
         storages=adapter.shared_storages([s.part for s in stored if s.part is not None],
                                          {i.name: i.local.element_size() for i in items}))
-    stream = StreamSink(backend, state, {i.name: i for i in items}, what=what, sink=writer)
-    plan = stream.plan(stored)
+    plan = writer.plan(stored)
+    run = FileGatherer(backend, state, {i.name: i for i in items}, plan, open_file=writer.open_file)
     parallel = _parallel_wanted(model, items, options.parallel_write, plugin, backend, target)
     join_collective(backend, "sw.save")  # after the guards and the plan: all pure
     digest = fingerprint((plan.files, [(i.name, i.spec, i.degree) for i in items], options.parallel_write))
@@ -190,9 +182,9 @@ def save_gathered(model: nn.Module, target: Location, options: SafetensorsSave, 
         folder = saving.folder if saving.rank0 else None
         shared = (shared_folder(backend, folder, what=what, required=options.parallel_write is True)
                   if parallel else None)
-        with Progress(sum(i.nbytes for i in items), progress, stream.rank == 0, "shardwise save") as bar:
-            checksums = (stream.write(plan, folder, bar) if shared is None else
-                         write_parallel(backend, stream.gatherer(plan), state, shared, plan, bar, what=what))
+        with Progress(sum(i.nbytes for i in items), progress, run.rank == 0, "shardwise save") as bar:
+            checksums = (run.write(folder, bar, what=what) if shared is None else
+                         write_parallel(backend, run, shared, bar, what=what))
         info = gather_info(checksums, [s.spec for s in stored]) if saving.rank0 else None
         # config.json & co beside the data: from_pretrained reads the folder
         saving.commit(info=info, side_files=lambda folder: adapter.write_side_files(model, folder),
@@ -230,9 +222,7 @@ def join_collective(backend: Backend | None, what: str) -> None:
 def check_stored(model: nn.Module, items, stored, layout: str) -> None:
     """Raise ``CheckpointError`` before anything is written unless every stored tensor has the name,
     shape and dtype a checkpoint of ``model`` holds in ``layout``."""
-    tensors = {i.name: (tuple(i.shape), i.dtype) for i in items}
-    want = Expectation(type(model).__name__, layout, expected_tensors(model, layout=layout, tensors=tensors),
-                       {}, True)
+    want = expectations(model, tensors={i.name: (i.shape, i.dtype) for i in items}, layouts=(layout,))[0]
     report = compare({s.name: (s.dtype, s.shape) for s in stored}, want)
     if not report.ok:
         raise CheckpointError(f"sw.save would write a checkpoint that does not match {type(model).__name__} "
@@ -248,12 +238,6 @@ def stored_tensors(model: nn.Module, items, layout: str) -> list[StoredTensor]:
     if parts is None:
         return [StoredTensor(i.name, i.dtype, tuple(i.shape)) for i in items]
     return [StoredTensor(p.key, p.dtype, p.shape, p) for p in parts]
-
-
-# --- the parallel write: every rank writes its regions of rank 0's files (rank 0 lays them out);
-# used across machines: on one it measured no faster than the stream.
-
-PROBE_PREFIX = ".shardwise-probe-"
 
 
 def _parallel_wanted(model, items, parallel_write: bool | None, plugin, backend, target: Location) -> bool:
@@ -278,163 +262,4 @@ def _parallel_wanted(model, items, parallel_write: bool | None, plugin, backend,
     return parallel_write
 
 
-def _sees_token(path: Location, token: str) -> bool:
-    """Whether this rank reads ``token`` at ``path`` (tests replace it: a rank on another filesystem)."""
-    try:
-        return read_small(path, what="the probe") == token.encode()
-    except (OSError, CheckpointError):
-        return False
-
-
-def host_id() -> str:
-    """This machine: its boot id (Linux) and host name (tests replace it to simulate machines)."""
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
-
-
-def shared_folder(backend, folder: Location | None, *, required: bool, what: str) -> Location | None:
-    """Rank 0's temporary ``folder`` on every rank when every rank reads rank 0's token in it and,
-    unless ``required``, the ranks span machines; else None everywhere (``required``: a
-    ``CheckpointError`` on every rank). Collective."""
-    mine = None
-    if folder is not None:  # rank 0: the token holds random text, so no stale file can pass
-        token = secrets.token_hex(16)
-        path = folder / f"{PROBE_PREFIX}{token}"
-        if capture(lambda: write_small(path, token.encode())) is None:
-            mine = [str(path), token]
-    group = coordination_group(backend)
-    offered = broadcast_object(mine, 0, group=group, purpose=f"{what}: the shared-folder probe")
-    seen = offered is not None and _sees_token(locate(offered[0]), offered[1])
-    answers = all_gather_object((seen, host_id()), group=group, purpose=f"{what}: the shared-folder probe")
-    if folder is not None and offered is not None:
-        Path(offered[0]).unlink(missing_ok=True)  # the probe, before the folder is committed
-    blind = [r for r, (ok, _) in enumerate(answers) if not ok]
-    if blind and required:
-        where = f"rank 0's temporary folder {Path(offered[0]).parent}" if offered else "a token file"
-        raise CheckpointError(
-            f"{what}: parallel_write=True needs every rank to see the target's filesystem, but "
-            f"rank(s) {blind} cannot read {where}; pass parallel_write=None (probe and fall back "
-            "to the rank-0 stream) or save to a shared filesystem")
-    if blind or offered is None or (not required and len({h for _, h in answers}) == 1):
-        return None
-    return locate(offered[0]).parent
-
-
-def _layout(item, state, axes: dict, rank: int) -> Layout | None:
-    """This rank's regions of the model tensor ``item`` that it writes; None when it writes none."""
-    if item.gathered:
-        _, holds_rank0 = axes.get(item.spec.axis, (None, False))
-        if not holds_rank0:  # another replica: the group holding rank 0 writes
-            return None
-        degree, axis_rank = state.coords(item.spec)
-        return local_layout(item.shape, item.spec, degree, axis_rank)
-    if rank != 0:
-        return None
-    zeros = (0,) * len(item.shape)
-    return [(Region(zeros, item.shape), zeros)]
-
-
-def _boxes(item, piece: Piece, layout: Layout, shape: tuple[int, ...]):
-    """``(local tensor, [(byte offset in the stored tensor, length)])`` for each box of
-    ``item``'s local shard that lands in the stored tensor ``piece`` of ``shape``; the
-    tensor's bytes in C order fill the runs in order."""
-    itemsize = item.local.element_size()
-    for _, src, local_off in piece_reads(layout, [piece]):
-        box = Piece(piece.key, src, local_off, piece.stacked).box()  # in the local shard
-        data = item.local[box.slices()].reshape(src.sizes)  # drops the stacked (expert) dims
-        yield data, region_runs(shape, itemsize, src.offsets, src.sizes)  # src: in the stored tensor
-
-
-def _write_file(path: Location, plan: WritePlan, tensors, base: int, offsets: dict, run, layout_of) -> None:
-    """Write this rank's boxes of the ``tensors`` of one file (created by rank 0, its data at
-    ``base``), one box at a time, then commit. ``layout_of``: this rank's regions per model tensor."""
-    out = None
-    try:
-        for name, _, shape in tensors:
-            part, zeros = plan.parts.get(name), (0,) * len(shape)
-            whole = ((name, Piece(name, Region(zeros, shape), zeros)),)
-            for model_name, piece in part.fragments if part is not None else whole:  # model tensors' boxes
-                if layout_of[model_name] is None:
-                    continue
-                for data, runs in _boxes(run.items[model_name], piece, layout_of[model_name], shape):
-                    out = path.create(existing=True) if out is None else out
-                    data = data.detach().resolve_conj().resolve_neg().cpu().contiguous()  # alive while viewed
-                    view, pos = byte_view(data), 0
-                    # one write per run: a dim-0 split is one run, a dim-1 split one run per row
-                    for offset, length in runs:
-                        out.pwrite(view[pos : pos + length], base + offsets[name][0] + offset)
-                        pos += length
-                    assert pos == len(view), (pos, len(view))
-        if out is not None:
-            out.commit()
-    finally:
-        if out is not None:
-            out.abort()
-
-
-def _create_files(folder: Location, layouts) -> None:
-    """Rank 0: every file with its header, at its final size (the data zero until written)."""
-    for fname, prefix, size, _ in layouts:
-        out = (folder / fname).create()
-        try:
-            out.write(memoryview(prefix))
-            if size:  # the last byte sets the length; the rest stays a hole until written
-                out.pwrite(memoryview(b"\0"), len(prefix) + size - 1)
-            out.commit()
-        finally:
-            out.abort()
-
-
-def _digest(folder: Location, where: dict, names: list[str]) -> dict[str, str]:
-    """``{name: checksum}`` of the stored tensors ``names``, read back from their files."""
-    handles = Handles()
-    try:
-        return {n: digest_range(handles.get(folder / where[n][0]), where[n][1], where[n][2], ALGORITHM)
-                for n in names}
-    finally:
-        handles.close()
-
-
-def write_parallel(backend, run, state, folder: Location, plan: WritePlan, bar, *,
-                   what: str) -> dict[str, str]:
-    """Write every file of ``plan`` into ``folder`` (:func:`shared_folder`): a sharded tensor by
-    the axis group of global rank 0, anything else by rank 0; then read the checksums back, split
-    by bytes. ``run``: the stream's ``FileGatherer`` (items, axes). Returns ``{stored tensor:
-    checksum}`` on rank 0 (empty elsewhere). Collective: a failure raises on every rank."""
-    rank = backend.rank if backend is not None else 0
-    layouts, where = [], {}
-    for f in plan.files:
-        prefix, offsets = layout_header(f.tensors, plan.header)
-        layouts.append((f.name, prefix, sum(spec_nbytes(dt, shape) for _, dt, shape in f.tensors), offsets))
-        where.update({n: (f.name, len(prefix) + lo, hi - lo) for n, (lo, hi) in offsets.items()})
-    agree(backend, capture(lambda: _create_files(folder, layouts)) if rank == 0 else None, what=what)
-
-    def write_all():
-        layout_of = {n: _layout(item, state, run.axes, rank) for n, item in run.items.items()}
-        for f, (_, prefix, _, offsets) in zip(plan.files, layouts, strict=True):
-            _write_file(folder / f.name, plan, f.tensors, len(prefix), offsets, run, layout_of)
-
-    agree(backend, capture(write_all), what=what)  # every rank has fsynced its writes
-    for fname, _, size, _ in layouts:
-        bar.file(fname)
-        bar(size)
-    world = backend.world_size if backend is not None else 1
-    names = sorted(where)  # the checksums split by bytes (largest first, to the least loaded rank)
-    owners = assign_owners(["all"] * len(names), {"all": range(world)}, [where[n][2] for n in names])
-    mine = [n for n, owner in zip(names, owners, strict=True) if owner == rank]
-    sums: dict[str, str] = {}
-    error = capture(lambda: sums.update(_digest(folder, where, mine)))
-    agree(backend, error, what=what)
-    parts = gather_object(sums, 0, group=coordination_group(backend), purpose=f"{what}: the checksums")
-    if parts is None:
-        return {}
-    out = {name: hexdigest for part in parts for name, hexdigest in part.items()}
-    assert set(out) == set(where), f"checksums for {len(out)} of {len(where)} tensors"
-    return out
-
-
-__all__ = ["DistributedSave", "SafetensorsSave", "host_id", "save", "save_options", "shared_folder",
-           "write_parallel"]
+__all__ = ["DistributedSave", "SafetensorsSave", "save", "save_options"]
