@@ -216,11 +216,6 @@ class Dequantizer:
             self._what[key] = (d, want)
             self._ready[key] = [self.assembly.empty.pop((key, part), None) for part in (0, 1)]
 
-    @property
-    def parts(self) -> dict:
-        """The reads' names: ``name in parts`` for the items this dequantizer takes."""
-        return self.assembly.parts
-
     def take(self, item: ReadItem, raw: torch.Tensor, finalize: Finalize):
         got = self.assembly.take(item, raw)
         if got is None:
