@@ -134,41 +134,35 @@ class MetadataReader(LocationReader):
         return self._metadata
 
     def read_data(self, plan, planner):
+        from torch.distributed.checkpoint.planner import LoadItemType
+        from torch.distributed.checkpoint.utils import _create_file_view
+
         infos = {item.storage_index: self.storage_data[item.storage_index] for item in plan.items}
         if any(getattr(i, "transform_descriptors", None) for i in infos.values()):
             self.bytes_read += sum(i.length for i in infos.values())
             return super().read_data(plan, planner)
-        by_file: dict[str, list] = {}
-        for item in plan.items:
-            by_file.setdefault(str(infos[item.storage_index].relative_path), []).append(item)
         handles = Handles()
         try:
-            for rel, items in by_file.items():
-                self._read_file(HandleFile(handles.get(self.path / rel)), items, infos, planner)
+            # file by file, each file's handle opened once
+            for item in sorted(plan.items, key=lambda i: str(infos[i.storage_index].relative_path)):
+                info = infos[item.storage_index]
+                f = HandleFile(handles.get(self.path / str(info.relative_path)))
+                if item.type == LoadItemType.BYTE_IO:
+                    data = _create_file_view(f, info.offset, info.length).read()
+                    self.bytes_read += len(data)
+                    planner.load_bytes(item, io.BytesIO(data))
+                    continue
+                target = planner.resolve_tensor(item).detach()
+                index = item.storage_index
+                dtype, sizes = self._chunks.get((index.fqn, tuple(index.offset)), (None, None))
+                self.bytes_read += read_chunk_into(f, info, item.storage_offsets, item.lengths, target,
+                                                   dtype=dtype, sizes=sizes)
+                planner.commit_tensor(item, target)
         finally:
             handles.close()
         done = torch.futures.Future()
         done.set_result(None)
         return done
-
-    def _read_file(self, f: HandleFile, items, infos, planner) -> None:
-        """Read the plan's ``items`` stored in the one file ``f`` into the planner's tensors."""
-        from torch.distributed.checkpoint.planner import LoadItemType
-        from torch.distributed.checkpoint.utils import _create_file_view
-
-        for item in items:
-            info = infos[item.storage_index]
-            if item.type == LoadItemType.BYTE_IO:
-                data = _create_file_view(f, info.offset, info.length).read()
-                self.bytes_read += len(data)
-                planner.load_bytes(item, io.BytesIO(data))
-                continue
-            target = planner.resolve_tensor(item).detach()
-            index = item.storage_index
-            dtype, sizes = self._chunks.get((index.fqn, tuple(index.offset)), (None, None))
-            self.bytes_read += read_chunk_into(f, info, item.storage_offsets, item.lengths, target,
-                                               dtype=dtype, sizes=sizes)
-            planner.commit_tensor(item, target)
 
 
 __all__ = ["MetadataReader", "chunk_checksum", "open_blob", "read_chunk_into",
