@@ -27,7 +27,6 @@ from shardwise.core.plan import ResolvedPlan, plan_summary
 from shardwise.core.spec import Region, intersect
 from shardwise.errors import CheckpointError, CollectiveError, ShardwiseError
 from shardwise.holding import is_dtensor
-from shardwise.io.formats.dcp.chunks import MetadataReader, chunk_checksum, read_chunk_into
 from shardwise.io.formats.dcp.items import (
     CanonicalLoadPlanner,
     CanonicalSavePlanner,
@@ -39,7 +38,13 @@ from shardwise.io.formats.dcp.items import (
     scale_placed,
     side_by_side,
 )
-from shardwise.io.formats.dcp.metadata import check_tensors, read_metadata
+from shardwise.io.formats.dcp.metadata import (
+    MetadataReader,
+    check_tensors,
+    chunk_checksum,
+    read_chunk_into,
+    read_metadata,
+)
 from shardwise.io.formats.safetensors.reader import want_layout
 from shardwise.io.info import ALGORITHM, chunk_key, read_info
 from shardwise.io.sink import Saving
