@@ -184,7 +184,7 @@ def test_info_file_still_describes_a_good_checkpoint(dcp_dir):
 def _damage_data(folder, how: str) -> None:
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
-    from shardwise.io.formats.dcp.chunks import open_blob
+    from shardwise.io.formats.dcp.metadata import open_blob
 
     metadata = read_metadata(folder)
     md = metadata.state_dict_metadata["lin.weight"]

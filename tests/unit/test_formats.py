@@ -173,7 +173,8 @@ def test_save_asks_the_registry_for_the_writer(tmp_path, registry, monkeypatch):
     assert formats.save_format(None, distributed=True).NAME == "dcp"
     assert formats.save_format("distcp", distributed=True).NAME == "dcp"
     assert formats.save_format("safetensors", distributed=True).NAME == "sharded"
-    assert formats.capabilities("dcp").async_save and not formats.capabilities("sharded").async_save
+    assert formats.get_format("dcp").CAPABILITIES.async_save
+    assert not formats.get_format("sharded").CAPABILITIES.async_save
     monkeypatch.setitem(sys.modules, "raw_format_plugin", _raw_plugin())
     formats.register_format("raw", "raw_format_plugin")
     with pytest.raises(UsageError, match="the raw format is read only.*writable formats: dcp, sharded"):

@@ -12,10 +12,10 @@ from safetensors.torch import save_file
 import shardwise as sw
 from shardwise.core.spec import Region, ShardSpec, local_layout
 from shardwise.errors import CheckpointError
-from shardwise.io.formats.safetensors.reader import piece_items
+from shardwise.io.formats.safetensors.reader import RegionReader, piece_items
 from shardwise.io.formats.sharded.source import (
-    ShardedReader,
     is_sharded_safetensors,
+    read_local,
     read_sharded,
     sharding_metadata,
 )
@@ -67,23 +67,29 @@ def test_chunk_map_and_detection(tmp_path):
     assert not is_sharded_safetensors(folder)
 
 
+def _whole(reader, ckpt, name):
+    t = ckpt.tensors[name]
+    zeros = (0,) * len(t.shape)
+    return read_local(reader, {name: (t, [(Region(zeros, t.shape), zeros)])}, finalize=lambda k, x: x)[name]
+
+
 def test_reads_only_overlapping_chunk_bytes(tmp_path):
     ckpt = read_sharded(_folder(tmp_path / "ckpt"))
-    with ShardedReader(ckpt, num_threads=2) as reader:
+    with RegionReader(ckpt.headers, num_threads=2) as reader:
         # rows 4..6 of w: the last row of chunk 2 and the first of chunk 3, nothing of chunk 1
         layout = [(Region((4, 0), (2, 4)), (0, 0))]
-        got = reader.read({"w": (ckpt.tensors["w"], layout)}, finalize=lambda k, t: t)["w"]
+        got = read_local(reader, {"w": (ckpt.tensors["w"], layout)}, finalize=lambda k, t: t)["w"]
         assert torch.equal(got, W[4:6]) and reader.bytes_read == 2 * 4 * 4
         # a packed-style local tensor: two regions concatenated along dim 0
         spec = ShardSpec(dim=0, blocks=(1, 1))
         layout = local_layout((8, 4), spec, 2, 1)
-        got = reader.read({"w": (ckpt.tensors["w"], layout)}, finalize=lambda k, t: t)["w"]
+        got = read_local(reader, {"w": (ckpt.tensors["w"], layout)}, finalize=lambda k, t: t)["w"]
         assert torch.equal(got, torch.cat([W[2:4], W[6:8]]))
         # columns across two files, every dtype byte-exact
         layout = [(Region((0, 2), (2, 3)), (0, 0))]
-        got = reader.read({"c": (ckpt.tensors["c"], layout)}, finalize=lambda k, t: t)["c"]
+        got = read_local(reader, {"c": (ckpt.tensors["c"], layout)}, finalize=lambda k, t: t)["c"]
         assert torch.equal(got, C[:, 2:5])
-        assert torch.equal(reader.tensor("b"), B) and reader.tensor("b").dtype == torch.bfloat16
+        assert torch.equal(_whole(reader, ckpt, "b"), B) and _whole(reader, ckpt, "b").dtype == torch.bfloat16
     reads = piece_items("w", ckpt.tensors["w"].composite, [(Region((0, 0), (2, 4)), (0, 0))])
     assert [i.path.name for i, _ in reads] == ["shard-00001-model-00001-of-00001.safetensors"]
 
@@ -210,9 +216,10 @@ def test_single_process_save_round_trip(tmp_path):
     sw.save(model, tmp_path / "ckpt", distributed=True, format="safetensors")
     ckpt = read_sharded(tmp_path / "ckpt")
     assert [f.name for f in ckpt.files] == ["shard-00001-model-00001-of-00001.safetensors"]
-    with ShardedReader(ckpt, num_threads=1) as reader:
+    with RegionReader(ckpt.headers, num_threads=1) as reader:
         for name, t in model.state_dict().items():
-            assert torch.equal(reader.tensor(name), t) and reader.tensor(name).dtype == t.dtype, name
+            got = _whole(reader, ckpt, name)
+            assert torch.equal(got, t) and got.dtype == t.dtype, name
     with pytest.raises(ValueError, match="no checkpoint format named 'npz'; known formats: dcp, sharded"):
         sw.save(model, tmp_path / "other", distributed=True, format="npz")
     with pytest.raises(ValueError, match="async_save=True is not supported with format='safetensors'"):

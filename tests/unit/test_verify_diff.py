@@ -14,8 +14,7 @@ from torch import nn
 
 import shardwise as sw
 from shardwise.cli import main
-from shardwise.io.formats.dcp.chunks import open_blob
-from shardwise.io.formats.dcp.metadata import read_metadata
+from shardwise.io.formats.dcp.metadata import open_blob, read_metadata
 from shardwise.io.formats.safetensors.checkpoint import resolve_checkpoint
 from shardwise.io.storage import locate
 

@@ -15,7 +15,7 @@ from shardwise.io.formats.safetensors.files import (
     plan_files,
     save_file_order,
 )
-from shardwise.io.formats.sharded.write import ShardedSafetensorsSink
+from shardwise.io.formats.sharded.write import plan_rank_files
 from shardwise.io.sink import PlannedFile, StoredTensor, WritePlan
 
 SPECS = [("z.weight", "BF16", (10, 10)), ("a.weight", "F32", (10, 10)), ("m.bias", "F32", (10,)),
@@ -96,7 +96,7 @@ def test_sharded_plan_names_every_ranks_files_with_offsets():
     spec = ShardSpec(dim=0, blocks=(1, 1))  # a packed weight: two regions per rank
     held = [_held("w", (8, 4), [r for r, _ in local_layout((8, 4), spec, 2, rank)])
             + _held("norm", (4,), [Region((0,), (4,))], "BF16") for rank in range(2)]
-    plan = ShardedSafetensorsSink({}, rank=1).plan(held)
+    plan = plan_rank_files(held)
     assert isinstance(plan, WritePlan) and plan.index is None
     assert [(f.name, f.rank) for f in plan.files] == [
         (f"shard-{r + 1:05d}-model-{k:05d}-of-00002.safetensors", r) for r in range(2) for k in (1, 2)]

@@ -39,9 +39,8 @@ def first_error(futures: Sequence[Future]) -> BaseException | None:
 
 
 class Requests:
-    """The load's storage requests on ``num_threads`` threads, queued in order: byte runs
-    landed straight into tensors, neighbouring runs of one object in one request (the
-    handle's ``run_requests``; a plain ``readinto`` per run on a handle without it)."""
+    """The load's storage requests (the module's) on ``num_threads`` threads; ``bytes_read``
+    counts what landed."""
 
     def __init__(self, files, num_threads: int):
         self.files, self.handles = files, Handles()

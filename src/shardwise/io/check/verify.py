@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from shardwise.errors import CheckpointError, ShardwiseError, UsageError
 from shardwise.io.check import JsonReport, print_safely, quantized, some, stored
 from shardwise.io.check.against import AgainstReport, check_against, expectations
-from shardwise.io.formats import capabilities, format_of
+from shardwise.io.formats import format_of, get_format
 from shardwise.io.info import ALGORITHM, INFO_FILE, read_info
 from shardwise.io.source import Stored
 from shardwise.io.storage import Location, locate
@@ -140,7 +140,7 @@ def _verify_source(source: Stored, report: VerifyReport) -> dict[str, tuple[str,
     report.problems += source.describe().problems
     info = read_info(source.root)
     if info is None:
-        otherwise = capabilities(source.name).own_checksums or (
+        otherwise = get_format(source.name).CAPABILITIES.own_checksums or (
             "the structure was checked, the values cannot be")
         report.notes.append(f"no {INFO_FILE}: no checksums recorded (not written by shardwise); {otherwise}")
     for name, saved in ((info or {}).get("tensors") or {}).items():

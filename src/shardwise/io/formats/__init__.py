@@ -89,11 +89,6 @@ def get_format(name: str) -> ModuleType:
     return importlib.import_module(module)
 
 
-def capabilities(name: str) -> Capabilities:
-    """What the format ``name`` (a ``Source``'s ``name``) can do."""
-    return get_format(name).CAPABILITIES
-
-
 def format_of(path: Location | str | os.PathLike) -> ModuleType:
     """The plugin of the first format, in :data:`FORMATS` order, that claims ``path``."""
     path = locate(path)  # a str or path: the tools' and tests' door (sw.* pass Locations)
@@ -147,5 +142,5 @@ def save_format(format: str | None, *, distributed: bool) -> ModuleType:
     return plugin
 
 
-__all__ = ["FORMATS", "SAVE_SPELLINGS", "Capabilities", "capabilities", "format_of", "get_format",
+__all__ = ["FORMATS", "SAVE_SPELLINGS", "Capabilities", "format_of", "get_format",
            "open_source", "register_format", "save_format"]

@@ -74,15 +74,6 @@ def open_regular(path: Path) -> int:
     return fd
 
 
-def _hub_blobs(root: Path) -> Path | None:
-    """The ``blobs`` folder of a huggingface_hub cache repo whose snapshot holds ``root``."""
-    for parent in root.parents:
-        if parent.name == "snapshots":
-            blobs = parent.parent / "blobs"
-            return blobs if blobs.is_dir() else None
-    return None
-
-
 def check_inside(root: Path, path: Path, *, source: object) -> None:
     """Raise ``CheckpointError`` (naming ``source``) when ``path`` resolves outside ``root``."""
     # A symlink may not lead out of the folder, except into the blob store of a
@@ -90,8 +81,9 @@ def check_inside(root: Path, path: Path, *, source: object) -> None:
     target, real_root = path.resolve(), root.resolve()
     if target.is_relative_to(real_root):
         return
-    blobs = _hub_blobs(real_root)
-    if blobs is not None and target.is_relative_to(blobs.resolve()):
+    snapshots = next((p for p in real_root.parents if p.name == "snapshots"), None)
+    blobs = snapshots.parent / "blobs" if snapshots is not None else None
+    if blobs is not None and blobs.is_dir() and target.is_relative_to(blobs.resolve()):
         return
     raise CheckpointError(
         f"{source}: {path.name} is a symlink to {target}, outside the checkpoint folder {root}; "

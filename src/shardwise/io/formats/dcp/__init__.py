@@ -1,7 +1,7 @@
 """The torch distributed checkpoint (DCP) format plugin: ``.distcp`` chunk files and a pickled
 ``.metadata``, through torch's DCP planners, reader and writer: canonical chunks (``items``),
-checked metadata (``metadata``), chunk reads (``chunks``), save and load (``checkpoint``),
-optimizer state (``optim``). torch.distributed.checkpoint (~1.7 s) is imported only on use."""
+checked metadata and chunk reads (``metadata``), save and load (``checkpoint``), optimizer
+state (``optim``). torch.distributed.checkpoint (~1.7 s) is imported only on use."""
 
 from __future__ import annotations
 

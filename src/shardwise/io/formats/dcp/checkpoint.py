@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, NoReturn, cast
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -27,7 +27,6 @@ from shardwise.core.plan import ResolvedPlan, plan_summary
 from shardwise.core.spec import Region, intersect
 from shardwise.errors import CheckpointError, CollectiveError, ShardwiseError
 from shardwise.holding import is_dtensor
-from shardwise.io.formats.dcp.chunks import MetadataReader, chunk_checksum, read_chunk_into
 from shardwise.io.formats.dcp.items import (
     CanonicalLoadPlanner,
     CanonicalSavePlanner,
@@ -39,7 +38,13 @@ from shardwise.io.formats.dcp.items import (
     scale_placed,
     side_by_side,
 )
-from shardwise.io.formats.dcp.metadata import check_tensors, read_metadata
+from shardwise.io.formats.dcp.metadata import (
+    MetadataReader,
+    check_tensors,
+    chunk_checksum,
+    read_chunk_into,
+    read_metadata,
+)
 from shardwise.io.formats.safetensors.reader import want_layout
 from shardwise.io.info import ALGORITHM, chunk_key, read_info
 from shardwise.io.sink import Saving
@@ -272,6 +277,8 @@ class DcpSource:
     def __init__(self, path: Location):
         self.root = path
         self.metadata = read_metadata(path)
+        self._tensors = {k: m for k, m in self.metadata.state_dict_metadata.items()
+                         if isinstance(m, TensorStorageMetadata)}  # checkpoint key -> its chunks
         self._handles = Handles()
         self.bytes_read = 0
         self._key: dict[str, str] = {}  # model name -> checkpoint key
@@ -281,15 +288,13 @@ class DcpSource:
         return HandleFile(self._handles.get(self.root / rel))
 
     def tensors(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        md = self.metadata.state_dict_metadata
-        return {k: (m.properties.dtype, tuple(m.size)) for k, m in md.items()
-                if isinstance(m, TensorStorageMetadata)}
+        return {k: (m.properties.dtype, tuple(m.size)) for k, m in self._tensors.items()}
 
     def use_module_names(self, wanted: set[str]) -> None:
         pass  # a distributed checkpoint stores the module's names
 
     def read_box(self, name: str, box: Region) -> torch.Tensor:
-        md = cast(TensorStorageMetadata, self.metadata.state_dict_metadata[name])  # one of tensors()
+        md = self._tensors[name]
         dtype = md.properties.dtype
         infos = [(c, self.metadata.storage_data[MetadataIndex(name, c.offsets)]) for c in md.chunks]
         if any(getattr(info, "transform_descriptors", None) for _, info in infos):
@@ -313,17 +318,13 @@ class DcpSource:
         return out
 
     def describe(self) -> Description:
-        md = self.metadata.state_dict_metadata
-        values = tuple(n for n, m in md.items() if not isinstance(m, TensorStorageMetadata))
+        values = tuple(n for n in self.metadata.state_dict_metadata if n not in self._tensors)
         files = tuple(sorted({str(info.relative_path) for info in self.metadata.storage_data.values()}))
         return Description("torch distributed checkpoint (DCP)", files, layout=read_info(self.root),
-                           values=values, chunks={n: len(m.chunks) for n, m in md.items()
-                                                                   if isinstance(m, TensorStorageMetadata)})
+                           values=values, chunks={n: len(m.chunks) for n, m in self._tensors.items()})
 
     def blobs(self) -> Iterator[Blob]:
-        for name, md in self.metadata.state_dict_metadata.items():
-            if not isinstance(md, TensorStorageMetadata):
-                continue
+        for name, md in self._tensors.items():
             dtype = md.properties.dtype
             for chunk in md.chunks:
                 info = self.metadata.storage_data[MetadataIndex(name, chunk.offsets)]
@@ -358,14 +359,13 @@ class DcpSource:
         for key, w in wants.items():
             groups.setdefault(self._key[w.name], []).append((key, w))
         # the matched keys are tensors (check_tensors)
-        md = cast(dict[str, TensorStorageMetadata], self.metadata.state_dict_metadata)
-        total = sum(math.prod(want_layout(self._shape[k], w)[0]) * md[k].properties.dtype.itemsize
+        total = sum(math.prod(want_layout(self._shape[k], w)[0]) * self._tensors[k].properties.dtype.itemsize
                     for k, group in groups.items() for _, w in group)
         return Reads(wants, total, groups)
 
     def read(self, reads: Reads, *, finalize: Finalize, options: ReadOptions,
              on_bytes: Callable[[int], None] | None = None) -> dict:
-        md = cast(dict[str, TensorStorageMetadata], self.metadata.state_dict_metadata)  # as in plan()
+        md = self._tensors  # the matched keys are tensors (check_tensors)
         out, batch, size = {}, {}, 0
         keys = list(reads.detail)
         for i, k in enumerate(keys):

@@ -15,7 +15,7 @@ from pathlib import PurePosixPath, PureWindowsPath
 from shardwise.core.header import FileHeader, TensorEntry
 from shardwise.errors import CheckpointError
 from shardwise.io.formats.safetensors.files import INDEX_SUFFIX, read_header
-from shardwise.io.storage import Location, locate, read_json
+from shardwise.io.storage import HandleFile, Location, locate, read_json
 
 _PICKLE_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle"})
 
@@ -40,9 +40,7 @@ def _non_safetensors_kind(path: Location) -> str | None:
     try:
         handle = path.open()
         try:
-            buf = bytearray(min(4, handle.size()))
-            handle.readinto(memoryview(buf), 0)
-            head = bytes(buf)
+            head = HandleFile(handle).pread(4, 0)
         finally:
             handle.close()
     except (OSError, CheckpointError):

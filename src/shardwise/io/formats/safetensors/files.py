@@ -128,14 +128,13 @@ class StreamingWriter:
         self._specs = [(name, dtype, tuple(shape)) for name, dtype, shape in specs]
         prefix, self._offsets = layout_header(self._specs, metadata)
         self._next = 0
-        self._pos = 0
+        self._pos = 0  # data offsets count from the end of the header
         self._out: WriteHandle | None = self.path.create()
         try:
-            self._write_all(memoryview(prefix))
+            self._out.write(memoryview(prefix))
         except BaseException:
             self.abort()
             raise
-        self._pos = 0  # data offsets count from the end of the header
 
     def __enter__(self) -> StreamingWriter:
         return self
@@ -145,11 +144,6 @@ class StreamingWriter:
             self.close()
         else:
             self.abort()
-
-    def _write_all(self, buf: memoryview) -> None:
-        assert self._out is not None  # called only while open (__init__, write() checks)
-        self._out.write(buf)
-        self._pos += len(buf)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Append tensor ``name``; it must be the next spec, with its dtype and shape, on CPU."""
@@ -183,7 +177,8 @@ class StreamingWriter:
             block = view[start:start + _WRITE_BLOCK]
             if digest is not None:
                 digest.update(block)
-            self._write_all(block)
+            self._out.write(block)
+            self._pos += len(block)
         if digest is not None:
             self.checksums[name] = digest.hexdigest()
         self._next += 1

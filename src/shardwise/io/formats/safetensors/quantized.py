@@ -29,6 +29,7 @@ from shardwise.errors import CheckpointError, PlanError
 from shardwise.io.formats.safetensors.reader import Assembly, ReadItem, piece_items
 from shardwise.io.source import Finalize, Want
 from shardwise.io.storage import Location
+from shardwise.io.storage.local import libc_function
 
 
 @dataclass(frozen=True)
@@ -182,18 +183,8 @@ def _check_mxfp4(file, name: str, blocks: TensorEntry, scales: TensorEntry, shap
             "model's configuration")
 
 
-def _malloc_trim():
-    """glibc's ``malloc_trim`` (hands the heap's free pages back), or ``None`` off glibc."""
-    try:
-        fn = getattr(ctypes.CDLL(None), "malloc_trim", None)
-    except (OSError, TypeError):
-        return None
-    if fn is not None:
-        fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
-    return fn
-
-
-_MALLOC_TRIM = _malloc_trim()
+# glibc's malloc_trim (hands the heap's free pages back); None off glibc
+_MALLOC_TRIM = libc_function("malloc_trim", ctypes.c_size_t)
 
 
 class Dequantizer:
@@ -224,11 +215,6 @@ class Dequantizer:
                                       "lower degree")
             self._what[key] = (d, want)
             self._ready[key] = [self.assembly.empty.pop((key, part), None) for part in (0, 1)]
-
-    @property
-    def parts(self) -> dict:
-        """The reads' names: ``name in parts`` for the items this dequantizer takes."""
-        return self.assembly.parts
 
     def take(self, item: ReadItem, raw: torch.Tensor, finalize: Finalize):
         got = self.assembly.take(item, raw)

@@ -94,7 +94,7 @@ class SafetensorsSource:
         with RegionReader(self.ckpt.headers, num_threads=options.num_threads, viewable=viewable,
                           on_bytes=on_bytes if job is None else None) as reader:
             def take(item, raw):
-                if item.name in dequantizer.parts:
+                if item.name in dequantizer.assembly.parts:
                     return dequantizer.take(item, raw, finalize)
                 if item.name not in assembly.parts:
                     return finalize(item.name, raw)
@@ -113,7 +113,8 @@ class SafetensorsSource:
                                         whole=whole, on_bytes=on_bytes)
             finally:
                 self.bytes_read += reader.bytes_read
-        out = {k: t for k, t in tensors.items() if k not in assembly.parts and k not in dequantizer.parts}
+        parts = assembly.parts.keys() | dequantizer.assembly.parts.keys()
+        out = {k: t for k, t in tensors.items() if k not in parts}
         out |= {k: finalize(k, t) for k, t in assembly.empty.items()}
         return out | assembled | dequantizer.done
 

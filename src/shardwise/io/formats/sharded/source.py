@@ -234,57 +234,31 @@ def local_extent(layout: Layout) -> tuple[int, ...]:
     return tuple(max(off[d] + r.sizes[d] for r, off in layout) for d in range(ndim))
 
 
-class ShardedReader:
-    """Local tensors of a :class:`ShardedCheckpoint`, read box by box; a context manager.
+def read_local(reader: RegionReader, requests: Mapping[str, tuple[ShardedTensor, Layout]], *,
+               finalize: Finalize) -> dict[str, torch.Tensor]:
+    """``{key: finalize(key, local tensor)}`` for ``requests`` (``{key: (tensor, layout)}``),
+    read by ``reader`` (over the checkpoint's headers). ``finalize`` runs on the reader's
+    threads, once per key, as each tensor completes.
 
-    >>> with ShardedReader(read_sharded("out/hf_dcp"), num_threads=4) as reader:   # doctest: +SKIP
-    ...     local = reader.read({"w": (ckpt.tensors["w"], layout)}, finalize=lambda k, t: t)["w"]
+    >>> with RegionReader(ckpt.headers, num_threads=4) as reader:                   # doctest: +SKIP
+    ...     local = read_local(reader, {"w": (ckpt.tensors["w"], layout)}, finalize=lambda k, t: t)["w"]
     """
+    assembly = Assembly()
+    for key, (tensor, layout) in requests.items():
+        shape = local_extent(layout) if layout else ()
+        reads: list = piece_items(key, tensor.composite, layout)
+        if len(reads) == 1 and reads[0][0].local_shape == shape:
+            reads = [(reads[0][0], None)]  # one chunk holds it all: no copy
+        assembly.add(key, shape, tensor.torch_dtype, reads)
+    results = {key: finalize(key, t) for key, t in assembly.empty.items()}
 
-    def __init__(self, ckpt: ShardedCheckpoint, *, num_threads: int,
-                 on_bytes: Callable[[int], None] | None = None):
-        self.ckpt = ckpt
-        self._reader = RegionReader(ckpt.headers, num_threads=num_threads, on_bytes=on_bytes)
+    def done(item: ReadItem, raw: torch.Tensor) -> None:
+        got = assembly.take(item, raw)
+        if got is not None:
+            results[got[0]] = finalize(*got)
 
-    def __enter__(self) -> ShardedReader:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
-        self._reader.close()
-
-    @property
-    def bytes_read(self) -> int:
-        return self._reader.bytes_read
-
-    def read(self, requests: Mapping[str, tuple[ShardedTensor, Layout]], *,
-             finalize: Finalize) -> dict[str, torch.Tensor]:
-        """``{key: finalize(key, local tensor)}`` for ``requests`` (``{key: (tensor, layout)}``).
-        ``finalize`` runs on the reader's threads, once per key, as each tensor completes."""
-        assembly = Assembly()
-        for key, (tensor, layout) in requests.items():
-            shape = local_extent(layout) if layout else ()
-            reads: list = piece_items(key, tensor.composite, layout)
-            if len(reads) == 1 and reads[0][0].local_shape == shape:
-                reads = [(reads[0][0], None)]  # one chunk holds it all: no copy
-            assembly.add(key, shape, tensor.torch_dtype, reads)
-        results = {key: finalize(key, t) for key, t in assembly.empty.items()}
-
-        def done(item: ReadItem, raw: torch.Tensor) -> None:
-            got = assembly.take(item, raw)
-            if got is not None:
-                results[got[0]] = finalize(*got)
-
-        self._reader.read(assembly.items, finalize=done)
-        return results
-
-    def tensor(self, name: str) -> torch.Tensor:
-        """The whole tensor ``name`` on the CPU, in its stored dtype."""
-        t = self.ckpt.tensors[name]
-        zeros = (0,) * len(t.shape)
-        return self.read({name: (t, [(Region(zeros, t.shape), zeros)])}, finalize=lambda k, x: x)[name]
+    reader.read(assembly.items, finalize=done)
+    return results
 
 
 class ShardedSource:
@@ -322,9 +296,9 @@ class ShardedSource:
 
     def read(self, reads: Reads, *, finalize: Finalize, options: ReadOptions,
              on_bytes: Callable[[int], None] | None = None) -> dict:
-        with ShardedReader(self.ckpt, num_threads=options.num_threads, on_bytes=on_bytes) as reader:
+        with RegionReader(self.ckpt.headers, num_threads=options.num_threads, on_bytes=on_bytes) as reader:
             try:
-                return reader.read(reads.detail, finalize=finalize)
+                return read_local(reader, reads.detail, finalize=finalize)
             finally:
                 self.bytes_read += reader.bytes_read
 
@@ -358,7 +332,7 @@ class ShardedSource:
 
 
 __all__ = [
-    "Chunk", "OFFSETS_KEY", "SHARDING_INFO_KEY", "ShardedCheckpoint", "ShardedReader", "ShardedSource",
+    "Chunk", "OFFSETS_KEY", "SHARDING_INFO_KEY", "ShardedCheckpoint", "ShardedSource",
     "ShardedTensor", "VERSION", "VERSION_KEY", "chunk_map", "file_offsets",
-    "is_sharded_safetensors", "local_extent", "read_sharded", "sharding_metadata",
+    "is_sharded_safetensors", "local_extent", "read_local", "read_sharded", "sharding_metadata",
 ]

@@ -103,32 +103,18 @@ def write_file(path: Location, planned: PlannedFile, placed: Mapping) -> dict[st
     return {name: {chunk_key(where[name]): crc} for name, crc in writer.checksums.items()}
 
 
-class ShardedSafetensorsSink:
-    """The sharded save as a ``Sink``: :meth:`plan` names every rank's files from every rank's
-    :func:`held_chunks`; :meth:`write` writes this rank's files (no collective) and returns its
-    chunk checksums."""
-
-    def __init__(self, placed: Mapping, rank: int):
-        self.placed, self.rank = placed, rank
-
-    def plan(self, items: Sequence[Sequence[Held]]) -> WritePlan:
-        assigned = assign_chunks(items)  # same input, same answer on every rank
-        count = num_files(assigned)
-        files = []
-        for rank, chunks in enumerate(assigned):
-            for fname, group in rank_files(chunks, rank, count):
-                ordered = sorted(group, key=lambda c: save_file_order((c[0], c[1], c[3].sizes)))
-                specs = tuple((name, dtype, region.sizes) for name, dtype, _, region in ordered)
-                files.append(PlannedFile(fname, specs, rank, tuple(region.offsets for *_, region in ordered)))
-        return WritePlan(tuple(files))
-
-    def write(self, plan: WritePlan, folder: Location | None, bar=None) -> dict[str, dict[str, str]]:
-        sums: dict[str, dict[str, str]] = {}
-        for planned in plan.files_of(self.rank):
-            assert folder is not None  # every rank is given the shared folder (save_sharded_safetensors)
-            for name, chunks in write_file(folder / planned.name, planned, self.placed).items():
-                sums.setdefault(name, {}).update(chunks)
-        return sums
+def plan_rank_files(held: Sequence[Sequence[Held]]) -> WritePlan:
+    """Every rank's files, from every rank's :func:`held_chunks` (index = rank): each file in
+    ``save_file``'s order, with its chunks' offsets. Pure: the same on every rank."""
+    assigned = assign_chunks(held)
+    count = num_files(assigned)
+    files = []
+    for rank, chunks in enumerate(assigned):
+        for fname, group in rank_files(chunks, rank, count):
+            ordered = sorted(group, key=lambda c: save_file_order((c[0], c[1], c[3].sizes)))
+            specs = tuple((name, dtype, region.sizes) for name, dtype, _, region in ordered)
+            files.append(PlannedFile(fname, specs, rank, tuple(region.offsets for *_, region in ordered)))
+    return WritePlan(tuple(files))
 
 
 def save_sharded_safetensors(model: nn.Module, path: Location, *, backend: Backend | None,
@@ -151,16 +137,22 @@ def save_sharded_safetensors(model: nn.Module, path: Location, *, backend: Backe
     agree(backend, capture(lambda: box.update(placed=model_placed(model))), what=what)
     placed = box["placed"]
     held = comm.all_gather_object(held_chunks(placed), group=coordination_group(backend), purpose=what)
-    sink = ShardedSafetensorsSink(placed, comm.rank())
-    plan = sink.plan(held)
+    plan = plan_rank_files(held)
     with Saving(target, overwrite=overwrite, backend=backend, what=what) as saving:
         sums: dict[str, dict[str, str]] = {}
-        agree(backend, capture(lambda: sums.update(sink.write(plan, saving.folder))), what=what)
+
+        def write() -> None:  # this rank's files, no collective
+            assert saving.folder is not None  # every rank is given the shared folder
+            for planned in plan.files_of(comm.rank()):
+                for name, chunks in write_file(saving.folder / planned.name, planned, placed).items():
+                    sums.setdefault(name, {}).update(chunks)
+
+        agree(backend, capture(write), what=what)
         info = checkpoint_info(model, placed, kind="model", metadata=metadata)
         info.update(storage="safetensors", checksums=gather_checksums(sums, "sharing the checksums", backend))
         files = adapter_for(model).write_side_files  # config.json & co, as every save
         saving.commit(info=info, side_files=lambda folder: files(model, folder))
 
 
-__all__ = ["ShardedSafetensorsSink", "assign_chunks", "held_chunks", "num_files", "rank_files",
+__all__ = ["assign_chunks", "held_chunks", "num_files", "plan_rank_files", "rank_files",
            "save_sharded_safetensors", "write_file"]
