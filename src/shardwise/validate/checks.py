@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 import torch.distributed as dist
 
-from shardwise.backends.xla import settle
+from shardwise.backends.base import settle
 from shardwise.core.spec import split
 from shardwise.holding import Holding, is_dtensor, local_of
 
