@@ -239,9 +239,8 @@ class Backend:
         ones = torch.ones(1, device=self.device)
         total = self.all_reduce(ones, timeout=self.timeout).item()
         if total != self.world_size:
-            first = ""
-            if how == "adopted":
-                first = f"destroy it and let sw.init_backend({self.name!r}) create the group, "
+            first = (f"destroy it and let sw.init_backend({self.name!r}) create the group, "
+                     if how == "adopted" else "")
             fix = (f"{first}on a runtime whose collectives span every process (torch_xla on PJRT CPU has "
                    "no multi-process collectives), each process on its own device")
             raise BackendError(
