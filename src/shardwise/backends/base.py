@@ -80,6 +80,14 @@ class Pending:
             self._backend.wait(work, self._what, timeout=timeout)
 
 
+def settle(tensors) -> None:
+    """Run every pending XLA operation as one program when any of ``tensors`` is an XLA tensor."""
+    if any(isinstance(t, torch.Tensor) and t.device.type == "xla" for t in tensors):
+        import torch_xla
+
+        torch_xla.sync(wait=True)
+
+
 def torchrun_env() -> dict[str, int] | None:
     """``{"rank", "world_size", "local_rank"}`` from the torchrun environment, or None outside a
     launcher; an incomplete or malformed one raises ``BackendError``.
@@ -177,6 +185,7 @@ class Backend:
     def settle(self, tensors) -> None:
         """Finish the pending device work behind ``tensors`` before they are read one by one: a
         no-op on eager backends, one program on a lazy one (torch_xla)."""
+        settle(tensors)
 
     # -- global tensors (SPMD holding only; the others raise) ------------------------------
     def local_shards(self, tensor: torch.Tensor) -> dict[tuple[int, ...], torch.Tensor]:
@@ -230,9 +239,8 @@ class Backend:
         ones = torch.ones(1, device=self.device)
         total = self.all_reduce(ones, timeout=self.timeout).item()
         if total != self.world_size:
-            first = ""
-            if how == "adopted":
-                first = f"destroy it and let sw.init_backend({self.name!r}) create the group, "
+            first = (f"destroy it and let sw.init_backend({self.name!r}) create the group, "
+                     if how == "adopted" else "")
             fix = (f"{first}on a runtime whose collectives span every process (torch_xla on PJRT CPU has "
                    "no multi-process collectives), each process on its own device")
             raise BackendError(

@@ -134,20 +134,9 @@ class XlaBackend(Backend):
         except Exception as e:  # torch raises RuntimeError subclasses
             raise CollectiveError(f"{what} on rank {self.rank} failed: {e}") from e
 
-    def settle(self, tensors) -> None:
-        settle(tensors)
-
     def shutdown(self) -> None:
         self._side_group = None  # destroy_process_group() in super() ends every group
         super().shutdown()
-
-
-def settle(tensors) -> None:
-    """Run every pending XLA operation as one program when any of ``tensors`` is an XLA tensor."""
-    if any(isinstance(t, torch.Tensor) and t.device.type == "xla" for t in tensors):
-        import torch_xla
-
-        torch_xla.sync(wait=True)
 
 
 NewGroup = Callable[[list[int]], object]

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from shardwise.backends.base import Backend, mesh_axes, torchrun_env
-from shardwise.backends.xla import import_torch_xla, settle, spmd_enabled
+from shardwise.backends.xla import import_torch_xla, spmd_enabled
 from shardwise.errors import MeshError, ShardingError
 from shardwise.holding import Holding
 
@@ -28,9 +28,6 @@ class XlaSpmdBackend(Backend):
     @property
     def holding(self) -> Holding:
         return Holding.SPMD
-
-    def settle(self, tensors) -> None:
-        settle(tensors)
 
     def local_shards(self, tensor: torch.Tensor) -> dict[tuple[int, ...], torch.Tensor]:
         """This process's distinct shards of a global SPMD tensor on the host, by canonical offsets."""

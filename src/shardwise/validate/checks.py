@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 import torch.distributed as dist
 
-from shardwise.backends.xla import settle
+from shardwise.backends.base import settle
 from shardwise.core.spec import split
 from shardwise.holding import Holding, is_dtensor, local_of
 
@@ -129,14 +129,10 @@ def compare_tensors(named, truth: dict[str, torch.Tensor], state, what: str, *, 
 # all-reduces of ones and of the ranks give the world's sums.
 def runtime_world(backend) -> int:
     """The number of processes the runtime itself says this job has."""
-    if backend.name in ("xla", "neuron_xla"):
+    if backend.name in ("xla", "neuron_xla") or backend.holding is Holding.SPMD:
         import torch_xla.runtime as xr
 
-        return int(xr.world_size())
-    if backend.holding is Holding.SPMD:
-        import torch_xla.runtime as xr
-
-        return int(xr.process_count())
+        return int(xr.process_count() if backend.holding is Holding.SPMD else xr.world_size())
     return dist.get_world_size() if dist.is_initialized() else 1
 
 

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 import shardwise as sw
+import shardwise.comm as comm
 from shardwise.errors import UsageError
 from shardwise.parallel import get_shard_state
 from shardwise.testing.model import TP_PLAN, build, canonical, golden
@@ -88,14 +89,6 @@ def _cpu_process(read: str, write: str) -> dict:
     return json.loads(lines[-1])
 
 
-def _from_rank0(value, group):
-    """Rank 0's ``value`` (never None there) on every rank of ``group``."""
-    box = [value]
-    dist.broadcast_object_list(box, src=0, group=group)
-    assert box[0] is not None  # rank 0 always sets it
-    return box[0]
-
-
 def crossload(job: Job) -> dict:
     """A checkpoint written here loads on CPU/gloo in one process and equals the source; one
     written there loads here, at the first layout, and equals its model."""
@@ -103,9 +96,8 @@ def crossload(job: Job) -> dict:
     layout = next((lay for lay in job.layouts if layout_limit(backend, lay) is None), None)
     if layout is None:
         raise Unsupported("no layout runs on this backend")
-    mesh = backend.mesh(**layout.mesh_axes)
     folder = job.root / "crossload"
-    model, _ = place(job, layout, mesh, job.source)
+    model, _ = place(job, layout, job.source)
     sw.save(model, folder / "device-dcp", distributed=True)
     del model
     got = None
@@ -114,13 +106,13 @@ def crossload(job: Job) -> dict:
             got = _cpu_process(str(folder / "device-dcp"), str(folder / "cpu-dcp"))
         except Exception as e:
             got = {"read_error": f"{type(e).__name__}: {e}", "written": None}
-    got = _from_rank0(got, backend.coordination_group)
+    got = comm.broadcast_object(got, group=backend.coordination_group)
     if got.get("read_error"):
         raise Mismatch(f"the checkpoint written on {backend.name} does not load on CPU/gloo: "
                        f"{got['read_error']}")
     if not got.get("written"):
         raise Mismatch(f"the CPU/gloo process could not write its checkpoint: {got.get('written_error')}")
-    model, _ = place(job, layout, mesh, got["written"])
+    model, _ = place(job, layout, got["written"])
     compare_tensors(model.state_dict().items(), canonical(WRITE_SEED), get_shard_state(model),
                     f"CPU/gloo checkpoint loaded at {layout.name}:", exact=True)
     return {"layout": layout.name}
@@ -304,7 +296,7 @@ class Runner:
             if base is not None:
                 base.mkdir(parents=True, exist_ok=True)
             path = tempfile.mkdtemp(prefix="shardwise-validate-", dir=base)
-        return Path(_from_rank0(path, self._group))
+        return Path(comm.broadcast_object(path, group=self._group))
 
     def _job(self, root: Path) -> Job:
         import safetensors.torch as st

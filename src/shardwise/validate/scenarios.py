@@ -14,6 +14,7 @@ import torch
 from torch.distributed.tensor.experimental import implicit_replication
 
 import shardwise as sw
+from shardwise.backends.base import MESH_AXES
 from shardwise.holding import Holding
 from shardwise.parallel import get_shard_state
 from shardwise.testing import read_all
@@ -61,8 +62,7 @@ class Layout:
 
 
 def _layout(**axes: int) -> Layout:
-    order = ("dp_replicate", "dp_shard", "ep", "tp")
-    return Layout(tuple((a, axes[a]) for a in order if a in axes))
+    return Layout(tuple((a, axes[a]) for a in MESH_AXES if a in axes))
 
 
 def layouts_for(world: int, *, max_tp: int = MAX_TP, num_experts: int = CONFIG.num_experts) -> list[Layout]:
@@ -111,7 +111,6 @@ class Run:
 
     index: int
     layout: Layout
-    mesh: object = None
     model: torch.nn.Module | None = None
     bytes_read: int = 0
     folder: Path = field(default=Path("."))
@@ -125,9 +124,10 @@ def layout_limit(backend: Backend, layout: Layout) -> str | None:
     return None
 
 
-def place(job: Job, layout: Layout, mesh, path) -> tuple[torch.nn.Module, LoadResult]:
-    """``sw.load`` the checkpoint at ``path`` onto ``mesh``, then FSDP2 over ``dp_shard``."""
-    model = build(device="meta")
+def place(job: Job, layout: Layout, path) -> tuple[torch.nn.Module, LoadResult]:
+    """``sw.load`` the checkpoint at ``path`` onto a new mesh of ``layout``, then FSDP2 over
+    ``dp_shard``. Collective: every rank calls it."""
+    model, mesh = build(device="meta"), job.backend.mesh(**layout.mesh_axes)
     result = sw.load(model, path, plan=TP_PLAN, mesh=mesh, progress=False,
                      ep_plan=EP_PLAN if layout.has("ep") else None)  # None: load's default
     if layout.has("dp_shard") and job.backend.holding is Holding.DTENSOR:
@@ -139,11 +139,11 @@ def place(job: Job, layout: Layout, mesh, path) -> tuple[torch.nn.Module, LoadRe
     return model, result
 
 
-def _next_layout(job: Job, index: int) -> Layout | None:
-    """The first layout after ``index`` (round to itself) this backend runs, or None."""
+def _next_layout(job: Job, run: Run) -> Layout:
+    """The first layout after ``run``'s this backend runs (``run``'s own when it is the only one)."""
     n = len(job.layouts)
-    after = (job.layouts[(index + step) % n] for step in range(1, n + 1))
-    return next((lay for lay in after if layout_limit(job.backend, lay) is None), None)
+    after = (job.layouts[(run.index + step) % n] for step in range(1, n + 1))
+    return next((lay for lay in after if layout_limit(job.backend, lay) is None), run.layout)
 
 
 def _loaded(run: Run) -> torch.nn.Module:
@@ -158,8 +158,7 @@ def _to_device(job: Job, *tensors):
 # -- the scenarios ------------------------------------------------------------------------
 def load(job: Job, run: Run) -> dict:
     """Each rank streams its slice of the source; every local tensor is byte-exact."""
-    run.mesh = job.backend.mesh(**run.layout.mesh_axes)
-    run.model, result = place(job, run.layout, run.mesh, job.source)
+    run.model, result = place(job, run.layout, job.source)
     run.bytes_read = result.bytes_read
     compare_tensors(run.model.state_dict().items(), job.truth, get_shard_state(run.model), "loaded",
                     exact=True)
@@ -246,9 +245,8 @@ def dcp_reshard(job: Job, run: Run) -> dict:
     process) to the source's tensors, and both checkpoints verify."""
     dcp, merged = run.folder / "dcp", run.folder / "dcp-merged"
     sw.save(_loaded(run), dcp, distributed=True)
-    target = _next_layout(job, run.index) or run.layout  # itself when it is the only one
-    mesh = job.backend.mesh(**target.mesh_axes)
-    model, _ = place(job, target, mesh, dcp)
+    target = _next_layout(job, run)
+    model, _ = place(job, target, dcp)
     compare_tensors(model.state_dict().items(), job.truth, get_shard_state(model),
                     f"resharded to {target.name}", exact=True)
     details: dict[str, object] = {"reshard_to": target.name}
@@ -279,7 +277,7 @@ def judge_replicas(job: Job, layout: Layout, ranks: list[dict]) -> str | None:
 def optimizer_reshard(job: Job, run: Run) -> dict:
     """AdamW steps on the clipped gradients; model and optimizer are saved, reloaded at another
     layout, and a second step there equals the one-process run's."""
-    model, backend, later = _loaded(run), job.backend, Deferred()
+    model, later = _loaded(run), Deferred()
     out: dict[str, object] = {}
     optimizer = optimizer_for(model.parameters())
     with implicit_replication():  # replicated parameters are plain beside DTensors (docs/guide.md)
@@ -290,9 +288,9 @@ def optimizer_reshard(job: Job, run: Run) -> dict:
     sw.save(model, run.folder / "model-step1", distributed=True)
     sw.save_optimizer(model, optimizer, run.folder / "optim-step1")
 
-    target = _next_layout(job, run.index) or run.layout  # itself when it is the only one
+    target = _next_layout(job, run)
     out["reshard_to"] = target.name
-    resumed, _ = place(job, target, backend.mesh(**target.mesh_axes), run.folder / "model-step1")
+    resumed, _ = place(job, target, run.folder / "model-step1")
     state = get_shard_state(resumed)
     optimizer = optimizer_for(resumed.parameters())
     sw.load_optimizer(resumed, optimizer, run.folder / "optim-step1")
