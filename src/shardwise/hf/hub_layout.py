@@ -1,8 +1,6 @@
-"""Checkpoints in their hub key layout (transformers' per-expert or fused tensors), as region
-maps both ways: a model tensor is a ``Composite`` of stored pieces and a rank reads only the
-boxes its regions overlap (:func:`hub_tensors`); a save writes each stored tensor as a
-``StoredPart`` by the same map (:func:`hub_save_layout`), checked against transformers' own
-revert. A conversion that is not a region map is refused, naming the converter."""
+"""Checkpoints in their hub key layout (transformers' per-expert or fused tensors) as region maps
+both ways: a model tensor is a ``Composite`` of stored pieces (:func:`hub_tensors`), a stored
+tensor a ``StoredPart`` (:func:`hub_save_layout`); a conversion that is no region map is refused."""
 
 from __future__ import annotations
 

@@ -88,11 +88,9 @@ def _library(cls) -> str:
 def _default_dtype(dtype: torch.dtype | None):
     """Parameters and float buffers created without a dtype get ``dtype``, as the libraries'
     own ``from_pretrained(dtype=...)`` builds them."""
-    if dtype is None or not dtype.is_floating_point:
-        yield
-        return
     before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
+    if dtype is not None and dtype.is_floating_point:
+        torch.set_default_dtype(dtype)
     try:
         yield
     finally:
