@@ -135,12 +135,10 @@ def _apply(conv, groups: dict[str, list[_Virtual]], what: str) -> _Virtual:
     values = list(current.values())
     if len(values) != 1:
         raise CheckpointError(f"{what}: the converter leaves {len(values)} tensors for one target")
-    single = values[0]
-    if isinstance(single, list):
-        if len(single) != 1:
-            raise CheckpointError(f"{what}: {len(single)} stored tensors for one target and no operation")
-        single = single[0]
-    return single
+    single = _as_list(values[0])
+    if len(single) != 1:
+        raise CheckpointError(f"{what}: {len(single)} stored tensors for one target and no operation")
+    return single[0]
 
 
 def _whole(key: str, shape: tuple[int, ...]) -> Piece:
