@@ -1,7 +1,6 @@
-"""Plans: from ``{module or parameter path: style}`` to one ``ShardSpec`` per tensor. The plan
-dict is decoded by ``core.styles`` and held to ``core.plan_rules``; :func:`resolve_plan` is the
-one place a plan is validated, on a meta model, before any process group is touched. Pure: no
-torch.distributed, no file I/O."""
+"""Plans: ``{module or parameter path: style}`` to one ``ShardSpec`` per tensor (pure).
+:func:`resolve_plan` is the one place a plan is validated (``core.styles`` decodes it,
+``core.plan_rules`` holds it to its rules), on a meta model, before any process group."""
 
 from __future__ import annotations
 

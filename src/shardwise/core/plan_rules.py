@@ -1,7 +1,6 @@
-"""The rules a resolved plan is held to, over plain data (specs, shapes, styles, plan keys):
-split projections pair up (:func:`check_pairs`) and every degree splits each tensor, packed
-block and head count (:func:`check_degrees`). Pure; :func:`~shardwise.core.plan.resolve_plan`
-runs them before any process group is touched."""
+"""The rules :func:`~shardwise.core.plan.resolve_plan` holds a plan to, over plain data (pure):
+split projections pair up (:func:`check_pairs`); every degree splits each tensor, packed block
+and head count (:func:`check_degrees`)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""The Hugging Face adapter (``core.adapter.ModelAdapter``) for transformers and diffusers models,
-registered on ``import shardwise``: shipped plans, the hub key layout, the side files
-(``config.json``, ``generation_config.json``), guards and the known-model checks of
-``resolve_plan``. It reads attributes and class names only; a library is imported inside the
-calls that need it."""
+"""The Hugging Face adapter (``core.adapter.ModelAdapter``), registered on ``import shardwise``:
+shipped plans, the hub key layout, side files, guards and the known-model checks of
+``resolve_plan``, from attributes and class names; a library is imported only inside a call."""
 
 from __future__ import annotations
 

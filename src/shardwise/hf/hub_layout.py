@@ -1,8 +1,6 @@
-"""Checkpoints in their hub key layout (transformers' per-expert or fused tensors), as region
-maps both ways: a model tensor is a ``Composite`` of stored pieces and a rank reads only the
-boxes its regions overlap (:func:`hub_tensors`); a save writes each stored tensor as a
-``StoredPart`` by the same map (:func:`hub_save_layout`), checked against transformers' own
-revert. A conversion that is not a region map is refused, naming the converter."""
+"""Checkpoints in their hub key layout (transformers' per-expert or fused tensors) as region maps
+both ways: a model tensor is a ``Composite`` of stored pieces (:func:`hub_tensors`), a stored
+tensor a ``StoredPart`` (:func:`hub_save_layout`); a conversion that is no region map is refused."""
 
 from __future__ import annotations
 
@@ -82,34 +80,34 @@ def library_of(model: nn.Module | type) -> str | None:
     return None
 
 
-class _Mapping:
-    """transformers' conversions for one model, applied to checkpoint keys."""
+def _targets(model: nn.Module) -> Callable[[str], tuple]:
+    """transformers' conversions for ``model``, as ``target(stored key)``: ``(model key,
+    converter or None, source pattern)``."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, rename_source_key
 
-    def __init__(self, model: nn.Module):
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, rename_source_key
+    transforms = get_model_conversion_mapping(cast("PreTrainedModel", model))  # a transformers model
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+    prefix = getattr(model, "base_model_prefix", None)
+    meta = dict.fromkeys(model.state_dict(keep_vars=True))
+    # called with the non-converter transforms as the renamings, as transformers' loader does
+    rename: Callable[..., tuple[str, str | None]] = rename_source_key
 
-        transforms = get_model_conversion_mapping(cast("PreTrainedModel", model))  # a transformers model
-        self.converters = [t for t in transforms if isinstance(t, WeightConverter)]
-        self.renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
-        # called with the non-converter transforms as the renamings, as transformers' loader does
-        self._rename: Callable[..., tuple[str, str | None]] = rename_source_key
-        self.prefix = getattr(model, "base_model_prefix", None)
-        self.meta = dict.fromkeys(model.state_dict(keep_vars=True))
-
-    def target(self, key: str):
-        """``(model key, converter or None, source pattern)`` of a stored key."""
-        name, pattern = self._rename(key, self.renamings, self.converters, self.prefix, self.meta)
+    def target(key: str):
+        name, pattern = rename(key, renamings, converters, prefix, meta)
         if pattern is None:
             return name, None, None
         renamed = key
-        for r in self.renamings:
+        for r in renamings:
             renamed, _ = r.rename_source_key(renamed)
-        for conv in self.converters:
+        for conv in converters:
             _, p = conv.rename_source_key(renamed)
             if p is not None:
                 return name, conv, p
         return name, None, None
+
+    return target
 
 
 def _as_list(v: list[_Virtual] | _Virtual) -> list[_Virtual]:
@@ -137,12 +135,10 @@ def _apply(conv, groups: dict[str, list[_Virtual]], what: str) -> _Virtual:
     values = list(current.values())
     if len(values) != 1:
         raise CheckpointError(f"{what}: the converter leaves {len(values)} tensors for one target")
-    single = values[0]
-    if isinstance(single, list):
-        if len(single) != 1:
-            raise CheckpointError(f"{what}: {len(single)} stored tensors for one target and no operation")
-        single = single[0]
-    return single
+    single = _as_list(values[0])
+    if len(single) != 1:
+        raise CheckpointError(f"{what}: {len(single)} stored tensors for one target and no operation")
+    return single[0]
 
 
 def _whole(key: str, shape: tuple[int, ...]) -> Piece:
@@ -184,14 +180,13 @@ def hub_tensors(model: nn.Module, stored: Mapping[str, tuple[Location | None, Na
                 wanted: set[str], shapes: dict[str, tuple[int, ...]] | None = None,
                 ) -> tuple[dict[str, Composite], set[str]]:
     """``({model tensor: Composite}, stored keys used)`` for the tensors of ``wanted`` that a
-    transformers conversion builds from ``stored`` (``{key: (file or None, entry)}``). Empty when
-    the model is not a transformers model or transformers is not installed. ``shapes`` are
-    the model tensors' global shapes (default: the model's state dict, which is global on
-    a model not yet sharded); a ``Split`` takes its part sizes from them."""
+    transformers conversion builds from ``stored`` (``{key: (file or None, entry)}``); empty
+    without transformers. ``shapes``: global shapes, for a ``Split``'s parts (default: the
+    model's state dict, global before sharding)."""
     if library_of(model) != "transformers":
         return {}, set()
     try:
-        mapping = _Mapping(model)
+        target_of = _targets(model)
     except (ImportError, AttributeError, TypeError):
         return {}, set()
     groups: dict[str, tuple[object, dict[str, list[str]]]] = {}  # {model tensor: (converter, keys)}
@@ -200,7 +195,7 @@ def hub_tensors(model: nn.Module, stored: Mapping[str, tuple[Location | None, Na
     if shapes is None:
         shapes = {n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items()}
     for key in stored:
-        name, conv, pattern = mapping.target(key)
+        name, conv, pattern = target_of(key)
         if conv is not None and len(conv.target_patterns) > 1:  # one stored tensor, several targets
             if not wanted & {name.replace(conv.target_patterns[0], t) for t in conv.target_patterns}:
                 continue
@@ -259,11 +254,9 @@ def revert(model: nn.Module, tensors: Mapping[str, tuple[tuple[int, ...], str]],
 
 def hub_save_layout(model: nn.Module,
                     tensors: dict[str, tuple[tuple[int, ...], str]]) -> list[StoredPart] | None:
-    """The stored tensors ``save_pretrained`` would write for ``tensors`` (``{model tensor:
-    (global shape, safetensors dtype)}``), in its order; ``None`` when the model has no
-    conversion to revert. Named by transformers' revert on meta tensors, placed by
-    :func:`hub_tensors`; ``CheckpointError`` naming the tensor when a conversion is not a
-    region map or the two directions disagree (shape, dtype, tiling)."""
+    """The stored tensors ``save_pretrained`` writes for ``tensors`` (as :func:`revert`), in its
+    order, placed by :func:`hub_tensors`; None: no conversion. ``CheckpointError`` naming the
+    tensor where a conversion is no region map or the two directions disagree."""
     reverted = revert(model, tensors)
     if reverted is None or list(reverted) == list(tensors):
         return None

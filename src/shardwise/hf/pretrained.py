@@ -33,12 +33,9 @@ _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}")
 
 @contextlib.contextmanager
 def empty_model():
-    """Build models with parameters on the meta device and buffers real, ties kept.
-
-    Inside the block every parameter a module registers is replaced by a meta tensor of the
-    same shape, dtype, class and ``requires_grad`` (one already on meta is kept, so a weight tied
-    in ``__init__`` stays one tensor); buffers (a rotary ``inv_freq``) are computed as usual,
-    since no checkpoint stores the non-persistent ones.
+    """Inside the block, each parameter registered becomes a meta tensor of its shape, dtype, class
+    and ``requires_grad`` (one on meta is kept: ties stay); buffers are real (no checkpoint holds
+    the non-persistent ones, a rotary ``inv_freq``).
 
     >>> with sw.empty_model():                                        # doctest: +SKIP
     ...     model = MyModel(config)
@@ -91,11 +88,9 @@ def _library(cls) -> str:
 def _default_dtype(dtype: torch.dtype | None):
     """Parameters and float buffers created without a dtype get ``dtype``, as the libraries'
     own ``from_pretrained(dtype=...)`` builds them."""
-    if dtype is None or not dtype.is_floating_point:
-        yield
-        return
     before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
+    if dtype is not None and dtype.is_floating_point:
+        torch.set_default_dtype(dtype)
     try:
         yield
     finally:
@@ -182,23 +177,16 @@ def from_pretrained(cls, path: str | os.PathLike, *, mesh, dtype: torch.dtype | 
                     plan="auto", dequantize: bool = False, revision: str | None = None,
                     token: str | bool | None = None, storage_options: dict | None = None,
                     **load_options) -> nn.Module:
-    """A transformers or diffusers model read from the folder ``path``, sharded over ``mesh``.
+    """``cls`` (a transformers model or Auto class, or a diffusers ``ModelMixin`` class) built from
+    ``path``'s config inside :func:`empty_model`, then ``sw.load(model, path, plan=plan, mesh=mesh,
+    dtype=dtype, dequantize=dequantize, **load_options)``. ``dtype``: floating-point tensors (None:
+    the checkpoint's). FP8 / MXFP4 checkpoints get transformers' quantized modules and stay
+    quantized, unless ``dequantize=True`` (then no ``quantization_config``).
 
-    ``cls``: a transformers model or Auto class (``AutoModelForCausalLM``) or a diffusers
-    ``ModelMixin`` class. The model is built from the folder's config inside
-    :func:`empty_model`, then ``sw.load(model, path, plan=plan, mesh=mesh, dtype=dtype,
-    dequantize=dequantize, **load_options)`` streams each rank's slice (``plan="auto"``: the
-    model's own plan). ``dtype`` builds and casts floating-point tensors (None: the checkpoint's).
-    An FP8 (block scales) or MXFP4 checkpoint is built with transformers' quantized modules and
-    stays quantized (each rank holds its shards and their scales); ``dequantize=True`` builds
-    it unquantized and drops the config's ``quantization_config``.
-
-    ``path`` is a folder, a URL (``storage_options`` for its storage) or a hub repo id
-    ``"org/name"`` (when no local path has that name) at ``revision`` (default ``"main"``, pinned
-    to one commit on every rank) with ``token`` (else ``HF_TOKEN``), from ``HF_ENDPOINT``.
-    Collective: every rank of the mesh calls it. Returns the model in eval mode, the load's
-    result as ``model.result``. Raises ``UsageError``, ``CheckpointError`` and
-    ``UnsupportedModelError`` naming the fault.
+    ``path``: a folder, a URL (``storage_options``) or a hub repo id ``"org/name"`` (no local path
+    of that name) at ``revision`` (default ``"main"``, one commit on every rank) with ``token``
+    (else ``HF_TOKEN``). Collective over the mesh. Returns the model in eval mode, the load's
+    result as ``model.result``; raises ``UsageError``, ``CheckpointError``, ``UnsupportedModelError``.
 
     >>> model = sw.from_pretrained(AutoModelForCausalLM, "ckpt/", mesh=backend.mesh(tp=4))  # doctest: +SKIP
     >>> model.result                                                                 # doctest: +SKIP
