@@ -162,7 +162,7 @@ def _timed(backend, fn) -> dict:
     return {"seconds": seconds, **peak.as_dict()}
 
 
-def _saves(backend, model, degree: int, total: int, tag: str) -> dict:
+def _saves(backend, model, degree: int, total: int, tag: str, runs: int = 2) -> dict:
     """The save phases on a loaded model: the raw puts, then sw.save gathered and distributed."""
     import shardwise as sw
 
@@ -176,13 +176,13 @@ def _saves(backend, model, degree: int, total: int, tag: str) -> dict:
         if rank == 0:
             obstore.copy(_store(), f"raw/{tag}-gather-0", f"raw/{tag}-gather-copy")
 
-    # each raw put and each sw.save runs twice, alternating (the best of each two counts): on a
-    # shared machine one run alone can be 2-4x off
+    # each raw put and each sw.save runs `runs` times, alternating (the fastest of each counts):
+    # on a shared machine one run alone can be 2-4x off
     rank, out = backend.rank, {}
     for kind, size, key, options in (("gather", total if rank == 0 else 0, "gather", {}),
                                      ("distributed", total // degree, f"dist-{rank}", {"distributed": True})):
         out[f"raw {kind}"], out[kind] = [], []
-        for i in (0, 1):  # each side twice, alternating (a fresh, empty prefix for each save)
+        for i in range(runs):  # each side `runs` times, alternating (a fresh, empty prefix for each save)
             out[f"raw {kind}"].append(_timed(backend, upload(f"raw/{tag}-{key}-{i}", size)))
             if kind == "gather" and i == 0:
                 out["raw copy"] = _timed(backend, copy)

@@ -27,16 +27,16 @@ Saves (``--save-degrees``), after the shardwise load in the same ranks: ``sw.sav
 ``sw.save(..., distributed=True)`` (every rank uploads its own part), each against its raw
 ceiling: one obstore ``put`` of the same byte count from memory (multipart, same part size and
 concurrency) by rank 0, and by every rank of checkpoint/N bytes at once. Each put and each save
-runs twice, alternating; each save to a new, empty prefix.
+runs ``--runs`` times (3), alternating; each save to a new, empty prefix.
 
 Per rank: seconds (the slowest rank counts), peak RSS above the level before the phase (VmHWM
 reset, as benchmarks/_common.PeakRSS), the rank's share (its local tensors' bytes), and the GETs it
 made (shardwise's counted by wrapping ``obstore.get`` in the rank; runai's C++ client is not
 counted). Ratios are against the baselines measured in the same run, on the same server, each
-side the faster of its two runs (the raw ceiling and shardwise's load run twice, before and after
-the others). The save table also times one server-side copy of the gathered object: a save over
-an existing checkpoint copies every staged object into place
-(``shardwise.io.storage.objects_write``); one into an empty prefix, as here, copies nothing.
+side the fastest of its runs (the raw ceiling and shardwise's load run ``--runs`` times, first
+before the others, then alternating after them). The save table also times one server-side
+copy of the gathered object: a save over an existing checkpoint copies every staged object into
+place (``shardwise.io.storage.objects_write``); one into an empty prefix, as here, copies nothing.
 The rank functions are in ``_remote_ranks.py``.
 """
 
@@ -122,11 +122,11 @@ def _run(method: str, degree: int, fn, args: tuple, timeout: float, log) -> dict
         return _row(method, degree, None, f"failed: {str(e).strip().splitlines()[-1][:160]}")
 
 
-def _best(first: dict, again: dict) -> dict:
-    """The faster of two runs of one method (the machine is shared), noting both."""
-    runs = [r for r in (first, again) if "seconds" in r] or [first]
-    best = min(runs, key=lambda r: r.get("seconds", 0))
-    best["note"] = "best of " + ", ".join(f"{r['seconds']:.2f} s" for r in runs) + " (before, after)"
+def _best(runs: list[dict]) -> dict:
+    """The fastest of a method's interleaved runs (the machine is shared), noting each."""
+    timed = [r for r in runs if "seconds" in r] or runs[:1]
+    best = min(timed, key=lambda r: r.get("seconds", 0))
+    best["note"] = "best of " + ", ".join(f"{r['seconds']:.2f} s" for r in timed) + " (in run order)"
     return best
 
 
@@ -153,25 +153,30 @@ SAVE_COLUMNS = [
 ]
 
 
+def _of(seconds: list[float]) -> str:
+    return "best of " + ", ".join(f"{s:.2f} s" for s in seconds)
+
+
 def _save_rows(rows: list[dict], total: int) -> list[dict]:
     out = []
     for row in rows:
         if row["method"] != "shardwise" or not row.get("ranks") or "saves" not in row["ranks"][0]:
             continue
         for kind in ("gather", "distributed"):
-            runs = [max(r["saves"][f"raw {kind}"][i]["seconds"] for r in row["ranks"]) for i in (0, 1)]
-            mine = [max(r["saves"][kind][i]["seconds"] for r in row["ranks"]) for i in (0, 1)]
+            count = range(len(row["ranks"][0]["saves"][kind]))
+            runs = [max(r["saves"][f"raw {kind}"][i]["seconds"] for r in row["ranks"]) for i in count]
+            mine = [max(r["saves"][kind][i]["seconds"] for r in row["ranks"]) for i in count]
             raw, ours = min(runs), min(mine)
-            peak = max(r["saves"][kind][i]["peak_rss"] for r in row["ranks"] for i in (0, 1))
+            peak = max(r["saves"][kind][i]["peak_rss"] for r in row["ranks"] for i in count)
             out.append({"method": f"raw put ({kind})", "degree": row["degree"], "seconds": raw,
-                        "gbps": total / raw / GB, "note": "best of {:.2f} s, {:.2f} s".format(*runs)})
+                        "gbps": total / raw / GB, "note": _of(runs)})
             if kind == "gather":
                 copy = max(r["saves"]["raw copy"]["seconds"] for r in row["ranks"])
                 out.append({"method": "raw server-side copy", "degree": row["degree"], "seconds": copy,
                             "gbps": total / copy / GB, "note": "what a publish does to every object"})
             out.append({"method": f"sw.save {kind}", "degree": row["degree"], "seconds": ours,
                         "gbps": total / ours / GB, "x_raw": raw / ours, "rss_mib": peak / MIB,
-                        "note": "best of {:.2f} s, {:.2f} s".format(*mine)})
+                        "note": _of(mine)})
     return out
 
 
@@ -206,28 +211,28 @@ def measure(args, log) -> tuple[list[dict], dict, str]:
             shares = {k: expected_shard(torch.empty_like(shapes[k]), s, degree, 0).numel() * 2
                       for k, s in specs.items()}
             parts = [parts_of(_rank_spans(headers, shares, degree, r)) for r in range(degree)]
-            save = {"total": total, "tag": f"tp{degree}"} if degree in args.save_degrees else None
-            first = _run("raw ceiling", degree, raw_rank, (parts, cfg, degree), timeout, log)
-            load = (url, cfg, ckpt.plan, degree)
-            ours = _run("shardwise", degree, shardwise_rank, (*load, save), timeout, log)
-            rows.append(ours)
-            rows.append(_run("runai-model-streamer", degree, runai_rank, (urls, cfg, specs, degree),
-                             timeout, log))
+            save = ({"total": total, "tag": f"tp{degree}", "runs": args.runs}
+                    if degree in args.save_degrees else None)
+            raw_args, load = (parts, cfg, degree), (url, cfg, ckpt.plan, degree)
+            raws = [_run("raw ceiling", degree, raw_rank, raw_args, timeout, log)]
+            ours = [_run("shardwise", degree, shardwise_rank, (*load, save), timeout, log)]
+            runai = _run("runai-model-streamer", degree, runai_rank, (urls, cfg, specs, degree), timeout, log)
             local = work / f"download-tp{degree}"
             local.mkdir()
-            rows.append(_run("download + sw.load", degree, download_rank,
-                             (listing, str(local), cfg, ckpt.plan, degree), timeout, log))
+            download = _run("download + sw.load", degree, download_rank,
+                            (listing, str(local), cfg, ckpt.plan, degree), timeout, log)
             shutil.rmtree(local)
-            # the ceiling again, after the others: the faster run counts (the machine is shared)
-            again = _run("raw ceiling", degree, raw_rank, (parts, cfg, degree), timeout, log)
-            rows.insert(len(rows) - 3, _best(first, again))
-            # shardwise's load again too (its saves ran in the first): each side's best counts
-            again = _run("shardwise", degree, shardwise_rank, (*load, None), timeout, log)
-            best = _best(ours, again)
-            if best is again and ours.get("ranks"):  # the saves' figures stay with the row
-                for mine, first_run in zip(best["ranks"], ours["ranks"], strict=True):
+            # the ceiling and shardwise again, alternating, after the others: each side's fastest
+            # counts (the machine is shared; one run alone can be 2x off)
+            for _ in range(1, args.runs):
+                raws.append(_run("raw ceiling", degree, raw_rank, raw_args, timeout, log))
+                ours.append(_run("shardwise", degree, shardwise_rank, (*load, None), timeout, log))
+            best = _best(ours)
+            if best is not ours[0] and ours[0].get("ranks") and best.get("ranks"):
+                for mine, first_run in zip(best["ranks"], ours[0]["ranks"], strict=True):
+                    # the saves ran in the first run's ranks: their figures stay with the row
                     mine.update({k: v for k, v in first_run.items() if k == "saves"})
-            rows[rows.index(ours)] = best
+            rows += [_best(raws), best, runai, download]
     finally:
         server.stop()
         shutil.rmtree(work, ignore_errors=True)
@@ -265,14 +270,16 @@ def _load_notes(payload: dict) -> str:
               "bytes: it reads a rowwise slice as one small ranged GET per row (docs/guide.md), so "
               "its load is bound by the server's request rate, not by bytes." if why else "")
     command = payload.get("command", "`python3 benchmarks/remote.py` (its defaults)")
+    runs = payload.get("runs", 2)
     return (
         f"Checkpoint: {payload['total_bytes'] / GB:.3f} GB of {cfg['dtype']} in {payload['files']} files, "
         f"a Llama-like stack of {cfg['num_layers']} layers, hidden {cfg['hidden']}, vocab {cfg['vocab']}; "
         "q/k/v colwise, o rowwise, gate_up PackedColwise([1, 1]), down rowwise, embedding, head and "
         "norms replicated; served by one SeaweedFS S3 gateway on 127.0.0.1 (this machine's cores "
         "serve it too: the figures are CPU-bound, not a network's). Ranks are local processes, one "
-        "spawn per method; each method runs once, the raw ceiling and shardwise twice (before and "
-        "after the others; the faster counts: the machine is shared). "
+        f"spawn per method; each method runs once, the raw ceiling and shardwise {runs} times "
+        "(first before the others, then alternating after them; the fastest counts: the machine is "
+        "shared). "
         f"Command: {command}. The methods are in the script's "
         "docstring: the raw ceiling fetches each rank's share of every tensor as contiguous 8 MiB "
         "ranged GETs, 16 in flight per rank (shardwise's settings); runai-model-streamer 0.17 "
@@ -296,7 +303,8 @@ def _save_notes(payload: dict) -> str:
         "upload per file; distributed: every rank uploads its part as torch DCP), against the raw "
         f"ceiling: obstore put of the same {payload['total_bytes'] / GB:.3f} GB from memory, multipart "
         "8 MiB parts, 16 in flight (gather: rank 0 alone; distributed: every rank checkpoint/N at "
-        "once); each put and each sw.save runs twice, alternating (the faster of each counts). "
+        f"once); each put and each sw.save runs {payload.get('runs', 2)} times, alternating (the fastest of "
+        "each counts). "
         "Each sw.save goes to a new, empty prefix: its files go straight to their keys under a "
         "journal, no server-side copy (a save over an existing checkpoint stages the files, then "
         "copies each into place: the server-side copy row). Goal: speed ≥ 0.8 of "
@@ -317,6 +325,8 @@ def main(argv=None) -> None:
                    "clean tree, else benchmarks/out/)")
     p.add_argument("--from-json", type=Path, help="only rewrite the docs sections from a saved remote.json "
                    "(and remote-save.json beside it)")
+    p.add_argument("--runs", type=int, default=3, help="runs of the raw ceiling and of shardwise's load, "
+                   "alternating, and of each put and save (default 3; the fastest counts)")
     p.add_argument("--timeout", type=float, default=300, help="seconds per spawned phase")
     args = p.parse_args(argv)
     if args.from_json:  # the docs sections again, notes included, from saved runs
@@ -333,7 +343,8 @@ def main(argv=None) -> None:
     rows, info, _ = measure(args, log)
     info["command"] = (f"`python3 benchmarks/remote.py --size {args.size} --file-size {args.file_size} "
                        f"--degrees {' '.join(map(str, args.degrees))} --save-degrees "
-                       f"{' '.join(map(str, args.save_degrees))}`")
+                       f"{' '.join(map(str, args.save_degrees))} --runs {args.runs}`")
+    info["runs"] = args.runs
     _ratios(rows)
     payload = {**info, "rows": [{k: v for k, v in r.items() if k != "ranks"} for r in rows],
                "per_rank": [{"method": r["method"], "degree": r["degree"], "ranks": r["ranks"]}

@@ -92,8 +92,9 @@ class ObjectWriter:
             self._thread = threading.Thread(target=self._upload, name="shardwise-upload", daemon=True)
             self._thread.start()
         assert self._queue is not None
-        chunk, self._pending, self._pending_bytes = b"".join(self._pending), [], 0
-        self._put(chunk)
+        # the part's pieces as they are: obstore cuts its own parts from them (a join would copy)
+        pieces, self._pending, self._pending_bytes = self._pending, [], 0
+        self._put(pieces)
 
     def _put(self, item) -> None:
         assert self._queue is not None and self._thread is not None
@@ -114,7 +115,7 @@ class ObjectWriter:
                 return
             if item is self._ABORT:
                 raise _Aborted("aborted")  # makes obstore abort the multipart upload
-            yield item
+            yield from item
 
     def _upload(self) -> None:
         import obstore
@@ -140,7 +141,7 @@ class ObjectWriter:
                                                   use_multipart=False), f"PUT {self.name}")
             return
         if self._pending:
-            self._put(b"".join(self._pending))
+            self._put(self._pending)
             self._pending = []
         self._put(self._END)
         self._thread.join()
