@@ -10,7 +10,7 @@ variables or ``storage_options=`` (its constructor's keyword arguments, plus ``p
 Reads: ranged, never a whole object for a slice: through the filesystem's ``cat_file(path,
 start, end)`` where it has its own (``http``, ``memory``), else through a file opened
 without read-ahead (``hf``'s and the other buffered files); a batch of runs is coalesced and
-issued concurrently as ``objects.ObjectFile`` does (this module's files are ObjectFiles with
+issued concurrently as ``objects_read.ObjectFile`` does (this module's files are ObjectFiles with
 another ``fetch``); every body is checked for its length and retried with bounded backoff.
 No mapped views. A hub location should name a commit (``hf://org/name@<sha>``), so that
 every read sees one version: ``sw.from_pretrained`` pins one.
@@ -33,7 +33,8 @@ from typing import Any, cast
 from shardwise.errors import CheckpointError, UsageError
 from shardwise.io.storage import Location
 from shardwise.io.storage.lookups import publishing, redirect
-from shardwise.io.storage.objects import CONCURRENCY, PART_SIZE, RETRIES, ObjectFile, retried
+from shardwise.io.storage.objects import CONCURRENCY, PART_SIZE, RETRIES, retried
+from shardwise.io.storage.objects_read import ObjectFile, ShortBody
 from shardwise.io.storage.objects_write import Publish
 
 # Schemes a save refuses, and why: what the filesystem calls a write is no checkpoint save.
@@ -45,10 +46,6 @@ READ_ONLY = {
 }
 _SECRET_KEYS = ("secret", "token", "password", "key", "credential")
 _TRANSIENT_STATUS = {408, 425, 429, 500, 502, 503, 504}
-
-
-class _Short(Exception):
-    """A body shorter or longer than the range asked for: retried, never used."""
 
 
 def _fsspec():
@@ -231,7 +228,7 @@ def _secrets(options: dict) -> list[str]:
 
 
 class FsspecFile(ObjectFile):
-    """One object opened for reading at the length its ``info`` gave: ``objects.ObjectFile``'s
+    """One object opened for reading at the length its ``info`` gave: ``objects_read.ObjectFile``'s
     coalesced, concurrent, checked reads, each range fetched through fsspec."""
 
     def __init__(self, storage: FsspecStorage, key: str, size: int):
@@ -243,8 +240,8 @@ class FsspecFile(ObjectFile):
         def request():
             data = self.source.read_range(self.key, start, end, self._size)
             if len(data) != end - start:
-                raise _Short(f"{len(data)} bytes for the {end - start}-byte range (the object changed "
-                             "under the reader, or the server ignored the Range)")
+                raise ShortBody(f"{len(data)} bytes for the {end - start}-byte range (the object changed "
+                                "under the reader, or the server ignored the Range)")
             return data
 
         land(0, memoryview(self.source.call(request, f"reading {self.name} bytes [{start}, {end})")))
