@@ -364,7 +364,17 @@ def _commit() -> str:
         changed = [line[3:] for line in git("status", "--porcelain", "--untracked-files=all").splitlines()]
     except (OSError, subprocess.SubprocessError):
         return ""
-    return head + ("-dirty" if any(not p.startswith(_OUTPUTS) for p in changed) else "")
+    return head + ("-dirty" if _foreign_src() or any(not p.startswith(_OUTPUTS) for p in changed) else "")
+
+
+def _foreign_src() -> bool:
+    """shardwise is imported from another tree's ``src/`` (``PYTHONPATH=../other/src``, as a
+    comparison with an older commit does): the figures are not this tree's, its docs stay."""
+    spec = importlib.util.find_spec("shardwise")
+    if spec is None or not spec.origin:
+        return False
+    src = Path(spec.origin).resolve().parent.parent
+    return src.name == "src" and src != REPO / "src"
 
 
 def machine_info() -> dict:
