@@ -268,6 +268,12 @@ class HandleFile(io.RawIOBase):
     def __init__(self, handle: ReadHandle):
         super().__init__()
         self.handle, self.name, self._pos = handle, handle.name, 0
+        self._size = handle.size()  # once: a read handle's file does not change length
+
+    def buffered(self) -> io.BufferedReader:
+        """A buffered reader of its own over the same handle, for ``torch.load``: it reads a zip
+        record in many small reads, each a storage read (a system call, a request) unbuffered."""
+        return io.BufferedReader(HandleFile(self.handle))
 
     def readable(self) -> bool:
         return True
@@ -276,7 +282,7 @@ class HandleFile(io.RawIOBase):
         return True
 
     def seek(self, offset: int, whence: int = os.SEEK_SET, /) -> int:
-        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self.handle.size()}[whence]
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self._size}[whence]
         self._pos = max(0, base + offset)
         return self._pos
 
@@ -285,14 +291,14 @@ class HandleFile(io.RawIOBase):
 
     def readinto(self, b) -> int:
         view = memoryview(b).cast("B")
-        n = max(0, min(len(view), self.handle.size() - self._pos))
+        n = max(0, min(len(view), self._size - self._pos))
         self.handle.readinto(view[:n], self._pos)
         self._pos += n
         return n
 
     def pread(self, n: int, pos: int) -> bytes:
         """``n`` bytes from ``pos`` (fewer at the end), the position unchanged."""
-        out = bytearray(max(0, min(n, self.handle.size() - pos)))
+        out = bytearray(max(0, min(n, self._size - pos)))
         self.handle.readinto(memoryview(out), pos)
         return bytes(out)
 

@@ -51,7 +51,7 @@ class LocationFS(FileSystemBase):
         if mode == "rb":
             handle = loc.open()
             try:
-                yield HandleFile(handle)
+                yield HandleFile(handle).buffered()  # torch.load's small reads served from a buffer
             finally:
                 handle.close()
             return

@@ -263,7 +263,8 @@ def _load(f, info, map_location: str):
 
     try:
         # torch types its own _create_file_view IOBase; it is a binary file view, as torch.load takes
-        return torch.load(_create_file_view(f, info.offset, info.length),  # type: ignore[arg-type]
+        stream = f.buffered() if isinstance(f, HandleFile) else f  # a storage's file, or any binary file
+        return torch.load(_create_file_view(stream, info.offset, info.length),  # type: ignore[arg-type]
                           map_location=map_location, weights_only=True)
     except Exception as e:
         raise CheckpointError(f"{_where(f, info)} cannot be read ({e})") from e
