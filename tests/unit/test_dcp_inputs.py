@@ -221,3 +221,25 @@ def test_metadata_missing_an_attribute_is_a_clean_error(dcp_dir, tmp_path):
 
     _rewrite_metadata(dcp_dir, rename)
     _both_refuse(dcp_dir, tmp_path / "out", "not a DCP metadata file")
+
+
+def test_a_chunk_record_is_read_in_a_few_storage_reads(dcp_dir, tmp_path, monkeypatch):
+    # torch.load reads a chunk's zip record in many small reads, seeking backwards from its end:
+    # unbuffered each was one storage read (a pread locally, a ranged GET on an object store: 63
+    # here), through a BufferedReader still 15; from the record's held ends, one read a chunk
+    # plus its CRC descriptor
+    from shardwise.io.storage.local import LocalFile
+
+    reads = []
+    real = LocalFile.readinto
+
+    def readinto(self, buf, pos):
+        if str(self.name).endswith(".distcp"):
+            reads.append((pos, len(buf)))
+        return real(self, buf, pos)
+
+    monkeypatch.setattr(LocalFile, "readinto", readinto)
+    sw.consolidate(dcp_dir, tmp_path / "out")
+    chunks = len(read_metadata(dcp_dir).storage_data)
+    assert chunks == 3 and 0 < len(reads) <= 2 * chunks, (chunks, reads)
+    assert sw.diff(dcp_dir, tmp_path / "out").identical

@@ -265,15 +265,27 @@ class HandleFile(io.RawIOBase):
     """A seekable binary file over a read handle (for ``torch.load`` of a DCP blob), with its
     own position; it does not close the handle."""
 
-    def __init__(self, handle: ReadHandle):
+    def __init__(self, handle: ReadHandle, *, held: Sequence[tuple[int, bytes]] = ()):
         super().__init__()
         self.handle, self.name, self._pos = handle, handle.name, 0
         self._size = handle.size()  # once: a read handle's file does not change length
+        self._held = held  # (offset, bytes) already read: reads inside one are served from it
 
     def buffered(self) -> io.BufferedReader:
-        """A buffered reader of its own over the same handle, for ``torch.load``: it reads a zip
-        record in many small reads, each a storage read (a system call, a request) unbuffered."""
+        """A buffered reader of its own over the same handle, for ``torch.load`` of a stream
+        whose records it cannot tell (torch DCP's own reader): unbuffered, each of its many small
+        reads would be a storage read (a system call, a request)."""
         return io.BufferedReader(HandleFile(self.handle))
+
+    def record(self, start: int, length: int, *, edge: int = 4096) -> HandleFile:
+        """A file of its own over the same handle for ``torch.load`` of the zip record at
+        ``[start, start + length)`` (a DCP blob): the record's first and last ``edge`` bytes, where
+        its small entries and its central directory lie, are read once (one read when they
+        meet); torch.load's many small reads there are served from them, its data from the
+        handle. A buffer would not do: the zip reader seeks backwards from the end."""
+        end = start + length
+        spans = [(start, length)] if length <= 2 * edge else [(start, edge), (end - edge, edge)]
+        return HandleFile(self.handle, held=[(at, self.pread(n, at)) for at, n in spans])
 
     def readable(self) -> bool:
         return True
@@ -292,7 +304,12 @@ class HandleFile(io.RawIOBase):
     def readinto(self, b) -> int:
         view = memoryview(b).cast("B")
         n = max(0, min(len(view), self._size - self._pos))
-        self.handle.readinto(view[:n], self._pos)
+        for at, data in self._held:
+            if at <= self._pos and self._pos + n <= at + len(data):
+                view[:n] = data[self._pos - at:self._pos - at + n]
+                break
+        else:
+            self.handle.readinto(view[:n], self._pos)
         self._pos += n
         return n
 

@@ -263,7 +263,7 @@ def _load(f, info, map_location: str):
 
     try:
         # torch types its own _create_file_view IOBase; it is a binary file view, as torch.load takes
-        stream = f.buffered() if isinstance(f, HandleFile) else f  # a storage's file, or any binary file
+        stream = f.record(info.offset, info.length) if isinstance(f, HandleFile) else f  # or any binary file
         return torch.load(_create_file_view(stream, info.offset, info.length),  # type: ignore[arg-type]
                           map_location=map_location, weights_only=True)
     except Exception as e:
