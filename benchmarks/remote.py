@@ -122,11 +122,15 @@ def _run(method: str, degree: int, fn, args: tuple, timeout: float, log) -> dict
         return _row(method, degree, None, f"failed: {str(e).strip().splitlines()[-1][:160]}")
 
 
+def _of(seconds: list[float]) -> str:
+    return "best of " + ", ".join(f"{s:.2f} s" for s in seconds)
+
+
 def _best(runs: list[dict]) -> dict:
     """The fastest of a method's interleaved runs (the machine is shared), noting each."""
     timed = [r for r in runs if "seconds" in r] or runs[:1]
     best = min(timed, key=lambda r: r.get("seconds", 0))
-    best["note"] = "best of " + ", ".join(f"{r['seconds']:.2f} s" for r in timed) + " (in run order)"
+    best["note"] = _of([r["seconds"] for r in timed]) + " (in run order)"
     return best
 
 
@@ -151,10 +155,6 @@ SAVE_COLUMNS = [
     ("method", "method"), ("degree", "tp"), ("seconds", "s"), ("gbps", "GB/s"),
     ("x_raw", "speed ÷ raw ceiling"), ("rss_mib", "peak RSS MiB (largest rank)"), ("note", "note"),
 ]
-
-
-def _of(seconds: list[float]) -> str:
-    return "best of " + ", ".join(f"{s:.2f} s" for s in seconds)
 
 
 def _save_rows(rows: list[dict], total: int) -> list[dict]:
