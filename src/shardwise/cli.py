@@ -122,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     merge.set_defaults(func=_consolidate)
     check = sub.add_parser("verify", help="check a checkpoint's structure and every tensor's checksum "
                                           "(exit 0 OK, 1 FAILED, 3 UNVERIFIED: no fault "
-                                          "found, but no checksum covers every chunk)")
+                                          "found, but no checksum covers every chunk; 4 UNREADABLE: "
+                                          "no such path, or the storage refused or did not answer)")
     check.add_argument("path", help="a .safetensors file, an index, or a checkpoint folder (DCP too)")
     check.add_argument("--json", action="store_true", help="print the report as JSON")
     check.add_argument("--against", default=None, metavar="MODEL_DIR_OR_CONFIG",

@@ -9,7 +9,9 @@ connection) and replace what the server said by a fault the test queued with :me
 - ``"truncate"``: the headers with the full Content-Length, half the body, then a close;
 - ``"short"``: a well-formed answer whose body and Content-Length are cut by half (a short
   read nothing in HTTP detects; only the client's own length check does);
-- ``"delay"``: wait ``seconds`` before answering (past the client's timeout).
+- ``"delay"``: wait ``seconds`` before answering (past the client's timeout);
+- ``"nobucket"``: a 404 NoSuchBucket answer instead of forwarding (what AWS S3 answers every
+  request to a bucket that does not exist, a PUT too: it makes no bucket on a write).
 
 ``host="upstream"`` sends the server's own Host header (fake-gcs-server routes its XML API by
 host); the S3 gateway gets the client's (it is signed). ``gcs_put=True`` marks a PUT as the
@@ -30,6 +32,14 @@ from dataclasses import dataclass
 from urllib.parse import quote, unquote, urlsplit
 
 _HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-connection"}
+
+
+_CANNED = {  # the faults answered in place of the server: status, reason, XML body
+    "503": (503, "Slow Down", b"<?xml version='1.0'?><Error><Code>SlowDown</Code><Message>Reduce your "
+                              b"request rate</Message></Error>"),
+    "nobucket": (404, "Not Found", b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>NoSuchBucket'
+                                   b"</Code><Message>The specified bucket does not exist</Message></Error>"),
+}
 
 
 @dataclass
@@ -92,7 +102,7 @@ class Proxy:
         """Queue ``times`` faults of ``kind`` for the next requests matching ``method`` and
         (a substring of) ``path``, decoded; with ``start``, only ranged requests from that byte
         on (a file's data, not its header)."""
-        assert kind in ("503", "reset", "truncate", "short", "delay"), kind
+        assert kind in ("503", "reset", "truncate", "short", "delay", "nobucket"), kind
         with self._lock:
             self._faults.append(_Fault(kind, method, path, times, seconds, start))
 
@@ -198,12 +208,12 @@ class Proxy:
         kind = fault.kind if fault else None
         if kind == "delay":
             time.sleep(fault.seconds)
-        if kind == "503":
-            payload = b"<?xml version='1.0'?><Error><Code>SlowDown</Code><Message>Reduce your request rate" \
-                      b"</Message></Error>"
-            self._record(cid, method, target, 503, len(payload), kind, lower)
-            conn.sendall(b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nContent-Length: "
-                         + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+        if kind in _CANNED:
+            status, reason, payload = _CANNED[kind]
+            self._record(cid, method, target, status, len(payload), kind, lower)
+            body = b"" if method == "HEAD" else payload
+            conn.sendall(f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/xml\r\nContent-Length: "
+                         f"{len(body)}\r\n\r\n".encode() + body)
             return True
         if self.gcs_put and method == "PUT" and "x-goog-copy-source" in lower:
             method, target = "POST", _json_copy(lower["x-goog-copy-source"], target)

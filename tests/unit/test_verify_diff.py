@@ -100,7 +100,7 @@ def test_verify_reports_structure_without_checksums_and_faults(tmp_path, capsys)
     assert main(["verify", str(tmp_path / "ckpt"), "--json"]) == 1
     got = json.loads(capsys.readouterr().out)
     assert got["ok"] is False and "trailing bytes" in got["problems"][0]
-    assert main(["verify", str(tmp_path / "missing")]) == 1
+    assert main(["verify", str(tmp_path / "missing")]) == 4  # UNREADABLE (issue #44)
 
 
 def test_verify_finds_a_stale_or_tampered_info_file(tmp_path):
@@ -222,10 +222,15 @@ def test_verify_of_a_folder_shardwise_did_not_write_is_unverified_not_ok(tmp_pat
     assert capsys.readouterr().out.startswith("OK ")
 
 
-def test_verify_of_a_missing_path_names_no_format(tmp_path, capsys):
-    assert main(["verify", str(tmp_path / "nothing")]) == 1
+def test_verify_of_a_missing_path_is_unreadable_not_failed(tmp_path, capsys):
+    """Issue #44: nothing was read, so no verdict on a checkpoint: UNREADABLE, exit status 4."""
+    assert main(["verify", str(tmp_path / "nothing")]) == 4
     out = capsys.readouterr().out
-    assert out.startswith(f"FAILED {tmp_path / 'nothing'}: unknown,"), out
+    nothing = tmp_path / "nothing"
+    assert out.startswith(f"UNREADABLE {nothing}: {nothing}: no such checkpoint"), out
+    assert main(["verify", str(tmp_path / "nothing"), "--json"]) == 4
+    data = json.loads(capsys.readouterr().out)
+    assert (data["outcome"], data["ok"]) == ("UNREADABLE", False) and "no such" in data["unreadable"]
 
 
 def test_diff_with_a_cast_or_a_tolerance(tmp_path, capsys):

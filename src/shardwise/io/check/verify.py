@@ -16,15 +16,19 @@ from shardwise.io.formats import format_of, get_format
 from shardwise.io.info import ALGORITHM, INFO_FILE, read_info
 from shardwise.io.source import Stored
 from shardwise.io.storage import Location, locate
+from shardwise.io.storage.faults import StoreAccessError
 
 UNVERIFIED_STATUS = 3
+UNREADABLE_STATUS = 4
 
 
 @dataclass
 class VerifyReport(JsonReport):
     """What :func:`verify` found: ``problems`` (structural faults) and ``mismatched`` tensors make it
     not ``ok``; ``outcome`` is ``"OK"`` (every chunk checksummed), ``"UNVERIFIED"`` (structure
-    only) or ``"FAILED"``; ``notes`` are not faults."""
+    only), ``"FAILED"`` or ``"UNREADABLE"`` (nothing could be read: no such path, or the storage
+    refused or did not answer; ``unreadable`` says why, and nothing is known of the checkpoint);
+    ``notes`` are not faults."""
 
     FLAGS = ("ok", "verified", "outcome")
 
@@ -38,10 +42,11 @@ class VerifyReport(JsonReport):
     mismatched: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     against: AgainstReport | None = None  # with verify(against=...): the comparison, also in problems
+    unreadable: str = ""  # why nothing could be read (then outcome is UNREADABLE)
 
     @property
     def ok(self) -> bool:
-        return not self.problems and not self.mismatched
+        return not self.problems and not self.mismatched and not self.unreadable
 
     @property
     def verified(self) -> bool:
@@ -49,6 +54,8 @@ class VerifyReport(JsonReport):
 
     @property
     def outcome(self) -> str:
+        if self.unreadable:
+            return "UNREADABLE"
         return "FAILED" if not self.ok else "OK" if self.verified else "UNVERIFIED"
 
     def summary(self) -> str:
@@ -57,6 +64,8 @@ class VerifyReport(JsonReport):
                   f"{self.bytes_read} bytes read")
         if self.against is not None:
             counts += f"; {self.against.summary()}"
+        if self.outcome == "UNREADABLE":
+            return f"UNREADABLE {self.path}: {self.unreadable}"
         if self.outcome == "OK":
             return f"OK {self.path}: {self.kind}, {counts}"
         if self.outcome == "UNVERIFIED":
@@ -96,12 +105,14 @@ def verify(path: str | os.PathLike, *, against=None, dtype=None, layout: str = "
     found, prefer = None, "module"
     try:
         if not where.exists():
-            raise CheckpointError(f"{path}: no such checkpoint file or folder")
+            raise StoreAccessError(f"{path}: no such checkpoint file or folder")
         plugin = format_of(where)  # the kind is known even where opening then fails
         report.kind = plugin.CAPABILITIES.label or plugin.NAME
         prefer = plugin.CAPABILITIES.names  # the names its checkpoints most often hold
         with closing(plugin.open_source(where)) as source:  # headers, index, chunk tiling: raises on a fault
             found = _verify_source(source, report)
+    except StoreAccessError as e:  # nothing read: not a verdict on the checkpoint
+        report.unreadable = str(e)
     except CheckpointError as e:
         report.problems.append(str(e))
     except OSError as e:
@@ -189,7 +200,8 @@ def main_verify(path: str, *, as_json: bool = False, against: str | None = None,
                 layout: str = "auto", storage_options: dict | None = None) -> int:
     """``shardwise verify PATH [--against MODEL] [--json]``: the faults, then one summary line;
     0 when OK, 1 when FAILED, 3 when UNVERIFIED (no fault, but not every chunk has a checksum),
-    2 when the model to compare with cannot be built."""
+    4 when UNREADABLE (no such path, or the storage refused or did not answer), 2 when the model
+    to compare with cannot be built."""
     try:
         report = verify(path, against=against, dtype=dtype, layout=layout, storage_options=storage_options)
     except ShardwiseError as e:
@@ -203,7 +215,7 @@ def main_verify(path: str, *, as_json: bool = False, against: str | None = None,
         for line in report.notes:
             print_safely(f"  note: {line}", file=sys.stderr)
         print_safely(report.summary())
-    return {"OK": 0, "FAILED": 1}.get(report.outcome, UNVERIFIED_STATUS)
+    return {"OK": 0, "FAILED": 1, "UNREADABLE": UNREADABLE_STATUS}.get(report.outcome, UNVERIFIED_STATUS)
 
 
-__all__ = ["UNVERIFIED_STATUS", "VerifyReport", "main_verify", "verify"]
+__all__ = ["UNREADABLE_STATUS", "UNVERIFIED_STATUS", "VerifyReport", "main_verify", "verify"]

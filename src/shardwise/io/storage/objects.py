@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.errors import CheckpointError, UsageError
+from shardwise.io.storage.faults import in_words
 from shardwise.io.storage.lookups import listed, publishing, redirect, remembered
 from shardwise.io.storage.objects_read import ObjectFile, ShortBody
 
@@ -71,7 +72,7 @@ class ObjectStorage:
         self.pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix=f"shardwise-{scheme}")
 
     def url(self, bucket: str, key: str) -> str:
-        return f"{self.scheme}://{bucket}/{key}"
+        return f"{self.scheme}://{bucket}/{key.lstrip('/')}"
 
     # --- the client ------------------------------------------------------------------------
 
@@ -242,12 +243,11 @@ def retried(request, what: str, *, retries: int, scrub, is_final, fatal: tuple =
             last = e
         except Exception as e:  # a reset, a timeout, a 5xx, ... or an answer that waiting does not change
             if is_final(e):
-                kind = f"{type(e).__name__}: " if name_final else ""
-                raise CheckpointError(f"{what}: {kind}{scrub(e)}") from None
+                raise in_words(e, what + (f": {type(e).__name__}" if name_final else ""), scrub) from None
             last = e
         if attempt < retries:
             time.sleep(min(2.0, 0.05 * 2 ** attempt) * (0.5 + random.random()))
-    raise CheckpointError(f"{what}: failed {retries + 1} times, the last: {scrub(last)}") from None
+    raise in_words(last, f"{what}: failed {retries + 1} times, the last", scrub) from None
 
 
 _FINAL_STATUS = re.compile(r"status code: (400|401|403|404|405|411|412|416)\b|builder error")

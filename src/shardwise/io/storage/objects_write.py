@@ -47,6 +47,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from shardwise.errors import CheckpointError, UsageError
+from shardwise.io.storage.faults import NoSuchBucketError, make_bucket
 from shardwise.io.storage.lookups import DONE_MARK, PUBLISH_MARK, beside, committed, publishing
 from shardwise.io.storage.objects import ObjectStorage, split_location
 from shardwise.io.storage.transaction import TMP_MARK, _owner
@@ -241,6 +242,15 @@ class Publish:
     # --- the transaction ------------------------------------------------------------------
 
     def prepare(self) -> None:
+        try:
+            self._prepare()
+        except NoSuchBucketError:  # a new bucket: made where the store makes one on a write
+            if not isinstance(self.storage, ObjectStorage):
+                raise
+            make_bucket(self.storage, self.bucket)
+            self._prepare()
+
+    def _prepare(self) -> None:
         self._token = secrets.token_hex(8)  # names this save in its journal and at commit
         journal = publishing(self.storage, self.bucket, self.key)
         if journal is not None and journal.get("direct"):  # an interrupted save into an empty prefix
