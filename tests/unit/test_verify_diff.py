@@ -255,5 +255,11 @@ def test_diff_with_a_cast_or_a_tolerance(tmp_path, capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["equivalent"] and not data["identical"] and data["tolerance"]["dtype"] == "bfloat16"
     assert main(["diff", str(a), str(b)]) == 1                 # the default: byte for byte
+    out = capsys.readouterr().out                              # issue #44: which flag compares them
+    assert "hint: only dtypes differ (2 tensors); to compare the values, cast both sides: --dtype bfloat16" \
+        in out, out
+    save_file({"w": source["w"].bfloat16()}, tmp_path / "fewer.safetensors")  # not only dtypes: no hint
+    assert main(["diff", str(tmp_path / "fewer.safetensors"), str(b)]) == 1
+    assert "hint" not in capsys.readouterr().out
     assert main(["diff", str(a), str(b), "--atol", "-1"]) == 2
     assert "atol must be a finite number >= 0" in capsys.readouterr().err

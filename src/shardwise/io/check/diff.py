@@ -264,8 +264,26 @@ def main_diff(a: str, b: str, *, as_json: bool = False, atol: float | None = Non
         else:
             what.append(f"max abs diff {d.max_abs_diff:.6g}" + (" (dequantized)" if d.dequantized else ""))
         print_safely(f"  differs: {d.name}: {', '.join(what)}")
+    hint = _dtype_hint(report) if dtype is None else None
+    if hint:
+        print_safely(f"  hint: {hint}")
     print_safely(report.summary())
     return 0 if report.equivalent else 1
+
+
+def _dtype_hint(report: DiffReport) -> str | None:
+    """Where the two sides hold the same names and shapes and every difference is of dtype (a
+    bfloat16 save of a float32 model), the flag that compares their values."""
+    if report.equivalent or report.only_a or report.only_b or not report.differ:
+        return None
+    if any(d.dtype_a == d.dtype_b or d.shape_a != d.shape_b for d in report.differ):
+        return None
+    import torch
+
+    narrow = min({d.dtype_a for d in report.differ} | {d.dtype_b for d in report.differ},
+                 key=lambda n: getattr(torch, n).itemsize if hasattr(torch, n) else 99)
+    return (f"only dtypes differ ({len(report.differ)} tensors); to compare the values, cast both "
+            f"sides: --dtype {narrow}")
 
 
 __all__ = ["DiffReport", "TensorDiff", "diff", "main_diff"]
