@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from shardwise.backends import Backend
 from shardwise.backends.base import Pending, guarded, reduce_op_of
-from shardwise.errors import BackendError, CheckpointError, CollectiveError
+from shardwise.errors import BackendError, CheckpointError, CollectiveError, ShardwiseError
 
 
 def is_distributed() -> bool:
@@ -191,12 +191,30 @@ def _row(error: BaseException | None, digest: bytes) -> torch.Tensor:
     return row
 
 
+def _said_once(failures: dict[int, str], world: int) -> bool:
+    """Whether rank 0 can report ``failures`` for every rank (``backends.report_once``): it alone
+    failed (it did the work for all, or its failure stopped the others), or every rank failed
+    with the same message; and its error is shardwise's (the hook reports only those)."""
+    if 0 not in failures or not (set(failures) == {0} or (len(failures) == world
+                                                          and len(set(failures.values())) == 1)):
+        return False
+    name = failures[0].partition(":")[0]
+    ours, todo = set(), [ShardwiseError]
+    while todo:
+        cls = todo.pop()
+        ours.add(cls.__name__)
+        todo += cls.__subclasses__()
+    return name in ours
+
+
 def agree(backend: Backend | None, error: BaseException | None, *, what: str,
           digest: bytes = b"\0" * 8) -> None:
     """Every rank calls it at the same point; if any rank failed, every rank raises: the failed
     rank its own ``error``, the others ``CheckpointError`` (bad input, a ``ValueError``) or
     ``CollectiveError`` (anything else) with each failing rank's message. A ``digest`` (a
-    :func:`fingerprint`) that differs from rank 0's raises ``CheckpointError`` everywhere."""
+    :func:`fingerprint`) that differs from rank 0's raises ``CheckpointError`` everywhere. When
+    rank 0 alone failed, or every rank alike, the errors are marked for one report, by rank 0
+    (``errors.on_every_rank``)."""
     if backend is None or backend.world_size == 1:
         if error is not None:
             raise error
@@ -210,13 +228,20 @@ def agree(backend: Backend | None, error: BaseException | None, *, what: str,
     rows = [r.cpu() for r in rows]
     failures = {r: bytes(row[9:].tolist()).rstrip(b"\0").decode("utf-8", "replace")
                 for r, row in enumerate(rows) if int(row[0]) != _OK}
+    once = _said_once(failures, len(rows))
     if error is not None:
+        if once and isinstance(error, ShardwiseError):
+            error.every_rank = True  # type: ignore[attr-defined]
         raise error
     if failures:
         detail = "; ".join(f"rank {r}: {m}" for r, m in sorted(failures.items()))
         if all(int(rows[r][0]) == _BAD_INPUT for r in failures):
-            raise CheckpointError(f"{what} failed on rank(s) {sorted(failures)}: {detail}")
-        raise CollectiveError(f"{what} failed on rank(s) {sorted(failures)}", failures)
+            peer: ShardwiseError = CheckpointError(f"{what} failed on rank(s) {sorted(failures)}: {detail}")
+        else:
+            peer = CollectiveError(f"{what} failed on rank(s) {sorted(failures)}", failures)
+        if once:  # rank 0's failure, which it reports: this rank's error echoes it
+            peer.every_rank, peer.echo = True, failures[0]  # type: ignore[attr-defined]
+        raise peer
     differ = [r for r, row in enumerate(rows) if bytes(row[1:9].tolist()) != bytes(rows[0][1:9].tolist())]
     if differ:
         raise CheckpointError(

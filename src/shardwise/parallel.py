@@ -5,7 +5,6 @@ load); the holding then wires the forward (:func:`wire`)."""
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, cast
 
@@ -19,7 +18,7 @@ from shardwise.errors import NonFiniteError, PlanError
 from shardwise.holding import Holding, is_dtensor, local_of  # noqa: F401 - local_of: re-exported
 from shardwise.local_tp import run_on_local_params, wire_forward, wire_local
 from shardwise.mesh import MeshDims, ShardState, decode_mesh, get_shard_state, set_shard_state, world_backend
-from shardwise.plan_checks import check_installed, check_plan
+from shardwise.plan_checks import check_installed, check_plan, check_unused_keys
 from shardwise.quant import guard_cut_blocks, quantized_module, scale_is_local, wire_quantized
 
 if TYPE_CHECKING:
@@ -32,9 +31,7 @@ def resolve_for_mesh(model: nn.Module, plan, dims: MeshDims, ep_plan=None) -> Re
     on a mesh without a tp axis its tp part is dropped."""
     specs = resolve_plan(model, plan, dims.degree, ep_plan=ep_plan, ep_degree=dims.ep_degree)
     check_plan(model, specs)  # a forward shaping split heads by the global count
-    if specs.unused_keys and comm.rank() == 0:  # one warning, on rank 0 only
-        warnings.warn(f"plan keys that match nothing in this model were skipped: "
-                      f"{', '.join(map(repr, specs.unused_keys))}", stacklevel=2)
+    check_unused_keys(model, specs.unused_keys, ours=not (isinstance(plan, str) and plan == "auto"))
     return without_tp(specs) if dims.tp_mesh is None else specs
 
 

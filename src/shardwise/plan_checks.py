@@ -1,12 +1,14 @@
-"""Checks around a parallelize or load that need more than core: :func:`check_plan` before,
-:func:`check_installed` after."""
+"""Checks around a parallelize or load that need more than core: :func:`check_plan` and
+:func:`check_unused_keys` before, :func:`check_installed` after."""
 
 from __future__ import annotations
 
 import ast
 import functools
 import inspect
+import re
 import textwrap
+import warnings
 
 import torch
 from torch import nn
@@ -138,4 +140,66 @@ def check_installed(model: nn.Module, specs: ResolvedPlan, declared: dict, *, ho
                                 "tensor after sharding; this is a shardwise bug, please report it")
 
 
-__all__ = ["check_installed", "check_plan"]
+def check_unused_keys(model: nn.Module, unused: tuple[str, ...], *, ours: bool) -> None:
+    """Plan keys that match nothing in ``model``. A key one or two letters away from a path of
+    the model in one of its parts (``layers.*.mlp.upp_proj`` for ``up_proj``) is a typo: a
+    ``PlanError`` naming the key and the path, at every degree (tp=1 too, so that a plan tried
+    at tp=1 is right at tp=8), where ``ours`` (the caller's plan, not ``"auto"``) and the key is
+    not one of the plans the model ships (those name modules of every variant: ``q_b_proj``
+    where a configuration has only ``q_a_proj``). Any other key is warned about once, on rank
+    0, with the closest paths."""
+    from shardwise import comm
+    from shardwise.core.adapter import adapter_for
+    from shardwise.core.styles import _patterns, closest_paths
+
+    if not unused:
+        return
+    patterns = _patterns(model)
+    adapter = adapter_for(model)
+    shipped = [k for axis in ("tp", "ep") for k in adapter.shipped_plan(model, axis)]
+    params = {re.sub(r"(?<![^.])\d+(?![^.])", "*", n) for n, _ in model.named_parameters()}
+    for key in unused if ours else ():
+        if any(k == key or k.endswith("." + key) for k in shipped):
+            continue
+        near = [m for m in (_one_part_off(key, p) for p in [*patterns, *sorted(params)]) if m]
+        if near:
+            raise PlanError(f"plan key {key!r} matches nothing in {type(model).__name__}; did you mean "
+                            f"{near[0]!r}? A key that matches nothing is skipped, so the module it meant "
+                            "would stay whole on every rank, and at tp > 1 the forward would fail or be "
+                            "wrong. Fix the key (refused at tp=1 too), or remove it")
+    if comm.rank() == 0:
+        shown = "; ".join(f"{k!r} (closest: {', '.join(map(repr, closest_paths(k, patterns, n=2)))})"
+                          for k in unused[:5])
+        more = f"; and {len(unused) - 5} more" if len(unused) > 5 else ""
+        warnings.warn(f"{len(unused)} plan key(s) match nothing in {type(model).__name__} and were "
+                      f"skipped (they shard nothing): {shown}{more}", stacklevel=3)
+
+
+def _one_part_off(key: str, pattern: str) -> str | None:
+    """``key`` with its one dotted part that is at most two edits from ``pattern``'s (or its
+    tail's) put right, None where they differ otherwise."""
+    have, want = key.split("."), pattern.split(".")
+    if len(want) < len(have):
+        return None
+    want = want[len(want) - len(have):]
+    off = [i for i, (a, b) in enumerate(zip(have, want, strict=True))
+           if a != b and not (b == "*" and a.isdigit())]
+    if len(off) != 1:
+        return None
+    a, b = have[off[0]], want[off[0]]
+    if min(len(a), len(b)) <= 3 or _edits(a, b) > 2:
+        return None
+    return ".".join(want[i] if i == off[0] else part for i, part in enumerate(have))
+
+
+def _edits(a: str, b: str) -> int:
+    """The Levenshtein distance of ``a`` and ``b`` (short path parts)."""
+    row = list(range(len(b) + 1))
+    for i, x in enumerate(a, 1):
+        prev, row[0] = row[0], i
+        for j, y in enumerate(b, 1):
+            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (x != y))
+    return row[-1]
+
+
+__all__ = ["check_installed", "check_plan", "check_unused_keys"]

@@ -1,7 +1,8 @@
 """A guard's error raised alike on every rank of a real torchrun reaches the user once (issue #32).
 
 The script loads a two-layer model at degree 3, which its 16-wide layers do not divide: every
-rank raises the same ``ShardingError`` before any collective.
+rank raises the same ``ShardingError`` before any collective. Issue #44: so do a missing
+folder, a plan key with a typo, and a save refused by rank 0 for all (the folder exists).
 """
 
 import os
@@ -23,8 +24,20 @@ import shardwise as sw
 backend = sw.init_backend("gloo")
 with sw.empty_model():
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+how = sys.argv[2]
+if how in ("missing", "typo", "exists"):
+    tp1 = backend.mesh(dp_replicate=3, tp=1)
+if how == "missing":
+    sw.load(model, sys.argv[1] + "/nothing", plan={"0": "colwise"}, mesh=tp1)
+if how == "typo":
+    sw.load(model, sys.argv[1], plan={"0": "colwise", "2.weigth": "rowwise"}, mesh=tp1)
+if how == "exists":
+    sw.load(model, sys.argv[1], plan={"0": "colwise"}, mesh=tp1)
+    sw.save(model, sys.argv[1])
+if how == "mesh":
+    backend.mesh(tp=2)
 # a rank-dependent plan when asked: the ranks then raise different messages
-up = "0" if sys.argv[2] == "same" or backend.rank == 0 else "2"
+up = "0" if how == "same" or backend.rank == 0 else "2"
 sw.load(model, sys.argv[1], plan={up: "colwise"}, mesh=backend.mesh(tp=backend.world_size))
 """
 
@@ -53,7 +66,7 @@ def test_an_error_every_rank_raises_is_reported_once(tmp_path):
     assert len(printed) == 1, out                  # once on the ranks' stderr, by rank 0
     assert "Degrees that pass every check of this plan: 1, 2, 4, 8, 16" in printed[0], out
     assert "from a check all 3 ranks run alike" in out, out
-    assert "job.py, line 12" in out, out           # where the user's script called shardwise
+    assert 'job.py, line 24: sw.load(model, sys.argv[1], plan={up: "colwise"}' in out, out  # the user's call
     assert out.count("Traceback (most recent call last)") == 1, out  # torchrun's own, no rank's
     assert "choose a degree that divides" not in out, out  # no cause contradicting the list
     # torchrun's summary: rank 0 first, with the error; the others point at it
@@ -69,3 +82,21 @@ def test_ranks_whose_errors_differ_each_report_their_own(tmp_path):
     assert out.count("ShardingError: plan key '0'") >= 1, out
     # a rank whose message differs from rank 0's is never silenced
     assert "[rank1]: ShardingError: plan key '2'" in out or "[rank2]: ShardingError: plan key '2'" in out, out
+
+
+@pytest.mark.parametrize("how, said", [
+    ("missing", "CheckpointError: "),
+    ("typo", "PlanError: plan key '2.weigth' matches nothing in Sequential; did you mean '2.weight'?"),
+    ("exists", "CheckpointError: "),
+    ("mesh", "MeshError: mesh tp=2 has 2 devices but the world size is 3"),
+])
+def test_paths_plans_and_refused_saves_are_reported_once(tmp_path, how, said):
+    proc = _torchrun(tmp_path, how)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    printed = [line for line in out.splitlines() if line.startswith(said)]
+    assert len(printed) == 1, out
+    assert {"missing": "nothing", "typo": "tp=1 too", "exists": "already", "mesh": "multiply"}[how] \
+        in printed[0], out
+    assert "reported once, by rank 0" in out and "job.py, line" in out, out
+    assert out.count("Traceback (most recent call last)") == 1, out  # torchrun's own, no rank's

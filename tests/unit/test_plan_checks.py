@@ -194,3 +194,32 @@ def test_degree_suggestions_pass_the_head_count_checks():
         resolve_plan(meta(_GQA), GQA_PLAN, 4)
     assert "num_key_value_heads = 2" in str(e.value)
     assert str(e.value).endswith("Degrees that pass every check of this plan: 1, 2")
+
+
+# --- a plan key that matches nothing (issue #44) -----------------------------------------
+def resolve_for_mesh_at_tp1(plan):
+    """What ``sw.load`` / ``sw.parallelize`` run on the plan at tp=1 (``parallel.resolve_for_mesh``)."""
+    from shardwise.plan_checks import check_unused_keys
+
+    model = meta(TinyTransformer)
+    specs = resolve_plan(model, plan, 1)
+    check_unused_keys(model, specs.unused_keys, ours=True)
+    return specs
+
+
+def test_a_key_one_typo_from_a_module_is_refused_naming_both_at_tp1_too():
+    plan = {k: v for k, v in tiny_plan().items() if k != "layers.*.mlp.down"}
+    plan["layers.*.mlp.donw"] = "rowwise"  # a typo: `down` stays whole, the forward is wrong at tp > 1
+    with pytest.raises(sw.PlanError) as e:
+        resolve_for_mesh_at_tp1(plan)
+    msg = str(e.value)
+    assert "plan key 'layers.*.mlp.donw' matches nothing in TinyTransformer" in msg, msg
+    assert "did you mean 'layers.*.mlp.down'?" in msg and "tp=1 too" in msg, msg
+
+
+def test_a_key_far_from_every_module_is_skipped_with_a_warning_naming_the_closest():
+    plan = {**tiny_plan(), "layers.*.mlp.experts": "colwise"}  # a module of another variant
+    said = r"1 plan key\(s\) match nothing in TinyTransformer and were skipped \(they shard nothing\): "
+    with pytest.warns(UserWarning, match=said + r"'layers.\*.mlp.experts' \(closest"):
+        specs = resolve_for_mesh_at_tp1(plan)
+    assert specs.unused_keys == ("layers.*.mlp.experts",)

@@ -203,9 +203,12 @@ def report_once(error: ShardwiseError, tb) -> None:
         # print its own report if its error differs)
         _rank0_said(store, key=_KEY + "/all read")
         return
-    same = _rank0_said(store) == message
+    said, echo = _rank0_said(store), getattr(error, "echo", None)  # echo: rank 0's, by comm.agree
+    same = said is not None and (said == message
+                                 or (echo is not None and said.startswith(echo.rstrip("\ufffd"))))
     if same:
-        _error_file(message, f"the same {type(error).__name__} as rank 0 (reported there)")
+        _error_file(message, f"the same {type(error).__name__} as rank 0 (reported there)" if echo is None
+                    else "rank 0's error (reported there)")
     else:
         sys.stderr.write("\n".join(f"[rank{rank}]: {line}" for line in [message, _where(tb)] if line)
                          + "\n")

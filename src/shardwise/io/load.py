@@ -16,7 +16,7 @@ from torch import nn
 from shardwise._progress import Progress
 from shardwise.comm import agree, rank
 from shardwise.core.plan import ResolvedPlan
-from shardwise.errors import CheckpointError, PlanError, on_every_rank
+from shardwise.errors import CheckpointError, PlanError, ShardwiseError, on_every_rank
 from shardwise.io.exchange import exchanges
 from shardwise.io.formats import open_source
 from shardwise.io.formats.safetensors.keys import listing
@@ -110,8 +110,10 @@ def load(model: nn.Module, path: str | os.PathLike | Location, *, plan, mesh,
             names = [n for n in specs if n not in missing]
             reads = source.plan(place.wants(names))
         except Exception as e:
-            if collective:
+            if collective:  # marks it for one report when every rank failed alike
                 agree(dims.comm_backend, e, what=f"opening {where}")
+            elif isinstance(e, ShardwiseError):  # the same path, files and model on every rank
+                e.every_rank = True  # type: ignore[attr-defined]
             raise
         if collective:
             agree(dims.comm_backend, None, what=f"opening {where}")

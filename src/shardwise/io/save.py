@@ -17,7 +17,7 @@ from shardwise._progress import Progress
 from shardwise.backends import Backend
 from shardwise.comm import fingerprint
 from shardwise.core.adapter import adapter_for
-from shardwise.errors import CheckpointError, CollectiveError, UsageError
+from shardwise.errors import CheckpointError, CollectiveError, UsageError, on_every_rank
 from shardwise.io.check.against import LAYOUTS, compare, expectations
 from shardwise.io.formats import get_format, save_format
 from shardwise.io.formats.safetensors.files import parse_size
@@ -137,15 +137,16 @@ def save(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str
 
     >>> sw.save(model, "out/full", max_shard_size="2GB")                    # doctest: +SKIP
     >>> sw.load(model2, "out/full", plan=plan, mesh=backend.mesh(tp=2))     # doctest: +SKIP"""
-    options = save_options(distributed=distributed, max_shard_size=max_shard_size,
-                           filename_prefix=filename_prefix, layout=layout, parallel_write=parallel_write,
-                           format=format, async_save=async_save)
-    backend = world_backend()  # the API boundary: the backend of every collective of the save
-    target = target_path(locate(path, storage_options))  # and the location, decoded once
-    check_model(model, action="save")
-    plugin = get_format(options.format)
-    if not plugin.CAPABILITIES.quantized:
-        check_quantized_save(model, f"as {plugin.CAPABILITIES.label} (format={format!r})")
+    with on_every_rank():  # the same options, path and model on every rank, before any collective
+        options = save_options(distributed=distributed, max_shard_size=max_shard_size,
+                               filename_prefix=filename_prefix, layout=layout, parallel_write=parallel_write,
+                               format=format, async_save=async_save)
+        backend = world_backend()  # the API boundary: the backend of every collective of the save
+        target = target_path(locate(path, storage_options))  # and the location, decoded once
+        check_model(model, action="save")
+        plugin = get_format(options.format)
+        if not plugin.CAPABILITIES.quantized:
+            check_quantized_save(model, f"as {plugin.CAPABILITIES.label} (format={format!r})")
     if isinstance(options, DistributedSave):
         join_collective(backend, "sw.save")
         return plugin.save(model, target, backend=backend, overwrite=overwrite, metadata=metadata,
