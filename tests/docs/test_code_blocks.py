@@ -13,6 +13,12 @@ provide (no fixture checkpoint, no predefined names):
   the one before it and they run as one script (the page's prose says so to the reader).
 - ``<!-- not run: REASON -->`` on the line before a fence: not run (a fragment, an output
   example); the reason is required. Shell commands belong in non-python blocks.
+- ``<!-- run in bash, needs: NAME ... -->`` on the line before a ```bash fence: the block runs
+  as a bash script (``set -euo pipefail``) in the page's folder, in file order with the python
+  blocks, with this Python's ``bin/`` first on PATH (``python``, ``torchrun``, ``shardwise``);
+  it skips where a NAME is neither a command on that PATH nor an importable module (``tox -e
+  remote`` has the object-store ones). A server it starts in the background is stopped after it
+  (the block runs in a session of its own, and whatever is left of that session is killed).
 - **Launch.** Every ``torchrun --nproc-per-node N`` named in the block or in the paragraph right
   before its fence runs it on N gloo ranks (``shardwise.testing.spawn``, which sets torchrun's
   environment); every ``python NAME.py`` named there runs it as one process without a launcher's
@@ -30,6 +36,9 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import shutil
+import signal
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +52,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 _FENCE = re.compile(r"^(\s*)(```+|~~~+)\s*(\S*)")
 _NOT_RUN = re.compile(r"^\s*<!--\s*not run:\s*(.*?)\s*-->\s*$")
+_BASH = re.compile(r"^\s*<!--\s*run in bash(?:,\s*needs:\s*(.*?))?\s*-->\s*$")
 _CONTINUES = re.compile(r"^\s*<!--\s*continues the block above\s*-->\s*$")
 _MARKER = re.compile(r"^\s*<!--.*-->\s*$")
 _FILE = re.compile(r"^#\s*file:\s*([\w.-]+\.py)\b")
@@ -59,6 +69,7 @@ class Block:
     prose: str             # the paragraph right before the fence
     not_run: str | None = None
     continues: bool = False
+    bash_needs: list[str] | None = None  # a bash block to run: the commands or modules it needs
 
 
 @dataclass
@@ -73,6 +84,10 @@ class Script:
     @property
     def id(self) -> str:
         return f"{self.page.relative_to(ROOT)}:{self.blocks[0].line}"
+
+    @property
+    def bash(self) -> bool:
+        return self.blocks[0].bash_needs is not None
 
     @property
     def libraries(self) -> list[str]:
@@ -100,6 +115,15 @@ def parse_blocks(text: str) -> list[Block]:
         end = i + 1
         while end < len(lines) and not lines[end].strip().startswith(fence):
             end += 1
+        bash = None
+        j = i - 1
+        while lang in ("bash", "sh") and j >= 0 and _MARKER.match(lines[j]):
+            if (b := _BASH.match(lines[j])) is not None:
+                bash = (b.group(1) or "").split()
+            j -= 1
+        if bash is not None:
+            code = "\n".join(ln[len(indent):] if ln.startswith(indent) else ln for ln in lines[i + 1:end])
+            blocks.append(Block(i + 2, code, "", bash_needs=bash))
         if lang in ("python", "py"):
             code = "\n".join(ln[len(indent):] if ln.startswith(indent) else ln for ln in lines[i + 1:end])
             j, not_run, continues = i - 1, None, False
@@ -135,6 +159,9 @@ def scripts_of(page: Path) -> list[Script]:
                 raise ValueError(f"{page.name}:{block.line}: 'continues' follows no runnable block")
             scripts[-1].blocks.append(block)
             continue
+        if block.bash_needs is not None:
+            scripts.append(Script(page, [block], launches=[]))
+            continue
         m = _FILE.match(block.code)
         scripts.append(Script(page, [block], file_name=m.group(1) if m else None,
                               launches=[] if m else _launches(block.prose + "\n" + block.code)))
@@ -166,7 +193,35 @@ class _Page:
 _PAGES: dict[Path, _Page] = {}
 
 
+def _run_bash(script: Script, folder: Path) -> None:
+    """The bash block in ``folder``, in a session of its own that is killed after it."""
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    needs = script.blocks[0].bash_needs or []
+    missing = [n for n in needs if shutil.which(n, path=path) is None and importlib.util.find_spec(n) is None]
+    if missing:
+        pytest.skip(f"{script.id} needs {', '.join(missing)}, not installed here (tox -e remote runs it)")
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV}
+    proc = subprocess.Popen(["bash", "-euo", "pipefail", "-c", script.blocks[0].code], cwd=folder,
+                            env={**env, "PATH": path}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        out = f"(no end within {TIMEOUT:.0f} s)"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # what the block left running (a server)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    if proc.returncode != 0:
+        pytest.fail(f"{script.id} (bash) exited with {proc.returncode}:\n{out[-6000:]}", pytrace=False)
+
+
 def _run(script: Script, folder: Path) -> None:
+    if script.bash:
+        _run_bash(script, folder)
+        return
     missing = [lib for lib in script.libraries if importlib.util.find_spec(lib) is None]
     if missing:
         pytest.skip(f"{script.id} imports {', '.join(missing)}, not installed here (tox -e hf runs it)")
@@ -223,7 +278,12 @@ def test_markers_are_well_formed():
     for page in PAGES:
         lines = page.read_text().splitlines()
         for i, line in enumerate(lines):
-            if _NOT_RUN.match(line) or _CONTINUES.match(line):
+            if _BASH.match(line):
+                nxt = next((ln for ln in lines[i + 1:] if not _MARKER.match(ln)), "")
+                m = _FENCE.match(nxt)
+                assert m and m.group(3) in ("bash", "sh"), (
+                    f"{page.name}:{i + 1}: 'run in bash' stands before no bash fence")
+            elif _NOT_RUN.match(line) or _CONTINUES.match(line):
                 nxt = next((ln for ln in lines[i + 1:] if not _MARKER.match(ln)), "")
                 m = _FENCE.match(nxt)
                 assert m and m.group(3) in ("python", "py"), (
