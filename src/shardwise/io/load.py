@@ -120,7 +120,7 @@ def load(model: nn.Module, path: str | os.PathLike | Location, *, plan, mesh,
         how = ReadOptions(dtype, place.device, reader_threads(num_threads, where.storage),
                           replicas=dims if dims.shares_reads else None, window=place.window,
                           backend=dims.comm_backend, mesh=dims)
-        with Progress(reads.nbytes, progress, rank() == 0, "shardwise load") as bar:
+        with Progress(reads.nbytes, progress, rank() == 0, "shardwise load (rank 0's slices)") as bar:
             tensors = source.read(reads, finalize=place.finalize, options=how, on_bytes=bar)
     place.install(model, tensors, missing)
     move_non_persistent(model, dims.device)

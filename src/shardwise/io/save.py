@@ -183,7 +183,8 @@ def save_gathered(model: nn.Module, target: Location, options: SafetensorsSave, 
         folder = saving.folder if saving.rank0 else None
         shared = (shared_folder(backend, folder, what=what, required=options.parallel_write is True)
                   if parallel else None)
-        with Progress(sum(i.nbytes for i in items), progress, run.rank == 0, "shardwise save") as bar:
+        total = sum(i.nbytes for i in items)
+        with Progress(total, progress, run.rank == 0, "shardwise save (whole checkpoint)") as bar:
             checksums = (run.write(folder, bar, what=what) if shared is None else
                          write_parallel(backend, run, shared, bar, what=what))
         info = gather_info(checksums, [s.spec for s in stored]) if saving.rank0 else None

@@ -28,9 +28,9 @@ def _pickle_error(path: Location, *, index: Location | None = None) -> Checkpoin
                                "it to .safetensors with the tool that wrote it")
     return CheckpointError(
         f"{where}: {kind}, not safetensors (shardwise never unpickles); if you trust its source, "
-        f"convert it once: sd = torch.load({path.name!r}, weights_only=True); safetensors.torch."
+        f"convert it once: sd = torch.load({str(path)!r}, weights_only=True); safetensors.torch."
         "save_file({k: v.clone(memory_format=torch.contiguous_format) for k, v in sd.items()}, "
-        "'model.safetensors')"
+        f"{str(path.parent / 'model.safetensors')!r})"
     )
 
 
