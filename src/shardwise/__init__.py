@@ -14,14 +14,15 @@ from typing import TYPE_CHECKING
 
 from shardwise import errors as errors  # the namespace of every error: sw.errors.StorageError
 from shardwise._version import __version__
-from shardwise.backends import Backend, init_backend, shutdown_backend
-from shardwise.core.spec import ShardSpec
-from shardwise.core.styles import PackedColwise, PackedRowwise
 from shardwise.errors import CheckpointError, CollectiveError, PlanError, ShardwiseError, UsageError
-from shardwise.hf import adapter as _hf_adapter  # noqa: F401 - registers the Hugging Face model adapter
-from shardwise.parallel import clip_grad_norm_, parallelize
 
 if TYPE_CHECKING:  # what type checkers see for the names below, which load on first use
+    from shardwise.backends import Backend as Backend
+    from shardwise.backends import init_backend as init_backend
+    from shardwise.backends import shutdown_backend as shutdown_backend
+    from shardwise.core.spec import ShardSpec as ShardSpec
+    from shardwise.core.styles import PackedColwise as PackedColwise
+    from shardwise.core.styles import PackedRowwise as PackedRowwise
     from shardwise.hf.pretrained import empty_model as empty_model
     from shardwise.hf.pretrained import from_pretrained as from_pretrained
     from shardwise.io.check import inspect_checkpoint as inspect
@@ -32,11 +33,22 @@ if TYPE_CHECKING:  # what type checkers see for the names below, which load on f
     from shardwise.io.formats.dcp.optim import save_optimizer as save_optimizer
     from shardwise.io.load import load as load
     from shardwise.io.save import save as save
+    from shardwise.parallel import clip_grad_norm_ as clip_grad_norm_
+    from shardwise.parallel import parallelize as parallelize
     from shardwise.transfer import transfer_plan as transfer_plan
     from shardwise.validate import validate as validate
 
 # public name -> (module, attribute), imported on first use so that `import shardwise` stays light
+# (no torch: `shardwise --help` answers at once)
 _LAZY = {
+    "Backend": ("shardwise.backends", "Backend"),
+    "init_backend": ("shardwise.backends", "init_backend"),
+    "shutdown_backend": ("shardwise.backends", "shutdown_backend"),
+    "parallelize": ("shardwise.parallel", "parallelize"),
+    "clip_grad_norm_": ("shardwise.parallel", "clip_grad_norm_"),
+    "ShardSpec": ("shardwise.core.spec", "ShardSpec"),
+    "PackedColwise": ("shardwise.core.styles", "PackedColwise"),
+    "PackedRowwise": ("shardwise.core.styles", "PackedRowwise"),
     "load": ("shardwise.io.load", "load"),
     "save": ("shardwise.io.save", "save"),
     "consolidate": ("shardwise.io.consolidate", "consolidate"),

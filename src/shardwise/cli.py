@@ -92,9 +92,11 @@ _DESCRIPTION = ("Read, check and convert tensor-parallel PyTorch checkpoints: de
                 "validate --backend NAME [--json OUT].")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every command; with ``command``, the one to be run, the options of the
+    others that need torch (demo's model sizes, validate's suite) are left out, so that
+    ``shardwise --help`` and the commands that read files import no torch to parse."""
     from shardwise import __version__
-    from shardwise.testing.model import SIZES
 
     # not the module's docstring: argparse would show its ``double backticks``
     parser = argparse.ArgumentParser(prog="shardwise", description=_DESCRIPTION)
@@ -103,7 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="stream, save and reshard a small checkpoint on local gloo ranks")
     demo.add_argument("--tp", type=_positive_int, default=4,
                       help="tensor-parallel degree (ranks to spawn; divides the 8 heads: 1, 2, 4, 8)")
-    demo.add_argument("--size", default="small", choices=list(SIZES), help="model size (default: small)")
+    if command in (None, "demo"):
+        from shardwise.testing.model import SIZES
+
+        demo.add_argument("--size", default="small", choices=list(SIZES), help="model size (default: small)")
     demo.add_argument("--keep", default=None, metavar="DIR",
                       help="write the checkpoint here and keep it (and what is saved, in DIR-saved)")
     demo.set_defaults(func=_demo, subparser=demo)
@@ -154,18 +159,20 @@ def build_parser() -> argparse.ArgumentParser:
                               "before comparing: a bfloat16 save against its float32 source")
     _add_storage_options(compare)
     compare.set_defaults(func=_diff)
-    from shardwise.validate import add_arguments, run
-
     suite = sub.add_parser("validate", help="the hardware validation suite: every scenario at every layout "
                                             "the world allows (exit 0 when none fails); run it under the "
                                             "backend's launcher, or with --nproc N")
-    add_arguments(suite)
-    suite.set_defaults(func=run)
+    if command in (None, "validate"):
+        from shardwise.validate import add_arguments, run
+
+        add_arguments(suite)
+        suite.set_defaults(func=run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(next((a for a in argv if not a.startswith("-")), ""))
     args = parser.parse_args(argv)
     if getattr(args, "storage_options", None) is not None:
         args.storage_options = dict(args.storage_options)

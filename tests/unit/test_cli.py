@@ -132,3 +132,15 @@ def test_tqdm_is_a_dependency():
 
     project = tomllib.loads((SRC.parent / "pyproject.toml").read_text())["project"]
     assert any(re.match(r"tqdm\b", r) for r in project["dependencies"]), project["dependencies"]
+
+
+def test_help_and_the_file_commands_parse_without_torch():
+    """Issue #44: `shardwise --help` took 4-5 s importing torch; import shardwise needs none, and
+    only demo and validate (whose options name the demo's sizes and the suite's) load it to parse."""
+    code = ("import sys\nfrom shardwise.cli import build_parser\n"
+            "build_parser('verify').parse_args(['verify', 'x'])\n"
+            "try:\n    build_parser('').parse_args(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().endswith("False"), out.stdout
+    assert "verify" in out.stdout and "validate" in out.stdout  # the help lists every command

@@ -4,6 +4,7 @@ files, layouts). A model gets the first registered adapter that claims it, else 
 
 from __future__ import annotations
 
+import importlib
 import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -100,6 +101,19 @@ class ModelAdapter:
 
 _PLAIN = ModelAdapter()
 _ADAPTERS: dict[str, ModelAdapter] = {}
+# The adapters shardwise ships, registered on first use of the registry (importing shardwise
+# stays light): Hugging Face's (transformers, diffusers; needs neither library to import).
+_BUILTIN = ("shardwise.hf.adapter",)
+_builtin_loaded = False
+
+
+def _registered() -> dict[str, ModelAdapter]:
+    global _builtin_loaded
+    if not _builtin_loaded:
+        _builtin_loaded = True
+        for module in _BUILTIN:
+            importlib.import_module(module)  # registers itself
+    return _ADAPTERS
 
 
 def register_adapter(adapter: ModelAdapter) -> ModelAdapter:
@@ -107,7 +121,8 @@ def register_adapter(adapter: ModelAdapter) -> ModelAdapter:
     if not isinstance(adapter, ModelAdapter) or adapter.name == _PLAIN.name:
         raise UsageError(f"a model adapter subclasses core.adapter.ModelAdapter and has a name of its own, "
                          f"got {adapter!r}")
-    if adapter.name in _ADAPTERS and _ADAPTERS[adapter.name] is not adapter:
+    registered = _registered()  # the built-in adapters first, as before
+    if adapter.name in registered and registered[adapter.name] is not adapter:
         raise UsageError(f"a model adapter named {adapter.name!r} is already registered; registered: "
                          f"{', '.join(_ADAPTERS)}")
     _ADAPTERS[adapter.name] = adapter
@@ -116,23 +131,23 @@ def register_adapter(adapter: ModelAdapter) -> ModelAdapter:
 
 def adapters() -> tuple[ModelAdapter, ...]:
     """Every registered adapter, in registration order."""
-    return tuple(_ADAPTERS.values())
+    return tuple(_registered().values())
 
 
 def adapter_for(model: nn.Module) -> ModelAdapter:
     """The registered adapter that claims ``model``, else the plain torch one."""
-    return next((a for a in _ADAPTERS.values() if a.claims(model)), _PLAIN)
+    return next((a for a in _registered().values() if a.claims(model)), _PLAIN)
 
 
 def refuse_unsupported(model: nn.Module, action: str) -> None:
     """Every registered adapter's :meth:`ModelAdapter.refuse` on ``model``."""
-    for adapter in _ADAPTERS.values():
+    for adapter in _registered().values():
         adapter.refuse(model, action)
 
 
 def _first(answer: Callable[[ModelAdapter], T | None]) -> T | None:
     """The first registered adapter's ``answer(adapter)`` that is not None, else None."""
-    return next((found for a in _ADAPTERS.values() if (found := answer(a)) is not None), None)
+    return next((found for a in _registered().values() if (found := answer(a)) is not None), None)
 
 
 def folder_model(folder: Location, *, need: bool = False) -> nn.Module | None:
@@ -152,7 +167,7 @@ def config_model(path: Path) -> nn.Module | None:
 
 def side_file_names() -> tuple[str, ...]:
     """The side files of every registered adapter, each once."""
-    return tuple(dict.fromkeys(n for a in _ADAPTERS.values() for n in a.side_files))
+    return tuple(dict.fromkeys(n for a in _registered().values() for n in a.side_files))
 
 
 __all__ = ["ModelAdapter", "adapter_for", "adapters", "config_model", "folder_model", "folder_quantization",
