@@ -18,14 +18,8 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
-from shardwise.errors import (
-    BackendError,
-    CollectiveError,
-    MeshError,
-    ShardwiseError,
-    UsageError,
-    on_every_rank,
-)
+from shardwise import errors
+from shardwise.errors import BackendError, CollectiveError, MeshError, ShardwiseError, UsageError
 from shardwise.holding import Holding
 
 # Mesh axes, outer to inner: replicas of the whole model, then FSDP shards, then TP.
@@ -283,7 +277,7 @@ class Backend:
         """
         if "ep" in axes and "tp" not in axes:  # an ep mesh always has a tp axis, of size 1 here
             axes = {**axes, "tp": 1}
-        with on_every_rank():  # the same axes and world on every rank
+        with errors.on_every_rank():  # the same axes and world on every rank
             names, shape = mesh_axes(axes, self.world_size, "the world size")
         return self._make_mesh(names, shape)
 
