@@ -13,6 +13,7 @@ tokenizer built here from the ``tokenizers`` library (no download). Every sharde
 from __future__ import annotations
 
 import importlib
+import tempfile
 from pathlib import Path
 
 import torch
@@ -28,7 +29,7 @@ def byte_tokenizer():
     """A byte-level BPE tokenizer without merges (one token per byte) and a chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from tokenizers.pre_tokenizers import ByteLevel
-    from transformers import PreTrainedTokenizerFast
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     alphabet = ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
@@ -39,8 +40,13 @@ def byte_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(specials)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", chat_template=CHAT_TEMPLATE,
-                                   model_max_length=4096)
+    built = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", chat_template=CHAT_TEMPLATE,
+                                    model_max_length=4096)
+    # as a hub folder holds it: written by a tokenizer that was itself loaded (transformers adds
+    # is_local / local_files_only to tokenizer_config.json on the first load)
+    with tempfile.TemporaryDirectory() as tmp:
+        built.save_pretrained(tmp)
+        return AutoTokenizer.from_pretrained(tmp)
 
 
 def _mistral3():
@@ -54,7 +60,7 @@ def _mistral3():
         vision_config={"model_type": "pixtral", "hidden_size": 16, "num_hidden_layers": 1,
                        "num_attention_heads": 4, "intermediate_size": 32, "image_size": 30, "patch_size": 6},
         image_token_index=3, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    return Mistral3ForConditionalGeneration(config)
+    return Mistral3ForConditionalGeneration._from_config(config, dtype=torch.float32)  # as the hub's
 
 
 def _qwen25vl():
@@ -69,7 +75,7 @@ def _qwen25vl():
                        "out_hidden_size": TEXT_HIDDEN},
         vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, vision_start_token_id=3, vision_end_token_id=4,
         vision_token_id=5, image_token_id=6, video_token_id=7)
-    return Qwen2_5_VLForConditionalGeneration(config)
+    return Qwen2_5_VLForConditionalGeneration._from_config(config, dtype=torch.float32)
 
 
 def _flux2_components() -> dict:
