@@ -23,6 +23,11 @@ TOLERANCE = 1e-4
 SHARD_SIZE = "60KB"  # as save_pipeline wrote the source, so the files compare byte for byte
 
 
+def _sharded(model: torch.nn.Module) -> bool:
+    state = get_shard_state(model)
+    return state is not None and any(not s.replicated for s in state.specs.values())
+
+
 def _local_bytes(model: torch.nn.Module) -> tuple[int, int]:
     """(bytes of this rank's local tensors, bytes of the whole model), float32 throughout."""
     local = whole = 0
@@ -90,25 +95,28 @@ def _choices(ckpt: str) -> dict:
     return {"class": type(pipe).__name__, "given": pipe.transformer is transformer,
             "loaded": sorted(pipe.result),
             "dtypes": [str(pipe.text_encoder.dtype), str(pipe.vae.dtype)],
-            "text_encoder_sharded": get_shard_state(pipe.text_encoder) is not None}
+            "sharded": [_sharded(pipe.text_encoder), _sharded(pipe.vae)]}
 
 
 def test_component_choices(tmp_path):
     ckpt = save_pipeline("flux2", tmp_path / "pipe")
     for row in run_ranks(_choices, 2, str(ckpt), timeout=240):
-        assert row == {"class": "Flux2Pipeline", "given": True, "loaded": ["text_encoder"],
-                       "dtypes": ["torch.bfloat16", "torch.float32"], "text_encoder_sharded": True}
+        assert row == {"class": "Flux2Pipeline", "given": True, "loaded": ["text_encoder", "vae"],
+                       "dtypes": ["torch.bfloat16", "torch.float32"], "sharded": [True, False]}
 
 
 def _unshard_text_encoder(ckpt: str) -> list:
     backend = sw.init_backend("gloo")
     pipe = sw.from_pretrained(pipeline_class("flux2"), ckpt, mesh=backend.mesh(tp=2), shard=["transformer"])
-    return [sorted(pipe.result), get_shard_state(pipe.text_encoder) is None]
+    return [_sharded(pipe.transformer), _sharded(pipe.text_encoder), pipe.result["text_encoder"].bytes_read]
 
 
 def test_shard_leaves_the_others_whole(tmp_path):
     ckpt = save_pipeline("flux2", tmp_path / "pipe")
-    assert run_ranks(_unshard_text_encoder, 2, str(ckpt)) == [[["transformer"], True]] * 2
+    whole = sum(f.stat().st_size for f in (ckpt / "text_encoder").glob("*.safetensors"))
+    for transformer, text_encoder, read in run_ranks(_unshard_text_encoder, 2, str(ckpt)):
+        assert (transformer, text_encoder) == (True, False)
+        assert 0.95 * whole < read < whole  # every tensor, without the files' headers
 
 
 def _distributed(ckpt: str, out: str) -> list:
@@ -144,9 +152,11 @@ def _error(ckpt: str, tp: int, **kwargs) -> str:
 
 def test_bad_input_is_one_clear_error_before_any_read(tmp_path):
     ckpt = save_pipeline("flux2", tmp_path / "pipe")
-    # 3 heads do not split 4 heads: the component named, the degrees that fit listed
+    # 3 does not split 4 heads: the component named, the degrees that fit listed
     messages = run_ranks(_error, 3, str(ckpt), 3)
-    assert all("component 'transformer'" in m and "Degrees that fit: [2, 4]" in m for m in messages), messages[0]
+    assert all("component 'text_encoder'" in m and "1, 2, 4, 8" in m for m in messages), messages[0]
+    messages = run_ranks(_error, 3, str(ckpt), 3, shard=["transformer"])
+    assert all("component 'transformer'" in m and "1, 2, 4" in m for m in messages), messages[0]
     index = json.loads((ckpt / "model_index.json").read_text())
     (ckpt / "vae").rename(tmp_path / "vae_aside")
     message = run_ranks(_error, 1, str(ckpt), 1)[0]

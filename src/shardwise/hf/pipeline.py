@@ -31,7 +31,6 @@ from shardwise.io.storage import locate
 from shardwise.mesh import decode_mesh, get_shard_state, world_backend
 
 _INDEX = "model_index.json"
-_DEGREES = range(1, 17)  # the degrees an error lists as fitting
 
 
 def is_pipeline(cls_or_obj: Any) -> bool:
@@ -95,18 +94,6 @@ def _check_dtype(dtype, names: Iterable[str]) -> None:
                          "give a dtype per component name, or 'default' for the rest")
 
 
-def fitting_degrees(model: nn.Module) -> list[int]:
-    """The tp degrees (of 1 to 16) at which ``model``'s own plan splits every tensor."""
-    fits = []
-    for degree in _DEGREES:
-        try:
-            resolve_plan(model, "auto", degree)
-        except ShardingError:
-            continue
-        fits.append(degree)
-    return fits
-
-
 def _classify(name: str, cls: type, folder: Path, degree: int, shard: Iterable[str] | None,
               dtype: torch.dtype | None) -> Component:
     """The :class:`Component` for ``name``; a model's meta build resolves its plan at ``degree``."""
@@ -125,12 +112,9 @@ def _classify(name: str, cls: type, folder: Path, degree: int, shard: Iterable[s
         return Component(name, cls, "whole", folder, dtype)
     try:
         resolve_plan(model, "auto", degree)
-    except ShardingError as e:
-        fits = [d for d in fitting_degrees(model) if d > 1]
-        raise ShardingError(
-            f"component {name!r} ({cls.__name__}) cannot be split {degree} ways by its plan: {e}. "
-            f"Degrees that fit: {fits or 'none above 1'}; pick a mesh of one of those, or load "
-            f"{name!r} whole on every rank: shard=[...] without it") from e
+    except ShardingError as e:  # its message lists the degrees that fit
+        raise ShardingError(f"component {name!r} ({cls.__name__}) cannot be split {degree} ways: {e}; "
+                            f"or load {name!r} whole on every rank: shard=[...] without it") from e
     return Component(name, cls, "shard", folder, dtype)
 
 
@@ -307,5 +291,5 @@ def _swap_in(staging: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-__all__ = ["Component", "fitting_degrees", "is_pipeline", "load_pipeline", "plan_components",
+__all__ = ["Component", "is_pipeline", "load_pipeline", "plan_components",
            "save_pipeline"]
