@@ -22,13 +22,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise.comm import agree, rank as this_rank
+from shardwise.comm import agree
+from shardwise.comm import rank as this_rank
 from shardwise.core.plan import resolve_plan
 from shardwise.errors import CheckpointError, ShardingError, UnsupportedModelError, UsageError
 from shardwise.hf.adapter import HuggingFace, _meta_model
 from shardwise.hf.hub_layout import library_of
 from shardwise.io.storage import locate
-from shardwise.mesh import decode_mesh, get_shard_state, world_backend
+from shardwise.mesh import decode_mesh, world_backend
 
 _INDEX = "model_index.json"
 
@@ -242,7 +243,7 @@ def save_pipeline(pipe: Any, path: str | os.PathLike, *, overwrite: bool = False
     final = target.local_path("a diffusers pipeline")
     backend = world_backend()
     rank = this_rank()
-    error = None
+    error: Exception | None = None
     if final.exists() and not overwrite:
         error = UsageError(f"{final} exists; pass overwrite=True to replace it, or another path")
     elif final.exists() and not (final / _INDEX).is_file():

@@ -190,8 +190,9 @@ def from_pretrained(cls, path: str | os.PathLike, *, mesh, dtype: torch.dtype | 
     if isinstance(cls, type) and is_pipeline(cls):  # every component, the sharded ones through here
         check_mesh(mesh)
         if plan != "auto" or revision is not None or token is not None:
-            raise UsageError("a pipeline takes each component's own plan from a local folder: drop plan=, "
-                             "revision= and token= (or load a component yourself and pass it: transformer=...)")
+            raise UsageError("a pipeline takes each component's own plan from a local folder: drop "
+                             "plan=, revision= and token= (or load a component yourself and pass it: "
+                             "transformer=...)")
         return load_pipeline(cls, path, mesh=mesh, dtype=dtype, dequantize=dequantize,
                              storage_options=storage_options, **load_options)
     library = _library(cls)

@@ -141,9 +141,9 @@ def save(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str
                            filename_prefix=filename_prefix, layout=layout, parallel_write=parallel_write,
                            format=format, async_save=async_save)
     if not isinstance(model, nn.Module) and save_collection(model, path, dict(  # a diffusers pipeline
-            max_shard_size=max_shard_size, filename_prefix=filename_prefix, metadata=metadata, overwrite=overwrite,
-            progress=progress, distributed=distributed, async_save=async_save, format=format, layout=layout,
-            parallel_write=parallel_write, storage_options=storage_options)):
+            max_shard_size=max_shard_size, filename_prefix=filename_prefix, metadata=metadata,
+            overwrite=overwrite, progress=progress, distributed=distributed, async_save=async_save,
+            format=format, layout=layout, parallel_write=parallel_write, storage_options=storage_options)):
         return None
     backend = world_backend()  # the API boundary: the backend of every collective of the save
     target = target_path(locate(path, storage_options))  # and the location, decoded once
