@@ -13,10 +13,14 @@ both methods in the same run, interleaved round by round, page cache warm before
   folder, transformer=transformer)``: the text encoder and the VAE whole on every rank. Patched
   to run on the CPU as benchmarks/peers.py patches it (``PATCH_NOTE`` there).
 
-Per rank: load seconds and peak RSS / peak anonymous memory above the level before the load
-(mmap'd file pages count in RSS, not in anon). The slowest rank's time and the largest rank's
-memory count; the median over ``--repeat`` rounds. Expected per rank: about (transformer + text
-encoder) / tp plus the VAE for shardwise, transformer / tp plus the whole text encoder for diffusers.
+Per rank: the bytes of the tensors it holds (what a GPU would hold: every component's local
+parameters and buffers), load seconds, and peak RSS / peak anonymous memory above the level
+before the load. On the CPU diffusers and transformers leave bfloat16 weights as views of the
+mmap'd files: those pages count in RSS, not in anon, and are shared between the ranks through
+the page cache, so the CPU's RSS understates what the recipe costs on a GPU; "held" does not.
+The slowest rank's time and the largest rank's memory count; the median over ``--repeat``
+rounds. Expected held per rank: (transformer + text encoder) / tp plus the VAE for shardwise,
+transformer / tp plus the whole text encoder and the VAE for diffusers.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from shardwise.testing import spawn
 
 METHODS = ("shardwise", "diffusers")
 MB = 2**20
-FIGURES = ("load_s", "peak_rss", "peak_anon")
+FIGURES = ("load_s", "held", "peak_rss", "peak_anon")
 
 
 def _tokenizer():
@@ -114,14 +118,26 @@ def rank_run(method: str, folder: str, tp: int) -> dict:
                 parallel_config=TensorParallelConfig(tp_degree=tp))
             pipe = Flux2Pipeline.from_pretrained(folder, transformer=transformer, dtype=torch.bfloat16)
         seconds = time.perf_counter() - t0
-    assert pipe.text_encoder is not None
-    return {"rank": dist.get_rank(), "load_s": seconds, **peak.as_dict()}
+    return {"rank": dist.get_rank(), "load_s": seconds, "held": _held_bytes(pipe), **peak.as_dict()}
+
+
+def _held_bytes(pipe) -> int:
+    """Bytes of the tensors this rank holds, every model component: what sits on its device."""
+    total = 0
+    for name in ("transformer", "text_encoder", "vae"):
+        unique = {id(t): t for t in getattr(pipe, name).state_dict(keep_vars=True).values()}
+        for t in unique.values():
+            local = t.to_local() if type(t).__name__ == "DTensor" else t
+            total += local.numel() * local.element_size()
+    return total
 
 
 def _row(tp: int, runs: dict, sizes: dict[str, int]) -> dict:
     med = {m: {k: statistics.median(r[k] for r in runs[(tp, m)]) for k in FIGURES} for m in METHODS}
     sw, df = med["shardwise"], med["diffusers"]
-    return {"tp": tp, "sw_peak_mb": sw["peak_rss"] / MB, "df_peak_mb": df["peak_rss"] / MB,
+    return {"tp": tp, "sw_held_mb": sw["held"] / MB, "df_held_mb": df["held"] / MB,
+            "held_ratio": sw["held"] / df["held"],
+            "sw_peak_mb": sw["peak_rss"] / MB, "df_peak_mb": df["peak_rss"] / MB,
             "peak_ratio": sw["peak_rss"] / df["peak_rss"],
             "sw_anon_mb": sw["peak_anon"] / MB, "df_anon_mb": df["peak_anon"] / MB,
             "expected_sw_mb": ((sizes["transformer"] + sizes["text_encoder"]) / tp + sizes["vae"]) / MB,
@@ -149,8 +165,10 @@ def main() -> None:
                     runs.setdefault((tp, method), []).append({**worst, "ranks": ranks})
                     print(tp, method, worst, flush=True)
     rows = [_row(tp, runs, sizes) for tp in args.degrees]
-    columns = [("tp", "tp", None), ("sw_peak_mb", "shardwise peak RSS/rank MB", ".0f"),
-               ("df_peak_mb", "diffusers recipe peak RSS/rank MB", ".0f"), ("peak_ratio", "RSS ratio", ".2f"),
+    columns = [("tp", "tp", None), ("sw_held_mb", "shardwise held/rank MB", ".0f"),
+               ("df_held_mb", "diffusers recipe held/rank MB", ".0f"), ("held_ratio", "held ratio", ".2f"),
+               ("sw_peak_mb", "shardwise peak RSS MB", ".0f"),
+               ("df_peak_mb", "diffusers peak RSS MB", ".0f"), ("peak_ratio", "RSS ratio", ".2f"),
                ("sw_anon_mb", "shardwise anon MB", ".0f"), ("df_anon_mb", "diffusers anon MB", ".0f"),
                ("expected_sw_mb", "(T+E)/tp+VAE MB", ".0f"), ("expected_df_mb", "T/tp+E+VAE MB", ".0f"),
                ("sw_load_s", "shardwise load s", ".2f"), ("df_load_s", "diffusers load s", ".2f"),
@@ -162,7 +180,9 @@ def main() -> None:
              f"VAE {sizes['vae'] / MB:.1f} MB) on gloo ranks of this machine. shardwise: "
              "`sw.from_pretrained(Flux2Pipeline, folder, mesh=mesh)`; diffusers recipe: the transformer with "
              "`parallel_config=TensorParallelConfig(tp_degree=N)` (patched for the CPU as in peers.py), the "
-             "text encoder whole on every rank. Peak memory above the level before the load, the largest "
+             "text encoder whole on every rank. Held: the bytes of the tensors a rank holds (what a GPU "
+             "would hold); RSS counts the recipe's mmap'd weights as file pages shared through the page "
+             "cache, anon excludes them. Peak memory above the level before the load, the largest "
              "rank; load time of the slowest rank; medians over the rounds; ratios: shardwise / diffusers.")
     print(write_results("pipeline", rows, columns, notes, extra={"sizes": sizes, "runs": {
         f"{tp}-{m}": v for (tp, m), v in runs.items()}}))
