@@ -60,7 +60,7 @@ def test_image_equals_one_process_and_save_is_byte_equal(tmp_path, family, tp):
     ckpt = save_pipeline(family, tmp_path / "pipe", max_shard_size=SHARD_SIZE)
     reference = generate(build_pipeline(family), family)
     out = tmp_path / "out"
-    rows = run_ranks(_run, tp, family, str(ckpt), str(out) if tp == 2 else None, timeout=300)
+    rows = run_ranks(_run, tp, family, str(ckpt), str(out) if tp == 2 else None, timeout=600)
     for rank, row in enumerate(rows):
         diff = (torch.tensor(row["image"]) - reference).abs().max().item()
         assert diff <= TOLERANCE, (family, tp, rank, diff)
@@ -100,7 +100,7 @@ def _choices(ckpt: str) -> dict:
 
 def test_component_choices(tmp_path):
     ckpt = save_pipeline("flux2", tmp_path / "pipe")
-    for row in run_ranks(_choices, 2, str(ckpt), timeout=240):
+    for row in run_ranks(_choices, 2, str(ckpt), timeout=600):
         assert row == {"class": "Flux2Pipeline", "given": True, "loaded": ["text_encoder", "vae"],
                        "dtypes": ["torch.bfloat16", "torch.float32"], "sharded": [True, False]}
 
@@ -114,7 +114,7 @@ def _unshard_text_encoder(ckpt: str) -> list:
 def test_shard_leaves_the_others_whole(tmp_path):
     ckpt = save_pipeline("flux2", tmp_path / "pipe")
     whole = sum(f.stat().st_size for f in (ckpt / "text_encoder").glob("*.safetensors"))
-    for transformer, text_encoder, read in run_ranks(_unshard_text_encoder, 2, str(ckpt)):
+    for transformer, text_encoder, read in run_ranks(_unshard_text_encoder, 2, str(ckpt), timeout=600):
         assert (transformer, text_encoder) == (True, False)
         assert 0.95 * whole < read < whole  # every tensor, without the files' headers
 
@@ -135,9 +135,9 @@ def _reload(out: str) -> list:
 def test_distributed_save_reloads_at_another_degree(tmp_path):
     ckpt = save_pipeline("flux2", tmp_path / "pipe")
     out = tmp_path / "dcp"
-    first = run_ranks(_distributed, 2, str(ckpt), str(out), timeout=240)[0]
+    first = run_ranks(_distributed, 2, str(ckpt), str(out), timeout=600)[0]
     assert json.loads((out / "model_index.json").read_text())["_class_name"] == "Flux2Pipeline"
-    for image in run_ranks(_reload, 4, str(out), timeout=240):
+    for image in run_ranks(_reload, 4, str(out), timeout=600):
         assert (torch.tensor(image) - torch.tensor(first)).abs().max().item() <= TOLERANCE
 
 
@@ -150,24 +150,36 @@ def _error(ckpt: str, tp: int, **kwargs) -> str:
     return "no error"
 
 
+def _plan_error(ckpt, **kwargs) -> str:
+    """The error of checking a pipeline folder (what sw.from_pretrained does first), one process."""
+    from shardwise.hf.pipeline import plan_components
+
+    options = {"degree": 1, "given": {}, "shard": None, "dtype": None, **kwargs}
+    try:
+        plan_components(pipeline_class("flux2"), ckpt, **options)
+    except (CheckpointError, ShardingError, UnsupportedModelError, UsageError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
 def test_bad_input_is_one_clear_error_before_any_read(tmp_path):
     ckpt = save_pipeline("flux2", tmp_path / "pipe")
-    # 3 does not split 4 heads: the component named, the degrees that fit listed
-    messages = run_ranks(_error, 3, str(ckpt), 3)
+    # on the ranks: 3 does not split 4 heads; the component named, the degrees that fit listed
+    messages = run_ranks(_error, 3, str(ckpt), 3, timeout=300)
     assert all("component 'text_encoder'" in m and "1, 2, 4, 8" in m for m in messages), messages[0]
-    messages = run_ranks(_error, 3, str(ckpt), 3, shard=["transformer"])
-    assert all("component 'transformer'" in m and "1, 2, 4" in m for m in messages), messages[0]
+    message = _plan_error(ckpt, degree=3, shard=["transformer"])
+    assert "component 'transformer'" in message and "1, 2, 4" in message, message
     index = json.loads((ckpt / "model_index.json").read_text())
     (ckpt / "vae").rename(tmp_path / "vae_aside")
-    message = run_ranks(_error, 1, str(ckpt), 1)[0]
+    message = _plan_error(ckpt)
     assert "no folder 'vae'" in message and message.startswith("CheckpointError"), message
     (tmp_path / "vae_aside").rename(ckpt / "vae")
     (ckpt / "model_index.json").write_text(json.dumps({**index, "vae": ["diffusers", "NoSuchAutoencoder"]}))
-    message = run_ranks(_error, 1, str(ckpt), 1)[0]
+    message = _plan_error(ckpt)
     assert "diffusers cannot build" in message and "NoSuchAutoencoder" in message, message
     (ckpt / "model_index.json").write_text(json.dumps({k: v for k, v in index.items() if k != "vae"}))
-    message = run_ranks(_error, 1, str(ckpt), 1)[0]
-    assert "lists no ['vae']" in message, message
+    assert "lists no ['vae']" in _plan_error(ckpt)
     (ckpt / "model_index.json").write_text(json.dumps(index))
-    assert "shard= names ['unet']" in run_ranks(_error, 1, str(ckpt), 1, shard=["unet"])[0]
-    assert "has no TP plan" in run_ranks(_error, 1, str(ckpt), 1, shard=["vae"])[0]
+    assert "shard= names ['unet']" in _plan_error(ckpt, shard=["unet"])
+    assert "has no TP plan" in _plan_error(ckpt, shard=["vae"])
+    assert _plan_error(ckpt) == "no error"
