@@ -100,10 +100,6 @@ def test_errors_name_the_cause_and_the_fix(tmp_path):
     assert "no such folder" in run_ranks(_bad_path, 1, "llama", str(tmp_path / "absent"))[0]
     (tmp_path / "empty").mkdir()
     assert "no config.json" in run_ranks(_bad_path, 1, "llama", str(tmp_path / "empty"))[0]
-    from diffusers import DiffusionPipeline
-
-    with pytest.raises(UnsupportedModelError, match="pipeline"):
-        sw.from_pretrained(DiffusionPipeline, tmp_path, mesh=None)
     with pytest.raises(UnsupportedModelError, match="sw.empty_model"):
         sw.from_pretrained(torch.nn.Linear, tmp_path, mesh=None)
     with pytest.raises(TypeError, match="model class"):

@@ -98,6 +98,12 @@ class ModelAdapter:
         folder ``path``; None without one or if not this library's, else ``CheckpointError``."""
         return None
 
+    def save_collection(self, obj: object, path, options: dict) -> bool:
+        """Save ``obj``, a collection of models that is not one module (a diffusers pipeline),
+        to ``path`` with ``sw.save``'s ``options``; False when ``obj`` is not this library's.
+        Collective, like ``sw.save``."""
+        return False
+
 
 _PLAIN = ModelAdapter()
 _ADAPTERS: dict[str, ModelAdapter] = {}
@@ -165,10 +171,15 @@ def config_model(path: Path) -> nn.Module | None:
     return _first(lambda a: a.model_from_config(Path(path)))
 
 
+def save_collection(obj: object, path, options: dict) -> bool:
+    """Whether an adapter saved ``obj`` (not a module: a pipeline of models) as a collection."""
+    return _first(lambda a: a.save_collection(obj, path, options) or None) is not None
+
+
 def side_file_names() -> tuple[str, ...]:
     """The side files of every registered adapter, each once."""
     return tuple(dict.fromkeys(n for a in _registered().values() for n in a.side_files))
 
 
 __all__ = ["ModelAdapter", "adapter_for", "adapters", "config_model", "folder_model", "folder_quantization",
-           "refuse_unsupported", "register_adapter", "side_file_names"]
+           "refuse_unsupported", "register_adapter", "save_collection", "side_file_names"]

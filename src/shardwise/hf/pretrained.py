@@ -16,6 +16,7 @@ from torch import nn
 from shardwise.errors import CheckpointError, UnsupportedModelError, UsageError
 from shardwise.hf.adapter import build_model, config_folder
 from shardwise.hf.hub_layout import library_of
+from shardwise.hf.pipeline import is_pipeline, load_pipeline
 from shardwise.io.guards import check_mesh, quant_scheme
 from shardwise.io.load import load
 from shardwise.io.storage import Location, locate, split_scheme
@@ -72,12 +73,6 @@ def _library(cls) -> str:
         return library
     if cls.__module__.startswith("transformers.models.auto") and hasattr(cls, "from_config"):
         return "transformers"
-    if any((c.__module__.split(".")[0], c.__name__) == ("diffusers", "DiffusionPipeline")
-           for c in cls.__mro__):
-        raise UnsupportedModelError(
-            f"{cls.__name__} is a diffusers pipeline; sw.from_pretrained loads one model: pass its "
-            "class and folder, e.g. sw.from_pretrained(FluxTransformer2DModel, 'ckpt/transformer', "
-            "mesh=mesh), then build the pipeline around it")
     raise UnsupportedModelError(
         f"{cls.__name__} is neither a transformers model class (PreTrainedModel or an Auto class) "
         "nor a diffusers ModelMixin; build the model inside `with sw.empty_model():` and call "
@@ -192,6 +187,14 @@ def from_pretrained(cls, path: str | os.PathLike, *, mesh, dtype: torch.dtype | 
     >>> model.result                                                                 # doctest: +SKIP
     LoadResult(tensors=291, bytes_read=4021813248, seconds=1.912, missing=0, unexpected=0)
     """
+    if isinstance(cls, type) and is_pipeline(cls):  # every component, the sharded ones through here
+        check_mesh(mesh)
+        if plan != "auto" or revision is not None or token is not None:
+            raise UsageError("a pipeline takes each component's own plan from a local folder: drop "
+                             "plan=, revision= and token= (or load a component yourself and pass it: "
+                             "transformer=...)")
+        return load_pipeline(cls, path, mesh=mesh, dtype=dtype, dequantize=dequantize,
+                             storage_options=storage_options, **load_options)
     library = _library(cls)
     check_mesh(mesh)  # before anything is read or built
     if is_repo_id(path):

@@ -16,7 +16,7 @@ from torch import nn
 from shardwise._progress import Progress
 from shardwise.backends import Backend
 from shardwise.comm import fingerprint
-from shardwise.core.adapter import adapter_for
+from shardwise.core.adapter import adapter_for, save_collection
 from shardwise.errors import CheckpointError, CollectiveError, UsageError, on_every_rank
 from shardwise.io.check.against import LAYOUTS, compare, expectations
 from shardwise.io.formats import get_format, save_format
@@ -141,6 +141,12 @@ def save(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str
         options = save_options(distributed=distributed, max_shard_size=max_shard_size,
                                filename_prefix=filename_prefix, layout=layout, parallel_write=parallel_write,
                                format=format, async_save=async_save)
+    if not isinstance(model, nn.Module) and save_collection(model, path, dict(  # a diffusers pipeline
+            max_shard_size=max_shard_size, filename_prefix=filename_prefix, metadata=metadata,
+            overwrite=overwrite, progress=progress, distributed=distributed, async_save=async_save,
+            format=format, layout=layout, parallel_write=parallel_write, storage_options=storage_options)):
+        return None
+    with on_every_rank():
         backend = world_backend()  # the API boundary: the backend of every collective of the save
         target = target_path(locate(path, storage_options))  # and the location, decoded once
         check_model(model, action="save")

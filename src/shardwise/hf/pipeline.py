@@ -1,0 +1,296 @@
+"""A whole diffusers pipeline on one mesh: ``sw.from_pretrained(Flux2Pipeline, "pipe/", mesh=mesh)``
+and ``sw.save(pipe, "out/")``.
+
+Every model component with a TP plan (diffusers' ``_tp_plan``, transformers' ``base_model_tp_plan``)
+streams sharded through ``sw.from_pretrained``; the other models load whole on each rank's device
+with their library's ``from_pretrained``; schedulers, tokenizers and processors load as diffusers
+loads them. Every component is checked (its folder, its class, its plan at the mesh's degree)
+before any weight is read. Imported on first use, from ``hf.pretrained`` and ``io.save``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardwise.comm import agree
+from shardwise.comm import rank as this_rank
+from shardwise.core.plan import resolve_plan
+from shardwise.errors import CheckpointError, ShardingError, UnsupportedModelError, UsageError
+from shardwise.hf.adapter import HuggingFace, _meta_model
+from shardwise.hf.hub_layout import library_of
+from shardwise.io.storage import locate
+from shardwise.mesh import decode_mesh, world_backend
+
+_INDEX = "model_index.json"
+
+
+def is_pipeline(cls_or_obj: Any) -> bool:
+    """Whether ``cls_or_obj`` (a class or an instance) is a diffusers ``DiffusionPipeline``;
+    diffusers is not imported."""
+    cls = cls_or_obj if isinstance(cls_or_obj, type) else type(cls_or_obj)
+    return any((c.__module__.split(".")[0], c.__name__) == ("diffusers", "DiffusionPipeline")
+               for c in cls.__mro__)
+
+
+@dataclass(frozen=True)
+class Component:
+    """One entry of ``model_index.json`` as this load treats it: ``how`` is ``"shard"`` (a model
+    streamed with its TP plan), ``"whole"`` (a model loaded whole on each rank) or ``"plain"``
+    (a scheduler, tokenizer or processor)."""
+
+    name: str
+    cls: type
+    how: str
+    folder: Path
+    dtype: torch.dtype | None
+
+
+def _component_class(name: str, entry: Any, index: Path) -> type | None:
+    """The class ``model_index.json`` names for component ``name``; None for a component saved
+    as absent (``[null, null]``); ``UnsupportedModelError`` for one diffusers cannot build."""
+    if not (isinstance(entry, list) and len(entry) == 2):
+        raise CheckpointError(f"{index}: the entry of {name!r} is {entry!r}, not [library, class name]")
+    library, class_name = entry
+    if library is None or class_name is None:
+        return None
+    try:
+        module = importlib.import_module(library)
+    except ImportError as e:
+        raise UnsupportedModelError(
+            f"{index}: component {name!r} is a {library}.{class_name}, and {library!r} cannot be "
+            f"imported ({e}); install it, or pass the component built yourself: {name}=...") from e
+    cls = getattr(module, class_name, None)
+    if not isinstance(cls, type) or not hasattr(cls, "from_pretrained"):
+        raise UnsupportedModelError(
+            f"{index}: component {name!r} names {library}.{class_name}, which diffusers cannot build "
+            f"(no such class with from_pretrained in {library} {getattr(module, '__version__', '')}); "
+            f"upgrade {library}, or pass the component built yourself: {name}=...")
+    return cls
+
+
+def _dtype_of(dtype: torch.dtype | Mapping[str, torch.dtype] | None, name: str) -> torch.dtype | None:
+    if isinstance(dtype, Mapping):  # as diffusers' torch_dtype: per component, "default" for the rest
+        return dtype.get(name, dtype.get("default"))
+    return dtype
+
+
+def _check_dtype(dtype, names: Iterable[str]) -> None:
+    values = dict(dtype) if isinstance(dtype, Mapping) else {"dtype": dtype}
+    for key, value in values.items():
+        if value is not None and not isinstance(value, torch.dtype):
+            raise TypeError(f"dtype[{key!r}] must be a torch.dtype or None, got {value!r}")
+    unknown = sorted(set(values) - {"dtype", "default", *names}) if isinstance(dtype, Mapping) else []
+    if unknown:
+        raise UsageError(f"dtype names {unknown}, not components of this pipeline ({sorted(names)}); "
+                         "give a dtype per component name, or 'default' for the rest")
+
+
+def _classify(name: str, cls: type, folder: Path, degree: int, shard: Iterable[str] | None,
+              dtype: torch.dtype | None) -> Component:
+    """The :class:`Component` for ``name``; a model's meta build resolves its plan at ``degree``."""
+    if library_of(cls) is None:
+        return Component(name, cls, "plain", folder, dtype)
+    if not (folder / "config.json").is_file():
+        raise CheckpointError(f"{folder}: no config.json for the component {name!r} "
+                              f"({cls.__name__}); the pipeline folder is incomplete")
+    model = _meta_model(cls, folder, folder / "config.json")
+    has_plan = bool(HuggingFace().shipped_plan(model, "tp"))
+    if shard is not None and name in shard and not has_plan:
+        raise UsageError(f"shard= names {name!r}, but {cls.__name__} has no TP plan (no _tp_plan, no "
+                         "base_model_tp_plan); drop it from shard=, or load it yourself with "
+                         f"sw.from_pretrained(..., plan={{...}}) and pass {name}=...")
+    if not has_plan or (shard is not None and name not in shard):
+        return Component(name, cls, "whole", folder, dtype)
+    try:
+        resolve_plan(model, "auto", degree)
+    except ShardingError as e:  # its message lists the degrees that fit
+        raise ShardingError(f"component {name!r} ({cls.__name__}) cannot be split {degree} ways: {e}; "
+                            f"or load {name!r} whole on every rank: shard=[...] without it") from e
+    return Component(name, cls, "shard", folder, dtype)
+
+
+def plan_components(cls: type, folder: Path, *, degree: int, given: Mapping[str, Any],
+                    shard: Iterable[str] | None, dtype) -> list[Component]:
+    """What ``from_pretrained`` will do with each component of ``folder``, every check done: the
+    index, each component's folder and class, each sharded plan at ``degree``. Reads configs only."""
+    index = folder / _INDEX
+    if not index.is_file():
+        raise CheckpointError(f"{folder}: no {_INDEX}; sw.from_pretrained({cls.__name__}, ...) reads a "
+                              "pipeline folder as DiffusionPipeline.save_pretrained writes it")
+    try:
+        entries = json.loads(index.read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{index}: not JSON ({e})") from e
+    expected, optional = cls._get_signature_keys(cls)  # type: ignore[attr-defined]  # diffusers' own
+    names = [k for k in entries if not k.startswith("_") and (k in expected or k in optional)]
+    unknown = sorted(set(given) - set(expected) - set(optional))
+    if unknown:
+        raise UsageError(f"{cls.__name__} takes no component {unknown}; its components: {sorted(expected)}")
+    if shard is not None:
+        shard = set([shard] if isinstance(shard, str) else shard)
+        stray = sorted(shard - set(names))
+        if stray:
+            raise UsageError(f"shard= names {stray}, not components of {folder} ({sorted(names)})")
+    _check_dtype(dtype, names)
+    missing = sorted(set(expected) - set(names) - set(given))
+    if missing:
+        raise CheckpointError(f"{index} lists no {missing}, which {cls.__name__} needs; pass them "
+                              f"built yourself ({missing[0]}=...) or use the folder save_pretrained wrote")
+    out = []
+    for name in names:
+        if name in given:
+            continue
+        component_cls = _component_class(name, entries[name], index)
+        if component_cls is None:
+            continue
+        sub = folder / name
+        if not sub.is_dir():
+            raise CheckpointError(f"{folder}: no folder {name!r}, which {_INDEX} lists as "
+                                  f"{'.'.join(entries[name])}; the pipeline folder is incomplete "
+                                  f"(copy it whole), or pass {name}=... built yourself")
+        out.append(_classify(name, component_cls, sub, degree, shard, _dtype_of(dtype, name)))
+    return out
+
+
+def _load_one(c: Component, mesh, load_options: dict) -> Any:
+    if c.how == "plain":
+        return c.cls.from_pretrained(c.folder)  # type: ignore[attr-defined]
+    from shardwise.hf.pretrained import from_pretrained
+
+    # A model without a plan is read whole by every rank onto its device (an empty plan), through
+    # the same door as the sharded ones: the same config handling, and sw.save writes it back.
+    plan = "auto" if c.how == "shard" else {}
+    return from_pretrained(c.cls, c.folder, mesh=mesh, dtype=c.dtype, plan=plan, **load_options)
+
+
+def load_pipeline(cls: type, path: str | os.PathLike, *, mesh, dtype=None, shard: Iterable[str] | None = None,
+                  storage_options: dict | None = None, **kwargs) -> Any:
+    """``cls`` (a diffusers pipeline class) from the pipeline folder ``path``: the sharded
+    components through ``sw.from_pretrained``, the rest whole on this rank's device. ``kwargs``:
+    components built already (``transformer=model``) and ``sw.load`` options. Collective."""
+    where = locate(path, storage_options)
+    if where.scheme is not None:
+        raise UsageError(f"{where}: a pipeline loads from a local folder for now; download it "
+                         "(huggingface_hub.snapshot_download) and pass the folder")
+    folder = where.local_path("a diffusers pipeline")
+    if cls.__name__ == "DiffusionPipeline":  # the auto class: the one model_index.json names
+        cls = _named_pipeline(folder)
+    expected, optional = cls._get_signature_keys(cls)  # type: ignore[attr-defined]
+    given = {k: v for k, v in kwargs.items() if k in expected or k in optional}
+    load_options = {k: v for k, v in kwargs.items() if k not in given}
+    dims = decode_mesh(mesh)
+    error, components = None, []
+    try:
+        components = plan_components(cls, folder, degree=dims.degree, given=given, shard=shard, dtype=dtype)
+    except Exception as e:  # every rank raises, before any rank reads a weight
+        error = e
+    agree(dims.comm_backend, error, what=f"checking the pipeline at {folder}")
+    built = dict(given)
+    results = {}
+    for c in components:
+        built[c.name] = _load_one(c, mesh, load_options)
+        if c.how != "plain":
+            results[c.name] = built[c.name].result
+    for name in expected:
+        built.setdefault(name, None)
+    pipe = cls(**built)
+    pipe.__dict__["result"] = results  # the LoadResult of each model component
+    return pipe
+
+
+def _named_pipeline(folder: Path) -> type:
+    import diffusers
+
+    try:
+        name = json.loads((folder / _INDEX).read_text()).get("_class_name")
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{folder}: no readable {_INDEX} ({e}); pass a pipeline folder as "
+                              "DiffusionPipeline.save_pretrained writes it") from e
+    cls = getattr(diffusers, str(name), None)
+    if not (isinstance(cls, type) and is_pipeline(cls)):
+        raise UnsupportedModelError(f"{folder / _INDEX}: _class_name {name!r} is not a pipeline class of "
+                                    f"diffusers {diffusers.__version__}; pass the pipeline class yourself")
+    return cls
+
+
+# ---- save ---------------------------------------------------------------------------------------
+
+def save_pipeline(pipe: Any, path: str | os.PathLike, *, overwrite: bool = False, **save_kwargs) -> None:
+    """``pipe``'s folder at ``path`` as ``DiffusionPipeline.save_pretrained`` writes it: the
+    models through ``sw.save`` (sharded ones gathered, or ``distributed=True``), the others'
+    ``save_pretrained`` on rank 0, ``model_index.json``. Complete or absent: written beside
+    ``path`` and renamed into place. Collective."""
+    from shardwise.io.save import save
+
+    if save_kwargs.get("async_save"):
+        raise UsageError("async_save=True saves one model; a pipeline saves its components one after "
+                         "another: drop async_save")
+    save_kwargs.pop("async_save", None)
+    target = locate(path, save_kwargs.pop("storage_options", None))
+    if target.scheme is not None:
+        raise UsageError(f"{target}: a pipeline saves to a local folder for now; save it there and "
+                         "upload the folder")
+    final = target.local_path("a diffusers pipeline")
+    backend = world_backend()
+    rank = this_rank()
+    error: Exception | None = None
+    if final.exists() and not overwrite:
+        error = UsageError(f"{final} exists; pass overwrite=True to replace it, or another path")
+    elif final.exists() and not (final / _INDEX).is_file():
+        error = UsageError(f"{final} exists and holds no {_INDEX}; overwrite=True replaces only a "
+                           "pipeline folder: remove it yourself or pick another path")
+    agree(backend, error, what=f"saving a pipeline to {final}")
+    staging = final.with_name(f".{final.name}.shardwise-staging")
+    if rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    agree(backend, None, what="making the pipeline's staging folder")
+    try:
+        for name in _component_names(pipe):
+            component = getattr(pipe, name)
+            if isinstance(component, nn.Module) and library_of(component) is not None:
+                save(component, staging / name, **save_kwargs)
+            elif component is not None and rank == 0:
+                component.save_pretrained(staging / name)
+        if rank == 0:
+            pipe.save_config(staging)  # model_index.json
+        error = None
+    except Exception as e:
+        error = e
+    agree(backend, error, what=f"saving a pipeline to {final}")
+    error = None
+    if rank == 0:
+        try:
+            _swap_in(staging, final)
+        except OSError as e:
+            error = e
+    agree(backend, error, what=f"renaming the pipeline into place at {final}")
+
+
+def _component_names(pipe: Any) -> list[str]:
+    return sorted(k for k in pipe.config if not k.startswith("_"))
+
+
+def _swap_in(staging: Path, final: Path) -> None:
+    old = None
+    if final.exists():
+        old = final.with_name(f".{final.name}.shardwise-old")
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+    staging.rename(final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+__all__ = ["Component", "is_pipeline", "load_pipeline", "plan_components",
+           "save_pipeline"]
