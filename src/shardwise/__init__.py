@@ -22,6 +22,8 @@ from shardwise.hf import adapter as _hf_adapter  # noqa: F401 - registers the Hu
 from shardwise.parallel import clip_grad_norm_, parallelize
 
 if TYPE_CHECKING:  # what type checkers see for the names below, which load on first use
+    from shardwise.adapters import load_adapter as load_adapter
+    from shardwise.adapters import save_adapter as save_adapter
     from shardwise.hf.pretrained import empty_model as empty_model
     from shardwise.hf.pretrained import from_pretrained as from_pretrained
     from shardwise.io.check import inspect_checkpoint as inspect
@@ -49,6 +51,8 @@ _LAZY = {
     "empty_model": ("shardwise.hf.pretrained", "empty_model"),
     "validate": ("shardwise.validate", "validate"),
     "transfer_plan": ("shardwise.transfer", "transfer_plan"),
+    "load_adapter": ("shardwise.adapters", "load_adapter"),
+    "save_adapter": ("shardwise.adapters", "save_adapter"),
 }
 
 
@@ -76,6 +80,8 @@ __all__ = [
     "empty_model", "inspect", "verify", "diff", "validate",
     # weights between two layouts in memory
     "transfer_plan",
+    # LoRA adapters on a sharded model
+    "load_adapter", "save_adapter",
     # errors (every one is in shardwise.errors)
     "ShardwiseError", "CheckpointError", "CollectiveError", "PlanError", "UsageError",
 ]

@@ -11,6 +11,7 @@ AdapterResult(adapter='style', tensors=28, bytes_read=57344)
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Iterator
@@ -208,6 +209,8 @@ def _write(where, config, tensors: dict[str, torch.Tensor]) -> None:
 
     import safetensors.torch
 
+    if where.scheme is None:  # a local folder; an object store has none to make
+        os.makedirs(where.path, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:  # PEFT's own config writer, then to the storage
         config.save_pretrained(tmp)
         text = open(os.path.join(tmp, CONFIG_FILE), "rb").read()
@@ -235,4 +238,15 @@ def base_view(model: nn.Module) -> Iterator[None]:
             parent._modules[key] = child
 
 
-__all__ = ["AdapterResult", "attached", "base_view", "load_adapter", "save_adapter"]
+def saves_base(save):
+    """``save`` (``sw.save``) run under :func:`base_view`: a model with adapters saves its base."""
+
+    @functools.wraps(save)
+    def wrapper(model: nn.Module, *args, **kwargs):
+        with base_view(model):
+            return save(model, *args, **kwargs)
+
+    return wrapper
+
+
+__all__ = ["AdapterResult", "attached", "base_view", "load_adapter", "save_adapter", "saves_base"]

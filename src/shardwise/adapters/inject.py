@@ -105,6 +105,11 @@ def inject(model: nn.Module, config, name: str, state: ShardState) -> tuple[list
         for base, weight in swapped:
             base._parameters["weight"] = weight
     model.peft_config = {**(had_config or {}), name: config}
+    if layers_before:  # as PeftModel.load_adapter: a second adapter is loaded, not activated
+        active = next(iter(layers_before.values()))
+        for m in model.modules():
+            if isinstance(m, LoraLayer):
+                m.set_adapter(active)
     try:
         return _tensors(model, name, state), undo
     except Exception:
