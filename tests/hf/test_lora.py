@@ -118,7 +118,7 @@ def _refuse(kind: str, folder: str) -> dict:
     shape = ([type(m).__name__ for m in model.modules()], [n for n, _ in model.named_parameters()])
     first = logits(model)
     errors = {}
-    for bad in ("missing_module", "wrong_rank", "dora", "same_name"):
+    for bad in ("missing_module", "fewer_modules", "wrong_rank", "dora", "same_name"):
         try:
             sw.load_adapter(model, f"{folder}/{bad}", adapter_name="a" if bad == "same_name" else "bad")
         except (CheckpointError, sw.UsageError) as e:
@@ -131,14 +131,16 @@ def _refuse(kind: str, folder: str) -> dict:
 
 def test_bad_adapters_are_refused_and_leave_the_model_as_it_was(tmp_path):
     make("llama", tmp_path)
-    for bad, change in (("missing_module", {"target_modules": ["q_proj", "no_such_proj"]}),
+    for bad, change in (("missing_module", {"target_modules": ["no_such_proj"]}),
+                        ("fewer_modules", {"target_modules": ["q_proj"]}),
                         ("wrong_rank", {"r": 5}), ("dora", {"use_dora": True}), ("same_name", {})):
         shutil.copytree(tmp_path / "a", tmp_path / bad)
         config = json.loads((tmp_path / bad / "adapter_config.json").read_text())
         (tmp_path / bad / "adapter_config.json").write_text(json.dumps({**config, **change}))
     errors = run_ranks(_refuse, 2, "llama", str(tmp_path), timeout=240)[0]
     assert "no_such_proj" in errors["missing_module"]
-    assert "shape" in errors["wrong_rank"] and "(5, 64)" in errors["wrong_rank"]
+    assert "unexpected ['base_model.model.lm_head.lora_A.weight'" in errors["fewer_modules"]
+    assert "has shape (4, " in errors["wrong_rank"] and "needs (5, " in errors["wrong_rank"]
     assert "DoRA" in errors["dora"]
     assert "attached already" in errors["same_name"]
 

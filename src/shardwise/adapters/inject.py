@@ -69,6 +69,7 @@ def inject(model: nn.Module, config, name: str, state: ShardState) -> tuple[list
     children = [(parent, key, child) for parent in model.modules() for key, child in parent._modules.items()]
     layers_before = {id(m): m._active_adapter for m in model.modules() if isinstance(m, LoraLayer)}
     had_config = model.__dict__.get("peft_config", None)
+    had_config = None if had_config is None else dict(had_config)  # PEFT adds to the model's dict in place
 
     def undo() -> None:
         for m in model.modules():
