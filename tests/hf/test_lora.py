@@ -68,7 +68,7 @@ def _attach(kind: str, folder: str, holding: str | None) -> dict:
 
 
 def _expected_slices(path: str, tp: int) -> int:
-    """Bytes of the adapter at ``path`` a rank holds: its slice of each split LoRA tensor, the others whole."""
+    """Bytes of the adapter at ``path`` a rank holds: its slice of each split LoRA tensor, others whole."""
     total = 0
     with safe_open(path, "pt") as f:
         for key in f.keys():
@@ -115,7 +115,10 @@ def _refuse(kind: str, folder: str) -> dict:
     backend = sw.init_backend("gloo")
     model = sw.from_pretrained(model_class(kind), f"{folder}/ckpt", mesh=backend.mesh(tp=backend.world_size))
     sw.load_adapter(model, f"{folder}/a", adapter_name="a")
-    shape = ([type(m).__name__ for m in model.modules()], [n for n, _ in model.named_parameters()])
+    def structure():
+        return [type(m).__name__ for m in model.modules()], [n for n, _ in model.named_parameters()]
+
+    shape = structure()
     first = logits(model)
     errors = {}
     for bad in ("missing_module", "fewer_modules", "wrong_rank", "dora", "same_name"):
@@ -123,7 +126,7 @@ def _refuse(kind: str, folder: str) -> dict:
             sw.load_adapter(model, f"{folder}/{bad}", adapter_name="a" if bad == "same_name" else "bad")
         except (CheckpointError, sw.UsageError) as e:
             errors[bad] = str(e)
-        assert ([type(m).__name__ for m in model.modules()], [n for n, _ in model.named_parameters()]) == shape
+        assert structure() == shape
         assert sorted(model.peft_config) == ["a"]
         assert torch.equal(logits(model), first), bad
     return errors

@@ -65,13 +65,14 @@ def _config(location) -> Any:
     if data.get("peft_type") != "LORA":
         raise CheckpointError(f"{where}: peft_type {data.get('peft_type')!r} is not supported; only LORA "
                               "adapters load (convert others with PEFT first)")
-    unsupported = {"use_dora": "DoRA", "lora_bias": "LoRA biases", "target_parameters": "parameter targets "
-                   "(expert tensors)", "modules_to_save": "modules_to_save (whole trained copies)",
+    unsupported = {"use_dora": "DoRA", "lora_bias": "LoRA biases",
+                   "target_parameters": "parameter targets (expert tensors)",
+                   "modules_to_save": "modules_to_save (whole trained copies)",
                    "trainable_token_indices": "trainable tokens", "fan_in_fan_out": "fan_in_fan_out (Conv1D)"}
     for field, what in unsupported.items():
         if data.get(field):
-            raise CheckpointError(f"{where}: {what} ({field}={data[field]!r}) is not supported yet on a sharded "
-                                  "model; merge it on one process, or train the adapter without it")
+            raise CheckpointError(f"{where}: {what} ({field}={data[field]!r}) is not supported yet on a "
+                                  "sharded model; merge it on one process, or train the adapter without it")
     return LoraConfig.from_peft_type(**data)
 
 
@@ -142,7 +143,7 @@ def load_adapter(model: nn.Module, path: str | os.PathLike, *, adapter_name: str
         raise
     model.__dict__.setdefault(_ATTACHED, {})[adapter_name] = (config, tensors)
     if hasattr(model, "_hf_peft_config_loaded"):  # transformers' and diffusers' adapter API on the model
-        model._hf_peft_config_loaded = True
+        model.__dict__["_hf_peft_config_loaded"] = True
     return AdapterResult(adapter_name, len(tensors), nbytes)
 
 
@@ -172,8 +173,6 @@ def save_adapter(model: nn.Module, path: str | os.PathLike, *, adapter_name: str
 
     >>> sw.save_adapter(model, "out/lora", adapter_name="style")     # doctest: +SKIP
     """
-    import safetensors.torch
-
     import shardwise.comm as comm
     from shardwise.io.storage import locate
 
@@ -230,7 +229,7 @@ def base_view(model: nn.Module) -> Iterator[None]:
     swapped = [(parent, key, child) for parent in model.modules() for key, child in parent._modules.items()
                if isinstance(child, LoraLayer)]
     for parent, key, child in swapped:
-        parent._modules[key] = child.get_base_layer()
+        parent._modules[key] = child.get_base_layer()  # type: ignore[union-attr,operator]
     try:
         yield
     finally:

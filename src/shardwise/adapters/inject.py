@@ -25,7 +25,8 @@ from shardwise.mesh import ShardState
 
 # (LoRA layer attribute, file key's leaf, model name's leaf, A or B)
 _PARTS = (("lora_A", "lora_A.weight", "weight", "A"), ("lora_B", "lora_B.weight", "weight", "B"),
-          ("lora_embedding_A", "lora_embedding_A", None, "A"), ("lora_embedding_B", "lora_embedding_B", None, "B"))
+          ("lora_embedding_A", "lora_embedding_A", None, "A"),
+          ("lora_embedding_B", "lora_embedding_B", None, "B"))
 FILE_PREFIX = "base_model.model."
 
 
@@ -53,7 +54,7 @@ def _planned_bases(model: nn.Module, state: ShardState) -> list[tuple[nn.Module,
     """Every planned module's base (under a LoRA layer already there: its base layer) with its path."""
     out = []
     for path in state.specs.styles:
-        module = model.get_submodule(path)
+        module: Any = model.get_submodule(path)
         base = module.get_base_layer() if hasattr(module, "get_base_layer") else module
         out.append((base, path))
     return out
@@ -81,7 +82,7 @@ def inject(model: nn.Module, config, name: str, state: ShardState) -> tuple[list
         if had_config is None:
             model.__dict__.pop("peft_config", None)
         else:
-            model.peft_config = had_config
+            model.__dict__["peft_config"] = had_config
 
     # PEFT sizes a LoRA pair from its base's weight: show it the global shape, on meta.
     swapped = []
@@ -105,7 +106,7 @@ def inject(model: nn.Module, config, name: str, state: ShardState) -> tuple[list
     finally:
         for base, weight in swapped:
             base._parameters["weight"] = weight
-    model.peft_config = {**(had_config or {}), name: config}
+    model.__dict__["peft_config"] = {**(had_config or {}), name: config}
     if layers_before:  # as PeftModel.load_adapter: a second adapter is loaded, not activated
         active = next(iter(layers_before.values()))
         for m in model.modules():
@@ -130,8 +131,8 @@ def _tensors(model: nn.Module, name: str, state: ShardState) -> list[LoraTensor]
         style = state.specs.styles.get(path)
         if style is not None and style.sharded and not isinstance(base, (nn.Linear, nn.Embedding)):
             raise CheckpointError(f"adapter {name!r}: LoRA on {path!r} ({type(base).__name__}), a sharded "
-                                  "module that is neither nn.Linear nor nn.Embedding, is not supported; leave "
-                                  "it out of target_modules")
+                                  "module that is neither nn.Linear nor nn.Embedding, is not supported; "
+                                  "leave it out of target_modules")
         specs = lora_specs(kind, style, state.specs.spec_of(f"{path}.weight"), where=path)
         for part, leaf, _, ab in _PARTS:
             container = getattr(layer, part, None)
@@ -139,7 +140,8 @@ def _tensors(model: nn.Module, name: str, state: ShardState) -> list[LoraTensor]
                 continue
             t = container[name] if isinstance(container, nn.ParameterDict) else container[name].weight
             check_shardable(tuple(t.shape), specs[ab], state.coords(specs[ab])[0])
-            out.append(LoraTensor(path, f"{FILE_PREFIX}{path}.{leaf}", part, tuple(t.shape), specs[ab], kind))
+            key = f"{FILE_PREFIX}{path}.{leaf}"
+            out.append(LoraTensor(path, key, part, tuple(t.shape), specs[ab], kind))
     if not out:
         raise CheckpointError(f"adapter {name!r} adapts no module of this model; check its target_modules")
     return out
@@ -152,12 +154,13 @@ def install(model: nn.Module, name: str, tensors: list[LoraTensor], locals_: dic
         owner, attr = t.holder(model, name)
         old = getattr(owner, attr)
         local = locals_[t.key]
-        base = model.get_submodule(t.path).get_base_layer()
-        if is_dtensor(base.weight):
+        layer: Any = model.get_submodule(t.path)
+        if is_dtensor(layer.get_base_layer().weight):
             from torch.distributed.tensor import DTensor, Replicate, Shard
 
-            placement = Replicate() if t.spec.replicated else Shard(t.spec.dim)
-            local = DTensor.from_local(local, state.axis_mesh(t.spec), [placement], run_check=False)
+            placement = Replicate() if t.spec.dim is None else Shard(t.spec.dim)
+            mesh: Any = state.axis_mesh(t.spec)  # a DTensor holding's meshes are torch's
+            local = DTensor.from_local(local, mesh, [placement], run_check=False)
         param = nn.Parameter(local, requires_grad=old.requires_grad)
         if isinstance(owner, nn.ParameterDict):
             owner[attr] = param
@@ -168,7 +171,7 @@ def install(model: nn.Module, name: str, tensors: list[LoraTensor], locals_: dic
 def wire(model: nn.Module, name: str, tensors: list[LoraTensor], state: ShardState) -> None:
     """Make adapter ``name``'s forward right on the shards: its tensors' collectives follow the base."""
     for path in dict.fromkeys(t.path for t in tensors):
-        layer = model.get_submodule(path)
+        layer: Any = model.get_submodule(path)
         style = state.specs.styles.get(path)
         dtensor = is_dtensor(layer.get_base_layer().weight)
         keep_for_unmerge(layer)
@@ -180,18 +183,22 @@ def wire(model: nn.Module, name: str, tensors: list[LoraTensor], state: ShardSta
         if dtensor:
             run_on_local_params(a)
             run_on_local_params(b)
-        if style is None or not style.sharded or state.specs.spec_of(f"{path}.weight").replicated:
-            continue
-        blocks = style.blocks or (1,)
-        if style.kind == "colwise":
-            # lora_A whole, its output the same on every rank: the gradient of that output sums over tp
-            _around(a, post=lambda y: _CopyTo.apply(y, state.group))
-            if style.gather_output:
-                _around(b, post=lambda y: _GatherFrom.apply(y, state.group, blocks, state.degree, state.tp_rank))
-        else:
-            pre = ((lambda x: _SplitTo.apply(x, state.group, blocks, state.degree, state.tp_rank))
-                   if style.split_input else None)
-            _around(a, pre=pre, post=lambda y: _ReduceFrom.apply(y, state.group))  # partial sums of r features
+        if style is not None and style.sharded and not state.specs.spec_of(f"{path}.weight").replicated:
+            _wire_linear(a, b, style, state)
+
+
+def _wire_linear(a: nn.Module, b: nn.Module, style, state: ShardState) -> None:
+    """The collectives around ``lora_A`` / ``lora_B`` of a linear base held by ``style``."""
+    blocks, group = style.blocks or (1,), state.group
+    if style.kind == "colwise":
+        # lora_A whole, its output the same on every rank: that output's gradient sums over tp
+        _around(a, post=lambda y: _CopyTo.apply(y, group))
+        if style.gather_output:
+            _around(b, post=lambda y: _GatherFrom.apply(y, group, blocks, state.degree, state.tp_rank))
+        return
+    pre = ((lambda x: _SplitTo.apply(x, group, blocks, state.degree, state.tp_rank))
+           if style.split_input else None)
+    _around(a, pre=pre, post=lambda y: _ReduceFrom.apply(y, group))  # partial sums of the r features
 
 
 def _around(module: nn.Module, *, pre=None, post=None) -> None:
@@ -201,10 +208,10 @@ def _around(module: nn.Module, *, pre=None, post=None) -> None:
         y = inner(pre(x) if pre is not None else x)
         return post(y) if post is not None else y
 
-    module.forward = forward
+    module.__dict__["forward"] = forward
 
 
-def _wire_embedding(layer: nn.Module, style, state: ShardState, dtensor: bool) -> None:
+def _wire_embedding(layer: Any, style, state: ShardState, dtensor: bool) -> None:
     """A vocab-parallel embedding's LoRA: ``lora_embedding_A`` split on the vocab dim, looked up
     with this rank's ids as the base is, the partial rows summed over tp. Once per layer."""
     if getattr(layer, "_shardwise_wired", False):
@@ -239,7 +246,7 @@ def _wire_embedding(layer: nn.Module, style, state: ShardState, dtensor: bool) -
         layer.forward = forward
 
 
-def keep_for_unmerge(layer: nn.Module) -> None:
+def keep_for_unmerge(layer: Any) -> None:
     """Wrap ``layer.merge`` / ``unmerge`` (PEFT's, on the shards): the first merge keeps a copy of
     the base's local shards, and the unmerge that leaves nothing merged copies them back, so the
     base is bit for bit what it was (PEFT's subtraction is not, in bf16). Once per layer."""

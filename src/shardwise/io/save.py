@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from shardwise._progress import Progress
+from shardwise.adapters import saves_base
 from shardwise.backends import Backend
 from shardwise.comm import fingerprint
-from shardwise.adapters import saves_base
 from shardwise.core.adapter import adapter_for
 from shardwise.errors import CheckpointError, CollectiveError, UsageError
 from shardwise.io.check.against import LAYOUTS, compare, expectations
