@@ -46,7 +46,8 @@ def _config(args):
     from transformers import LlamaConfig
 
     return LlamaConfig(vocab_size=32000, hidden_size=args.hidden,
-                       intermediate_size=args.hidden * 11 // 4, num_hidden_layers=args.layers, num_attention_heads=16, num_key_value_heads=8,
+                       intermediate_size=args.hidden * 11 // 4, num_hidden_layers=args.layers,
+                       num_attention_heads=16, num_key_value_heads=8,
                        tie_word_embeddings=False)
 
 
@@ -184,8 +185,8 @@ def main() -> None:
     notes = (f"LlamaForCausalLM hidden {args.hidden}, {args.layers} layers, vocab 32000, bfloat16; two "
              f"PEFT adapters of rank {args.rank} on q, k, v, o, gate, up, down ({adapter_bytes / MB:.1f} MB "
              f"each). {args.tp} local gloo ranks on this machine's {os.cpu_count()} cores, the base loaded "
-             f"before the clock; median of the slowest rank over {args.repeat} interleaved round(s). peft-tp: "
-             "transformers' TP load + PeftModel.from_pretrained (PEFT's TP path: the whole adapter read on "
+             f"before the clock; median of the slowest rank over {args.repeat} interleaved round(s). "
+             "peft-tp: transformers' TP load + PeftModel.from_pretrained (PEFT's TP path: the whole adapter read on "
              "every rank, then sliced); one-process: the whole model and adapter on every rank (the attach "
              "before a load-then-shard). The last two rows: shardwise switching to a second loaded adapter "
              "against loading the model and that adapter again. Adapter MB read: rchar (PEFT maps the file: "

@@ -11,11 +11,11 @@ import pytest
 pytest.importorskip("peft")
 
 import torch  # noqa: E402
-from models import TinyTransformer, make_model, tiny_plan, tokens  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 import shardwise as sw  # noqa: E402
 from harness import run_ranks  # noqa: E402
+from models import TinyTransformer, make_model, tiny_plan, tokens  # noqa: E402
 from shardwise.holding import local_of  # noqa: E402
 
 TOLERANCE = 1e-5
