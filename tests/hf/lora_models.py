@@ -12,25 +12,28 @@ TARGETS = {
     "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens",
               "lm_head"],
     "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"],
+    "qwen3": ["embed_tokens", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
 }
 VOCAB = 96
 
 
 def config(kind: str):
-    from transformers import LlamaConfig, Phi3Config
+    from transformers import LlamaConfig, Phi3Config, Qwen3Config
 
     shape = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
                  tie_word_embeddings=False)
     if kind == "llama":
         return LlamaConfig(**shape)
+    if kind == "qwen3":  # tied: the vocab-parallel embedding is also the head
+        return Qwen3Config(**{**shape, "tie_word_embeddings": True}, head_dim=16)
     return Phi3Config(**shape, pad_token_id=0)
 
 
 def model_class(kind: str):
-    from transformers import LlamaForCausalLM, Phi3ForCausalLM
+    from transformers import LlamaForCausalLM, Phi3ForCausalLM, Qwen3ForCausalLM
 
-    return {"llama": LlamaForCausalLM, "phi3": Phi3ForCausalLM}[kind]
+    return {"llama": LlamaForCausalLM, "phi3": Phi3ForCausalLM, "qwen3": Qwen3ForCausalLM}[kind]
 
 
 def build(kind: str) -> torch.nn.Module:
@@ -66,7 +69,7 @@ def combine(model, names=("a", "b"), weight=0.5) -> None:
 
 def make(kind: str, folder: Path) -> dict:
     """Base checkpoint ``folder/ckpt``, adapters ``folder/a`` and ``folder/b`` (rank 4 and 8, random
-    A and B), and the one-process outputs: base, a, b, a + 0.5 b."""
+    A and B), and the one-process outputs: base, a, b, a + 0.5 b, a merged."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
     build(kind).save_pretrained(folder / "ckpt", max_shard_size="60KB")
@@ -82,6 +85,10 @@ def make(kind: str, folder: Path) -> dict:
     out["b"] = logits(model)
     combine(model)
     out["ab"] = logits(model)
+    model.set_adapter("a")
+    for layer in lora_layers(model):
+        layer.merge()
+    out["merged"] = logits(model)  # a tied embedding's merge changes the head too
     return out
 
 
