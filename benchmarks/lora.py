@@ -13,6 +13,9 @@ interleaved round by round, page cache warm; the slowest rank counts, median of 
 - peft-tp: transformers' own TP load (``DistributedConfig(tp_plan="auto", tp_size=N)``), then
   ``PeftModel.from_pretrained(model, adapter)``: PEFT's TP path reads the whole adapter on every
   rank and slices it afterwards.
+The process's first call of transformers' weight-conversion mapping (PEFT's injection makes it;
+transformers' own load already has) is made before the clock for every method.
+
 - one-process: ``from_pretrained`` whole on every rank then ``PeftModel.from_pretrained``: the
   attach a load-then-shard user pays before sharding (shardwise refuses to shard a model with
   adapters that it did not attach).
@@ -103,11 +106,16 @@ def rank_run(method: str, folder: str, tp: int) -> dict:
     backend = sw.init_backend("gloo")
     testing.preload()
     model = _base(method, folder, tp, backend)
-    import peft  # noqa: F401 - imports are not part of an attach: PEFT's, and shardwise's adapters
+    # Imports are not part of an attach (PEFT's, and shardwise's adapters); nor is the process's first
+    # call of transformers' weight-conversion mapping, which PEFT's injection makes (~1,000 regexes
+    # compiled, ~1.3 s here) and transformers' own load has made already: once for every method.
     import peft.tuners.lora  # noqa: F401
+    from peft.utils.transformers_weight_conversion import get_model_conversion_mapping
 
     import shardwise.adapters.inject  # noqa: F401
     import shardwise.io.formats.safetensors.checkpoint  # noqa: F401
+
+    get_model_conversion_mapping(model)
     dist.barrier()
     with PeakRSS() as peak:
         io0, t0 = proc_io(), time.perf_counter()

@@ -29,6 +29,7 @@ from shardwise.mesh import ShardState, get_shard_state
 _ATTACHED = "_shardwise_adapters"  # model.__dict__: {adapter name: (config, [LoraTensor])}
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"  # diffusers' save_lora_weights
 
 
 @dataclass(frozen=True)
@@ -46,12 +47,7 @@ def attached(model: nn.Module) -> dict[str, Any]:
     return model.__dict__.get(_ATTACHED, {})
 
 
-def _config(location) -> Any:
-    from peft import LoraConfig
-
-    where = location / CONFIG_FILE
-    if not where.exists():
-        raise CheckpointError(f"{location}: no {CONFIG_FILE}; pass a PEFT adapter folder (save_pretrained's)")
+def _small_json(where) -> dict:
     handle = where.open()
     try:
         raw = bytearray(handle.size())
@@ -59,10 +55,16 @@ def _config(location) -> Any:
     finally:
         handle.close()
     try:
-        data = json.loads(raw)
+        return json.loads(raw)
     except ValueError as e:
         raise CheckpointError(f"{where}: not JSON: {e}") from e
-    if data.get("peft_type") != "LORA":
+
+
+def _lora_config(data: dict, where) -> Any:
+    """A ``LoraConfig`` of ``data``; ``CheckpointError`` for what a sharded model cannot take yet."""
+    from peft import LoraConfig
+
+    if data.get("peft_type", "LORA") != "LORA":
         raise CheckpointError(f"{where}: peft_type {data.get('peft_type')!r} is not supported; only LORA "
                               "adapters load (convert others with PEFT first)")
     unsupported = {"use_dora": "DoRA", "lora_bias": "LoRA biases",
@@ -73,7 +75,51 @@ def _config(location) -> Any:
         if data.get(field):
             raise CheckpointError(f"{where}: {what} ({field}={data[field]!r}) is not supported yet on a "
                                   "sharded model; merge it on one process, or train the adapter without it")
-    return LoraConfig.from_peft_type(**data)
+    return LoraConfig.from_peft_type(**{**data, "peft_type": "LORA"})
+
+
+def _diffusers_config(ckpt, file, component: str) -> Any:
+    """The ``LoraConfig`` of a diffusers LoRA file's ``component``: from the metadata diffusers'
+    ``save_lora_weights`` writes, else read off the tensors (``r`` from each ``lora_A``, alpha = r:
+    diffusers' own default without alphas)."""
+    prefix = f"{component}."
+    names = [n for n in ckpt.names if n.startswith(prefix)]
+    if not names:
+        found = sorted({n.split(".", 1)[0] for n in ckpt.names})
+        raise CheckpointError(f"{file}: no tensor of component {component!r} (found {found}); pass "
+                              "component= one of those")
+    odd = [n for n in names if not n.endswith((".lora_A.weight", ".lora_B.weight"))]
+    if odd:
+        raise CheckpointError(f"{file}: {odd[0]!r} is not in PEFT's key format (lora_A / lora_B): a "
+                              "community layout; load it once with diffusers' load_lora_weights and save it "
+                              "with save_lora_weights, which converts it")
+    metadata = ckpt.headers[file].metadata.get("lora_adapter_metadata")
+    if metadata is not None:
+        packed = json.loads(metadata)
+        return _lora_config({k[len(prefix):]: v for k, v in packed.items() if k.startswith(prefix)}, file)
+    ranks = {n[len(prefix):-len(".lora_A.weight")]: ckpt.entry(n)[1].shape[0]
+             for n in names if n.endswith(".lora_A.weight")}
+    r = max(set(ranks.values()), key=list(ranks.values()).count)
+    pattern = {m: k for m, k in ranks.items() if k != r}
+    return _lora_config({"r": r, "lora_alpha": r, "target_modules": sorted(ranks), "rank_pattern": pattern,
+                         "alpha_pattern": pattern}, file)
+
+
+def _open_adapter(where, component: str):
+    """``(config, checkpoint, key prefix)`` of the adapter at ``where``: a PEFT folder, or a
+    diffusers LoRA file (or a folder holding ``pytorch_lora_weights.safetensors``)."""
+    from shardwise.adapters.inject import FILE_PREFIX
+    from shardwise.io.formats.safetensors.checkpoint import resolve_checkpoint
+
+    if where.suffix != ".safetensors" and (where / CONFIG_FILE).exists():
+        config = _lora_config(_small_json(where / CONFIG_FILE), where)
+        return config, resolve_checkpoint(where / WEIGHTS_FILE), FILE_PREFIX
+    file = where if where.suffix == ".safetensors" else where / DIFFUSERS_FILE
+    if not file.exists():
+        raise CheckpointError(f"{where}: neither a PEFT folder ({CONFIG_FILE} + {WEIGHTS_FILE}) nor a "
+                              f"diffusers LoRA file ({DIFFUSERS_FILE})")
+    ckpt = resolve_checkpoint(file)
+    return _diffusers_config(ckpt, file, component), ckpt, f"{component}."
 
 
 def _read(ckpt, handles, t, coords: tuple[int, int], dtype: torch.dtype) -> tuple[torch.Tensor, int]:
@@ -101,9 +147,13 @@ def _state(model: nn.Module, what: str) -> ShardState:
 
 
 def load_adapter(model: nn.Module, path: str | os.PathLike, *, adapter_name: str = "default",
-                 dtype: torch.dtype | None = None, storage_options: dict | None = None) -> AdapterResult:
-    """Attach the LoRA adapter at ``path`` (a PEFT folder, local or a registered storage's URL) to
-    ``model`` as ``adapter_name``, in PEFT's own LoRA layers; every rank calls it. Each LoRA tensor
+                 dtype: torch.dtype | None = None, component: str = "transformer",
+                 storage_options: dict | None = None) -> AdapterResult:
+    """Attach the LoRA adapter at ``path`` to ``model`` as ``adapter_name``, in PEFT's own LoRA
+    layers; every rank calls it. ``path`` (local or a registered storage's URL): a PEFT folder
+    (``adapter_config.json`` + ``adapter_model.safetensors``), or a diffusers LoRA file as
+    ``save_lora_weights`` writes it (a ``.safetensors`` file or a folder holding
+    ``pytorch_lora_weights.safetensors``; ``component``: whose keys to take). Each LoRA tensor
     follows its base's shard spec, and each rank reads only its slices. ``dtype``: of the LoRA
     tensors (None: PEFT's choice, the base weights' dtype). An adapter for another base (a
     missing module, a wrong shape), an adapter type not supported yet (DoRA, ...) or a name
@@ -113,7 +163,6 @@ def load_adapter(model: nn.Module, path: str | os.PathLike, *, adapter_name: str
     AdapterResult(adapter='style', tensors=28, bytes_read=57344)
     """
     from shardwise.adapters import inject as lora
-    from shardwise.io.formats.safetensors.checkpoint import resolve_checkpoint
     from shardwise.io.storage import Handles, locate
 
     state = _state(model, "load_adapter")
@@ -121,11 +170,10 @@ def load_adapter(model: nn.Module, path: str | os.PathLike, *, adapter_name: str
         raise UsageError(f"an adapter named {adapter_name!r} is attached already; pass another adapter_name "
                          "or delete it first")
     where = locate(path, storage_options)
-    config = _config(where)
-    ckpt = resolve_checkpoint(where / WEIGHTS_FILE)
-    tensors, undo = lora.inject(model, config, adapter_name, state)
+    config, ckpt, prefix = _open_adapter(where, component)
+    tensors, undo = lora.inject(model, config, adapter_name, state, prefix=prefix)
     try:
-        _check_keys(tensors, ckpt, where)
+        _check_keys(tensors, ckpt, where, prefix)
         locals_, nbytes = {}, 0
         handles = Handles()
         try:
@@ -147,11 +195,11 @@ def load_adapter(model: nn.Module, path: str | os.PathLike, *, adapter_name: str
     return AdapterResult(adapter_name, len(tensors), nbytes)
 
 
-def _check_keys(tensors, ckpt, where) -> None:
+def _check_keys(tensors, ckpt, where, prefix: str) -> None:
     wanted = {t.key: t.shape for t in tensors}
     # PEFT saves a targeted embedding's base weights beside its LoRA pair (save_embedding_layers):
     # the base comes from the base checkpoint, so they are not read
-    stored = {n for n in ckpt.names if ".base_layer." not in n}
+    stored = {n for n in ckpt.names if ".base_layer." not in n and n.startswith(prefix)}
     missing = sorted(set(wanted) - stored)
     unexpected = sorted(stored - set(wanted))
     if missing or unexpected:
@@ -189,11 +237,11 @@ def save_adapter(model: nn.Module, path: str | os.PathLike, *, adapter_name: str
         local = local_of(getattr(owner, attr)).detach().contiguous()
         degree = state.coords(t.spec)[0]
         if t.spec.replicated or degree == 1:
-            whole[t.key] = local
+            whole[t.peft_key()] = local
             continue
         parts = [torch.empty_like(local) for _ in range(degree)]
         comm.all_gather_inline(parts, local, group=state.ep_group if t.spec.axis == "ep" else state.group)
-        whole[t.key] = assemble(parts, t.spec, degree)
+        whole[t.peft_key()] = assemble(parts, t.spec, degree)
     error = None
     if comm.rank() == 0:
         error = comm.capture(lambda: _write(locate(path, storage_options), config, whole))

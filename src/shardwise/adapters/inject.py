@@ -32,8 +32,9 @@ FILE_PREFIX = "base_model.model."
 
 @dataclass(frozen=True)
 class LoraTensor:
-    """One LoRA tensor of one adapter: its layer's ``path``, the PEFT file ``key``, the
-    container attribute (``lora_A``...), its global ``shape`` and ``spec``, its base's kind."""
+    """One LoRA tensor of one adapter: its layer's ``path``, its file ``key`` (``prefix`` + path +
+    leaf), the container attribute (``lora_A``...), its global ``shape`` and ``spec``, its base's
+    kind and its ``leaf`` name in a file (``lora_A.weight``)."""
 
     path: str
     key: str
@@ -41,6 +42,11 @@ class LoraTensor:
     shape: tuple[int, ...]
     spec: ShardSpec
     kind: str
+    leaf: str
+
+    def peft_key(self) -> str:
+        """The key PEFT's ``save_pretrained`` gives this tensor."""
+        return f"{FILE_PREFIX}{self.path}.{self.leaf}"
 
     def holder(self, model: nn.Module, adapter: str) -> tuple[Any, str]:
         """``(object, attribute)`` that holds this tensor as a Parameter."""
@@ -60,10 +66,12 @@ def _planned_bases(model: nn.Module, state: ShardState) -> list[tuple[nn.Module,
     return out
 
 
-def inject(model: nn.Module, config, name: str, state: ShardState) -> tuple[list[LoraTensor], Any]:
+def inject(model: nn.Module, config, name: str, state: ShardState, *,
+           prefix: str = FILE_PREFIX) -> tuple[list[LoraTensor], Any]:
     """Inject adapter ``name`` (``config``, a ``LoraConfig``) with PEFT, its tensors on meta at their
-    global shapes; return them and an undo function. Raises ``CheckpointError`` (the model as it
-    was) when PEFT cannot, or the layout cannot be followed."""
+    global shapes (file keys ``prefix`` + module path + leaf); return them and an undo function.
+    Raises ``CheckpointError`` (the model as it was) when PEFT cannot, or the layout cannot be
+    followed."""
     from peft import inject_adapter_in_model
     from peft.tuners.lora import LoraLayer
 
@@ -113,13 +121,13 @@ def inject(model: nn.Module, config, name: str, state: ShardState) -> tuple[list
             if isinstance(m, LoraLayer):
                 m.set_adapter(active)
     try:
-        return _tensors(model, name, state), undo
+        return _tensors(model, name, state, prefix), undo
     except Exception:
         undo()
         raise
 
 
-def _tensors(model: nn.Module, name: str, state: ShardState) -> list[LoraTensor]:
+def _tensors(model: nn.Module, name: str, state: ShardState, prefix: str) -> list[LoraTensor]:
     from peft.tuners.lora import LoraLayer
 
     out = []
@@ -140,8 +148,8 @@ def _tensors(model: nn.Module, name: str, state: ShardState) -> list[LoraTensor]
                 continue
             t = container[name] if isinstance(container, nn.ParameterDict) else container[name].weight
             check_shardable(tuple(t.shape), specs[ab], state.coords(specs[ab])[0])
-            key = f"{FILE_PREFIX}{path}.{leaf}"
-            out.append(LoraTensor(path, key, part, tuple(t.shape), specs[ab], kind))
+            key = f"{prefix}{path}.{leaf}"
+            out.append(LoraTensor(path, key, part, tuple(t.shape), specs[ab], kind, leaf))
     if not out:
         raise CheckpointError(f"adapter {name!r} adapts no module of this model; check its target_modules")
     return out
