@@ -32,8 +32,9 @@ def _attach(folder: str) -> dict:
     backend = sw.init_backend("gloo")
     model = sw.from_pretrained(model_class("flux2"), f"{folder}/ckpt", mesh=backend.mesh(tp=backend.world_size))
     base = [(p, local_of(p).detach().clone()) for p in model.parameters()]
+    first = forward(model, "flux2").tolist()
     result = sw.load_adapter(model, f"{folder}/lora", adapter_name="style")
-    out = {"tensors": result.tensors, "lora": forward(model, "flux2").tolist()}
+    out = {"tensors": result.tensors, "lora": forward(model, "flux2").tolist(), "base": first}
     model.set_adapters(["style"], weights=[0.5])  # diffusers' own API on the sharded model
     out["half"] = forward(model, "flux2").tolist()
     model.set_adapters(["style"], weights=[1.0])
@@ -67,7 +68,10 @@ def test_diffusers_lora_on_flux2_equals_one_process(tmp_path, tp):
     rows = run_ranks(_attach, tp, str(tmp_path), timeout=240)
     for rank, row in enumerate(rows):
         assert row["tensors"] == 2 * 14  # 14 adapted projections, a pair each
-        for what, want in (("lora", reference), ("half", half), ("merged", reference)):
+        # 1e-5 of the output's scale: the base alone differs from one process by ~1e-5 at tp=2
+        # (the sum of a split reduction in another order); the adapter adds nothing to that
+        scale = max(1.0, reference.abs().max().item())
+        for what, want in (("base", base), ("lora", reference), ("half", half), ("merged", reference)):
             diff = (torch.tensor(row[what]) - want).abs().max().item()
-            assert diff <= TOLERANCE, (tp, rank, what, diff)
+            assert diff <= TOLERANCE * scale, (tp, rank, what, diff, scale)
         assert row["restored"]
