@@ -30,7 +30,8 @@ def _layers(model):
 
 def _attach(folder: str) -> dict:
     backend = sw.init_backend("gloo")
-    model = sw.from_pretrained(model_class("flux2"), f"{folder}/ckpt", mesh=backend.mesh(tp=backend.world_size))
+    mesh = backend.mesh(tp=backend.world_size)
+    model = sw.from_pretrained(model_class("flux2"), f"{folder}/ckpt", mesh=mesh)
     base = [(p, local_of(p).detach().clone()) for p in model.parameters()]
     first = forward(model, "flux2").tolist()
     result = sw.load_adapter(model, f"{folder}/lora", adapter_name="style")
