@@ -112,9 +112,7 @@ def rank_run(method: str, folder: str, tp: int) -> dict:
     import peft.tuners.lora  # noqa: F401
     from peft.utils.transformers_weight_conversion import get_model_conversion_mapping
 
-    import shardwise.adapters.inject  # noqa: F401
-    import shardwise.io.formats.safetensors.checkpoint  # noqa: F401
-
+    sw.load_adapter  # noqa: B018 - the public name's module (the base load imported the rest)
     get_model_conversion_mapping(model)
     dist.barrier()
     with PeakRSS() as peak:
