@@ -17,6 +17,8 @@ from shardwise._version import __version__
 from shardwise.errors import CheckpointError, CollectiveError, PlanError, ShardwiseError, UsageError
 
 if TYPE_CHECKING:  # what type checkers see for the names below, which load on first use
+    from shardwise.adapters import load_adapter as load_adapter
+    from shardwise.adapters import save_adapter as save_adapter
     from shardwise.backends import Backend as Backend
     from shardwise.backends import init_backend as init_backend
     from shardwise.backends import shutdown_backend as shutdown_backend
@@ -61,6 +63,8 @@ _LAZY = {
     "empty_model": ("shardwise.hf.pretrained", "empty_model"),
     "validate": ("shardwise.validate", "validate"),
     "transfer_plan": ("shardwise.transfer", "transfer_plan"),
+    "load_adapter": ("shardwise.adapters", "load_adapter"),
+    "save_adapter": ("shardwise.adapters", "save_adapter"),
 }
 
 
@@ -88,6 +92,8 @@ __all__ = [
     "empty_model", "inspect", "verify", "diff", "validate",
     # weights between two layouts in memory
     "transfer_plan",
+    # LoRA adapters on a sharded model
+    "load_adapter", "save_adapter",
     # errors (every one is in shardwise.errors)
     "ShardwiseError", "CheckpointError", "CollectiveError", "PlanError", "UsageError",
 ]

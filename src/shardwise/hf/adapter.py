@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardwise.adapters import attached
 from shardwise.core.adapter import ModelAdapter, Shapes, register_adapter
 from shardwise.core.header import NamedDtype, dtype_to_str
 from shardwise.core.pieces import Composite, StoredPart
@@ -299,8 +300,11 @@ def _hook_names(registry) -> list[str]:
 
 
 def _check_peft(model: nn.Module, action: str) -> None:
+    if action == "save" and attached(model):
+        return  # adapters sw.load_adapter attached: sw.save writes the base (merged if merged)
     fix = ("merge the adapters first (peft: model = model.merge_and_unload(); diffusers: "
-           "fuse_lora() then unload_lora_weights()), or load the base model without adapters")
+           "fuse_lora() then unload_lora_weights()), attach them with sw.load_adapter (then sw.save writes "
+           "the base), or load the base model without adapters")
     for path, module in model.named_modules():
         where = path or "<root>"
         if getattr(module, "peft_config", None) or getattr(module, "_hf_peft_config_loaded", False) is True:

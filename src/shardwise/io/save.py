@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from shardwise._progress import Progress
+from shardwise.adapters import saves_base
 from shardwise.backends import Backend
 from shardwise.comm import fingerprint
 from shardwise.core.adapter import adapter_for, save_collection
@@ -109,6 +110,7 @@ def save_options(*, distributed: bool, format: str | None = None, async_save: bo
     return DistributedSave(format=plugin.NAME, async_save=async_save)
 
 
+@saves_base  # a model with LoRA adapters (sw.load_adapter) writes its base, merged if merged
 def save(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
          filename_prefix: str | None = None, metadata: Mapping[str, str] | None = None,
          overwrite: bool = False, progress: bool | None = None, distributed: bool = False,
