@@ -31,9 +31,7 @@ from shardwise.io.formats.dcp.items import (
     CanonicalLoadPlanner,
     CanonicalSavePlanner,
     HashingWriter,
-    Placed,
     check_fp8_match,
-    place,
     read_dtype,
     scale_placed,
     side_by_side,
@@ -45,6 +43,8 @@ from shardwise.io.formats.dcp.metadata import (
     read_chunk_into,
     read_metadata,
 )
+from shardwise.io.formats.dcp.placed import Placed, place
+from shardwise.io.formats.dcp.spmd import spmd_placed
 from shardwise.io.formats.safetensors.reader import want_layout
 from shardwise.io.info import ALGORITHM, chunk_key, read_info
 from shardwise.io.sink import Saving
@@ -241,8 +241,8 @@ def save_dcp(model: nn.Module, path: Location, *, backend: Backend | None, overw
     >>> handle.wait()                                                   # doctest: +SKIP
     """
     state = get_shard_state(model)
-    placed, planner = ((model_placed(model), None) if state is None
-                       else state.holding.dcp_placed(model, state))
+    placed, planner = (spmd_placed(model, state) if state is not None and state.holding.one_process
+                       else (model_placed(model), None))
     info = checkpoint_info(model, placed, kind="model", metadata=metadata)
     state_dict = {n: p.local for n, p in placed.items()}
     # A Hugging Face model's config beside the data: consolidate rebuilds the hub layout and
