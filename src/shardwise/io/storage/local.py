@@ -5,6 +5,7 @@ private ``mmap`` views, files written aside and renamed into place after an fsyn
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import mmap
 import os
@@ -60,6 +61,13 @@ def pread_runs(fd: int, buf: memoryview, base: int, runs: Sequence[tuple[int, in
     return pos
 
 
+def path_error(path: str | os.PathLike, e: OSError) -> CheckpointError:
+    """The ``CheckpointError`` for an OS error naming ``path`` (a symlink loop, a name too
+    long, no permission): the file and the reason, never a raw ``OSError``."""
+    fix = "; replace the symlink loop by the file it should lead to" if e.errno == errno.ELOOP else ""
+    return CheckpointError(f"{os.fspath(path)}: cannot open ({e.strerror}){fix}")
+
+
 def open_regular(path: Path) -> int:
     """A read-only descriptor of the regular file ``path`` (the caller closes it)."""
     # O_NONBLOCK so that a FIFO planted in a checkpoint cannot hang open(); it has
@@ -67,7 +75,7 @@ def open_regular(path: Path) -> int:
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as e:
-        raise CheckpointError(f"{path}: cannot open ({e.strerror})") from e
+        raise path_error(path, e) from e
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise CheckpointError(f"{path}: not a regular file")
@@ -78,7 +86,10 @@ def check_inside(root: Path, path: Path, *, source: object) -> None:
     """Raise ``CheckpointError`` (naming ``source``) when ``path`` resolves outside ``root``."""
     # A symlink may not lead out of the folder, except into the blob store of a
     # huggingface_hub cache, whose snapshots are symlinks into ../../blobs.
-    target, real_root = path.resolve(), root.resolve()
+    try:
+        target, real_root = path.resolve(), root.resolve()
+    except (OSError, RuntimeError) as e:  # a symlink loop: RuntimeError up to Python 3.12, ELOOP after
+        raise CheckpointError(f"{source}: {path} cannot be resolved ({e}); a symlink loop?") from e
     if target.is_relative_to(real_root):
         return
     snapshots = next((p for p in real_root.parents if p.name == "snapshots"), None)
@@ -273,6 +284,8 @@ class LocalStorage:
             st = os.stat(location.path)
         except (FileNotFoundError, NotADirectoryError):
             return None
+        except OSError as e:  # a symlink loop (ELOOP), a name too long, no permission
+            raise path_error(location.path, e) from e
         return st.st_size if stat.S_ISREG(st.st_mode) else None
 
     def list(self, location: Location) -> list[str]:
@@ -280,6 +293,8 @@ class LocalStorage:
             return sorted(os.listdir(location.path))
         except (FileNotFoundError, NotADirectoryError):
             return []
+        except OSError as e:
+            raise path_error(location.path, e) from e
 
     def is_folder(self, location: Location) -> bool:
         return os.path.isdir(location.path)
