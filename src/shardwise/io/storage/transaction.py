@@ -12,15 +12,13 @@ import os
 import re
 import secrets
 import shutil
-import socket
 from dataclasses import replace
 from pathlib import Path
 
 from shardwise.errors import CheckpointError, StorageError, UsageError
 from shardwise.io.storage import Location, write_small
-from shardwise.io.storage.local import fsync_dir, libc_function
-
-TMP_MARK, OLD_MARK = ".shardwise-tmp-", ".shardwise-old-"
+from shardwise.io.storage.lookups import OLD_MARK, TMP_MARK, host, owner
+from shardwise.io.storage.posix import fsync_dir, libc_function
 
 
 def target_path(location: Location) -> Location:
@@ -49,7 +47,7 @@ class Destination:
         target.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale(target)
         _check_target(target, self.overwrite)
-        self.folder = self.target.parent / f".{target.name}{TMP_MARK}{_owner()}-{secrets.token_hex(4)}"
+        self.folder = self.target.parent / f".{target.name}{TMP_MARK}{owner()}-{secrets.token_hex(4)}"
         os.mkdir(self.folder.path)
 
     def commit(self, index: tuple[str, dict] | None) -> None:
@@ -108,18 +106,10 @@ def _check_target(target: Path, overwrite: bool) -> None:
             "which is not a checkpoint file; move that out first, or save to another folder")
 
 
-def _host() -> str:
-    return re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())[:64]
-
-
-def _owner() -> str:
-    return f"{_host()}-{os.getpid()}"
-
-
-def _alive(owner: str) -> bool:
+def _alive(name: str) -> bool:
     """Whether the save that named a temporary folder ``{host}-{pid}-{token}`` may still run."""
-    host, _, pid = owner.rpartition("-")[0].rpartition("-")
-    if host != _host() or not pid.isdigit() or int(pid) == os.getpid():
+    where, _, pid = name.rpartition("-")[0].rpartition("-")
+    if where != host() or not pid.isdigit() or int(pid) == os.getpid():
         return False  # one writer per path at a time: another host's folder is stale
     try:
         os.kill(int(pid), 0)

@@ -29,7 +29,7 @@ from shardwise.errors import CheckpointError, PlanError
 from shardwise.io.formats.safetensors.reader import Assembly, ReadItem, piece_items
 from shardwise.io.source import Finalize, Want
 from shardwise.io.storage import Location
-from shardwise.io.storage.local import libc_function
+from shardwise.io.storage.posix import libc_function
 
 
 @dataclass(frozen=True)
