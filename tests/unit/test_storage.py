@@ -146,7 +146,7 @@ def test_a_symlink_loop_is_a_checkpoint_error_naming_the_file(tmp_path, name):
     (tmp_path / name).symlink_to(name)
     for call in (lambda: LOCAL.stat(locate(tmp_path / name)), lambda: LOCAL.open(locate(tmp_path / name)),
                  lambda: sw.inspect(tmp_path), lambda: sw.inspect(tmp_path / name)):
-        with pytest.raises(CheckpointError, match=f"{name}: cannot (open|read) \\(Too many levels of symbolic"):
+        with pytest.raises(CheckpointError, match=f"{name}: cannot (open|read) \\(Too many levels of"):
             call()
     (tmp_path / "loop").symlink_to("loop")
     with pytest.raises(CheckpointError, match="loop: cannot read"):

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
+from shardwise.comm import agree, all_gather_object
 from shardwise.errors import CheckpointError, UnsupportedModelError, UsageError
 from shardwise.hf.adapter import build_model, config_folder
 from shardwise.hf.hub_layout import library_of
@@ -237,8 +238,6 @@ def hub_location(repo_id: str, *, revision: str | None, token: str | bool | None
     ``backend`` (None: one process): every rank resolves the commit and the ranks compare, so all
     read one commit. ``CheckpointError`` on every rank for an unknown repo or revision, one the
     token cannot see, or a hub that cannot be reached; no token is shown."""
-    from shardwise.comm import agree, all_gather_object
-
     revision = revision or "main"
     commit, error = None, None
     try:

@@ -31,7 +31,7 @@ from shardwise.core.pieces import Piece
 from shardwise.core.spec import Region
 from shardwise.errors import BackendError, PlanError, TransferError, UsageError
 from shardwise.holding import local_of
-from shardwise.io.formats.dcp.placed import place  # the one reading of what a rank holds
+from shardwise.io.placed import place  # the one reading of what a rank holds
 from shardwise.mesh import world_backend
 from shardwise.parallel import get_shard_state
 from shardwise.transfer.plan import DEFAULT_BUCKET_BYTES, Holding, Move, Plan, holding_of, make_plan

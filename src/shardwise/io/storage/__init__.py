@@ -109,14 +109,16 @@ def locate(where: str | os.PathLike | Location, storage_options: dict | None = N
         if storage_options:
             raise UsageError(f"{os.fspath(where)!r} is a local path: storage_options={storage_options!r} are "
                              f"for a URL location (registered schemes: {sorted(_SCHEMES)})")
+        # deferred: local's transaction imports Location and write_small from this package
         from shardwise.io.storage.local import LOCAL
 
         return Location(LOCAL, Path(rest))
     factory = _SCHEMES.get(scheme)
-    if factory is None:  # any other scheme: fsspec's filesystem of it (fsspec imported only now)
+    if factory is None:  # any other scheme: fsspec's filesystem of it
+        # deferred: an optional client (fsspec), imported on the first URL that needs it
         from shardwise.io.storage.fsspec import factory as fsspec_factory
 
-        factory = fsspec_factory(scheme)
+        factory = fsspec_factory(scheme, registered=tuple(_SCHEMES))
     return Location(factory(**(storage_options or {})), PurePosixPath(rest), scheme)
 
 
@@ -345,7 +347,8 @@ def split_scheme(location: str | os.PathLike) -> tuple[str | None, str]:
 
 
 def _object_store(scheme: str) -> Callable[..., Storage]:
-    def make(**storage_options) -> Storage:  # obstore is imported on the first request, not here
+    def make(**storage_options) -> Storage:
+        # deferred: an optional client (obstore), imported on the first s3:// or gs:// request
         from shardwise.io.storage.objects import factory
 
         return factory(scheme)(**storage_options)

@@ -29,13 +29,11 @@ from torch.distributed.checkpoint.planner_helpers import (
 )
 
 from shardwise.core.quant import FLOAT8, pair_of
-from shardwise.core.quant_layout import QuantTie, scale_local_shape, scale_owned_layout, tie_aligned
-from shardwise.core.spec import Region, ShardSpec
+from shardwise.core.spec import Region
 from shardwise.errors import CheckpointError
-from shardwise.holding import is_dtensor
-from shardwise.io.formats.dcp.placed import Placed, place
 from shardwise.io.formats.safetensors.reader import want_layout
 from shardwise.io.info import chunk_key, tensor_checksum
+from shardwise.io.placed import Placed
 from shardwise.io.source import Want
 from shardwise.io.staging import loaded_dtype
 from shardwise.io.storage.torchfs import LocationWriter
@@ -174,22 +172,6 @@ class HashingWriter(LocationWriter):
         return super().write_data(plan, _HashingPlanner(planner, self))
 
 
-def scale_placed(tensor: torch.Tensor, tie: QuantTie, spec: ShardSpec, degree: int, rank: int, *,
-                 name: str) -> Placed:
-    """Where this rank's scales of ``tie`` go in the canonical scale tensor: the blocks it owns.
-    Where every rank's blocks are whole they are split like any tensor (``place``); else they are
-    a plain local tensor held as ``scale_layout`` says."""
-    if tie_aligned(tie, spec, degree):
-        return place(tensor, spec, degree, rank, name=name)
-    local = tensor.to_local() if is_dtensor(tensor) else tensor
-    want = scale_local_shape(tie, spec, degree, rank)
-    if tuple(local.shape) != want:
-        raise CheckpointError(f"tensor {name!r}: local scales of shape {tuple(local.shape)}, but rank {rank} "
-                              f"of {degree} holding its shard of {tie.weight!r} holds {want}; load the model "
-                              "with sw.load or sw.from_pretrained, which place the scales with their weight")
-    return Placed(local.detach(), tie.scale_shape, scale_owned_layout(tie, spec, degree, rank))
-
-
 def side_by_side(shape, group: list, dtype: torch.dtype, device):
     """``(Placed, parts)``: one buffer holding the wanted local tensors of one checkpoint
     tensor along dim 0 (one want: the local tensor itself); ``parts(buffer)`` yields each
@@ -234,4 +216,4 @@ def check_fp8_match(root, stored: Mapping, keys: Mapping[str, str],
                 "sw.consolidate it to safetensors and load that with dequantize=True")
 
 
-__all__ = ["check_fp8_match", "read_dtype", "scale_placed"]
+__all__ = ["check_fp8_match", "read_dtype"]

@@ -11,7 +11,7 @@ from torch import nn
 
 from shardwise.core.spec import Region, ShardSpec, shard_regions
 from shardwise.io.formats.dcp.items import CanonicalSavePlanner
-from shardwise.io.formats.dcp.placed import Placed
+from shardwise.io.placed import Placed
 from shardwise.mesh import ShardState
 
 

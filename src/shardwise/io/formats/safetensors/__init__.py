@@ -7,6 +7,7 @@ registry's last resort: it claims every path, and its reader names what is wrong
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -27,17 +28,22 @@ def claims(path: Location) -> bool:
 def open_source(path: Location, **options):
     """The ``source.SafetensorsSource`` of ``path`` (``dequantize=True``: FP8 weights with block
     scales into plain model tensors)."""
-    # deferred: the save side imports this package too; the reader's modules load on opening
-    from shardwise.io.formats.safetensors.source import SafetensorsSource
-
-    return SafetensorsSource(path, **options)
+    return _modules()[1].SafetensorsSource(path, **options)
 
 
 def writer(**options):
     """The ``files.SafetensorsSink`` (a ``FileSink``) configured by ``options``."""
-    from shardwise.io.formats.safetensors.files import SafetensorsSink
+    return _modules()[0].SafetensorsSink(**options)
 
-    return SafetensorsSink(**options)
+
+def _modules() -> tuple[ModuleType, ModuleType]:
+    """``(files, source)``, imported on the first read or write. Deferred: the registry imports
+    this package to ask ``claims`` of every path, and ``source`` reads through ``io.exchange``,
+    which imports this package's ``reader``: imported here at the top, the exchange would find
+    this package half built."""
+    from shardwise.io.formats.safetensors import files, source
+
+    return files, source
 
 
 __all__ = ["CAPABILITIES", "NAME", "claims", "open_source", "writer"]

@@ -1,6 +1,8 @@
 """Where a live tensor sits in its canonical tensor (:func:`place`): a DTensor's placements (FSDP2
 ``_StridedShard`` over tp, ep), or a plain local shard and its spec, read once into a
-:class:`Placed`. Needs no torch DCP module: the transfer reads what a rank holds through it too."""
+:class:`Placed`; a model's tensors so (:func:`model_placed`), a quantized weight's scales each
+block once (:func:`scale_placed`). What every distributed save writes and the transfer reads;
+no torch DCP module."""
 
 from __future__ import annotations
 
@@ -8,10 +10,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeGuard, cast
 
 import torch
+from torch import nn
 
+from shardwise.core.quant_layout import QuantTie, scale_local_shape, scale_owned_layout, tie_aligned
 from shardwise.core.spec import Layout, Region, ShardSpec, chunk_layout, global_shape, local_layout
 from shardwise.errors import CheckpointError
 from shardwise.holding import is_dtensor
+from shardwise.mesh import get_shard_state
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import Shard
@@ -104,4 +109,38 @@ def place(tensor: torch.Tensor, spec: ShardSpec | None, degree: int, tp_rank: in
     return Placed(local, shape, layout)
 
 
-__all__ = ["Placed", "place"]
+def scale_placed(tensor: torch.Tensor, tie: QuantTie, spec: ShardSpec, degree: int, rank: int, *,
+                 name: str) -> Placed:
+    """Where this rank's scales of ``tie`` go in the canonical scale tensor: the blocks it owns.
+    Where every rank's blocks are whole they are split like any tensor (``place``); else they are
+    a plain local tensor held as ``scale_layout`` says."""
+    if tie_aligned(tie, spec, degree):
+        return place(tensor, spec, degree, rank, name=name)
+    local = tensor.to_local() if is_dtensor(tensor) else tensor
+    want = scale_local_shape(tie, spec, degree, rank)
+    if tuple(local.shape) != want:
+        raise CheckpointError(f"tensor {name!r}: local scales of shape {tuple(local.shape)}, but rank {rank} "
+                              f"of {degree} holding its shard of {tie.weight!r} holds {want}; load the model "
+                              "with sw.load or sw.from_pretrained, which place the scales with their weight")
+    return Placed(local.detach(), tie.scale_shape, scale_owned_layout(tie, spec, degree, rank))
+
+
+def model_placed(model: nn.Module) -> dict[str, Placed]:
+    """``{tensor name: Placed}`` for every parameter and persistent buffer of ``model``, in
+    state-dict order; a tied tensor appears once, under its first name."""
+    state = get_shard_state(model)
+    tensors = model.state_dict(keep_vars=True)
+    if state is not None:  # a quantized weight's scales: each block once (dcp.items.scale_placed)
+        ties = state.specs.ties
+        return {n: scale_placed(tensors[n], ties[n], spec, *state.coords(spec), name=n) if n in ties
+                else place(tensors[n], spec, *state.coords(spec), name=n) for n, spec in state.specs.items()}
+    seen: set[int] = set()
+    out = {}
+    for n, t in tensors.items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            out[n] = place(t, None, 1, 0, name=n)
+    return out
+
+
+__all__ = ["Placed", "model_placed", "place", "scale_placed"]
