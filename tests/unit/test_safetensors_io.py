@@ -718,7 +718,8 @@ def test_reading_and_writing_need_no_numpy(tmp_path):
 import sys
 sys.modules["numpy"] = None  # any import of numpy now fails
 import torch
-from shardwise.io.formats.safetensors.files import StreamingWriter, read_header, read_region
+from shardwise.io.formats.safetensors.files import StreamingWriter, read_header
+from shardwise.io.read.mapped import read_region
 t = torch.arange(24, dtype=torch.bfloat16).reshape(4, 6)
 path = {str(tmp_path / "m.safetensors")!r}
 with StreamingWriter(path, [("w", "BF16", (4, 6))]) as w:

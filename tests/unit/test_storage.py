@@ -20,7 +20,7 @@ import shardwise as sw
 from shardwise.core.spec import ShardSpec, split
 from shardwise.errors import CheckpointError, UsageError
 from shardwise.io.formats.safetensors.files import StreamingWriter, read_header
-from shardwise.io.formats.safetensors.reader import RegionReader, plan_reads
+from shardwise.io.read.reader import RegionReader, plan_reads
 from shardwise.io.storage import (
     HandleFile,
     Handles,

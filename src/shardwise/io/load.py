@@ -17,11 +17,11 @@ from shardwise._progress import Progress
 from shardwise.comm import agree, rank
 from shardwise.core.plan import ResolvedPlan
 from shardwise.errors import CheckpointError, PlanError, on_every_rank
-from shardwise.io.exchange import exchanges
-from shardwise.io.formats import open_source
+from shardwise.io.formats import get_format, open_source
 from shardwise.io.formats.safetensors.keys import listing
 from shardwise.io.guards import check_mesh, check_model, check_options
 from shardwise.io.place import placement
+from shardwise.io.read.exchange import exchanges
 from shardwise.io.source import ReadOptions
 from shardwise.io.storage import Location, locate
 from shardwise.io.storage.lookups import one_look
@@ -104,7 +104,7 @@ def load(model: nn.Module, path: str | os.PathLike | Location, *, plan, mesh,
     with one_look():  # an object store's listings, HEADs and journal asked once in this load
         try:
             source = open_source(where, dequantize=dequantize)
-            check_quantized_source(source, specs, mesh)
+            check_quantized_source(source, specs, mesh, get_format(source.name).CAPABILITIES)
             missing, unexpected = source.match(model, specs, strict=strict)
             check_nothing_left_on_meta(model, specs, missing)
             place = placement(model, specs, dims, dtype)

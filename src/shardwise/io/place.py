@@ -12,7 +12,7 @@ from torch import nn
 
 from shardwise.core.plan import ResolvedPlan
 from shardwise.core.spec import ShardSpec
-from shardwise.io.formats.safetensors.reader import WINDOW_BYTES
+from shardwise.io.read.reader import WINDOW_BYTES
 from shardwise.io.source import Want
 from shardwise.io.staging import cast, finalizer
 from shardwise.mesh import MeshDims

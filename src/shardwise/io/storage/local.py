@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from shardwise.io.storage.lookups import remembered
 from shardwise.io.storage.posix import (
     Writeback,
     check_inside,
@@ -151,12 +152,9 @@ class LocalStorage:
         return st.st_size if stat.S_ISREG(st.st_mode) else None
 
     def list(self, location: Location) -> list[str]:
-        try:
-            return sorted(os.listdir(location.path))
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-        except OSError as e:
-            raise path_error(location.path, e) from e
+        """The names in the folder ``location``; listed once within a load (``lookups.one_look``:
+        the formats' claims and the checkpoint's resolution ask the same folder)."""
+        return list(remembered((self, "list", os.fspath(location.path)), lambda: _listdir(location.path)))
 
     def is_folder(self, location: Location) -> bool:
         return os.path.isdir(location.path)
@@ -169,6 +167,15 @@ class LocalStorage:
 
     def transaction(self, target: Location, *, overwrite: bool) -> Destination:
         return Destination(target, overwrite)
+
+
+def _listdir(path) -> list[str]:
+    try:
+        return sorted(os.listdir(path))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    except OSError as e:
+        raise path_error(path, e) from e
 
 
 LOCAL = LocalStorage()

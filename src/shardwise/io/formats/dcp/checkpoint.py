@@ -39,9 +39,9 @@ from shardwise.io.formats.dcp.metadata import (
     read_metadata,
 )
 from shardwise.io.formats.dcp.spmd import spmd_placed
-from shardwise.io.formats.safetensors.reader import want_layout
 from shardwise.io.info import chunk_key, read_info
 from shardwise.io.placed import Placed, model_placed
+from shardwise.io.read.reader import want_layout
 from shardwise.io.sink import Saving
 from shardwise.io.source import Blob, Description, Finalize, ReadOptions, Reads, Want
 from shardwise.io.storage import HandleFile, Handles, Location

@@ -31,9 +31,9 @@ from torch.distributed.checkpoint.planner_helpers import (
 from shardwise.core.quant import FLOAT8, pair_of
 from shardwise.core.spec import Region
 from shardwise.errors import CheckpointError
-from shardwise.io.formats.safetensors.reader import want_layout
 from shardwise.io.info import chunk_key, tensor_checksum
 from shardwise.io.placed import Placed
+from shardwise.io.read.reader import want_layout
 from shardwise.io.source import Want
 from shardwise.io.staging import loaded_dtype
 from shardwise.io.storage.torchfs import LocationWriter
