@@ -12,8 +12,7 @@ import shardwise.comm as comm
 from shardwise.backends import coordination_group
 from shardwise.comm import agree, capture
 from shardwise.io.info import write_info
-from shardwise.io.storage import Location
-from shardwise.io.storage.transaction import target_path
+from shardwise.io.storage import Location, target_path
 
 if TYPE_CHECKING:
     import torch

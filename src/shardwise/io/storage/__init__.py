@@ -359,6 +359,20 @@ for _scheme in ("s3", "gs"):
     register_storage(_scheme, _object_store(_scheme))
 
 
+def target_path(location: Location) -> Location:
+    """The save target ``location``, a local one made absolute; ``CheckpointError`` for a root,
+    ``UsageError`` for a ``read_only`` storage. Every rank calls it before anything is written."""
+    why = getattr(location.storage, "read_only", None)
+    if why:
+        raise UsageError(f"{location}: cannot save to {location.scheme}:// ({why}); save to a local folder "
+                         "or a writable storage")
+    if location.scheme is None:
+        location = replace(location, path=Path(os.path.abspath(location.path)))
+    if location.name in ("", ".", ".."):
+        raise CheckpointError(f"path {str(location)!r} must name a folder to create, not the root")
+    return location
+
+
 def byte_view(t: torch.Tensor) -> memoryview:
     """A writable memoryview aliasing a contiguous CPU tensor's bytes (the caller keeps ``t``
     alive). ctypes, not ``tensor.numpy()``: numpy is no dependency of torch's CPU wheels."""
@@ -373,4 +387,4 @@ def byte_view(t: torch.Tensor) -> memoryview:
 
 __all__ = ["HandleFile", "Handles", "Location", "ReadHandle", "Storage", "Transaction", "WriteHandle",
            "byte_view", "locate", "read_json", "read_small", "register_storage", "split_scheme",
-           "unregister_storage", "write_small"]
+           "target_path", "unregister_storage", "write_small"]

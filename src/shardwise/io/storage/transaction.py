@@ -12,27 +12,12 @@ import os
 import re
 import secrets
 import shutil
-from dataclasses import replace
 from pathlib import Path
 
-from shardwise.errors import CheckpointError, StorageError, UsageError
+from shardwise.errors import CheckpointError, StorageError
 from shardwise.io.storage import Location, write_small
 from shardwise.io.storage.lookups import OLD_MARK, TMP_MARK, host, owner
 from shardwise.io.storage.posix import fsync_dir, libc_function
-
-
-def target_path(location: Location) -> Location:
-    """The save target ``location``, a local one made absolute; ``CheckpointError`` for a root,
-    ``UsageError`` for a ``read_only`` storage. Every rank calls it before anything is written."""
-    why = getattr(location.storage, "read_only", None)
-    if why:
-        raise UsageError(f"{location}: cannot save to {location.scheme}:// ({why}); save to a local folder "
-                         "or a writable storage")
-    if location.scheme is None:
-        location = replace(location, path=Path(os.path.abspath(location.path)))
-    if location.name in ("", ".", ".."):
-        raise CheckpointError(f"path {str(location)!r} must name a folder to create, not the root")
-    return location
 
 
 class Destination:
@@ -191,4 +176,4 @@ def _exchange(new: Path, target: Path, aside: str) -> None:
     os.rename(old, new)
 
 
-__all__ = ["Destination", "OLD_MARK", "TMP_MARK", "target_path"]
+__all__ = ["Destination", "OLD_MARK", "TMP_MARK"]
