@@ -104,7 +104,8 @@ def load(model: nn.Module, path: str | os.PathLike | Location, *, plan, mesh,
     with one_look():  # an object store's listings, HEADs and journal asked once in this load
         try:
             source = open_source(where, dequantize=dequantize)
-            check_quantized_source(source, specs, mesh, get_format(source.name).CAPABILITIES)
+            if specs.ties:  # quantized weights: the source's format must place their scales
+                check_quantized_source(source, specs, mesh, get_format(source.name).CAPABILITIES)
             missing, unexpected = source.match(model, specs, strict=strict)
             check_nothing_left_on_meta(model, specs, missing)
             place = placement(model, specs, dims, dtype)
