@@ -1,11 +1,12 @@
-"""How a parallelised model holds its shards: one strategy object per way (``holding=``, decoded
-once by :meth:`Holding.parse`), and the one DTensor test (:func:`is_dtensor`, :func:`local_of`)."""
+"""How a parallelised model holds its shards (``holding=``, decoded once by
+:meth:`Holding.parse`): plain data that the layers which act on it read, and the one DTensor
+test (:func:`is_dtensor`, :func:`local_of`)."""
 
 from __future__ import annotations
 
-import importlib
 import sys
-from typing import TYPE_CHECKING, Any, ClassVar, TypeGuard
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, TypeGuard
 
 import torch
 
@@ -15,25 +16,17 @@ if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
 
+@dataclass(frozen=True, eq=False)
 class Holding:
-    """One way of holding shards: what it declares (``one_process``, ``plain_shards``) and its
-    behaviour, the methods below, forwarded to its implementation in ``shardwise.io.place``
-    (imported on first use). One instance per kind, compared by identity. Every rank calls each
-    method with the same arguments, in pipeline order: check_wiring, shard or placement, wire; on
-    save gather_coords or dcp_placed.
+    """One way of holding shards, as data: its name and what it declares. ``parallel`` wires
+    a model by it, ``io.place`` picks a load's placement by it, the DCP format places a save by
+    it. One instance per kind, compared by identity.
 
-    - ``check_wiring(model, specs)``: raise ``PlanError``, before any read, for a planned module
-      this holding cannot wire.
-    - ``shard(full, name, spec, specs, dims, device)``: this rank's shard of the model's whole
-      tensor ``full``, on ``device`` (None: as is).
-    - ``wire(model, specs, state)``: make the planned modules' forward correct on the installed
-      shards (``install``, once).
-    - ``placement(model, specs, dims, dtype)``: the last step of ``sw.load``: this rank's wants,
-      each read's finalize, the install.
-    - ``gather_coords(state, spec)``: ``(degree, rank)`` of the shard this rank hands a gather
-      save (degree 1: whole here).
-    - ``dcp_placed(model, state)``: ``({name: Placed}, save planner or None)`` of a DCP save of
-      ``model`` (None: the canonical planner).
+    - ``one_process``: one process drives every device; each parameter is one global tensor
+      placed over the devices (SPMD), and the model's own forward is correct.
+    - ``plain_shards``: plain local shards, no tensor says it is sharded; each planned forward
+      does its own collectives.
+    - neither: each parameter a DTensor over its mesh axis (gloo, nccl, TorchNeuron).
 
     >>> Holding.parse("local")
     Holding.LOCAL
@@ -44,16 +37,10 @@ class Holding:
     DTENSOR: ClassVar[Holding]
     LOCAL: ClassVar[Holding]
     SPMD: ClassVar[Holding]
-    METHODS: ClassVar[tuple[str, ...]] = ("check_wiring", "shard", "wire", "placement", "gather_coords",
-                                          "dcp_placed")
 
-    def __init__(self, name: str, implementation: str, *, one_process: bool = False,
-                 plain_shards: bool = False):
-        self.name = name  # the public keyword's value
-        self.one_process = one_process  # one process drives every device: tensors are global
-        self.plain_shards = plain_shards  # plain local shards: no tensor says it is sharded
-        self._path = implementation  # "module:Class"
-        self._impl: Any = None
+    name: str  # the public keyword's value
+    one_process: bool = False
+    plain_shards: bool = False
 
     @staticmethod
     def parse(value: str | Holding) -> Holding:
@@ -72,18 +59,13 @@ class Holding:
     def __repr__(self) -> str:
         return f"Holding.{self.name.upper()}"
 
-    def __getattr__(self, method: str) -> Any:
-        if method not in Holding.METHODS:  # attributes, and what copy/pickle probe for
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {method!r}")
-        if self._impl is None:
-            module, cls = self._path.split(":")
-            self._impl = getattr(importlib.import_module(module), cls)()
-        return getattr(self._impl, method)
+    def __reduce__(self) -> str:
+        return f"Holding.{self.name.upper()}"  # one instance per kind, across pickling too
 
 
-Holding.DTENSOR = Holding("dtensor", "shardwise.io.place:DTensorHolding")
-Holding.LOCAL = Holding("local", "shardwise.io.place:LocalHolding", plain_shards=True)
-Holding.SPMD = Holding("spmd", "shardwise.io.place:SpmdHolding", one_process=True)
+Holding.DTENSOR = Holding("dtensor")
+Holding.LOCAL = Holding("local", plain_shards=True)
+Holding.SPMD = Holding("spmd", one_process=True)
 _ALL = (Holding.DTENSOR, Holding.LOCAL, Holding.SPMD)
 
 

@@ -201,6 +201,11 @@ class ShardState(MeshDims):
     def of(cls, dims: MeshDims, specs: ResolvedPlan) -> ShardState:
         return cls(specs=specs, **{f.name: getattr(dims, f.name) for f in fields(MeshDims)})
 
+    def gather_coords(self, spec: ShardSpec) -> tuple[int, int]:
+        """``(degree, rank)`` of the shard this rank hands a gather save for ``spec`` (degree 1:
+        whole here, as a global SPMD tensor is)."""
+        return (1, 0) if self.holding.one_process else self.coords(spec)
+
     __repr__ = MeshDims.__repr__  # the dataclass's own repr would print the whole plan
 
 

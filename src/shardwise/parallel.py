@@ -19,11 +19,13 @@ from shardwise.holding import Holding, is_dtensor, local_of  # noqa: F401 - loca
 from shardwise.local_tp import run_on_local_params, wire_forward, wire_local
 from shardwise.mesh import MeshDims, ShardState, decode_mesh, get_shard_state, set_shard_state, world_backend
 from shardwise.plan_checks import check_installed, check_plan, check_unused_keys
-from shardwise.quant import guard_cut_blocks, quantized_module, scale_is_local, wire_quantized
+from shardwise.quant import guard_cut_blocks, local_part, quantized_module, scale_is_local, wire_quantized
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
+
+    from shardwise.backends.xla_spmd import SpmdMesh
 
 
 def resolve_for_mesh(model: nn.Module, plan, dims: MeshDims, ep_plan=None) -> ResolvedPlan:
@@ -66,15 +68,19 @@ def install(model: nn.Module, specs: ResolvedPlan, dims: MeshDims, *,
         kept_prefix, _, kept_leaf = kept.rpartition(".")
         setattr(model.get_submodule(prefix), leaf, getattr(model.get_submodule(kept_prefix), kept_leaf))
     state = ShardState.of(dims, specs)
-    dims.holding.wire(model, specs, state)
+    if not dims.holding.one_process:  # SPMD: the model's own forward, the partitioner adds the collectives
+        wire(model, specs, state, dtensor=not dims.holding.plain_shards)
     check_installed(model, specs, declared, holding=dims.holding, dtype=dtype, coords=dims.axis_coords)
     set_shard_state(model, state)
     return state
 
 
-def check_local_wiring(model: nn.Module, specs: ResolvedPlan) -> None:
-    """``Holding.LOCAL.check_wiring``: raise ``PlanError`` for a sharded nn.Linear subclass with a
-    forward of its own (the local-shard forward would skip what it adds)."""
+def check_wiring(model: nn.Module, specs: ResolvedPlan, holding: Holding) -> None:
+    """Raise ``PlanError``, before any read, for a planned module ``holding`` cannot wire: under
+    plain shards, a sharded nn.Linear subclass with a forward of its own (the local-shard forward
+    would skip what it adds). torch's styles and the explicit-collective forwards take the rest."""
+    if not holding.plain_shards:
+        return
     for path, style in specs.styles.items():
         module = model.get_submodule(path)
         if (style.forward == "linear" and not isinstance(module, nn.Embedding)
@@ -86,9 +92,10 @@ def check_local_wiring(model: nn.Module, specs: ResolvedPlan) -> None:
 
 
 def wire(model: nn.Module, specs: ResolvedPlan, state: ShardState, *, dtensor: bool) -> None:
-    """``Holding.DTENSOR.wire`` (``dtensor``: every sharded parameter a DTensor on its axis mesh,
-    forwards written for plain tensors run on their local shards) and ``Holding.LOCAL.wire``
-    (plain local shards, each planned forward doing its collectives)."""
+    """Make the planned modules' forward correct on the installed shards: ``dtensor`` (DTensor
+    holding), every sharded parameter a DTensor on its axis mesh, forwards written for plain
+    tensors run on their local shards; else (local holding) plain local shards, each planned
+    forward doing its collectives."""
     # {id(local Parameter): (that Parameter, its DTensor Parameter)} while wiring, so a tied
     # weight seen from a second module becomes the same DTensor Parameter.
     converted: dict = {}
@@ -133,13 +140,24 @@ def parallelize(model: nn.Module, plan, mesh, *, holding: str | None = None, ep_
     if meta:
         raise PlanError(f"parallelize needs a materialised model, but {meta[0]!r} is on the meta "
                         "device; use sw.load(model, path, plan=..., mesh=...) to fill a meta model")
-    dims.holding.check_wiring(model, specs)
+    check_wiring(model, specs, dims.holding)
     # the mesh's device type, not dims.device: a model parallelised over a CPU (gloo) mesh
     # keeps its tensors where they are
     device = torch.device(mesh.device_type) if mesh.device_type != "cpu" else None
     install(model, specs, dims,
-            local_tensor=lambda name, spec: dims.holding.shard(full[name], name, spec, specs, dims, device))
+            local_tensor=lambda name, spec: _shard(full[name], name, spec, specs, dims, device))
     return model
+
+
+def _shard(full: torch.Tensor, name: str, spec: ShardSpec, specs: ResolvedPlan, dims: MeshDims,
+           device: torch.device | None) -> torch.Tensor:
+    """This rank's shard of the model's whole tensor ``full``, on ``device`` (None: as is); under
+    SPMD holding the global tensor placed over the devices."""
+    t = full.detach()
+    if dims.holding.one_process:
+        return cast("SpmdMesh", dims.tp_mesh).distribute(t, spec.dim)
+    local = t if spec.replicated else local_part(t, name, spec, specs, dims.coords(spec))
+    return local.to(device) if device is not None and local.device != device else local
 
 
 # -- DTensor holding: torch's styles, with our shards as their parameters ---------------

@@ -13,10 +13,13 @@ import warnings
 import torch
 from torch import nn
 
+from shardwise import comm
+from shardwise.core.adapter import adapter_for
 from shardwise.core.plan import ResolvedPlan
 from shardwise.core.plan_rules import HEAD_ATTRS
 from shardwise.core.quant_layout import scale_local_shape
 from shardwise.core.spec import local_shape
+from shardwise.core.styles import _patterns, closest_paths
 from shardwise.errors import PlanError, ShardingError
 from shardwise.holding import Holding, is_dtensor, local_of
 
@@ -148,10 +151,6 @@ def check_unused_keys(model: nn.Module, unused: tuple[str, ...], *, ours: bool) 
     not one of the plans the model ships (those name modules of every variant: ``q_b_proj``
     where a configuration has only ``q_a_proj``). Any other key is warned about once, on rank
     0, with the closest paths."""
-    from shardwise import comm
-    from shardwise.core.adapter import adapter_for
-    from shardwise.core.styles import _patterns, closest_paths
-
     if not unused:
         return
     patterns = _patterns(model)

@@ -28,7 +28,6 @@ from shardwise.core.quant_layout import (
 from shardwise.core.spec import Region, ShardSpec, split
 from shardwise.errors import CheckpointError, UnsupportedModelError, UsageError
 from shardwise.holding import Holding
-from shardwise.io.formats import get_format
 from shardwise.local_tp import _CopyTo, _GatherFrom, _ReduceFrom, _SplitTo, run_on_local_params
 
 # ---- guards of loads and saves: before any tensor is read, written or gathered
@@ -50,12 +49,11 @@ def check_quantized_load(specs: ResolvedPlan, holding: Holding, dequantize: bool
                                     "yet; load with dequantize=True, or use one process per device")
 
 
-def check_quantized_source(source, specs: ResolvedPlan, mesh) -> None:
+def check_quantized_source(source, specs: ResolvedPlan, mesh, can) -> None:
     """Refuse a checkpoint block size other than the FP8 modules', and cut scales from a format
-    without ``scale_regions``."""
+    without ``scale_regions`` (``can``: the source's format's ``Capabilities``)."""
     if not specs.ties:
         return
-    can = get_format(source.name).CAPABILITIES
     fp8 = {s: t for s, t in specs.ties.items() if t.scheme == "fp8_block"}
     qc = cq.read_quantization(source.root) if can.dequantizes and fp8 else None
     if qc is not None and qc.config is not None:

@@ -1,6 +1,6 @@
 """A storage that reads once per job (``fetch_once = True``, as an object store declares) under
 ``sw.load`` on spawned gloo ranks: ``tests/memstore.py``'s store with the flag set, so the
-exchange (``shardwise.io.exchange``) runs in the gloo suite too (tests/remote runs it against
+exchange (``shardwise.io.read.exchange``) runs in the gloo suite too (tests/remote runs it against
 S3). Every rank's shards are bit-identical to the split of the stored tensors at tp=2, tp=4 and
 dp_replicate=2 x tp=2, the job reads each tensor byte once, each rank about its share; the
 same store without the flag reads as local files do (replicated tensors on every rank)."""

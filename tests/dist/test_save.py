@@ -280,6 +280,7 @@ def test_world_of_one_is_a_plain_streaming_saver(tmp_path):
 
 def test_without_atomic_exchange_an_interrupted_swap_is_repaired(tmp_path, monkeypatch):
     import shardwise.io.storage.transaction as target_module
+    from shardwise.io.storage.lookups import OLD_MARK, host
 
     monkeypatch.setattr(target_module, "_renameat2_fn", lambda: None)  # as on macOS
     original, other = _original(tmp_path), _original(tmp_path, seed=1)
@@ -288,7 +289,7 @@ def test_without_atomic_exchange_an_interrupted_swap_is_repaired(tmp_path, monke
     sw.save(make_model(), target, overwrite=True, max_shard_size=SMALL)
     _assert_same(target, original)
     # killed between "previous checkpoint renamed aside" and "new one renamed in"
-    aside = tmp_path / f".out{target_module.OLD_MARK}{target_module._host()}-999999999-abcd"
+    aside = tmp_path / f".out{OLD_MARK}{host()}-999999999-abcd"
     target.rename(aside)
     with pytest.raises(sw.CheckpointError, match="already exists"):
         sw.save(make_model(1), target)  # puts the previous checkpoint back, then refuses

@@ -14,11 +14,11 @@ from located import at
 from proxy import RankProxies
 
 import shardwise as sw
-import shardwise.io.exchange as exchange
+import shardwise.io.read.exchange as exchange
 from models import make_model, tiny_plan
 from shardwise.core.spec import ShardSpec, split
 from shardwise.io.formats.safetensors.files import StreamingWriter, read_header
-from shardwise.io.formats.safetensors.reader import RegionReader, plan_reads
+from shardwise.io.read.reader import RegionReader, plan_reads
 from shardwise.parallel import get_shard_state, local_of
 from shardwise.testing import spawn
 

@@ -217,8 +217,8 @@ def _hook(op: str, point: str) -> tuple[object, str, int]:
     from shardwise.io import gather, sink
     from shardwise.io.formats.dcp.items import HashingWriter
     from shardwise.io.formats.dcp.metadata import MetadataReader
-    from shardwise.io.formats.safetensors import reader
     from shardwise.io.formats.safetensors import source as safetensors_source
+    from shardwise.io.read import reader
     from shardwise.io.storage.local import LocalWriter
 
     return {

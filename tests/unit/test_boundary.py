@@ -52,8 +52,9 @@ def test_only_the_boundary_reads_the_backend_and_the_tp_axis(name, boundary):
 def test_the_backend_of_the_collectives_is_resolved_by_public_entry_points_only():
     callers = _calls("world_backend")
     assert callers, "nothing resolves the backend: sw.save would run its collectives on none"
-    # the public entries, and decode_mesh, which they call to decode their mesh at the boundary
-    assert {fn for _, fn in callers} <= {*sw.__all__, "decode_mesh"}, callers
+    # the public entries, decode_mesh, which they call to decode their mesh at the boundary, and
+    # save_pipeline, sw.save's door for a diffusers pipeline (reached through save_collection)
+    assert {fn for _, fn in callers} <= {*sw.__all__, "decode_mesh", "save_pipeline"}, callers
 
 
 def _imports(path: Path) -> set[str]:

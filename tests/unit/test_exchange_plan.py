@@ -1,4 +1,4 @@
-"""The pure plan of a load that reads each byte once per job (``shardwise.io.exchange``): run on
+"""The pure plan of a load that reads each byte once per job (``shardwise.io.read.exchange``): run on
 every rank's view and executed here by hand (slabs sliced out of the canonical tensors, moves
 delivered through per-pair mailboxes), each rank's local tensors equal ``split``, every pooled
 byte is fetched once, slabs are balanced and the plan of a colwise tensor reads it directly."""
@@ -12,7 +12,7 @@ import torch
 
 from shardwise.core.header import TensorEntry
 from shardwise.core.spec import ShardSpec, local_layout, local_shape, split
-from shardwise.io.exchange import Need, plan_exchange
+from shardwise.io.read.exchange import Need, plan_exchange
 
 SHAPES = {("a.safetensors", "emb"): (24, 8), ("a.safetensors", "o"): (8, 16), ("a.safetensors", "norm"): (8,),
           ("b.safetensors", "gate_up"): (16, 8), ("b.safetensors", "down"): (8, 16),

@@ -65,6 +65,29 @@ def test_torch_dcp_is_imported_only_to_open_a_dcp_checkpoint(tmp_path):
     assert out.stdout.strip() == "[False, False, False, True]"
 
 
+def test_a_safetensors_load_and_parallelize_leave_torch_dcp_unimported(tmp_path):
+    """The load pipeline, its placement and ``parallelize`` import no DCP module: a safetensors
+    load in a fresh process leaves ``torch.distributed.checkpoint`` (and its async saver's
+    torch.distributed.elastic) out of ``sys.modules``."""
+    code = ("import sys, torch, shardwise as sw\n"
+            "from safetensors.torch import save_file\n"
+            "new = lambda: torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))\n"
+            "save_file(new().state_dict(), sys.argv[1])\n"
+            "mesh = sw.init_backend('gloo').mesh(tp=1)\n"
+            "plan = {'0': 'colwise', '1': 'rowwise'}\n"
+            "with torch.device('meta'):\n"
+            "    model = new()\n"
+            "result = sw.load(model, sys.argv[1], plan=plan, mesh=mesh)\n"
+            "sw.parallelize(new(), plan, mesh)\n"
+            "dcp = ('torch.distributed.checkpoint', 'torch.distributed.elastic',\n"
+            "       'shardwise.io.formats.dcp.')\n"
+            "print(result.tensors, sorted(m for m in sys.modules if m.startswith(dcp)))")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "model.safetensors")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "4 []"
+
+
 def test_each_format_claims_its_own(tmp_path):
     save_file(TENSORS, tmp_path / "model.safetensors")
     (tmp_path / "sharded").mkdir()

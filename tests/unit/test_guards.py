@@ -49,8 +49,8 @@ def traps(monkeypatch, mesh):
     import torch.distributed.distributed_c10d as c10d
 
     from shardwise.io.formats.safetensors import files as safetensors_io
-    from shardwise.io.formats.safetensors import reader
     from shardwise.io.formats.safetensors import source as safetensors_source
+    from shardwise.io.read import reader
 
     attempted: list[str] = []
 
@@ -269,7 +269,7 @@ def test_options_that_cannot_stream(mesh, ckpt, traps):
 def test_pickle_weights_refused(name, mesh, tmp_path, monkeypatch):
     import torch.distributed as dist
 
-    from shardwise.io.formats.safetensors import reader
+    from shardwise.io.read import reader
 
     for n in COLLECTIVES:
         monkeypatch.setattr(dist, n, lambda *a, **k: pytest.fail("collective ran"), raising=False)

@@ -12,7 +12,6 @@ from safetensors.torch import save_file
 import shardwise as sw
 from shardwise.core.spec import Region, ShardSpec, local_layout
 from shardwise.errors import CheckpointError
-from shardwise.io.formats.safetensors.reader import RegionReader, piece_items
 from shardwise.io.formats.sharded.source import (
     is_sharded_safetensors,
     read_local,
@@ -20,6 +19,7 @@ from shardwise.io.formats.sharded.source import (
     sharding_metadata,
 )
 from shardwise.io.formats.sharded.write import assign_chunks, num_files, rank_files
+from shardwise.io.read.reader import RegionReader, piece_items
 
 W = torch.arange(32, dtype=torch.float32).reshape(8, 4)   # rows split 2 | 3 | 3 over three files
 B = torch.tensor([1.5, -2.0, 3.0, 4.0], dtype=torch.bfloat16)  # replicated, in file 1 only
@@ -49,7 +49,7 @@ def no_reads(monkeypatch):
     """Fail the test if any tensor byte is read."""
     def refuse(*args, **kwargs):
         raise AssertionError("a tensor byte was read")
-    monkeypatch.setattr("shardwise.io.formats.safetensors.reader.read_region", refuse)
+    monkeypatch.setattr("shardwise.io.read.reader.read_region", refuse)
 
 
 def test_chunk_map_and_detection(tmp_path):

@@ -19,8 +19,8 @@ from shardwise.core.header import TensorEntry
 from shardwise.core.spec import Region, ShardSpec, split
 from shardwise.errors import CheckpointError
 from shardwise.io.formats.safetensors.checkpoint import resolve_checkpoint
-from shardwise.io.formats.safetensors.mapped import contiguous_span, copy_mapped
-from shardwise.io.formats.safetensors.reader import RegionReader, cpu_views, plan_reads
+from shardwise.io.read.mapped import contiguous_span, copy_mapped
+from shardwise.io.read.reader import RegionReader, cpu_views, plan_reads
 from shardwise.io.storage import locate
 
 TENSORS = {

@@ -13,7 +13,7 @@ import torch
 from shardwise.core.spec import ShardSpec, split
 from shardwise.errors import CheckpointError
 from shardwise.io.formats.safetensors.checkpoint import resolve_checkpoint
-from shardwise.io.formats.safetensors.reader import RegionReader, plan_reads
+from shardwise.io.read.reader import RegionReader, plan_reads
 
 
 def _ar(*shape, dtype=torch.float32):

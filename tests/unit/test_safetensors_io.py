@@ -45,7 +45,7 @@ from shardwise.io.formats.safetensors.files import (
     read_tensor,
 )
 from shardwise.io.storage import locate
-from shardwise.io.storage.local import Writeback
+from shardwise.io.storage.posix import Writeback
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
           torch.int16, torch.int8, torch.uint8, torch.bool]
@@ -687,7 +687,7 @@ def test_plan_files_and_index_json():
 def test_read_region_completes_short_reads(tmp_path, monkeypatch):
     # The kernel may return fewer bytes than asked (signals, network filesystems): the
     # remainder of every run must still be read, at the right offset.
-    import shardwise.io.storage.local as sio  # where the byte-level reads live
+    import shardwise.io.storage.posix as sio  # where the byte-level reads live
 
     t = torch.arange(64 * 48, dtype=torch.float32).reshape(64, 48)
     path = tmp_path / "m.safetensors"
@@ -718,7 +718,8 @@ def test_reading_and_writing_need_no_numpy(tmp_path):
 import sys
 sys.modules["numpy"] = None  # any import of numpy now fails
 import torch
-from shardwise.io.formats.safetensors.files import StreamingWriter, read_header, read_region
+from shardwise.io.formats.safetensors.files import StreamingWriter, read_header
+from shardwise.io.read.mapped import read_region
 t = torch.arange(24, dtype=torch.bfloat16).reshape(4, 6)
 path = {str(tmp_path / "m.safetensors")!r}
 with StreamingWriter(path, [("w", "BF16", (4, 6))]) as w:

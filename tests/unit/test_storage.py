@@ -16,10 +16,11 @@ import pytest
 import torch
 
 import memstore
+import shardwise as sw
 from shardwise.core.spec import ShardSpec, split
 from shardwise.errors import CheckpointError, UsageError
 from shardwise.io.formats.safetensors.files import StreamingWriter, read_header
-from shardwise.io.formats.safetensors.reader import RegionReader, plan_reads
+from shardwise.io.read.reader import RegionReader, plan_reads
 from shardwise.io.storage import (
     HandleFile,
     Handles,
@@ -137,3 +138,16 @@ def test_coalesced_requests_are_whole_parts():
     # a rowwise slice's every-other runs stay apart beyond the allowed waste
     got = list(coalesce([(0, 2), (4, 2), (8, 2)], 8, waste=0.25))
     assert [(start, end) for start, end, _ in got] == [(0, 2), (4, 6), (8, 10)]
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "model.safetensors.index.json"])
+def test_a_symlink_loop_is_a_checkpoint_error_naming_the_file(tmp_path, name):
+    # the fuzzer's one defect: a checkpoint file that is a symlink to itself raised ELOOP
+    (tmp_path / name).symlink_to(name)
+    for call in (lambda: LOCAL.stat(locate(tmp_path / name)), lambda: LOCAL.open(locate(tmp_path / name)),
+                 lambda: sw.inspect(tmp_path), lambda: sw.inspect(tmp_path / name)):
+        with pytest.raises(CheckpointError, match=f"{name}: cannot (open|read) \\(Too many levels of"):
+            call()
+    (tmp_path / "loop").symlink_to("loop")
+    with pytest.raises(CheckpointError, match="loop: cannot read"):
+        LOCAL.list(locate(tmp_path / "loop"))

@@ -22,8 +22,15 @@ from typing import Any
 import torch
 from torch import nn
 
+import shardwise.comm as comm
+from shardwise.adapters import inject as lora
+from shardwise.adapters.inject import FILE_PREFIX
 from shardwise.core.spec import assemble, local_layout, local_shape
 from shardwise.errors import CheckpointError, UsageError
+from shardwise.holding import local_of
+from shardwise.io.formats.safetensors.checkpoint import resolve_checkpoint
+from shardwise.io.read.mapped import read_region
+from shardwise.io.storage import Handles, locate
 from shardwise.mesh import ShardState, get_shard_state
 
 _ATTACHED = "_shardwise_adapters"  # model.__dict__: {adapter name: (config, [LoraTensor])}
@@ -108,9 +115,6 @@ def _diffusers_config(ckpt, file, component: str) -> Any:
 def _open_adapter(where, component: str):
     """``(config, checkpoint, key prefix)`` of the adapter at ``where``: a PEFT folder, or a
     diffusers LoRA file (or a folder holding ``pytorch_lora_weights.safetensors``)."""
-    from shardwise.adapters.inject import FILE_PREFIX
-    from shardwise.io.formats.safetensors.checkpoint import resolve_checkpoint
-
     if where.suffix != ".safetensors" and (where / CONFIG_FILE).exists():
         config = _lora_config(_small_json(where / CONFIG_FILE), where)
         return config, resolve_checkpoint(where / WEIGHTS_FILE), FILE_PREFIX
@@ -124,8 +128,6 @@ def _open_adapter(where, component: str):
 
 def _read(ckpt, handles, t, coords: tuple[int, int], dtype: torch.dtype) -> tuple[torch.Tensor, int]:
     """This rank's shard of ``t`` read region by region from the bytes that hold it; bytes read."""
-    from shardwise.io.formats.safetensors.files import read_region
-
     path, entry = ckpt.entry(t.key)
     out = torch.empty(local_shape(t.shape, t.spec, coords[0]), dtype=entry.torch_dtype)
     nbytes = 0
@@ -162,9 +164,6 @@ def load_adapter(model: nn.Module, path: str | os.PathLike, *, adapter_name: str
     >>> sw.load_adapter(model, "lora/", adapter_name="style")        # doctest: +SKIP
     AdapterResult(adapter='style', tensors=28, bytes_read=57344)
     """
-    from shardwise.adapters import inject as lora
-    from shardwise.io.storage import Handles, locate
-
     state = _state(model, "load_adapter")
     if adapter_name in attached(model) or adapter_name in (model.__dict__.get("peft_config") or {}):
         raise UsageError(f"an adapter named {adapter_name!r} is attached already; pass another adapter_name "
@@ -221,9 +220,6 @@ def save_adapter(model: nn.Module, path: str | os.PathLike, *, adapter_name: str
 
     >>> sw.save_adapter(model, "out/lora", adapter_name="style")     # doctest: +SKIP
     """
-    import shardwise.comm as comm
-    from shardwise.io.storage import locate
-
     state = _state(model, "save_adapter")
     if adapter_name not in attached(model):
         raise UsageError(f"no adapter named {adapter_name!r} was loaded with sw.load_adapter; attached: "
@@ -232,8 +228,6 @@ def save_adapter(model: nn.Module, path: str | os.PathLike, *, adapter_name: str
     whole = {}
     for t in tensors:
         owner, attr = t.holder(model, adapter_name)
-        from shardwise.holding import local_of
-
         local = local_of(getattr(owner, attr)).detach().contiguous()
         degree = state.coords(t.spec)[0]
         if t.spec.replicated or degree == 1:
@@ -252,15 +246,12 @@ def save_adapter(model: nn.Module, path: str | os.PathLike, *, adapter_name: str
 
 
 def _write(where, config, tensors: dict[str, torch.Tensor]) -> None:
-    import tempfile
-
     import safetensors.torch
 
     if where.scheme is None:  # a local folder; an object store has none to make
         os.makedirs(where.path, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:  # PEFT's own config writer, then to the storage
-        config.save_pretrained(tmp)
-        text = open(os.path.join(tmp, CONFIG_FILE), "rb").read()
+    fields = {k: sorted(v) if isinstance(v, set) else v for k, v in config.to_dict().items()}
+    text = json.dumps(fields, indent=2, sort_keys=True).encode()  # as PeftConfig.save_pretrained writes it
     (where / WEIGHTS_FILE).write_bytes(safetensors.torch.save(tensors, metadata={"format": "pt"}))
     (where / CONFIG_FILE).write_bytes(text)
 

@@ -272,7 +272,7 @@ class Backend:
         sizes multiply to the world size. Collective: every rank calls it.
 
         >>> mesh = backend.mesh(dp_shard=2, tp=2)   # doctest: +SKIP
-        >>> mesh.mesh_dim_names
+        >>> mesh.mesh_dim_names                     # doctest: +SKIP
         ('dp_shard', 'tp')
         """
         if "ep" in axes and "tp" not in axes:  # an ep mesh always has a tp axis, of size 1 here

@@ -108,8 +108,9 @@ class ModelAdapter:
 _PLAIN = ModelAdapter()
 _ADAPTERS: dict[str, ModelAdapter] = {}
 # The adapters shardwise ships, registered on first use of the registry (importing shardwise
-# stays light): Hugging Face's (transformers, diffusers; needs neither library to import).
-_BUILTIN = ("shardwise.hf.adapter",)
+# stays light): Hugging Face's (transformers, diffusers; needs neither library to import) and
+# diffusers pipelines' (sw.save of a pipeline).
+_BUILTIN = ("shardwise.hf.adapter", "shardwise.hf.pipeline")
 _builtin_loaded = False
 
 

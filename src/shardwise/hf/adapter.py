@@ -139,14 +139,6 @@ class HuggingFace(ModelAdapter):
         # a diffusers index has no total_parameters
         return {} if library_of(model) == "diffusers" else super().index_metadata(model, shapes)
 
-    def save_collection(self, obj: object, path, options: dict) -> bool:
-        from shardwise.hf.pipeline import is_pipeline, save_pipeline  # diffusers' pipelines, on use
-
-        if not is_pipeline(obj):
-            return False
-        save_pipeline(obj, path, **options)
-        return True
-
     def write_side_files(self, model: nn.Module, folder: Location) -> list[str]:
         """As the model's ``save_pretrained`` would; [] for a model of neither library or without
         a config."""

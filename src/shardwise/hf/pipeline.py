@@ -14,7 +14,7 @@ import importlib
 import json
 import os
 import shutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,10 +24,12 @@ from torch import nn
 
 from shardwise.comm import agree
 from shardwise.comm import rank as this_rank
+from shardwise.core.adapter import ModelAdapter, register_adapter
 from shardwise.core.plan import resolve_plan
 from shardwise.errors import CheckpointError, ShardingError, UnsupportedModelError, UsageError
 from shardwise.hf.adapter import HuggingFace, _meta_model
 from shardwise.hf.hub_layout import library_of
+from shardwise.io.save import save
 from shardwise.io.storage import locate
 from shardwise.mesh import decode_mesh, world_backend
 
@@ -162,22 +164,21 @@ def plan_components(cls: type, folder: Path, *, degree: int, given: Mapping[str,
     return out
 
 
-def _load_one(c: Component, mesh, load_options: dict) -> Any:
+def _load_one(c: Component, mesh, load_options: dict, load_model: Callable[..., Any]) -> Any:
     if c.how == "plain":
         return c.cls.from_pretrained(c.folder)  # type: ignore[attr-defined]
-    from shardwise.hf.pretrained import from_pretrained
-
     # A model without a plan is read whole by every rank onto its device (an empty plan), through
     # the same door as the sharded ones: the same config handling, and sw.save writes it back.
     plan = "auto" if c.how == "shard" else {}
-    return from_pretrained(c.cls, c.folder, mesh=mesh, dtype=c.dtype, plan=plan, **load_options)
+    return load_model(c.cls, c.folder, mesh=mesh, dtype=c.dtype, plan=plan, **load_options)
 
 
-def load_pipeline(cls: type, path: str | os.PathLike, *, mesh, dtype=None, shard: Iterable[str] | None = None,
-                  storage_options: dict | None = None, **kwargs) -> Any:
+def load_pipeline(cls: type, path: str | os.PathLike, *, mesh, load_model: Callable[..., Any], dtype=None,
+                  shard: Iterable[str] | None = None, storage_options: dict | None = None, **kwargs) -> Any:
     """``cls`` (a diffusers pipeline class) from the pipeline folder ``path``: the sharded
-    components through ``sw.from_pretrained``, the rest whole on this rank's device. ``kwargs``:
-    components built already (``transformer=model``) and ``sw.load`` options. Collective."""
+    components through ``load_model`` (``sw.from_pretrained``, which calls this), the rest whole
+    on this rank's device. ``kwargs``: components built already (``transformer=model``) and
+    ``sw.load`` options. Collective."""
     where = locate(path, storage_options)
     if where.scheme is not None:
         raise UsageError(f"{where}: a pipeline loads from a local folder for now; download it "
@@ -198,7 +199,7 @@ def load_pipeline(cls: type, path: str | os.PathLike, *, mesh, dtype=None, shard
     built = dict(given)
     results = {}
     for c in components:
-        built[c.name] = _load_one(c, mesh, load_options)
+        built[c.name] = _load_one(c, mesh, load_options, load_model)
         if c.how != "plain":
             results[c.name] = built[c.name].result
     for name in expected:
@@ -230,7 +231,6 @@ def save_pipeline(pipe: Any, path: str | os.PathLike, *, overwrite: bool = False
     models through ``sw.save`` (sharded ones gathered, or ``distributed=True``), the others'
     ``save_pretrained`` on rank 0, ``model_index.json``. Complete or absent: written beside
     ``path`` and renamed into place. Collective."""
-    from shardwise.io.save import save
 
     if save_kwargs.get("async_save"):
         raise UsageError("async_save=True saves one model; a pipeline saves its components one after "
@@ -290,6 +290,22 @@ def _swap_in(staging: Path, final: Path) -> None:
     staging.rename(final)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+class Pipelines(ModelAdapter):
+    """The adapter of diffusers pipelines: it claims no model; ``sw.save`` of a pipeline (not a
+    module) reaches :func:`save_pipeline` through it."""
+
+    name = "diffusers-pipeline"
+
+    def save_collection(self, obj: object, path, options: dict) -> bool:
+        if not is_pipeline(obj):
+            return False
+        save_pipeline(obj, path, **options)
+        return True
+
+
+register_adapter(Pipelines())
 
 
 __all__ = ["Component", "is_pipeline", "load_pipeline", "plan_components",

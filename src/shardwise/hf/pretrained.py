@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
+from shardwise.comm import agree, all_gather_object
 from shardwise.errors import CheckpointError, UnsupportedModelError, UsageError
 from shardwise.hf.adapter import build_model, config_folder
 from shardwise.hf.hub_layout import library_of
@@ -193,8 +194,8 @@ def from_pretrained(cls, path: str | os.PathLike, *, mesh, dtype: torch.dtype | 
             raise UsageError("a pipeline takes each component's own plan from a local folder: drop "
                              "plan=, revision= and token= (or load a component yourself and pass it: "
                              "transformer=...)")
-        return load_pipeline(cls, path, mesh=mesh, dtype=dtype, dequantize=dequantize,
-                             storage_options=storage_options, **load_options)
+        return load_pipeline(cls, path, mesh=mesh, load_model=from_pretrained, dtype=dtype,
+                             dequantize=dequantize, storage_options=storage_options, **load_options)
     library = _library(cls)
     check_mesh(mesh)  # before anything is read or built
     if is_repo_id(path):
@@ -240,8 +241,6 @@ def hub_location(repo_id: str, *, revision: str | None, token: str | bool | None
     ``backend`` (None: one process): every rank resolves the commit and the ranks compare, so all
     read one commit. ``CheckpointError`` on every rank for an unknown repo or revision, one the
     token cannot see, or a hub that cannot be reached; no token is shown."""
-    from shardwise.comm import agree, all_gather_object
-
     revision = revision or "main"
     commit, error = None, None
     try:

@@ -139,7 +139,7 @@ def collect_items(model: nn.Module) -> tuple[list[SaveItem], ShardState | None]:
         if local.is_meta:
             raise CheckpointError(f"tensor {name!r} is on the meta device, so it has no values to "
                                   "save; load or materialise the model first")
-        degree, rank = state.holding.gather_coords(state, spec) if state is not None else (1, 0)
+        degree, rank = state.gather_coords(spec) if state is not None else (1, 0)
         gathered = degree > 1 and not spec.replicated
         tie = specs.ties.get(name) if gathered else None
         shape = global_shape(local.shape, spec, degree) if gathered and tie is None else tuple(local.shape)

@@ -11,6 +11,7 @@ from shardwise.core.adapter import refuse_unsupported
 from shardwise.core.quant import SUPPORTED_QUANT, quant_scheme  # noqa: F401 - quant_scheme: re-exported
 from shardwise.core.quant_layout import quant_pairs
 from shardwise.errors import MeshError, UnsupportedModelError
+from shardwise.mesh import is_spmd_mesh
 
 # Tensor types a checkpoint path handles as is; anything else wraps its data.
 _PLAIN_TENSOR_TYPES = ("Tensor", "Parameter", "DTensor", "Buffer")
@@ -106,8 +107,6 @@ def check_mesh(mesh) -> None:
     """Raise ``MeshError`` if ``mesh`` is missing or spans more devices than the world (no
     collective)."""
     import torch.distributed as dist
-
-    from shardwise.mesh import is_spmd_mesh
 
     if mesh is None:
         raise MeshError("mesh is required; build one with sw.init_backend(...).mesh(tp=N)")

@@ -17,15 +17,16 @@ from shardwise._progress import Progress
 from shardwise.comm import agree, rank
 from shardwise.core.plan import ResolvedPlan
 from shardwise.errors import CheckpointError, PlanError, ShardwiseError, on_every_rank
-from shardwise.io.exchange import exchanges
-from shardwise.io.formats import open_source
+from shardwise.io.formats import get_format, open_source
 from shardwise.io.formats.safetensors.keys import listing
 from shardwise.io.guards import check_mesh, check_model, check_options
+from shardwise.io.place import placement
+from shardwise.io.read.exchange import exchanges
 from shardwise.io.source import ReadOptions
 from shardwise.io.storage import Location, locate
 from shardwise.io.storage.lookups import one_look
 from shardwise.mesh import decode_mesh
-from shardwise.parallel import get_shard_state, resolve_for_mesh
+from shardwise.parallel import check_wiring, get_shard_state, resolve_for_mesh
 from shardwise.quant import check_quantized_load, check_quantized_source, drop_quantization_config
 
 
@@ -92,7 +93,7 @@ def load(model: nn.Module, path: str | os.PathLike | Location, *, plan, mesh,
             raise TypeError(f"dtype must be a torch.dtype or None, got {dtype!r}")
         dims = decode_mesh(mesh, holding)  # the API boundary: the mesh decoded once, passed down
         specs = resolve_for_mesh(model, plan, dims, ep_plan)
-        dims.holding.check_wiring(model, specs)
+        check_wiring(model, specs, dims.holding)
         check_quantized_load(specs, dims.holding, dequantize)
         where = locate(path, storage_options)  # the location, decoded once
 
@@ -103,10 +104,11 @@ def load(model: nn.Module, path: str | os.PathLike | Location, *, plan, mesh,
     with one_look():  # an object store's listings, HEADs and journal asked once in this load
         try:
             source = open_source(where, dequantize=dequantize)
-            check_quantized_source(source, specs, mesh)
+            if specs.ties:  # quantized weights: the source's format must place their scales
+                check_quantized_source(source, specs, mesh, get_format(source.name).CAPABILITIES)
             missing, unexpected = source.match(model, specs, strict=strict)
             check_nothing_left_on_meta(model, specs, missing)
-            place = dims.holding.placement(model, specs, dims, dtype)
+            place = placement(model, specs, dims, dtype)
             names = [n for n in specs if n not in missing]
             reads = source.plan(place.wants(names))
         except Exception as e:

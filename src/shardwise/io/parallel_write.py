@@ -15,7 +15,7 @@ from shardwise.core.spec import Layout, Region, local_layout
 from shardwise.errors import CheckpointError
 from shardwise.io.gather import FileGatherer
 from shardwise.io.info import ALGORITHM, digest_range
-from shardwise.io.replicas import assign_owners
+from shardwise.io.read.replicas import assign_owners
 from shardwise.io.sink import WritePlan
 from shardwise.io.storage import Handles, Location, byte_view, locate, read_small, write_small
 

@@ -27,8 +27,7 @@ from shardwise.io.guards import check_model
 from shardwise.io.info import gather_info
 from shardwise.io.parallel_write import shared_folder, write_parallel
 from shardwise.io.sink import Saving, StoredTensor
-from shardwise.io.storage import Location, locate
-from shardwise.io.storage.transaction import target_path
+from shardwise.io.storage import Location, locate, target_path
 from shardwise.mesh import world_backend
 from shardwise.quant import check_quantized_save
 

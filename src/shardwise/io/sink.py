@@ -12,8 +12,7 @@ import shardwise.comm as comm
 from shardwise.backends import coordination_group
 from shardwise.comm import agree, capture
 from shardwise.io.info import write_info
-from shardwise.io.storage import Location
-from shardwise.io.storage.transaction import target_path
+from shardwise.io.storage import Location, target_path
 
 if TYPE_CHECKING:
     import torch
@@ -164,12 +163,14 @@ class Saving:
     :meth:`discard` (or leaving the ``with``) on every path: rank 0 removes what is left, a
     no-op after a commit. ``digest``: every rank's fingerprint of what it saves (they must
     agree). ``collective=False`` (``sw.consolidate``: one process, whatever group it is in):
-    this process does every step, with no collective."""
+    this process does every step, with no collective. ``what`` names the save in errors;
+    ``{target}`` in it stands for the target's path."""
 
     def __init__(self, location: Location, *, overwrite: bool, backend: Backend | None, what: str,
                  digest: bytes = b"\0" * 8, collective: bool = True):
-        self.backend, self.what, self.collective = backend, what, collective
-        self.target = target_path(location)
+        self.backend, self.collective = backend, collective
+        self.target = target_path(location)  # the one place a save computes its target
+        self.what = what.replace("{target}", str(self.target))
         self.rank0 = not collective or comm.rank() == 0
         self._dest = (self.target.storage.transaction(self.target, overwrite=overwrite)
                       if self.rank0 else None)

@@ -11,7 +11,6 @@ writer. Never imported by ``import shardwise``.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import multiprocessing as mp
 import os
@@ -37,7 +36,7 @@ from shardwise.core.spec import split as expected_shard
 from shardwise.errors import ShardwiseError, UsageError
 from shardwise.holding import local_of as local_shard
 from shardwise.io import info
-from shardwise.io.formats import open_source
+from shardwise.io.formats import FORMATS, get_format, open_source
 from shardwise.io.formats.safetensors.files import StreamingWriter, index_json, parse_size, plan_files
 from shardwise.io.storage import locate, write_small
 from shardwise.parallel import ShardState, get_shard_state
@@ -255,11 +254,12 @@ def read_all(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 def preload() -> None:
     """Import every module the public verbs import on first use, so that a timing measures the
     call, not the imports."""
-    for name in ("load", "save", "consolidate", "verify", "diff", "inspect", "from_pretrained"):
+    # load_optimizer: the DCP format's modules and torch.distributed.checkpoint
+    for name in ("load", "save", "consolidate", "verify", "diff", "inspect", "from_pretrained",
+                 "load_optimizer"):
         getattr(sw, name)
-    for module in ("torch.distributed.checkpoint", "shardwise.io.formats.dcp.checkpoint",
-                   "shardwise.io.formats.sharded.source"):
-        importlib.import_module(module)
+    for name in FORMATS:  # every format plugin, through the registry
+        get_format(name)
 
 
 def write_checkpoint(folder: str | os.PathLike, tensors: Iterable[tuple[str, torch.Tensor]],

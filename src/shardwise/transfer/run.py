@@ -31,6 +31,7 @@ from shardwise.core.pieces import Piece
 from shardwise.core.spec import Region
 from shardwise.errors import BackendError, PlanError, TransferError, UsageError
 from shardwise.holding import local_of
+from shardwise.io.placed import place  # the one reading of what a rank holds
 from shardwise.mesh import world_backend
 from shardwise.parallel import get_shard_state
 from shardwise.transfer.plan import DEFAULT_BUCKET_BYTES, Holding, Move, Plan, holding_of, make_plan
@@ -46,10 +47,6 @@ def _describe(model: nn.Module | None) -> dict[str, tuple] | None:
     """``{parameter: (canonical shape, dtype, local shape, layout)}`` of this rank's parts."""
     if model is None:
         return None
-    # the DCP chunk reader's placement reading (FSDP2 _StridedShard over tp, ep, local holding):
-    # one reading of what a rank holds; it costs torch.distributed.checkpoint's import, once
-    from shardwise.io.formats.dcp.items import place
-
     state = get_shard_state(model)
     if state is not None and state.holding.one_process:
         raise PlanError("transfer_plan moves shards between processes; an xla_spmd model is one "

@@ -25,7 +25,6 @@ import shardwise.comm as comm
 from shardwise.errors import UsageError
 from shardwise.parallel import get_shard_state
 from shardwise.testing.model import TP_PLAN, build, canonical, golden
-from shardwise.validate import Report, Result, markdown, run_header, table
 from shardwise.validate.checks import (
     FAIL,
     PASS,
@@ -35,6 +34,7 @@ from shardwise.validate.checks import (
     compare_tensors,
     mesh_world,
 )
+from shardwise.validate.report import Report, Result, markdown, run_header, table
 from shardwise.validate.scenarios import SCENARIOS, Job, Run, Unsupported, layout_limit, layouts_for, place
 
 WRITE_SEED = 1

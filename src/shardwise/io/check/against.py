@@ -80,7 +80,7 @@ def model_tensors(model: nn.Module) -> tuple[Expected, dict[str, str]]:
         if name in specs.ties:  # an FP8 weight's scales: local shards may overlap
             shape = specs.ties[name].scale_shape
         elif state is not None and not is_dtensor(t) and not spec.replicated:  # a plain local shard
-            degree = state.holding.gather_coords(state, spec)[0]  # 1: the holding keeps global tensors
+            degree = state.gather_coords(spec)[0]  # 1: the holding keeps global tensors
             shape = global_shape(shape, spec, degree) if degree > 1 else shape
         out[name] = (shape, dtype_to_str(t.dtype))
     return out, {a: k for a, k in specs.aliases.items() if a in held}

@@ -109,14 +109,16 @@ def locate(where: str | os.PathLike | Location, storage_options: dict | None = N
         if storage_options:
             raise UsageError(f"{os.fspath(where)!r} is a local path: storage_options={storage_options!r} are "
                              f"for a URL location (registered schemes: {sorted(_SCHEMES)})")
+        # deferred: local's transaction imports Location and write_small from this package
         from shardwise.io.storage.local import LOCAL
 
         return Location(LOCAL, Path(rest))
     factory = _SCHEMES.get(scheme)
-    if factory is None:  # any other scheme: fsspec's filesystem of it (fsspec imported only now)
+    if factory is None:  # any other scheme: fsspec's filesystem of it
+        # deferred: an optional client (fsspec), imported on the first URL that needs it
         from shardwise.io.storage.fsspec import factory as fsspec_factory
 
-        factory = fsspec_factory(scheme)
+        factory = fsspec_factory(scheme, registered=tuple(_SCHEMES))
     return Location(factory(**(storage_options or {})), PurePosixPath(rest), scheme)
 
 
@@ -345,7 +347,8 @@ def split_scheme(location: str | os.PathLike) -> tuple[str | None, str]:
 
 
 def _object_store(scheme: str) -> Callable[..., Storage]:
-    def make(**storage_options) -> Storage:  # obstore is imported on the first request, not here
+    def make(**storage_options) -> Storage:
+        # deferred: an optional client (obstore), imported on the first s3:// or gs:// request
         from shardwise.io.storage.objects import factory
 
         return factory(scheme)(**storage_options)
@@ -354,6 +357,20 @@ def _object_store(scheme: str) -> Callable[..., Storage]:
 
 for _scheme in ("s3", "gs"):
     register_storage(_scheme, _object_store(_scheme))
+
+
+def target_path(location: Location) -> Location:
+    """The save target ``location``, a local one made absolute; ``CheckpointError`` for a root,
+    ``UsageError`` for a ``read_only`` storage. Every rank calls it before anything is written."""
+    why = getattr(location.storage, "read_only", None)
+    if why:
+        raise UsageError(f"{location}: cannot save to {location.scheme}:// ({why}); save to a local folder "
+                         "or a writable storage")
+    if location.scheme is None:
+        location = replace(location, path=Path(os.path.abspath(location.path)))
+    if location.name in ("", ".", ".."):
+        raise CheckpointError(f"path {str(location)!r} must name a folder to create, not the root")
+    return location
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
@@ -370,4 +387,4 @@ def byte_view(t: torch.Tensor) -> memoryview:
 
 __all__ = ["HandleFile", "Handles", "Location", "ReadHandle", "Storage", "Transaction", "WriteHandle",
            "byte_view", "locate", "read_json", "read_small", "register_storage", "split_scheme",
-           "unregister_storage", "write_small"]
+           "target_path", "unregister_storage", "write_small"]

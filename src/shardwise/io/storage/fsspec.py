@@ -27,6 +27,7 @@ import builtins
 import json
 import os
 import threading
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
@@ -64,7 +65,7 @@ class FsspecStorage:
 
     positional_writes = False
 
-    def __init__(self, scheme: str, **options):
+    def __init__(self, scheme: str, *, registered: Sequence[str] = (), **options):
         fsspec = _fsspec()
         self.scheme = scheme
         self.part_size = int(options.pop("part_size", PART_SIZE))
@@ -75,10 +76,8 @@ class FsspecStorage:
         try:
             cls = fsspec.get_filesystem_class(scheme)
         except ValueError:
-            from shardwise.io.storage import _SCHEMES
-
             raise UsageError(f"{scheme}://: no storage for the scheme {scheme!r}: shardwise registers "
-                             f"{sorted(_SCHEMES)} and fsspec knows {sorted(fsspec.available_protocols())}"
+                             f"{sorted(registered)} and fsspec knows {sorted(fsspec.available_protocols())}"
                              ) from None
         except ImportError as e:  # fsspec knows it; its implementation needs a package
             raise UsageError(f"{scheme}:// locations are read by fsspec, whose {scheme!r} filesystem is "
@@ -357,14 +356,15 @@ _CACHE: dict[tuple, FsspecStorage] = {}
 _CACHE_LOCK = threading.Lock()
 
 
-def factory(scheme: str):
+def factory(scheme: str, *, registered: Sequence[str] = ()):
     """The storage factory of an fsspec ``scheme``: one storage (its filesystem, its pool) per
-    distinct options."""
+    distinct options. ``registered``: the schemes shardwise's registry holds, named when fsspec
+    knows no ``scheme`` either."""
     def make(**options) -> FsspecStorage:
         key = (scheme, json.dumps(options, sort_keys=True, default=repr))
         with _CACHE_LOCK:
             if key not in _CACHE:
-                _CACHE[key] = FsspecStorage(scheme, **options)
+                _CACHE[key] = FsspecStorage(scheme, registered=registered, **options)
             return _CACHE[key]
     return make
 

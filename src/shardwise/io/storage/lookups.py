@@ -15,16 +15,43 @@ pool threads ask the store themselves.
 from __future__ import annotations
 
 import json
+import os
+import re
+import socket
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
-from shardwise.errors import CheckpointError
+from shardwise.errors import CheckpointError, UsageError
 
+TMP_MARK, OLD_MARK = ".shardwise-tmp-", ".shardwise-old-"  # a save's staging folder, a replaced one
 PUBLISH_MARK = ".shardwise-publish.json"  # the journal of a publish (objects_write.Publish)
 DONE_MARK = ".shardwise-published.json"  # the tokens of the last saves committed there
 
 _MEMO: ContextVar[dict | None] = ContextVar("shardwise_storage_memo", default=None)
+
+
+def host() -> str:
+    """This host's name as a file name's part (a staging folder names its owner)."""
+    return re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())[:64]
+
+
+def owner() -> str:
+    """``{host}-{pid}``: the owner a save's staging folder and journal name."""
+    return f"{host()}-{os.getpid()}"
+
+
+def split_location(location) -> tuple[str, str]:
+    """``("bucket", "a/b")`` for ``bucket/a/b``, ``s3://bucket/a/b`` or ``Path("s3:/bucket/a/b")``."""
+    path = getattr(location, "path", None)  # a Location: its key; else a str or path
+    text = (path.as_posix() if path is not None else os.fspath(location)).replace("\\", "/")
+    scheme, sep, rest = text.partition(":/")
+    if sep and scheme.isidentifier():
+        text = rest
+    bucket, _, key = text.strip("/").partition("/")
+    if not bucket:
+        raise UsageError(f"{os.fspath(location)!r}: an object-store location is bucket/prefix")
+    return bucket, key.strip("/")
 
 
 @contextmanager

@@ -25,27 +25,15 @@ from typing import Any
 
 from shardwise.errors import CheckpointError, UsageError
 from shardwise.io.storage.faults import in_words
-from shardwise.io.storage.lookups import listed, publishing, redirect, remembered
+from shardwise.io.storage.lookups import listed, publishing, redirect, remembered, split_location
 from shardwise.io.storage.objects_read import ObjectFile, ShortBody
+from shardwise.io.storage.objects_write import ObjectWriter, Publish
 
 PART_SIZE = 8 << 20     # bytes per ranged GET and per multipart part
 MIN_PART = 5 << 20      # S3's smallest part of a multipart upload (but the last)
 CONCURRENCY = 16        # requests in flight per storage
 RETRIES = 6             # attempts of one request beyond obstore's own retries
 _SECRET_KEYS = ("secret", "token", "password", "key", "credential", "service_account")
-
-
-def split_location(location) -> tuple[str, str]:
-    """``("bucket", "a/b")`` for ``bucket/a/b``, ``s3://bucket/a/b`` or ``Path("s3:/bucket/a/b")``."""
-    path = getattr(location, "path", None)  # a Location: its key; else a str or path
-    text = (path.as_posix() if path is not None else os.fspath(location)).replace("\\", "/")
-    scheme, sep, rest = text.partition(":/")
-    if sep and scheme.isidentifier():
-        text = rest
-    bucket, _, key = text.strip("/").partition("/")
-    if not bucket:
-        raise UsageError(f"{os.fspath(location)!r}: an object-store location is bucket/prefix")
-    return bucket, key.strip("/")
 
 
 class ObjectStorage:
@@ -55,6 +43,7 @@ class ObjectStorage:
     positional_writes = False  # pwrite / create(existing=True) are refused: see create()
     fetch_once = True  # a request costs a round trip: a job's load reads each byte once (io.exchange)
     late_writes = True  # a request may reach the store after its client gave up (lookups.committed)
+    makes_buckets = True  # a first write may make the bucket (faults.make_bucket)
 
     def __init__(self, scheme: str, **options):
         if scheme not in ("s3", "gs"):
@@ -169,13 +158,9 @@ class ObjectStorage:
             raise UsageError(f"{self.url(bucket, key)}: an object store cannot write into an existing "
                              "object (the parallel write, parallel_write=True); pass parallel_write=None "
                              "or False: rank 0 streams the file")
-        from shardwise.io.storage.objects_write import ObjectWriter
-
         return ObjectWriter(self, bucket, key)
 
     def transaction(self, target: Path, *, overwrite: bool):
-        from shardwise.io.storage.objects_write import Publish
-
         return Publish(self, target, overwrite)
 
     # --- requests, retried -------------------------------------------------------------------

@@ -44,13 +44,23 @@ import threading
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shardwise.errors import CheckpointError, UsageError
 from shardwise.io.storage.faults import NoSuchBucketError, make_bucket
-from shardwise.io.storage.lookups import DONE_MARK, PUBLISH_MARK, beside, committed, publishing
-from shardwise.io.storage.objects import ObjectStorage, split_location
-from shardwise.io.storage.transaction import TMP_MARK, _owner
+from shardwise.io.storage.lookups import (
+    DONE_MARK,
+    PUBLISH_MARK,
+    TMP_MARK,
+    beside,
+    committed,
+    owner,
+    publishing,
+    split_location,
+)
+
+if TYPE_CHECKING:
+    from shardwise.io.storage.objects import ObjectStorage
 
 # The files a checkpoint prefix may hold for overwrite=True to replace it (as the local
 # transaction's rule): nothing else is deleted.
@@ -245,7 +255,7 @@ class Publish:
         try:
             self._prepare()
         except NoSuchBucketError:  # a new bucket: made where the store makes one on a write
-            if not isinstance(self.storage, ObjectStorage):
+            if not getattr(self.storage, "makes_buckets", False):  # fsspec's stores make none
                 raise
             make_bucket(self.storage, self.bucket)
             self._prepare()
@@ -277,11 +287,11 @@ class Publish:
             # obstore cannot split). The journal, written first, makes shardwise refuse to read
             # the prefix until commit; the index, written last, is what other tools look for.
             self._direct = True
-            journal = {"direct": True, "host_pid": _owner(), "token": self._token}
+            journal = {"direct": True, "host_pid": owner(), "token": self._token}
             self._put(beside(self.key, PUBLISH_MARK), json.dumps(journal).encode())
             self._staging = self.key
         else:
-            self._staging = beside(self.key, f"{TMP_MARK}{_owner()}-{secrets.token_hex(4)}")
+            self._staging = beside(self.key, f"{TMP_MARK}{owner()}-{secrets.token_hex(4)}")
         staging = PurePosixPath(self.bucket, self._staging)
         located = hasattr(self.target, "storage")
         self.folder = replace(self.target, path=staging) if located else Path(staging)
@@ -318,7 +328,7 @@ class Publish:
         files = sorted(self._objects(self._staging))
         last = [index[0]] if index is not None and index[0] in files else []
         journal = {"staging": self._staging, "files": [f for f in files if f not in last] + last,
-                   "host_pid": _owner(), "token": self._token}
+                   "host_pid": owner(), "token": self._token}
         self._put(beside(self.key, PUBLISH_MARK), json.dumps(journal).encode())
         self._staging, self.folder = None, None  # from here on the journal owns the staging prefix
         self._publish(journal)

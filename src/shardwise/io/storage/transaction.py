@@ -12,29 +12,12 @@ import os
 import re
 import secrets
 import shutil
-import socket
-from dataclasses import replace
 from pathlib import Path
 
-from shardwise.errors import CheckpointError, StorageError, UsageError
+from shardwise.errors import CheckpointError, StorageError
 from shardwise.io.storage import Location, write_small
-from shardwise.io.storage.local import fsync_dir, libc_function
-
-TMP_MARK, OLD_MARK = ".shardwise-tmp-", ".shardwise-old-"
-
-
-def target_path(location: Location) -> Location:
-    """The save target ``location``, a local one made absolute; ``CheckpointError`` for a root,
-    ``UsageError`` for a ``read_only`` storage. Every rank calls it before anything is written."""
-    why = getattr(location.storage, "read_only", None)
-    if why:
-        raise UsageError(f"{location}: cannot save to {location.scheme}:// ({why}); save to a local folder "
-                         "or a writable storage")
-    if location.scheme is None:
-        location = replace(location, path=Path(os.path.abspath(location.path)))
-    if location.name in ("", ".", ".."):
-        raise CheckpointError(f"path {str(location)!r} must name a folder to create, not the root")
-    return location
+from shardwise.io.storage.lookups import OLD_MARK, TMP_MARK, host, owner
+from shardwise.io.storage.posix import fsync_dir, libc_function
 
 
 class Destination:
@@ -49,7 +32,7 @@ class Destination:
         target.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale(target)
         _check_target(target, self.overwrite)
-        self.folder = self.target.parent / f".{target.name}{TMP_MARK}{_owner()}-{secrets.token_hex(4)}"
+        self.folder = self.target.parent / f".{target.name}{TMP_MARK}{owner()}-{secrets.token_hex(4)}"
         os.mkdir(self.folder.path)
 
     def commit(self, index: tuple[str, dict] | None) -> None:
@@ -108,18 +91,10 @@ def _check_target(target: Path, overwrite: bool) -> None:
             "which is not a checkpoint file; move that out first, or save to another folder")
 
 
-def _host() -> str:
-    return re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())[:64]
-
-
-def _owner() -> str:
-    return f"{_host()}-{os.getpid()}"
-
-
-def _alive(owner: str) -> bool:
+def _alive(name: str) -> bool:
     """Whether the save that named a temporary folder ``{host}-{pid}-{token}`` may still run."""
-    host, _, pid = owner.rpartition("-")[0].rpartition("-")
-    if host != _host() or not pid.isdigit() or int(pid) == os.getpid():
+    where, _, pid = name.rpartition("-")[0].rpartition("-")
+    if where != host() or not pid.isdigit() or int(pid) == os.getpid():
         return False  # one writer per path at a time: another host's folder is stale
     try:
         os.kill(int(pid), 0)
@@ -201,4 +176,4 @@ def _exchange(new: Path, target: Path, aside: str) -> None:
     os.rename(old, new)
 
 
-__all__ = ["Destination", "OLD_MARK", "TMP_MARK", "target_path"]
+__all__ = ["Destination", "OLD_MARK", "TMP_MARK"]

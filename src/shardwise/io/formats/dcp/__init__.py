@@ -5,6 +5,7 @@ state (``optim``). torch.distributed.checkpoint (~1.7 s) is imported only on use
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 from shardwise.errors import CheckpointError
@@ -29,22 +30,26 @@ def claims(path: Location) -> bool:
 
 def open_source(path: Location, **options):
     """The :class:`~shardwise.io.formats.dcp.checkpoint.DcpSource` of ``path``."""
-    try:  # deferred: keeps torch.distributed.checkpoint (~1.7 s) off inspect/verify/diff of other formats
-        from shardwise.io.formats.dcp.checkpoint import DcpSource
-    except ImportError as e:
-        raise CheckpointError(
-            f"{path}: a torch distributed checkpoint (it has .metadata), but this shardwise "
-            f"cannot read DCP checkpoints ({e}); consolidate it to safetensors first"
-        ) from e
-    return DcpSource(path, **options)
+    return _checkpoint(path).DcpSource(path, **options)
 
 
 def save(model, path, **options):
     """Every rank writes its own regions of ``model`` (``checkpoint.save_dcp``)."""
-    # deferred: keeps torch.distributed.checkpoint (~1.7 s) off the gather save (sw.save's default)
-    from shardwise.io.formats.dcp.checkpoint import save_dcp
+    return _checkpoint(path).save_dcp(model, path, **options)
 
-    return save_dcp(model, path, **options)
+
+def _checkpoint(path: Location) -> ModuleType:
+    """``checkpoint``, imported on the first DCP read or write. Deferred: the registry imports this
+    package to ask ``claims`` of every path, and torch.distributed.checkpoint (~1.7 s, with
+    torch.distributed.elastic) stays off every safetensors load and save."""
+    try:
+        from shardwise.io.formats.dcp import checkpoint
+    except ImportError as e:
+        raise CheckpointError(
+            f"{path}: a torch distributed checkpoint (it has .metadata), but this shardwise "
+            f"cannot read or write DCP checkpoints ({e}); consolidate it to safetensors first"
+        ) from e
+    return checkpoint
 
 
 __all__ = ["CAPABILITIES", "METADATA_FILE", "NAME", "claims", "open_source", "save"]

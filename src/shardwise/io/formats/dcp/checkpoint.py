@@ -18,24 +18,17 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: name it
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
-import shardwise.comm as comm
-from shardwise._version import __version__
 from shardwise.backends import Backend, coordination_group
-from shardwise.core.adapter import adapter_for
-from shardwise.core.header import dtype_to_str
-from shardwise.core.plan import ResolvedPlan, plan_summary
+from shardwise.core.plan import ResolvedPlan
 from shardwise.core.spec import Region, intersect
 from shardwise.errors import CheckpointError, CollectiveError, ShardwiseError
-from shardwise.holding import is_dtensor
+from shardwise.io.dist_save import checkpoint_info, commit, model_side_files
 from shardwise.io.formats.dcp.items import (
     CanonicalLoadPlanner,
     CanonicalSavePlanner,
     HashingWriter,
-    Placed,
     check_fp8_match,
-    place,
     read_dtype,
-    scale_placed,
     side_by_side,
 )
 from shardwise.io.formats.dcp.metadata import (
@@ -45,80 +38,19 @@ from shardwise.io.formats.dcp.metadata import (
     read_chunk_into,
     read_metadata,
 )
-from shardwise.io.formats.safetensors.reader import want_layout
-from shardwise.io.info import ALGORITHM, chunk_key, read_info
+from shardwise.io.formats.dcp.spmd import spmd_placed
+from shardwise.io.info import chunk_key, read_info
+from shardwise.io.placed import Placed, model_placed
+from shardwise.io.read.reader import want_layout
 from shardwise.io.sink import Saving
 from shardwise.io.source import Blob, Description, Finalize, ReadOptions, Reads, Want
 from shardwise.io.storage import HandleFile, Handles, Location
-from shardwise.io.storage.transaction import target_path
 from shardwise.mesh import get_shard_state
 
 if TYPE_CHECKING:
-    from shardwise.mesh import AxisMesh
+    pass
 
 
-INFO_FORMAT = "shardwise-dcp"
-
-
-def model_placed(model: nn.Module) -> dict[str, Placed]:
-    """``{tensor name: Placed}`` for every parameter and persistent buffer of ``model``, in
-    state-dict order; a tied tensor appears once, under its first name."""
-    state = get_shard_state(model)
-    tensors = model.state_dict(keep_vars=True)
-    if state is not None:  # a quantized weight's scales: each block once (dcp.items.scale_placed)
-        ties = state.specs.ties
-        return {n: scale_placed(tensors[n], ties[n], spec, *state.coords(spec), name=n) if n in ties
-                else place(tensors[n], spec, *state.coords(spec), name=n) for n, spec in state.specs.items()}
-    seen: set[int] = set()
-    out = {}
-    for n, t in tensors.items():
-        if id(t) not in seen:
-            seen.add(id(t))
-            out[n] = place(t, None, 1, 0, name=n)
-    return out
-
-
-def checkpoint_info(model: nn.Module, placed: Mapping[str, Placed], *, kind: str,
-                    metadata: Mapping | None = None) -> dict:
-    """The informational ``shardwise.json`` content for a save of ``model``."""
-    state = get_shard_state(model)
-    dtensors = [t for t in model.state_dict(keep_vars=True).values() if is_dtensor(t)]
-    mesh: AxisMesh | None = state.mesh if state is not None else next(
-        (t.device_mesh for t in dtensors), None)
-    sharded_axes = sorted({(t.device_mesh.mesh_dim_names or ("?",) * t.device_mesh.ndim)[i]
-                           for t in dtensors for i, p in enumerate(t.placements) if p.is_shard()})
-    return {
-        "format": INFO_FORMAT, "version": 1, "kind": kind,
-        "shardwise": __version__, "torch": torch.__version__,
-        "world_size": comm.world_size(),
-        "mesh": None if mesh is None else {"axes": list(mesh.mesh_dim_names or ()),
-                                           "shape": list(mesh.mesh.shape)},
-        "degree": state.degree if state is not None else 1,
-        "holding": state.holding.name if state is not None else None,
-        "sharded_axes": sharded_axes,
-        "plan": plan_summary(state.specs) if state is not None else {},
-        "tensors": {n: {"dtype": dtype_to_str(p.local.dtype), "shape": list(p.shape)}
-                    for n, p in placed.items()},
-        "metadata": dict(metadata or {}),
-        # what sw.save's index metadata would carry (total_parameters), for sw.consolidate
-        "index_metadata": (adapter_for(model).index_metadata(model, {n: tuple(p.shape)
-                                                                     for n, p in placed.items()})
-                           if kind == "model" else {}),
-    }
-
-
-def gather_checksums(checksums: dict[str, dict[str, str]], what: str, backend: Backend | None) -> dict:
-    """Every rank's chunk checksums (``{name: {chunk key: checksum}}``, each chunk written by one
-    rank) merged on rank 0 as ``shardwise.json``'s "checksums"; every rank calls it, after the
-    data is written. Other ranks get an empty record."""
-    everyone = comm.gather_object(checksums, dst=0, group=coordination_group(backend), purpose=what)
-    if everyone is None:  # not rank 0
-        return {}
-    sums: dict = {}
-    for part in everyone:
-        for fqn, chunks in part.items():
-            sums.setdefault(fqn, {}).update(chunks)
-    return {"algorithm": ALGORITHM, "chunks": sums}
 
 
 def dcp_error(path, e: BaseException, what: str) -> ShardwiseError:
@@ -197,17 +129,13 @@ def write_checkpoint(path: Location, state_dict: dict, placed: Mapping[str, Plac
     canonical DCP checkpoint at ``path``, in one ``Saving``; every rank calls it. With
     ``async_save`` the handle's ``wait`` completes it. ``planner`` replaces
     ``CanonicalSavePlanner(placed)``; ``side_files(folder)`` writes beside the data on rank 0."""
-    saving = Saving(path, overwrite=overwrite, backend=backend,
-                    what=f"a distributed save to {target_path(path)}")
+    saving = Saving(path, overwrite=overwrite, backend=backend, what="a distributed save to {target}")
     planner = planner or CanonicalSavePlanner(placed)
     writer = HashingWriter(saving.folder)
     no_dist = not dist.is_initialized()
 
     def finish():
-        with saving:
-            checksums = gather_checksums(writer.checksums, f"moving {saving.what} into place", backend)
-            saving.commit(info={**info, "checksums": checksums} if saving.rank0 else None,
-                          side_files=side_files)
+        commit(saving, info, writer.checksums, backend=backend, side_files=side_files)
 
     def fail(e: BaseException) -> NoReturn:
         saving.discard()
@@ -241,16 +169,12 @@ def save_dcp(model: nn.Module, path: Location, *, backend: Backend | None, overw
     >>> handle.wait()                                                   # doctest: +SKIP
     """
     state = get_shard_state(model)
-    placed, planner = ((model_placed(model), None) if state is None
-                       else state.holding.dcp_placed(model, state))
+    placed, planner = (spmd_placed(model, state) if state is not None and state.holding.one_process
+                       else (model_placed(model), None))
     info = checkpoint_info(model, placed, kind="model", metadata=metadata)
     state_dict = {n: p.local for n, p in placed.items()}
-    # A Hugging Face model's config beside the data: consolidate rebuilds the hub layout and
-    # from_pretrained reads its output.
-    files = adapter_for(model).write_side_files
     return write_checkpoint(path, state_dict, placed, info, backend=backend, overwrite=overwrite,
-                            async_save=async_save, planner=planner,
-                            side_files=lambda folder: files(model, folder))
+                            async_save=async_save, planner=planner, side_files=model_side_files(model))
 
 
 def read_checkpoint(path: Location, metadata, state_dict: dict, placed: Mapping[str, Placed], *,
@@ -388,5 +312,4 @@ class DcpSource:
         return out
 
 
-__all__ = ["AsyncSave", "DcpSource", "INFO_FORMAT", "checkpoint_info", "dcp_error",
-           "gather_checksums", "model_placed", "read_checkpoint", "save_dcp", "write_checkpoint"]
+__all__ = ["AsyncSave", "DcpSource", "dcp_error", "read_checkpoint", "save_dcp", "write_checkpoint"]

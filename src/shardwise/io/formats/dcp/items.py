@@ -9,8 +9,7 @@ from __future__ import annotations
 import io
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeGuard, cast
+from typing import cast
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -30,105 +29,14 @@ from torch.distributed.checkpoint.planner_helpers import (
 )
 
 from shardwise.core.quant import FLOAT8, pair_of
-from shardwise.core.quant_layout import QuantTie, scale_local_shape, scale_owned_layout, tie_aligned
-from shardwise.core.spec import Layout, Region, ShardSpec, chunk_layout, global_shape, local_layout
+from shardwise.core.spec import Region
 from shardwise.errors import CheckpointError
-from shardwise.holding import is_dtensor
-from shardwise.io.formats.safetensors.reader import want_layout
 from shardwise.io.info import chunk_key, tensor_checksum
+from shardwise.io.placed import Placed
+from shardwise.io.read.reader import want_layout
 from shardwise.io.source import Want
 from shardwise.io.staging import loaded_dtype
 from shardwise.io.storage.torchfs import LocationWriter
-
-if TYPE_CHECKING:
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.placement_types import Placement
-
-
-@dataclass(frozen=True)
-class Placed:
-    """This rank's part of one canonical tensor of ``shape``: the plain tensor ``local`` and its
-    ``layout`` (each region it holds, with its offset in ``local``)."""
-
-    local: torch.Tensor
-    shape: tuple[int, ...]
-    layout: Layout
-
-    def piece(self, offset: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
-        """The view of ``local`` holding the region at local ``offset`` with ``sizes``."""
-        return self.local[Region(offset, sizes).slices()]
-
-
-def _chunk_size(n: int, num_chunks: int, index: int) -> int:
-    step = -(-n // num_chunks)
-    lo = min(index * step, n)
-    return min(lo + step, n) - lo
-
-
-def _is_split(p: Placement) -> TypeGuard[Shard]:
-    # torch 2.13's _StridedShard is not a Shard subclass and answers is_shard() False (it has
-    # Shard's dim, all that is read of a split placement here)
-    return p.is_shard() or type(p).__name__ == "_StridedShard"
-
-
-def place(tensor: torch.Tensor, spec: ShardSpec | None, degree: int, tp_rank: int, *, name: str) -> Placed:
-    """Where ``tensor`` (parameter, buffer or optimizer state) sits in its canonical tensor, split
-    by ``spec`` over ``degree`` (``spec=None``: a DTensor's ``Shard(dim)`` on ``tp`` as unpacked,
-    anything else replicated); FSDP2 shards over other axes are ``torch.chunk`` parts of the
-    tp-local tensor, in mesh order."""
-    local, base_shape = tensor, tuple(tensor.shape)
-    chunks: list[tuple[int, int, int]] = []   # (dim, num_chunks, index)
-    tp_in_mesh = False
-    if is_dtensor(tensor):
-        local = tensor.to_local()
-        mesh = tensor.device_mesh
-        names = mesh.mesh_dim_names or ()
-        coord = mesh.get_coordinate()
-        axis = spec.axis if spec is not None else "tp"  # the mesh axis the spec splits over
-        tp_index = names.index(axis) if axis in names else None
-        if spec is None and tp_index is not None:
-            p = tensor.placements[tp_index]
-            spec = ShardSpec(dim=cast("Shard", p).dim) if p.is_shard() else ShardSpec()
-            assert coord is not None  # this rank holds a shard of the DTensor: it is on its mesh
-            degree, tp_rank = mesh.size(tp_index), coord[tp_index]
-        spec = spec or ShardSpec()
-        for i, p in enumerate(tensor.placements):
-            if i == tp_index:
-                tp_in_mesh = True
-                ok = p.is_replicate() if spec.replicated else (_is_split(p) and p.dim == spec.dim)
-                if not ok:
-                    raise CheckpointError(f"tensor {name!r}: placement {p} on the tp axis does not match "
-                                          f"its shard spec {spec}")
-            elif _is_split(p):
-                # A plain Shard before tp on the tp shard dim splits first: another layout than
-                # FSDP2's, except over a tp axis of size 1 (FSDP2 places (S(0), S(0)) there),
-                # where it holds the same data as the _StridedShard layout.
-                if (tp_index is not None and i < tp_index and p.dim == spec.dim and not spec.replicated
-                        and type(p).__name__ != "_StridedShard" and mesh.size(tp_index) > 1):
-                    raise CheckpointError(
-                        f"tensor {name!r}: {p} on mesh axis {names[i]!r} splits the tp shard dim "
-                        "before tp; shardwise supports FSDP2's layout (fully_shard applied after "
-                        "tensor parallelism)")
-                assert coord is not None  # as above
-                chunks.append((p.dim, mesh.size(i), coord[i]))
-            elif not p.is_replicate():
-                raise CheckpointError(f"tensor {name!r} has a {p} placement (a pending reduction); "
-                                      "finish the step (reduce the gradients) before saving")
-    spec = spec or ShardSpec()
-    local = local.detach()
-    # a plain local shard (tp not in the DTensor's mesh): the canonical shape is degree x along dim
-    shape = tuple(base_shape) if tp_in_mesh else global_shape(base_shape, spec, degree)
-    layout = local_layout(shape, spec, degree, tp_rank)
-    have = list(shape)
-    if spec.dim is not None:  # not spec.replicated
-        have[spec.dim] //= degree
-    for dim, num, index in chunks:
-        layout = chunk_layout(layout, tuple(have), dim, num, index)
-        have[dim] = _chunk_size(have[dim], num, index)
-    if tuple(have) != tuple(local.shape):
-        raise CheckpointError(f"tensor {name!r}: local shape {tuple(local.shape)} does not match the "
-                              f"{tuple(have)} its placements and shard spec {spec} imply")
-    return Placed(local, shape, layout)
 
 
 class _Canonical:
@@ -264,22 +172,6 @@ class HashingWriter(LocationWriter):
         return super().write_data(plan, _HashingPlanner(planner, self))
 
 
-def scale_placed(tensor: torch.Tensor, tie: QuantTie, spec: ShardSpec, degree: int, rank: int, *,
-                 name: str) -> Placed:
-    """Where this rank's scales of ``tie`` go in the canonical scale tensor: the blocks it owns.
-    Where every rank's blocks are whole they are split like any tensor (``place``); else they are
-    a plain local tensor held as ``scale_layout`` says."""
-    if tie_aligned(tie, spec, degree):
-        return place(tensor, spec, degree, rank, name=name)
-    local = tensor.to_local() if is_dtensor(tensor) else tensor
-    want = scale_local_shape(tie, spec, degree, rank)
-    if tuple(local.shape) != want:
-        raise CheckpointError(f"tensor {name!r}: local scales of shape {tuple(local.shape)}, but rank {rank} "
-                              f"of {degree} holding its shard of {tie.weight!r} holds {want}; load the model "
-                              "with sw.load or sw.from_pretrained, which place the scales with their weight")
-    return Placed(local.detach(), tie.scale_shape, scale_owned_layout(tie, spec, degree, rank))
-
-
 def side_by_side(shape, group: list, dtype: torch.dtype, device):
     """``(Placed, parts)``: one buffer holding the wanted local tensors of one checkpoint
     tensor along dim 0 (one want: the local tensor itself); ``parts(buffer)`` yields each
@@ -324,4 +216,4 @@ def check_fp8_match(root, stored: Mapping, keys: Mapping[str, str],
                 "sw.consolidate it to safetensors and load that with dequantize=True")
 
 
-__all__ = ["check_fp8_match", "read_dtype", "scale_placed"]
+__all__ = ["check_fp8_match", "read_dtype"]

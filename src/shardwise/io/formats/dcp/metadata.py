@@ -23,8 +23,8 @@ from shardwise.io.formats.dcp import METADATA_FILE
 from shardwise.io.formats.safetensors.keys import listing
 from shardwise.io.info import digest_range, tensor_checksum
 from shardwise.io.storage import HandleFile, Handles, Location, byte_view, locate, read_small
+from shardwise.io.storage.lookups import TMP_MARK
 from shardwise.io.storage.torchfs import LocationReader
-from shardwise.io.storage.transaction import TMP_MARK
 
 _METADATA_CAP = 1 << 32  # bytes: far above any model's metadata, below what would exhaust memory
 _META_MODULE = "torch.distributed.checkpoint.metadata"
@@ -108,9 +108,10 @@ def _check_files(path: Location, metadata: Metadata) -> None:
         f = path / rel
         try:
             have = f.stat()
-        except OSError as e:  # a name over the OS's length limit
+        except (OSError, CheckpointError) as e:  # the storage's error for a name over the OS's limit
+            why = getattr(e.__cause__ or e, "strerror", None) or e
             raise CheckpointError(f"{path}: the metadata names data file {rel!r:.200}, which cannot "
-                                  f"be looked up ({e.strerror})") from None
+                                  f"be looked up ({why})") from None
         if have is None:
             bad.append(f"{rel} is missing")
             continue

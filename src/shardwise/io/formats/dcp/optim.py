@@ -16,11 +16,12 @@ from torch import nn
 from shardwise.core.spec import ShardSpec
 from shardwise.errors import CheckpointError
 from shardwise.holding import is_dtensor
-from shardwise.io.formats.dcp.checkpoint import AsyncSave, checkpoint_info, read_checkpoint, write_checkpoint
-from shardwise.io.formats.dcp.items import Placed, place
+from shardwise.io.dist_save import checkpoint_info
+from shardwise.io.formats.dcp.checkpoint import AsyncSave, read_checkpoint, write_checkpoint
 from shardwise.io.formats.dcp.metadata import check_tensors, read_metadata
-from shardwise.io.formats.safetensors.reader import WINDOW_BYTES
-from shardwise.io.place import SpmdSavePlanner, chunks_to_devices, global_placed, host_placed
+from shardwise.io.formats.dcp.spmd import SpmdSavePlanner, chunks_to_devices, global_placed, host_placed
+from shardwise.io.placed import Placed, place
+from shardwise.io.read.reader import WINDOW_BYTES
 from shardwise.io.storage import locate
 from shardwise.mesh import get_shard_state, world_backend
 

@@ -99,9 +99,10 @@ def _shard_path(root: Location, fname: str, *, index: Location) -> Location:
         raise CheckpointError(f"{index}: weight_map names {fname!r}, which is not a .safetensors file")
     try:
         regular = path.stat() is not None  # raises, not None, for a name over the OS's length limit
-    except OSError as e:
+    except (OSError, CheckpointError) as e:  # the storage's error for a name over the OS's limit
+        why = getattr(e.__cause__ or e, "strerror", None) or e
         raise CheckpointError(f"{index}: weight_map names the file {fname!r:.200}, which cannot be "
-                              f"looked up ({e.strerror}); the index is corrupt") from None
+                              f"looked up ({why}); the index is corrupt") from None
     if not regular:
         raise CheckpointError(
             f"{index}: weight_map names {fname!r}, but {path} does not exist or is not a regular file"

@@ -20,14 +20,15 @@ from shardwise.core.header import (
     check_header_length,
     layout_header,
     parse_header,
-    region_runs,
     spec_nbytes,
     str_to_dtype,
 )
-from shardwise.errors import CheckpointError, UsageError
+from shardwise.errors import CheckpointError
 from shardwise.io.info import new_digest, record_checksums
+from shardwise.io.read.mapped import read_region
 from shardwise.io.sink import PlannedFile, StoredTensor, WritePlan
 from shardwise.io.storage import Location, ReadHandle, WriteHandle, byte_view, locate
+from shardwise.io.storage.lookups import remembered
 
 INDEX_SUFFIX = ".safetensors.index.json"
 # The writer hashes and writes a tensor this many bytes at a time (fits the CPU's L2/L3).
@@ -37,12 +38,17 @@ _WRITE_BLOCK = 2 << 20
 
 def read_header(path: Location | str | os.PathLike) -> FileHeader:
     """The validated header of the safetensors file ``path`` (a str or path: :func:`locate`'s);
-    reads only the prefix.
+    reads only the prefix, once within a load (``lookups.one_look``: the sharded format's claim
+    and the reader ask the same files).
 
     >>> read_header("model.safetensors").entries["w"].shape    # doctest: +SKIP
     (4096, 4096)
     """
     path = locate(path)
+    return remembered((path.storage, "header", str(path)), lambda: _read_header(path))
+
+
+def _read_header(path: Location) -> FileHeader:
     source = str(path)
     handle = path.open()
     try:
@@ -58,43 +64,6 @@ def read_header(path: Location | str | os.PathLike) -> FileHeader:
         return parse_header(bytes(raw), data_size=size - 8 - n, source=source)
     finally:
         handle.close()
-
-
-def read_region(
-    handle: ReadHandle,
-    file_header: FileHeader,
-    entry: TensorEntry,
-    region_offsets: Sequence[int],
-    region_sizes: Sequence[int],
-    out: torch.Tensor,
-) -> int:
-    """Read exactly the bytes of one box of ``entry`` into ``out``, a contiguous CPU tensor
-    (a view is fine if contiguous) of the entry's dtype and shape ``region_sizes``; return the
-    bytes read. Raises ``UsageError`` for another ``out``.
-
-    >>> header = read_header("model.safetensors")                           # doctest: +SKIP
-    >>> handle = locate("model.safetensors").open()                         # doctest: +SKIP
-    >>> read_region(handle, header, header.entries["w"], (0, 8), (4, 8), torch.empty(4, 8))  # doctest: +SKIP
-    128
-    """
-    if file_header.entries.get(entry.name) != entry:
-        raise UsageError(f"tensor {entry.name!r} is not an entry of {file_header.source}; pass the "
-                         "header of the file that holds it")
-    sizes = tuple(region_sizes)
-    if (out.device.type != "cpu" or out.dtype != entry.torch_dtype or tuple(out.shape) != sizes
-            or not out.is_contiguous()):
-        raise UsageError(
-            f"out for {entry.name!r} must be a contiguous CPU {entry.torch_dtype} tensor of shape "
-            f"{sizes}, got {out.dtype} {tuple(out.shape)} on {out.device} "
-            f"(contiguous={out.is_contiguous()})"
-        )
-    runs = region_runs(entry.shape, entry.itemsize, region_offsets, sizes)
-    if not runs:
-        return 0
-    try:
-        return handle.read_runs(byte_view(out.detach()), file_header.data_start + entry.start, runs)
-    except CheckpointError as e:
-        raise CheckpointError(f"{file_header.source}: tensor {entry.name!r}: {e}") from e
 
 
 def read_tensor(handle: ReadHandle, file_header: FileHeader, entry: TensorEntry) -> torch.Tensor:
@@ -375,5 +344,5 @@ class SafetensorsSink:
 
 __all__ = [
     "INDEX_SUFFIX", "SafetensorsSink", "StreamingWriter", "header_metadata", "index_json", "parse_size",
-    "plan_checkpoint", "plan_files", "read_header", "read_region", "read_tensor", "save_file_order",
+    "plan_checkpoint", "plan_files", "read_header", "read_tensor", "save_file_order",
 ]

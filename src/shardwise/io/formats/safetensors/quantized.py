@@ -26,10 +26,10 @@ from shardwise.core.quant import (
 )
 from shardwise.core.quant_layout import dequant_reads, dequantize_shard, scale_pieces
 from shardwise.errors import CheckpointError, PlanError
-from shardwise.io.formats.safetensors.reader import Assembly, ReadItem, piece_items
+from shardwise.io.read.reader import Assembly, ReadItem, piece_items
 from shardwise.io.source import Finalize, Want
 from shardwise.io.storage import Location
-from shardwise.io.storage.local import libc_function
+from shardwise.io.storage.posix import libc_function
 
 
 @dataclass(frozen=True)

@@ -18,12 +18,14 @@ from shardwise.core.adapter import adapter_for, folder_model
 from shardwise.core.pieces import Composite
 from shardwise.core.plan import ResolvedPlan
 from shardwise.core.spec import Region, local_layout, local_shape
-from shardwise.io.exchange import exchanges, read_exchanged
 from shardwise.io.formats.safetensors.checkpoint import resolve_checkpoint
-from shardwise.io.formats.safetensors.files import INDEX_SUFFIX, read_region
+from shardwise.io.formats.safetensors.files import INDEX_SUFFIX
 from shardwise.io.formats.safetensors.keys import match_keys
 from shardwise.io.formats.safetensors.quantized import Dequantized, Dequantizer
-from shardwise.io.formats.safetensors.reader import (
+from shardwise.io.info import digest_range
+from shardwise.io.read.exchange import exchanges, read_exchanged
+from shardwise.io.read.mapped import read_region
+from shardwise.io.read.reader import (
     Assembly,
     ReadItem,
     RegionReader,
@@ -32,8 +34,7 @@ from shardwise.io.formats.safetensors.reader import (
     read_composite_box,
     want_layout,
 )
-from shardwise.io.info import digest_range
-from shardwise.io.replicas import read_once
+from shardwise.io.read.replicas import read_once
 from shardwise.io.source import Blob, Description, Finalize, ReadOptions, Reads, Want
 from shardwise.io.storage import Handles, Location
 

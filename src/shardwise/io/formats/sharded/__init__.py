@@ -11,6 +11,7 @@ from shardwise.io.formats import Capabilities
 # ShardedSource validates the chunk map on opening)
 from shardwise.io.formats.sharded.source import ShardedSource as open_source
 from shardwise.io.formats.sharded.source import is_sharded_safetensors as claims
+from shardwise.io.formats.sharded.write import save_sharded_safetensors
 
 NAME = "sharded"
 # FP8 weights load as stored (quantized), never dequantized per rank; its files split every
@@ -23,9 +24,6 @@ def save(model, path, *, async_save: bool = False, **options):
     (:func:`~shardwise.io.formats.sharded.write.save_sharded_safetensors`); never async
     (``CAPABILITIES.async_save``: sw.save's options refuse it)."""
     assert not async_save, "save_options refuses async_save for a format without Capabilities.async_save"
-    # deferred: keeps torch.distributed.checkpoint (~1.7 s, via dcp.checkpoint) off the gather save
-    from shardwise.io.formats.sharded.write import save_sharded_safetensors
-
     return save_sharded_safetensors(model, path, **options)
 
 

@@ -23,14 +23,14 @@ from shardwise.core.spec import Layout, Region, local_layout
 from shardwise.errors import CheckpointError
 from shardwise.io.formats.safetensors.files import INDEX_SUFFIX, read_header
 from shardwise.io.formats.safetensors.keys import match_keys
-from shardwise.io.formats.safetensors.reader import (
+from shardwise.io.info import INFO_FILE, chunk_key, digest_range, read_info
+from shardwise.io.read.reader import (
     Assembly,
     ReadItem,
     RegionReader,
     piece_items,
     read_composite_box,
 )
-from shardwise.io.info import INFO_FILE, chunk_key, digest_range, read_info
 from shardwise.io.source import Blob, Description, Finalize, ReadOptions, Reads, Want
 from shardwise.io.storage import Handles, Location, locate
 

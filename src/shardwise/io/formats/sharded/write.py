@@ -14,18 +14,17 @@ from torch import nn
 import shardwise.comm as comm
 from shardwise.backends import Backend, coordination_group
 from shardwise.comm import agree, capture
-from shardwise.core.adapter import adapter_for
 from shardwise.core.header import check_tiling, dtype_to_str, spec_nbytes
 from shardwise.core.spec import Region
 from shardwise.errors import CheckpointError
 from shardwise.holding import Holding
-from shardwise.io.formats.dcp.checkpoint import checkpoint_info, gather_checksums, model_placed
+from shardwise.io.dist_save import checkpoint_info, commit, model_side_files
 from shardwise.io.formats.safetensors.files import StreamingWriter, header_metadata, save_file_order
 from shardwise.io.formats.sharded.source import sharding_metadata
 from shardwise.io.info import chunk_key
+from shardwise.io.placed import model_placed
 from shardwise.io.sink import PlannedFile, Saving, WritePlan
 from shardwise.io.storage import Location
-from shardwise.io.storage.transaction import target_path
 from shardwise.mesh import get_shard_state
 
 # (tensor name, safetensors dtype, canonical shape, region) of one chunk a rank holds
@@ -130,15 +129,16 @@ def save_sharded_safetensors(model: nn.Module, path: Location, *, backend: Backe
     if state is not None and state.holding is Holding.SPMD:
         raise CheckpointError("a sharded safetensors save needs one process per device; under "
                               "holding 'spmd' save with format='dcp' (the default)")
-    target = target_path(path)
-    what = f"sw.save(distributed=True, format='sharded') to {target}"
-    box: dict = {}
-    # no rank may miss the gather below
-    agree(backend, capture(lambda: box.update(placed=model_placed(model))), what=what)
-    placed = box["placed"]
-    held = comm.all_gather_object(held_chunks(placed), group=coordination_group(backend), purpose=what)
-    plan = plan_rank_files(held)
-    with Saving(target, overwrite=overwrite, backend=backend, what=what) as saving:
+    saving = Saving(path, overwrite=overwrite, backend=backend,
+                    what="sw.save(distributed=True, format='sharded') to {target}")
+    with saving:
+        box: dict = {}
+        # no rank may miss the gather below
+        agree(backend, capture(lambda: box.update(placed=model_placed(model))), what=saving.what)
+        placed = box["placed"]
+        held = comm.all_gather_object(held_chunks(placed), group=coordination_group(backend),
+                                      purpose=saving.what)
+        plan = plan_rank_files(held)
         sums: dict[str, dict[str, str]] = {}
 
         def write() -> None:  # this rank's files, no collective
@@ -147,11 +147,9 @@ def save_sharded_safetensors(model: nn.Module, path: Location, *, backend: Backe
                 for name, chunks in write_file(saving.folder / planned.name, planned, placed).items():
                     sums.setdefault(name, {}).update(chunks)
 
-        agree(backend, capture(write), what=what)
-        info = checkpoint_info(model, placed, kind="model", metadata=metadata)
-        info.update(storage="safetensors", checksums=gather_checksums(sums, "sharing the checksums", backend))
-        files = adapter_for(model).write_side_files  # config.json & co, as every save
-        saving.commit(info=info, side_files=lambda folder: files(model, folder))
+        agree(backend, capture(write), what=saving.what)
+        info = {**checkpoint_info(model, placed, kind="model", metadata=metadata), "storage": "safetensors"}
+        commit(saving, info, sums, backend=backend, side_files=model_side_files(model))
 
 
 __all__ = ["assign_chunks", "held_chunks", "num_files", "plan_rank_files", "rank_files",

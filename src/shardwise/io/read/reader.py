@@ -25,8 +25,7 @@ from shardwise.core.pieces import Composite, Piece, piece_reads
 from shardwise.core.quant_layout import scale_layout, scale_local_shape
 from shardwise.core.spec import Layout, Region, ShardSpec, local_layout, local_shape
 from shardwise.errors import UsageError
-from shardwise.io.formats.safetensors.files import read_region
-from shardwise.io.formats.safetensors.mapped import contiguous_span, copy_mapped, view_box
+from shardwise.io.read.mapped import contiguous_span, copy_mapped, read_region, view_box
 from shardwise.io.source import Want
 from shardwise.io.staging import loaded_dtype
 from shardwise.io.storage import Handles, Location

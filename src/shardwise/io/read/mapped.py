@@ -1,4 +1,5 @@
-"""Boxes of safetensors tensors through memory maps of the page cache (the storage's
+"""Boxes of stored tensors: :func:`read_region` reads one box's byte runs into a tensor, over any
+storage; the rest reads boxes through memory maps of the page cache (the storage's
 ``ReadHandle.map_whole`` / ``map_range``; a storage without them is read instead). Two uses,
 chosen per box by the region reader:
 
@@ -18,13 +19,14 @@ rewrite a checkpoint in place while a model loaded from it lives (``sw.save`` wr
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
-from shardwise.core.header import FileHeader, TensorEntry
+from shardwise.core.header import FileHeader, TensorEntry, region_runs
 from shardwise.core.spec import Region
-from shardwise.errors import CheckpointError
-from shardwise.io.storage import ReadHandle
+from shardwise.errors import CheckpointError, UsageError
+from shardwise.io.storage import ReadHandle, byte_view
 
 
 def contiguous_span(entry: TensorEntry, region: Region) -> tuple[int, int] | None:
@@ -118,4 +120,41 @@ def copy_mapped(handle: ReadHandle, header: FileHeader, entry: TensorEntry, regi
     return math.prod(region.sizes) * entry.itemsize
 
 
-__all__ = ["contiguous_span", "copy_mapped", "view_box"]
+def read_region(
+    handle: ReadHandle,
+    file_header: FileHeader,
+    entry: TensorEntry,
+    region_offsets: Sequence[int],
+    region_sizes: Sequence[int],
+    out: torch.Tensor,
+) -> int:
+    """Read exactly the bytes of one box of ``entry`` into ``out``, a contiguous CPU tensor
+    (a view is fine if contiguous) of the entry's dtype and shape ``region_sizes``; return the
+    bytes read. Raises ``UsageError`` for another ``out``.
+
+    >>> header = read_header("model.safetensors")                           # doctest: +SKIP
+    >>> handle = locate("model.safetensors").open()                         # doctest: +SKIP
+    >>> read_region(handle, header, header.entries["w"], (0, 8), (4, 8), torch.empty(4, 8))  # doctest: +SKIP
+    128
+    """
+    if file_header.entries.get(entry.name) != entry:
+        raise UsageError(f"tensor {entry.name!r} is not an entry of {file_header.source}; pass the "
+                         "header of the file that holds it")
+    sizes = tuple(region_sizes)
+    if (out.device.type != "cpu" or out.dtype != entry.torch_dtype or tuple(out.shape) != sizes
+            or not out.is_contiguous()):
+        raise UsageError(
+            f"out for {entry.name!r} must be a contiguous CPU {entry.torch_dtype} tensor of shape "
+            f"{sizes}, got {out.dtype} {tuple(out.shape)} on {out.device} "
+            f"(contiguous={out.is_contiguous()})"
+        )
+    runs = region_runs(entry.shape, entry.itemsize, region_offsets, sizes)
+    if not runs:
+        return 0
+    try:
+        return handle.read_runs(byte_view(out.detach()), file_header.data_start + entry.start, runs)
+    except CheckpointError as e:
+        raise CheckpointError(f"{file_header.source}: tensor {entry.name!r}: {e}") from e
+
+
+__all__ = ["contiguous_span", "copy_mapped", "read_region", "view_box"]

@@ -45,9 +45,9 @@ import shardwise.comm as comm
 from shardwise.core.header import TensorEntry
 from shardwise.core.spec import Region, intersect
 from shardwise.errors import CheckpointError
-from shardwise.io.fetch import Key, Piece, Requests, dests, direct_requests, first_error, slab_requests
-from shardwise.io.formats.safetensors.mapped import contiguous_span
-from shardwise.io.formats.safetensors.reader import Finalize, ReadItem, RegionReader
+from shardwise.io.read.fetch import Key, Piece, Requests, dests, direct_requests, first_error, slab_requests
+from shardwise.io.read.mapped import contiguous_span
+from shardwise.io.read.reader import Finalize, ReadItem, RegionReader
 from shardwise.mesh import MeshDims
 
 ROUND_BYTES = 32 << 20  # the job's slabs per round

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from shardwise.core.spec import Region
-from shardwise.io.formats.safetensors.mapped import contiguous_span
-from shardwise.io.formats.safetensors.reader import ReadItem
+from shardwise.io.read.mapped import contiguous_span
+from shardwise.io.read.reader import ReadItem
 from shardwise.io.storage import Handles, byte_view
 
 Key = tuple[str, str]  # a stored tensor: (file, tensor name)

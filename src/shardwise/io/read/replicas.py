@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import shardwise.comm as comm
 from shardwise.errors import CheckpointError
-from shardwise.io.formats.safetensors.reader import Finalize, ReadItem, RegionReader
+from shardwise.io.read.reader import Finalize, ReadItem, RegionReader
 from shardwise.mesh import MeshDims
 
 
