@@ -38,9 +38,9 @@ def resolve_for_mesh(model: nn.Module, plan, dims: MeshDims, ep_plan=None) -> Re
     return without_tp(specs) if dims.tp_mesh is None else specs
 
 
-def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
+def _set_tensor(modules: dict[str, nn.Module], name: str, value: torch.Tensor) -> None:
     prefix, _, leaf = name.rpartition(".")
-    module = model.get_submodule(prefix)
+    module = modules[prefix]
     if leaf in module._parameters:
         old = module._parameters[leaf]
         assert old is not None  # a state-dict name: a None parameter has none
@@ -62,12 +62,13 @@ def install(model: nn.Module, specs: ResolvedPlan, dims: MeshDims, *,
             raise PlanError(f"plan was resolved for {axis} degree {specs.degrees[axis]} but the mesh "
                             f"{axis} axis has {degree}")
     declared = {n: (tuple(t.shape), t.dtype) for n, t in model.state_dict(keep_vars=True).items()}
+    modules = dict(model.named_modules(remove_duplicate=False))  # one walk, not a walk per tensor
     for name, spec in specs.items():
-        _set_tensor(model, name, local_tensor(name, spec))
+        _set_tensor(modules, name, local_tensor(name, spec))
     for alias, kept in specs.aliases.items():  # re-tie shared weights to the one new tensor
         prefix, _, leaf = alias.rpartition(".")
         kept_prefix, _, kept_leaf = kept.rpartition(".")
-        setattr(model.get_submodule(prefix), leaf, getattr(model.get_submodule(kept_prefix), kept_leaf))
+        setattr(modules[prefix], leaf, getattr(modules[kept_prefix], kept_leaf))
     state = ShardState.of(dims, specs)
     dims.holding.wire(model, specs, state)
     check_installed(model, specs, declared, holding=dims.holding, dtype=dtype, coords=dims.axis_coords)
@@ -95,14 +96,15 @@ def wire(model: nn.Module, specs: ResolvedPlan, state: ShardState, *, dtensor: b
     # {id(local Parameter): (that Parameter, its DTensor Parameter)} while wiring, so a tied
     # weight seen from a second module becomes the same DTensor Parameter.
     converted: dict = {}
+    modules = dict(model.named_modules(remove_duplicate=False))  # one walk, not a walk per path
     # Owners of parameters sharded by a parameter key first: their local-shard wrapper is
     # innermost, below any style wrapper (moe_experts) of the same module.
     for path in specs.local_owners if dtensor else ():
-        module = model.get_submodule(path)
+        module = modules[path]
         _dtensor_params(module, path, state, converted, sharded_only=True)
         run_on_local_params(module)
     for path, style in specs.styles.items():
-        module = model.get_submodule(path)
+        module = modules[path]
         if style.forward != "linear":
             wire_forward(module, style, state)
         elif quantized_module(specs, path) is not None:

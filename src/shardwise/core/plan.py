@@ -172,11 +172,12 @@ def resolve_plan(model: nn.Module, plan, degree: int, *, strict: bool = False, e
         unused = unused + ep_unused
     # a key naming a quantized weight's scales (transformers adds them): scales follow their weight
     param_claims = {n: c for n, c in param_claims.items() if not is_tied_scale(model, n)}
+    modules = dict(model.named_modules(remove_duplicate=False))  # one walk, not a walk per path
     styles: dict[str, Style] = {}
     keys: dict[str, str] = {}
     owned: dict[int, tuple[ShardSpec, str, str]] = {}
     for path, (key, raw) in module_claims.items():
-        module = model.get_submodule(path)
+        module = modules[path]
         style = _with_blocks(module, normalize_style(raw, key=key), path, key)
         if style.gather_output and len(style.blocks or ()) > 1:
             raise PlanError(f"plan key {key!r}: gathering the output of a packed projection "
@@ -190,7 +191,7 @@ def resolve_plan(model: nn.Module, plan, degree: int, *, strict: bool = False, e
     sharded = [p for p, s in styles.items() if s.sharded]
     for name, (key, raw) in param_claims.items():
         path, _, leaf = name.rpartition(".")
-        module = model.get_submodule(path)
+        module = modules[path]
         tensor = getattr(module, leaf)
         style = _with_blocks(module, normalize_style(raw, key=key), path, key)
         spec = _param_spec(tuple(tensor.shape), leaf, style)
