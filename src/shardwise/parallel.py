@@ -150,9 +150,11 @@ def parallelize(model: nn.Module, plan, mesh, *, holding: str | None = None, ep_
 # -- DTensor holding: torch's styles, with our shards as their parameters ---------------
 def _dtensor_params(module: nn.Module, prefix: str, state: ShardState, converted: dict, *,
                     sharded_only: bool = False) -> None:
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import Replicate, Shard
 
-    for pname, p in list(module.named_parameters(recurse=False)):
+    for pname, p in list(module._parameters.items()):
+        if p is None:
+            continue
         done = converted.get(id(p))
         spec = state.specs.spec_of(f"{prefix}.{pname}" if prefix else pname)
         if (sharded_only and spec.replicated) or scale_is_local(state.specs, f"{prefix}.{pname}"):
@@ -160,10 +162,32 @@ def _dtensor_params(module: nn.Module, prefix: str, state: ShardState, converted
         if done is None:  # the first module of a tied weight converts it; the others reuse it
             placement = Replicate() if spec.dim is None else Shard(spec.dim)  # None: replicated
             mesh = cast("DeviceMesh", state.axis_mesh(spec))  # a DTensor holding's meshes are torch's
-            d = DTensor.from_local(p.data, mesh, [placement], run_check=False)
+            d = dtensor_of(p.data, mesh, placement)
             done = (p, _as_parameter(d, p.requires_grad))
             converted[id(p)] = done
         module.register_parameter(pname, done[1])
+
+
+def dtensor_of(local: torch.Tensor, mesh: DeviceMesh, placement) -> DTensor:
+    """``DTensor.from_local(local, mesh, [placement], run_check=False)`` for a ``local`` that needs
+    no gradient, built directly: the same spec (global shape and stride as ``from_local`` computes
+    them, evenly sharded), without the autograd Function around it (~45 of its ~65 µs per
+    parameter, paid by every sharded parameter of a DTensor-held load)."""
+    from torch.distributed.tensor import DTensor
+
+    try:
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+        from torch.distributed.tensor._utils import compute_global_tensor_info
+    except ImportError:  # a torch that moved them: the public way
+        return DTensor.from_local(local, mesh, [placement], run_check=False)
+    if (local.requires_grad or local.device.type != mesh.device_type
+            or not mesh._is_current_rank_part_of_mesh()):
+        return DTensor.from_local(local, mesh, [placement], run_check=False)
+    placements = (placement,)
+    shape, stride = compute_global_tensor_info(local, mesh, placements)
+    meta = TensorMeta(torch.Size(shape), tuple(stride), local.dtype)
+    spec = DTensorSpec(mesh, placements, tensor_meta=meta)
+    return DTensor(local.view_as(local), spec, requires_grad=False)
 
 
 def _as_parameter(d: torch.Tensor, requires_grad: bool) -> nn.Parameter:
