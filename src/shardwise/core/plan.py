@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
@@ -94,18 +95,28 @@ def _module_specs(module: nn.Module, style: Style, path: str, key: str) -> dict[
         )
     if is_embedding and (len(style.blocks or ()) > 1 or style.split_input):
         raise PlanError(f"plan key {key!r}: style {style.source!r} does not apply to the embedding {path!r}")
-    style = replace(style, embedding=is_embedding, axis="tp")
-    return {leaf: _param_spec(tuple(t.shape), leaf, style)
-            for leaf in ("weight", "bias") if (t := getattr(module, leaf, None)) is not None}
+    style = _on_tp(style, is_embedding)
+    params = module._parameters  # a property (a parametrization) is read as an attribute
+    return {leaf: _param_spec(tuple(t.shape), leaf, style) for leaf in ("weight", "bias")
+            if (t := params[leaf] if leaf in params else getattr(module, leaf, None)) is not None}
+
+
+@functools.lru_cache(maxsize=256)  # one per style of a plan: not a dataclasses.replace per module
+def _on_tp(style: Style, embedding: bool) -> Style:
+    return replace(style, embedding=embedding, axis="tp")
 
 
 def _param_spec(shape: tuple[int, ...], leaf: str, style: Style) -> ShardSpec:
     """A parameter key's spec, as transformers: colwise splits dim ``ndim - 2``, rowwise the
     last dim; a rowwise ``bias`` stays whole; an embedding's: dim 0 (rowwise) or 1."""
-    ndim = len(shape)
+    return _spec_of(len(shape), leaf == "bias", style)
+
+
+@functools.lru_cache(maxsize=1024)  # specs are frozen: one per (ndim, style), not one per tensor
+def _spec_of(ndim: int, bias: bool, style: Style) -> ShardSpec:
     if style.axis == "ep" and style.sharded and ndim:  # grouped_gemm: whole experts per rank
         return ShardSpec(dim=0, axis="ep")
-    if not style.sharded or ndim == 0 or (style.kind == "rowwise" and leaf == "bias"):
+    if not style.sharded or ndim == 0 or (style.kind == "rowwise" and bias):
         return ShardSpec()
     if style.embedding:
         return ShardSpec(dim=0 if style.kind == "rowwise" else min(1, ndim - 1))

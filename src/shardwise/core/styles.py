@@ -116,6 +116,10 @@ SUPPORTED_STYLES = tuple(sorted(_STRINGS)) + ("PackedColwise(blocks)", "PackedRo
 DEFAULT_PACKED = (1, 1)
 
 
+# each named style once, its name as its source (styles are frozen: one object serves every key)
+_NAMED: dict[str, Style] = {name: replace(style, source=name) for name, style in _STRINGS.items()}
+
+
 def normalize_style(style, *, key: str = "") -> Style:
     """A plan value (string, packed object, torch ParallelStyle) as a ``Style``; else ``PlanError``.
 
@@ -125,8 +129,8 @@ def normalize_style(style, *, key: str = "") -> Style:
     where = f" for plan key {key!r}" if key else ""
     if isinstance(style, Style):
         return style
-    if isinstance(style, str) and style in _STRINGS:
-        return replace(_STRINGS[style], source=style)
+    if isinstance(style, str) and style in _NAMED:
+        return _NAMED[style]
     cls = type(style).__name__  # an unknown string falls through to the error below
     blocks = getattr(style, "blocks", None)
     if cls in ("PackedColwise", "PackedColwiseParallel", "PackedRowwise", "PackedRowwiseParallel"):
@@ -224,16 +228,22 @@ def matches(patterns: list[str], names) -> list[list[str]]:
             node = node[0].setdefault(part, ({}, []))
         node[1].append(i)
     out: list[list[str]] = [[] for _ in patterns]
+    reached: dict[str, list] = {}  # {path: the trie nodes it reaches}: a name steps on from its parent's
+
+    def nodes_of(path: str) -> list:
+        if path in reached:
+            return reached[path]
+        parent, dot, part = path.rpartition(".")
+        nodes = nodes_of(parent) if dot else [root]
+        # a component matches its own text, and '*' if it is a number ('*' itself is no name)
+        nodes = [c for n in nodes for c in (n[0].get(part) if part != "*" else None,
+                                             n[0].get("*") if part.isdecimal() else None)
+                 if c is not None] if nodes else nodes
+        reached[path] = nodes
+        return nodes
+
     for name in names:
-        nodes = [root]
-        for part in name.split("."):
-            # a component matches its own text, and '*' if it is a number ('*' itself is no name)
-            nodes = [c for n in nodes for c in (n[0].get(part) if part != "*" else None,
-                                                 n[0].get("*") if part.isdecimal() else None)
-                     if c is not None]
-            if not nodes:
-                break
-        for node in nodes:
+        for node in nodes_of(name):
             for i in node[1]:
                 out[i].append(name)
     return out
