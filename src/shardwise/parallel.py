@@ -94,7 +94,8 @@ def wire(model: nn.Module, specs: ResolvedPlan, state: ShardState, *, dtensor: b
     forwards written for plain tensors run on their local shards) and ``Holding.LOCAL.wire``
     (plain local shards, each planned forward doing its collectives)."""
     # {id(local Parameter): (that Parameter, its DTensor Parameter)} while wiring, so a tied
-    # weight seen from a second module becomes the same DTensor Parameter.
+    # weight seen from a second module becomes the same DTensor Parameter; under "dtensor specs",
+    # the specs dtensor_of shares.
     converted: dict = {}
     modules = dict(model.named_modules(remove_duplicate=False))  # one walk, not a walk per path
     # Owners of parameters sharded by a parameter key first: their local-shard wrapper is
@@ -162,17 +163,19 @@ def _dtensor_params(module: nn.Module, prefix: str, state: ShardState, converted
         if done is None:  # the first module of a tied weight converts it; the others reuse it
             placement = Replicate() if spec.dim is None else Shard(spec.dim)  # None: replicated
             mesh = cast("DeviceMesh", state.axis_mesh(spec))  # a DTensor holding's meshes are torch's
-            d = dtensor_of(p.data, mesh, placement)
+            d = dtensor_of(p.data, mesh, placement, converted.setdefault("dtensor specs", {}))
             done = (p, _as_parameter(d, p.requires_grad))
             converted[id(p)] = done
         module.register_parameter(pname, done[1])
 
 
-def dtensor_of(local: torch.Tensor, mesh: DeviceMesh, placement) -> DTensor:
+def dtensor_of(local: torch.Tensor, mesh: DeviceMesh, placement, specs: dict | None = None) -> DTensor:
     """``DTensor.from_local(local, mesh, [placement], run_check=False)`` for a ``local`` that needs
     no gradient, built directly: the same spec (global shape and stride as ``from_local`` computes
     them, evenly sharded), without the autograd Function around it (~45 of its ~65 µs per
-    parameter, paid by every sharded parameter of a DTensor-held load)."""
+    parameter, paid by every sharded parameter of a DTensor-held load). ``specs`` (a dict kept for
+    one wiring) shares one spec among the shards of one shape, as torch's sharding propagation
+    shares its output specs: building one costs ~20 µs."""
     from torch.distributed.tensor import DTensor
 
     try:
@@ -184,9 +187,14 @@ def dtensor_of(local: torch.Tensor, mesh: DeviceMesh, placement) -> DTensor:
             or not mesh._is_current_rank_part_of_mesh()):
         return DTensor.from_local(local, mesh, [placement], run_check=False)
     placements = (placement,)
-    shape, stride = compute_global_tensor_info(local, mesh, placements)
-    meta = TensorMeta(torch.Size(shape), tuple(stride), local.dtype)
-    spec = DTensorSpec(mesh, placements, tensor_meta=meta)
+    key = (id(mesh), placement, tuple(local.shape), local.stride(), local.dtype)  # meshes live while wiring
+    spec = specs.get(key) if specs is not None else None
+    if spec is None:
+        shape, stride = compute_global_tensor_info(local, mesh, placements)
+        meta = TensorMeta(torch.Size(shape), tuple(stride), local.dtype)
+        spec = DTensorSpec(mesh, placements, tensor_meta=meta)
+        if specs is not None:
+            specs[key] = spec
     return DTensor(local.view_as(local), spec, requires_grad=False)
 
 

@@ -34,6 +34,13 @@ def _compare() -> int:
             assert ours.to_local().data_ptr() == local.data_ptr() == torchs.to_local().data_ptr()
             assert ours._spec == torchs._spec
             checked += 1
+    # a shared spec: shards of one shape and placement get one spec object, and stay apart
+    specs: dict = {}
+    a, b = torch.randn(3, 4, generator=gen), torch.randn(3, 4, generator=gen)
+    da, db = dtensor_of(a, mesh, Shard(0), specs), dtensor_of(b, mesh, Shard(0), specs)
+    assert da._spec is db._spec and len(specs) == 1 and da._spec == DTensor.from_local(a, mesh, [Shard(0)])._spec
+    assert torch.equal(da.to_local(), a) and torch.equal(db.to_local(), b)
+    assert dtensor_of(a, mesh, Shard(1), specs)._spec is not da._spec
     # as a parameter: a leaf whose gradient arrives, as with from_local
     w = _as_parameter(dtensor_of(torch.randn(3, 4, generator=gen), mesh, Shard(0)), True)
     assert isinstance(w, torch.nn.Parameter) and w.is_leaf and w.requires_grad
