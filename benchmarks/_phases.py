@@ -30,6 +30,23 @@ _STEPS = {"plan": ("shardwise.parallel", "resolve_for_mesh"),
 _USERS = ("shardwise.io.place", "shardwise.holding")
 
 
+def prepare() -> float:
+    """Import the loader and what a holding imports on first use (so the timer can wrap what they
+    refer to); the seconds it took. Call it before a clock starts: ``sw.load``'s first call would
+    import the same."""
+    import importlib
+
+    t0 = time.perf_counter()
+    import shardwise.io.load  # noqa: F401 - the pipeline and what it imports by name
+
+    for module in _USERS:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            pass
+    return time.perf_counter() - t0
+
+
 class LoadPhases:
     def __init__(self) -> None:
         self.spent: dict[str, float] = {}
@@ -61,13 +78,7 @@ class LoadPhases:
     def __enter__(self) -> LoadPhases:
         import importlib
 
-        import shardwise.io.load  # noqa: F401 - the pipeline and what it imports by name
-
-        for module in _USERS:  # modules a holding imports on first use: bound to the timed steps too
-            try:
-                importlib.import_module(module)
-            except ImportError:
-                pass
+        prepare()
 
         for step, (module, name) in _STEPS.items():
             original = getattr(importlib.import_module(module), name, None)
@@ -108,3 +119,28 @@ class LoadPhases:
 
 
 PHASE_COLUMNS = ("imports", "plan", "detect", "read", "place", "wire", "other")
+
+
+def breakdown_rows(degree: int, ranks: list[dict], fresh: list[dict] | None) -> list[dict]:
+    """One row per rank of a timed load (``ranks``: each with ``phases``, ``construct_s``,
+    ``local_bytes``): its steps, and the copy limit measured in the same run: the bytes this rank
+    places over the page cache -> fresh memory bandwidth of a rank at this degree (``fresh``:
+    that phase's ranks, ``bytes_read`` over ``seconds``); ``of_limit`` = limit / load seconds."""
+    bandwidth = (sum(r["bytes_read"] / r["seconds"] for r in fresh) / len(fresh)) if fresh else None
+    rows = []
+    for r in ranks:
+        s = r.get("phases") or {}
+        limit = r["local_bytes"] / bandwidth if bandwidth else None
+        rows.append({"degree": degree, "rank": r["rank"], "construct": r.get("construct_s"),
+                     "loader_import": r.get("loader_import_s"),
+                     **{k: s.get(k) for k in (*PHASE_COLUMNS, "total")}, "placed_gb": r["local_bytes"] / 1e9,
+                     "fresh_gbps": bandwidth / 1e9 if bandwidth else None, "copy_limit": limit,
+                     "of_limit": limit / s["total"] if limit and s.get("total") else None})
+    return rows
+
+
+BREAKDOWN_COLUMNS = [("degree", "tp"), ("rank", "rank"), ("construct", "construct on meta s", ".3f"),
+                     ("loader_import", "loader import s", ".3f"),
+                     *[(k, f"{k} s", ".3f") for k in PHASE_COLUMNS], ("total", "sw.load s", ".3f"),
+                     ("placed_gb", "GB placed", ".3f"), ("fresh_gbps", "fresh-memory GB/s per rank"),
+                     ("copy_limit", "copy limit s", ".3f"), ("of_limit", "copy limit ÷ load")]
