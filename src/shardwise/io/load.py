@@ -150,15 +150,18 @@ def check_nothing_left_on_meta(model: nn.Module, specs: ResolvedPlan, missing: l
 
 def move_non_persistent(model: nn.Module, device: torch.device) -> None:
     """Move the non-persistent buffers to ``device``; raise if any tensor is left on meta."""
-    for module in model.modules():
+    left: dict[str, None] = {}
+    for path, module in model.named_modules():  # one walk: move, then look for meta tensors
         for name in module._non_persistent_buffers_set:
             buf = module._buffers.get(name)
             if buf is not None and buf.device != device:
                 module._buffers[name] = buf.to(device)
-    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+        prefix = f"{path}." if path else ""
+        for tensors in (module._parameters, module._buffers):
+            left.update((prefix + n, None) for n, t in tensors.items() if t is not None and t.is_meta)
     if left:  # a tensor outside the state dict (a custom state_dict hook hides it)
         raise CheckpointError(
-            f"after loading, {listing(left)} are still on the meta device: the model's state_dict "
+            f"after loading, {listing(list(left))} are still on the meta device: the model's state_dict "
             "does not list them, so no checkpoint can fill them; materialise them before sw.load"
         )
 
