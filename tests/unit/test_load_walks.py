@@ -32,3 +32,44 @@ def test_every_meta_tensor_is_named():
     for name in ("1.lin.weight", "0.stat", "top"):
         assert name in str(info.value)
     assert "0.lin.weight" not in str(info.value)
+
+
+def _gc_during_load(fail: bool) -> tuple[list[bool], bool]:
+    import gc
+
+    import safetensors.torch as st
+
+    import shardwise as sw
+    import shardwise.io.load as load_module
+    from shardwise.errors import ShardwiseError
+
+    backend = sw.init_backend("gloo")
+    seen: list[bool] = []
+    resolve = load_module.resolve_for_mesh
+
+    def spying(*args, **kwargs):
+        seen.append(gc.isenabled())
+        if fail:
+            raise CheckpointError("a failure inside the load")
+        return resolve(*args, **kwargs)
+
+    load_module.resolve_for_mesh = spying
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        st.save_file({"weight": torch.ones(4, 2), "bias": torch.zeros(4)}, str(Path(tmp) / "m.safetensors"))
+        with torch.device("meta"):
+            model = nn.Linear(2, 4)
+        try:
+            sw.load(model, tmp, plan={"": "colwise"}, mesh=backend.mesh(tp=1))
+        except ShardwiseError:
+            pass
+    return seen, gc.isenabled()
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_the_collector_pauses_during_a_load_and_comes_back(fail):
+    from harness import run_ranks
+
+    assert run_ranks(_gc_during_load, 1, fail) == [([False], True)]

@@ -6,8 +6,11 @@ the dp replicas' shared reads and the exchange of a storage read once per job.""
 
 from __future__ import annotations
 
+import gc
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -81,6 +84,29 @@ def load(model: nn.Module, path: str | os.PathLike | Location, *, plan, mesh,
     >>> sw.load(model, "ckpt/", plan=plan, mesh=backend.mesh(tp=4), dtype=torch.bfloat16)  # doctest: +SKIP
     LoadResult(tensors=291, bytes_read=4021813248, seconds=1.912, missing=0, unexpected=0)
     """
+    with collector_paused():
+        return _load(model, path, plan=plan, mesh=mesh, dtype=dtype, strict=strict, num_threads=num_threads,
+                     progress=progress, holding=holding, ep_plan=ep_plan, dequantize=dequantize,
+                     storage_options=storage_options, **options)
+
+
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the block, back as it was after. A load makes
+    objects per module (specs, styles, parameters, DTensors) and keeps them, and every full
+    collection walks all of them: on a 64-expert x 32-layer MoE (8,614 modules) the collections
+    were ~40% of the load. Cycles made meanwhile are collected after."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _load(model: nn.Module, path, *, plan, mesh, dtype, strict, num_threads, progress, holding, ep_plan,
+          dequantize, storage_options, **options) -> LoadResult:
     start = time.perf_counter()
     with on_every_rank():  # the same inputs on every rank, before any read or collective
         check_options(_where="load", **options)
