@@ -3,7 +3,7 @@
     python3 benchmarks/overhead.py --layers 8 16 32 64 128 256 --degrees 2 4 --repeat 3
 
 Models (bfloat16, tiny widths, so bytes are negligible and the time is bookkeeping):
-- ``llama-L``: transformers' ``LlamaForCausalLM`` (hidden 64, intermediate 128, 4 heads / 2 kv
+- ``llama-L``: transformers' ``LlamaForCausalLM`` (hidden 64, intermediate 128, 4 heads / 4 kv
   heads, vocab 256) with L layers, written by ``save_pretrained``.
 - ``moe-64x32``: 32 layers of 64 experts each with its own gate/up/down ``nn.Linear`` (6,144
   expert modules), keys as Qwen3-MoE checkpoints name them. shardwise loads it into a model with
@@ -36,7 +36,7 @@ from torch import nn
 
 from shardwise.testing import spawn
 
-HIDDEN, INTER, HEADS, KV, VOCAB, HEAD_DIM = 64, 128, 4, 2, 256, 16
+HIDDEN, INTER, HEADS, KV, VOCAB, HEAD_DIM = 64, 128, 4, 4, 256, 16  # tp 4 splits whole kv heads
 
 
 def llama_config(layers: int):
