@@ -52,6 +52,8 @@ from _common import (
     warm_file_cache,
     write_results,
 )
+from _phases import BREAKDOWN_COLUMNS, LoadPhases, breakdown_rows
+from _phases import prepare as prepare_phases
 from safetensors.torch import load_file
 
 from shardwise.testing import expected_shard, parse_size, spawn
@@ -128,11 +130,15 @@ def shardwise_rank(ckpt_dir: str, plan: dict[str, str], degree: int) -> dict:
 
     backend = sw.init_backend("gloo")
     mesh = backend.mesh(tp=degree)
+    t_meta = time.perf_counter()
     with torch.device("meta"):
         model = checkpoint_model(ckpt_dir, dtype=torch.bfloat16)
+    construct = time.perf_counter() - t_meta
+    loader_import = prepare_phases()  # before the clock: the phase timer wraps what the loader refers to
     with PeakRSS() as peak:
         file_rss, io0, t0, cpu0 = proc_status().get("RssFile", 0), proc_io(), time.perf_counter(), os.times()
-        result = sw.load(model, ckpt_dir, plan=real_plan(plan), mesh=mesh)
+        with LoadPhases() as phases:  # its steps: imports, plan, detect, read, place, wire
+            result = sw.load(model, ckpt_dir, plan=real_plan(plan), mesh=mesh)
         seconds = time.perf_counter() - t0
         cpu = _cpu_since(cpu0)
         io = io_delta(io0, proc_io())
@@ -148,7 +154,8 @@ def shardwise_rank(ckpt_dir: str, plan: dict[str, str], degree: int) -> dict:
         raise RuntimeError(f"sw.load left {len(left)} parameters on the meta device, e.g. {left[:3]}")
     figures = _rank_figures(seconds, peak, io, mapped, local, cpu)
     # what it read, by its own count: rchar misses the strided copies made through a mapping
-    return {**figures, "bytes_read": result.bytes_read, "touch_s": touch}
+    return {**figures, "bytes_read": result.bytes_read, "touch_s": touch, "phases": phases.seconds,
+            "construct_s": construct, "loader_import_s": loader_import}
 
 
 def shardwise_load(ckpt_dir, plan: dict[str, str], degree: int, *, timeout: float = 600) -> list[dict] | None:
@@ -450,6 +457,28 @@ def main(argv=None) -> None:
                                  "per_rank": [{"method": r["method"], "degree": r["degree"],
                                                "ranks": r["ranks"]} for r in rows]})
     print(table)
+    fresh = {r["degree"]: r["ranks"] for r in rows
+             if r["method"].startswith("page cache → fresh") and r["ranks"]}
+    steps = [row for r in rows if r["method"].startswith("shardwise") and r["ranks"]
+             for row in breakdown_rows(r["degree"], r["ranks"], fresh.get(r["degree"]))]
+    print(write_results("load-breakdown", steps, BREAKDOWN_COLUMNS, _BREAKDOWN_NOTES + f" Command: `python3 "
+                        f"benchmarks/load.py --size {args.size} --file-size {args.file_size} --degrees "
+                        f"{' '.join(map(str, args.degrees))} --repeat {args.repeat}`."))
+
+
+_BREAKDOWN_NOTES = (
+    "Per rank, the run of `load` above whose slowest rank is the median: where one rank's `sw.load` "
+    "goes (benchmarks/_phases.py). Loader import: shardwise's loader (`shardwise.io.load` and the "
+    "holdings' modules) imported before the clock, so the steps can be timed (the first `sw.load` "
+    "of a process would import it inside the call); imports: those inside the call (also inside "
+    "the step that made them), plan (resolve_for_mesh), detect (open the source: format, listing, "
+    "headers; match keys; plan "
+    "this rank's reads), read (bytes into the rank's tensors), place (install less wire), wire, other "
+    "(guards, buffers). Construct on meta: the model built on the meta device before the call. The "
+    "copy limit is measured in the same run: the bytes this rank places (its local tensors) over the "
+    "page cache -> fresh memory bandwidth of one rank at this tp (the row above); copy limit ÷ load "
+    "is the share of that limit the load reaches (1 = at the limit; above 1, zero-copy views of "
+    "the page cache beat copying).")
 
 
 def _fresh_row(degree: int, files: list[str], args) -> dict:

@@ -117,7 +117,9 @@ def check_installed(model: nn.Module, specs: ResolvedPlan, declared: dict, *, ho
         shape, declared_dtype = declared[name]
         t = state[name]
         held_dtensor = is_dtensor(t)
-        local = tuple(local_of(t).shape)
+        # the DTensor's own local tensor: to_local() runs an autograd Function per tensor
+        own = getattr(t, "_local_tensor", None) if held_dtensor else t
+        local = tuple((own if own is not None else local_of(t)).shape)
         if holding.one_process:  # a global tensor, placed over the devices
             local, want_local = tuple(t.shape), shape
         elif name in specs.ties and coords is not None:  # an FP8 weight's scales, split along

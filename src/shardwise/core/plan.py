@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
@@ -94,18 +95,28 @@ def _module_specs(module: nn.Module, style: Style, path: str, key: str) -> dict[
         )
     if is_embedding and (len(style.blocks or ()) > 1 or style.split_input):
         raise PlanError(f"plan key {key!r}: style {style.source!r} does not apply to the embedding {path!r}")
-    style = replace(style, embedding=is_embedding, axis="tp")
-    return {leaf: _param_spec(tuple(t.shape), leaf, style)
-            for leaf in ("weight", "bias") if (t := getattr(module, leaf, None)) is not None}
+    style = _on_tp(style, is_embedding)
+    params = module._parameters  # a property (a parametrization) is read as an attribute
+    return {leaf: _param_spec(tuple(t.shape), leaf, style) for leaf in ("weight", "bias")
+            if (t := params[leaf] if leaf in params else getattr(module, leaf, None)) is not None}
+
+
+@functools.lru_cache(maxsize=256)  # one per style of a plan: not a dataclasses.replace per module
+def _on_tp(style: Style, embedding: bool) -> Style:
+    return replace(style, embedding=embedding, axis="tp")
 
 
 def _param_spec(shape: tuple[int, ...], leaf: str, style: Style) -> ShardSpec:
     """A parameter key's spec, as transformers: colwise splits dim ``ndim - 2``, rowwise the
     last dim; a rowwise ``bias`` stays whole; an embedding's: dim 0 (rowwise) or 1."""
-    ndim = len(shape)
+    return _spec_of(len(shape), leaf == "bias", style)
+
+
+@functools.lru_cache(maxsize=1024)  # specs are frozen: one per (ndim, style), not one per tensor
+def _spec_of(ndim: int, bias: bool, style: Style) -> ShardSpec:
     if style.axis == "ep" and style.sharded and ndim:  # grouped_gemm: whole experts per rank
         return ShardSpec(dim=0, axis="ep")
-    if not style.sharded or ndim == 0 or (style.kind == "rowwise" and leaf == "bias"):
+    if not style.sharded or ndim == 0 or (style.kind == "rowwise" and bias):
         return ShardSpec()
     if style.embedding:
         return ShardSpec(dim=0 if style.kind == "rowwise" else min(1, ndim - 1))
@@ -172,11 +183,12 @@ def resolve_plan(model: nn.Module, plan, degree: int, *, strict: bool = False, e
         unused = unused + ep_unused
     # a key naming a quantized weight's scales (transformers adds them): scales follow their weight
     param_claims = {n: c for n, c in param_claims.items() if not is_tied_scale(model, n)}
+    modules = dict(model.named_modules(remove_duplicate=False))  # one walk, not a walk per path
     styles: dict[str, Style] = {}
     keys: dict[str, str] = {}
     owned: dict[int, tuple[ShardSpec, str, str]] = {}
     for path, (key, raw) in module_claims.items():
-        module = model.get_submodule(path)
+        module = modules[path]
         style = _with_blocks(module, normalize_style(raw, key=key), path, key)
         if style.gather_output and len(style.blocks or ()) > 1:
             raise PlanError(f"plan key {key!r}: gathering the output of a packed projection "
@@ -190,7 +202,7 @@ def resolve_plan(model: nn.Module, plan, degree: int, *, strict: bool = False, e
     sharded = [p for p, s in styles.items() if s.sharded]
     for name, (key, raw) in param_claims.items():
         path, _, leaf = name.rpartition(".")
-        module = model.get_submodule(path)
+        module = modules[path]
         tensor = getattr(module, leaf)
         style = _with_blocks(module, normalize_style(raw, key=key), path, key)
         spec = _param_spec(tuple(tensor.shape), leaf, style)

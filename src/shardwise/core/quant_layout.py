@@ -151,12 +151,14 @@ def quant_pairs(module: nn.Module) -> list[tuple[str, str, Block, str]]:
     parameters: an ``FP8Linear`` ``weight`` (block ``block_size``), a 3-D ``FP8Experts``
     projection (``(1, *block_size)``), an MXFP4 ``x_blocks`` (``(1, ..., 1, None)``)."""
     held = {n: p for n, p in module._parameters.items() if p is not None}
-    block = as_block(getattr(module, "block_size", None))
     out: list[tuple[str, str, Block, str]] = []
+    block, read = None, False
     for name, values in held.items():
         found = pair_of(name, values.dtype, held)
         if found is None:
             continue
+        if not read:  # read once a pair is found: a module without one raises inside torch's getattr
+            block, read = as_block(getattr(module, "block_size", None)), True
         scales = held[found[0]]
         if (found[1] == "fp8_block" and block is not None and values.dim() == scales.dim()
                 and (values.dim() == 3 or (values.dim() == 2 and name == "weight"))):

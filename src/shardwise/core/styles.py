@@ -116,6 +116,10 @@ SUPPORTED_STYLES = tuple(sorted(_STRINGS)) + ("PackedColwise(blocks)", "PackedRo
 DEFAULT_PACKED = (1, 1)
 
 
+# each named style once, its name as its source (styles are frozen: one object serves every key)
+_NAMED: dict[str, Style] = {name: replace(style, source=name) for name, style in _STRINGS.items()}
+
+
 def normalize_style(style, *, key: str = "") -> Style:
     """A plan value (string, packed object, torch ParallelStyle) as a ``Style``; else ``PlanError``.
 
@@ -125,8 +129,8 @@ def normalize_style(style, *, key: str = "") -> Style:
     where = f" for plan key {key!r}" if key else ""
     if isinstance(style, Style):
         return style
-    if isinstance(style, str) and style in _STRINGS:
-        return replace(_STRINGS[style], source=style)
+    if isinstance(style, str) and style in _NAMED:
+        return _NAMED[style]
     cls = type(style).__name__  # an unknown string falls through to the error below
     blocks = getattr(style, "blocks", None)
     if cls in ("PackedColwise", "PackedColwiseParallel", "PackedRowwise", "PackedRowwiseParallel"):
@@ -155,9 +159,16 @@ def match_plan(model: nn.Module, plan: Mapping, *, strict: bool = False, what: s
     rank would hold the whole model, which no one means); one key matching, the others are skipped."""
     if not isinstance(plan, Mapping):
         raise PlanError(f"a plan must be a dict of module path -> style, got {type(plan).__name__}")
-    module_names = [n for n, _ in model.named_modules()]
-    param_names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     prefix = adapter_for(model).base_prefix(model)
+    # Each key as written, under the base prefix, and both as an MXFP4 `x_blocks` (the key names
+    # `x`, as transformers): every module and parameter name walks one trie of them, once.
+    variants = {key: [f"{head}{key}{tail}" for tail in ("", MXFP4_SUFFIXES[0])
+                      for head in (("", f"{prefix}.") if prefix else ("",))]
+                for key in plan if isinstance(key, str) and key}
+    patterns = [v for vs in variants.values() for v in vs]
+    module_hits = dict(zip(patterns, matches(patterns, (n for n, _ in model.named_modules())), strict=True))
+    param_hits = dict(zip(patterns, matches(patterns, (n for n, _ in model.named_parameters(
+        remove_duplicate=False))), strict=True))
     modules: dict[str, tuple[str, object]] = {}
     params: dict[str, tuple[str, object]] = {}
     unused: list[str] = []
@@ -165,9 +176,10 @@ def match_plan(model: nn.Module, plan: Mapping, *, strict: bool = False, what: s
         if not isinstance(key, str) or not key:
             raise PlanError(f"plan keys must be module or parameter paths (non-empty strings), got {key!r}")
         normalize_style(style, key=key)  # an unknown style is an error even where nothing matches
-        hits = _hits_under(key, prefix, module_names, param_names)
-        if not any(hits):  # MXFP4 `x` held as `x_blocks` + `x_scales`: the key names `x`, as transformers
-            hits = ([], _hits_under(key + MXFP4_SUFFIXES[0], prefix, module_names, param_names)[1])
+        half = len(variants[key]) // 2
+        hits = _first_hit(variants[key][:half], module_hits, param_hits)
+        if not any(hits):  # MXFP4 `x` held as `x_blocks` + `x_scales`: parameters only
+            hits = ([], _first_hit(variants[key][half:], module_hits, param_hits)[1])
         if not any(hits):
             if strict:
                 near = closest_paths(key, _patterns(model), prefix)
@@ -196,16 +208,45 @@ def match_plan(model: nn.Module, plan: Mapping, *, strict: bool = False, what: s
         f"Write each key as the model names its modules, with '*' for a layer index{base}{own}")
 
 
-def _hits_under(key: str, prefix: str, module_names, param_names) -> tuple[list[str], list[str]]:
-    """The module and parameter names ``key`` matches, else those it matches under ``prefix``."""
-    for full in (key, f"{prefix}.{key}") if prefix else (key,):
-        pattern = re.compile(r"\.".join(r"\d+" if p == "*" else re.escape(p) for p in full.split(".")))
-        dots = full.count(".")
-        hits = tuple([n for n in names if n.count(".") == dots and pattern.fullmatch(n)]
-                     for names in (module_names, param_names))
+def _first_hit(variants: list[str], module_hits, param_hits) -> tuple[list[str], list[str]]:
+    """The module and parameter names of the first variant that matches any (else the last's)."""
+    for full in variants:
+        hits = (module_hits[full], param_hits[full])
         if any(hits):
             break
-    return hits  # type: ignore[return-value]
+    return hits
+
+
+def matches(patterns: list[str], names) -> list[list[str]]:
+    """For each pattern (a dotted path, ``*`` one numeric component), the ``names`` it matches in
+    full, in their order. Each name walks a trie of the patterns' components once: linear in
+    names, whatever the number of keys (STYLE.md rule 22)."""
+    root: tuple[dict, list[int]] = ({}, [])  # (children by component, patterns ending here)
+    for i, pattern in enumerate(patterns):
+        node = root
+        for part in pattern.split("."):
+            node = node[0].setdefault(part, ({}, []))
+        node[1].append(i)
+    out: list[list[str]] = [[] for _ in patterns]
+    reached: dict[str, list] = {}  # {path: the trie nodes it reaches}: a name steps on from its parent's
+
+    def nodes_of(path: str) -> list:
+        if path in reached:
+            return reached[path]
+        parent, dot, part = path.rpartition(".")
+        nodes = nodes_of(parent) if dot else [root]
+        # a component matches its own text, and '*' if it is a number ('*' itself is no name)
+        nodes = [c for n in nodes for c in (n[0].get(part) if part != "*" else None,
+                                             n[0].get("*") if part.isdecimal() else None)
+                 if c is not None] if nodes else nodes
+        reached[path] = nodes
+        return nodes
+
+    for name in names:
+        for node in nodes_of(name):
+            for i in node[1]:
+                out[i].append(name)
+    return out
 
 
 def _patterns(model: nn.Module) -> list[str]:
@@ -226,5 +267,5 @@ def closest_paths(key: str, patterns: list[str], prefix: str = "", n: int = 3) -
 
 __all__ = [
     "DEFAULT_PACKED", "PackedColwise", "PackedRowwise", "SUPPORTED_STYLES", "Style",
-    "check_blocks", "closest_paths", "match_plan", "normalize_style",
+    "check_blocks", "closest_paths", "match_plan", "matches", "normalize_style",
 ]

@@ -50,8 +50,8 @@ def _check_quantized_tensors(model: nn.Module, action: str) -> None:
             continue
         if cls in _QUANT_MODULE_TYPES:
             raise refusal(action, f"module {path or '<root>'!r} is a quantized layer ({cls})", fix)
-        params = dict(module.named_parameters(recurse=False))
-        tensors = {**params, **dict(module.named_buffers(recurse=False))}
+        params = {n: p for n, p in module._parameters.items() if p is not None}
+        tensors = {**params, **{n: b for n, b in module._buffers.items() if b is not None}}
         for name, t in tensors.items():
             if t is None:
                 continue
