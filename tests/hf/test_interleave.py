@@ -59,3 +59,13 @@ def test_interleave_then_chunk_gives_each_target_rows_of_both_halves():
     gate, up = (_assemble(v.shape, v.pieces, stored) for v in parts.values())
     assert torch.equal(gate, want[:4]) and torch.equal(up, want[4:])
     assert torch.equal(gate, stored[0::2]) and torch.equal(up, stored[1::2])
+
+
+def test_inkling2s_unpadded_vocab_is_the_first_rows():
+    from transformers.core_model_loading import Inkling2UnpadVocab
+
+    stored = torch.randn(10, 4)  # lm_head padded to vocab_size 10; the model keeps 7 rows
+    conv = WeightConverter(source_patterns="lm_head.weight", target_patterns="lm_head.weight",
+                           operations=[Inkling2UnpadVocab()])
+    built = _apply(conv, {"lm_head.weight": [_Virtual((10, 4), [_whole("k", (10, 4))])]}, "lm_head", (7, 4))
+    assert built.shape == (7, 4) and torch.equal(_assemble(built.shape, built.pieces, stored), stored[:7])

@@ -114,8 +114,7 @@ def _as_list(v: list[_Virtual] | _Virtual) -> list[_Virtual]:
     return v if isinstance(v, list) else [v]
 
 
-def _cut(box: Region, dim: int, start: int, size: int) -> Region:
-    """``size`` rows of ``box`` on ``dim`` from its row ``start``."""
+def _cut(box: Region, dim: int, start: int, size: int) -> Region:  # size rows of box on dim from start
     return Region(box.offsets[:dim] + (box.offsets[dim] + start,) + box.offsets[dim + 1:],
                   box.sizes[:dim] + (size,) + box.sizes[dim + 1:])
 
@@ -165,14 +164,22 @@ def _slab(v: _Virtual, dim: int, start: int, size: int) -> _Virtual:
     return _Virtual(v.shape[:dim] + (size,) + v.shape[dim + 1:], pieces)
 
 
-def _apply(conv, groups: dict[str, list[_Virtual]], what: str) -> _Virtual:
-    """Run ``conv``'s operations as geometry over the collected stored tensors."""
+def _apply(conv, groups: dict[str, list[_Virtual]], what: str,
+           target: tuple[int, ...] | None = None) -> _Virtual:
+    """Run ``conv``'s operations as geometry over the collected stored tensors; ``target``: the
+    model tensor's shape (the rows an ``Inkling2UnpadVocab`` keeps: the first ones)."""
     ops = list(getattr(conv, "operations", []) or [])
     current: Mapping[str, list[_Virtual] | _Virtual] = groups
     for op in ops:
         name = type(op).__name__
         dim: Any = getattr(op, "dim", None)  # an int on the operations handled below
-        if name == "Interleave":
+        if name == "Inkling2UnpadVocab" and not getattr(op, "inverse", False) and target is not None:
+            if any(x.shape[0] < target[0] for v in current.values() for x in _as_list(v)):
+                raise CheckpointError(f"{what}: {target[0]} rows kept of a stored tensor with fewer")
+            current = {p: [_slab(x, 0, 0, target[0]) for x in _as_list(v)] for p, v in current.items()}
+        elif name == "Inkling2LoopDequantizeExperts" and len(current) == 1:
+            pass  # the values alone, no scales: transformers passes them through unchanged
+        elif name == "Interleave":
             current = {p: [_interleave(x, dim % len(x.shape), bool(getattr(op, "inverse", False)), what)
                            for x in _as_list(v)] for p, v in current.items()}
         elif name == "MergeModulelist":
@@ -276,7 +283,7 @@ def hub_tensors(model: nn.Module, stored: Mapping[str, tuple[Location | None, Na
             keys.sort(key=_natural)
             _indices_run(keys, what)
             collected[pattern] = [_Virtual(stored[k][1].shape, [_whole(k, stored[k][1].shape)]) for k in keys]
-        built = _apply(conv, collected, what)
+        built = _apply(conv, collected, what, shapes.get(name))
         dtypes = {stored[p.key][1].dtype for p in built.pieces}
         if len(dtypes) != 1:
             raise CheckpointError(f"{what}: its stored tensors have different dtypes {sorted(dtypes)}")
