@@ -264,7 +264,8 @@ def stored_pairs(tensors: Mapping[str, tuple], qc: cq.QuantConfig) -> tuple[dict
             what = "is missing" if weight not in found else f"is {dtype_to_str(found[weight][0])}, not FP8"
             problems.append(f"scales {scale!r} have no FP8 weight: {weight!r} {what}")
     for name, (dtype, shape) in found.items():
-        if not name.endswith(cq.MXFP4_SUFFIXES[0]) or dtype != torch.uint8 or len(shape) < 3:
+        if (not name.endswith(cq.MXFP4_SUFFIXES[0]) or dtype not in cq.MXFP4_BLOCK_DTYPES
+                or len(shape) < 3):
             continue
         scale = cq.scale_key(name, "mxfp4")
         if scale not in found:
@@ -274,9 +275,10 @@ def stored_pairs(tensors: Mapping[str, tuple], qc: cq.QuantConfig) -> tuple[dict
             continue
         pairs[name] = QuantPair(name, scale, "mxfp4", (cq.MXFP4_GROUP,))
         sdtype, sshape = found[scale]
-        if shape[-1] != cq.MXFP4_GROUP_BYTES or sshape != shape[:-1] or sdtype != torch.uint8:
+        if shape[-1] != cq.MXFP4_GROUP_BYTES or sshape != shape[:-1] or sdtype not in cq.MXFP4_SCALE_DTYPES:
             problems.append(f"MXFP4 scales {scale!r} are {dtype_to_str(sdtype)} {sshape}, but blocks "
-                            f"{name!r} {shape} need U8 {shape[:-1]} (blocks of {cq.MXFP4_GROUP_BYTES} bytes, "
+                            f"{name!r} {shape} need U8 or F8_E8M0 {shape[:-1]} "
+                            f"(blocks of {cq.MXFP4_GROUP_BYTES} bytes, "
                             f"one e8m0 scale per {cq.MXFP4_GROUP} values); re-export the checkpoint")
     return pairs, problems
 

@@ -114,6 +114,15 @@ def _hrm_text():  # the checkpoint fuses gate|q|k|v into gqkv_proj and gate|up i
                          L_cycles=1, num_layers_per_stack=1)
 
 
+def _minicpm5_moe():  # transformers 5.25: k_proj / v_proj are "unit_colwise" (whole heads a rank)
+    from transformers import MiniCPM5MoeConfig
+
+    return MiniCPM5MoeConfig(vocab_size=96, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                             n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1,
+                             topk_group=1, mlp_layer_types=["dense", "sparse"], max_position_embeddings=64)
+
+
 def _flux2():
     return dict(patch_size=1, in_channels=8, num_layers=1, num_single_layers=1, attention_head_dim=16,
                 num_attention_heads=4, joint_attention_dim=32, timestep_guidance_channels=32,
@@ -131,6 +140,7 @@ KINDS = {
     "deepseek_v3": ("transformers", "DeepseekV3ForCausalLM", _deepseek_v3),
     "muse_spark_text": ("transformers", "MuseSparkTextModel", _muse_spark_text),
     "hrm_text": ("transformers", "HrmTextForCausalLM", _hrm_text),
+    "minicpm5_moe": ("transformers", "MiniCPM5MoeForCausalLM", _minicpm5_moe),
     "flux2": ("diffusers", "Flux2Transformer2DModel", _flux2),
 }
 

@@ -22,7 +22,15 @@ _DTYPE_NAMES = {
     "BOOL": "bool", "C64": "complex64",
     "U64": "uint64", "U32": "uint32", "U16": "uint16",
     "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+    # safetensors 0.8 (MXFP4 checkpoints): E8M0 block scales, and FP4 values two a byte
+    "F8_E8M0": "float8_e8m0fnu", "F4": "float4_e2m1fn_x2",
 }
+# The torch release that brought each dtype added after torch 2.6 (this package's floor).
+_SINCE = {"F8_E8M0": "2.7", "F4": "2.8"}
+# Values a stored element packs along the last dim: a safetensors F4 header counts FP4 values,
+# torch's float4_e2m1fn_x2 (and every region here) counts bytes, two values each. Only these two
+# places convert: parse_header (file to torch) and layout_header (torch to file).
+_PACKED = {"F4": 2}
 # Only the dtypes this torch has: a file naming another one is refused as unknown.
 _STR_TO_DTYPE: dict[str, torch.dtype] = {
     s: getattr(torch, t) for s, t in _DTYPE_NAMES.items() if hasattr(torch, t)
@@ -47,9 +55,40 @@ def str_to_dtype(name: str) -> torch.dtype:
     try:
         return _STR_TO_DTYPE[name]
     except (KeyError, TypeError):
+        raise CheckpointError(_unknown_dtype(name, "unknown safetensors dtype")) from None
+
+
+def _unknown_dtype(name: object, unknown: str = "unknown dtype") -> str:
+    if isinstance(name, str) and name in _SINCE:
+        return (f"safetensors dtype {name!r} (torch.{_DTYPE_NAMES[name]}) needs torch >= "
+                f"{_SINCE[name]}; this is torch {torch.__version__}: upgrade torch to read it")
+    return f"{unknown} {name!r}; known: {sorted(_STR_TO_DTYPE)}"
+
+
+def stored_shape(dtype: str, shape: Sequence[int]) -> tuple[int, ...]:
+    """The shape a safetensors header writes for a tensor of torch ``shape``: the same but for
+    F4, whose header counts FP4 values, two a byte: ``stored_shape("F4", (4, 6)) == (4, 12)``."""
+    pack = _PACKED.get(dtype, 1)
+    if pack == 1:
+        return tuple(shape)
+    if not shape:
+        raise CheckpointError(f"a scalar of {dtype} has no last dim to pack {pack} values a byte along")
+    return (*shape[:-1], shape[-1] * pack)
+
+
+def torch_shape(dtype: str, stored: Sequence[int], *, where: str) -> tuple[int, ...]:
+    """The torch shape of a header's ``stored`` shape (the inverse of ``stored_shape``); an F4
+    tensor whose last dim is odd has no torch form (a byte would hold values of two rows):
+    ``CheckpointError`` naming the fix."""
+    pack = _PACKED.get(dtype, 1)
+    if pack == 1:
+        return tuple(stored)
+    if not stored or stored[-1] % pack:
         raise CheckpointError(
-            f"unknown safetensors dtype {name!r}; known: {sorted(_STR_TO_DTYPE)}"
-        ) from None
+            f"{where}: {dtype} shape {list(stored)} has a last dim that is not a multiple of {pack}, so "
+            f"torch.{_DTYPE_NAMES[dtype]} (bytes of {pack} values along the last dim) cannot hold it "
+            f"exactly; save it with an even last dim, or as U8 bytes with the shape you pack them in")
+    return (*stored[:-1], stored[-1] // pack)
 
 
 def spec_nbytes(dtype: str, shape: Sequence[int]) -> int:
@@ -158,9 +197,10 @@ def _parse_entry(name: str, info: object, *, data_size: int, source: str) -> Ten
             raise CheckpointError(f"{where}: entry has no {key!r}")
     dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
     if not isinstance(dtype, str) or dtype not in _STR_TO_DTYPE:
-        raise CheckpointError(f"{where}: unknown dtype {dtype!r}; known: {sorted(_STR_TO_DTYPE)}")
+        raise CheckpointError(f"{where}: {_unknown_dtype(dtype)}")
     if not isinstance(shape, list) or not all(is_int(d) and d >= 0 for d in shape):
         raise CheckpointError(f"{where}: shape {shape!r} must be a list of non-negative ints")
+    shape = torch_shape(dtype, shape, where=where)
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(is_int(o) for o in offsets)):
         raise CheckpointError(f"{where}: data_offsets {offsets!r} must be two ints [start, end]")
     start, end = offsets
@@ -173,7 +213,7 @@ def _parse_entry(name: str, info: object, *, data_size: int, source: str) -> Ten
     if end - start != expected:
         raise CheckpointError(
             f"{where}: data_offsets [{start}, {end}] hold {end - start} bytes but shape "
-            f"{tuple(shape)} of {dtype} needs {expected}"
+            f"{stored_shape(dtype, shape)} of {dtype} needs {expected}"
         )
     return TensorEntry(name, dtype, tuple(shape), start, end)
 
@@ -245,7 +285,8 @@ def layout_header(
             raise CheckpointError(f"tensor {name!r}: shape {shape!r} must be non-negative ints")
         nbytes = spec_nbytes(dtype, shape)
         offsets[name] = (pos, pos + nbytes)
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
+        stored = list(stored_shape(dtype, shape))
+        header[name] = {"dtype": dtype, "shape": stored, "data_offsets": [pos, pos + nbytes]}
         pos += nbytes
     try:
         raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")

@@ -27,6 +27,17 @@ SUPPORTED_QUANT = ("FP8 with block scales (quant_method 'fp8', weight_block_size
                    "x_blocks / x_scales, one e8m0 scale per 32 e2m1 values)")
 FLOAT8 = frozenset(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
                                                  "float8_e5m2fnuz") if hasattr(torch, n))
+# MXFP4 as bytes: gpt-oss's U8, or safetensors 0.8's F4 (torch.float4_e2m1fn_x2, the same byte:
+# two e2m1 values, the low nibble first) blocks and F8_E8M0 (torch.float8_e8m0fnu) scales
+MXFP4_BLOCK_DTYPES = frozenset([torch.uint8] + [getattr(torch, n) for n in ("float4_e2m1fn_x2",)
+                                                if hasattr(torch, n)])
+MXFP4_SCALE_DTYPES = frozenset([torch.uint8] + [getattr(torch, n) for n in ("float8_e8m0fnu",)
+                                                if hasattr(torch, n)])
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """An MXFP4 block or scale tensor as its uint8 bytes (a view; uint8 itself unchanged)."""
+    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
 
 
 def scale_key(name: str, scheme: str = "fp8_block") -> str:
@@ -229,8 +240,8 @@ def is_block_aligned(shape: Shape, weight_region: Region, block: Block) -> bool:
 
 def decode_scale(scale: torch.Tensor) -> torch.Tensor:
     """Scales as float32: ``uint8`` is e8m0 (``2 ** (byte - 127)``, 255 gives inf, as transformers)."""
-    if scale.dtype == torch.uint8:
-        return torch.exp2(scale.to(torch.int32) - E8M0_BIAS)
+    if scale.dtype in MXFP4_SCALE_DTYPES:
+        return torch.exp2(as_bytes(scale).to(torch.int32) - E8M0_BIAS)
     if not scale.dtype.is_floating_point:
         raise PlanError(f"scales must be a float dtype or uint8 e8m0, got {scale.dtype}")
     return scale.float()
@@ -316,8 +327,9 @@ def mxfp4_regions(weight_region: Region, *, exact: bool = False) -> tuple[Region
 
 def unpack_e2m1(blocks: torch.Tensor) -> torch.Tensor:
     """Float32 values ``(..., G * 32)`` of ``blocks`` ``(..., G, 16)``, low nibble first."""
-    if blocks.dtype != torch.uint8:
-        raise PlanError(f"MXFP4 blocks must be uint8, got {blocks.dtype}")
+    if blocks.dtype not in MXFP4_BLOCK_DTYPES:
+        raise PlanError(f"MXFP4 blocks must be uint8 or float4_e2m1fn_x2, got {blocks.dtype}")
+    blocks = as_bytes(blocks)
     lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=blocks.device)
     values = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1)
     return values.reshape(*blocks.shape[:-2], math.prod(blocks.shape[-2:]) * 2)
@@ -337,14 +349,15 @@ def mxfp4_dequantize_region(blocks: torch.Tensor, scales: torch.Tensor, weight_r
     values = values.narrow(-1, start, weight_region.sizes[-1])
     # ldexp, not a multiply by exp2(byte - 127): 2 ** 128 is not a float32, yet 0.5 * 2 ** 128 is.
     block = _mxfp4_block(len(weight_region.sizes))
-    exponents = expand_scale(scales.to(torch.int32) - E8M0_BIAS, weight_region, block)
+    exponents = expand_scale(as_bytes(scales).to(torch.int32) - E8M0_BIAS, weight_region, block)
     return torch.ldexp(values, exponents).to(dtype)
 
 
 __all__ = [
-    "E2M1_VALUES", "FLOAT8", "FP8_SCALE", "MXFP4_GROUP", "MXFP4_GROUP_BYTES", "MXFP4_SUFFIXES", "QuantConfig",
-    "QuantScheme", "SUPPORTED_QUANT", "read_quantization",
-    "as_block", "decode_scale", "dequantize_region", "expand_scale",
+    "E2M1_VALUES", "FLOAT8", "FP8_SCALE", "MXFP4_BLOCK_DTYPES", "MXFP4_GROUP", "MXFP4_GROUP_BYTES",
+    "MXFP4_SCALE_DTYPES", "MXFP4_SUFFIXES", "QuantConfig", "QuantScheme", "SUPPORTED_QUANT",
+    "read_quantization",
+    "as_block", "as_bytes", "decode_scale", "dequantize_region", "expand_scale",
     "is_block", "is_block_aligned", "mxfp4_dequantize_region", "mxfp4_regions", "pair_of",
     "quant_scheme", "quantize_fp8_blocks", "scale_key", "scale_region", "scale_shape", "unpack_e2m1",
 ]

@@ -12,8 +12,10 @@ from torch import nn
 
 from shardwise.core.pieces import Piece
 from shardwise.core.quant import (
+    MXFP4_BLOCK_DTYPES,
     MXFP4_GROUP,
     MXFP4_GROUP_BYTES,
+    MXFP4_SCALE_DTYPES,
     MXFP4_SUFFIXES,
     SCHEMES,
     Block,
@@ -163,7 +165,8 @@ def quant_pairs(module: nn.Module) -> list[tuple[str, str, Block, str]]:
         if (found[1] == "fp8_block" and block is not None and values.dim() == scales.dim()
                 and (values.dim() == 3 or (values.dim() == 2 and name == "weight"))):
             out.append((name, found[0], (1,) * (values.dim() - 2) + block, "fp8_block"))
-        elif (found[1] == "mxfp4" and values.dtype == torch.uint8 and scales.dtype == torch.uint8
+        elif (found[1] == "mxfp4" and values.dtype in MXFP4_BLOCK_DTYPES
+              and scales.dtype in MXFP4_SCALE_DTYPES
               and values.dim() >= 3 and values.shape[-1] == MXFP4_GROUP_BYTES):
             out.append((name, found[0], (1,) * (values.dim() - 1) + (None,), "mxfp4"))
     return out

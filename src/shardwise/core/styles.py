@@ -107,6 +107,12 @@ _STRINGS: dict[str, Style] = {
     "moe_tp_experts": Style("replicate", forward="moe_experts"),
     "moe_identity_expert": Style("replicate", forward="divide_input"),
     "mla_kv_a_proj": Style("replicate", forward="mla_kv_a"),
+    # transformers 5.25's per-head styles (minicpm5_moe's k/v): a rank owns whole heads. Where the
+    # degree divides the head count they are colwise / rowwise, which is all shardwise serves:
+    # transformers replicates heads over ranks otherwise, and the head-count check refuses that
+    # degree here, naming those that work
+    "unit_colwise": Style("colwise"),
+    "unit_rowwise": Style("rowwise"),
     # an expert-parallel plan's (transformers' base_model_ep_plan), on the ep axis
     "grouped_gemm": Style("colwise", axis="ep"),
     "ep_dispatch_experts": Style("replicate", forward="ep_experts", axis="ep"),

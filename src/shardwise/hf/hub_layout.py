@@ -114,14 +114,75 @@ def _as_list(v: list[_Virtual] | _Virtual) -> list[_Virtual]:
     return v if isinstance(v, list) else [v]
 
 
-def _apply(conv, groups: dict[str, list[_Virtual]], what: str) -> _Virtual:
-    """Run ``conv``'s operations as geometry over the collected stored tensors."""
+def _cut(box: Region, dim: int, start: int, size: int) -> Region:  # size rows of box on dim from start
+    return Region(box.offsets[:dim] + (box.offsets[dim] + start,) + box.offsets[dim + 1:],
+                  box.sizes[:dim] + (size,) + box.sizes[dim + 1:])
+
+
+def _interleave(v: _Virtual, dim: int, inverse: bool, what: str) -> _Virtual:
+    """transformers' ``Interleave(dim)``: rows ``2i + j`` of ``dim`` go to ``j * n/2 + i`` (the
+    evens, then the odds); ``inverse`` undoes it. Only places move: each row becomes its own
+    piece, so a rank's share is still read as boxes (adjacent rows, where they meet)."""
+    n = v.shape[dim]
+    if n % 2:
+        raise CheckpointError(f"{what}: Interleave(dim={dim}) of {n} rows, an odd count")
+    half = n // 2
+
+    def moved(r: int) -> int:
+        return r // 2 + (r % 2) * half if not inverse else (r % half) * 2 + r // half
+
+    pieces = []
+    for q in v.pieces:
+        if dim in q.stacked:  # one row of a stacked expert: it moves whole
+            at = q.offsets[:dim] + (moved(q.offsets[dim]),) + q.offsets[dim + 1:]
+            pieces.append(Piece(q.key, q.source, at, q.stacked))
+            continue
+        sdim = dim - sum(1 for d in q.stacked if d < dim)  # that dim in the stored tensor
+        for t in range(q.source.sizes[sdim]):
+            src = _cut(q.source, sdim, t, 1)
+            at = q.offsets[:dim] + (moved(q.offsets[dim] + t),) + q.offsets[dim + 1:]
+            pieces.append(Piece(q.key, src, at, q.stacked))
+    return _Virtual(v.shape, pieces)
+
+
+def _slab(v: _Virtual, dim: int, start: int, size: int) -> _Virtual:
+    """Rows ``[start, start + size)`` of ``dim`` of ``v`` (pieces cut there, rebased)."""
+    pieces = []
+    for q in v.pieces:
+        box = q.box()
+        lo, hi = max(box.offsets[dim], start), min(box.offsets[dim] + box.sizes[dim], start + size)
+        if lo >= hi:
+            continue
+        if dim in q.stacked:
+            at = q.offsets[:dim] + (lo - start,) + q.offsets[dim + 1:]
+            pieces.append(Piece(q.key, q.source, at, q.stacked))
+            continue
+        sdim = dim - sum(1 for d in q.stacked if d < dim)
+        cut = lo - box.offsets[dim]
+        src = _cut(q.source, sdim, cut, hi - lo)
+        pieces.append(Piece(q.key, src, q.offsets[:dim] + (lo - start,) + q.offsets[dim + 1:], q.stacked))
+    return _Virtual(v.shape[:dim] + (size,) + v.shape[dim + 1:], pieces)
+
+
+def _apply(conv, groups: dict[str, list[_Virtual]], what: str,
+           target: tuple[int, ...] | None = None) -> _Virtual:
+    """Run ``conv``'s operations as geometry over the collected stored tensors; ``target``: the
+    model tensor's shape (the rows an ``Inkling2UnpadVocab`` keeps: the first ones)."""
     ops = list(getattr(conv, "operations", []) or [])
     current: Mapping[str, list[_Virtual] | _Virtual] = groups
     for op in ops:
         name = type(op).__name__
         dim: Any = getattr(op, "dim", None)  # an int on the operations handled below
-        if name == "MergeModulelist":
+        if name == "Inkling2UnpadVocab" and not getattr(op, "inverse", False) and target is not None:
+            if any(x.shape[0] < target[0] for v in current.values() for x in _as_list(v)):
+                raise CheckpointError(f"{what}: {target[0]} rows kept of a stored tensor with fewer")
+            current = {p: [_slab(x, 0, 0, target[0]) for x in _as_list(v)] for p, v in current.items()}
+        elif name == "Inkling2LoopDequantizeExperts" and len(current) == 1:
+            pass  # the values alone, no scales: transformers passes them through unchanged
+        elif name == "Interleave":
+            current = {p: [_interleave(x, dim % len(x.shape), bool(getattr(op, "inverse", False)), what)
+                           for x in _as_list(v)] for p, v in current.items()}
+        elif name == "MergeModulelist":
             current = {p: _concat(_as_list(v), dim, what, stack=True) for p, v in current.items()}
         elif name == "Concatenate":
             order = [p for p in conv.source_patterns if p in current] or list(current)
@@ -147,9 +208,15 @@ def _whole(key: str, shape: tuple[int, ...]) -> Piece:
 
 
 def _split_targets(conv, key: str, name: str, entry: NamedDtype, shapes: dict, what: str) -> dict:
-    """``{model tensor: Piece}`` for a converter that splits one stored tensor into several
-    (``Split``: sizes of the model tensors; ``Chunk``: equal parts), each a slab of it."""
+    """``{model tensor: its slab}`` for a converter that splits one stored tensor into several
+    (``Split``: sizes of the model tensors; ``Chunk``: equal parts), each a slab of it, after
+    an ``Interleave`` where one comes first (the slabs' rows then come from both halves)."""
     ops = list(getattr(conv, "operations", []) or [])
+    whole = _Virtual(tuple(entry.shape), [_whole(key, tuple(entry.shape))])
+    if len(ops) == 2 and type(ops[0]).__name__ == "Interleave":
+        inverse = bool(getattr(ops[0], "inverse", False))
+        whole = _interleave(whole, ops[0].dim % len(entry.shape), inverse, what)
+        ops = ops[1:]
     op = type(ops[0]).__name__ if len(ops) == 1 else "+".join(type(o).__name__ for o in ops)
     if op not in ("Split", "Chunk"):
         raise CheckpointError(f"{what}: transformers converts it with {type(conv).__name__}({op}), which "
@@ -169,9 +236,7 @@ def _split_targets(conv, key: str, name: str, entry: NamedDtype, shapes: dict, w
         raise CheckpointError(f"{what}: {key!r} has {n} rows on dim {dim} but its parts need {sum(sizes)}")
     out, start = {}, 0
     for target, size in zip(names, sizes, strict=True):
-        offsets = tuple(start if d == dim else 0 for d in range(len(entry.shape)))
-        box = tuple(size if d == dim else s for d, s in enumerate(entry.shape))
-        out[target] = Piece(key, Region(offsets, box), (0,) * len(box))
+        out[target] = _slab(whole, dim % len(entry.shape), start, size)
         start += size
     return out
 
@@ -201,8 +266,8 @@ def hub_tensors(model: nn.Module, stored: Mapping[str, tuple[Location | None, Na
                 continue
             path, entry = stored[key]
             parts = _split_targets(conv, key, name, entry, shapes, f"stored tensor {key!r}")
-            for target, piece in parts.items():
-                out[target] = Composite(piece.source.sizes, (piece,), {key: (path, entry)})
+            for target, slab in parts.items():
+                out[target] = Composite(slab.shape, tuple(slab.pieces), {key: (path, entry)})
             used.add(key)
             continue
         if name not in wanted:
@@ -218,7 +283,7 @@ def hub_tensors(model: nn.Module, stored: Mapping[str, tuple[Location | None, Na
             keys.sort(key=_natural)
             _indices_run(keys, what)
             collected[pattern] = [_Virtual(stored[k][1].shape, [_whole(k, stored[k][1].shape)]) for k in keys]
-        built = _apply(conv, collected, what)
+        built = _apply(conv, collected, what, shapes.get(name))
         dtypes = {stored[p.key][1].dtype for p in built.pieces}
         if len(dtypes) != 1:
             raise CheckpointError(f"{what}: its stored tensors have different dtypes {sorted(dtypes)}")

@@ -116,7 +116,7 @@ def copy_mapped(handle: ReadHandle, header: FileHeader, entry: TensorEntry, regi
     lo, hi = extent
     with mapped as (mapping, offset):
         flat = torch.frombuffer(mapping, dtype=torch.uint8, count=hi - lo, offset=offset)
-        dest.copy_(flat.view(entry.torch_dtype).as_strided(region.sizes, _strides(entry.shape)))
+        copy_same(dest, flat.view(entry.torch_dtype).as_strided(region.sizes, _strides(entry.shape)))
     return math.prod(region.sizes) * entry.itemsize
 
 
@@ -157,4 +157,14 @@ def read_region(
         raise CheckpointError(f"{file_header.source}: tensor {entry.name!r}: {e}") from e
 
 
-__all__ = ["contiguous_span", "copy_mapped", "read_region", "view_box"]
+
+
+def copy_same(dest: torch.Tensor, src: torch.Tensor) -> None:
+    """``dest.copy_(src)`` of one dtype; one-byte dtypes as their bytes: torch 2.9 has no copy
+    kernel for float4_e2m1fn_x2 (safetensors' F4), and a byte copy is the same copy."""
+    if dest.element_size() == 1 and dest.dtype == src.dtype and dest.dtype != torch.uint8:
+        dest, src = dest.view(torch.uint8), src.view(torch.uint8)
+    dest.copy_(src)
+
+
+__all__ = ["contiguous_span", "copy_mapped", "copy_same", "read_region", "view_box"]

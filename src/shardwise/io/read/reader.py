@@ -25,7 +25,7 @@ from shardwise.core.pieces import Composite, Piece, piece_reads
 from shardwise.core.quant_layout import scale_layout, scale_local_shape
 from shardwise.core.spec import Layout, Region, ShardSpec, local_layout, local_shape
 from shardwise.errors import UsageError
-from shardwise.io.read.mapped import contiguous_span, copy_mapped, read_region, view_box
+from shardwise.io.read.mapped import contiguous_span, copy_mapped, copy_same, read_region, view_box
 from shardwise.io.source import Want
 from shardwise.io.staging import loaded_dtype
 from shardwise.io.storage import Handles, Location
@@ -138,7 +138,7 @@ def read_composite_box(handles: Handles, headers: Mapping[Location, FileHeader],
         (src, _), = item.layout
         read_region(handles.get(item.path), headers[item.path], item.entry, src.offsets, src.sizes, buf)
         if not direct:
-            dest.copy_(buf.view(dest.shape))
+            copy_same(dest, buf.view(dest.shape))
     return out
 
 
@@ -324,7 +324,7 @@ class RegionReader:
                 out = dest if dest.is_contiguous() else torch.empty(region.sizes, dtype=dest.dtype)
                 n = read_region(handle, header, item.entry, region.offsets, region.sizes, out)
                 if out is not dest:
-                    dest.copy_(out)
+                    copy_same(dest, out)
             self._count(n)
             with job.lock:
                 job.remaining -= 1

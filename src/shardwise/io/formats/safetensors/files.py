@@ -271,7 +271,7 @@ def index_json(
 # safetensors' serializer orders a file's tensors by dtype (its enum order, descending), then
 # by name: following it, a one-file save is byte-identical to save_file(sd, metadata={"format": "pt"}).
 _SAVE_FILE_DTYPES = ("U64", "I64", "F64", "C64", "F32", "U32", "I32", "BF16", "F16", "U16",
-                     "I16", "F8_E4M3", "F8_E5M2", "I8", "U8", "BOOL")
+                     "I16", "F8_E8M0", "F8_E4M3", "F8_E5M2", "I8", "U8", "F4", "BOOL")  # 0.8's F4, F8_E8M0
 
 
 def header_metadata(metadata) -> dict[str, str]:
