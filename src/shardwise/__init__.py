@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # what type checkers see for the names below, which load on f
     from shardwise.io.formats.dcp.optim import save_optimizer as save_optimizer
     from shardwise.io.load import load as load
     from shardwise.io.save import save as save
+    from shardwise.plan_probe import check_plan as check_plan
     from shardwise.transfer import transfer_plan as transfer_plan
     from shardwise.validate import validate as validate
 
@@ -49,6 +50,7 @@ _LAZY = {
     "empty_model": ("shardwise.hf.pretrained", "empty_model"),
     "validate": ("shardwise.validate", "validate"),
     "transfer_plan": ("shardwise.transfer", "transfer_plan"),
+    "check_plan": ("shardwise.plan_probe", "check_plan"),
 }
 
 
@@ -70,7 +72,7 @@ __all__ = [
     # runtime
     "Backend", "init_backend", "shutdown_backend", "parallelize", "clip_grad_norm_",
     # plans
-    "ShardSpec", "PackedColwise", "PackedRowwise",
+    "ShardSpec", "PackedColwise", "PackedRowwise", "check_plan",
     # checkpoints
     "load", "save", "consolidate", "save_optimizer", "load_optimizer", "from_pretrained",
     "empty_model", "inspect", "verify", "diff", "validate",

@@ -16,7 +16,7 @@ from shardwise.errors import ShardwiseError, UsageError
 from shardwise.holding import is_dtensor
 from shardwise.mesh import get_shard_state
 from shardwise.parallel import parallelize
-from shardwise.plan_report import PlanReport, Recorder, Row, hint_for, module_in
+from shardwise.plan_report import PlanReport, Recorder, Row, failure_hint, hint_for, module_in
 
 # the largest relative error (max |sharded - one process| / max |one process|) counted as equal:
 # a few ulps of the dtype, times the reductions a tiny model sums in another order
@@ -50,13 +50,15 @@ def check_plan(model: nn.Module, inputs: tuple = (), *, plan="auto", mesh, kwarg
         model.train(was_training)
     if failed is not None:
         raise UsageError(f"check_plan: the one-process model's forward raised on these inputs "
-                         f"({type(failed).__name__}: {failed}); fix the inputs or the model first") from failed
+                         f"({type(failed).__name__}: {failed}); fix the inputs or the model first"
+                         ) from failed
     describe = f"mesh {dict(zip(mesh.mesh_dim_names or (), mesh.mesh.shape, strict=False))}"
     try:
         parallelize(sharded, plan, mesh, holding=holding, ep_plan=ep_plan)
     except ShardwiseError as e:  # a static refusal: the same on every rank
-        return PlanReport(ok=False, first_divergence=module_in(str(e), model), refusal=f"{type(e).__name__}: {e}",
-                          rtol=rtol, mesh=describe)
+        named = module_in(str(e), model)
+        return PlanReport(ok=False, first_divergence=named, likely_cause=named, rtol=rtol, mesh=describe,
+                          refusal=f"{type(e).__name__}: {e}")
     state = get_shard_state(sharded)
     assert state is not None  # parallelize leaves it
     styles = {p: s.source or s.kind for p, s in state.specs.styles.items()}
@@ -67,18 +69,19 @@ def check_plan(model: nn.Module, inputs: tuple = (), *, plan="auto", mesh, kwarg
     rows = _over_ranks(rows)
     first = next((r for r in rows if r.input_rel <= rtol and (r.output_rel > rtol or r.note)), None)
     if error is not None:
-        where = first.path if first else comm.broadcast_object(failing, purpose="check_plan")
+        failing = comm.broadcast_object(failing, purpose="check_plan")
         failed = f"the sharded forward raised in {failing!r}: {type(error).__name__}: {error}"
-        hint, cause = hint_for(sharded, first, rows, styles, blocks, rtol) if first else ("", failing)
-        return PlanReport(ok=False, first_divergence=where, rows=tuple(rows), hint=hint, likely_cause=cause,
-                          refusal=failed, rtol=rtol, mesh=describe)
+        hint, cause = (hint_for(sharded, first, rows, styles, blocks, rtol) if first
+                       else failure_hint(failing, rows, styles))
+        return PlanReport(ok=False, first_divergence=first.path if first else failing, rows=tuple(rows),
+                          hint=hint, likely_cause=cause, refusal=failed, rtol=rtol, mesh=describe)
     bad = [r for r in rows if r.output_rel > rtol or r.input_rel > rtol or r.note]
     if not bad:
         return PlanReport(ok=True, first_divergence=None, rows=tuple(rows), rtol=rtol, mesh=describe)
     first = first or bad[0]
     hint, cause = hint_for(sharded, first, rows, styles, blocks, rtol)
-    return PlanReport(ok=False, first_divergence=first.path, rows=tuple(rows), hint=hint, likely_cause=cause,
-                      rtol=rtol, mesh=describe)
+    return PlanReport(ok=False, first_divergence=cause if first.path == "" and cause else first.path,
+                      rows=tuple(rows), hint=hint, likely_cause=cause, rtol=rtol, mesh=describe)
 
 
 def _record(model: nn.Module, inputs: tuple, kwargs: dict):
@@ -131,7 +134,8 @@ def _compare(path: str, call: int, seen, want, state) -> Row:
     style = state.specs.styles.get(path)
     name = (style.source or style.kind) if style else ""
     if want is None:
-        return Row(path, call, float("nan"), float("inf"), float("inf"), "-", name, "no such call in one process")
+        return Row(path, call, float("nan"), float("inf"), float("inf"), "-", name,
+                   "no such call in one process")
     (ins, outs), (ref_ins, ref_outs) = seen, want
     known_in = known_out = None
     if style is not None and style.kind == "rowwise" and not (style.split_input or style.embedding):
@@ -152,6 +156,8 @@ def _compare(path: str, call: int, seen, want, state) -> Row:
             layout = how
         if err_rel == float("inf") and not note:
             note = f"shape {tuple(a.shape)}, one process {tuple(b.shape)}"
+        elif how != "whole" and not path and not note:  # what the caller gets must be whole
+            note = f"the model returns a shard ({how}), not the whole output"
     return Row(path, call, in_rel, out_abs, out_rel, layout, name, note)
 
 
@@ -172,7 +178,8 @@ def _error(local: torch.Tensor, full: torch.Tensor, state, known, candidates) ->
             if full.shape[dims[0]] % (sum(blocks) * degree):
                 continue
             want = split(full, ShardSpec(dim=dims[0], blocks=blocks, axis=axis), degree, rank)
-            shown = f"dim {dims[0] - full.ndim} / {degree} {axis}" + (f" {list(blocks)}" if blocks != (1,) else "")
+            shown = f"dim {dims[0] - full.ndim} / {degree} {axis}"
+            shown += f" {list(blocks)}" if blocks != (1,) else ""
             err = (*_diff(local, want), shown)
             if err[1] < best[1]:
                 best = err

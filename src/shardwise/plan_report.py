@@ -67,7 +67,7 @@ class PlanReport:
 
 def _table(rows: tuple[Row, ...], rtol: float, first: str | None, *, limit: int = 40) -> list[str]:
     """The rows as text; past ``limit`` rows, those around the first divergence and the last."""
-    shown = list(rows)
+    shown: list[Row | None] = list(rows)
     if len(rows) > limit:
         at = next((i for i, r in enumerate(rows) if r.path == first), len(rows) - 1)
         keep = set(range(max(0, at - limit // 2), min(len(rows), at + 5))) | {len(rows) - 1}
@@ -110,6 +110,11 @@ def hint_for(model: nn.Module, first: Row, rows: list[Row], styles: dict, blocks
     outputs agree while the next one's inputs do not (a packed projection sliced plainly or
     with wrong proportions, a head count fixed in the forward)."""
     name = first.path or "the model"
+    if not first.path and first.note:  # the model's output itself is a shard
+        split_out = [r for r in rows if r.path in styles and r.layout != "whole"]
+        cause = split_out[-1].path if split_out else None
+        return (f"{first.note}: {cause!r} is planned {styles.get(cause, '')} and nothing gathers its "
+                "output; colwise_gather_output (colwise_rep)?" if cause else first.note, cause)
     if first.path in styles:
         return (f"inputs agree, output differs at {name!r}, planned {styles[first.path]}: the module "
                 "does not compute what that style assumes (colwise and rowwise swapped?)", first.path)
@@ -132,6 +137,27 @@ def hint_for(model: nn.Module, first: Row, rows: list[Row], styles: dict, blocks
            "(view(b, t, -1, head_dim) infers the local one)")
     return (f"inputs agree, output differs after {name!r}" + (f": {where}; " if where else "; ")
             + fix, producers[-1].path if producers else None)
+
+
+def failure_hint(failing: str, rows: list[Row], styles: dict) -> tuple[str, str | None]:
+    """``(hint, likely cause)`` when the sharded forward raised in ``failing`` before any
+    output diverged: the last planned module inside it that returned a shard (whose consumer
+    then met a whole tensor), else the last planned one that ran inside it."""
+    if failing in styles:
+        return (f"{failing!r} itself failed under its planned style {styles[failing]}: the style does not "
+                "fit the input it gets (colwise and rowwise swapped?)", failing)
+    inside = [r for r in rows if r.path in styles and (r.path.startswith(failing + ".") or not failing)]
+    split_out = [r for r in inside if r.layout != "whole"]
+    whole_out = [r for r in inside if r.layout == "whole"]
+    # siblings that disagree on the layout: the odd one out is the likely mistake
+    odd = whole_out if split_out and 0 < len(whole_out) < len(split_out) else split_out
+    pick = odd[-1] if odd else inside[-1] if inside else None
+    if pick is None:
+        return f"no planned module ran inside {failing or 'the model'!r} before it failed", failing
+    what = (f"returns a shard ({pick.layout})" if pick in split_out
+            else "returns a whole tensor (its siblings shards)")
+    return (f"{pick.path!r}, planned {styles[pick.path]}, {what} that the code of {failing or 'the model'!r} "
+            "cannot use as it is: a style that does not fit how the module's output is used?", pick.path)
 
 
 def _packed_guess(model: nn.Module, owner: str, producer: str, consumer: str | None,
@@ -178,4 +204,4 @@ class Recorder:
     open: list = field(default_factory=list)  # modules entered and not yet left (the failing one)
 
 
-__all__ = ["PlanReport", "Recorder", "Row", "hint_for", "module_in"]
+__all__ = ["PlanReport", "Recorder", "Row", "failure_hint", "hint_for", "module_in"]

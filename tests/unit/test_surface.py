@@ -24,7 +24,7 @@ PUBLIC = {
     "load", "save", "consolidate", "save_optimizer", "load_optimizer", "from_pretrained",
     "empty_model", "inspect", "verify", "diff", "validate",
     "ShardwiseError", "CheckpointError", "CollectiveError", "PlanError", "UsageError",
-    "transfer_plan",
+    "transfer_plan", "check_plan",
 }
 # served here before, now only in their own modules (tests and internals import them there)
 REMOVED = [
@@ -37,7 +37,7 @@ REMOVED = [
 
 def test_all_is_the_public_set():
     assert set(sw.__all__) == PUBLIC
-    assert len(sw.__all__) == len(set(sw.__all__)) <= 26
+    assert len(sw.__all__) == len(set(sw.__all__)) <= 27
 
 
 @pytest.mark.parametrize("name", sorted(PUBLIC - {"__version__"}))
