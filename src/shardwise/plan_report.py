@@ -118,16 +118,23 @@ def hint_for(model: nn.Module, first: Row, rows: list[Row], styles: dict, blocks
     if first.path in styles:
         return (f"inputs agree, output differs at {name!r}, planned {styles[first.path]}: the module "
                 "does not compute what that style assumes (colwise and rowwise swapped?)", first.path)
-    inside = [r for r in rows[:rows.index(first)] if r.path.startswith(first.path + ".") or not first.path]
-    inside = [r for r in inside if r.path in styles]
-    bad_input = next((r for r in inside if r.input_rel > rtol), None)
-    before = inside[:inside.index(bad_input)] if bad_input else inside
-    producers = [r for r in before if styles[r.path].startswith(("colwise", "PackedColwise", "packed_col"))]
+    scope = first.path
+    while True:  # the diverging module, else its parent, ... : the planned modules that fed it
+        inside = [r for r in rows[:rows.index(first)] if r.path in styles
+                  and (r.path.startswith(scope + ".") or not scope)]
+        bad_input = next((r for r in inside if r.input_rel > rtol), None)
+        before = inside[:inside.index(bad_input)] if bad_input else inside
+        producers = [r for r in before if _splits_output(styles[r.path])]
+        if producers or not scope:
+            break
+        scope = scope.rpartition(".")[0]
     where = (f"its planned parts {', '.join(r.path.rpartition('.')[2] for r in before)} agree, but "
              f"{bad_input.path!r} gets different inputs" if bad_input and before else "")
+    later = [r for r in rows[rows.index(first):] if r.path in styles and not _splits_output(styles[r.path])
+             and (r.path.startswith(scope + ".") or not scope)]
+    consumer = bad_input.path if bad_input else later[0].path if later else None
     for r in reversed(producers):
-        proposal = _packed_guess(model, first.path, r.path, bad_input.path if bad_input else None,
-                                 blocks.get(r.path))
+        proposal = _packed_guess(model, r.path.rpartition(".")[0], r.path, consumer, blocks.get(r.path))
         if proposal:
             planned = styles[r.path]
             return (f"inputs agree, output differs after {name!r}" + (f": {where}" if where else "")
@@ -139,13 +146,28 @@ def hint_for(model: nn.Module, first: Row, rows: list[Row], styles: dict, blocks
             + fix, producers[-1].path if producers else None)
 
 
-def failure_hint(failing: str, rows: list[Row], styles: dict) -> tuple[str, str | None]:
-    """``(hint, likely cause)`` when the sharded forward raised in ``failing`` before any
-    output diverged: the last planned module inside it that returned a shard (whose consumer
-    then met a whole tensor), else the last planned one that ran inside it."""
+def _splits_output(style: str) -> bool:
+    return style.startswith(("colwise", "PackedColwise", "packed_col")) and "gather" not in style and \
+        "rep" not in style
+
+
+def failure_hint(failing: str, rows: list[Row], styles: dict) -> tuple[str, str | None, str]:
+    """``(hint, likely cause, module to blame)`` when the sharded forward raised in ``failing``
+    before any output diverged. A planned module that failed after split siblings: its parent's
+    code between them; one that failed first: its own style. Else the planned module inside
+    ``failing`` whose layout is the odd one out (a shard its consumer met whole, or whole among
+    shards), else the last planned one that ran inside it."""
     if failing in styles:
+        parent = failing.rpartition(".")[0]
+        fed = [r.path for r in rows if r.path in styles and _splits_output(styles[r.path])
+               and r.path.rpartition(".")[0] == parent]
+        if fed:  # split siblings ran first: the parent's code between them and this one broke
+            return (f"{failing!r} ({styles[failing]}) got an input it cannot take after its split sibling(s) "
+                    f"{', '.join(p.rpartition('.')[2] for p in fed)} ran: the code of {parent!r} between "
+                    "them does not follow the split: a head count fixed in the code (or read from the "
+                    "config), or packed proportions it slices by?", fed[-1], parent)
         return (f"{failing!r} itself failed under its planned style {styles[failing]}: the style does not "
-                "fit the input it gets (colwise and rowwise swapped?)", failing)
+                "fit the input it gets (colwise and rowwise swapped?)", failing, failing)
     inside = [r for r in rows if r.path in styles and (r.path.startswith(failing + ".") or not failing)]
     split_out = [r for r in inside if r.layout != "whole"]
     whole_out = [r for r in inside if r.layout == "whole"]
@@ -153,11 +175,12 @@ def failure_hint(failing: str, rows: list[Row], styles: dict) -> tuple[str, str 
     odd = whole_out if split_out and 0 < len(whole_out) < len(split_out) else split_out
     pick = odd[-1] if odd else inside[-1] if inside else None
     if pick is None:
-        return f"no planned module ran inside {failing or 'the model'!r} before it failed", failing
+        return f"no planned module ran inside {failing or 'the model'!r} before it failed", None, failing
     what = (f"returns a shard ({pick.layout})" if pick in split_out
             else "returns a whole tensor (its siblings shards)")
     return (f"{pick.path!r}, planned {styles[pick.path]}, {what} that the code of {failing or 'the model'!r} "
-            "cannot use as it is: a style that does not fit how the module's output is used?", pick.path)
+            "cannot use as it is: a style that does not fit how the module's output is used?", pick.path,
+            failing)
 
 
 def _packed_guess(model: nn.Module, owner: str, producer: str, consumer: str | None,
@@ -168,12 +191,15 @@ def _packed_guess(model: nn.Module, owner: str, producer: str, consumer: str | N
     module = model.get_submodule(producer)
     out = getattr(module, "out_features", None)
     guess = getattr(module, "_tp_packed_col_blocks", None)
-    if guess is None and out:
+    attention = "qkv" in producer.rpartition(".")[2]
+    if guess is None and out and attention:
         guess = _qkv_blocks(model.get_submodule(owner), out)
     if guess is None and out and consumer is not None:
         width = getattr(model.get_submodule(consumer), "in_features", None)
         if width and out % width == 0 and out // width > 1:
             guess = [1] * (out // width)
+    if guess is None and out and not attention:
+        guess = _qkv_blocks(model.get_submodule(owner), out)
     if guess is None:
         return ""
     g = math.gcd(*guess)
