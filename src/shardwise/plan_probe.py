@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import shardwise.comm as comm
+from shardwise.core.plan import resolve_plan
 from shardwise.core.spec import ShardSpec, check_shardable, split
 from shardwise.errors import ShardwiseError, UsageError
 from shardwise.holding import is_dtensor
@@ -58,7 +59,9 @@ def check_plan(model: nn.Module, inputs: tuple = (), *, plan="auto", mesh, kwarg
     try:
         parallelize(sharded, plan, mesh, holding=holding, ep_plan=ep_plan)
     except ShardwiseError as e:  # a static refusal: the same on every rank
-        named = module_in(str(e), model)
+        names = mesh.mesh_dim_names or ()
+        degree = mesh.size(names.index("tp")) if "tp" in names else 1
+        named = module_in(str(e), model) or _unsplittable(model, plan, degree)
         return PlanReport(ok=False, first_divergence=named, likely_cause=named, rtol=rtol, mesh=describe,
                           refusal=f"{type(e).__name__}: {e}")
     state = get_shard_state(sharded)
@@ -83,7 +86,9 @@ def check_plan(model: nn.Module, inputs: tuple = (), *, plan="auto", mesh, kwarg
         if first is not None:
             hint, cause = hint_for(sharded, first, rows, styles, blocks, rtol)
         else:
-            hint, cause, failing = failure_hint(failing, rows, styles)
+            split_params = {n: f"plan key {state.specs.keys.get(n, '?')!r}" for n, spec in state.specs.items()
+                            if not spec.replicated}
+            hint, cause, failing = failure_hint(failing, rows, styles, split_params)
         return PlanReport(ok=False, first_divergence=first.path if first else failing, rows=tuple(rows),
                           hint=hint, likely_cause=cause, refusal=failed, rtol=rtol, mesh=describe)
     bad = [r for r in rows if r.output_rel > rtol or r.input_rel > rtol or r.note]
@@ -93,6 +98,28 @@ def check_plan(model: nn.Module, inputs: tuple = (), *, plan="auto", mesh, kwarg
     hint, cause = hint_for(sharded, first, rows, styles, blocks, rtol)
     return PlanReport(ok=False, first_divergence=cause if first.path == "" and cause else first.path,
                       rows=tuple(rows), hint=hint, likely_cause=cause, rtol=rtol, mesh=describe)
+
+
+def _unsplittable(model: nn.Module, plan, degree: int) -> str | None:
+    """The module of the first tensor whose planned split its shape cannot hold (a refusal whose
+    text names a shape, not a module)."""
+    shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    try:
+        specs = resolve_plan(model, plan, degree)
+    except ShardwiseError as e:  # refused while resolving: the key whose packed ratios it names
+        modules = dict(model.named_modules())
+        for key, style in plan.items() if isinstance(plan, Mapping) else ():
+            blocks = getattr(style, "blocks", None)
+            if blocks and str(tuple(blocks)) in str(e) and key.replace("*", "0") in modules:
+                return key.replace("*", "0")
+        return None
+    for name, spec in specs.items():
+        try:
+            if spec.axis == "tp":
+                check_shardable(shapes[name], spec, degree)
+        except ShardwiseError:
+            return name.rpartition(".")[0]
+    return None
 
 
 def _record(model: nn.Module, inputs: tuple, kwargs: dict):

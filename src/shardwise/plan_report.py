@@ -151,7 +151,8 @@ def _splits_output(style: str) -> bool:
         "rep" not in style
 
 
-def failure_hint(failing: str, rows: list[Row], styles: dict) -> tuple[str, str | None, str]:
+def failure_hint(failing: str, rows: list[Row], styles: dict, split_params: dict[str, str]
+                 ) -> tuple[str, str | None, str]:
     """``(hint, likely cause, module to blame)`` when the sharded forward raised in ``failing``
     before any output diverged. A planned module that failed after split siblings: its parent's
     code between them; one that failed first: its own style. Else the planned module inside
@@ -168,6 +169,12 @@ def failure_hint(failing: str, rows: list[Row], styles: dict) -> tuple[str, str 
                     "config), or packed proportions it slices by?", fed[-1], parent)
         return (f"{failing!r} itself failed under its planned style {styles[failing]}: the style does not "
                 "fit the input it gets (colwise and rowwise swapped?)", failing, failing)
+    own = [f"{n.rpartition('.')[2]} ({style})" for n, style in split_params.items()
+           if n.rpartition(".")[0] == failing]
+    if own and failing not in styles:
+        return (f"the plan splits {failing!r}'s parameters {', '.join(own)} but gives the module no style "
+                "that makes its forward work on the shards (ep_dispatch_experts or moe_tp_experts for "
+                "experts?)", failing, failing)
     inside = [r for r in rows if r.path in styles and (r.path.startswith(failing + ".") or not failing)]
     split_out = [r for r in inside if r.layout != "whole"]
     whole_out = [r for r in inside if r.layout == "whole"]
