@@ -248,16 +248,16 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
 
 
 def _over_ranks(rows: list[Row]) -> list[Row]:
-    """Each row's worst errors over every rank (rows in this rank's order, the same on every
-    rank when the ranks ran the same calls)."""
-    worst = {(r.path, r.call): r for r in rows}
-    for rank_rows in comm.all_gather_object(rows, purpose="check_plan's comparison"):
+    """Each row's worst errors over every rank, in rank 0's order with rank 0's layout and style
+    (then those only other ranks ran): the same list on every rank."""
+    every = comm.all_gather_object(rows, purpose="check_plan's comparison")
+    worst: dict = {}
+    for rank_rows in every:
         for r in rank_rows:
             w = worst.setdefault((r.path, r.call), r)
             worst[(r.path, r.call)] = Row(
                 r.path, r.call, _worse(r.input_rel, w.input_rel), _worse(r.output_abs, w.output_abs),
-                _worse(r.output_rel, w.output_rel), w.layout if w.layout != "whole" else r.layout, w.style,
-                w.note or r.note)
+                _worse(r.output_rel, w.output_rel), w.layout, w.style, w.note or r.note)
     return list(worst.values())
 
 
