@@ -120,3 +120,38 @@ def _model_unchanged():
 def test_the_model_is_left_as_it_was_and_rtol_is_honoured():
     for same, training, ok in run_ranks(_model_unchanged, 2):
         assert same and training and not ok
+
+
+MLP_MODULE = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate_up = nn.Linear(32, 128, bias=False)
+        self.down = nn.Linear(64, 32, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+def build():
+    return MLP(), (torch.randn(2, 8, 32),)
+'''
+
+
+@pytest.mark.parametrize(("gate_up", "code"), [("colwise", 1), ("packed_colwise", 0)])
+def test_the_command_line_checks_a_model_by_import_path(tmp_path, monkeypatch, capsys, gate_up, code):
+    from shardwise.cli import main
+
+    (tmp_path / "mymlp.py").write_text(MLP_MODULE)
+    (tmp_path / "plan.json").write_text(f'{{"gate_up": "{gate_up}", "down": "rowwise"}}')
+    monkeypatch.chdir(tmp_path)
+    assert main(["check-plan", "mymlp:build", "--plan", "plan.json", "--tp", "2"]) == code
+    out = capsys.readouterr().out
+    assert ("PackedColwise([1, 1])?" in out) == (code == 1), out
+    assert ("OK, every module" in out) == (code == 0), out
