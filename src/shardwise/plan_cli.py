@@ -7,6 +7,7 @@ import importlib
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 
 def add_arguments(parser) -> None:
@@ -31,16 +32,18 @@ def build(model: str, config: str | None, seed: int):
     if not name:
         raise SystemExit(f"shardwise check-plan: {model!r} is not LIBRARY:CLASS or module:function")
     torch.manual_seed(seed)
-    if module == "transformers":
-        import transformers
+    if module in ("transformers", "diffusers"):
+        from shardwise.hf.adapter import build_model
 
-        if config is None:
-            raise SystemExit("shardwise check-plan: a transformers class needs --config CONFIG_JSON")
+        if config is None or module == "diffusers":  # a diffusers model's inputs differ per class
+            raise SystemExit(f"shardwise check-plan: {model} needs --config CONFIG_JSON, and a transformers "
+                             "class; for a diffusers model pass module:function returning (model, inputs)")
         path = Path(config)
-        cfg = transformers.AutoConfig.from_pretrained(path.parent if path.is_file() else path)
-        built = getattr(transformers, name)._from_config(cfg).eval()
-        ids = torch.randint(0, cfg.get_text_config().vocab_size, (2, 8))
-        return built, (), {"input_ids": ids}
+        cls = getattr(importlib.import_module(module), name)
+        built = build_model(cls, path.parent if path.is_file() else path)
+        config_of: Any = built.config  # a transformers PretrainedConfig
+        ids = torch.randint(0, config_of.get_text_config().vocab_size, (2, 8))
+        return built.eval(), (), {"input_ids": ids}
     sys.path.insert(0, ".")  # a user's module next to where the command runs
     built, inputs = getattr(importlib.import_module(module), name)()
     return (built, (), dict(inputs)) if isinstance(inputs, dict) else (built, tuple(inputs), {})
