@@ -88,7 +88,7 @@ def _table(rows: tuple[Row, ...], rtol: float, first: str | None, *, limit: int 
         cells.append((r.name, r.style, r.layout, _num(r.input_rel), _num(r.output_abs), _num(r.output_rel),
                       verdict + (f" ({r.note})" if r.note else "")))
     widths = [max(len(c[i]) for c in cells) for i in range(6)]
-    return ["  " + "  ".join(c[i].ljust(widths[i]) for i in range(6)) + "  " + c[6] for c in cells]
+    return [("  " + "  ".join(c[i].ljust(widths[i]) for i in range(6)) + "  " + c[6]).rstrip() for c in cells]
 
 
 def _num(x: float) -> str:
