@@ -175,7 +175,11 @@ def failure_hint(failing: str, rows: list[Row], styles: dict, split_params: dict
         return (f"the plan splits {failing!r}'s parameters {', '.join(own)} but gives the module no style "
                 "that makes its forward work on the shards (ep_dispatch_experts or moe_tp_experts for "
                 "experts?)", failing, failing)
-    inside = [r for r in rows if r.path in styles and (r.path.startswith(failing + ".") or not failing)]
+    scope = failing
+    inside = [r for r in rows if r.path in styles and (r.path.startswith(scope + ".") or not scope)]
+    while not inside and scope:  # nothing planned ran inside: the planned modules that fed it
+        scope = scope.rpartition(".")[0]
+        inside = [r for r in rows if r.path in styles and (r.path.startswith(scope + ".") or not scope)]
     split_out = [r for r in inside if r.layout != "whole"]
     whole_out = [r for r in inside if r.layout == "whole"]
     # siblings that disagree on the layout: the odd one out is the likely mistake
