@@ -78,11 +78,12 @@ def check_plan(model: nn.Module, inputs: tuple = (), *, plan="auto", mesh, kwarg
             if path.startswith(apart) or counts[0].get(path) != counts[1].get(path)
             else _compare(path, call, seen, reference.get((path, call)), state)
             for (path, call), seen in recorded.items()]
-    rows = _over_ranks(rows)
+    # one collective, whatever each rank's forward did: a rank that raised still reports
+    rows, raised = _over_ranks(rows, None if error is None else (failing, f"{type(error).__name__}: {error}"))
     first = next((r for r in rows if r.input_rel <= rtol and (r.output_rel > rtol or r.note)), None)
-    if error is not None:
-        failing = comm.broadcast_object(failing, purpose="check_plan")
-        failed = f"the sharded forward raised in {failing!r}: {type(error).__name__}: {error}"
+    if raised is not None:
+        failing = raised[0]
+        failed = f"the sharded forward raised in {failing!r}: {raised[1]}"
         if first is not None:
             hint, cause = hint_for(sharded, first, rows, styles, blocks, rtol)
         else:
@@ -247,18 +248,19 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
     return err, err / max(scale, 1e-30) if err else 0.0
 
 
-def _over_ranks(rows: list[Row]) -> list[Row]:
+def _over_ranks(rows: list[Row], raised: tuple[str, str] | None) -> tuple[list[Row], tuple[str, str] | None]:
     """Each row's worst errors over every rank, in rank 0's order with rank 0's layout and style
-    (then those only other ranks ran): the same list on every rank."""
-    every = comm.all_gather_object(rows, purpose="check_plan's comparison")
+    (then those only other ranks ran), and the first rank's ``(module, error)`` where a sharded
+    forward raised: the same on every rank."""
+    every = comm.all_gather_object((rows, raised), purpose="check_plan's comparison")
     worst: dict = {}
-    for rank_rows in every:
+    for rank_rows, _ in every:
         for r in rank_rows:
             w = worst.setdefault((r.path, r.call), r)
             worst[(r.path, r.call)] = Row(
                 r.path, r.call, _worse(r.input_rel, w.input_rel), _worse(r.output_abs, w.output_abs),
                 _worse(r.output_rel, w.output_rel), w.layout, w.style, w.note or r.note)
-    return list(worst.values())
+    return list(worst.values()), next((e for _, e in every if e is not None), None)
 
 
 def _worse(a: float, b: float) -> float:
