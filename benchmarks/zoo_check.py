@@ -81,11 +81,15 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="", help="comma-separated family names")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--chunk", type=int, default=12, help="families per spawn of the ranks")
+    ap.add_argument("--part", default="0/1", metavar="I/N",
+                    help="every N-th family from the I-th (run the N parts side by side; rows merge)")
     args = ap.parse_args(argv)
+    part, parts = (int(x) for x in args.part.split("/"))
     sweep = {f["family"]: f for f in json.loads(SWEEP.read_text())["families"]} if SWEEP.exists() else {}
     names = [f.name for f in transformers_families() + diffusers_families() if not f.skip]
     if args.only:
         names = [n for n in names if n in args.only.split(",")]
+    names = names[part::parts]
     start = time.perf_counter()
     rows: list[dict] = []
     for i in range(0, len(names), args.chunk):
@@ -99,14 +103,22 @@ def main(argv=None) -> int:
                 except RankFailure as e:
                     rows.append({"family": name, "verdict": "checker error", "detail": first_line(e)})
         print(f"{len(rows)}/{len(names)} families", flush=True)
+        _save(rows, sweep, args.tp, round(time.perf_counter() - start))  # after every chunk
+    print(OUT_MD.read_text())
+    return 0
+
+
+def _save(rows: list[dict], sweep: dict, tp: int, seconds: int) -> None:
+    """Merge ``rows`` into docs/plan_check.json (a family's row replaced) and rewrite the page."""
     for row in rows:
         row["sweep"] = sweep.get(row["family"], {}).get("shardwise", {}).get("status", "")
         row["judged"] = _judge(row, sweep.get(row["family"]))
-    seconds = round(time.perf_counter() - start)
-    OUT_JSON.write_text(json.dumps({"tp": args.tp, "seconds": seconds, "families": rows}, indent=1))
-    _write_md(rows, args.tp, seconds)
-    print(OUT_MD.read_text())
-    return 0
+    old = json.loads(OUT_JSON.read_text()) if OUT_JSON.exists() else {"families": [], "seconds": 0}
+    merged = {r["family"]: r for r in old["families"] if old.get("tp") == tp}
+    merged.update({r["family"]: r for r in rows})
+    families = sorted(merged.values(), key=lambda r: r["family"])
+    OUT_JSON.write_text(json.dumps({"tp": tp, "seconds": seconds, "families": families}, indent=1))
+    _write_md(families, tp, seconds)
 
 
 def _write_md(rows: list[dict], tp: int, seconds: int) -> None:
