@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # what type checkers see for the names below, which load on f
     from shardwise.io.save import save as save
     from shardwise.parallel import clip_grad_norm_ as clip_grad_norm_
     from shardwise.parallel import parallelize as parallelize
+    from shardwise.plan_probe import check_plan as check_plan
     from shardwise.transfer import transfer_plan as transfer_plan
     from shardwise.validate import validate as validate
 
@@ -65,6 +66,7 @@ _LAZY = {
     "transfer_plan": ("shardwise.transfer", "transfer_plan"),
     "load_adapter": ("shardwise.adapters", "load_adapter"),
     "save_adapter": ("shardwise.adapters", "save_adapter"),
+    "check_plan": ("shardwise.plan_probe", "check_plan"),
 }
 
 
@@ -86,7 +88,7 @@ __all__ = [
     # runtime
     "Backend", "init_backend", "shutdown_backend", "parallelize", "clip_grad_norm_",
     # plans
-    "ShardSpec", "PackedColwise", "PackedRowwise",
+    "ShardSpec", "PackedColwise", "PackedRowwise", "check_plan",
     # checkpoints
     "load", "save", "consolidate", "save_optimizer", "load_optimizer", "from_pretrained",
     "empty_model", "inspect", "verify", "diff", "validate",

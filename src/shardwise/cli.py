@@ -1,5 +1,6 @@
 """The ``shardwise`` command line: ``demo``, ``inspect PATH``, ``consolidate SRC DST``,
-``verify PATH [--against MODEL]``, ``diff A B``, ``validate --backend NAME [--json OUT]``."""
+``verify PATH [--against MODEL]``, ``diff A B``, ``validate --backend NAME [--json OUT]``,
+``check-plan MODEL``."""
 
 from __future__ import annotations
 
@@ -89,7 +90,7 @@ def _add_storage_options(parser: argparse.ArgumentParser) -> None:
 
 _DESCRIPTION = ("Read, check and convert tensor-parallel PyTorch checkpoints: demo, inspect PATH, "
                 "consolidate SRC DST, verify PATH [--against MODEL], diff A B, "
-                "validate --backend NAME [--json OUT].")
+                "validate --backend NAME [--json OUT], check-plan MODEL.")
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -159,6 +160,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                               "before comparing: a bfloat16 save against its float32 source")
     _add_storage_options(compare)
     compare.set_defaults(func=_diff)
+    from shardwise import plan_cli  # argparse only: torch is imported when the command runs
+
+    plan_check = sub.add_parser("check-plan", help="which module does a plan break? shard a tiny model on "
+                                                   "local gloo ranks and compare every module with one "
+                                                   "process (exit 0 when all agree, 1 when not)")
+    plan_cli.add_arguments(plan_check)
+    plan_check.set_defaults(func=plan_cli.run)
     suite = sub.add_parser("validate", help="the hardware validation suite: every scenario at every layout "
                                             "the world allows (exit 0 when none fails); run it under the "
                                             "backend's launcher, or with --nproc N")

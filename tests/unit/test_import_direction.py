@@ -25,8 +25,8 @@ LAYERS = [
     ("adapters", ["adapters"]),
     ("pipelines", ["io.load", "io.save", "io.consolidate", "io.check", "io.gather", "io.place",
                    "io.parallel_write", "io.guards", "io", "transfer"]),
-    ("tools", ["hf", "validate", "testing"]),
-    ("front", ["cli", "demo", "__main__", ""]),
+    ("tools", ["hf", "validate", "testing", "plan_probe", "plan_report"]),
+    ("front", ["cli", "plan_cli", "demo", "__main__", ""]),
 ]
 # may hold string paths; core.adapter loads the model adapters shardwise ships (hf.adapter) on its
 # first use, so that `import shardwise` imports no torch

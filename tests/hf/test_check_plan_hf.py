@@ -1,0 +1,110 @@
+"""sw.check_plan on real transformers and diffusers models (Llama, Flux2, Phi-3's fused qkv and
+gate|up, Qwen3-MoE under ep), tiny, on spawned gloo ranks: their correct plans raise no alarm,
+and each injected fault is localized to its module (or to the first module downstream whose
+inputs agree, naming the injected one as the likely cause)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("diffusers")
+
+import torch  # noqa: E402
+from hf_models import build_tiny, inputs  # noqa: E402
+
+import shardwise as sw  # noqa: E402
+from harness import run_ranks  # noqa: E402
+
+QKV = "model.layers.*.self_attn.qkv_proj"
+GATE_UP = "model.layers.*.mlp.gate_up_proj"
+EXPERTS = "model.layers.*.mlp.experts"
+
+
+def _phi3():
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Phi3Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                        pad_token_id=0, bos_token_id=1, eos_token_id=1)
+    return Phi3ForCausalLM._from_config(config).eval()
+
+
+def _build(kind: str):
+    return (_phi3(), inputs("llama")) if kind == "phi3" else (build_tiny(kind), inputs(kind))
+
+
+# (kind, plan changes over the model's own plan or None for "auto", ep_plan, first divergence,
+# likely cause, text of the hint or refusal); at tp=2, or ep=2 where an ep_plan is given
+PHI3_SPLIT_MLP = {GATE_UP: sw.PackedColwise([1, 1]), "model.layers.*.mlp.down_proj": "rowwise"}
+CORRECT = [("llama", None, None), ("flux2", None, None), ("phi3", None, None), ("phi3", PHI3_SPLIT_MLP, None),
+           ("qwen3_moe", None, None), ("qwen3_moe", None, "auto")]
+FAULTS = {
+    "llama: mlp colwise and rowwise swapped": (
+        "llama", {"model.layers.*.mlp.gate_proj": "rowwise", "model.layers.*.mlp.up_proj": "rowwise",
+                  "model.layers.*.mlp.down_proj": "colwise"}, None,
+        "model.layers.0.mlp.gate_proj", "model.layers.0.mlp.gate_proj", "colwise and rowwise swapped?"),
+    "flux2: plain colwise on the packed gate|up": (
+        "flux2", {"transformer_blocks.*.ff.linear_in": "colwise"}, None,
+        "transformer_blocks.0.ff.act_fn", "transformer_blocks.0.ff.linear_in", "PackedColwise([1, 1])?"),
+    "flux2: wrong packed proportions": (
+        "flux2", {"single_transformer_blocks.*.attn.to_qkv_mlp_proj": sw.PackedColwise([3, 3, 3])}, None,
+        "single_transformer_blocks.0.attn", "single_transformer_blocks.0.attn.to_qkv_mlp_proj",
+        "PackedColwise([1, 1, 1, 3, 3])?"),
+    "phi3: plain colwise on the packed gate|up": (
+        "phi3", {GATE_UP: "colwise", "model.layers.*.mlp.down_proj": "rowwise"}, None,
+        "model.layers.0.mlp", "model.layers.0.mlp.gate_up_proj", "PackedColwise([1, 1])?"),
+    "phi3: wrong packed proportions (refused statically)": (
+        "phi3", {QKV: sw.PackedColwise([1, 1, 1]), "model.layers.*.self_attn.o_proj": "rowwise"}, None,
+        "model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.qkv_proj", "ShardingError"),
+    # Phi-3 slices q|k|v at config.num_attention_heads * head_dim: a global head count in the forward
+    "phi3: the forward slices by the global head count": (
+        "phi3", {QKV: sw.PackedColwise([2, 1, 1]), "model.layers.*.self_attn.o_proj": "rowwise"}, None,
+        "model.layers.0.self_attn", "model.layers.0.self_attn.qkv_proj", "a head count fixed in the code"),
+    "qwen3_moe: experts split under ep with no dispatch": (
+        "qwen3_moe", {}, {f"{EXPERTS}.gate_up_proj": "grouped_gemm", f"{EXPERTS}.down_proj": "grouped_gemm"},
+        "model.layers.1.mlp.experts", "model.layers.1.mlp.experts", "ep_dispatch_experts"),
+}
+
+
+def _check(kind: str, change, ep_plan):
+    from shardwise.core.plan import plan_from_model
+
+    backend = sw.init_backend("gloo")
+    model, kwargs = _build(kind)
+    plan = "auto" if change is None else {**plan_from_model(model), **change}
+    mesh = backend.mesh(ep=2) if ep_plan is not None else backend.mesh(tp=2)
+    if ep_plan is not None:
+        plan = "auto"
+    report = sw.check_plan(model, (), kwargs=kwargs, plan=plan, mesh=mesh,
+                           ep_plan=None if ep_plan == "auto" else ep_plan)
+    return report.ok, report.first_divergence, report.likely_cause, report.hint + report.refusal, str(report)
+
+
+def _many(cases: list[tuple]):
+    return [_check(*case) for case in cases]
+
+
+def test_no_false_alarm_on_correct_plans():
+    results = run_ranks(_many, 2, CORRECT, timeout=300)
+    for case, (ok, first, _, _, printed) in zip(CORRECT, results[0], strict=True):
+        assert (ok, first) == (True, None), (case, printed)
+    assert results[0] == results[1]
+
+
+@pytest.fixture(scope="module")
+def fault_reports():
+    """Every fault's report from each of 2 ranks, from one spawn (a spawn imports transformers)."""
+    ranks = run_ranks(_many, 2, [case[:3] for case in FAULTS.values()], timeout=300)
+    return [dict(zip(FAULTS, results, strict=True)) for results in ranks]
+
+
+@pytest.mark.parametrize("name", list(FAULTS))
+def test_each_fault_is_localized(name, fault_reports):
+    first, cause, text = FAULTS[name][3:]
+    ok, got_first, got_cause, hint, printed = fault_reports[0][name]
+    assert not ok, printed
+    assert (got_first, got_cause) == (first, cause), printed
+    assert text in hint, printed
+    assert fault_reports[0][name] == fault_reports[1][name]
