@@ -198,7 +198,7 @@ def write_checkpoint(path: Location, state_dict: dict, placed: Mapping[str, Plac
     ``async_save`` the handle's ``wait`` completes it. ``planner`` replaces
     ``CanonicalSavePlanner(placed)``; ``side_files(folder)`` writes beside the data on rank 0."""
     saving = Saving(path, overwrite=overwrite, backend=backend,
-                    what=f"a distributed save to {target_path(path)}")
+                    what=f"a distributed save to {target_path(path)}", every_rank_writes=True)
     planner = planner or CanonicalSavePlanner(placed)
     writer = HashingWriter(saving.folder)
     no_dist = not dist.is_initialized()

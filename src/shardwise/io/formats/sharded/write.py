@@ -138,7 +138,7 @@ def save_sharded_safetensors(model: nn.Module, path: Location, *, backend: Backe
     placed = box["placed"]
     held = comm.all_gather_object(held_chunks(placed), group=coordination_group(backend), purpose=what)
     plan = plan_rank_files(held)
-    with Saving(target, overwrite=overwrite, backend=backend, what=what) as saving:
+    with Saving(target, overwrite=overwrite, backend=backend, what=what, every_rank_writes=True) as saving:
         sums: dict[str, dict[str, str]] = {}
 
         def write() -> None:  # this rank's files, no collective
