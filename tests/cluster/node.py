@@ -60,13 +60,21 @@ def upload(out: str, url: str) -> None:
 
 
 def absent(out: str, url: str) -> None:
-    """One process: whether ``url`` loads as a checkpoint (it must not, after a failed save)."""
+    """One process: whether ``url`` loads as a checkpoint (it must not, after a failed save);
+    the prefix's objects are listed too."""
+    backend = sw.init_backend("gloo")  # a world of one
     try:
-        sw.load(_model(), url, plan=PLAN, mesh=None, progress=False)
+        sw.load(_model(), url, plan=PLAN, mesh=backend.mesh(tp=1), progress=False)
         outcome = "loaded"
     except Exception as e:  # the error is the expected outcome
         outcome = f"{type(e).__name__}: {e}"
-    Path(out, "absent.json").write_text(json.dumps({"outcome": outcome}))
+    import obstore
+    from obstore.store import S3Store
+
+    bucket, _, prefix = url.removeprefix("s3://").partition("/")
+    store = S3Store(bucket, client_options={"allow_http": True})
+    left = [o["path"] for batch in obstore.list(store, prefix=prefix.rsplit("/", 1)[0]) for o in batch]
+    Path(out, "absent.json").write_text(json.dumps({"outcome": outcome, "objects": left}))
 
 
 def replicas(out: str, url: str) -> None:

@@ -84,8 +84,6 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
     return True
 
 
@@ -281,13 +279,9 @@ class Cluster:
               **kwargs) -> subprocess.Popen:
         """Start ``argv`` on host ``where`` in its own process group; ``close`` kills it."""
         env = {**os.environ, "TMPDIR": "/tmp", **(env or {})}
-        out = open(log, "wb") if log is not None else subprocess.DEVNULL  # noqa: SIM115  (the child's)
-        try:
+        with open(log if log is not None else os.devnull, "wb") as out:  # the child keeps its own
             p = subprocess.Popen(self.command(where, argv), env=env, stdout=out, stderr=subprocess.STDOUT,
                                  start_new_session=True, **kwargs)
-        finally:
-            if log is not None:
-                out.close()
         self._procs.append(p)
         return p
 
@@ -340,7 +334,8 @@ class Cluster:
 
 
 S3_PORT = 8333
-S3_KEYS = {"AWS_ACCESS_KEY_ID": "shardwise-cluster-access", "AWS_SECRET_ACCESS_KEY": "shardwise-cluster-secret-7Qm"}
+S3_KEYS = {"AWS_ACCESS_KEY_ID": "shardwise-cluster-access",
+           "AWS_SECRET_ACCESS_KEY": "shardwise-cluster-secret-7Qm"}
 _READY = """
 import sys, time, urllib.error, urllib.request
 deadline = time.monotonic() + float(sys.argv[2])
@@ -386,7 +381,8 @@ def start_seaweedfs(cluster: Cluster, weed: str, *, buckets: tuple[str, ...] = (
         "-metricsPort=0"], log=folder / "weed.log", cwd=folder)
     endpoint = f"http://{ip}:{S3_PORT}"
     try:
-        cluster.run("storage", [sys.executable, "-c", _READY, endpoint + "/", str(timeout)], timeout=timeout + 5)
+        cluster.run("storage", [sys.executable, "-c", _READY, endpoint + "/", str(timeout)],
+                    timeout=timeout + 5)
     except RuntimeError as e:
         raise RuntimeError(f"weed server -s3 on the storage host: {e}\n"
                            f"{(folder / 'weed.log').read_text(errors='replace')[-3000:]}") from e
