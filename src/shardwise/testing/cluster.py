@@ -303,11 +303,11 @@ class Cluster:
         return text
 
     def torchrun(self, script: list[str], *, timeout: float, env: dict | None = None,
-                 nodes: list[int] | None = None) -> list[NodeRun]:
+                 nodes: list[int] | None = None, ranks_per_node: int | None = None) -> list[NodeRun]:
         """``script`` (a path and its arguments) under torchrun on every node (or ``nodes``),
-        ``ranks_per_node`` ranks each, joined by c10d rendezvous on node 0's address. Each
-        node's run ends by itself or is killed at ``timeout``; never raises for a failed node
-        (a fault test expects some)."""
+        ``ranks_per_node`` ranks each (default: the cluster's), joined by c10d rendezvous on node
+        0's address. Each node's run ends by itself or is killed at ``timeout``; never raises for
+        a failed node (a fault test expects some)."""
         import sys
 
         chosen = list(range(self.nodes)) if nodes is None else nodes
@@ -316,7 +316,7 @@ class Cluster:
         for node in chosen:
             log = self.root / f"node{node}-torchrun-{time.monotonic_ns()}.log"
             argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(chosen)),
-                    "--nproc-per-node", str(self.ranks_per_node), "--rdzv-backend", "c10d",
+                    "--nproc-per-node", str(ranks_per_node or self.ranks_per_node), "--rdzv-backend", "c10d",
                     "--rdzv-endpoint", f"{self.ip(chosen[0])}:{RDZV_PORT}", "--rdzv-id", self.tag,
                     "--local-addr", self.ip(node), "--max-restarts", "0", *script]
             procs.append(self.popen(node, argv, env={**env, "SHARDWISE_NODE": str(node)}, log=log))
