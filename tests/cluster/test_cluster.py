@@ -122,3 +122,32 @@ def test_a_link_down_mid_operation(cluster, job, checkpoint, what):
         # an object store's save writes each object at its key under a journal (no rename): the parts
         # written before the fault stay until the next save to the prefix removes them, and the
         # load refuses them (no .metadata)
+
+
+def _namespaces() -> list[str]:
+    import subprocess
+
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in listing.splitlines() if line.strip()]
+
+
+def test_a_cluster_removes_what_it_made_and_what_a_crashed_run_left():
+    from shardwise.testing.cluster import PREFIX, Cluster, remove_leftovers, unavailable
+
+    reason = unavailable()
+    if reason:
+        pytest.skip(f"no simulated cluster here: {reason}")
+    import subprocess
+
+    crashed = f"{PREFIX}4194305-n0"  # above the largest pid Linux gives: that run is gone
+    subprocess.run(["ip", "netns", "add", crashed], check=True)
+    try:
+        with Cluster(nodes=1, mbit=None) as c:
+            made = [ns for ns in _namespaces() if ns.startswith(c.tag)]
+            assert len(made) == 3 and crashed not in _namespaces()  # switch, storage, node 0
+            assert c.run(0, ["hostname"], timeout=30).strip() == "node0"
+            root = c.root
+        assert not [ns for ns in _namespaces() if ns.startswith(c.tag)] and not root.exists()
+    finally:
+        remove_leftovers()
+    assert crashed not in _namespaces()
