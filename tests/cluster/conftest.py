@@ -55,7 +55,7 @@ class Job:
                          env=self.cluster.s3_env)
         return json.loads((self.out / f"{mode}.json").read_text())
 
-    def ranks(self, mode: str, *args: str, timeout: float = 90, check: bool = True) -> list[dict]:
+    def ranks(self, mode: str, *args: str, timeout: float = 240, check: bool = True) -> list[dict]:
         """``node.py MODE`` under torchrun on every node; each rank's record, in rank order."""
         runs = self.cluster.torchrun(self.script(mode, *args), timeout=timeout,
                                      env=self.cluster.s3_env)

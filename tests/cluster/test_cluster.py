@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -141,6 +142,8 @@ def test_a_cluster_removes_what_it_made_and_what_a_crashed_run_left():
 
     crashed = f"{PREFIX}4194305-n0"  # above the largest pid Linux gives: that run is gone
     subprocess.run(["ip", "netns", "add", crashed], check=True)
+    folder = Path("/var/tmp") / f"{PREFIX}4194305-ab12-x"
+    (folder / "node0").mkdir(parents=True, exist_ok=True)
     try:
         with Cluster(nodes=1, mbit=None) as c:
             made = [ns for ns in _namespaces() if ns.startswith(c.tag)]
@@ -150,4 +153,4 @@ def test_a_cluster_removes_what_it_made_and_what_a_crashed_run_left():
         assert not [ns for ns in _namespaces() if ns.startswith(c.tag)] and not root.exists()
     finally:
         remove_leftovers()
-    assert crashed not in _namespaces()
+    assert crashed not in _namespaces() and not folder.exists()

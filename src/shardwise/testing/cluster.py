@@ -24,6 +24,7 @@ them; a new cluster first removes what a crashed run of this machine left (its p
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -80,36 +81,39 @@ def _tc(ns: str, dev: str, mbit: float | None) -> None:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+    return Path(f"/proc/{pid}").exists()
 
 
 def _remove_namespace(ns: str) -> None:
     """Kill the processes left in ``ns`` (by their ids), then delete it."""
     pids = _ip("netns", "pids", ns, check=False).stdout.split()
     for pid in pids:
-        try:
+        with contextlib.suppress(ProcessLookupError, ValueError):
             os.kill(int(pid), signal.SIGKILL)
-        except (ProcessLookupError, ValueError):
-            pass
     deadline = time.monotonic() + 10
     while any(_alive(int(p)) for p in pids if p.isdigit()) and time.monotonic() < deadline:
         time.sleep(0.05)
     _ip("netns", "del", ns, check=False)
 
 
+def _stale(name: str, prefix: str) -> bool:
+    owner = name[len(prefix):].split("-")[0]
+    return name.startswith(prefix) and owner.isdigit() and not _alive(int(owner))
+
+
 def remove_leftovers(prefix: str = PREFIX) -> list[str]:
-    """Delete the namespaces ``{prefix}{pid}-*`` whose process ``pid`` is gone (a crashed run)."""
+    """Delete the namespaces ``{prefix}{pid}-*`` whose process ``pid`` is gone (a crashed run),
+    and its folders in /var/tmp."""
     gone = []
     for line in _ip("netns", "list", check=False).stdout.splitlines():
         name = line.split()[0] if line.strip() else ""
-        owner = name[len(prefix):].split("-")[0]
-        if name.startswith(prefix) and owner.isdigit() and not _alive(int(owner)):
+        if _stale(name, prefix):
             _remove_namespace(name)
             gone.append(name)
+    for folder in Path("/var/tmp").glob(f"{prefix}*-*"):
+        if _stale(folder.name, prefix) and folder.is_dir():
+            shutil.rmtree(folder, ignore_errors=True)
+            gone.append(str(folder))
     return gone
 
 
@@ -229,10 +233,8 @@ class Cluster:
         """Stop every process this cluster started, delete its namespaces and folders."""
         for p in self._procs:
             if p.poll() is None:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
                 p.wait()
         self._procs.clear()
         for ns in reversed(self._namespaces):
