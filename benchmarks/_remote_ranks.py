@@ -191,8 +191,10 @@ def _saves(backend, model, degree: int, total: int, tag: str, runs: int = 2) -> 
     return out
 
 
-def runai_rank(urls: list[str], cfg: dict, specs: dict, degree: int) -> dict:
-    if degree > 1:  # its distributed mode; "auto" enables it on nccl only
+def runai_rank(urls: list[str], cfg: dict, specs: dict, degree: int, distributed: bool | None = None) -> dict:
+    """``distributed`` (default: at tp > 1): its distributed mode, which gloo needs turned on."""
+    distributed = degree > 1 if distributed is None else distributed
+    if distributed:  # its distributed mode; "auto" enables it on nccl only
         os.environ["RUNAI_STREAMER_DIST"] = "1"
     from runai_model_streamer import SafetensorsStreamer
 
@@ -203,7 +205,7 @@ def runai_rank(urls: list[str], cfg: dict, specs: dict, degree: int) -> dict:
     with PeakRSS() as peak:
         t0 = time.perf_counter()
         with SafetensorsStreamer() as streamer:
-            streamer.stream_files(urls, device="cpu", is_distributed=degree > 1)
+            streamer.stream_files(urls, device="cpu", is_distributed=distributed)
             distributed = streamer.file_streamer.is_distributed
             for name, tensor in streamer.get_tensors():
                 spec = specs.get(name)

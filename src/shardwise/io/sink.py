@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Protocol
 import shardwise.comm as comm
 from shardwise.backends import coordination_group
 from shardwise.comm import agree, capture
+from shardwise.errors import CheckpointError
 from shardwise.io.info import write_info
 from shardwise.io.storage import Location, target_path
 
@@ -167,7 +168,7 @@ class Saving:
     ``{target}`` in it stands for the target's path."""
 
     def __init__(self, location: Location, *, overwrite: bool, backend: Backend | None, what: str,
-                 digest: bytes = b"\0" * 8, collective: bool = True):
+                 digest: bytes = b"\0" * 8, collective: bool = True, every_rank_writes: bool = False):
         self.backend, self.collective = backend, collective
         self.target = target_path(location)  # the one place a save computes its target
         self.what = what.replace("{target}", str(self.target))
@@ -183,9 +184,30 @@ class Saving:
             self.folder = replace(self.target, path=on_rank0(prepare, f"preparing {what}", backend=backend,
                                                              share=True, digest=digest)
                                   if collective else prepare())
+            if every_rank_writes and collective:
+                self._check_shared()
         except BaseException:
             self.discard()
             raise
+
+    def _check_shared(self) -> None:
+        """Every rank sees rank 0's temporary folder (a local one: object stores are seen by
+        all), or every rank raises: ranks on machines that do not share the filesystem would
+        otherwise fail on a missing folder, or write where rank 0 cannot commit."""
+        if self.folder.scheme is not None or comm.world_size() == 1:
+            return
+        import socket
+
+        seen = comm.all_gather_object((self.folder.is_folder(), socket.gethostname()),
+                                      group=coordination_group(self.backend), purpose=self.what)
+        blind = [r for r, (ok, _) in enumerate(seen) if not ok]
+        if blind:
+            hosts = sorted({seen[r][1] for r in blind})
+            raise CheckpointError(
+                f"{self.what}: every rank writes its own part, but rank(s) {blind} (on {', '.join(hosts)}) "
+                f"cannot see the folder rank 0 (on {seen[0][1]}) made at {self.folder}: the ranks do not "
+                "share this filesystem. Save to a folder every machine mounts (a shared filesystem), to "
+                "object storage (s3://, gs://), or with distributed=False (rank 0 writes); nothing was saved")
 
     def commit(self, *, info: dict | None = None, side_files: Callable[[Location], object] | None = None,
                index: tuple[str, dict] | None = None) -> None:

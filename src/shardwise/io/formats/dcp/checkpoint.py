@@ -129,7 +129,8 @@ def write_checkpoint(path: Location, state_dict: dict, placed: Mapping[str, Plac
     canonical DCP checkpoint at ``path``, in one ``Saving``; every rank calls it. With
     ``async_save`` the handle's ``wait`` completes it. ``planner`` replaces
     ``CanonicalSavePlanner(placed)``; ``side_files(folder)`` writes beside the data on rank 0."""
-    saving = Saving(path, overwrite=overwrite, backend=backend, what="a distributed save to {target}")
+    saving = Saving(path, overwrite=overwrite, backend=backend, what="a distributed save to {target}",
+                    every_rank_writes=True)
     planner = planner or CanonicalSavePlanner(placed)
     writer = HashingWriter(saving.folder)
     no_dist = not dist.is_initialized()

@@ -130,7 +130,8 @@ def save_sharded_safetensors(model: nn.Module, path: Location, *, backend: Backe
         raise CheckpointError("a sharded safetensors save needs one process per device; under "
                               "holding 'spmd' save with format='dcp' (the default)")
     saving = Saving(path, overwrite=overwrite, backend=backend,
-                    what="sw.save(distributed=True, format='sharded') to {target}")
+                    what="sw.save(distributed=True, format='sharded') to {target}",
+                    every_rank_writes=True)
     with saving:
         box: dict = {}
         # no rank may miss the gather below
