@@ -268,7 +268,7 @@ def base_view(model: nn.Module) -> Iterator[None]:
     swapped = [(parent, key, child) for parent in model.modules() for key, child in parent._modules.items()
                if isinstance(child, LoraLayer)]
     for parent, key, child in swapped:
-        parent._modules[key] = child.get_base_layer()  # type: ignore[union-attr,operator]
+        parent._modules[key] = child.get_base_layer()
     try:
         yield
     finally:
