@@ -79,7 +79,9 @@ def _said(error: object, what: str, scrub) -> CheckpointError:
                                 "local test server")
     if code in _DENIED_CODES or type(error).__name__ in ("PermissionDeniedError", "UnauthenticatedError",
                                                          "PermissionError") \
-            or re.search(r"\b(401|403)\b", text):
+            or (re.search(r"\b(401|403)\b(?![.,]\d)", text) and not re.search(r"\b5\d\d\b(?![.,]\d)", text)):
+        # a status, not a duration ("retries in 403.2ms"); a store that answered 5xx (busy, down)
+        # did not deny: its own text, below
         why = f" ({code}: {xml.group(2).strip()})" if xml and xml.group(2) else (f" ({code})" if code else "")
         keys = ("GOOGLE_SERVICE_ACCOUNT or GOOGLE_APPLICATION_CREDENTIALS" if env == "GOOGLE" else
                 "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or storage_options access_key_id and "
