@@ -24,7 +24,7 @@ provide (no fixture checkpoint, no predefined names):
   environment); every ``python NAME.py`` named there runs it as one process without a launcher's
   environment; in the order written, in the same folder (so a command named twice checks that
   the script can be run again). A block that names neither runs as one process.
-- A block that imports transformers or diffusers skips, naming the library, where that is not
+- A block that imports transformers, diffusers or PEFT skips, naming the library, where that is not
   installed (the gloo tox env); ``tox -e hf`` runs tests/docs with both.
 - A failing block fails its test; the traceback shows the markdown file's own line numbers.
 
@@ -57,7 +57,7 @@ _CONTINUES = re.compile(r"^\s*<!--\s*continues the block above\s*-->\s*$")
 _MARKER = re.compile(r"^\s*<!--.*-->\s*$")
 _FILE = re.compile(r"^#\s*file:\s*([\w.-]+\.py)\b")
 _LAUNCH = re.compile(r"torchrun --nproc-per-node (\d+)|\bpython3? ([\w./-]+\.py)\b")
-_LIBRARIES = re.compile(r"^\s*(?:from|import)\s+(transformers|diffusers)\b", re.M)
+_LIBRARIES = re.compile(r"^\s*(?:from|import)\s+(transformers|diffusers|peft)\b", re.M)
 _LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 TIMEOUT = 300.0  # one launch; a rank imports transformers in a few seconds on a quiet machine
 
