@@ -11,13 +11,12 @@ ifb needed); the queue holds ``QUEUE_SECONDS`` of the rate (shallower queues dro
 even a raw download erratic). Ranks on one node talk over the node's own address (the kernel
 routes it through loopback: the fast interconnect inside a node). A process runs "on" a host
 through ``ip netns exec`` and ``unshare --mount --uts``: its host name is ``node{i}``, ``/tmp`` is
-the node's private folder (``Cluster.node_tmp``) and ``/etc/hosts`` names every host.
-``Cluster.shared`` is a folder every node sees at the same path (the repository and the venv
-are seen too). ``close`` (and leaving the ``with``) kills what ran in the namespaces and deletes
-them; a new cluster first removes what a crashed run of this machine left (its pid is gone).
+the node's private folder (``Cluster.node_tmp``) and ``/etc/hosts`` names every host; every node
+sees ``Cluster.shared`` (and the repository and venv) at one path. ``close`` (and leaving the
+``with``) kills what ran in the namespaces and deletes them; a new cluster first removes what a
+crashed run of this machine left (its pid is gone).
 
->>> from shardwise.testing.cluster import Cluster, unavailable
->>> reason = unavailable()                                      # doctest: +SKIP
+>>> from shardwise.testing.cluster import Cluster
 >>> with Cluster(nodes=2, ranks_per_node=2, mbit=200) as c:     # doctest: +SKIP
 ...     runs = c.torchrun(["script.py"], timeout=60)
 """
@@ -35,7 +34,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardwise.errors import UsageError
+from shardwise.errors import ShardwiseError, UsageError
 
 SUBNET = "10.47.0"
 STORAGE_IP = f"{SUBNET}.2"
@@ -43,6 +42,10 @@ QUEUE_SECONDS = 0.25
 MTU = 9000  # jumbo frames, as a cluster's fabric: headers stay under 1% of a counted byte
 RDZV_PORT = 29400
 PREFIX = "swcl"
+
+
+class ClusterError(ShardwiseError, RuntimeError):
+    """The simulated cluster could not be made or run: a namespace, a rate, a process, the store."""
 
 
 def unavailable() -> str | None:
@@ -63,7 +66,7 @@ def unavailable() -> str | None:
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     done = subprocess.run(["ip", *args], capture_output=True, text=True)
     if check and done.returncode:
-        raise RuntimeError(f"`ip {' '.join(args)}` failed: {done.stderr.strip()}")
+        raise ClusterError(f"`ip {' '.join(args)}` failed: {done.stderr.strip()}")
     return done
 
 
@@ -77,7 +80,7 @@ def _tc(ns: str, dev: str, mbit: float | None) -> None:
                            "burst", str(burst), "limit", str(int(rate * QUEUE_SECONDS) + burst)],
                           capture_output=True, text=True)
     if done.returncode:
-        raise RuntimeError(f"tc tbf on {ns}/{dev} failed: {done.stderr.strip()}")
+        raise ClusterError(f"tc tbf on {ns}/{dev} failed: {done.stderr.strip()}")
 
 
 def _alive(pid: int) -> bool:
@@ -185,7 +188,7 @@ class Cluster:
     def start(self) -> None:
         reason = unavailable()
         if reason:
-            raise RuntimeError(f"cannot make a simulated cluster: {reason}")
+            raise ClusterError(f"cannot make a simulated cluster: {reason}")
         remove_leftovers(self.prefix)
         root = Path(self._given_root) if self._given_root else Path(tempfile.mkdtemp(
             prefix=f"{self.tag}-", dir="/var/tmp" if Path("/var/tmp").is_dir() else None))
@@ -288,8 +291,7 @@ class Cluster:
         return p
 
     def run(self, where: int | str, argv: list[str], *, timeout: float, env: dict | None = None) -> str:
-        """Run ``argv`` on host ``where`` to its end; its output. Raises ``RuntimeError`` with
-        the output when it fails or outlasts ``timeout``."""
+        """``argv``'s output, run on host ``where``; ``ClusterError`` if it fails or outlasts ``timeout``."""
         log = self.root / f"run-{time.monotonic_ns()}.log"
         p = self.popen(where, argv, env=env, log=log)
         try:
@@ -300,7 +302,7 @@ class Cluster:
         text = log.read_text(errors="replace")
         log.unlink()
         if p.returncode:
-            raise RuntimeError(f"{argv[:3]} on {self.hostname(where)} ended with {p.returncode}:\n"
+            raise ClusterError(f"{argv[:3]} on {self.hostname(where)} ended with {p.returncode}:\n"
                                f"{text[-3000:]}")
         return text
 
@@ -386,7 +388,7 @@ def start_seaweedfs(cluster: Cluster, weed: str, *, buckets: tuple[str, ...] = (
         cluster.run("storage", [sys.executable, "-c", _READY, endpoint + "/", str(timeout)],
                     timeout=timeout + 5)
     except RuntimeError as e:
-        raise RuntimeError(f"weed server -s3 on the storage host: {e}\n"
+        raise ClusterError(f"weed server -s3 on the storage host: {e}\n"
                            f"{(folder / 'weed.log').read_text(errors='replace')[-3000:]}") from e
     env = {"AWS_ENDPOINT_URL": endpoint, **S3_KEYS, "AWS_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true",
            "AWS_EC2_METADATA_DISABLED": "true"}
