@@ -147,9 +147,9 @@ class FsspecStorage:
                              "one (parallel_write=True); pass parallel_write=None or False")
         return FsspecWriter(self, self._key(location))
 
-    def transaction(self, target, *, overwrite: bool) -> FsspecPublish:
+    def transaction(self, target, *, overwrite: bool, replaceable: Sequence[str] = ()) -> FsspecPublish:
         self.check_writable(target)
-        return FsspecPublish(self, target, overwrite)
+        return FsspecPublish(self, target, overwrite, tuple(replaceable))
 
     def check_writable(self, location) -> None:
         if self.read_only:
@@ -300,8 +300,8 @@ class FsspecPublish(Publish):
 
     storage: FsspecStorage  # type: ignore[assignment]
 
-    def __init__(self, storage: FsspecStorage, target, overwrite: bool):
-        self.storage, self.overwrite = storage, overwrite
+    def __init__(self, storage: FsspecStorage, target, overwrite: bool, replaceable: tuple[str, ...] = ()):
+        self.storage, self.overwrite, self.replaceable = storage, overwrite, replaceable
         self.bucket, self.key = "", storage._key(target).rstrip("/")
         if not self.key.strip("/"):
             raise CheckpointError(f"{storage.url('', self.key)}: name a folder to save to, not the root")

@@ -19,6 +19,7 @@ import random
 import re
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -160,8 +161,8 @@ class ObjectStorage:
                              "or False: rank 0 streams the file")
         return ObjectWriter(self, bucket, key)
 
-    def transaction(self, target: Path, *, overwrite: bool):
-        return Publish(self, target, overwrite)
+    def transaction(self, target: Path, *, overwrite: bool, replaceable: Sequence[str] = ()):
+        return Publish(self, target, overwrite, tuple(replaceable))
 
     # --- requests, retried -------------------------------------------------------------------
 

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import json
 import queue
-import re
 import secrets
 import threading
 from collections.abc import Iterator
@@ -54,6 +53,7 @@ from shardwise.io.storage.lookups import (
     TMP_MARK,
     beside,
     committed,
+    foreign,
     owner,
     publishing,
     split_location,
@@ -61,12 +61,6 @@ from shardwise.io.storage.lookups import (
 
 if TYPE_CHECKING:
     from shardwise.io.storage.objects import ObjectStorage
-
-# The files a checkpoint prefix may hold for overwrite=True to replace it (as the local
-# transaction's rule): nothing else is deleted.
-_CHECKPOINT_FILE = re.compile(r".*\.safetensors|.*\.safetensors\.index\.json|\.metadata|.*\.distcp"
-                              r"|shardwise\.json|config\.json|generation_config\.json")
-
 
 class ObjectWriter:
     """A new object: buffered; one PUT at ``commit`` when it stays under a part (``part_size``, at
@@ -180,8 +174,8 @@ class Publish:
 
     _direct = False  # set by prepare when the prefix is empty: no staging prefix, no copies
 
-    def __init__(self, storage: ObjectStorage, target, overwrite: bool):
-        self.storage, self.overwrite = storage, overwrite
+    def __init__(self, storage: ObjectStorage, target, overwrite: bool, replaceable: tuple[str, ...] = ()):
+        self.storage, self.overwrite, self.replaceable = storage, overwrite, replaceable
         self.bucket, self.key = split_location(target)
         if not self.key:
             raise CheckpointError(f"{storage.url(self.bucket, '')}: name a prefix to save to, not the bucket")
@@ -276,11 +270,11 @@ class Publish:
             raise CheckpointError(f"{self._url(self.key)} already holds {len(existing)} objects; pass "
                                   "overwrite=True to replace them once the new checkpoint is complete, or "
                                   "choose another prefix")
-        foreign = [n for n in existing if not _CHECKPOINT_FILE.fullmatch(n)]
-        if foreign:
+        others = foreign(existing, self.replaceable)  # as the local rule: only what the save's formats write
+        if others:
             raise CheckpointError(
                 f"overwrite=True replaces the whole prefix {self._url(self.key)}, but it also holds "
-                f"{foreign[0]!r}, which is not a checkpoint file; move that out first, or save elsewhere")
+                f"{others[0]!r}, which is not a checkpoint file; move that out first, or save elsewhere")
         if not existing:
             # Nothing to keep readable: the files go straight to their keys, with no copy (a
             # copy doubles the writes, and S3 copies at most 5 GiB in one request, which
