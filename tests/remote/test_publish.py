@@ -13,7 +13,7 @@ from located import write_small
 from shardwise.errors import CheckpointError
 from shardwise.io.formats import checkpoint_files
 from shardwise.io.storage.lookups import DONE_MARK
-from shardwise.io.storage.objects_write import PUBLISH_MARK
+from shardwise.io.storage.publish import PUBLISH_MARK
 
 INDEX = "model.safetensors.index.json"
 

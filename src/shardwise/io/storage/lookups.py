@@ -26,7 +26,7 @@ from fnmatch import fnmatchcase
 from shardwise.errors import CheckpointError, UsageError
 
 TMP_MARK, OLD_MARK = ".shardwise-tmp-", ".shardwise-old-"  # a save's staging folder, a replaced one
-PUBLISH_MARK = ".shardwise-publish.json"  # the journal of a publish (objects_write.Publish)
+PUBLISH_MARK = ".shardwise-publish.json"  # the journal of a publish (publish.Publish)
 DONE_MARK = ".shardwise-published.json"  # the tokens of the last saves committed there
 
 _MEMO: ContextVar[dict | None] = ContextVar("shardwise_storage_memo", default=None)
