@@ -145,12 +145,17 @@ def main(argv=None) -> int:
     for op in OPS:
         before = statistics.median(g[op] for g in got["before"])
         after = statistics.median(g[op] for g in got["after"])
-        rows.append({"op": op, "before_s": before, "after_s": after, "ratio": after / before})
+        low_before, low_after = min(g[op] for g in got["before"]), min(g[op] for g in got["after"])
+        rows.append({"op": op, "before_s": before, "after_s": after, "ratio": after / before,
+                     "before_min_s": low_before, "after_min_s": low_after,
+                     "min_ratio": low_after / low_before})
     cols = [("op", "operation"), ("before_s", f"before ({base}) s", ".2f"), ("after_s", "after s", ".2f"),
-            ("ratio", "after / before", ".2f")]
+            ("ratio", "after / before", ".2f"), ("before_min_s", "before min s", ".2f"),
+            ("after_min_s", "after min s", ".2f"), ("min_ratio", "min after / before", ".2f")]
     notes = (f"The same workload under commit {base} and under this commit, interleaved, {args.rounds} "
              f"rounds: {ckpt.total_bytes / 1e9:.2f} GB bfloat16 checkpoint ({len(ckpt.files)} files), "
-             f"{args.degree} gloo ranks at tp, median of the slowest rank's seconds. Below 1: faster after. "
+             f"{args.degree} gloo ranks at tp, the slowest rank's seconds, median and minimum over the "
+             f"rounds; load average {os.getloadavg()[0]:.1f} at the end. Below 1: faster after. "
              "Command: "
              f"`python3 benchmarks/before_after.py --base {base} --size {args.size} --degree {args.degree} "
              f"--rounds {args.rounds}`.")

@@ -36,7 +36,7 @@ counted). Ratios are against the baselines measured in the same run, on the same
 side the fastest of its runs (the raw ceiling and shardwise's load run ``--runs`` times, first
 before the others, then alternating after them). The save table also times one server-side
 copy of the gathered object: a save over an existing checkpoint copies every staged object into
-place (``shardwise.io.storage.objects_write``); one into an empty prefix, as here, copies nothing.
+place (``shardwise.io.storage.publish``); one into an empty prefix, as here, copies nothing.
 The rank functions are in ``_remote_ranks.py``.
 """
 

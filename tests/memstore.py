@@ -194,7 +194,7 @@ class MemStore:
             raise UsageError(f"{location}: objects are written whole, not in place")
         return MemWriter(self, _key(location))
 
-    def transaction(self, target: Location, *, overwrite: bool) -> MemTransaction:
+    def transaction(self, target: Location, *, overwrite: bool, replaceable=()) -> MemTransaction:
         return MemTransaction(self, target, overwrite)
 
 

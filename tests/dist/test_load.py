@@ -26,7 +26,7 @@ from shardwise.core.header import dtype_to_str
 from shardwise.core.spec import shard_regions, split
 from shardwise.errors import CheckpointError
 from shardwise.io.formats.safetensors.files import StreamingWriter, index_json, plan_files
-from shardwise.io.source import Reads
+from shardwise.io.source import ReadMode, Reads
 from shardwise.parallel import get_shard_state, local_of
 
 
@@ -267,7 +267,7 @@ def _errors(folder):
     path, (specs, strict), wants, options = calls
     assert path == locate(dcp_dir) and specs["head.weight"] == sw.ShardSpec(dim=0) and strict is True
     # a tp-only mesh: no dp replicas to share the reads with (tests/dist/test_replicas.py has them)
-    assert options.replicas is None and options.dtype == torch.bfloat16
+    assert options.mode is ReadMode.OWN and options.dtype == torch.bfloat16
     # holding "dtensor": this rank's own part of each tensor, on its tp coordinates
     assert wants["head.weight"].spec == sw.ShardSpec(dim=0) and wants["head.weight"].degree == mesh.size()
 

@@ -57,7 +57,7 @@ def test_a_read_fault_is_retried(remote, kind):
 
 @pytest.mark.parametrize("kind", ["truncate", "short"])
 def test_a_body_cut_after_its_first_chunks_landed_is_read_again_whole(remote, kind):
-    """A range of several landing chunks (objects_read.CHUNK) in one request: the cut attempt has
+    """A range of several landing chunks (remote.CHUNK) in one request: the cut attempt has
     landed its first half in the buffer; the retry lands every byte again, the buffer is whole."""
     storage = remote.storage(part_size=8 << 20)
     data = os.urandom(3 << 20)

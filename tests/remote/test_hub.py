@@ -224,7 +224,7 @@ def test_a_memory_save_is_complete_or_absent():
     index = "model.safetensors.index.json"
 
     def save(tag: bytes, *, stop: bool) -> None:
-        txn = target.storage.transaction(target, overwrite=True)
+        txn = target.storage.transaction(target, overwrite=True, replaceable=("*.safetensors", "*.json"))
         try:
             txn.prepare()
             for name in ("a.safetensors", "b.safetensors"):

@@ -11,8 +11,9 @@ import pytest
 from located import write_small
 
 from shardwise.errors import CheckpointError
+from shardwise.io.formats import checkpoint_files
 from shardwise.io.storage.lookups import DONE_MARK
-from shardwise.io.storage.objects_write import PUBLISH_MARK
+from shardwise.io.storage.publish import PUBLISH_MARK
 
 INDEX = "model.safetensors.index.json"
 
@@ -25,7 +26,7 @@ def _version(tag: str) -> dict[str, bytes]:
 def _save(storage, target: str, files: dict[str, bytes], *, overwrite=True, stop=None):
     """One save as sw.save runs it (rank 0's transaction, writers into its folder), stopped by
     an exception raised where ``stop`` names ("staged": after the files, before commit)."""
-    txn = storage.transaction(target, overwrite=overwrite)
+    txn = storage.transaction(target, overwrite=overwrite, replaceable=checkpoint_files())
     try:
         txn.prepare()
         for name, data in files.items():

@@ -126,7 +126,7 @@ def test_the_local_storage_is_a_storage_too(tmp_path):
 
 
 def test_coalesced_requests_are_whole_parts():
-    from shardwise.io.storage.objects_read import coalesce
+    from shardwise.io.storage.remote import coalesce
 
     # neighbouring runs (tensors of one file) land in requests of exactly part_size bytes: a run
     # that does not fit fills the request and goes on in the next, as a raw ranged GET of the

@@ -45,3 +45,29 @@ def test_byte_view_refuses_a_tensor_without_plain_bytes():
         byte_view(torch.zeros(4, 6).t())
     t = torch.arange(-3, 3, dtype=torch.int16)
     assert bytes(byte_view(t)) == b"".join(int(x).to_bytes(2, "little", signed=True) for x in t)
+
+
+@pytest.mark.parametrize("options", [{}, {"distributed": True, "format": "sharded"}])
+def test_a_save_decodes_its_target_once(tmp_path, monkeypatch, options):
+    import sys
+
+    import shardwise as sw
+    import shardwise.io.save  # noqa: F401  (its modules loaded, so that every binding is spied on)
+    import shardwise.io.storage as storage
+
+    calls = []
+    real = storage.target_path
+
+    def spy(location):
+        calls.append(location)
+        return real(location)
+
+    for module in list(sys.modules.values()):  # every module that bound the name
+        ours = getattr(module, "__name__", "").startswith("shardwise")
+        if ours and getattr(module, "target_path", None) is real:
+            monkeypatch.setattr(module, "target_path", spy)
+    monkeypatch.chdir(tmp_path)
+    model = torch.nn.Linear(4, 2)
+    sw.save(model, "out", **options)
+    assert len(calls) == 1, calls  # at the door, then handed down: the transaction does not redo it
+    assert (tmp_path / "out").is_dir() and sw.verify(tmp_path / "out").ok

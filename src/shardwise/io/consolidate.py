@@ -15,12 +15,12 @@ from shardwise.core.adapter import adapter_for, folder_model, side_file_names
 from shardwise.core.header import dtype_to_str, str_to_dtype
 from shardwise.core.spec import Region, ShardSpec
 from shardwise.errors import CheckpointError
-from shardwise.io.formats import get_format, open_source, save_format
+from shardwise.io.formats import checkpoint_files, get_format, open_source, save_format
 from shardwise.io.gather import FileGatherer, SaveItem
 from shardwise.io.info import gather_info, read_info
 from shardwise.io.sink import FileSink, Saving, StoredTensor, WritePlan
 from shardwise.io.source import Stored
-from shardwise.io.storage import Location, locate, read_small, split_scheme, write_small
+from shardwise.io.storage import Location, locate, read_small, split_scheme, target_path, write_small
 
 
 def consolidation_plan(source: Stored, *, max_shard_size: int | str = "5GB", filename_prefix: str = "model",
@@ -105,7 +105,7 @@ def consolidate(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_siz
         locate(src, storage_options)  # the UsageError: options for two local paths
     src_at = locate(src, storage_options if split_scheme(src)[0] else None)
     dst_options = storage_options if dst_storage_options is None else dst_storage_options
-    dst_at = locate(dst, dst_options if split_scheme(dst)[0] else None)
+    dst_at = target_path(locate(dst, dst_options if split_scheme(dst)[0] else None))  # decoded once
     threads = torch.get_num_threads()
     source = open_source(src_at)
     try:
@@ -119,7 +119,8 @@ def consolidate(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_siz
         # threads was up to 10x slower on a busy machine; a second reader thread did not pay
         # either (docs/benchmarks.md "consolidate": the disk is the limit).
         torch.set_num_threads(1)
-        with Saving(dst_at, overwrite=overwrite, backend=None, what=what, collective=False) as saving:
+        with Saving(dst_at, overwrite=overwrite, backend=None, what=what, collective=False,
+                    replaceable=checkpoint_files()) as saving:
             checksums = run.write(saving.folder, Progress(0, progress=False, active=False, desc=""),
                                   what=what)
             saving.commit(info=gather_info(checksums, plan.tensors),

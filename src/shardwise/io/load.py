@@ -24,8 +24,8 @@ from shardwise.io.formats import get_format, open_source
 from shardwise.io.formats.safetensors.keys import listing
 from shardwise.io.guards import check_mesh, check_model, check_options
 from shardwise.io.place import placement
-from shardwise.io.read.exchange import exchanges
-from shardwise.io.source import ReadOptions
+from shardwise.io.read.modes import read_mode
+from shardwise.io.source import ReadMode, ReadOptions
 from shardwise.io.storage import Location, locate
 from shardwise.io.storage.lookups import one_look
 from shardwise.mesh import decode_mesh
@@ -123,10 +123,11 @@ def _load(model: nn.Module, path, *, plan, mesh, dtype, strict, num_threads, pro
         check_quantized_load(specs, dims.holding, dequantize)
         where = locate(path, storage_options)  # the location, decoded once
 
-    # Over a storage read once per job the read is a collective (io.exchange; a DCP read always
-    # is): a rank that fails before it tells its peers here, or they would wait in the read's
-    # first collective until the timeout.
-    collective = exchanges(where.storage, dims)
+    # Who reads each region, decided here once for every format. Over a storage read once per
+    # job the read is a collective (io.exchange; a DCP read always is): a rank that fails before
+    # it tells its peers here, or they would wait in the read's first collective until the timeout.
+    mode = read_mode(where.storage, dims)
+    collective = mode is ReadMode.JOB
     with one_look():  # an object store's listings, HEADs and journal asked once in this load
         try:
             source = open_source(where, dequantize=dequantize)
@@ -145,9 +146,8 @@ def _load(model: nn.Module, path, *, plan, mesh, dtype, strict, num_threads, pro
             raise
         if collective:
             agree(dims.comm_backend, None, what=f"opening {where}")
-        how = ReadOptions(dtype, place.device, reader_threads(num_threads, where.storage),
-                          replicas=dims if dims.shares_reads else None, window=place.window,
-                          backend=dims.comm_backend, mesh=dims)
+        how = ReadOptions(dtype, place.device, reader_threads(num_threads, where.storage), mode=mode,
+                          window=place.window, backend=dims.comm_backend, mesh=dims)
         with Progress(reads.nbytes, progress, rank() == 0, "shardwise load (rank 0's slices)") as bar:
             tensors = source.read(reads, finalize=place.finalize, options=how, on_bytes=bar)
     place.install(model, tensors, missing)

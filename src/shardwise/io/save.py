@@ -20,7 +20,7 @@ from shardwise.comm import fingerprint
 from shardwise.core.adapter import adapter_for, save_collection
 from shardwise.errors import CheckpointError, CollectiveError, UsageError, on_every_rank
 from shardwise.io.check.against import LAYOUTS, compare, expectations
-from shardwise.io.formats import get_format, save_format
+from shardwise.io.formats import checkpoint_files, get_format, save_format
 from shardwise.io.formats.safetensors.files import parse_size
 from shardwise.io.gather import FileGatherer, collect_items
 from shardwise.io.guards import check_model
@@ -157,7 +157,7 @@ def save(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str
     if isinstance(options, DistributedSave):
         join_collective(backend, "sw.save")
         return plugin.save(model, target, backend=backend, overwrite=overwrite, metadata=metadata,
-                           progress=progress, async_save=options.async_save)
+                           progress=progress, async_save=options.async_save, replaceable=checkpoint_files())
     save_gathered(model, target, options, plugin, backend=backend, metadata=metadata, overwrite=overwrite,
                   progress=progress)
     return None
@@ -186,7 +186,8 @@ def save_gathered(model: nn.Module, target: Location, options: SafetensorsSave, 
     parallel = _parallel_wanted(model, items, options.parallel_write, plugin, backend, target)
     join_collective(backend, "sw.save")  # after the guards and the plan: all pure
     digest = fingerprint((plan.files, [(i.name, i.spec, i.degree) for i in items], options.parallel_write))
-    with Saving(target, overwrite=overwrite, backend=backend, what=what, digest=digest) as saving:
+    with Saving(target, overwrite=overwrite, backend=backend, what=what, digest=digest,
+                replaceable=checkpoint_files()) as saving:
         folder = saving.folder if saving.rank0 else None
         shared = (shared_folder(backend, folder, what=what, required=options.parallel_write is True)
                   if parallel else None)

@@ -13,7 +13,7 @@ from shardwise.backends import coordination_group
 from shardwise.comm import agree, capture
 from shardwise.errors import CheckpointError
 from shardwise.io.info import write_info
-from shardwise.io.storage import Location, target_path
+from shardwise.io.storage import Location
 
 if TYPE_CHECKING:
     import torch
@@ -165,15 +165,20 @@ class Saving:
     no-op after a commit. ``digest``: every rank's fingerprint of what it saves (they must
     agree). ``collective=False`` (``sw.consolidate``: one process, whatever group it is in):
     this process does every step, with no collective. ``what`` names the save in errors;
-    ``{target}`` in it stands for the target's path."""
+    ``{target}`` in it stands for the target's path. ``target``: the save's target as
+    ``storage.target_path`` gave it at the API's door (``sw.save``, ``sw.save_optimizer``,
+    ``sw.consolidate``), computed there once. ``replaceable``: the file names (patterns) that
+    ``overwrite`` may replace, as the formats declare them (``io.formats.checkpoint_files``)."""
 
-    def __init__(self, location: Location, *, overwrite: bool, backend: Backend | None, what: str,
-                 digest: bytes = b"\0" * 8, collective: bool = True, every_rank_writes: bool = False):
+    def __init__(self, target: Location, *, overwrite: bool, backend: Backend | None, what: str,
+                 replaceable: Sequence[str] = (), digest: bytes = b"\0" * 8, collective: bool = True,
+                 every_rank_writes: bool = False):
         self.backend, self.collective = backend, collective
-        self.target = target_path(location)  # the one place a save computes its target
+        self.target = target
         self.what = what.replace("{target}", str(self.target))
         self.rank0 = not collective or comm.rank() == 0
-        self._dest = (self.target.storage.transaction(self.target, overwrite=overwrite)
+        self._dest = (self.target.storage.transaction(self.target, overwrite=overwrite,
+                                                      replaceable=tuple(replaceable))
                       if self.rank0 else None)
 
         def prepare():  # its path: each rank rebuilds the location over its own storage

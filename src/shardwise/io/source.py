@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -37,17 +38,27 @@ class Want:
     tie: QuantTie | None = None
 
 
+class ReadMode(Enum):
+    """Who reads a region of a load: each rank its own (``OWN``), one dp replica for all
+    (``REPLICAS``), or the job each byte once, exchanged (``JOB``: a storage fetched once).
+    The load pipeline decides it once (``io.read.modes.read_mode``)."""
+
+    OWN = "own"
+    REPLICAS = "replicas"
+    JOB = "job"
+
+
 @dataclass(frozen=True)
 class ReadOptions:
     """How a source reads: floating tensors cast to ``dtype``; ``device`` where finalized tensors
-    go (None: the host); ``replicas``: the decoded mesh when dp replicas share their reads, else
-    None; ``backend``: the one collectives wait in; ``window``: bytes per collective batch (DCP),
-    None for one batch; ``mesh``: the decoded mesh, for a storage read once per job."""
+    go (None: the host); ``mode``: who reads each region (``io.read.modes.read_items`` runs it);
+    ``backend``: the one collectives wait in; ``window``: bytes per collective batch (DCP),
+    None for one batch; ``mesh``: the decoded mesh the shared modes read over."""
 
     dtype: torch.dtype | None
     device: torch.device | None
     num_threads: int
-    replicas: MeshDims | None = None
+    mode: ReadMode = ReadMode.OWN
     window: int | None = None
     backend: Backend | None = None
     mesh: MeshDims | None = None
@@ -146,5 +157,5 @@ class OpenedSource(Source, Stored, Protocol):
     """What a format plugin's ``open_source`` returns: a :class:`Source` and a :class:`Stored`."""
 
 
-__all__ = ["Blob", "Description", "Finalize", "OpenedSource", "ReadOptions", "Reads", "Source", "Stored",
-           "Want"]
+__all__ = ["Blob", "Description", "Finalize", "OpenedSource", "ReadMode", "ReadOptions", "Reads", "Source",
+           "Stored", "Want"]

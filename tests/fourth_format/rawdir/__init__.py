@@ -23,7 +23,7 @@ from shardwise.io.source import Blob, Description, Reads
 from shardwise.io.storage import Handles, byte_view, locate, read_json
 
 NAME = "rawdir"
-CAPABILITIES = Capabilities(label="rawdir")
+CAPABILITIES = Capabilities(label="rawdir", files=("*.raw", "rawdir.json"))  # what a save may replace
 INDEX = "rawdir.json"
 
 

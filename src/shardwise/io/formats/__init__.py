@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING
 
+from shardwise.core.adapter import side_file_names
 from shardwise.errors import UsageError
+from shardwise.io.info import INFO_FILE
 from shardwise.io.storage import Location, locate
 
 if TYPE_CHECKING:
@@ -29,7 +31,9 @@ class Capabilities:
     each scale once; ``scale_regions``: reads each FP8 scale at its own region (shard boundaries
     may cut scale blocks); ``parallel_write``: its gathered files can be laid out up front and
     written by every rank; ``label``: what reports call it; ``names``: the names its checkpoints
-    mostly hold (``"hub"`` or ``"module"``); ``own_checksums``: what it stores to check its bytes.
+    mostly hold (``"hub"`` or ``"module"``); ``own_checksums``: what it stores to check its bytes;
+    ``files``: the names (``fnmatch`` patterns) its writer puts in a checkpoint folder, which a
+    save with ``overwrite=True`` may replace (:func:`checkpoint_files`).
 
     >>> Capabilities(distributed=True).async_save
     False
@@ -45,6 +49,7 @@ class Capabilities:
     label: str = ""
     names: str = "module"
     own_checksums: str | None = None
+    files: tuple[str, ...] = ()
 
 
 # name -> plugin package, in the order they are asked whether a path is theirs
@@ -117,6 +122,19 @@ def open_source(path: Location | str | os.PathLike, *, dequantize: bool = False)
     return plugin.open_source(path, dequantize=True) if dequantize else plugin.open_source(path)
 
 
+def checkpoint_files() -> tuple[str, ...]:
+    """What a save may replace (``overwrite=True``), as the storage's transaction is told: the
+    files every registered format writes (``Capabilities.files``: a save replaces a checkpoint of
+    any format), ``shardwise.json`` and the model adapters' side files. Anything else in the
+    folder is someone else's: the save refuses it.
+
+    >>> "*.distcp" in checkpoint_files() and "shardwise.json" in checkpoint_files()
+    True
+    """
+    names = [p for name in FORMATS for p in get_format(name).CAPABILITIES.files]
+    return tuple(dict.fromkeys([*names, INFO_FILE, *side_file_names()]))
+
+
 def save_format(format: str | None, *, distributed: bool) -> ModuleType:
     """The plugin that writes ``sw.save(..., format=format, distributed=distributed)``:
     ``format`` is a registry name or one of :data:`SAVE_SPELLINGS` (None: the default of the
@@ -142,5 +160,5 @@ def save_format(format: str | None, *, distributed: bool) -> ModuleType:
     return plugin
 
 
-__all__ = ["FORMATS", "SAVE_SPELLINGS", "Capabilities", "format_of", "get_format",
+__all__ = ["FORMATS", "SAVE_SPELLINGS", "Capabilities", "checkpoint_files", "format_of", "get_format",
            "open_source", "register_format", "save_format"]

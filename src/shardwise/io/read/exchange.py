@@ -16,7 +16,7 @@ each rank the boxes of its needs that its peers fetched (:func:`shardwise.core.s
 requests (``reader.num_threads`` in flight) fetches the slabs ``DEPTH`` rounds ahead, each
 followed by a share of the direct tensors, every byte landed straight into its tensor and
 neighbouring runs of one object (several small tensors) merged into one request
-(``ObjectFile.run_requests``). Per round, once its slab is in, the ranks agree that no read
+(``RemoteFile.run_requests``). Per round, once its slab is in, the ranks agree that no read
 failed (``comm.agree``: a failed read raises on every rank, carrying its message, before the
 exchange; the direct reads' failures at the latest after the last round) and exchange. Each
 local tensor is finalized once its last byte arrives, with what a storage read gives: a host

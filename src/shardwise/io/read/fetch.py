@@ -1,7 +1,7 @@
 """The requests of a load from a storage read once per job (``io.exchange``): byte runs
 landed straight into tensors (a direct item's regions, a slab's pieces), queued in order on a
 pool of threads, neighbouring runs of one object merged into one request by the handle
-(``ObjectFile.run_requests``; a plain ``readinto`` per run on a handle without it)."""
+(``RemoteFile.run_requests``; a plain ``readinto`` per run on a handle without it)."""
 
 from __future__ import annotations
 

@@ -208,8 +208,11 @@ class Storage(Protocol):
     def create(self, location: Location, *, existing: bool = False) -> WriteHandle:
         """A writer of a new object at ``location`` (``existing``: rank 0 created it)."""
 
-    def transaction(self, target: Location, *, overwrite: bool) -> Transaction:
-        """The save transaction that puts a new checkpoint at ``target`` (rank 0 only)."""
+    def transaction(self, target: Location, *, overwrite: bool,
+                    replaceable: Sequence[str] = ()) -> Transaction:
+        """The save transaction that puts a new checkpoint at ``target`` (rank 0 only). With
+        ``overwrite`` it replaces a checkpoint whose files all match ``replaceable`` (``fnmatch``
+        patterns the save is told by its formats); anything else there is a ``CheckpointError``."""
 
 
 def read_small(location: Location, *, what: str, cap: int = MAX_HEADER_SIZE) -> bytes:

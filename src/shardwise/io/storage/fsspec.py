@@ -10,13 +10,13 @@ variables or ``storage_options=`` (its constructor's keyword arguments, plus ``p
 Reads: ranged, never a whole object for a slice: through the filesystem's ``cat_file(path,
 start, end)`` where it has its own (``http``, ``memory``), else through a file opened
 without read-ahead (``hf``'s and the other buffered files); a batch of runs is coalesced and
-issued concurrently as ``objects_read.ObjectFile`` does (this module's files are ObjectFiles with
-another ``fetch``); every body is checked for its length and retried with bounded backoff.
+issued concurrently by ``remote.RemoteFile``, as for ``s3://`` (this client serves its
+``get_range``); every body is checked for its length and retried with bounded backoff.
 No mapped views. A hub location should name a commit (``hf://org/name@<sha>``), so that
 every read sees one version: ``sw.from_pretrained`` pins one.
 
 Writes, where the filesystem writes: objects front to back, a save staged beside the target
-and published by ``objects_write.Publish``'s journal (complete or absent, the same steps)
+and published by ``publish.Publish``'s journal (complete or absent, the same steps as ``s3://``)
 over the primitives of :class:`FsspecPublish`. A read-only scheme (:data:`READ_ONLY`) refuses
 a save before anything is written. No error shows a configured secret.
 """
@@ -29,14 +29,13 @@ import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, cast
+from typing import Any
 
 from shardwise.errors import CheckpointError, UsageError
 from shardwise.io.storage import Location
 from shardwise.io.storage.lookups import publishing, redirect
-from shardwise.io.storage.objects import CONCURRENCY, PART_SIZE, RETRIES, retried
-from shardwise.io.storage.objects_read import ObjectFile, ShortBody
-from shardwise.io.storage.objects_write import Publish
+from shardwise.io.storage.publish import Publish
+from shardwise.io.storage.remote import CONCURRENCY, PART_SIZE, RETRIES, RemoteFile, ShortBody, retried
 
 # Schemes a save refuses, and why: what the filesystem calls a write is no checkpoint save.
 READ_ONLY = {
@@ -114,12 +113,12 @@ class FsspecStorage:
 
     # --- the Storage protocol -----------------------------------------------------------
 
-    def open(self, location) -> FsspecFile:
+    def open(self, location) -> RemoteFile:
         key = self._redirect(self._key(location))
         meta = self.head("", key)
         if meta is None:
             raise CheckpointError(f"{self.url('', key)}: no such object")
-        return FsspecFile(self, key, meta["size"])
+        return RemoteFile(self, "", key, meta["size"], None)
 
     def stat(self, location) -> int | None:
         meta = self.head("", self._redirect(self._key(location)))
@@ -147,9 +146,9 @@ class FsspecStorage:
                              "one (parallel_write=True); pass parallel_write=None or False")
         return FsspecWriter(self, self._key(location))
 
-    def transaction(self, target, *, overwrite: bool) -> FsspecPublish:
+    def transaction(self, target, *, overwrite: bool, replaceable: Sequence[str] = ()) -> FsspecPublish:
         self.check_writable(target)
-        return FsspecPublish(self, target, overwrite)
+        return FsspecPublish(self, target, overwrite, tuple(replaceable))
 
     def check_writable(self, location) -> None:
         if self.read_only:
@@ -203,6 +202,19 @@ class FsspecStorage:
             f.seek(start)
             return f.read(end - start)
 
+    def get_range(self, file: RemoteFile, start: int, end: int, land) -> None:
+        """``remote.Client.get_range``: one ranged read, its length checked (no versions here)."""
+        key = file.key
+
+        def request():
+            data = self.read_range(key, start, end, file.size())
+            if len(data) != end - start:
+                raise ShortBody(f"{len(data)} bytes for the {end - start}-byte range (the object changed "
+                                "under the reader, or the server ignored the Range)")
+            return data
+
+        land(0, memoryview(self.call(request, f"reading {self.path(key)} bytes [{start}, {end})")))
+
     def call(self, request, what: str, *, fatal: tuple = ()):
         """``objects.retried`` ``request()``: final are the faults that waiting does not change
         (absent, denied, refused, a 4xx answer), and ``fatal``."""
@@ -224,26 +236,6 @@ def _secrets(options: dict) -> list[str]:
     found = [v for k, v in options.items() if type(v) is str and any(x in k.lower() for x in _SECRET_KEYS)]
     found += [v for k, v in os.environ.items() if k in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN") and v]
     return sorted({s for s in found if len(s) >= 4}, key=len, reverse=True)
-
-
-class FsspecFile(ObjectFile):
-    """One object opened for reading at the length its ``info`` gave: ``objects_read.ObjectFile``'s
-    coalesced, concurrent, checked reads, each range fetched through fsspec."""
-
-    def __init__(self, storage: FsspecStorage, key: str, size: int):
-        # ObjectFile's reads use only the storage's part_size, pool and url; fetch is this one
-        super().__init__(cast(Any, storage), "", key, size, None)
-        self.source = storage
-
-    def fetch(self, start: int, end: int, land) -> None:
-        def request():
-            data = self.source.read_range(self.key, start, end, self._size)
-            if len(data) != end - start:
-                raise ShortBody(f"{len(data)} bytes for the {end - start}-byte range (the object changed "
-                                "under the reader, or the server ignored the Range)")
-            return data
-
-        land(0, memoryview(self.source.call(request, f"reading {self.name} bytes [{start}, {end})")))
 
 
 class FsspecWriter:
@@ -295,19 +287,13 @@ class FsspecWriter:
 
 
 class FsspecPublish(Publish):
-    """The save transaction over an fsspec filesystem: ``objects_write.Publish``'s steps and
-    journal, its five primitives served by the filesystem (and a folder cleared whole)."""
+    """The save transaction over an fsspec filesystem: ``publish.Publish``'s steps and journal,
+    its five primitives served by the filesystem (and a folder cleared whole)."""
 
-    storage: FsspecStorage  # type: ignore[assignment]
+    storage: FsspecStorage
 
-    def __init__(self, storage: FsspecStorage, target, overwrite: bool):
-        self.storage, self.overwrite = storage, overwrite
-        self.bucket, self.key = "", storage._key(target).rstrip("/")
-        if not self.key.strip("/"):
-            raise CheckpointError(f"{storage.url('', self.key)}: name a folder to save to, not the root")
-        self.target: Any = target
-        self.folder: Any = None
-        self._staging: str | None = None
+    def __init__(self, storage: FsspecStorage, target, overwrite: bool, replaceable: tuple[str, ...] = ()):
+        super().__init__(storage, target, "", storage._key(target).rstrip("/"), overwrite, replaceable)
 
     def _objects(self, prefix: str) -> dict[str, int]:
         path = self.storage.path(prefix)
@@ -369,4 +355,4 @@ def factory(scheme: str, *, registered: Sequence[str] = ()):
     return make
 
 
-__all__ = ["READ_ONLY", "FsspecFile", "FsspecPublish", "FsspecStorage", "FsspecWriter", "factory"]
+__all__ = ["READ_ONLY", "FsspecPublish", "FsspecStorage", "FsspecWriter", "factory"]

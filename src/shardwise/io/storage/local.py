@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from shardwise.io.storage.lookups import remembered
 from shardwise.io.storage.posix import (
+    PARTIAL,
     Writeback,
     check_inside,
     fsync_dir,
@@ -91,7 +92,7 @@ class LocalWriter:
 
     def __init__(self, path: Path, *, existing: bool = False):
         self.path, self._existing = path, existing
-        self._tmp = path if existing else path.with_name(f".{path.name}.{os.getpid()}.partial")
+        self._tmp = path if existing else path.with_name(f".{path.name}.{os.getpid()}{PARTIAL}")
         # never O_CREAT for an existing one: a missing file is an error, not a new file
         flags = os.O_WRONLY if existing else os.O_WRONLY | os.O_CREAT | os.O_TRUNC
         self._fd: int | None = os.open(self._tmp, flags, 0o666)
@@ -165,8 +166,9 @@ class LocalStorage:
     def create(self, location: Location, *, existing: bool = False) -> LocalWriter:
         return LocalWriter(Path(location.path), existing=existing)
 
-    def transaction(self, target: Location, *, overwrite: bool) -> Destination:
-        return Destination(target, overwrite)
+    def transaction(self, target: Location, *, overwrite: bool,
+                    replaceable: Sequence[str] = ()) -> Destination:
+        return Destination(target, overwrite, tuple(replaceable))
 
 
 def _listdir(path) -> list[str]:

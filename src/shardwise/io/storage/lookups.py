@@ -18,14 +18,15 @@ import json
 import os
 import re
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
+from fnmatch import fnmatchcase
 
 from shardwise.errors import CheckpointError, UsageError
 
 TMP_MARK, OLD_MARK = ".shardwise-tmp-", ".shardwise-old-"  # a save's staging folder, a replaced one
-PUBLISH_MARK = ".shardwise-publish.json"  # the journal of a publish (objects_write.Publish)
+PUBLISH_MARK = ".shardwise-publish.json"  # the journal of a publish (publish.Publish)
 DONE_MARK = ".shardwise-published.json"  # the tokens of the last saves committed there
 
 _MEMO: ContextVar[dict | None] = ContextVar("shardwise_storage_memo", default=None)
@@ -39,6 +40,12 @@ def host() -> str:
 def owner() -> str:
     """``{host}-{pid}``: the owner a save's staging folder and journal name."""
     return f"{host()}-{os.getpid()}"
+
+
+def foreign(names: Iterable[str], replaceable: Sequence[str]) -> list[str]:
+    """The ``names`` that match none of the ``replaceable`` patterns (``fnmatch``): what a save
+    told it may replace those (a transaction's ``replaceable``) must leave alone."""
+    return [n for n in names if not any(fnmatchcase(n, p) for p in replaceable)]
 
 
 def split_location(location) -> tuple[str, str]:
@@ -149,5 +156,5 @@ def redirect(storage, bucket: str, key: str) -> tuple[str, str]:
     return bucket, f"{journal['staging']}/{name}"
 
 
-__all__ = ["DONE_MARK", "PUBLISH_MARK", "beside", "committed", "listed", "one_look", "publishing", "redirect",
-           "remembered"]
+__all__ = ["DONE_MARK", "PUBLISH_MARK", "beside", "committed", "foreign", "listed", "one_look", "publishing",
+           "redirect", "remembered"]

@@ -8,31 +8,27 @@ replaced under a reader is an error, never a mix), retried with bounded backoff 
 resets, timeouts and short bodies; runs are coalesced into requests of at most ``part_size``
 that read at most 1/20 more than asked, ``concurrency`` in flight; no mapped views. Writes
 (``objects_write``): visible only at ``commit``, multipart uploads aborted on failure, no
-positional writes. No error shows a secret.
+positional writes; a save is ``publish.Publish`` over obstore's requests. The retries, the
+coalescing and the ranged reads are ``remote``'s, shared with ``fsspec``. No error shows a secret.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import threading
-import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from shardwise.errors import CheckpointError, UsageError
-from shardwise.io.storage.faults import in_words
 from shardwise.io.storage.lookups import listed, publishing, redirect, remembered, split_location
-from shardwise.io.storage.objects_read import ObjectFile, ShortBody
-from shardwise.io.storage.objects_write import ObjectWriter, Publish
+from shardwise.io.storage.objects_write import ObjectWriter, ObstorePublish
+from shardwise.io.storage.remote import CHUNK, CONCURRENCY, PART_SIZE, RETRIES, RemoteFile, ShortBody, retried
 
-PART_SIZE = 8 << 20     # bytes per ranged GET and per multipart part
 MIN_PART = 5 << 20      # S3's smallest part of a multipart upload (but the last)
-CONCURRENCY = 16        # requests in flight per storage
-RETRIES = 6             # attempts of one request beyond obstore's own retries
 _SECRET_KEYS = ("secret", "token", "password", "key", "credential", "service_account")
 
 
@@ -116,12 +112,12 @@ class ObjectStorage:
 
     # --- the Storage protocol ----------------------------------------------------------------
 
-    def open(self, location: Path) -> ObjectFile:
+    def open(self, location: Path) -> RemoteFile:
         bucket, key = redirect(self, *split_location(location))
         meta = self.head(bucket, key)
         if meta is None:
             raise CheckpointError(f"{self.url(bucket, key)}: no such object")
-        return ObjectFile(self, bucket, key, meta["size"], meta.get("e_tag"))
+        return RemoteFile(self, bucket, key, meta["size"], meta.get("e_tag"))
 
     def stat(self, location: Path) -> int | None:
         meta = self.head(*redirect(self, *split_location(location)))
@@ -160,10 +156,32 @@ class ObjectStorage:
                              "or False: rank 0 streams the file")
         return ObjectWriter(self, bucket, key)
 
-    def transaction(self, target: Path, *, overwrite: bool):
-        return Publish(self, target, overwrite)
+    def transaction(self, target: Path, *, overwrite: bool, replaceable: Sequence[str] = ()):
+        return ObstorePublish(self, target, overwrite, tuple(replaceable))
 
     # --- requests, retried -------------------------------------------------------------------
+
+    def get_range(self, file: RemoteFile, start: int, end: int, land) -> None:
+        """``remote.Client.get_range``: one streamed GET, no whole body held (16 in flight x 8 MiB
+        would be 128 MiB), checked against the ETag the file was opened at."""
+        import obstore
+
+        name, etag = file.name, file.etag
+
+        def request():
+            result = obstore.get(self.store(file.bucket), file.key, options={"range": (start, end)})
+            now = result.meta.get("e_tag")
+            if etag and now and now.strip('"') != etag.strip('"'):
+                raise CheckpointError(f"{name}: the object was replaced while being read (ETag "
+                                      f"{etag} when opened, {now} now); load it again")
+            got = 0
+            for chunk in result.stream(min_chunk_size=CHUNK):
+                land(got, memoryview(chunk))
+                got += len(chunk)
+            if got != end - start:
+                raise ShortBody(f"{got} bytes in the body of a {end - start}-byte range")
+
+        self.call(request, f"GET {name} bytes [{start}, {end})")
 
     def get_bytes(self, bucket: str, key: str) -> bytes:
         import obstore
@@ -210,31 +228,6 @@ class ObjectStorage:
                        is_final=lambda e: isinstance(e, final) or bool(_FINAL_STATUS.search(str(e))))
 
 
-def retried(request, what: str, *, retries: int, scrub, is_final, fatal: tuple = (),
-            name_final: bool = False):
-    """``request()``, retried with jittered backoff (``retries`` more times) on every fault but
-    ``fatal`` and shardwise's errors (raised as they are) and those ``is_final`` (one
-    ``CheckpointError`` naming ``what``, and the fault's type where ``name_final``); then one
-    ``CheckpointError`` naming ``what`` and the last fault, ``scrub``bed."""
-    last: object = None
-    for attempt in range(retries + 1):
-        try:
-            return request()
-        except fatal:
-            raise
-        except (CheckpointError, UsageError):
-            raise
-        except ShortBody as e:
-            last = e
-        except Exception as e:  # a reset, a timeout, a 5xx, ... or an answer that waiting does not change
-            if is_final(e):
-                raise in_words(e, what + (f": {type(e).__name__}" if name_final else ""), scrub) from None
-            last = e
-        if attempt < retries:
-            time.sleep(min(2.0, 0.05 * 2 ** attempt) * (0.5 + random.random()))
-    raise in_words(last, f"{what}: failed {retries + 1} times, the last", scrub) from None
-
-
 _FINAL_STATUS = re.compile(r"status code: (400|401|403|404|405|411|412|416)\b|builder error")
 _CLIENT_KEYS = {"allow_http", "allow_invalid_certificates", "connect_timeout", "default_content_type",
                 "default_headers", "pool_idle_timeout", "pool_max_idle_per_host", "proxy_url", "timeout",
@@ -267,4 +260,4 @@ def factory(scheme: str):
     return make
 
 
-__all__ = ["ObjectStorage", "factory", "retried", "split_location"]
+__all__ = ["ObjectStorage", "factory"]

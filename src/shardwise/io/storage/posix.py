@@ -16,6 +16,8 @@ from pathlib import Path
 
 from shardwise.errors import CheckpointError
 
+PARTIAL = ".partial"  # a local file written aside, renamed at its commit: .{name}.{pid}.partial
+
 if hasattr(os, "preadv"):
     def _pread_some(fd: int, buf: memoryview, pos: int) -> int:
         return os.preadv(fd, [buf], pos)
@@ -159,5 +161,5 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-__all__ = ["WRITEBACK_BYTES", "Writeback", "check_inside", "fsync_dir", "libc_function", "open_regular",
-           "path_error", "pread_into", "pread_runs"]
+__all__ = ["PARTIAL", "WRITEBACK_BYTES", "Writeback", "check_inside", "fsync_dir", "libc_function",
+           "open_regular", "path_error", "pread_into", "pread_runs"]

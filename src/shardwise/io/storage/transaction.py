@@ -9,29 +9,29 @@ import ctypes
 import errno
 import json
 import os
-import re
 import secrets
 import shutil
 from pathlib import Path
 
 from shardwise.errors import CheckpointError, StorageError
 from shardwise.io.storage import Location, write_small
-from shardwise.io.storage.lookups import OLD_MARK, TMP_MARK, host, owner
-from shardwise.io.storage.posix import fsync_dir, libc_function
+from shardwise.io.storage.lookups import OLD_MARK, TMP_MARK, foreign, host, owner
+from shardwise.io.storage.posix import PARTIAL, fsync_dir, libc_function
 
 
 class Destination:
-    """The local :class:`~shardwise.io.storage.Transaction` (rank 0 only)."""
+    """The local :class:`~shardwise.io.storage.Transaction` (rank 0 only); ``replaceable``: the
+    file names (patterns) ``overwrite`` may replace."""
 
-    def __init__(self, target: Location, overwrite: bool):
-        self.target, self.overwrite = target, overwrite
+    def __init__(self, target: Location, overwrite: bool, replaceable: tuple[str, ...] = ()):
+        self.target, self.overwrite, self.replaceable = target, overwrite, replaceable
         self.folder: Location | None = None
 
     def prepare(self) -> None:
         target = Path(self.target.path)
         target.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale(target)
-        _check_target(target, self.overwrite)
+        _check_target(target, self.overwrite, self.replaceable)
         self.folder = self.target.parent / f".{target.name}{TMP_MARK}{owner()}-{secrets.token_hex(4)}"
         os.mkdir(self.folder.path)
 
@@ -48,7 +48,7 @@ class Destination:
         if not target.exists() and not target.is_symlink():
             _rename_noreplace(tmp, target)
         elif self.overwrite:
-            _check_target(target, True)
+            _check_target(target, True, self.replaceable)
             _exchange(tmp, target, tmp.name.replace(TMP_MARK, OLD_MARK))
             shutil.rmtree(tmp)  # now the previous checkpoint
         else:
@@ -62,15 +62,7 @@ class Destination:
             self.folder = None
 
 
-# What shardwise writes into a checkpoint folder (safetensors, their index, DCP's files and
-# shardwise.json, the writers' hidden partial files, a Hugging Face model's config files):
-# overwrite=True deletes nothing else.
-_CHECKPOINT_FILE = re.compile(r".*\.safetensors|.*\.safetensors\.index\.json|\..*\.partial"
-                              r"|\.metadata|.*\.distcp|shardwise\.json"
-                              r"|config\.json|generation_config\.json")
-
-
-def _check_target(target: Path, overwrite: bool) -> None:
+def _check_target(target: Path, overwrite: bool, replaceable: tuple[str, ...]) -> None:
     if target.is_symlink():
         raise CheckpointError(f"{target} is a symlink; pass the folder it points to "
                               f"({os.path.realpath(target)})")
@@ -84,10 +76,13 @@ def _check_target(target: Path, overwrite: bool) -> None:
     if not overwrite:
         raise CheckpointError(f"{target} already exists ({len(entries)} entries); pass overwrite=True "
                               "to replace it once the new checkpoint is complete, or choose another path")
-    foreign = [e.name for e in entries if not (e.is_file() and _CHECKPOINT_FILE.fullmatch(e.name))]
-    if foreign:
+    # overwrite=True deletes only what the save's formats say they write (and their side files),
+    # and the partial files this storage's writers leave when killed
+    files = [e.name for e in entries if e.is_file()]
+    others = [e.name for e in entries if not e.is_file()] + foreign(files, (*replaceable, f".*{PARTIAL}"))
+    if others:
         raise CheckpointError(
-            f"overwrite=True replaces the whole folder {target}, but it also holds {foreign[0]!r}, "
+            f"overwrite=True replaces the whole folder {target}, but it also holds {others[0]!r}, "
             "which is not a checkpoint file; move that out first, or save to another folder")
 
 

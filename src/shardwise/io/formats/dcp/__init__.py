@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 NAME = "dcp"
 # FP8 weights load as stored (quantized), never dequantized per rank
 CAPABILITIES = Capabilities(distributed=True, async_save=True, optimizer=True, scale_regions=True,
-                            label="dcp",
+                            label="dcp", files=(".metadata", "*.distcp"),
                             own_checksums="each chunk is checked against the CRC-32 of its zip record")
 METADATA_FILE = ".metadata"  # torch DCP writes it last: its absence means an incomplete save
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, NoReturn
 
 import torch
@@ -122,15 +122,17 @@ class AsyncSave:
 
 
 def write_checkpoint(path: Location, state_dict: dict, placed: Mapping[str, Placed], info: dict, *,
-                     backend: Backend | None, overwrite: bool = False, async_save: bool = False,
+                     backend: Backend | None, overwrite: bool = False, replaceable: Sequence[str] = (),
+                     async_save: bool = False,
                      planner: CanonicalSavePlanner | None = None,
                      side_files: Callable[[Location], object] | None = None) -> AsyncSave | None:
     """Save ``state_dict`` (local tensors for the ``placed`` keys, plain values otherwise) as a
     canonical DCP checkpoint at ``path``, in one ``Saving``; every rank calls it. With
     ``async_save`` the handle's ``wait`` completes it. ``planner`` replaces
-    ``CanonicalSavePlanner(placed)``; ``side_files(folder)`` writes beside the data on rank 0."""
+    ``CanonicalSavePlanner(placed)``; ``side_files(folder)`` writes beside the data on rank 0;
+    ``replaceable``: what ``overwrite`` may replace (``io.formats.checkpoint_files``)."""
     saving = Saving(path, overwrite=overwrite, backend=backend, what="a distributed save to {target}",
-                    every_rank_writes=True)
+                    replaceable=replaceable, every_rank_writes=True)
     planner = planner or CanonicalSavePlanner(placed)
     writer = HashingWriter(saving.folder)
     no_dist = not dist.is_initialized()
@@ -157,7 +159,7 @@ def write_checkpoint(path: Location, state_dict: dict, placed: Mapping[str, Plac
 
 
 def save_dcp(model: nn.Module, path: Location, *, backend: Backend | None, overwrite: bool = False,
-             async_save: bool = False, metadata: Mapping | None = None,
+             replaceable: Sequence[str] = (), async_save: bool = False, metadata: Mapping | None = None,
              progress: bool | None = None) -> AsyncSave | None:
     """Write ``model`` as a canonical DCP checkpoint at ``path``; every rank calls it and writes
     only its own regions. ``metadata`` goes into ``shardwise.json`` (and, through
@@ -175,7 +177,8 @@ def save_dcp(model: nn.Module, path: Location, *, backend: Backend | None, overw
     info = checkpoint_info(model, placed, kind="model", metadata=metadata)
     state_dict = {n: p.local for n, p in placed.items()}
     return write_checkpoint(path, state_dict, placed, info, backend=backend, overwrite=overwrite,
-                            async_save=async_save, planner=planner, side_files=model_side_files(model))
+                            replaceable=replaceable, async_save=async_save, planner=planner,
+                            side_files=model_side_files(model))
 
 
 def read_checkpoint(path: Location, metadata, state_dict: dict, placed: Mapping[str, Placed], *,

@@ -17,12 +17,13 @@ from shardwise.core.spec import ShardSpec
 from shardwise.errors import CheckpointError
 from shardwise.holding import is_dtensor
 from shardwise.io.dist_save import checkpoint_info
+from shardwise.io.formats import checkpoint_files
 from shardwise.io.formats.dcp.checkpoint import AsyncSave, read_checkpoint, write_checkpoint
 from shardwise.io.formats.dcp.metadata import check_tensors, read_metadata
 from shardwise.io.formats.dcp.spmd import SpmdSavePlanner, chunks_to_devices, global_placed, host_placed
 from shardwise.io.placed import Placed, place
 from shardwise.io.read.reader import WINDOW_BYTES
-from shardwise.io.storage import locate
+from shardwise.io.storage import locate, target_path
 from shardwise.mesh import get_shard_state, world_backend
 
 if TYPE_CHECKING:
@@ -106,6 +107,7 @@ def save_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: str
 
     >>> sw.save_optimizer(model, optimizer, "out/optim")   # doctest: +SKIP
     """
+    target = target_path(locate(path, storage_options))  # the save's target, decoded once
     osd = _get_flat(model, optimizer)
     planner = None
     state = get_shard_state(model)
@@ -120,8 +122,9 @@ def save_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: str
     info = checkpoint_info(model, placed, kind="optimizer",
                            metadata={"optimizer": type(optimizer).__name__})
     state_dict = {k: placed[k].local if k in placed else v for k, v in osd.items()}
-    return write_checkpoint(locate(path, storage_options), state_dict, placed, info, backend=world_backend(),
-                            overwrite=overwrite, async_save=async_save, planner=planner)
+    return write_checkpoint(target, state_dict, placed, info, backend=world_backend(),
+                            overwrite=overwrite, replaceable=checkpoint_files(), async_save=async_save,
+                            planner=planner)
 
 
 def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: str | os.PathLike, *,

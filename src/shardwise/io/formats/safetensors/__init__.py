@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 NAME = "safetensors"
 CAPABILITIES = Capabilities(dequantizes=True, scale_regions=True, parallel_write=True, label="safetensors",
-                            names="hub")
+                            names="hub", files=("*.safetensors", "*.safetensors.index.json"))
 
 
 def claims(path: Location) -> bool:

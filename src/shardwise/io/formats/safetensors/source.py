@@ -2,8 +2,8 @@
 index and its files; tensors in the model's names or in a hub layout (a ``Composite`` of stored
 tensors); FP8 weights with block scales kept quantized or dequantized per rank (``quantized``).
 Every rank reads only the bytes of its own regions (the whole tensor when replicated), with no
-collective, except that dp replicas read each region once and share it (``io.replicas``) and
-that over an object store the job reads each byte once and the ranks exchange (``io.exchange``).
+collective, except in the load's shared read modes (``io.read.modes``: dp replicas read each
+region once, an object store's bytes are read once per job and exchanged).
 The offline tools (consolidate, verify, diff, inspect) read boxes, descriptions and checksums.
 """
 
@@ -23,18 +23,16 @@ from shardwise.io.formats.safetensors.files import INDEX_SUFFIX
 from shardwise.io.formats.safetensors.keys import match_keys
 from shardwise.io.formats.safetensors.quantized import Dequantized, Dequantizer
 from shardwise.io.info import digest_range
-from shardwise.io.read.exchange import exchanges, read_exchanged
 from shardwise.io.read.mapped import read_region
+from shardwise.io.read.modes import read_items
 from shardwise.io.read.reader import (
     Assembly,
     ReadItem,
-    RegionReader,
     cpu_views,
     piece_items,
     read_composite_box,
     want_layout,
 )
-from shardwise.io.read.replicas import read_once
 from shardwise.io.source import Blob, Description, Finalize, ReadOptions, Reads, Want
 from shardwise.io.storage import Handles, Location
 
@@ -89,31 +87,22 @@ class SafetensorsSource:
         items, assembly, dequantizer, whole = reads.detail
         dequantizer.dtype = options.dtype
         viewable = cpu_views(options.device, options.dtype) if options.device is not None else None
-        # a storage that reads once per job: the ranks fetch slabs and exchange (io.exchange)
-        job = options.mesh if exchanges(self.root.storage, options.mesh) else None
         assembled: dict = {}
-        with RegionReader(self.ckpt.headers, num_threads=options.num_threads, viewable=viewable,
-                          on_bytes=on_bytes if job is None else None) as reader:
-            def take(item, raw):
-                if item.name in dequantizer.assembly.parts:
-                    return dequantizer.take(item, raw, finalize)
-                if item.name not in assembly.parts:
-                    return finalize(item.name, raw)
-                got = assembly.take(item, raw)
-                if got is not None:
-                    assembled[got[0]] = finalize(*got)
-                return None
 
-            try:
-                if job is not None:
-                    tensors = read_exchanged(reader, items, finalize=take, dims=job, on_bytes=on_bytes)
-                elif options.replicas is None:
-                    tensors = reader.read(items, finalize=take)
-                else:  # dp replicas: each region is read by one of them and sent to the others
-                    tensors = read_once(reader, items, finalize=take, dims=options.replicas,
-                                        whole=whole, on_bytes=on_bytes)
-            finally:
-                self.bytes_read += reader.bytes_read
+        def take(item, raw):
+            if item.name in dequantizer.assembly.parts:
+                return dequantizer.take(item, raw, finalize)
+            if item.name not in assembly.parts:
+                return finalize(item.name, raw)
+            got = assembly.take(item, raw)
+            if got is not None:
+                assembled[got[0]] = finalize(*got)
+            return None
+
+        # read in the load's mode (io.read.modes): own regions, shared by replicas, or once per job
+        tensors, nbytes = read_items(self.ckpt.headers, items, finalize=take, options=options, whole=whole,
+                                     on_bytes=on_bytes, viewable=viewable)
+        self.bytes_read += nbytes
         parts = assembly.parts.keys() | dequantizer.assembly.parts.keys()
         out = {k: t for k, t in tensors.items() if k not in parts}
         out |= {k: finalize(k, t) for k, t in assembly.empty.items()}

@@ -16,7 +16,8 @@ from shardwise.io.formats.sharded.write import save_sharded_safetensors
 NAME = "sharded"
 # FP8 weights load as stored (quantized), never dequantized per rank; its files split every
 # tensor evenly, so it cannot write each FP8 scale once
-CAPABILITIES = Capabilities(distributed=True, quantized=False, label="sharded safetensors")
+CAPABILITIES = Capabilities(distributed=True, quantized=False, label="sharded safetensors",
+                            files=("*.safetensors",))
 
 
 def save(model, path, *, async_save: bool = False, **options):

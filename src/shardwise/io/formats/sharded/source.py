@@ -4,7 +4,8 @@
 global shape is the largest ``offset + size``, so its chunks are checked to tile it exactly (and
 to agree with ``shardwise.json`` when there is one) before any data is read. Detection reads
 headers, never file names. :class:`ShardedSource` reads at any degree, each rank only the chunk
-bytes its regions overlap (a tensor is a ``Composite`` of its chunks)."""
+bytes its regions overlap (a tensor is a ``Composite`` of its chunks), in the load's read mode
+(``io.read.modes``: dp replicas and an object store's job share the reads, as for safetensors)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from shardwise.errors import CheckpointError
 from shardwise.io.formats.safetensors.files import INDEX_SUFFIX, read_header
 from shardwise.io.formats.safetensors.keys import match_keys
 from shardwise.io.info import INFO_FILE, chunk_key, digest_range, read_info
+from shardwise.io.read.modes import read_items
 from shardwise.io.read.reader import (
     Assembly,
     ReadItem,
@@ -234,15 +236,9 @@ def local_extent(layout: Layout) -> tuple[int, ...]:
     return tuple(max(off[d] + r.sizes[d] for r, off in layout) for d in range(ndim))
 
 
-def read_local(reader: RegionReader, requests: Mapping[str, tuple[ShardedTensor, Layout]], *,
-               finalize: Finalize) -> dict[str, torch.Tensor]:
-    """``{key: finalize(key, local tensor)}`` for ``requests`` (``{key: (tensor, layout)}``),
-    read by ``reader`` (over the checkpoint's headers). ``finalize`` runs on the reader's
-    threads, once per key, as each tensor completes.
-
-    >>> with RegionReader(ckpt.headers, num_threads=4) as reader:                   # doctest: +SKIP
-    ...     local = read_local(reader, {"w": (ckpt.tensors["w"], layout)}, finalize=lambda k, t: t)["w"]
-    """
+def local_assembly(requests: Mapping[str, tuple[ShardedTensor, Layout]]) -> Assembly:
+    """The chunk reads giving each local tensor of ``requests`` (``{key: (tensor, layout)}``),
+    and how they are put together; only the chunk bytes a region overlaps are read. Pure."""
     assembly = Assembly()
     for key, (tensor, layout) in requests.items():
         shape = local_extent(layout) if layout else ()
@@ -250,20 +246,40 @@ def read_local(reader: RegionReader, requests: Mapping[str, tuple[ShardedTensor,
         if len(reads) == 1 and reads[0][0].local_shape == shape:
             reads = [(reads[0][0], None)]  # one chunk holds it all: no copy
         assembly.add(key, shape, tensor.torch_dtype, reads)
+    return assembly
+
+
+def read_assembled(assembly: Assembly, *, finalize: Finalize,
+                   read: Callable[[list[ReadItem], Callable], Mapping]) -> dict[str, torch.Tensor]:
+    """``{key: finalize(key, local tensor)}`` for every tensor of ``assembly``, its items read by
+    ``read(items, take)``; ``finalize`` runs once per key, as each tensor completes (on the
+    reader's threads)."""
     results = {key: finalize(key, t) for key, t in assembly.empty.items()}
 
-    def done(item: ReadItem, raw: torch.Tensor) -> None:
+    def take(item: ReadItem, raw: torch.Tensor) -> None:
         got = assembly.take(item, raw)
         if got is not None:
             results[got[0]] = finalize(*got)
 
-    reader.read(assembly.items, finalize=done)
+    read(assembly.items, take)
     return results
+
+
+def read_local(reader: RegionReader, requests: Mapping[str, tuple[ShardedTensor, Layout]], *,
+               finalize: Finalize) -> dict[str, torch.Tensor]:
+    """``{key: finalize(key, local tensor)}`` for ``requests`` (``{key: (tensor, layout)}``),
+    read by ``reader`` (over the checkpoint's headers), one process alone.
+
+    >>> with RegionReader(ckpt.headers, num_threads=4) as reader:                   # doctest: +SKIP
+    ...     local = read_local(reader, {"w": (ckpt.tensors["w"], layout)}, finalize=lambda k, t: t)["w"]
+    """
+    return read_assembled(local_assembly(requests), finalize=finalize,
+                          read=lambda items, take: reader.read(items, finalize=take))
 
 
 class ShardedSource:
     """The ``Source`` of a sharded safetensors checkpoint: chunk map validated on opening, keys
-    and shapes matched before any read; no collective."""
+    and shapes matched before any read; collective only in the load's shared read modes."""
 
     name = "sharded"
 
@@ -292,15 +308,23 @@ class ShardedSource:
             t = self._sources[w.name][1]
             requests[key] = (t, local_layout(t.shape, w.spec, w.degree, w.rank))
         total = sum(sum(r.numel for r, _ in layout) * t.itemsize for t, layout in requests.values())
-        return Reads(wants, total, requests)
+        assembly = local_assembly(requests)
+        replicated = {k for k, w in wants.items() if w.spec.replicated}  # every rank reads them whole
+        whole = {name for name, (key, _) in assembly.parts.items() if key in replicated}
+        return Reads(wants, total, (assembly, whole))
 
     def read(self, reads: Reads, *, finalize: Finalize, options: ReadOptions,
              on_bytes: Callable[[int], None] | None = None) -> dict:
-        with RegionReader(self.ckpt.headers, num_threads=options.num_threads, on_bytes=on_bytes) as reader:
-            try:
-                return read_local(reader, reads.detail, finalize=finalize)
-            finally:
-                self.bytes_read += reader.bytes_read
+        assembly, whole = reads.detail
+
+        def read(items: list[ReadItem], take: Callable) -> Mapping:
+            # in the load's mode (io.read.modes): own regions, shared by replicas, or once per job
+            out, nbytes = read_items(self.ckpt.headers, items, finalize=take, options=options, whole=whole,
+                                     on_bytes=on_bytes)
+            self.bytes_read += nbytes
+            return out
+
+        return read_assembled(assembly, finalize=finalize, read=read)
 
     # --- the offline tools: consolidate, verify, diff, inspect ---
 
@@ -333,6 +357,6 @@ class ShardedSource:
 
 __all__ = [
     "Chunk", "OFFSETS_KEY", "SHARDING_INFO_KEY", "ShardedCheckpoint", "ShardedSource",
-    "ShardedTensor", "VERSION", "VERSION_KEY", "chunk_map", "file_offsets",
-    "is_sharded_safetensors", "local_extent", "read_local", "read_sharded", "sharding_metadata",
+    "ShardedTensor", "VERSION", "VERSION_KEY", "chunk_map", "file_offsets", "is_sharded_safetensors",
+    "local_assembly", "local_extent", "read_assembled", "read_local", "read_sharded", "sharding_metadata",
 ]

@@ -117,10 +117,11 @@ def plan_rank_files(held: Sequence[Sequence[Held]]) -> WritePlan:
 
 
 def save_sharded_safetensors(model: nn.Module, path: Location, *, backend: Backend | None,
-                             overwrite: bool = False, metadata: Mapping[str, str] | None = None,
-                             progress: bool | None = None) -> None:
+                             overwrite: bool = False, replaceable: Sequence[str] = (),
+                             metadata: Mapping[str, str] | None = None, progress: bool | None = None) -> None:
     """Write ``model`` at ``path`` as a sharded safetensors checkpoint; every rank calls it and
-    writes its own chunks. ``metadata`` goes into ``shardwise.json``. Complete or absent;
+    writes its own chunks. ``metadata`` goes into ``shardwise.json``; ``replaceable``: what
+    ``overwrite`` may replace (``io.formats.checkpoint_files``). Complete or absent;
     ``path`` must be on a filesystem every rank sees.
 
     >>> sw.save(model, "out/hf_dcp", distributed=True, format="sharded")   # doctest: +SKIP"""
@@ -129,7 +130,7 @@ def save_sharded_safetensors(model: nn.Module, path: Location, *, backend: Backe
     if state is not None and state.holding is Holding.SPMD:
         raise CheckpointError("a sharded safetensors save needs one process per device; under "
                               "holding 'spmd' save with format='dcp' (the default)")
-    saving = Saving(path, overwrite=overwrite, backend=backend,
+    saving = Saving(path, overwrite=overwrite, backend=backend, replaceable=replaceable,
                     what="sw.save(distributed=True, format='sharded') to {target}",
                     every_rank_writes=True)
     with saving:

@@ -1,19 +1,24 @@
-"""Reading an object store's objects: :class:`ObjectFile` (one object opened at the length and
-ETag its HEAD gave; ranged GETs, coalesced by :func:`coalesce`, ``concurrency`` in flight, each
-body landed as it arrives). The client, its retries and its configuration are
-``objects.ObjectStorage``'s; writing is ``objects_write``'s.
+"""What every remote client shares, whatever talks to the store (obstore for ``s3://`` and
+``gs://`` in ``objects``, fsspec for the other URLs in ``fsspec``): requests retried with bounded
+backoff (:func:`retried`), and reads of one object (:class:`RemoteFile`: opened at the length
+and version its HEAD gave; ranged requests coalesced by :func:`coalesce`, ``concurrency`` in
+flight, each body landed as it arrives). A client serves the one request a read needs,
+``get_range``; the save transaction's journal is ``publish``'s. This module imports no client.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
+import random
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
 
-from shardwise.errors import CheckpointError
+from shardwise.errors import CheckpointError, UsageError
+from shardwise.io.storage.faults import in_words
 
-if TYPE_CHECKING:
-    from shardwise.io.storage.objects import ObjectStorage
-
+PART_SIZE = 8 << 20     # bytes per ranged GET (and per multipart part)
+CONCURRENCY = 16        # requests in flight per storage
+RETRIES = 6             # attempts of one request beyond the client's own retries
 WASTE = 1 / 20          # a coalesced request reads at most this much more than asked
 CHUNK = 1 << 20         # a body is landed in chunks of at least this many bytes as it arrives
 
@@ -22,37 +27,59 @@ class ShortBody(Exception):
     """A body shorter or longer than the range asked for: retried, never used."""
 
 
-class ObjectFile:
-    """One object opened for reading at the length and ETag its HEAD gave."""
+def retried(request, what: str, *, retries: int, scrub, is_final, fatal: tuple = (),
+            name_final: bool = False):
+    """``request()``, retried with jittered backoff (``retries`` more times) on every fault but
+    ``fatal`` and shardwise's errors (raised as they are) and those ``is_final`` (one
+    ``CheckpointError`` naming ``what``, and the fault's type where ``name_final``); then one
+    ``CheckpointError`` naming ``what`` and the last fault, ``scrub``bed."""
+    last: object = None
+    for attempt in range(retries + 1):
+        try:
+            return request()
+        except fatal:
+            raise
+        except (CheckpointError, UsageError):
+            raise
+        except ShortBody as e:
+            last = e
+        except Exception as e:  # a reset, a timeout, a 5xx, ... or an answer that waiting does not change
+            if is_final(e):
+                raise in_words(e, what + (f": {type(e).__name__}" if name_final else ""), scrub) from None
+            last = e
+        if attempt < retries:
+            time.sleep(min(2.0, 0.05 * 2 ** attempt) * (0.5 + random.random()))
+    raise in_words(last, f"{what}: failed {retries + 1} times, the last", scrub) from None
 
-    def __init__(self, storage: ObjectStorage, bucket: str, key: str, size: int, etag: str | None):
+
+class Client(Protocol):
+    """What :class:`RemoteFile` asks of its client: ``part_size``, a ``pool`` of ``concurrency``
+    threads, ``url`` and ``get_range``."""
+
+    part_size: int
+    pool: Any
+
+    def url(self, bucket: str, key: str) -> str: ...
+
+    def get_range(self, file: RemoteFile, start: int, end: int,
+                  land: Callable[[int, memoryview], None]) -> None:
+        """Hand bytes ``[start, end)`` of the opened ``file`` (of its version, ``file.etag``,
+        where the store has versions) to ``land(offset in the range, chunk)`` as they arrive;
+        retried whole (every byte landed again); a replaced object or a body of the wrong
+        length is an error."""
+
+
+class RemoteFile:
+    """One object opened for reading at the length and version (ETag) its HEAD gave, through
+    its ``storage`` (a :class:`Client`)."""
+
+    def __init__(self, storage: Client, bucket: str, key: str, size: int, etag: str | None):
         self.storage, self.bucket, self.key = storage, bucket, key
         self.name = storage.url(bucket, key)
-        self._size, self._etag = int(size), etag
+        self._size, self.etag = int(size), etag
 
     def size(self) -> int:
         return self._size  # an object does not change length in place; a GET sees a replacement
-
-    def fetch(self, start: int, end: int, land) -> None:
-        """Hand the bytes ``[start, end)`` of the object, of the opened version, to ``land(offset
-        in the range, chunk)`` as they arrive: no whole body is held (16 in flight x 8 MiB would
-        be 128 MiB). A failed attempt is retried from the start, landing every byte again."""
-        import obstore
-
-        def request():
-            result = obstore.get(self.storage.store(self.bucket), self.key, options={"range": (start, end)})
-            etag = result.meta.get("e_tag")
-            if self._etag and etag and etag.strip('"') != self._etag.strip('"'):
-                raise CheckpointError(f"{self.name}: the object was replaced while being read (ETag "
-                                      f"{self._etag} when opened, {etag} now); load it again")
-            got = 0
-            for chunk in result.stream(min_chunk_size=CHUNK):
-                land(got, memoryview(chunk))
-                got += len(chunk)
-            if got != end - start:
-                raise ShortBody(f"{got} bytes in the body of a {end - start}-byte range")
-
-        self.storage.call(request, f"GET {self.name} bytes [{start}, {end})")
 
     def _check(self, start: int, end: int) -> None:
         if start < 0 or end > self._size:
@@ -115,7 +142,7 @@ class ObjectFile:
                 if lo < hi:
                     runs[i][1][at + lo - inner:at + hi - inner] = chunk[lo - offset:hi - offset]
 
-        self.fetch(start, end, land)
+        self.storage.get_range(self, start, end, land)
         for i, _, _, n in placed:
             done(i, n)
 
@@ -159,4 +186,5 @@ def coalesce(runs: Sequence[tuple[int, int]], part_size: int, *,
         yield start, end, parts
 
 
-__all__ = ["CHUNK", "ObjectFile", "ShortBody", "coalesce"]
+__all__ = ["CHUNK", "CONCURRENCY", "PART_SIZE", "RETRIES", "Client", "RemoteFile", "ShortBody", "coalesce",
+           "retried"]
