@@ -19,6 +19,9 @@ from harness import run_ranks  # noqa: E402
 QKV = "model.layers.*.self_attn.qkv_proj"
 GATE_UP = "model.layers.*.mlp.gate_up_proj"
 EXPERTS = "model.layers.*.mlp.experts"
+K, V = "model.layers.*.self_attn.k_proj", "model.layers.*.self_attn.v_proj"
+SINGLE = "single_transformer_blocks.*.attn."
+O_PROJ, GATHER = "model.layers.*.self_attn.o_proj", "colwise_gather_output"
 
 
 def _phi3():
@@ -38,13 +41,39 @@ def _build(kind: str):
 # (kind, plan changes over the model's own plan or None for "auto", ep_plan, first divergence,
 # likely cause, text of the hint or refusal); at tp=2, or ep=2 where an ep_plan is given
 PHI3_SPLIT_MLP = {GATE_UP: sw.PackedColwise([1, 1]), "model.layers.*.mlp.down_proj": "rowwise"}
+# the last two swap colwise and rowwise where both forms return whole outputs: still right
 CORRECT = [("llama", None, None), ("flux2", None, None), ("phi3", None, None), ("phi3", PHI3_SPLIT_MLP, None),
-           ("qwen3_moe", None, None), ("qwen3_moe", None, "auto")]
+           ("qwen3_moe", None, None), ("qwen3_moe", None, "auto"),
+           ("phi3", {QKV: "rowwise_split_input", O_PROJ: GATHER}, None),
+           ("flux2", {SINGLE + "to_qkv_mlp_proj": "rowwise_split_input", SINGLE + "to_out": GATHER}, None)]
+SWAPPED = "colwise and rowwise swapped?"
 FAULTS = {
     "llama: mlp colwise and rowwise swapped": (
         "llama", {"model.layers.*.mlp.gate_proj": "rowwise", "model.layers.*.mlp.up_proj": "rowwise",
                   "model.layers.*.mlp.down_proj": "colwise"}, None,
         "model.layers.0.mlp.gate_proj", "model.layers.0.mlp.gate_proj", "colwise and rowwise swapped?"),
+    # colwise/rowwise swaps. One that runs and is wrong: k and v rowwise (the form that slices a
+    # whole input) beside a colwise q. At tp=2 a rank's q heads (4 / 2) are as many as all kv
+    # heads (2), so sdpa's GQA pairs them one to one: q heads 0, 1 meet kv heads 0, 1, not 0, 0
+    "llama: k/v rowwise beside colwise q (runs, wrong)": (
+        "llama", {K: "rowwise_split_input", V: "rowwise_split_input"}, None,
+        "model.layers.0.self_attn", "model.layers.0.self_attn.k_proj", SWAPPED),
+    "qwen3_moe: k/v rowwise beside colwise q (runs, wrong)": (
+        "qwen3_moe", {K: "rowwise_split_input", V: "rowwise_split_input"}, None,
+        "model.layers.0.self_attn", "model.layers.0.self_attn.k_proj", SWAPPED),
+    # the swaps that cannot run: plain rowwise takes a shard of the input features
+    "qwen3_moe: k/v rowwise on their whole input": (
+        "qwen3_moe", {K: "rowwise", V: "rowwise"}, None,
+        "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.k_proj", SWAPPED),
+    "phi3: fused qkv rowwise, o colwise": (
+        "phi3", {QKV: "rowwise", "model.layers.*.self_attn.o_proj": "colwise"}, None,
+        "model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.qkv_proj", SWAPPED),
+    "flux2: to_k rowwise": (
+        "flux2", {"transformer_blocks.*.attn.to_k": "rowwise"}, None,
+        "transformer_blocks.0.attn.to_k", "transformer_blocks.0.attn.to_k", SWAPPED),
+    "flux2: single-stream projections swapped": (
+        "flux2", {SINGLE + "to_qkv_mlp_proj": "rowwise_split_input", SINGLE + "to_out": "colwise"}, None,
+        "single_transformer_blocks.0", "single_transformer_blocks.0.attn.to_out", "returns a shard"),
     "flux2: plain colwise on the packed gate|up": (
         "flux2", {"transformer_blocks.*.ff.linear_in": "colwise"}, None,
         "transformer_blocks.0.ff.act_fn", "transformer_blocks.0.ff.linear_in", "PackedColwise([1, 1])?"),
