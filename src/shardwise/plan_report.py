@@ -199,13 +199,18 @@ def failure_hint(failing: str, rows: list[Row], styles: dict, split_params: dict
         inside = [r for r in rows if r.path in styles and (r.path.startswith(scope + ".") or not scope)]
     split_out = [r for r in inside if r.layout != "whole"]
     whole_out = [r for r in inside if r.layout == "whole"]
-    # siblings that disagree on the layout: the odd one out is the likely mistake
+    # siblings that disagree on the layout: among the failing code's own parts, one that slices a
+    # whole input and returns a whole output beside shards (a swap), else the odd one out
+    own_split = any(r.path.rpartition(".")[0] == failing for r in split_out)
+    mixed = [r for r in whole_out if own_split and styles[r.path].startswith("rowwise_split")
+             and r.path.rpartition(".")[0] == failing]
     odd = whole_out if split_out and 0 < len(whole_out) < len(split_out) else split_out
-    pick = odd[-1] if odd else inside[-1] if inside else None
+    pick = mixed[0] if mixed else odd[-1] if odd else inside[-1] if inside else None
     if pick is None:
         return f"no planned module ran inside {failing or 'the model'!r} before it failed", None, failing
     what = (f"returns a shard ({pick.layout})" if pick in split_out
-            else "returns a whole tensor (its siblings shards)")
+            else "returns a whole tensor (its siblings shards" + (
+                ": colwise and rowwise swapped?)" if mixed else ")"))
     return (f"{pick.path!r}, planned {styles[pick.path]}, {what} that the code of {failing or 'the model'!r} "
             "cannot use as it is: a style that does not fit how the module's output is used?", pick.path,
             failing)

@@ -1,7 +1,7 @@
 """sw.check_plan on real transformers and diffusers models (Llama, Flux2, Phi-3's fused qkv and
-gate|up, Qwen3-MoE under ep), tiny, on spawned gloo ranks: their correct plans raise no alarm,
-and each injected fault is localized to its module (or to the first module downstream whose
-inputs agree, naming the injected one as the likely cause)."""
+gate|up, Qwen3-MoE under ep), tiny, on spawned gloo ranks at tp 2, 4 and 8: their correct plans
+raise no alarm, and each injected fault is localized to its module (or to the first module
+downstream whose inputs agree, naming the injected one as the likely cause)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("diffusers")
 
 import torch  # noqa: E402
-from hf_models import build_tiny, inputs  # noqa: E402
+from hf_models import KINDS, build_tiny, inputs, model_class  # noqa: E402
 
 import shardwise as sw  # noqa: E402
 from harness import run_ranks  # noqa: E402
@@ -24,18 +24,39 @@ SINGLE = "single_transformer_blocks.*.attn."
 O_PROJ, GATHER = "model.layers.*.self_attn.o_proj", "colwise_gather_output"
 
 
-def _phi3():
+def _phi3(heads: int = 4, kv_heads: int = 2):
     from transformers import Phi3Config, Phi3ForCausalLM
 
     torch.manual_seed(0)
     config = Phi3Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=64,
                         pad_token_id=0, bos_token_id=1, eos_token_id=1)
     return Phi3ForCausalLM._from_config(config).eval()
 
 
-def _build(kind: str):
-    return (_phi3(), inputs("llama")) if kind == "phi3" else (build_tiny(kind), inputs(kind))
+def _build(kind: str, degree: int = 2):
+    """The tiny model of ``kind`` and its inputs; above tp=2, with 2 * degree query and degree kv
+    heads (Flux2: degree heads) so that every planned split divides."""
+    if degree == 2:
+        return (_phi3(), inputs("llama")) if kind == "phi3" else (build_tiny(kind), inputs(kind))
+    if kind == "phi3":
+        return _phi3(2 * degree, degree), inputs("llama")
+    library, _, factory = KINDS[kind]
+    config = factory()
+    if library == "diffusers":
+        dim = 64 // degree
+        config.update(num_attention_heads=degree, attention_head_dim=dim, axes_dims_rope=(dim // 4,) * 4)
+        model = model_class(kind).from_config(config)
+    else:
+        config.num_attention_heads, config.num_key_value_heads = 2 * degree, degree
+        if kind == "llama":
+            config.head_dim = 64 // (2 * degree)
+        model = model_class(kind)._from_config(config)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():  # random norms and biases too, as build_tiny's
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    return model.eval(), inputs(kind)
 
 
 # (kind, plan changes over the model's own plan or None for "auto", ep_plan, first divergence,
@@ -97,13 +118,15 @@ FAULTS = {
 }
 
 
-def _check(kind: str, change, ep_plan):
+def _check(kind: str, change, ep_plan, degree: int = 2):
     from shardwise.core.plan import plan_from_model
 
     backend = sw.init_backend("gloo")
-    model, kwargs = _build(kind)
+    model, kwargs = _build(kind, degree)
     plan = "auto" if change is None else {**plan_from_model(model), **change}
-    mesh = backend.mesh(ep=2) if ep_plan is not None else backend.mesh(tp=2)
+    # ep: 2 ranks of experts (4 of them), each an ep rank's tp group of degree / 2
+    mesh = backend.mesh(tp=degree) if ep_plan is None else backend.mesh(ep=2) if degree == 2 else \
+        backend.mesh(ep=2, tp=degree // 2)
     if ep_plan is not None:
         plan = "auto"
     report = sw.check_plan(model, (), kwargs=kwargs, plan=plan, mesh=mesh,
@@ -111,8 +134,8 @@ def _check(kind: str, change, ep_plan):
     return report.ok, report.first_divergence, report.likely_cause, report.hint + report.refusal, str(report)
 
 
-def _many(cases: list[tuple]):
-    return [_check(*case) for case in cases]
+def _many(cases: list[tuple], degree: int = 2):
+    return [_check(*case, degree) for case in cases]
 
 
 def test_no_false_alarm_on_correct_plans():
@@ -137,3 +160,29 @@ def test_each_fault_is_localized(name, fault_reports):
     assert (got_first, got_cause) == (first, cause), printed
     assert text in hint, printed
     assert fault_reports[0][name] == fault_reports[1][name]
+
+
+# above tp=2 a rank's q heads (2) are fewer than the kv heads (degree): sdpa raises in the
+# attention, and the report names k_proj, whole among shards
+AT_HIGHER = {name: ("model.layers.0.self_attn", "model.layers.0.self_attn.k_proj", "returns a whole tensor")
+             for name in FAULTS if "runs, wrong" in name}
+
+
+def _everything(degree: int):
+    return _many(CORRECT, degree), _many([case[:3] for case in FAULTS.values()], degree)
+
+
+@pytest.mark.parametrize("degree", [4, pytest.param(8, marks=pytest.mark.slow)])
+def test_at_tp_4_and_8(degree):
+    """The correct plans raise no alarm and the faults are localized at tp 4 and 8 too (ep=2 x
+    tp=degree/2 for the ep cases), in one spawn: 8 ranks on a small machine, hence slow."""
+    ranks = run_ranks(_everything, degree, degree, timeout=600)
+    correct, faults = ranks[0]
+    for case, (ok, first, _, _, printed) in zip(CORRECT, correct, strict=True):
+        assert (ok, first) == (True, None), (case, printed)
+    for name, (ok, got_first, got_cause, hint, printed) in zip(FAULTS, faults, strict=True):
+        first, cause, text = AT_HIGHER.get(name, FAULTS[name][3:])
+        assert not ok, printed
+        assert (got_first, got_cause) == (first, cause), printed
+        assert text in hint, printed
+    assert all(r == ranks[0] for r in ranks)
