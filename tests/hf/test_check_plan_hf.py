@@ -186,3 +186,49 @@ def test_at_tp_4_and_8(degree):
         assert (got_first, got_cause) == (first, cause), printed
         assert text in hint, printed
     assert all(r == ranks[0] for r in ranks)
+
+
+FLUX2_CONFIG = {"_class_name": "Flux2Transformer2DModel", "patch_size": 1, "in_channels": 8, "num_layers": 1,
+                "num_single_layers": 1, "attention_head_dim": 16, "num_attention_heads": 4,
+                "joint_attention_dim": 32, "timestep_guidance_channels": 32, "mlp_ratio": 3.0,
+                "axes_dims_rope": [4, 4, 4, 4]}
+
+
+WRONG_FF = {"transformer_blocks.*.ff.linear_in": "colwise", "transformer_blocks.*.ff.linear_out": "rowwise"}
+
+
+@pytest.mark.parametrize(("plan", "code"), [(None, 0), (WRONG_FF, 1)])
+def test_the_command_line_builds_a_diffusers_class(tmp_path, capsys, plan, code):
+    import json
+
+    from shardwise.cli import main
+    from shardwise.plan_cli import build
+
+    (tmp_path / "config.json").write_text(json.dumps(FLUX2_CONFIG))
+    args = ["check-plan", "diffusers:Flux2Transformer2DModel", "--config", str(tmp_path / "config.json")]
+    if plan is not None:
+        (tmp_path / "plan.json").write_text(json.dumps(plan))
+        args += ["--plan", str(tmp_path / "plan.json")]
+    assert main([*args, "--tp", "2"]) == code
+    out = capsys.readouterr().out
+    assert ("OK, every module agrees" in out) == (code == 0), out
+    localized = "FAIL at 'transformer_blocks.0.ff.act_fn'" in out and "PackedColwise([1, 1])?" in out
+    assert localized == (code == 1), out
+    # seeded: the same weights and inputs for the same seed, others for another
+    (a, _, ka), (b, _, kb), (c, _, _) = (build("diffusers:Flux2Transformer2DModel", str(tmp_path), seed)
+                                         for seed in (0, 0, 1))
+    assert all(x.equal(y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
+    assert all(ka[k].equal(kb[k]) for k in ka) and set(ka) >= {"img_ids", "txt_ids", "guidance"}
+    assert not all(x.equal(y) for x, y in zip(a.state_dict().values(), c.state_dict().values(), strict=True))
+
+
+def test_the_command_line_names_a_diffusers_class_it_has_no_inputs_for(tmp_path):
+    from diffusers import UNet2DModel
+
+    from shardwise.plan_cli import build
+
+    UNet2DModel(sample_size=8, block_out_channels=(8, 8), norm_num_groups=4, layers_per_block=1,
+                down_block_types=("DownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "UpBlock2D")
+                ).save_config(tmp_path)
+    with pytest.raises(SystemExit, match="no inputs known for UNet2DModel.*module:function"):
+        build("diffusers:UNet2DModel", str(tmp_path), 0)
