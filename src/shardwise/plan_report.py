@@ -179,6 +179,12 @@ def failure_hint(failing: str, rows: list[Row], styles: dict, split_params: dict
                     + (f", as its sibling(s) {siblings} do" if fed else "")
                     + ": colwise and rowwise swapped? (or rowwise_split_input to slice the whole input)",
                     failing, failing)
+        mixed = _whole_among_shards(rows, styles, parent)
+        if fed and mixed:  # the parent's code combined a whole output with shards, then failed here
+            split = ", ".join(p.rpartition(".")[2] for p in fed)
+            return (f"{mixed[0].path!r}, planned {styles[mixed[0].path]}, returns a whole tensor while its "
+                    f"sibling(s) {split} return shards, and the code of {parent!r} combined them before "
+                    f"{failing!r} failed: colwise and rowwise swapped?", mixed[0].path, parent)
         if fed:  # split siblings ran first: the parent's code between them and this one broke
             return (f"{failing!r} ({styles[failing]}) got an input it cannot take after its split sibling(s) "
                     f"{', '.join(p.rpartition('.')[2] for p in fed)} ran: the code of {parent!r} between "
@@ -201,9 +207,7 @@ def failure_hint(failing: str, rows: list[Row], styles: dict, split_params: dict
     whole_out = [r for r in inside if r.layout == "whole"]
     # siblings that disagree on the layout: among the failing code's own parts, one that slices a
     # whole input and returns a whole output beside shards (a swap), else the odd one out
-    own_split = any(r.path.rpartition(".")[0] == failing for r in split_out)
-    mixed = [r for r in whole_out if own_split and styles[r.path].startswith("rowwise_split")
-             and r.path.rpartition(".")[0] == failing]
+    mixed = _whole_among_shards(rows, styles, failing)
     odd = whole_out if split_out and 0 < len(whole_out) < len(split_out) else split_out
     pick = mixed[0] if mixed else odd[-1] if odd else inside[-1] if inside else None
     if pick is None:
@@ -214,6 +218,15 @@ def failure_hint(failing: str, rows: list[Row], styles: dict, split_params: dict
     return (f"{pick.path!r}, planned {styles[pick.path]}, {what} that the code of {failing or 'the model'!r} "
             "cannot use as it is: a style that does not fit how the module's output is used?", pick.path,
             failing)
+
+
+def _whole_among_shards(rows: list[Row], styles: dict, parent: str) -> list[Row]:
+    """The children of ``parent`` planned to slice a whole input and return a whole output
+    (``rowwise_split_input``) when other children return shards: colwise and rowwise swapped."""
+    own = [r for r in rows if r.path in styles and r.path.rpartition(".")[0] == parent]
+    if not any(r.layout != "whole" for r in own):
+        return []
+    return [r for r in own if r.layout == "whole" and styles[r.path].startswith("rowwise_split")]
 
 
 def _packed_guess(model: nn.Module, owner: str, producer: str, consumer: str | None,
