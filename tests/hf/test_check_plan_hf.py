@@ -232,3 +232,14 @@ def test_the_command_line_names_a_diffusers_class_it_has_no_inputs_for(tmp_path)
                 ).save_config(tmp_path)
     with pytest.raises(SystemExit, match="no inputs known for UNet2DModel.*module:function"):
         build("diffusers:UNet2DModel", str(tmp_path), 0)
+
+
+@pytest.mark.parametrize("axes", [["--ep", "2", "--tp", "1"], ["--ep", "2", "--tp", "2"]])
+def test_the_command_line_checks_a_transformers_class_on_an_ep_mesh(tmp_path, capsys, axes):
+    from shardwise.cli import main
+
+    KINDS["qwen3_moe"][2]().save_pretrained(tmp_path)  # config.json only: seeded random weights
+    assert main(["check-plan", "transformers:Qwen3MoeForCausalLM", "--config", str(tmp_path), *axes]) == 0
+    out = capsys.readouterr().out
+    mesh = "{'ep': 2, 'tp': " + axes[-1] + "}"
+    assert f"check_plan (mesh {mesh}, rtol 0.0001): OK, every module agrees" in out, out
