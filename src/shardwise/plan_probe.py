@@ -159,7 +159,9 @@ def _record(model: nn.Module, inputs: tuple, kwargs: dict):
     finally:
         for h in handles:
             h.remove()
-    return rec.calls, error, rec.open[-1] if rec.open else "", _flat(rec.args[-1]) if rec.args else []
+    # the failing call's inputs as this rank holds them: no collective where ranks may have failed apart
+    failing_in = _flat(rec.args[-1], gather=False) if rec.args else []
+    return rec.calls, error, rec.open[-1] if rec.open else "", failing_in
 
 
 def _counts(calls: dict) -> dict[str, int]:
@@ -169,16 +171,16 @@ def _counts(calls: dict) -> dict[str, int]:
     return out
 
 
-def _flat(value) -> list[torch.Tensor]:
+def _flat(value, *, gather: bool = True) -> list[torch.Tensor]:
     """The tensors in ``value`` (nested tuples, lists, dicts, model outputs), detached copies;
-    a DTensor as its full tensor."""
+    a DTensor as its full tensor (``gather``) or this rank's local one."""
     if isinstance(value, torch.Tensor):
-        t = value.full_tensor() if is_dtensor(value) else value
+        t = (value.full_tensor() if gather else value.to_local()) if is_dtensor(value) else value
         return [t.detach().clone()]
     if isinstance(value, Mapping):
         value = list(value.values())
     if isinstance(value, list | tuple):
-        return [t for v in value for t in _flat(v)]
+        return [t for v in value for t in _flat(v, gather=gather)]
     return []
 
 
