@@ -48,7 +48,7 @@ def check_plan(model: nn.Module, inputs: tuple = (), *, plan="auto", mesh, kwarg
     was_training = model.training
     sharded = copy.deepcopy(model).eval()
     try:
-        reference, failed, _ = _record(model.eval(), inputs, kwargs)
+        reference, failed, _, _ = _record(model.eval(), inputs, kwargs)
     finally:
         model.train(was_training)
     if failed is not None:
@@ -68,7 +68,7 @@ def check_plan(model: nn.Module, inputs: tuple = (), *, plan="auto", mesh, kwarg
     assert state is not None  # parallelize leaves it
     styles = {p: s.source or s.kind for p, s in state.specs.styles.items()}
     blocks = {p: s.blocks for p, s in state.specs.styles.items()}
-    recorded, error, failing = _record(sharded, inputs, kwargs)
+    recorded, error, failing, failing_in = _record(sharded, inputs, kwargs)
     # calls that pair with no one-process call: inside modules that run a rank's own experts,
     # or modules called another number of times
     apart = tuple(p + "." for p, s in state.specs.styles.items()
@@ -79,7 +79,13 @@ def check_plan(model: nn.Module, inputs: tuple = (), *, plan="auto", mesh, kwarg
             else _compare(path, call, seen, reference.get((path, call)), state)
             for (path, call), seen in recorded.items()]
     # one collective, whatever each rank's forward did: a rank that raised still reports
-    rows, raised = _over_ranks(rows, None if error is None else (failing, f"{type(error).__name__}: {error}"))
+    # a failing module whose inputs are the one-process ones, whole: its own style does not fit them
+    if error is not None:
+        want = reference.get((failing, counts[1].get(failing, 0)), ((), ()))[0]
+        whole_in = len(want) == len(failing_in) > 0 and all(
+            a.shape == b.shape and _diff(a, b)[1] <= rtol for a, b in zip(failing_in, want, strict=True))
+    rows, raised = _over_ranks(rows, None if error is None
+                               else (failing, f"{type(error).__name__}: {error}", whole_in))
     first = next((r for r in rows if r.input_rel <= rtol and (r.output_rel > rtol or r.note)), None)
     if raised is not None:
         failing = raised[0]
@@ -89,7 +95,7 @@ def check_plan(model: nn.Module, inputs: tuple = (), *, plan="auto", mesh, kwarg
         else:
             split_params = {n: f"plan key {state.specs.keys.get(n, '?')!r}" for n, spec in state.specs.items()
                             if not spec.replicated}
-            hint, cause, failing = failure_hint(failing, rows, styles, split_params)
+            hint, cause, failing = failure_hint(failing, rows, styles, split_params, whole_input=raised[2])
         return PlanReport(ok=False, first_divergence=first.path if first else failing, rows=tuple(rows),
                           hint=hint, likely_cause=cause, refusal=failed, rtol=rtol, mesh=describe)
     bad = [r for r in rows if r.output_rel > rtol or r.input_rel > rtol or r.note]
@@ -124,18 +130,20 @@ def _unsplittable(model: nn.Module, plan, degree: int) -> str | None:
 
 
 def _record(model: nn.Module, inputs: tuple, kwargs: dict):
-    """``(calls, error, failing module)``: every module call's flattened inputs and outputs, by
-    ``(path, call)`` in the order calls end, the forward's exception (None) and the innermost
-    module it was in."""
+    """``(calls, error, failing module, its inputs)``: every module call's flattened inputs and
+    outputs, by ``(path, call)`` in the order calls end, the forward's exception (None), the
+    innermost module it was in and that call's flattened inputs."""
     rec = Recorder()
     counts: dict[str, int] = {}
     handles = []
     for path, module in model.named_modules():
         def pre(mod, args, kw, path=path):
             rec.open.append(path)
+            rec.args.append((args, kw))  # kept as they are: flattened only for a failing call
 
         def post(mod, args, kw, out, path=path):
             rec.open.pop()
+            rec.args.pop()
             n = counts.get(path, 0)
             counts[path] = n + 1
             rec.calls[(path, n)] = (_flat((args, kw)), _flat(out))
@@ -151,7 +159,9 @@ def _record(model: nn.Module, inputs: tuple, kwargs: dict):
     finally:
         for h in handles:
             h.remove()
-    return rec.calls, error, rec.open[-1] if rec.open else ""
+    # the failing call's inputs as this rank holds them: no collective where ranks may have failed apart
+    failing_in = _flat(rec.args[-1], gather=False) if rec.args else []
+    return rec.calls, error, rec.open[-1] if rec.open else "", failing_in
 
 
 def _counts(calls: dict) -> dict[str, int]:
@@ -161,16 +171,16 @@ def _counts(calls: dict) -> dict[str, int]:
     return out
 
 
-def _flat(value) -> list[torch.Tensor]:
+def _flat(value, *, gather: bool = True) -> list[torch.Tensor]:
     """The tensors in ``value`` (nested tuples, lists, dicts, model outputs), detached copies;
-    a DTensor as its full tensor."""
+    a DTensor as its full tensor (``gather``) or this rank's local one."""
     if isinstance(value, torch.Tensor):
-        t = value.full_tensor() if is_dtensor(value) else value
+        t = (value.full_tensor() if gather else value.to_local()) if is_dtensor(value) else value
         return [t.detach().clone()]
     if isinstance(value, Mapping):
         value = list(value.values())
     if isinstance(value, list | tuple):
-        return [t for v in value for t in _flat(v)]
+        return [t for v in value for t in _flat(v, gather=gather)]
     return []
 
 
@@ -248,10 +258,10 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
     return err, err / max(scale, 1e-30) if err else 0.0
 
 
-def _over_ranks(rows: list[Row], raised: tuple[str, str] | None) -> tuple[list[Row], tuple[str, str] | None]:
+def _over_ranks(rows: list[Row], raised: tuple | None) -> tuple[list[Row], tuple | None]:
     """Each row's worst errors over every rank, in rank 0's order with rank 0's layout and style
-    (then those only other ranks ran), and the first rank's ``(module, error)`` where a sharded
-    forward raised: the same on every rank."""
+    (then those only other ranks ran), and the first rank's ``(module, error, whole input)``
+    where a sharded forward raised: the same on every rank."""
     every = comm.all_gather_object((rows, raised), purpose="check_plan's comparison")
     worst: dict = {}
     for rank_rows, _ in every:

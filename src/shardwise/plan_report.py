@@ -135,6 +135,13 @@ def hint_for(model: nn.Module, first: Row, rows: list[Row], styles: dict, blocks
     later = [r for r in rows[rows.index(first):] if r.path in styles and not _splits_output(styles[r.path])
              and (r.path.startswith(scope + ".") or not scope)]
     consumer = bad_input.path if bad_input else later[0].path if later else None
+    swapped = [r for r in before if styles[r.path].startswith("rowwise") and r.layout == "whole"]
+    if producers and swapped:  # a rowwise part beside colwise ones: whole where they return shards
+        r, split = swapped[0], [p.path.rpartition(".")[2] for p in producers]
+        return (f"inputs agree, output differs after {name!r}" + (f": {where}" if where else "")
+                + f". {r.path!r} is planned {styles[r.path]} and returns the whole output, while "
+                f"{', '.join(split)} return{'s' if len(split) == 1 else ''} shards that the code combines "
+                "with it: colwise and rowwise swapped?", r.path)
     for r in reversed(producers):
         proposal = _packed_guess(model, r.path.rpartition(".")[0], r.path, consumer, blocks.get(r.path))
         if proposal:
@@ -153,17 +160,31 @@ def _splits_output(style: str) -> bool:
         "rep" not in style
 
 
-def failure_hint(failing: str, rows: list[Row], styles: dict, split_params: dict[str, str]
-                 ) -> tuple[str, str | None, str]:
+def failure_hint(failing: str, rows: list[Row], styles: dict, split_params: dict[str, str], *,
+                 whole_input: bool = False) -> tuple[str, str | None, str]:
     """``(hint, likely cause, module to blame)`` when the sharded forward raised in ``failing``
-    before any output diverged. A planned module that failed after split siblings: its parent's
-    code between them; one that failed first: its own style. Else the planned module inside
+    before any output diverged. A rowwise module that failed on its whole one-process input
+    (``whole_input``): its own style. A planned module that failed after split siblings: its
+    parent's code between them; one that failed first: its own style. Else the planned module inside
     ``failing`` whose layout is the odd one out (a shard its consumer met whole, or whole among
     shards), else the last planned one that ran inside it."""
     if failing in styles:
         parent = failing.rpartition(".")[0]
         fed = [r.path for r in rows if r.path in styles and _splits_output(styles[r.path])
                and r.path.rpartition(".")[0] == parent]
+        if whole_input and styles[failing].startswith("rowwise") and "split" not in styles[failing]:
+            siblings = ", ".join(p.rpartition(".")[2] for p in fed)
+            return (f"{failing!r} is planned {styles[failing]}, which takes a shard of its input features, "
+                    "but it got the whole input (the one-process one)"
+                    + (f", as its sibling(s) {siblings} do" if fed else "")
+                    + ": colwise and rowwise swapped? (or rowwise_split_input to slice the whole input)",
+                    failing, failing)
+        mixed = _whole_among_shards(rows, styles, parent)
+        if fed and mixed:  # the parent's code combined a whole output with shards, then failed here
+            split = ", ".join(p.rpartition(".")[2] for p in fed)
+            return (f"{mixed[0].path!r}, planned {styles[mixed[0].path]}, returns a whole tensor while its "
+                    f"sibling(s) {split} return shards, and the code of {parent!r} combined them before "
+                    f"{failing!r} failed: colwise and rowwise swapped?", mixed[0].path, parent)
         if fed:  # split siblings ran first: the parent's code between them and this one broke
             return (f"{failing!r} ({styles[failing]}) got an input it cannot take after its split sibling(s) "
                     f"{', '.join(p.rpartition('.')[2] for p in fed)} ran: the code of {parent!r} between "
@@ -184,16 +205,28 @@ def failure_hint(failing: str, rows: list[Row], styles: dict, split_params: dict
         inside = [r for r in rows if r.path in styles and (r.path.startswith(scope + ".") or not scope)]
     split_out = [r for r in inside if r.layout != "whole"]
     whole_out = [r for r in inside if r.layout == "whole"]
-    # siblings that disagree on the layout: the odd one out is the likely mistake
+    # siblings that disagree on the layout: among the failing code's own parts, one that slices a
+    # whole input and returns a whole output beside shards (a swap), else the odd one out
+    mixed = _whole_among_shards(rows, styles, failing)
     odd = whole_out if split_out and 0 < len(whole_out) < len(split_out) else split_out
-    pick = odd[-1] if odd else inside[-1] if inside else None
+    pick = mixed[0] if mixed else odd[-1] if odd else inside[-1] if inside else None
     if pick is None:
         return f"no planned module ran inside {failing or 'the model'!r} before it failed", None, failing
     what = (f"returns a shard ({pick.layout})" if pick in split_out
-            else "returns a whole tensor (its siblings shards)")
+            else "returns a whole tensor (its siblings shards" + (
+                ": colwise and rowwise swapped?)" if mixed else ")"))
     return (f"{pick.path!r}, planned {styles[pick.path]}, {what} that the code of {failing or 'the model'!r} "
             "cannot use as it is: a style that does not fit how the module's output is used?", pick.path,
             failing)
+
+
+def _whole_among_shards(rows: list[Row], styles: dict, parent: str) -> list[Row]:
+    """The children of ``parent`` planned to slice a whole input and return a whole output
+    (``rowwise_split_input``) when other children return shards: colwise and rowwise swapped."""
+    own = [r for r in rows if r.path in styles and r.path.rpartition(".")[0] == parent]
+    if not any(r.layout != "whole" for r in own):
+        return []
+    return [r for r in own if r.layout == "whole" and styles[r.path].startswith("rowwise_split")]
 
 
 def _packed_guess(model: nn.Module, owner: str, producer: str, consumer: str | None,
@@ -241,6 +274,7 @@ class Recorder:
 
     calls: dict = field(default_factory=dict)
     open: list = field(default_factory=list)  # modules entered and not yet left (the failing one)
+    args: list = field(default_factory=list)  # their (args, kwargs)
 
 
 __all__ = ["PlanReport", "Recorder", "Row", "failure_hint", "hint_for", "module_in"]

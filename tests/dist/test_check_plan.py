@@ -3,10 +3,12 @@ and each injected fault localized to the module it was injected in (or the first
 downstream whose inputs agree, with the injected one named as the likely cause)."""
 
 import pytest
+import torch
 import torch.nn.functional as F
 
 import shardwise as sw
 from harness import run_ranks
+from shardwise.plan_probe import RTOL
 from models import Attention, make_model, tiny_plan, tokens
 
 
@@ -68,22 +70,29 @@ FAULTS = {  # name -> (model maker, plan change, first divergence, likely cause,
 }
 
 
-def _faults(degree: int, names: list[str]):
+def _faults(degree: int, names: list[str], dtype=torch.float32):
     backend = sw.init_backend("gloo")
     mesh = backend.mesh(tp=degree)
     out = {}
     for name in names:
         build, change, *_ = FAULTS[name]
-        report = sw.check_plan(build(), (tokens(),), plan={**tiny_plan(), **change}, mesh=mesh)
+        report = sw.check_plan(build().to(dtype), (tokens(),), plan={**tiny_plan(), **change}, mesh=mesh)
         out[name] = (report.ok, report.first_divergence, report.likely_cause, report.hint + report.refusal,
                      str(report))
     return out
 
 
-def test_each_fault_is_localized_to_its_module():
-    results = run_ranks(_faults, 2, 2, list(FAULTS), timeout=180)
-    assert results[0] == results[1]  # every rank gets the same report
+# at tp=4 with 4 heads, a whole q (4 heads) beside k and v shards (1 head) broadcasts in sdpa and
+# o_proj fails on the result: the parent is blamed and q named
+AT_TP4 = {"rowwise_split_input among colwise siblings": ("layers.0.attn", "layers.0.attn.q", "returns a whole")}
+
+
+@pytest.mark.parametrize(("degree", "dtype"), [(2, torch.float32), (4, torch.bfloat16)])
+def test_each_fault_is_localized_to_its_module(degree, dtype):
+    results = run_ranks(_faults, degree, degree, list(FAULTS), dtype, timeout=180)
+    assert all(r == results[0] for r in results)  # every rank gets the same report
     for name, (_, _, first, cause, text) in FAULTS.items():
+        first, cause, text = AT_TP4.get(name, (first, cause, text)) if degree == 4 else (first, cause, text)
         ok, got_first, got_cause, hint, printed = results[0][name]
         assert not ok, name
         assert (got_first, got_cause) == (first, cause), (name, hint)
@@ -91,20 +100,25 @@ def test_each_fault_is_localized_to_its_module():
         assert repr(first) in printed, name
 
 
-def _correct(degree: int, holding: str, heads: int):
+def _correct(degree: int, holding: str, heads: int, dtype):
     backend = sw.init_backend("gloo")
-    report = sw.check_plan(make_model(heads=heads), (tokens(),), plan=tiny_plan(),
+    report = sw.check_plan(make_model(heads=heads).to(dtype), (tokens(),), plan=tiny_plan(),
                            mesh=backend.mesh(tp=degree), holding=holding)
-    return report.ok, report.first_divergence, len(report.rows), str(report)
+    return report.ok, report.first_divergence, len(report.rows), report.rtol, str(report)
 
 
-@pytest.mark.parametrize(("degree", "holding", "heads"),
-                         [(2, "dtensor", 4), (2, "local", 4), (4, "dtensor", 4), (8, "local", 8)])
-def test_no_false_alarm_on_the_correct_plan(degree, holding, heads):
-    # a row per module call: every module but the three ModuleLists, which are never called
-    for ok, first, rows, printed in run_ranks(_correct, degree, degree, holding, heads, timeout=180):
+@pytest.mark.parametrize(("degree", "holding", "heads", "dtype"),
+                         [(2, "dtensor", 4, torch.float32), (2, "local", 4, torch.bfloat16),
+                          (4, "dtensor", 4, torch.float16), (4, "local", 4, torch.bfloat16),
+                          (8, "local", 8, torch.float32)])
+def test_no_false_alarm_on_the_correct_plan(degree, holding, heads, dtype):
+    # a row per module call: every module but the three ModuleLists, which are never called;
+    # the tolerance follows the dtype (the rowwise sums round differently at each degree)
+    for ok, first, rows, rtol, printed in run_ranks(_correct, degree, degree, holding, heads, dtype,
+                                                    timeout=180):
         assert (ok, first) == (True, None), printed
         assert rows == 29 and "OK, every module agrees" in printed
+        assert rtol == RTOL[dtype] and f"rtol {rtol:g}" in printed
 
 
 def _model_unchanged():
