@@ -122,9 +122,11 @@ def _classify(name: str, cls: type, folder: Path, degree: int, shard: Iterable[s
 
 
 def plan_components(cls: type, folder: Path, *, degree: int, given: Mapping[str, Any],
-                    shard: Iterable[str] | None, dtype) -> list[Component]:
+                    shard: Iterable[str] | None, dtype) -> tuple[list[Component], dict[str, Any]]:
     """What ``from_pretrained`` will do with each component of ``folder``, every check done: the
-    index, each component's folder and class, each sharded plan at ``degree``. Reads configs only."""
+    index, each component's folder and class, each sharded plan at ``degree``; and the pipeline's
+    own settings the index holds (Wan's ``boundary_ratio``: the init's arguments that are not
+    components, as diffusers passes them). Reads configs only."""
     index = folder / _INDEX
     if not index.is_file():
         raise CheckpointError(f"{folder}: no {_INDEX}; sw.from_pretrained({cls.__name__}, ...) reads a "
@@ -134,7 +136,10 @@ def plan_components(cls: type, folder: Path, *, degree: int, given: Mapping[str,
     except ValueError as e:
         raise CheckpointError(f"{index}: not JSON ({e})") from e
     expected, optional = cls._get_signature_keys(cls)  # type: ignore[attr-defined]  # diffusers' own
-    names = [k for k in entries if not k.startswith("_") and (k in expected or k in optional)]
+    # diffusers' split: the init's arguments without a default, and its _optional_components,
+    # are components; the others are settings
+    names = [k for k in entries if not k.startswith("_") and k in expected]
+    settings = {k: entries[k] for k in optional if k in entries and k not in given}
     unknown = sorted(set(given) - set(expected) - set(optional))
     if unknown:
         raise UsageError(f"{cls.__name__} takes no component {unknown}; its components: {sorted(expected)}")
@@ -144,7 +149,8 @@ def plan_components(cls: type, folder: Path, *, degree: int, given: Mapping[str,
         if stray:
             raise UsageError(f"shard= names {stray}, not components of {folder} ({sorted(names)})")
     _check_dtype(dtype, names)
-    missing = sorted(set(expected) - set(names) - set(given))
+    optional_components = set(getattr(cls, "_optional_components", ()))
+    missing = sorted(set(expected) - optional_components - set(names) - set(given))
     if missing:
         raise CheckpointError(f"{index} lists no {missing}, which {cls.__name__} needs; pass them "
                               f"built yourself ({missing[0]}=...) or use the folder save_pretrained wrote")
@@ -161,7 +167,7 @@ def plan_components(cls: type, folder: Path, *, degree: int, given: Mapping[str,
                                   f"{'.'.join(entries[name])}; the pipeline folder is incomplete "
                                   f"(copy it whole), or pass {name}=... built yourself")
         out.append(_classify(name, component_cls, sub, degree, shard, _dtype_of(dtype, name)))
-    return out
+    return out, settings
 
 
 def _load_one(c: Component, mesh, load_options: dict, load_model: Callable[..., Any]) -> Any:
@@ -190,13 +196,16 @@ def load_pipeline(cls: type, path: str | os.PathLike, *, mesh, load_model: Calla
     given = {k: v for k, v in kwargs.items() if k in expected or k in optional}
     load_options = {k: v for k, v in kwargs.items() if k not in given}
     dims = decode_mesh(mesh)
-    error, components = None, []
+    error: Exception | None = None
+    components: list[Component] = []
+    settings: dict[str, Any] = {}
     try:
-        components = plan_components(cls, folder, degree=dims.degree, given=given, shard=shard, dtype=dtype)
+        components, settings = plan_components(cls, folder, degree=dims.degree, given=given, shard=shard,
+                                               dtype=dtype)
     except Exception as e:  # every rank raises, before any rank reads a weight
         error = e
     agree(dims.comm_backend, error, what=f"checking the pipeline at {folder}")
-    built = dict(given)
+    built = {**settings, **given}
     results = {}
     for c in components:
         built[c.name] = _load_one(c, mesh, load_options, load_model)
