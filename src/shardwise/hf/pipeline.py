@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import shutil
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +29,7 @@ from shardwise.errors import CheckpointError, ShardingError, UnsupportedModelErr
 from shardwise.hf.adapter import HuggingFace, _meta_model
 from shardwise.hf.hub_layout import library_of
 from shardwise.io.save import save
+from shardwise.io.sink import Saving
 from shardwise.io.storage import locate
 from shardwise.mesh import decode_mesh, world_backend
 
@@ -238,8 +238,9 @@ def _named_pipeline(folder: Path) -> type:
 def save_pipeline(pipe: Any, path: str | os.PathLike, *, overwrite: bool = False, **save_kwargs) -> None:
     """``pipe``'s folder at ``path`` as ``DiffusionPipeline.save_pretrained`` writes it: the
     models through ``sw.save`` (sharded ones gathered, or ``distributed=True``), the others'
-    ``save_pretrained`` on rank 0, ``model_index.json``. Complete or absent: written beside
-    ``path`` and renamed into place. Collective."""
+    ``save_pretrained`` on rank 0, ``model_index.json``. One storage transaction (``Saving``):
+    written into a hidden folder beside ``path`` and moved into place once complete, so an
+    interrupted save leaves nothing at ``path`` (the next save removes its folder). Collective."""
 
     if save_kwargs.get("async_save"):
         raise UsageError("async_save=True saves one model; a pipeline saves its components one after "
@@ -251,54 +252,40 @@ def save_pipeline(pipe: Any, path: str | os.PathLike, *, overwrite: bool = False
                          "upload the folder")
     final = target.local_path("a diffusers pipeline")
     backend = world_backend()
-    rank = this_rank()
     error: Exception | None = None
-    if final.exists() and not overwrite:
-        error = UsageError(f"{final} exists; pass overwrite=True to replace it, or another path")
-    elif final.exists() and not (final / _INDEX).is_file():
-        error = UsageError(f"{final} exists and holds no {_INDEX}; overwrite=True replaces only a "
-                           "pipeline folder: remove it yourself or pick another path")
+    if final.is_dir() and any(final.iterdir()):
+        # the transaction replaces a folder of checkpoint files only (it deletes nothing else),
+        # and a pipeline's holds model_index.json and the components' folders
+        error = UsageError(f"{final} exists; a pipeline saves to a new (or empty) folder: pass another "
+                           f"path, or remove {final} first" + (" (overwrite=True replaces a model's "
+                           "checkpoint folder, not a pipeline's)" if overwrite else ""))
     agree(backend, error, what=f"saving a pipeline to {final}")
-    staging = final.with_name(f".{final.name}.shardwise-staging")
-    if rank == 0:
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-    agree(backend, None, what="making the pipeline's staging folder")
-    try:
-        for name in _component_names(pipe):
-            component = getattr(pipe, name)
-            if isinstance(component, nn.Module) and library_of(component) is not None:
-                save(component, staging / name, **save_kwargs)
-            elif component is not None and rank == 0:
-                component.save_pretrained(staging / name)
-        if rank == 0:
-            pipe.save_config(staging)  # model_index.json
-        error = None
-    except Exception as e:
-        error = e
-    agree(backend, error, what=f"saving a pipeline to {final}")
-    error = None
-    if rank == 0:
-        try:
-            _swap_in(staging, final)
-        except OSError as e:
+    with Saving(target, overwrite=overwrite, backend=backend, what="the pipeline at {target}") as saving:
+        folder = saving.folder.local_path("a diffusers pipeline")
+        components = {name: getattr(pipe, name) for name in _component_names(pipe)}
+        models = {n: c for n, c in components.items()
+                  if isinstance(c, nn.Module) and library_of(c) is not None}
+        try:  # collective: a model's save raises on every rank alike
+            for name, model in models.items():
+                save(model, folder / name, **save_kwargs)
+        except Exception as e:
             error = e
-    agree(backend, error, what=f"renaming the pipeline into place at {final}")
+        if error is None and this_rank() == 0:  # then rank 0 alone, the others waiting in agree
+            try:
+                for name, component in components.items():
+                    if name not in models and component is not None:
+                        component.save_pretrained(folder / name)
+                pipe.save_config(folder)  # model_index.json
+            except Exception as e:
+                error = e
+        agree(backend, error, what=f"saving a pipeline to {final}")
+        saving.commit()
 
 
 def _component_names(pipe: Any) -> list[str]:
-    return sorted(k for k in pipe.config if not k.startswith("_"))
-
-
-def _swap_in(staging: Path, final: Path) -> None:
-    old = None
-    if final.exists():
-        old = final.with_name(f".{final.name}.shardwise-old")
-        shutil.rmtree(old, ignore_errors=True)
-        final.rename(old)
-    staging.rename(final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    """The pipeline's components (not its settings: Wan's ``boundary_ratio``), as diffusers saves."""
+    expected, _ = pipe._get_signature_keys(pipe)
+    return sorted(k for k in pipe.config if k in expected)
 
 
 class Pipelines(ModelAdapter):
