@@ -156,10 +156,11 @@ def _error(ckpt: str, tp: int, **kwargs) -> str:
 def _plan_error(ckpt, **kwargs) -> str:
     """The error of checking a pipeline folder (what sw.from_pretrained does first), one process."""
     from shardwise.hf.pipeline import plan_components
+    from shardwise.io.storage import locate
 
     options = {"degree": 1, "given": {}, "shard": None, "dtype": None, **kwargs}
     try:
-        plan_components(pipeline_class("flux2"), ckpt, **options)
+        plan_components(pipeline_class("flux2"), locate(ckpt), **options)
     except (CheckpointError, ShardingError, UnsupportedModelError, UsageError) as e:
         return f"{type(e).__name__}: {e}"
     return "no error"
