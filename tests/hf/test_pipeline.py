@@ -186,4 +186,5 @@ def test_bad_input_is_one_clear_error_before_any_read(tmp_path):
     (ckpt / "model_index.json").write_text(json.dumps(index))
     assert "shard= names ['unet']" in _plan_error(ckpt, shard=["unet"])
     assert "has no TP plan" in _plan_error(ckpt, shard=["vae"])
+    assert "which is not a model" in _plan_error(ckpt, shard=["scheduler"])
     assert _plan_error(ckpt) == "no error"

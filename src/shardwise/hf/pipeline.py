@@ -103,6 +103,9 @@ def _classify(name: str, cls: type, folder: Location, degree: int, shard: Iterab
               dtype: torch.dtype | None) -> Component:
     """The :class:`Component` for ``name``; a model's meta build resolves its plan at ``degree``."""
     if library_of(cls) is None:
+        if shard is not None and name in shard:
+            raise UsageError(f"shard= names {name!r}, a {cls.__name__}, which is not a model (nothing to "
+                             "shard); name model components only")
         return Component(name, cls, "plain", folder, dtype)
     if (folder / "config.json").stat() is None:
         raise CheckpointError(f"{folder}: no config.json for the component {name!r} "
