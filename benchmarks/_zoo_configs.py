@@ -87,6 +87,15 @@ OVERRIDES: dict[str, dict] = {
     "lfm2": {"full_attn_idxs": [1]},
     "lfm2_moe": {"layer_types": ["conv", "full_attention", "conv"]},
     "deepseek_ocr2_text": {"mlp_layer_types": ["dense", "sparse", "sparse"]},
+    # Flux.2's text encoder: AutoConfig sub-configs, which the rules cannot shrink
+    "mistral3": {"text_config": {"model_type": "mistral", "vocab_size": VOCAB, "hidden_size": HIDDEN,
+                                 "intermediate_size": INTER, "num_hidden_layers": LAYERS,
+                                 "num_attention_heads": HEADS, "num_key_value_heads": HEADS,
+                                 "head_dim": HEAD_DIM, "max_position_embeddings": 128,
+                                 "sliding_window": None},
+                 "vision_config": {"model_type": "pixtral", "hidden_size": 16, "num_hidden_layers": 1,
+                                   "num_attention_heads": 4, "intermediate_size": 32, "image_size": 30,
+                                   "patch_size": 6}, "image_token_index": 3},
     "inkling2_loop_text": {"n_layers_per_attn_res_block": 1},
 }
 _SKIP = {"id2label", "label2id", "architectures", "transformers_version", "dtype", "head_dim",

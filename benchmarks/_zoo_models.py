@@ -87,6 +87,32 @@ def transformers_families() -> list[Family]:
     return out
 
 
+# The text encoders of diffusers pipelines whose config class ships no base_model_tp_plan: T5 and
+# UMT5 encoders (shardwise's plans: shardwise/hf/encoder_plans.py) and the composite Mistral3
+# (Flux.2's) and Qwen2.5-VL (QwenImage's), whose text model's plan applies under their prefix.
+# family -> (model class, config class) in transformers
+TEXT_ENCODERS = {"t5_encoder": ("T5EncoderModel", "T5Config"),
+                 "umt5_encoder": ("UMT5EncoderModel", "UMT5Config"),
+                 "mistral3": ("Mistral3ForConditionalGeneration", "Mistral3Config"),
+                 "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLConfig")}
+
+
+def text_encoder_families() -> list[Family]:
+    """:data:`TEXT_ENCODERS` as families (a class transformers lacks: skipped, saying so)."""
+    import transformers
+
+    out = []
+    for name, (model, config) in TEXT_ENCODERS.items():
+        cls, config_cls = getattr(transformers, model, None), getattr(transformers, config, None)
+        fam = Family(name, "transformers")
+        if cls is None or config_cls is None:
+            fam.skip = f"transformers {transformers.__version__} has no {model}"
+        else:
+            fam.model_class, fam.config_class = _qualname(cls), _qualname(config_cls)
+        out.append(fam)
+    return out
+
+
 def _model_class(model_type, config_class, auto):
     """The family's LM-head class taking the config itself, else its base model class."""
     module_name = config_class.__module__.replace(".configuration_", ".modeling_")

@@ -5,6 +5,7 @@
     python benchmarks/zoo.py --failed-from docs/models.json   # rerun what did not pass for shardwise
     python benchmarks/zoo.py --no-peer --limit 10     # shardwise only, the first 10 families
     python benchmarks/zoo.py --quantized-only         # only the quantized stage (other rows kept)
+    python benchmarks/zoo.py --pipelines-only         # only the pipelines' section (other rows kept)
 
 For each family the parent (one process) builds a tiny model (hidden 64, 3 layers, 4 heads,
 vocab 256, 4 experts: benchmarks/_zoo_configs.py), perturbs its weights, saves it with
@@ -23,7 +24,11 @@ A result is pass, SILENT WRONG (no error, but another output shape or other valu
 of: not testable (no text model class), build fails, forward fails in one process too.
 Then the quantized stage (``_zoo_quant.py``): FP8 and MXFP4 variants of DeepSeek-V3, Qwen3,
 Qwen3-MoE and gpt-oss at tp 2/4/8 and ep 2/4, loaded dequantized and kept quantized, saved
-back; its table is the "Quantized variants" section of docs/models.md.
+back; its table is the "Quantized variants" section of docs/models.md. Then the pipelines
+(``_zoo_pipelines.py``): which components of the Flux2, QwenImage and Wan pipelines shard, stay
+whole or are refused at tp 2, 4 and 3; the "Pipelines" section. The text encoders of those
+pipelines without a config plan (T5 and UMT5 under shardwise's plans, Mistral3, Qwen2.5-VL) are
+families of the sweep too.
 Installs nothing: ``tox -e zoo`` has the requirements.
 """
 
@@ -40,7 +45,8 @@ from pathlib import Path
 
 import _common  # noqa: F401 - puts the checkout's src first on sys.path
 from _common import REPO
-from _zoo_models import build_case, diffusers_families, transformers_families
+from _zoo_models import build_case, diffusers_families, text_encoder_families, transformers_families
+from _zoo_pipelines import pipeline_rows, read_pipelines, write_pipelines
 from _zoo_quant import quant_stage
 from _zoo_ranks import RankPool, quiet_libraries
 from _zoo_report import classify, write_report
@@ -66,13 +72,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="run the quantized stage (default: on a run of the whole zoo)")
     ap.add_argument("--quantized-only", action="store_true",
                     help="run only the quantized stage; the families' rows of the existing JSON are kept")
+    ap.add_argument("--pipelines", action=argparse.BooleanOptionalAction, default=None,
+                    help="the pipelines' section (default: on a run of the whole zoo)")
+    ap.add_argument("--pipelines-only", action="store_true",
+                    help="only the pipelines' section; the rest of the existing report is kept")
     ap.add_argument("--work", type=Path,
                     help="folder for the checkpoints (default: a temporary one, removed)")
     return ap.parse_args(argv)
 
 
 def select(args) -> list:
-    families = transformers_families() + diffusers_families()
+    families = transformers_families() + text_encoder_families() + diffusers_families()
     names = [n for n in args.only.split(",") if n]
     if args.failed_from:
         old = json.loads(args.failed_from.read_text())["families"]
@@ -125,8 +135,10 @@ def sweep(families, args, work: Path) -> list[dict]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     quiet_libraries()  # before diffusers/transformers print their import-time notices
-    families = [] if args.quantized_only else select(args)
-    partial = bool(args.only or args.failed_from or args.limit)
+    families = [] if args.quantized_only or args.pipelines_only else select(args)
+    partial = bool(args.only or args.failed_from or args.limit or args.pipelines_only)
+    run_pipelines = args.pipelines_only or (args.pipelines if args.pipelines is not None else not partial)
+    kept_pipelines, pipelines = read_pipelines(args.out), None
     run_quant = args.quantized_only or (args.quantized if args.quantized is not None else not partial)
     work = args.work or Path(tempfile.mkdtemp(prefix="shardwise-zoo-"))
     start = time.perf_counter()
@@ -135,6 +147,8 @@ def main(argv=None) -> int:
         rows = sweep(families, args, work) if families else []
         if run_quant:
             quantized = quant_stage(work, log=lambda m: print(m, flush=True))
+        if run_pipelines:
+            pipelines = pipeline_rows(work)
     finally:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
@@ -144,8 +158,14 @@ def main(argv=None) -> int:
             "transformers": _version("transformers"), "diffusers": _version("diffusers"),
             "torch": _version("torch")}
     merge = args.merge if args.merge is not None else partial or args.quantized_only
-    path = write_report(rows, meta, args.out, merge=merge, quantized=quantized)
-    print(f"wrote {args.out} and {path} in {meta['seconds']} s", flush=True)
+    if not args.pipelines_only:
+        path = write_report(rows, meta, args.out, merge=merge, quantized=quantized)
+        print(f"wrote {args.out} and {path} in {meta['seconds']} s", flush=True)
+    if pipelines is not None:
+        write_pipelines(pipelines, meta, args.out)
+        print(f"wrote the pipelines' section of {args.out}", flush=True)
+    elif kept_pipelines:  # the families' report was rewritten: the section goes back after it
+        write_pipelines(kept_pipelines["rows"], kept_pipelines["meta"], args.out)
     return 0
 
 

@@ -15,8 +15,9 @@ from torch import nn
 
 import shardwise.comm as comm
 from shardwise.core.plan import Style
+from shardwise.core.plan_rules import HEAD_ATTRS
 from shardwise.core.spec import ShardSpec, assemble, split
-from shardwise.errors import UnsupportedModelError
+from shardwise.errors import ShardingError, UnsupportedModelError
 from shardwise.holding import is_dtensor
 
 
@@ -154,6 +155,9 @@ def wire_forward(module: nn.Module, style: Style, state) -> None:
     if kind == "ep_experts":
         _wire_ep_experts(module, style, state)
         return
+    if kind == "local_heads":
+        _localize_heads(module, state.degree)
+        return
     inner = module.forward
 
     def forward(*args, **kwargs):
@@ -199,6 +203,20 @@ def _wire_ep_experts(module: nn.Module, style: Style, state) -> None:
         return _ReduceFrom.apply(out, group)
 
     module.forward = forward
+
+
+def _localize_heads(module: nn.Module, degree: int) -> None:
+    """Divide the module's own head counts (and ``inner_dim``, heads times head width) by the
+    degree: its forward then shapes the local heads of its colwise projections (the resolve
+    checked that the degree divides the head counts: ``head_counts``)."""
+    for attr in (*HEAD_ATTRS, "inner_dim"):
+        value = module.__dict__.get(attr)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            if value % degree:
+                raise ShardingError(f"{type(module).__name__}.{attr} = {value} is not divisible by degree "
+                                    f"{degree}; 'local_heads' needs whole heads per rank: pick a degree "
+                                    "that divides it")
+            setattr(module, attr, value // degree)
 
 
 def _is_float(a) -> bool:

@@ -38,6 +38,8 @@ def check_plan(model: nn.Module, specs: ResolvedPlan) -> None:
         if splits_heads and style.axis == "tp":
             owners.setdefault(path.rpartition(".")[0], path)
     for owner, projection in owners.items():
+        if getattr(specs.styles.get(owner), "forward", None) == "local_heads":
+            continue  # its head counts become the local ones when it is wired
         module = model.get_submodule(owner)
         for func in _code_of(module):
             uses = _scan(func)[1]

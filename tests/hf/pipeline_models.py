@@ -1,7 +1,8 @@
 """Tiny diffusers pipelines for the tests, built offline and saved with ``save_pretrained``.
 
-Two families: Flux2 (Flux2 transformer, a Mistral3 text encoder, the Flux2 VAE) and QwenImage
-(QwenImage transformer, a Qwen2.5-VL text encoder, the QwenImage VAE), each with a byte-level
+Three families: Flux2 (Flux2 transformer, a Mistral3 text encoder, the Flux2 VAE), QwenImage
+(QwenImage transformer, a Qwen2.5-VL text encoder, the QwenImage VAE) and Wan (Wan transformer,
+no TP plan; a UMT5 encoder, shardwise's plan; the Wan VAE), each with a byte-level
 tokenizer built here from the ``tokenizers`` library (no download). Every sharded dimension
 (heads, kv heads, MLP width, vocabulary) divides by 1, 2 and 4.
 
@@ -113,6 +114,32 @@ def _qwenimage_components() -> dict:
     }
 
 
+def _umt5():
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    config = UMT5Config(vocab_size=VOCAB, d_model=TEXT_HIDDEN, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                        relative_attention_num_buckets=8, relative_attention_max_distance=16,
+                        feed_forward_proj="gated-gelu", dropout_rate=0.0, pad_token_id=0)
+    return UMT5EncoderModel(config)
+
+
+def _wan_components() -> dict:
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
+
+    return {
+        "transformer": WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
+            text_dim=TEXT_HIDDEN, freq_dim=32, ffn_dim=32, num_layers=2, cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads", rope_max_seq_len=32),
+        "text_encoder": _umt5(),
+        "vae": AutoencoderKLWan(base_dim=4, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                                temperal_downsample=[False, True, True], latents_mean=[0.0] * 4,
+                                latents_std=[1.0] * 4),
+        "scheduler": FlowMatchEulerDiscreteScheduler(shift=7.0),
+        "tokenizer": byte_tokenizer(),
+    }
+
+
 # family -> (pipeline class name, components factory, call options)
 FAMILIES = {
     "flux2": ("Flux2Pipeline", _flux2_components,
@@ -120,8 +147,12 @@ FAMILIES = {
                "text_encoder_out_layers": (1, 2)}),
     "qwenimage": ("QwenImagePipeline", _qwenimage_components,
                   {"height": 32, "width": 32, "true_cfg_scale": 1.0, "max_sequence_length": 16}),
+    "wan": ("WanPipeline", _wan_components,
+            {"height": 16, "width": 16, "num_frames": 5, "guidance_scale": 5.0, "max_sequence_length": 16}),
 }
-SHARDED = ("transformer", "text_encoder")  # the components with a TP plan in both families
+SHARDED = ("transformer", "text_encoder")  # the components with a TP plan in Flux2 and QwenImage
+# the components with a TP plan in each family: Wan's transformer ships none
+SHARDED_IN = {"flux2": SHARDED, "qwenimage": SHARDED, "wan": ("text_encoder",)}
 
 
 def pipeline_class(family: str):
@@ -152,8 +183,9 @@ def generate(pipe, family: str, *, steps: int = 2) -> torch.Tensor:
     with torch.no_grad():
         out = pipe(prompt="a tiny red fox", num_inference_steps=steps, output_type="pt",
                    generator=torch.Generator().manual_seed(7), **options)
-    return out.images.detach().float().cpu()
+    frames = out.frames if hasattr(out, "frames") else out.images  # a video pipeline's output
+    return frames.detach().float().cpu()
 
 
-__all__ = ["FAMILIES", "SHARDED", "build_pipeline", "byte_tokenizer", "generate", "pipeline_class",
-           "save_pipeline"]
+__all__ = ["FAMILIES", "SHARDED", "SHARDED_IN", "build_pipeline", "byte_tokenizer", "generate",
+           "pipeline_class", "save_pipeline"]

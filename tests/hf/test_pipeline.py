@@ -1,6 +1,7 @@
-"""sw.from_pretrained on whole diffusers pipelines (Flux2 with Mistral3, QwenImage with Qwen2.5-VL)
-on gloo ranks: the image equals the one-process pipeline's, each sharded component reads its
-slices only, sw.save writes a folder diffusers loads whose files are byte-equal to the source."""
+"""sw.from_pretrained on whole diffusers pipelines (Flux2 with Mistral3, QwenImage with Qwen2.5-VL,
+Wan with UMT5 under shardwise's plan) on gloo ranks: the image equals the one-process pipeline's,
+each sharded component reads its slices only, sw.save writes a folder diffusers loads whose files
+are byte-equal to the source."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("diffusers")
 
 import torch  # noqa: E402
-from pipeline_models import SHARDED, build_pipeline, generate, pipeline_class, save_pipeline  # noqa: E402
+from pipeline_models import SHARDED_IN, build_pipeline, generate, pipeline_class, save_pipeline  # noqa: E402
 
 import shardwise as sw  # noqa: E402
 from harness import run_ranks  # noqa: E402
@@ -46,16 +47,18 @@ def _run(family: str, ckpt: str, out: str | None) -> dict:
     if out is not None:  # before the pipeline runs: a call with padding= records it in tokenizer.json
         sw.save(pipe, out, max_shard_size=SHARD_SIZE)
     row: dict = {"image": generate(pipe, family).tolist(), "read": {}, "sharded": {}}
-    for name in SHARDED:
+    for name in SHARDED_IN[family]:
         model = getattr(pipe, name)
         row["read"][name] = (pipe.result[name].bytes_read, *_local_bytes(model))
         row["sharded"][name] = sum(not s.replicated for s in get_shard_state(model).specs.values())
-    vae = get_shard_state(pipe.vae)
-    row["whole"] = [vae is not None and all(s.replicated for s in vae.specs.values()), pipe.vae.training]
+    whole = [n for n in ("transformer", "vae") if n not in SHARDED_IN[family]]  # Wan's transformer: no plan
+    row["whole"] = [not _sharded(getattr(pipe, n)) and get_shard_state(getattr(pipe, n)) is not None
+                    and not getattr(pipe, n).training for n in whole]
     return row
 
 
-@pytest.mark.parametrize("family,tp", [("flux2", 2), ("flux2", 4), ("qwenimage", 2), ("qwenimage", 4)])
+@pytest.mark.parametrize("family,tp", [("flux2", 2), ("flux2", 4), ("qwenimage", 2), ("qwenimage", 4),
+                                       ("wan", 2), ("wan", 4)])
 def test_image_equals_one_process_and_save_is_byte_equal(tmp_path, family, tp):
     ckpt = save_pipeline(family, tmp_path / "pipe", max_shard_size=SHARD_SIZE)
     reference = generate(build_pipeline(family), family)
@@ -64,8 +67,8 @@ def test_image_equals_one_process_and_save_is_byte_equal(tmp_path, family, tp):
     for rank, row in enumerate(rows):
         diff = (torch.tensor(row["image"]) - reference).abs().max().item()
         assert diff <= TOLERANCE, (family, tp, rank, diff)
-        assert row["whole"] == [True, False], "the VAE loads whole, in eval mode"
-        for name in SHARDED:
+        assert row["whole"] and all(row["whole"]), "the VAE (Wan: and the transformer) whole, in eval mode"
+        for name in SHARDED_IN[family]:
             read, local, whole = row["read"][name]
             assert row["sharded"][name] > 0, name
             # each rank reads exactly its own slices: the sharded tensors' 1/tp and the rest whole
@@ -153,10 +156,11 @@ def _error(ckpt: str, tp: int, **kwargs) -> str:
 def _plan_error(ckpt, **kwargs) -> str:
     """The error of checking a pipeline folder (what sw.from_pretrained does first), one process."""
     from shardwise.hf.pipeline import plan_components
+    from shardwise.io.storage import locate
 
     options = {"degree": 1, "given": {}, "shard": None, "dtype": None, **kwargs}
     try:
-        plan_components(pipeline_class("flux2"), ckpt, **options)
+        plan_components(pipeline_class("flux2"), locate(ckpt), **options)
     except (CheckpointError, ShardingError, UnsupportedModelError, UsageError) as e:
         return f"{type(e).__name__}: {e}"
     return "no error"
@@ -182,4 +186,5 @@ def test_bad_input_is_one_clear_error_before_any_read(tmp_path):
     (ckpt / "model_index.json").write_text(json.dumps(index))
     assert "shard= names ['unet']" in _plan_error(ckpt, shard=["unet"])
     assert "has no TP plan" in _plan_error(ckpt, shard=["vae"])
+    assert "which is not a model" in _plan_error(ckpt, shard=["scheduler"])
     assert _plan_error(ckpt) == "no error"

@@ -63,7 +63,7 @@ class Style:
     ``embedding``: a parameter key splits dim 0 (rowwise) or 1; ``axis``: ``"tp"`` or ``"ep"``.
     ``forward``: what ``local_tp`` does around the module's own code (``linear``, ``none``,
     ``grad_allreduce``, ``local_params``, ``reduce_output``, ``moe_experts``, ``divide_input``,
-    ``mla_kv_a`` of width ``rope_dim``, ``ep_experts`` of ``num_experts``); docs/plans.md."""
+    ``mla_kv_a`` of width ``rope_dim``, ``local_heads``, ``ep_experts`` of ``num_experts``); docs/plans.md."""
 
     kind: str
     blocks: tuple[int, ...] | None = (1,)
@@ -107,6 +107,9 @@ _STRINGS: dict[str, Style] = {
     "moe_tp_experts": Style("replicate", forward="moe_experts"),
     "moe_identity_expert": Style("replicate", forward="divide_input"),
     "mla_kv_a_proj": Style("replicate", forward="mla_kv_a"),
+    # shardwise's own: an attention module whose forward shapes its split projections with its
+    # head-count attributes (UMT5's q.view(b, -1, self.n_heads, d)) gets them divided by the degree
+    "local_heads": Style("replicate", forward="local_heads"),
     # transformers 5.25's per-head styles (minicpm5_moe's k/v): a rank owns whole heads. Where the
     # degree divides the head count they are colwise / rowwise, which is all shardwise serves:
     # transformers replicates heads over ranks otherwise, and the head-count check refuses that

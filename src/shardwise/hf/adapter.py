@@ -25,6 +25,7 @@ from shardwise.core.plan import register_model_check
 from shardwise.core.quant_layout import quant_pairs
 from shardwise.errors import CheckpointError, PlanError
 from shardwise.hf import hub_layout
+from shardwise.hf.encoder_plans import encoder_plan
 from shardwise.hf.hub_layout import library_of
 from shardwise.io.guards import SUPPORTED_QUANT, quant_scheme, refusal
 from shardwise.io.storage import Location, locate, read_json, read_small, write_small
@@ -95,7 +96,8 @@ class HuggingFace(ModelAdapter):
 
     def shipped_plan(self, model: nn.Module, axis: str) -> dict:
         """The first non-empty plan among the model's attributes for ``axis``, else its config's
-        ``base_model_{axis}_plan`` with each key under the base-model prefix; ``{}`` when none."""
+        ``base_model_{axis}_plan`` with each key under the base-model prefix, else for tp the plan
+        shardwise ships for a transformers class without one (``hf.encoder_plans``); ``{}``."""
         attrs, config_attr = _SHIPPED[axis]
         for attr in attrs:
             plan = getattr(model, attr, None)
@@ -105,6 +107,8 @@ class HuggingFace(ModelAdapter):
         if isinstance(base, Mapping) and base:
             prefix = self.base_prefix(model)
             return {f"{prefix}.{k}" if prefix else k: v for k, v in base.items()}
+        if axis == "tp" and library_of(model) == "transformers":
+            return encoder_plan(model)
         return {}
 
     def refuse(self, model: nn.Module, action: str) -> None:

@@ -11,10 +11,10 @@ before any weight is read. Imported on first use, from ``hf.pretrained`` and ``i
 from __future__ import annotations
 
 import importlib
-import json
 import os
-import shutil
-from collections.abc import Callable, Iterable, Mapping
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,13 +27,15 @@ from shardwise.comm import rank as this_rank
 from shardwise.core.adapter import ModelAdapter, register_adapter
 from shardwise.core.plan import resolve_plan
 from shardwise.errors import CheckpointError, ShardingError, UnsupportedModelError, UsageError
-from shardwise.hf.adapter import HuggingFace, _meta_model
+from shardwise.hf.adapter import HuggingFace, _meta_model, config_folder
 from shardwise.hf.hub_layout import library_of
 from shardwise.io.save import save
-from shardwise.io.storage import locate
+from shardwise.io.sink import Saving
+from shardwise.io.storage import Location, locate, read_json, read_small, write_small
 from shardwise.mesh import decode_mesh, world_backend
 
 _INDEX = "model_index.json"
+_PLAIN_CAP = 1 << 30  # a tokenizer's files: tens of MB
 
 
 def is_pipeline(cls_or_obj: Any) -> bool:
@@ -53,11 +55,11 @@ class Component:
     name: str
     cls: type
     how: str
-    folder: Path
+    folder: Location
     dtype: torch.dtype | None
 
 
-def _component_class(name: str, entry: Any, index: Path) -> type | None:
+def _component_class(name: str, entry: Any, index: Location) -> type | None:
     """The class ``model_index.json`` names for component ``name``; None for a component saved
     as absent (``[null, null]``); ``UnsupportedModelError`` for one diffusers cannot build."""
     if not (isinstance(entry, list) and len(entry) == 2):
@@ -97,15 +99,19 @@ def _check_dtype(dtype, names: Iterable[str]) -> None:
                          "give a dtype per component name, or 'default' for the rest")
 
 
-def _classify(name: str, cls: type, folder: Path, degree: int, shard: Iterable[str] | None,
+def _classify(name: str, cls: type, folder: Location, degree: int, shard: Iterable[str] | None,
               dtype: torch.dtype | None) -> Component:
     """The :class:`Component` for ``name``; a model's meta build resolves its plan at ``degree``."""
     if library_of(cls) is None:
+        if shard is not None and name in shard:
+            raise UsageError(f"shard= names {name!r}, a {cls.__name__}, which is not a model (nothing to "
+                             "shard); name model components only")
         return Component(name, cls, "plain", folder, dtype)
-    if not (folder / "config.json").is_file():
+    if (folder / "config.json").stat() is None:
         raise CheckpointError(f"{folder}: no config.json for the component {name!r} "
                               f"({cls.__name__}); the pipeline folder is incomplete")
-    model = _meta_model(cls, folder, folder / "config.json")
+    with config_folder(folder) as local:  # the libraries read local configs only
+        model = _meta_model(cls, local, folder / "config.json")
     has_plan = bool(HuggingFace().shipped_plan(model, "tp"))
     if shard is not None and name in shard and not has_plan:
         raise UsageError(f"shard= names {name!r}, but {cls.__name__} has no TP plan (no _tp_plan, no "
@@ -121,20 +127,22 @@ def _classify(name: str, cls: type, folder: Path, degree: int, shard: Iterable[s
     return Component(name, cls, "shard", folder, dtype)
 
 
-def plan_components(cls: type, folder: Path, *, degree: int, given: Mapping[str, Any],
-                    shard: Iterable[str] | None, dtype) -> list[Component]:
+def plan_components(cls: type, folder: Location, *, degree: int, given: Mapping[str, Any],
+                    shard: Iterable[str] | None, dtype) -> tuple[list[Component], dict[str, Any]]:
     """What ``from_pretrained`` will do with each component of ``folder``, every check done: the
-    index, each component's folder and class, each sharded plan at ``degree``. Reads configs only."""
+    index, each component's folder and class, each sharded plan at ``degree``; and the pipeline's
+    own settings the index holds (Wan's ``boundary_ratio``: the init's arguments that are not
+    components, as diffusers passes them). Reads configs only."""
     index = folder / _INDEX
-    if not index.is_file():
+    if index.stat() is None:
         raise CheckpointError(f"{folder}: no {_INDEX}; sw.from_pretrained({cls.__name__}, ...) reads a "
                               "pipeline folder as DiffusionPipeline.save_pretrained writes it")
-    try:
-        entries = json.loads(index.read_text())
-    except ValueError as e:
-        raise CheckpointError(f"{index}: not JSON ({e})") from e
+    entries = read_json(index, what=f"the pipeline's {_INDEX}")
     expected, optional = cls._get_signature_keys(cls)  # type: ignore[attr-defined]  # diffusers' own
-    names = [k for k in entries if not k.startswith("_") and (k in expected or k in optional)]
+    # diffusers' split: the init's arguments without a default, and its _optional_components,
+    # are components; the others are settings
+    names = [k for k in entries if not k.startswith("_") and k in expected]
+    settings = {k: entries[k] for k in optional if k in entries and k not in given}
     unknown = sorted(set(given) - set(expected) - set(optional))
     if unknown:
         raise UsageError(f"{cls.__name__} takes no component {unknown}; its components: {sorted(expected)}")
@@ -144,7 +152,8 @@ def plan_components(cls: type, folder: Path, *, degree: int, given: Mapping[str,
         if stray:
             raise UsageError(f"shard= names {stray}, not components of {folder} ({sorted(names)})")
     _check_dtype(dtype, names)
-    missing = sorted(set(expected) - set(names) - set(given))
+    optional_components = set(getattr(cls, "_optional_components", ()))
+    missing = sorted(set(expected) - optional_components - set(names) - set(given))
     if missing:
         raise CheckpointError(f"{index} lists no {missing}, which {cls.__name__} needs; pass them "
                               f"built yourself ({missing[0]}=...) or use the folder save_pretrained wrote")
@@ -156,47 +165,52 @@ def plan_components(cls: type, folder: Path, *, degree: int, given: Mapping[str,
         if component_cls is None:
             continue
         sub = folder / name
-        if not sub.is_dir():
+        if not sub.is_folder():
             raise CheckpointError(f"{folder}: no folder {name!r}, which {_INDEX} lists as "
                                   f"{'.'.join(entries[name])}; the pipeline folder is incomplete "
                                   f"(copy it whole), or pass {name}=... built yourself")
         out.append(_classify(name, component_cls, sub, degree, shard, _dtype_of(dtype, name)))
-    return out
+    return out, settings
 
 
 def _load_one(c: Component, mesh, load_options: dict, load_model: Callable[..., Any]) -> Any:
     if c.how == "plain":
-        return c.cls.from_pretrained(c.folder)  # type: ignore[attr-defined]
+        with _local_copy(c.folder) as local:
+            return c.cls.from_pretrained(local)  # type: ignore[attr-defined]
     # A model without a plan is read whole by every rank onto its device (an empty plan), through
     # the same door as the sharded ones: the same config handling, and sw.save writes it back.
     plan = "auto" if c.how == "shard" else {}
     return load_model(c.cls, c.folder, mesh=mesh, dtype=c.dtype, plan=plan, **load_options)
 
 
-def load_pipeline(cls: type, path: str | os.PathLike, *, mesh, load_model: Callable[..., Any], dtype=None,
-                  shard: Iterable[str] | None = None, storage_options: dict | None = None, **kwargs) -> Any:
+def load_pipeline(cls: type, path: str | os.PathLike | Location, *, mesh, load_model: Callable[..., Any],
+                  dtype=None, shard: Iterable[str] | None = None, storage_options: dict | None = None,
+                  **kwargs) -> Any:
     """``cls`` (a diffusers pipeline class) from the pipeline folder ``path``: the sharded
     components through ``load_model`` (``sw.from_pretrained``, which calls this), the rest whole
     on this rank's device. ``kwargs``: components built already (``transformer=model``) and
-    ``sw.load`` options. Collective."""
-    where = locate(path, storage_options)
-    if where.scheme is not None:
-        raise UsageError(f"{where}: a pipeline loads from a local folder for now; download it "
-                         "(huggingface_hub.snapshot_download) and pass the folder")
-    folder = where.local_path("a diffusers pipeline")
+    ``sw.load`` options. ``path``: a folder, local or at a URL (``storage_options``), or its
+    :class:`Location`. Collective."""
+    folder = locate(path, storage_options)
+    if not folder.is_folder():
+        raise CheckpointError(f"{folder}: no such folder; sw.from_pretrained({cls.__name__}, ...) reads a "
+                              "pipeline folder as DiffusionPipeline.save_pretrained writes it")
     if cls.__name__ == "DiffusionPipeline":  # the auto class: the one model_index.json names
         cls = _named_pipeline(folder)
     expected, optional = cls._get_signature_keys(cls)  # type: ignore[attr-defined]
     given = {k: v for k, v in kwargs.items() if k in expected or k in optional}
     load_options = {k: v for k, v in kwargs.items() if k not in given}
     dims = decode_mesh(mesh)
-    error, components = None, []
+    error: Exception | None = None
+    components: list[Component] = []
+    settings: dict[str, Any] = {}
     try:
-        components = plan_components(cls, folder, degree=dims.degree, given=given, shard=shard, dtype=dtype)
+        components, settings = plan_components(cls, folder, degree=dims.degree, given=given, shard=shard,
+                                               dtype=dtype)
     except Exception as e:  # every rank raises, before any rank reads a weight
         error = e
     agree(dims.comm_backend, error, what=f"checking the pipeline at {folder}")
-    built = dict(given)
+    built = {**settings, **given}
     results = {}
     for c in components:
         built[c.name] = _load_one(c, mesh, load_options, load_model)
@@ -209,14 +223,30 @@ def load_pipeline(cls: type, path: str | os.PathLike, *, mesh, load_model: Calla
     return pipe
 
 
-def _named_pipeline(folder: Path) -> type:
+@contextmanager
+def _local_copy(folder: Location) -> Iterator[Path]:
+    """``folder`` itself when local, else a temporary copy of its objects (a scheduler's,
+    tokenizer's or processor's files: small, read whole) for the libraries' local readers."""
+    if folder.scheme is None:
+        yield folder.local_path("a library's reader")
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in folder.list():
+            if (folder / name).stat() is None:  # a folder: none of these components has one
+                raise CheckpointError(f"{folder / name}: a folder inside a scheduler, tokenizer or processor "
+                                      "component, which this load does not copy; download the pipeline")
+            write_small(locate(tmp) / name, read_small(folder / name, what="a component's file",
+                                                       cap=_PLAIN_CAP))
+        yield Path(tmp)
+
+
+def _named_pipeline(folder: Location) -> type:
     import diffusers
 
-    try:
-        name = json.loads((folder / _INDEX).read_text()).get("_class_name")
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{folder}: no readable {_INDEX} ({e}); pass a pipeline folder as "
-                              "DiffusionPipeline.save_pretrained writes it") from e
+    if (folder / _INDEX).stat() is None:
+        raise CheckpointError(f"{folder}: no {_INDEX}; pass a pipeline folder as "
+                              "DiffusionPipeline.save_pretrained writes it")
+    name = read_json(folder / _INDEX, what=f"the pipeline's {_INDEX}").get("_class_name")
     cls = getattr(diffusers, str(name), None)
     if not (isinstance(cls, type) and is_pipeline(cls)):
         raise UnsupportedModelError(f"{folder / _INDEX}: _class_name {name!r} is not a pipeline class of "
@@ -229,8 +259,9 @@ def _named_pipeline(folder: Path) -> type:
 def save_pipeline(pipe: Any, path: str | os.PathLike, *, overwrite: bool = False, **save_kwargs) -> None:
     """``pipe``'s folder at ``path`` as ``DiffusionPipeline.save_pretrained`` writes it: the
     models through ``sw.save`` (sharded ones gathered, or ``distributed=True``), the others'
-    ``save_pretrained`` on rank 0, ``model_index.json``. Complete or absent: written beside
-    ``path`` and renamed into place. Collective."""
+    ``save_pretrained`` on rank 0, ``model_index.json``. One storage transaction (``Saving``):
+    written into a hidden folder beside ``path`` and moved into place once complete, so an
+    interrupted save leaves nothing at ``path`` (the next save removes its folder). Collective."""
 
     if save_kwargs.get("async_save"):
         raise UsageError("async_save=True saves one model; a pipeline saves its components one after "
@@ -242,54 +273,40 @@ def save_pipeline(pipe: Any, path: str | os.PathLike, *, overwrite: bool = False
                          "upload the folder")
     final = target.local_path("a diffusers pipeline")
     backend = world_backend()
-    rank = this_rank()
     error: Exception | None = None
-    if final.exists() and not overwrite:
-        error = UsageError(f"{final} exists; pass overwrite=True to replace it, or another path")
-    elif final.exists() and not (final / _INDEX).is_file():
-        error = UsageError(f"{final} exists and holds no {_INDEX}; overwrite=True replaces only a "
-                           "pipeline folder: remove it yourself or pick another path")
+    if final.is_dir() and any(final.iterdir()):
+        # the transaction replaces a folder of checkpoint files only (it deletes nothing else),
+        # and a pipeline's holds model_index.json and the components' folders
+        error = UsageError(f"{final} exists; a pipeline saves to a new (or empty) folder: pass another "
+                           f"path, or remove {final} first" + (" (overwrite=True replaces a model's "
+                           "checkpoint folder, not a pipeline's)" if overwrite else ""))
     agree(backend, error, what=f"saving a pipeline to {final}")
-    staging = final.with_name(f".{final.name}.shardwise-staging")
-    if rank == 0:
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-    agree(backend, None, what="making the pipeline's staging folder")
-    try:
-        for name in _component_names(pipe):
-            component = getattr(pipe, name)
-            if isinstance(component, nn.Module) and library_of(component) is not None:
-                save(component, staging / name, **save_kwargs)
-            elif component is not None and rank == 0:
-                component.save_pretrained(staging / name)
-        if rank == 0:
-            pipe.save_config(staging)  # model_index.json
-        error = None
-    except Exception as e:
-        error = e
-    agree(backend, error, what=f"saving a pipeline to {final}")
-    error = None
-    if rank == 0:
-        try:
-            _swap_in(staging, final)
-        except OSError as e:
+    with Saving(target, overwrite=overwrite, backend=backend, what="the pipeline at {target}") as saving:
+        folder = saving.folder.local_path("a diffusers pipeline")
+        components = {name: getattr(pipe, name) for name in _component_names(pipe)}
+        models = {n: c for n, c in components.items()
+                  if isinstance(c, nn.Module) and library_of(c) is not None}
+        try:  # collective: a model's save raises on every rank alike
+            for name, model in models.items():
+                save(model, folder / name, **save_kwargs)
+        except Exception as e:
             error = e
-    agree(backend, error, what=f"renaming the pipeline into place at {final}")
+        if error is None and this_rank() == 0:  # then rank 0 alone, the others waiting in agree
+            try:
+                for name, component in components.items():
+                    if name not in models and component is not None:
+                        component.save_pretrained(folder / name)
+                pipe.save_config(folder)  # model_index.json
+            except Exception as e:
+                error = e
+        agree(backend, error, what=f"saving a pipeline to {final}")
+        saving.commit()
 
 
 def _component_names(pipe: Any) -> list[str]:
-    return sorted(k for k in pipe.config if not k.startswith("_"))
-
-
-def _swap_in(staging: Path, final: Path) -> None:
-    old = None
-    if final.exists():
-        old = final.with_name(f".{final.name}.shardwise-old")
-        shutil.rmtree(old, ignore_errors=True)
-        final.rename(old)
-    staging.rename(final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    """The pipeline's components (not its settings: Wan's ``boundary_ratio``), as diffusers saves."""
+    expected, _ = pipe._get_signature_keys(pipe)
+    return sorted(k for k in pipe.config if k in expected)
 
 
 class Pipelines(ModelAdapter):

@@ -190,22 +190,15 @@ def from_pretrained(cls, path: str | os.PathLike, *, mesh, dtype: torch.dtype | 
     """
     if isinstance(cls, type) and is_pipeline(cls):  # every component, the sharded ones through here
         check_mesh(mesh)
-        if plan != "auto" or revision is not None or token is not None:
-            raise UsageError("a pipeline takes each component's own plan from a local folder: drop "
-                             "plan=, revision= and token= (or load a component yourself and pass it: "
-                             "transformer=...)")
-        return load_pipeline(cls, path, mesh=mesh, load_model=from_pretrained, dtype=dtype,
-                             dequantize=dequantize, storage_options=storage_options, **load_options)
+        if plan != "auto":
+            raise UsageError("a pipeline takes each component's own plan: drop plan= (or load a component "
+                             "yourself and pass it: transformer=...)")
+        where = _where(path, revision, token, storage_options)
+        return load_pipeline(cls, where, mesh=mesh, load_model=from_pretrained, dtype=dtype,
+                             dequantize=dequantize, **load_options)
     library = _library(cls)
     check_mesh(mesh)  # before anything is read or built
-    if is_repo_id(path):
-        folder = hub_location(cast(str, path), revision=revision, token=token,
-                              storage_options=storage_options, backend=world_backend())
-    elif revision is not None or token is not None:
-        raise UsageError(f"revision= and token= go with a hub repo id ('org/name'); {os.fspath(path)!r} is "
-                         "a local path or a URL (an hf:// URL names its revision: hf://org/name@rev)")
-    else:
-        folder = locate(path, storage_options)
+    folder = _where(path, revision, token, storage_options)
     if not folder.is_folder():
         raise CheckpointError(
             f"{folder}: no such folder; sw.from_pretrained reads a checkpoint folder (config.json and "
@@ -228,6 +221,17 @@ def from_pretrained(cls, path: str | os.PathLike, *, mesh, dtype: torch.dtype | 
     return model
 
 
+def _where(path, revision: str | None, token: str | bool | None, storage_options: dict | None) -> Location:
+    """The folder ``path`` names: a hub repo id's (:func:`hub_location`), a URL's or a local one."""
+    if is_repo_id(path):
+        return hub_location(cast(str, path), revision=revision, token=token,
+                            storage_options=storage_options, backend=world_backend())
+    if revision is not None or token is not None:
+        raise UsageError(f"revision= and token= go with a hub repo id ('org/name'); {os.fspath(path)!r} is "
+                         "a local path or a URL (an hf:// URL names its revision: hf://org/name@rev)")
+    return locate(path, storage_options)
+
+
 def is_repo_id(path) -> bool:
     """Whether ``path`` names a hub repo: ``"org/name"``, no scheme, and no local path of that name."""
     return (isinstance(path, str) and split_scheme(path)[0] is None and _REPO_ID.fullmatch(path) is not None
@@ -237,14 +241,19 @@ def is_repo_id(path) -> bool:
 def hub_location(repo_id: str, *, revision: str | None, token: str | bool | None,
                  storage_options: dict | None, backend: Backend | None) -> Location:
     """The ``hf://{repo_id}@{commit}`` location of ``repo_id`` at ``revision`` (default ``"main"``):
-    read in place by ranged GETs (fsspec's ``hf://``), nothing downloaded whole. Collective over
+    read in place by ranged GETs (fsspec's ``hf://``), nothing downloaded whole; with
+    ``HF_HUB_OFFLINE`` set, the snapshot folder of the local hub cache. Collective over
     ``backend`` (None: one process): every rank resolves the commit and the ranks compare, so all
     read one commit. ``CheckpointError`` on every rank for an unknown repo or revision, one the
     token cannot see, or a hub that cannot be reached; no token is shown."""
     revision = revision or "main"
-    commit, error = None, None
+    commit, error, cached = None, None, None
     try:
-        commit = _commit(repo_id, revision, token)
+        if _offline():  # HF_HUB_OFFLINE: the snapshot in the local hub cache, read in place
+            cached = _cached(repo_id, revision, token)
+            commit = cached.name
+        else:
+            commit = _commit(repo_id, revision, token)
     except CheckpointError as e:
         error = e
     agree(backend, error, what=f"resolving the hub repo {repo_id!r} at {revision!r}")
@@ -252,10 +261,36 @@ def hub_location(repo_id: str, *, revision: str | None, token: str | bool | None
     if len(commits) > 1:
         raise CheckpointError(f"{repo_id!r}: the revision {revision!r} moved while the ranks resolved it "
                               f"(commits {sorted(c for c in commits if c)}); pass revision=<a commit sha>")
+    if cached is not None:
+        if storage_options:
+            raise UsageError(f"{repo_id!r} is read from the local hub cache (HF_HUB_OFFLINE): drop "
+                             "storage_options")
+        return locate(cached)
     options = dict(storage_options or {})
     if token is not None:
         options["token"] = token
     return locate(f"hf://{repo_id}@{commit}", options)
+
+
+def _offline() -> bool:
+    try:
+        from huggingface_hub import constants
+    except ImportError:
+        return False
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def _cached(repo_id: str, revision: str, token: str | bool | None) -> Path:
+    """The snapshot folder of ``repo_id`` at ``revision`` in the local hub cache (its name is
+    the commit); ``CheckpointError`` when the cache has none."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, token=token, local_files_only=True))
+    except Exception as e:  # noqa: BLE001 - LocalEntryNotFoundError and its kin, across versions
+        raise CheckpointError(f"{repo_id!r}: HF_HUB_OFFLINE is set and the local hub cache holds no snapshot "
+                              f"of it at {revision!r} ({type(e).__name__}); download it while online "
+                              "(huggingface_hub.snapshot_download), or pass the folder") from None
 
 
 def _commit(repo_id: str, revision: str, token: str | bool | None) -> str:
