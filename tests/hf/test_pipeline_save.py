@@ -1,6 +1,6 @@
 """sw.save(pipe, path) is one storage transaction: a save that fails on a rank, or whose process
 is killed, leaves nothing at ``path`` (a killed one leaves its hidden folder, which the next save
-removes); a save onto an existing pipeline is refused before anything is written."""
+removes); ``overwrite=True`` replaces a pipeline folder (its index and components) only."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pipeline_models import build_pipeline, generate, pipeline_class, save_pipel
 
 import shardwise as sw  # noqa: E402
 from harness import run_ranks  # noqa: E402
-from shardwise.errors import UsageError  # noqa: E402
+from shardwise.errors import ShardwiseError  # noqa: E402
 from shardwise.testing import RankFailure  # noqa: E402
 
 TOLERANCE = 1e-4
@@ -46,7 +46,7 @@ def _save(ckpt: str, out: str) -> str:
     pipe = sw.from_pretrained(pipeline_class("flux2"), ckpt, mesh=backend.mesh(tp=backend.world_size))
     try:
         sw.save(pipe, out, overwrite=True)
-    except UsageError as e:
+    except ShardwiseError as e:
         return f"{type(e).__name__}: {e}"
     return "saved"
 
@@ -84,10 +84,39 @@ def test_a_failed_or_killed_save_leaves_nothing_and_the_next_one_completes(tmp_p
     assert (generate(again, "flux2") - reference).abs().max().item() <= TOLERANCE
 
 
-def test_a_save_onto_a_pipeline_is_refused_before_writing(tmp_path):
-    ckpt = save_pipeline("flux2", tmp_path / "pipe")
-    before = _tree(ckpt)
-    for message in run_ranks(_save, 2, str(ckpt), str(ckpt), timeout=600):
-        assert message.startswith("UsageError") and "a pipeline saves to a new (or empty) folder" in message
-        assert "overwrite=True replaces a model's checkpoint folder" in message, message
-    assert _tree(ckpt) == before and _beside(ckpt) == []
+def _save_plain(ckpt: str, out: str) -> str:
+    backend = sw.init_backend("gloo")
+    pipe = sw.from_pretrained(pipeline_class("flux2"), ckpt, mesh=backend.mesh(tp=backend.world_size))
+    try:
+        sw.save(pipe, out)
+    except ShardwiseError as e:
+        return f"{type(e).__name__}: {e}"
+    return "saved"
+
+
+def test_overwrite_replaces_a_pipeline_folder_and_nothing_else(tmp_path):
+    ckpt, out = str(save_pipeline("flux2", tmp_path / "pipe")), tmp_path / "out"
+    assert run_ranks(_save_plain, 2, ckpt, str(out), timeout=600) == ["saved", "saved"]
+    before = _tree(out)
+    (out / "transformer" / "stale.bin").write_bytes(b"from an older save")  # inside a component: replaced
+    # without overwrite: refused before writing, on every rank
+    for message in run_ranks(_save_plain, 2, ckpt, str(out), timeout=600):
+        assert message.startswith("UsageError") and "pass overwrite=True" in message, message
+    assert _tree(out) == {**before, "transformer/stale.bin": b"from an older save"} and _beside(out) == []
+    # with overwrite: the pipeline folder replaced whole, byte for byte what the first save wrote
+    assert run_ranks(_save, 2, ckpt, str(out), timeout=600) == ["saved", "saved"]
+    after = _tree(out)
+    assert after == before, sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    assert _beside(out) == []
+    # a file of the user's beside the components is refused, and the folder left as it was
+    (out / "notes.txt").write_text("mine")
+    for message in run_ranks(_save, 2, ckpt, str(out), timeout=600):
+        assert "notes.txt" in message and "not a checkpoint file" in message, message
+    assert _tree(out) == {**before, "notes.txt": b"mine"} and _beside(out) == []
+    # a folder that is no pipeline (no model_index.json) is refused, and left as it was
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    for message in run_ranks(_save, 2, ckpt, str(other), timeout=600):
+        assert message.startswith("UsageError") and "holds no model_index.json" in message, message
+    assert _tree(other) == {"notes.txt": b"mine"}

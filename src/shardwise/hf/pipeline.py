@@ -11,6 +11,7 @@ before any weight is read. Imported on first use, from ``hf.pretrained`` and ``i
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -274,14 +275,15 @@ def save_pipeline(pipe: Any, path: str | os.PathLike, *, overwrite: bool = False
     final = target.local_path("a diffusers pipeline")
     backend = world_backend()
     error: Exception | None = None
+    replaceable: tuple[str, ...] = ()
     if final.is_dir() and any(final.iterdir()):
-        # the transaction replaces a folder of checkpoint files only (it deletes nothing else),
-        # and a pipeline's holds model_index.json and the components' folders
-        error = UsageError(f"{final} exists; a pipeline saves to a new (or empty) folder: pass another "
-                           f"path, or remove {final} first" + (" (overwrite=True replaces a model's "
-                           "checkpoint folder, not a pipeline's)" if overwrite else ""))
+        try:
+            replaceable = _replaceable_pipeline(final, overwrite)
+        except UsageError as e:
+            error = e
     agree(backend, error, what=f"saving a pipeline to {final}")
-    with Saving(target, overwrite=overwrite, backend=backend, what="the pipeline at {target}") as saving:
+    with Saving(target, overwrite=overwrite, backend=backend, replaceable=replaceable,
+                what="the pipeline at {target}") as saving:
         folder = saving.folder.local_path("a diffusers pipeline")
         components = {name: getattr(pipe, name) for name in _component_names(pipe)}
         models = {n: c for n, c in components.items()
@@ -301,6 +303,25 @@ def save_pipeline(pipe: Any, path: str | os.PathLike, *, overwrite: bool = False
                 error = e
         agree(backend, error, what=f"saving a pipeline to {final}")
         saving.commit()
+
+
+def _replaceable_pipeline(final: Path, overwrite: bool) -> tuple[str, ...]:
+    """What an ``overwrite`` may replace in the existing folder ``final``: a pipeline's
+    ``model_index.json`` and the component folders it names (whole), nothing else; a
+    ``UsageError`` without ``overwrite`` or where ``final`` is no pipeline folder."""
+    if not overwrite:
+        raise UsageError(f"{final} exists; pass overwrite=True to replace the pipeline there once the new "
+                         "one is complete, or save to another path")
+    index = final / "model_index.json"
+    if not index.is_file():
+        raise UsageError(f"{final} exists and holds no model_index.json: overwrite=True replaces a "
+                         "pipeline folder only; remove it first or save to another path")
+    try:
+        config = json.loads(index.read_text())
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{index}: unreadable ({e}); remove {final} first or save to another path") from e
+    names = [k for k, v in config.items() if not k.startswith("_") and isinstance(v, list)]
+    return ("model_index.json", *(f"{n}/" for n in names))
 
 
 def _component_names(pipe: Any) -> list[str]:

@@ -212,7 +212,8 @@ class Storage(Protocol):
                     replaceable: Sequence[str] = ()) -> Transaction:
         """The save transaction that puts a new checkpoint at ``target`` (rank 0 only). With
         ``overwrite`` it replaces a checkpoint whose files all match ``replaceable`` (``fnmatch``
-        patterns the save is told by its formats); anything else there is a ``CheckpointError``."""
+        patterns the save is told by its formats; a pattern ending in ``/`` names folders, which
+        a local storage replaces whole); anything else there is a ``CheckpointError``."""
 
 
 def read_small(location: Location, *, what: str, cap: int = MAX_HEADER_SIZE) -> bytes:

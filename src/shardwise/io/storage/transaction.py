@@ -77,9 +77,11 @@ def _check_target(target: Path, overwrite: bool, replaceable: tuple[str, ...]) -
         raise CheckpointError(f"{target} already exists ({len(entries)} entries); pass overwrite=True "
                               "to replace it once the new checkpoint is complete, or choose another path")
     # overwrite=True deletes only what the save's formats say they write (and their side files),
-    # and the partial files this storage's writers leave when killed
+    # and the partial files this storage's writers leave when killed; a folder only where a
+    # pattern ending in "/" names it (a pipeline's component folders)
     files = [e.name for e in entries if e.is_file()]
-    others = [e.name for e in entries if not e.is_file()] + foreign(files, (*replaceable, f".*{PARTIAL}"))
+    folders = [e.name + "/" for e in entries if not e.is_file()]
+    others = foreign(folders, replaceable) + foreign(files, (*replaceable, f".*{PARTIAL}"))
     if others:
         raise CheckpointError(
             f"overwrite=True replaces the whole folder {target}, but it also holds {others[0]!r}, "
