@@ -23,6 +23,7 @@ from shardwise.core.header import NamedDtype, dtype_to_str
 from shardwise.core.pieces import Composite, StoredPart
 from shardwise.core.plan import register_model_check
 from shardwise.core.quant_layout import quant_pairs
+from shardwise.core.walk import named_modules
 from shardwise.errors import CheckpointError, PlanError
 from shardwise.hf import hub_layout
 from shardwise.hf.hub_layout import library_of
@@ -263,7 +264,7 @@ def _check_placement(model: nn.Module, action: str) -> None:
         raise refusal(action, "it was placed by accelerate (model.hf_device_map is set)",
                       "build the model without device_map= (on the meta device: "
                       "`with torch.device('meta'):`) and let shardwise place each shard on its rank")
-    for path, module in model.named_modules():
+    for path, module in named_modules(model):
         where = path or "<root>"
         if getattr(module, "_hf_hook", None) is not None:
             hook = type(module._hf_hook).__name__
@@ -297,7 +298,7 @@ def _check_peft(model: nn.Module, action: str) -> None:
     fix = ("merge the adapters first (peft: model = model.merge_and_unload(); diffusers: "
            "fuse_lora() then unload_lora_weights()), attach them with sw.load_adapter (then sw.save writes "
            "the base), or load the base model without adapters")
-    for path, module in model.named_modules():
+    for path, module in named_modules(model):
         where = path or "<root>"
         if getattr(module, "peft_config", None) or getattr(module, "_hf_peft_config_loaded", False) is True:
             raise refusal(action, f"PEFT adapters are attached (peft_config on {where!r})", fix)
@@ -314,7 +315,7 @@ def _check_peft(model: nn.Module, action: str) -> None:
 def check_statistics_over_shards(model: nn.Module, owned: Mapping, degrees: Mapping[str, int]) -> None:
     """Refuse a plan that splits the features a module takes statistics over (Gemma-3n's
     activation sparsity: a top-k over ``gate_proj``'s features): each rank would see its part."""
-    for path, module in model.named_modules():
+    for path, module in named_modules(model):
         sparsity = getattr(module, "activation_sparsity", 0.0)
         gate = getattr(module, "gate_proj", None)
         if not (isinstance(sparsity, float) and sparsity > 0 and isinstance(gate, nn.Linear)):
@@ -332,7 +333,7 @@ def check_statistics_over_shards(model: nn.Module, owned: Mapping, degrees: Mapp
 def check_fused_halves(model: nn.Module, owned: Mapping, degrees: Mapping[str, int]) -> None:
     """Refuse a plain colwise split of a fused ``gate_up_proj`` whose forward cuts it into gate
     and up halves (``.chunk(2``, Inkling's experts): a rank would hold whole halves."""
-    for module in model.modules():
+    for _, module in named_modules(model):
         param = module._parameters.get("gate_up_proj")
         if param is None:
             continue

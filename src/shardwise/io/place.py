@@ -12,6 +12,7 @@ from torch import nn
 
 from shardwise.core.plan import ResolvedPlan
 from shardwise.core.spec import ShardSpec
+from shardwise.core.walk import state_tensors
 from shardwise.io.read.reader import WINDOW_BYTES
 from shardwise.io.source import Want
 from shardwise.io.staging import cast, finalizer
@@ -53,7 +54,7 @@ class InstallPlacement:
         return (self._keep if key in self._quantized else self._finalize)(raw)
 
     def install(self, model: nn.Module, tensors: dict, missing: list[str]) -> None:
-        own = model.state_dict(keep_vars=True) if missing else {}
+        own = state_tensors(model) if missing else {}
 
         def local_tensor(name, spec):
             if name in tensors:
