@@ -91,7 +91,8 @@ def test_the_walk_tables_are_torchs():
         with one_walk(model) if inside else nullcontext():
             assert list(module_table(model).items()) == list(model.named_modules(remove_duplicate=False))
             assert named_modules(model) == list(model.named_modules())
-            assert list(named_parameters(model).items()) == list(model.named_parameters(remove_duplicate=False))
+            params = list(model.named_parameters(remove_duplicate=False))
+            assert list(named_parameters(model).items()) == params
             assert list(state_tensors(model)) == list(model.state_dict(keep_vars=True))
 
 
@@ -112,7 +113,6 @@ def test_one_walk_walks_once_and_forgets_replaced_tensors():
 
 def _walks_of_a_load() -> tuple[int, int, list[bool]]:
     import tempfile
-    from pathlib import Path
 
     import safetensors.torch as st
 
@@ -120,10 +120,15 @@ def _walks_of_a_load() -> tuple[int, int, list[bool]]:
 
     backend = sw.init_backend("gloo")
     torch.manual_seed(0)
-    full = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4), nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4)))
+
+    def build() -> nn.Module:
+        return nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4),
+                             nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4)))
+
+    full = build()
     plan = {"0": "colwise", "1": "rowwise", "2.0": "colwise", "2.1": "rowwise"}
     with sw.empty_model():
-        model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4), nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4)))
+        model = build()
     counts = {"named_modules": 0, "state_dict": 0}
     originals = {name: getattr(nn.Module, name) for name in counts}
 
@@ -135,7 +140,7 @@ def _walks_of_a_load() -> tuple[int, int, list[bool]]:
         return call
 
     with tempfile.TemporaryDirectory() as tmp:
-        st.save_file({k: v.contiguous() for k, v in full.state_dict().items()}, str(Path(tmp) / "m.safetensors"))
+        st.save_file({k: v.contiguous() for k, v in full.state_dict().items()}, f"{tmp}/m.safetensors")
         for name in counts:
             setattr(nn.Module, name, counting(name))
         try:
