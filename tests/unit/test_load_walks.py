@@ -170,3 +170,37 @@ def test_a_load_walks_the_model_once():
     for walks, state_dicts, exact in run_ranks(_walks_of_a_load, 2):
         assert walks == 1 and state_dicts == 2  # modules once; tensors before install and after
         assert all(exact) and len(exact) == 8
+
+
+class _Forwarding(nn.Module):  # as PEFT's models: a miss is asked of the wrapped model
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.inner, name)
+
+
+class _WithClassAttrs(Inner):
+    kind = "class attribute"
+
+    @property
+    def doubled(self):
+        return 2 * self.lin.in_features
+
+
+def test_attribute_answers_as_getattr():
+    from shardwise.core.walk import attribute, has_attribute
+
+    model = _WithClassAttrs()
+    model._hf_hook = "a hook"  # an instance attribute, as accelerate attaches one
+    wrapped = _Forwarding(model)
+    for module in (model, wrapped, model.lin):
+        for name in ("_hf_hook", "kind", "doubled", "lin", "table", "weight", "training", "absent", "lora_A"):
+            assert attribute(module, name) is getattr(module, name, None) or (
+                attribute(module, name) == getattr(module, name, None))
+            assert has_attribute(module, name) == hasattr(module, name)
+    assert attribute(wrapped, "_hf_hook") == "a hook"  # through the wrapper's own __getattr__

@@ -12,9 +12,11 @@ another model, every call walks as torch does.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -106,5 +108,37 @@ def tensors_changed(model: nn.Module) -> None:
         walk.tensors = None
 
 
-__all__ = ["module_table", "named_modules", "named_parameters", "one_walk", "state_tensors",
-           "tensors_changed"]
+_MISSING = object()
+_PLAIN_GETATTR = nn.Module.__getattr__
+
+
+def attribute(module: nn.Module, name: str, default: object = None) -> object:
+    """``getattr(module, name, default)``, but a miss costs a few dict lookups, not
+    ``nn.Module.__getattr__``'s raise: the guards ask every module of a model for attributes
+    that libraries attach to a few (accelerate's ``_hf_hook``, PEFT's ``lora_A``...). Exact for
+    any module whose class keeps nn.Module's ``__getattr__`` (others are asked as they are).
+
+    >>> linear = torch.nn.Linear(2, 2)
+    >>> attribute(linear, "_hf_hook") is None, attribute(linear, "in_features"), attribute(linear, "x", 0)
+    (True, 2, 0)
+    """
+    cls: Any = type(module)  # hashable (mypy reads nn.Module's __hash__ off the class)
+    if (cls.__getattr__ is _PLAIN_GETATTR and name not in module.__dict__ and not _on_class(cls, name)
+            and name not in module._parameters and name not in module._buffers
+            and name not in module._modules):
+        return default
+    return getattr(module, name, default)
+
+
+@functools.lru_cache(maxsize=4096)
+def _on_class(cls: type, name: str) -> bool:
+    return hasattr(cls, name)
+
+
+def has_attribute(module: nn.Module, name: str) -> bool:
+    """``hasattr(module, name)``, as :func:`attribute` asks."""
+    return attribute(module, name, _MISSING) is not _MISSING
+
+
+__all__ = ["attribute", "has_attribute", "module_table", "named_modules", "named_parameters", "one_walk",
+           "state_tensors", "tensors_changed"]
