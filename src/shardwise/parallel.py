@@ -14,6 +14,7 @@ from torch import nn
 import shardwise.comm as comm
 from shardwise.core.plan import ResolvedPlan, Style, resolve_plan, without_tp
 from shardwise.core.spec import ShardSpec, split
+from shardwise.core.walk import module_table, state_tensors, tensors_changed
 from shardwise.errors import NonFiniteError, PlanError
 from shardwise.holding import Holding, is_dtensor, local_of  # noqa: F401 - local_of: re-exported
 from shardwise.local_tp import run_on_local_params, wire_forward, wire_local
@@ -60,14 +61,15 @@ def install(model: nn.Module, specs: ResolvedPlan, dims: MeshDims, *,
         if specs.degrees[axis] != degree:
             raise PlanError(f"plan was resolved for {axis} degree {specs.degrees[axis]} but the mesh "
                             f"{axis} axis has {degree}")
-    declared = {n: (tuple(t.shape), t.dtype) for n, t in model.state_dict(keep_vars=True).items()}
-    modules = dict(model.named_modules(remove_duplicate=False))  # one walk, not a walk per tensor
+    declared = {n: (tuple(t.shape), t.dtype) for n, t in state_tensors(model).items()}
+    modules = module_table(model)
     for name, spec in specs.items():
         _set_tensor(modules, name, local_tensor(name, spec))
     for alias, kept in specs.aliases.items():  # re-tie shared weights to the one new tensor
         prefix, _, leaf = alias.rpartition(".")
         kept_prefix, _, kept_leaf = kept.rpartition(".")
         setattr(modules[prefix], leaf, getattr(modules[kept_prefix], kept_leaf))
+    tensors_changed(model)
     state = ShardState.of(dims, specs)
     if not dims.holding.one_process:  # SPMD: the model's own forward, the partitioner adds the collectives
         wire(model, specs, state, dtensor=not dims.holding.plain_shards)
@@ -101,7 +103,7 @@ def wire(model: nn.Module, specs: ResolvedPlan, state: ShardState, *, dtensor: b
     # weight seen from a second module becomes the same DTensor Parameter; under "dtensor specs",
     # the specs dtensor_of shares.
     converted: dict = {}
-    modules = dict(model.named_modules(remove_duplicate=False))  # one walk, not a walk per path
+    modules = module_table(model)
     # Owners of parameters sharded by a parameter key first: their local-shard wrapper is
     # innermost, below any style wrapper (moe_experts) of the same module.
     for path in specs.local_owners if dtensor else ():

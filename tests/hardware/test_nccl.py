@@ -57,6 +57,7 @@ def test_pinned_staging_is_byte_exact():
 
     with ThreadPoolExecutor(4) as pool:  # the reader's threads call it at once
         moved = list(pool.map(stage, tensors * 3))
+    stage.join()  # the side stream's copies, before the current stream reads them
     for src, dst in zip(tensors * 3, moved, strict=True):
         assert dst.device == device and dst.dtype == src.dtype and dst.shape == src.shape
         back = dst.cpu()

@@ -25,6 +25,7 @@ from shardwise.core.styles import (
     match_plan,
     normalize_style,
 )
+from shardwise.core.walk import module_table, named_parameters, state_tensors
 from shardwise.errors import PlanError
 
 # ``check(model, owned, degrees)``, run by resolve_plan at every degree it tries, raises
@@ -183,7 +184,7 @@ def resolve_plan(model: nn.Module, plan, degree: int, *, strict: bool = False, e
         unused = unused + ep_unused
     # a key naming a quantized weight's scales (transformers adds them): scales follow their weight
     param_claims = {n: c for n, c in param_claims.items() if not is_tied_scale(model, n)}
-    modules = dict(model.named_modules(remove_duplicate=False))  # one walk, not a walk per path
+    modules = module_table(model)
     styles: dict[str, Style] = {}
     keys: dict[str, str] = {}
     owned: dict[int, tuple[ShardSpec, str, str]] = {}
@@ -212,7 +213,7 @@ def resolve_plan(model: nn.Module, plan, degree: int, *, strict: bool = False, e
             sharded.append(name)
             if path not in local_owners:
                 local_owners.append(path)
-    tensors = dict(model.named_parameters(remove_duplicate=False))
+    tensors = named_parameters(model)
     check_pairs({n: owned[id(t)][0] if id(t) in owned else ShardSpec() for n, t in tensors.items()},
                 {n: tuple(t.shape) for n, t in tensors.items()}, styles, keys, degree)
 
@@ -228,7 +229,7 @@ def resolve_plan(model: nn.Module, plan, degree: int, *, strict: bool = False, e
     specs: dict[str, ShardSpec] = {}
     aliases: dict[str, str] = {}
     first_name: dict[int, str] = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
+    for name, tensor in state_tensors(model).items():
         if id(tensor) in first_name:  # a tied weight: one tensor, several names
             kept = first_name[id(tensor)]
             aliases[name] = kept

@@ -11,6 +11,7 @@ from torch import nn
 
 from shardwise.core.spec import ShardSpec, block_sizes, check_shardable, dividing_degrees
 from shardwise.core.styles import Style
+from shardwise.core.walk import named_modules
 from shardwise.errors import PlanError, ShardingError
 
 # -- pairing of split projections ----------------------------------------------------------
@@ -137,7 +138,7 @@ def head_counts(model: nn.Module, sharded: list[str]) -> list[tuple[str, str, in
         while i != -1:
             below.setdefault(p[:i], []).append(p)
             i = p.find(".", i + 1)
-    owners += [(n, m) for n, m in model.named_modules() if n in below or n == "config"]
+    owners += [(n, m) for n, m in named_modules(model) if n in below or n == "config"]
     out = []
     for name, owner in owners:
         near = sharded if name in ("", "config") else below[name]

@@ -39,6 +39,7 @@ from shardwise.core.spec import (
     local_layout,
     local_shape,
 )
+from shardwise.core.walk import named_modules
 from shardwise.errors import PlanError, ShardingError
 
 
@@ -181,11 +182,13 @@ def is_tied_scale(model: nn.Module, name: str) -> bool:
 def quant_ties(model: nn.Module) -> dict[str, QuantTie]:
     """``{scales: QuantTie}`` of every pair of ``model``; ``PlanError`` for a misfit scale shape."""
     ties = {}
-    for path, module in model.named_modules():
+    for path, module in named_modules(model):
         prefix = f"{path}." if path else ""
         for values, scales, block, scheme in quant_pairs(module):
-            tie = QuantTie(f"{prefix}{values}", tuple(module._parameters[values].shape), block, scheme)
-            held = tuple(module._parameters[scales].shape)
+            weight, scale = module._parameters[values], module._parameters[scales]
+            assert weight is not None and scale is not None  # quant_pairs names set parameters only
+            tie = QuantTie(f"{prefix}{values}", tuple(weight.shape), block, scheme)
+            held = tuple(scale.shape)
             if held != tie.scale_shape:
                 raise PlanError(f"{prefix}{scales} has shape {held} but its weight {tie.weight_shape} in "
                                 f"blocks {block} needs {tie.scale_shape}; build the module with the block "

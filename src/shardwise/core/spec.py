@@ -3,6 +3,7 @@ A rank's local shard is its regions (boxes of the canonical tensor) concatenated
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -130,6 +131,14 @@ def block_sizes(shape: Shape, spec: ShardSpec) -> tuple[int, ...]:
 def check_shardable(shape: Shape, spec: ShardSpec, degree: int) -> None:
     """``ShardingError`` unless every block along ``spec.dim`` splits into ``degree`` parts
     (replicated: always; a dim out of range: ``PlanError``)."""
+    _check_shardable(tuple(shape), spec, degree)
+
+
+# A model repeats a few (shape, spec) pairs over its layers, and a load asks each tensor's several
+# times (the plan's degree check, each read's layout, the install check): each is checked once.
+# A failure is not cached (it raises every time); typed: degree True is not degree 1.
+@functools.lru_cache(maxsize=4096, typed=True)
+def _check_shardable(shape: tuple[int, ...], spec: ShardSpec, degree: int) -> None:
     check_degree(degree)
     if spec.dim is None:  # replicated
         return
@@ -191,12 +200,17 @@ def local_layout(shape: Shape, spec: ShardSpec, degree: int, rank: int) -> Layou
     >>> local_layout((8, 4), ShardSpec(dim=0, blocks=(1, 1)), 2, 1)[1]
     (Region(offsets=(6, 0), sizes=(2, 4)), (2, 0))
     """
+    return list(_local_layout(tuple(shape), spec, degree, rank))
+
+
+@functools.lru_cache(maxsize=4096, typed=True)  # as _check_shardable: the same few per model
+def _local_layout(shape: tuple[int, ...], spec: ShardSpec, degree: int, rank: int) -> tuple:
     check_degree(degree, rank)
     check_shardable(shape, spec, degree)
     shape = tuple(int(s) for s in shape)
     zeros = (0,) * len(shape)
     if spec.dim is None:  # replicated
-        return [(Region(zeros, shape), zeros)]
+        return ((Region(zeros, shape), zeros),)
     d = spec.dim
     spans: list[list[int]] = []  # [start, size] along d
     start = 0
@@ -213,7 +227,7 @@ def local_layout(shape: Shape, spec: ShardSpec, degree: int, rank: int) -> Layou
         region = Region(zeros[:d] + (lo,) + zeros[d + 1 :], shape[:d] + (n,) + shape[d + 1 :])
         layout.append((region, zeros[:d] + (pos,) + zeros[d + 1 :]))
         pos += n
-    return layout
+    return tuple(layout)
 
 
 def split(tensor: torch.Tensor, spec: ShardSpec, degree: int, rank: int) -> torch.Tensor:

@@ -13,6 +13,7 @@ from torch import nn
 
 from shardwise.core.adapter import adapter_for
 from shardwise.core.quant_layout import MXFP4_SUFFIXES
+from shardwise.core.walk import named_modules, named_parameters
 from shardwise.errors import PlanError
 
 
@@ -175,9 +176,8 @@ def match_plan(model: nn.Module, plan: Mapping, *, strict: bool = False, what: s
                       for head in (("", f"{prefix}.") if prefix else ("",))]
                 for key in plan if isinstance(key, str) and key}
     patterns = [v for vs in variants.values() for v in vs]
-    module_hits = dict(zip(patterns, matches(patterns, (n for n, _ in model.named_modules())), strict=True))
-    param_hits = dict(zip(patterns, matches(patterns, (n for n, _ in model.named_parameters(
-        remove_duplicate=False))), strict=True))
+    module_hits = dict(zip(patterns, matches(patterns, (n for n, _ in named_modules(model))), strict=True))
+    param_hits = dict(zip(patterns, matches(patterns, named_parameters(model)), strict=True))
     modules: dict[str, tuple[str, object]] = {}
     params: dict[str, tuple[str, object]] = {}
     unused: list[str] = []

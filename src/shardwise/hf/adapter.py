@@ -23,6 +23,7 @@ from shardwise.core.header import NamedDtype, dtype_to_str
 from shardwise.core.pieces import Composite, StoredPart
 from shardwise.core.plan import register_model_check
 from shardwise.core.quant_layout import quant_pairs
+from shardwise.core.walk import attribute, has_attribute, named_modules
 from shardwise.errors import CheckpointError, PlanError
 from shardwise.hf import hub_layout
 from shardwise.hf.encoder_plans import encoder_plan
@@ -267,15 +268,15 @@ def _check_placement(model: nn.Module, action: str) -> None:
         raise refusal(action, "it was placed by accelerate (model.hf_device_map is set)",
                       "build the model without device_map= (on the meta device: "
                       "`with torch.device('meta'):`) and let shardwise place each shard on its rank")
-    for path, module in model.named_modules():
+    for path, module in named_modules(model):
         where = path or "<root>"
-        if getattr(module, "_hf_hook", None) is not None:
+        if attribute(module, "_hf_hook") is not None:
             hook = type(module._hf_hook).__name__
             raise refusal(action, f"module {where!r} carries an accelerate hook ({hook}: device placement "
                           "or CPU/disk offload)",
                           "remove it first (accelerate.hooks.remove_hook_from_module(model, recurse=True)) "
                           "or build the model without device_map/offloading")
-        registry = getattr(module, "_diffusers_hook", None)
+        registry = attribute(module, "_diffusers_hook")
         if registry is not None:
             hit = next((n for n in _hook_names(registry) if n in _GROUP_OFFLOAD_HOOKS), None)
             if hit is not None:
@@ -301,14 +302,14 @@ def _check_peft(model: nn.Module, action: str) -> None:
     fix = ("merge the adapters first (peft: model = model.merge_and_unload(); diffusers: "
            "fuse_lora() then unload_lora_weights()), attach them with sw.load_adapter (then sw.save writes "
            "the base), or load the base model without adapters")
-    for path, module in model.named_modules():
+    for path, module in named_modules(model):
         where = path or "<root>"
-        if getattr(module, "peft_config", None) or getattr(module, "_hf_peft_config_loaded", False) is True:
+        if attribute(module, "peft_config") or attribute(module, "_hf_peft_config_loaded", False) is True:
             raise refusal(action, f"PEFT adapters are attached (peft_config on {where!r})", fix)
         cls = type(module).__name__
         if cls.startswith("Lora") or cls.startswith("PeftModel"):
             raise refusal(action, f"module {where!r} is a PEFT layer ({cls})", fix)
-        if hasattr(module, "lora_A") or hasattr(module, "lora_B"):
+        if has_attribute(module, "lora_A") or has_attribute(module, "lora_B"):
             raise refusal(action, f"module {where!r} has LoRA layers injected (lora_A/lora_B, class {cls})",
                           fix)
 
@@ -318,9 +319,9 @@ def _check_peft(model: nn.Module, action: str) -> None:
 def check_statistics_over_shards(model: nn.Module, owned: Mapping, degrees: Mapping[str, int]) -> None:
     """Refuse a plan that splits the features a module takes statistics over (Gemma-3n's
     activation sparsity: a top-k over ``gate_proj``'s features): each rank would see its part."""
-    for path, module in model.named_modules():
-        sparsity = getattr(module, "activation_sparsity", 0.0)
-        gate = getattr(module, "gate_proj", None)
+    for path, module in named_modules(model):
+        sparsity = attribute(module, "activation_sparsity", 0.0)
+        gate = attribute(module, "gate_proj")
         if not (isinstance(sparsity, float) and sparsity > 0 and isinstance(gate, nn.Linear)):
             continue
         entry = owned.get(id(gate.weight))
@@ -336,7 +337,7 @@ def check_statistics_over_shards(model: nn.Module, owned: Mapping, degrees: Mapp
 def check_fused_halves(model: nn.Module, owned: Mapping, degrees: Mapping[str, int]) -> None:
     """Refuse a plain colwise split of a fused ``gate_up_proj`` whose forward cuts it into gate
     and up halves (``.chunk(2``, Inkling's experts): a rank would hold whole halves."""
-    for module in model.modules():
+    for _, module in named_modules(model):
         param = module._parameters.get("gate_up_proj")
         if param is None:
             continue

@@ -10,6 +10,7 @@ from torch import nn
 from shardwise.core.adapter import refuse_unsupported
 from shardwise.core.quant import SUPPORTED_QUANT, quant_scheme  # noqa: F401 - quant_scheme: re-exported
 from shardwise.core.quant_layout import quant_pairs
+from shardwise.core.walk import named_modules
 from shardwise.errors import MeshError, UnsupportedModelError
 from shardwise.mesh import is_spmd_mesh
 
@@ -42,7 +43,7 @@ def check_model(model: nn.Module, *, action: str) -> None:
 def _check_quantized_tensors(model: nn.Module, action: str) -> None:
     fix = (f"shardwise reads and writes unquantized weights and {SUPPORTED_QUANT} only; build the model "
            "without quantization (no torchao quantize_, no bitsandbytes layers), load it, then quantize")
-    for path, module in model.named_modules():
+    for path, module in named_modules(model):
         cls = type(module).__name__
         pairs = quant_pairs(module)
         if pairs:  # FP8 (a linear, or experts) or MXFP4 (uint8 blocks and scales, as stored)

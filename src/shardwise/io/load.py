@@ -19,6 +19,7 @@ from torch import nn
 from shardwise._progress import Progress
 from shardwise.comm import agree, rank
 from shardwise.core.plan import ResolvedPlan
+from shardwise.core.walk import named_modules, one_walk, state_tensors, tensors_changed
 from shardwise.errors import CheckpointError, PlanError, ShardwiseError, on_every_rank
 from shardwise.io.formats import get_format, open_source
 from shardwise.io.formats.safetensors.keys import listing
@@ -85,7 +86,7 @@ def load(model: nn.Module, path: str | os.PathLike | Location, *, plan, mesh,
     >>> sw.load(model, "ckpt/", plan=plan, mesh=backend.mesh(tp=4), dtype=torch.bfloat16)  # doctest: +SKIP
     LoadResult(tensors=291, bytes_read=4021813248, seconds=1.912, missing=0, unexpected=0)
     """
-    with collector_paused():
+    with collector_paused(), one_walk(model):  # the guards, plan, match, install and checks: one walk
         return _load(model, path, plan=plan, mesh=mesh, dtype=dtype, strict=strict, num_threads=num_threads,
                      progress=progress, holding=holding, ep_plan=ep_plan, dequantize=dequantize,
                      storage_options=storage_options, **options)
@@ -152,6 +153,7 @@ def _load(model: nn.Module, path, *, plan, mesh, dtype, strict, num_threads, pro
             tensors = source.read(reads, finalize=place.finalize, options=how, on_bytes=bar)
     place.install(model, tensors, missing)
     move_non_persistent(model, dims.device)
+    tensors_changed(model)
     if dequantize:
         drop_quantization_config(model)
     return LoadResult(tuple(missing), tuple(unexpected), source.bytes_read,
@@ -160,7 +162,7 @@ def _load(model: nn.Module, path, *, plan, mesh, dtype, strict, num_threads, pro
 
 def check_nothing_left_on_meta(model: nn.Module, specs: ResolvedPlan, missing: list[str]) -> None:
     """Raise before reading if the load would leave a tensor on the meta device."""
-    state = model.state_dict(keep_vars=True)
+    state = state_tensors(model)
     empty = [n for n in missing if state[n].is_meta]
     if empty:
         raise CheckpointError(
@@ -168,20 +170,22 @@ def check_nothing_left_on_meta(model: nn.Module, specs: ResolvedPlan, missing: l
             f"device): {listing(empty)}; load a checkpoint that has them, or build the model with "
             "these tensors materialised"
         )
-    for name, buf in model.named_buffers():
-        if name not in state and buf.is_meta:
-            raise CheckpointError(
-                f"non-persistent buffer {name!r} is on the meta device; checkpoints never store "
-                "non-persistent buffers, so loading cannot fill it. Build the model inside "
-                "`with sw.empty_model():` (parameters on meta, buffers real) instead of "
-                "`with torch.device('meta'):`, or use sw.from_pretrained for Hugging Face models"
-            )
+    for path, module in named_modules(model):
+        for leaf, buf in module._buffers.items():
+            name = f"{path}.{leaf}" if path else leaf
+            if buf is not None and buf.is_meta and name not in state:
+                raise CheckpointError(
+                    f"non-persistent buffer {name!r} is on the meta device; checkpoints never store "
+                    "non-persistent buffers, so loading cannot fill it. Build the model inside "
+                    "`with sw.empty_model():` (parameters on meta, buffers real) instead of "
+                    "`with torch.device('meta'):`, or use sw.from_pretrained for Hugging Face models"
+                )
 
 
 def move_non_persistent(model: nn.Module, device: torch.device) -> None:
     """Move the non-persistent buffers to ``device``; raise if any tensor is left on meta."""
     left: dict[str, None] = {}
-    for path, module in model.named_modules():  # one walk: move, then look for meta tensors
+    for path, module in named_modules(model):  # one walk: move, then look for meta tensors
         for name in module._non_persistent_buffers_set:
             buf = module._buffers.get(name)
             if buf is not None and buf.device != device:

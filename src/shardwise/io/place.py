@@ -12,9 +12,10 @@ from torch import nn
 
 from shardwise.core.plan import ResolvedPlan
 from shardwise.core.spec import ShardSpec
+from shardwise.core.walk import state_tensors
 from shardwise.io.read.reader import WINDOW_BYTES
 from shardwise.io.source import Want
-from shardwise.io.staging import cast, finalizer
+from shardwise.io.staging import cast, finalizer, host_to_device
 from shardwise.mesh import MeshDims
 from shardwise.parallel import install
 from shardwise.quant import local_part
@@ -41,8 +42,9 @@ class InstallPlacement:
         self.specs, self.dims, self.dtype = specs, dims, dtype
         self.coords = dims.axis_coords  # per mesh axis: a spec's ranks are on spec.axis
         self.device = dims.device
-        self._finalize = finalizer(dtype, self.device)  # cast after slicing, then to the device
-        self._keep = finalizer(None, self.device)  # FP8 weights and their scales keep their dtypes
+        self._to_device = host_to_device(self.device)  # one stager (its pinned buffers) for both
+        self._finalize = finalizer(dtype, self.device, self._to_device)  # cast after slicing, then move
+        self._keep = finalizer(None, self.device, self._to_device)  # FP8 weights and scales keep dtypes
         self._quantized = specs.quantized
 
     def wants(self, names: list[str]) -> dict[str, Want]:
@@ -53,7 +55,8 @@ class InstallPlacement:
         return (self._keep if key in self._quantized else self._finalize)(raw)
 
     def install(self, model: nn.Module, tensors: dict, missing: list[str]) -> None:
-        own = model.state_dict(keep_vars=True) if missing else {}
+        self._to_device.join()  # the copies still in flight land before anything reads them
+        own = state_tensors(model) if missing else {}
 
         def local_tensor(name, spec):
             if name in tensors:
@@ -62,6 +65,7 @@ class InstallPlacement:
                                                   self.coords[spec.axis]))  # own
 
         install(model, self.specs, self.dims, local_tensor=local_tensor, dtype=self.dtype)
+        self._to_device.join()  # and the model's own values (strict=False) moved meanwhile
 
 
 class SpmdPlacement:

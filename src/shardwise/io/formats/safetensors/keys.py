@@ -13,6 +13,7 @@ from torch import nn
 from shardwise.core.adapter import adapter_for
 from shardwise.core.pieces import Composite
 from shardwise.core.plan import ResolvedPlan
+from shardwise.core.walk import state_tensors
 from shardwise.errors import CheckpointError
 from shardwise.io.formats.safetensors.quantized import pair_mxfp4, pair_quantized
 from shardwise.io.storage import Location
@@ -52,7 +53,7 @@ def match_keys(model: nn.Module, specs: ResolvedPlan, ckpt: KeyedCheckpoint, *, 
     for alias, kept in specs.aliases.items():
         names_of[kept].append(alias)
     stored = set(ckpt.names)
-    state = model.state_dict(keep_vars=True)
+    state = state_tensors(model)
     shapes = {n: tuple(t.shape) for n, t in state.items()}
     absent = {n for n, candidates in names_of.items() if not any(c in stored for c in candidates)}
     # A tensor the checkpoint stores as MXFP4 blocks and scales (gpt-oss's experts).
