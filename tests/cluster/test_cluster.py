@@ -153,6 +153,12 @@ def test_a_link_down_mid_operation(cluster, job, checkpoint, what):
         print(found["outcome"][:300], found["objects"])
         assert not found["outcome"].startswith("loaded"), "a failed save left a checkpoint that loads"
         assert "CheckpointError" in found["outcome"], found["outcome"]
+        # the failed save into a new prefix left nothing: rank 0 discarded what it found, and each
+        # rank of the partitioned node swept its own last objects once it raised (Publish.sweep)
+        key = failed_url.removeprefix("s3://").partition("/")[2]
+        parent, _, name = key.rpartition("/")
+        left = [o for o in found["objects"] if o.startswith((f"{key}/", f"{parent}/.{name}."))]
+        assert left == [], f"the failed save left {left}"
 
 
 @pytest.mark.parametrize("what", ["load", "gather", "save", "transfer"])
