@@ -195,6 +195,10 @@ METHODS = {"raw": rr.raw_rank, "shardwise": rr.shardwise_rank, "runai": rr.runai
 def main(job_path: str, out: str) -> None:
     torch.set_num_threads(1)
     job = pickle.loads(Path(job_path).read_bytes())  # written by cluster.py, this run
+    if job.get("round_bytes"):  # an exchange round other than the library's (cluster.py --round-mib)
+        import shardwise.io.read.exchange as exchange
+
+        exchange.ROUND_BYTES = job["round_bytes"]
     figures = METHODS[job["method"]](*job["args"])
     figures.update(host=socket.gethostname(), local_rank=int(os.environ.get("LOCAL_RANK", 0)))
     Path(out, f"rank{figures['rank']}.json").write_text(json.dumps(figures, default=str))

@@ -114,13 +114,13 @@ class Bench:
         return [parts_of(_rank_spans(self.headers, shares, degree, r)) for r in range(degree)]
 
     def launch(self, label: str, case: str, nodes: int, per_node: int, method: str, args: list,
-               env: dict | None = None) -> dict:
+               env: dict | None = None, round_bytes: int | None = None) -> dict:
         self.log(f"({case}) {label}, {nodes} node(s) x {per_node}")
         tag = f"{case}-{nodes}-{label.replace(' ', '_')}-{time.monotonic_ns()}"
         out = self.c.shared / "out" / tag
         out.mkdir(parents=True)
         job = self.c.shared / "out" / f"{tag}.pickle"  # specs and plans are objects
-        job.write_bytes(pickle.dumps({"method": method, "args": args}))
+        job.write_bytes(pickle.dumps({"method": method, "args": args, "round_bytes": round_bytes}))
         sent0, cpu0 = self.c.counters("storage")["tx_bytes"], _weed_cpu(self.weed_pid)
         runs = self.c.torchrun([str(RANKS), str(job), str(out)], timeout=self.args.timeout,
                                env={**self.env, **(env or {})}, nodes=list(range(nodes)),
@@ -164,11 +164,15 @@ def measure(bench: Bench, args) -> tuple[list[dict], list[dict]]:
         raws, mine = [bench.launch(*raw)], [bench.launch(*ours[:5], [*ours[5][:4], save])]
         saves.append(mine[0])
         start, runai = len(rows), [bench.urls, cfg, bench.specs(n), n]
-        for _ in range(1, args.repeat if not args.peers else 1):  # alternating, without the peers
-            raws.append(bench.launch(*raw))
-            mine.append(bench.launch(*ours))
+        rounds: dict[int, list] = {m: [] for m in args.round_mib}
+        for i in range(args.repeat if not args.peers else 0):  # alternating, without the peers
+            if i:
+                raws.append(bench.launch(*raw))
+                mine.append(bench.launch(*ours))
+            for m in args.round_mib:  # the exchange's round at m MiB instead of the library's
+                rounds[m].append(bench.launch(f"shardwise, {m} MiB rounds", *ours[1:], round_bytes=m << 20))
         if not args.peers:
-            rows[start:start] = [_best(raws), _best(mine)]
+            rows[start:start] = [_best(raws), _best(mine), *(_best(r) for r in rounds.values())]
             continue
         rows.append(bench.launch("runai-model-streamer", "a", n, 1, "runai", [*runai, False]))
         if n > 1:
@@ -203,7 +207,7 @@ def _trace_rows(rows: list[dict]) -> list[dict]:
     out = []
     for row in rows:
         ranks = row.get("per_rank") or []
-        if row["case"] != "a" or row["method"] not in ("raw ceiling", "shardwise") or not ranks:
+        if row["case"] != "a" or not row["method"].startswith(("raw ceiling", "shardwise")) or not ranks:
             continue
         slow = max(ranks, key=lambda r: r["seconds"])
         t = slow.get("trace") or {}
@@ -294,6 +298,8 @@ def main(argv=None) -> None:
                    "alternating (the fastest counts; 2)")
     p.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
                    help="(a)'s runai and download + load rows (--no-peers: the raw ceiling and shardwise)")
+    p.add_argument("--round-mib", type=int, nargs="*", default=[],
+                   help="with --no-peers: shardwise also with the exchange's round at these MiB (a trial)")
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--out", type=Path)
     p.add_argument("--from-json", type=Path)
