@@ -132,7 +132,7 @@ def _previous_intact(job, target: str, records: list[dict]) -> int:
     round's checkpoint, byte for byte: the last that every rank finished, or the one the fault hit
     if its commit had landed; never a mix, and no staging prefix is left beside it."""
     done = min(r["done"] for r in records)
-    found = job.once(0, "verify", target, str(done))
+    found = job.once(0, "verify", target, str(done), timeout=180)
     print(f"after {done} rounds {target} holds round {found['held']}; objects: {found['objects']}")
     assert found["held"] in (done, done + 1), f"{target}: not a whole round's checkpoint: {found}"
     staged = [o for o in found["objects"] if ".shardwise-" in o and "published" not in o]
@@ -166,9 +166,7 @@ def test_a_node_killed_mid_operation(cluster, job, checkpoint, what):
     """Every process of node 1 SIGKILLed: node 0's ranks raise; a save's target keeps a whole
     checkpoint (the previous one, or the round whose commit had landed)."""
     url, _ = checkpoint
-    target = job.url("prev")
-    if what in ("gather", "save"):
-        job.once(0, "upload", target)
+    target = url  # seed 0: each round overwrites it (the load, before, reads it)
     records, killed = _fault_run(cluster, job, what, "kill", url, target)
     assert {r["host"] for r in records} == {"node0"}, "a killed node wrote no record"
     _survivors_raise(cluster, records, killed)
@@ -181,9 +179,7 @@ def test_a_slow_node_completes_exactly(cluster, job, checkpoint, what):
     """Node 1 at a tenth of node 0's rate, within the timeout: the job waits for it and ends
     right (a slow node is no failure); raising is for a node slower than the timeout."""
     url, _ = checkpoint
-    target = job.url("prev")
-    if what in ("gather", "save"):
-        job.once(0, "upload", target)
+    target = url  # seed 0: each round overwrites it (the load, before, reads it)
     records, _ = _fault_run(cluster, job, what, "slow", url, target)
     assert len(records) == cluster.world_size, records
     for r in records:
