@@ -1,7 +1,8 @@
 """What only shows across nodes, on a simulated cluster (conftest.py: 2 nodes x 2 ranks, 200
 Mbit/s per node, SeaweedFS on a storage host): replicas read once, counted by the storage host's
-NIC; a distributed save to a folder the nodes do not share; a transfer between nodes; a link
-taken down mid-load and mid-save. The ranks' side is node.py."""
+NIC; a distributed save to a folder the nodes do not share; a transfer between nodes; faults on
+node 1: its link taken down, every process on it SIGKILLed, or its rate at a tenth (it completes,
+exact), during load, gather save, distributed save and transfer. The ranks' side is node.py."""
 
 from __future__ import annotations
 
