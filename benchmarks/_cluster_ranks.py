@@ -17,6 +17,7 @@ import pickle
 import resource
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -25,6 +26,7 @@ import torch
 from _common import PeakRSS, real_plan
 
 NIC = Path("/sys/class/net/eth0/statistics")
+MIB = 1 << 20
 
 
 def _nic() -> dict[str, int]:
@@ -36,22 +38,109 @@ def _cpu() -> float:
     return use.ru_utime + use.ru_stime
 
 
+class Trace:
+    """Where a timed phase's seconds go, seen from outside the library: the node's received bytes
+    sampled every ``STEP`` s (when the NIC starts and stops receiving), each ``obstore.get``'s
+    start and size (the first request, the first data request of 1 MiB or more, the most issued
+    per ``STEP``) and each ``all_to_all_single`` of shardwise's exchange (its seconds)."""
+
+    STEP = 0.01
+
+    def __enter__(self) -> Trace:
+        import obstore
+
+        import shardwise.comm as comm
+
+        self.t0, self.rx, self.gets, self.a2a = time.perf_counter(), [], [], []
+        self._stop, lock = threading.Event(), threading.Lock()
+        self._real_get, self._real_a2a = obstore.get, comm.all_to_all_single
+
+        def get(store, key, *args, options=None, **kwargs):
+            span = (options or {}).get("range")
+            with lock:
+                self.gets.append((time.perf_counter() - self.t0, span[1] - span[0] if span else -1))
+            return self._real_get(store, key, *args, options=options, **kwargs)
+
+        def a2a(*args, **kwargs):
+            start = time.perf_counter() - self.t0
+            try:
+                return self._real_a2a(*args, **kwargs)
+            finally:
+                self.a2a.append((start, time.perf_counter() - self.t0))
+
+        def sample():
+            while not self._stop.wait(self.STEP):
+                self.rx.append((time.perf_counter() - self.t0, _nic().get("rx_bytes", 0)))
+
+        obstore.get, comm.all_to_all_single = get, a2a
+        self.rx.append((0.0, _nic().get("rx_bytes", 0)))
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import obstore
+
+        import shardwise.comm as comm
+
+        self._stop.set()
+        self._thread.join()
+        self.rx.append((time.perf_counter() - self.t0, _nic().get("rx_bytes", 0)))
+        obstore.get, comm.all_to_all_single = self._real_get, self._real_a2a
+
+    def as_dict(self) -> dict:
+        base, total = self.rx[0][1], self.rx[-1][1] - self.rx[0][1]
+
+        def when(fraction: float) -> float | None:
+            return next((t for t, b in self.rx if b - base >= fraction * total), None) if total else None
+
+        data = [t for t, n in self.gets if n >= MIB]
+        issued: dict[int, int] = {}
+        for t, _ in self.gets:
+            issued[int(t / self.STEP)] = issued.get(int(t / self.STEP), 0) + 1
+        start, end = when(0.01), when(0.99)
+        return {"first_get_s": self.gets[0][0] if self.gets else None,
+                "first_data_get_s": data[0] if data else None, "gets": len(self.gets),
+                "rx_start_s": start, "rx_end_s": end, "wall_s": self.rx[-1][0],
+                "rx_rate_mbit": total * 8 / 1e6 / (end - start) if start is not None and end and end > start
+                else None,
+                "a2a": len(self.a2a), "a2a_s": sum(e - s for s, e in self.a2a),
+                "a2a_last_end_s": max((e for _, e in self.a2a), default=None),
+                "a2a_spans": [(round(s, 3), round(e, 3)) for s, e in self.a2a],
+                "rx_mib_per_100ms": _binned(self.rx, base)}
+
+
+def _binned(rx: list[tuple[float, int]], base: int, step: float = 0.1) -> list[float]:
+    """The received MiB in each ``step`` of the phase (the NIC's timeline)."""
+    out: list[float] = []
+    last = base
+    for t, b in rx:
+        while len(out) <= int(t / step):
+            out.append(0.0)
+        out[int(t / step)] += (b - last) / MIB
+        last = b
+    return [round(x, 2) for x in out]
+
+
 class Counted(PeakRSS):
-    """PeakRSS, plus the CPU seconds of this process and the bytes of its node's NIC in the block."""
+    """PeakRSS, plus the CPU seconds of this process, the bytes of its node's NIC in the block
+    and its :class:`Trace`."""
 
     def __enter__(self) -> Counted:
         self._nic0, self._cpu0, self._t0 = _nic(), _cpu(), time.perf_counter()
+        self.trace = Trace().__enter__()
         return super().__enter__()  # type: ignore[return-value]
 
     def __exit__(self, *exc) -> None:
         super().__exit__(*exc)
+        self.trace.__exit__(*exc)
         self.wall = time.perf_counter() - self._t0
         self.cpu = _cpu() - self._cpu0
         self.nic = {k: v - self._nic0.get(k, 0) for k, v in _nic().items()}
 
     def as_dict(self) -> dict:
         return {**super().as_dict(), "cpu_s": self.cpu, "cpu_busy": self.cpu / max(self.wall, 1e-9),
-                "nic": self.nic}
+                "nic": self.nic, "trace": self.trace.as_dict()}
 
 
 rr.PeakRSS = Counted  # type: ignore[misc]  (the ranks' timed phases count CPU and NIC bytes too)
@@ -106,6 +195,10 @@ METHODS = {"raw": rr.raw_rank, "shardwise": rr.shardwise_rank, "runai": rr.runai
 def main(job_path: str, out: str) -> None:
     torch.set_num_threads(1)
     job = pickle.loads(Path(job_path).read_bytes())  # written by cluster.py, this run
+    if job.get("round_bytes"):  # an exchange round other than the library's (cluster.py --round-mib)
+        import shardwise.io.read.exchange as exchange
+
+        exchange.ROUND_BYTES = job["round_bytes"]
     figures = METHODS[job["method"]](*job["args"])
     figures.update(host=socket.gethostname(), local_rank=int(os.environ.get("LOCAL_RANK", 0)))
     Path(out, f"rank{figures['rank']}.json").write_text(json.dumps(figures, default=str))

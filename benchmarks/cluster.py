@@ -114,13 +114,13 @@ class Bench:
         return [parts_of(_rank_spans(self.headers, shares, degree, r)) for r in range(degree)]
 
     def launch(self, label: str, case: str, nodes: int, per_node: int, method: str, args: list,
-               env: dict | None = None) -> dict:
+               env: dict | None = None, round_bytes: int | None = None) -> dict:
         self.log(f"({case}) {label}, {nodes} node(s) x {per_node}")
         tag = f"{case}-{nodes}-{label.replace(' ', '_')}-{time.monotonic_ns()}"
         out = self.c.shared / "out" / tag
         out.mkdir(parents=True)
         job = self.c.shared / "out" / f"{tag}.pickle"  # specs and plans are objects
-        job.write_bytes(pickle.dumps({"method": method, "args": args}))
+        job.write_bytes(pickle.dumps({"method": method, "args": args, "round_bytes": round_bytes}))
         sent0, cpu0 = self.c.counters("storage")["tx_bytes"], _weed_cpu(self.weed_pid)
         runs = self.c.torchrun([str(RANKS), str(job), str(out)], timeout=self.args.timeout,
                                env={**self.env, **(env or {})}, nodes=list(range(nodes)),
@@ -164,6 +164,16 @@ def measure(bench: Bench, args) -> tuple[list[dict], list[dict]]:
         raws, mine = [bench.launch(*raw)], [bench.launch(*ours[:5], [*ours[5][:4], save])]
         saves.append(mine[0])
         start, runai = len(rows), [bench.urls, cfg, bench.specs(n), n]
+        rounds: dict[int, list] = {m: [] for m in args.round_mib}
+        for i in range(args.repeat if not args.peers else 0):  # alternating, without the peers
+            if i:
+                raws.append(bench.launch(*raw))
+                mine.append(bench.launch(*ours))
+            for m in args.round_mib:  # the exchange's round at m MiB instead of the library's
+                rounds[m].append(bench.launch(f"shardwise, {m} MiB rounds", *ours[1:], round_bytes=m << 20))
+        if not args.peers:
+            rows[start:start] = [_best(raws), _best(mine), *(_best(r) for r in rounds.values())]
+            continue
         rows.append(bench.launch("runai-model-streamer", "a", n, 1, "runai", [*runai, False]))
         if n > 1:
             rows.append(bench.launch("runai distributed", "a", n, 1, "runai", [*runai, True]))
@@ -187,6 +197,38 @@ def measure(bench: Bench, args) -> tuple[list[dict], list[dict]]:
     finally:
         c.rate("storage", None, None)
     return rows, saves
+
+
+def _trace_rows(rows: list[dict]) -> list[dict]:
+    """Where (a)'s seconds go, per N (the raw ceiling's and shardwise's fastest launch; the
+    slowest rank of each): when the first GET and the first data GET left, when the node's NIC
+    had received 1% and 99% of its bytes, its rate in between, the exchange's all_to_all seconds
+    (blocking the main thread; the fetches go on behind it) and the tail after the NIC's 99%."""
+    out = []
+    for row in rows:
+        ranks = row.get("per_rank") or []
+        if row["case"] != "a" or not row["method"].startswith(("raw ceiling", "shardwise")) or not ranks:
+            continue
+        slow = max(ranks, key=lambda r: r["seconds"])
+        t = slow.get("trace") or {}
+        out.append({"method": row["method"], "nodes": row["nodes"], "seconds": slow["seconds"],
+                    "first_get_s": t.get("first_get_s"), "first_data_get_s": t.get("first_data_get_s"),
+                    "rx_start_s": t.get("rx_start_s"), "rx_end_s": t.get("rx_end_s"),
+                    "rx_rate_mbit": t.get("rx_rate_mbit"), "gets": t.get("gets"),
+                    "rx_mib": slow["nic"].get("rx_bytes", 0) / MIB, "share_mib": slow["share"] / MIB,
+                    "a2a": t.get("a2a"), "a2a_s": t.get("a2a_s"),
+                    "tail_s": slow["seconds"] - t["rx_end_s"] if t.get("rx_end_s") is not None else None,
+                    "cpu_busy": slow["cpu_busy"]})
+    return out
+
+
+TRACE_COLUMNS = [("method", "method"), ("nodes", "nodes"), ("seconds", "load s"),
+                 ("first_get_s", "1st GET s"), ("first_data_get_s", "1st data GET s"),
+                 ("rx_start_s", "NIC 1% s"), ("rx_end_s", "NIC 99% s"),
+                 ("rx_rate_mbit", "NIC Mbit/s between"),
+                 ("rx_mib", "node rx MiB"), ("share_mib", "share MiB"), ("gets", "GETs"),
+                 ("a2a", "all_to_alls"), ("a2a_s", "all_to_all s"), ("tail_s", "after NIC 99% s"),
+                 ("cpu_busy", "CPU busy")]
 
 
 def _ratios(rows: list[dict]) -> None:
@@ -254,12 +296,19 @@ def main(argv=None) -> None:
     p.add_argument("--runs", type=int, default=1, help="runs of each put and save (the fastest counts)")
     p.add_argument("--repeat", type=int, default=2, help="launches of each raw ceiling and shardwise load, "
                    "alternating (the fastest counts; 2)")
+    p.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
+                   help="(a)'s runai and download + load rows (--no-peers: the raw ceiling and shardwise)")
+    p.add_argument("--round-mib", type=int, nargs="*", default=[],
+                   help="with --no-peers: shardwise also with the exchange's round at these MiB (a trial)")
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--out", type=Path)
     p.add_argument("--from-json", type=Path)
     args = p.parse_args(argv)
     if args.from_json:
-        for path in (args.from_json, args.from_json.with_name("cluster-save.json")):
+        more = (args.from_json.with_name(f"cluster-{n}.json") for n in ("save", "trace"))
+        for path in (args.from_json, *more):
+            if not path.exists():
+                continue
             payload = json.loads(path.read_text())
             print(write_doc_section({**payload, "notes": _notes(payload)}))
         return
@@ -291,6 +340,9 @@ def main(argv=None) -> None:
                 for r in rows]
     print(write_results("cluster", table, COLUMNS, _notes(info), extra={**info, "per_rank": per_rank},
                         out_dir=args.out))
+    traced = _trace_rows(rows)
+    if traced:
+        print(write_results("cluster-trace", traced, TRACE_COLUMNS, _notes(info), out_dir=args.out))
     saves = _save_rows(save_rows, bench.total)
     if saves:
         print(write_results("cluster-save", saves, SAVE_COLUMNS, _notes(info), extra=info, out_dir=args.out))

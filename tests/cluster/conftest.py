@@ -49,7 +49,7 @@ class Job:
     def script(self, mode: str, *args: str) -> list[str]:
         return [str(NODE), mode, str(self.out), *args]
 
-    def once(self, node: int, mode: str, *args: str, timeout: float = 60) -> dict:
+    def once(self, node: int, mode: str, *args: str, timeout: float = 180) -> dict:
         """``node.py MODE`` as one process on ``node``; what it wrote."""
         self.cluster.run(node, [sys.executable, str(NODE), mode, str(self.out), *args], timeout=timeout,
                          env=self.cluster.s3_env)

@@ -118,40 +118,95 @@ def transfer(out: str) -> None:
     _record(out, rank, bad=_mismatches(dst) if dst is not None else [], plan=str(plan))
 
 
-def fault(out: str, what: str, url: str, target: str, timeout: str) -> None:
-    """Load from ``url`` (``what="load"``) or save to ``target`` (``"save"``) with every timeout
-    at ``timeout`` seconds, while the test takes a node's link down; record when and how this
-    rank raised (or that it did not)."""
-    seconds = float(timeout)
+def _bump(model) -> None:
+    """Add 1 to every local shard: the k-th save of a fault run holds seed 0 + k (``verify``)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            sw.parallel.local_of(p).add_(1)
+
+
+def fault(out: str, what: str, url: str, target: str, timeout: str, rounds: str = "30") -> None:
+    """``what`` (``load`` from ``url``; ``gather`` or ``save``: a gather or distributed save to
+    ``target``; ``transfer``: node 0's tp=2 to node 1's) ``rounds`` times, every timeout at
+    ``timeout`` seconds, while the test takes a node's link down, kills it or slows it; record
+    when and how this rank raised (or that it did not). A save whose ``target`` ends in ``/``
+    goes to a new prefix each round (the failed one must be absent); otherwise each round
+    overwrites ``target`` with seed 0 + round (``verify`` finds which one it holds)."""
+    seconds, rounds_n = float(timeout), int(rounds)
     backend = sw.init_backend("gloo", timeout=seconds)
     options = {"timeout": seconds, "retries": 1}
-    model = _model()
-    mesh = backend.mesh(dp_replicate=2, tp=2)
-    if what == "save":
-        sw.load(model, url, plan=PLAN, mesh=mesh, progress=False, storage_options=options)
+    rank = backend.rank
+    if what == "transfer":
+        from torch.distributed.device_mesh import DeviceMesh
+
+        src_mesh = DeviceMesh("cpu", torch.tensor([0, 1]), mesh_dim_names=("tp",))
+        dst_mesh = DeviceMesh("cpu", torch.tensor([2, 3]), mesh_dim_names=("tp",))
+        src = sw.parallelize(_model(0), PLAN, src_mesh) if rank in (0, 1) else None
+        dst = sw.parallelize(_model(7), PLAN, dst_mesh) if rank in (2, 3) else None
+        plan = sw.transfer_plan(src, dst)
+    else:
+        model = _model()
+        mesh = backend.mesh(dp_replicate=2, tp=2)
+        if what != "load":
+            sw.load(model, url, plan=PLAN, mesh=mesh, progress=False, storage_options=options)
     backend.barrier()
-    Path(out, f"started{backend.rank}").write_text(str(time.time()))
-    failed = None
+    Path(out, f"started{rank}").write_text(json.dumps({"time": time.time(), "pid": os.getpid()}))
+    failed, done = None, 0
     try:
-        for i in range(30):  # bounded: the test takes the link down within the first few
+        for i in range(rounds_n):  # bounded: the test takes the link down within the first few
             if what == "load":
-                sw.load(_model(), url, plan=PLAN, mesh=mesh, progress=False, storage_options=options)
-            else:  # each save to a new prefix: the failed one must be absent, not an older one
-                failed = f"{target}-{i}"
-                sw.save(model, failed, distributed=True, progress=False, storage_options=options)
+                model = _model()
+                sw.load(model, url, plan=PLAN, mesh=mesh, progress=False, storage_options=options)
+            elif what == "transfer":
+                plan.run()
+            else:
+                failed = f"{target}{i}" if target.endswith("/") else target
+                _bump(model)
+                sw.save(model, failed, distributed=what == "save", overwrite=True, progress=False,
+                        storage_options=options)
+            done = i + 1
         outcome, raised, failed = "no error", None, None
     except Exception as e:  # the expected outcome: recorded, the test judges it
         outcome, raised = f"{type(e).__name__}: {e}", time.time()
         traceback.print_exc()
-    _record(out, backend.rank, outcome=outcome, raised=raised, failed=failed)
+    bad = []  # a finished run: what this rank holds is exact
+    if raised is None and what == "transfer":
+        bad = _mismatches(dst) if dst is not None else []
+    elif raised is None and what == "load":
+        bad = _mismatches(model)
+    _record(out, rank, outcome=outcome, raised=raised, failed=failed, done=done, bad=bad)
     os._exit(0)  # the process group cannot be shut down cleanly across a partition
 
 
+def verify(out: str, url: str, done: str) -> None:
+    """One process: which of seed 0 + k, k in ``done`` and ``done + 1``, ``url`` holds, byte for
+    byte (a save killed after its commit but before every rank heard of it is the second);
+    None: neither (a mix, or no checkpoint). The prefix's objects are listed too."""
+    backend = sw.init_backend("gloo")
+    model = _model()
+    sw.load(model, url, plan=PLAN, mesh=backend.mesh(tp=1), progress=False)
+    loaded = dict(model.named_parameters())
+    truth, held = _model(0), None
+    for k in range(int(done) + 2):
+        if all(torch.equal(sw.parallel.local_of(loaded[n]).detach(), p.detach())
+               for n, p in truth.named_parameters()):
+            held = k
+            break
+        _bump(truth)
+    import obstore
+    from obstore.store import S3Store
+
+    bucket, _, prefix = url.removeprefix("s3://").partition("/")
+    store = S3Store(bucket, client_options={"allow_http": True})
+    left = [o["path"] for batch in obstore.list(store, prefix=prefix.rsplit("/", 1)[0]) for o in batch]
+    Path(out, "verify.json").write_text(json.dumps({"held": held, "objects": left}))
+
+
 MODES = {"upload": upload, "absent": absent, "replicas": replicas, "saves": saves, "transfer": transfer,
-         "fault": fault}
+         "fault": fault, "verify": verify}
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
     MODES[sys.argv[1]](*sys.argv[2:])
-    if sys.argv[1] not in ("upload", "absent"):
+    if sys.argv[1] not in ("upload", "absent", "verify"):
         sw.shutdown_backend()

@@ -1,7 +1,8 @@
 """What only shows across nodes, on a simulated cluster (conftest.py: 2 nodes x 2 ranks, 200
 Mbit/s per node, SeaweedFS on a storage host): replicas read once, counted by the storage host's
-NIC; a distributed save to a folder the nodes do not share; a transfer between nodes; a link
-taken down mid-load and mid-save. The ranks' side is node.py."""
+NIC; a distributed save to a folder the nodes do not share; a transfer between nodes; faults on
+node 1: its link taken down, every process on it SIGKILLed, or its rate at a tenth (it completes,
+exact), during load, gather save, distributed save and transfer. The ranks' side is node.py."""
 
 from __future__ import annotations
 
@@ -66,17 +67,25 @@ def test_transfer_between_nodes_is_exact(cluster, job):
     assert received[engine] > size * 0.9, received
 
 
-def _fault_run(cluster, job, what: str, url: str) -> tuple[list[dict], float]:
-    """node.py's fault mode on both nodes at 20 Mbit/s; node 1's link down a second into it."""
+SLOW_MBIT = 20  # the slow node's rate in both directions, against the cluster's 200
+
+
+def _fault_run(cluster, job, what: str, how: str, url: str, target: str) -> tuple[list[dict], float]:
+    """node.py's fault mode on both nodes; node 1 is hit a second into it: its link taken down
+    (``link``, put back once node 0's ranks have raised), every process on it SIGKILLed (``kill``),
+    both at 20 Mbit/s per node; or (``slow``) it runs at SLOW_MBIT against the others' 200, for
+    two rounds with a timeout that a correct run fits in."""
     runs: list = []
     out = job.out
-    target = job.url("faulty")
-    script = job.script("fault", what, url, target, str(FAULT_TIMEOUT))
+    slow = how == "slow"
+    timeout = 4 * FAULT_TIMEOUT if slow else FAULT_TIMEOUT
+    script = job.script("fault", what, url, target, str(timeout), "2" if slow else "30")
     thread = threading.Thread(target=lambda: runs.extend(cluster.torchrun(
-        script, timeout=12 * FAULT_TIMEOUT, env=cluster.s3_env)))
+        script, timeout=12 * timeout, env=cluster.s3_env)))
     for node in range(cluster.nodes):
-        cluster.rate(node, 20, 20)
-    down = None
+        rate = cluster.mbit if slow and node == 0 else 20 if not slow else SLOW_MBIT
+        cluster.rate(node, rate, rate)
+    hit = None
     try:
         thread.start()
         deadline = time.monotonic() + 60
@@ -84,34 +93,59 @@ def _fault_run(cluster, job, what: str, url: str) -> tuple[list[dict], float]:
             time.sleep(0.1)
         assert len(list(out.glob("started*"))) == cluster.world_size, "the fault run did not start"
         time.sleep(1.0)
-        cluster.link(1, False)
-        down = time.time()
-        deadline = time.monotonic() + 4 * FAULT_TIMEOUT
+        if how == "link":
+            cluster.link(1, False)
+        elif how == "kill":
+            assert cluster.kill(1), "no process on node 1 to kill"
+        hit = time.time()
+        deadline = time.monotonic() + 4 * timeout
         while len(list(out.glob("rank*.json"))) < cluster.ranks_per_node and time.monotonic() < deadline:
             time.sleep(0.1)
+        if how == "kill":  # node 0's torchrun would wait out its exit barrier for the dead node's
+            cluster.kill(0)
     finally:
         cluster.link(1, True)  # the partitioned node's ranks then meet closed peers and end
-        thread.join(timeout=15 * FAULT_TIMEOUT)
+        thread.join(timeout=15 * timeout)
         for node in range(cluster.nodes):
             cluster.rate(node, cluster.mbit, cluster.mbit)
-    assert down is not None
+    assert hit is not None
     records = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
-    return records, down
+    for r in records:
+        late = r["raised"] - hit if r["raised"] else None
+        print(f"{what}/{how}: rank {r['rank']} on {r['host']}: {r['done']} rounds, raised {late}s after; "
+              f"{r['outcome'][:300]}")
+    return records, hit
+
+
+def _survivors_raise(cluster, records: list[dict], hit: float) -> list[dict]:
+    """Node 0's ranks (every one of them) each raised within 2x the timeout of the fault."""
+    survivors = [r for r in records if r["host"] != "node1"]
+    assert len(survivors) == cluster.ranks_per_node, records
+    for r in survivors:
+        assert r["raised"] is not None, f"rank {r['rank']} on {r['host']} did not raise: {r['outcome']}"
+        late = r["raised"] - hit
+        assert late <= 2 * FAULT_TIMEOUT, f"rank {r['rank']} raised {late:.1f} s after the fault"
+    return survivors
+
+
+def _previous_intact(job, target: str, records: list[dict]) -> int:
+    """``target`` (seed 0 before the run, each round's save seed 0 + round) holds one whole
+    round's checkpoint, byte for byte: the last that every rank finished, or the one the fault hit
+    if its commit had landed; never a mix, and no staging prefix is left beside it."""
+    done = min(r["done"] for r in records)
+    found = job.once(0, "verify", target, str(done), timeout=180)
+    print(f"after {done} rounds {target} holds round {found['held']}; objects: {found['objects']}")
+    assert found["held"] in (done, done + 1), f"{target}: not a whole round's checkpoint: {found}"
+    staged = [o for o in found["objects"] if ".shardwise-" in o and "published" not in o]
+    assert staged == [], f"a failed save left {staged}"
+    return found["held"]
 
 
 @pytest.mark.parametrize("what", ["load", "save"])
 def test_a_link_down_mid_operation(cluster, job, checkpoint, what):
     url, _ = checkpoint
-    records, down = _fault_run(cluster, job, what, url)
-    for r in records:
-        late = r["raised"] - down if r["raised"] else None
-        print(f"{what}: rank {r['rank']} on {r['host']}: raised {late}s after; {r['outcome'][:300]}")
-    survivors = [r for r in records if r["host"] != "node1"]
-    assert len(survivors) == cluster.ranks_per_node, records
-    for r in survivors:
-        assert r["raised"] is not None, f"rank {r['rank']} on {r['host']} did not raise: {r['outcome']}"
-        late = r["raised"] - down
-        assert late <= 2 * FAULT_TIMEOUT, f"rank {r['rank']} raised {late:.1f} s after the partition"
+    records, down = _fault_run(cluster, job, what, "link", url, job.url("faulty") + "/")
+    survivors = _survivors_raise(cluster, records, down)
     if what == "save":
         failed = {r["failed"] for r in survivors}
         assert len(failed) == 1 and None not in failed, failed
@@ -120,9 +154,39 @@ def test_a_link_down_mid_operation(cluster, job, checkpoint, what):
         print(found["outcome"][:300], found["objects"])
         assert not found["outcome"].startswith("loaded"), "a failed save left a checkpoint that loads"
         assert "CheckpointError" in found["outcome"], found["outcome"]
-        # an object store's save writes each object at its key under a journal (no rename): the parts
-        # written before the fault stay until the next save to the prefix removes them, and the
-        # load refuses them (no .metadata)
+        # the failed save into a new prefix left nothing: rank 0 discarded what it found, and each
+        # rank of the partitioned node swept its own last objects once it raised (Publish.sweep)
+        key = failed_url.removeprefix("s3://").partition("/")[2]
+        parent, _, name = key.rpartition("/")
+        left = [o for o in found["objects"] if o.startswith((f"{key}/", f"{parent}/.{name}."))]
+        assert left == [], f"the failed save left {left}"
+
+
+@pytest.mark.parametrize("what", ["load", "gather", "save", "transfer"])
+def test_a_node_killed_mid_operation(cluster, job, checkpoint, what):
+    """Every process of node 1 SIGKILLed: node 0's ranks raise; a save's target keeps a whole
+    checkpoint (the previous one, or the round whose commit had landed)."""
+    url, _ = checkpoint
+    target = url  # seed 0: each round overwrites it (the load, before, reads it)
+    records, killed = _fault_run(cluster, job, what, "kill", url, target)
+    assert {r["host"] for r in records} == {"node0"}, "a killed node wrote no record"
+    _survivors_raise(cluster, records, killed)
+    if what in ("gather", "save"):
+        _previous_intact(job, target, records)
+
+
+@pytest.mark.parametrize("what", ["load", "gather", "save", "transfer"])
+def test_a_slow_node_completes_exactly(cluster, job, checkpoint, what):
+    """Node 1 at a tenth of node 0's rate, within the timeout: the job waits for it and ends
+    right (a slow node is no failure); raising is for a node slower than the timeout."""
+    url, _ = checkpoint
+    target = url  # seed 0: each round overwrites it (the load, before, reads it)
+    records, _ = _fault_run(cluster, job, what, "slow", url, target)
+    assert len(records) == cluster.world_size, records
+    for r in records:
+        assert (r["outcome"], r["done"], r["bad"]) == ("no error", 2, []), r
+    if what in ("gather", "save"):
+        assert _previous_intact(job, target, records) == 2, "the last round's save is in place"
 
 
 def _namespaces() -> list[str]:

@@ -118,3 +118,20 @@ def test_rowwise_needs_few_pieces_per_rank():
         (piece,) = plan.rounds[0].fetch
         assert piece.region.sizes == (1024, 8)
         assert len(plan.rounds[0].sends) == 3 and len(plan.rounds[0].receives) == 4
+
+
+def test_a_pool_under_a_round_is_still_cut_into_rounds():
+    """16 MiB of rowwise rows over 2 ranks (under the 32 MiB round): 8 rounds of a 1 MiB slab a
+    rank, so that the exchange of each overlaps the fetch of the next; a tiny pool stays whole."""
+    from shardwise.io.read.exchange import MIN_ROUNDS, MIN_SLAB, ROUND_BYTES
+
+    rows = (16 << 20) // 4096
+    entry = TensorEntry("w", "F32", (rows, 1024), 0, rows * 4096)
+    needs = [[Need(0, ("f", "w"), tuple(local_layout((rows, 1024), ShardSpec(dim=1), 2, r)))] for r in (0, 1)]
+    assert entry.nbytes < ROUND_BYTES
+    plans = [plan_exchange(needs, {("f", "w"): entry}, r, window=ROUND_BYTES // 2) for r in (0, 1)]
+    assert [len(p.rounds) for p in plans] == [MIN_ROUNDS] * 2
+    for plan in plans:
+        for rnd in plan.rounds:
+            (piece,) = rnd.fetch
+            assert piece.region.sizes[0] * 4096 == MIN_SLAB

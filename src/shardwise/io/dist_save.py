@@ -78,6 +78,7 @@ def commit(saving: Saving, info: dict, checksums: dict[str, dict[str, str]], *, 
     """The end of every distributed save, on every rank, once its chunks are written: rank 0
     gathers every rank's ``checksums`` into ``info`` and commits it as ``shardwise.json`` with
     ``side_files(folder)`` beside the data; the folder moves into place."""
+    saving.sweeping = False  # from here rank 0 may publish: no rank deletes what was written
     with saving:
         sums = gather_checksums(checksums, f"moving {saving.what} into place", backend)
         saving.commit(info={**info, "checksums": sums} if saving.rank0 else None, side_files=side_files)

@@ -4,6 +4,7 @@ writes it; :class:`Saving` is the one transaction of every save."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
@@ -177,6 +178,9 @@ class Saving:
         self.target = target
         self.what = what.replace("{target}", str(self.target))
         self.rank0 = not collective or comm.rank() == 0
+        # a rank that writes its own objects may sweep the folder when the save fails, until
+        # the commit begins (only then can rank 0 publish): see discard
+        self.sweeping = every_rank_writes and collective
         self._dest = (self.target.storage.transaction(self.target, overwrite=overwrite,
                                                       replaceable=tuple(replaceable))
                       if self.rank0 else None)
@@ -233,6 +237,12 @@ class Saving:
     def discard(self) -> None:
         if self._dest is not None:
             self._dest.discard()
+        elif self.sweeping and getattr(self, "folder", None) is not None:
+            self.sweeping = False  # once: best effort, rank 0 removes the rest if it can
+            sweep = getattr(self.target.storage.transaction(self.target, overwrite=True), "sweep", None)
+            if sweep is not None:  # an object store: a survivor deletes what was written (and its own
+                with contextlib.suppress(Exception):  # last objects, landed after rank 0's discard)
+                    sweep(self.folder)
 
     def __enter__(self) -> Saving:
         return self

@@ -29,6 +29,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -87,14 +88,20 @@ def _alive(pid: int) -> bool:
     return Path(f"/proc/{pid}").exists()
 
 
-def _remove_namespace(ns: str) -> None:
-    """Kill the processes left in ``ns`` (by their ids), then delete it."""
-    pids = _ip("netns", "pids", ns, check=False).stdout.split()
+def _kill_in(ns: str) -> list[int]:
+    """SIGKILL the processes in namespace ``ns``, by their ids; the ids."""
+    pids = [int(p) for p in _ip("netns", "pids", ns, check=False).stdout.split() if p.isdigit()]
     for pid in pids:
-        with contextlib.suppress(ProcessLookupError, ValueError):
-            os.kill(int(pid), signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return pids
+
+
+def _remove_namespace(ns: str) -> None:
+    """Kill the processes left in ``ns``, then delete it."""
+    pids = _kill_in(ns)
     deadline = time.monotonic() + 10
-    while any(_alive(int(p)) for p in pids if p.isdigit()) and time.monotonic() < deadline:
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     _ip("netns", "del", ns, check=False)
 
@@ -138,10 +145,8 @@ class Cluster:
     def __init__(self, nodes: int = 2, ranks_per_node: int = 1, *, mbit: float | None = 200.0,
                  storage_mbit: float | None = None, root: str | os.PathLike | None = None,
                  prefix: str = PREFIX):
-        if not 1 <= nodes <= 200:
-            raise UsageError(f"nodes={nodes}: between 1 and 200")
-        if ranks_per_node < 1:
-            raise UsageError(f"ranks_per_node={ranks_per_node}: at least 1")
+        if not 1 <= nodes <= 200 or ranks_per_node < 1:
+            raise UsageError(f"nodes={nodes}, ranks_per_node={ranks_per_node}: 1-200 nodes, 1 rank or more")
         self.nodes, self.ranks_per_node = nodes, ranks_per_node
         self.mbit, self.storage_mbit, self.prefix = mbit, storage_mbit, prefix
         self._given_root = root
@@ -149,8 +154,6 @@ class Cluster:
         self._procs: list[subprocess.Popen] = []
         self._namespaces: list[str] = []
         self.root = Path()
-
-    # --- names and places --------------------------------------------------------------------
 
     def ns(self, where: int | str) -> str:
         """The namespace of node ``where`` (an int), ``"storage"`` or ``"switch"``."""
@@ -176,8 +179,6 @@ class Cluster:
     def world_size(self) -> int:
         return self.nodes * self.ranks_per_node
 
-    # --- making and removing -----------------------------------------------------------------
-
     def __enter__(self) -> Cluster:
         self.start()
         return self
@@ -202,8 +203,8 @@ class Cluster:
             raise
 
     def _wire(self) -> None:
-        hosts = ["127.0.0.1 localhost", f"{STORAGE_IP} storage"]
-        hosts += [f"{self.ip(i)} {self.hostname(i)}" for i in range(self.nodes)]
+        hosts = ["127.0.0.1 localhost", f"{STORAGE_IP} storage"] + [
+            f"{self.ip(i)} {self.hostname(i)}" for i in range(self.nodes)]
         (self.root / "hosts").write_text("\n".join(hosts) + "\n")
         self.shared.mkdir(parents=True, exist_ok=True)
         switch = self.ns("switch")
@@ -259,6 +260,10 @@ class Cluster:
         port = "st" if where == "storage" else f"n{where}"
         _ip("-n", self.ns("switch"), "link", "set", port, "up" if up else "down")
 
+    def kill(self, where: int | str) -> list[int]:
+        """SIGKILL every process on a host (its ranks, their torchrun): a node crash; the ids."""
+        return _kill_in(self.ns(where))
+
     def counters(self, where: int | str) -> dict[str, int]:
         """The bytes and packets a host's NIC has received and sent (``rx_bytes``, ``tx_bytes``, ...),
         as the kernel counts them: outside every process of the host."""
@@ -312,8 +317,6 @@ class Cluster:
         ``ranks_per_node`` ranks each (default: the cluster's), joined by c10d rendezvous on node
         0's address. Each node's run ends by itself or is killed at ``timeout``; never raises for
         a failed node (a fault test expects some)."""
-        import sys
-
         chosen = list(range(self.nodes)) if nodes is None else nodes
         env = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0", "PYTHONUNBUFFERED": "1", **(env or {})}
         procs, logs, t0 = [], [], time.monotonic()
@@ -325,8 +328,7 @@ class Cluster:
                     "--local-addr", self.ip(node), "--max-restarts", "0", *script]
             procs.append(self.popen(node, argv, env={**env, "SHARDWISE_NODE": str(node)}, log=log))
             logs.append(log)
-        out = []
-        deadline = t0 + timeout
+        out, deadline = [], t0 + timeout
         for node, p, log in zip(chosen, procs, logs, strict=True):
             try:
                 p.wait(timeout=max(0.1, deadline - time.monotonic()))
@@ -369,8 +371,6 @@ def start_seaweedfs(cluster: Cluster, weed: str, *, buckets: tuple[str, ...] = (
     """SeaweedFS's S3 gateway (``weed server -s3``, the server of the remote tests) on the storage
     host, one identity with every action, ``buckets`` made (with obstore); the ``AWS_*``
     variables that reach it from a node."""
-    import sys
-
     folder = cluster.root / "seaweedfs"
     (folder / "data").mkdir(parents=True)
     (folder / "s3.json").write_text(json.dumps({"identities": [{

@@ -52,6 +52,10 @@ from shardwise.mesh import MeshDims
 
 ROUND_BYTES = 32 << 20  # the job's slabs per round
 DEPTH = 3  # rounds whose slabs are fetched (or queued) while an earlier one is exchanged
+# A pool under a round is still cut into up to MIN_ROUNDS rounds (a rank's slab at least
+# MIN_SLAB): in one round its exchange would start only once every byte is fetched, after the
+# download instead of beside it (benchmarks/cluster.py's trace of tp over nodes)
+MIN_ROUNDS, MIN_SLAB = 8, 1 << 20
 
 
 @dataclass(frozen=True)
@@ -185,7 +189,7 @@ def plan_exchange(needs: Sequence[Sequence[Need]], tensors: Mapping[Key, TensorE
     total = sum(tensors[k].nbytes for k in pool)
     if not total:
         return ExchangePlan(direct, ())
-    num_rounds = max(1, -(-total // (world * max(1, window))))
+    num_rounds = max(1, -(-total // (world * max(1, window))), min(MIN_ROUNDS, total // (world * MIN_SLAB)))
     chunks = _slabs(pool, tensors, world * num_rounds)
     rounds = []
     for r in range(num_rounds):

@@ -54,6 +54,7 @@ from shardwise.io.storage.lookups import (
     foreign,
     owner,
     publishing,
+    split_location,
 )
 
 
@@ -212,6 +213,15 @@ class Publish:
             return
         tokens = [t for t in committed(self.storage, self.bucket, self.key) if t != token]
         self._put(beside(self.key, DONE_MARK), json.dumps({"tokens": [*tokens, token][-16:]}).encode())
+
+    def sweep(self, folder) -> None:
+        """Best effort after a failed save, on a rank that does not hold the transaction (its
+        holder may be dead or partitioned, and a rank's last objects may land after the holder's
+        ``discard``): delete what is under ``folder``, the save's staging prefix or, for a save
+        into an empty prefix, the target itself. Call it only where no rank can commit any more
+        (``sink.Saving``: before the save's commit begins); the journal of a save into an empty
+        prefix stays (the prefix reads as empty) until the next save there removes it."""
+        self._clear(split_location(folder)[1])
 
     def discard(self) -> None:
         if self._staging is not None:
