@@ -49,11 +49,13 @@ class Trace:
     def __enter__(self) -> Trace:
         import obstore
 
-        import shardwise.comm as comm
+        from shardwise.testing import exchange_probe
 
-        self.t0, self.rx, self.gets, self.a2a = time.perf_counter(), [], [], []
+        self.t0, self.rx, self.gets = time.perf_counter(), [], []
         self._stop, lock = threading.Event(), threading.Lock()
-        self._real_get, self._real_a2a = obstore.get, comm.all_to_all_single
+        self._real_get = obstore.get
+        self._probe = exchange_probe()
+        self._spans = self._probe.__enter__()
 
         def get(store, key, *args, options=None, **kwargs):
             span = (options or {}).get("range")
@@ -61,18 +63,11 @@ class Trace:
                 self.gets.append((time.perf_counter() - self.t0, span[1] - span[0] if span else -1))
             return self._real_get(store, key, *args, options=options, **kwargs)
 
-        def a2a(*args, **kwargs):
-            start = time.perf_counter() - self.t0
-            try:
-                return self._real_a2a(*args, **kwargs)
-            finally:
-                self.a2a.append((start, time.perf_counter() - self.t0))
-
         def sample():
             while not self._stop.wait(self.STEP):
                 self.rx.append((time.perf_counter() - self.t0, _nic().get("rx_bytes", 0)))
 
-        obstore.get, comm.all_to_all_single = get, a2a
+        obstore.get = get
         self.rx.append((0.0, _nic().get("rx_bytes", 0)))
         self._thread = threading.Thread(target=sample, daemon=True)
         self._thread.start()
@@ -81,12 +76,12 @@ class Trace:
     def __exit__(self, *exc) -> None:
         import obstore
 
-        import shardwise.comm as comm
-
         self._stop.set()
         self._thread.join()
         self.rx.append((time.perf_counter() - self.t0, _nic().get("rx_bytes", 0)))
-        obstore.get, comm.all_to_all_single = self._real_get, self._real_a2a
+        obstore.get = self._real_get
+        self._probe.__exit__(None, None, None)
+        self.a2a = [(start - self.t0, end - self.t0) for start, end in self._spans]
 
     def as_dict(self) -> dict:
         base, total = self.rx[0][1], self.rx[-1][1] - self.rx[0][1]
@@ -195,11 +190,11 @@ METHODS = {"raw": rr.raw_rank, "shardwise": rr.shardwise_rank, "runai": rr.runai
 def main(job_path: str, out: str) -> None:
     torch.set_num_threads(1)
     job = pickle.loads(Path(job_path).read_bytes())  # written by cluster.py, this run
-    if job.get("round_bytes"):  # an exchange round other than the library's (cluster.py --round-mib)
-        import shardwise.io.read.exchange as exchange
+    from shardwise.testing import exchange_probe
 
-        exchange.ROUND_BYTES = job["round_bytes"]
-    figures = METHODS[job["method"]](*job["args"])
+    # round_bytes: an exchange round other than the library's (cluster.py --round-mib)
+    with exchange_probe(job.get("round_bytes")):
+        figures = METHODS[job["method"]](*job["args"])
     figures.update(host=socket.gethostname(), local_rank=int(os.environ.get("LOCAL_RANK", 0)))
     Path(out, f"rank{figures['rank']}.json").write_text(json.dumps(figures, default=str))
     import shardwise as sw

@@ -193,12 +193,12 @@ def from_pretrained(cls, path: str | os.PathLike, *, mesh, dtype: torch.dtype | 
         if plan != "auto":
             raise UsageError("a pipeline takes each component's own plan: drop plan= (or load a component "
                              "yourself and pass it: transformer=...)")
-        where = _where(path, revision, token, storage_options)
+        where = _where(path, revision, token, storage_options, world_backend())
         return load_pipeline(cls, where, mesh=mesh, load_model=from_pretrained, dtype=dtype,
                              dequantize=dequantize, **load_options)
     library = _library(cls)
     check_mesh(mesh)  # before anything is read or built
-    folder = _where(path, revision, token, storage_options)
+    folder = _where(path, revision, token, storage_options, world_backend())
     if not folder.is_folder():
         raise CheckpointError(
             f"{folder}: no such folder; sw.from_pretrained reads a checkpoint folder (config.json and "
@@ -221,11 +221,13 @@ def from_pretrained(cls, path: str | os.PathLike, *, mesh, dtype: torch.dtype | 
     return model
 
 
-def _where(path, revision: str | None, token: str | bool | None, storage_options: dict | None) -> Location:
-    """The folder ``path`` names: a hub repo id's (:func:`hub_location`), a URL's or a local one."""
+def _where(path, revision: str | None, token: str | bool | None, storage_options: dict | None,
+           backend) -> Location:
+    """The folder ``path`` names: a hub repo id's (:func:`hub_location`, agreed over ``backend``),
+    a URL's or a local one."""
     if is_repo_id(path):
         return hub_location(cast(str, path), revision=revision, token=token,
-                            storage_options=storage_options, backend=world_backend())
+                            storage_options=storage_options, backend=backend)
     if revision is not None or token is not None:
         raise UsageError(f"revision= and token= go with a hub repo id ('org/name'); {os.fspath(path)!r} is "
                          "a local path or a URL (an hf:// URL names its revision: hf://org/name@rev)")

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 import shardwise as sw
+from shardwise import comm
 from shardwise.backends import shutdown_backend
 from shardwise.core.header import dtype_to_str, spec_nbytes
 from shardwise.core.plan import resolve_plan as plan_specs
@@ -38,6 +39,7 @@ from shardwise.holding import local_of as local_shard
 from shardwise.io import info
 from shardwise.io.formats import FORMATS, get_format, open_source
 from shardwise.io.formats.safetensors.files import StreamingWriter, index_json, parse_size, plan_files
+from shardwise.io.read import exchange
 from shardwise.io.storage import locate, write_small
 from shardwise.parallel import ShardState, get_shard_state
 
@@ -308,7 +310,31 @@ def without_checksums() -> Iterator[None]:
         info.DIGESTS[info.ALGORITHM] = real
 
 
-__all__ = ["PeakMemory", "RankFailure", "dequantized_shard", "expected_scale_shard", "expected_shard",
-           "free_port", "local_shard", "memory_status", "parse_size", "plan_specs", "preload",
-           "quantize_fp8_blocks", "read_all", "reset_high_water_mark", "shard_state", "spawn",
+
+@contextlib.contextmanager
+def exchange_probe(round_bytes: int | None = None) -> Iterator[list[tuple[float, float]]]:
+    """The ``(start, end)`` ``time.perf_counter`` seconds of each all-to-all of a load's exchange
+    of rowwise pieces, collected while inside; ``round_bytes`` sets the exchange's round size there
+    (a benchmark's trial of another round)."""
+    spans: list[tuple[float, float]] = []
+    real, real_round = comm.all_to_all_single, exchange.ROUND_BYTES
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            spans.append((start, time.perf_counter()))
+
+    comm.all_to_all_single = timed
+    if round_bytes:
+        exchange.ROUND_BYTES = round_bytes
+    try:
+        yield spans
+    finally:
+        comm.all_to_all_single, exchange.ROUND_BYTES = real, real_round
+
+__all__ = ["PeakMemory", "RankFailure", "dequantized_shard", "exchange_probe", "expected_scale_shard",
+           "expected_shard", "free_port", "local_shard", "memory_status", "parse_size", "plan_specs",
+           "preload", "quantize_fp8_blocks", "read_all", "reset_high_water_mark", "shard_state", "spawn",
            "without_checksums", "write_checkpoint"]
