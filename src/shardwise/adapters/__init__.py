@@ -75,7 +75,6 @@ def _lora_config(data: dict, where) -> Any:
         raise CheckpointError(f"{where}: peft_type {data.get('peft_type')!r} is not supported; only LORA "
                               "adapters load (convert others with PEFT first)")
     unsupported = {"use_dora": "DoRA", "lora_bias": "LoRA biases",
-                   "target_parameters": "parameter targets (expert tensors)",
                    "modules_to_save": "modules_to_save (whole trained copies)",
                    "trainable_token_indices": "trainable tokens", "fan_in_fan_out": "fan_in_fan_out (Conv1D)"}
     for field, what in unsupported.items():
@@ -197,8 +196,10 @@ def load_adapter(model: nn.Module, path: str | os.PathLike, *, adapter_name: str
 def _check_keys(tensors, ckpt, where, prefix: str) -> None:
     wanted = {t.key: t.shape for t in tensors}
     # PEFT saves a targeted embedding's base weights beside its LoRA pair (save_embedding_layers):
-    # the base comes from the base checkpoint, so they are not read
-    stored = {n for n in ckpt.names if ".base_layer." not in n and n.startswith(prefix)}
+    # the base comes from the base checkpoint, so they are not read (nested expert wrappers' LoRA
+    # tensors sit under base_layer too: those are)
+    stored = {n for n in ckpt.names if n.startswith(prefix)
+              and (".base_layer." not in n or "lora_" in n.rpartition(".base_layer.")[2])}
     missing = sorted(set(wanted) - stored)
     unexpected = sorted(stored - set(wanted))
     if missing or unexpected:
