@@ -30,8 +30,9 @@ from shardwise.errors import CheckpointError, UsageError
 from shardwise.holding import local_of
 from shardwise.io.formats.safetensors.checkpoint import resolve_checkpoint
 from shardwise.io.read.mapped import read_region
+from shardwise.io.sink import Saving
 from shardwise.io.storage import Handles, locate
-from shardwise.mesh import ShardState, get_shard_state
+from shardwise.mesh import ShardState, get_shard_state, world_backend
 
 _ATTACHED = "_shardwise_adapters"  # model.__dict__: {adapter name: (config, [LoraTensor])}
 CONFIG_FILE = "adapter_config.json"
@@ -217,7 +218,9 @@ def save_adapter(model: nn.Module, path: str | os.PathLike, *, adapter_name: str
                  storage_options: dict | None = None) -> None:
     """Write adapter ``adapter_name`` of ``model`` as a PEFT folder that
     ``PeftModel.from_pretrained`` loads: each LoRA tensor gathered over its axis, rank 0 writes.
-    Every rank calls it.
+    Every rank calls it. The folder is new: written aside and moved into place once complete
+    (the storage's save transaction, as ``sw.save``), so a failed or killed save leaves nothing
+    at ``path``; an existing non-empty ``path`` (a previous adapter) is refused, never touched.
 
     >>> sw.save_adapter(model, "out/lora", adapter_name="style")     # doctest: +SKIP
     """
@@ -237,24 +240,26 @@ def save_adapter(model: nn.Module, path: str | os.PathLike, *, adapter_name: str
         parts = [torch.empty_like(local) for _ in range(degree)]
         comm.all_gather_inline(parts, local, group=state.ep_group if t.spec.axis == "ep" else state.group)
         whole[t.peft_key()] = assemble(parts, t.spec, degree)
-    error = None
-    if comm.rank() == 0:
-        error = comm.capture(lambda: _write(locate(path, storage_options), config, whole))
-    errors = comm.all_gather_object(error, purpose="save_adapter") if comm.is_distributed() else [error]
-    failed = [e for e in errors if e is not None]
-    if failed:
-        raise failed[0]
+    where = locate(path, storage_options)
+    if where.is_folder() and where.list():
+        raise CheckpointError(f"save_adapter: {where} exists and is not empty (a previous adapter?); "
+                              "save_adapter writes a new folder and never replaces one: pass another path, "
+                              "or remove that folder first")
+    what = f"save_adapter {adapter_name!r} to {{target}}"
+    with Saving(where, overwrite=False, backend=world_backend(), what=what) as saving:
+        saving.commit(side_files=lambda folder: _write(folder, config, whole))  # rank 0, in the transaction
 
 
-def _write(where, config, tensors: dict[str, torch.Tensor]) -> None:
+def _write(folder, config, tensors: dict[str, torch.Tensor]) -> None:
     import safetensors.torch
 
-    if where.scheme is None:  # a local folder; an object store has none to make
-        os.makedirs(where.path, exist_ok=True)
+    (folder / WEIGHTS_FILE).write_bytes(safetensors.torch.save(tensors, metadata={"format": "pt"}))
+    (folder / CONFIG_FILE).write_bytes(_config_text(config))
+
+
+def _config_text(config) -> bytes:
     fields = {k: sorted(v) if isinstance(v, set) else v for k, v in config.to_dict().items()}
-    text = json.dumps(fields, indent=2, sort_keys=True).encode()  # as PeftConfig.save_pretrained writes it
-    (where / WEIGHTS_FILE).write_bytes(safetensors.torch.save(tensors, metadata={"format": "pt"}))
-    (where / CONFIG_FILE).write_bytes(text)
+    return json.dumps(fields, indent=2, sort_keys=True).encode()  # as PeftConfig.save_pretrained writes it
 
 
 @contextmanager
