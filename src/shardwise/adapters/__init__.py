@@ -31,7 +31,7 @@ from shardwise.holding import local_of
 from shardwise.io.formats.safetensors.checkpoint import resolve_checkpoint
 from shardwise.io.read.mapped import read_region
 from shardwise.io.sink import Saving
-from shardwise.io.storage import Handles, locate
+from shardwise.io.storage import Handles, Location, locate
 from shardwise.mesh import ShardState, get_shard_state, world_backend
 
 _ATTACHED = "_shardwise_adapters"  # model.__dict__: {adapter name: (config, [LoraTensor])}
@@ -148,7 +148,7 @@ def _state(model: nn.Module, what: str) -> ShardState:
     return state
 
 
-def load_adapter(model: nn.Module, path: str | os.PathLike, *, adapter_name: str = "default",
+def load_adapter(model: nn.Module, path: str | os.PathLike | Location, *, adapter_name: str = "default",
                  dtype: torch.dtype | None = None, component: str = "transformer",
                  storage_options: dict | None = None) -> AdapterResult:
     """Attach the LoRA adapter at ``path`` to ``model`` as ``adapter_name``, in PEFT's own LoRA
