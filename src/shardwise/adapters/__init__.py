@@ -27,7 +27,7 @@ from shardwise.adapters import inject as lora
 from shardwise.adapters.inject import FILE_PREFIX
 from shardwise.core.spec import assemble, local_layout, local_shape
 from shardwise.errors import CheckpointError, UsageError
-from shardwise.holding import local_of
+from shardwise.holding import is_dtensor
 from shardwise.io.formats.safetensors.checkpoint import resolve_checkpoint
 from shardwise.io.read.mapped import read_region
 from shardwise.io.sink import Saving
@@ -232,7 +232,7 @@ def save_adapter(model: nn.Module, path: str | os.PathLike, *, adapter_name: str
     whole = {}
     for t in tensors:
         owner, attr = t.holder(model, adapter_name)
-        local = local_of(getattr(owner, attr)).detach().contiguous()
+        local = _model_shard(getattr(owner, attr)).detach().contiguous()
         degree = state.coords(t.spec)[0]
         if t.spec.replicated or degree == 1:
             whole[t.peft_key()] = local
@@ -248,6 +248,21 @@ def save_adapter(model: nn.Module, path: str | os.PathLike, *, adapter_name: str
     what = f"save_adapter {adapter_name!r} to {{target}}"
     with Saving(where, overwrite=False, backend=world_backend(), what=what) as saving:
         saving.commit(side_files=lambda folder: _write(folder, config, whole))  # rank 0, in the transaction
+
+
+def _model_shard(param: torch.Tensor) -> torch.Tensor:
+    """This rank's tp / ep shard of ``param``, whole over the data-parallel mesh dims that FSDP2
+    shards it on (``fully_shard`` over a tp-sharded model): gathered over those only."""
+    if not is_dtensor(param):
+        return param
+    names = param.device_mesh.mesh_dim_names or ()
+    if not any(n.startswith("dp") for n in names):
+        return param.to_local()
+    from torch.distributed.tensor import Replicate
+
+    placements = [Replicate() if n.startswith("dp") else p
+                  for n, p in zip(names, param.placements, strict=True)]
+    return param.redistribute(param.device_mesh, placements).to_local()
 
 
 def _write(folder, config, tensors: dict[str, torch.Tensor]) -> None:
