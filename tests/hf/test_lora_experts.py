@@ -3,7 +3,7 @@
 rows of ``lora_A`` and columns of ``lora_B``; logits equal the one-process PeftModel's (one adapter,
 the other, both weighted, merged), unmerge restores every base tensor bit for bit, and
 ``save_adapter`` writes PEFT's file byte for byte; at ep=2 (local and DTensor holding) and
-ep=2 x tp=2 (attention LoRA over tp as well)."""
+ep=2 x tp=2 (attention LoRA over tp as well); and at tp=2 alone, where the experts stay whole."""
 
 from __future__ import annotations
 
@@ -109,7 +109,8 @@ def _expected_slices(path: str, axes: dict) -> int:
 
 
 @pytest.mark.parametrize("axes,holdings", [({"ep": 2}, ["local", "dtensor"]),
-                                           ({"ep": 2, "tp": 2}, ["dtensor"])])
+                                           ({"ep": 2, "tp": 2}, ["dtensor"]),
+                                           ({"tp": 2}, ["local"])])  # experts whole on every rank
 def test_expert_lora_under_ep_equals_one_process_peft(tmp_path, axes, holdings):
     reference = _make(tmp_path)
     world = axes.get("ep", 1) * axes.get("tp", 1)

@@ -191,7 +191,7 @@ def wire(model: nn.Module, name: str, tensors: list[LoraTensor], state: ShardSta
         style = state.specs.styles.get(path)
         keep_for_unmerge(layer)
         if is_param_wrapper(layer):
-            wire_experts(layer, state.coords(spec)[0])
+            wire_experts(layer, 1 if spec.replicated else state.coords(spec)[0])  # whole experts: all here
             continue
         dtensor = is_dtensor(layer.get_base_layer().weight)
         if isinstance(layer.get_base_layer(), nn.Embedding):
