@@ -17,7 +17,6 @@ from shardwise._version import __version__
 from shardwise.errors import CheckpointError, CollectiveError, PlanError, ShardwiseError, UsageError
 
 if TYPE_CHECKING:  # what type checkers see for the names below, which load on first use
-    from shardwise.adapters import load_adapter as load_adapter
     from shardwise.adapters import save_adapter as save_adapter
     from shardwise.backends import Backend as Backend
     from shardwise.backends import init_backend as init_backend
@@ -25,6 +24,7 @@ if TYPE_CHECKING:  # what type checkers see for the names below, which load on f
     from shardwise.core.spec import ShardSpec as ShardSpec
     from shardwise.core.styles import PackedColwise as PackedColwise
     from shardwise.core.styles import PackedRowwise as PackedRowwise
+    from shardwise.hf.adapter_hub import load_adapter as load_adapter
     from shardwise.hf.pretrained import empty_model as empty_model
     from shardwise.hf.pretrained import from_pretrained as from_pretrained
     from shardwise.io.check import inspect_checkpoint as inspect
@@ -64,7 +64,7 @@ _LAZY = {
     "empty_model": ("shardwise.hf.pretrained", "empty_model"),
     "validate": ("shardwise.validate", "validate"),
     "transfer_plan": ("shardwise.transfer", "transfer_plan"),
-    "load_adapter": ("shardwise.adapters", "load_adapter"),
+    "load_adapter": ("shardwise.hf.adapter_hub", "load_adapter"),
     "save_adapter": ("shardwise.adapters", "save_adapter"),
     "check_plan": ("shardwise.plan_probe", "check_plan"),
 }

@@ -27,11 +27,12 @@ from shardwise.adapters import inject as lora
 from shardwise.adapters.inject import FILE_PREFIX
 from shardwise.core.spec import assemble, local_layout, local_shape
 from shardwise.errors import CheckpointError, UsageError
-from shardwise.holding import local_of
+from shardwise.holding import is_dtensor
 from shardwise.io.formats.safetensors.checkpoint import resolve_checkpoint
 from shardwise.io.read.mapped import read_region
-from shardwise.io.storage import Handles, locate
-from shardwise.mesh import ShardState, get_shard_state
+from shardwise.io.sink import Saving
+from shardwise.io.storage import Handles, Location, locate
+from shardwise.mesh import ShardState, get_shard_state, world_backend
 
 _ATTACHED = "_shardwise_adapters"  # model.__dict__: {adapter name: (config, [LoraTensor])}
 CONFIG_FILE = "adapter_config.json"
@@ -75,7 +76,6 @@ def _lora_config(data: dict, where) -> Any:
         raise CheckpointError(f"{where}: peft_type {data.get('peft_type')!r} is not supported; only LORA "
                               "adapters load (convert others with PEFT first)")
     unsupported = {"use_dora": "DoRA", "lora_bias": "LoRA biases",
-                   "target_parameters": "parameter targets (expert tensors)",
                    "modules_to_save": "modules_to_save (whole trained copies)",
                    "trainable_token_indices": "trainable tokens", "fan_in_fan_out": "fan_in_fan_out (Conv1D)"}
     for field, what in unsupported.items():
@@ -148,7 +148,7 @@ def _state(model: nn.Module, what: str) -> ShardState:
     return state
 
 
-def load_adapter(model: nn.Module, path: str | os.PathLike, *, adapter_name: str = "default",
+def load_adapter(model: nn.Module, path: str | os.PathLike | Location, *, adapter_name: str = "default",
                  dtype: torch.dtype | None = None, component: str = "transformer",
                  storage_options: dict | None = None) -> AdapterResult:
     """Attach the LoRA adapter at ``path`` to ``model`` as ``adapter_name``, in PEFT's own LoRA
@@ -197,8 +197,10 @@ def load_adapter(model: nn.Module, path: str | os.PathLike, *, adapter_name: str
 def _check_keys(tensors, ckpt, where, prefix: str) -> None:
     wanted = {t.key: t.shape for t in tensors}
     # PEFT saves a targeted embedding's base weights beside its LoRA pair (save_embedding_layers):
-    # the base comes from the base checkpoint, so they are not read
-    stored = {n for n in ckpt.names if ".base_layer." not in n and n.startswith(prefix)}
+    # the base comes from the base checkpoint, so they are not read (nested expert wrappers' LoRA
+    # tensors sit under base_layer too: those are)
+    stored = {n for n in ckpt.names if n.startswith(prefix)
+              and (".base_layer." not in n or "lora_" in n.rpartition(".base_layer.")[2])}
     missing = sorted(set(wanted) - stored)
     unexpected = sorted(stored - set(wanted))
     if missing or unexpected:
@@ -216,7 +218,9 @@ def save_adapter(model: nn.Module, path: str | os.PathLike, *, adapter_name: str
                  storage_options: dict | None = None) -> None:
     """Write adapter ``adapter_name`` of ``model`` as a PEFT folder that
     ``PeftModel.from_pretrained`` loads: each LoRA tensor gathered over its axis, rank 0 writes.
-    Every rank calls it.
+    Every rank calls it. The folder is new: written aside and moved into place once complete
+    (the storage's save transaction, as ``sw.save``), so a failed or killed save leaves nothing
+    at ``path``; an existing non-empty ``path`` (a previous adapter) is refused, never touched.
 
     >>> sw.save_adapter(model, "out/lora", adapter_name="style")     # doctest: +SKIP
     """
@@ -228,7 +232,7 @@ def save_adapter(model: nn.Module, path: str | os.PathLike, *, adapter_name: str
     whole = {}
     for t in tensors:
         owner, attr = t.holder(model, adapter_name)
-        local = local_of(getattr(owner, attr)).detach().contiguous()
+        local = _model_shard(getattr(owner, attr)).detach().contiguous()
         degree = state.coords(t.spec)[0]
         if t.spec.replicated or degree == 1:
             whole[t.peft_key()] = local
@@ -236,24 +240,41 @@ def save_adapter(model: nn.Module, path: str | os.PathLike, *, adapter_name: str
         parts = [torch.empty_like(local) for _ in range(degree)]
         comm.all_gather_inline(parts, local, group=state.ep_group if t.spec.axis == "ep" else state.group)
         whole[t.peft_key()] = assemble(parts, t.spec, degree)
-    error = None
-    if comm.rank() == 0:
-        error = comm.capture(lambda: _write(locate(path, storage_options), config, whole))
-    errors = comm.all_gather_object(error, purpose="save_adapter") if comm.is_distributed() else [error]
-    failed = [e for e in errors if e is not None]
-    if failed:
-        raise failed[0]
+    where = locate(path, storage_options)
+    if where.is_folder() and where.list():
+        raise CheckpointError(f"save_adapter: {where} exists and is not empty (a previous adapter?); "
+                              "save_adapter writes a new folder and never replaces one: pass another path, "
+                              "or remove that folder first")
+    what = f"save_adapter {adapter_name!r} to {{target}}"
+    with Saving(where, overwrite=False, backend=world_backend(), what=what) as saving:
+        saving.commit(side_files=lambda folder: _write(folder, config, whole))  # rank 0, in the transaction
 
 
-def _write(where, config, tensors: dict[str, torch.Tensor]) -> None:
+def _model_shard(param: torch.Tensor) -> torch.Tensor:
+    """This rank's tp / ep shard of ``param``, whole over the data-parallel mesh dims that FSDP2
+    shards it on (``fully_shard`` over a tp-sharded model): gathered over those only."""
+    if not is_dtensor(param):
+        return param
+    names = param.device_mesh.mesh_dim_names or ()
+    if not any(n.startswith("dp") for n in names):
+        return param.to_local()
+    from torch.distributed.tensor import Replicate
+
+    placements = [Replicate() if n.startswith("dp") else p
+                  for n, p in zip(names, param.placements, strict=True)]
+    return param.redistribute(param.device_mesh, placements).to_local()
+
+
+def _write(folder, config, tensors: dict[str, torch.Tensor]) -> None:
     import safetensors.torch
 
-    if where.scheme is None:  # a local folder; an object store has none to make
-        os.makedirs(where.path, exist_ok=True)
+    (folder / WEIGHTS_FILE).write_bytes(safetensors.torch.save(tensors, metadata={"format": "pt"}))
+    (folder / CONFIG_FILE).write_bytes(_config_text(config))
+
+
+def _config_text(config) -> bytes:
     fields = {k: sorted(v) if isinstance(v, set) else v for k, v in config.to_dict().items()}
-    text = json.dumps(fields, indent=2, sort_keys=True).encode()  # as PeftConfig.save_pretrained writes it
-    (where / WEIGHTS_FILE).write_bytes(safetensors.torch.save(tensors, metadata={"format": "pt"}))
-    (where / CONFIG_FILE).write_bytes(text)
+    return json.dumps(fields, indent=2, sort_keys=True).encode()  # as PeftConfig.save_pretrained writes it
 
 
 @contextmanager

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardwise.adapters.layout import lora_specs
+from shardwise.adapters.experts import global_counts, is_param_wrapper, owner_path, wire_experts
+from shardwise.adapters.layout import expert_lora_specs, lora_specs
 from shardwise.core.spec import ShardSpec, check_shardable, global_shape
 from shardwise.errors import CheckpointError
 from shardwise.holding import is_dtensor, local_of
@@ -92,28 +93,29 @@ def inject(model: nn.Module, config, name: str, state: ShardState, *,
         else:
             model.__dict__["peft_config"] = had_config
 
-    # PEFT sizes a LoRA pair from its base's weight: show it the global shape, on meta.
+    # PEFT sizes a LoRA pair from its base's weight (an expert tensor's, for target_parameters):
+    # show it the global shape, on meta.
     swapped = []
     for base, path in _planned_bases(model, state):
-        weight = base._parameters.get("weight")
-        if weight is None:
-            continue
-        spec = state.specs.spec_of(f"{path}.weight")
-        shape = tuple(weight.shape) if is_dtensor(weight) else global_shape(weight.shape, spec,
-                                                                            state.coords(spec)[0])
-        base._parameters["weight"] = nn.Parameter(torch.empty(shape, dtype=weight.dtype, device="meta"),
-                                                  requires_grad=weight.requires_grad)
-        swapped.append((base, weight))
+        for pname, weight in list(base._parameters.items()):
+            spec = state.specs.spec_of(f"{path}.{pname}")
+            if weight is None or (pname != "weight" and spec.replicated):
+                continue
+            shape = tuple(weight.shape) if is_dtensor(weight) else global_shape(weight.shape, spec,
+                                                                                state.coords(spec)[0])
+            base._parameters[pname] = nn.Parameter(torch.empty(shape, dtype=weight.dtype, device="meta"),
+                                                   requires_grad=weight.requires_grad)
+            swapped.append((base, pname, weight))
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), global_counts(model):
             warnings.simplefilter("ignore")  # "Already found a peft_config": several adapters are the point
             inject_adapter_in_model(config, model, adapter_name=name, low_cpu_mem_usage=True)
     except Exception as e:
         undo()
         raise CheckpointError(f"adapter {name!r} does not fit this model: {e}") from e
     finally:
-        for base, weight in swapped:
-            base._parameters["weight"] = weight
+        for base, pname, weight in swapped:
+            base._parameters[pname] = weight
     model.__dict__["peft_config"] = {**(had_config or {}), name: config}
     if layers_before:  # as PeftModel.load_adapter: a second adapter is loaded, not activated
         active = next(iter(layers_before.values()))
@@ -137,11 +139,17 @@ def _tensors(model: nn.Module, name: str, state: ShardState, prefix: str) -> lis
         base = layer.get_base_layer()
         kind = "embedding" if isinstance(base, nn.Embedding) else "linear"
         style = state.specs.styles.get(path)
-        if style is not None and style.sharded and not isinstance(base, (nn.Linear, nn.Embedding)):
+        if is_param_wrapper(layer):  # target_parameters: an expert tensor of the module it wraps
+            if name not in layer.r:
+                continue
+            kind, target = "param", f"{owner_path(path)}.{layer.parameter_name}"
+            specs = expert_lora_specs(state.specs.spec_of(target), layer.r[name], where=target)
+        elif style is not None and style.sharded and not isinstance(base, (nn.Linear, nn.Embedding)):
             raise CheckpointError(f"adapter {name!r}: LoRA on {path!r} ({type(base).__name__}), a sharded "
                                   "module that is neither nn.Linear nor nn.Embedding, is not supported; "
                                   "leave it out of target_modules")
-        specs = lora_specs(kind, style, state.specs.spec_of(f"{path}.weight"), where=path)
+        else:
+            specs = lora_specs(kind, style, state.specs.spec_of(f"{path}.weight"), where=path)
         for part, leaf, _, ab in _PARTS:
             container = getattr(layer, part, None)
             if container is None or name not in container:
@@ -163,7 +171,7 @@ def install(model: nn.Module, name: str, tensors: list[LoraTensor], locals_: dic
         old = getattr(owner, attr)
         local = locals_[t.key]
         layer: Any = model.get_submodule(t.path)
-        if is_dtensor(layer.get_base_layer().weight):
+        if t.kind != "param" and is_dtensor(layer.get_base_layer().weight):  # expert pairs: plain (experts)
             from torch.distributed.tensor import DTensor, Replicate, Shard
 
             placement = Replicate() if t.spec.dim is None else Shard(t.spec.dim)
@@ -178,11 +186,14 @@ def install(model: nn.Module, name: str, tensors: list[LoraTensor], locals_: dic
 
 def wire(model: nn.Module, name: str, tensors: list[LoraTensor], state: ShardState) -> None:
     """Make adapter ``name``'s forward right on the shards: its tensors' collectives follow the base."""
-    for path in dict.fromkeys(t.path for t in tensors):
+    for path, spec in {t.path: t.spec for t in tensors}.items():
         layer: Any = model.get_submodule(path)
         style = state.specs.styles.get(path)
-        dtensor = is_dtensor(layer.get_base_layer().weight)
         keep_for_unmerge(layer)
+        if is_param_wrapper(layer):
+            wire_experts(layer, 1 if spec.replicated else state.coords(spec)[0])  # whole experts: all here
+            continue
+        dtensor = is_dtensor(layer.get_base_layer().weight)
         if isinstance(layer.get_base_layer(), nn.Embedding):
             if dtensor or (style is not None and style.sharded):
                 _wire_embedding(layer, style, state, dtensor)
@@ -262,12 +273,13 @@ def keep_for_unmerge(layer: Any) -> None:
         return
     layer._shardwise_keeps = True
     merge, unmerge = layer.merge, layer.unmerge
+    only = getattr(layer, "parameter_name", None)  # a ParamWrapper merges into that one parameter
 
     def kept_merge(*args, **kwargs):
         base = layer.get_base_layer()
         if not layer.merged:
             layer._shardwise_base = {n: local_of(p).detach().clone()
-                                     for n, p in base.named_parameters(recurse=False)}
+                                     for n, p in base.named_parameters(recurse=False) if only in (None, n)}
         merge(*args, **kwargs)
         if not layer.merged:
             layer.__dict__.pop("_shardwise_base", None)
@@ -279,7 +291,8 @@ def keep_for_unmerge(layer: Any) -> None:
             base = layer.get_base_layer()
             with torch.no_grad():
                 for n, p in base.named_parameters(recurse=False):
-                    local_of(p).copy_(kept[n])
+                    if n in kept:
+                        local_of(p).copy_(kept[n])
             del layer.__dict__["_shardwise_base"]
 
     layer.merge = kept_merge

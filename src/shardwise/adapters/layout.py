@@ -4,13 +4,18 @@ A linear base of weight ``[out, in]`` adapted by ``lora_A [r, in]`` and ``lora_B
 colwise base splits ``lora_B`` like its output dim (per block when packed) and keeps ``lora_A``
 whole; a rowwise base splits ``lora_A`` like its input dim and keeps ``lora_B`` whole. A
 vocab-parallel embedding ``[V, D]`` adapted by ``lora_embedding_A [r, V]`` and
-``lora_embedding_B [D, r]`` splits ``A`` on the vocab dim.
+``lora_embedding_B [D, r]`` splits ``A`` on the vocab dim. An expert tensor ``[E, ., .]`` adapted
+through PEFT's ``target_parameters`` has ``lora_A [r * E, in]`` (expert-major rows) and
+``lora_B [out, r * E]`` (expert-minor columns): split over ep, ``A`` takes each rank's rows and
+``B`` the same experts out of each of its ``r`` column blocks.
 
 >>> from shardwise.core.styles import Style
 >>> lora_specs("linear", Style("colwise"), ShardSpec(dim=0, blocks=(2, 1, 1)))
 {'A': ShardSpec(replicated), 'B': ShardSpec(dim=0, blocks=(2, 1, 1))}
 >>> lora_specs("linear", Style("rowwise"), ShardSpec(dim=1))
 {'A': ShardSpec(dim=1, blocks=(1,)), 'B': ShardSpec(replicated)}
+>>> expert_lora_specs(ShardSpec(dim=0, axis="ep"), r=2)
+{'A': ShardSpec(dim=0, blocks=(1,), axis='ep'), 'B': ShardSpec(dim=1, blocks=(1, 1), axis='ep')}
 """
 
 from __future__ import annotations
@@ -44,4 +49,16 @@ def lora_specs(kind: str, style: Style | None, base: ShardSpec, *, where: str = 
     raise PlanError(f"{where}: a linear weight split on dim {base.dim} has no LoRA layout")
 
 
-__all__ = ["WHOLE", "lora_specs"]
+def expert_lora_specs(base: ShardSpec, r: int, *, where: str = "") -> dict[str, ShardSpec]:
+    """``{"A": spec, "B": spec}`` of PEFT's LoRA pair on an expert tensor (``target_parameters``)
+    of rank ``r`` whose weight spec is ``base``; ``PlanError`` for a split other than whole experts."""
+    if base.replicated:
+        return {"A": WHOLE, "B": WHOLE}
+    if base.dim != 0 or base.packed:
+        raise PlanError(f"{where}: LoRA on an expert tensor split on dim {base.dim} over {base.axis!r} (not "
+                        "whole experts) is not supported yet; load the experts with an ep plan (whole "
+                        "experts per rank) or leave them out of the adapter's target_parameters")
+    return {"A": ShardSpec(dim=0, axis=base.axis), "B": ShardSpec(dim=1, blocks=(1,) * r, axis=base.axis)}
+
+
+__all__ = ["WHOLE", "expert_lora_specs", "lora_specs"]
