@@ -1,7 +1,8 @@
 """sw.save_adapter through the storage's save transaction, interrupted: a save that fails between
 its two files (on spawned gloo ranks), and a process killed there, leave nothing loadable at the
-path and never touch a previous adapter; a save onto an existing adapter is refused with it intact;
-the next save to the path completes."""
+path and never touch a previous adapter; a save onto an existing adapter is refused with it intact
+unless overwrite=True, which replaces it only once the new one is complete (and refuses a folder
+holding anything else); the next save to the path completes."""
 
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ def _fail_between_files(folder: str) -> list[str]:
     model = _model(folder)
     sw.save_adapter(model, f"{folder}/previous", adapter_name="a")
     errors = []
-    for target in ("previous", "new"):  # onto the previous adapter: refused; a new path: fails midway
+    # onto the previous adapter: refused; with overwrite, and a new path: each fails midway
+    for target, overwrite in (("previous", False), ("previous", True), ("new", False)):
         real = adapters._config_text
 
         def boom(config):
@@ -43,24 +45,34 @@ def _fail_between_files(folder: str) -> list[str]:
 
         adapters._config_text = boom
         try:
-            sw.save_adapter(model, f"{folder}/{target}", adapter_name="a")
+            sw.save_adapter(model, f"{folder}/{target}", adapter_name="a", overwrite=overwrite)
         except (ShardwiseError, OSError) as e:  # rank 0 its own error, the others a CollectiveError
             errors.append(str(e))
         finally:
             adapters._config_text = real
     sw.save_adapter(model, f"{folder}/new", adapter_name="a")  # then a save there completes
+    sw.save_adapter(model, f"{folder}/previous", adapter_name="a", overwrite=True)  # and an overwrite
+    if sw.init_backend("gloo").rank == 0:
+        with open(f"{folder}/previous/notes.txt", "w") as f:
+            f.write("mine")
+    try:  # a file of the user's beside the adapter: refused, the folder untouched
+        sw.save_adapter(model, f"{folder}/previous", adapter_name="a", overwrite=True)
+    except ShardwiseError as e:
+        errors.append(str(e))
     return errors
 
 
 def test_a_failed_save_leaves_nothing_and_the_previous_adapter_intact(tmp_path):
     make("llama", tmp_path)
     for errors in run_ranks(_fail_between_files, 2, str(tmp_path), timeout=240):
-        assert "exists and is not empty" in errors[0] and "never replaces" in errors[0]
-        assert "disk full" in errors[1]  # every rank learns rank 0's failure
+        assert "exists and is not empty" in errors[0] and "pass overwrite=True" in errors[0]
+        assert "disk full" in errors[1] and "disk full" in errors[2]  # every rank learns rank 0's failure
+        assert "notes.txt" in errors[3] and "not a checkpoint file" in errors[3], errors[3]
     weights = FILES[0]  # the previous adapter: PEFT's bytes; the retried save the same folder
     assert (tmp_path / "previous" / weights).read_bytes() == (tmp_path / "a" / weights).read_bytes()
     for name in FILES:
         assert (tmp_path / "new" / name).read_bytes() == (tmp_path / "previous" / name).read_bytes()
+    assert (tmp_path / "previous" / "notes.txt").read_text() == "mine"
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # nothing left aside
 
 

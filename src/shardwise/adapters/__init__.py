@@ -31,7 +31,7 @@ from shardwise.holding import is_dtensor
 from shardwise.io.formats.safetensors.checkpoint import resolve_checkpoint
 from shardwise.io.read.mapped import read_region
 from shardwise.io.sink import Saving
-from shardwise.io.storage import Handles, Location, locate
+from shardwise.io.storage import Handles, Location, locate, target_path
 from shardwise.mesh import ShardState, get_shard_state, world_backend
 
 _ATTACHED = "_shardwise_adapters"  # model.__dict__: {adapter name: (config, [LoraTensor])}
@@ -215,12 +215,14 @@ def _check_keys(tensors, ckpt, where, prefix: str) -> None:
 
 
 def save_adapter(model: nn.Module, path: str | os.PathLike, *, adapter_name: str = "default",
-                 storage_options: dict | None = None) -> None:
+                 overwrite: bool = False, storage_options: dict | None = None) -> None:
     """Write adapter ``adapter_name`` of ``model`` as a PEFT folder that
     ``PeftModel.from_pretrained`` loads: each LoRA tensor gathered over its axis, rank 0 writes.
-    Every rank calls it. The folder is new: written aside and moved into place once complete
-    (the storage's save transaction, as ``sw.save``), so a failed or killed save leaves nothing
-    at ``path``; an existing non-empty ``path`` (a previous adapter) is refused, never touched.
+    Every rank calls it. Written aside and moved into place once complete (the storage's save
+    transaction, as ``sw.save``), so a failed or killed save leaves nothing at ``path``; an
+    existing non-empty ``path`` is refused, untouched, unless ``overwrite=True``, which replaces
+    a PEFT adapter folder (its config and weights) once the new one is complete, and still
+    refuses a folder holding anything else.
 
     >>> sw.save_adapter(model, "out/lora", adapter_name="style")     # doctest: +SKIP
     """
@@ -240,13 +242,14 @@ def save_adapter(model: nn.Module, path: str | os.PathLike, *, adapter_name: str
         parts = [torch.empty_like(local) for _ in range(degree)]
         comm.all_gather_inline(parts, local, group=state.ep_group if t.spec.axis == "ep" else state.group)
         whole[t.peft_key()] = assemble(parts, t.spec, degree)
-    where = locate(path, storage_options)
-    if where.is_folder() and where.list():
+    where = target_path(locate(path, storage_options))
+    if not overwrite and where.is_folder() and where.list():
         raise CheckpointError(f"save_adapter: {where} exists and is not empty (a previous adapter?); "
-                              "save_adapter writes a new folder and never replaces one: pass another path, "
-                              "or remove that folder first")
+                              "pass overwrite=True to replace the adapter there once the new one is "
+                              "complete, or another path")
     what = f"save_adapter {adapter_name!r} to {{target}}"
-    with Saving(where, overwrite=False, backend=world_backend(), what=what) as saving:
+    with Saving(where, overwrite=overwrite, backend=world_backend(), what=what,
+                replaceable=(CONFIG_FILE, WEIGHTS_FILE)) as saving:
         saving.commit(side_files=lambda folder: _write(folder, config, whole))  # rank 0, in the transaction
 
 
