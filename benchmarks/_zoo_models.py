@@ -47,6 +47,7 @@ class Case:
     model_class: str
     folder: str
     moe: bool = False
+    ep_plan: bool = False  # the config has a base_model_ep_plan: the peer also loads at ep_size = tp
     hub_layout: bool = False
     files: int = 0
     output: str = ""       # "logits" | "last_hidden_state" | "sample"
@@ -85,6 +86,14 @@ def transformers_families() -> list[Family]:
             fam.model_class = _qualname(cls)
         out.append(fam)
     return out
+
+
+def ep_plan_families() -> set[str]:
+    """The model types whose config class also declares a ``base_model_ep_plan`` (transformers
+    5.25 moved the experts of its MoE families there)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
+
+    return {t for t in CONFIG_MAPPING_NAMES if getattr(CONFIG_MAPPING[t], "base_model_ep_plan", None)}
 
 
 def _model_class(model_type, config_class, auto):
@@ -199,6 +208,7 @@ def build_case(fam: Family, root: Path, tp: int) -> Case:
     try:
         model, inputs = _build(fam, tp)
         case.moe = _model_is_moe(model)
+        case.ep_plan = bool(getattr(getattr(model, "config", None), "base_model_ep_plan", None))
         model.save_pretrained(folder, max_shard_size=SHARD_BYTES)
         case.files = len(list(folder.glob("*.safetensors")))
         case.key_diff = _key_diff(model, folder)
