@@ -274,7 +274,7 @@ def _load(f, info, map_location: str, view=None):
     ``view``, one :func:`_view` of it, where given)."""
     try:
         # torch types its own _create_file_view IOBase; it is a binary file view, as torch.load takes
-        return torch.load(view if view is not None else _view(f, info),  # type: ignore[arg-type]
+        return torch.load(view if view is not None else _view(f, info),
                           map_location=map_location, weights_only=True)
     except Exception as e:
         raise CheckpointError(f"{_where(f, info)} cannot be read ({e})") from e
@@ -287,7 +287,8 @@ def _only_record_offset(view) -> int | None:
     view.seek(0)
     reader = torch._C.PyTorchFileReader(view)
     data = [name for name in reader.get_all_records() if name.startswith("data/")]
-    return reader.get_record_offset(data[0]) if len(data) == 1 else None
+    # get_record_offset: in the C++ binding (2.9 has it), not in torch's type stubs
+    return reader.get_record_offset(data[0]) if len(data) == 1 else None  # type: ignore[attr-defined]
 
 
 def chunk_checksum(f, info, *, dtype: torch.dtype, sizes, algorithm: str, piece: int = 16 << 20
