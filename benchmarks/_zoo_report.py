@@ -46,8 +46,7 @@ def classify(fam, case, results: dict, *, peer: bool) -> dict:
         reason = fam.skip if case is None else case.error
         row["shardwise"] = {"status": stage, "detail": reason}
         row["peer"] = {"status": stage, "detail": reason} if peer else {"status": "not run"}
-        row["peer_ep"] = ({"status": "no ep plan"} if case is None or not case.ep_plan
-                          else dict(row["peer"]))
+        row["peer_ep"] = dict(row["peer"]) if fam.ep_plan else {"status": "no ep plan"}
         return row
     if not case.ep_plan:
         row["peer_ep"] = {"status": "no ep plan"}
