@@ -36,6 +36,7 @@ class Family:
     model_class: str = ""
     config_class: str = ""
     skip: str = ""  # why it cannot be tested at all (no text model class, ...)
+    ep_plan: bool = False  # its config class has a base_model_ep_plan: the peer also loads at ep_size = tp
 
 
 @dataclass
@@ -47,6 +48,7 @@ class Case:
     model_class: str
     folder: str
     moe: bool = False
+    ep_plan: bool = False  # as its Family's
     hub_layout: bool = False
     files: int = 0
     output: str = ""       # "logits" | "last_hidden_state" | "sample"
@@ -75,7 +77,8 @@ def transformers_families() -> list[Family]:
         config_class = CONFIG_MAPPING[model_type]
         if not getattr(config_class, "base_model_tp_plan", None):
             continue
-        fam = Family(model_type, "transformers", config_class=_qualname(config_class))
+        fam = Family(model_type, "transformers", config_class=_qualname(config_class),
+                     ep_plan=bool(getattr(config_class, "base_model_ep_plan", None)))
         cls = _model_class(model_type, config_class, auto)
         if cls is None:
             fam.skip = "no model class for this config in transformers"
@@ -111,6 +114,14 @@ def text_encoder_families() -> list[Family]:
             fam.model_class, fam.config_class = _qualname(cls), _qualname(config_cls)
         out.append(fam)
     return out
+
+
+def ep_plan_families() -> set[str]:
+    """The model types whose config class also declares a ``base_model_ep_plan`` (transformers
+    5.25 moved the experts of its MoE families there)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
+
+    return {t for t in CONFIG_MAPPING_NAMES if getattr(CONFIG_MAPPING[t], "base_model_ep_plan", None)}
 
 
 def _model_class(model_type, config_class, auto):
@@ -221,7 +232,7 @@ def build_case(fam: Family, root: Path, tp: int) -> Case:
     """Build, save and run ``fam`` in this process; write ``case.json`` and ``reference.pt``."""
     folder = root / fam.name
     folder.mkdir(parents=True, exist_ok=True)
-    case = Case(fam.name, fam.library, fam.model_class, str(folder))
+    case = Case(fam.name, fam.library, fam.model_class, str(folder), ep_plan=fam.ep_plan)
     try:
         model, inputs = _build(fam, tp)
         case.moe = _model_is_moe(model)

@@ -102,7 +102,7 @@ def _with_shardwise(case, mesh):
     return model
 
 
-def _with_peer(case, tp: int):
+def _with_peer(case, tp: int, *, ep: bool = False):
     cls, _ = _config(case)
     if case.library == "diffusers":
         from diffusers import TensorParallelConfig
@@ -110,8 +110,11 @@ def _with_peer(case, tp: int):
         return cls.from_pretrained(case.folder, parallel_config=TensorParallelConfig(tp_degree=tp)).eval()
     from transformers import DistributedConfig
 
+    # ep: transformers 5.25's TP x EP, the experts split by its base_model_ep_plan over ep_size = tp
+    # ranks (ep_size must be a multiple of tp_size), the attention by the TP plan
+    sizes = {"tp_size": tp, "ep_size": tp} if ep else {"tp_size": tp}
     return cls.from_pretrained(case.folder, dtype=torch.float32,
-                               distributed_config=DistributedConfig(tp_plan="auto", tp_size=tp)).eval()
+                               distributed_config=DistributedConfig(tp_plan="auto", **sizes)).eval()
 
 
 def compare(out: torch.Tensor, ref: torch.Tensor) -> dict:
@@ -141,7 +144,8 @@ def run_task(case, tool: str, tp: int, mesh, limit: int) -> dict:
     try:
         with _time_limit(limit):
             data = torch.load(os.path.join(case.folder, "reference.pt"), weights_only=False)
-            model = _with_shardwise(case, mesh) if tool == "shardwise" else _with_peer(case, tp)
+            model = (_with_shardwise(case, mesh) if tool == "shardwise"
+                     else _with_peer(case, tp, ep=tool == "peer_ep"))
             _, out = run_forward(model, case.library, data["inputs"])
             result = compare(out, data["reference"])
             if tool == "shardwise" and result["status"] == "pass":  # then it must save back exactly

@@ -4,6 +4,7 @@
     python benchmarks/zoo.py --only llama,qwen3_moe   # a few families (rows merged into the existing JSON)
     python benchmarks/zoo.py --failed-from docs/models.json   # rerun what did not pass for shardwise
     python benchmarks/zoo.py --no-peer --limit 10     # shardwise only, the first 10 families
+    python benchmarks/zoo.py --ep-plan-only           # the families with a base_model_ep_plan
     python benchmarks/zoo.py --quantized-only         # only the quantized stage (other rows kept)
     python benchmarks/zoo.py --pipelines-only         # only the pipelines' section (other rows kept)
 
@@ -17,7 +18,9 @@ gloo ranks, started once, load each checkpoint two ways and compare with that ou
   ``sw.load(model, ckpt, plan=<the model's own plan>, mesh=backend.mesh(tp=tp))``;
 - peer: the library's own tensor-parallel load, ``from_pretrained(ckpt,
   distributed_config=DistributedConfig(tp_plan="auto", tp_size=tp))`` for transformers,
-  ``from_pretrained(ckpt, parallel_config=TensorParallelConfig(tp_degree=tp))`` for diffusers.
+  ``from_pretrained(ckpt, parallel_config=TensorParallelConfig(tp_degree=tp))`` for diffusers;
+- peer ep (families whose config has a ``base_model_ep_plan``): transformers' TP x EP load,
+  ``DistributedConfig(tp_plan="auto", tp_size=tp, ep_size=tp)``.
 
 A result is pass, SILENT WRONG (no error, but another output shape or other values), error
 (first line of the exception), hang (a rank gave no result in time), or, for both tools, one
@@ -45,7 +48,8 @@ from pathlib import Path
 
 import _common  # noqa: F401 - puts the checkout's src first on sys.path
 from _common import REPO
-from _zoo_models import build_case, diffusers_families, text_encoder_families, transformers_families
+from _zoo_models import (build_case, diffusers_families, ep_plan_families, text_encoder_families,
+                         transformers_families)
 from _zoo_pipelines import pipeline_rows, read_pipelines, write_pipelines
 from _zoo_quant import quant_stage
 from _zoo_ranks import RankPool, quiet_libraries
@@ -60,6 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="comma-separated family names (model types or diffusers classes)")
     ap.add_argument("--failed-from", type=Path, help="rerun the families whose shardwise result in this JSON "
                     "was not pass (and could be tested)")
+    ap.add_argument("--ep-plan-only", action="store_true",
+                    help="only the families whose config has a base_model_ep_plan (the peer ep column)")
     ap.add_argument("--limit", type=int, default=0, help="at most N families (after --only/--failed-from)")
     ap.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True,
                     help="also load with the library's own tensor parallelism (default: yes)")
@@ -92,6 +98,8 @@ def select(args) -> list:
         if unknown:
             sys.exit(f"unknown families: {', '.join(unknown)}")
         families = [f for f in families if f.name in set(names)]
+    if args.ep_plan_only:
+        families = [f for f in families if f.name in ep_plan_families()]
     return families[: args.limit] if args.limit else families
 
 
@@ -120,11 +128,14 @@ def sweep(families, args, work: Path) -> list[dict]:
                 results["shardwise"] = pool.run(case, "shardwise")
                 if args.peer:
                     results["peer"] = pool.run(case, "peer")
+                    if case.ep_plan:
+                        results["peer_ep"] = pool.run(case, "peer_ep")
             row = classify(fam, case, results, peer=args.peer)
             rows.append(row)
-            sw, peer = row["shardwise"], row["peer"]
-            loud = "  <-- SILENT WRONG" if "wrong" in (sw["status"], peer["status"]) else ""
-            print(f"[{i}/{len(cases)}] {fam.name}: shardwise {sw['status']}, peer {peer['status']}{loud}  "
+            sw, peer, ep = row["shardwise"], row["peer"], row["peer_ep"]
+            loud = "  <-- SILENT WRONG" if "wrong" in (sw["status"], peer["status"], ep["status"]) else ""
+            print(f"[{i}/{len(cases)}] {fam.name}: shardwise {sw['status']}, peer {peer['status']}, "
+                  f"peer ep {ep['status']}{loud}  "
                   f"{sw.get('detail', '')[:100]}", flush=True)
     finally:
         pool.close()
@@ -136,7 +147,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     quiet_libraries()  # before diffusers/transformers print their import-time notices
     families = [] if args.quantized_only or args.pipelines_only else select(args)
-    partial = bool(args.only or args.failed_from or args.limit or args.pipelines_only)
+    partial = bool(args.only or args.failed_from or args.limit or args.pipelines_only or args.ep_plan_only)
     run_pipelines = args.pipelines_only or (args.pipelines if args.pipelines is not None else not partial)
     kept_pipelines, pipelines = read_pipelines(args.out), None
     run_quant = args.quantized_only or (args.quantized if args.quantized is not None else not partial)
@@ -159,7 +170,8 @@ def main(argv=None) -> int:
             "torch": _version("torch")}
     merge = args.merge if args.merge is not None else partial or args.quantized_only
     if not args.pipelines_only:
-        path = write_report(rows, meta, args.out, merge=merge, quantized=quantized)
+        path = write_report(rows, meta, args.out, merge=merge, quantized=quantized,
+                            ep_families=ep_plan_families())
         print(f"wrote {args.out} and {path} in {meta['seconds']} s", flush=True)
     if pipelines is not None:
         write_pipelines(pipelines, meta, args.out)

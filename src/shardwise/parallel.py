@@ -200,9 +200,12 @@ def dtensor_of(local: torch.Tensor, mesh: DeviceMesh, placement, specs: dict | N
         from torch.distributed.tensor._utils import compute_global_tensor_info
     except ImportError:  # a torch that moved them: the public way
         return DTensor.from_local(local, mesh, [placement], run_check=False)
-    part_of_mesh = getattr(mesh, "_is_current_rank_part_of_mesh", None)  # torch 2.9 has none
-    if (local.requires_grad or local.device.type != mesh.device_type
-            or part_of_mesh is None or not part_of_mesh()):
+    part_of_mesh = getattr(mesh, "_is_current_rank_part_of_mesh", None)
+    if part_of_mesh is None:  # torch 2.9 has none: its get_coordinate is None off the mesh
+        in_mesh = mesh.get_coordinate() is not None
+    else:
+        in_mesh = part_of_mesh()
+    if local.requires_grad or local.device.type != mesh.device_type or not in_mesh:
         return DTensor.from_local(local, mesh, [placement], run_check=False)
     placements = (placement,)
     key = (id(mesh), placement, tuple(local.shape), local.stride(), local.dtype)  # meshes live while wiring

@@ -144,11 +144,11 @@ def test_mxfp4_in_f4_and_e8m0_round_trips_through_tp(tmp_path, tp):
     for rank, held in enumerate(results):
         dtype, shape, got = held[BLOCKS]
         assert (dtype, shape) == (str(F4), (E, ROWS, per, 16))
-        want = canonical[BLOCKS][:, :, rank * per:(rank + 1) * per].contiguous().view(torch.uint8)
+        want = canonical[BLOCKS].view(torch.uint8)[:, :, rank * per:(rank + 1) * per].contiguous()
         assert got == want.numpy().tobytes(), f"rank {rank}: F4 blocks are not the stored bytes of its groups"
         dtype, shape, got = held[SCALES]
         assert (dtype, shape) == (str(E8M0), (E, ROWS, per))
-        want = canonical[SCALES][:, :, rank * per:(rank + 1) * per].contiguous().view(torch.uint8)
+        want = canonical[SCALES].view(torch.uint8)[:, :, rank * per:(rank + 1) * per].contiguous()
         assert got == want.numpy().tobytes(), f"rank {rank}: E8M0 scales are not its groups' stored bytes"
     saved = sorted(out.glob("*.safetensors"))
     assert len(saved) == 1

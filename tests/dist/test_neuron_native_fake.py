@@ -106,6 +106,14 @@ def test_neuron_loads_forwards_and_saves_on_the_fake_torchneuron(tmp_path, lib):
 # implementation, which refuses a list mixing DTensor and plain parameters (dtensor holding). The
 # suite now steps under torch's implicit_replication(), as docs/guide.md tells users to, and passes.
 KNOWN_FAILURES: dict[str, str] = {}
+# TorchNeuron (native) is built for torch 2.13 and 2.14 only. On an older torch (the floor job's
+# 2.9) FSDP2's fsdp::all_gather_copy_in has no kernel for the fake device's autograd key, so the
+# FSDP2 layouts fail inside torch there: exactly these, for that reason, and nothing else.
+OLD_TORCH_FSDP = {("forward_backward", "dp_shard2_tp1"): "fsdp::all_gather_copy_in",
+                  ("clip_grad_norm", "dp_shard2_tp1"): "not run: forward_backward did not pass",
+                  ("optimizer_reshard", "dp_shard2_tp1"): "not run: clip_grad_norm did not pass",
+                  ("optimizer_reshard", "tp2"): "fsdp::all_gather_copy_in"}
+OLD_TORCH = tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 13)
 
 
 def _validate(sysfs: str, lib: str, json_path: str):
@@ -121,6 +129,10 @@ def test_shardwise_validate_runs_on_the_fake_torchneuron(tmp_path, lib):
                     timeout=600)[0]
     assert run["backend"] == "neuron" and run["device"].startswith("neuron") and run["holding"] == "dtensor"
     failed = {(r["scenario"], r["layout"]): r["reason"] for r in run["results"] if r["status"] == "FAIL"}
+    if OLD_TORCH:
+        assert set(failed) == set(OLD_TORCH_FSDP), failed
+        assert all(OLD_TORCH_FSDP[k] in why for k, why in failed.items()), failed
+        failed = {}
     unknown = {k: why for k, why in failed.items() if KNOWN_FAILURES.get(k[0], "\0") not in why}
     assert not unknown, unknown
     known = {r["layout"] for r in run["results"] if r["scenario"] in KNOWN_FAILURES}

@@ -90,7 +90,8 @@ def test_hub_layout_loads_at_tp2_in_both_holdings(tmp_path, kind):
 def test_conversion_that_is_not_a_region_map_is_refused(tmp_path):
     # A stored tensor that transformers would transpose cannot be streamed: refuse by name.
     from shardwise.errors import CheckpointError
-    from shardwise.hf.hub_layout import _apply, _Virtual
+    from shardwise.hf.hub_layout import _apply
+    from shardwise.hf.hub_moves import Virtual
 
     class Transpose:
         dim0, dim1 = 0, 1
@@ -100,7 +101,7 @@ def test_conversion_that_is_not_a_region_map_is_refused(tmp_path):
         operations = [Transpose()]
 
     with pytest.raises(CheckpointError, match=r"Conv\(Transpose\).*not a region map"):
-        _apply(Conv(), {"a": [_Virtual((2, 2), [])]}, "model tensor 'w'")
+        _apply(Conv(), {"a": [Virtual((2, 2), [])]}, "model tensor 'w'")
 
 
 def _load_ep(kind: str, folder: str, axes: dict):

@@ -17,7 +17,9 @@ pytest.importorskip("transformers")
 from transformers.core_model_loading import Chunk, Interleave, WeightConverter  # noqa: E402
 
 from shardwise.core.header import TensorEntry  # noqa: E402
-from shardwise.hf.hub_layout import _apply, _split_targets, _Virtual, _whole  # noqa: E402
+from shardwise.errors import CheckpointError  # noqa: E402
+from shardwise.hf.hub_layout import _apply, _split_targets, _whole  # noqa: E402
+from shardwise.hf.hub_moves import Virtual  # noqa: E402
 
 
 def _assemble(shape, pieces, stored: torch.Tensor) -> torch.Tensor:
@@ -37,7 +39,7 @@ def test_an_interleave_is_the_rows_transformers_moves(shape, dim, inverse):
     conv = WeightConverter(source_patterns="w13_weight", target_patterns="gate_up_proj",
                            operations=[Interleave(dim=dim, inverse=inverse)])
     want = Interleave(dim=dim, inverse=inverse).convert({"w": stored}, ["w"], ["t"])["t"]
-    built = _apply(conv, {"w13_weight": [_Virtual(shape, [_whole("k", shape)])]}, "model tensor 't'")
+    built = _apply(conv, {"w13_weight": [Virtual(shape, [_whole("k", shape)])]}, "model tensor 't'")
     got = _assemble(built.shape, built.pieces, stored)
     assert torch.equal(got, want)
     # and back: the inverse op of the result gives the stored rows
@@ -67,5 +69,28 @@ def test_inkling2s_unpadded_vocab_is_the_first_rows():
     stored = torch.randn(10, 4)  # lm_head padded to vocab_size 10; the model keeps 7 rows
     conv = WeightConverter(source_patterns="lm_head.weight", target_patterns="lm_head.weight",
                            operations=[Inkling2UnpadVocab()])
-    built = _apply(conv, {"lm_head.weight": [_Virtual((10, 4), [_whole("k", (10, 4))])]}, "lm_head", (7, 4))
+    built = _apply(conv, {"lm_head.weight": [Virtual((10, 4), [_whole("k", (10, 4))])]}, "lm_head", (7, 4))
     assert built.shape == (7, 4) and torch.equal(_assemble(built.shape, built.pieces, stored), stored[:7])
+
+
+def test_inkling2_loops_merged_message_queries_are_rows_of_the_two_stored_tensors():
+    # Inkling2LoopMergeMessageQueries only moves rows: (2L, H) queries and kv queries into (L, 4, H)
+    from transformers.core_model_loading import Inkling2LoopMergeMessageQueries
+
+    queries, kv = torch.randn(6, 5), torch.randn(6, 5)
+    sources = ["middle_cycle_cross_pass_queries", "middle_cycle_cross_pass_kv_queries"]
+    conv = WeightConverter(source_patterns=sources, target_patterns="message_input.query",
+                           operations=[Inkling2LoopMergeMessageQueries()])
+    want = Inkling2LoopMergeMessageQueries().convert({sources[0]: queries, sources[1]: kv}, sources,
+                                                     ["t"])["t"]
+    groups = {sources[0]: [Virtual((6, 5), [_whole("q", (6, 5))])],
+              sources[1]: [Virtual((6, 5), [_whole("kv", (6, 5))])]}
+    built = _apply(conv, groups, "model tensor 'message_input.query'")
+    assert built.shape == tuple(want.shape) == (3, 4, 5)
+    got = torch.full(built.shape, float("nan"))
+    for p in built.pieces:
+        got[p.box().slices()] = {"q": queries, "kv": kv}[p.key][p.source.slices()].unsqueeze(1)
+    assert torch.equal(got, want)
+    with pytest.raises(CheckpointError, match="two .* tensors of one shape"):
+        _apply(conv, {sources[0]: [Virtual((5, 5), [_whole("q", (5, 5))])],
+                      sources[1]: [Virtual((6, 5), [_whole("kv", (6, 5))])]}, "odd")

@@ -348,9 +348,13 @@ def mxfp4_dequantize_region(blocks: torch.Tensor, scales: torch.Tensor, weight_r
     start = weight_region.offsets[-1] - want_scales.offsets[-1] * MXFP4_GROUP if values.shape[-1] else 0
     values = values.narrow(-1, start, weight_region.sizes[-1])
     # ldexp, not a multiply by exp2(byte - 127): 2 ** 128 is not a float32, yet 0.5 * 2 ** 128 is.
+    # In two halves: torch before 2.10 computes ldexp as a multiply by 2 ** e (inf at e = 128:
+    # 0 * inf = NaN); each half's power is a float32 and the first multiply is exact, so the
+    # result is rounded once, as a true ldexp rounds it.
     block = _mxfp4_block(len(weight_region.sizes))
     exponents = expand_scale(as_bytes(scales).to(torch.int32) - E8M0_BIAS, weight_region, block)
-    return torch.ldexp(values, exponents).to(dtype)
+    half = exponents // 2
+    return torch.ldexp(torch.ldexp(values, half), exponents - half).to(dtype)
 
 
 __all__ = [

@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -17,6 +16,7 @@ from shardwise.core.header import NamedDtype, TensorEntry, dtype_to_str, str_to_
 from shardwise.core.pieces import Composite, Piece, StoredPart, check_tiling
 from shardwise.core.spec import Region
 from shardwise.errors import CheckpointError, ShardingError
+from shardwise.hf.hub_moves import Virtual, cut, interleave, merge_loop_queries
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -24,17 +24,11 @@ if TYPE_CHECKING:
     from shardwise.io.storage import Location
 
 
-@dataclass
-class _Virtual:  # a tensor in the middle of a chain of operations
-    shape: tuple[int, ...]
-    pieces: list[Piece]
-
-
-def _concat(parts: list[_Virtual], dim: int, what: str, *, stack: bool = False) -> _Virtual:
+def _concat(parts: list[Virtual], dim: int, what: str, *, stack: bool = False) -> Virtual:
     """``parts`` concatenated along ``dim``, or stacked on a new ``dim`` (``stack``: each part a
     slab of size 1 there, a dim its pieces' stored tensors lack)."""
     if stack:
-        parts = [_Virtual(p.shape[:dim] + (1,) + p.shape[dim:],
+        parts = [Virtual(p.shape[:dim] + (1,) + p.shape[dim:],
                           [Piece(q.key, q.source, q.offsets[:dim] + (0,) + q.offsets[dim:],
                                  tuple(sorted((*(d + (d >= dim) for d in q.stacked), dim))))
                            for q in p.pieces]) for p in parts]
@@ -49,7 +43,7 @@ def _concat(parts: list[_Virtual], dim: int, what: str, *, stack: bool = False) 
             pieces.append(Piece(q.key, q.source, offsets, q.stacked))
         start += part.shape[dim]
     shape = parts[0].shape
-    return _Virtual(shape[:dim] + (start,) + shape[dim + 1:], pieces)
+    return Virtual(shape[:dim] + (start,) + shape[dim + 1:], pieces)
 
 
 def _natural(key: str):
@@ -110,42 +104,11 @@ def _targets(model: nn.Module) -> Callable[[str], tuple]:
     return target
 
 
-def _as_list(v: list[_Virtual] | _Virtual) -> list[_Virtual]:
+def _as_list(v: list[Virtual] | Virtual) -> list[Virtual]:
     return v if isinstance(v, list) else [v]
 
 
-def _cut(box: Region, dim: int, start: int, size: int) -> Region:  # size rows of box on dim from start
-    return Region(box.offsets[:dim] + (box.offsets[dim] + start,) + box.offsets[dim + 1:],
-                  box.sizes[:dim] + (size,) + box.sizes[dim + 1:])
-
-
-def _interleave(v: _Virtual, dim: int, inverse: bool, what: str) -> _Virtual:
-    """transformers' ``Interleave(dim)``: rows ``2i + j`` of ``dim`` go to ``j * n/2 + i`` (the
-    evens, then the odds); ``inverse`` undoes it. Only places move: each row becomes its own
-    piece, so a rank's share is still read as boxes (adjacent rows, where they meet)."""
-    n = v.shape[dim]
-    if n % 2:
-        raise CheckpointError(f"{what}: Interleave(dim={dim}) of {n} rows, an odd count")
-    half = n // 2
-
-    def moved(r: int) -> int:
-        return r // 2 + (r % 2) * half if not inverse else (r % half) * 2 + r // half
-
-    pieces = []
-    for q in v.pieces:
-        if dim in q.stacked:  # one row of a stacked expert: it moves whole
-            at = q.offsets[:dim] + (moved(q.offsets[dim]),) + q.offsets[dim + 1:]
-            pieces.append(Piece(q.key, q.source, at, q.stacked))
-            continue
-        sdim = dim - sum(1 for d in q.stacked if d < dim)  # that dim in the stored tensor
-        for t in range(q.source.sizes[sdim]):
-            src = _cut(q.source, sdim, t, 1)
-            at = q.offsets[:dim] + (moved(q.offsets[dim] + t),) + q.offsets[dim + 1:]
-            pieces.append(Piece(q.key, src, at, q.stacked))
-    return _Virtual(v.shape, pieces)
-
-
-def _slab(v: _Virtual, dim: int, start: int, size: int) -> _Virtual:
+def _slab(v: Virtual, dim: int, start: int, size: int) -> Virtual:
     """Rows ``[start, start + size)`` of ``dim`` of ``v`` (pieces cut there, rebased)."""
     pieces = []
     for q in v.pieces:
@@ -158,18 +121,18 @@ def _slab(v: _Virtual, dim: int, start: int, size: int) -> _Virtual:
             pieces.append(Piece(q.key, q.source, at, q.stacked))
             continue
         sdim = dim - sum(1 for d in q.stacked if d < dim)
-        cut = lo - box.offsets[dim]
-        src = _cut(q.source, sdim, cut, hi - lo)
+        skip = lo - box.offsets[dim]
+        src = cut(q.source, sdim, skip, hi - lo)
         pieces.append(Piece(q.key, src, q.offsets[:dim] + (lo - start,) + q.offsets[dim + 1:], q.stacked))
-    return _Virtual(v.shape[:dim] + (size,) + v.shape[dim + 1:], pieces)
+    return Virtual(v.shape[:dim] + (size,) + v.shape[dim + 1:], pieces)
 
 
-def _apply(conv, groups: dict[str, list[_Virtual]], what: str,
-           target: tuple[int, ...] | None = None) -> _Virtual:
+def _apply(conv, groups: dict[str, list[Virtual]], what: str,
+           target: tuple[int, ...] | None = None) -> Virtual:
     """Run ``conv``'s operations as geometry over the collected stored tensors; ``target``: the
     model tensor's shape (the rows an ``Inkling2UnpadVocab`` keeps: the first ones)."""
     ops = list(getattr(conv, "operations", []) or [])
-    current: Mapping[str, list[_Virtual] | _Virtual] = groups
+    current: Mapping[str, list[Virtual] | Virtual] = groups
     for op in ops:
         name = type(op).__name__
         dim: Any = getattr(op, "dim", None)  # an int on the operations handled below
@@ -180,8 +143,14 @@ def _apply(conv, groups: dict[str, list[_Virtual]], what: str,
         elif name == "Inkling2LoopDequantizeExperts" and len(current) == 1:
             pass  # the values alone, no scales: transformers passes them through unchanged
         elif name == "Interleave":
-            current = {p: [_interleave(x, dim % len(x.shape), bool(getattr(op, "inverse", False)), what)
+            current = {p: [interleave(x, dim % len(x.shape), bool(getattr(op, "inverse", False)), what)
                            for x in _as_list(v)] for p, v in current.items()}
+        elif name == "Inkling2LoopMergeMessageQueries" and not getattr(op, "inverse", False):
+            pair = [_as_list(current.get(p, [])) for p in conv.source_patterns]
+            if [len(x) for x in pair] != [1, 1]:
+                raise CheckpointError(f"{what}: {name} needs one stored tensor of each of "
+                                      f"{conv.source_patterns}")
+            current = {"": merge_loop_queries(pair[0][0], pair[1][0], what)}
         elif name == "MergeModulelist":
             current = {p: _concat(_as_list(v), dim, what, stack=True) for p, v in current.items()}
         elif name == "Concatenate":
@@ -212,10 +181,10 @@ def _split_targets(conv, key: str, name: str, entry: NamedDtype, shapes: dict, w
     (``Split``: sizes of the model tensors; ``Chunk``: equal parts), each a slab of it, after
     an ``Interleave`` where one comes first (the slabs' rows then come from both halves)."""
     ops = list(getattr(conv, "operations", []) or [])
-    whole = _Virtual(tuple(entry.shape), [_whole(key, tuple(entry.shape))])
+    whole = Virtual(tuple(entry.shape), [_whole(key, tuple(entry.shape))])
     if len(ops) == 2 and type(ops[0]).__name__ == "Interleave":
         inverse = bool(getattr(ops[0], "inverse", False))
-        whole = _interleave(whole, ops[0].dim % len(entry.shape), inverse, what)
+        whole = interleave(whole, ops[0].dim % len(entry.shape), inverse, what)
         ops = ops[1:]
     op = type(ops[0]).__name__ if len(ops) == 1 else "+".join(type(o).__name__ for o in ops)
     if op not in ("Split", "Chunk"):
@@ -282,7 +251,7 @@ def hub_tensors(model: nn.Module, stored: Mapping[str, tuple[Location | None, Na
         for pattern, keys in by_pattern.items():
             keys.sort(key=_natural)
             _indices_run(keys, what)
-            collected[pattern] = [_Virtual(stored[k][1].shape, [_whole(k, stored[k][1].shape)]) for k in keys]
+            collected[pattern] = [Virtual(stored[k][1].shape, [_whole(k, stored[k][1].shape)]) for k in keys]
         built = _apply(conv, collected, what, shapes.get(name))
         dtypes = {stored[p.key][1].dtype for p in built.pieces}
         if len(dtypes) != 1:

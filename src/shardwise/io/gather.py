@@ -28,6 +28,7 @@ from shardwise.core.spec import Region, ShardSpec, chunk_layout, global_shape, l
 from shardwise.errors import CheckpointError, UnsupportedModelError
 from shardwise.holding import is_dtensor
 from shardwise.io.info import collect_checksums
+from shardwise.io.read.mapped import copy_same
 from shardwise.io.sink import OpenFile, WritePlan
 from shardwise.io.storage import Location
 from shardwise.parallel import ShardState, get_shard_state, local_of
@@ -86,8 +87,8 @@ def gather_to_rank0(backend: Backend, local: torch.Tensor, spec: ShardSpec, degr
         for chunk, raw in zip(chunks, got, strict=True):
             if chunk:  # empty: received in place
                 part = raw.view(data.dtype).view(piece.shape)
-                for region, off in chunk:
-                    full[region.slices()] = part[Region(off, region.sizes).slices()]
+                for region, off in chunk:  # copy_same: F4 has no copy kernel on torch 2.9
+                    copy_same(full[region.slices()], part[Region(off, region.sizes).slices()])
     return full
 
 

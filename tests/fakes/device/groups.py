@@ -24,7 +24,19 @@ import datetime as _dt
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import PythonCallbackWork, _create_work_from_future
+from torch._C._distributed_c10d import _create_work_from_future
+
+try:
+    from torch._C._distributed_c10d import PythonCallbackWork
+except ImportError:  # torch 2.9: a Python subclass of Work, whose wait c10d calls, does the same
+
+    class PythonCallbackWork(dist.Work):  # type: ignore[no-redef]
+        def __init__(self, callback):
+            super().__init__()
+            self._callback = callback
+
+        def wait(self, timeout=_dt.timedelta(0)):
+            return self._callback(timeout)
 
 XLA_TRANSPORT_TIMEOUT = _dt.timedelta(minutes=10)  # what "no timeout" means here: the harness kills first
 

@@ -239,7 +239,8 @@ def open_blob(f, info, *, dtype: torch.dtype | None = None, sizes=None) -> tuple
     against the ``dtype`` and ``sizes`` the metadata lists; and the file offset where its
     bytes lie in C order, or None when it is stored otherwise (then it is read whole)."""
     where = _where(f, info)
-    meta = _load(f, info, "meta")
+    view = _view(f, info)
+    meta = _load(f, info, "meta", view)
     if not isinstance(meta, torch.Tensor):
         raise CheckpointError(f"{where} holds a {type(meta).__name__}, not a tensor")
     if dtype is not None and meta.dtype != dtype:
@@ -249,6 +250,8 @@ def open_blob(f, info, *, dtype: torch.dtype | None = None, sizes=None) -> tuple
         raise CheckpointError(f"{where} holds a tensor of shape {tuple(meta.shape)} but the metadata "
                               f"says {tuple(sizes)}; the checkpoint is corrupt")
     record = getattr(meta.untyped_storage(), "_checkpoint_offset", None)
+    if record is None:  # torch before 2.10 sets it only under a fake tensor mode, not for "meta"
+        record = _only_record_offset(view)
     if (record or 0) + meta.untyped_storage().nbytes() > info.length:
         raise CheckpointError(f"{where} says its data runs {meta.untyped_storage().nbytes()} bytes "
                               f"from byte {record or 0}, past the {info.length} bytes stored; the checkpoint "
@@ -258,17 +261,34 @@ def open_blob(f, info, *, dtype: torch.dtype | None = None, sizes=None) -> tuple
     return meta, info.offset + record + meta.storage_offset() * meta.element_size()
 
 
-def _load(f, info, map_location: str):
-    """``torch.load`` (``weights_only``) of the saved chunk ``info`` in the open file ``f``."""
+def _view(f, info):
+    """The saved chunk ``info`` of the open file ``f`` as a file of its own, for torch's zip reader."""
     from torch.distributed.checkpoint.utils import _create_file_view
 
+    stream = f.record(info.offset, info.length) if isinstance(f, HandleFile) else f  # or any binary file
+    return _create_file_view(stream, info.offset, info.length)
+
+
+def _load(f, info, map_location: str, view=None):
+    """``torch.load`` (``weights_only``) of the saved chunk ``info`` in the open file ``f`` (through
+    ``view``, one :func:`_view` of it, where given)."""
     try:
         # torch types its own _create_file_view IOBase; it is a binary file view, as torch.load takes
-        stream = f.record(info.offset, info.length) if isinstance(f, HandleFile) else f  # or any binary file
-        return torch.load(_create_file_view(stream, info.offset, info.length),  # type: ignore[arg-type]
+        return torch.load(view if view is not None else _view(f, info),
                           map_location=map_location, weights_only=True)
     except Exception as e:
         raise CheckpointError(f"{_where(f, info)} cannot be read ({e})") from e
+
+
+def _only_record_offset(view) -> int | None:
+    """Where the data of a blob's one storage record starts in ``view``, from its zip directory
+    (``torch.load`` already read it); None where the blob holds several storages (then it is read
+    whole, as torch.load reads it)."""
+    view.seek(0)
+    reader = torch._C.PyTorchFileReader(view)
+    data = [name for name in reader.get_all_records() if name.startswith("data/")]
+    # get_record_offset: in the C++ binding (2.9 has it), not in torch's type stubs
+    return reader.get_record_offset(data[0]) if len(data) == 1 else None  # type: ignore[attr-defined]
 
 
 def chunk_checksum(f, info, *, dtype: torch.dtype, sizes, algorithm: str, piece: int = 16 << 20
