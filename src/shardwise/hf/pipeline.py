@@ -11,7 +11,6 @@ before any weight is read. Imported on first use, from ``hf.pretrained`` and ``i
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -32,7 +31,8 @@ from shardwise.hf.adapter import HuggingFace, _meta_model, config_folder
 from shardwise.hf.hub_layout import library_of
 from shardwise.io.save import save
 from shardwise.io.sink import Saving
-from shardwise.io.storage import Location, locate, read_json, read_small, write_small
+from shardwise.io.storage import Location, locate, read_json, read_small, target_path, write_small
+from shardwise.io.storage.lookups import DONE_MARK
 from shardwise.mesh import decode_mesh, world_backend
 
 _INDEX = "model_index.json"
@@ -258,33 +258,30 @@ def _named_pipeline(folder: Location) -> type:
 # ---- save ---------------------------------------------------------------------------------------
 
 def save_pipeline(pipe: Any, path: str | os.PathLike, *, overwrite: bool = False, **save_kwargs) -> None:
-    """``pipe``'s folder at ``path`` as ``DiffusionPipeline.save_pretrained`` writes it: the
-    models through ``sw.save`` (sharded ones gathered, or ``distributed=True``), the others'
-    ``save_pretrained`` on rank 0, ``model_index.json``. One storage transaction (``Saving``):
-    written into a hidden folder beside ``path`` and moved into place once complete, so an
-    interrupted save leaves nothing at ``path`` (the next save removes its folder). Collective."""
+    """``pipe``'s folder at ``path`` (local or a storage's URL) as
+    ``DiffusionPipeline.save_pretrained`` writes it: the models through ``sw.save`` (sharded ones
+    gathered, or ``distributed=True``), the others' ``save_pretrained`` on rank 0 (into a
+    temporary folder, then copied through the storage), ``model_index.json``. One storage
+    transaction (``Saving``): written aside and moved into place once complete, so an
+    interrupted save leaves nothing at ``path`` (the next save removes what it left). Collective."""
 
     if save_kwargs.get("async_save"):
         raise UsageError("async_save=True saves one model; a pipeline saves its components one after "
                          "another: drop async_save")
     save_kwargs.pop("async_save", None)
-    target = locate(path, save_kwargs.pop("storage_options", None))
-    if target.scheme is not None:
-        raise UsageError(f"{target}: a pipeline saves to a local folder for now; save it there and "
-                         "upload the folder")
-    final = target.local_path("a diffusers pipeline")
+    target = target_path(locate(path, save_kwargs.pop("storage_options", None)))
     backend = world_backend()
     error: Exception | None = None
     replaceable: tuple[str, ...] = ()
-    if final.is_dir() and any(final.iterdir()):
+    if target.is_folder() and target.list():
         try:
-            replaceable = _replaceable_pipeline(final, overwrite)
+            replaceable = _replaceable_pipeline(target, overwrite)
         except UsageError as e:
             error = e
-    agree(backend, error, what=f"saving a pipeline to {final}")
+    agree(backend, error, what=f"saving a pipeline to {target}")
     with Saving(target, overwrite=overwrite, backend=backend, replaceable=replaceable,
                 what="the pipeline at {target}") as saving:
-        folder = saving.folder.local_path("a diffusers pipeline")
+        folder = saving.folder
         components = {name: getattr(pipe, name) for name in _component_names(pipe)}
         models = {n: c for n, c in components.items()
                   if isinstance(c, nn.Module) and library_of(c) is not None}
@@ -295,33 +292,49 @@ def save_pipeline(pipe: Any, path: str | os.PathLike, *, overwrite: bool = False
             error = e
         if error is None and this_rank() == 0:  # then rank 0 alone, the others waiting in agree
             try:
-                for name, component in components.items():
-                    if name not in models and component is not None:
-                        component.save_pretrained(folder / name)
-                pipe.save_config(folder)  # model_index.json
+                _save_plain(pipe, {n: c for n, c in components.items() if n not in models}, folder)
             except Exception as e:
                 error = e
-        agree(backend, error, what=f"saving a pipeline to {final}")
+        agree(backend, error, what=f"saving a pipeline to {target}")
         saving.commit()
 
 
-def _replaceable_pipeline(final: Path, overwrite: bool) -> tuple[str, ...]:
-    """What an ``overwrite`` may replace in the existing folder ``final``: a pipeline's
-    ``model_index.json`` and the component folders it names (whole), nothing else; a
-    ``UsageError`` without ``overwrite`` or where ``final`` is no pipeline folder."""
+def _save_plain(pipe: Any, plain: dict[str, Any], folder: Location) -> None:
+    """The components that are no models (scheduler, tokenizers) and ``model_index.json``, by the
+    library's ``save_pretrained``: into ``folder`` where it is local, else into a temporary
+    folder whose files are then written to the storage (the library writes local files only)."""
+    if folder.scheme is None:
+        local = folder.local_path("a diffusers pipeline")
+        for name, component in plain.items():
+            if component is not None:
+                component.save_pretrained(local / name)
+        pipe.save_config(local)
+        return
+    with tempfile.TemporaryDirectory(prefix="shardwise-pipeline-") as scratch:
+        _save_plain(pipe, plain, locate(scratch))
+        for file in sorted(p for p in Path(scratch).rglob("*") if p.is_file()):
+            write_small(folder / file.relative_to(scratch).as_posix(), file.read_bytes())
+
+
+def _replaceable_pipeline(target: Location, overwrite: bool) -> tuple[str, ...]:
+    """What an ``overwrite`` may replace at the existing ``target``: a pipeline's
+    ``model_index.json`` and the components it names (a local folder's whole, an object
+    store's objects under them), nothing else; a ``UsageError`` without ``overwrite`` or where
+    ``target`` holds no pipeline."""
     if not overwrite:
-        raise UsageError(f"{final} exists; pass overwrite=True to replace the pipeline there once the new "
+        raise UsageError(f"{target} exists; pass overwrite=True to replace the pipeline there once the new "
                          "one is complete, or save to another path")
-    index = final / "model_index.json"
-    if not index.is_file():
-        raise UsageError(f"{final} exists and holds no model_index.json: overwrite=True replaces a "
+    index = target / _INDEX
+    if index.stat() is None:
+        raise UsageError(f"{target} exists and holds no {_INDEX}: overwrite=True replaces a "
                          "pipeline folder only; remove it first or save to another path")
     try:
-        config = json.loads(index.read_text())
-    except (OSError, ValueError) as e:
-        raise UsageError(f"{index}: unreadable ({e}); remove {final} first or save to another path") from e
+        config = read_json(index, what=f"the pipeline's {_INDEX}")
+    except CheckpointError as e:
+        raise UsageError(f"{index}: unreadable ({e}); remove {target} first or save to another path") from e
     names = [k for k, v in config.items() if not k.startswith("_") and isinstance(v, list)]
-    return ("model_index.json", *(f"{n}/" for n in names))
+    # an object store's: each component's objects, and the record its save leaves beside it
+    return (_INDEX, *(pattern for n in names for pattern in (f"{n}/", f"{n}/*", f".{n}{DONE_MARK}")))
 
 
 def _component_names(pipe: Any) -> list[str]:
