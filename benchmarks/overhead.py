@@ -129,18 +129,24 @@ def write_models(root: Path, layers: list[int], moe: tuple[int, int] | None) -> 
     return folders
 
 
+def empty(name: str) -> tuple[nn.Module, object]:
+    """The model ``name`` names ("llama-16", "moe-64x32") on meta, and its plan."""
+    import shardwise as sw
+
+    with sw.empty_model():
+        if name.startswith("moe"):
+            experts, layers = map(int, name.split("-")[1].split("x"))
+            return PerExpertMoE(layers, experts), MOE_PLAN
+        from transformers import LlamaForCausalLM
+
+        return LlamaForCausalLM(llama_config(int(name.split("-")[1]))), "auto"
+
+
 def _shardwise(name: str, folder: str, backend, tp: int):
     import shardwise as sw
 
     t0 = time.perf_counter()
-    with sw.empty_model():
-        if name.startswith("moe"):
-            experts, layers = map(int, name.split("-")[1].split("x"))
-            model, plan = PerExpertMoE(layers, experts), MOE_PLAN
-        else:
-            from transformers import LlamaForCausalLM
-
-            model, plan = LlamaForCausalLM(llama_config(int(name.split("-")[1]))), "auto"
+    model, plan = empty(name)
     construct = time.perf_counter() - t0
     with LoadPhases() as phases:
         sw.load(model, folder, plan=plan, mesh=backend.mesh(tp=tp))

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from _common import SCRATCH_DIR, warm_file_cache
-from overhead import MOE_PLAN, PerExpertMoE, llama_config, write_models
+from overhead import empty, write_models
 
 from shardwise.testing import spawn
 
@@ -31,14 +31,7 @@ def _one_load(name: str, folder: str, backend, tp: int, profiler=None) -> tuple[
 
     import shardwise as sw
 
-    with sw.empty_model():
-        if name.startswith("moe"):
-            experts, layers = map(int, name.split("-")[1].split("x"))
-            model, plan = PerExpertMoE(layers, experts), MOE_PLAN
-        else:
-            from transformers import LlamaForCausalLM
-
-            model, plan = LlamaForCausalLM(llama_config(int(name.split("-")[1]))), "auto"
+    model, plan = empty(name)
     m0 = time.perf_counter()
     mesh = backend.mesh(tp=tp)
     mesh_s = time.perf_counter() - m0

@@ -48,8 +48,13 @@ from pathlib import Path
 
 import _common  # noqa: F401 - puts the checkout's src first on sys.path
 from _common import REPO
-from _zoo_models import (build_case, diffusers_families, ep_plan_families, text_encoder_families,
-                         transformers_families)
+from _zoo_models import (
+    build_case,
+    diffusers_families,
+    ep_plan_families,
+    text_encoder_families,
+    transformers_families,
+)
 from _zoo_pipelines import pipeline_rows, read_pipelines, write_pipelines
 from _zoo_quant import quant_stage
 from _zoo_ranks import RankPool, quiet_libraries

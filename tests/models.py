@@ -154,3 +154,16 @@ def fsdp_blocks(model: TinyTransformer, mesh) -> TinyTransformer:
 def tokens(seed: int = 1, batch: int = 2, length: int = 5, vocab: int = 64) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (batch, length), generator=g)
+
+
+def assert_exact_shards(model: nn.Module, mesh) -> None:
+    """Every tensor of ``model`` (a :func:`make_model` loaded on ``mesh``'s tp axis) is bit for bit
+    this rank's split of :func:`make_model`'s own tensor."""
+    from shardwise.core.spec import split
+    from shardwise.parallel import get_shard_state, local_of
+
+    canonical, state = make_model().state_dict(), get_shard_state(model)
+    tp, tp_rank = mesh["tp"].size(), mesh["tp"].get_local_rank()
+    for name, t in model.state_dict().items():
+        want, got = split(canonical[name], state.specs[name], tp, tp_rank), local_of(t)
+        assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name

@@ -13,7 +13,7 @@ from safetensors.torch import save
 import memstore
 import shardwise as sw
 from harness import run_ranks
-from models import make_model, tiny_plan
+from models import assert_exact_shards, make_model, tiny_plan
 from shardwise.core.spec import split
 from shardwise.io.formats.sharded.source import sharding_metadata
 from shardwise.io.storage import register_storage
@@ -55,11 +55,7 @@ def _load(path: str, axes: dict, options: dict | None) -> int:
     with torch.device("meta"):
         model = make_model()
     result = sw.load(model, path, plan=tiny_plan(), mesh=mesh, storage_options=options, progress=False)
-    canonical, state = make_model().state_dict(), get_shard_state(model)
-    tp_rank = mesh["tp"].get_local_rank()
-    for name, t in model.state_dict().items():  # bit-identical to the split of the stored tensor
-        want, got = split(canonical[name], state.specs[name], axes["tp"], tp_rank), local_of(t)
-        assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
+    assert_exact_shards(model, mesh)  # bit-identical to the split of the stored tensor
     return result.bytes_read
 
 

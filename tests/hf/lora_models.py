@@ -80,16 +80,24 @@ def make(kind: str, folder: Path) -> dict:
         peft.save_pretrained(folder / name, save_embedding_layers=False)
     model = PeftModel.from_pretrained(build(kind), folder / "a", adapter_name="a")
     model.load_adapter(folder / "b", adapter_name="b")
-    out = {"base": logits(build(kind)), "a": logits(model)}
-    model.set_adapter("b")
-    out["b"] = logits(model)
+    # a tied embedding's merge changes the head too
+    return {"base": logits(build(kind)), "a": logits(model), **switched(model, logits, model.set_adapter)}
+
+
+def switched(model, logits, select) -> dict:
+    """From adapter ``a`` active: the outputs (``logits(model)``) with ``b``, with ``a + 0.5 b``,
+    and with ``a`` merged into the base; ``select(name)`` makes an adapter the active one
+    (``PeftModel.set_adapter``, or ``peft.functional.set_adapter`` on a model PEFT did not wrap)."""
+    select("b")
+    out = {"b": logits(model)}
     combine(model)
     out["ab"] = logits(model)
-    model.set_adapter("a")
+    select("a")
     for layer in lora_layers(model):
         layer.merge()
-    out["merged"] = logits(model)  # a tied embedding's merge changes the head too
+    out["merged"] = logits(model)
     return out
 
 
-__all__ = ["TARGETS", "build", "combine", "config", "ids", "logits", "lora_layers", "make", "model_class"]
+__all__ = ["TARGETS", "build", "combine", "config", "ids", "logits", "lora_layers", "make", "model_class",
+           "switched"]

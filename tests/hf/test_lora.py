@@ -5,6 +5,7 @@ refused with the model as it was, and sw.save of a model with adapters writing i
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 
@@ -14,7 +15,7 @@ pytest.importorskip("peft")
 pytest.importorskip("transformers")
 
 import torch  # noqa: E402
-from lora_models import combine, logits, lora_layers, make, model_class  # noqa: E402
+from lora_models import logits, lora_layers, make, model_class, switched  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
 import shardwise as sw  # noqa: E402
@@ -43,15 +44,9 @@ def _attach(kind: str, folder: str, holding: str | None) -> dict:
     before = _rchar()
     result = sw.load_adapter(model, f"{folder}/b", adapter_name="b")
     read = _rchar() - before
-    out = {"a": logits(model).tolist(), "read": read, "bytes_read": result.bytes_read}
-    set_adapter(model, "b")  # PEFT's API for models it did not wrap (transformers' needs peft >= 0.22)
-    out["b"] = logits(model).tolist()
-    combine(model)
-    out["ab"] = logits(model).tolist()
-    set_adapter(model, "a")
-    for layer in lora_layers(model):
-        layer.merge()
-    out["merged"] = logits(model).tolist()
+    out = {"a": logits(model).tolist(), "read": read, "bytes_read": result.bytes_read,
+           # PEFT's set_adapter for models it did not wrap (transformers' own needs peft >= 0.22)
+           **switched(model, lambda m: logits(m).tolist(), functools.partial(set_adapter, model))}
     out["merge_changed"] = sum(not torch.equal(local_of(p), kept) for _, p, kept in base)
     for layer in lora_layers(model):
         layer.unmerge()

@@ -7,6 +7,7 @@ ep=2 x tp=2 (attention LoRA over tp as well); and at tp=2 alone, where the exper
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -15,7 +16,7 @@ pytest.importorskip("peft")
 pytest.importorskip("transformers")
 
 import torch  # noqa: E402
-from lora_models import combine, lora_layers  # noqa: E402
+from lora_models import lora_layers, switched  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
 import shardwise as sw  # noqa: E402
@@ -48,16 +49,8 @@ def _make(folder) -> dict:
         get_peft_model(hf_models.build_tiny(KIND), config).save_pretrained(folder / name)
     model = PeftModel.from_pretrained(hf_models.build_tiny(KIND), folder / "a", adapter_name="a")
     model.load_adapter(folder / "b", adapter_name="b")
-    out = {"base": _logits(hf_models.build_tiny(KIND)), "a": _logits(model)}
-    model.set_adapter("b")
-    out["b"] = _logits(model)
-    combine(model)
-    out["ab"] = _logits(model)
-    model.set_adapter("a")
-    for layer in lora_layers(model):
-        layer.merge()
-    out["merged"] = _logits(model)
-    return out
+    return {"base": _logits(hf_models.build_tiny(KIND)), "a": _logits(model),
+            **switched(model, _logits, model.set_adapter)}
 
 
 def _rchar() -> int:
@@ -77,15 +70,8 @@ def _attach(folder: str, axes: dict, holdings: list) -> list[dict]:
         sw.load_adapter(model, f"{folder}/a", adapter_name="a")
         before = _rchar()
         result = sw.load_adapter(model, f"{folder}/b", adapter_name="b")
-        row = {"read": _rchar() - before, "bytes_read": result.bytes_read, "a": _logits(model).tolist()}
-        set_adapter(model, "b")
-        row["b"] = _logits(model).tolist()
-        combine(model)
-        row["ab"] = _logits(model).tolist()
-        set_adapter(model, "a")
-        for layer in lora_layers(model):
-            layer.merge()
-        row["merged"] = _logits(model).tolist()
+        row = {"read": _rchar() - before, "bytes_read": result.bytes_read, "a": _logits(model).tolist(),
+               **switched(model, lambda m: _logits(m).tolist(), functools.partial(set_adapter, model))}
         row["merge_changed"] = sorted(n for n, p, kept in base if not torch.equal(local_of(p), kept))
         for layer in lora_layers(model):
             layer.unmerge()
