@@ -193,12 +193,12 @@ def from_pretrained(cls, path: str | os.PathLike, *, mesh, dtype: torch.dtype | 
         if plan != "auto":
             raise UsageError("a pipeline takes each component's own plan: drop plan= (or load a component "
                              "yourself and pass it: transformer=...)")
-        where = _where(path, revision, token, storage_options, world_backend())
+        where = where_named(path, revision, token, storage_options, world_backend())
         return load_pipeline(cls, where, mesh=mesh, load_model=from_pretrained, dtype=dtype,
                              dequantize=dequantize, **load_options)
     library = _library(cls)
     check_mesh(mesh)  # before anything is read or built
-    folder = _where(path, revision, token, storage_options, world_backend())
+    folder = where_named(path, revision, token, storage_options, world_backend())
     if not folder.is_folder():
         raise CheckpointError(
             f"{folder}: no such folder; sw.from_pretrained reads a checkpoint folder (config.json and "
@@ -221,7 +221,7 @@ def from_pretrained(cls, path: str | os.PathLike, *, mesh, dtype: torch.dtype | 
     return model
 
 
-def _where(path, revision: str | None, token: str | bool | None, storage_options: dict | None,
+def where_named(path, revision: str | None, token: str | bool | None, storage_options: dict | None,
            backend) -> Location:
     """The folder ``path`` names: a hub repo id's (:func:`hub_location`, agreed over ``backend``),
     a URL's or a local one."""
@@ -333,4 +333,4 @@ def _scrub(error: Exception, token: str | bool | None) -> str:
     return text
 
 
-__all__ = ["empty_model", "from_pretrained", "hub_location", "is_repo_id", "mxfp4_experts"]
+__all__ = ["empty_model", "from_pretrained", "hub_location", "is_repo_id", "mxfp4_experts", "where_named"]
