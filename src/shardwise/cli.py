@@ -160,13 +160,23 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                               "before comparing: a bfloat16 save against its float32 source")
     _add_storage_options(compare)
     compare.set_defaults(func=_diff)
-    from shardwise import plan_cli  # argparse only: torch is imported when the command runs
-
     plan_check = sub.add_parser("check-plan", help="which module does a plan break? shard a tiny model on "
                                                    "local gloo ranks and compare every module with one "
                                                    "process (exit 0 when all agree, 1 when not)")
-    plan_cli.add_arguments(plan_check)
-    plan_check.set_defaults(func=plan_cli.run)
+    plan_check.add_argument("model", help="a transformers or diffusers class (transformers:LlamaForCausalLM, "
+                                          "diffusers:Flux2Transformer2DModel, with --config), or "
+                                          "module:function returning (model, inputs): inputs a tuple of "
+                                          "positional arguments or a dict of keyword ones")
+    plan_check.add_argument("--config", default=None, metavar="CONFIG_JSON",
+                            help="the config.json (or its folder) a transformers or diffusers class is "
+                                 "built from")
+    plan_check.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (default 2)")
+    plan_check.add_argument("--ep", type=int, default=1, help="expert-parallel degree (default 1)")
+    plan_check.add_argument("--plan", default="auto", metavar="auto|PLAN_JSON",
+                            help="the model's own plan (auto, default) or a JSON file of path -> style")
+    plan_check.add_argument("--rtol", type=float, default=None, help="tolerance (default: by dtype)")
+    plan_check.add_argument("--seed", type=int, default=0, help="seed of the random weights and inputs")
+    plan_check.set_defaults(func=_check_plan)
     suite = sub.add_parser("validate", help="the hardware validation suite: every scenario at every layout "
                                             "the world allows (exit 0 when none fails); run it under the "
                                             "backend's launcher, or with --nproc N")
@@ -176,6 +186,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         add_arguments(suite)
         suite.set_defaults(func=run)
     return parser
+
+
+def _check_plan(args) -> int:
+    from shardwise.plan_cli import run  # torch and the gloo ranks: only when the command runs
+
+    return run(args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,43 +1,31 @@
 """``shardwise check-plan``: :func:`shardwise.check_plan` on local gloo ranks for a transformers
 or diffusers class built from a config file (seeded random weights and inputs) or a user's
-model by import path."""
+model by import path. Imported by ``cli`` only when the command runs (its arguments are
+``cli``'s), so its imports of shardwise and torch sit at the top."""
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
+import torch
 
-def add_arguments(parser) -> None:
-    parser.add_argument("model", help="a transformers or diffusers class (transformers:LlamaForCausalLM, "
-                                      "diffusers:Flux2Transformer2DModel, with --config), or "
-                                      "module:function returning (model, inputs): inputs a tuple of "
-                                      "positional arguments or a dict of keyword ones")
-    parser.add_argument("--config", default=None, metavar="CONFIG_JSON",
-                        help="the config.json (or its folder) a transformers or diffusers class is "
-                             "built from")
-    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (default 2)")
-    parser.add_argument("--ep", type=int, default=1, help="expert-parallel degree (default 1)")
-    parser.add_argument("--plan", default="auto", metavar="auto|PLAN_JSON",
-                        help="the model's own plan (auto, default) or a JSON file of path -> style")
-    parser.add_argument("--rtol", type=float, default=None, help="tolerance (default: by dtype)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and inputs")
+import shardwise as sw
+from shardwise.hf.adapter import build_model
+from shardwise.testing import spawn
 
 
 def build(model: str, config: str | None, seed: int):
-    """``(model, positional inputs, keyword inputs)`` for ``model`` (see ``add_arguments``)."""
-    import torch
-
+    """``(model, positional inputs, keyword inputs)`` for ``model`` (``cli``'s check-plan arguments)."""
     module, _, name = model.partition(":")
     if not name:
         raise SystemExit(f"shardwise check-plan: {model!r} is not LIBRARY:CLASS or module:function")
     torch.manual_seed(seed)
     if module in ("transformers", "diffusers"):
-        from shardwise.hf.adapter import build_model
-
         if config is None:
             raise SystemExit(f"shardwise check-plan: {model} needs --config CONFIG_JSON (its config.json)")
         path = Path(config)
@@ -56,10 +44,6 @@ def build(model: str, config: str | None, seed: int):
 def diffusers_inputs(model, seed: int) -> dict:
     """Seeded keyword inputs for a Flux-family diffusers transformer (a forward that takes
     ``img_ids`` and ``txt_ids``): 6 image and 5 text tokens, shaped by its config."""
-    import inspect
-
-    import torch
-
     names = inspect.signature(model.forward).parameters
     if not {"img_ids", "txt_ids", "hidden_states", "encoder_hidden_states"} <= set(names):
         raise SystemExit(f"shardwise check-plan: no inputs known for {type(model).__name__} (built for the "
@@ -85,8 +69,6 @@ def diffusers_inputs(model, seed: int) -> dict:
 
 
 def _rank(model: str, config: str | None, seed: int, tp: int, ep: int, plan, rtol):
-    import shardwise as sw
-
     backend = sw.init_backend("gloo")
     built, args, kwargs = build(model, config, seed)
     axes = {"tp": tp} if ep == 1 else {"ep": ep} if tp == 1 else {"ep": ep, "tp": tp}
@@ -95,8 +77,6 @@ def _rank(model: str, config: str | None, seed: int, tp: int, ep: int, plan, rto
 
 
 def run(args) -> int:
-    from shardwise.testing import spawn
-
     plan = args.plan if args.plan == "auto" else json.loads(Path(args.plan).read_text())
     printed, ok = spawn(_rank, args.tp * args.ep, timeout=600.0,
                         args=(args.model, args.config, args.seed, args.tp, args.ep, plan, args.rtol))[0]
@@ -104,4 +84,4 @@ def run(args) -> int:
     return 0 if ok else 1
 
 
-__all__ = ["add_arguments", "build", "diffusers_inputs", "run"]
+__all__ = ["build", "diffusers_inputs", "run"]

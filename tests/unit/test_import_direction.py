@@ -139,9 +139,10 @@ def test_string_paths_to_our_modules_live_in_the_registries_only():
 
 
 def test_at_most_six_deferred_imports_each_with_its_reason():
-    # the front door (cli, demo, the lazy package) defers on purpose: start-up time
-    front = {m for m in MODULES if layer(m) == len(LAYERS) - 1}
-    deferred = [(m, t, line) for m, f in GRAPH.items() if m not in front for t, kind, line in f
+    # the lazy doors (the package's public names, cli, demo) defer on purpose: start-up time;
+    # plan_cli, a front module too, is counted (cli imports it when its command runs)
+    doors = {"shardwise", "shardwise.cli", "shardwise.demo", "shardwise.__main__"}
+    deferred = [(m, t, line) for m, f in GRAPH.items() if m not in doors for t, kind, line in f
                 if kind == "deferred"]
     assert len(deferred) <= 6, deferred
     for m, t, line in deferred:

@@ -27,6 +27,7 @@ import torch
 
 from shardwise.core.header import MAX_HEADER_SIZE, parse_json_object
 from shardwise.errors import CheckpointError, UsageError
+from shardwise.io.storage.local import LOCAL
 
 
 @dataclass(frozen=True)
@@ -109,9 +110,6 @@ def locate(where: str | os.PathLike | Location, storage_options: dict | None = N
         if storage_options:
             raise UsageError(f"{os.fspath(where)!r} is a local path: storage_options={storage_options!r} are "
                              f"for a URL location (registered schemes: {sorted(_SCHEMES)})")
-        # deferred: local's transaction imports Location and write_small from this package
-        from shardwise.io.storage.local import LOCAL
-
         return Location(LOCAL, Path(rest))
     factory = _SCHEMES.get(scheme)
     if factory is None:  # any other scheme: fsspec's filesystem of it

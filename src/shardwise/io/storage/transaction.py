@@ -12,11 +12,14 @@ import os
 import secrets
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from shardwise.errors import CheckpointError, StorageError
-from shardwise.io.storage import Location, write_small
 from shardwise.io.storage.lookups import OLD_MARK, TMP_MARK, foreign, host, owner
 from shardwise.io.storage.posix import PARTIAL, fsync_dir, libc_function
+
+if TYPE_CHECKING:
+    from shardwise.io.storage import Location
 
 
 class Destination:
@@ -40,7 +43,7 @@ class Destination:
         assert self.folder is not None  # prepare() made it
         if index is not None:
             text = json.dumps(index[1], indent=2, sort_keys=True) + "\n"
-            write_small(self.folder / index[0], text.encode())
+            (self.folder / index[0]).write_bytes(text.encode())
         tmp, target = Path(self.folder.path), Path(self.target.path)
         fsync_dir(tmp)
         if target.is_dir() and not target.is_symlink() and not any(target.iterdir()):
