@@ -30,12 +30,19 @@ def _model(folder: str):
     return model
 
 
-def _fail_between_files(folder: str) -> list[str]:
+def _fail_between_files(folder: str) -> tuple[list[str], int]:
     import shardwise.adapters as adapters
+    import shardwise.comm as comm
 
     model = _model(folder)
     sw.save_adapter(model, f"{folder}/previous", adapter_name="a")
-    errors = []
+    errors, gathers, refused_gathers = [], [], -1
+    real_gather = comm.all_gather_inline
+
+    def counted(*args, **kwargs):
+        gathers.append(1)
+        return real_gather(*args, **kwargs)
+
     # onto the previous adapter: refused; with overwrite, and a new path: each fails midway
     for target, overwrite in (("previous", False), ("previous", True), ("new", False)):
         real = adapters._config_text
@@ -44,12 +51,15 @@ def _fail_between_files(folder: str) -> list[str]:
             raise OSError("disk full (injected after the weights file was written)")
 
         adapters._config_text = boom
+        comm.all_gather_inline = counted
         try:
             sw.save_adapter(model, f"{folder}/{target}", adapter_name="a", overwrite=overwrite)
         except (ShardwiseError, OSError) as e:  # rank 0 its own error, the others a CollectiveError
             errors.append(str(e))
         finally:
-            adapters._config_text = real
+            adapters._config_text, comm.all_gather_inline = real, real_gather
+        if not overwrite and target == "previous":
+            refused_gathers = len(gathers)  # the gathers the refused save made
     sw.save_adapter(model, f"{folder}/new", adapter_name="a")  # then a save there completes
     sw.save_adapter(model, f"{folder}/previous", adapter_name="a", overwrite=True)  # and an overwrite
     if sw.init_backend("gloo").rank == 0:
@@ -59,13 +69,14 @@ def _fail_between_files(folder: str) -> list[str]:
         sw.save_adapter(model, f"{folder}/previous", adapter_name="a", overwrite=True)
     except ShardwiseError as e:
         errors.append(str(e))
-    return errors
+    return errors, refused_gathers
 
 
 def test_a_failed_save_leaves_nothing_and_the_previous_adapter_intact(tmp_path):
     make("llama", tmp_path)
-    for errors in run_ranks(_fail_between_files, 2, str(tmp_path), timeout=240):
+    for errors, gathers in run_ranks(_fail_between_files, 2, str(tmp_path), timeout=240):
         assert "exists and is not empty" in errors[0] and "pass overwrite=True" in errors[0]
+        assert gathers == 0  # refused before any gather: no collective spent on it
         assert "disk full" in errors[1] and "disk full" in errors[2]  # every rank learns rank 0's failure
         assert "notes.txt" in errors[3] and "not a checkpoint file" in errors[3], errors[3]
     weights = FILES[0]  # the previous adapter: PEFT's bytes; the retried save the same folder

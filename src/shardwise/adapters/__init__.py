@@ -231,6 +231,12 @@ def save_adapter(model: nn.Module, path: str | os.PathLike, *, adapter_name: str
         raise UsageError(f"no adapter named {adapter_name!r} was loaded with sw.load_adapter; attached: "
                          f"{sorted(attached(model))}")
     config, tensors = attached(model)[adapter_name]
+    # every rank, before the gathers: a refusal costs no collective
+    where = target_path(locate(path, storage_options))
+    if not overwrite and where.is_folder() and where.list():
+        raise CheckpointError(f"save_adapter: {where} exists and is not empty (a previous adapter?); "
+                              "pass overwrite=True to replace the adapter there once the new one is "
+                              "complete, or another path")
     whole = {}
     for t in tensors:
         owner, attr = t.holder(model, adapter_name)
@@ -242,11 +248,6 @@ def save_adapter(model: nn.Module, path: str | os.PathLike, *, adapter_name: str
         parts = [torch.empty_like(local) for _ in range(degree)]
         comm.all_gather_inline(parts, local, group=state.ep_group if t.spec.axis == "ep" else state.group)
         whole[t.peft_key()] = assemble(parts, t.spec, degree)
-    where = target_path(locate(path, storage_options))
-    if not overwrite and where.is_folder() and where.list():
-        raise CheckpointError(f"save_adapter: {where} exists and is not empty (a previous adapter?); "
-                              "pass overwrite=True to replace the adapter there once the new one is "
-                              "complete, or another path")
     what = f"save_adapter {adapter_name!r} to {{target}}"
     with Saving(where, overwrite=overwrite, backend=world_backend(), what=what,
                 replaceable=(CONFIG_FILE, WEIGHTS_FILE)) as saving:
