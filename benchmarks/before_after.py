@@ -52,9 +52,10 @@ def rank_workload(ckpt: str, work: str, degree: int) -> dict[str, float]:
 
     def timed(op: str, fn, *, everyone: bool = True):
         backend.barrier()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         out = fn() if everyone or backend.rank == 0 else None
         seconds[op] = time.perf_counter() - start
+        seconds[f"{op} cpu"] = time.process_time() - cpu
         return out
 
     def fresh(path):
@@ -85,7 +86,7 @@ def _worker(args) -> int:
         from shardwise.launch import spawn  # type: ignore[no-redef]
 
     ranks = spawn(rank_workload, args.degree, args=(args.ckpt, args.work, args.degree), timeout=args.timeout)
-    slowest = {op: max(r[op] for r in ranks) for op in OPS}
+    slowest = {op: max(r[op] for r in ranks) for op in [*OPS, *(f"{op} cpu" for op in OPS)]}
     Path(args.out).write_text(json.dumps(slowest))
     return 0
 
@@ -138,7 +139,7 @@ def main(argv=None) -> int:
                     warm_file_cache(ckpt.files)
                     got[which].append(_run_once(srcs[which], ckpt.path, scratch, args.degree, args.timeout))
                     print(f"  round {r + 1}/{args.rounds} {which}: "
-                          + ", ".join(f"{op} {s:.2f} s" for op, s in got[which][-1].items()), flush=True)
+                          + ", ".join(f"{op} {got[which][-1][op]:.2f} s" for op in OPS), flush=True)
         finally:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], check=False)
     rows = []
@@ -146,16 +147,23 @@ def main(argv=None) -> int:
         before = statistics.median(g[op] for g in got["before"])
         after = statistics.median(g[op] for g in got["after"])
         low_before, low_after = min(g[op] for g in got["before"]), min(g[op] for g in got["after"])
+        cpu = {w: statistics.median(g.get(f"{op} cpu", float("nan")) for g in got[w]) for w in got}
         rows.append({"op": op, "before_s": before, "after_s": after, "ratio": after / before,
                      "before_min_s": low_before, "after_min_s": low_after,
-                     "min_ratio": low_after / low_before})
+                     "min_ratio": low_after / low_before, "before_cpu_s": cpu["before"],
+                     "after_cpu_s": cpu["after"], "cpu_ratio": cpu["after"] / cpu["before"]})
     cols = [("op", "operation"), ("before_s", f"before ({base}) s", ".2f"), ("after_s", "after s", ".2f"),
             ("ratio", "after / before", ".2f"), ("before_min_s", "before min s", ".2f"),
-            ("after_min_s", "after min s", ".2f"), ("min_ratio", "min after / before", ".2f")]
+            ("after_min_s", "after min s", ".2f"), ("min_ratio", "min after / before", ".2f"),
+            ("before_cpu_s", "CPU s before", ".2f"), ("after_cpu_s", "CPU s after", ".2f"),
+            ("cpu_ratio", "CPU after / before", ".2f")]
     notes = (f"The same workload under commit {base} and under this commit, interleaved, {args.rounds} "
              f"rounds: {ckpt.total_bytes / 1e9:.2f} GB bfloat16 checkpoint ({len(ckpt.files)} files), "
              f"{args.degree} gloo ranks at tp, the slowest rank's seconds, median and minimum over the "
-             f"rounds; load average {os.getloadavg()[0]:.1f} at the end. Below 1: faster after. "
+             f"rounds; CPU s: the largest rank's CPU seconds of the operation (time.process_time), "
+             "median over the rounds: steadier than wall seconds on a shared machine, blind to waiting "
+             f"(a disk's fsync, a collective); load average {os.getloadavg()[0]:.1f} at the end. "
+             "Below 1: faster after. "
              "Command: "
              f"`python3 benchmarks/before_after.py --base {base} --size {args.size} --degree {args.degree} "
              f"--rounds {args.rounds}`.")
