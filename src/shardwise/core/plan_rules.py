@@ -11,7 +11,7 @@ from torch import nn
 
 from shardwise.core.spec import ShardSpec, block_sizes, check_shardable, dividing_degrees
 from shardwise.core.styles import Style
-from shardwise.core.walk import named_modules
+from shardwise.core.walk import attribute, named_modules
 from shardwise.errors import PlanError, ShardingError
 
 # -- pairing of split projections ----------------------------------------------------------
@@ -143,8 +143,8 @@ def head_counts(model: nn.Module, sharded: list[str]) -> list[tuple[str, str, in
     for name, owner in owners:
         near = sharded if name in ("", "config") else below[name]
         for attr in HEAD_ATTRS:
-            try:
-                value = getattr(owner, attr, None)
+            try:  # a module's miss through attribute: a few dict lookups, not __getattr__'s raise
+                value = attribute(owner, attr) if isinstance(owner, nn.Module) else getattr(owner, attr, None)
             except Exception:  # noqa: BLE001 - a per-layer config attribute refuses a global read
                 continue
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
