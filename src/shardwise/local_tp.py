@@ -78,7 +78,7 @@ def set_forward(module: nn.Module, forward: Callable) -> None:
             "forward" in d for d in (module._parameters, module._buffers, module._modules)):
         module.__dict__["forward"] = forward
     else:
-        module.forward = forward  # type: ignore[method-assign]
+        module.forward = forward
 
 
 def _colwise_linear(mod: nn.Linear, x, style: Style, state):
