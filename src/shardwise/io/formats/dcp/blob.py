@@ -3,7 +3,7 @@
 the zip's central directory, the pickle through an allow-list of the five names a plain tensor's
 pickle holds, the data record's offset. ``torch.load`` to a meta tensor cost ~0.7-1.1 ms a chunk
 (its zip reader over a file view, its weights-only unpickler in Python), half of a consolidate's
-CPU; this ~30 µs. Anything else (compressed or zip64 records, several storages, a tensor with
+CPU; this ~20 µs. Anything else (compressed or zip64 records, several storages, a tensor with
 metadata or another rebuild function, big-endian data) answers None: the caller then asks
 ``torch.load``, which reads what torch reads, exactly."""
 
