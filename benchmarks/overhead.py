@@ -27,6 +27,7 @@ wall is at least twice its CPU; the CPU figure is what a machine with a core per
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -250,7 +251,7 @@ def main(argv=None) -> None:
     folders = write_models(args.dir, args.layers, None if args.no_moe else tuple(args.moe))
     for folder in folders.values():
         warm_file_cache(sorted(folder.glob("*.safetensors")))
-    rows = []
+    rows, load_before = [], os.getloadavg()[0]
     for tp in args.degrees:
         per_rank = spawn(rank_run, tp, args=({k: str(v) for k, v in folders.items()}, tp, args.repeat),
                          timeout=3600)
@@ -262,7 +263,9 @@ def main(argv=None) -> None:
                   f"({r['load_x_peer']:.2f}x transformers)", file=sys.stderr)
     described = __doc__.split("\n\n", 2)[2].replace("\n", " ")
     notes = (f"Tiny bfloat16 models (hidden {HIDDEN}), so the load is bookkeeping, not bytes. {described}"
-             f" Median of {args.repeat} rounds after a warm-up round. Command: "
+             f" Median of {args.repeat} rounds after a warm-up round; load average (1 min) "
+             f"{load_before:.1f} before the run, {os.getloadavg()[0]:.1f} after it (the machine is shared: "
+             "the wall figures are noisy, the CPU ones steadier). Command: "
         f"`python3 benchmarks/overhead.py --layers {' '.join(map(str, args.layers))} --degrees "
         f"{' '.join(map(str, args.degrees))} --repeat {args.repeat}`.")
     print(write_results("overhead", rows, COLUMNS, notes=notes,
