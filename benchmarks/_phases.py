@@ -5,6 +5,7 @@ timer works across refactors that move an import), plus the imports the call tri
     with LoadPhases() as phases:
         sw.load(model, folder, plan="auto", mesh=mesh)
     phases.seconds  # {"imports", "plan", "detect", "read", "place", "wire", "other", "total"}
+    phases.cpu_seconds  # the same steps (imports aside) in this process's CPU time
 
 - imports: time inside imports of modules not yet imported (``importlib``'s ``_find_and_load``,
   outermost calls only); it is also inside whichever step triggered it.
@@ -14,7 +15,9 @@ timer works across refactors that move an import), plus the imports the call tri
 - read: the source's ``read`` (bytes into this rank's fresh tensors, each cast as it lands).
 - place: ``install`` less ``wire`` (tensors into the model, checked); wire: ``wire`` (forwards).
 - other: total less the steps (guards, mesh decoding, moving non-persistent buffers...).
-A step that a checkout does not have by that name is reported as ``None``.
+A step that a checkout does not have by that name is reported as ``None``. ``cpu_seconds`` has the
+same steps on ``time.process_time`` (this process's CPU, all its threads): what the rank itself
+spent, apart from waiting for a core or for the other ranks.
 """
 
 from __future__ import annotations
@@ -49,18 +52,21 @@ def prepare() -> float:
 class LoadPhases:
     def __init__(self) -> None:
         self.spent: dict[str, float] = {}
+        self.spent_cpu: dict[str, float] = {}
         self._undo: list = []
-        self._start = 0.0
+        self._start = self._start_cpu = 0.0
         self.seconds: dict[str, float | None] = {}
+        self.cpu_seconds: dict[str, float | None] = {}
 
     def _timed(self, step: str, fn):
         @functools.wraps(fn)
         def timed(*args, **kwargs):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             try:
                 out = fn(*args, **kwargs)
             finally:
                 self.spent[step] = self.spent.get(step, 0.0) + time.perf_counter() - t0
+                self.spent_cpu[step] = self.spent_cpu.get(step, 0.0) + time.process_time() - c0
             if step == "detect" and fn.__name__ == "open_source":
                 for method, into in (("match", "detect"), ("plan", "detect"), ("read", "read")):
                     try:  # on the instance, which a source with __slots__ refuses: then untimed
@@ -102,19 +108,22 @@ class LoadPhases:
                     self.spent["imports"] = self.spent.get("imports", 0.0) + time.perf_counter() - t0
 
         self._patch(bootstrap, "_find_and_load", timed_import)
-        self._start = time.perf_counter()
+        self._start, self._start_cpu = time.perf_counter(), time.process_time()
         return self
 
     def __exit__(self, *exc) -> None:
-        total = time.perf_counter() - self._start
+        total, total_cpu = time.perf_counter() - self._start, time.process_time() - self._start_cpu
         for owner, name, value in reversed(self._undo):
             setattr(owner, name, value)
-        s = self.spent
-        steps = {"plan": s.get("plan"), "detect": s.get("detect"), "read": s.get("read"),
-                 "place": None if "install" not in s else s["install"] - s.get("wire", 0.0),
-                 "wire": s.get("wire")}
-        self.seconds = {"imports": s.get("imports", 0.0), **steps,
-                        "other": total - sum(v for v in steps.values() if v is not None), "total": total}
+        self.seconds = {"imports": self.spent.get("imports", 0.0), **_steps(self.spent, total)}
+        self.cpu_seconds = _steps(self.spent_cpu, total_cpu)
+
+
+def _steps(s: dict[str, float], total: float) -> dict[str, float | None]:
+    steps = {"plan": s.get("plan"), "detect": s.get("detect"), "read": s.get("read"),
+             "place": None if "install" not in s else s["install"] - s.get("wire", 0.0),
+             "wire": s.get("wire")}
+    return {**steps, "other": total - sum(v for v in steps.values() if v is not None), "total": total}
 
 
 PHASE_COLUMNS = ("imports", "plan", "detect", "read", "place", "wire", "other")

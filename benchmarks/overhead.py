@@ -19,11 +19,15 @@ round by round, median of ``--repeat`` rounds by the slowest rank:
 - transformers: ``from_pretrained(folder, dtype=bfloat16, distributed_config=DistributedConfig(
   tp_plan="auto", tp_size=N))`` (construct included: it cannot be timed apart).
 Per module: seconds over the model's module count (``named_modules``; the loaded model's own).
+Both clocks: wall (the slowest rank's) and rank CPU (``time.process_time``, the rank that spent
+the most). With more ranks than cores (4 ranks on this machine's 2) a rank waits for a core, so its
+wall is at least twice its CPU; the CPU figure is what a machine with a core per rank would see.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -150,9 +154,13 @@ def _shardwise(name: str, folder: str, backend, tp: int):
     construct = time.perf_counter() - t0
     with LoadPhases() as phases:
         sw.load(model, folder, plan=plan, mesh=backend.mesh(tp=tp))
-    s = phases.seconds
-    return model, {"construct": construct, "load": s["total"],
-                   "overhead": (s["plan"] or 0.0) + (s["place"] or 0.0) + (s["wire"] or 0.0), **s}
+    s, cpu = phases.seconds, phases.cpu_seconds
+    return model, {"construct": construct, "load": s["total"], "load_cpu": cpu["total"],
+                   "overhead": _overhead(s), "overhead_cpu": _overhead(cpu), **s}
+
+
+def _overhead(steps: dict) -> float:
+    return (steps["plan"] or 0.0) + (steps["place"] or 0.0) + (steps["wire"] or 0.0)
 
 
 def _transformers(name: str, folder: str, tp: int):
@@ -204,6 +212,11 @@ def summarise(per_rank: list[dict], tp: int) -> list[dict]:
         if method == "shardwise":
             row.update({k: f.get(k) for k in ("construct", "imports", *PHASE_COLUMNS[1:-1])})
             row["overhead_us_per_module"] = 1e6 * f["overhead"] / f["modules"]
+            # CPU: the rank that spent the most in the median round's ranks, by the round's index
+            i = slowest.index(f)
+            for fig in ("overhead_cpu", "load_cpu"):
+                spent = max(r[key][i][fig] for r in per_rank)
+                row[fig.replace("_cpu", "_cpu_us_per_module")] = 1e6 * spent / f["modules"]
         rows.append(row)
     by = {(r["model"], r["method"]): r for r in rows}
     for r in rows:
@@ -216,6 +229,8 @@ def summarise(per_rank: list[dict], tp: int) -> list[dict]:
 
 COLUMNS = [("model", "model"), ("tp", "tp"), ("modules", "modules"),
            ("overhead_us_per_module", "plan + wire + install µs/module", ".0f"),
+           ("overhead_cpu_us_per_module", "plan + wire + install rank CPU µs/module", ".0f"),
+           ("load_cpu_us_per_module", "sw.load rank CPU µs/module", ".0f"),
            ("load_us_per_module", "sw.load µs/module", ".0f"),
            ("peer_load_us_per_module", "transformers load µs/module", ".0f"),
            ("load_x_peer", "load speed × transformers"), ("load_s", "sw.load s", ".3f"),
@@ -236,18 +251,21 @@ def main(argv=None) -> None:
     folders = write_models(args.dir, args.layers, None if args.no_moe else tuple(args.moe))
     for folder in folders.values():
         warm_file_cache(sorted(folder.glob("*.safetensors")))
-    rows = []
+    rows, load_before = [], os.getloadavg()[0]
     for tp in args.degrees:
         per_rank = spawn(rank_run, tp, args=({k: str(v) for k, v in folders.items()}, tp, args.repeat),
                          timeout=3600)
         rows += summarise(per_rank, tp)
         for r in rows[-len(folders):]:
             print(f"tp={tp} {r['model']}: {r['modules']} modules, plan+wire+install "
-                  f"{r['overhead_us_per_module']:.0f} µs/module, load {r['load_s']:.3f} s "
+                  f"{r['overhead_us_per_module']:.0f} µs/module wall, {r['overhead_cpu_us_per_module']:.0f} "
+                  f"rank CPU, load {r['load_s']:.3f} s "
                   f"({r['load_x_peer']:.2f}x transformers)", file=sys.stderr)
     described = __doc__.split("\n\n", 2)[2].replace("\n", " ")
     notes = (f"Tiny bfloat16 models (hidden {HIDDEN}), so the load is bookkeeping, not bytes. {described}"
-             f" Median of {args.repeat} rounds after a warm-up round. Command: "
+             f" Median of {args.repeat} rounds after a warm-up round; load average (1 min) "
+             f"{load_before:.1f} before the run, {os.getloadavg()[0]:.1f} after it (the machine is shared: "
+             "the wall figures are noisy, the CPU ones steadier). Command: "
         f"`python3 benchmarks/overhead.py --layers {' '.join(map(str, args.layers))} --degrees "
         f"{' '.join(map(str, args.degrees))} --repeat {args.repeat}`.")
     print(write_results("overhead", rows, COLUMNS, notes=notes,

@@ -4,6 +4,7 @@ load); the holding then wires the forward (:func:`wire`)."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, cast
@@ -166,10 +167,23 @@ def _shard(full: torch.Tensor, name: str, spec: ShardSpec, specs: ResolvedPlan, 
 
 
 # -- DTensor holding: torch's styles, with our shards as their parameters ---------------
+@functools.cache
+def _dtensor_api() -> tuple:
+    """torch's DTensor names a wiring uses, imported once (an import statement per parameter cost
+    a few µs each); the private spec types are None in a torch that moved them."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    try:
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+        from torch.distributed.tensor._utils import compute_global_tensor_info
+    except ImportError:  # a torch that moved them: DTensor.from_local, the public way
+        return DTensor, Replicate, Shard, None
+    return DTensor, Replicate, Shard, (DTensorSpec, TensorMeta, compute_global_tensor_info)
+
+
 def _dtensor_params(module: nn.Module, prefix: str, state: ShardState, converted: dict, *,
                     sharded_only: bool = False) -> None:
-    from torch.distributed.tensor import Replicate, Shard
-
+    _, Replicate, Shard, _ = _dtensor_api()
     for pname, p in list(module._parameters.items()):
         if p is None:
             continue
@@ -183,7 +197,10 @@ def _dtensor_params(module: nn.Module, prefix: str, state: ShardState, converted
             d = dtensor_of(p.data, mesh, placement, converted.setdefault("dtensor specs", {}))
             done = (p, _as_parameter(d, p.requires_grad))
             converted[id(p)] = done
-        module.register_parameter(pname, done[1])
+        if _registration_hooks():
+            module.register_parameter(pname, done[1])
+        else:  # what register_parameter does to a name it already holds, without its checks
+            module._parameters[pname] = done[1]
 
 
 def dtensor_of(local: torch.Tensor, mesh: DeviceMesh, placement, specs: dict | None = None) -> DTensor:
@@ -193,19 +210,13 @@ def dtensor_of(local: torch.Tensor, mesh: DeviceMesh, placement, specs: dict | N
     parameter, paid by every sharded parameter of a DTensor-held load). ``specs`` (a dict kept for
     one wiring) shares one spec among the shards of one shape, as torch's sharding propagation
     shares its output specs: building one costs ~20 µs."""
-    from torch.distributed.tensor import DTensor
-
-    try:
-        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-        from torch.distributed.tensor._utils import compute_global_tensor_info
-    except ImportError:  # a torch that moved them: the public way
+    DTensor, _, _, private = _dtensor_api()
+    if private is None or local.requires_grad or local.device.type != mesh.device_type:
         return DTensor.from_local(local, mesh, [placement], run_check=False)
+    DTensorSpec, TensorMeta, compute_global_tensor_info = private
     part_of_mesh = getattr(mesh, "_is_current_rank_part_of_mesh", None)
-    if part_of_mesh is None:  # torch 2.9 has none: its get_coordinate is None off the mesh
-        in_mesh = mesh.get_coordinate() is not None
-    else:
-        in_mesh = part_of_mesh()
-    if local.requires_grad or local.device.type != mesh.device_type or not in_mesh:
+    # torch 2.9 has none: its get_coordinate is None off the mesh
+    if not (mesh.get_coordinate() is not None if part_of_mesh is None else part_of_mesh()):
         return DTensor.from_local(local, mesh, [placement], run_check=False)
     placements = (placement,)
     key = (id(mesh), placement, tuple(local.shape), local.stride(), local.dtype)  # meshes live while wiring
@@ -229,10 +240,13 @@ def _as_parameter(d: torch.Tensor, requires_grad: bool) -> nn.Parameter:
     return d if isinstance(d, nn.Parameter) else nn.Parameter(d, requires_grad=requires_grad)
 
 
-def _wire_dtensor(module: nn.Module, path: str, style: Style, state: ShardState, converted: dict) -> None:
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+def _registration_hooks() -> bool:
+    """Whether a global parameter registration hook is set (then parameters are registered the
+    public way, so it sees them)."""
+    return bool(getattr(nn.modules.module, "_global_parameter_registration_hooks", True))
 
+
+def _wire_dtensor(module: nn.Module, path: str, style: Style, state: ShardState, converted: dict) -> None:
     if isinstance(module, nn.Embedding) or type(module).forward is nn.Linear.forward:
         # DTensor parameters, forward on their local shards with explicit (autograd-aware)
         # collectives, as local holding computes: the same outputs and gradients, without
@@ -242,6 +256,9 @@ def _wire_dtensor(module: nn.Module, path: str, style: Style, state: ShardState,
         wire_local(module, style, state)
         run_on_local_params(module)
         return
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
     base: type[ColwiseParallel | RowwiseParallel]
     if style.kind == "colwise":
         base = ColwiseParallel

@@ -54,3 +54,25 @@ def _compare() -> int:
 
 def test_dtensor_of_is_from_local():
     assert run_ranks(_compare, 2) == [15, 15]
+
+
+def _hooked() -> list:
+    import shardwise as sw
+    from torch import nn
+
+    backend = sw.init_backend("gloo")
+    seen = []
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
+    handle = nn.modules.module.register_module_parameter_registration_hook(
+        lambda module, name, param: seen.append((name, type(param).__name__)))
+    try:
+        sw.parallelize(model, {"0": "colwise", "1": "rowwise"}, backend.mesh(tp=2), holding="dtensor")
+    finally:
+        handle.remove()
+    return sorted(seen)
+
+
+def test_a_global_parameter_registration_hook_sees_the_wired_dtensor_parameters():
+    # wiring stores DTensor parameters into _parameters directly only while no such hook is set
+    names = [("bias", "DTensor"), ("bias", "DTensor"), ("weight", "DTensor"), ("weight", "DTensor")]
+    assert run_ranks(_hooked, 2) == [names, names]

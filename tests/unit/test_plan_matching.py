@@ -95,6 +95,37 @@ def test_head_counts_as_the_prefix_scan_found_them():
         assert head_counts(model, sharded) == reference_head_counts(model, sharded)
 
 
+class _ClassHeads(nn.Module):
+    num_key_value_heads = 2  # on the class
+
+    @property
+    def n_heads(self):  # a property on the class
+        return 4
+
+
+class _Forwarding(nn.Module):
+    """A module answering head counts through a ``__getattr__`` of its own (as PEFT's wrappers)."""
+
+    def __getattr__(self, name):
+        if name == "num_heads":
+            return 8
+        return super().__getattr__(name)
+
+
+def test_head_counts_found_on_the_instance_the_class_or_a_getattr_of_its_own():
+    model = nn.Module()
+    model.a, model.b, model.c = nn.Module(), _ClassHeads(), _Forwarding()
+    model.a.num_attention_heads, model.a.heads = 6, 3  # in the instance dict, in HEAD_ATTRS' order
+    for owner in (model.a, model.b, model.c):
+        owner.q_proj = nn.Linear(4, 4)
+    sharded = ["a.q_proj", "b.q_proj", "c.q_proj"]
+    got = head_counts(model, sharded)
+    assert got == reference_head_counts(model, sharded)
+    assert [(o, a, v) for o, a, v, _ in got] == [
+        ("model.a", "heads", 3), ("model.a", "num_attention_heads", 6),
+        ("model.b", "num_key_value_heads", 2), ("model.b", "n_heads", 4), ("model.c", "num_heads", 8)]
+
+
 PARTS = st.sampled_from(["layers", "0", "7", "12", "*", "x*", "mlp", "q", "q_proj", "", "\u0663", "a.b"])
 
 

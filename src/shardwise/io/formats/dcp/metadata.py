@@ -20,6 +20,7 @@ from shardwise.core.header import check_tiling, region_runs
 from shardwise.core.spec import Region, is_int
 from shardwise.errors import CheckpointError
 from shardwise.io.formats.dcp import METADATA_FILE
+from shardwise.io.formats.dcp.blob import read_blob
 from shardwise.io.formats.safetensors.keys import listing
 from shardwise.io.info import digest_range, tensor_checksum
 from shardwise.io.storage import HandleFile, Handles, Location, byte_view, locate, read_small
@@ -239,8 +240,9 @@ def open_blob(f, info, *, dtype: torch.dtype | None = None, sizes=None) -> tuple
     against the ``dtype`` and ``sizes`` the metadata lists; and the file offset where its
     bytes lie in C order, or None when it is stored otherwise (then it is read whole)."""
     where = _where(f, info)
-    view = _view(f, info)
-    meta = _load(f, info, "meta", view)
+    read = read_blob(f, info.offset, info.length)  # a plain tensor's blob, without torch.load
+    view = _view(f, info) if read is None else None
+    meta = _load(f, info, "meta", view) if read is None else read[0]
     if not isinstance(meta, torch.Tensor):
         raise CheckpointError(f"{where} holds a {type(meta).__name__}, not a tensor")
     if dtype is not None and meta.dtype != dtype:
@@ -249,7 +251,7 @@ def open_blob(f, info, *, dtype: torch.dtype | None = None, sizes=None) -> tuple
     if sizes is not None and tuple(meta.shape) != tuple(sizes):
         raise CheckpointError(f"{where} holds a tensor of shape {tuple(meta.shape)} but the metadata "
                               f"says {tuple(sizes)}; the checkpoint is corrupt")
-    record = getattr(meta.untyped_storage(), "_checkpoint_offset", None)
+    record = read[1] if read is not None else getattr(meta.untyped_storage(), "_checkpoint_offset", None)
     if record is None:  # torch before 2.10 sets it only under a fake tensor mode, not for "meta"
         record = _only_record_offset(view)
     if (record or 0) + meta.untyped_storage().nbytes() > info.length:
