@@ -25,17 +25,14 @@ from __future__ import annotations
 
 import builtins
 import json
-import os
-import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from shardwise.errors import CheckpointError, UsageError
 from shardwise.io.storage import Location
 from shardwise.io.storage.lookups import publishing, redirect
 from shardwise.io.storage.publish import Publish
-from shardwise.io.storage.remote import CONCURRENCY, PART_SIZE, RETRIES, RemoteFile, ShortBody, retried
+from shardwise.io.storage.remote import RemoteFile, RemoteStorage, ShortBody, cached
 
 # Schemes a save refuses, and why: what the filesystem calls a write is no checkpoint save.
 READ_ONLY = {
@@ -44,7 +41,6 @@ READ_ONLY = {
     "hf": "each object written to the hub would be a commit of its own; save locally and upload "
           "the folder with huggingface_hub's upload_folder",
 }
-_SECRET_KEYS = ("secret", "token", "password", "key", "credential")
 _TRANSIENT_STATUS = {408, 425, 429, 500, 502, 503, 504}
 
 
@@ -57,21 +53,18 @@ def _fsspec():
     return fsspec
 
 
-class FsspecStorage:
+class FsspecStorage(RemoteStorage):
     """The storage of one fsspec filesystem (one scheme, one configuration). Keys are paths
     below the scheme; the ``bucket`` argument of the shared helpers (``lookups.publishing``,
     ``redirect``) is always "". Every method may be called from any thread."""
 
-    positional_writes = False
+    secret_variables = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
+    name_final = True
 
     def __init__(self, scheme: str, *, registered: Sequence[str] = (), **options):
         fsspec = _fsspec()
-        self.scheme = scheme
-        self.part_size = int(options.pop("part_size", PART_SIZE))
-        self.concurrency = int(options.pop("concurrency", CONCURRENCY))
-        self.retries = int(options.pop("retries", RETRIES))
+        super().__init__(scheme, options)
         self.read_only = READ_ONLY.get(scheme)  # None: it writes (see target_path)
-        self._secrets = _secrets(options)
         try:
             cls = fsspec.get_filesystem_class(scheme)
         except ValueError:
@@ -96,33 +89,18 @@ class FsspecStorage:
         # a request that can reach the store after its client gave up (lookups.committed): not
         # on the filesystems that run in this process
         self.late_writes = scheme not in ("file", "local", "memory")
-        self.pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix=f"shardwise-{scheme}")
 
     def url(self, bucket: str, key: str) -> str:
         return f"{self.scheme}://{key}"
 
-    def scrub(self, error) -> str:
-        """The first line of ``error``'s text with every configured secret blanked."""
-        text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        for secret in self._secrets:
-            text = text.replace(secret, "***")
-        return text
-
     def _key(self, location) -> str:
         return location.path.as_posix() if isinstance(location, Location) else str(location)
 
-    # --- the Storage protocol -----------------------------------------------------------
+    # --- the Storage protocol (open, stat, is_folder, check_inside: RemoteStorage's) --------
 
-    def open(self, location) -> RemoteFile:
-        key = self._redirect(self._key(location))
-        meta = self.head("", key)
-        if meta is None:
-            raise CheckpointError(f"{self.url('', key)}: no such object")
-        return RemoteFile(self, "", key, meta["size"], None)
-
-    def stat(self, location) -> int | None:
-        meta = self.head("", self._redirect(self._key(location)))
-        return None if meta is None else int(meta["size"])
+    def where(self, location) -> tuple[str, str]:
+        key = self._key(location)
+        return "", key if self.read_only else redirect(self, "", key)[1]
 
     def list(self, location) -> list[str]:
         key = self._key(location)
@@ -133,17 +111,9 @@ class FsspecStorage:
             return []
         return sorted(name for name, _ in self._entries(key))
 
-    def is_folder(self, location) -> bool:
-        return bool(self.list(location))
-
-    def check_inside(self, root, location, *, source) -> None:
-        """Nothing: a URL names its object; there are no links to follow out of the folder."""
-
     def create(self, location, *, existing: bool = False) -> FsspecWriter:
         self.check_writable(location)
-        if existing:
-            raise UsageError(f"{location}: fsspec storage writes objects front to back, not into an existing "
-                             "one (parallel_write=True); pass parallel_write=None or False")
+        self.refuse_existing(location, existing)
         return FsspecWriter(self, self._key(location))
 
     def transaction(self, target, *, overwrite: bool, replaceable: Sequence[str] = ()) -> FsspecPublish:
@@ -165,9 +135,6 @@ class FsspecStorage:
         parent = self.path(key.rpartition("/")[0])
         if key.rpartition("/")[0]:
             self.call(lambda: self.fs.makedirs(parent, exist_ok=True), f"making the folder {parent}")
-
-    def _redirect(self, key: str) -> str:
-        return key if self.read_only else redirect(self, "", key)[1]
 
     def _entries(self, key: str) -> builtins.list[tuple[str, str]]:
         """``(name, type)`` of what is directly under the folder ``key``; [] for none."""
@@ -203,7 +170,7 @@ class FsspecStorage:
             return f.read(end - start)
 
     def get_range(self, file: RemoteFile, start: int, end: int, land) -> None:
-        """``remote.Client.get_range``: one ranged read, its length checked (no versions here)."""
+        """``RemoteStorage.get_range``: one ranged read, its length checked (no versions here)."""
         key = file.key
 
         def request():
@@ -215,27 +182,14 @@ class FsspecStorage:
 
         land(0, memoryview(self.call(request, f"reading {self.path(key)} bytes [{start}, {end})")))
 
-    def call(self, request, what: str, *, fatal: tuple = ()):
-        """``objects.retried`` ``request()``: final are the faults that waiting does not change
-        (absent, denied, refused, a 4xx answer), and ``fatal``."""
-        return retried(request, what, retries=self.retries, scrub=self.scrub, is_final=_final, fatal=fatal,
-                       name_final=True)
-
-
-def _final(error: Exception) -> bool:
-    if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError,
-                          NotImplementedError, ValueError, TypeError)):
-        return True
-    response = getattr(error, "response", None)  # requests / httpx (huggingface_hub's errors)
-    status = getattr(response, "status_code", None) or getattr(error, "status", None)  # aiohttp
-    return isinstance(status, int) and 400 <= status < 500 and status not in _TRANSIENT_STATUS
-
-
-def _secrets(options: dict) -> list[str]:
-    """The credential values an error could carry: from the options and the environment."""
-    found = [v for k, v in options.items() if type(v) is str and any(x in k.lower() for x in _SECRET_KEYS)]
-    found += [v for k, v in os.environ.items() if k in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN") and v]
-    return sorted({s for s in found if len(s) >= 4}, key=len, reverse=True)
+    def is_final(self, error: Exception) -> bool:
+        """Absent, denied, refused, a 4xx answer."""
+        if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError,
+                              NotImplementedError, ValueError, TypeError)):
+            return True
+        response = getattr(error, "response", None)  # requests / httpx (huggingface_hub's errors)
+        status = getattr(response, "status_code", None) or getattr(error, "status", None)  # aiohttp
+        return isinstance(status, int) and 400 <= status < 500 and status not in _TRANSIENT_STATUS
 
 
 class FsspecWriter:
@@ -338,20 +292,13 @@ class FsspecPublish(Publish):
                 for name, kind in self.storage._entries(parent) if kind == "directory"]
 
 
-_CACHE: dict[tuple, FsspecStorage] = {}
-_CACHE_LOCK = threading.Lock()
-
-
 def factory(scheme: str, *, registered: Sequence[str] = ()):
     """The storage factory of an fsspec ``scheme``: one storage (its filesystem, its pool) per
     distinct options. ``registered``: the schemes shardwise's registry holds, named when fsspec
     knows no ``scheme`` either."""
     def make(**options) -> FsspecStorage:
-        key = (scheme, json.dumps(options, sort_keys=True, default=repr))
-        with _CACHE_LOCK:
-            if key not in _CACHE:
-                _CACHE[key] = FsspecStorage(scheme, registered=registered, **options)
-            return _CACHE[key]
+        key = ("fsspec", scheme, json.dumps(options, sort_keys=True, default=repr))
+        return cached(key, lambda: FsspecStorage(scheme, registered=registered, **options))
     return make
 
 
