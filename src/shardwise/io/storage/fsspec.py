@@ -139,11 +139,8 @@ class FsspecStorage(RemoteStorage):
     def _entries(self, key: str) -> builtins.list[tuple[str, str]]:
         """``(name, type)`` of what is directly under the folder ``key``; [] for none."""
         path = self.path(key)
-        try:
-            found = self.call(lambda: self.fs.ls(path, detail=True), f"listing {path}",
-                              fatal=(FileNotFoundError, NotADirectoryError))
-        except (FileNotFoundError, NotADirectoryError):
-            return []
+        found = self.call(lambda: self.fs.ls(path, detail=True), f"listing {path}",
+                          absent=(FileNotFoundError, NotADirectoryError), default=[])
         inside = self.fs._strip_protocol(path).rstrip("/")
         return [(str(e["name"]).rstrip("/").rpartition("/")[2], e.get("type", "file")) for e in found
                 if self.fs._strip_protocol(str(e["name"])).rstrip("/") != inside]
@@ -151,11 +148,8 @@ class FsspecStorage(RemoteStorage):
     def head(self, bucket: str, key: str) -> dict | None:
         """``{"size": n}`` of the object ``key``; None when absent or a folder."""
         path = self.path(key)
-        try:
-            info = self.call(lambda: self.fs.info(path), f"stat {path}", fatal=(FileNotFoundError,))
-        except FileNotFoundError:
-            return None
-        if info.get("type", "file") != "file" or info.get("size") is None:
+        info = self.call(lambda: self.fs.info(path), f"stat {path}", absent=(FileNotFoundError,))
+        if info is None or info.get("type", "file") != "file" or info.get("size") is None:
             return None
         return {"size": int(info["size"])}
 
@@ -251,22 +245,16 @@ class FsspecPublish(Publish):
 
     def _objects(self, prefix: str) -> dict[str, int]:
         path = self.storage.path(prefix)
-        try:
-            found = self.storage.call(lambda: self.storage.fs.find(path, detail=True), f"listing {path}",
-                                      fatal=(FileNotFoundError,))
-        except FileNotFoundError:
-            return {}
+        found = self.storage.call(lambda: self.storage.fs.find(path, detail=True), f"listing {path}",
+                                  absent=(FileNotFoundError,), default={})
         inside = self.storage.fs._strip_protocol(path).rstrip("/") + "/"
         return {name[len(inside):]: int(info.get("size") or 0) for name, info in found.items()
                 if name.startswith(inside) and info.get("type", "file") == "file"}
 
     def _delete(self, keys: list[str]) -> None:
         for key in keys:
-            try:
-                self.storage.call(lambda k=key: self.storage.fs.rm_file(self.storage.path(k)),
-                                  f"deleting {self.storage.path(key)}", fatal=(FileNotFoundError,))
-            except FileNotFoundError:
-                pass
+            self.storage.call(lambda k=key: self.storage.fs.rm_file(self.storage.path(k)),
+                              f"deleting {self.storage.path(key)}", absent=(FileNotFoundError,))
 
     def _put(self, key: str, data: bytes) -> None:
         self.storage.make_parent(key)
@@ -281,11 +269,8 @@ class FsspecPublish(Publish):
     def _clear(self, prefix: str) -> None:
         """Delete the folder ``prefix`` with all under it (a filesystem keeps empty folders)."""
         path = self.storage.path(prefix)
-        try:
-            self.storage.call(lambda: self.storage.fs.rm(path, recursive=True), f"deleting {path}",
-                              fatal=(FileNotFoundError,))
-        except FileNotFoundError:
-            pass
+        self.storage.call(lambda: self.storage.fs.rm(path, recursive=True), f"deleting {path}",
+                          absent=(FileNotFoundError,))
 
     def _folders(self, parent: str) -> list[str]:
         return [f"{parent}/{name}" if parent else name

@@ -37,7 +37,6 @@ class ObjectStorage(RemoteStorage):
     secret_variables = ("AWS_", "GOOGLE_")
     fetch_once = True  # a request costs a round trip: a job's load reads each byte once (io.exchange)
     late_writes = True  # a request may reach the store after its client gave up (lookups.committed)
-    makes_buckets = True  # a first write may make the bucket (faults.make_bucket)
 
     def __init__(self, scheme: str, **options):
         if scheme not in ("s3", "gs"):
@@ -175,11 +174,8 @@ class ObjectStorage(RemoteStorage):
         import obstore
         from obstore.exceptions import NotFoundError
 
-        try:
-            return self.call(lambda: obstore.head(self.store(bucket), key), f"HEAD {self.url(bucket, key)}",
-                             fatal=(NotFoundError, FileNotFoundError))
-        except (NotFoundError, FileNotFoundError):
-            return None
+        return self.call(lambda: obstore.head(self.store(bucket), key), f"HEAD {self.url(bucket, key)}",
+                         absent=(NotFoundError, FileNotFoundError))
 
     def is_final(self, error: Exception) -> bool:
         """Absent, denied, misconfigured, a 4xx answer."""

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from shardwise.errors import CheckpointError, UsageError
-from shardwise.io.storage.faults import make_bucket
 from shardwise.io.storage.lookups import split_location
 from shardwise.io.storage.publish import Publish
 
@@ -26,7 +25,7 @@ class ObstoreClient(Protocol):
 
     def store(self, bucket: str) -> Any: ...
 
-    def call(self, request, what: str, *, fatal: tuple = ()) -> Any: ...
+    def call(self, request, what: str, *, fatal: tuple = (), absent: tuple = (), default=None) -> Any: ...
 
     def scrub(self, error) -> str: ...
 
@@ -176,11 +175,8 @@ class ObstorePublish(Publish):
                                   f"objects under {self._url(self.key)}", fatal=gone)
             except gone:  # one was gone already (what a delete asks for): the rest one by one
                 for key in batch:
-                    try:
-                        self.storage.call(lambda k=key: obstore.delete(store, k), f"deleting "
-                                          f"{self._url(key)}", fatal=gone)
-                    except gone:
-                        pass
+                    self.storage.call(lambda k=key: obstore.delete(store, k), f"deleting {self._url(key)}",
+                                      absent=gone)
 
     def _put(self, key: str, data: bytes) -> None:
         import obstore
@@ -205,7 +201,15 @@ class ObstorePublish(Publish):
         return [p.rstrip("/") for p in found["common_prefixes"]]
 
     def _make_bucket(self) -> bool:
-        make_bucket(self.storage, self.bucket)
+        """Make the bucket where the store makes one on its first write (SeaweedFS, MinIO in some
+        setups): put an empty marker object, then delete it. Where the store refuses (AWS S3,
+        GCS), the ``NoSuchBucketError`` of the put says the command that makes it."""
+        import obstore
+
+        marker, store = ".shardwise-make-bucket", self.storage.store(self.bucket)
+        self.storage.call(lambda: obstore.put(store, marker, b"", use_multipart=False),
+                          f"PUT {self._url(marker)} (making the bucket)")
+        self.storage.call(lambda: obstore.delete(store, marker), f"deleting {self._url(marker)}")
         return True
 
 

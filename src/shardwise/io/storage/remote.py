@@ -113,10 +113,14 @@ class RemoteStorage:
                              "an existing object (the parallel write, parallel_write=True); pass "
                              "parallel_write=None or False: rank 0 streams the file")
 
-    def call(self, request, what: str, *, fatal: tuple = ()):
-        """:func:`retried` ``request()``; final: the faults :meth:`is_final` names, and ``fatal``."""
-        return retried(request, what, retries=self.retries, scrub=self.scrub, fatal=fatal,
-                       is_final=self.is_final, name_final=self.name_final)
+    def call(self, request, what: str, *, fatal: tuple = (), absent: tuple = (), default=None):
+        """:func:`retried` ``request()``; final: the faults :meth:`is_final` names, and ``fatal``;
+        ``default`` where the store answers that the thing asked for is absent (``absent``)."""
+        try:
+            return retried(request, what, retries=self.retries, scrub=self.scrub, fatal=fatal + absent,
+                           is_final=self.is_final, name_final=self.name_final)
+        except absent:
+            return default
 
     # --- what each client serves -------------------------------------------------------------
 
