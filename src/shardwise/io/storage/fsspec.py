@@ -30,7 +30,6 @@ from typing import Any
 
 from shardwise.errors import CheckpointError, UsageError
 from shardwise.io.storage import Location
-from shardwise.io.storage.lookups import publishing, redirect
 from shardwise.io.storage.publish import Publish
 from shardwise.io.storage.remote import RemoteFile, RemoteStorage, ShortBody, cached
 
@@ -96,20 +95,15 @@ class FsspecStorage(RemoteStorage):
     def _key(self, location) -> str:
         return location.path.as_posix() if isinstance(location, Location) else str(location)
 
-    # --- the Storage protocol (open, stat, is_folder, check_inside: RemoteStorage's) --------
+    # --- the Storage protocol (open, stat, list, is_folder, check_inside: RemoteStorage's) ---
 
-    def where(self, location) -> tuple[str, str]:
-        key = self._key(location)
-        return "", key if self.read_only else redirect(self, "", key)[1]
+    def split(self, location) -> tuple[str, str]:
+        return "", self._key(location).rstrip("/")
 
-    def list(self, location) -> list[str]:
-        key = self._key(location)
-        pending = None if self.read_only else publishing(self, "", key)
-        if pending is not None:  # a save under way or interrupted: the new checkpoint, whole, or none
-            return [] if pending.get("direct") else sorted(pending["files"])
+    def names(self, bucket: str, key: str) -> builtins.list[str]:
         if self.head("", key) is not None:  # an object, no folder (http's ls would GET it whole)
             return []
-        return sorted(name for name, _ in self._entries(key))
+        return [name for name, _ in self._entries(key)]
 
     def create(self, location, *, existing: bool = False) -> FsspecWriter:
         self.check_writable(location)
@@ -239,9 +233,6 @@ class FsspecPublish(Publish):
     its five primitives served by the filesystem (and a folder cleared whole)."""
 
     storage: FsspecStorage
-
-    def __init__(self, storage: FsspecStorage, target, overwrite: bool, replaceable: tuple[str, ...] = ()):
-        super().__init__(storage, target, "", storage._key(target).rstrip("/"), overwrite, replaceable)
 
     def _objects(self, prefix: str) -> dict[str, int]:
         path = self.storage.path(prefix)

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.errors import CheckpointError, UsageError
-from shardwise.io.storage.lookups import listed, publishing, redirect, remembered, split_location
+from shardwise.io.storage.lookups import listed, remembered, split_location
 from shardwise.io.storage.objects_write import ObjectWriter, ObstorePublish
 from shardwise.io.storage.remote import CHUNK, RemoteFile, RemoteStorage, ShortBody, cached
 
@@ -95,18 +95,11 @@ class ObjectStorage(RemoteStorage):
             raise UsageError(f"{self.url(bucket, '')}: cannot configure the client: "
                              f"{self.scrub(e)}") from None
 
-    # --- the Storage protocol (open, stat, is_folder, check_inside: RemoteStorage's) ------------
+    # --- the Storage protocol (open, stat, list, is_folder, check_inside: RemoteStorage's) -------
 
-    def where(self, location) -> tuple[str, str]:
-        return redirect(self, *split_location(location))
-
-    def list(self, location: Path) -> list[str]:
-        bucket, key = split_location(location)
-        pending = publishing(self, bucket, key)
-        if pending is not None:  # a save under way or interrupted: the new checkpoint, whole, or none
-            return [] if pending.get("direct") else sorted(pending["files"])
+    def names(self, bucket: str, key: str) -> dict[str, dict | None]:
         prefix = f"{key}/" if key else ""
-        return sorted(remembered((self, "list", bucket, prefix), lambda: self._list(bucket, prefix)))
+        return remembered((self, "list", bucket, prefix), lambda: self._list(bucket, prefix))
 
     def _list(self, bucket: str, prefix: str) -> dict[str, dict | None]:
         """``{name: its HEAD's metadata (an object) or None (a folder)}`` directly under ``prefix``."""

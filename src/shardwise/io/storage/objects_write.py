@@ -8,11 +8,9 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any, Protocol
 
 from shardwise.errors import CheckpointError, UsageError
-from shardwise.io.storage.lookups import split_location
 from shardwise.io.storage.publish import Publish
 
 
@@ -142,12 +140,6 @@ class ObstorePublish(Publish):
     """``publish.Publish`` over obstore: its five requests, and a bucket made on a first write."""
 
     storage: ObstoreClient
-
-    def __init__(self, storage: ObstoreClient, target, overwrite: bool, replaceable: tuple[str, ...] = ()):
-        bucket, key = split_location(target)
-        # a Location (the pipelines'), or a str / path (the storage's own tests)
-        located = target if hasattr(target, "storage") else Path(bucket, key)
-        super().__init__(storage, located, bucket, key, overwrite, replaceable)
 
     def _objects(self, prefix: str) -> dict[str, int]:
         """Every object under ``prefix/`` by its name below it (nested names keep their ``/``)."""

@@ -1,7 +1,7 @@
 """What every remote client shares, whatever talks to the store (obstore for ``s3://`` and
 ``gs://`` in ``objects``, fsspec for the other URLs in ``fsspec``): :class:`RemoteStorage`, the
 clients' base (their options, pool, secrets blanked from errors, the Storage methods that are
-a HEAD, one storage per configuration); requests retried with bounded backoff
+a HEAD or a listing, one storage per configuration); requests retried with bounded backoff
 (:func:`retried`), and reads of one object (:class:`RemoteFile`: opened at the length and
 version its HEAD gave; ranged requests coalesced by :func:`coalesce`, ``concurrency`` in
 flight, each body landed as it arrives). A client serves the one request a read needs,
@@ -14,12 +14,13 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from shardwise.errors import CheckpointError, UsageError
 from shardwise.io.storage.faults import in_words
+from shardwise.io.storage.lookups import publishing, redirect, split_location
 
 PART_SIZE = 8 << 20     # bytes per ranged GET (and per multipart part)
 CONCURRENCY = 16        # requests in flight per storage
@@ -62,11 +63,12 @@ class RemoteStorage:
     """The base of a remote client of one ``scheme`` and configuration: ``options`` less the
     shared ``part_size``, ``concurrency`` and ``retries``; a pool of ``concurrency`` threads;
     every secret of the options and of the environment variables starting with one of
-    ``secret_variables`` blanked from its errors (:meth:`scrub`). A client serves
-    ``where(location) -> (bucket, key)`` (the key a pending save redirects to), ``head``,
-    ``list``, ``get_range`` and ``is_final`` (a fault that waiting does not change)."""
+    ``secret_variables`` blanked from its errors (:meth:`scrub`). A client serves ``url``,
+    ``head``, ``names`` (a folder's), ``get_range`` and ``is_final`` (a fault that waiting does
+    not change), and ``split`` where its locations are no ``bucket/key``."""
 
     positional_writes = False  # pwrite / create(existing=True) are refused: see create()
+    read_only: str | None = None  # why a save is refused (then no journal is looked for), or None
     secret_variables: tuple[str, ...] = ()
     name_final = False  # whether a final fault's error names its type
 
@@ -88,6 +90,22 @@ class RemoteStorage:
         for secret in self._secrets:
             text = text.replace(secret, "***")
         return text
+
+    def split(self, location) -> tuple[str, str]:
+        """``(bucket, key)`` of ``location`` (bucket "" where the store has none)."""
+        return split_location(location)
+
+    def where(self, location) -> tuple[str, str]:
+        """Where ``location`` is read: in the staging prefix while its folder is being published."""
+        bucket, key = self.split(location)
+        return (bucket, key) if self.read_only else redirect(self, bucket, key)
+
+    def list(self, location) -> list[str]:
+        bucket, key = self.split(location)
+        pending = None if self.read_only else publishing(self, bucket, key)
+        if pending is not None:  # a save under way or interrupted: the new checkpoint, whole, or none
+            return [] if pending.get("direct") else sorted(pending["files"])
+        return sorted(self.names(bucket, key))
 
     def open(self, location) -> RemoteFile:
         bucket, key = self.where(location)
@@ -124,16 +142,14 @@ class RemoteStorage:
 
     # --- what each client serves -------------------------------------------------------------
 
-    def where(self, location) -> tuple[str, str]:
-        raise NotImplementedError
-
     def url(self, bucket: str, key: str) -> str:
         raise NotImplementedError
 
     def head(self, bucket: str, key: str) -> dict | None:
         raise NotImplementedError
 
-    def list(self, location) -> list[str]:
+    def names(self, bucket: str, key: str) -> Iterable[str]:
+        """The names directly under the folder ``key`` (objects and folders); none for an object."""
         raise NotImplementedError
 
     def get_range(self, file: RemoteFile, start: int, end: int,
