@@ -121,18 +121,15 @@ class FsspecStorage(RemoteStorage):
 
     # --- requests, retried --------------------------------------------------------------
 
-    def path(self, key: str) -> str:
-        return f"{self.scheme}://{key}"
-
     def make_parent(self, key: str) -> None:
         """Make the folder that will hold ``key`` (local files need one; others make nothing)."""
-        parent = self.path(key.rpartition("/")[0])
+        parent = self.url("", key.rpartition("/")[0])
         if key.rpartition("/")[0]:
             self.call(lambda: self.fs.makedirs(parent, exist_ok=True), f"making the folder {parent}")
 
     def _entries(self, key: str) -> builtins.list[tuple[str, str]]:
         """``(name, type)`` of what is directly under the folder ``key``; [] for none."""
-        path = self.path(key)
+        path = self.url("", key)
         found = self.call(lambda: self.fs.ls(path, detail=True), f"listing {path}",
                           absent=(FileNotFoundError, NotADirectoryError), default=[])
         inside = self.fs._strip_protocol(path).rstrip("/")
@@ -141,19 +138,20 @@ class FsspecStorage(RemoteStorage):
 
     def head(self, bucket: str, key: str) -> dict | None:
         """``{"size": n}`` of the object ``key``; None when absent or a folder."""
-        path = self.path(key)
+        path = self.url("", key)
         info = self.call(lambda: self.fs.info(path), f"stat {path}", absent=(FileNotFoundError,))
         if info is None or info.get("type", "file") != "file" or info.get("size") is None:
             return None
         return {"size": int(info["size"])}
 
     def get_bytes(self, bucket: str, key: str) -> bytes:
-        return bytes(self.call(lambda: self.fs.cat_file(self.path(key)), f"reading {self.path(key)}"))
+        path = self.url("", key)
+        return bytes(self.call(lambda: self.fs.cat_file(path), f"reading {path}"))
 
     def read_range(self, key: str, start: int, end: int, size: int) -> bytes:
         if self._cat:
-            return self.fs.cat_file(self.path(key), start=start, end=end)
-        with self.fs.open(self.path(key), "rb", cache_type="none", size=size) as f:
+            return self.fs.cat_file(self.url("", key), start=start, end=end)
+        with self.fs.open(self.url("", key), "rb", cache_type="none", size=size) as f:
             f.seek(start)
             return f.read(end - start)
 
@@ -168,7 +166,7 @@ class FsspecStorage(RemoteStorage):
                                 "under the reader, or the server ignored the Range)")
             return data
 
-        land(0, memoryview(self.call(request, f"reading {self.path(key)} bytes [{start}, {end})")))
+        land(0, memoryview(self.call(request, f"reading {file.name} bytes [{start}, {end})")))
 
     def is_final(self, error: Exception) -> bool:
         """Absent, denied, refused, a 4xx answer."""
@@ -186,7 +184,7 @@ class FsspecWriter:
     which no load reads."""
 
     def __init__(self, storage: FsspecStorage, key: str):
-        self.storage, self.key, self.name = storage, key, storage.path(key)
+        self.storage, self.key, self.name = storage, key, storage.url("", key)
         self._file: Any = None
         self._done = False
 
@@ -235,7 +233,7 @@ class FsspecPublish(Publish):
     storage: FsspecStorage
 
     def _objects(self, prefix: str) -> dict[str, int]:
-        path = self.storage.path(prefix)
+        path = self._url(prefix)
         found = self.storage.call(lambda: self.storage.fs.find(path, detail=True), f"listing {path}",
                                   absent=(FileNotFoundError,), default={})
         inside = self.storage.fs._strip_protocol(path).rstrip("/") + "/"
@@ -244,22 +242,22 @@ class FsspecPublish(Publish):
 
     def _delete(self, keys: list[str]) -> None:
         for key in keys:
-            self.storage.call(lambda k=key: self.storage.fs.rm_file(self.storage.path(k)),
-                              f"deleting {self.storage.path(key)}", absent=(FileNotFoundError,))
+            self.storage.call(lambda k=key: self.storage.fs.rm_file(self._url(k)),
+                              f"deleting {self._url(key)}", absent=(FileNotFoundError,))
 
     def _put(self, key: str, data: bytes) -> None:
         self.storage.make_parent(key)
-        self.storage.call(lambda: self.storage.fs.pipe_file(self.storage.path(key), data),
-                          f"writing {self.storage.path(key)}")
+        self.storage.call(lambda: self.storage.fs.pipe_file(self._url(key), data),
+                          f"writing {self._url(key)}")
 
     def _copy(self, src: str, dst: str) -> None:
         self.storage.make_parent(dst)
-        self.storage.call(lambda: self.storage.fs.cp_file(self.storage.path(src), self.storage.path(dst)),
-                          f"copying {self.storage.path(src)} to {self.storage.path(dst)}")
+        self.storage.call(lambda: self.storage.fs.cp_file(self._url(src), self._url(dst)),
+                          f"copying {self._url(src)} to {self._url(dst)}")
 
     def _clear(self, prefix: str) -> None:
         """Delete the folder ``prefix`` with all under it (a filesystem keeps empty folders)."""
-        path = self.storage.path(prefix)
+        path = self._url(prefix)
         self.storage.call(lambda: self.storage.fs.rm(path, recursive=True), f"deleting {path}",
                           absent=(FileNotFoundError,))
 
