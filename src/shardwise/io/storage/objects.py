@@ -24,13 +24,13 @@ from typing import Any
 
 from shardwise.errors import CheckpointError, UsageError
 from shardwise.io.storage.lookups import listed, remembered, split_location
-from shardwise.io.storage.objects_write import ObjectWriter, ObstorePublish
-from shardwise.io.storage.remote import CHUNK, RemoteFile, RemoteStorage, ShortBody, cached
+from shardwise.io.storage.objects_write import ObjectWriter, ObstoreClient, ObstorePublish
+from shardwise.io.storage.remote import CHUNK, RemoteFile, ShortBody, cached
 
 MIN_PART = 5 << 20      # S3's smallest part of a multipart upload (but the last)
 
 
-class ObjectStorage(RemoteStorage):
+class ObjectStorage(ObstoreClient):
     """The storage of one scheme (``"s3"`` or ``"gs"``) with one configuration; a client per
     bucket, made on first use. Every method may be called from any thread."""
 

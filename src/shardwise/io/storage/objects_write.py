@@ -8,28 +8,21 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import Any
 
 from shardwise.errors import CheckpointError, UsageError
 from shardwise.io.storage.publish import Publish
+from shardwise.io.storage.remote import RemoteStorage
 
 
-class ObstoreClient(Protocol):
-    """What writing asks of the obstore client (``objects.ObjectStorage``), which imports this
-    module: its parts, requests in flight, a bucket's store and the retried ``call``."""
+class ObstoreClient(RemoteStorage):
+    """The base of the obstore client (``objects.ObjectStorage``, which imports this module):
+    what writing asks of it beyond a remote storage's, its upload parts and a bucket's store."""
 
     upload_part: int
-    concurrency: int
 
-    def store(self, bucket: str) -> Any: ...
-
-    def call(self, request, what: str, *, fatal: tuple = (), absent: tuple = (), default=None) -> Any: ...
-
-    def scrub(self, error) -> str: ...
-
-    def url(self, bucket: str, key: str) -> str: ...
-
-    def head(self, bucket: str, key: str) -> dict | None: ...
+    def store(self, bucket: str) -> Any:
+        raise NotImplementedError
 
 
 class ObjectWriter:
