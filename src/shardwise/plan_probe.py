@@ -18,7 +18,7 @@ from shardwise.errors import ShardwiseError, UsageError
 from shardwise.holding import is_dtensor
 from shardwise.mesh import get_shard_state
 from shardwise.parallel import parallelize
-from shardwise.plan_report import PlanReport, Recorder, Row, failure_hint, hint_for, module_in
+from shardwise.plan_report import PlanReport, Row, failure_hint, hint_for, module_in
 
 # the largest relative error (max |sharded - one process| / max |one process|) counted as equal:
 # a few ulps of the dtype, times the reductions a tiny model sums in another order
@@ -48,7 +48,7 @@ def check_plan(model: nn.Module, inputs: tuple = (), *, plan="auto", mesh, kwarg
     was_training = model.training
     sharded = copy.deepcopy(model).eval()
     try:
-        reference, failed, _, _ = _record(model.eval(), inputs, kwargs)
+        reference, reference_counts, failed, _, _ = _record(model.eval(), inputs, kwargs)
     finally:
         model.train(was_training)
     if failed is not None:
@@ -68,12 +68,12 @@ def check_plan(model: nn.Module, inputs: tuple = (), *, plan="auto", mesh, kwarg
     assert state is not None  # parallelize leaves it
     styles = {p: s.source or s.kind for p, s in state.specs.styles.items()}
     blocks = {p: s.blocks for p, s in state.specs.styles.items()}
-    recorded, error, failing, failing_in = _record(sharded, inputs, kwargs)
+    recorded, recorded_counts, error, failing, failing_in = _record(sharded, inputs, kwargs)
     # calls that pair with no one-process call: inside modules that run a rank's own experts,
     # or modules called another number of times
     apart = tuple(p + "." for p, s in state.specs.styles.items()
                   if s.forward in ("ep_experts", "moe_experts"))
-    counts = _counts(reference), _counts(recorded)
+    counts = reference_counts, recorded_counts
     rows = [Row(path, call, NAN, NAN, NAN, "not compared", styles.get(path, ""))
             if path.startswith(apart) or counts[0].get(path) != counts[1].get(path)
             else _compare(path, call, seen, reference.get((path, call)), state)
@@ -130,23 +130,26 @@ def _unsplittable(model: nn.Module, plan, degree: int) -> str | None:
 
 
 def _record(model: nn.Module, inputs: tuple, kwargs: dict):
-    """``(calls, error, failing module, its inputs)``: every module call's flattened inputs and
-    outputs, by ``(path, call)`` in the order calls end, the forward's exception (None), the
-    innermost module it was in and that call's flattened inputs."""
-    rec = Recorder()
+    """``(calls, counts, error, failing module, its inputs)``: every module call's flattened
+    inputs and outputs, by ``(path, call)`` in the order calls end, each module's number of
+    calls, the forward's exception (None), the innermost module it was in and that call's
+    flattened inputs."""
+    calls: dict = {}
     counts: dict[str, int] = {}
+    opened: list[str] = []  # modules entered and not yet left (the failing one)
+    opened_args: list = []  # their (args, kwargs)
     handles = []
     for path, module in model.named_modules():
         def pre(mod, args, kw, path=path):
-            rec.open.append(path)
-            rec.args.append((args, kw))  # kept as they are: flattened only for a failing call
+            opened.append(path)
+            opened_args.append((args, kw))  # kept as they are: flattened only for a failing call
 
         def post(mod, args, kw, out, path=path):
-            rec.open.pop()
-            rec.args.pop()
+            opened.pop()
+            opened_args.pop()
             n = counts.get(path, 0)
             counts[path] = n + 1
-            rec.calls[(path, n)] = (_flat((args, kw)), _flat(out))
+            calls[(path, n)] = (_flat((args, kw)), _flat(out))
 
         handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(module.register_forward_hook(post, with_kwargs=True))
@@ -160,15 +163,8 @@ def _record(model: nn.Module, inputs: tuple, kwargs: dict):
         for h in handles:
             h.remove()
     # the failing call's inputs as this rank holds them: no collective where ranks may have failed apart
-    failing_in = _flat(rec.args[-1], gather=False) if rec.args else []
-    return rec.calls, error, rec.open[-1] if rec.open else "", failing_in
-
-
-def _counts(calls: dict) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for path, _ in calls:
-        out[path] = out.get(path, 0) + 1
-    return out
+    failing_in = _flat(opened_args[-1], gather=False) if opened_args else []
+    return calls, counts, error, opened[-1] if opened else "", failing_in
 
 
 def _flat(value, *, gather: bool = True) -> list[torch.Tensor]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from torch import nn
 
@@ -268,13 +268,4 @@ def _qkv_blocks(owner: nn.Module, width: int) -> list[int] | None:
     return [heads, kv, kv] if width % (heads + 2 * kv) == 0 else None
 
 
-@dataclass
-class Recorder:
-    """Tensors seen by forward hooks, per ``(module path, call)`` in the order calls end."""
-
-    calls: dict = field(default_factory=dict)
-    open: list = field(default_factory=list)  # modules entered and not yet left (the failing one)
-    args: list = field(default_factory=list)  # their (args, kwargs)
-
-
-__all__ = ["PlanReport", "Recorder", "Row", "failure_hint", "hint_for", "module_in"]
+__all__ = ["PlanReport", "Row", "failure_hint", "hint_for", "module_in"]

@@ -31,7 +31,7 @@ from shardwise.holding import is_dtensor
 from shardwise.io.formats.safetensors.checkpoint import resolve_checkpoint
 from shardwise.io.read.mapped import read_region
 from shardwise.io.sink import Saving
-from shardwise.io.storage import Handles, Location, locate, target_path
+from shardwise.io.storage import Handles, Location, locate, read_json, target_path
 from shardwise.mesh import ShardState, get_shard_state, world_backend
 
 _ATTACHED = "_shardwise_adapters"  # model.__dict__: {adapter name: (config, [LoraTensor])}
@@ -53,19 +53,6 @@ class AdapterResult:
 def attached(model: nn.Module) -> dict[str, Any]:
     """The adapters :func:`load_adapter` put in ``model``, by name (empty: none)."""
     return model.__dict__.get(_ATTACHED, {})
-
-
-def _small_json(where) -> dict:
-    handle = where.open()
-    try:
-        raw = bytearray(handle.size())
-        handle.readinto(memoryview(raw), 0)
-    finally:
-        handle.close()
-    try:
-        return json.loads(raw)
-    except ValueError as e:
-        raise CheckpointError(f"{where}: not JSON: {e}") from e
 
 
 def _lora_config(data: dict, where) -> Any:
@@ -116,7 +103,7 @@ def _open_adapter(where, component: str):
     """``(config, checkpoint, key prefix)`` of the adapter at ``where``: a PEFT folder, or a
     diffusers LoRA file (or a folder holding ``pytorch_lora_weights.safetensors``)."""
     if where.suffix != ".safetensors" and (where / CONFIG_FILE).exists():
-        config = _lora_config(_small_json(where / CONFIG_FILE), where)
+        config = _lora_config(read_json(where / CONFIG_FILE, what=CONFIG_FILE), where)
         return config, resolve_checkpoint(where / WEIGHTS_FILE), FILE_PREFIX
     file = where if where.suffix == ".safetensors" else where / DIFFUSERS_FILE
     if not file.exists():

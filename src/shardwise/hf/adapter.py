@@ -9,7 +9,7 @@ import functools
 import inspect
 import json
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -19,7 +19,7 @@ from torch import nn
 
 from shardwise.adapters import attached
 from shardwise.core.adapter import ModelAdapter, Shapes, register_adapter
-from shardwise.core.header import NamedDtype, dtype_to_str
+from shardwise.core.header import MAX_HEADER_SIZE, NamedDtype, dtype_to_str
 from shardwise.core.pieces import Composite, StoredPart
 from shardwise.core.plan import register_model_check
 from shardwise.core.quant_layout import quant_pairs
@@ -42,16 +42,22 @@ SIDE_FILES = ("config.json", "generation_config.json")
 
 
 @contextmanager
-def config_folder(folder: Location) -> Iterator[Path]:
-    """A local folder holding ``folder``'s :data:`SIDE_FILES`, for the libraries' config readers
-    (they read local files only): the folder itself, else a temporary copy of them."""
+def config_folder(folder: Location, names: Sequence[str] | None = SIDE_FILES, *,
+                  cap: int = MAX_HEADER_SIZE) -> Iterator[Path]:
+    """A local folder holding ``folder``'s ``names`` (those there; None: every object in it, as
+    a scheduler's, tokenizer's or processor's files, of at most ``cap`` bytes each), for the
+    libraries' readers (they read local files only): the folder itself, else a temporary copy."""
     if folder.scheme is None:
-        yield folder.local_path("a library's config reader")
+        yield folder.local_path("a library's reader")
         return
     with tempfile.TemporaryDirectory() as tmp:
-        for name in SIDE_FILES:
+        what = "a config" if names is not None else "a component's file"
+        for name in folder.list() if names is None else names:
             if (folder / name).stat() is not None:
-                write_small(locate(tmp) / name, read_small(folder / name, what="a config"))
+                write_small(locate(tmp) / name, read_small(folder / name, what=what, cap=cap))
+            elif names is None:  # a folder: none of these components has one
+                raise CheckpointError(f"{folder / name}: a folder inside a scheduler, tokenizer or processor "
+                                      "component, which this load does not copy; download the pipeline")
         yield Path(tmp)
 
 

@@ -13,8 +13,7 @@ from __future__ import annotations
 import importlib
 import os
 import tempfile
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ from shardwise.hf.adapter import HuggingFace, _meta_model, config_folder
 from shardwise.hf.hub_layout import library_of
 from shardwise.io.save import save
 from shardwise.io.sink import Saving
-from shardwise.io.storage import Location, locate, read_json, read_small, target_path, write_small
+from shardwise.io.storage import Location, locate, read_json, target_path, write_small
 from shardwise.io.storage.lookups import DONE_MARK
 from shardwise.mesh import decode_mesh, world_backend
 
@@ -176,7 +175,7 @@ def plan_components(cls: type, folder: Location, *, degree: int, given: Mapping[
 
 def _load_one(c: Component, mesh, load_options: dict, load_model: Callable[..., Any]) -> Any:
     if c.how == "plain":
-        with _local_copy(c.folder) as local:
+        with config_folder(c.folder, None, cap=_PLAIN_CAP) as local:
             return c.cls.from_pretrained(local)  # type: ignore[attr-defined]
     # A model without a plan is read whole by every rank onto its device (an empty plan), through
     # the same door as the sharded ones: the same config handling, and sw.save writes it back.
@@ -222,23 +221,6 @@ def load_pipeline(cls: type, path: str | os.PathLike | Location, *, mesh, load_m
     pipe = cls(**built)
     pipe.__dict__["result"] = results  # the LoadResult of each model component
     return pipe
-
-
-@contextmanager
-def _local_copy(folder: Location) -> Iterator[Path]:
-    """``folder`` itself when local, else a temporary copy of its objects (a scheduler's,
-    tokenizer's or processor's files: small, read whole) for the libraries' local readers."""
-    if folder.scheme is None:
-        yield folder.local_path("a library's reader")
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in folder.list():
-            if (folder / name).stat() is None:  # a folder: none of these components has one
-                raise CheckpointError(f"{folder / name}: a folder inside a scheduler, tokenizer or processor "
-                                      "component, which this load does not copy; download the pipeline")
-            write_small(locate(tmp) / name, read_small(folder / name, what="a component's file",
-                                                       cap=_PLAIN_CAP))
-        yield Path(tmp)
 
 
 def _named_pipeline(folder: Location) -> type:

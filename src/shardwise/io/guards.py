@@ -53,9 +53,7 @@ def _check_quantized_tensors(model: nn.Module, action: str) -> None:
             raise refusal(action, f"module {path or '<root>'!r} is a quantized layer ({cls})", fix)
         params = {n: p for n, p in module._parameters.items() if p is not None}
         tensors = {**params, **{n: b for n, b in module._buffers.items() if b is not None}}
-        for name, t in tensors.items():
-            if t is None:
-                continue
+        for name, t in tensors.items():  # (present ones only: None filtered above)
             full = f"{path}.{name}" if path else name
             tcls = type(t).__name__
             if tcls in _BNB_PARAM_TYPES:
@@ -70,7 +68,7 @@ def _check_quantized_tensors(model: nn.Module, action: str) -> None:
         if not scales:
             continue
         for name, t in tensors.items():
-            if t is None or name in scales:
+            if name in scales:
                 continue
             if ("weight" in name.lower() and _is_quantized_dtype(t.dtype)) or (
                     name in params and t.dtype in _FLOAT8):  # FP8 experts: gate_up_proj, down_proj

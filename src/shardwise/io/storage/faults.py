@@ -4,10 +4,10 @@ and said as one sentence that names the fix. ``objects.retried`` calls :func:`in
 fault it gives up on, so each storage over a network (``objects``, ``fsspec``) says them alike.
 
 The causes told apart, each with its fix: a bucket that does not exist (``NoSuchBucketError``;
-a save makes it where the store allows, ``make_bucket``), no credentials found (the client fell
-back to the cloud's instance metadata service), a plain ``http://`` endpoint without
-``AWS_ALLOW_HTTP``, access denied (a wrong key or a missing permission), an endpoint that does
-not answer (refused, no such host, timed out). Anything else is its first line, with the XML
+a save makes it where the store allows, ``ObstorePublish._make_bucket``), no credentials found
+(the client fell back to the cloud's instance metadata service), a plain ``http://`` endpoint
+without ``AWS_ALLOW_HTTP``, access denied (a wrong key or a missing permission), an endpoint
+that does not answer (refused, no such host, timed out). Anything else is its first line, with the XML
 body's code and message when the server sent one (the line ends before them).
 """
 
@@ -129,17 +129,4 @@ def _bucket(what: str) -> str:
     return m.group(1) if m else "?"
 
 
-def make_bucket(storage, bucket: str) -> None:
-    """Make ``bucket`` where the store makes one on its first write (SeaweedFS, MinIO in some
-    setups): put an empty marker object, then delete it. Where the store refuses (AWS S3, GCS),
-    the ``NoSuchBucketError`` of the put says the command that makes it."""
-    import obstore
-
-    marker = ".shardwise-make-bucket"
-    store = storage.store(bucket)
-    storage.call(lambda: obstore.put(store, marker, b"", use_multipart=False),
-                 f"PUT {storage.url(bucket, marker)} (making the bucket)")
-    storage.call(lambda: obstore.delete(store, marker), f"deleting {storage.url(bucket, marker)}")
-
-
-__all__ = ["NoSuchBucketError", "StoreAccessError", "in_words", "make_bucket", "make_command"]
+__all__ = ["NoSuchBucketError", "StoreAccessError", "in_words", "make_command"]

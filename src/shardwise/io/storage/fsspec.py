@@ -25,17 +25,13 @@ from __future__ import annotations
 
 import builtins
 import json
-import os
-import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from shardwise.errors import CheckpointError, UsageError
 from shardwise.io.storage import Location
-from shardwise.io.storage.lookups import publishing, redirect
 from shardwise.io.storage.publish import Publish
-from shardwise.io.storage.remote import CONCURRENCY, PART_SIZE, RETRIES, RemoteFile, ShortBody, retried
+from shardwise.io.storage.remote import RemoteFile, RemoteStorage, ShortBody, cached
 
 # Schemes a save refuses, and why: what the filesystem calls a write is no checkpoint save.
 READ_ONLY = {
@@ -44,7 +40,6 @@ READ_ONLY = {
     "hf": "each object written to the hub would be a commit of its own; save locally and upload "
           "the folder with huggingface_hub's upload_folder",
 }
-_SECRET_KEYS = ("secret", "token", "password", "key", "credential")
 _TRANSIENT_STATUS = {408, 425, 429, 500, 502, 503, 504}
 
 
@@ -57,21 +52,18 @@ def _fsspec():
     return fsspec
 
 
-class FsspecStorage:
+class FsspecStorage(RemoteStorage):
     """The storage of one fsspec filesystem (one scheme, one configuration). Keys are paths
     below the scheme; the ``bucket`` argument of the shared helpers (``lookups.publishing``,
     ``redirect``) is always "". Every method may be called from any thread."""
 
-    positional_writes = False
+    secret_variables = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
+    name_final = True
 
     def __init__(self, scheme: str, *, registered: Sequence[str] = (), **options):
         fsspec = _fsspec()
-        self.scheme = scheme
-        self.part_size = int(options.pop("part_size", PART_SIZE))
-        self.concurrency = int(options.pop("concurrency", CONCURRENCY))
-        self.retries = int(options.pop("retries", RETRIES))
+        super().__init__(scheme, options)
         self.read_only = READ_ONLY.get(scheme)  # None: it writes (see target_path)
-        self._secrets = _secrets(options)
         try:
             cls = fsspec.get_filesystem_class(scheme)
         except ValueError:
@@ -96,54 +88,26 @@ class FsspecStorage:
         # a request that can reach the store after its client gave up (lookups.committed): not
         # on the filesystems that run in this process
         self.late_writes = scheme not in ("file", "local", "memory")
-        self.pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix=f"shardwise-{scheme}")
 
     def url(self, bucket: str, key: str) -> str:
         return f"{self.scheme}://{key}"
 
-    def scrub(self, error) -> str:
-        """The first line of ``error``'s text with every configured secret blanked."""
-        text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        for secret in self._secrets:
-            text = text.replace(secret, "***")
-        return text
-
     def _key(self, location) -> str:
         return location.path.as_posix() if isinstance(location, Location) else str(location)
 
-    # --- the Storage protocol -----------------------------------------------------------
+    # --- the Storage protocol (open, stat, list, is_folder, check_inside: RemoteStorage's) ---
 
-    def open(self, location) -> RemoteFile:
-        key = self._redirect(self._key(location))
-        meta = self.head("", key)
-        if meta is None:
-            raise CheckpointError(f"{self.url('', key)}: no such object")
-        return RemoteFile(self, "", key, meta["size"], None)
+    def split(self, location) -> tuple[str, str]:
+        return "", self._key(location).rstrip("/")
 
-    def stat(self, location) -> int | None:
-        meta = self.head("", self._redirect(self._key(location)))
-        return None if meta is None else int(meta["size"])
-
-    def list(self, location) -> list[str]:
-        key = self._key(location)
-        pending = None if self.read_only else publishing(self, "", key)
-        if pending is not None:  # a save under way or interrupted: the new checkpoint, whole, or none
-            return [] if pending.get("direct") else sorted(pending["files"])
+    def names(self, bucket: str, key: str) -> builtins.list[str]:
         if self.head("", key) is not None:  # an object, no folder (http's ls would GET it whole)
             return []
-        return sorted(name for name, _ in self._entries(key))
-
-    def is_folder(self, location) -> bool:
-        return bool(self.list(location))
-
-    def check_inside(self, root, location, *, source) -> None:
-        """Nothing: a URL names its object; there are no links to follow out of the folder."""
+        return [name for name, _ in self._entries(key)]
 
     def create(self, location, *, existing: bool = False) -> FsspecWriter:
         self.check_writable(location)
-        if existing:
-            raise UsageError(f"{location}: fsspec storage writes objects front to back, not into an existing "
-                             "one (parallel_write=True); pass parallel_write=None or False")
+        self.refuse_existing(location, existing)
         return FsspecWriter(self, self._key(location))
 
     def transaction(self, target, *, overwrite: bool, replaceable: Sequence[str] = ()) -> FsspecPublish:
@@ -157,53 +121,42 @@ class FsspecStorage:
 
     # --- requests, retried --------------------------------------------------------------
 
-    def path(self, key: str) -> str:
-        return f"{self.scheme}://{key}"
-
     def make_parent(self, key: str) -> None:
         """Make the folder that will hold ``key`` (local files need one; others make nothing)."""
-        parent = self.path(key.rpartition("/")[0])
+        parent = self.url("", key.rpartition("/")[0])
         if key.rpartition("/")[0]:
             self.call(lambda: self.fs.makedirs(parent, exist_ok=True), f"making the folder {parent}")
 
-    def _redirect(self, key: str) -> str:
-        return key if self.read_only else redirect(self, "", key)[1]
-
     def _entries(self, key: str) -> builtins.list[tuple[str, str]]:
         """``(name, type)`` of what is directly under the folder ``key``; [] for none."""
-        path = self.path(key)
-        try:
-            found = self.call(lambda: self.fs.ls(path, detail=True), f"listing {path}",
-                              fatal=(FileNotFoundError, NotADirectoryError))
-        except (FileNotFoundError, NotADirectoryError):
-            return []
+        path = self.url("", key)
+        found = self.call(lambda: self.fs.ls(path, detail=True), f"listing {path}",
+                          absent=(FileNotFoundError, NotADirectoryError), default=[])
         inside = self.fs._strip_protocol(path).rstrip("/")
         return [(str(e["name"]).rstrip("/").rpartition("/")[2], e.get("type", "file")) for e in found
                 if self.fs._strip_protocol(str(e["name"])).rstrip("/") != inside]
 
     def head(self, bucket: str, key: str) -> dict | None:
         """``{"size": n}`` of the object ``key``; None when absent or a folder."""
-        path = self.path(key)
-        try:
-            info = self.call(lambda: self.fs.info(path), f"stat {path}", fatal=(FileNotFoundError,))
-        except FileNotFoundError:
-            return None
-        if info.get("type", "file") != "file" or info.get("size") is None:
+        path = self.url("", key)
+        info = self.call(lambda: self.fs.info(path), f"stat {path}", absent=(FileNotFoundError,))
+        if info is None or info.get("type", "file") != "file" or info.get("size") is None:
             return None
         return {"size": int(info["size"])}
 
     def get_bytes(self, bucket: str, key: str) -> bytes:
-        return bytes(self.call(lambda: self.fs.cat_file(self.path(key)), f"reading {self.path(key)}"))
+        path = self.url("", key)
+        return bytes(self.call(lambda: self.fs.cat_file(path), f"reading {path}"))
 
     def read_range(self, key: str, start: int, end: int, size: int) -> bytes:
         if self._cat:
-            return self.fs.cat_file(self.path(key), start=start, end=end)
-        with self.fs.open(self.path(key), "rb", cache_type="none", size=size) as f:
+            return self.fs.cat_file(self.url("", key), start=start, end=end)
+        with self.fs.open(self.url("", key), "rb", cache_type="none", size=size) as f:
             f.seek(start)
             return f.read(end - start)
 
     def get_range(self, file: RemoteFile, start: int, end: int, land) -> None:
-        """``remote.Client.get_range``: one ranged read, its length checked (no versions here)."""
+        """``RemoteStorage.get_range``: one ranged read, its length checked (no versions here)."""
         key = file.key
 
         def request():
@@ -213,29 +166,16 @@ class FsspecStorage:
                                 "under the reader, or the server ignored the Range)")
             return data
 
-        land(0, memoryview(self.call(request, f"reading {self.path(key)} bytes [{start}, {end})")))
+        land(0, memoryview(self.call(request, f"reading {file.name} bytes [{start}, {end})")))
 
-    def call(self, request, what: str, *, fatal: tuple = ()):
-        """``objects.retried`` ``request()``: final are the faults that waiting does not change
-        (absent, denied, refused, a 4xx answer), and ``fatal``."""
-        return retried(request, what, retries=self.retries, scrub=self.scrub, is_final=_final, fatal=fatal,
-                       name_final=True)
-
-
-def _final(error: Exception) -> bool:
-    if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError,
-                          NotImplementedError, ValueError, TypeError)):
-        return True
-    response = getattr(error, "response", None)  # requests / httpx (huggingface_hub's errors)
-    status = getattr(response, "status_code", None) or getattr(error, "status", None)  # aiohttp
-    return isinstance(status, int) and 400 <= status < 500 and status not in _TRANSIENT_STATUS
-
-
-def _secrets(options: dict) -> list[str]:
-    """The credential values an error could carry: from the options and the environment."""
-    found = [v for k, v in options.items() if type(v) is str and any(x in k.lower() for x in _SECRET_KEYS)]
-    found += [v for k, v in os.environ.items() if k in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN") and v]
-    return sorted({s for s in found if len(s) >= 4}, key=len, reverse=True)
+    def is_final(self, error: Exception) -> bool:
+        """Absent, denied, refused, a 4xx answer."""
+        if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError,
+                              NotImplementedError, ValueError, TypeError)):
+            return True
+        response = getattr(error, "response", None)  # requests / httpx (huggingface_hub's errors)
+        status = getattr(response, "status_code", None) or getattr(error, "status", None)  # aiohttp
+        return isinstance(status, int) and 400 <= status < 500 and status not in _TRANSIENT_STATUS
 
 
 class FsspecWriter:
@@ -244,7 +184,7 @@ class FsspecWriter:
     which no load reads."""
 
     def __init__(self, storage: FsspecStorage, key: str):
-        self.storage, self.key, self.name = storage, key, storage.path(key)
+        self.storage, self.key, self.name = storage, key, storage.url("", key)
         self._file: Any = None
         self._done = False
 
@@ -292,54 +232,38 @@ class FsspecPublish(Publish):
 
     storage: FsspecStorage
 
-    def __init__(self, storage: FsspecStorage, target, overwrite: bool, replaceable: tuple[str, ...] = ()):
-        super().__init__(storage, target, "", storage._key(target).rstrip("/"), overwrite, replaceable)
-
     def _objects(self, prefix: str) -> dict[str, int]:
-        path = self.storage.path(prefix)
-        try:
-            found = self.storage.call(lambda: self.storage.fs.find(path, detail=True), f"listing {path}",
-                                      fatal=(FileNotFoundError,))
-        except FileNotFoundError:
-            return {}
+        path = self._url(prefix)
+        found = self.storage.call(lambda: self.storage.fs.find(path, detail=True), f"listing {path}",
+                                  absent=(FileNotFoundError,), default={})
         inside = self.storage.fs._strip_protocol(path).rstrip("/") + "/"
         return {name[len(inside):]: int(info.get("size") or 0) for name, info in found.items()
                 if name.startswith(inside) and info.get("type", "file") == "file"}
 
     def _delete(self, keys: list[str]) -> None:
         for key in keys:
-            try:
-                self.storage.call(lambda k=key: self.storage.fs.rm_file(self.storage.path(k)),
-                                  f"deleting {self.storage.path(key)}", fatal=(FileNotFoundError,))
-            except FileNotFoundError:
-                pass
+            self.storage.call(lambda k=key: self.storage.fs.rm_file(self._url(k)),
+                              f"deleting {self._url(key)}", absent=(FileNotFoundError,))
 
     def _put(self, key: str, data: bytes) -> None:
         self.storage.make_parent(key)
-        self.storage.call(lambda: self.storage.fs.pipe_file(self.storage.path(key), data),
-                          f"writing {self.storage.path(key)}")
+        self.storage.call(lambda: self.storage.fs.pipe_file(self._url(key), data),
+                          f"writing {self._url(key)}")
 
     def _copy(self, src: str, dst: str) -> None:
         self.storage.make_parent(dst)
-        self.storage.call(lambda: self.storage.fs.cp_file(self.storage.path(src), self.storage.path(dst)),
-                          f"copying {self.storage.path(src)} to {self.storage.path(dst)}")
+        self.storage.call(lambda: self.storage.fs.cp_file(self._url(src), self._url(dst)),
+                          f"copying {self._url(src)} to {self._url(dst)}")
 
     def _clear(self, prefix: str) -> None:
         """Delete the folder ``prefix`` with all under it (a filesystem keeps empty folders)."""
-        path = self.storage.path(prefix)
-        try:
-            self.storage.call(lambda: self.storage.fs.rm(path, recursive=True), f"deleting {path}",
-                              fatal=(FileNotFoundError,))
-        except FileNotFoundError:
-            pass
+        path = self._url(prefix)
+        self.storage.call(lambda: self.storage.fs.rm(path, recursive=True), f"deleting {path}",
+                          absent=(FileNotFoundError,))
 
     def _folders(self, parent: str) -> list[str]:
         return [f"{parent}/{name}" if parent else name
                 for name, kind in self.storage._entries(parent) if kind == "directory"]
-
-
-_CACHE: dict[tuple, FsspecStorage] = {}
-_CACHE_LOCK = threading.Lock()
 
 
 def factory(scheme: str, *, registered: Sequence[str] = ()):
@@ -347,11 +271,8 @@ def factory(scheme: str, *, registered: Sequence[str] = ()):
     distinct options. ``registered``: the schemes shardwise's registry holds, named when fsspec
     knows no ``scheme`` either."""
     def make(**options) -> FsspecStorage:
-        key = (scheme, json.dumps(options, sort_keys=True, default=repr))
-        with _CACHE_LOCK:
-            if key not in _CACHE:
-                _CACHE[key] = FsspecStorage(scheme, registered=registered, **options)
-            return _CACHE[key]
+        key = ("fsspec", scheme, json.dumps(options, sort_keys=True, default=repr))
+        return cached(key, lambda: FsspecStorage(scheme, registered=registered, **options))
     return make
 
 

@@ -19,42 +19,34 @@ import os
 import re
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from shardwise.errors import CheckpointError, UsageError
-from shardwise.io.storage.lookups import listed, publishing, redirect, remembered, split_location
-from shardwise.io.storage.objects_write import ObjectWriter, ObstorePublish
-from shardwise.io.storage.remote import CHUNK, CONCURRENCY, PART_SIZE, RETRIES, RemoteFile, ShortBody, retried
+from shardwise.io.storage.lookups import listed, remembered, split_location
+from shardwise.io.storage.objects_write import ObjectWriter, ObstoreClient, ObstorePublish
+from shardwise.io.storage.remote import CHUNK, RemoteFile, ShortBody, cached
 
 MIN_PART = 5 << 20      # S3's smallest part of a multipart upload (but the last)
-_SECRET_KEYS = ("secret", "token", "password", "key", "credential", "service_account")
 
 
-class ObjectStorage:
+class ObjectStorage(ObstoreClient):
     """The storage of one scheme (``"s3"`` or ``"gs"``) with one configuration; a client per
     bucket, made on first use. Every method may be called from any thread."""
 
-    positional_writes = False  # pwrite / create(existing=True) are refused: see create()
+    secret_variables = ("AWS_", "GOOGLE_")
     fetch_once = True  # a request costs a round trip: a job's load reads each byte once (io.exchange)
     late_writes = True  # a request may reach the store after its client gave up (lookups.committed)
-    makes_buckets = True  # a first write may make the bucket (faults.make_bucket)
 
     def __init__(self, scheme: str, **options):
         if scheme not in ("s3", "gs"):
             raise UsageError(f"object storage serves 's3' and 'gs', not {scheme!r}")
-        self.scheme = scheme
-        self.part_size = int(options.pop("part_size", PART_SIZE))
+        super().__init__(scheme, options)
         self.upload_part = max(MIN_PART, self.part_size)
-        self.concurrency = int(options.pop("concurrency", CONCURRENCY))
-        self.retries = int(options.pop("retries", RETRIES))
         self.timeout = float(options.pop("timeout", 60.0))
         self._options = options
-        self._secrets = _secrets(options)
         self._stores: dict[str, object] = {}
         self._lock = threading.Lock()
-        self.pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix=f"shardwise-{scheme}")
 
     def url(self, bucket: str, key: str) -> str:
         return f"{self.scheme}://{bucket}/{key.lstrip('/')}"
@@ -103,33 +95,11 @@ class ObjectStorage:
             raise UsageError(f"{self.url(bucket, '')}: cannot configure the client: "
                              f"{self.scrub(e)}") from None
 
-    def scrub(self, error) -> str:
-        """The first line of ``error``'s text with every configured secret blanked."""
-        text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        for secret in self._secrets:
-            text = text.replace(secret, "***")
-        return text
+    # --- the Storage protocol (open, stat, list, is_folder, check_inside: RemoteStorage's) -------
 
-    # --- the Storage protocol ----------------------------------------------------------------
-
-    def open(self, location: Path) -> RemoteFile:
-        bucket, key = redirect(self, *split_location(location))
-        meta = self.head(bucket, key)
-        if meta is None:
-            raise CheckpointError(f"{self.url(bucket, key)}: no such object")
-        return RemoteFile(self, bucket, key, meta["size"], meta.get("e_tag"))
-
-    def stat(self, location: Path) -> int | None:
-        meta = self.head(*redirect(self, *split_location(location)))
-        return None if meta is None else int(meta["size"])
-
-    def list(self, location: Path) -> list[str]:
-        bucket, key = split_location(location)
-        pending = publishing(self, bucket, key)
-        if pending is not None:  # a save under way or interrupted: the new checkpoint, whole, or none
-            return [] if pending.get("direct") else sorted(pending["files"])
+    def names(self, bucket: str, key: str) -> dict[str, dict | None]:
         prefix = f"{key}/" if key else ""
-        return sorted(remembered((self, "list", bucket, prefix), lambda: self._list(bucket, prefix)))
+        return remembered((self, "list", bucket, prefix), lambda: self._list(bucket, prefix))
 
     def _list(self, bucket: str, prefix: str) -> dict[str, dict | None]:
         """``{name: its HEAD's metadata (an object) or None (a folder)}`` directly under ``prefix``."""
@@ -142,18 +112,9 @@ class ObjectStorage:
             names.setdefault(folder[len(prefix):].rstrip("/"), None)
         return {n: meta for n, meta in names.items() if n}
 
-    def is_folder(self, location) -> bool:
-        return bool(self.list(location))  # a prefix with objects under it
-
-    def check_inside(self, root, location, *, source) -> None:
-        """Nothing: an object store has no links that could lead out of a prefix."""
-
     def create(self, location: Path, *, existing: bool = False):
         bucket, key = split_location(location)
-        if existing:
-            raise UsageError(f"{self.url(bucket, key)}: an object store cannot write into an existing "
-                             "object (the parallel write, parallel_write=True); pass parallel_write=None "
-                             "or False: rank 0 streams the file")
+        self.refuse_existing(self.url(bucket, key), existing)
         return ObjectWriter(self, bucket, key)
 
     def transaction(self, target: Path, *, overwrite: bool, replaceable: Sequence[str] = ()):
@@ -162,7 +123,7 @@ class ObjectStorage:
     # --- requests, retried -------------------------------------------------------------------
 
     def get_range(self, file: RemoteFile, start: int, end: int, land) -> None:
-        """``remote.Client.get_range``: one streamed GET, no whole body held (16 in flight x 8 MiB
+        """``RemoteStorage.get_range``: one streamed GET, no whole body held (16 in flight x 8 MiB
         would be 128 MiB), checked against the ETag the file was opened at."""
         import obstore
 
@@ -206,14 +167,11 @@ class ObjectStorage:
         import obstore
         from obstore.exceptions import NotFoundError
 
-        try:
-            return self.call(lambda: obstore.head(self.store(bucket), key), f"HEAD {self.url(bucket, key)}",
-                             fatal=(NotFoundError, FileNotFoundError))
-        except (NotFoundError, FileNotFoundError):
-            return None
+        return self.call(lambda: obstore.head(self.store(bucket), key), f"HEAD {self.url(bucket, key)}",
+                         absent=(NotFoundError, FileNotFoundError))
 
-    def call(self, request, what: str, *, fatal: tuple = ()):
-        """:func:`retried` ``request()``; final: absent, denied, misconfigured, a 4xx answer, ``fatal``."""
+    def is_final(self, error: Exception) -> bool:
+        """Absent, denied, misconfigured, a 4xx answer."""
         from obstore.exceptions import (
             InvalidPathError,
             NotFoundError,
@@ -224,26 +182,13 @@ class ObjectStorage:
 
         final = (InvalidPathError, NotFoundError, FileNotFoundError, PermissionDeniedError,
                  UnauthenticatedError, UnknownConfigurationKeyError)
-        return retried(request, what, retries=self.retries, scrub=self.scrub, fatal=fatal,
-                       is_final=lambda e: isinstance(e, final) or bool(_FINAL_STATUS.search(str(e))))
+        return isinstance(error, final) or bool(_FINAL_STATUS.search(str(error)))
 
 
 _FINAL_STATUS = re.compile(r"status code: (400|401|403|404|405|411|412|416)\b|builder error")
 _CLIENT_KEYS = {"allow_http", "allow_invalid_certificates", "connect_timeout", "default_content_type",
                 "default_headers", "pool_idle_timeout", "pool_max_idle_per_host", "proxy_url", "timeout",
                 "user_agent", "http1_only", "http2_only", "randomize_addresses", "read_timeout"}
-
-
-def _secrets(options: dict) -> list[str]:
-    """The credential values an error could carry: from the options and the environment."""
-    found = [v for k, v in options.items() if type(v) is str and any(x in k.lower() for x in _SECRET_KEYS)]
-    found += [v for k, v in os.environ.items() if k.startswith(("AWS_", "GOOGLE_"))
-              and any(s in k.lower() for s in _SECRET_KEYS) and v and not v.startswith("/")]
-    return sorted({s for s in found if len(s) >= 4}, key=len, reverse=True)
-
-
-_CACHE: dict[tuple, ObjectStorage] = {}
-_CACHE_LOCK = threading.Lock()
 
 
 def factory(scheme: str):
@@ -253,10 +198,7 @@ def factory(scheme: str):
         env = sorted((k, v) for k, v in os.environ.items()
                      if k.startswith(("AWS_", "GOOGLE_")) or k == "STORAGE_EMULATOR_HOST")
         key = (scheme, json.dumps([options, env], sort_keys=True, default=str))
-        with _CACHE_LOCK:
-            if key not in _CACHE:
-                _CACHE[key] = ObjectStorage(scheme, **options)
-            return _CACHE[key]
+        return cached(key, lambda: ObjectStorage(scheme, **options))
     return make
 
 

@@ -8,31 +8,21 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Iterator
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from shardwise.errors import CheckpointError, UsageError
-from shardwise.io.storage.faults import make_bucket
-from shardwise.io.storage.lookups import split_location
 from shardwise.io.storage.publish import Publish
+from shardwise.io.storage.remote import RemoteStorage
 
 
-class ObstoreClient(Protocol):
-    """What writing asks of the obstore client (``objects.ObjectStorage``), which imports this
-    module: its parts, requests in flight, a bucket's store and the retried ``call``."""
+class ObstoreClient(RemoteStorage):
+    """The base of the obstore client (``objects.ObjectStorage``, which imports this module):
+    what writing asks of it beyond a remote storage's, its upload parts and a bucket's store."""
 
     upload_part: int
-    concurrency: int
 
-    def store(self, bucket: str) -> Any: ...
-
-    def call(self, request, what: str, *, fatal: tuple = ()) -> Any: ...
-
-    def scrub(self, error) -> str: ...
-
-    def url(self, bucket: str, key: str) -> str: ...
-
-    def head(self, bucket: str, key: str) -> dict | None: ...
+    def store(self, bucket: str) -> Any:
+        raise NotImplementedError
 
 
 class ObjectWriter:
@@ -144,12 +134,6 @@ class ObstorePublish(Publish):
 
     storage: ObstoreClient
 
-    def __init__(self, storage: ObstoreClient, target, overwrite: bool, replaceable: tuple[str, ...] = ()):
-        bucket, key = split_location(target)
-        # a Location (the pipelines'), or a str / path (the storage's own tests)
-        located = target if hasattr(target, "storage") else Path(bucket, key)
-        super().__init__(storage, located, bucket, key, overwrite, replaceable)
-
     def _objects(self, prefix: str) -> dict[str, int]:
         """Every object under ``prefix/`` by its name below it (nested names keep their ``/``)."""
         import obstore
@@ -176,11 +160,8 @@ class ObstorePublish(Publish):
                                   f"objects under {self._url(self.key)}", fatal=gone)
             except gone:  # one was gone already (what a delete asks for): the rest one by one
                 for key in batch:
-                    try:
-                        self.storage.call(lambda k=key: obstore.delete(store, k), f"deleting "
-                                          f"{self._url(key)}", fatal=gone)
-                    except gone:
-                        pass
+                    self.storage.call(lambda k=key: obstore.delete(store, k), f"deleting {self._url(key)}",
+                                      absent=gone)
 
     def _put(self, key: str, data: bytes) -> None:
         import obstore
@@ -205,7 +186,15 @@ class ObstorePublish(Publish):
         return [p.rstrip("/") for p in found["common_prefixes"]]
 
     def _make_bucket(self) -> bool:
-        make_bucket(self.storage, self.bucket)
+        """Make the bucket where the store makes one on its first write (SeaweedFS, MinIO in some
+        setups): put an empty marker object, then delete it. Where the store refuses (AWS S3,
+        GCS), the ``NoSuchBucketError`` of the put says the command that makes it."""
+        import obstore
+
+        marker, store = ".shardwise-make-bucket", self.storage.store(self.bucket)
+        self.storage.call(lambda: obstore.put(store, marker, b"", use_multipart=False),
+                          f"PUT {self._url(marker)} (making the bucket)")
+        self.storage.call(lambda: obstore.delete(store, marker), f"deleting {self._url(marker)}")
         return True
 
 

@@ -54,23 +54,21 @@ from shardwise.io.storage.lookups import (
     foreign,
     owner,
     publishing,
-    split_location,
 )
 
 
 class Publish:
-    """The remote :class:`~shardwise.io.storage.Transaction` (see the module doc) of ``key`` in
-    ``bucket`` ("" where the store has none) of ``storage``, at ``target`` (a Location, or a str
-    / path in the storage's own tests). The steps call five primitives of the store
-    (``_objects``, ``_delete``, ``_put``, ``_copy``, ``_folders``), which each client's subclass
-    serves: ``objects_write.ObstorePublish``, ``fsspec.FsspecPublish``."""
+    """The remote :class:`~shardwise.io.storage.Transaction` (see the module doc) of ``storage``
+    (a ``remote.RemoteStorage``) at ``target`` (a Location, or a str / path in the storage's own
+    tests): its ``key`` in its ``bucket`` ("" where the store has none). The steps call five
+    primitives of the store (``_objects``, ``_delete``, ``_put``, ``_copy``, ``_folders``),
+    which each client's subclass serves: ``objects_write.ObstorePublish``, ``fsspec.FsspecPublish``."""
 
     _direct = False  # set by prepare when the prefix is empty: no staging prefix, no copies
 
-    def __init__(self, storage, target, bucket: str, key: str, overwrite: bool,
-                 replaceable: tuple[str, ...] = ()):
+    def __init__(self, storage, target, overwrite: bool, replaceable: tuple[str, ...] = ()):
         self.storage, self.overwrite, self.replaceable = storage, overwrite, replaceable
-        self.bucket, self.key = bucket, key
+        self.bucket, self.key = storage.split(target)
         if not self.key.strip("/"):
             raise CheckpointError(f"{storage.url(self.bucket, self.key)}: name a prefix to save to, not the "
                                   "root")
@@ -221,7 +219,7 @@ class Publish:
         into an empty prefix, the target itself. Call it only where no rank can commit any more
         (``sink.Saving``: before the save's commit begins); the journal of a save into an empty
         prefix stays (the prefix reads as empty) until the next save there removes it."""
-        self._clear(split_location(folder)[1])
+        self._clear(self.storage.split(folder)[1])
 
     def discard(self) -> None:
         if self._staging is not None:

@@ -1,26 +1,33 @@
 """What every remote client shares, whatever talks to the store (obstore for ``s3://`` and
-``gs://`` in ``objects``, fsspec for the other URLs in ``fsspec``): requests retried with bounded
-backoff (:func:`retried`), and reads of one object (:class:`RemoteFile`: opened at the length
-and version its HEAD gave; ranged requests coalesced by :func:`coalesce`, ``concurrency`` in
+``gs://`` in ``objects``, fsspec for the other URLs in ``fsspec``): :class:`RemoteStorage`, the
+clients' base (their options, pool, secrets blanked from errors, the Storage methods that are
+a HEAD or a listing, one storage per configuration); requests retried with bounded backoff
+(:func:`retried`), and reads of one object (:class:`RemoteFile`: opened at the length and
+version its HEAD gave; ranged requests coalesced by :func:`coalesce`, ``concurrency`` in
 flight, each body landed as it arrives). A client serves the one request a read needs,
 ``get_range``; the save transaction's journal is ``publish``'s. This module imports no client.
 """
 
 from __future__ import annotations
 
+import os
 import random
+import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from shardwise.errors import CheckpointError, UsageError
 from shardwise.io.storage.faults import in_words
+from shardwise.io.storage.lookups import publishing, redirect, split_location
 
 PART_SIZE = 8 << 20     # bytes per ranged GET (and per multipart part)
 CONCURRENCY = 16        # requests in flight per storage
 RETRIES = 6             # attempts of one request beyond the client's own retries
 WASTE = 1 / 20          # a coalesced request reads at most this much more than asked
 CHUNK = 1 << 20         # a body is landed in chunks of at least this many bytes as it arrives
+SECRET_WORDS = ("secret", "token", "password", "key", "credential", "service_account")
 
 
 class ShortBody(Exception):
@@ -52,14 +59,98 @@ def retried(request, what: str, *, retries: int, scrub, is_final, fatal: tuple =
     raise in_words(last, f"{what}: failed {retries + 1} times, the last", scrub) from None
 
 
-class Client(Protocol):
-    """What :class:`RemoteFile` asks of its client: ``part_size``, a ``pool`` of ``concurrency``
-    threads, ``url`` and ``get_range``."""
+class RemoteStorage:
+    """The base of a remote client of one ``scheme`` and configuration: ``options`` less the
+    shared ``part_size``, ``concurrency`` and ``retries``; a pool of ``concurrency`` threads;
+    every secret of the options and of the environment variables starting with one of
+    ``secret_variables`` blanked from its errors (:meth:`scrub`). A client serves ``url``,
+    ``head``, ``names`` (a folder's), ``get_range`` and ``is_final`` (a fault that waiting does
+    not change), and ``split`` where its locations are no ``bucket/key``."""
 
-    part_size: int
-    pool: Any
+    positional_writes = False  # pwrite / create(existing=True) are refused: see create()
+    read_only: str | None = None  # why a save is refused (then no journal is looked for), or None
+    secret_variables: tuple[str, ...] = ()
+    name_final = False  # whether a final fault's error names its type
 
-    def url(self, bucket: str, key: str) -> str: ...
+    def __init__(self, scheme: str, options: dict):
+        self.scheme = scheme
+        self.part_size = int(options.pop("part_size", PART_SIZE))
+        self.concurrency = int(options.pop("concurrency", CONCURRENCY))
+        self.retries = int(options.pop("retries", RETRIES))
+        found = [v for k, v in options.items()
+                 if type(v) is str and any(w in k.lower() for w in SECRET_WORDS)]
+        found += [v for k, v in os.environ.items() if k.startswith(self.secret_variables)
+                  and any(s in k.lower() for s in SECRET_WORDS) and v and not v.startswith("/")]
+        self._secrets = sorted({s for s in found if len(s) >= 4}, key=len, reverse=True)
+        self.pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix=f"shardwise-{scheme}")
+
+    def scrub(self, error) -> str:
+        """The first line of ``error``'s text with every configured secret blanked."""
+        text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
+
+    def split(self, location) -> tuple[str, str]:
+        """``(bucket, key)`` of ``location`` (bucket "" where the store has none)."""
+        return split_location(location)
+
+    def where(self, location) -> tuple[str, str]:
+        """Where ``location`` is read: in the staging prefix while its folder is being published."""
+        bucket, key = self.split(location)
+        return (bucket, key) if self.read_only else redirect(self, bucket, key)
+
+    def list(self, location) -> list[str]:
+        bucket, key = self.split(location)
+        pending = None if self.read_only else publishing(self, bucket, key)
+        if pending is not None:  # a save under way or interrupted: the new checkpoint, whole, or none
+            return [] if pending.get("direct") else sorted(pending["files"])
+        return sorted(self.names(bucket, key))
+
+    def open(self, location) -> RemoteFile:
+        bucket, key = self.where(location)
+        meta = self.head(bucket, key)
+        if meta is None:
+            raise CheckpointError(f"{self.url(bucket, key)}: no such object")
+        return RemoteFile(self, bucket, key, meta["size"], meta.get("e_tag"))
+
+    def stat(self, location) -> int | None:
+        meta = self.head(*self.where(location))
+        return None if meta is None else int(meta["size"])
+
+    def is_folder(self, location) -> bool:
+        return bool(self.list(location))  # a prefix with objects under it
+
+    def check_inside(self, root, location, *, source) -> None:
+        """Nothing: a URL names its object; a store has no links that could lead out of a folder."""
+
+    def refuse_existing(self, location, existing: bool) -> None:
+        """``create(existing=True)`` refused: a remote store writes objects front to back."""
+        if existing:
+            raise UsageError(f"{location}: {self.scheme}:// storage writes objects front to back, not into "
+                             "an existing object (the parallel write, parallel_write=True); pass "
+                             "parallel_write=None or False: rank 0 streams the file")
+
+    def call(self, request, what: str, *, fatal: tuple = (), absent: tuple = (), default=None):
+        """:func:`retried` ``request()``; final: the faults :meth:`is_final` names, and ``fatal``;
+        ``default`` where the store answers that the thing asked for is absent (``absent``)."""
+        try:
+            return retried(request, what, retries=self.retries, scrub=self.scrub, fatal=fatal + absent,
+                           is_final=self.is_final, name_final=self.name_final)
+        except absent:
+            return default
+
+    # --- what each client serves -------------------------------------------------------------
+
+    def url(self, bucket: str, key: str) -> str:
+        raise NotImplementedError
+
+    def head(self, bucket: str, key: str) -> dict | None:
+        raise NotImplementedError
+
+    def names(self, bucket: str, key: str) -> Iterable[str]:
+        """The names directly under the folder ``key`` (objects and folders); none for an object."""
+        raise NotImplementedError
 
     def get_range(self, file: RemoteFile, start: int, end: int,
                   land: Callable[[int, memoryview], None]) -> None:
@@ -67,13 +158,30 @@ class Client(Protocol):
         where the store has versions) to ``land(offset in the range, chunk)`` as they arrive;
         retried whole (every byte landed again); a replaced object or a body of the wrong
         length is an error."""
+        raise NotImplementedError
+
+    def is_final(self, error: Exception) -> bool:
+        raise NotImplementedError
+
+
+_CACHE: dict[tuple, Any] = {}
+_CACHE_LOCK = threading.Lock()
+
+
+def cached(key: tuple, make: Callable[[], Any]) -> Any:
+    """The storage made by ``make()`` for ``key`` (its scheme, options, environment): one per
+    distinct key, its clients and their connection pools shared."""
+    with _CACHE_LOCK:
+        if key not in _CACHE:
+            _CACHE[key] = make()
+        return _CACHE[key]
 
 
 class RemoteFile:
     """One object opened for reading at the length and version (ETag) its HEAD gave, through
-    its ``storage`` (a :class:`Client`)."""
+    its ``storage`` (a :class:`RemoteStorage`)."""
 
-    def __init__(self, storage: Client, bucket: str, key: str, size: int, etag: str | None):
+    def __init__(self, storage: RemoteStorage, bucket: str, key: str, size: int, etag: str | None):
         self.storage, self.bucket, self.key = storage, bucket, key
         self.name = storage.url(bucket, key)
         self._size, self.etag = int(size), etag
@@ -186,5 +294,5 @@ def coalesce(runs: Sequence[tuple[int, int]], part_size: int, *,
         yield start, end, parts
 
 
-__all__ = ["CHUNK", "CONCURRENCY", "PART_SIZE", "RETRIES", "Client", "RemoteFile", "ShortBody", "coalesce",
-           "retried"]
+__all__ = ["CHUNK", "CONCURRENCY", "PART_SIZE", "RETRIES", "RemoteFile", "RemoteStorage", "ShortBody",
+           "cached", "coalesce", "retried"]
