@@ -38,6 +38,16 @@ def _cpu() -> float:
     return use.ru_utime + use.ru_stime
 
 
+def _server_cpu() -> float | None:
+    """The storage server's CPU seconds so far (its /proc: the nodes share the PID namespace),
+    None where cluster.py did not name it (``SHARDWISE_BENCH_SERVER_PID``)."""
+    pid = os.environ.get("SHARDWISE_BENCH_SERVER_PID")
+    if not pid:
+        return None
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class Trace:
     """Where a timed phase's seconds go, seen from outside the library: the node's received bytes
     sampled every ``STEP`` s (when the NIC starts and stops receiving), each ``obstore.get``'s
@@ -90,12 +100,16 @@ class Trace:
             return next((t for t, b in self.rx if b - base >= fraction * total), None) if total else None
 
         data = [t for t, n in self.gets if n >= MIB]
+        sizes = sorted(n for _, n in self.gets)
         issued: dict[int, int] = {}
         for t, _ in self.gets:
             issued[int(t / self.STEP)] = issued.get(int(t / self.STEP), 0) + 1
         start, end = when(0.01), when(0.99)
         return {"first_get_s": self.gets[0][0] if self.gets else None,
                 "first_data_get_s": data[0] if data else None, "gets": len(self.gets),
+                "get_mib": round(sum(n for n in sizes if n > 0) / MIB, 2),
+                "gets_under_1mib": sum(1 for n in sizes if 0 <= n < MIB),
+                "get_median_mib": round(sizes[len(sizes) // 2] / MIB, 3) if sizes else None,
                 "rx_start_s": start, "rx_end_s": end, "wall_s": self.rx[-1][0],
                 "rx_rate_mbit": total * 8 / 1e6 / (end - start) if start is not None and end and end > start
                 else None,
@@ -123,6 +137,7 @@ class Counted(PeakRSS):
 
     def __enter__(self) -> Counted:
         self._nic0, self._cpu0, self._t0 = _nic(), _cpu(), time.perf_counter()
+        self._server0 = _server_cpu()
         self.trace = Trace().__enter__()
         return super().__enter__()  # type: ignore[return-value]
 
@@ -132,10 +147,14 @@ class Counted(PeakRSS):
         self.wall = time.perf_counter() - self._t0
         self.cpu = _cpu() - self._cpu0
         self.nic = {k: v - self._nic0.get(k, 0) for k, v in _nic().items()}
+        end = _server_cpu()
+        self.server_cpu = None if end is None or self._server0 is None else end - self._server0
 
     def as_dict(self) -> dict:
         return {**super().as_dict(), "cpu_s": self.cpu, "cpu_busy": self.cpu / max(self.wall, 1e-9),
-                "nic": self.nic, "trace": self.trace.as_dict()}
+                "nic": self.nic, "trace": self.trace.as_dict(),
+                # the S3 server's CPU in this phase alone (every node's requests, not only this rank's)
+                "server_busy": None if self.server_cpu is None else self.server_cpu / max(self.wall, 1e-9)}
 
 
 rr.PeakRSS = Counted  # type: ignore[misc]  (the ranks' timed phases count CPU and NIC bytes too)
@@ -192,8 +211,8 @@ def main(job_path: str, out: str) -> None:
     job = pickle.loads(Path(job_path).read_bytes())  # written by cluster.py, this run
     from shardwise.testing import exchange_probe
 
-    # round_bytes: an exchange round other than the library's (cluster.py --round-mib)
-    with exchange_probe(job.get("round_bytes")):
+    # an exchange round or other settings than the library's (cluster.py --round-mib, --trial)
+    with exchange_probe(job.get("round_bytes"), job.get("depth"), job.get("settings")):
         figures = METHODS[job["method"]](*job["args"])
     figures.update(host=socket.gethostname(), local_rank=int(os.environ.get("LOCAL_RANK", 0)))
     Path(out, f"rank{figures['rank']}.json").write_text(json.dumps(figures, default=str))

@@ -30,7 +30,8 @@ Saves, in the shardwise ranks of (a): ``sw.save`` gathered (rank 0 uploads) and 
 
 Counted outside shardwise: the bytes the storage host's NIC sent (its kernel counter, per
 launch), each node's NIC bytes and each rank's CPU seconds (rusage, every thread) in the timed
-phase, and the storage server's CPU seconds per launch (/proc). ``cpu busy`` is CPU seconds /
+phase, and the storage server's CPU seconds in each timed phase (/proc, read by the ranks: a
+launch's total would count the saves that follow shardwise's first load). ``cpu busy`` is CPU seconds /
 wall seconds: near 1.0 a process is CPU-bound; the machine has the cores it has.
 """
 
@@ -79,6 +80,7 @@ class Bench:
         weed = Path(sys.executable).parent / "weed"
         self.env = start_seaweedfs(cluster, str(weed), buckets=(BUCKET,))
         self.weed_pid = next(p.pid for p in cluster._procs if str(weed) in p.args)  # the server
+        self.env["SHARDWISE_BENCH_SERVER_PID"] = str(self.weed_pid)  # each timed phase reads its CPU
         self.env["PYTHONPATH"] = os.pathsep.join([str(BENCH_DIR.parent / "src"),
                                                   os.environ.get("PYTHONPATH", "")])
         self.env["RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING"] = "0"
@@ -114,13 +116,14 @@ class Bench:
         return [parts_of(_rank_spans(self.headers, shares, degree, r)) for r in range(degree)]
 
     def launch(self, label: str, case: str, nodes: int, per_node: int, method: str, args: list,
-               env: dict | None = None, round_bytes: int | None = None) -> dict:
+               env: dict | None = None, round_bytes: int | None = None, settings: dict | None = None) -> dict:
         self.log(f"({case}) {label}, {nodes} node(s) x {per_node}")
         tag = f"{case}-{nodes}-{label.replace(' ', '_')}-{time.monotonic_ns()}"
         out = self.c.shared / "out" / tag
         out.mkdir(parents=True)
         job = self.c.shared / "out" / f"{tag}.pickle"  # specs and plans are objects
-        job.write_bytes(pickle.dumps({"method": method, "args": args, "round_bytes": round_bytes}))
+        job.write_bytes(pickle.dumps({"method": method, "args": args, "round_bytes": round_bytes,
+                                           "settings": settings}))
         sent0, cpu0 = self.c.counters("storage")["tx_bytes"], _weed_cpu(self.weed_pid)
         runs = self.c.torchrun([str(RANKS), str(job), str(out)], timeout=self.args.timeout,
                                env={**self.env, **(env or {})}, nodes=list(range(nodes)),
@@ -136,13 +139,26 @@ class Bench:
         ranks = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
         seconds = max(r["seconds"] for r in ranks)
         node_rx = {r["host"]: r["nic"].get("rx_bytes", 0) for r in ranks}
+        # the server's CPU in the timed load alone (a launch's total includes its saves, if any)
+        busy = [r["server_busy"] for r in ranks if r.get("server_busy") is not None]
         row.update(seconds=seconds, store_sent_x=sent / self.total, node_rx_mib=max(node_rx.values()) / MIB,
-                   cpu_busy=max(r["cpu_busy"] for r in ranks), weed_busy=weed_cpu / seconds,
+                   cpu_busy=max(r["cpu_busy"] for r in ranks), weed_busy=max(busy) if busy else None,
+                   weed_launch_s=weed_cpu,
                    gbps=self.total / seconds / GB, per_rank=ranks)
         if all("distributed" in r for r in ranks):
             row["note"] = f"distributed mode {'on' if all(r['distributed'] for r in ranks) else 'OFF'}"
         self.log(f"  {seconds:.2f} s, store sent {sent / self.total:.2f}x, cpu busy {row['cpu_busy']:.2f}")
         return row
+
+
+def _trials(args) -> list[tuple[str, dict]]:
+    """shardwise's trial launches: the exchange's round (``--round-mib``) or fetch depth
+    (``--trial``: other settings) than the library's."""
+    def settings(trial: str) -> dict:
+        return {k: int(v) for k, v in (kv.split("=") for kv in trial.split(","))}
+
+    return ([(f"shardwise, {m} MiB rounds", {"round_bytes": m << 20}) for m in args.round_mib]
+            + [(f"shardwise, {t}", {"settings": settings(t)}) for t in args.trial])
 
 
 def _best(runs: list[dict]) -> dict:
@@ -164,13 +180,13 @@ def measure(bench: Bench, args) -> tuple[list[dict], list[dict]]:
         raws, mine = [bench.launch(*raw)], [bench.launch(*ours[:5], [*ours[5][:4], save])]
         saves.append(mine[0])
         start, runai = len(rows), [bench.urls, cfg, bench.specs(n), n]
-        rounds: dict[int, list] = {m: [] for m in args.round_mib}
+        rounds: dict[str, list] = {label: [] for label, _ in _trials(args)}
         for i in range(args.repeat if not args.peers else 0):  # alternating, without the peers
             if i:
                 raws.append(bench.launch(*raw))
                 mine.append(bench.launch(*ours))
-            for m in args.round_mib:  # the exchange's round at m MiB instead of the library's
-                rounds[m].append(bench.launch(f"shardwise, {m} MiB rounds", *ours[1:], round_bytes=m << 20))
+            for label, probe in _trials(args):  # the exchange's round or depth other than the library's
+                rounds[label].append(bench.launch(label, *ours[1:], **probe))
         if not args.peers:
             rows[start:start] = [_best(raws), _best(mine), *(_best(r) for r in rounds.values())]
             continue
@@ -192,8 +208,10 @@ def measure(bench: Bench, args) -> tuple[list[dict], list[dict]]:
             split = [parts[r::2 * n] for r in range(2 * n)]
             raw = ("raw ceiling", "b", n, 2, "raw", [split, cfg, 2 * n])
             ours = ("shardwise", "b", n, 2, "replicas", [bench.url, cfg, bench.plan, n, 2])
-            runs = [(bench.launch(*raw), bench.launch(*ours)) for _ in range(args.repeat)]
-            rows += [_best([r for r, _ in runs]), _best([o for _, o in runs])]
+            runs = [(bench.launch(*raw), bench.launch(*ours),
+                     *(bench.launch(label, *ours[1:], **probe) for label, probe in _trials(args)))
+                    for _ in range(args.repeat)]
+            rows += [_best([r[k] for r in runs]) for k in range(len(runs[0]))]
     finally:
         c.rate("storage", None, None)
     return rows, saves
@@ -215,6 +233,8 @@ def _trace_rows(rows: list[dict]) -> list[dict]:
                     "first_get_s": t.get("first_get_s"), "first_data_get_s": t.get("first_data_get_s"),
                     "rx_start_s": t.get("rx_start_s"), "rx_end_s": t.get("rx_end_s"),
                     "rx_rate_mbit": t.get("rx_rate_mbit"), "gets": t.get("gets"),
+                    "gets_small": t.get("gets_under_1mib"), "get_median_mib": t.get("get_median_mib"),
+                    "server_busy": row.get("weed_busy"),
                     "rx_mib": slow["nic"].get("rx_bytes", 0) / MIB, "share_mib": slow["share"] / MIB,
                     "a2a": t.get("a2a"), "a2a_s": t.get("a2a_s"),
                     "tail_s": slow["seconds"] - t["rx_end_s"] if t.get("rx_end_s") is not None else None,
@@ -227,8 +247,9 @@ TRACE_COLUMNS = [("method", "method"), ("nodes", "nodes"), ("seconds", "load s")
                  ("rx_start_s", "NIC 1% s"), ("rx_end_s", "NIC 99% s"),
                  ("rx_rate_mbit", "NIC Mbit/s between"),
                  ("rx_mib", "node rx MiB"), ("share_mib", "share MiB"), ("gets", "GETs"),
+                 ("gets_small", "GETs < 1 MiB"), ("get_median_mib", "GET median MiB"),
                  ("a2a", "all_to_alls"), ("a2a_s", "all_to_all s"), ("tail_s", "after NIC 99% s"),
-                 ("cpu_busy", "CPU busy")]
+                 ("cpu_busy", "CPU busy"), ("server_busy", "S3 server CPU busy")]
 
 
 def _ratios(rows: list[dict]) -> None:
@@ -300,6 +321,9 @@ def main(argv=None) -> None:
                    help="(a)'s runai and download + load rows (--no-peers: the raw ceiling and shardwise)")
     p.add_argument("--round-mib", type=int, nargs="*", default=[],
                    help="with --no-peers: shardwise also with the exchange's round at these MiB (a trial)")
+    p.add_argument("--trial", nargs="*", default=[],
+                   help="shardwise also with these settings of io.read.exchange / fetch, e.g. DEPTH=3 or "
+                   "DEPTH=8,MIN_ROUNDS=32 (a trial beside the library's; in (a) with --no-peers)")
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--out", type=Path)
     p.add_argument("--from-json", type=Path)

@@ -121,8 +121,9 @@ def test_rowwise_needs_few_pieces_per_rank():
 
 
 def test_a_pool_under_a_round_is_still_cut_into_rounds():
-    """16 MiB of rowwise rows over 2 ranks (under the 32 MiB round): 8 rounds of a 1 MiB slab a
-    rank, so that the exchange of each overlaps the fetch of the next; a tiny pool stays whole."""
+    """16 MiB of rowwise rows over 2 ranks (under the 32 MiB round): MIN_ROUNDS rounds of a
+    MIN_SLAB slab a rank, so that the exchange of each overlaps the fetch of the next; a tiny
+    pool stays whole."""
     from shardwise.io.read.exchange import MIN_ROUNDS, MIN_SLAB, ROUND_BYTES
 
     rows = (16 << 20) // 4096

@@ -39,7 +39,7 @@ from shardwise.holding import local_of as local_shard
 from shardwise.io import info
 from shardwise.io.formats import FORMATS, get_format, open_source
 from shardwise.io.formats.safetensors.files import StreamingWriter, index_json, parse_size, plan_files
-from shardwise.io.read import exchange
+from shardwise.io.read import exchange, fetch
 from shardwise.io.storage import locate, write_small
 from shardwise.parallel import ShardState, get_shard_state
 
@@ -312,12 +312,18 @@ def without_checksums() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def exchange_probe(round_bytes: int | None = None) -> Iterator[list[tuple[float, float]]]:
+def exchange_probe(round_bytes: int | None = None, depth: int | None = None,
+                   settings: dict[str, int] | None = None) -> Iterator[list[tuple[float, float]]]:
     """The ``(start, end)`` ``time.perf_counter`` seconds of each all-to-all of a load's exchange
-    of rowwise pieces, collected while inside; ``round_bytes`` sets the exchange's round size there
-    (a benchmark's trial of another round)."""
+    of rowwise pieces, collected while inside; ``round_bytes`` sets the exchange's round size there,
+    ``depth`` the rounds it fetches ahead and ``settings`` any other of its constants by name
+    (``MIN_ROUNDS``, ``MIN_SLAB``, ``SLAB_PART``): a benchmark's trial of another setting."""
     spans: list[tuple[float, float]] = []
-    real, real_round = comm.all_to_all_single, exchange.ROUND_BYTES
+    real = comm.all_to_all_single
+    named = {"ROUND_BYTES": round_bytes, "DEPTH": depth, **(settings or {})}
+    where = {name: fetch if hasattr(fetch, name) and not hasattr(exchange, name) else exchange
+             for name, value in named.items() if value}
+    saved = {name: getattr(module, name) for name, module in where.items()}
 
     def timed(*args, **kwargs):
         start = time.perf_counter()
@@ -327,12 +333,14 @@ def exchange_probe(round_bytes: int | None = None) -> Iterator[list[tuple[float,
             spans.append((start, time.perf_counter()))
 
     comm.all_to_all_single = timed
-    if round_bytes:
-        exchange.ROUND_BYTES = round_bytes
+    for name, module in where.items():
+        setattr(module, name, named[name])
     try:
         yield spans
     finally:
-        comm.all_to_all_single, exchange.ROUND_BYTES = real, real_round
+        comm.all_to_all_single = real
+        for name, module in where.items():
+            setattr(module, name, saved[name])
 
 __all__ = ["PeakMemory", "RankFailure", "dequantized_shard", "exchange_probe", "expected_scale_shard",
            "expected_shard", "free_port", "local_shard", "memory_status", "parse_size", "plan_specs",

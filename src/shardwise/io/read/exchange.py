@@ -13,16 +13,18 @@ fetches its slab (one ranged read per tensor it spans), and one ``all_to_all`` p
 each rank the boxes of its needs that its peers fetched (:func:`shardwise.core.spec.intersect`).
 
 :func:`read_exchanged` runs it: every rank gathers the needs and plans; then one queue of
-requests (``reader.num_threads`` in flight) fetches the slabs ``DEPTH`` rounds ahead, each
-followed by a share of the direct tensors, every byte landed straight into its tensor and
-neighbouring runs of one object (several small tensors) merged into one request
-(``RemoteFile.run_requests``). Per round, once its slab is in, the ranks agree that no read
-failed (``comm.agree``: a failed read raises on every rank, carrying its message, before the
-exchange; the direct reads' failures at the latest after the last round) and exchange. Each
-local tensor is finalized once its last byte arrives, with what a storage read gives: a host
-tensor of the stored dtype and the local shape. A rank that fails before it (opening the
-checkpoint, matching keys) has told its peers already: ``sw.load`` agrees on those steps first.
-One rank alone (tp=1 over a process group) runs the same path: its tensors are all direct.
+requests (``reader.num_threads`` in flight) fetches the slabs ``DEPTH`` rounds ahead, each cut
+into about one request per thread and taken before the direct tensors' requests (all queued at
+the start: the NIC never waits for a round, and a round's slab lands whole before the next),
+every byte landed straight into its tensor and neighbouring runs of one object (several small
+tensors) merged into one request (``RemoteFile.run_requests``). Per round, once its slab is in,
+the ranks agree that no read failed (``comm.agree``: a failed read raises on every rank,
+carrying its message, before the exchange; the direct reads' failures at the latest after the
+last round) and exchange. Each local tensor is finalized once its last byte arrives, with what
+a storage read gives: a host tensor of the stored dtype and the local shape. A rank that fails
+before it (opening the checkpoint, matching keys) has told its peers already: ``sw.load``
+agrees on those steps first. One rank alone (tp=1 over a process group) runs the same path: its
+tensors are all direct.
 
 Memory: the job's round is ``ROUND_BYTES``, a rank's slab ``ROUND_BYTES / world``; a rank holds
 ``DEPTH`` slabs, a send buffer of at most what its slab sends to the ``world - 1`` others and a
@@ -51,11 +53,13 @@ from shardwise.io.read.reader import Finalize, ReadItem, RegionReader
 from shardwise.mesh import MeshDims
 
 ROUND_BYTES = 32 << 20  # the job's slabs per round
-DEPTH = 3  # rounds whose slabs are fetched (or queued) while an earlier one is exchanged
-# A pool under a round is still cut into up to MIN_ROUNDS rounds (a rank's slab at least
-# MIN_SLAB): in one round its exchange would start only once every byte is fetched, after the
-# download instead of beside it (benchmarks/cluster.py's trace of tp over nodes)
-MIN_ROUNDS, MIN_SLAB = 8, 1 << 20
+# DEPTH: rounds of slabs fetched ahead of the one exchanged (before the direct reads, all queued
+# at the start). Not all: a rank far ahead takes the store's bandwidth from the slabs its peers
+# wait for. MIN_ROUNDS: a pool under a round is still cut into rounds (a rank's slab at least
+# MIN_SLAB), so that the first exchange starts soon and each overlaps the next fetch. dp over 4
+# nodes, the store's link the limit (benchmarks/cluster.py --trial): 8 of 8 rounds ahead
+# 9.7-12.4 s, 3 of 8 7.3-8.0 s, 8 of 32 6.8-7.0 s
+DEPTH, MIN_ROUNDS, MIN_SLAB = 8, 32, 256 << 10
 
 
 @dataclass(frozen=True)
@@ -248,25 +252,22 @@ def read_exchanged(reader: RegionReader, items: list[ReadItem], *, finalize: Fin
     landing = _Landing(items, take, results)
     buffers = _Buffers(plan.rounds, items, me, world, comm.device_for(None, backend=backend))
     rounds = plan.rounds
-    own = direct_requests(requests, items, {i: d for i, d in prepared.items() if d}, take, results)
-    del prepared
-    chunk = max(1, -(-len(own) // max(1, len(rounds))))
     slabs: dict[int, tuple[list[torch.Tensor], list[Future]]] = {}
-    own_futures: list[Future] = []
 
-    def submit(number: int) -> None:  # round ``number``'s slab, then its share of the direct reads
+    def submit(number: int) -> None:  # round ``number``'s slab, ahead of the direct reads still queued
         if error is None and number < len(rounds):
             slabs[number] = slab_requests(requests, tensors, rounds[number].fetch)
-        if error is None:
-            own_futures.extend(requests.submit(own[number * chunk:(number + 1) * chunk]))
 
     try:
-        for number in range(max(1, min(DEPTH, len(rounds)))):
+        for number in range(min(DEPTH, len(rounds))):
             submit(number)
+        own = direct_requests(requests, items, {i: d for i, d in prepared.items() if d}, take, results)
+        del prepared
+        own_futures = requests.submit(own) if error is None else []
         for number, rnd in enumerate(rounds):
             fetched, futures = slabs.pop(number, ([], []))
             error = error or first_error(futures) or first_error([f for f in own_futures if f.done()])
-            submit(number + DEPTH)  # queued behind what is in flight while this round is exchanged
+            submit(number + DEPTH)  # fetched ahead of the direct reads while this round is exchanged
             comm.agree(backend, error, what="reading the checkpoint from the object store")
             _exchange(rnd, fetched, items, landing, backend, number, buffers)
         error = error or first_error(own_futures)

@@ -5,6 +5,8 @@ pool of threads, neighbouring runs of one object merged into one request by the 
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -19,6 +21,7 @@ from shardwise.io.read.reader import ReadItem
 from shardwise.io.storage import Handles, byte_view
 
 Key = tuple[str, str]  # a stored tensor: (file, tensor name)
+SLAB_PART = 256 << 10  # the smallest request a slab is cut into
 
 
 @dataclass(frozen=True)
@@ -39,18 +42,24 @@ def first_error(futures: Sequence[Future]) -> BaseException | None:
 
 
 class Requests:
-    """The load's storage requests (the module's) on ``num_threads`` threads; ``bytes_read``
-    counts what landed."""
+    """The load's storage requests (the module's) on ``num_threads`` threads, taken in order of
+    ``first`` then submission: requests submitted with ``first=True`` (a round's slab, which the
+    exchange waits for) go before any other still queued (the direct reads, queued at the start
+    so that the NIC never waits for a round). ``bytes_read`` counts what landed."""
 
     def __init__(self, files, num_threads: int):
-        self.files, self.handles = files, Handles()
+        self.files, self.handles, self.num_threads = files, Handles(), num_threads
         self.pool = ThreadPoolExecutor(num_threads, thread_name_prefix="shardwise-fetch")
         self.bytes_read = 0
         self._lock = threading.Lock()
+        self._queue: list[tuple[int, int, Callable[[], object], Future]] = []  # a heap
+        self._count = itertools.count()
 
-    def requests(self, runs: Sequence[tuple[str, int, torch.Tensor]], done: Callable[[int], None]) -> list:
+    def requests(self, runs: Sequence[tuple[str, int, torch.Tensor]], done: Callable[[int], None],
+                 part_size: int | None = None) -> list:
         """The requests filling each ``(file, offset in it, contiguous tensor)``; ``done(index)``
-        once a run's last byte has landed."""
+        once a run's last byte has landed; ``part_size``: at most that many bytes a request
+        (where the handle merges and splits runs)."""
         left = [t.numel() * t.element_size() for _, _, t in runs]
         by_file: dict[str, list[int]] = {}
         for k, (f, _, _) in enumerate(runs):
@@ -70,17 +79,38 @@ class Requests:
                     done(ks[i])
 
             if hasattr(handle, "run_requests"):
-                out += handle.run_requests(views, landed)
+                out += handle.run_requests(views, landed, part_size)
             else:
                 out += [lambda h=handle, v=v, i=i, f=landed: (h.readinto(v[1], v[0]), f(i, len(v[1])))
                         for i, v in enumerate(views) if len(v[1])]
         return out
 
-    def submit(self, requests: Sequence) -> list[Future]:
-        return [self.pool.submit(r) for r in requests]
+    def submit(self, requests: Sequence, first: bool = False) -> list[Future]:
+        futures: list[Future] = []
+        with self._lock:
+            for request in requests:
+                futures.append(Future())
+                heapq.heappush(self._queue, (0 if first else 1, next(self._count), request, futures[-1]))
+        for _ in futures:  # one turn of a thread per request: it runs the first one queued then
+            self.pool.submit(self._next)
+        return futures
+
+    def _next(self) -> None:
+        with self._lock:
+            _, _, request, future = heapq.heappop(self._queue)
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(request())
+        except BaseException as e:  # handed to whoever waits on the future
+            future.set_exception(e)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
+        with self._lock:  # the requests whose turn was cancelled
+            for *_, future in self._queue:
+                future.cancel()
+            self._queue.clear()
         self.handles.close()
 
 
@@ -125,7 +155,10 @@ def direct_requests(requests: Requests, items: list[ReadItem], prepared: dict, t
 
 def slab_requests(requests: Requests, tensors, fetch: Sequence[Piece]) -> tuple[list[torch.Tensor], list]:
     """This rank's slab (each piece whole rows of one tensor, allocated here) and the futures
-    of its requests, queued now."""
+    of its requests, queued now: the slab cut into about one request per thread (at least
+    ``SLAB_PART``), so that the threads fetch it together and it lands whole before the next
+    round's (a slab in one request is one flow among the others on the NIC: every slab queued
+    would land at once, at the end, and its exchange after the download)."""
     pieces, runs = [], []
     for p in fetch:
         entry = tensors[p.tensor]
@@ -134,7 +167,9 @@ def slab_requests(requests: Requests, tensors, fetch: Sequence[Piece]) -> tuple[
         if span is not None:
             runs.append((p.tensor[0], requests.files[p.tensor[0]][1].data_start + entry.start + span[0],
                          pieces[-1]))
-    return pieces, requests.submit(requests.requests(runs, lambda k: None))
+    size = sum(t.numel() * t.element_size() for _, _, t in runs)
+    part = max(SLAB_PART, -(-size // max(1, requests.num_threads)))
+    return pieces, requests.submit(requests.requests(runs, lambda k: None, part), first=True)
 
 
 __all__ = ["Requests", "dests", "direct_requests", "first_error", "slab_requests"]

@@ -222,16 +222,19 @@ class RemoteFile:
         for future in [self.storage.pool.submit(self._land, r, whole, _ignore) for r in requests]:
             future.result()
 
-    def run_requests(self, runs: Sequence[tuple[int, memoryview]], done) -> list:
+    def run_requests(self, runs: Sequence[tuple[int, memoryview]], done,
+                     part_size: int | None = None) -> list:
         """The requests that fill each ``(offset in the object, destination)`` run, as
         callables to run on any thread: neighbouring runs (of several tensors) merged into
-        requests of at most ``part_size`` that read nothing between them, a longer run split.
-        Each request, once its body is landed, calls ``done(index of the run, bytes)`` for
-        every part of a run it filled. Runs must not overlap."""
+        requests of at most the storage's ``part_size`` (or a smaller ``part_size``: bytes
+        wanted soon, spread over more requests in flight) that read nothing between them, a
+        longer run split. Each request, once its body is landed, calls ``done(index of the run,
+        bytes)`` for every part of a run it filled. Runs must not overlap."""
         order = sorted((off, i) for i, (off, view) in enumerate(runs) if len(view))
         out, j = [], 0
         sizes = [(off, len(runs[i][1])) for off, i in order]
-        for start, end, parts in coalesce(sizes, self.storage.part_size, waste=0.0):
+        step = min(self.storage.part_size, part_size or self.storage.part_size)
+        for start, end, parts in coalesce(sizes, step, waste=0.0):
             self._check(start, end)
             placed = []
             for offset, n in parts:
