@@ -27,6 +27,7 @@ wall is at least twice its CPU; the CPU figure is what a machine with a core per
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -110,6 +111,17 @@ MOE_PLAN = {"model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.self_a
             "model.layers.*.mlp.experts.*.down_proj": "rowwise", "lm_head": "colwise_rep"}
 
 
+def _written(folder: Path, config) -> bool:
+    """Whether ``folder`` already holds a checkpoint of ``config`` (one an earlier version of this
+    script wrote with another shape is written again)."""
+    path = folder / "config.json"
+    if not path.exists():
+        return False
+    saved = json.loads(path.read_text())
+    return all(saved.get(k) == v for k, v in json.loads(config.to_json_string(use_diff=True)).items()
+               if k not in ("transformers_version", "dtype", "torch_dtype", "architectures"))
+
+
 def write_models(root: Path, layers: list[int], moe: tuple[int, int] | None) -> dict[str, Path]:
     from safetensors.torch import save_file
     from transformers import LlamaForCausalLM
@@ -117,15 +129,15 @@ def write_models(root: Path, layers: list[int], moe: tuple[int, int] | None) -> 
     folders = {}
     for n in layers:
         folder = folders[f"llama-{n}"] = root / f"llama-{n}"
-        if not (folder / "config.json").exists():
+        if not _written(folder, llama_config(n)):
             torch.manual_seed(n)
             LlamaForCausalLM(llama_config(n)).to(torch.bfloat16).save_pretrained(folder)
     if moe:
         experts, n = moe
         folder = folders[f"moe-{experts}x{n}"] = root / f"moe-{experts}x{n}"
-        if not (folder / "config.json").exists():
-            torch.manual_seed(0)
-            model = PerExpertMoE(n, experts).to(torch.bfloat16)
+        torch.manual_seed(0)
+        model = PerExpertMoE(n, experts).to(torch.bfloat16)
+        if not _written(folder, model.config):
             folder.mkdir(parents=True, exist_ok=True)
             save_file({k: v.contiguous() for k, v in model.state_dict().items()},
                       str(folder / "model.safetensors"), metadata={"format": "pt"})
