@@ -98,7 +98,7 @@ def _module_specs(module: nn.Module, style: Style, path: str, key: str) -> dict[
         raise PlanError(f"plan key {key!r}: style {style.source!r} does not apply to the embedding {path!r}")
     style = _on_tp(style, is_embedding)
     params = module._parameters  # a property (a parametrization) is read as an attribute
-    return {leaf: _param_spec(tuple(t.shape), leaf, style) for leaf in ("weight", "bias")
+    return {leaf: _param_spec(len(t.shape), leaf == "bias", style) for leaf in ("weight", "bias")
             if (t := params[leaf] if leaf in params else getattr(module, leaf, None)) is not None}
 
 
@@ -107,14 +107,10 @@ def _on_tp(style: Style, embedding: bool) -> Style:
     return replace(style, embedding=embedding, axis="tp")
 
 
-def _param_spec(shape: tuple[int, ...], leaf: str, style: Style) -> ShardSpec:
+@functools.lru_cache(maxsize=1024)  # specs are frozen: one per (ndim, style), not one per tensor
+def _param_spec(ndim: int, bias: bool, style: Style) -> ShardSpec:
     """A parameter key's spec, as transformers: colwise splits dim ``ndim - 2``, rowwise the
     last dim; a rowwise ``bias`` stays whole; an embedding's: dim 0 (rowwise) or 1."""
-    return _spec_of(len(shape), leaf == "bias", style)
-
-
-@functools.lru_cache(maxsize=1024)  # specs are frozen: one per (ndim, style), not one per tensor
-def _spec_of(ndim: int, bias: bool, style: Style) -> ShardSpec:
     if style.axis == "ep" and style.sharded and ndim:  # grouped_gemm: whole experts per rank
         return ShardSpec(dim=0, axis="ep")
     if not style.sharded or ndim == 0 or (style.kind == "rowwise" and bias):
@@ -206,7 +202,7 @@ def resolve_plan(model: nn.Module, plan, degree: int, *, strict: bool = False, e
         module = modules[path]
         tensor = getattr(module, leaf)
         style = _with_blocks(module, normalize_style(raw, key=key), path, key)
-        spec = _param_spec(tuple(tensor.shape), leaf, style)
+        spec = _param_spec(len(tensor.shape), leaf == "bias", style)
         keys[name] = key
         _claim(owned, tensor, name, spec, key)  # a parameter key overrides its module's key
         if not spec.replicated:

@@ -278,9 +278,7 @@ def chunk_layout(layout: Layout, shape_local: Shape, dim: int, num_chunks: int, 
     """
     _check_dim(shape_local, dim, "chunk")
     check_degree(num_chunks, index, names=("num_chunks", "index"))
-    step = -(-shape_local[dim] // num_chunks)
-    lo = min(index * step, shape_local[dim])
-    hi = min(lo + step, shape_local[dim])
+    lo, hi = _chunk_span(shape_local[dim], num_chunks, index)
     out: Layout = []
     for region, off in layout:
         start = max(lo, off[dim])
@@ -295,6 +293,27 @@ def chunk_layout(layout: Layout, shape_local: Shape, dim: int, num_chunks: int, 
         chunk_off[dim] = start - lo
         out.append((Region(tuple(offsets), tuple(sizes)), tuple(chunk_off)))
     return out
+
+
+def _chunk_span(n: int, num_chunks: int, index: int) -> tuple[int, int]:
+    """``[lo, hi)`` of part ``index`` when ``torch.chunk`` cuts ``n`` into ``num_chunks``."""
+    step = -(-n // num_chunks)
+    lo = min(index * step, n)
+    return lo, min(lo + step, n)
+
+
+def chunked_layout(shape: Shape, spec: ShardSpec, degree: int, rank: int,
+                   chunks: Sequence[tuple[int, int, int]] = ()) -> tuple[tuple[int, ...], Layout]:
+    """The local shape and layout of rank ``rank``'s shard (:func:`local_layout`), then of its
+    ``torch.chunk`` part along each ``(dim, num_chunks, index)`` of ``chunks`` in turn (FSDP2's
+    shards over tp)."""
+    layout = local_layout(shape, spec, degree, rank)
+    have = local_shape(shape, spec, degree)
+    for dim, num, index in chunks:
+        layout = chunk_layout(layout, have, dim, num, index)
+        lo, hi = _chunk_span(have[dim], num, index)
+        have = have[:dim] + (hi - lo,) + have[dim + 1:]
+    return have, layout
 
 
 def intersect(a: Region, b: Region) -> Region | None:

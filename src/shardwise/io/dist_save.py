@@ -59,29 +59,22 @@ def checkpoint_info(model: nn.Module, placed: Mapping[str, Placed], *, kind: str
     }
 
 
-def gather_checksums(checksums: dict[str, dict[str, str]], what: str, backend: Backend | None) -> dict:
-    """Every rank's chunk checksums (``{name: {chunk key: checksum}}``, each chunk written by one
-    rank) merged on rank 0 as ``shardwise.json``'s "checksums"; every rank calls it, after the
-    data is written. Other ranks get an empty record."""
-    everyone = comm.gather_object(checksums, dst=0, group=coordination_group(backend), purpose=what)
-    if everyone is None:  # not rank 0
-        return {}
-    sums: dict = {}
-    for part in everyone:
-        for fqn, chunks in part.items():
-            sums.setdefault(fqn, {}).update(chunks)
-    return {"algorithm": ALGORITHM, "chunks": sums}
-
-
 def commit(saving: Saving, info: dict, checksums: dict[str, dict[str, str]], *, backend: Backend | None,
            side_files: Callable[[Location], object] | None = None) -> None:
     """The end of every distributed save, on every rank, once its chunks are written: rank 0
-    gathers every rank's ``checksums`` into ``info`` and commits it as ``shardwise.json`` with
+    gathers every rank's ``checksums`` (``{name: {chunk key: checksum}}``, each chunk written by
+    one rank) into ``info``'s "checksums" and commits it as ``shardwise.json`` with
     ``side_files(folder)`` beside the data; the folder moves into place."""
     saving.sweeping = False  # from here rank 0 may publish: no rank deletes what was written
     with saving:
-        sums = gather_checksums(checksums, f"moving {saving.what} into place", backend)
-        saving.commit(info={**info, "checksums": sums} if saving.rank0 else None, side_files=side_files)
+        what = f"moving {saving.what} into place"
+        everyone = comm.gather_object(checksums, dst=0, group=coordination_group(backend), purpose=what)
+        sums: dict = {}
+        for part in everyone or ():  # None: not rank 0
+            for fqn, chunks in part.items():
+                sums.setdefault(fqn, {}).update(chunks)
+        saving.commit(info={**info, "checksums": {"algorithm": ALGORITHM, "chunks": sums}} if saving.rank0
+                      else None, side_files=side_files)
 
 
 def model_side_files(model: nn.Module) -> Callable[[Location], object]:
@@ -91,4 +84,4 @@ def model_side_files(model: nn.Module) -> Callable[[Location], object]:
     return lambda folder: files(model, folder)
 
 
-__all__ = ["INFO_FORMAT", "checkpoint_info", "commit", "gather_checksums", "model_side_files"]
+__all__ = ["INFO_FORMAT", "checkpoint_info", "commit", "model_side_files"]

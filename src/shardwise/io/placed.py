@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from shardwise.core.quant_layout import QuantTie, scale_local_shape, scale_owned_layout, tie_aligned
-from shardwise.core.spec import Layout, Region, ShardSpec, chunk_layout, global_shape, local_layout
+from shardwise.core.spec import Layout, Region, ShardSpec, chunked_layout, global_shape
 from shardwise.errors import CheckpointError
 from shardwise.holding import is_dtensor
 from shardwise.mesh import get_shard_state
@@ -35,12 +35,6 @@ class Placed:
     def piece(self, offset: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
         """The view of ``local`` holding the region at local ``offset`` with ``sizes``."""
         return self.local[Region(offset, sizes).slices()]
-
-
-def _chunk_size(n: int, num_chunks: int, index: int) -> int:
-    step = -(-n // num_chunks)
-    lo = min(index * step, n)
-    return min(lo + step, n) - lo
 
 
 def _is_split(p: Placement) -> TypeGuard[Shard]:
@@ -96,16 +90,10 @@ def place(tensor: torch.Tensor, spec: ShardSpec | None, degree: int, tp_rank: in
     local = local.detach()
     # a plain local shard (tp not in the DTensor's mesh): the canonical shape is degree x along dim
     shape = tuple(base_shape) if tp_in_mesh else global_shape(base_shape, spec, degree)
-    layout = local_layout(shape, spec, degree, tp_rank)
-    have = list(shape)
-    if spec.dim is not None:  # not spec.replicated
-        have[spec.dim] //= degree
-    for dim, num, index in chunks:
-        layout = chunk_layout(layout, tuple(have), dim, num, index)
-        have[dim] = _chunk_size(have[dim], num, index)
-    if tuple(have) != tuple(local.shape):
+    have, layout = chunked_layout(shape, spec, degree, tp_rank, chunks)
+    if have != tuple(local.shape):
         raise CheckpointError(f"tensor {name!r}: local shape {tuple(local.shape)} does not match the "
-                              f"{tuple(have)} its placements and shard spec {spec} imply")
+                              f"{have} its placements and shard spec {spec} imply")
     return Placed(local, shape, layout)
 
 

@@ -1,4 +1,4 @@
-"""The write side of every format: a :class:`Sink` turns what is to be written into a frozen,
+"""The write side of every format: a :class:`FileSink` turns what is to be written into a frozen,
 pure :class:`WritePlan` (files, order, writer rank, index), the same on every rank, then
 writes it; :class:`Saving` is the one transaction of every save."""
 
@@ -85,27 +85,6 @@ class WritePlan:
     def files_of(self, rank: int) -> tuple[PlannedFile, ...]:
         """The files ``rank`` writes."""
         return tuple(f for f in self.files if f.rank == rank)
-
-
-class Sink(Protocol):
-    """Where a save's tensors go, in one format.
-
-    Call order: every rank calls :meth:`plan` with the same ``items`` (pure, so every rank
-    holds the same plan without a collective), then every rank calls :meth:`write` once with
-    that plan (collective: a failure on any rank raises on every rank). ``folder`` is the
-    save's temporary folder where the rank writes (None on a rank that writes nothing);
-    moving it into place is the caller's (``shardwise.io.storage.Transaction``).
-    """
-
-    def plan(self, items) -> WritePlan:
-        """The files, their order and the index for ``items``; raises before anything is
-        written when they cannot be written."""
-        ...
-
-    def write(self, plan: WritePlan, folder: Location | None, bar) -> dict:
-        """Write ``plan``'s files into ``folder``; return the checksums of what was written
-        (as ``shardwise.json`` records them)."""
-        ...
 
 
 class FileWriter(Protocol):
@@ -251,5 +230,5 @@ class Saving:
         self.discard()
 
 
-__all__ = ["FileSink", "FileWriter", "OpenFile", "PlannedFile", "Saving", "Sink", "Spec", "StoredTensor",
-           "WritePlan", "on_rank0"]
+__all__ = ["FileSink", "FileWriter", "OpenFile", "PlannedFile", "Saving", "Spec", "StoredTensor", "WritePlan",
+           "on_rank0"]

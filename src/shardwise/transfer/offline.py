@@ -20,7 +20,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from shardwise.core.spec import Layout, ShardSpec, chunk_layout, local_layout
+from shardwise.core.spec import Layout, ShardSpec, chunked_layout
 from shardwise.errors import MeshError
 from shardwise.transfer.plan import DEFAULT_BUCKET_BYTES, Holding, Plan, holding_of, make_plan
 
@@ -54,26 +54,14 @@ class MeshLayout:
                 for i, c in enumerate(itertools.product(*(range(s) for s in self.axes)))]
 
 
-def _chunk(n: int, num: int, index: int) -> int:
-    step = -(-n // num)
-    lo = min(index * step, n)
-    return min(lo + step, n) - lo
-
-
 def parts_of(shape: tuple[int, ...], spec: ShardSpec,
              mesh: MeshLayout) -> dict[int, tuple[tuple[int, ...], Layout]]:
     """``{global rank: (local shape, layout)}`` of a tensor under ``mesh``."""
     out = {}
     for rank, c in mesh.coords():
         degree, index = (mesh.ep, c["ep"]) if spec.axis == "ep" else (mesh.tp, c["tp"])
-        layout = local_layout(shape, spec, degree, index)
-        have = list(shape)
-        if spec.dim is not None:
-            have[spec.dim] //= degree
-        if mesh.dp_shard > 1:
-            layout = chunk_layout(layout, tuple(have), 0, mesh.dp_shard, c["dp_shard"])
-            have[0] = _chunk(have[0], mesh.dp_shard, c["dp_shard"])
-        out[rank] = (tuple(have), layout)
+        fsdp = [(0, mesh.dp_shard, c["dp_shard"])] if mesh.dp_shard > 1 else []
+        out[rank] = chunked_layout(shape, spec, degree, index, fsdp)
     return out
 
 

@@ -103,10 +103,6 @@ class ExchangePlan:
     direct: tuple[int, ...]
     rounds: tuple[Round, ...]
 
-    def fetched(self, tensors: Mapping[Key, TensorEntry]) -> int:
-        """The bytes of the slabs this rank fetches (its direct reads not included)."""
-        return sum(p.region.numel * tensors[p.tensor].itemsize for r in self.rounds for p in r.fetch)
-
 
 def _row_bytes(entry: TensorEntry) -> tuple[int, int]:
     """``(rows, bytes per row)``: a 0-d tensor is one row."""
