@@ -279,8 +279,13 @@ class Cluster:
         """``argv`` as a command that runs on host ``where`` (its network, name, ``/tmp``)."""
         tmp = self.root / "storage-tmp" if where == "storage" else self.node_tmp(int(where))
         tmp.mkdir(parents=True, exist_ok=True)
-        setup = ('hostname "$1" && mount --bind "$2" /tmp && mount --bind "$3" /etc/hosts && '
-                 'shift 3 && exec "$@"')
+        # the checkout and interpreter a job runs from stay visible where they lie under /tmp
+        runs_from = (Path(p).resolve() for p in (sys.prefix, os.getcwd(), *sys.path) if p)
+        kept = sorted({q.parts[2] for q in runs_from if q.parts[1:2] == ("tmp",) and len(q.parts) > 2})
+        for name in kept:
+            (tmp / name).mkdir(exist_ok=True)
+        setup = ("".join(f'mount --bind "/tmp/{n}" "$2/{n}" && ' for n in kept) + 'hostname "$1" && '
+                 'mount --rbind "$2" /tmp && mount --bind "$3" /etc/hosts && shift 3 && exec "$@"')
         return ["ip", "netns", "exec", self.ns(where), "unshare", "--mount", "--uts", "--propagation",
                 "private", "--", "/bin/sh", "-c", setup, "sh", self.hostname(where), str(tmp),
                 str(self.root / "hosts"), *argv]
