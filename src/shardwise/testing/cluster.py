@@ -248,21 +248,27 @@ class Cluster:
         return text
 
     def torchrun(self, script: list[str], *, timeout: float, env: dict | None = None,
-                 nodes: list[int] | None = None, ranks_per_node: int | None = None) -> list[NodeRun]:
+                 nodes: list[int] | None = None, ranks_per_node: int | None = None,
+                 fabric: bool | None = None) -> list[NodeRun]:
         """``script`` (a path and its arguments) under torchrun on every node (or ``nodes``),
         ``ranks_per_node`` ranks each (default: the cluster's), joined by c10d rendezvous on node
-        0's address (on the fabric, if any). Each node's run ends by itself or is killed at
-        ``timeout``; never raises for a failed node (a fault test expects some)."""
+        0's address, over the fabric (``fabric``: default, whether the cluster has one; False:
+        over ``eth0`` beside the storage traffic, as without one). Each node's run ends by itself
+        or is killed at ``timeout``; never raises for a failed node (a fault test expects some)."""
         chosen = list(range(self.nodes)) if nodes is None else nodes
-        nic = "eth0" if self.fabric_mbit is None else FABRIC_DEV  # the collectives' NIC
+        fabric = self.fabric_mbit is not None if fabric is None else fabric
+        if fabric and self.fabric_mbit is None:
+            raise UsageError("torchrun(fabric=True) on a cluster made without fabric_mbit")
+        nic = FABRIC_DEV if fabric else "eth0"  # the collectives' NIC
+        addr = self.fabric_ip if fabric else self.ip
         env = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": nic, "PYTHONUNBUFFERED": "1", **(env or {})}
         procs, logs, t0 = [], [], time.monotonic()
         for node in chosen:
             log = self.root / f"node{node}-torchrun-{time.monotonic_ns()}.log"
             argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(chosen)),
                     "--nproc-per-node", str(ranks_per_node or self.ranks_per_node), "--rdzv-backend", "c10d",
-                    "--rdzv-endpoint", f"{self.fabric_ip(chosen[0])}:{RDZV_PORT}", "--rdzv-id", self.tag,
-                    "--local-addr", self.fabric_ip(node), "--max-restarts", "0",
+                    "--rdzv-endpoint", f"{addr(chosen[0])}:{RDZV_PORT}", "--rdzv-id", self.tag,
+                    "--local-addr", addr(node), "--max-restarts", "0",
                     # torch finds the store's host by its name, which is on the front-end address
                     "--rdzv-conf", f"is_host={int(node == chosen[0])}", *script]
             procs.append(self.popen(node, argv, env={**env, "SHARDWISE_NODE": str(node)}, log=log))
