@@ -2,7 +2,9 @@
 Mbit/s per node, SeaweedFS on a storage host): replicas read once, counted by the storage host's
 NIC; a distributed save to a folder the nodes do not share; a transfer between nodes; faults on
 node 1: its link taken down, every process on it SIGKILLed, or its rate at a tenth (it completes,
-exact), during load, gather save, distributed save and transfer. The ranks' side is node.py."""
+exact), during load, gather save, distributed save and transfer; and, on a second cluster with
+a back-end fabric, the exchange's bytes on the fabric and only the store's on each NIC. The
+ranks' side is node.py."""
 
 from __future__ import annotations
 
