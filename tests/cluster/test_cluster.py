@@ -2,7 +2,9 @@
 Mbit/s per node, SeaweedFS on a storage host): replicas read once, counted by the storage host's
 NIC; a distributed save to a folder the nodes do not share; a transfer between nodes; faults on
 node 1: its link taken down, every process on it SIGKILLed, or its rate at a tenth (it completes,
-exact), during load, gather save, distributed save and transfer. The ranks' side is node.py."""
+exact), during load, gather save, distributed save and transfer; and, on a second cluster with
+a back-end fabric, the exchange's bytes on the fabric and only the store's on each NIC. The
+ranks' side is node.py."""
 
 from __future__ import annotations
 
@@ -218,3 +220,28 @@ def test_a_cluster_removes_what_it_made_and_what_a_crashed_run_left():
     finally:
         remove_leftovers()
     assert crashed not in _namespaces() and not folder.exists()
+
+
+def test_a_fabric_carries_the_exchange_and_the_nic_the_store_bytes(fabric_cluster, fabric_job):
+    """tp over 2 nodes with a back-end fabric: each node's front-end NIC receives its share from
+    the store and no more; the rowwise pieces its peer fetched for it come over the fabric."""
+    from shardwise.testing.cluster import FABRIC_DEV
+
+    c, job = fabric_cluster, fabric_job
+    url = job.url("ckpt")
+    job.once(0, "upload", url)
+    front = [c.counters(n)["rx_bytes"] for n in range(c.nodes)]
+    fabric = [c.counters(n, FABRIC_DEV)["rx_bytes"] for n in range(c.nodes)]
+    records = job.ranks("tp_load", url)
+    front = [c.counters(n)["rx_bytes"] - b for n, b in enumerate(front)]
+    fabric = [c.counters(n, FABRIC_DEV)["rx_bytes"] - b for n, b in enumerate(fabric)]
+    assert sorted(_nodes(records).values()) == [[0], [1]], "one rank per node: tp over the nodes"
+    assert [r["bad"] for r in records] == [[]] * 2
+    for r in records:
+        node = int(r["host"][len("node"):])
+        print(f"{r['host']}: share {r['share']}, read {r['bytes_read']}, front-end rx "
+              f"{front[node] / r['share']:.3f}x the share, fabric rx {fabric[node] / r['share']:.3f}x")
+        assert front[node] <= 1.05 * r["share"], f"{r['host']}'s NIC received {front[node] / r['share']:.3f}x"
+        # every byte this node holds came from the store or over the fabric
+        assert front[node] + fabric[node] >= r["share"], (front, fabric, r)
+        assert fabric[node] > 0.02 * r["share"], f"{r['host']}: no exchange on the fabric ({fabric[node]} B)"

@@ -9,7 +9,11 @@ is a namespace with one veth (``eth0``) into it, addressed on ``10.47.0.0/24``. 
 rate is a ``tbf`` on its ``eth0``, its download rate a ``tbf`` on its switch port (both egress: no
 ifb needed); the queue holds ``QUEUE_SECONDS`` of the rate (shallower queues drop packets and make
 even a raw download erratic). Ranks on one node talk over the node's own address (the kernel
-routes it through loopback: the fast interconnect inside a node). A process runs "on" a host
+routes it through loopback: the fast interconnect inside a node). With ``fabric_mbit``, a second
+bridge in the switch namespace is the back-end fabric of a GPU cluster (InfiniBand, EFA): each
+node gets a second veth (``fab0``, on ``10.48.0.0/24``, at that rate each way; the storage host
+is not on it) and torchrun's rendezvous and gloo (``GLOO_SOCKET_IFNAME``) use it, so that the
+collectives' bytes leave ``eth0`` to the store's. A process runs "on" a host
 through ``ip netns exec`` and ``unshare --mount --uts``: its host name is ``node{i}``, ``/tmp`` is
 the node's private folder (``Cluster.node_tmp``) and ``/etc/hosts`` names every host; every node
 sees ``Cluster.shared`` (and the repository and venv) at one path. ``close`` (and leaving the
@@ -35,96 +39,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardwise.errors import ShardwiseError, UsageError
+from shardwise.errors import UsageError
+from shardwise.testing import netns
+from shardwise.testing.netns import MTU, PREFIX, ClusterError, remove_leftovers, unavailable
 
 SUBNET = "10.47.0"
 STORAGE_IP = f"{SUBNET}.2"
-QUEUE_SECONDS = 0.25
-MTU = 9000  # jumbo frames, as a cluster's fabric: headers stay under 1% of a counted byte
+FABRIC_SUBNET = "10.48.0"  # the back-end fabric's addresses (nodes only: no storage host on it)
+FABRIC_DEV = "fab0"
 RDZV_PORT = 29400
-PREFIX = "swcl"
-
-
-class ClusterError(ShardwiseError, RuntimeError):
-    """The simulated cluster could not be made or run: a namespace, a rate, a process, the store."""
-
-
-def unavailable() -> str | None:
-    """Why a cluster cannot be made here (None: it can)."""
-    if not hasattr(os, "geteuid") or os.geteuid() != 0:
-        return "network namespaces need root (CI runs tests/cluster as root)"
-    for tool in ("ip", "tc", "unshare", "mount", "hostname"):
-        if shutil.which(tool) is None:
-            return f"no `{tool}` on PATH (iproute2 / util-linux)"
-    probe = f"{PREFIX}{os.getpid()}-probe"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if made.returncode:
-        return f"`ip netns add` failed: {made.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return None
-
-
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    done = subprocess.run(["ip", *args], capture_output=True, text=True)
-    if check and done.returncode:
-        raise ClusterError(f"`ip {' '.join(args)}` failed: {done.stderr.strip()}")
-    return done
-
-
-def _tc(ns: str, dev: str, mbit: float | None) -> None:
-    subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], capture_output=True)
-    if mbit is None:
-        return
-    rate = mbit * 1e6 / 8  # bytes/s
-    burst = max(64 << 10, int(rate / 100))  # 10 ms of the rate: smooth at HZ=100..1000
-    done = subprocess.run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{mbit}mbit",
-                           "burst", str(burst), "limit", str(int(rate * QUEUE_SECONDS) + burst)],
-                          capture_output=True, text=True)
-    if done.returncode:
-        raise ClusterError(f"tc tbf on {ns}/{dev} failed: {done.stderr.strip()}")
-
-
-def _alive(pid: int) -> bool:
-    return Path(f"/proc/{pid}").exists()
-
-
-def _kill_in(ns: str) -> list[int]:
-    """SIGKILL the processes in namespace ``ns``, by their ids; the ids."""
-    pids = [int(p) for p in _ip("netns", "pids", ns, check=False).stdout.split() if p.isdigit()]
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    return pids
-
-
-def _remove_namespace(ns: str) -> None:
-    """Kill the processes left in ``ns``, then delete it."""
-    pids = _kill_in(ns)
-    deadline = time.monotonic() + 10
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    _ip("netns", "del", ns, check=False)
-
-
-def _stale(name: str, prefix: str) -> bool:
-    owner = name[len(prefix):].split("-")[0]
-    return name.startswith(prefix) and owner.isdigit() and not _alive(int(owner))
-
-
-def remove_leftovers(prefix: str = PREFIX) -> list[str]:
-    """Delete the namespaces ``{prefix}{pid}-*`` whose process ``pid`` is gone (a crashed run),
-    and its folders in /var/tmp."""
-    gone = []
-    for line in _ip("netns", "list", check=False).stdout.splitlines():
-        name = line.split()[0] if line.strip() else ""
-        if _stale(name, prefix):
-            _remove_namespace(name)
-            gone.append(name)
-    for folder in Path("/var/tmp").glob(f"{prefix}*-*"):
-        if _stale(folder.name, prefix) and folder.is_dir():
-            shutil.rmtree(folder, ignore_errors=True)
-            gone.append(str(folder))
-    return gone
 
 
 @dataclass(frozen=True)
@@ -139,16 +62,19 @@ class NodeRun:
 
 class Cluster:
     """``nodes`` simulated nodes of ``ranks_per_node`` ranks at ``mbit`` down and up each (None:
-    unlimited), and a storage host at ``storage_mbit`` (None: unlimited). ``root``: where the
-    node folders and the shared folder go (not under /tmp, which each node replaces)."""
+    unlimited), and a storage host at ``storage_mbit`` (None: unlimited). ``fabric_mbit``: the
+    nodes' back-end fabric for the collectives at that rate each way (None: none, the collectives
+    share ``eth0`` with the storage traffic). ``root``: where the node folders and the shared
+    folder go (not under /tmp, which each node replaces)."""
 
     def __init__(self, nodes: int = 2, ranks_per_node: int = 1, *, mbit: float | None = 200.0,
                  storage_mbit: float | None = None, root: str | os.PathLike | None = None,
-                 prefix: str = PREFIX):
+                 prefix: str = PREFIX, fabric_mbit: float | None = None):
         if not 1 <= nodes <= 200 or ranks_per_node < 1:
             raise UsageError(f"nodes={nodes}, ranks_per_node={ranks_per_node}: 1-200 nodes, 1 rank or more")
         self.nodes, self.ranks_per_node = nodes, ranks_per_node
         self.mbit, self.storage_mbit, self.prefix = mbit, storage_mbit, prefix
+        self.fabric_mbit = fabric_mbit
         self._given_root = root
         self.tag = f"{prefix}{os.getpid()}-{os.urandom(2).hex()}"
         self._procs: list[subprocess.Popen] = []
@@ -161,6 +87,10 @@ class Cluster:
 
     def ip(self, where: int | str) -> str:
         return STORAGE_IP if where == "storage" else f"{SUBNET}.{10 + int(where)}"
+
+    def fabric_ip(self, node: int) -> str:
+        """Node ``node``'s address on the fabric (the front-end one without a fabric)."""
+        return self.ip(node) if self.fabric_mbit is None else f"{FABRIC_SUBNET}.{10 + node}"
 
     @staticmethod
     def hostname(where: int | str) -> str:
@@ -209,28 +139,30 @@ class Cluster:
         self.shared.mkdir(parents=True, exist_ok=True)
         switch = self.ns("switch")
         self._add_namespace(switch)
-        _ip("-n", switch, "link", "add", "br0", "type", "bridge")
-        _ip("-n", switch, "link", "set", "br0", "mtu", str(MTU), "up")
+        bridges = ["br0"] if self.fabric_mbit is None else ["br0", "br1"]
+        for bridge in bridges:
+            netns.ip("-n", switch, "link", "add", bridge, "type", "bridge")
+            netns.ip("-n", switch, "link", "set", bridge, "mtu", str(MTU), "up")
         for where in ["storage", *range(self.nodes)]:
             ns, port = self.ns(where), "st" if where == "storage" else f"n{where}"
             self._add_namespace(ns)
             if where != "storage":
                 for sub in ("tmp", "home"):
                     (self.root / f"node{where}" / sub).mkdir(parents=True, exist_ok=True)
-            _ip("-n", switch, "link", "add", port, "mtu", str(MTU), "type", "veth", "peer", "name", "eth0",
-                "netns", ns)
-            _ip("-n", switch, "link", "set", port, "master", "br0", "up")
-            _ip("-n", ns, "link", "set", "eth0", "mtu", str(MTU), "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
             # no IPv6 chatter (router solicitations) in the byte counters
-            subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1"],
-                           capture_output=True)
-            _ip("-n", ns, "addr", "add", f"{self.ip(where)}/24", "dev", "eth0")
+            subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1",
+                            "net.ipv6.conf.default.disable_ipv6=1"], capture_output=True)
+            netns.ip("-n", ns, "link", "set", "lo", "up")
+            netns.plug(switch, "br0", port, ns, "eth0", f"{self.ip(where)}/24")
             mbit = self.storage_mbit if where == "storage" else self.mbit
             self.rate(where, mbit, mbit)
+            if where != "storage" and self.fabric_mbit is not None:
+                netns.plug(switch, "br1", f"f{where}", ns, FABRIC_DEV, f"{self.fabric_ip(where)}/24")
+                netns.tbf(switch, f"f{where}", self.fabric_mbit)
+                netns.tbf(ns, FABRIC_DEV, self.fabric_mbit)
 
     def _add_namespace(self, ns: str) -> None:
-        _ip("netns", "add", ns)
+        netns.ip("netns", "add", ns)
         self._namespaces.append(ns)
 
     def close(self) -> None:
@@ -242,7 +174,7 @@ class Cluster:
                 p.wait()
         self._procs.clear()
         for ns in reversed(self._namespaces):
-            _remove_namespace(ns)
+            netns.remove_namespace(ns)
         self._namespaces.clear()
         if self.root != Path() and not self._given_root:
             shutil.rmtree(self.root, ignore_errors=True)
@@ -252,26 +184,25 @@ class Cluster:
     def rate(self, where: int | str, down_mbit: float | None, up_mbit: float | None) -> None:
         """Set a host's download and upload rates (None: unlimited), e.g. a slow node."""
         port = "st" if where == "storage" else f"n{where}"
-        _tc(self.ns("switch"), port, down_mbit)   # the switch sends to the host: its download
-        _tc(self.ns(where), "eth0", up_mbit)
+        netns.tbf(self.ns("switch"), port, down_mbit)   # the switch sends to the host: its download
+        netns.tbf(self.ns(where), "eth0", up_mbit)
 
     def link(self, where: int | str, up: bool) -> None:
-        """Take a host's cable out (``up=False``: a partition) or put it back."""
-        port = "st" if where == "storage" else f"n{where}"
-        _ip("-n", self.ns("switch"), "link", "set", port, "up" if up else "down")
+        """Take a host's cables out (``up=False``: a partition, from the fabric too) or put them back."""
+        fabric = where != "storage" and self.fabric_mbit is not None
+        ports = ["st"] if where == "storage" else [f"n{where}"] + [f"f{where}"] * fabric
+        for port in ports:
+            netns.ip("-n", self.ns("switch"), "link", "set", port, "up" if up else "down")
 
     def kill(self, where: int | str) -> list[int]:
         """SIGKILL every process on a host (its ranks, their torchrun): a node crash; the ids."""
-        return _kill_in(self.ns(where))
+        return netns.kill_in(self.ns(where))
 
-    def counters(self, where: int | str) -> dict[str, int]:
-        """The bytes and packets a host's NIC has received and sent (``rx_bytes``, ``tx_bytes``, ...),
-        as the kernel counts them: outside every process of the host."""
-        stats = json.loads(_ip("-n", self.ns(where), "-s", "-j", "link", "show", "dev", "eth0").stdout)[0]
-        s = stats["stats64"]
-        return {"rx_bytes": s["rx"]["bytes"], "tx_bytes": s["tx"]["bytes"],
-                "rx_packets": s["rx"]["packets"], "tx_packets": s["tx"]["packets"],
-                "tx_dropped": s["tx"]["dropped"]}
+    def counters(self, where: int | str, dev: str = "eth0") -> dict[str, int]:
+        """The bytes and packets a host's NIC (``dev``: ``FABRIC_DEV`` for its fabric port) has
+        received and sent (``rx_bytes``, ``tx_bytes``, ...), as the kernel counts them: outside
+        every process of the host."""
+        return netns.counters(self.ns(where), dev)
 
     # --- running on a host --------------------------------------------------------------------
 
@@ -317,20 +248,29 @@ class Cluster:
         return text
 
     def torchrun(self, script: list[str], *, timeout: float, env: dict | None = None,
-                 nodes: list[int] | None = None, ranks_per_node: int | None = None) -> list[NodeRun]:
+                 nodes: list[int] | None = None, ranks_per_node: int | None = None,
+                 fabric: bool | None = None) -> list[NodeRun]:
         """``script`` (a path and its arguments) under torchrun on every node (or ``nodes``),
         ``ranks_per_node`` ranks each (default: the cluster's), joined by c10d rendezvous on node
-        0's address. Each node's run ends by itself or is killed at ``timeout``; never raises for
-        a failed node (a fault test expects some)."""
+        0's address, over the fabric (``fabric``: default, whether the cluster has one; False:
+        over ``eth0`` beside the storage traffic, as without one). Each node's run ends by itself
+        or is killed at ``timeout``; never raises for a failed node (a fault test expects some)."""
         chosen = list(range(self.nodes)) if nodes is None else nodes
-        env = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0", "PYTHONUNBUFFERED": "1", **(env or {})}
+        fabric = self.fabric_mbit is not None if fabric is None else fabric
+        if fabric and self.fabric_mbit is None:
+            raise UsageError("torchrun(fabric=True) on a cluster made without fabric_mbit")
+        nic = FABRIC_DEV if fabric else "eth0"  # the collectives' NIC
+        addr = self.fabric_ip if fabric else self.ip
+        env = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": nic, "PYTHONUNBUFFERED": "1", **(env or {})}
         procs, logs, t0 = [], [], time.monotonic()
         for node in chosen:
             log = self.root / f"node{node}-torchrun-{time.monotonic_ns()}.log"
             argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(chosen)),
                     "--nproc-per-node", str(ranks_per_node or self.ranks_per_node), "--rdzv-backend", "c10d",
-                    "--rdzv-endpoint", f"{self.ip(chosen[0])}:{RDZV_PORT}", "--rdzv-id", self.tag,
-                    "--local-addr", self.ip(node), "--max-restarts", "0", *script]
+                    "--rdzv-endpoint", f"{addr(chosen[0])}:{RDZV_PORT}", "--rdzv-id", self.tag,
+                    "--local-addr", addr(node), "--max-restarts", "0",
+                    # torch finds the store's host by its name, which is on the front-end address
+                    "--rdzv-conf", f"is_host={int(node == chosen[0])}", *script]
             procs.append(self.popen(node, argv, env={**env, "SHARDWISE_NODE": str(node)}, log=log))
             logs.append(log)
         out, deadline = [], t0 + timeout
@@ -402,4 +342,4 @@ def start_seaweedfs(cluster: Cluster, weed: str, *, buckets: tuple[str, ...] = (
     return env
 
 
-__all__ = ["Cluster", "NodeRun", "remove_leftovers", "start_seaweedfs", "unavailable"]
+__all__ = ["Cluster", "ClusterError", "NodeRun", "remove_leftovers", "start_seaweedfs", "unavailable"]

@@ -58,8 +58,9 @@ ROUND_BYTES = 32 << 20  # the job's slabs per round
 # wait for. MIN_ROUNDS: a pool under a round is still cut into rounds (a rank's slab at least
 # MIN_SLAB), so that the first exchange starts soon and each overlaps the next fetch. dp over 4
 # nodes, the store's link the limit (benchmarks/cluster.py --trial): 8 of 8 rounds ahead
-# 9.7-12.4 s, 3 of 8 7.3-8.0 s, 8 of 32 6.8-7.0 s
-DEPTH, MIN_ROUNDS, MIN_SLAB = 8, 32, 256 << 10
+# 9.7-12.4 s, 3 of 8 7.3-8.0 s, 8 of 32 6.8-7.0 s; 4 of 32 5.2-5.5 s against 8 of 32's 5.3-5.8
+# with a back-end fabric, and tp over 4 nodes 1.42-1.49 s against 1.47-2.04 s (--fabric-mbit)
+DEPTH, MIN_ROUNDS, MIN_SLAB = 4, 32, 256 << 10
 
 
 @dataclass(frozen=True)
