@@ -186,9 +186,47 @@ def _saves(backend, model, degree: int, total: int, tag: str, runs: int = 2) -> 
             out[f"raw {kind}"].append(_timed(backend, upload(f"raw/{tag}-{key}-{i}", size)))
             if kind == "gather" and i == 0:
                 out["raw copy"] = _timed(backend, copy)
-            out[kind].append(_timed(backend, lambda o=options, k=kind, i=i: sw.save(
-                model, f"s3://{BUCKET}/save/{tag}-{k}-{i}", overwrite=True, progress=False, **o)))
+            with _SaveTrace() as tr:
+                out[kind].append(_timed(backend, lambda o=options, k=kind, i=i: sw.save(
+                    model, f"s3://{BUCKET}/save/{tag}-{k}-{i}", overwrite=True, progress=False, **o)))
+            out[kind][-1]["trace"] = tr.events
     return out
+
+
+class _SaveTrace:
+    """Each object-store request and each torch.distributed collective a save makes, timed from
+    outside shardwise (the modules' functions wrapped for the save's duration): ``events`` are
+    ``(start s, seconds, call, key)``, in the JSON beside the save's figures."""
+
+    def __enter__(self):
+        import obstore
+        import torch.distributed as dist
+        self.events, self.t0, self.saved = [], time.perf_counter(), []
+
+        def wrap(owner, name):
+            real = getattr(owner, name)
+            def f(*a, **k):
+                t = time.perf_counter()
+                try:
+                    return real(*a, **k)
+                finally:
+                    key = a[1] if owner is obstore and len(a) > 1 else ""
+                    took = round(time.perf_counter() - t, 4)
+                    self.events.append((round(t - self.t0, 4), took, name, str(key)[-48:]))
+            self.saved.append((owner, name, real))
+            setattr(owner, name, f)
+
+        for n in ("put", "get", "head", "delete", "copy", "list", "list_with_delimiter"):
+            wrap(obstore, n)
+        for n in ("all_gather_object", "gather_object", "broadcast_object_list", "all_reduce", "barrier",
+                  "all_gather", "reduce_scatter_tensor", "scatter_object_list", "broadcast", "gather"):
+            if hasattr(dist, n):
+                wrap(dist, n)
+        return self
+
+    def __exit__(self, *e):
+        for owner, name, real in self.saved:
+            setattr(owner, name, real)
 
 
 def runai_rank(urls: list[str], cfg: dict, specs: dict, degree: int, distributed: bool | None = None) -> dict:
