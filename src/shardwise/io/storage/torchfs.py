@@ -47,7 +47,9 @@ class LocationFS(FileSystemBase):
         if mode == "rb":
             handle = loc.open()
             try:
-                yield HandleFile(handle).buffered()  # torch.load's small reads served from a buffer
+                # torch.load reads a stream whose records it cannot tell: unbuffered, each of its
+                # many small reads would be a storage read (a system call, a request)
+                yield io.BufferedReader(HandleFile(handle))
             finally:
                 handle.close()
             return
