@@ -41,14 +41,20 @@ from shardwise.io.formats.safetensors.files import (
     parse_size,
     plan_files,
     read_header,
-    read_region,
-    read_tensor,
 )
+from shardwise.io.read.mapped import read_region
 from shardwise.io.storage import locate
 from shardwise.io.storage.posix import Writeback
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
           torch.int16, torch.int8, torch.uint8, torch.bool]
+
+
+def read_tensor(handle, file_header, entry) -> torch.Tensor:
+    """The whole tensor ``entry`` as a fresh CPU tensor (read_region of its every element)."""
+    out = torch.empty(entry.shape, dtype=entry.torch_dtype)
+    read_region(handle, file_header, entry, (0,) * len(entry.shape), entry.shape, out)
+    return out
 
 
 def make_tensor(shape, dtype, seed=0) -> torch.Tensor:

@@ -25,14 +25,11 @@ SCHEMES = ("fp8_block", "mxfp4")
 SUPPORTED_QUANT = ("FP8 with block scales (quant_method 'fp8', weight_block_size [128, 128] and others: "
                    "transformers' FP8Linear) and MXFP4 (quant_method 'mxfp4': gpt-oss's experts as "
                    "x_blocks / x_scales, one e8m0 scale per 32 e2m1 values)")
-FLOAT8 = frozenset(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
-                                                 "float8_e5m2fnuz") if hasattr(torch, n))
+FLOAT8 = frozenset((torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz))
 # MXFP4 as bytes: gpt-oss's U8, or safetensors 0.8's F4 (torch.float4_e2m1fn_x2, the same byte:
 # two e2m1 values, the low nibble first) blocks and F8_E8M0 (torch.float8_e8m0fnu) scales
-MXFP4_BLOCK_DTYPES = frozenset([torch.uint8] + [getattr(torch, n) for n in ("float4_e2m1fn_x2",)
-                                                if hasattr(torch, n)])
-MXFP4_SCALE_DTYPES = frozenset([torch.uint8] + [getattr(torch, n) for n in ("float8_e8m0fnu",)
-                                                if hasattr(torch, n)])
+MXFP4_BLOCK_DTYPES = frozenset((torch.uint8, torch.float4_e2m1fn_x2))
+MXFP4_SCALE_DTYPES = frozenset((torch.uint8, torch.float8_e8m0fnu))
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

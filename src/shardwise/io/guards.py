@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from shardwise.core.adapter import refuse_unsupported
-from shardwise.core.quant import SUPPORTED_QUANT, quant_scheme  # noqa: F401 - quant_scheme: re-exported
+from shardwise.core.quant import FLOAT8, SUPPORTED_QUANT, quant_scheme  # noqa: F401 - quant_scheme: re-exported
 from shardwise.core.quant_layout import quant_pairs
 from shardwise.core.walk import named_modules
 from shardwise.errors import MeshError, UnsupportedModelError
@@ -19,8 +19,6 @@ _PLAIN_TENSOR_TYPES = ("Tensor", "Parameter", "DTensor", "Buffer")
 _BNB_PARAM_TYPES = ("Params4bit", "Int8Params")
 _QUANT_MODULE_TYPES = ("Linear4bit", "Linear8bitLt", "LinearNF4", "Float8Linear", "QuantizedLinear")
 _QUANT_TENSOR_MARKS = ("Float8", "AffineQuantized", "NF4", "Int4", "Int8", "Quantized", "Fp8")
-_FLOAT8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
-                                              "float8_e5m2fnuz") if hasattr(torch, n))
 
 
 def refusal(action: str, cause: str, fix: str) -> UnsupportedModelError:
@@ -71,7 +69,7 @@ def _check_quantized_tensors(model: nn.Module, action: str) -> None:
             if name in scales:
                 continue
             if ("weight" in name.lower() and _is_quantized_dtype(t.dtype)) or (
-                    name in params and t.dtype in _FLOAT8):  # FP8 experts: gate_up_proj, down_proj
+                    name in params and t.dtype in FLOAT8):  # FP8 experts: gate_up_proj, down_proj
                 full = f"{path}.{name}" if path else name
                 raise refusal(action, f"{full!r} holds {t.dtype} values next to the scale tensor "
                               f"{scales[0]!r} (quantized weights)", fix)
@@ -99,7 +97,7 @@ def _check_fp8(path: str, module: nn.Module, pairs: list, action: str) -> None:
 
 
 def _is_quantized_dtype(dtype: torch.dtype) -> bool:
-    return dtype in _FLOAT8 or not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+    return dtype in FLOAT8 or not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
 
 def check_mesh(mesh) -> None:

@@ -169,7 +169,7 @@ def _first_line(e: BaseException) -> str:
 
 
 def _breaks_the_group(e: BaseException) -> bool:
-    return isinstance(e, sw.CollectiveError | getattr(dist, "DistError", sw.CollectiveError))
+    return isinstance(e, sw.CollectiveError | dist.DistError)
 
 
 def _fail_reason(everyone: list[tuple]) -> str:

@@ -275,12 +275,6 @@ class HandleFile(io.RawIOBase):
         self._size = handle.size()  # once: a read handle's file does not change length
         self._held = held  # (offset, bytes) already read: reads inside one are served from it
 
-    def buffered(self) -> io.BufferedReader:
-        """A buffered reader of its own over the same handle, for ``torch.load`` of a stream
-        whose records it cannot tell (torch DCP's own reader): unbuffered, each of its many small
-        reads would be a storage read (a system call, a request)."""
-        return io.BufferedReader(HandleFile(self.handle))
-
     def record(self, start: int, length: int, *, edge: int = 4096) -> HandleFile:
         """A file of its own over the same handle for ``torch.load`` of the zip record at
         ``[start, start + length)`` (a DCP blob): the record's first and last ``edge`` bytes, where

@@ -47,7 +47,9 @@ class LocationFS(FileSystemBase):
         if mode == "rb":
             handle = loc.open()
             try:
-                yield HandleFile(handle).buffered()  # torch.load's small reads served from a buffer
+                # torch.load reads a stream whose records it cannot tell: unbuffered, each of its
+                # many small reads would be a storage read (a system call, a request)
+                yield io.BufferedReader(HandleFile(handle))
             finally:
                 handle.close()
             return
@@ -103,10 +105,7 @@ class LocationWriter(FileSystemWriter):
         return loc.local_path("the checkpoint id") if loc.scheme is None else str(loc)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        # torch >= 2.7 records its DCP format version (its own writer does the same); 2.6 has none
-        version = getattr(_torch_fs, "CURRENT_DCP_VERSION", None)
-        if version is not None:
-            metadata.version = version
+        metadata.version = _torch_fs.CURRENT_DCP_VERSION  # torch's own writer records its DCP format version
         metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
         metadata.storage_meta = self.storage_meta()
         rank = self.rank if not self.use_collectives else None  # no_dist: every rank its own

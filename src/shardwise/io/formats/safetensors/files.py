@@ -16,7 +16,6 @@ import torch
 from shardwise.core.header import (
     FileHeader,
     Spec,
-    TensorEntry,
     check_header_length,
     layout_header,
     parse_header,
@@ -25,9 +24,8 @@ from shardwise.core.header import (
 )
 from shardwise.errors import CheckpointError
 from shardwise.io.info import new_digest, record_checksums
-from shardwise.io.read.mapped import read_region
 from shardwise.io.sink import PlannedFile, StoredTensor, WritePlan
-from shardwise.io.storage import Location, ReadHandle, WriteHandle, byte_view, locate
+from shardwise.io.storage import Location, WriteHandle, byte_view, locate
 from shardwise.io.storage.lookups import remembered
 
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -64,13 +62,6 @@ def _read_header(path: Location) -> FileHeader:
         return parse_header(bytes(raw), data_size=size - 8 - n, source=source)
     finally:
         handle.close()
-
-
-def read_tensor(handle: ReadHandle, file_header: FileHeader, entry: TensorEntry) -> torch.Tensor:
-    """The whole tensor ``entry`` as a fresh CPU tensor."""
-    out = torch.empty(entry.shape, dtype=entry.torch_dtype)
-    read_region(handle, file_header, entry, (0,) * len(entry.shape), entry.shape, out)
-    return out
 
 
 # --- writing -------------------------------------------------------------------------------
@@ -344,5 +335,5 @@ class SafetensorsSink:
 
 __all__ = [
     "INDEX_SUFFIX", "SafetensorsSink", "StreamingWriter", "header_metadata", "index_json", "parse_size",
-    "plan_checkpoint", "plan_files", "read_header", "read_tensor", "save_file_order",
+    "plan_checkpoint", "plan_files", "read_header", "save_file_order",
 ]
