@@ -48,7 +48,6 @@ def traps(monkeypatch, mesh):
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
-    from shardwise.io.formats.safetensors import files as safetensors_io
     from shardwise.io.formats.safetensors import source as safetensors_source
     from shardwise.io.read import reader
 
@@ -65,7 +64,7 @@ def traps(monkeypatch, mesh):
             if hasattr(module, name):
                 monkeypatch.setattr(module, name, trap(name))
     monkeypatch.setattr(reader, "read_region", trap("read_region"))
-    monkeypatch.setattr(safetensors_io, "read_region", trap("read_region"))
+    monkeypatch.setattr(safetensors_source, "read_region", trap("read_region"))
     monkeypatch.setattr(os, "pread", trap("os.pread"))
     if hasattr(os, "preadv"):
         monkeypatch.setattr(os, "preadv", trap("os.preadv"))
