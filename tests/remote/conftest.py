@@ -11,7 +11,16 @@ from dataclasses import dataclass
 
 import pytest
 from proxy import Proxy
-from servers import ACCESS_KEY, SECRET_KEY, Server, find_fake_gcs, find_weed, start_fake_gcs, start_seaweedfs
+from servers import (
+    ACCESS_KEY,
+    SECRET_KEY,
+    Server,
+    disk_note,
+    find_fake_gcs,
+    find_weed,
+    start_fake_gcs,
+    start_seaweedfs,
+)
 
 
 def _needs_obstore() -> None:
@@ -76,11 +85,18 @@ def _gcs_bucket(server: Server, name: str) -> None:
 
 
 def _s3_bucket(remote: Remote) -> None:
-    """SeaweedFS makes a bucket on its first write (obstore has no call that makes one)."""
+    """SeaweedFS makes a bucket on its first write (obstore has no call that makes one). A server
+    that takes no write fails here with the disk's free space and the end of its log: a PUT that
+    times out says nothing of why."""
     import obstore
 
     store = remote.storage().store(remote.bucket)
-    obstore.put(store, "_bucket", b"")
+    try:
+        obstore.put(store, "_bucket", b"")
+    except Exception as e:
+        log = remote.server.log.read_text(errors="replace")[-2000:]
+        raise RuntimeError(f"SeaweedFS took no write ({type(e).__name__}); "
+                           f"{disk_note(remote.server.log.parent)}; its log ends:\n{log}") from e
     obstore.delete(store, "_bucket")
     remote.proxy.clear()
 

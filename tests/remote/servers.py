@@ -19,6 +19,17 @@ from pathlib import Path
 
 ACCESS_KEY, SECRET_KEY = "shardwise-test-access", "shardwise-test-secret-Zq81xv"
 START_TIMEOUT = 60.0
+# SeaweedFS's default keeps 1% of the disk free: under it every volume turns read-only, and a PUT
+# then waits on a volume assignment that never comes (a timeout, not an error). On a large, nearly
+# full disk that 1% is gigabytes; the tests write a few hundred MB, so an absolute floor is enough.
+MIN_FREE = "256MiB"
+NEEDS_FREE = 2 << 30  # bytes free under the data folder before a start
+
+
+def disk_note(folder: Path) -> str:
+    """How much disk is free under ``folder``: what an error about a server that takes no write says."""
+    free = shutil.disk_usage(folder).free
+    return f"{free / 2**30:.1f} GiB free under {folder}"
 
 
 def free_port() -> int:
@@ -96,6 +107,9 @@ def start_seaweedfs(weed: str, folder: Path) -> Server:
 def _start_seaweedfs(weed: str, folder: Path) -> Server:
     data = folder / "data"
     data.mkdir(parents=True)
+    if shutil.disk_usage(data).free < NEEDS_FREE:
+        raise RuntimeError(f"SeaweedFS needs {NEEDS_FREE >> 30} GiB free for the object-storage tests: "
+                           f"{disk_note(data)}; free some disk (old CI clones, tox envs) and run again")
     config = folder / "s3.json"
     config.write_text(json.dumps({"identities": [{
         "name": "shardwise", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
@@ -105,7 +119,8 @@ def _start_seaweedfs(weed: str, folder: Path) -> Server:
         "filer.port.grpc", "s3.port", "s3.port.grpc", "metricsPort")}
     args = [weed, "server", "-s3", "-ip", "127.0.0.1", "-ip.bind", "127.0.0.1", "-dir", str(data),
             "-s3.config", str(config), "-master.telemetry=false", "-master.volumeSizeLimitMB", "64",
-            "-volume.max", "0", "-filer.localSocket", str(folder / "filer.sock"),
+            "-volume.max", "0", "-volume.minFreeSpace", MIN_FREE,
+            "-filer.localSocket", str(folder / "filer.sock"),
             "-s3.localSocket", str(folder / "s3.sock"), "-s3.port.iceberg=0", "-s3.port.lance=0",
             *[f"-{name}={port}" for name, port in ports.items()]]
     log = folder / "weed.log"
@@ -145,5 +160,5 @@ def start_fake_gcs(binary: str, folder: Path) -> Server:
     return server
 
 
-__all__ = ["ACCESS_KEY", "SECRET_KEY", "Server", "find_fake_gcs", "find_weed", "free_port", "start_fake_gcs",
-           "start_seaweedfs"]
+__all__ = ["ACCESS_KEY", "SECRET_KEY", "Server", "disk_note", "find_fake_gcs", "find_weed", "free_port",
+           "start_fake_gcs", "start_seaweedfs"]

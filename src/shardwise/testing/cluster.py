@@ -327,6 +327,9 @@ def start_seaweedfs(cluster: Cluster, weed: str, *, buckets: tuple[str, ...] = (
         weed, "server", "-s3", "-ip", ip, "-ip.bind", ip, "-dir", str(folder / "data"),
         "-s3.config", str(folder / "s3.json"), "-master.telemetry=false", "-master.volumeSizeLimitMB", "64",
         "-volume.max", "0", f"-s3.port={S3_PORT}", "-s3.port.iceberg=0", "-s3.port.lance=0",
+        # its default floor, 1% of the disk, turns every volume read-only on a large, nearly full
+        # disk, and a PUT then times out instead of failing
+        "-volume.minFreeSpace", "256MiB",
         "-metricsPort=0"], log=folder / "weed.log", cwd=folder)
     endpoint = f"http://{ip}:{S3_PORT}"
     try:
