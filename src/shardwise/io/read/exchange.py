@@ -18,9 +18,13 @@ into about one request per thread and taken before the direct tensors' requests 
 the start: the NIC never waits for a round, and a round's slab lands whole before the next),
 every byte landed straight into its tensor and neighbouring runs of one object (several small
 tensors) merged into one request (``RemoteFile.run_requests``). Per round, once its slab is in,
-the ranks agree that no read failed (``comm.agree``: a failed read raises on every rank,
-carrying its message, before the exchange; the direct reads' failures at the latest after the
-last round) and exchange. Each local tensor is finalized once its last byte arrives, with what
+the ranks exchange, and the same ``all_to_all`` carries each rank's read status to every peer
+(``STATUS`` bytes after the boxes for each): a failed read raises on every rank, carrying its
+message (``comm.agree``, called only then), right after the exchange of its round, whose boxes
+are dropped; the direct reads' failures at the latest after the last round. A collective of
+its own per round would wait behind the slabs in a NIC's queue where the exchange shares the
+link to the store (one collective fewer per round: dp over 4 nodes on one shared NIC, 5.75-5.94
+s against 6.16-6.51 s). Each local tensor is finalized once its last byte arrives, with what
 a storage read gives: a host tensor of the stored dtype and the local shape. A rank that fails
 before it (opening the checkpoint, matching keys) has told its peers already: ``sw.load``
 agrees on those steps first. One rank alone (tp=1 over a process group) runs the same path: its
@@ -59,8 +63,12 @@ ROUND_BYTES = 32 << 20  # the job's slabs per round
 # MIN_SLAB), so that the first exchange starts soon and each overlaps the next fetch. dp over 4
 # nodes, the store's link the limit (benchmarks/cluster.py --trial): 8 of 8 rounds ahead
 # 9.7-12.4 s, 3 of 8 7.3-8.0 s, 8 of 32 6.8-7.0 s; 4 of 32 5.2-5.5 s against 8 of 32's 5.3-5.8
-# with a back-end fabric, and tp over 4 nodes 1.42-1.49 s against 1.47-2.04 s (--fabric-mbit)
+# with a back-end fabric, and tp over 4 nodes 1.42-1.49 s against 1.47-2.04 s (--fabric-mbit).
+# 1 ahead: the same with a fabric, and dp over 4 nodes on one shared NIC 5.48-5.54 s against
+# 5.76-5.89 s, but a queue one round deep runs dry at each round's end: one first-byte latency
+# of the store per round (tens of ms on a cloud store, none here), so not taken
 DEPTH, MIN_ROUNDS, MIN_SLAB = 4, 32, 256 << 10
+STATUS = 8  # bytes of read status after each peer's boxes in a round (8: the boxes' alignment kept)
 
 
 @dataclass(frozen=True)
@@ -223,7 +231,7 @@ def read_exchanged(reader: RegionReader, items: list[ReadItem], *, finalize: Fin
     Collective over the world (:func:`exchanges` holds): every rank calls it with its own items.
     ``reader`` reads (and counts, ``bytes_read``) this rank's storage reads; ``on_bytes`` is told
     each local tensor's bytes as it is finalized. A read that fails on any rank raises on every
-    rank before the exchange of its round (or, for a direct read, after the last round).
+    rank right after the exchange of its round (or, for a direct read, after the last round).
     """
     backend = dims.comm_backend
     files = {str(loc): (loc, header) for loc, header in reader.headers.items()}
@@ -265,8 +273,8 @@ def read_exchanged(reader: RegionReader, items: list[ReadItem], *, finalize: Fin
             fetched, futures = slabs.pop(number, ([], []))
             error = error or first_error(futures) or first_error([f for f in own_futures if f.done()])
             submit(number + DEPTH)  # fetched ahead of the direct reads while this round is exchanged
-            comm.agree(backend, error, what="reading the checkpoint from the object store")
-            _exchange(rnd, fetched, items, landing, backend, number, buffers)
+            if _exchange(rnd, fetched, items, landing, backend, number, buffers, failed=error is not None):
+                comm.agree(backend, error, what="reading the checkpoint from the object store")
         error = error or first_error(own_futures)
         comm.agree(backend, error, what="reading the checkpoint from the object store")
     finally:
@@ -321,13 +329,15 @@ class _Landing:
 
 class _Buffers:
     """The send and receive buffers of every round: sized once for the largest, then reused
-    (a fresh pair per round would be allocated and faulted in again each time)."""
+    (a fresh pair per round would be allocated and faulted in again each time). Each peer's
+    part ends in ``STATUS`` bytes (the sender's read status)."""
 
     def __init__(self, rounds: Sequence[Round], items: list[ReadItem], me: int, world: int,
                  device: torch.device):
         self.sizes = [_sizes(rnd, items, me, world) for rnd in rounds]
-        self._send = torch.empty(max((sum(s) for s, _ in self.sizes), default=0), dtype=torch.uint8)
-        self._recv = torch.empty(max((sum(r) for _, r in self.sizes), default=0), dtype=torch.uint8,
+        tails = STATUS * world
+        self._send = torch.empty(max((sum(s) for s, _ in self.sizes), default=0) + tails, dtype=torch.uint8)
+        self._recv = torch.empty(max((sum(r) for _, r in self.sizes), default=0) + tails, dtype=torch.uint8,
                                  device=device)
 
     def send(self, n: int) -> torch.Tensor:
@@ -357,14 +367,19 @@ def _as_bytes(buf: torch.Tensor, at: int, n: int, dtype: torch.dtype, shape) -> 
 
 
 def _exchange(rnd: Round, fetched: list[torch.Tensor], items: list[ReadItem], landing: _Landing,
-              backend, number: int, buffers: _Buffers) -> None:
+              backend, number: int, buffers: _Buffers, *, failed: bool) -> bool:
     """One round's all_to_all: each box copied once into the send buffer in plan order, each
-    received box copied once from the receive buffer into its local tensor."""
+    received box copied once from the receive buffer into its local tensor. Each peer's part
+    ends in this rank's read status (``failed``: its boxes are not sent, its slab may be
+    missing). Whether any rank failed; then nothing lands, and every rank knows it."""
     me = dist.get_rank()
-    send_sizes, recv_sizes = buffers.sizes[number]
+    data_sizes, recv_data = buffers.sizes[number]
+    send_sizes, recv_sizes = [n + STATUS for n in data_sizes], [n + STATUS for n in recv_data]
     send = buffers.send(sum(send_sizes))
-    at = 0
-    for move in rnd.sends:
+    at, peer = 0, 0
+    for move in () if failed else rnd.sends:
+        while peer < move.peer:  # the parts in peer order, each closed by the status
+            at, peer = at + STATUS, peer + 1
         box = fetched[move.piece][_box_in(rnd.fetch[move.piece], move.box)]
         n = box.numel() * box.element_size()
         view = _as_bytes(send, at, n, box.dtype, box.shape)
@@ -373,11 +388,16 @@ def _exchange(rnd: Round, fetched: list[torch.Tensor], items: list[ReadItem], la
         else:
             send[at:at + n].copy_(box.contiguous().reshape(-1).view(torch.uint8))
         at += n
+    ends = [sum(send_sizes[:r + 1]) for r in range(len(send_sizes))]
+    for end in ends:
+        send[end - STATUS:end] = int(failed)
     recv = buffers.recv(sum(recv_sizes))
     comm.all_to_all_single(recv, send.to(recv.device), recv_sizes, send_sizes, backend=backend,
                            purpose=f"round {number} of the exchange of the checkpoint's slabs")
     recv = recv.cpu()
     starts = [sum(recv_sizes[:r]) for r in range(len(recv_sizes))]
+    if failed or any(recv[start + n] for start, n in zip(starts, recv_data, strict=True)):
+        return True
     for move in rnd.receives:
         dtype = items[move.item].entry.torch_dtype
         if move.peer == me:
@@ -391,6 +411,7 @@ def _exchange(rnd: Round, fetched: list[torch.Tensor], items: list[ReadItem], la
             data = aligned
             starts[move.peer] += n
         landing.put(move, data)
+    return False
 
 
 __all__ = ["ExchangePlan", "Move", "Need", "Piece", "ROUND_BYTES", "Round", "exchanges", "plan_exchange",
