@@ -21,11 +21,10 @@ tensors) merged into one request (``RemoteFile.run_requests``). Per round, once 
 the ranks exchange, and the same ``all_to_all`` carries each rank's read status to every peer
 (``STATUS`` bytes after the boxes for each): a failed read raises on every rank, carrying its
 message (``comm.agree``, called only then), right after the exchange of its round, whose boxes
-are dropped; the direct reads' failures at the latest after the last round. A collective of
-its own per round would wait behind the slabs in a NIC's queue where the exchange shares the
-link to the store (one collective fewer per round: dp over 4 nodes on one shared NIC, 5.75-5.94
-s against 6.16-6.51 s). Each local tensor is finalized once its last byte arrives, with what
-a storage read gives: a host tensor of the stored dtype and the local shape. A rank that fails
+are dropped; the direct reads' failures at the latest after the last round (a collective of
+its own would wait behind the slabs where the exchange shares the store's NIC). Each local
+tensor is finalized once its last byte arrives, with what a storage read gives: a host tensor
+of the stored dtype and the local shape. A rank that fails
 before it (opening the checkpoint, matching keys) has told its peers already: ``sw.load``
 agrees on those steps first. One rank alone (tp=1 over a process group) runs the same path: its
 tensors are all direct.
@@ -60,13 +59,10 @@ ROUND_BYTES = 32 << 20  # the job's slabs per round
 # DEPTH: rounds of slabs fetched ahead of the one exchanged (before the direct reads, all queued
 # at the start). Not all: a rank far ahead takes the store's bandwidth from the slabs its peers
 # wait for. MIN_ROUNDS: a pool under a round is still cut into rounds (a rank's slab at least
-# MIN_SLAB), so that the first exchange starts soon and each overlaps the next fetch. dp over 4
-# nodes, the store's link the limit (benchmarks/cluster.py --trial): 8 of 8 rounds ahead
-# 9.7-12.4 s, 3 of 8 7.3-8.0 s, 8 of 32 6.8-7.0 s; 4 of 32 5.2-5.5 s against 8 of 32's 5.3-5.8
-# with a back-end fabric, and tp over 4 nodes 1.42-1.49 s against 1.47-2.04 s (--fabric-mbit).
-# 1 ahead: the same with a fabric, and dp over 4 nodes on one shared NIC 5.48-5.54 s against
-# 5.76-5.89 s, but a queue one round deep runs dry at each round's end: one first-byte latency
-# of the store per round (tens of ms on a cloud store, none here), so not taken
+# MIN_SLAB), so that the first exchange starts soon and each overlaps the next fetch. Measured
+# by benchmarks/cluster.py --trial (docs/benchmarks.md, cluster-on-paper): 8 ahead slower, 1
+# ahead faster only on one shared NIC, where its queue runs dry at each round's end (a store's
+# first-byte latency per round on a cloud store)
 DEPTH, MIN_ROUNDS, MIN_SLAB = 4, 32, 256 << 10
 STATUS = 8  # bytes of read status after each peer's boxes in a round (8: the boxes' alignment kept)
 
@@ -369,9 +365,8 @@ def _as_bytes(buf: torch.Tensor, at: int, n: int, dtype: torch.dtype, shape) -> 
 def _exchange(rnd: Round, fetched: list[torch.Tensor], items: list[ReadItem], landing: _Landing,
               backend, number: int, buffers: _Buffers, *, failed: bool) -> bool:
     """One round's all_to_all: each box copied once into the send buffer in plan order, each
-    received box copied once from the receive buffer into its local tensor. Each peer's part
-    ends in this rank's read status (``failed``: its boxes are not sent, its slab may be
-    missing). Whether any rank failed; then nothing lands, and every rank knows it."""
+    received box copied once from the receive buffer into its local tensor; each peer's part
+    ends in this rank's read status. Whether any rank failed (then nothing lands)."""
     me = dist.get_rank()
     data_sizes, recv_data = buffers.sizes[number]
     send_sizes, recv_sizes = [n + STATUS for n in data_sizes], [n + STATUS for n in recv_data]
