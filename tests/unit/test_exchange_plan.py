@@ -12,7 +12,7 @@ import torch
 
 from shardwise.core.header import TensorEntry
 from shardwise.core.spec import ShardSpec, local_layout, local_shape, split
-from shardwise.io.read.exchange import Need, plan_exchange
+from shardwise.io.read.exchange_plan import Need, plan_exchange
 
 SHAPES = {("a.safetensors", "emb"): (24, 8), ("a.safetensors", "o"): (8, 16), ("a.safetensors", "norm"): (8,),
           ("b.safetensors", "gate_up"): (16, 8), ("b.safetensors", "down"): (8, 16),
@@ -124,7 +124,7 @@ def test_a_pool_under_a_round_is_still_cut_into_rounds():
     """16 MiB of rowwise rows over 2 ranks (under the 32 MiB round): MIN_ROUNDS rounds of a
     MIN_SLAB slab a rank, so that the exchange of each overlaps the fetch of the next; a tiny
     pool stays whole."""
-    from shardwise.io.read.exchange import MIN_ROUNDS, MIN_SLAB, ROUND_BYTES
+    from shardwise.io.read.exchange_plan import MIN_ROUNDS, MIN_SLAB, ROUND_BYTES
 
     rows = (16 << 20) // 4096
     entry = TensorEntry("w", "F32", (rows, 1024), 0, rows * 4096)

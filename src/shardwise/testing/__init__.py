@@ -39,7 +39,7 @@ from shardwise.holding import local_of as local_shard
 from shardwise.io import info
 from shardwise.io.formats import FORMATS, get_format, open_source
 from shardwise.io.formats.safetensors.files import StreamingWriter, index_json, parse_size, plan_files
-from shardwise.io.read import exchange, fetch
+from shardwise.io.read import exchange, exchange_plan, fetch
 from shardwise.io.storage import locate, write_small
 from shardwise.parallel import ShardState, get_shard_state
 
@@ -321,7 +321,7 @@ def exchange_probe(round_bytes: int | None = None, depth: int | None = None,
     spans: list[tuple[float, float]] = []
     real = comm.all_to_all_single
     named = {"ROUND_BYTES": round_bytes, "DEPTH": depth, **(settings or {})}
-    where = {name: fetch if hasattr(fetch, name) and not hasattr(exchange, name) else exchange
+    where = {name: next(m for m in (exchange, exchange_plan, fetch) if hasattr(m, name))  # the reader's
              for name, value in named.items() if value}
     saved = {name: getattr(module, name) for name, module in where.items()}
 

@@ -2,32 +2,23 @@
 every request costs a round trip and nothing is mapped): the job reads each byte of the
 checkpoint once, in whole contiguous ranges, and the ranks exchange what each needs.
 
-Plan, then execute. :func:`plan_exchange` (pure) takes every rank's needs (the regions of each
-stored tensor that each of its reads covers) and splits them in two. A stored tensor whose
-needed regions are each one contiguous byte run, and no two of them overlap (a colwise shard, a
-packed colwise one, an expert), is read by each rank for itself, as a local load does. Every
-other tensor (a rowwise shard is a short run per row, a replicated tensor is needed whole by
-every rank, a dp replica's shard by two) goes into a pool: the pool's rows, in file order, are
-cut into one contiguous slab per rank per round (``window`` bytes at most a rank), each rank
-fetches its slab (one ranged read per tensor it spans), and one ``all_to_all`` per round gives
-each rank the boxes of its needs that its peers fetched (:func:`shardwise.core.spec.intersect`).
-
-:func:`read_exchanged` runs it: every rank gathers the needs and plans; then one queue of
-requests (``reader.num_threads`` in flight) fetches the slabs ``DEPTH`` rounds ahead, each cut
-into about one request per thread and taken before the direct tensors' requests (all queued at
-the start: the NIC never waits for a round, and a round's slab lands whole before the next),
-every byte landed straight into its tensor and neighbouring runs of one object (several small
-tensors) merged into one request (``RemoteFile.run_requests``). Per round, once its slab is in,
-the ranks exchange, and the same ``all_to_all`` carries each rank's read status to every peer
+:func:`read_exchanged` gathers every rank's needs and plans (:mod:`.exchange_plan`: which
+tensors each rank reads for itself, the pool's slabs per round, the boxes each rank sends each
+peer), then runs the plan: one queue of requests (``reader.num_threads`` in flight) fetches the
+slabs ``DEPTH`` rounds ahead, each cut into about one request per thread and taken before the
+direct tensors' requests (all queued at the start: the NIC never waits for a round, and a
+round's slab lands whole before the next), every byte landed straight into its tensor and
+neighbouring runs of one object (several small tensors) merged into one request
+(``RemoteFile.run_requests``). Per round, once its slab is in, one ``all_to_all`` gives each
+rank the boxes its peers fetched for it, and carries each rank's read status to every peer
 (``STATUS`` bytes after the boxes for each): a failed read raises on every rank, carrying its
 message (``comm.agree``, called only then), right after the exchange of its round, whose boxes
 are dropped; the direct reads' failures at the latest after the last round (a collective of
 its own would wait behind the slabs where the exchange shares the store's NIC). Each local
 tensor is finalized once its last byte arrives, with what a storage read gives: a host tensor
-of the stored dtype and the local shape. A rank that fails
-before it (opening the checkpoint, matching keys) has told its peers already: ``sw.load``
-agrees on those steps first. One rank alone (tp=1 over a process group) runs the same path: its
-tensors are all direct.
+of the stored dtype and the local shape. A rank that fails before it (opening the checkpoint,
+matching keys) has told its peers already: ``sw.load`` agrees on those steps first. One rank
+alone (tp=1 over a process group) runs the same path: its tensors are all direct.
 
 Memory: the job's round is ``ROUND_BYTES``, a rank's slab ``ROUND_BYTES / world``; a rank holds
 ``DEPTH`` slabs, a send buffer of at most what its slab sends to the ``world - 1`` others and a
@@ -38,174 +29,28 @@ their pages touched as their bytes land).
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 import shardwise.comm as comm
 from shardwise.core.header import TensorEntry
-from shardwise.core.spec import Region, intersect
+from shardwise.core.spec import Region
 from shardwise.errors import CheckpointError
+from shardwise.io.read.exchange_plan import ROUND_BYTES, ExchangePlan, Move, Need, Round, plan_exchange
 from shardwise.io.read.fetch import Key, Piece, Requests, dests, direct_requests, first_error, slab_requests
-from shardwise.io.read.mapped import contiguous_span
 from shardwise.io.read.reader import Finalize, ReadItem, RegionReader
 from shardwise.mesh import MeshDims
 
-ROUND_BYTES = 32 << 20  # the job's slabs per round
 # DEPTH: rounds of slabs fetched ahead of the one exchanged (before the direct reads, all queued
 # at the start). Not all: a rank far ahead takes the store's bandwidth from the slabs its peers
-# wait for. MIN_ROUNDS: a pool under a round is still cut into rounds (a rank's slab at least
-# MIN_SLAB), so that the first exchange starts soon and each overlaps the next fetch. Measured
-# by benchmarks/cluster.py --trial (docs/benchmarks.md, cluster-on-paper): 8 ahead slower, 1
-# ahead faster only on one shared NIC, where its queue runs dry at each round's end (a store's
-# first-byte latency per round on a cloud store)
-DEPTH, MIN_ROUNDS, MIN_SLAB = 4, 32, 256 << 10
+# wait for. Measured by benchmarks/cluster.py --trial (docs/benchmarks.md, cluster-on-paper): 8
+# ahead slower, 1 ahead faster only on one shared NIC, where its queue runs dry at each round's
+# end (a store's first-byte latency per round on a cloud store)
+DEPTH = 4
 STATUS = 8  # bytes of read status after each peer's boxes in a round (8: the boxes' alignment kept)
-
-
-@dataclass(frozen=True)
-class Need:
-    """What read ``item`` (its index in its rank's list) takes of stored tensor ``tensor``:
-    each region of ``layout`` lands at its offset in the item's local tensor."""
-
-    item: int
-    tensor: Key
-    layout: tuple[tuple[Region, tuple[int, ...]], ...]
-
-
-@dataclass(frozen=True)
-class Move:
-    """A box of a fetched piece that goes to a rank: ``peer`` (the receiver in a send, the
-    sender in a receive), ``piece`` (its index in the sender's fetch), the receiver's ``item``,
-    the ``box`` (of the stored tensor) and where it lands in that item's local tensor (``at``)."""
-
-    peer: int
-    piece: int
-    item: int
-    box: Region
-    at: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class Round:
-    """One rank's part of a round: its ``fetch``, its ``sends`` to the other ranks (by peer) and
-    its ``receives`` (by peer, its own fetch included), each pair of ranks in the same order."""
-
-    fetch: tuple[Piece, ...]
-    sends: tuple[Move, ...]
-    receives: tuple[Move, ...]
-
-
-@dataclass(frozen=True)
-class ExchangePlan:
-    """One rank's plan: the items it reads for itself (``direct``), then the ``rounds`` (the same
-    number on every rank)."""
-
-    direct: tuple[int, ...]
-    rounds: tuple[Round, ...]
-
-
-def _row_bytes(entry: TensorEntry) -> tuple[int, int]:
-    """``(rows, bytes per row)``: a 0-d tensor is one row."""
-    if not entry.shape:
-        return 1, entry.itemsize
-    return entry.shape[0], math.prod(entry.shape[1:]) * entry.itemsize
-
-
-def _is_direct(entry: TensorEntry, needs: Sequence[Need]) -> bool:
-    """Every needed region is one contiguous byte run and no two overlap: each rank reads its
-    own runs itself, nothing is read twice."""
-    spans = []
-    for need in needs:
-        for region, _ in need.layout:
-            span = contiguous_span(entry, region)
-            if span is None:
-                return False
-            spans.append(span)
-    spans.sort()
-    return all(a + n <= b for (a, n), (b, _) in zip(spans, spans[1:], strict=False))
-
-
-def _slabs(pool: Sequence[Key], tensors: Mapping[Key, TensorEntry], num_chunks: int) -> list[list[Piece]]:
-    """The pool's rows, in order, cut at row boundaries into ``num_chunks`` slabs of about equal
-    bytes (each at most one row over its share)."""
-    total = sum(tensors[k].nbytes for k in pool)
-    chunks: list[list[Piece]] = [[] for _ in range(num_chunks)]
-    base = 0
-    for key in pool:
-        entry = tensors[key]
-        rows, step = _row_bytes(entry)
-        row = 0
-        while row < rows:
-            k = min(num_chunks - 1, (base + row * step) * num_chunks // total)
-            end = -(-(k + 1) * total // num_chunks)  # chunk k's end: its slab stops at the next row
-            stop = rows if k == num_chunks - 1 else min(rows, -(-(end - base) // step))
-            rest = entry.shape[1:]
-            region = Region((row,) + (0,) * len(rest), (stop - row,) + tuple(rest)) if entry.shape \
-                else Region((), ())
-            chunks[k].append(Piece(key, region))
-            row = stop
-        base += rows * step
-    return chunks
-
-
-def _moves(piece_at: int, piece: Piece, peer: int, needs: Sequence[Need]) -> list[Move]:
-    """The boxes of ``piece`` that ``needs`` take, as moves with ``peer``."""
-    out = []
-    for need in needs:
-        if need.tensor != piece.tensor:
-            continue
-        for region, off in need.layout:
-            box = intersect(piece.region, region)
-            if box is not None:
-                at = tuple(o + b - r for o, b, r in zip(off, box.offsets, region.offsets, strict=True))
-                out.append(Move(peer, piece_at, need.item, box, at))
-    return out
-
-
-def plan_exchange(needs: Sequence[Sequence[Need]], tensors: Mapping[Key, TensorEntry], rank: int, *,
-                  window: int = ROUND_BYTES) -> ExchangePlan:
-    """Rank ``rank``'s plan, from ``needs[r]`` (every rank's needs, in its items' order) and the
-    ``tensors`` they name (in file order: the pool keeps it). Pure and deterministic: every rank
-    reaches the same slabs. Regions of a need must not overlap (a local tensor's regions never do).
-
-    >>> e = TensorEntry("w", "F32", (4, 2), 0, 32)
-    >>> rowwise = [[Need(0, ("f", "w"), ((Region((0, r), (4, 1)), (0, 0)),))] for r in (0, 1)]
-    >>> p = plan_exchange(rowwise, {("f", "w"): e}, 1)
-    >>> p.rounds[0].fetch, len(p.rounds[0].sends), len(p.rounds[0].receives)
-    ((Piece(tensor=('f', 'w'), region=Region(offsets=(2, 0), sizes=(2, 2))),), 1, 2)
-    """
-    world = len(needs)
-    by_tensor: dict[Key, list[list[Need]]] = {}
-    for r, mine in enumerate(needs):
-        for need in mine:
-            layout = tuple((reg, off) for reg, off in need.layout if reg.numel)
-            if layout:
-                by_tensor.setdefault(need.tensor, [[] for _ in range(world)])[r].append(
-                    Need(need.item, need.tensor, layout))
-    pool = [k for k in tensors if k in by_tensor
-            and not _is_direct(tensors[k], [n for ns in by_tensor[k] for n in ns])]
-    pooled = {n.item for k in pool for n in by_tensor[k][rank]}
-    direct = tuple(n.item for n in needs[rank] if n.item not in pooled)
-    total = sum(tensors[k].nbytes for k in pool)
-    if not total:
-        return ExchangePlan(direct, ())
-    num_rounds = max(1, -(-total // (world * max(1, window))), min(MIN_ROUNDS, total // (world * MIN_SLAB)))
-    chunks = _slabs(pool, tensors, world * num_rounds)
-    rounds = []
-    for r in range(num_rounds):
-        fetch = chunks[r * world + rank]
-        sends = [m for i, p in enumerate(fetch) for peer in range(world) if peer != rank
-                 for m in _moves(i, p, peer, by_tensor[p.tensor][peer])]
-        sends.sort(key=lambda m: m.peer)  # stable: piece, need, region order within a peer
-        receives = [m for src in range(world) for i, p in enumerate(chunks[r * world + src])
-                    for m in _moves(i, p, src, by_tensor[p.tensor][rank])]
-        rounds.append(Round(tuple(fetch), tuple(sends), tuple(receives)))
-    return ExchangePlan(direct, tuple(rounds))
 
 
 def exchanges(storage, dims: MeshDims | None) -> bool:
@@ -362,6 +207,11 @@ def _as_bytes(buf: torch.Tensor, at: int, n: int, dtype: torch.dtype, shape) -> 
     return buf[at:at + n].view(dtype).view(shape)
 
 
+def _starts(sizes: list[int]) -> list[int]:
+    """Where each peer's part starts in a buffer of parts of ``sizes``, in peer order."""
+    return [sum(sizes[:r]) for r in range(len(sizes))]
+
+
 def _exchange(rnd: Round, fetched: list[torch.Tensor], items: list[ReadItem], landing: _Landing,
               backend, number: int, buffers: _Buffers, *, failed: bool) -> bool:
     """One round's all_to_all: each box copied once into the send buffer in plan order, each
@@ -371,26 +221,25 @@ def _exchange(rnd: Round, fetched: list[torch.Tensor], items: list[ReadItem], la
     data_sizes, recv_data = buffers.sizes[number]
     send_sizes, recv_sizes = [n + STATUS for n in data_sizes], [n + STATUS for n in recv_data]
     send = buffers.send(sum(send_sizes))
-    at, peer = 0, 0
+    starts = _starts(send_sizes)
+    at = list(starts)  # where the next box to each peer goes: the parts in peer order
     for move in () if failed else rnd.sends:
-        while peer < move.peer:  # the parts in peer order, each closed by the status
-            at, peer = at + STATUS, peer + 1
         box = fetched[move.piece][_box_in(rnd.fetch[move.piece], move.box)]
         n = box.numel() * box.element_size()
-        view = _as_bytes(send, at, n, box.dtype, box.shape)
+        pos = at[move.peer]
+        view = _as_bytes(send, pos, n, box.dtype, box.shape)
         if view is not None:
             view.copy_(box)
         else:
-            send[at:at + n].copy_(box.contiguous().reshape(-1).view(torch.uint8))
-        at += n
-    ends = [sum(send_sizes[:r + 1]) for r in range(len(send_sizes))]
-    for end in ends:
-        send[end - STATUS:end] = int(failed)
+            send[pos:pos + n].copy_(box.contiguous().reshape(-1).view(torch.uint8))
+        at[move.peer] = pos + n
+    for start, n in zip(starts, data_sizes, strict=True):  # each part closed by the status
+        send[start + n:start + n + STATUS] = int(failed)
     recv = buffers.recv(sum(recv_sizes))
     comm.all_to_all_single(recv, send.to(recv.device), recv_sizes, send_sizes, backend=backend,
                            purpose=f"round {number} of the exchange of the checkpoint's slabs")
     recv = recv.cpu()
-    starts = [sum(recv_sizes[:r]) for r in range(len(recv_sizes))]
+    starts = _starts(recv_sizes)
     if failed or any(recv[start + n] for start, n in zip(starts, recv_data, strict=True)):
         return True
     for move in rnd.receives:
@@ -399,10 +248,10 @@ def _exchange(rnd: Round, fetched: list[torch.Tensor], items: list[ReadItem], la
             data = fetched[move.piece][_box_in(rnd.fetch[move.piece], move.box)]
         else:
             n = move.box.numel * items[move.item].entry.itemsize
-            at = starts[move.peer]
-            aligned = _as_bytes(recv, at, n, dtype, move.box.sizes)
+            pos = starts[move.peer]
+            aligned = _as_bytes(recv, pos, n, dtype, move.box.sizes)
             if aligned is None:  # misaligned: a copy that is
-                aligned = recv[at:at + n].clone().view(dtype).view(move.box.sizes)
+                aligned = recv[pos:pos + n].clone().view(dtype).view(move.box.sizes)
             data = aligned
             starts[move.peer] += n
         landing.put(move, data)
