@@ -139,7 +139,7 @@ def test_builtin_backends_are_imported_by_name_on_first_use():
     code = ("import sys, shardwise as sw; from shardwise import backends; "
             "names = backends.available_backends(); "
             "loaded = sorted(m for m in sys.modules if m.startswith('shardwise.backends.')); "
-            "assert loaded == ['shardwise.backends.base'], loaded; "
+            "assert loaded == ['shardwise.backends.base', 'shardwise.backends.launch'], loaded; "
             "assert backends.get_backend_class('xla').__name__ == 'XlaBackend'; "
             "assert 'shardwise.backends.xla' in sys.modules; "
             "assert 'shardwise.backends.neuron' not in sys.modules; "

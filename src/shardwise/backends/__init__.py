@@ -16,7 +16,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from shardwise.backends.base import MESH_AXES, Backend, torchrun_env
+from shardwise.backends.base import MESH_AXES, Backend
+from shardwise.backends.launch import torchrun_env
 from shardwise.errors import BackendError, ShardwiseError, UnknownBackendError, UsageError
 
 ENTRY_POINT_GROUP = "shardwise.backends"

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import math
-import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
@@ -19,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise import errors
+from shardwise.backends.launch import meet, torchrun_env
 from shardwise.errors import BackendError, CollectiveError, MeshError, ShardwiseError, UsageError
 from shardwise.holding import Holding
 
@@ -87,31 +87,6 @@ def settle(tensors) -> None:
         import torch_xla
 
         torch_xla.sync(wait=True)
-
-
-def torchrun_env() -> dict[str, int] | None:
-    """``{"rank", "world_size", "local_rank"}`` from the torchrun environment, or None outside a
-    launcher; an incomplete or malformed one raises ``BackendError``.
-
-    >>> torchrun_env() is None or "rank" in torchrun_env()
-    True
-    """
-    if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
-        return None
-    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
-    if missing:
-        raise BackendError(
-            f"incomplete launcher environment: {', '.join(missing)} not set; launch with "
-            "`torchrun --nproc-per-node N script.py` or unset RANK/WORLD_SIZE for one process"
-        )
-    try:
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    except ValueError as e:
-        raise BackendError(f"RANK/WORLD_SIZE/LOCAL_RANK must be integers: {e}") from e
-    if not 0 <= rank < world:
-        raise BackendError(f"RANK={rank} is outside WORLD_SIZE={world}")
-    return {"rank": rank, "world_size": world, "local_rank": local_rank}
 
 
 def mesh_axes(axes: dict, total: int, what: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -380,7 +355,7 @@ class Backend:
                 # A rank that tears its connections down while a peer still uses them
                 # can abort that peer inside gloo; meet first (bounded, best effort).
                 try:
-                    self.barrier(timeout=min(self.timeout.total_seconds(), 30.0))
+                    meet(self.world_size, min(self.timeout.total_seconds(), 30.0))
                 except Exception:  # a peer is gone already: nothing left to protect
                     pass
             dist.destroy_process_group()

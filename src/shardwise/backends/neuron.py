@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from shardwise.backends.base import Backend, torchrun_env
+from shardwise.backends.base import Backend
+from shardwise.backends.launch import torchrun_env
 from shardwise.backends.xla import XlaBackend
 from shardwise.errors import BackendError, BackendUnavailableError
 

@@ -13,7 +13,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from shardwise.backends.base import Backend, torchrun_env
+from shardwise.backends.base import Backend
+from shardwise.backends.launch import torchrun_env
 from shardwise.errors import BackendError, BackendUnavailableError, CollectiveError, MeshError
 
 XLA_HINT = "pip install 'shardwise[xla]' (torch-xla must match your torch version)"
